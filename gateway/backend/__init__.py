@@ -1,0 +1,1 @@
+"""Backend children: process control, the MCP client session with each child, supervision."""

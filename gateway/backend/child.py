@@ -1,0 +1,342 @@
+"""The gateway's MCP client session with one running child (one process generation).
+
+Theory of operation: the gateway never sends a client's request id to a child.  Every request
+gets a gateway id from a per-child counter; ``pending`` maps it to a :class:`PendingCall` that
+the child's reply completes.  ``pending`` is also the instance's *attribution set*: a call stays
+in it until the child's reply arrives, also after the caller gave up (``abandoned``), so a
+server→client request is attributed only while provably one connection's calls are open.
+Abandoned entries older than :data:`ABANDONED_TTL` are purged.  Gateway-internal requests
+(initialize, list refresh, ping, subscribe) are marked ``internal`` and never count.
+
+Progress tokens are rewritten to gateway-unique tokens and mapped back.  When the child dies,
+:meth:`ChildConnection.fail_all` completes every pending call with :class:`BackendExited` at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import trio
+from msgspec import UNSET, Raw, UnsetType
+
+from gateway import errors
+from gateway.events import BackendProtocolError, EventBus
+from gateway.protocol import jsonrpc
+from gateway.protocol.framing import LineFramer, Oversize
+from gateway.protocol.mcp import decode_cancelled
+
+if TYPE_CHECKING:
+    from gateway.session import ClientSession
+
+LOGGER = logging.getLogger(__name__)
+
+#: A call the caller abandoned (cancel, timeout) stays in the attribution set this long at most.
+ABANDONED_TTL = 30.0
+#: Bound on writing one message to a child's stdin (a child that stops reading is broken).
+WRITE_TIMEOUT = 10.0
+
+_tokens = itertools.count(1)
+
+
+class PendingCall:
+    __slots__ = (
+        "abandoned_at", "client_token", "done", "error", "gid", "internal", "method",
+        "on_progress", "owner", "paused", "remaining", "result", "scope", "started", "token",
+    )  # fmt: skip
+
+    def __init__(self, gid: int, method: str, owner: ClientSession | None, internal: bool) -> None:
+        self.gid = gid
+        self.method = method
+        self.owner = owner
+        self.internal = internal
+        self.done = trio.Event()
+        self.result: Raw | None = None
+        self.error: errors.GatewayError | None = None
+        self.token: str | None = None
+        self.client_token: Any = None
+        self.on_progress: Callable[[Any, Raw], None] | None = None
+        self.started = trio.current_time()
+        self.abandoned_at: float | None = None
+        self.scope: trio.CancelScope | None = None
+        self.paused = 0  # prompts pending for this call: its timeout is paused meanwhile
+        self.remaining: float | None = None
+
+    def complete(self, result: Raw | None, error: errors.GatewayError | None) -> None:
+        if not self.done.is_set():
+            self.result, self.error = result, error
+            self.done.set()
+
+    def pause(self) -> None:
+        """A prompt tied to this call began: stop its timeout clock."""
+        self.paused += 1
+        if self.paused == 1 and self.scope is not None:
+            self.remaining = max(0.0, self.scope.deadline - trio.current_time())
+            self.scope.deadline = float("inf")
+
+    def resume(self) -> None:
+        self.paused = max(0, self.paused - 1)
+        if self.paused == 0 and self.scope is not None and self.remaining is not None:
+            self.scope.deadline = trio.current_time() + self.remaining
+            self.remaining = None
+
+
+class ChildHandlers:
+    """What the owner of a child connection does with traffic that is not a reply."""
+
+    def on_notification(self, child: ChildConnection, method: str, params: Raw | UnsetType) -> None:
+        raise NotImplementedError
+
+    def on_request(self, child: ChildConnection, id: int | str, method: str, params: Raw | UnsetType) -> None:
+        raise NotImplementedError
+
+    def on_cancelled(self, child: ChildConnection, request_id: int | str) -> None:
+        raise NotImplementedError
+
+
+class ChildConnection:
+    def __init__(
+        self,
+        *,
+        backend: str,
+        instance: str,
+        generation: int,
+        send_stream: trio.abc.SendStream,
+        receive_stream: trio.abc.ReceiveStream,
+        handlers: ChildHandlers,
+        bus: EventBus,
+        max_line: int,
+    ) -> None:
+        self.backend = backend
+        self.instance = instance
+        self.generation = generation
+        self._send_stream = send_stream
+        self._receive_stream = receive_stream
+        self._handlers = handlers
+        self._bus = bus
+        self._max_line = max_line
+        self._write_lock = trio.Lock()
+        self._ids = itertools.count(1)
+        self.pending: dict[int, PendingCall] = {}
+        self._by_token: dict[str, PendingCall] = {}
+        self.closed: errors.GatewayError | None = None
+        self.protocol_version: str | None = None
+        self.server_capabilities: dict[str, Any] = {}
+
+    # ---- writing ----------------------------------------------------------------------------
+
+    async def send(self, line: bytes) -> None:
+        """Write one message.  Raises BackendExited if the child is gone or stopped reading."""
+        if self.closed is not None:
+            raise self.closed
+        async with self._write_lock:
+            try:
+                with trio.fail_after(WRITE_TIMEOUT):
+                    await self._send_stream.send_all(line + b"\n")
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, trio.TooSlowError):
+                raise self._exited_error("the backend's stdin is closed") from None
+
+    def _exited_error(self, detail: str) -> errors.GatewayError:
+        return errors.BackendExited(
+            f"backend {self.backend!r} exited: {detail}", backend=self.backend, retryable=True
+        )
+
+    async def notify(self, method: str, params: Raw | UnsetType = UNSET) -> None:
+        await self.send(jsonrpc.encode_notification(method, params))
+
+    async def respond(self, id: int | str, result: Raw) -> None:
+        try:
+            await self.send(jsonrpc.encode_result(id, result))
+        except errors.BackendExited:
+            LOGGER.debug("backend %s gone before its request %r was answered", self.instance, id)
+
+    async def respond_error(self, id: int | str, code: int, message: str, data: Any = None) -> None:
+        try:
+            await self.send(jsonrpc.encode_error(id, code, message, data))
+        except errors.BackendExited:
+            LOGGER.debug("backend %s gone before its request %r was answered", self.instance, id)
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    async def request(
+        self,
+        method: str,
+        params: Raw | UnsetType = UNSET,
+        *,
+        timeout: float,
+        owner: ClientSession | None = None,
+        internal: bool = False,
+        progress: tuple[Any, Callable[[Any, Raw], None]] | None = None,
+        rewrite: Callable[[str | None], Raw | UnsetType] | None = None,
+        on_sent: Callable[[PendingCall], Awaitable[None] | None] | None = None,
+    ) -> Raw:
+        """Send a request to the child and wait for its reply.
+
+        Args:
+            timeout: seconds until the gateway gives up (paused while a prompt is pending).
+            owner: the client session the call belongs to (None for gateway-internal calls).
+            progress: ``(client_token, callback)`` when the client asked for progress.
+            rewrite: builds the final params given the gateway progress token (or None).
+
+        Raises:
+            CallTimeout, BackendExited, RemoteError.  On cancellation or timeout the child is
+            sent ``notifications/cancelled`` and a late reply is dropped.
+        """
+        if self.closed is not None:
+            raise self.closed
+        gid = next(self._ids)
+        call = PendingCall(gid, method, owner, internal)
+        token = None
+        if progress is not None:
+            token = f"gw-{next(_tokens)}"
+            call.token, (call.client_token, call.on_progress) = token, progress
+            self._by_token[token] = call
+        if rewrite is not None:
+            params = rewrite(token)
+        self.pending[gid] = call
+        try:
+            await self.send(jsonrpc.encode_request(gid, method, params))
+            with trio.move_on_after(timeout) as scope:
+                call.scope = scope
+                await call.done.wait()
+            call.scope = None
+            if not call.done.is_set():
+                raise errors.CallTimeout(
+                    f"backend {self.backend!r} did not answer {method} within {timeout:g}s",
+                    backend=self.backend,
+                )
+            if call.error is not None:
+                raise call.error
+            assert call.result is not None
+            return call.result
+        finally:
+            if token is not None:
+                self._by_token.pop(token, None)
+            if call.done.is_set():
+                self.pending.pop(gid, None)
+            else:
+                call.abandoned_at = trio.current_time()
+                with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                    await self._cancel_at_child(gid)
+
+    async def _cancel_at_child(self, gid: int) -> None:
+        if self.closed is not None or gid not in self.pending:
+            return
+        try:
+            await self.notify(
+                "notifications/cancelled",
+                jsonrpc.encode_dict({"requestId": gid, "reason": "cancelled by the gateway"}),
+            )
+        except errors.BackendExited:
+            pass
+
+    def attribution(self) -> set[ClientSession]:
+        """The client sessions with calls in this child's attribution set (internal calls never)."""
+        now = trio.current_time()
+        owners: set[ClientSession] = set()
+        for gid, call in list(self.pending.items()):
+            if call.internal:
+                continue
+            if call.abandoned_at is not None and now - call.abandoned_at > ABANDONED_TTL:
+                del self.pending[gid]
+                continue
+            if call.owner is not None:
+                owners.add(call.owner)
+        return owners
+
+    def calls_of(self, owner: ClientSession) -> list[PendingCall]:
+        return [c for c in self.pending.values() if c.owner is owner and not c.done.is_set()]
+
+    def fail_all(self, error: errors.GatewayError) -> None:
+        """The child is gone: complete every pending call with ``error`` now."""
+        if self.closed is None:
+            self.closed = error
+        for call in self.pending.values():
+            call.complete(None, error)
+        self.pending.clear()
+        self._by_token.clear()
+
+    # ---- reading ----------------------------------------------------------------------------
+
+    async def read_loop(self) -> None:
+        """Read the child's stdout until EOF; returns when the child closed it."""
+        framer = LineFramer(self._max_line)
+        while True:
+            try:
+                data = await self._receive_stream.receive_some(65536)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                return
+            if not data:
+                return
+            for frame in framer.feed(data):
+                if isinstance(frame, Oversize):
+                    LOGGER.warning("backend %s: dropped a %d-byte line over the limit", self.instance, frame.size)
+                    self._protocol_error("oversize")
+                    continue
+                self._dispatch(frame)
+
+    def _protocol_error(self, kind: str) -> None:
+        self._bus.emit(BackendProtocolError(self.backend, self.instance, kind))
+
+    def _dispatch(self, line: bytes) -> None:
+        try:
+            env = jsonrpc.decode(line)
+            kind = jsonrpc.classify(env)
+        except errors.ParseError:
+            LOGGER.warning("backend %s printed a non-JSON line on stdout: %.200r", self.instance, line)
+            self._protocol_error("not_json")
+            return
+        except errors.InvalidRequest as exc:
+            LOGGER.warning("backend %s sent an invalid message (%s): %.200r", self.instance, exc, line)
+            self._protocol_error("invalid_message")
+            return
+        if kind in ("response", "error"):
+            self._on_reply(env)
+        elif kind == "notification":
+            assert isinstance(env.method, str)
+            if env.method == "notifications/progress":
+                self._on_progress(env.params)
+            elif env.method == "notifications/cancelled":
+                try:
+                    request_id = decode_cancelled(env.params).requestId
+                except (msgspec.ValidationError, msgspec.DecodeError):
+                    self._protocol_error("invalid_message")
+                    return
+                self._handlers.on_cancelled(self, request_id)
+            else:
+                self._handlers.on_notification(self, env.method, env.params)
+        else:
+            assert isinstance(env.method, str) and isinstance(env.id, int | str)
+            self._handlers.on_request(self, env.id, env.method, env.params)
+
+    def _on_reply(self, env: jsonrpc.Envelope) -> None:
+        call = self.pending.get(env.id) if isinstance(env.id, int) else None
+        if call is None:
+            LOGGER.warning("backend %s answered unknown request id %r", self.instance, env.id)
+            self._protocol_error("unknown_response")
+            return
+        del self.pending[call.gid]
+        if call.abandoned_at is not None:
+            LOGGER.debug("backend %s: dropped late reply to abandoned call %d", self.instance, call.gid)
+            return
+        if env.error is not UNSET:
+            e = env.error
+            call.complete(None, errors.RemoteError(e.code, e.message, None if e.data is UNSET else e.data))
+        else:
+            assert isinstance(env.result, Raw)
+            call.complete(env.result, None)
+
+    def _on_progress(self, params: Raw | UnsetType) -> None:
+        try:
+            fields = jsonrpc.params_dict(params)
+            key = msgspec.json.decode(fields["progressToken"])
+        except (KeyError, errors.InvalidRequest, msgspec.DecodeError):
+            self._protocol_error("invalid_message")
+            return
+        call = self._by_token.get(key) if isinstance(key, str) else None
+        if call is None or call.on_progress is None or call.done.is_set():
+            return  # progress for an unknown or finished token: dropped
+        call.on_progress(call.client_token, params)

@@ -1,0 +1,404 @@
+"""One supervised backend instance: spawn, handshake, serve, restart with backoff, stop.
+
+Theory of operation: :meth:`Instance.run` loops over child *generations*.  Each generation
+spawns the process, runs the MCP handshake (bounded by ``start_timeout``), fetches the lists,
+re-subscribes the resources clients still hold, and then serves until the child's stdout closes,
+the health probe fails ``failures`` times, or a stop is requested.  Whatever ends it, every call
+in flight gets :class:`~gateway.errors.BackendExited` at once, and the child is stopped in the
+spec's order.  The :class:`~gateway.protocol.supervision.Supervision` table decides between
+BACKOFF and FATAL; every transition is emitted as an event.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import trio
+from msgspec import UNSET, Raw, UnsetType
+
+from gateway import __version__, errors
+from gateway.backend import process
+from gateway.backend.child import ChildConnection, ChildHandlers
+from gateway.events import BackendExited, BackendStarted, BackendStateChanged
+from gateway.protocol import jsonrpc, mcp
+from gateway.protocol.catalog import BackendLists
+from gateway.protocol.supervision import RestartPolicy, State, Supervision, Transition
+
+if TYPE_CHECKING:
+    from gateway.backend.pool import Backend
+
+LOGGER = logging.getLogger(__name__)
+
+#: Pages fetched per list at most (a child that paginates forever is cut off).
+MAX_PAGES = 1000
+#: stderr lines kept for /status after a crash.
+STDERR_TAIL = 20
+
+_LIST_KINDS = {
+    "tools": ("tools/list", "tools"),
+    "prompts": ("prompts/list", "prompts"),
+    "resources": ("resources/list", "resources"),
+    "templates": ("resources/templates/list", "resourceTemplates"),
+}
+
+
+class Instance(ChildHandlers):
+    def __init__(self, backend: Backend, index: int) -> None:
+        self.backend = backend
+        self.cfg = backend.cfg
+        self.name = f"{backend.name}/{index}"
+        r = self.cfg.restart
+        self.sup = Supervision(RestartPolicy(r.backoff_initial, r.backoff_max, r.max_restarts, r.window))
+        self.child: ChildConnection | None = None
+        self.proc: trio.Process | None = None
+        self.generation = 0
+        self.lists = BackendLists()
+        self.last_exit: str | None = None
+        self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL)
+        self.crash_stderr: tuple[str, ...] = ()
+        self.owner: Any = None  # per-session / affine holder (a ClientSession)
+        self._ready = trio.Event()
+        self._state_changed = trio.Event()
+        self._stop = trio.Event()
+        self._reset = trio.Event()
+        self._down: trio.Event | None = None
+        self._down_reason = ""
+        self._nursery: trio.Nursery | None = None
+        self.stopped = trio.Event()
+
+    # ---- state ------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> State:
+        return self.sup.state
+
+    def _emit(self, t: Transition) -> None:
+        pid = self.proc.pid if self.proc is not None else None
+        level = logging.WARNING if t.new in (State.FATAL, State.BACKOFF, State.UNHEALTHY) else logging.INFO
+        LOGGER.log(level, "backend %s: %s -> %s (%s)", self.name, t.old.value, t.new.value, t.reason,
+                   extra={"MCP_BACKEND": self.backend.name})
+        self.backend.host.bus.emit(
+            BackendStateChanged(self.backend.name, self.name, t.old.value, t.new.value, pid, t.reason)
+        )
+        self._state_changed.set()
+        self._state_changed = trio.Event()
+        self.backend.on_instance_state(self)
+
+    async def wait_ready(self, timeout: float) -> ChildConnection:
+        """The running child, waiting up to ``timeout`` while it (re)starts.
+
+        Raises:
+            BackendUnavailable: FATAL or stopped (at once), or still not running after ``timeout``.
+        """
+        with trio.move_on_after(timeout):
+            while True:
+                child = self.child
+                if self.state in (State.RUNNING, State.UNHEALTHY) and child is not None and child.closed is None:
+                    return child
+                if self.state is State.FATAL or self._stop.is_set():
+                    break
+                await self._state_changed.wait()
+        fatal = self.state is State.FATAL
+        raise errors.BackendUnavailable(
+            f"backend {self.backend.name!r} is {'failing (crash loop)' if fatal else 'not running'}"
+            + ("" if fatal else f" after waiting {timeout:g}s"),
+            backend=self.backend.name,
+            retryable=not fatal,
+        )
+
+    # ---- control ----------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        self._stop.set()
+        if self._down is not None:
+            self._down_reason = "stopped"
+            self._down.set()
+        self._reset.set()
+
+    def reset(self) -> None:
+        """Leave FATAL and try again (reload of an unchanged but failed backend)."""
+        self._reset.set()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Supervise this instance until :meth:`request_stop`.  Never raises for child failures."""
+        task_status.started()
+        try:
+            while not self._stop.is_set():
+                self._emit(self.sup.start("start" if self.generation == 0 else "restart"))
+                reason = await self._run_generation()
+                if self._stop.is_set():
+                    break
+                t = self.sup.exited(trio.current_time(), reason)
+                self._emit(t)
+                if t.new is State.FATAL:
+                    self._reset = trio.Event()
+                    await self._reset.wait()
+                else:
+                    assert t.delay is not None
+                    with trio.move_on_after(t.delay):
+                        await self._stop.wait()
+        finally:
+            with trio.CancelScope(shield=True):
+                if self.state is not State.STOPPED:
+                    if self.state is not State.STOPPING:
+                        self._emit(self.sup.stop())
+                    self._emit(self.sup.stopped())
+                self.stopped.set()
+
+    async def _run_generation(self) -> str:
+        """Spawn, hand-shake and serve one child; returns why it ended."""
+        self.generation += 1
+        spawned = trio.current_time()
+        try:
+            proc = await process.spawn(self.cfg)
+        except OSError as exc:
+            LOGGER.error("backend %s: cannot start %r: %s", self.name, self.cfg.command, exc)
+            self.last_exit = f"spawn failed: {exc}"
+            return "spawn failed"
+        self.proc = proc
+        self.stderr_tail.clear()
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        child = ChildConnection(
+            backend=self.backend.name,
+            instance=self.name,
+            generation=self.generation,
+            send_stream=proc.stdin,
+            receive_stream=proc.stdout,
+            handlers=self,
+            bus=self.backend.host.bus,
+            max_line=self.backend.host.max_message_bytes,
+        )
+        down = self._down = trio.Event()
+        self._down_reason = ""
+        exit_reason = "exited"
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._read_stderr, proc.stderr)
+                nursery.start_soon(self._read_stdout, child, down)
+                try:
+                    with trio.fail_after(self.cfg.start_timeout):
+                        await self._handshake(child)
+                except (errors.GatewayError, trio.TooSlowError, msgspec.ValidationError, msgspec.DecodeError) as exc:
+                    if not down.is_set():
+                        detail = "timed out" if isinstance(exc, trio.TooSlowError) else str(exc)
+                        LOGGER.error("backend %s: handshake failed: %s", self.name, detail)
+                        self._down_reason = "start failed"
+                    down.set()
+                if not down.is_set():
+                    self.child = child
+                    self._emit(self.sup.ready(trio.current_time()))
+                    self.backend.host.bus.emit(
+                        BackendStarted(self.backend.name, self.name, proc.pid, trio.current_time() - spawned)
+                    )
+                    self.backend.on_instance_ready(self)
+                    if self.cfg.health.interval > 0:
+                        nursery.start_soon(self._health, child, down)
+                await down.wait()
+                exit_reason = self._down_reason or "exited"
+                # Fail every call in flight at once, before the (bounded) stop ladder.
+                child.fail_all(child._exited_error(exit_reason))
+                self.child = None
+                self.backend.on_instance_down(self, child)
+                how = await process.stop_process(proc)
+                nursery.cancel_scope.cancel()
+        finally:
+            self._nursery = None
+            self.child = None
+            if proc.returncode is None:
+                with trio.CancelScope(shield=True):
+                    await process.stop_process(proc)
+            process.kill_group(proc.pid)
+            child.fail_all(child._exited_error(exit_reason))
+        rc = proc.returncode
+        if exit_reason == "stopped":
+            kind = "stopped"
+        elif exit_reason in ("unhealthy", "start failed"):
+            kind = "unhealthy" if exit_reason == "unhealthy" else "start_failed"
+        else:
+            kind = "crashed" if rc not in (0, None) else "exited"
+        detail = f"exit code {rc}" if rc is not None and rc >= 0 else f"signal {-rc}" if rc else "unknown"
+        self.last_exit = f"{exit_reason} ({detail}, stop: {how if 'how' in locals() else 'n/a'})"
+        if kind != "stopped":
+            self.crash_stderr = tuple(self.stderr_tail)
+            LOGGER.warning("backend %s: child pid %d ended: %s", self.name, proc.pid, self.last_exit)
+        self.backend.host.bus.emit(BackendExited(self.backend.name, self.name, proc.pid, kind, rc))
+        self.backend.host.reap()
+        return exit_reason
+
+    async def _read_stdout(self, child: ChildConnection, down: trio.Event) -> None:
+        await child.read_loop()
+        if not down.is_set():
+            self._down_reason = self._down_reason or "exited"
+            down.set()
+
+    async def _read_stderr(self, stream: trio.abc.ReceiveStream) -> None:
+        buf = b""
+        log_extra = {"MCP_BACKEND": self.backend.name}
+        while True:
+            try:
+                data = await stream.receive_some(65536)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                data = b""
+            if not data:
+                break
+            buf += data
+            *lines, buf = buf.split(b"\n")
+            if len(buf) > 65536:
+                lines.append(buf)
+                buf = b""
+            for raw in lines:
+                line = raw.decode("utf-8", "replace").rstrip()
+                if line:
+                    self.stderr_tail.append(line)
+                    LOGGER.info("[%s] %s", self.name, line, extra=log_extra)
+        if buf.strip():
+            line = buf.decode("utf-8", "replace").rstrip()
+            self.stderr_tail.append(line)
+            LOGGER.info("[%s] %s", self.name, line, extra=log_extra)
+
+    async def _health(self, child: ChildConnection, down: trio.Event) -> None:
+        h = self.cfg.health
+        misses = 0
+        while not down.is_set():
+            await trio.sleep(h.interval)
+            try:
+                await child.request("ping", timeout=h.timeout, internal=True)
+            except errors.RemoteError:
+                ok = True  # answered (even with an error): the child is alive
+            except (errors.CallTimeout, errors.BackendExited):
+                ok = False
+            else:
+                ok = True
+            if ok:
+                if misses and self.state is State.UNHEALTHY:
+                    self._emit(self.sup.healthy())
+                misses = 0
+                continue
+            if down.is_set():
+                return
+            misses += 1
+            if self.state in (State.RUNNING, State.UNHEALTHY):
+                self._emit(self.sup.missed_ping())
+            if misses >= h.failures:
+                LOGGER.error("backend %s: %d pings missed, restarting", self.name, misses)
+                self._down_reason = "unhealthy"
+                down.set()
+                return
+
+    # ---- MCP client side --------------------------------------------------------------------
+
+    def _declared_capabilities(self) -> dict[str, Any]:
+        caps: dict[str, Any] = {}
+        declare = self.backend.declared
+        if "roots" in declare:
+            caps["roots"] = {"listChanged": False}
+        if "sampling" in declare:
+            caps["sampling"] = {}
+        if "elicitation" in declare:
+            caps["elicitation"] = {"form": {}, "url": {}}
+        return caps
+
+    async def _handshake(self, child: ChildConnection) -> None:
+        host = self.backend.host
+        params = jsonrpc.encode_dict(
+            {
+                "protocolVersion": mcp.LATEST_LEGACY,
+                "capabilities": self._declared_capabilities(),
+                "clientInfo": {"name": host.server_name, "version": __version__},
+            }
+        )
+        raw = await child.request("initialize", params, timeout=self.cfg.start_timeout, internal=True)
+        result = mcp.decode_initialize_result(raw)
+        if result.protocolVersion not in mcp.LEGACY_VERSIONS:
+            LOGGER.warning("backend %s answered protocol %r; continuing", self.name, result.protocolVersion)
+        child.protocol_version = result.protocolVersion
+        child.server_capabilities = result.capabilities
+        await child.notify("notifications/initialized")
+        for kind in ("tools", "prompts", "resources", "templates"):
+            await self._fetch(child, kind)
+        level = host.wanted_log_level(self.backend.name)
+        if level is not None and "logging" in child.server_capabilities:
+            try:
+                await child.request("logging/setLevel", jsonrpc.encode_dict({"level": level}),
+                                    timeout=self.cfg.start_timeout, internal=True)
+            except errors.RemoteError as exc:
+                LOGGER.info("backend %s refused logging/setLevel: %s", self.name, exc)
+        for uri in self.backend.subscribed_uris():
+            await self.subscribe(child, uri)
+
+    async def subscribe(self, child: ChildConnection, uri: str, method: str = "resources/subscribe") -> None:
+        try:
+            await child.request(method, jsonrpc.encode_dict({"uri": uri}),
+                                timeout=self.cfg.request_timeout, internal=True)
+        except errors.RemoteError as exc:
+            LOGGER.warning("backend %s refused %s %s: %s", self.name, method, uri, exc)
+
+    async def _fetch(self, child: ChildConnection, kind: str) -> bool:
+        """Fetch every page of one list; returns whether it changed."""
+        method, field = _LIST_KINDS[kind]
+        cap = "resources" if kind == "templates" else kind
+        items: list[dict[str, Any]] = []
+        if cap in child.server_capabilities:
+            cursor: str | None = None
+            for _ in range(MAX_PAGES):
+                params: Raw | UnsetType = UNSET if cursor is None else jsonrpc.encode_dict({"cursor": cursor})
+                try:
+                    raw = await child.request(method, params, timeout=self.cfg.request_timeout, internal=True)
+                except errors.RemoteError as exc:
+                    if exc.code == errors.METHOD_NOT_FOUND:
+                        break
+                    raise
+                page = mcp.decode_list_page(raw)
+                got = getattr(page, field)
+                if got is not UNSET:
+                    items.extend(got)
+                cursor = page.nextCursor if isinstance(page.nextCursor, str) and page.nextCursor else None
+                if cursor is None:
+                    break
+        changed = items != getattr(self.lists, kind)
+        setattr(self.lists, kind, items)
+        return changed
+
+    async def _refresh(self, child: ChildConnection, kinds: tuple[str, ...]) -> None:
+        changed = False
+        try:
+            for kind in kinds:
+                changed |= await self._fetch(child, kind)
+        except (errors.GatewayError, msgspec.ValidationError, msgspec.DecodeError) as exc:
+            LOGGER.warning("backend %s: refreshing %s failed: %s", self.name, "/".join(kinds), exc)
+            return
+        if changed:
+            self.backend.on_lists_changed(self)
+
+    # ---- traffic from the child that is not a reply -------------------------------------------
+
+    def on_notification(self, child: ChildConnection, method: str, params: Raw | UnsetType) -> None:
+        host = self.backend.host
+        if method.endswith("/list_changed") and self._nursery is not None and child is self.child:
+            kind = method.split("/")[1]
+            kinds = ("resources", "templates") if kind == "resources" else (kind,)
+            if kind in ("tools", "prompts", "resources"):
+                self._nursery.start_soon(self._refresh, child, kinds)
+        elif method == "notifications/resources/updated":
+            host.on_resource_updated(self, params)
+        elif method == "notifications/message":
+            host.on_log_message(self, params)
+        elif method == "notifications/elicitation/complete":
+            host.on_elicitation_complete(self, params)
+        else:
+            LOGGER.debug("backend %s: ignored notification %s", self.name, method)
+
+    def on_request(self, child: ChildConnection, id: int | str, method: str, params: Raw | UnsetType) -> None:
+        if self._nursery is None:
+            return
+        if method == "ping":
+            self._nursery.start_soon(child.respond, id, jsonrpc.EMPTY_RESULT)
+            return
+        self._nursery.start_soon(self.backend.host.on_server_request, self, child, id, method, params)
+
+    def on_cancelled(self, child: ChildConnection, request_id: int | str) -> None:
+        self.backend.host.on_server_request_cancelled(self, child, request_id)

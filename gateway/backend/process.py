@@ -1,0 +1,174 @@
+"""Spawning and stopping backend children, and reaping what they leave behind.
+
+Each child runs in its own session and process group (``start_new_session``), so the whole
+group can be signalled.  Stop order (MCP lifecycle, stdio): close stdin → wait → SIGTERM to the
+group → wait → SIGKILL to the group; shielded, every wait bounded.  Processes that escape the
+group (a grandchild that calls ``setsid``) are re-parented to the gateway when it is a child
+subreaper (``PR_SET_CHILD_SUBREAPER``) and :func:`reap_orphans` kills and reaps them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+from collections.abc import Iterable
+
+import trio
+
+from gateway.config import BackendConfig
+
+LOGGER = logging.getLogger(__name__)
+
+#: After stdin closes, a well-behaved server exits at once; give it this long.
+STDIN_GRACE = 2.0
+#: After SIGTERM to the group: time to clean up before SIGKILL.
+TERM_GRACE = 3.0
+#: After SIGKILL: the kernel needs no more than this to let us reap.
+KILL_WAIT = 2.0
+
+#: Variables a child inherits from the gateway's own environment (everything else is dropped).
+ENV_ALLOW = (
+    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR",
+    "SHELL", "SYSTEMROOT", "XDG_RUNTIME_DIR", "XDG_CACHE_HOME", "XDG_CONFIG_HOME",
+)  # fmt: skip
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def child_environment(extra: dict[str, str], base: dict[str, str] | None = None) -> dict[str, str]:
+    """A minimal allow-listed environment plus the backend's own ``env`` table.
+
+    Never includes systemd's NOTIFY_SOCKET / WATCHDOG_* / LISTEN_* (not on the allow-list).
+    """
+    source = os.environ if base is None else base
+    env = {k: source[k] for k in ENV_ALLOW if k in source}
+    env.setdefault("PATH", os.defpath)
+    env.update(extra)
+    return env
+
+
+async def spawn(cfg: BackendConfig) -> trio.Process:
+    """Start a backend child with stdin/stdout/stderr pipes in its own process group."""
+    return await trio.lowlevel.open_process(
+        [cfg.command, *cfg.args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=cfg.cwd,
+        env=child_environment(cfg.env),
+        start_new_session=True,
+    )
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes (not zombies) whose process group is ``pgid``, from /proc."""
+    out = []
+    for stat in _proc_stats():
+        pid, state, _ppid, pgrp = stat
+        if pgrp == pgid and state != "Z":
+            out.append(pid)
+    return out
+
+
+def _proc_stats() -> Iterable[tuple[int, str, int, int]]:
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                data = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        rest = data[data.rfind(")") + 2 :].split()
+        try:
+            yield int(entry), rest[0], int(rest[1]), int(rest[2])
+        except (IndexError, ValueError):
+            continue
+
+
+async def stop_process(proc: trio.Process, *, stdin_grace: float = STDIN_GRACE,
+                       term_grace: float = TERM_GRACE) -> str:
+    """Stop ``proc`` and its process group in the spec's order.  Never raises, never hangs.
+
+    Returns how it ended: ``"stdin"`` (exited after stdin closed), ``"sigterm"``, ``"sigkill"``.
+    """
+    pgid = proc.pid
+    how = "stdin"
+    with trio.CancelScope(shield=True):
+        if proc.stdin is not None:
+            with trio.move_on_after(1.0):
+                try:
+                    await proc.stdin.aclose()
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    pass
+        with trio.move_on_after(stdin_grace):
+            await proc.wait()
+        if proc.returncode is None or group_members(pgid):
+            if proc.returncode is None:
+                how = "sigterm"
+            _signal_group(pgid, signal.SIGTERM)
+            with trio.move_on_after(term_grace):
+                await proc.wait()
+                while group_members(pgid):
+                    await trio.sleep(0.05)
+        if proc.returncode is None or group_members(pgid):
+            if proc.returncode is None:
+                how = "sigkill"
+            _signal_group(pgid, signal.SIGKILL)
+            with trio.move_on_after(KILL_WAIT):
+                await proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                with trio.move_on_after(0.5):
+                    await stream.aclose()
+    return how
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL whatever is left in a dead child's process group (e.g. an npx wrapper's server)."""
+    _signal_group(pgid, signal.SIGKILL)
+
+
+def become_subreaper() -> bool:
+    """Make orphaned descendants re-parent to this process (Linux ≥ 3.4)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def reap_orphans(known: set[int]) -> list[int]:
+    """Kill and reap re-parented descendants: our children that are not live backend leaders.
+
+    Only meaningful when this process is a subreaper and spawns nothing but backends (the
+    ``mcp-gateway run`` daemon); returns the pids handled.
+    """
+    me = os.getpid()
+    handled = []
+    for pid, state, ppid, _pgrp in list(_proc_stats()):
+        if ppid != me or pid in known:
+            continue
+        if state != "Z":
+            LOGGER.warning("killing orphaned backend descendant pid %d", pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.waitpid(pid, 0 if state != "Z" else os.WNOHANG)
+        except ChildProcessError:
+            pass
+        handled.append(pid)
+    return handled

@@ -1,0 +1,95 @@
+"""The ``mcp-gateway`` command: run, check-config, connect, version."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import trio
+
+from gateway import __version__, config
+from gateway.errors import ConfigError
+
+LOGGER = logging.getLogger("gateway")
+
+
+def _load(path: str, *, check_commands: bool) -> config.GatewayConfig:
+    with open(path, "rb") as f:
+        data = f.read()
+    return config.load(data, base_dir=os.path.dirname(os.path.abspath(path)), check_commands=check_commands)
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    try:
+        cfg = _load(args.config, check_commands=True)
+    except OSError as exc:
+        print(f"{args.config}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    except ConfigError as exc:
+        for error in exc.errors:
+            print(f"{args.config}: {error}", file=sys.stderr)
+        return 1
+    print(f"{args.config}: ok ({len(cfg.backends)} backends: {', '.join(cfg.backends) or 'none'})")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from gateway import service
+    from gateway.ops.logs import setup_logging
+
+    try:
+        cfg = _load(args.config, check_commands=True)
+    except OSError as exc:
+        print(f"mcp-gateway: {args.config}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    except ConfigError as exc:
+        for error in exc.errors:
+            print(f"mcp-gateway: {args.config}: {error}", file=sys.stderr)
+        return 1
+    setup_logging(args.log_level or cfg.gateway.log_level, cfg.gateway.log_target)
+    failed = False
+    try:
+        trio.run(lambda: service.run(cfg, config_path=args.config, handle_signals=True, subreaper=True))
+    except* service.StartupError as group:
+        for exc in group.exceptions:
+            LOGGER.critical("cannot start: %s", exc)
+        failed = True
+    return 1 if failed else 0
+
+
+def cmd_connect(args: argparse.Namespace) -> int:
+    from gateway.transports.bridge import bridge
+
+    try:
+        trio.run(bridge, args.url, args.max_message_bytes)
+    except KeyboardInterrupt:
+        return 130
+    except OSError as exc:
+        print(f"mcp-gateway connect: {args.url}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mcp-gateway", description="Many MCP servers behind one endpoint.")
+    parser.add_argument("--version", action="version", version=f"mcp-gateway {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="serve until SIGTERM/SIGINT (SIGHUP reloads the config)")
+    p.add_argument("--config", "-c", required=True)
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_run)
+    p = sub.add_parser("check-config", help="validate a config file; exit 0 if it is valid")
+    p.add_argument("config")
+    p.set_defaults(func=cmd_check_config)
+    p = sub.add_parser("connect", help="stdio bridge: ws://HOST:PORT/ or unix:/path/to/mcp.sock")
+    p.add_argument("url")
+    p.add_argument("--max-message-bytes", type=int, default=4 * 1024 * 1024)
+    p.set_defaults(func=cmd_connect)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,319 @@
+"""Configuration: a tree of frozen msgspec Structs decoded from TOML.  Data only, no I/O.
+
+``load(data, base_dir=…)`` returns a :class:`GatewayConfig` or raises
+:class:`~gateway.errors.ConfigError` listing *every* problem with its key path
+(``backends.time.restart.backoff_max: expected float, got str``): each section and each
+backend is validated on its own so one typo does not hide the next.  Relative backend paths
+(``command`` with a slash, ``cwd``) are resolved against ``base_dir`` (the config file's folder);
+a backend without ``cwd`` runs in ``base_dir``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import shutil
+from typing import Any, Literal
+
+import msgspec
+
+from gateway.errors import ConfigError
+
+SECONDS = 1.0
+MIB = 1024 * 1024
+
+
+class Base(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class GatewaySection(Base):
+    name: str = "mcp-gateway"
+    separator: str = "__"
+    max_message_bytes: int = 4 * MIB
+    page_size: int = 100
+    max_inflight_per_connection: int = 64
+    outbound_queue: int = 512  # messages queued toward one client before it is cut off
+    restart_wait: float = 10 * SECONDS  # how long a call waits for a restarting backend
+    drain_grace: float = 20 * SECONDS  # SIGTERM: how long in-flight calls may finish
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_target: Literal["auto", "stderr", "journal"] = "auto"
+
+
+class ListenSection(Base):
+    websocket: str | None = "127.0.0.1:8765"
+    allowed_origins: list[str] = []
+    unix: str | None = None
+    unix_mode: str = "0660"
+
+
+class AdminSection(Base):
+    listen: str | None = "127.0.0.1:9477"
+    allow_non_loopback: bool = False  # /status shows child stderr: loopback unless explicit
+
+
+class RestartSection(Base):
+    backoff_initial: float = 0.1
+    backoff_max: float = 30.0
+    max_restarts: int = 5
+    window: float = 60.0
+
+
+class HealthSection(Base):
+    interval: float = 15.0  # 0 disables the ping probe
+    timeout: float = 5.0
+    failures: int = 3
+
+
+Capability = Literal["roots", "sampling", "elicitation"]
+
+
+class BackendConfig(Base):
+    command: str
+    args: list[str] = []
+    env: dict[str, str] = {}
+    cwd: str | None = None
+    prefix: str | None = None  # None: the backend's name; "": names unchanged
+    request_timeout: float = 60.0
+    start_timeout: float = 10.0
+    restart: RestartSection = RestartSection()
+    health: HealthSection = HealthSection()
+    required: bool = False
+    sharing: Literal["shared", "affine", "per-session"] = "shared"
+    instances: int = 1
+    max_sessions: int = 16  # per-session: cap on children
+    idle_timeout: float = 300.0  # per-session: stop an idle child after this long
+    queue_size: int = 64  # affine: calls waiting for an instance
+    queue_timeout: float = 30.0
+    roots: list[str] = []  # answered to the child's roots/list in shared/affine mode
+    declare: list[Capability] = msgspec.field(
+        default_factory=lambda: ["roots", "sampling", "elicitation"]
+    )
+    sensitive: list[str] = []  # tool names (backend's own) that need an explicit policy rule
+
+
+class PolicyRule(Base):
+    match: str  # glob on the namespaced tool name
+    action: Literal["allow", "ask", "deny"]
+
+
+class PolicySection(Base):
+    default: Literal["allow", "ask", "deny"] = "allow"
+    rules: list[PolicyRule] = []
+    elicitation_timeout: float = 60.0
+
+
+class GatewayConfig(Base):
+    gateway: GatewaySection = GatewaySection()
+    listen: ListenSection = ListenSection()
+    admin: AdminSection = AdminSection()
+    policy: PolicySection = PolicySection()
+    backends: dict[str, BackendConfig] = {}
+    base_dir: str = "."  # not a TOML key: filled in by load()
+
+    def prefix_of(self, name: str) -> str:
+        prefix = self.backends[name].prefix
+        return name if prefix is None else prefix
+
+
+_BACKEND_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,32}$")
+_SECTIONS = {
+    "gateway": GatewaySection,
+    "listen": ListenSection,
+    "admin": AdminSection,
+    "policy": PolicySection,
+}
+
+
+def _humanize(exc: msgspec.ValidationError, path: str) -> str:
+    text = str(exc)
+    where = ""
+    m = re.search(r" - at `\$(.*)`$", text)
+    if m:
+        text = text[: m.start()]
+        where = m.group(1)
+        where = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", where)
+    unknown = re.match(r"Object contains unknown field `([^`]*)`", text)
+    if unknown:
+        return f"{path}{where}.{unknown.group(1)}: unknown key"
+    text = re.sub(r"`([^`]*)`", r"\1", text)
+    full = path + where
+    return f"{full}: {text[0].lower()}{text[1:]}" if full else text
+
+
+def parse_host_port(value: str) -> tuple[str, int]:
+    """``"127.0.0.1:8765"`` / ``"[::1]:8765"`` → host, port.  Raises ValueError."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    host = host.strip("[]")
+    p = int(port)
+    if not 0 <= p <= 65535:
+        raise ValueError(f"port out of range in {value!r}")
+    return host, p
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def load(data: bytes | str, *, base_dir: str = ".", check_commands: bool = False) -> GatewayConfig:
+    """Decode and validate a TOML config.
+
+    Args:
+        data: the TOML text.
+        base_dir: folder relative backend paths are resolved against.
+        check_commands: also require every backend command to resolve to an executable.
+
+    Raises:
+        ConfigError: with every problem found, each prefixed by its key path.
+    """
+    if isinstance(data, str):
+        data = data.encode()
+    try:
+        tree = msgspec.toml.decode(data)
+    except msgspec.DecodeError as exc:
+        raise ConfigError([f"not valid TOML: {exc}"]) from None
+    errors: list[str] = []
+    sections: dict[str, Any] = {}
+    for key in tree:
+        if key not in _SECTIONS and key != "backends":
+            errors.append(f"{key}: unknown section (expected one of gateway, listen, admin, policy, backends)")
+    for key, typ in _SECTIONS.items():
+        try:
+            sections[key] = msgspec.convert(tree.get(key, {}), typ)
+        except msgspec.ValidationError as exc:
+            errors.append(_humanize(exc, key))
+    backends: dict[str, BackendConfig] = {}
+    raw_backends = tree.get("backends", {})
+    if not isinstance(raw_backends, dict):
+        errors.append("backends: expected a table of [backends.NAME] tables")
+        raw_backends = {}
+    for name, raw in raw_backends.items():
+        if not _BACKEND_NAME.fullmatch(name):
+            errors.append(f"backends.{name}: backend names must match [a-zA-Z0-9_-]{{1,32}}")
+            continue
+        try:
+            backend = msgspec.convert(raw, BackendConfig)
+        except msgspec.ValidationError as exc:
+            errors.append(_humanize(exc, f"backends.{name}"))
+            continue
+        backends[name] = _resolve_paths(backend, base_dir)
+    if errors:
+        raise ConfigError(errors)
+    cfg = GatewayConfig(**sections, backends=backends, base_dir=os.path.abspath(base_dir))
+    errors.extend(semantic_errors(cfg, check_commands=check_commands))
+    if errors:
+        raise ConfigError(errors)
+    return cfg
+
+
+def _resolve_paths(backend: BackendConfig, base_dir: str) -> BackendConfig:
+    cwd = os.path.normpath(os.path.join(base_dir, backend.cwd or "."))
+    command = backend.command
+    if "/" in command and not os.path.isabs(command):
+        command = os.path.normpath(os.path.join(base_dir, command))
+    return msgspec.structs.replace(backend, cwd=cwd, command=command)
+
+
+def resolve_command(backend: BackendConfig) -> str | None:
+    """The executable a backend's command resolves to (PATH lookup for bare names)."""
+    if "/" in backend.command:
+        ok = os.path.isfile(backend.command) and os.access(backend.command, os.X_OK)
+        return backend.command if ok else None
+    path = backend.env.get("PATH", os.environ.get("PATH", os.defpath))
+    return shutil.which(backend.command, path=path)
+
+
+def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
+    errors: list[str] = []
+    g = cfg.gateway
+    if not re.fullmatch(r"[a-zA-Z0-9_.-]{1,8}", g.separator):
+        errors.append("gateway.separator: must be 1-8 characters from [a-zA-Z0-9_.-]")
+    if g.max_message_bytes < 1024:
+        errors.append("gateway.max_message_bytes: must be at least 1024")
+    for key in ("page_size", "max_inflight_per_connection", "outbound_queue"):
+        if getattr(g, key) < 1:
+            errors.append(f"gateway.{key}: must be at least 1")
+    for key, value in (("listen.websocket", cfg.listen.websocket), ("admin.listen", cfg.admin.listen)):
+        if value is None:
+            continue
+        try:
+            host, _port = parse_host_port(value)
+        except ValueError as exc:
+            errors.append(f"{key}: {exc}")
+            continue
+        if key == "listen.websocket" and not is_loopback(host):
+            errors.append(
+                f"{key}: {host!r} is not a loopback address; network listeners need "
+                "authentication, which is not configured (bind 127.0.0.1 or ::1)"
+            )
+        if key == "admin.listen" and not is_loopback(host) and not cfg.admin.allow_non_loopback:
+            errors.append(
+                f"{key}: {host!r} is not a loopback address; /status exposes backend stderr, "
+                "set admin.allow_non_loopback = true to bind it anyway"
+            )
+    try:
+        mode = int(cfg.listen.unix_mode, 8)
+        if not 0 <= mode <= 0o777:
+            raise ValueError
+    except ValueError:
+        errors.append(f"listen.unix_mode: expected an octal mode like \"0660\", got {cfg.listen.unix_mode!r}")
+    if cfg.listen.websocket is None and cfg.listen.unix is None:
+        errors.append("listen: configure at least one of websocket and unix")
+    for name, b in cfg.backends.items():
+        p = f"backends.{name}"
+        if not b.command:
+            errors.append(f"{p}.command: must not be empty")
+        for key in ("request_timeout", "start_timeout"):
+            if getattr(b, key) <= 0:
+                errors.append(f"{p}.{key}: must be positive")
+        r = b.restart
+        if r.backoff_initial <= 0 or r.backoff_max < r.backoff_initial:
+            errors.append(f"{p}.restart: need 0 < backoff_initial <= backoff_max")
+        if r.max_restarts < 0 or r.window <= 0:
+            errors.append(f"{p}.restart: need max_restarts >= 0 and window > 0")
+        if b.health.interval < 0 or b.health.timeout <= 0 or b.health.failures < 1:
+            errors.append(f"{p}.health: need interval >= 0, timeout > 0, failures >= 1")
+        if b.instances < 1 or b.max_sessions < 1:
+            errors.append(f"{p}: instances and max_sessions must be at least 1")
+        if b.prefix is not None and b.prefix and not re.fullmatch(r"[a-zA-Z0-9_-]{1,32}", b.prefix):
+            errors.append(f"{p}.prefix: must match [a-zA-Z0-9_-]{{0,32}}")
+        for root in b.roots:
+            if not root.startswith("file://"):
+                errors.append(f"{p}.roots: {root!r} is not a file:// URI")
+        if check_commands:
+            if resolve_command(b) is None:
+                errors.append(f"{p}.command: {b.command!r} not found or not executable")
+            if b.cwd is not None and not os.path.isdir(b.cwd):
+                errors.append(f"{p}.cwd: {b.cwd!r} is not a directory")
+    return errors
+
+
+def diff_backends(
+    old: GatewayConfig, new: GatewayConfig
+) -> tuple[list[str], list[str], list[str]]:
+    """Pure reload diff: backend names to add, to remove, and to restart (changed config)."""
+    added = [n for n in new.backends if n not in old.backends]
+    removed = [n for n in old.backends if n not in new.backends]
+    changed = [n for n in new.backends if n in old.backends and new.backends[n] != old.backends[n]]
+    return added, removed, changed
+
+
+def restart_only_changes(old: GatewayConfig, new: GatewayConfig) -> list[str]:
+    """Sections a reload cannot apply (listeners): they need a restart."""
+    out = []
+    if old.listen != new.listen:
+        out.append("listen")
+    if old.admin != new.admin:
+        out.append("admin")
+    for key in ("max_message_bytes", "log_target"):
+        if getattr(old.gateway, key) != getattr(new.gateway, key):
+            out.append(f"gateway.{key}")
+    return out

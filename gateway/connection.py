@@ -1,0 +1,263 @@
+"""Serving one client connection: read, dispatch, answer — and the one error boundary.
+
+Theory of operation: the transport hands over a :class:`MessageStream` (whole messages in and
+out, its own exceptions already mapped to :class:`~gateway.errors.TransportClosed` /
+:class:`~gateway.errors.MessageTooLarge`).  :func:`serve` gives the connection a nursery with a
+writer task draining the session's bounded outbound queue and a reader loop.  Every client
+request runs in its own task (a slow call never blocks the reader), under a cancel scope the
+client can trigger with ``notifications/cancelled`` (then no response is sent, per the spec).
+
+:func:`_run_request` is the only place where exceptions become JSON-RPC error responses.
+Unexpected exceptions are logged with their traceback and answered -32603; they never take the
+connection down.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+import msgspec
+import trio
+from msgspec import UNSET, Raw
+
+from gateway import errors
+from gateway.events import AnswerRefused, ConnectionClosed, ConnectionOpened, RequestFinished
+from gateway.handlers import HANDLERS, PRE_INIT, Request
+from gateway.protocol import jsonrpc, mcp
+from gateway.session import ClientSession
+
+if TYPE_CHECKING:
+    from gateway.hub import Hub
+
+LOGGER = logging.getLogger(__name__)
+
+#: Bound on delivering the last queued messages (e.g. an error before closing) to a client.
+FLUSH_TIMEOUT = 2.0
+
+
+class MessageStream(Protocol):
+    """A bidirectional stream of whole JSON-RPC messages (one per WebSocket frame or line)."""
+
+    async def receive(self) -> bytes:
+        """The next message.  Raises TransportClosed or MessageTooLarge."""
+        ...
+
+    async def send(self, data: bytes) -> None:
+        """Send one message.  Raises TransportClosed."""
+        ...
+
+    async def aclose(self, reason: str) -> None: ...
+
+
+async def serve(hub: Hub, stream: MessageStream, transport: str) -> None:
+    """Serve one client connection until it closes; never raises for client misbehaviour."""
+    cfg = hub.cfg.gateway
+    session = ClientSession(transport, outbound_capacity=cfg.outbound_queue,
+                            max_inflight=cfg.max_inflight_per_connection)
+    hub.sessions.add(session)
+    hub.bus.emit(ConnectionOpened(session.conn_id, transport))
+    LOGGER.debug("connection %s opened (%s)", session.conn_id, transport)
+    try:
+        async with trio.open_nursery() as nursery:
+            session.cancel_scope = nursery.cancel_scope
+            nursery.start_soon(_writer, session, stream)
+            await _reader(hub, session, stream, nursery)
+            session.close("client_closed")
+    except Exception:
+        LOGGER.exception("connection %s: unexpected error", session.conn_id)
+        session.close("error")
+    finally:
+        with trio.CancelScope(shield=True):
+            hub.sessions.discard(session)
+            session.end_all_requests("owner_gone")
+            await hub.session_closed(session)
+            await _flush(session, stream)
+            with trio.move_on_after(FLUSH_TIMEOUT):
+                await stream.aclose(session.close_reason)
+            hub.bus.emit(ConnectionClosed(session.conn_id, transport, session.close_reason,
+                                          trio.current_time() - session.opened))
+            LOGGER.debug("connection %s closed: %s", session.conn_id, session.close_reason)
+
+
+async def _flush(session: ClientSession, stream: MessageStream) -> None:
+    """Deliver what is still queued (e.g. the error explaining a close), bounded."""
+    if session.close_reason in ("overflow", "client_closed"):
+        return
+    with trio.move_on_after(FLUSH_TIMEOUT):
+        while True:
+            try:
+                data = session.outbound.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                return
+            try:
+                await stream.send(data)
+            except errors.TransportClosed:
+                return
+
+
+async def _writer(session: ClientSession, stream: MessageStream) -> None:
+    async for data in session.outbound:
+        try:
+            await stream.send(data)
+        except errors.TransportClosed:
+            session.close("client_closed")
+            return
+
+
+async def _reader(hub: Hub, session: ClientSession, stream: MessageStream, nursery: trio.Nursery) -> None:
+    while not session.closed.is_set():
+        try:
+            data = await stream.receive()
+        except errors.TransportClosed:
+            return
+        except errors.MessageTooLarge as exc:
+            session.send(jsonrpc.encode_error(None, errors.INVALID_REQUEST, str(exc),
+                                              {"reason": "message_too_large", "limit": exc.limit}))
+            session.close("oversize")
+            return
+        if jsonrpc.is_batch(data):
+            if session.protocol_version != mcp.BATCH_VERSION:
+                session.send(jsonrpc.encode_error(
+                    None, errors.INVALID_REQUEST,
+                    "JSON-RPC batches are only accepted from clients that negotiated 2025-03-26"))
+                continue
+            try:
+                items = jsonrpc.split_batch(data)
+            except errors.ParseError as exc:
+                session.send(jsonrpc.encode_error(None, exc.code, exc.message))
+                continue
+            if not items:
+                session.send(jsonrpc.encode_error(None, errors.INVALID_REQUEST, "empty batch"))
+                continue
+            collector = _BatchCollector(session)
+            for item in items:
+                _handle(hub, session, bytes(item), nursery, collector)
+            collector.seal()
+            continue
+        _handle(hub, session, data, nursery, None)
+
+
+class _BatchCollector:
+    """Gathers the responses to one batch and sends them as one array."""
+
+    def __init__(self, session: ClientSession) -> None:
+        self._session = session
+        self._parts: list[bytes] = []
+        self._open = 0
+        self._sealed = False
+
+    def expect(self) -> Callable[[bytes | None], None]:
+        self._open += 1
+
+        def deliver(data: bytes | None) -> None:
+            if data is not None:
+                self._parts.append(data)
+            self._open -= 1
+            self._maybe_send()
+
+        return deliver
+
+    def seal(self) -> None:
+        self._sealed = True
+        self._maybe_send()
+
+    def _maybe_send(self) -> None:
+        if self._sealed and self._open == 0 and self._parts:
+            self._session.send(b"[" + b",".join(self._parts) + b"]")
+            self._parts = []
+
+
+def _handle(hub: Hub, session: ClientSession, data: bytes, nursery: trio.Nursery,
+            batch: _BatchCollector | None) -> None:
+    reply: Callable[[bytes | None], None]
+    if batch is not None:
+        reply = batch.expect()
+    else:
+        def reply(message: bytes | None) -> None:
+            if message is not None:
+                session.send(message)
+    try:
+        env = jsonrpc.decode(data)
+        kind = jsonrpc.classify(env)
+    except errors.GatewayError as exc:
+        reply(jsonrpc.encode_error(exc.data.get("id"), exc.code, exc.message))
+        return
+    if kind == "request":
+        assert isinstance(env.id, int | str) and isinstance(env.method, str)
+        if env.method == "initialize" and batch is not None:
+            reply(jsonrpc.encode_error(env.id, errors.INVALID_REQUEST, "initialize must not be part of a batch"))
+            return
+        try:
+            session.check_new_call(env.id)
+        except errors.GatewayError as exc:
+            reply(jsonrpc.encode_error(env.id, exc.code, exc.message, exc.error_data()))
+            return
+        scope = trio.CancelScope()
+        session.inflight[env.id] = scope
+        nursery.start_soon(_run_request, hub, session, env, scope, reply)
+        return
+    reply(None)
+    if kind == "notification":
+        assert isinstance(env.method, str)
+        _on_notification(hub, session, env.method, env)
+    else:
+        outcome = session.on_answer(env)
+        if outcome == "refused":
+            LOGGER.warning("connection %s answered unknown request id %r: refused", session.conn_id, env.id)
+            hub.bus.emit(AnswerRefused(session.conn_id, "unknown_id"))
+
+
+def _on_notification(hub: Hub, session: ClientSession, method: str, env: jsonrpc.Envelope) -> None:
+    if method == "notifications/cancelled":
+        try:
+            request_id = mcp.decode_cancelled(env.params).requestId
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return
+        scope = session.inflight.get(request_id)
+        if scope is not None:
+            scope.cancel()
+    elif method == "notifications/initialized":
+        pass
+    elif method == "notifications/roots/list_changed":
+        hub.roots_changed(session)
+    else:
+        LOGGER.debug("connection %s: ignored notification %s", session.conn_id, method)
+
+
+async def _run_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, scope: trio.CancelScope,
+                       reply: Callable[[bytes | None], None]) -> None:
+    """Run one client request and answer it: the single exception → JSON-RPC error boundary."""
+    assert isinstance(env.id, int | str) and isinstance(env.method, str)
+    started = trio.current_time()
+    label = mcp.method_label(env.method)
+    req = Request(env.id, env.method, {})
+    response: bytes | None = None
+    code: int | None = None
+    outcome = "cancelled"
+    try:
+        with scope:
+            try:
+                handler = HANDLERS.get(env.method)
+                if handler is None:
+                    raise errors.MethodNotFound(f"method {env.method!r} not found")
+                if not session.initialized and env.method not in PRE_INIT:
+                    raise errors.InvalidRequest(f"{env.method}: the connection is not initialized yet")
+                req.params = jsonrpc.params_dict(env.params)
+                result = await handler(hub, session, req)
+                response = jsonrpc.encode_result(env.id, result)
+            except errors.GatewayError as exc:
+                code = exc.code
+                response = jsonrpc.encode_error(env.id, exc.code, exc.message, exc.error_data())
+            except Exception:
+                LOGGER.exception("connection %s: %s failed", session.conn_id, env.method)
+                code = errors.INTERNAL_ERROR
+                response = jsonrpc.encode_error(env.id, code, f"internal error while handling {env.method}")
+        if response is not None and not scope.cancelled_caught:
+            outcome = "ok" if code is None else "error"
+        reply(response if outcome != "cancelled" else None)  # a cancelled request gets no response
+    finally:
+        session.inflight.pop(env.id, None)
+        hub.bus.emit(RequestFinished(session.conn_id, label, req.backend, outcome, code,
+                                     trio.current_time() - started, req.backend_time, req.tool))

@@ -1,0 +1,178 @@
+"""The gateway's exception taxonomy and the one JSON-RPC error-code table.
+
+Every condition the gateway reports to a client is a :class:`GatewayError` with a code from
+the table below and a machine-readable ``data.reason``.  ``gateway.hub`` is the only place
+that turns exceptions into JSON-RPC error objects (:func:`error_object`).
+
+===========================  =======  =========================================
+condition                    code     ``data.reason``
+===========================  =======  =========================================
+backend not running          -32001   ``backend_unavailable`` (+backend, retryable)
+call timed out at gateway    -32003   ``timeout``
+child died with call open    -32004   ``backend_exited``
+policy / consent             -32005   ``denied`` ``declined`` ``timeout``
+                                      ``authorization_required`` ``shutdown``
+per-connection limit         -32006   ``overloaded``
+unroutable server request    -32007   ``unattributable`` ``no_capability``
+===========================  =======  =========================================
+
+The JSON-RPC 2.0 codes (-32700 … -32603) and the MCP spec's -32002 (resource not found)
+keep their standard meaning.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# JSON-RPC 2.0
+PARSE_ERROR = -32700
+INVALID_REQUEST = -32600
+METHOD_NOT_FOUND = -32601
+INVALID_PARAMS = -32602
+INTERNAL_ERROR = -32603
+# MCP (legacy revisions)
+RESOURCE_NOT_FOUND = -32002
+# Gateway conditions, implementation-defined range -32000..-32019
+BACKEND_UNAVAILABLE = -32001
+TIMEOUT = -32003
+BACKEND_EXITED = -32004
+DENIED = -32005
+OVERLOADED = -32006
+UNROUTABLE = -32007
+
+#: Every code the gateway itself emits, by name (a bounded metric label set).
+CODE_NAMES: dict[int, str] = {
+    PARSE_ERROR: "parse_error",
+    INVALID_REQUEST: "invalid_request",
+    METHOD_NOT_FOUND: "method_not_found",
+    INVALID_PARAMS: "invalid_params",
+    INTERNAL_ERROR: "internal_error",
+    RESOURCE_NOT_FOUND: "resource_not_found",
+    BACKEND_UNAVAILABLE: "backend_unavailable",
+    TIMEOUT: "timeout",
+    BACKEND_EXITED: "backend_exited",
+    DENIED: "denied",
+    OVERLOADED: "overloaded",
+    UNROUTABLE: "unroutable",
+}
+
+
+def code_name(code: int) -> str:
+    """The bounded label for a JSON-RPC error code (``other`` for codes nobody listed)."""
+    return CODE_NAMES.get(code, "other")
+
+
+class GatewayError(Exception):
+    """A condition reported to a client as a JSON-RPC error."""
+
+    code: int = INTERNAL_ERROR
+    reason: str | None = None
+
+    def __init__(self, message: str, *, reason: str | None = None, **data: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        if reason is not None:
+            self.reason = reason
+        self.data = data
+
+    def error_data(self) -> dict[str, Any] | None:
+        data = dict(self.data)
+        if self.reason is not None:
+            data["reason"] = self.reason
+        return data or None
+
+
+# ---- errors in what a peer sent (JSON-RPC standard codes) -------------------------------
+
+
+class ParseError(GatewayError):
+    code = PARSE_ERROR
+
+
+class InvalidRequest(GatewayError):
+    code = INVALID_REQUEST
+
+
+class MethodNotFound(GatewayError):
+    code = METHOD_NOT_FOUND
+
+
+class InvalidParams(GatewayError):
+    code = INVALID_PARAMS
+
+
+class ResourceNotFound(GatewayError):
+    code = RESOURCE_NOT_FOUND
+
+
+class InternalError(GatewayError):
+    code = INTERNAL_ERROR
+
+
+# ---- gateway conditions ------------------------------------------------------------------
+
+
+class BackendUnavailable(GatewayError):
+    code = BACKEND_UNAVAILABLE
+    reason = "backend_unavailable"
+
+
+class CallTimeout(GatewayError):
+    code = TIMEOUT
+    reason = "timeout"
+
+
+class BackendExited(GatewayError):
+    code = BACKEND_EXITED
+    reason = "backend_exited"
+
+
+class Denied(GatewayError):
+    code = DENIED
+    reason = "denied"
+
+
+class Overloaded(GatewayError):
+    code = OVERLOADED
+    reason = "overloaded"
+
+
+class Unroutable(GatewayError):
+    code = UNROUTABLE
+    reason = "unattributable"
+
+
+class RemoteError(GatewayError):
+    """A JSON-RPC error a backend answered; passed to the client with its own code."""
+
+    def __init__(self, code: int, message: str, data: Any = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.remote_data = data
+
+    def error_data(self) -> Any:
+        return self.remote_data
+
+
+# ---- transport-level conditions (never reach the wire as JSON-RPC) ------------------------
+
+
+class TransportClosed(Exception):
+    """The peer went away (EOF, reset, WebSocket close).  Raised by transports only."""
+
+
+class MessageTooLarge(Exception):
+    """A peer sent a message over ``max_message_bytes``."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"message of {size} bytes exceeds the limit of {limit} bytes")
+        self.size = size
+        self.limit = limit
+
+
+class ConfigError(Exception):
+    """The configuration is invalid; ``errors`` lists each problem with its key path."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("; ".join(errors))
+        self.errors = errors

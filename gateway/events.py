@@ -1,0 +1,185 @@
+"""Typed events the core emits; metrics, logs and ``/status`` subscribe to them.
+
+Business logic never increments a counter: it calls ``bus.emit(SomeEvent(...))`` and the
+subscribers (``gateway.ops.metrics`` among them) do the rest.  Subscribers run synchronously in
+the emitting task and must not block or raise; an exception in one is logged and swallowed so an
+observer can never break routing.
+
+Label discipline: every field that a metric uses as a label holds a value from a bounded set
+(method names from :data:`gateway.protocol.mcp.KNOWN_METHODS` or ``other``, outcome names,
+transport names, backend names from config).  Free-form values (conn ids, tool names) are
+carried for logs and for capped label sets only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+LOGGER = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionOpened:
+    conn_id: str
+    transport: str  # "websocket" | "unix" | "http" | "memory"
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionClosed:
+    conn_id: str
+    transport: str
+    reason: str  # "client_closed" | "overflow" | "oversize" | "shutdown" | "error" | "idle"
+    duration: float
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStarted:
+    """A client request accepted for processing (the in-flight gauge rises)."""
+
+    conn_id: str
+    method: str  # bounded: a known MCP method or "other"
+    backend: str  # "" when the gateway answers itself
+
+
+@dataclass(frozen=True, slots=True)
+class QueueWaited:
+    """A call waited for an instance (affine hand-over, restart wait) before it was sent."""
+
+    backend: str
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFinished:
+    """A client request answered (or dropped, for ``cancelled``)."""
+
+    conn_id: str
+    method: str  # bounded: a known MCP method or "other"
+    backend: str  # backend name, or "" for requests the gateway answers itself
+    outcome: str  # "ok" | "error" | "cancelled"
+    error_code: int | None
+    duration: float  # seconds, receipt to answer
+    backend_time: float | None  # seconds spent waiting on the child (None: no child involved)
+    tool: str | None = None  # the namespaced tool for tools/call
+
+
+@dataclass(frozen=True, slots=True)
+class BackendStateChanged:
+    backend: str
+    instance: str  # e.g. "time/0"
+    old: str
+    new: str
+    pid: int | None
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class BackendStarted:
+    backend: str
+    instance: str
+    pid: int
+    start_duration: float  # spawn to handshake complete
+
+
+@dataclass(frozen=True, slots=True)
+class BackendExited:
+    backend: str
+    instance: str
+    pid: int
+    reason: str  # "exited" | "crashed" | "killed" | "stopped" | "unhealthy" | "start_failed"
+    returncode: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class BackendProtocolError:
+    """A child printed a line that is not JSON-RPC (logged, counted, the child keeps serving)."""
+
+    backend: str
+    instance: str
+    kind: str  # "not_json" | "invalid_message" | "oversize" | "unknown_response"
+
+
+@dataclass(frozen=True, slots=True)
+class CatalogChanged:
+    kinds: tuple[str, ...]  # subset of ("tools", "prompts", "resources")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerRequestRouted:
+    backend: str
+    method: str
+    conn_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ServerRequestRefused:
+    """A child's server→client request the gateway could not attribute or deliver."""
+
+    backend: str
+    method: str
+    reason: str  # "unattributable" | "no_capability" | "no_call_in_flight"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerRequestFinished:
+    backend: str  # "" for the gateway's own consent prompts
+    method: str
+    outcome: str  # "answered" | "error" | "cancelled" | "owner_gone" | "timeout" | "shutdown"
+    duration: float
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerRefused:
+    """A client answered a server→client request it does not own (or that does not exist)."""
+
+    conn_id: str
+    reason: str  # "unknown_id"
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadFinished:
+    success: bool
+    error: str | None
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    changed: tuple[str, ...] = ()
+
+
+Event = (
+    ConnectionOpened
+    | ConnectionClosed
+    | RequestStarted
+    | QueueWaited
+    | RequestFinished
+    | BackendStateChanged
+    | BackendStarted
+    | BackendExited
+    | BackendProtocolError
+    | CatalogChanged
+    | ServerRequestRouted
+    | ServerRequestRefused
+    | ServerRequestFinished
+    | AnswerRefused
+    | ReloadFinished
+)
+
+
+class EventBus:
+    """Synchronous fan-out of events to subscribers."""
+
+    def __init__(self) -> None:
+        self._subscribers: list[Callable[[Event], None]] = []
+
+    def subscribe(self, callback: Callable[[Event], None]) -> Callable[[], None]:
+        """Add ``callback``; returns a function that removes it again."""
+        self._subscribers.append(callback)
+        return lambda: self._subscribers.remove(callback)
+
+    def emit(self, event: Event) -> None:
+        for callback in tuple(self._subscribers):
+            try:
+                callback(event)
+            except Exception:
+                LOGGER.exception("event subscriber %r failed on %r", callback, event)

@@ -1,0 +1,246 @@
+"""Client request handlers: one function per MCP method the gateway serves.
+
+Each handler takes the hub, the session and a :class:`Request`, and returns the ``result``
+(Raw) or raises a :class:`~gateway.errors.GatewayError`.  Handlers never build error responses
+themselves: ``gateway.connection`` is the one place that does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import trio
+from msgspec import UNSET, Raw
+
+from gateway import __version__, errors
+from gateway.events import RequestStarted
+from gateway.protocol import catalog as cat
+from gateway.protocol import jsonrpc, mcp
+
+if TYPE_CHECKING:
+    from gateway.backend.pool import Backend
+    from gateway.hub import Hub
+    from gateway.session import ClientSession
+
+
+@dataclass(slots=True)
+class Request:
+    id: int | str
+    method: str
+    params: dict[str, Raw]
+    backend: str = ""
+    backend_time: float | None = None
+    tool: str | None = None
+
+
+Handler = Callable[["Hub", "ClientSession", Request], Awaitable[Raw]]
+
+
+def _str_param(req: Request, key: str) -> str:
+    raw = req.params.get(key)
+    if raw is None:
+        raise errors.InvalidParams(f"{req.method}: missing required parameter {key!r}")
+    try:
+        value = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        raise errors.InvalidParams(f"{req.method}: {key!r} is not valid JSON") from None
+    if not isinstance(value, str):
+        raise errors.InvalidParams(f"{req.method}: {key!r} must be a string")
+    return value
+
+
+def _reject_tasks(req: Request) -> None:
+    if "task" in req.params:
+        raise errors.InvalidParams(
+            f"{req.method}: task-augmented requests are not supported by this gateway",
+            reason="tasks_unsupported",
+        )
+
+
+# ---- answered by the gateway itself ----------------------------------------------------------------
+
+
+async def initialize(hub: Hub, session: ClientSession, req: Request) -> Raw:
+    try:
+        params = mcp.decode_initialize_params(jsonrpc.encode_dict(req.params))
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise errors.InvalidParams(f"initialize: {exc}") from None
+    session.protocol_version = mcp.negotiate_version(params.protocolVersion)
+    session.caps = mcp.ClientCaps(params.capabilities)
+    session.client_info = {"name": params.clientInfo.name, "version": params.clientInfo.version}
+    session.initialized = True
+    return jsonrpc.encode_dict(
+        {
+            "protocolVersion": session.protocol_version,
+            "capabilities": hub.advertised_capabilities(),
+            "serverInfo": {"name": hub.server_name, "version": __version__},
+        }
+    )
+
+
+async def ping(hub: Hub, session: ClientSession, req: Request) -> Raw:
+    return jsonrpc.EMPTY_RESULT
+
+
+def _lister(kind: str, field: str) -> Handler:
+    async def handler(hub: Hub, session: ClientSession, req: Request) -> Raw:
+        cursor = _str_param(req, "cursor") if "cursor" in req.params else None
+        items = getattr(hub.catalog, kind)
+        got = cat.page(kind, items, cursor, hub.cfg.gateway.page_size)
+        if got is None:
+            raise errors.InvalidParams(f"{req.method}: invalid cursor")
+        chunk, nxt = got
+        body: dict[str, Any] = {field: chunk}
+        if nxt is not None:
+            body["nextCursor"] = nxt
+        return jsonrpc.encode_dict(body)
+
+    return handler
+
+
+async def set_level(hub: Hub, session: ClientSession, req: Request) -> Raw:
+    level = _str_param(req, "level")
+    if level not in mcp.LOG_RANK:
+        raise errors.InvalidParams(f"logging/setLevel: unknown level {level!r}")
+    session.log_level = level
+    hub.log_levels_changed()
+    return jsonrpc.EMPTY_RESULT
+
+
+async def subscribe(hub: Hub, session: ClientSession, req: Request) -> Raw:
+    uri = _str_param(req, "uri")
+    backend = hub.backend_for_uri(uri)
+    if req.method == "resources/subscribe":
+        await backend.subscribe(session, uri)
+    else:
+        await backend.unsubscribe(session, uri)
+    return jsonrpc.EMPTY_RESULT
+
+
+async def tasks_unsupported(hub: Hub, session: ClientSession, req: Request) -> Raw:
+    raise errors.MethodNotFound(
+        f"{req.method}: tasks are not supported by this gateway", reason="tasks_unsupported"
+    )
+
+
+# ---- forwarded to a backend ----------------------------------------------------------------------
+
+
+async def forward(hub: Hub, session: ClientSession, req: Request, backend: Backend,
+                  params: dict[str, Raw]) -> Raw:
+    """Send ``req`` (with ``params`` already renamed) to an instance of ``backend``."""
+    req.backend = backend.name
+    hub.bus.emit(RequestStarted(session.conn_id, mcp.method_label(req.method), backend.name))
+    inst, child = await backend.acquire(session)
+    progress = None
+    meta: dict[str, Raw] | None = None
+    if "_meta" in params:
+        try:
+            meta = jsonrpc.raw_dict(params["_meta"])
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            raise errors.InvalidParams(f"{req.method}: _meta must be an object") from None
+        if "progressToken" in meta:
+            client_token = msgspec.json.decode(meta["progressToken"])
+            progress = (client_token, session.progress_callback())
+
+    def rewrite(token: str | None) -> Raw:
+        out = dict(params)
+        if meta is not None:
+            m = dict(meta)
+            if token is not None:
+                m["progressToken"] = Raw(msgspec.json.encode(token))
+            out["_meta"] = jsonrpc.encode_dict(m)
+        return jsonrpc.encode_dict(out)
+
+    started = trio.current_time()
+    try:
+        return await child.request(req.method, timeout=backend.cfg.request_timeout, owner=session,
+                                   progress=progress, rewrite=rewrite)
+    finally:
+        req.backend_time = trio.current_time() - started
+        hub.ownership.call_finished(child, inst, session)
+
+
+async def call_tool(hub: Hub, session: ClientSession, req: Request) -> Raw:
+    _reject_tasks(req)
+    name = _str_param(req, "name")
+    route = hub.catalog.tool_routes.get(name)
+    if route is None:
+        raise errors.InvalidParams(f"unknown tool {name!r}")
+    req.tool = name
+    if hub.policy.active:
+        raw_args = req.params.get("arguments")
+        arguments = msgspec.json.decode(raw_args) if raw_args is not None else None
+        await hub.authorize(session, name, arguments)
+    params = dict(req.params)
+    params["name"] = Raw(msgspec.json.encode(route.name))
+    return await forward(hub, session, req, hub.backends[route.backend], params)
+
+
+async def get_prompt(hub: Hub, session: ClientSession, req: Request) -> Raw:
+    name = _str_param(req, "name")
+    route = hub.catalog.prompt_routes.get(name)
+    if route is None:
+        raise errors.InvalidParams(f"unknown prompt {name!r}")
+    params = dict(req.params)
+    params["name"] = Raw(msgspec.json.encode(route.name))
+    return await forward(hub, session, req, hub.backends[route.backend], params)
+
+
+async def read_resource(hub: Hub, session: ClientSession, req: Request) -> Raw:
+    _reject_tasks(req)
+    uri = _str_param(req, "uri")
+    return await forward(hub, session, req, hub.backend_for_uri(uri), dict(req.params))
+
+
+async def complete(hub: Hub, session: ClientSession, req: Request) -> Raw:
+    raw_ref = req.params.get("ref")
+    try:
+        ref = msgspec.json.decode(raw_ref) if raw_ref is not None else None
+    except msgspec.DecodeError:
+        ref = None
+    if not isinstance(ref, dict):
+        raise errors.InvalidParams("completion/complete: missing or invalid 'ref'")
+    params = dict(req.params)
+    if ref.get("type") == "ref/prompt":
+        route = hub.catalog.prompt_routes.get(str(ref.get("name")))
+        if route is None:
+            raise errors.InvalidParams(f"unknown prompt {ref.get('name')!r}")
+        params["ref"] = jsonrpc.encode_dict({**ref, "name": route.name})
+        backend = hub.backends[route.backend]
+    elif ref.get("type") == "ref/resource":
+        uri = str(ref.get("uri"))
+        name = hub.catalog.route_template(uri)
+        if name is None:
+            raise errors.InvalidParams(f"unknown resource or template {uri!r}")
+        backend = hub.backends[name]
+    else:
+        raise errors.InvalidParams("completion/complete: ref.type must be ref/prompt or ref/resource")
+    return await forward(hub, session, req, backend, params)
+
+
+HANDLERS: dict[str, Handler] = {
+    "initialize": initialize,
+    "ping": ping,
+    "tools/list": _lister("tools", "tools"),
+    "prompts/list": _lister("prompts", "prompts"),
+    "resources/list": _lister("resources", "resources"),
+    "resources/templates/list": _lister("templates", "resourceTemplates"),
+    "tools/call": call_tool,
+    "prompts/get": get_prompt,
+    "resources/read": read_resource,
+    "resources/subscribe": subscribe,
+    "resources/unsubscribe": subscribe,
+    "completion/complete": complete,
+    "logging/setLevel": set_level,
+    "tasks/get": tasks_unsupported,
+    "tasks/result": tasks_unsupported,
+    "tasks/list": tasks_unsupported,
+    "tasks/cancel": tasks_unsupported,
+}
+
+#: Methods a client may call before ``initialize``.
+PRE_INIT = frozenset({"initialize", "ping"})

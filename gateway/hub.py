@@ -1,0 +1,294 @@
+"""The hub: backends, the merged catalog, client sessions, and everything that crosses them.
+
+The hub owns the backends (one :class:`~gateway.backend.pool.Backend` per config entry), rebuilds
+the merged catalog when a backend's lists change (telling clients ``list_changed`` only when a
+list really changed), routes child notifications to the sessions that should see them
+(resource updates to subscribers, log messages by level, elicitation completion to its owner),
+and hands server→client requests to :mod:`gateway.ownership`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+import trio
+from msgspec import UNSET, Raw, UnsetType
+
+from gateway import __version__, errors
+from gateway.backend import process
+from gateway.backend.child import ChildConnection
+from gateway.backend.instance import Instance
+from gateway.backend.pool import Backend
+from gateway.config import BackendConfig, GatewayConfig
+from gateway.events import CatalogChanged, EventBus
+from gateway.ownership import Ownership
+from gateway.policy import Policy
+from gateway.protocol import jsonrpc, mcp
+from gateway.protocol.catalog import BackendLists, Catalog, CatalogConflict, build_catalog
+from gateway.protocol.supervision import State
+from gateway.session import ClientSession
+from gateway.status import BackendStatus, GatewayStatus, InstanceStatus
+
+LOGGER = logging.getLogger(__name__)
+
+
+class Hub:
+    def __init__(self, cfg: GatewayConfig, bus: EventBus, *, subreaper: bool = False) -> None:
+        self.cfg = cfg
+        self.bus = bus
+        self.server_name = cfg.gateway.name
+        self.max_message_bytes = cfg.gateway.max_message_bytes
+        self.restart_wait = cfg.gateway.restart_wait
+        self.backends: dict[str, Backend] = {}
+        self.catalog = Catalog()
+        self.sessions: set[ClientSession] = set()
+        self.ownership = Ownership(bus)
+        self.policy = Policy(cfg.policy, bus, cfg)
+        self.listeners_bound = False
+        self.draining = False
+        self._subreaper = subreaper
+        self._nursery: trio.Nursery | None = None
+        self._levels: dict[str, str | None] = {}
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Start every configured backend and serve until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            for name, bcfg in self.cfg.backends.items():
+                await self.add_backend(name, bcfg)
+            task_status.started()
+            await trio.sleep_forever()
+
+    def apply_config(self, cfg: GatewayConfig) -> None:
+        """Adopt a reloaded config (backends are added/removed by the caller)."""
+        self.cfg = cfg
+        self.restart_wait = cfg.gateway.restart_wait
+        self.policy = Policy(cfg.policy, self.bus, cfg)
+        self.policy.catalog_changed(self.catalog)
+
+    async def add_backend(self, name: str, bcfg: BackendConfig) -> Backend:
+        assert self._nursery is not None
+        prefix = name if bcfg.prefix is None else bcfg.prefix
+        backend = Backend(name, bcfg, prefix, self)
+        self.backends[name] = backend
+        await self._nursery.start(backend.run)
+        return backend
+
+    async def remove_backend(self, name: str) -> None:
+        backend = self.backends[name]
+        backend.stop()
+        await backend.stopped()
+        del self.backends[name]
+        self.rebuild_catalog()
+
+    async def stop_backends(self) -> None:
+        """Stop every backend in the spec's order, concurrently; returns when all are reaped."""
+        for backend in self.backends.values():
+            backend.stop()
+        for backend in list(self.backends.values()):
+            await backend.stopped()
+        self.reap()
+
+    async def wait_started(self, timeout: float) -> None:
+        """Wait until each backend has its lists or has failed its first start (bounded)."""
+        with trio.move_on_after(timeout):
+            for backend in list(self.backends.values()):
+                inst = backend.instances[0]
+                while not backend.lists_ready.is_set() and inst.state not in (State.BACKOFF, State.FATAL):
+                    with trio.move_on_after(0.05):
+                        await backend.lists_ready.wait()
+
+    def reap(self) -> None:
+        if self._subreaper:
+            known = {i.proc.pid for b in self.backends.values() for i in b.instances
+                     if i.proc is not None and i.proc.returncode is None}
+            process.reap_orphans(known)
+
+    # ---- catalog ----------------------------------------------------------------------------
+
+    def rebuild_catalog(self, *, strict: bool = False) -> list[str]:
+        """Merge the backends' lists; notify clients of each list that changed.
+
+        Raises:
+            CatalogConflict: ``strict`` (boot) and two backends expose the same name.
+        """
+        lists: list[tuple[str, str, BackendLists]] = [
+            (name, b.prefix, b.lists) for name, b in self.backends.items()
+        ]
+        new, warnings = build_catalog(lists, self.cfg.gateway.separator, strict=strict)
+        for warning in warnings:
+            LOGGER.warning("catalog: %s", warning)
+        old = self.catalog
+        self.catalog = new
+        changed = tuple(
+            kind
+            for kind, same in (
+                ("tools", old.tools == new.tools),
+                ("prompts", old.prompts == new.prompts),
+                ("resources", old.resources == new.resources and old.templates == new.templates),
+            )
+            if not same
+        )
+        if changed:
+            self.policy.catalog_changed(new)
+            self.bus.emit(CatalogChanged(changed))
+            for kind in changed:
+                self.broadcast(f"notifications/{kind}/list_changed")
+        return warnings
+
+    def on_lists_changed(self, backend: Backend) -> None:
+        if backend.name in self.backends:
+            self.rebuild_catalog()
+
+    def advertised_capabilities(self) -> dict[str, Any]:
+        """A fixed set from the gateway's own features, not the union of what runs right now."""
+        return {
+            "tools": {"listChanged": True},
+            "prompts": {"listChanged": True},
+            "resources": {"subscribe": True, "listChanged": True},
+            "logging": {},
+            "completions": {},
+        }
+
+    def backend_for_uri(self, uri: str) -> Backend:
+        name = self.catalog.route_resource(uri)
+        if name is None:
+            candidates = [b for b in self.backends.values() if b.lists.resources or b.lists.templates]
+            if len(candidates) != 1:
+                raise errors.ResourceNotFound(f"resource {uri!r} not found", uri=uri)
+            return candidates[0]
+        return self.backends[name]
+
+    async def authorize(self, session: ClientSession, tool: str, arguments: Any) -> None:
+        await self.policy.authorize(session, tool, self.catalog.tool_defs.get(tool, {}), arguments)
+
+    # ---- fan-out ----------------------------------------------------------------------------
+
+    def broadcast(self, method: str, params: Raw | UnsetType = UNSET) -> None:
+        data = jsonrpc.encode_notification(method, params)
+        for session in list(self.sessions):
+            if session.initialized:
+                session.send(data)
+
+    def on_resource_updated(self, instance: Instance, params: Raw | UnsetType) -> None:
+        try:
+            uri = msgspec.json.decode(jsonrpc.params_dict(params)["uri"])
+        except (KeyError, errors.GatewayError, msgspec.DecodeError):
+            return
+        if not isinstance(uri, str):
+            return
+        data = jsonrpc.encode_notification("notifications/resources/updated", params)
+        targets: set[ClientSession] = set()
+        for sub, holders in instance.backend.subscriptions.items():
+            if uri == sub or uri.startswith(sub.rstrip("/") + "/"):
+                targets |= holders
+        for session in targets:
+            session.send(data)
+
+    def on_log_message(self, instance: Instance, params: Raw | UnsetType) -> None:
+        try:
+            level = msgspec.json.decode(jsonrpc.params_dict(params)["level"])
+        except (KeyError, errors.GatewayError, msgspec.DecodeError):
+            return
+        rank = mcp.LOG_RANK.get(level) if isinstance(level, str) else None
+        if rank is None:
+            return
+        data = jsonrpc.encode_notification("notifications/message", params)
+        for session in list(self.sessions):
+            if session.log_level is not None and rank >= mcp.LOG_RANK[session.log_level]:
+                session.send(data)
+
+    def on_elicitation_complete(self, instance: Instance, params: Raw | UnsetType) -> None:
+        try:
+            eid = msgspec.json.decode(jsonrpc.params_dict(params)["elicitationId"])
+        except (KeyError, errors.GatewayError, msgspec.DecodeError):
+            return
+        owner = self.ownership.elicitation_owner(eid) if isinstance(eid, str) else None
+        if owner is not None:
+            owner.notify("notifications/elicitation/complete", params)
+
+    def wanted_log_level(self, backend: str) -> str | None:
+        levels = [s.log_level for s in self.sessions if s.log_level is not None]
+        return min(levels, key=mcp.LOG_RANK.__getitem__) if levels else None
+
+    def log_levels_changed(self) -> None:
+        level = self.wanted_log_level("")
+        if self._nursery is None:
+            return
+        for backend in self.backends.values():
+            if self._levels.get(backend.name) != level and level is not None:
+                self._levels[backend.name] = level
+                self._nursery.start_soon(self._set_level, backend, level)
+
+    async def _set_level(self, backend: Backend, level: str) -> None:
+        for inst in backend.instances:
+            child = inst.child
+            if child is None or "logging" not in child.server_capabilities:
+                continue
+            try:
+                await child.request("logging/setLevel", jsonrpc.encode_dict({"level": level}),
+                                    timeout=backend.cfg.request_timeout, internal=True)
+            except errors.GatewayError as exc:
+                LOGGER.info("backend %s: logging/setLevel failed: %s", inst.name, exc)
+
+    # ---- server→client requests ---------------------------------------------------------------
+
+    async def on_server_request(self, instance: Instance, child: ChildConnection, id: int | str,
+                                method: str, params: Raw | UnsetType) -> None:
+        await self.ownership.route(instance, child, id, method, params)
+
+    def on_server_request_cancelled(self, instance: Instance, child: ChildConnection,
+                                    request_id: int | str) -> None:
+        self.ownership.child_cancelled(instance, child, request_id)
+
+    def on_instance_down(self, instance: Instance, child: ChildConnection) -> None:
+        self.ownership.child_down(instance, child)
+
+    def roots_changed(self, session: ClientSession) -> None:
+        pass  # roots are answered from config in shared/affine mode
+
+    async def session_closed(self, session: ClientSession) -> None:
+        self.ownership.forget_session(session)
+        for backend in list(self.backends.values()):
+            await backend.drop_session(session)
+
+    # ---- status -----------------------------------------------------------------------------
+
+    def status(self) -> GatewayStatus:
+        now = trio.current_time()
+        backends = []
+        for name, b in self.backends.items():
+            instances = tuple(
+                InstanceStatus(
+                    name=i.name,
+                    state=i.state.value,
+                    pid=i.proc.pid if i.proc is not None and i.proc.returncode is None else None,
+                    restarts=max(0, i.sup.starts - 1),
+                    uptime=i.sup.uptime(now),
+                    last_exit=i.last_exit,
+                    stderr_tail=i.crash_stderr,
+                    inflight=len(i.child.pending) if i.child is not None else 0,
+                    owner=getattr(i.owner, "conn_id", None),
+                )
+                for i in b.instances
+            )
+            backends.append(BackendStatus(name, b.cfg.required, b.cfg.sharing, instances, len(b.lists.tools),
+                                          len(b.lists.prompts), len(b.lists.resources), len(b.lists.templates)))
+        connections: dict[str, int] = {}
+        for s in self.sessions:
+            connections[s.transport] = connections.get(s.transport, 0) + 1
+        return GatewayStatus(
+            version=__version__,
+            backends=tuple(backends),
+            connections=connections,
+            listeners_bound=self.listeners_bound,
+            draining=self.draining,
+            pending_server_requests=len(self.ownership.pending) + self.policy.pending_count(),
+        )
+
+
+__all__ = ["CatalogConflict", "Hub"]

@@ -1,0 +1,207 @@
+"""Server→client requests from backends reach only their owner.
+
+Theory of operation (ARCHITECTURE §4, §10): legacy stdio carries no field saying which call
+caused a child's ``elicitation/create`` / ``sampling/createMessage`` / ``roots/list``.  The
+gateway attributes the request only when every call in the child's attribution set belongs to
+one connection; otherwise it fails closed — answers the child itself, logs and counts it.
+
+``decide()`` is pure: it takes the facts and returns what to do.  ``route()`` acts on it:
+forwards to the owner under an id minted for that connection, pauses the owner's call timeouts
+meanwhile, and ends the request exactly once on whichever comes first: the owner's answer, the
+child cancelling it, the causing call finishing, the owner disconnecting, the child restarting,
+or the gateway draining.  What the child is told on each path:
+
+===================  ======================================  ==========================
+path                 toward the child                         toward the owner
+===================  ======================================  ==========================
+answered / error     the owner's result / error               —
+owner gone, drain    elicitation ``cancel``; others -32007     —
+child cancelled it   nothing                                   ``notifications/cancelled``
+call finished first  nothing                                   ``notifications/cancelled``
+child restarted      nothing (the child is gone)               ``notifications/cancelled``
+===================  ======================================  ==========================
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import trio
+from msgspec import UNSET, Raw, UnsetType
+
+from gateway import errors
+from gateway.events import EventBus, ServerRequestFinished, ServerRequestRefused, ServerRequestRouted
+from gateway.protocol import jsonrpc
+
+if TYPE_CHECKING:
+    from gateway.backend.child import ChildConnection
+    from gateway.backend.instance import Instance
+    from gateway.session import ClientSession, ServerRequest
+
+LOGGER = logging.getLogger(__name__)
+
+DECLINE = Raw(b'{"action":"decline"}')
+CANCEL = Raw(b'{"action":"cancel"}')
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """Answer the child directly: a result or an error."""
+
+    result: Raw | None = None
+    code: int = 0
+    message: str = ""
+    reason: str = ""  # why the gateway answered itself (for the refusal event), "" if not refused
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    owner: ClientSession
+
+
+def refusal(method: str, reason: str, message: str) -> Answer:
+    if method == "elicitation/create":
+        return Answer(result=DECLINE, reason=reason, message=message)
+    return Answer(code=errors.UNROUTABLE, message=message, reason=reason)
+
+
+def decide(
+    method: str,
+    params: dict[str, Any],
+    *,
+    sharing: str,
+    config_roots: list[str],
+    owners: set[ClientSession],
+    declared: frozenset[str],
+) -> Answer | Forward:
+    """What to do with a child's server→client request (pure)."""
+    if method == "roots/list" and sharing != "per-session":
+        return Answer(result=jsonrpc.encode_dict({"roots": [{"uri": r} for r in config_roots]}))
+    capability = {"elicitation/create": "elicitation", "sampling/createMessage": "sampling",
+                  "roots/list": "roots"}.get(method)
+    if capability is None:
+        return Answer(code=errors.METHOD_NOT_FOUND, message=f"method {method!r} is not supported by the gateway")
+    if capability not in declared:
+        return Answer(code=errors.METHOD_NOT_FOUND,
+                      message=f"the gateway did not declare the {capability} capability to this backend")
+    if not owners:
+        if method == "roots/list":
+            return Answer(result=jsonrpc.encode_dict({"roots": [{"uri": r} for r in config_roots]}))
+        return refusal(method, "no_call_in_flight",
+                       f"{method} refused: no client call is in flight on this backend")
+    if len(owners) > 1:
+        return refusal(method, "unattributable",
+                       f"{method} refused: calls of {len(owners)} connections are in flight, "
+                       "the requesting one cannot be proven (use sharing = \"affine\" or \"per-session\")")
+    (owner,) = owners
+    if not owner.caps.allows(method, params):
+        if method == "elicitation/create" and owner.caps.has_capability(method):
+            mode = params.get("mode", "form")
+            return Answer(code=errors.INVALID_PARAMS, reason="no_capability",
+                          message=f"the client did not declare elicitation mode {mode!r}")
+        return Answer(code=errors.UNROUTABLE, reason="no_capability",
+                      message=f"the calling client did not declare the {capability} capability")
+    return Forward(owner)
+
+
+class Ownership:
+    """Pending server→client requests of every instance, keyed by (instance, generation, child id)."""
+
+    def __init__(self, bus: EventBus) -> None:
+        self._bus = bus
+        self.pending: dict[tuple[str, int, int | str], tuple[ClientSession, ServerRequest]] = {}
+        self.elicitations: dict[str, ClientSession] = {}  # URL-mode elicitationId -> owner
+
+    async def route(self, inst: Instance, child: ChildConnection, child_id: int | str,
+                    method: str, params: Raw | UnsetType) -> None:
+        backend = inst.backend
+        try:
+            fields: dict[str, Any] = msgspec.json.decode(params) if params is not UNSET else {}
+            if not isinstance(fields, dict):
+                raise ValueError
+        except (msgspec.DecodeError, ValueError):
+            await child.respond_error(child_id, errors.INVALID_PARAMS, "params must be an object")
+            return
+        decision = decide(method, fields, sharing=backend.cfg.sharing, config_roots=backend.cfg.roots,
+                          owners=child.attribution(), declared=backend.declared)
+        if isinstance(decision, Answer):
+            if decision.reason and decision.reason != "":
+                LOGGER.warning("backend %s: %s", inst.name, decision.message)
+                self._bus.emit(ServerRequestRefused(backend.name, method, decision.reason))
+            if decision.result is not None:
+                await child.respond(child_id, decision.result)
+            else:
+                await child.respond_error(child_id, decision.code, decision.message,
+                                          {"reason": decision.reason} if decision.reason else None)
+            return
+        await self._forward(inst, child, child_id, method, fields, decision.owner)
+
+    async def _forward(self, inst: Instance, child: ChildConnection, child_id: int | str,
+                       method: str, fields: dict[str, Any], owner: ClientSession) -> None:
+        backend = inst.backend.name
+        if method == "sampling/createMessage":
+            fields = {**fields, "includeContext": "none"}  # one client's context must not leak
+        key = (inst.name, child.generation, child_id)
+        req = owner.open_request(method, fields)
+        self.pending[key] = (owner, req)
+        elicitation_id = fields.get("elicitationId") if method == "elicitation/create" else None
+        if isinstance(elicitation_id, str):
+            self.elicitations[elicitation_id] = owner
+        self._bus.emit(ServerRequestRouted(backend, method, owner.conn_id))
+        paused = child.calls_of(owner)
+        for call in paused:
+            call.pause()
+        try:
+            await req.done.wait()
+        finally:
+            for call in paused:
+                call.resume()
+            self.pending.pop(key, None)
+            if req.outcome is None:  # cancelled from outside (gateway shutdown)
+                owner.cancel_request(req, "shutdown", "the gateway is shutting down")
+        self._bus.emit(ServerRequestFinished(backend, method, req.outcome or "shutdown",
+                                             trio.current_time() - req.started))
+        with trio.CancelScope(shield=True), trio.move_on_after(5):
+            if req.outcome == "answered":
+                assert req.result is not None
+                await child.respond(child_id, req.result)
+            elif req.outcome == "error":
+                assert req.error is not None
+                e = req.error
+                await child.respond_error(child_id, e.code, e.message, None if e.data is UNSET else e.data)
+            elif req.outcome in ("owner_gone", "shutdown", "timeout"):
+                if method == "elicitation/create":
+                    await child.respond(child_id, CANCEL)
+                else:
+                    await child.respond_error(child_id, errors.UNROUTABLE, f"{method}: the client went away",
+                                              {"reason": req.outcome})
+            # child_cancelled / call_finished / child_restarted: the child expects nothing
+
+    def child_cancelled(self, inst: Instance, child: ChildConnection, child_id: int | str) -> None:
+        entry = self.pending.get((inst.name, child.generation, child_id))
+        if entry is not None:
+            owner, req = entry
+            owner.cancel_request(req, "cancelled", "cancelled by the backend")
+
+    def call_finished(self, child: ChildConnection, inst: Instance, owner: ClientSession) -> None:
+        """A call of ``owner`` ended: prompts of a child with no call of that owner left end too."""
+        if child.calls_of(owner):
+            return
+        for (name, gen, _cid), (o, req) in list(self.pending.items()):
+            if o is owner and name == inst.name and gen == child.generation:
+                owner.cancel_request(req, "call_finished", "the call that caused this request has ended")
+
+    def child_down(self, inst: Instance, child: ChildConnection) -> None:
+        for (name, gen, _cid), (owner, req) in list(self.pending.items()):
+            if name == inst.name and gen == child.generation:
+                owner.cancel_request(req, "child_restarted", "the backend exited")
+
+    def elicitation_owner(self, elicitation_id: str) -> ClientSession | None:
+        return self.elicitations.get(elicitation_id)
+
+    def forget_session(self, session: ClientSession) -> None:
+        for eid in [e for e, s in self.elicitations.items() if s is session]:
+            del self.elicitations[eid]

@@ -1,0 +1,1 @@
+"""Sans-IO protocol core: pure functions and data, never trio (a test enforces it)."""

@@ -1,0 +1,61 @@
+"""Newline-delimited JSON framing (the stdio transport, and the gateway's unix socket).
+
+``LineFramer.feed(data)`` returns the complete frames in ``data`` (without the newline; blank
+lines and a trailing ``\\r`` are dropped).  A frame that grows past ``max_frame`` bytes is not
+buffered: the framer yields one :class:`Oversize` marker for it and discards its bytes up to the
+next newline, so a peer that sends one huge line cannot make the gateway buffer it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Oversize:
+    size: int  # bytes seen when the frame crossed the limit (at least limit + 1)
+
+
+class LineFramer:
+    def __init__(self, max_frame: int) -> None:
+        self._max = max_frame
+        self._buf = bytearray()
+        self._discarding = False
+
+    def feed(self, data: bytes) -> list[bytes | Oversize]:
+        out: list[bytes | Oversize] = []
+        start = 0
+        while True:
+            nl = data.find(b"\n", start)
+            if nl < 0:
+                break
+            chunk = data[start:nl]
+            start = nl + 1
+            if self._discarding:
+                self._discarding = False
+                continue
+            if self._buf:
+                self._buf += chunk
+                frame = bytes(self._buf)
+                self._buf.clear()
+            else:
+                frame = chunk
+            if len(frame) > self._max:
+                out.append(Oversize(len(frame)))
+                continue
+            if frame.endswith(b"\r"):
+                frame = frame[:-1]
+            if frame.strip():
+                out.append(frame)
+        rest = data[start:]
+        if rest and not self._discarding:
+            self._buf += rest
+            if len(self._buf) > self._max:
+                out.append(Oversize(len(self._buf)))
+                self._buf.clear()
+                self._discarding = True
+        return out
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)

@@ -1,0 +1,190 @@
+"""JSON-RPC 2.0 envelopes, decoded once at the edge.
+
+Theory of operation: a message is decoded into an :class:`Envelope` whose ``params``,
+``result`` and ``error`` stay :class:`msgspec.Raw` (the bytes as received), so payloads pass
+through the gateway byte for byte.  ``id`` distinguishes *absent* (``UNSET``: a notification)
+from ``null``.  :func:`classify` turns an envelope into one of four kinds or raises
+:class:`~gateway.errors.InvalidRequest`.  Only the few methods the gateway inspects decode their
+params further (``gateway.protocol.mcp``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+from msgspec import UNSET, Raw, UnsetType
+
+from gateway.errors import InvalidRequest, ParseError
+
+RequestId = int | str
+
+
+class ErrorObject(msgspec.Struct, omit_defaults=True):
+    code: int
+    message: str
+    data: Any = UNSET
+
+
+class Envelope(msgspec.Struct, omit_defaults=True):
+    """Any JSON-RPC 2.0 message. Unknown top-level keys are ignored."""
+
+    jsonrpc: str = ""
+    id: int | str | None | UnsetType = UNSET
+    method: str | UnsetType = UNSET
+    params: Raw | UnsetType = UNSET
+    result: Raw | UnsetType = UNSET
+    error: ErrorObject | UnsetType = UNSET
+
+
+class _Request(msgspec.Struct, omit_defaults=True):
+    jsonrpc: str
+    id: int | str
+    method: str
+    params: Raw | UnsetType = UNSET
+
+
+class _Notification(msgspec.Struct, omit_defaults=True):
+    jsonrpc: str
+    method: str
+    params: Raw | UnsetType = UNSET
+
+
+class _Result(msgspec.Struct):
+    jsonrpc: str
+    id: int | str
+    result: Raw
+
+
+class _Error(msgspec.Struct):
+    jsonrpc: str
+    id: int | str | None
+    error: ErrorObject
+
+
+_decoder = msgspec.json.Decoder(Envelope)
+_batch_decoder = msgspec.json.Decoder(list[Envelope])
+_raw_list_decoder = msgspec.json.Decoder(list[Raw])
+_encoder = msgspec.json.Encoder()
+_dict_decoder = msgspec.json.Decoder(dict[str, Raw])
+
+Kind = Literal["request", "notification", "response", "error"]
+
+
+def is_batch(data: bytes) -> bool:
+    """True when ``data`` is a JSON array (a batch), judged by its first non-blank byte."""
+    stripped = data.lstrip()
+    return stripped[:1] == b"["
+
+
+def decode(data: bytes) -> Envelope:
+    """Decode one JSON-RPC message.
+
+    Raises:
+        ParseError: ``data`` is not JSON.
+        InvalidRequest: JSON, but not a JSON-RPC 2.0 message (wrong types, bool ids, …).
+    """
+    try:
+        env = _decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"invalid JSON-RPC message: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ParseError(f"parse error: {exc}") from None
+    if env.jsonrpc != "2.0":
+        raise InvalidRequest('invalid JSON-RPC message: "jsonrpc" must be "2.0"', id=_safe_id(env))
+    return env
+
+
+def split_batch(data: bytes) -> list[Raw]:
+    """Split a JSON array into its elements (each decoded later by :func:`decode`)."""
+    try:
+        return _raw_list_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise ParseError(f"parse error: {exc}") from None
+
+
+def _safe_id(env: Envelope) -> int | str | None:
+    return env.id if isinstance(env.id, int | str) else None
+
+
+def classify(env: Envelope) -> Kind:
+    """The kind of a decoded message.
+
+    Raises:
+        InvalidRequest: an ``id: null`` request, a message with both method and result, etc.
+    """
+    if env.method is not UNSET:
+        if env.result is not UNSET or env.error is not UNSET:
+            raise InvalidRequest("a message cannot carry both a method and a result or error")
+        if env.id is UNSET:
+            return "notification"
+        if env.id is None:
+            raise InvalidRequest("request id must be a string or an integer, not null")
+        return "request"
+    if env.id is UNSET:
+        raise InvalidRequest("message has neither a method nor an id")
+    if env.result is not UNSET and env.error is UNSET:
+        if env.id is None:
+            raise InvalidRequest("a result must carry the id of its request")
+        return "response"
+    if env.error is not UNSET and env.result is UNSET:
+        return "error"
+    raise InvalidRequest("a response must carry exactly one of result and error")
+
+
+# ---- encoding -----------------------------------------------------------------------------
+
+
+def encode_request(id: RequestId, method: str, params: Raw | bytes | UnsetType = UNSET) -> bytes:
+    if isinstance(params, bytes):
+        params = Raw(params)
+    return _encoder.encode(_Request("2.0", id, method, params))
+
+
+def encode_notification(method: str, params: Raw | bytes | UnsetType = UNSET) -> bytes:
+    if isinstance(params, bytes):
+        params = Raw(params)
+    return _encoder.encode(_Notification("2.0", method, params))
+
+
+def encode_result(id: RequestId, result: Raw | bytes) -> bytes:
+    if isinstance(result, bytes):
+        result = Raw(result)
+    return _encoder.encode(_Result("2.0", id, result))
+
+
+def encode_error(id: RequestId | None, code: int, message: str, data: Any = UNSET) -> bytes:
+    if data is None:
+        data = UNSET
+    return _encoder.encode(_Error("2.0", id, ErrorObject(code, message, data)))
+
+
+def encode(obj: Any) -> bytes:
+    """Encode any msgspec-encodable value as JSON."""
+    return _encoder.encode(obj)
+
+
+def params_dict(params: Raw | UnsetType) -> dict[str, Raw]:
+    """Decode the top level of ``params`` (values stay Raw).  Absent params → ``{}``.
+
+    Raises:
+        InvalidRequest: ``params`` is not a JSON object.
+    """
+    if params is UNSET or not params:
+        return {}
+    try:
+        return _dict_decoder.decode(params)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        raise InvalidRequest("params must be a JSON object") from None
+
+
+def raw_dict(raw: Raw) -> dict[str, Raw]:
+    """Decode the top level of a JSON object held as Raw; values stay Raw."""
+    return _dict_decoder.decode(raw)
+
+
+def encode_dict(d: dict[str, Raw | Any]) -> Raw:
+    return Raw(_encoder.encode(d))
+
+
+EMPTY_RESULT = Raw(b"{}")

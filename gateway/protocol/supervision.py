@@ -1,0 +1,136 @@
+"""Backend instance lifecycle as a pure state machine (no clock, no I/O).
+
+States (after supervisord)::
+
+    STOPPED ──start──► STARTING ──ready──► RUNNING ◄──healthy── UNHEALTHY
+                          │                  │  └──missed ping──►──┘
+                          │ exited/failed    │ exited / health restart
+                          ▼                  ▼
+                 BACKOFF (delay) or FATAL (crash loop) ; BACKOFF ──retry──► STARTING
+    any live state ──stop──► STOPPING ──stopped──► STOPPED ;  FATAL ──start──► STARTING
+
+Every operation is guarded by the states it allows; an illegal one raises
+:class:`IllegalTransition` (a bug, never a runtime condition).  The caller passes ``now`` (from
+``trio.current_time()``) and the random jitter source, so the policy is tested with plain numbers
+and with trio's ``MockClock``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass
+from enum import Enum
+
+
+class State(str, Enum):
+    STOPPED = "STOPPED"
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    UNHEALTHY = "UNHEALTHY"
+    BACKOFF = "BACKOFF"
+    FATAL = "FATAL"
+    STOPPING = "STOPPING"
+
+
+LIVE = frozenset({State.STARTING, State.RUNNING, State.UNHEALTHY, State.BACKOFF, State.FATAL})
+
+#: A run at least this long resets the consecutive-failure count (and so the backoff delay).
+STABLE_AFTER = 10.0
+
+
+class IllegalTransition(Exception):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class RestartPolicy:
+    backoff_initial: float = 0.1
+    backoff_max: float = 30.0
+    max_restarts: int = 5
+    window: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    old: State
+    new: State
+    reason: str
+    delay: float | None = None  # BACKOFF: seconds until the next start
+
+
+class Supervision:
+    def __init__(self, policy: RestartPolicy, rng: random.Random | None = None) -> None:
+        self.policy = policy
+        self.state = State.STOPPED
+        self._rng = rng or random.Random()
+        self._failures: deque[float] = deque()  # times of unexpected exits within the window
+        self._consecutive = 0
+        self._running_since: float | None = None
+        self.starts = 0
+
+    def _go(self, new: State, reason: str, delay: float | None = None) -> Transition:
+        t = Transition(self.state, new, reason, delay)
+        self.state = new
+        return t
+
+    def _require(self, op: str, *allowed: State) -> None:
+        if self.state not in allowed:
+            raise IllegalTransition(f"{op} in state {self.state.value}")
+
+    def start(self, reason: str = "start") -> Transition:
+        self._require("start", State.STOPPED, State.BACKOFF, State.FATAL)
+        if self.state is State.FATAL:
+            self._failures.clear()
+            self._consecutive = 0
+        self.starts += 1
+        return self._go(State.STARTING, reason)
+
+    def ready(self, now: float) -> Transition:
+        self._require("ready", State.STARTING)
+        self._running_since = now
+        return self._go(State.RUNNING, "ready")
+
+    def missed_ping(self) -> Transition:
+        self._require("missed_ping", State.RUNNING, State.UNHEALTHY)
+        return self._go(State.UNHEALTHY, "ping missed")
+
+    def healthy(self) -> Transition:
+        self._require("healthy", State.UNHEALTHY)
+        return self._go(State.RUNNING, "ping answered")
+
+    def exited(self, now: float, reason: str) -> Transition:
+        """The child died (or was restarted for health) unexpectedly: BACKOFF or FATAL."""
+        self._require("exited", State.STARTING, State.RUNNING, State.UNHEALTHY)
+        if self._running_since is not None and now - self._running_since >= STABLE_AFTER:
+            self._consecutive = 0
+        self._running_since = None
+        self._failures.append(now)
+        while self._failures and self._failures[0] <= now - self.policy.window:
+            self._failures.popleft()
+        self._consecutive += 1
+        if len(self._failures) > self.policy.max_restarts:
+            return self._go(
+                State.FATAL,
+                f"{reason}; {len(self._failures)} failures within {self.policy.window:g}s",
+            )
+        base = min(
+            self.policy.backoff_max,
+            self.policy.backoff_initial * 2 ** (self._consecutive - 1),
+        )
+        delay = base * (0.5 + 0.5 * self._rng.random())  # jitter in [base/2, base]
+        return self._go(State.BACKOFF, reason, delay)
+
+    def stop(self, reason: str = "stop") -> Transition:
+        self._require("stop", *LIVE)
+        self._running_since = None
+        return self._go(State.STOPPING, reason)
+
+    def stopped(self) -> Transition:
+        self._require("stopped", State.STOPPING)
+        return self._go(State.STOPPED, "stopped")
+
+    def uptime(self, now: float) -> float | None:
+        if self.state in (State.RUNNING, State.UNHEALTHY) and self._running_since is not None:
+            return now - self._running_since
+        return None

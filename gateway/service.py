@@ -1,0 +1,315 @@
+"""The daemon: wires config, hub, listeners, admin, systemd and signals into one nursery tree.
+
+Nurseries nest by lifetime (outermost lives longest): observability (admin, watchdog, lag
+probe) → hub (backends) → connections (``handler_nursery``) → listeners.  Stopping to accept
+cancels only the listeners; live connections drain until ``drain_grace`` and are then closed;
+backends stop last, in the spec's order, and every child is reaped before ``run`` returns.
+
+Signals are received from the moment ``run`` starts (before ``READY=1``): SIGHUP reloads,
+SIGTERM/SIGINT drain.  Tests drive the same paths through :class:`Control`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from dataclasses import dataclass, field
+
+import trio
+
+from gateway import __version__, config, connection
+from gateway.backend import process
+from gateway.config import GatewayConfig
+from gateway.errors import ConfigError
+from gateway.events import EventBus, ReloadFinished
+from gateway.hub import Hub
+from gateway.ops import systemd
+from gateway.ops.admin import serve_admin
+from gateway.ops.metrics import GatewayMetrics
+from gateway.protocol.catalog import CatalogConflict
+from gateway.protocol.supervision import State
+from gateway.transports import listeners as ls
+from gateway.transports.lines import LineStream
+from gateway.transports.websocket import serve_websocket
+
+LOGGER = logging.getLogger(__name__)
+
+#: After the drain grace, closing the remaining connections may take this long.
+CLOSE_TIMEOUT = 3.0
+
+
+class StartupError(Exception):
+    """The daemon cannot start (message says why and how to fix it)."""
+
+
+@dataclass
+class Bound:
+    """Where the daemon listens (ports resolved, for tests binding port 0)."""
+
+    websocket_port: int | None = None
+    unix_path: str | None = None
+    admin_port: int | None = None
+
+
+@dataclass
+class Control:
+    """Reload/stop triggers, fed by signals in production and by tests directly."""
+
+    send: trio.MemorySendChannel[str] = field(init=False)
+    receive: trio.MemoryReceiveChannel[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.send, self.receive = trio.open_memory_channel[str](16)
+
+    def reload(self) -> None:
+        self.send.send_nowait("reload")
+
+    def stop(self) -> None:
+        self.send.send_nowait("stop")
+
+
+def _status_line(hub: Hub) -> str:
+    st = hub.status()
+    up = sum(1 for b in st.backends if any(i.state == "RUNNING" for i in b.instances))
+    clients = sum(st.connections.values())
+    return f"STATUS={'draining' if st.draining else 'serving'}; {up}/{len(st.backends)} backends up; {clients} clients"
+
+
+async def _signals(control: Control, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        task_status.started()
+        async for signum in signals:
+            control.send.send_nowait("reload" if signum == signal.SIGHUP else "stop")
+
+
+async def run(
+    cfg: GatewayConfig,
+    *,
+    config_path: str | None = None,
+    control: Control | None = None,
+    handle_signals: bool = False,
+    subreaper: bool = False,
+    task_status: trio.TaskStatus[Bound] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run the gateway until stopped.
+
+    Args:
+        cfg: the validated configuration.
+        config_path: re-read on reload (without it, reload keeps the running config).
+        control: reload/stop triggers (created when not given).
+        handle_signals: receive SIGHUP/SIGTERM/SIGINT (the ``mcp-gateway run`` daemon).
+        subreaper: become a child subreaper and reap orphaned backend descendants.
+        task_status: reports :class:`Bound` once listeners are bound and required backends run.
+
+    Raises:
+        StartupError: listeners cannot be bound, a required backend fails, a name conflict or
+            a sensitive tool without a policy rule.
+    """
+    control = control or Control()
+    if subreaper:
+        process.become_subreaper()
+    bus = EventBus()
+    hub = Hub(cfg, bus, subreaper=subreaper)
+    metrics = GatewayMetrics(bus, hub.status, version=__version__)
+    fds = {name: fd for fd, name in systemd.listen_fds_with_names().items()}
+    bound = Bound()
+    async with trio.open_nursery() as outer:
+        if handle_signals:
+            await outer.start(_signals, control)
+        outer.start_soon(systemd.run_watchdog)
+        outer.start_soon(metrics.run_lag_probe)
+        if cfg.admin.listen is not None or "admin" in fds:
+            admin_listeners = await _admin_listeners(cfg, fds)
+            await outer.start(serve_admin, admin_listeners, metrics, hub.status)
+            bound.admin_port = ls.bound_port(admin_listeners)
+        try:
+            async with trio.open_nursery() as hub_nursery:
+                await hub_nursery.start(hub.run)
+                await _wait_for_backends(hub, cfg)
+                _boot_checks(hub)
+                async with trio.open_nursery() as conns:
+                    accept = trio.CancelScope()
+                    await conns.start(_serve_listeners, hub, cfg, fds, conns, accept, bound)
+                    hub.listeners_bound = True
+                    systemd.notify("READY=1", _status_line(hub))
+                    LOGGER.info("mcp-gateway %s ready: websocket port %s, unix %s, admin port %s",
+                                __version__, bound.websocket_port, bound.unix_path, bound.admin_port)
+                    task_status.started(bound)
+                    await _control_loop(hub, control, config_path)
+                    await _drain(hub, cfg, accept, conns)
+                await hub.stop_backends()
+                hub_nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                if hub.backends:
+                    with trio.move_on_after(15):
+                        await hub.stop_backends()
+                hub.reap()
+            metrics.close()
+            outer.cancel_scope.cancel()
+    LOGGER.info("mcp-gateway stopped")
+
+
+async def _admin_listeners(cfg: GatewayConfig, fds: dict[str, int]) -> list[trio.SocketListener]:
+    if "admin" in fds:
+        listener = systemd.adopt_listener(fds["admin"])
+        if not cfg.admin.allow_non_loopback:
+            try:
+                ls.check_loopback(listener, "admin socket from systemd")
+            except ls.ListenerError as exc:
+                raise StartupError(f"{exc}; set admin.allow_non_loopback = true to allow it") from None
+        return [listener]
+    assert cfg.admin.listen is not None
+    host, port = config.parse_host_port(cfg.admin.listen)
+    try:
+        listeners = await trio.open_tcp_listeners(port, host=host)
+    except OSError as exc:
+        raise StartupError(f"admin.listen: cannot listen on {cfg.admin.listen}: {exc.strerror or exc}") from None
+    return listeners
+
+
+async def _wait_for_backends(hub: Hub, cfg: GatewayConfig) -> None:
+    """Wait for the first start of every backend; a required one that cannot start fails boot."""
+    longest = max((b.start_timeout for b in cfg.backends.values()), default=1.0)
+    await hub.wait_started(longest + 1.0)
+    for name, b in cfg.backends.items():
+        if not b.required:
+            continue
+        inst = hub.backends[name].instances[0]
+        while inst.state not in (State.RUNNING, State.FATAL):
+            await inst._state_changed.wait()
+        if inst.state is State.FATAL:
+            raise StartupError(
+                f"required backend {name!r} failed to start: {inst.last_exit}; "
+                + (" | ".join(inst.crash_stderr[-3:]) or "no stderr output")
+            )
+
+
+def _boot_checks(hub: Hub) -> None:
+    try:
+        hub.rebuild_catalog(strict=True)
+    except CatalogConflict as exc:
+        raise StartupError(str(exc)) from None
+    unruled = hub.policy.unruled_sensitive()
+    if unruled:
+        raise StartupError(
+            f"sensitive tool(s) {', '.join(unruled)} (destructiveHint or listed as sensitive) have "
+            "no [policy] rule naming them; add e.g. [[policy.rules]] match = \""
+            f"{unruled[0]}\" action = \"ask\" (or \"allow\"/\"deny\")"
+        )
+
+
+async def _serve_listeners(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio.Nursery,
+                           accept: trio.CancelScope, bound: Bound,
+                           task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    max_msg = cfg.gateway.max_message_bytes
+    with accept:
+        async with trio.open_nursery() as nursery:
+            if "websocket" in fds or cfg.listen.websocket is not None:
+                if "websocket" in fds:
+                    ws_listeners = [systemd.adopt_listener(fds["websocket"])]
+                    try:
+                        ls.check_loopback(ws_listeners[0], "websocket socket from systemd")
+                    except ls.ListenerError as exc:
+                        raise StartupError(str(exc)) from None
+                else:
+                    assert cfg.listen.websocket is not None
+                    host, port = config.parse_host_port(cfg.listen.websocket)
+                    try:
+                        ws_listeners = await ls.open_tcp(host, port, "listen.websocket")
+                    except ls.ListenerError as exc:
+                        raise StartupError(str(exc)) from None
+                bound.websocket_port = ls.bound_port(ws_listeners)
+
+                async def on_ws(stream: connection.MessageStream) -> None:
+                    await connection.serve(hub, stream, "websocket")
+
+                await nursery.start(lambda task_status: serve_websocket(
+                    ws_listeners, on_ws, allowed_origins=cfg.listen.allowed_origins, max_message=max_msg,
+                    handler_nursery=conns, task_status=task_status))
+            if "unix" in fds or cfg.listen.unix is not None:
+                if "unix" in fds:
+                    unix_listener = systemd.adopt_listener(fds["unix"])
+                    bound.unix_path = str(unix_listener.socket.getsockname())
+                else:
+                    assert cfg.listen.unix is not None
+                    try:
+                        unix_listener = await ls.open_unix(cfg.listen.unix, int(cfg.listen.unix_mode, 8))
+                    except ls.ListenerError as exc:
+                        raise StartupError(str(exc)) from None
+                    bound.unix_path = cfg.listen.unix
+
+                async def on_unix(stream: trio.SocketStream) -> None:
+                    await connection.serve(hub, LineStream(stream, max_msg), "unix")
+
+                await nursery.start(lambda task_status: trio.serve_listeners(
+                    on_unix, [unix_listener], handler_nursery=conns, task_status=task_status))
+            task_status.started()
+
+
+async def _control_loop(hub: Hub, control: Control, config_path: str | None) -> None:
+    async for command in control.receive:
+        if command == "stop":
+            return
+        if command == "reload":
+            await reload(hub, config_path)
+
+
+async def reload(hub: Hub, config_path: str | None) -> bool:
+    """SIGHUP: re-read and validate, keep the old config on error, else apply the diff."""
+    systemd.notify("RELOADING=1", f"MONOTONIC_USEC={systemd.monotonic_usec()}", "STATUS=reloading")
+    try:
+        if config_path is None:
+            raise ConfigError(["no config file to reload from"])
+        with open(config_path, "rb") as f:
+            data = f.read()
+        new = config.load(data, base_dir=os.path.dirname(os.path.abspath(config_path)), check_commands=True)
+    except (OSError, ConfigError) as exc:
+        message = "; ".join(exc.errors) if isinstance(exc, ConfigError) else str(exc)
+        LOGGER.error("reload failed, keeping the running config: %s", message)
+        hub.bus.emit(ReloadFinished(False, message))
+        systemd.notify("READY=1", f"STATUS=reload failed: {message[:200]}")
+        return False
+    old = hub.cfg
+    added, removed, changed = config.diff_backends(old, new)
+    for section in config.restart_only_changes(old, new):
+        LOGGER.warning("reload: %s changed; that takes effect only after a restart", section)
+    hub.apply_config(new)
+    for name in removed + changed:
+        LOGGER.info("reload: stopping backend %s (%s)", name, "removed" if name in removed else "changed")
+        await hub.remove_backend(name)
+    for name in changed + added:
+        LOGGER.info("reload: starting backend %s", name)
+        await hub.add_backend(name, new.backends[name])
+    for name in new.backends:
+        if name not in changed and name not in added:
+            hub.backends[name].reset()  # unchanged but FATAL: try again
+    longest = max((new.backends[n].start_timeout for n in added + changed), default=0.0)
+    if added or changed:
+        await hub.wait_started(longest + 1.0)
+    hub.rebuild_catalog()
+    hub.bus.emit(ReloadFinished(True, None, tuple(added), tuple(removed), tuple(changed)))
+    LOGGER.info("reload done: added %s, removed %s, changed %s", added or "-", removed or "-", changed or "-")
+    systemd.notify("READY=1", _status_line(hub))
+    return True
+
+
+async def _drain(hub: Hub, cfg: GatewayConfig, accept: trio.CancelScope, conns: trio.Nursery) -> None:
+    """SIGTERM: stop accepting, let in-flight calls finish until the grace deadline, close."""
+    systemd.notify("STOPPING=1", "STATUS=draining")
+    LOGGER.info("draining: %d connections, grace %.0fs", len(hub.sessions), cfg.gateway.drain_grace)
+    hub.draining = True
+    accept.cancel()
+    hub.policy.end_all("shutdown")
+    for session in list(hub.sessions):
+        session.end_all_requests("shutdown")
+    with trio.move_on_after(cfg.gateway.drain_grace):
+        while any(s.inflight for s in hub.sessions):
+            await trio.sleep(0.05)
+    for session in list(hub.sessions):
+        session.close("shutdown")
+    with trio.move_on_after(CLOSE_TIMEOUT):
+        while hub.sessions:
+            await trio.sleep(0.02)
+    conns.cancel_scope.cancel()

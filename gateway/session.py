@@ -1,0 +1,178 @@
+"""One client connection: identity, negotiated state, outbound queue, its pending prompts.
+
+A :class:`ClientSession` is created by the hub for every accepted connection.  Its ``conn_id``
+is minted by the gateway (clients never choose it).  Everything sent to the client goes through
+:meth:`ClientSession.send`, which never blocks: the message is queued on a bounded channel that a
+writer task drains, and a client that lets the queue overflow is disconnected (reason
+``overflow``) instead of stalling a backend's reader.
+
+Server→client requests (a backend's elicitation, sampling, roots; the gateway's own consent
+prompts) are recorded in ``server_requests`` under ids minted for this connection only.  An
+answer is accepted only from this connection for an id it was sent; anything else is refused
+(:class:`~gateway.events.AnswerRefused`), except late answers to requests that already ended,
+which are dropped quietly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import trio
+from msgspec import UNSET, Raw, UnsetType
+
+from gateway import errors
+from gateway.protocol import jsonrpc, mcp
+
+LOGGER = logging.getLogger(__name__)
+
+_conn_counter = itertools.count(1)
+
+
+def mint_conn_id() -> str:
+    return f"c{next(_conn_counter)}-{secrets.token_hex(4)}"
+
+
+class ServerRequest:
+    """A request the gateway sent to this client and is waiting on (one owner, one answer)."""
+
+    __slots__ = ("done", "error", "id", "method", "on_end", "outcome", "params", "result", "started")
+
+    def __init__(self, id: str, method: str, params: Any) -> None:
+        self.id = id
+        self.method = method
+        self.params = params
+        self.done = trio.Event()
+        self.outcome: str | None = None  # answered | error | cancelled | owner_gone | timeout | shutdown
+        self.result: Raw | None = None
+        self.error: jsonrpc.ErrorObject | None = None
+        self.started = trio.current_time()
+        self.on_end: list[Callable[[ServerRequest], None]] = []
+
+    def finish(self, outcome: str, result: Raw | None = None, error: jsonrpc.ErrorObject | None = None) -> bool:
+        """Close the request; only the first call has an effect (exactly-once)."""
+        if self.done.is_set():
+            return False
+        self.outcome, self.result, self.error = outcome, result, error
+        self.done.set()
+        for cb in self.on_end:
+            cb(self)
+        return True
+
+
+class ClientSession:
+    def __init__(self, transport: str, *, outbound_capacity: int, max_inflight: int) -> None:
+        self.conn_id = mint_conn_id()
+        self.transport = transport
+        self.opened = trio.current_time()
+        self.initialized = False
+        self.protocol_version: str | None = None
+        self.caps = mcp.ClientCaps({})
+        self.client_info: dict[str, Any] = {}
+        self.log_level: str | None = None
+        self.max_inflight = max_inflight
+        self.inflight: dict[int | str, trio.CancelScope] = {}
+        self.server_requests: dict[str, ServerRequest] = {}
+        self._ended_ids: deque[str] = deque(maxlen=1024)
+        self._ids = itertools.count(1)
+        self._id_salt = secrets.token_hex(3)
+        self._send, self.outbound = trio.open_memory_channel[bytes](outbound_capacity)
+        self.closed = trio.Event()
+        self.close_reason = "client_closed"
+        self.cancel_scope: trio.CancelScope | None = None
+
+    def __repr__(self) -> str:
+        return f"<ClientSession {self.conn_id} {self.transport}>"
+
+    # ---- outbound ---------------------------------------------------------------------------
+
+    def send(self, data: bytes) -> bool:
+        """Queue one message for the client.  Never blocks; on overflow the connection is closed."""
+        if self.closed.is_set():
+            return False
+        try:
+            self._send.send_nowait(data)
+            return True
+        except trio.WouldBlock:
+            LOGGER.warning("connection %s: outbound queue full, disconnecting a slow client", self.conn_id)
+            self.close("overflow")
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        return False
+
+    def notify(self, method: str, params: Raw | bytes | UnsetType = UNSET) -> bool:
+        return self.send(jsonrpc.encode_notification(method, params))
+
+    def close(self, reason: str) -> None:
+        """End the connection (idempotent); the first reason given is the one recorded."""
+        if not self.closed.is_set():
+            self.close_reason = reason
+            self.closed.set()
+            if self.cancel_scope is not None:
+                self.cancel_scope.cancel()
+
+    # ---- server→client requests ---------------------------------------------------------------
+
+    def open_request(self, method: str, params: Any) -> ServerRequest:
+        """Record a request to this client and send it; the caller awaits ``req.done``."""
+        rid = f"gw-{self._id_salt}-{next(self._ids)}"
+        req = ServerRequest(rid, method, params)
+        self.server_requests[rid] = req
+        req.on_end.append(self._forget)
+        payload = params if isinstance(params, Raw) else jsonrpc.encode_dict(params)
+        self.send(jsonrpc.encode_request(rid, method, payload))
+        return req
+
+    def _forget(self, req: ServerRequest) -> None:
+        self.server_requests.pop(req.id, None)
+        self._ended_ids.append(req.id)
+
+    def cancel_request(self, req: ServerRequest, outcome: str, reason: str) -> None:
+        """End ``req`` without an answer and tell the client with ``notifications/cancelled``."""
+        if req.finish(outcome):
+            self.notify("notifications/cancelled", jsonrpc.encode_dict({"requestId": req.id, "reason": reason}))
+
+    def on_answer(self, env: jsonrpc.Envelope) -> str:
+        """A response from the client.  Returns ``accepted``, ``late`` or ``refused``."""
+        rid = env.id
+        req = self.server_requests.get(rid) if isinstance(rid, str) else None
+        if req is None:
+            if isinstance(rid, str) and rid in self._ended_ids:
+                return "late"
+            return "refused"
+        if env.error is not UNSET:
+            req.finish("error", error=env.error)
+        else:
+            assert isinstance(env.result, Raw)
+            req.finish("answered", result=env.result)
+        return "accepted"
+
+    def end_all_requests(self, outcome: str) -> None:
+        for req in list(self.server_requests.values()):
+            req.finish(outcome)
+
+    # ---- calls ------------------------------------------------------------------------------
+
+    def check_new_call(self, client_id: int | str) -> None:
+        if client_id in self.inflight:
+            raise errors.InvalidRequest(f"request id {client_id!r} is already in flight on this connection")
+        if len(self.inflight) >= self.max_inflight:
+            raise errors.Overloaded(
+                f"too many requests in flight on this connection (limit {self.max_inflight})",
+                limit=self.max_inflight,
+            )
+
+    def progress_callback(self) -> Callable[[Any, Raw], None]:
+        """Maps a child's progress notification back to this client's own token."""
+
+        def on_progress(client_token: Any, params: Raw) -> None:
+            fields = jsonrpc.raw_dict(params)
+            fields["progressToken"] = Raw(msgspec.json.encode(client_token))
+            self.notify("notifications/progress", jsonrpc.encode_dict(fields))
+
+        return on_progress

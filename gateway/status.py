@@ -1,0 +1,54 @@
+"""Point-in-time snapshots of the daemon for ``/status``, ``/readyz`` and gauge metrics.
+
+The hub builds a :class:`GatewayStatus` on demand (cheap: a walk over a few dicts); the admin
+endpoint serialises it and the metrics collector reads gauges from it at scrape time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceStatus:
+    name: str  # "time/0"
+    state: str  # STOPPED / STARTING / RUNNING / UNHEALTHY / BACKOFF / FATAL / STOPPING
+    pid: int | None
+    restarts: int  # starts after the first one
+    uptime: float | None  # seconds since RUNNING, None when not running
+    last_exit: str | None  # e.g. "crashed (exit code 1)"
+    stderr_tail: tuple[str, ...]  # last lines of stderr of the last crashed child
+    inflight: int  # calls waiting on this child (attribution set size)
+    owner: str | None = None  # per-session / affine: the conn id it serves
+
+
+@dataclass(frozen=True, slots=True)
+class BackendStatus:
+    name: str
+    required: bool
+    sharing: str
+    instances: tuple[InstanceStatus, ...]
+    tools: int
+    prompts: int
+    resources: int
+    templates: int
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayStatus:
+    version: str
+    backends: tuple[BackendStatus, ...]
+    connections: dict[str, int] = field(default_factory=dict)  # by transport
+    listeners_bound: bool = False
+    draining: bool = False
+    pending_server_requests: int = 0
+
+    @property
+    def ready(self) -> bool:
+        """Listeners bound, every required backend has a RUNNING instance, not draining."""
+        if not self.listeners_bound or self.draining:
+            return False
+        for backend in self.backends:
+            if backend.required and not any(i.state == "RUNNING" for i in backend.instances):
+                return False
+        return True

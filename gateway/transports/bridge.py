@@ -1,0 +1,61 @@
+"""``mcp-gateway connect``: a stdio bridge so stdio-only MCP clients can use the gateway.
+
+stdin lines go to the gateway, the gateway's messages come out on stdout, one per line.  A unix
+socket target speaks the same framing, so bytes are copied through untouched.  The bridge exits
+when either side closes.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import trio
+import trio_websocket
+
+from gateway.errors import MessageTooLarge, TransportClosed
+from gateway.transports.lines import LineStream
+from gateway.transports.websocket import SUBPROTOCOL, WebSocketStream
+
+
+async def _copy(source: trio.abc.ReceiveStream, sink: trio.abc.SendStream, done: trio.CancelScope) -> None:
+    try:
+        while data := await source.receive_some(65536):
+            await sink.send_all(data)
+    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        pass
+    done.cancel()
+
+
+async def bridge(url: str, max_message: int) -> None:
+    stdin = trio.lowlevel.FdStream(sys.stdin.fileno())
+    stdout = trio.lowlevel.FdStream(sys.stdout.fileno())
+    stdio = trio.StapledStream(stdout, stdin)
+    if url.startswith("unix:"):
+        sock = await trio.open_unix_socket(url.removeprefix("unix:"))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_copy, stdin, sock, nursery.cancel_scope)
+            nursery.start_soon(_copy, sock, stdout, nursery.cancel_scope)
+        return
+    if not url.startswith(("ws://", "wss://")):
+        raise OSError(f"unsupported URL {url!r} (use ws://HOST:PORT/ or unix:/path)")
+    local = LineStream(stdio, max_message)
+    try:
+        async with trio_websocket.open_websocket_url(
+            url, subprotocols=[SUBPROTOCOL], max_message_size=2 * max_message, receive_buffer_size=65536
+        ) as ws:
+            remote = WebSocketStream(ws, 2 * max_message)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_pump, local, remote, nursery.cancel_scope)
+                nursery.start_soon(_pump, remote, local, nursery.cancel_scope)
+    except trio_websocket.HandshakeError as exc:
+        raise OSError(f"WebSocket handshake failed: {exc}") from None
+
+
+async def _pump(source: LineStream | WebSocketStream, sink: LineStream | WebSocketStream,
+                done: trio.CancelScope) -> None:
+    try:
+        while True:
+            await sink.send(await source.receive())
+    except (TransportClosed, MessageTooLarge):
+        pass
+    done.cancel()

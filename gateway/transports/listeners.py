@@ -1,0 +1,81 @@
+"""Opening (or adopting) listening sockets, with the loopback guard on the real address."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import socket
+import stat
+
+import trio
+
+from gateway.config import is_loopback
+
+LOGGER = logging.getLogger(__name__)
+
+
+class ListenerError(Exception):
+    """A listener cannot be opened, or would be exposed beyond loopback."""
+
+
+def check_loopback(listener: trio.SocketListener, what: str) -> None:
+    """Refuse a TCP listener bound to anything but loopback (checked with getsockname())."""
+    sock = listener.socket
+    if sock.family == socket.AF_UNIX:
+        return
+    host = sock.getsockname()[0]
+    if not is_loopback(host):
+        raise ListenerError(
+            f"{what}: bound to {host}, which is not loopback; network listeners need "
+            "authentication, which is not configured"
+        )
+
+
+async def open_tcp(host: str, port: int, what: str) -> list[trio.SocketListener]:
+    try:
+        listeners = await trio.open_tcp_listeners(port, host=host)
+    except OSError as exc:
+        raise ListenerError(f"{what}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    for listener in listeners:
+        check_loopback(listener, what)
+    return listeners
+
+
+def bound_port(listeners: list[trio.SocketListener]) -> int:
+    return listeners[0].socket.getsockname()[1]
+
+
+async def open_unix(path: str, mode: int) -> trio.SocketListener:
+    """Listen on a unix socket at ``path`` with file mode ``mode``.
+
+    A stale socket file (nobody listening) is replaced; anything else at ``path`` is an error.
+    """
+    with contextlib.suppress(FileNotFoundError):
+        st = os.lstat(path)
+        if not stat.S_ISSOCK(st.st_mode):
+            raise ListenerError(f"listen.unix: {path} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError as exc:
+            if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+                raise ListenerError(f"listen.unix: {path}: {exc}") from None
+            os.unlink(path)
+        else:
+            raise ListenerError(f"listen.unix: another process is listening on {path}")
+        finally:
+            probe.close()
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o777 & ~mode)
+    try:
+        await sock.bind(path)
+    except OSError as exc:
+        sock.close()
+        raise ListenerError(f"listen.unix: cannot bind {path}: {exc.strerror or exc}") from None
+    finally:
+        os.umask(old_umask)
+    os.chmod(path, mode)
+    sock.listen(socket.SOMAXCONN)
+    return trio.SocketListener(sock)
