@@ -162,6 +162,7 @@ async def forward(hub: Hub, session: ClientSession, req: Request, backend: Backe
     finally:
         req.backend_time = trio.current_time() - started
         hub.ownership.call_finished(child, inst, session)
+        backend.release(inst, session)
 
 
 async def call_tool(hub: Hub, session: ClientSession, req: Request) -> Raw:

@@ -126,7 +126,7 @@ class Ownership:
             await child.respond_error(child_id, errors.INVALID_PARAMS, "params must be an object")
             return
         decision = decide(method, fields, sharing=backend.cfg.sharing, config_roots=backend.cfg.roots,
-                          owners=child.attribution(), declared=backend.declared)
+                          owners=backend.owners(inst, child), declared=backend.declared)
         if isinstance(decision, Answer):
             if decision.reason and decision.reason != "":
                 LOGGER.warning("backend %s: %s", inst.name, decision.message)

@@ -125,6 +125,7 @@ class ChildConnection:
         self.closed: errors.GatewayError | None = None
         self.protocol_version: str | None = None
         self.server_capabilities: dict[str, Any] = {}
+        self.on_settled: Callable[[], None] | None = None  # a pending entry left the set
 
     # ---- writing ----------------------------------------------------------------------------
 
@@ -321,6 +322,8 @@ class ChildConnection:
         del self.pending[call.gid]
         if call.abandoned_at is not None:
             LOGGER.debug("backend %s: dropped late reply to abandoned call %d", self.instance, call.gid)
+            if self.on_settled is not None:
+                self.on_settled()
             return
         if env.error is not UNSET:
             e = env.error

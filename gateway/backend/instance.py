@@ -46,10 +46,11 @@ _LIST_KINDS = {
 
 
 class Instance(ChildHandlers):
-    def __init__(self, backend: Backend, index: int) -> None:
+    def __init__(self, backend: Backend, index: int, *, label: str | None = None) -> None:
         self.backend = backend
         self.cfg = backend.cfg
-        self.name = f"{backend.name}/{index}"
+        self.name = f"{backend.name}/{label if label is not None else index}"
+        self.last_used = trio.current_time()
         r = self.cfg.restart
         self.sup = Supervision(RestartPolicy(r.backoff_initial, r.backoff_max, r.max_restarts, r.window))
         self.child: ChildConnection | None = None
@@ -171,6 +172,7 @@ class Instance(ChildHandlers):
             bus=self.backend.host.bus,
             max_line=self.backend.host.max_message_bytes,
         )
+        child.on_settled = lambda: self.backend.on_settled(self)
         down = self._down = trio.Event()
         self._down_reason = ""
         exit_reason = "exited"

@@ -16,6 +16,7 @@ restarts: a backend that is restarting keeps its tools listed, its calls wait up
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import TYPE_CHECKING, Protocol
 
 import trio
@@ -25,7 +26,7 @@ from gateway import errors
 from gateway.backend.child import ChildConnection
 from gateway.backend.instance import Instance
 from gateway.config import BackendConfig
-from gateway.events import EventBus
+from gateway.events import EventBus, QueueWaited
 from gateway.protocol.catalog import BackendLists
 from gateway.protocol.supervision import State
 
@@ -33,6 +34,22 @@ if TYPE_CHECKING:
     from gateway.session import ClientSession
 
 LOGGER = logging.getLogger(__name__)
+
+
+def _running(inst: Instance) -> ChildConnection | None:
+    child = inst.child
+    if inst.state in (State.RUNNING, State.UNHEALTHY) and child is not None and child.closed is None:
+        return child
+    return None
+
+
+class _Waiter:
+    __slots__ = ("granted", "inst", "session")
+
+    def __init__(self, session: ClientSession) -> None:
+        self.session = session
+        self.granted = trio.Event()
+        self.inst: Instance | None = None
 
 
 class BackendHost(Protocol):
@@ -52,6 +69,10 @@ class BackendHost(Protocol):
                                 method: str, params: Raw | UnsetType) -> None: ...
     def on_server_request_cancelled(self, instance: Instance, child: ChildConnection,
                                     request_id: int | str) -> None: ...
+    def on_settled(self, inst: Instance) -> None:
+        if self.cfg.sharing == "affine":
+            self._settle(inst)
+
     def on_instance_down(self, instance: Instance, child: ChildConnection) -> None: ...
     def reap(self) -> None: ...
 
@@ -69,6 +90,9 @@ class Backend:
         self.subscriptions: dict[str, set[ClientSession]] = {}
         self._nursery: trio.Nursery | None = None
         self._stopping = False
+        self._waiters: deque[_Waiter] = deque()
+        self._own: dict[ClientSession, Instance] = {}
+        self._session_index = 0
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -88,6 +112,8 @@ class Backend:
         self._stopping = True
         for inst in self.instances:
             inst.request_stop()
+        for waiter in self._waiters:
+            waiter.granted.set()
 
     async def stopped(self) -> None:
         for inst in list(self.instances):
@@ -101,19 +127,24 @@ class Backend:
     # ---- choosing an instance ---------------------------------------------------------------
 
     async def acquire(self, session: ClientSession) -> tuple[Instance, ChildConnection]:
-        """An instance and its running child for a call of ``session``.
+        """An instance and its running child for a call of ``session``, per the sharing mode.
 
         Raises:
             BackendUnavailable: not running within ``restart_wait`` (FATAL: at once).
+            Overloaded: affine queue full or timed out; per-session cap reached.
         """
         if self._stopping:
             raise errors.BackendUnavailable(
                 f"backend {self.name!r} is being removed", backend=self.name, retryable=False
             )
+        if self.cfg.sharing == "affine":
+            return await self._acquire_affine(session)
+        if self.cfg.sharing == "per-session":
+            return await self._acquire_own(session)
         best: tuple[int, Instance, ChildConnection] | None = None
         for inst in self.instances:
-            child = inst.child
-            if inst.state in (State.RUNNING, State.UNHEALTHY) and child is not None and child.closed is None:
+            child = _running(inst)
+            if child is not None:
                 load = len(child.pending)
                 if best is None or load < best[0]:
                     best = (load, inst, child)
@@ -121,6 +152,135 @@ class Backend:
             return best[1], best[2]
         inst = self.instances[0]
         return inst, await inst.wait_ready(self.host.restart_wait)
+
+    def owners(self, inst: Instance, child: ChildConnection) -> set[ClientSession]:
+        """Who may receive a server→client request from ``child`` (see gateway.ownership)."""
+        if self.cfg.sharing == "per-session":
+            return {inst.owner} if inst.owner is not None and not inst.owner.closed.is_set() else set()
+        return child.attribution()
+
+    def release(self, inst: Instance, session: ClientSession) -> None:
+        """A call of ``session`` on ``inst`` ended (affine: maybe hand the instance over)."""
+        if self.cfg.sharing == "affine":
+            self._settle(inst)
+        elif self.cfg.sharing == "per-session":
+            inst.last_used = trio.current_time()
+
+    # affine: an instance serves one connection while that connection has calls in its
+    # attribution set; FIFO hand-over, and a holder gets no new calls once someone else waits.
+
+    def _settle(self, inst: Instance) -> None:
+        child = inst.child
+        if inst.owner is not None and (child is None or not child.attribution()):
+            inst.owner = None
+        self._grant()
+
+    def _grant(self) -> None:
+        while self._waiters:
+            waiter = self._waiters[0]
+            inst = self._free_for(waiter.session)
+            if inst is None:
+                return
+            self._waiters.popleft()
+            inst.owner = waiter.session
+            waiter.inst = inst
+            waiter.granted.set()
+
+    def _free_for(self, session: ClientSession) -> Instance | None:
+        for inst in self.instances:
+            if _running(inst) is not None and inst.owner is session:
+                return inst
+        for inst in self.instances:
+            child = _running(inst)
+            if child is not None and inst.owner is None and not child.attribution():
+                return inst
+        return None
+
+    async def _acquire_affine(self, session: ClientSession) -> tuple[Instance, ChildConnection]:
+        if not self._waiters:
+            inst = self._free_for(session)
+            if inst is not None:
+                inst.owner = session
+                child = _running(inst)
+                assert child is not None
+                return inst, child
+        if len(self._waiters) >= self.cfg.queue_size:
+            raise errors.Overloaded(
+                f"backend {self.name!r}: {len(self._waiters)} calls already wait for an instance",
+                backend=self.name,
+            )
+        waiter = _Waiter(session)
+        self._waiters.append(waiter)
+        started = trio.current_time()
+        try:
+            with trio.move_on_after(self.cfg.queue_timeout):
+                while not waiter.granted.is_set():
+                    with trio.move_on_after(1.0):  # abandoned calls age out of attribution sets
+                        await waiter.granted.wait()
+                    if not waiter.granted.is_set():
+                        for inst in self.instances:
+                            self._settle(inst)
+        finally:
+            if not waiter.granted.is_set():
+                self._waiters.remove(waiter)
+        self.host.bus.emit(QueueWaited(self.name, trio.current_time() - started))
+        inst = waiter.inst
+        child = _running(inst) if inst is not None else None
+        if inst is None or child is None:
+            if inst is not None:
+                inst.owner = None
+                self._grant()
+            if all(i.state is State.FATAL for i in self.instances):
+                raise errors.BackendUnavailable(f"backend {self.name!r} is failing (crash loop)",
+                                                backend=self.name, retryable=False)
+            raise errors.Overloaded(
+                f"backend {self.name!r}: no instance became free within {self.cfg.queue_timeout:g}s",
+                backend=self.name,
+            )
+        return inst, child
+
+    # per-session: a dedicated child per connection, started on first use, capped.
+
+    async def _acquire_own(self, session: ClientSession) -> tuple[Instance, ChildConnection]:
+        inst = self._own.get(session)
+        if inst is None:
+            if session.closed.is_set():
+                raise errors.BackendUnavailable("the connection is closing", backend=self.name, retryable=False)
+            if len(self._own) >= self.cfg.max_sessions:
+                raise errors.Overloaded(
+                    f"backend {self.name!r}: {self.cfg.max_sessions} per-session children already run "
+                    "(max_sessions)", backend=self.name,
+                )
+            assert self._nursery is not None
+            self._session_index += 1
+            inst = Instance(self, self._session_index, label=f"s{self._session_index}")
+            inst.owner = session
+            self._own[session] = inst
+            self.instances.append(inst)
+            await self._nursery.start(inst.run)
+            self._nursery.start_soon(self._reap_own, inst)
+            wait = self.cfg.start_timeout + 1.0
+        else:
+            wait = self.host.restart_wait
+        inst.last_used = trio.current_time()
+        return inst, await inst.wait_ready(wait)
+
+    async def _reap_own(self, inst: Instance) -> None:
+        """Stop a per-session child when its connection closes or it idles too long."""
+        session = inst.owner
+        assert session is not None
+        while not inst.stopped.is_set():
+            idle_at = inst.last_used + self.cfg.idle_timeout
+            with trio.move_on_at(idle_at):
+                await session.closed.wait()
+            if session.closed.is_set() or (trio.current_time() >= inst.last_used + self.cfg.idle_timeout
+                                           and not (inst.child and inst.child.attribution())):
+                break
+        self._own.pop(session, None)
+        inst.request_stop()
+        await inst.stopped.wait()
+        if inst in self.instances:
+            self.instances.remove(inst)
 
     # ---- hooks from instances ---------------------------------------------------------------
 
@@ -130,6 +290,8 @@ class Backend:
     def on_instance_ready(self, inst: Instance) -> None:
         if inst is self.instances[0] or not self.lists_ready.is_set():
             self._take_lists(inst)
+        if self.cfg.sharing == "affine":
+            self._grant()
 
     def on_lists_changed(self, inst: Instance) -> None:
         if inst is self.instances[0]:
@@ -145,7 +307,13 @@ class Backend:
         self.lists_ready.set()
         self.host.on_lists_changed(self)
 
+    def on_settled(self, inst: Instance) -> None:
+        if self.cfg.sharing == "affine":
+            self._settle(inst)
+
     def on_instance_down(self, inst: Instance, child: ChildConnection) -> None:
+        if self.cfg.sharing == "affine":
+            inst.owner = None
         self.host.on_instance_down(inst, child)
 
     # ---- resource subscriptions (one upstream subscription per URI per instance) -----------------
@@ -170,6 +338,11 @@ class Backend:
             await self._upstream(uri, "resources/unsubscribe")
 
     async def drop_session(self, session: ClientSession) -> None:
+        for waiter in [w for w in self._waiters if w.session is session]:
+            self._waiters.remove(waiter)
+        for inst in self.instances:
+            if self.cfg.sharing == "affine" and inst.owner is session:
+                self._settle(inst)
         for uri in [u for u, s in self.subscriptions.items() if session in s]:
             await self.unsubscribe(session, uri)
 

@@ -1,0 +1,165 @@
+"""Test helpers: an in-process gateway on real sockets, and a small raw JSON-RPC client."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+import trio_websocket
+
+from gateway import config, service
+from gateway.config import GatewayConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURE = os.path.join(ROOT, "tests", "fixtures", "fixture_server.py")
+DEPS = os.path.join(ROOT, ".deps")
+TIME_SERVER = os.path.join(DEPS, "venv-time", "bin", "mcp-server-time")
+EVERYTHING = os.path.join(DEPS, "node", "node_modules", "@modelcontextprotocol", "server-everything", "dist", "index.js")
+
+
+def fixture_backend(name: str = "fx", **extra: Any) -> str:
+    """A TOML [backends.NAME] table running the fixture server."""
+    env = extra.pop("env", {})
+    lines = [f"[backends.{name}]", f"command = {json.dumps(sys.executable)}",
+             f"args = [{json.dumps(FIXTURE)}]"]
+    if env:
+        lines.append("env = {" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in env.items()) + "}")
+    for key, value in extra.items():
+        lines.append(f"{key} = {value if isinstance(value, str) and value.startswith('{') else json.dumps(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def make_config(backends: str, *, gateway: str = "", extra: str = "", unix: str | None = None) -> GatewayConfig:
+    text = f"""
+[gateway]
+{gateway}
+[listen]
+websocket = "127.0.0.1:0"
+{f'unix = "{unix}"' if unix else ''}
+[admin]
+listen = "127.0.0.1:0"
+{extra}
+{backends}
+"""
+    return config.load(text, base_dir=ROOT)
+
+
+@dataclass
+class Running:
+    bound: service.Bound
+    control: service.Control
+    hub_ref: list[Any]
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.bound.websocket_port}/"
+
+
+@asynccontextmanager
+async def run_gateway(cfg: GatewayConfig, config_path: str | None = None) -> AsyncIterator[Running]:
+    """Run the gateway in-process; stops it (and checks it stopped) on exit."""
+    control = service.Control()
+    async with trio.open_nursery() as nursery:
+        bound = await nursery.start(lambda task_status: service.run(
+            cfg, control=control, config_path=config_path, task_status=task_status))
+        try:
+            yield Running(bound, control, [])
+        finally:
+            control.stop()
+
+
+class Client:
+    """A raw JSON-RPC client over WebSocket that records everything it receives."""
+
+    def __init__(self, ws: trio_websocket.WebSocketConnection) -> None:
+        self.ws = ws
+        self.responses: dict[Any, dict[str, Any]] = {}
+        self.notifications: list[dict[str, Any]] = []
+        self.requests: list[dict[str, Any]] = []
+        self.received: list[dict[str, Any]] = []
+        self._changed = trio.Event()
+        self._ids = iter(range(1, 10**9))
+        self.closed = False
+
+    async def _reader(self) -> None:
+        try:
+            while True:
+                raw = await self.ws.get_message()
+                msg = json.loads(raw)
+                items = msg if isinstance(msg, list) else [msg]
+                for m in items:
+                    self.received.append(m)
+                    if "method" in m and "id" in m:
+                        self.requests.append(m)
+                    elif "method" in m:
+                        self.notifications.append(m)
+                    else:
+                        self.responses[m.get("id")] = m
+                self._changed.set()
+                self._changed = trio.Event()
+        except trio_websocket.ConnectionClosed:
+            self.closed = True
+            self._changed.set()
+
+    async def send(self, obj: Any) -> None:
+        await self.ws.send_message(obj if isinstance(obj, str) else json.dumps(obj))
+
+    async def wait_for(self, predicate: Any, timeout: float = 10.0) -> Any:
+        with trio.fail_after(timeout):
+            while True:
+                got = predicate()
+                if got:
+                    return got
+                if self.closed:
+                    raise ConnectionError("connection closed while waiting")
+                await self._changed.wait()
+
+    async def response(self, id: Any, timeout: float = 10.0) -> dict[str, Any]:
+        return await self.wait_for(lambda: self.responses.get(id), timeout)
+
+    async def request(self, method: str, params: Any = None, *, id: Any = None, timeout: float = 10.0) -> dict[str, Any]:
+        if id is None:
+            id = next(self._ids)
+        msg: dict[str, Any] = {"jsonrpc": "2.0", "id": id, "method": method}
+        if params is not None:
+            msg["params"] = params
+        await self.send(msg)
+        return await self.response(id, timeout)
+
+    async def notify(self, method: str, params: Any = None) -> None:
+        msg: dict[str, Any] = {"jsonrpc": "2.0", "method": method}
+        if params is not None:
+            msg["params"] = params
+        await self.send(msg)
+
+    async def initialize(self, capabilities: dict[str, Any] | None = None, version: str = "2025-11-25") -> dict[str, Any]:
+        resp = await self.request("initialize", {"protocolVersion": version, "capabilities": capabilities or {},
+                                                 "clientInfo": {"name": "test", "version": "0"}})
+        await self.notify("notifications/initialized")
+        return resp
+
+    async def call(self, tool: str, arguments: dict[str, Any] | None = None, **kw: Any) -> dict[str, Any]:
+        return await self.request("tools/call", {"name": tool, "arguments": arguments or {}}, **kw)
+
+
+@asynccontextmanager
+async def connect(url: str, *, initialize: bool = True, capabilities: dict[str, Any] | None = None,
+                  version: str = "2025-11-25") -> AsyncIterator[Client]:
+    async with trio_websocket.open_websocket_url(url, subprotocols=["mcp"], max_message_size=64 * 2**20) as ws:
+        client = Client(ws)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client._reader)
+            if initialize:
+                await client.initialize(capabilities, version)
+            yield client
+            nursery.cancel_scope.cancel()
+
+
+def text_of(response: dict[str, Any]) -> str:
+    return response["result"]["content"][0]["text"]

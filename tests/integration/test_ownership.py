@@ -1,0 +1,213 @@
+"""Issue 3: server→client requests reach only their owner; sharing modes; spoofed answers."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any
+
+import pytest
+import trio
+
+from helpers import Client, connect, fixture_backend, make_config, run_gateway, text_of
+
+pytestmark = pytest.mark.system
+
+ELICIT_CAPS = {"elicitation": {"form": {}}}
+
+
+async def answer_own_prompts(client: Client, nonce: str, seen: list[dict[str, Any]]) -> None:
+    """Answer every elicitation this client gets with its own nonce; record each prompt."""
+    answered: set[Any] = set()
+    while True:
+        await client.wait_for(lambda: [r for r in client.requests if r["id"] not in answered])
+        for req in [r for r in client.requests if r["id"] not in answered]:
+            answered.add(req["id"])
+            seen.append(req)
+            await client.send({"jsonrpc": "2.0", "id": req["id"],
+                               "result": {"action": "accept", "content": {"answer": f"answer-{nonce}"}}})
+
+
+async def many_clients_elicit(url: str, n: int) -> list[tuple[str, list[dict[str, Any]], dict[str, Any]]]:
+    results: list[tuple[str, list[dict[str, Any]], dict[str, Any]]] = []
+
+    async def one(i: int) -> None:
+        nonce = f"n{i}-{secrets.token_hex(4)}"
+        seen: list[dict[str, Any]] = []
+        async with connect(url, capabilities=ELICIT_CAPS) as c, trio.open_nursery() as nursery:
+            nursery.start_soon(answer_own_prompts, c, nonce, seen)
+            r = await c.call("fx__elicit", {"message": f"question-{nonce}"}, timeout=30)
+            results.append((nonce, seen, r))
+            nursery.cancel_scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        for i in range(n):
+            nursery.start_soon(one, i)
+    return results
+
+
+def check_own(results: list[tuple[str, list[dict[str, Any]], dict[str, Any]]], n: int) -> None:
+    assert len(results) == n
+    for nonce, seen, r in results:
+        assert len(seen) == 1, f"{nonce} saw {len(seen)} prompts"
+        assert seen[0]["method"] == "elicitation/create"
+        assert seen[0]["params"]["message"] == f"question-{nonce}"  # only its own prompt
+        body = json.loads(text_of(r))
+        assert body == {"action": "accept", "content": {"answer": f"answer-{nonce}"}, "message": f"question-{nonce}"}
+
+
+@pytest.mark.parametrize("mode", ["affine", "per-session"])
+async def test_8_clients_elicit_concurrently(mode: str) -> None:
+    extra = {"sharing": mode, "instances": 2} if mode == "affine" else {"sharing": mode}
+    cfg = make_config(fixture_backend("fx", **extra))
+    with trio.fail_after(60):
+        async with run_gateway(cfg) as gw:
+            results = await many_clients_elicit(gw.url, 8)
+    check_own(results, 8)
+
+
+async def test_per_session_children_are_distinct_and_capped() -> None:
+    cfg = make_config(fixture_backend("fx", sharing="per-session", max_sessions=2))
+    with trio.fail_after(30):
+        async with run_gateway(cfg) as gw:
+            async with connect(gw.url) as a, connect(gw.url) as b, connect(gw.url) as c:
+                pid_a = json.loads(text_of(await a.call("fx__client_info")))["pid"]
+                pid_b = json.loads(text_of(await b.call("fx__client_info")))["pid"]
+                assert pid_a != pid_b
+                over = await c.call("fx__client_info")
+                assert over["error"]["code"] == -32006
+                assert over["error"]["data"]["reason"] == "overloaded"
+            # connections closed: their children are stopped, so a new connection fits again
+            async with connect(gw.url) as d:
+                with trio.fail_after(10):
+                    while True:
+                        r = await d.call("fx__client_info")
+                        if "result" in r:
+                            break
+                        await trio.sleep(0.1)
+
+
+async def test_shared_two_connections_in_flight_is_refused_and_counted() -> None:
+    cfg = make_config(fixture_backend("fx"))
+    with trio.fail_after(30):
+        async with run_gateway(cfg) as gw:
+            async with connect(gw.url, capabilities=ELICIT_CAPS) as a, connect(gw.url, capabilities=ELICIT_CAPS) as b:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(b.call, "fx__sleep", {"seconds": 1})
+                    await trio.sleep(0.3)
+                    r = await a.call("fx__elicit", {"message": "who-am-i"})
+                # b's call has been answered: its connection left the attribution set
+                # refused: the child got "decline"; nobody was asked
+                assert json.loads(text_of(r))["action"] == "decline"
+                assert a.requests == [] and b.requests == []
+                # one connection in flight: routed to it
+                seen: list[dict[str, Any]] = []
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(answer_own_prompts, a, "solo", seen)
+                    r = await a.call("fx__elicit", {"message": "solo"})
+                    nursery.cancel_scope.cancel()
+                assert json.loads(text_of(r))["content"] == {"answer": "answer-solo"}
+                assert len(seen) == 1 and b.requests == []
+            metrics = await http_get(gw.bound.admin_port, "/metrics")
+            assert 'mcp_gateway_unroutable_server_requests_total{backend="fx",method="elicitation/create",reason="unattributable"} 1.0' in metrics
+
+
+async def http_get(port: int | None, path: str) -> str:
+    assert port is not None
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        chunks = []
+        while data := await stream.receive_some(65536):
+            chunks.append(data)
+    return b"".join(chunks).decode()
+
+
+async def test_answer_from_another_connection_is_refused() -> None:
+    cfg = make_config(fixture_backend("fx"))
+    with trio.fail_after(30):
+        async with run_gateway(cfg) as gw:
+            async with connect(gw.url, capabilities=ELICIT_CAPS) as a, connect(gw.url) as b:
+                async with trio.open_nursery() as nursery:
+                    async def call() -> None:
+                        nonlocal result
+                        result = await a.call("fx__elicit", {"message": "mine"}, timeout=20)
+                    result: dict[str, Any] = {}
+                    nursery.start_soon(call)
+                    prompt = await a.wait_for(lambda: a.requests and a.requests[0])
+                    # b guesses a's id and answers it: refused, never reaches the child
+                    await b.send({"jsonrpc": "2.0", "id": prompt["id"],
+                                  "result": {"action": "accept", "content": {"answer": "stolen"}}})
+                    await trio.sleep(0.3)
+                    assert result == {}
+                    await a.send({"jsonrpc": "2.0", "id": prompt["id"],
+                                  "result": {"action": "accept", "content": {"answer": "genuine"}}})
+                assert json.loads(text_of(result))["content"] == {"answer": "genuine"}
+            metrics = await http_get(gw.bound.admin_port, "/metrics")
+            assert 'mcp_gateway_refused_answers_total{reason="unknown_id"} 1.0' in metrics
+
+
+async def test_owner_disconnect_cancels_pending_prompt() -> None:
+    cfg = make_config(fixture_backend("fx"))
+    with trio.fail_after(30):
+        async with run_gateway(cfg) as gw:
+            async with connect(gw.url, capabilities=ELICIT_CAPS) as a:
+                await a.send({"jsonrpc": "2.0", "id": 5, "method": "tools/call",
+                              "params": {"name": "fx__elicit", "arguments": {"message": "bye"}}})
+                await a.wait_for(lambda: a.requests)
+            # the owner left: the child was answered "cancel" and is free for the next client
+            async with connect(gw.url, capabilities=ELICIT_CAPS) as c:
+                r = await c.call("fx__echo", {"message": "still here"})
+                assert text_of(r) == "still here"
+                st = json.loads((await http_get(gw.bound.admin_port, "/status")).split("\r\n\r\n", 1)[1])
+                assert st["pending_server_requests"] == 0
+
+
+async def test_child_cancels_its_request_owner_is_told() -> None:
+    cfg = make_config(fixture_backend("fx"))
+    with trio.fail_after(30):
+        async with run_gateway(cfg) as gw:
+            async with connect(gw.url, capabilities=ELICIT_CAPS) as a:
+                await a.send({"jsonrpc": "2.0", "id": 9, "method": "tools/call",
+                              "params": {"name": "fx__elicit", "arguments": {"message": "m"}}})
+                prompt = await a.wait_for(lambda: a.requests and a.requests[0])
+                # client cancels the call: the fixture withdraws its elicitation
+                await a.notify("notifications/cancelled", {"requestId": 9})
+                note = await a.wait_for(lambda: [n for n in a.notifications
+                                                 if n["method"] == "notifications/cancelled"])
+                assert note[0]["params"]["requestId"] == prompt["id"]
+                await trio.sleep(0.3)
+                assert 9 not in a.responses  # a cancelled call gets no response
+
+
+async def test_client_without_capability_gets_clean_error() -> None:
+    cfg = make_config(fixture_backend("fx"))
+    with trio.fail_after(30):
+        async with run_gateway(cfg) as gw, connect(gw.url) as a:
+            r = await a.call("fx__sample", {"prompt": "p"})
+            assert "-32007" in text_of(r) and r["result"]["isError"] is True
+            assert a.requests == []
+
+
+async def test_roots_answered_from_config_in_shared_mode() -> None:
+    cfg = make_config(fixture_backend("fx", roots=["file:///srv/data"]))
+    with trio.fail_after(30):
+        async with run_gateway(cfg) as gw, connect(gw.url, capabilities={"roots": {}}) as a:
+            r = await a.call("fx__roots")
+            assert json.loads(text_of(r)) == {"roots": [{"uri": "file:///srv/data"}]}
+            assert a.requests == []  # never forwarded in shared mode
+
+
+async def test_sampling_forwarded_with_include_context_none() -> None:
+    cfg = make_config(fixture_backend("fx", sharing="per-session"))
+    with trio.fail_after(30):
+        async with run_gateway(cfg) as gw, connect(gw.url, capabilities={"sampling": {}, "roots": {}}) as a:
+            async def answer() -> None:
+                req = await a.wait_for(lambda: a.requests and a.requests[0])
+                assert req["params"]["includeContext"] == "none"
+                await a.send({"jsonrpc": "2.0", "id": req["id"], "result": {
+                    "role": "assistant", "model": "m", "content": {"type": "text", "text": "sampled"}}})
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(answer)
+                r = await a.call("fx__sample", {"prompt": "p"})
+            assert json.loads(text_of(r))["content"]["text"] == "sampled"
