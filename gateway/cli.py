@@ -53,10 +53,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         trio.run(lambda: service.run(cfg, config_path=args.config, handle_signals=True, subreaper=True))
     except* service.StartupError as group:
-        for exc in group.exceptions:
+        for exc in _leaves(group):
             LOGGER.critical("cannot start: %s", exc)
         failed = True
     return 1 if failed else 0
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
 
 
 def cmd_connect(args: argparse.Namespace) -> int:

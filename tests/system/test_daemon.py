@@ -1,0 +1,260 @@
+"""Issue 4: the daemon under a fake systemd — notify sequence, reload, drain, activation."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+import trio_websocket
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.backend.process import group_members
+from helpers import FIXTURE, ROOT, connect, text_of
+
+pytestmark = pytest.mark.system
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def backend_toml(name: str, **env: str) -> str:
+    env_s = ", ".join(f'{k} = "{v}"' for k, v in env.items())
+    return (f"[backends.{name}]\ncommand = {json.dumps(sys.executable)}\nargs = [{json.dumps(FIXTURE)}]\n"
+            f"env = {{{env_s}}}\n")
+
+
+def write_config(path: Path, ws: int, admin: int, backends: str, gateway: str = "drain_grace = 10.0") -> None:
+    path.write_text(f'[gateway]\n{gateway}\n[listen]\nwebsocket = "127.0.0.1:{ws}"\n'
+                    f'[admin]\nlisten = "127.0.0.1:{admin}"\n{backends}')
+
+
+@pytest.fixture
+def notify_socket() -> Iterator[tuple[socket.socket, str]]:
+    name = f"mcpgw-test-{uuid.uuid4().hex}"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind("\0" + name)
+    s.settimeout(10)
+    yield s, "@" + name
+    s.close()
+
+
+def start_daemon(cfg: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": ROOT, **(extra_env or {})}
+    return subprocess.Popen([sys.executable, "-m", "gateway", "run", "--config", str(cfg)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def finish(proc: subprocess.Popen[bytes]) -> str:
+    """Kill the daemon if it is still running, collect its output, release its pipes."""
+    if proc.poll() is None:
+        proc.kill()
+    out = ""
+    if proc.stdout and not proc.stdout.closed:
+        out = proc.stdout.read().decode()
+        proc.stdout.close()
+    proc.wait()
+    return out
+
+
+def recv_until(sock: socket.socket, wanted: str, seen: list[str], timeout: float = 15) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        msg = sock.recv(4096).decode()
+        seen.append(msg)
+        if wanted in msg.split("\n"):
+            return msg
+    raise AssertionError(f"{wanted} not received; got {seen}")
+
+
+def http(port: int, path: str) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+async def test_notify_sequence_reload_and_drain(tmp_path: Path, notify_socket: tuple[socket.socket, str]) -> None:
+    sock, addr = notify_socket
+    ws, admin = free_port(), free_port()
+    cfg = tmp_path / "gw.toml"
+    write_config(cfg, ws, admin, backend_toml("a"))
+    proc = start_daemon(cfg, {"NOTIFY_SOCKET": addr, "WATCHDOG_USEC": "200000"})
+    seen: list[str] = []
+    try:
+        ready = recv_until(sock, "READY=1", seen)
+        assert "STATUS=serving; 1/1 backends up; 0 clients" in ready
+        recv_until(sock, "WATCHDOG=1", seen)
+        url = f"ws://127.0.0.1:{ws}/"
+        with trio.fail_after(40):
+            async with connect(url) as c:
+                assert text_of(await c.call("a__echo", {"message": "before"})) == "before"
+                # reload: add b, remove a — the client connection stays and keeps working
+                write_config(cfg, ws, admin, backend_toml("b"))
+                proc.send_signal(signal.SIGHUP)
+                reloading = await trio.to_thread.run_sync(recv_until, sock, "RELOADING=1", seen)
+                assert any(line.startswith("MONOTONIC_USEC=") for line in reloading.split("\n"))
+                await trio.to_thread.run_sync(recv_until, sock, "READY=1", seen)
+                await c.wait_for(lambda: [n for n in c.notifications
+                                          if n["method"] == "notifications/tools/list_changed"])
+                names = [t["name"] for t in (await c.request("tools/list"))["result"]["tools"]]
+                assert "b__echo" in names and "a__echo" not in names
+                assert text_of(await c.call("b__echo", {"message": "after"})) == "after"
+                gone = await c.call("a__echo", {"message": "x"})
+                assert gone["error"]["code"] == -32602
+                # a bad config is refused and the running one kept
+                cfg.write_text("[backends.b]\ncommand = 12\n")
+                proc.send_signal(signal.SIGHUP)
+                await trio.to_thread.run_sync(recv_until, sock, "READY=1", seen)
+                assert "reload failed" in seen[-1]
+                assert text_of(await c.call("b__echo", {"message": "kept"})) == "kept"
+                status, metrics = await trio.to_thread.run_sync(http, admin, "/metrics")
+                assert 'mcp_gateway_config_reloads_total{result="failure"} 1.0' in metrics
+                assert 'mcp_gateway_config_reloads_total{result="success"} 1.0' in metrics
+                assert "mcp_gateway_config_last_reload_success 0.0" in metrics
+                # SIGTERM during an in-flight call: it finishes, then the daemon exits 0
+                child_pid = json.loads(text_of(await c.call("b__client_info")))["pid"]
+                async with trio.open_nursery() as nursery:
+                    result: dict = {}
+
+                    async def slow() -> None:
+                        result.update(await c.call("b__sleep", {"seconds": 1.5, "message": "drained"}, timeout=20))
+
+                    nursery.start_soon(slow)
+                    await trio.sleep(0.3)
+                    proc.send_signal(signal.SIGTERM)
+                    await trio.to_thread.run_sync(recv_until, sock, "STOPPING=1", seen)
+                    status, _ = await trio.to_thread.run_sync(http, admin, "/readyz")
+                    assert status == 503
+                assert text_of(result) == "drained"
+        assert proc.wait(timeout=20) == 0
+        assert group_members(child_pid) == []
+        with pytest.raises(ProcessLookupError):
+            os.kill(child_pid, 0)
+    finally:
+        print(finish(proc)[-3000:])
+
+
+async def test_sigterm_leaves_no_npx_style_grandchild(tmp_path: Path) -> None:
+    ws, admin = free_port(), free_port()
+    cfg = tmp_path / "gw.toml"
+    # an npx-style wrapper: sh starts python, which starts a setsid'd grandchild
+    backends = (f"[backends.w]\ncommand = \"sh\"\nargs = [\"-c\", {json.dumps(f'{sys.executable} {FIXTURE}')}]\n"
+                'env = { FIXTURE_SPAWN_GRANDCHILD = "1" }\n')
+    write_config(cfg, ws, admin, backends)
+    proc = start_daemon(cfg)
+    try:
+        with trio.fail_after(30):
+            while True:
+                try:
+                    status, body = await trio.to_thread.run_sync(http, admin, "/status")
+                except OSError:
+                    status = 0
+                if status == 200 and json.loads(body)["backends"][0]["instances"][0]["state"] == "RUNNING":
+                    break
+                await trio.sleep(0.1)
+        wrapper = json.loads(body)["backends"][0]["instances"][0]["pid"]
+        members = group_members(wrapper)
+        assert len(members) >= 2  # sh and python share the wrapper's process group
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        out = finish(proc)
+        grandchild = int(out.split("grandchild-pid ")[1].split()[0])
+        assert group_members(wrapper) == []
+        with pytest.raises(ProcessLookupError):
+            os.kill(grandchild, 0)  # setsid'd away, still reaped via the subreaper
+    finally:
+        finish(proc)
+
+
+async def test_socket_activation(tmp_path: Path) -> None:
+    ws, admin = free_port(), free_port()
+    cfg = tmp_path / "gw.toml"
+    write_config(cfg, free_port(), free_port(), backend_toml("a"))
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.Popen(
+        ["systemd-socket-activate", "-l", f"127.0.0.1:{ws}", "-l", f"127.0.0.1:{admin}",
+         "--fdname=websocket:admin", "-E", "PYTHONPATH",
+         sys.executable, "-m", "gateway", "run", "--config", str(cfg)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        with trio.fail_after(30):
+            while True:  # activation happens on the first connection: poll, don't sleep
+                try:
+                    async with connect(f"ws://127.0.0.1:{ws}/") as c:
+                        assert text_of(await c.call("a__echo", {"message": "activated"})) == "activated"
+                        break
+                except* (OSError, ConnectionError, trio_websocket.HandshakeError):
+                    await trio.sleep(0.2)
+            status, body = await trio.to_thread.run_sync(http, admin, "/healthz")
+            assert status == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        out = finish(proc)
+        assert "socket activation" in out, out[-2000:]
+
+
+async def test_readyz_flips_when_required_backend_goes_fatal(tmp_path: Path) -> None:
+    mark = tmp_path / "started-once"
+    script = f'if [ -f {mark} ]; then exit 3; fi; touch {mark}; exec {sys.executable} {FIXTURE}'
+    ws, admin = free_port(), free_port()
+    cfg = tmp_path / "gw.toml"
+    backends = (f"[backends.r]\ncommand = \"sh\"\nargs = [\"-c\", {json.dumps(script)}]\nrequired = true\n"
+                "restart = { backoff_initial = 0.05, backoff_max = 0.1, max_restarts = 1, window = 60.0 }\n")
+    write_config(cfg, ws, admin, backends)
+    proc = start_daemon(cfg)
+    try:
+        with trio.fail_after(30):
+            async def readyz() -> int:
+                try:
+                    return (await trio.to_thread.run_sync(http, admin, "/readyz"))[0]
+                except OSError:
+                    return 0
+            while await readyz() != 200:
+                await trio.sleep(0.1)
+            async with connect(f"ws://127.0.0.1:{ws}/") as c:
+                r = await c.call("r__crash")
+                assert r["error"]["data"]["reason"] == "backend_exited"
+            while await readyz() != 503:
+                await trio.sleep(0.1)
+            status, body = await trio.to_thread.run_sync(http, admin, "/readyz")
+            assert "r" in body
+            _, metrics = await trio.to_thread.run_sync(http, admin, "/metrics")
+            families = {f.name: f for f in text_string_to_metric_families(metrics)}
+            up = [s for s in families["mcp_gateway_backend_up"].samples if s.labels["backend"] == "r"]
+            assert up[0].value == 0
+            assert "mcp_gateway_requests" in families
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        finish(proc)
+
+
+def test_required_backend_failing_at_boot_fails_start(tmp_path: Path) -> None:
+    cfg = tmp_path / "gw.toml"
+    backends = ("[backends.r]\ncommand = \"false\"\nrequired = true\n"
+                "restart = { backoff_initial = 0.01, backoff_max = 0.02, max_restarts = 1, window = 60.0 }\n")
+    write_config(cfg, free_port(), free_port(), backends)
+    proc = start_daemon(cfg)
+    proc.wait(timeout=30)
+    out = finish(proc).encode()
+    assert proc.returncode == 1
+    assert b"required backend 'r' failed to start" in out
