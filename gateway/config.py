@@ -42,14 +42,14 @@ class GatewaySection(Base):
 
 
 class ListenSection(Base):
-    websocket: str | None = "127.0.0.1:8765"
+    websocket: str | None = "127.0.0.1:8765"  # "" switches it off
     allowed_origins: list[str] = []
     unix: str | None = None
     unix_mode: str = "0660"
 
 
 class AdminSection(Base):
-    listen: str | None = "127.0.0.1:9477"
+    listen: str | None = "127.0.0.1:9477"  # "" switches it off
     allow_non_loopback: bool = False  # /status shows child stderr: loopback unless explicit
 
 
@@ -133,6 +133,7 @@ def _humanize(exc: msgspec.ValidationError, path: str) -> str:
     if m:
         text = text[: m.start()]
         where = m.group(1)
+        where = where.replace("[...]", ".*")  # msgspec does not name the key of a bad dict value
         where = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", where)
     unknown = re.match(r"Object contains unknown field `([^`]*)`", text)
     if unknown:
@@ -207,6 +208,12 @@ def load(data: bytes | str, *, base_dir: str = ".", check_commands: bool = False
         backends[name] = _resolve_paths(backend, base_dir)
     if errors:
         raise ConfigError(errors)
+    # TOML has no null: an empty string switches a listener off.
+    listen, admin = sections["listen"], sections["admin"]
+    sections["listen"] = msgspec.structs.replace(
+        listen, websocket=listen.websocket or None, unix=listen.unix or None
+    )
+    sections["admin"] = msgspec.structs.replace(admin, listen=admin.listen or None)
     cfg = GatewayConfig(**sections, backends=backends, base_dir=os.path.abspath(base_dir))
     errors.extend(semantic_errors(cfg, check_commands=check_commands))
     if errors:

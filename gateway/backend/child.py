@@ -197,9 +197,11 @@ class ChildConnection:
             self._by_token[token] = call
         if rewrite is not None:
             params = rewrite(token)
-        self.pending[gid] = call
+        self.pending[gid] = call  # before the write: the reply may race the end of send()
+        sent = False
         try:
             await self.send(jsonrpc.encode_request(gid, method, params))
+            sent = True
             with trio.move_on_after(timeout) as scope:
                 call.scope = scope
                 await call.done.wait()
@@ -216,7 +218,8 @@ class ChildConnection:
         finally:
             if token is not None:
                 self._by_token.pop(token, None)
-            if call.done.is_set():
+            if call.done.is_set() or not sent:
+                # Answered, or never written: the child has no such call to attribute or cancel.
                 self.pending.pop(gid, None)
             else:
                 call.abandoned_at = trio.current_time()

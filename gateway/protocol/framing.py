@@ -40,11 +40,11 @@ class LineFramer:
                 self._buf.clear()
             else:
                 frame = chunk
+            if frame.endswith(b"\r"):
+                frame = frame[:-1]
             if len(frame) > self._max:
                 out.append(Oversize(len(frame)))
                 continue
-            if frame.endswith(b"\r"):
-                frame = frame[:-1]
             if frame.strip():
                 out.append(frame)
         rest = data[start:]

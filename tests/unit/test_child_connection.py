@@ -1,0 +1,501 @@
+"""ChildConnection over in-memory streams with a scripted fake child, on trio's MockClock.
+
+Every test runs under ``autojump_clock`` (memory streams only, STYLE item 15) and inside a hard
+cap measured in trio time, so a hang fails fast instead of stalling the suite.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from trio.testing import MockClock
+from msgspec import UNSET, Raw, UnsetType
+
+from gateway import errors
+from gateway.backend.child import ABANDONED_TTL, ChildConnection, ChildHandlers
+from gateway.events import BackendProtocolError, EventBus
+
+CAP = 10 * ABANDONED_TTL  # hard cap on every test, in trio time
+
+
+class Recorder(ChildHandlers):
+    def __init__(self) -> None:
+        self.notifications: list[tuple[str, Any]] = []
+        self.requests: list[tuple[int | str, str, Any]] = []
+        self.cancelled: list[int | str] = []
+
+    def on_notification(self, child: ChildConnection, method: str, params: Raw | UnsetType) -> None:
+        self.notifications.append((method, None if params is UNSET else json.loads(bytes(params))))
+
+    def on_request(
+        self, child: ChildConnection, id: int | str, method: str, params: Raw | UnsetType
+    ) -> None:
+        self.requests.append((id, method, None if params is UNSET else json.loads(bytes(params))))
+
+    def on_cancelled(self, child: ChildConnection, request_id: int | str) -> None:
+        self.cancelled.append(request_id)
+
+
+class FakeChild:
+    """The child's end of the pipes: reads the gateway's lines, writes its own."""
+
+    def __init__(self, recv: trio.abc.ReceiveStream, send: trio.abc.SendStream) -> None:
+        self._recv = recv
+        self._send = send
+        self._buf = b""
+
+    async def receive(self) -> dict[str, Any]:
+        while b"\n" not in self._buf:
+            data = await self._recv.receive_some(65536)
+            assert data, "the gateway closed the child's stdin"
+            self._buf += data
+        line, self._buf = self._buf.split(b"\n", 1)
+        msg = json.loads(line)
+        assert isinstance(msg, dict)
+        return msg
+
+    async def send(self, msg: dict[str, Any] | bytes) -> None:
+        line = msg if isinstance(msg, bytes) else json.dumps(msg).encode()
+        await self._send.send_all(line + b"\n")
+
+    async def close_stdin(self) -> None:
+        await self._recv.aclose()
+
+    async def close_stdout(self) -> None:
+        await self._send.aclose()
+
+    async def reply(self, id: int, result: Any) -> None:
+        await self.send({"jsonrpc": "2.0", "id": id, "result": result})
+
+
+@dataclass
+class Harness:
+    conn: ChildConnection
+    child: FakeChild
+    handlers: Recorder
+    events: list[Any]
+    nursery: trio.Nursery
+
+    def protocol_errors(self) -> list[str]:
+        return [e.kind for e in self.events if isinstance(e, BackendProtocolError)]
+
+
+@asynccontextmanager
+async def connected(max_line: int = 1 << 16) -> AsyncIterator[Harness]:
+    gw_send, child_recv = trio.testing.memory_stream_one_way_pair()
+    child_send, gw_recv = trio.testing.memory_stream_one_way_pair()
+    bus = EventBus()
+    events: list[Any] = []
+    bus.subscribe(events.append)
+    handlers = Recorder()
+    conn = ChildConnection(
+        backend="fx", instance="fx/0", generation=1, send_stream=gw_send,
+        receive_stream=gw_recv, handlers=handlers, bus=bus, max_line=max_line,
+    )
+    with trio.fail_after(CAP):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(conn.read_loop)
+            yield Harness(conn, FakeChild(child_recv, child_send), handlers, events, nursery)
+            nursery.cancel_scope.cancel()
+
+
+@dataclass
+class Call:
+    done: trio.Event = field(default_factory=trio.Event)
+    value: Raw | None = None
+    error: errors.GatewayError | None = None
+    at: float | None = None
+
+
+def start_call(h: Harness, method: str, params: Raw | UnsetType = UNSET, **kw: Any) -> Call:
+    c = Call()
+
+    async def run() -> None:
+        try:
+            c.value = await h.conn.request(method, params, **kw)
+        except errors.GatewayError as exc:
+            c.error = exc
+        c.at = trio.current_time()
+        c.done.set()
+
+    h.nursery.start_soon(run)
+    return c
+
+
+class Owner:
+    """Stands in for a ClientSession (ChildConnection only hashes and compares it)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<Owner {self.name}>"
+
+
+# ---- requests and replies ---------------------------------------------------------------
+
+
+async def test_wire_ids_are_gateway_ids_and_params_pass_through(autojump_clock: MockClock) -> None:
+    params = Raw(b'{"name":"echo","arguments":{"id":"client-7","n":12345678901234567890}}')
+    async with connected() as h:
+        calls = [start_call(h, "tools/call", params, timeout=30) for _ in range(3)]
+        seen = [await h.child.receive() for _ in range(3)]
+        ids = [m["id"] for m in seen]
+        assert all(type(i) is int for i in ids)
+        assert sorted(ids) == [1, 2, 3]  # the connection's own counter, whatever the callers' ids
+        assert set(h.conn.pending) == set(ids)
+        for m in seen:
+            assert m["method"] == "tools/call" and m["jsonrpc"] == "2.0"
+            assert m["params"]["arguments"]["n"] == 12345678901234567890
+        for i in ids:
+            await h.child.reply(i, {"n": i})
+        for c in calls:
+            await c.done.wait()
+        assert h.conn.pending == {}
+
+
+async def test_each_reply_completes_its_own_call(autojump_clock: MockClock) -> None:
+    async with connected() as h:
+        a = start_call(h, "tools/call", Raw(b'{"name":"a"}'), timeout=30)
+        first = await h.child.receive()
+        b = start_call(h, "tools/call", Raw(b'{"name":"b"}'), timeout=30)
+        second = await h.child.receive()
+        # Answer in reverse order, with bytes that must come back untouched.
+        await h.child.send(
+            b'{"jsonrpc":"2.0","id":%d,"result":{"who":"b","f":1.0e10}}' % second["id"]
+        )
+        await b.done.wait()
+        assert not a.done.is_set()
+        assert b.value is not None and bytes(b.value) == b'{"who":"b","f":1.0e10}'
+        await h.child.send({"jsonrpc": "2.0", "id": first["id"],
+                            "error": {"code": -32000, "message": "boom", "data": {"x": 1}}})
+        await a.done.wait()
+        assert isinstance(a.error, errors.RemoteError)
+        assert (a.error.code, a.error.message, a.error.error_data()) == (-32000, "boom", {"x": 1})
+        assert h.protocol_errors() == []
+
+
+async def test_timeout_at_the_configured_time_cancels_at_the_child_and_drops_the_late_reply(
+    autojump_clock: MockClock,
+) -> None:
+    async with connected() as h:
+        t0 = trio.current_time()
+        c = start_call(h, "tools/call", Raw(b"{}"), timeout=7.5, owner=Owner("a"))
+        req = await h.child.receive()
+        cancel = await h.child.receive()  # arrives only when the gateway gives up
+        assert trio.current_time() - t0 == pytest.approx(7.5)
+        assert cancel["method"] == "notifications/cancelled"
+        assert "id" not in cancel
+        assert cancel["params"]["requestId"] == req["id"]
+        await c.done.wait()
+        assert c.at is not None and c.at - t0 == pytest.approx(7.5)
+        assert isinstance(c.error, errors.CallTimeout)
+        assert c.error.code == errors.TIMEOUT
+        assert c.error.error_data() == {"backend": "fx", "reason": "timeout"}
+        # The call stays in the attribution set until the child's reply...
+        assert req["id"] in h.conn.pending
+        # ...and the late reply is dropped quietly (not a protocol error, nobody completed).
+        await h.child.reply(req["id"], {"late": True})
+        await trio.testing.wait_all_tasks_blocked()
+        assert req["id"] not in h.conn.pending
+        assert h.protocol_errors() == []
+        # The connection keeps serving.
+        d = start_call(h, "ping", timeout=5)
+        ping = await h.child.receive()
+        await h.child.reply(ping["id"], {})
+        await d.done.wait()
+        assert d.value is not None and bytes(d.value) == b"{}"
+
+
+async def test_caller_cancellation_tells_the_child_and_keeps_attribution(
+    autojump_clock: MockClock,
+) -> None:
+    async with connected() as h:
+        owner = Owner("a")
+        with trio.CancelScope() as scope:
+
+            async def cancel_when_sent() -> None:
+                await h.child.receive()
+                scope.cancel()
+
+            h.nursery.start_soon(cancel_when_sent)
+            await h.conn.request("tools/call", Raw(b"{}"), timeout=60, owner=owner)
+        assert scope.cancelled_caught
+        cancel = await h.child.receive()
+        assert cancel["method"] == "notifications/cancelled" and cancel["params"]["requestId"] == 1
+        assert h.conn.attribution() == {owner}
+        await h.child.reply(1, {})
+        await trio.testing.wait_all_tasks_blocked()
+        assert h.conn.attribution() == set()
+
+
+async def test_pause_and_resume_extend_the_deadline_by_the_paused_time(
+    autojump_clock: MockClock,
+) -> None:
+    async with connected() as h:
+        t0 = trio.current_time()
+        c = start_call(h, "tools/call", Raw(b"{}"), timeout=10.0)
+        req = await h.child.receive()
+        await trio.sleep(4.0)
+        call = h.conn.pending[req["id"]]
+        call.pause()
+        call.pause()  # two prompts for the same call
+        await trio.sleep(100.0)
+        assert not c.done.is_set()
+        call.resume()  # one prompt still pending: still paused
+        await trio.sleep(50.0)
+        assert not c.done.is_set()
+        call.resume()  # 6 s of the timeout were left
+        await c.done.wait()
+        assert isinstance(c.error, errors.CallTimeout)
+        assert c.at is not None and c.at - t0 == pytest.approx(4.0 + 150.0 + 6.0)
+
+
+async def test_reply_while_paused_completes_normally(autojump_clock: MockClock) -> None:
+    async with connected() as h:
+        c = start_call(h, "tools/call", Raw(b"{}"), timeout=10.0)
+        req = await h.child.receive()
+        call = h.conn.pending[req["id"]]
+        call.pause()
+        await trio.sleep(200.0)  # far past the 10 s timeout
+        await h.child.reply(req["id"], {"ok": 1})
+        await c.done.wait()
+        call.resume()  # after the end: harmless
+        assert c.error is None and c.value is not None
+
+
+# ---- progress ---------------------------------------------------------------------------
+
+
+async def test_progress_reaches_the_callback_with_the_clients_token(
+    autojump_clock: MockClock,
+) -> None:
+    got: list[tuple[Any, dict[str, Any]]] = []
+
+    def on_progress(client_token: Any, params: Raw) -> None:
+        got.append((client_token, json.loads(bytes(params))))
+
+    def rewrite(token: str | None) -> Raw:
+        return Raw(json.dumps({"name": "slow", "_meta": {"progressToken": token}}).encode())
+
+    async with connected() as h:
+        c = start_call(h, "tools/call", timeout=30, progress=(42, on_progress), rewrite=rewrite)
+        req = await h.child.receive()
+        wire_token = req["params"]["_meta"]["progressToken"]
+        assert isinstance(wire_token, str) and wire_token != 42  # gateway-unique, not the client's
+
+        async def progress(token: Any, n: int) -> None:
+            await h.child.send({"jsonrpc": "2.0", "method": "notifications/progress",
+                                "params": {"progressToken": token, "progress": n, "total": 3}})
+
+        await progress(wire_token, 1)
+        await progress("gw-unknown", 2)  # unknown token: dropped
+        await progress(42, 2)  # the client's own token means nothing to the gateway
+        await progress(wire_token, 3)
+        await trio.testing.wait_all_tasks_blocked()
+        assert [(t, p["progress"]) for t, p in got] == [(42, 1), (42, 3)]
+        assert got[0][1]["total"] == 3
+        await h.child.reply(req["id"], {})
+        await c.done.wait()
+        await progress(wire_token, 4)  # after the reply: dropped
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(got) == 2
+        assert h.protocol_errors() == []
+        assert h.handlers.notifications == []  # progress is never handed on as-is
+
+
+async def test_progress_tokens_are_unique_across_calls(autojump_clock: MockClock) -> None:
+    def rewrite(token: str | None) -> Raw:
+        return Raw(json.dumps({"_meta": {"progressToken": token}}).encode())
+
+    async with connected() as h:
+        for _ in range(3):
+            start_call(
+                h, "tools/call", timeout=30, progress=("same", lambda t, p: None), rewrite=rewrite
+            )
+        tokens = {(await h.child.receive())["params"]["_meta"]["progressToken"] for _ in range(3)}
+        assert len(tokens) == 3
+
+
+async def test_malformed_progress_is_a_protocol_error(autojump_clock: MockClock) -> None:
+    async with connected() as h:
+        await h.child.send(
+            {"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progress": 1}}
+        )
+        await trio.testing.wait_all_tasks_blocked()
+        assert h.protocol_errors() == ["invalid_message"]
+
+
+# ---- child death --------------------------------------------------------------------------
+
+
+async def test_fail_all_completes_every_pending_call_at_once(autojump_clock: MockClock) -> None:
+    async with connected() as h:
+        calls = [
+            start_call(h, "tools/call", Raw(b"{}"), timeout=60, owner=Owner(str(i)))
+            for i in range(4)
+        ]
+        calls.append(start_call(h, "ping", timeout=60, internal=True))
+        for _ in calls:
+            await h.child.receive()
+        t0 = trio.current_time()
+        exited = errors.BackendExited("backend 'fx' exited: crashed", backend="fx", retryable=True)
+        h.conn.fail_all(exited)
+        for c in calls:
+            await c.done.wait()
+        for c in calls:
+            assert c.error is exited
+            assert c.at == t0  # at once: no time passed
+        assert h.conn.pending == {}
+        assert h.conn.attribution() == set()
+        # The connection is closed: new requests and writes fail immediately.
+        with pytest.raises(errors.BackendExited):
+            await h.conn.request("ping", timeout=5)
+        with pytest.raises(errors.BackendExited):
+            await h.conn.notify("notifications/initialized")
+        await h.conn.respond(1, Raw(b"{}"))  # answering a gone child is not an error
+        assert trio.current_time() == t0
+
+
+async def test_closed_stdin_is_backend_exited_and_the_call_is_not_attributed(
+    autojump_clock: MockClock,
+) -> None:
+    async with connected() as h:
+        await h.child.close_stdin()  # the child stopped reading
+        with pytest.raises(errors.BackendExited):
+            await h.conn.request("tools/call", Raw(b"{}"), timeout=5, owner=Owner("a"))
+        # The child never saw the call: it is not in the attribution set.
+        assert h.conn.pending == {}
+        assert h.conn.attribution() == set()
+
+
+async def test_read_loop_returns_at_eof(autojump_clock: MockClock) -> None:
+    async with connected() as h:
+        await h.child.close_stdout()
+        await trio.testing.wait_all_tasks_blocked()
+        # read_loop ended; the nursery only holds this test now.
+        assert len(h.nursery.child_tasks) == 0
+
+
+# ---- what the child sends besides replies ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("line", "kind"),
+    [
+        (b"Starting server on stdio...", "not_json"),
+        (b"{not json", "not_json"),
+        (b'{"id": 1, "result": {}}', "invalid_message"),  # no jsonrpc
+        (b'{"jsonrpc":"2.0","id":true,"method":"x"}', "invalid_message"),
+        (b'{"jsonrpc":"2.0","id":999,"result":{}}', "unknown_response"),
+        (b'{"jsonrpc":"2.0","id":"1","result":{}}', "unknown_response"),  # our ids are ints
+        (b'{"jsonrpc":"2.0","method":"notifications/cancelled","params":{}}', "invalid_message"),
+    ],
+)
+async def test_bad_lines_emit_protocol_errors_and_the_child_keeps_serving(
+    line: bytes, kind: str, autojump_clock: MockClock
+) -> None:
+    async with connected() as h:
+        c = start_call(h, "ping", timeout=5)
+        req = await h.child.receive()
+        await h.child.send(line)
+        await h.child.reply(req["id"], {})
+        await c.done.wait()
+        assert c.error is None
+        assert h.protocol_errors() == [kind]
+        (event,) = [e for e in h.events if isinstance(e, BackendProtocolError)]
+        assert (event.backend, event.instance) == ("fx", "fx/0")
+
+
+async def test_oversize_line_is_a_protocol_error(autojump_clock: MockClock) -> None:
+    async with connected(max_line=64) as h:
+        c = start_call(h, "ping", timeout=5)
+        req = await h.child.receive()
+        await h.child.send(b'{"jsonrpc":"2.0","method":"x","params":"' + b"y" * 200 + b'"}')
+        await h.child.reply(req["id"], {})
+        await c.done.wait()
+        assert c.error is None
+        assert h.protocol_errors() == ["oversize"]
+
+
+async def test_notifications_requests_and_cancellations_go_to_the_handlers(
+    autojump_clock: MockClock,
+) -> None:
+    async with connected() as h:
+        await h.child.send({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"})
+        await h.child.send({"jsonrpc": "2.0", "id": "s1", "method": "roots/list"})
+        await h.child.send({"jsonrpc": "2.0", "id": 5, "method": "elicitation/create",
+                            "params": {"message": "?"}})
+        await h.child.send({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                            "params": {"requestId": 5, "reason": "changed my mind"}})
+        await trio.testing.wait_all_tasks_blocked()
+        assert h.handlers.notifications == [("notifications/tools/list_changed", None)]
+        assert h.handlers.requests == [
+            ("s1", "roots/list", None),
+            (5, "elicitation/create", {"message": "?"}),
+        ]
+        assert h.handlers.cancelled == [5]
+        assert h.protocol_errors() == []
+
+
+async def test_respond_and_respond_error_write_to_the_child(autojump_clock: MockClock) -> None:
+    async with connected() as h:
+        await h.conn.respond("s1", Raw(b'{"roots":[]}'))
+        await h.conn.respond_error(5, -32007, "refused", {"reason": "unattributable"})
+        await h.conn.respond_error(6, -32601, "nope")
+        assert await h.child.receive() == {"jsonrpc": "2.0", "id": "s1", "result": {"roots": []}}
+        assert await h.child.receive() == {
+            "jsonrpc": "2.0", "id": 5,
+            "error": {"code": -32007, "message": "refused", "data": {"reason": "unattributable"}},
+        }
+        assert await h.child.receive() == {
+            "jsonrpc": "2.0", "id": 6, "error": {"code": -32601, "message": "nope"},
+        }
+
+
+# ---- attribution ------------------------------------------------------------------------
+
+
+async def test_attribution_ignores_internal_calls(autojump_clock: MockClock) -> None:
+    async with connected() as h:
+        a = Owner("a")
+        start_call(h, "ping", timeout=60, internal=True)
+        start_call(h, "resources/subscribe", timeout=60, owner=Owner("b"), internal=True)
+        await h.child.receive()
+        await h.child.receive()
+        assert h.conn.attribution() == set()
+        start_call(h, "tools/call", Raw(b"{}"), timeout=60, owner=a)
+        await h.child.receive()
+        assert h.conn.attribution() == {a}
+        assert [c.method for c in h.conn.calls_of(a)] == ["tools/call"]
+
+
+async def test_abandoned_calls_count_until_the_ttl(autojump_clock: MockClock) -> None:
+    async with connected() as h:
+        a, b = Owner("a"), Owner("b")
+        start_call(h, "tools/call", Raw(b"{}"), timeout=1000, owner=a)
+        await h.child.receive()
+        timed_out = start_call(h, "tools/call", Raw(b"{}"), timeout=2, owner=b)
+        req_b = await h.child.receive()
+        await timed_out.done.wait()
+        assert isinstance(timed_out.error, errors.CallTimeout)
+        t_abandoned = trio.current_time()
+        assert h.conn.attribution() == {a, b}  # b's call is still open at the child
+        assert h.conn.calls_of(b) != []
+        await trio.sleep(ABANDONED_TTL - 1)
+        assert h.conn.attribution() == {a, b}
+        await trio.sleep(2)
+        assert trio.current_time() - t_abandoned > ABANDONED_TTL
+        assert h.conn.attribution() == {a}
+        assert req_b["id"] not in h.conn.pending  # purged
+        # Its reply, when it finally comes, is an unknown id now.
+        await h.child.reply(req_b["id"], {})
+        await trio.testing.wait_all_tasks_blocked()
+        assert h.protocol_errors() == ["unknown_response"]
