@@ -117,7 +117,7 @@ class GatewayConfig(Base):
         return name if prefix is None else prefix
 
 
-_BACKEND_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,32}$")
+_BACKEND_NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_-]{0,31}$")  # "_…" is reserved for labels
 _SECTIONS = {
     "gateway": GatewaySection,
     "listen": ListenSection,
@@ -198,7 +198,7 @@ def load(data: bytes | str, *, base_dir: str = ".", check_commands: bool = False
         raw_backends = {}
     for name, raw in raw_backends.items():
         if not _BACKEND_NAME.fullmatch(name):
-            errors.append(f"backends.{name}: backend names must match [a-zA-Z0-9_-]{{1,32}}")
+            errors.append(f"backends.{name}: backend names must match [a-zA-Z0-9][a-zA-Z0-9_-]{{0,31}}")
             continue
         try:
             backend = msgspec.convert(raw, BackendConfig)
