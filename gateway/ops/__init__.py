@@ -1,0 +1,1 @@
+"""Operations: metrics, admin HTTP, systemd integration, logging."""

@@ -1,0 +1,139 @@
+"""Logging setup: journald-aware stderr by default, the native journal protocol on request.
+
+Structured fields go in ``extra`` with UPPERCASE ``MCP_`` names (journald drops lowercase field
+names), e.g. ``log.info("started", extra={"MCP_BACKEND": "time"})``. The native journal handler
+stores them as fields (``journalctl MCP_BACKEND=time``); the text formats append them as
+``backend=time``.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import sys
+from collections.abc import Mapping
+
+log = logging.getLogger(__name__)
+
+SYSLOG_IDENTIFIER = "mcp-gateway"
+FIELD_PREFIX = "MCP_"
+TARGETS = ("auto", "journal")
+
+# logging level -> syslog priority (sd-daemon(3) prefixes, stored by journald as PRIORITY=)
+_PRIORITIES = ((logging.CRITICAL, 2), (logging.ERROR, 3), (logging.WARNING, 4), (logging.INFO, 6))
+
+
+def syslog_priority(levelno: int) -> int:
+    """The syslog priority (0-7) for a :mod:`logging` level number."""
+    for threshold, prio in _PRIORITIES:
+        if levelno >= threshold:
+            return prio
+    return 7
+
+
+def journal_stream_matches(environ: Mapping[str, str] | None = None, fd: int = 2) -> bool:
+    """Whether ``fd`` is the journal stream systemd connected (``$JOURNAL_STREAM`` = dev:inode).
+
+    Comparing with fstat matters: the variable is inherited by children whose stderr was
+    redirected elsewhere, so merely being set proves nothing (systemd.exec(5)).
+    """
+    env = os.environ if environ is None else environ
+    value = env.get("JOURNAL_STREAM", "")
+    dev, sep, ino = value.partition(":")
+    if not sep:
+        return False
+    try:
+        st = os.fstat(fd)
+        return (int(dev), int(ino)) == (st.st_dev, st.st_ino)
+    except (OSError, ValueError):
+        return False
+
+
+def _fields(record: logging.LogRecord) -> str:
+    """`` backend=time conn=7`` for the record's ``MCP_*`` extras, or ``""``."""
+    parts = [
+        f"{key[len(FIELD_PREFIX) :].lower()}={value}"
+        for key, value in record.__dict__.items()
+        if key.startswith(FIELD_PREFIX) and value is not None
+    ]
+    return " " + " ".join(parts) if parts else ""
+
+
+class PlainFormatter(logging.Formatter):
+    """``2026-01-02 03:04:05,678 INFO gateway.hub: message backend=time`` for terminals/files."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return super().formatMessage(record) + _fields(record)
+
+
+class JournalStreamFormatter(logging.Formatter):
+    """``<6>gateway.hub: message backend=time``: journald parses ``<N>`` as PRIORITY.
+
+    journald timestamps entries itself. Every line gets the prefix, so a traceback's lines keep
+    the record's priority instead of falling back to the stream default.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("%(name)s: %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return super().formatMessage(record) + _fields(record)
+
+    def format(self, record: logging.LogRecord) -> str:
+        prefix = f"<{syslog_priority(record.levelno)}>"
+        return "\n".join(prefix + line for line in super().format(record).split("\n"))
+
+
+def _journal_handler() -> logging.Handler | None:
+    """systemd-python's JournalHandler (the package's ``systemd`` extra), if importable."""
+    try:
+        from systemd.journal import JournalHandler  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return None
+    handler: logging.Handler = JournalHandler(SYSLOG_IDENTIFIER=SYSLOG_IDENTIFIER)
+    return handler
+
+
+def setup_logging(level: str = "info", target: str = "auto") -> None:
+    """Configure the root logger once at startup (calling it again replaces the handler).
+
+    ``target="auto"``: stderr, with ``<N>`` priority prefixes when stderr is the journal stream,
+    timestamps and level names otherwise. ``target="journal"``: the native journal protocol
+    (structured ``MCP_*`` fields), falling back to ``auto`` with a warning if systemd-python is
+    not installed. Also enables :mod:`faulthandler`, so a watchdog SIGABRT or a crash leaves a
+    Python traceback on stderr.
+    """
+    numeric = logging.getLevelName(level.upper())
+    if not isinstance(numeric, int):
+        raise ValueError(f"unknown log level {level!r}")
+    if target not in TARGETS:
+        raise ValueError(f"unknown log target {target!r} (expected one of {', '.join(TARGETS)})")
+
+    handler = _journal_handler() if target == "journal" else None
+    fallback = target == "journal" and handler is None
+    if handler is None:
+        handler = logging.StreamHandler(sys.stderr)
+        if journal_stream_matches():
+            handler.setFormatter(JournalStreamFormatter())
+        else:
+            handler.setFormatter(PlainFormatter())
+    handler._gateway_handler = True  # type: ignore[attr-defined]
+
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if getattr(h, "_gateway_handler", False)]:
+        root.removeHandler(old)
+        old.close()
+    root.addHandler(handler)
+    root.setLevel(numeric)
+
+    if not faulthandler.is_enabled():
+        try:
+            faulthandler.enable(file=2, all_threads=True)  # fd 2: works whatever sys.stderr is
+        except (OSError, ValueError) as exc:
+            log.warning("faulthandler not enabled: %s", exc)
+    if fallback:
+        log.warning("log target 'journal' needs systemd-python (not installed); using stderr")
