@@ -21,15 +21,21 @@ def _load(path: str, *, check_commands: bool) -> config.GatewayConfig:
     return config.load(data, base_dir=os.path.dirname(os.path.abspath(path)), check_commands=check_commands)
 
 
-def cmd_check_config(args: argparse.Namespace) -> int:
+def _load_or_report(path: str, prefix: str = "") -> config.GatewayConfig | None:
+    """Load and validate ``path``; print every problem to stderr and return None if invalid."""
     try:
-        cfg = _load(args.config, check_commands=True)
+        return _load(path, check_commands=True)
     except OSError as exc:
-        print(f"{args.config}: {exc.strerror or exc}", file=sys.stderr)
-        return 1
+        print(f"{prefix}{path}: {exc.strerror or exc}", file=sys.stderr)
     except ConfigError as exc:
         for error in exc.errors:
-            print(f"{args.config}: {error}", file=sys.stderr)
+            print(f"{prefix}{path}: {error}", file=sys.stderr)
+    return None
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    cfg = _load_or_report(args.config)
+    if cfg is None:
         return 1
     print(f"{args.config}: ok ({len(cfg.backends)} backends: {', '.join(cfg.backends) or 'none'})")
     return 0
@@ -39,14 +45,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from gateway import service
     from gateway.ops.logs import setup_logging
 
-    try:
-        cfg = _load(args.config, check_commands=True)
-    except OSError as exc:
-        print(f"mcp-gateway: {args.config}: {exc.strerror or exc}", file=sys.stderr)
-        return 1
-    except ConfigError as exc:
-        for error in exc.errors:
-            print(f"mcp-gateway: {args.config}: {error}", file=sys.stderr)
+    cfg = _load_or_report(args.config, "mcp-gateway: ")
+    if cfg is None:
         return 1
     setup_logging(args.log_level or cfg.gateway.log_level, cfg.gateway.log_target)
     failed = False

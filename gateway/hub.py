@@ -34,6 +34,15 @@ from gateway.status import BackendStatus, GatewayStatus, InstanceStatus
 LOGGER = logging.getLogger(__name__)
 
 
+def _str_field(params: Raw | UnsetType, key: str) -> str | None:
+    """A string field of a child's notification params, or None when absent or malformed."""
+    try:
+        value = msgspec.json.decode(jsonrpc.params_dict(params)[key])
+    except (KeyError, errors.GatewayError, msgspec.DecodeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
 class Hub:
     def __init__(self, cfg: GatewayConfig, bus: EventBus, *, subreaper: bool = False) -> None:
         self.cfg = cfg
@@ -175,11 +184,8 @@ class Hub:
                 session.send(data)
 
     def on_resource_updated(self, instance: Instance, params: Raw | UnsetType) -> None:
-        try:
-            uri = msgspec.json.decode(jsonrpc.params_dict(params)["uri"])
-        except (KeyError, errors.GatewayError, msgspec.DecodeError):
-            return
-        if not isinstance(uri, str):
+        uri = _str_field(params, "uri")
+        if uri is None:
             return
         data = jsonrpc.encode_notification("notifications/resources/updated", params)
         targets: set[ClientSession] = set()
@@ -190,11 +196,8 @@ class Hub:
             session.send(data)
 
     def on_log_message(self, instance: Instance, params: Raw | UnsetType) -> None:
-        try:
-            level = msgspec.json.decode(jsonrpc.params_dict(params)["level"])
-        except (KeyError, errors.GatewayError, msgspec.DecodeError):
-            return
-        rank = mcp.LOG_RANK.get(level) if isinstance(level, str) else None
+        level = _str_field(params, "level")
+        rank = mcp.LOG_RANK.get(level) if level is not None else None
         if rank is None:
             return
         data = jsonrpc.encode_notification("notifications/message", params)
@@ -203,11 +206,8 @@ class Hub:
                 session.send(data)
 
     def on_elicitation_complete(self, instance: Instance, params: Raw | UnsetType) -> None:
-        try:
-            eid = msgspec.json.decode(jsonrpc.params_dict(params)["elicitationId"])
-        except (KeyError, errors.GatewayError, msgspec.DecodeError):
-            return
-        owner = self.ownership.elicitation_owner(eid) if isinstance(eid, str) else None
+        eid = _str_field(params, "elicitationId")
+        owner = self.ownership.elicitation_owner(eid) if eid is not None else None
         if owner is not None:
             owner.notify("notifications/elicitation/complete", params)
 

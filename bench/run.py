@@ -1,0 +1,1252 @@
+#!/usr/bin/env python3
+"""mcp-gateway benchmark: the gateway side by side with a direct stdio pipe and peer gateways.
+
+    .venv/bin/python bench/run.py [--calls 2000] [--clients 16] [--inflight 4] [--json out.json]
+
+One run measures, with the same stdio backend (the test fixture's ``echo``, or server-everything's
+with ``--backend everything``):
+
+* direct stdio: the backend's own pipe, ``clients`` logical clients pipelining calls over it;
+* mcp-gateway over WebSocket and over its unix socket (newline-delimited JSON-RPC): ``clients``
+  connections, sequential calls, then ``inflight`` calls in flight per connection;
+* single-client sequential latency: direct, gateway ``shared`` backend, gateway ``affine`` backend;
+* restart-to-ready: kill -9 the backend child, time until /status says RUNNING and until the
+  first successful call (5 runs, median);
+* peers: supergateway 4.0.0 (stdio -> WebSocket) and mcp-proxy 0.13.0 (stdio -> Streamable HTTP),
+  installed by ``scripts/setup-bench``.
+
+Every server binds 127.0.0.1 (checked on the real sockets of each process tree, /proc/net/tcp*),
+every load loop is bounded by a call count and a wall-clock cap, and every child process is
+stopped (process group, then any recorded descendant) also when the run fails or is interrupted.
+See bench/README.md for what each row means and the caveats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import math
+import os
+import platform
+import resource
+import shlex
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import msgspec
+import trio
+import trio_websocket
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH_DIR = os.path.join(ROOT, "bench")
+OUT_DIR = os.path.join(BENCH_DIR, "out")
+FIXTURE = os.path.join(ROOT, "tests", "fixtures", "fixture_server.py")
+EVERYTHING = os.path.join(ROOT, ".deps", "node", "node_modules", "@modelcontextprotocol",
+                          "server-everything", "dist", "index.js")
+SUPERGATEWAY = os.path.join(ROOT, ".deps", "bench", "node", "node_modules", "supergateway", "dist",
+                            "index.js")
+MCP_PROXY = os.path.join(ROOT, ".deps", "bench", "venv-mcpproxy", "bin", "mcp-proxy")
+PRELOAD = os.path.join(BENCH_DIR, "loopback-preload.cjs")
+PROTOCOL = "2025-06-18"  # spoken by every path under test
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+REQUEST_TIMEOUT = 30.0  # one call; a slower answer counts as an error
+START_TIMEOUT = 30.0  # a server process until it accepts connections
+
+ENCODE = msgspec.json.Encoder().encode
+DECODE = msgspec.json.decode
+
+
+class BenchError(Exception):
+    """A path under test could not be set up or misbehaved (reported, never faked)."""
+
+
+# ==== backends ===================================================================================
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    name: str
+    argv: list[str]
+    tool: str  # the backend's own tool name
+
+    def expected(self, message: str) -> str:
+        return f"Echo: {message}" if self.name == "everything" else message
+
+
+def backend_spec(which: str) -> BackendSpec:
+    if which == "fixture":
+        return BackendSpec("fixture", [sys.executable, FIXTURE], "echo")
+    if not os.path.isfile(EVERYTHING):
+        raise SystemExit(f"bench: {EVERYTHING} is missing: run scripts/setup first")
+    node = shutil.which("node") or "node"
+    return BackendSpec("everything", [node, EVERYTHING, "stdio"], "echo")
+
+
+# ==== processes: start, account CPU, check binds, clean up ========================================
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read().decode()
+    except OSError:
+        return None
+    return data[data.rindex(")") + 2:].split()  # fields from "state" on (3rd field of stat)
+
+
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a live process (all its threads; not its reaped children)."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        return 0.0, 0.0
+    return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
+
+
+def start_time(pid: int) -> int | None:
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields is not None else None
+
+
+def alive(pid: int) -> bool:
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def descendants(pid: int) -> list[int]:
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _stat_fields(int(entry))
+            if fields is not None:
+                parent[int(entry)] = int(fields[1])
+    out: list[int] = []
+    frontier = [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out.extend(kids)
+        frontier.extend(kids)
+    return out
+
+
+def _parse_addr(hexaddr: str) -> str:
+    ip, port = hexaddr.split(":")
+    raw = bytes.fromhex(ip)
+    if len(raw) == 4:
+        return f"{socket.inet_ntop(socket.AF_INET, raw[::-1])}:{int(port, 16)}"
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+    return f"[{socket.inet_ntop(socket.AF_INET6, words)}]:{int(port, 16)}"
+
+
+def listening_sockets(pids: list[int]) -> list[str]:
+    """host:port of every listening TCP socket held open by ``pids``."""
+    inodes: set[str] = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # 0A = LISTEN
+                out.append(_parse_addr(cols[1]))
+    return out
+
+
+def is_loopback_addr(addr: str) -> bool:
+    host = addr.rsplit(":", 1)[0].strip("[]")
+    return host.startswith("127.") or host in ("::1", "::ffff:127.0.0.1") or host.startswith("::ffff:127.")
+
+
+def assert_loopback_only(root: int, what: str) -> list[str]:
+    addrs = listening_sockets([root, *descendants(root)])
+    bad = [a for a in addrs if not is_loopback_addr(a)]
+    if bad:
+        raise BenchError(f"{what} listens beyond loopback ({', '.join(bad)}): stopped, not measured")
+    return addrs
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Procs:
+    """Every process the bench starts, so that all of them are stopped whatever happens."""
+
+    def __init__(self, log_dir: str) -> None:
+        self.log_dir = log_dir
+        self.running: dict[int, str] = {}  # pid -> name (each is a process-group leader)
+        self.seen: dict[int, dict[int, int]] = {}  # leader -> {descendant pid: its start time}
+
+    def popen(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        log = open(os.path.join(self.log_dir, f"{name}.log"), "wb")
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    cwd=ROOT, env=env, start_new_session=True)
+        finally:
+            log.close()
+        self.running[proc.pid] = name
+        return proc
+
+    def adopt(self, pid: int, name: str) -> None:
+        self.running[pid] = name
+
+    def remember_tree(self, pid: int) -> None:
+        """Record ``pid``'s descendants now (a backend may leave its tree before we stop it)."""
+        known = self.seen.setdefault(pid, {})
+        for child in descendants(pid):
+            started = start_time(child)
+            if started is not None:
+                known[child] = started
+
+    def stop(self, pid: int, grace: float = 5.0) -> None:
+        """SIGTERM the process group, wait (bounded), SIGKILL it, then any recorded descendant."""
+        self.running.pop(pid, None)
+        self.remember_tree(pid)
+        tree = self.seen.pop(pid, {})
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 2.0)):
+            if not alive(pid):
+                break
+            try:
+                os.killpg(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+            deadline = time.monotonic() + wait
+            while alive(pid) and time.monotonic() < deadline:
+                _reap(pid)
+                time.sleep(0.02)
+        # A zombie leader of a multi-threaded process can be reaped only once all its threads are
+        # gone: wait for that (bounded), so that no zombie is left behind for init.
+        deadline = time.monotonic() + 2.0
+        while not _reap(pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for child, started in tree.items():
+            # Only a process we saw in our tree (same pid *and* start time: never a reused pid).
+            if alive(child) and child not in self.running and start_time(child) == started:
+                try:
+                    os.kill(child, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def stop_all(self) -> None:
+        for pid in list(self.running):
+            self.stop(pid, grace=3.0)
+
+
+def _reap(pid: int) -> bool:
+    """Collect ``pid`` if it has ended; True once it is gone (or was never our child)."""
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] == pid
+    except ChildProcessError:
+        return True
+
+
+# ==== JSON-RPC clients ===========================================================================
+
+
+class Conn:
+    """A JSON-RPC client connection with any number of requests in flight (unique ids)."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self._pending: dict[int, list[Any]] = {}
+        self._lock = trio.Lock()
+        self.closed: str | None = None
+
+    async def _send(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        raise NotImplementedError
+
+    async def request(self, method: str, params: Any = None, timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]:
+        if self.closed is not None:
+            raise BenchError(f"connection closed: {self.closed}")
+        rid = next(self._ids)
+        slot: list[Any] = [trio.Event(), None]
+        self._pending[rid] = slot
+        msg: dict[str, Any] = {"jsonrpc": "2.0", "id": rid, "method": method}
+        if params is not None:
+            msg["params"] = params
+        try:
+            async with self._lock:
+                await self._send(ENCODE(msg))
+            with trio.fail_after(timeout):
+                await slot[0].wait()
+        finally:
+            self._pending.pop(rid, None)
+        if slot[1] is None:
+            raise BenchError(f"connection closed: {self.closed}")
+        return slot[1]
+
+    async def notify(self, method: str, params: Any = None) -> None:
+        msg: dict[str, Any] = {"jsonrpc": "2.0", "method": method}
+        if params is not None:
+            msg["params"] = params
+        async with self._lock:
+            await self._send(ENCODE(msg))
+
+    async def initialize(self) -> dict[str, Any]:
+        resp = await self.request("initialize", {"protocolVersion": PROTOCOL, "capabilities": {},
+                                                 "clientInfo": {"name": "mcp-gateway-bench", "version": "1"}})
+        if "result" not in resp:
+            raise BenchError(f"initialize failed: {resp.get('error')}")
+        await self.notify("notifications/initialized")
+        return resp
+
+    def _deliver(self, data: bytes | str) -> None:
+        try:
+            msg = DECODE(data)
+        except msgspec.DecodeError:
+            return
+        for m in msg if isinstance(msg, list) else [msg]:
+            if isinstance(m, dict) and "method" not in m:  # a response (requests/notifications ignored)
+                slot = self._pending.get(m.get("id"))  # type: ignore[arg-type]
+                if slot is not None:
+                    slot[1] = m
+                    slot[0].set()
+
+    def _close(self, why: str) -> None:
+        self.closed = why
+        for slot in self._pending.values():
+            slot[0].set()
+
+
+class WsConn(Conn):
+    def __init__(self, ws: trio_websocket.WebSocketConnection) -> None:
+        super().__init__()
+        self.ws = ws
+
+    @classmethod
+    async def open(cls, nursery: trio.Nursery, url: str, subprotocols: list[str] | None) -> WsConn:
+        ws = await trio_websocket.connect_websocket_url(
+            nursery, url, subprotocols=subprotocols, max_message_size=16 * 2**20, receive_buffer_size=65536)
+        conn = cls(ws)
+        nursery.start_soon(conn._reader)
+        return conn
+
+    async def _reader(self) -> None:
+        try:
+            while True:
+                self._deliver(await self.ws.get_message())
+        except trio_websocket.ConnectionClosed as exc:
+            self._close(f"websocket closed ({exc.reason})")
+
+    async def _send(self, data: bytes) -> None:
+        try:
+            await self.ws.send_message(data.decode())
+        except trio_websocket.ConnectionClosed as exc:
+            self._close(f"websocket closed ({exc.reason})")
+            raise BenchError(self.closed) from None
+
+    async def aclose(self) -> None:
+        with trio.move_on_after(2):
+            await self.ws.aclose()
+
+
+class LineConn(Conn):
+    """Newline-delimited JSON-RPC over a byte stream (unix socket, a child's stdin/stdout)."""
+
+    def __init__(self, send: trio.abc.SendStream, receive: trio.abc.ReceiveStream) -> None:
+        super().__init__()
+        self.send_stream = send
+        self.receive_stream = receive
+
+    @classmethod
+    def start(cls, nursery: trio.Nursery, send: trio.abc.SendStream, receive: trio.abc.ReceiveStream) -> LineConn:
+        conn = cls(send, receive)
+        nursery.start_soon(conn._reader)
+        return conn
+
+    async def _reader(self) -> None:
+        buf = b""
+        try:
+            while data := await self.receive_stream.receive_some(65536):
+                buf += data
+                if b"\n" in buf:
+                    *lines, buf = buf.split(b"\n")
+                    for line in lines:
+                        if line.strip():
+                            self._deliver(line)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+        self._close("end of stream")
+
+    async def _send(self, data: bytes) -> None:
+        try:
+            await self.send_stream.send_all(data + b"\n")
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            self._close(f"write failed: {exc}")
+            raise BenchError(self.closed) from None
+
+    async def aclose(self) -> None:
+        for s in {id(self.send_stream): self.send_stream, id(self.receive_stream): self.receive_stream}.values():
+            with trio.move_on_after(2):
+                await s.aclose()
+
+
+class HttpConn(Conn):
+    """Streamable HTTP (POST per message, ``Mcp-Session-Id``), through httpx on trio."""
+
+    def __init__(self, url: str, max_connections: int) -> None:
+        super().__init__()
+        import httpx
+
+        self.url = url
+        self.session: str | None = None
+        self.client = httpx.AsyncClient(
+            timeout=REQUEST_TIMEOUT,
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections))
+
+    def _headers(self) -> dict[str, str]:
+        h = {"content-type": "application/json", "accept": "application/json, text/event-stream"}
+        if self.session is not None:
+            h["mcp-session-id"] = self.session
+            h["mcp-protocol-version"] = PROTOCOL
+        return h
+
+    async def _post(self, msg: dict[str, Any]) -> Any:
+        r = await self.client.post(self.url, content=ENCODE(msg), headers=self._headers())
+        if "mcp-session-id" in r.headers:
+            self.session = r.headers["mcp-session-id"]
+        if r.status_code == 202:
+            return None
+        if r.status_code != 200:
+            raise BenchError(f"HTTP {r.status_code}: {r.text[:200]}")
+        if r.headers.get("content-type", "").startswith("text/event-stream"):
+            for line in r.text.splitlines():  # the answer is the data: line with our id
+                if line.startswith("data:"):
+                    m = DECODE(line[5:].strip())
+                    if isinstance(m, dict) and m.get("id") == msg.get("id"):
+                        return m
+            raise BenchError("SSE stream ended without the response")
+        return DECODE(r.content)
+
+    async def request(self, method: str, params: Any = None, timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]:
+        msg: dict[str, Any] = {"jsonrpc": "2.0", "id": next(self._ids), "method": method}
+        if params is not None:
+            msg["params"] = params
+        with trio.fail_after(timeout):
+            return await self._post(msg)
+
+    async def notify(self, method: str, params: Any = None) -> None:
+        msg: dict[str, Any] = {"jsonrpc": "2.0", "method": method}
+        if params is not None:
+            msg["params"] = params
+        await self._post(msg)
+
+    async def aclose(self) -> None:
+        with trio.move_on_after(2):
+            if self.session is not None:
+                try:
+                    await self.client.delete(self.url, headers=self._headers())
+                except Exception:  # best effort: ending the session is a courtesy
+                    pass
+            await self.client.aclose()
+
+
+# ==== measuring ==================================================================================
+
+
+def pct(sorted_ns: list[int], q: float) -> float:
+    """Nearest-rank percentile, in microseconds."""
+    if not sorted_ns:
+        return float("nan")
+    return sorted_ns[max(0, math.ceil(q * len(sorted_ns)) - 1)] / 1000
+
+
+@dataclass
+class LoadResult:
+    path: str  # what was measured
+    group: str  # "direct" | "mcp-gateway" | "peer"
+    clients: int
+    inflight: int
+    requested: int
+    ok: int = 0
+    errors: int = 0
+    elapsed: float = 0.0
+    calls_per_s: float = 0.0
+    p50_us: float = float("nan")
+    p99_us: float = float("nan")
+    mean_us: float = float("nan")
+    # proxy / backend / bench client (user+system), and "<that> sys": the system part alone
+    cpu_us_per_call: dict[str, float] = field(default_factory=dict)
+    other_load: float | None = None  # cores busy with processes outside this bench meanwhile
+    capped: bool = False  # the wall-clock cap ended it before `requested` calls
+    first_error: str | None = None
+    ratio_vs_direct: float | None = None
+    p50_vs_direct: float | None = None
+
+
+def system_busy_seconds() -> float:
+    """CPU time all processes of the machine have used (user+nice+system+irq+softirq+steal)."""
+    with open("/proc/stat") as f:
+        cols = [int(x) for x in f.readline().split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = cols
+    return (user + nice + system + irq + softirq + steal) / CLK_TCK
+
+
+def _cpu_snapshot(pids: dict[str, Callable[[], list[int]]]) -> dict[str, float]:
+    """CPU seconds so far: per label (user+system, and the system part as "<label> sys")."""
+    snap: dict[str, float] = {}
+    for label, get in pids.items():
+        times = [cpu_seconds(p) for p in get()]
+        snap[label] = sum(u + s for u, s in times)
+        snap[f"{label} sys"] = sum(s for _, s in times)
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    snap["bench client"] = ru.ru_utime + ru.ru_stime
+    snap["bench client sys"] = ru.ru_stime
+    snap["_system"] = system_busy_seconds()
+    return snap
+
+
+async def run_load(conns: list[Conn], *, inflight: int, calls: int, cap: float, tool: str,
+                   backend: BackendSpec, cpu_pids: dict[str, Callable[[], list[int]]] | None = None,
+                   result: LoadResult | None = None) -> LoadResult:
+    """``len(conns) * inflight`` workers issue ``calls`` echo calls in total (each worker waits
+    for its answer before the next), or stop issuing when ``cap`` seconds have passed."""
+    res = result or LoadResult("", "", len(conns), inflight, calls)
+    lat: list[int] = []
+    issued = 0
+    deadline = trio.current_time() + cap
+    perf = time.perf_counter_ns
+
+    async def worker(conn: Conn, wid: int) -> None:
+        nonlocal issued
+        while issued < calls and trio.current_time() < deadline:
+            issued += 1
+            message = f"bench {wid} {issued}"
+            t0 = perf()
+            try:
+                resp = await conn.request("tools/call", {"name": tool, "arguments": {"message": message}})
+            except (BenchError, trio.TooSlowError) as exc:
+                res.errors += 1
+                res.first_error = res.first_error or f"{type(exc).__name__}: {exc}"
+                if conn.closed is not None:
+                    return
+                continue
+            t1 = perf()
+            try:
+                ok = resp["result"]["content"][0]["text"] == backend.expected(message)
+            except (KeyError, IndexError, TypeError):
+                ok = False
+            if ok:
+                res.ok += 1
+                lat.append(t1 - t0)
+            else:
+                res.errors += 1
+                res.first_error = res.first_error or f"bad answer: {json.dumps(resp)[:300]}"
+
+    before = _cpu_snapshot(cpu_pids or {})
+    started = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for i, conn in enumerate(conns):
+            for d in range(inflight):
+                nursery.start_soon(worker, conn, i * inflight + d)
+    res.elapsed = time.perf_counter() - started
+    after = _cpu_snapshot(cpu_pids or {})
+    res.capped = issued < calls
+    res.calls_per_s = res.ok / res.elapsed if res.elapsed > 0 else 0.0
+    lat.sort()
+    if lat:
+        res.p50_us, res.p99_us, res.mean_us = pct(lat, 0.50), pct(lat, 0.99), statistics.fmean(lat) / 1000
+    ours = sum(after[k] - before[k] for k in after if k != "_system" and not k.endswith(" sys"))
+    if res.elapsed > 0:
+        res.other_load = max(0.0, (after["_system"] - before["_system"] - ours) / res.elapsed)
+    if res.ok:
+        res.cpu_us_per_call = {k: round((after[k] - before[k]) / res.ok * 1e6, 1) for k in after if k != "_system"}
+    return res
+
+
+async def measure(label: str, group: str, conns: list[Conn], args: argparse.Namespace, *, inflight: int,
+                  tool: str, backend: BackendSpec, cpu_pids: dict[str, Callable[[], list[int]]],
+                  calls: int | None = None) -> LoadResult:
+    n = calls if calls is not None else args.calls
+    warm = max(len(conns) * inflight, min(n // 5, 500))
+    await run_load(conns, inflight=inflight, calls=warm, cap=args.max_seconds, tool=tool, backend=backend)
+    runs = []
+    for _ in range(args.repeat):
+        res = LoadResult(label, group, len(conns), inflight, n)
+        await run_load(conns, inflight=inflight, calls=n, cap=args.max_seconds, tool=tool, backend=backend,
+                       cpu_pids=cpu_pids, result=res)
+        runs.append(res)
+    runs.sort(key=lambda r: r.calls_per_s)
+    res = runs[len(runs) // 2]  # the median run (by calls/s) of --repeat
+    status = (f"{res.calls_per_s:8.0f} calls/s  p50 {res.p50_us:8.0f} us  p99 {res.p99_us:8.0f} us"
+              f"  (other load {res.other_load or 0:.1f} cores)")
+    print(f"  {label:<44} {len(conns):>2}x{inflight:<2} {status}"
+          + (f"  errors {res.errors} ({res.first_error})" if res.errors else "")
+          + ("  [wall-clock cap hit]" if res.capped else ""), file=sys.stderr, flush=True)
+    return res
+
+
+async def sequential(conn: Conn, tool: str, backend: BackendSpec, calls: int, cap: float) -> list[int]:
+    """One client, one call at a time: the latencies (ns) of the successful calls."""
+    out: list[int] = []
+    deadline = trio.current_time() + cap
+    for i in range(calls):
+        if trio.current_time() >= deadline:
+            break
+        message = f"seq {i}"
+        t0 = time.perf_counter_ns()
+        try:
+            resp = await conn.request("tools/call", {"name": tool, "arguments": {"message": message}})
+        except (BenchError, trio.TooSlowError):
+            continue
+        t1 = time.perf_counter_ns()
+        if resp.get("result", {}).get("content", [{}])[0].get("text") == backend.expected(message):
+            out.append(t1 - t0)
+    return out
+
+
+@dataclass
+class SeqResult:
+    path: str
+    calls: int
+    p50_us: float
+    p99_us: float
+    mean_us: float
+
+
+def seq_result(path: str, lat: list[int]) -> SeqResult:
+    lat = sorted(lat)
+    return SeqResult(path, len(lat), pct(lat, 0.5), pct(lat, 0.99),
+                     statistics.fmean(lat) / 1000 if lat else float("nan"))
+
+
+# ==== small HTTP GET (admin /status) ============================================================
+
+
+async def http_get(port: int, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    with trio.fail_after(timeout):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
+            data = b""
+            while chunk := await stream.receive_some(65536):
+                data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+async def wait_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout: float = START_TIMEOUT) -> None:
+    deadline = trio.current_time() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise BenchError(f"{what} exited during start-up (code {proc.returncode})")
+        try:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+        except OSError:
+            if trio.current_time() > deadline:
+                raise BenchError(f"{what} did not listen on 127.0.0.1:{port} within {timeout:g}s") from None
+            await trio.sleep(0.05)
+        else:
+            await stream.aclose()
+            return
+
+
+# ==== the paths under test ======================================================================
+
+
+HANDSHAKE_LISTS = ("tools/list", "prompts/list", "resources/list", "resources/templates/list")
+
+
+async def spawn_to_ready(backend: BackendSpec, procs: Procs) -> float:
+    """ms from spawning the backend to the answer of the last list request of the handshake the
+    gateway does (initialize, initialized, the four lists): the floor of any restart."""
+    t0 = time.perf_counter()
+    proc = await trio.lowlevel.open_process(backend.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            stderr=subprocess.DEVNULL, cwd=ROOT, start_new_session=True)
+    procs.adopt(proc.pid, "direct-spawn")
+    try:
+        async with trio.open_nursery() as nursery:
+            assert proc.stdin is not None and proc.stdout is not None
+            conn = LineConn.start(nursery, proc.stdin, proc.stdout)
+            with trio.fail_after(START_TIMEOUT):
+                await conn.initialize()
+                for method in HANDSHAKE_LISTS:
+                    await conn.request(method)
+            elapsed = time.perf_counter() - t0
+            nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            procs.stop(proc.pid)
+    return elapsed * 1000
+
+
+async def bench_direct(args: argparse.Namespace, backend: BackendSpec, procs: Procs,
+                       results: list[LoadResult], singles: list[SeqResult], spawns: list[float]) -> None:
+    """The limit: the backend's own stdio pipe, one process, logical clients pipelining on it."""
+    print("direct stdio", file=sys.stderr, flush=True)
+    for _ in range(args.restarts):
+        spawns.append(await spawn_to_ready(backend, procs))
+    if spawns:
+        print(f"  spawn -> handshake done, median {statistics.median(spawns):.1f} ms", file=sys.stderr, flush=True)
+    stderr_log = open(os.path.join(procs.log_dir, "direct-backend.log"), "wb")
+    proc = await trio.lowlevel.open_process(backend.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            stderr=stderr_log, cwd=ROOT, start_new_session=True)
+    stderr_log.close()
+    procs.adopt(proc.pid, "direct-backend")
+    try:
+        async with trio.open_nursery() as nursery:
+            assert proc.stdin is not None and proc.stdout is not None
+            conn = LineConn.start(nursery, proc.stdin, proc.stdout)
+            with trio.fail_after(START_TIMEOUT):
+                await conn.initialize()
+            cpu = {"backend": lambda: [proc.pid]}
+            lat = await sequential(conn, backend.tool, backend, min(args.calls, 200), args.max_seconds)  # warm-up
+            lat = await sequential(conn, backend.tool, backend, args.single_calls, args.max_seconds)
+            singles.append(seq_result("direct stdio", lat))
+            # N logical clients on one pipe: the same Conn, ids unique across all of them.
+            clients = [conn] * args.clients
+            for inflight in (1, args.inflight):
+                results.append(await measure("direct stdio (one pipe)", "direct", clients, args,
+                                             inflight=inflight, tool=backend.tool, backend=backend, cpu_pids=cpu))
+            await conn.aclose()
+            nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            procs.stop(proc.pid)
+
+
+def gateway_config(backend: BackendSpec, ws_port: int, admin_port: int, unix_path: str) -> str:
+    argv = backend.argv
+
+    def table(name: str, extra: str = "") -> str:
+        return (f"[backends.{name}]\ncommand = {json.dumps(argv[0])}\nargs = {json.dumps(argv[1:])}\n"
+                f"required = true\n{extra}\n")
+
+    return f"""# written by bench/run.py
+[gateway]
+name = "mcp-gateway-bench"
+
+[listen]
+websocket = "127.0.0.1:{ws_port}"
+unix = "{unix_path}"
+unix_mode = "0600"
+
+[admin]
+listen = "127.0.0.1:{admin_port}"
+
+{table("fx")}
+{table("fxa", 'sharing = "affine"')}
+{table("rs", "restart = { backoff_initial = 0.005, backoff_max = 0.005, max_restarts = 1000, window = 60.0 }")}
+"""
+
+
+async def gateway_status(admin: int) -> dict[str, Any]:
+    code, body = await http_get(admin, "/status")
+    if code != 200:
+        raise BenchError(f"/status answered {code}")
+    return json.loads(body)
+
+
+def instance_of(status: dict[str, Any], backend: str) -> dict[str, Any]:
+    for b in status["backends"]:
+        if b["name"] == backend:
+            return b["instances"][0]
+    raise BenchError(f"backend {backend} not in /status")
+
+
+async def start_duration(admin: int, backend: str) -> tuple[float, float]:
+    """(sum, count) of mcp_gateway_backend_start_duration_seconds for ``backend``, from /metrics."""
+    code, body = await http_get(admin, "/metrics")
+    total = count = 0.0
+    for line in body.decode().splitlines():
+        if f'backend="{backend}"' in line:
+            if line.startswith("mcp_gateway_backend_start_duration_seconds_sum"):
+                total = float(line.rsplit(" ", 1)[1])
+            elif line.startswith("mcp_gateway_backend_start_duration_seconds_count"):
+                count = float(line.rsplit(" ", 1)[1])
+    return total, count
+
+
+@dataclass
+class RestartRun:
+    gone_ms: float  # kill -> /status no longer shows the killed child RUNNING
+    starting_ms: float | None  # kill -> STARTING with a new pid first seen (after the backoff)
+    running_ms: float  # kill -> RUNNING with a new pid
+    first_call_ms: float  # kill -> first successful echo call
+    failed_calls: int  # attempts answered with an error before that
+    errors_seen: list[str]
+    gateway_start_ms: float | None = None  # the gateway's own spawn -> handshake done (its metric)
+
+
+async def restart_run(admin: int, conn: Conn, tool: str, backend: BackendSpec) -> RestartRun:
+    metric_before = await start_duration(admin, "rs")
+    old_pid = instance_of(await gateway_status(admin), "rs")["pid"]
+    if not old_pid:
+        raise BenchError("restart backend has no pid in /status")
+    marks: dict[str, float] = {}
+    failed = 0
+    errors_seen: list[str] = []
+    t0 = 0.0
+
+    async def poll_status() -> None:
+        while True:
+            try:
+                inst = instance_of(await gateway_status(admin), "rs")
+            except (OSError, BenchError, trio.TooSlowError, ValueError):
+                inst = {"state": "?", "pid": None}
+            now = time.perf_counter()
+            if "gone" not in marks and not (inst["state"] == "RUNNING" and inst["pid"] == old_pid):
+                marks["gone"] = now
+            if "starting" not in marks and inst["state"] == "STARTING" and inst["pid"] not in (None, old_pid):
+                marks["starting"] = now
+            if inst["state"] == "RUNNING" and inst["pid"] not in (None, old_pid):
+                marks["running"] = now
+                return
+            await trio.sleep(0.005)
+
+    async def first_call() -> None:
+        nonlocal failed
+        i = 0
+        while True:
+            i += 1
+            message = f"restart {i}"
+            try:
+                resp = await conn.request("tools/call", {"name": tool, "arguments": {"message": message}})
+            except (BenchError, trio.TooSlowError) as exc:
+                raise BenchError(f"restart: client connection failed: {exc}") from None
+            try:
+                if resp["result"]["content"][0]["text"] == backend.expected(message):
+                    marks["call"] = time.perf_counter()
+                    return
+            except (KeyError, IndexError, TypeError):
+                pass
+            failed += 1
+            reason = (resp.get("error") or {}).get("data", {}).get("reason") or str(resp.get("error"))[:80]
+            if reason not in errors_seen:
+                errors_seen.append(reason)
+            await trio.sleep(0.001)
+
+    with trio.fail_after(30):
+        t0 = time.perf_counter()
+        os.kill(old_pid, signal.SIGKILL)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(poll_status)
+            nursery.start_soon(first_call)
+    ms = {k: (v - t0) * 1000 for k, v in marks.items()}
+    run = RestartRun(ms["gone"], ms.get("starting"), ms["running"], ms["call"], failed, errors_seen)
+    metric_after = await start_duration(admin, "rs")
+    if metric_after[1] == metric_before[1] + 1:
+        run.gateway_start_ms = (metric_after[0] - metric_before[0]) * 1000
+    return run
+
+
+async def bench_gateway(args: argparse.Namespace, backend: BackendSpec, procs: Procs,
+                        results: list[LoadResult], singles: list[SeqResult], restarts: list[RestartRun],
+                        notes: list[str]) -> None:
+    print("mcp-gateway", file=sys.stderr, flush=True)
+    tmp = tempfile.mkdtemp(prefix="mcpgw-bench-")
+    unix_path = os.path.join(tmp, "gw.sock")
+    ws_port, admin = free_port(), free_port()
+    cfg_path = os.path.join(procs.log_dir, "gateway-bench.toml")
+    with open(cfg_path, "w") as f:
+        f.write(gateway_config(backend, ws_port, admin, unix_path))
+    gw = procs.popen("gateway", [sys.executable, "-m", "gateway", "run", "--config", cfg_path])
+    try:
+        deadline = trio.current_time() + START_TIMEOUT
+        while True:
+            if gw.poll() is not None:
+                raise BenchError(f"gateway exited during start-up (code {gw.returncode}); see {procs.log_dir}/gateway.log")
+            try:
+                code, _ = await http_get(admin, "/readyz")
+                if code == 200:
+                    break
+            except (OSError, trio.TooSlowError):
+                pass
+            if trio.current_time() > deadline:
+                raise BenchError("gateway not ready within start timeout")
+            await trio.sleep(0.05)
+        addrs = assert_loopback_only(gw.pid, "mcp-gateway")
+        notes.append(f"mcp-gateway listens on {', '.join(sorted(addrs))} and unix:{unix_path}")
+        procs.remember_tree(gw.pid)
+        url = f"ws://127.0.0.1:{ws_port}/"
+        fx_tool = f"fx__{backend.tool}"
+        cpu = {"proxy": lambda: [gw.pid], "backend": lambda: descendants(gw.pid)}
+
+        async with trio.open_nursery() as nursery:
+            # ---- single client, sequential: shared vs affine, ws vs unix ----------------------
+            one = await WsConn.open(nursery, url, ["mcp"])
+            await one.initialize()
+            sock = await trio.open_unix_socket(unix_path)
+            one_unix = LineConn.start(nursery, sock, sock)
+            await one_unix.initialize()
+            for c, t in ((one, fx_tool), (one, f"fxa__{backend.tool}"), (one_unix, fx_tool)):
+                await sequential(c, t, backend, min(args.calls, 200), args.max_seconds)  # warm-up
+            lat: dict[str, list[int]] = {"ws shared": [], "ws affine": [], "unix shared": []}
+            blocks = 5  # interleaved, so drift hits all three alike
+            for _ in range(blocks):
+                per = max(1, args.single_calls // blocks)
+                lat["ws shared"] += await sequential(one, fx_tool, backend, per, args.max_seconds / blocks)
+                lat["ws affine"] += await sequential(one, f"fxa__{backend.tool}", backend, per, args.max_seconds / blocks)
+                lat["unix shared"] += await sequential(one_unix, fx_tool, backend, per, args.max_seconds / blocks)
+            for key, label in (("ws shared", "mcp-gateway WS, shared backend"),
+                               ("ws affine", "mcp-gateway WS, affine backend"),
+                               ("unix shared", "mcp-gateway unix, shared backend")):
+                singles.append(seq_result(label, lat[key]))
+                print(f"  single client {label:<36} p50 {singles[-1].p50_us:6.0f} us", file=sys.stderr, flush=True)
+
+            # ---- N connections --------------------------------------------------------------
+            ws_conns = [await WsConn.open(nursery, url, ["mcp"]) for _ in range(args.clients)]
+            for c in ws_conns:
+                await c.initialize()
+            for inflight in (1, args.inflight):
+                results.append(await measure("mcp-gateway, WebSocket", "mcp-gateway", ws_conns, args,
+                                             inflight=inflight, tool=fx_tool, backend=backend, cpu_pids=cpu))
+            for c in ws_conns:
+                await c.aclose()
+            unix_conns: list[Conn] = []
+            for _ in range(args.clients):
+                s = await trio.open_unix_socket(unix_path)
+                unix_conns.append(LineConn.start(nursery, s, s))
+            for c in unix_conns:
+                await c.initialize()
+            for inflight in (1, args.inflight):
+                results.append(await measure("mcp-gateway, unix socket", "mcp-gateway", unix_conns, args,
+                                             inflight=inflight, tool=fx_tool, backend=backend, cpu_pids=cpu))
+            for c in unix_conns:
+                await c.aclose()
+
+            # ---- restart-to-ready -----------------------------------------------------------
+            rs_tool = f"rs__{backend.tool}"
+            await sequential(one, rs_tool, backend, 20, 10)
+            for i in range(args.restarts):
+                procs.remember_tree(gw.pid)
+                run = await restart_run(admin, one, rs_tool, backend)
+                restarts.append(run)
+                print(f"  restart {i + 1}: RUNNING after {run.running_ms:.1f} ms, first call after "
+                      f"{run.first_call_ms:.1f} ms ({run.failed_calls} failed attempts: "
+                      f"{', '.join(run.errors_seen) or '-'})", file=sys.stderr, flush=True)
+                await sequential(one, rs_tool, backend, 20, 10)
+                await trio.sleep(0.2)
+            await one.aclose()
+            await one_unix.aclose()
+            nursery.cancel_scope.cancel()
+        status = await gateway_status(admin)
+        restarts_seen = instance_of(status, "rs")["restarts"]
+        notes.append(f"restart backend 'rs': /status counts {restarts_seen} restarts after {args.restarts} kills")
+    finally:
+        with trio.CancelScope(shield=True):
+            procs.remember_tree(gw.pid)
+            procs.stop(gw.pid, grace=10.0)
+            shutil.rmtree(tmp, ignore_errors=True)
+        if gw.returncode not in (0, None, -signal.SIGTERM):
+            notes.append(f"mcp-gateway exited with code {gw.returncode} on SIGTERM")
+
+
+async def bench_supergateway(args: argparse.Namespace, backend: BackendSpec, procs: Procs,
+                             results: list[LoadResult], notes: list[str]) -> None:
+    print("supergateway 4.0.0 (stdio -> WebSocket)", file=sys.stderr, flush=True)
+    if not os.path.isfile(SUPERGATEWAY):
+        raise BenchError("not installed (run scripts/setup-bench)")
+    node = shutil.which("node")
+    if node is None:
+        raise BenchError("node not found")
+    port = free_port()
+    stdio_cmd = shlex.join(backend.argv)
+    argv = [node, "--require", PRELOAD, SUPERGATEWAY, "--stdio", stdio_cmd, "--outputTransport", "ws",
+            "--port", str(port), "--logLevel", "none"]
+    sg = procs.popen("supergateway", argv)
+    try:
+        await wait_port(port, sg, "supergateway")
+        addrs = assert_loopback_only(sg.pid, "supergateway")
+        notes.append(f"supergateway listens on {', '.join(sorted(addrs))} (forced by bench/loopback-preload.cjs)")
+        procs.remember_tree(sg.pid)
+        url = f"ws://127.0.0.1:{port}/message"
+        cpu = {"proxy": lambda: [sg.pid], "backend": lambda: descendants(sg.pid)}
+        async with trio.open_nursery() as nursery:
+            conns = [await WsConn.open(nursery, url, None) for _ in range(args.clients)]
+            for c in conns:
+                with trio.fail_after(10):
+                    await c.initialize()
+            for inflight in (1, args.inflight):
+                results.append(await measure("supergateway 4.0.0, WebSocket", "peer", conns, args,
+                                             inflight=inflight, tool=backend.tool, backend=backend, cpu_pids=cpu))
+            for c in conns:
+                await c.aclose()
+            nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            procs.remember_tree(sg.pid)
+            procs.stop(sg.pid)
+
+
+async def bench_mcp_proxy(args: argparse.Namespace, backend: BackendSpec, procs: Procs,
+                          results: list[LoadResult], notes: list[str]) -> None:
+    print("mcp-proxy 0.13.0 (stdio -> Streamable HTTP)", file=sys.stderr, flush=True)
+    if not os.path.isfile(MCP_PROXY):
+        raise BenchError("not installed (run scripts/setup-bench)")
+    try:
+        import httpx  # noqa: F401
+    except ImportError:
+        raise BenchError("httpx is not installed in this interpreter (run scripts/setup-bench)") from None
+    port = free_port()
+    argv = [MCP_PROXY, "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING", *backend.argv]
+    mp = procs.popen("mcp-proxy", argv)
+    try:
+        await wait_port(port, mp, "mcp-proxy")
+        addrs = assert_loopback_only(mp.pid, "mcp-proxy")
+        notes.append(f"mcp-proxy listens on {', '.join(sorted(addrs))}")
+        procs.remember_tree(mp.pid)
+        url = f"http://127.0.0.1:{port}/mcp"
+        cpu = {"proxy": lambda: [mp.pid], "backend": lambda: descendants(mp.pid)}
+        for inflight in (1, args.inflight):
+            conns: list[Conn] = [HttpConn(url, inflight) for _ in range(args.clients)]
+            try:
+                for c in conns:
+                    with trio.fail_after(10):
+                        await c.initialize()
+                results.append(await measure("mcp-proxy 0.13.0, Streamable HTTP", "peer", conns, args,
+                                             inflight=inflight, tool=backend.tool, backend=backend, cpu_pids=cpu))
+            finally:
+                for c in conns:
+                    await c.aclose()
+    finally:
+        with trio.CancelScope(shield=True):
+            procs.remember_tree(mp.pid)
+            procs.stop(mp.pid)
+
+
+# ==== report =====================================================================================
+
+
+def cpu_calibration() -> float:
+    """CPU ms of a fixed pure-Python loop (best of 3): how fast this machine's cores are right now."""
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.process_time()
+        x = 0
+        for i in range(1_000_000):
+            x += i
+        best = min(best, time.process_time() - t0)
+    return best * 1000
+
+
+def _f(x: float | None, fmt: str = "{:.0f}") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
+
+
+def attach_ratios(results: list[LoadResult]) -> None:
+    direct = {(r.clients * r.inflight): r for r in results if r.group == "direct"}
+    for r in results:
+        base = direct.get(r.clients * r.inflight)
+        if base is not None and base.calls_per_s > 0:
+            r.ratio_vs_direct = r.calls_per_s / base.calls_per_s
+            if not math.isnan(r.p50_us) and base.p50_us > 0:
+                r.p50_vs_direct = r.p50_us / base.p50_us
+
+
+def markdown(args: argparse.Namespace, backend: BackendSpec, results: list[LoadResult], singles: list[SeqResult],
+             restarts: list[RestartRun], spawns: list[float], peers: dict[str, str], notes: list[str]) -> str:
+    out = [f"### Throughput: {args.clients} clients, {args.calls} echo calls per row "
+           f"(backend: {backend.name}, {os.cpu_count()} CPUs shared by client and servers)", "",
+           "| path | clients × in flight | ok / err | calls/s | × direct | p50 ms | p99 ms | p50 × direct "
+           "| proxy CPU µs/call (sys) | backend CPU µs/call | bench client CPU µs/call (sys) | other load (cores) |",
+           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        cpu = r.cpu_us_per_call
+
+        def cpu_cell(label: str) -> str:
+            return f"{_f(cpu.get(label))} ({_f(cpu.get(label + ' sys'))})"
+
+        out.append(
+            f"| {r.path}{' (cap hit)' if r.capped else ''} | {r.clients} × {r.inflight} | {r.ok} / {r.errors} "
+            f"| {r.calls_per_s:.0f} | {_f(r.ratio_vs_direct, '{:.2f}')} | {_f(r.p50_us / 1000, '{:.2f}')} "
+            f"| {_f(r.p99_us / 1000, '{:.2f}')} | {_f(r.p50_vs_direct, '{:.2f}')} "
+            f"| {cpu_cell('proxy') if r.group != 'direct' else '–'} | {_f(cpu.get('backend'))} "
+            f"| {cpu_cell('bench client')} | {_f(r.other_load, '{:.1f}')} |")
+    out += ["", f"### Single client, sequential calls ({args.single_calls} per row)", "",
+            "| path | calls | p50 µs | p99 µs | mean µs | p50 added vs direct µs | p50 added vs shared µs |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    direct = next((s for s in singles if s.path == "direct stdio"), None)
+    shared = next((s for s in singles if s.path == "mcp-gateway WS, shared backend"), None)
+    for s in singles:
+        add_direct = s.p50_us - direct.p50_us if direct and s is not direct else None
+        add_shared = s.p50_us - shared.p50_us if shared and s.path == "mcp-gateway WS, affine backend" else None
+        out.append(f"| {s.path} | {s.calls} | {_f(s.p50_us)} | {_f(s.p99_us)} | {_f(s.mean_us)} "
+                   f"| {_f(add_direct, '{:+.0f}')} | {_f(add_shared, '{:+.0f}')} |")
+    if restarts:
+        out += ["", "### Restart-to-ready (kill -9 of the backend child; /status polled every 5 ms; "
+                "restart backoff configured to 5 ms; times from the kill)", "",
+                "| run | not RUNNING seen ms | STARTING (new pid) seen ms | RUNNING seen ms | first ok call ms "
+                "| gateway's spawn→handshake ms | failed attempts | errors seen |",
+                "|---|---:|---:|---:|---:|---:|---:|---|"]
+        for i, r in enumerate(restarts, 1):
+            out.append(f"| {i} | {r.gone_ms:.1f} | {_f(r.starting_ms, '{:.1f}')} | {r.running_ms:.1f} "
+                       f"| {r.first_call_ms:.1f} | {_f(r.gateway_start_ms, '{:.1f}')} | {r.failed_calls} "
+                       f"| {', '.join(r.errors_seen) or '–'} |")
+        med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
+        starting = [r.starting_ms for r in restarts if r.starting_ms is not None]
+        gw_start = [r.gateway_start_ms for r in restarts if r.gateway_start_ms is not None]
+        out.append(f"| **median** | {med([r.gone_ms for r in restarts]):.1f} | {_f(med(starting), '{:.1f}')} "
+                   f"| **{med([r.running_ms for r in restarts]):.1f}** "
+                   f"| **{med([r.first_call_ms for r in restarts]):.1f}** | {_f(med(gw_start), '{:.1f}')} | | |")
+        if spawns:
+            out += ["", f"Floor for comparison: spawning the backend directly and doing the same handshake "
+                    f"(initialize + the four lists) took {statistics.median(spawns):.1f} ms (median of "
+                    f"{len(spawns)}: {', '.join(f'{x:.0f}' for x in spawns)} ms)."]
+    out += ["", "### Peers", ""]
+    for name, state in peers.items():
+        out.append(f"- {name}: {state}")
+    if notes:
+        out += ["", "### Notes", ""]
+        out += [f"- {n}" for n in notes]
+    return "\n".join(out) + "\n"
+
+
+# ==== main =======================================================================================
+
+
+async def amain(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
+    backend = backend_spec(args.backend)
+    results: list[LoadResult] = []
+    singles: list[SeqResult] = []
+    restarts: list[RestartRun] = []
+    notes: list[str] = []
+    peers: dict[str, str] = {}
+    spawns: list[float] = []
+
+    failures: list[str] = []  # sections of the run that could not be measured
+    interrupted: list[str] = []
+
+    async def on_signal(cancel: trio.CancelScope) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGHUP) as signals:
+            async for sig in signals:
+                print(f"bench: signal {sig}, stopping", file=sys.stderr)
+                interrupted.append(f"signal {sig}")
+                cancel.cancel()
+                return
+
+    async def section(name: str, fn: Callable[[], Any]) -> bool:
+        """Run one part; a failure is reported in the output and the run goes on."""
+        try:
+            await fn()
+        except (BenchError, OSError, trio.TooSlowError, trio_websocket.HandshakeError) as exc:
+            msg = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            failures.append(f"{name}: **not measured**: {msg} (logs: {os.path.relpath(procs.log_dir, ROOT)})")
+            print(f"  {name}: FAILED: {msg}", file=sys.stderr, flush=True)
+            return False
+        return True
+
+    calibration = cpu_calibration()
+    started = time.perf_counter()
+    load_before = os.getloadavg()
+    async with trio.open_nursery() as outer:
+        outer.start_soon(on_signal, outer.cancel_scope)
+        with trio.move_on_after(args.total_timeout) as total:
+            await section("direct stdio", lambda: bench_direct(args, backend, procs, results, singles, spawns))
+            await section("mcp-gateway", lambda: bench_gateway(args, backend, procs, results, singles, restarts,
+                                                               notes))
+            for name, fn, wanted in (("supergateway 4.0.0 (stdio → WebSocket)", bench_supergateway, "supergateway"),
+                                     ("mcp-proxy 0.13.0 (stdio → Streamable HTTP)", bench_mcp_proxy, "mcp-proxy")):
+                if wanted not in args.peers:
+                    peers[name] = "skipped (--peers)"
+                    continue
+                before = len(results)
+                if not await section(name, lambda fn=fn: fn(args, backend, procs, results, notes)):
+                    peers[name] = failures.pop()[len(name) + 2:]
+                    del results[before:]
+                else:
+                    bad = [r for r in results[before:] if r.errors]
+                    peers[name] = ("measured" if not bad else
+                                   f"measured, with errors: {bad[0].errors} ({bad[0].first_error})")
+        if total.cancelled_caught:
+            interrupted.append(f"--total-timeout {args.total_timeout:g}s reached")
+        outer.cancel_scope.cancel()
+    if interrupted:
+        failures.append(f"run interrupted ({', '.join(interrupted)}): the results are partial")
+    notes[:0] = failures
+    attach_ratios(results)
+    notes.append(f"whole run took {time.perf_counter() - started:.1f} s; load average (1 min) "
+                 f"{load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after, on {os.cpu_count()} CPUs; "
+                 f"CPU calibration: a 1M-iteration Python loop took {calibration:.0f} ms of CPU")
+    report = markdown(args, backend, results, singles, restarts, spawns, peers, notes)
+    return {
+        "meta": {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+            "args": vars(args), "backend": backend.name, "backend_argv": backend.argv,
+            "cpu_calibration_ms": calibration, "complete": not failures,
+        },
+        "throughput": [asdict(r) for r in results],
+        "single_client": [asdict(s) for s in singles],
+        "restart": {"runs": [asdict(r) for r in restarts],
+                    "direct_spawn_to_ready_ms": spawns,
+                    "median_running_ms": statistics.median([r.running_ms for r in restarts]) if restarts else None,
+                    "median_first_call_ms": statistics.median([r.first_call_ms for r in restarts]) if restarts else None},
+        "peers": peers,
+        "notes": notes,
+        "markdown": report,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--calls", type=int, default=2000, help="measured calls per throughput row (default 2000)")
+    p.add_argument("--clients", type=int, default=16, help="concurrent clients / connections (default 16)")
+    p.add_argument("--inflight", type=int, default=4, help="calls in flight per connection in the pipelined rows (default 4)")
+    p.add_argument("--single-calls", type=int, default=1000, help="calls per single-client latency row (default 1000)")
+    p.add_argument("--restarts", type=int, default=5, help="kill -9 / restart runs (default 5)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="measure each throughput row this many times and keep the median run (default 1)")
+    p.add_argument("--max-seconds", type=float, default=20.0, help="wall-clock cap of each measured loop (default 20)")
+    p.add_argument("--total-timeout", type=float, default=600.0, help="hard cap on the whole run (default 600 s)")
+    p.add_argument("--backend", choices=("fixture", "everything"), default="fixture",
+                   help="stdio backend: tests/fixtures/fixture_server.py (default) or server-everything")
+    p.add_argument("--peers", default="supergateway,mcp-proxy", help="comma list of peers to run ('' for none)")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    args = p.parse_args(argv)
+    args.peers = [x for x in args.peers.split(",") if x]
+    if min(args.calls, args.clients, args.inflight, args.repeat, args.single_calls) < 1 or args.restarts < 0:
+        p.error("--calls, --clients, --inflight, --repeat and --single-calls must be positive")
+
+    os.makedirs(OUT_DIR, exist_ok=True)
+    log_dir = os.path.join(OUT_DIR, "logs-" + time.strftime("%Y%m%d-%H%M%S"))
+    os.makedirs(log_dir, exist_ok=True)
+    procs = Procs(log_dir)
+    try:
+        doc = trio.run(amain, args, procs)
+    except KeyboardInterrupt:
+        print("bench: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        procs.stop_all()
+    print(doc["markdown"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2, default=str)
+        print(f"bench: JSON written to {args.json}", file=sys.stderr)
+    return 0 if doc["meta"]["complete"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
