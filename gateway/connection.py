@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 LOGGER = logging.getLogger(__name__)
 
+#: Messages written to a client in one go at most (one syscall for a line stream).
+WRITE_BATCH = 64
 #: Bound on delivering the last queued messages (e.g. an error before closing) to a client.
 FLUSH_TIMEOUT = 2.0
 
@@ -48,6 +50,10 @@ class MessageStream(Protocol):
         """Send one message.  Raises TransportClosed."""
         ...
 
+    async def send_batch(self, messages: list[bytes]) -> None:
+        """Send several messages in order (as few writes as the transport allows)."""
+        ...
+
     async def aclose(self, reason: str) -> None: ...
 
 
@@ -59,10 +65,11 @@ async def serve(hub: Hub, stream: MessageStream, transport: str) -> None:
     hub.sessions.add(session)
     hub.bus.emit(ConnectionOpened(session.conn_id, transport))
     LOGGER.debug("connection %s opened (%s)", session.conn_id, transport)
+    in_hand: list[bytes] = []  # taken off the queue by the writer, not yet sent
     try:
         async with trio.open_nursery() as nursery:
             session.cancel_scope = nursery.cancel_scope
-            nursery.start_soon(_writer, session, stream)
+            nursery.start_soon(_writer, session, stream, in_hand)
             await _reader(hub, session, stream, nursery)
             session.close("client_closed")
     except Exception:
@@ -73,7 +80,7 @@ async def serve(hub: Hub, stream: MessageStream, transport: str) -> None:
             hub.sessions.discard(session)
             session.end_all_requests("owner_gone")
             await hub.session_closed(session)
-            await _flush(session, stream)
+            await _flush(session, stream, in_hand)
             with trio.move_on_after(FLUSH_TIMEOUT):
                 await stream.aclose(session.close_reason)
             hub.bus.emit(ConnectionClosed(session.conn_id, transport, session.close_reason,
@@ -81,11 +88,20 @@ async def serve(hub: Hub, stream: MessageStream, transport: str) -> None:
             LOGGER.debug("connection %s closed: %s", session.conn_id, session.close_reason)
 
 
-async def _flush(session: ClientSession, stream: MessageStream) -> None:
-    """Deliver what is still queued (e.g. the error explaining a close), bounded."""
+async def _flush(session: ClientSession, stream: MessageStream, in_hand: list[bytes]) -> None:
+    """Deliver what is still queued (e.g. the error explaining a close), bounded.
+
+    ``in_hand`` is the message the writer was cancelled with before it could send it (closing
+    the connection cancels the writer, which may just have taken that very error message).
+    """
     if session.close_reason in ("overflow", "client_closed"):
         return
     with trio.move_on_after(FLUSH_TIMEOUT):
+        try:
+            await stream.send_batch(in_hand)
+        except errors.TransportClosed:
+            return
+        in_hand.clear()
         while True:
             try:
                 data = session.outbound.receive_nowait()
@@ -97,13 +113,21 @@ async def _flush(session: ClientSession, stream: MessageStream) -> None:
                 return
 
 
-async def _writer(session: ClientSession, stream: MessageStream) -> None:
+async def _writer(session: ClientSession, stream: MessageStream, in_hand: list[bytes]) -> None:
+    """Drain the outbound queue; whatever piled up meanwhile goes out in one batch."""
     async for data in session.outbound:
+        in_hand.append(data)
+        while len(in_hand) < WRITE_BATCH:
+            try:
+                in_hand.append(session.outbound.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
         try:
-            await stream.send(data)
+            await stream.send_batch(in_hand)
         except errors.TransportClosed:
             session.close("client_closed")
             return
+        in_hand.clear()
 
 
 async def _reader(hub: Hub, session: ClientSession, stream: MessageStream, nursery: trio.Nursery) -> None:

@@ -127,6 +127,10 @@ class BackendExited(GatewayError):
     reason = "backend_exited"
 
 
+class NotDelivered(BackendExited):
+    """The request could not even be written to the child (it never saw it): safe to retry."""
+
+
 class Denied(GatewayError):
     code = DENIED
     reason = "denied"

@@ -7,6 +7,7 @@ themselves: ``gateway.connection`` is the one place that does.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,8 @@ from gateway import __version__, errors
 from gateway.events import RequestStarted
 from gateway.protocol import catalog as cat
 from gateway.protocol import jsonrpc, mcp
+
+LOGGER = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from gateway.backend.pool import Backend
@@ -134,7 +137,6 @@ async def forward(hub: Hub, session: ClientSession, req: Request, backend: Backe
     """Send ``req`` (with ``params`` already renamed) to an instance of ``backend``."""
     req.backend = backend.name
     hub.bus.emit(RequestStarted(session.conn_id, mcp.method_label(req.method), backend.name))
-    inst, child = await backend.acquire(session)
     progress = None
     meta: dict[str, Raw] | None = None
     if "_meta" in params:
@@ -156,13 +158,20 @@ async def forward(hub: Hub, session: ClientSession, req: Request, backend: Backe
         return jsonrpc.encode_dict(out)
 
     started = trio.current_time()
-    try:
-        return await child.request(req.method, timeout=backend.cfg.request_timeout, owner=session,
-                                   progress=progress, rewrite=rewrite)
-    finally:
-        req.backend_time = trio.current_time() - started
-        hub.ownership.call_finished(child, inst, session)
-        backend.release(inst, session)
+    for attempt in range(2):
+        inst, child = await backend.acquire(session)
+        try:
+            return await child.request(req.method, timeout=backend.cfg.request_timeout, owner=session,
+                                       progress=progress, rewrite=rewrite)
+        except errors.NotDelivered:
+            if attempt:  # the child died before reading it twice in a row: give up
+                raise
+            LOGGER.info("backend %s died before %s reached it; retrying once", inst.name, req.method)
+        finally:
+            req.backend_time = trio.current_time() - started
+            hub.ownership.call_finished(child, inst, session)
+            backend.release(inst, session)
+    raise AssertionError("unreachable")
 
 
 async def call_tool(hub: Hub, session: ClientSession, req: Request) -> Raw:

@@ -60,6 +60,7 @@ class Hub:
         self._subreaper = subreaper
         self._nursery: trio.Nursery | None = None
         self._levels: dict[str, str | None] = {}
+        self._catalog_warnings: set[str] = set()
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -130,7 +131,9 @@ class Hub:
         ]
         new, warnings = build_catalog(lists, self.cfg.gateway.separator, strict=strict)
         for warning in warnings:
-            LOGGER.warning("catalog: %s", warning)
+            if warning not in self._catalog_warnings:  # say each collision once, not per rebuild
+                LOGGER.warning("catalog: %s", warning)
+        self._catalog_warnings = set(warnings)
         old = self.catalog
         self.catalog = new
         changed = tuple(

@@ -36,8 +36,6 @@ LOGGER = logging.getLogger(__name__)
 
 #: A call the caller abandoned (cancel, timeout) stays in the attribution set this long at most.
 ABANDONED_TTL = 30.0
-#: Bound on writing one message to a child's stdin (a child that stops reading is broken).
-WRITE_TIMEOUT = 10.0
 
 _tokens = itertools.count(1)
 
@@ -118,7 +116,8 @@ class ChildConnection:
         self._handlers = handlers
         self._bus = bus
         self._max_line = max_line
-        self._write_lock = trio.Lock()
+        self._outbox: list[tuple[bytes, int | None]] = []
+        self._outbox_ready = trio.Event()
         self._ids = itertools.count(1)
         self.pending: dict[int, PendingCall] = {}
         self._by_token: dict[str, PendingCall] = {}
@@ -129,16 +128,45 @@ class ChildConnection:
 
     # ---- writing ----------------------------------------------------------------------------
 
-    async def send(self, line: bytes) -> None:
-        """Write one message.  Raises BackendExited if the child is gone or stopped reading."""
+    def post(self, line: bytes, gid: int | None = None) -> None:
+        """Queue one message for the child's stdin (never blocks; the writer task sends it).
+
+        Raises:
+            NotDelivered: the child's stdin is already known to be gone.
+        """
         if self.closed is not None:
-            raise self.closed
-        async with self._write_lock:
+            raise errors.NotDelivered(self.closed.message, **self.closed.data)
+        self._outbox.append((line, gid))
+        self._outbox_ready.set()
+
+    async def send(self, line: bytes) -> None:
+        """Queue one message (async form of :meth:`post`, a checkpoint for callers)."""
+        self.post(line)
+        await trio.lowlevel.checkpoint()
+
+    async def write_loop(self) -> None:
+        """Write queued messages to the child, batching whatever piled up into one write.
+
+        If stdin breaks, the calls whose requests were in the failed write get
+        :class:`~gateway.errors.NotDelivered` (the child never read them: safe to retry).
+        """
+        while True:
+            if not self._outbox:
+                self._outbox_ready = trio.Event()
+                await self._outbox_ready.wait()
+            batch, self._outbox = self._outbox, []
             try:
-                with trio.fail_after(WRITE_TIMEOUT):
-                    await self._send_stream.send_all(line + b"\n")
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, trio.TooSlowError):
-                raise self._exited_error("the backend's stdin is closed") from None
+                await self._send_stream.send_all(b"".join([line + b"\n" for line, _ in batch]))
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                error = self._exited_error("the backend's stdin is closed")
+                if self.closed is None:
+                    self.closed = error
+                for _line, gid in batch + self._outbox:
+                    call = self.pending.pop(gid, None) if gid is not None else None
+                    if call is not None:
+                        call.complete(None, errors.NotDelivered(error.message, **error.data))
+                self._outbox = []
+                return
 
     def _exited_error(self, detail: str) -> errors.GatewayError:
         return errors.BackendExited(
@@ -187,7 +215,7 @@ class ChildConnection:
             sent ``notifications/cancelled`` and a late reply is dropped.
         """
         if self.closed is not None:
-            raise self.closed
+            raise errors.NotDelivered(self.closed.message, **self.closed.data)
         gid = next(self._ids)
         call = PendingCall(gid, method, owner, internal)
         token = None
@@ -200,7 +228,11 @@ class ChildConnection:
         self.pending[gid] = call  # before the write: the reply may race the end of send()
         sent = False
         try:
-            await self.send(jsonrpc.encode_request(gid, method, params))
+            try:
+                self.post(jsonrpc.encode_request(gid, method, params), gid)
+            except errors.NotDelivered:
+                self.pending.pop(gid, None)
+                raise
             sent = True
             with trio.move_on_after(timeout) as scope:
                 call.scope = scope

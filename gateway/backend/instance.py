@@ -176,11 +176,13 @@ class Instance(ChildHandlers):
         down = self._down = trio.Event()
         self._down_reason = ""
         exit_reason = "exited"
+        how = "exited"
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self._read_stderr, proc.stderr)
                 nursery.start_soon(self._read_stdout, child, down)
+                nursery.start_soon(child.write_loop)
                 try:
                     with trio.fail_after(self.cfg.start_timeout):
                         await self._handshake(child)
@@ -223,7 +225,7 @@ class Instance(ChildHandlers):
         else:
             kind = "crashed" if rc not in (0, None) else "exited"
         detail = f"exit code {rc}" if rc is not None and rc >= 0 else f"signal {-rc}" if rc else "unknown"
-        self.last_exit = f"{exit_reason} ({detail}, stop: {how if 'how' in locals() else 'n/a'})"
+        self.last_exit = f"{exit_reason} ({detail})" if how == "exited" else f"{exit_reason} ({detail}; ended by {how})"
         if kind != "stopped":
             self.crash_stderr = tuple(self.stderr_tail)
             LOGGER.warning("backend %s: child pid %d ended: %s", self.name, proc.pid, self.last_exit)
@@ -236,6 +238,9 @@ class Instance(ChildHandlers):
         if not down.is_set():
             self._down_reason = self._down_reason or "exited"
             down.set()
+        # No reply can arrive any more: fail the calls waiting for one now, including the
+        # handshake's initialize (which would otherwise wait out the whole start_timeout).
+        child.fail_all(child._exited_error(self._down_reason or "exited"))
 
     async def _read_stderr(self, stream: trio.abc.ReceiveStream) -> None:
         buf = b""

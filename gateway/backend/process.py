@@ -97,14 +97,29 @@ def _proc_stats() -> Iterable[tuple[int, str, int, int]]:
             continue
 
 
+def group_alive(pgid: int) -> bool:
+    """Whether any live (non-zombie) process remains in group ``pgid``.
+
+    One ``killpg(pgid, 0)`` answers the common case (nothing left) without scanning /proc.
+    """
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return bool(group_members(pgid))
+
+
 async def stop_process(proc: trio.Process, *, stdin_grace: float = STDIN_GRACE,
                        term_grace: float = TERM_GRACE) -> str:
     """Stop ``proc`` and its process group in the spec's order.  Never raises, never hangs.
 
-    Returns how it ended: ``"stdin"`` (exited after stdin closed), ``"sigterm"``, ``"sigkill"``.
+    Returns how it ended: ``"exited"`` (before the stop began), ``"stdin"`` (exited after stdin
+    closed), ``"sigterm"``, ``"sigkill"``.
     """
     pgid = proc.pid
-    how = "stdin"
+    how = "exited" if proc.returncode is not None else "stdin"
     with trio.CancelScope(shield=True):
         if proc.stdin is not None:
             with trio.move_on_after(1.0):
@@ -114,15 +129,15 @@ async def stop_process(proc: trio.Process, *, stdin_grace: float = STDIN_GRACE,
                     pass
         with trio.move_on_after(stdin_grace):
             await proc.wait()
-        if proc.returncode is None or group_members(pgid):
+        if proc.returncode is None or group_alive(pgid):
             if proc.returncode is None:
                 how = "sigterm"
             _signal_group(pgid, signal.SIGTERM)
             with trio.move_on_after(term_grace):
                 await proc.wait()
-                while group_members(pgid):
+                while group_alive(pgid):
                     await trio.sleep(0.05)
-        if proc.returncode is None or group_members(pgid):
+        if proc.returncode is None or group_alive(pgid):
             if proc.returncode is None:
                 how = "sigkill"
             _signal_group(pgid, signal.SIGKILL)
@@ -149,16 +164,41 @@ def become_subreaper() -> bool:
         return False
 
 
+def _children() -> set[int]:
+    """Pids of this process's children, from /proc/self/task/*/children (no /proc-wide scan)."""
+    pids: set[int] = set()
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return pids
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/children") as f:
+                pids.update(int(p) for p in f.read().split())
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    return data[data.rfind(")") + 2 :].split()[0]
+
+
 def reap_orphans(known: set[int]) -> list[int]:
     """Kill and reap re-parented descendants: our children that are not live backend leaders.
 
     Only meaningful when this process is a subreaper and spawns nothing but backends (the
     ``mcp-gateway run`` daemon); returns the pids handled.
     """
-    me = os.getpid()
     handled = []
-    for pid, state, ppid, _pgrp in list(_proc_stats()):
-        if ppid != me or pid in known:
+    for pid in sorted(_children() - known):
+        state = _state(pid)
+        if state is None:
             continue
         if state != "Z":
             LOGGER.warning("killing orphaned backend descendant pid %d", pid)
@@ -167,7 +207,7 @@ def reap_orphans(known: set[int]) -> list[int]:
             except ProcessLookupError:
                 pass
         try:
-            os.waitpid(pid, 0 if state != "Z" else os.WNOHANG)
+            os.waitpid(pid, 0)
         except ChildProcessError:
             pass
         handled.append(pid)

@@ -220,6 +220,7 @@ class GatewayMetrics:
         GCCollector(registry=reg)
         reg.register(_StatusCollector(status, proc))
         self._max_tool_series = max_tool_series
+        self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
         self._tool_series: set[tuple[str, str]] = set()
         self._c = {n: Counter(PREFIX + n, d, ls, registry=reg) for n, (d, ls) in COUNTERS.items()}
         self._g = {n: Gauge(PREFIX + n, d, ls, registry=reg) for n, (d, ls) in GAUGES.items()}
@@ -292,16 +293,24 @@ class GatewayMetrics:
         if handler is not None:
             handler(event)
 
+    # Labelled children are cached: prometheus_client's labels() costs microseconds per call,
+    # and the label sets are bounded by construction, so the cache is too.
+
+    def _child(self, family: Any, name: str, labels: tuple[str, ...]) -> Any:
+        key = (name, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = family.labels(*labels) if labels else family
+        return child
+
     def _inc(self, name: str, *labels: str) -> None:
-        counter = self._c[name]
-        (counter.labels(*labels) if labels else counter).inc()
+        self._child(self._c[name], name, labels).inc()
 
     def _observe(self, name: str, value: float, *labels: str) -> None:
-        histogram = self._h[name]
-        (histogram.labels(*labels) if labels else histogram).observe(value)
+        self._child(self._h[name], name, labels).observe(value)
 
     def _inflight(self, backend: str) -> Gauge:
-        return self._g["inflight_requests"].labels(_backend(backend))
+        return self._child(self._g["inflight_requests"], "inflight_requests", (_backend(backend),))
 
     def _on_request_finished(self, e: events.RequestFinished) -> None:
         backend = _backend(e.backend)

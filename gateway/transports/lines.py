@@ -41,6 +41,12 @@ class LineStream:
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise TransportClosed(str(exc)) from None
 
+    async def send_batch(self, messages: list[bytes]) -> None:
+        try:
+            await self._stream.send_all(b"".join([m + b"\n" for m in messages]))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise TransportClosed(str(exc)) from None
+
     async def aclose(self, reason: str) -> None:
         try:
             await self._stream.aclose()

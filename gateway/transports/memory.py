@@ -24,6 +24,10 @@ class MemoryStream:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             raise TransportClosed("closed") from None
 
+    async def send_batch(self, messages: list[bytes]) -> None:
+        for data in messages:
+            await self.send(data)
+
     async def aclose(self, reason: str = "") -> None:
         await self._send.aclose()
         await self._receive.aclose()

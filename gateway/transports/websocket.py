@@ -46,6 +46,10 @@ class WebSocketStream:
         except (ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise TransportClosed(str(exc)) from None
 
+    async def send_batch(self, messages: list[bytes]) -> None:
+        for data in messages:  # one frame per message
+            await self.send(data)
+
     async def aclose(self, reason: str) -> None:
         code = {"oversize": 1009, "overflow": 1008, "shutdown": 1001, "error": 1011}.get(reason, 1000)
         try:

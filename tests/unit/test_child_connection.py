@@ -102,6 +102,7 @@ async def connected(max_line: int = 1 << 16) -> AsyncIterator[Harness]:
     with trio.fail_after(CAP):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(conn.read_loop)
+            nursery.start_soon(conn.write_loop)
             yield Harness(conn, FakeChild(child_recv, child_send), handlers, events, nursery)
             nursery.cancel_scope.cancel()
 
@@ -380,8 +381,8 @@ async def test_read_loop_returns_at_eof(autojump_clock: MockClock) -> None:
     async with connected() as h:
         await h.child.close_stdout()
         await trio.testing.wait_all_tasks_blocked()
-        # read_loop ended; the nursery only holds this test now.
-        assert len(h.nursery.child_tasks) == 0
+        # read_loop ended; only the writer (which lives until its stream breaks) is left.
+        assert [t.name.rsplit(".", 1)[-1] for t in h.nursery.child_tasks] == ["write_loop"]
 
 
 # ---- what the child sends besides replies ------------------------------------------------
