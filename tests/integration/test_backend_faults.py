@@ -1,0 +1,560 @@
+"""Backend faults on real child processes: crashes and kill -9 mid-call, restart, backoff,
+crash loops (FATAL), call timeouts, children that ignore SIGTERM, failed health checks, and
+no orphans (grandchildren included) with the gateway run as the real daemon.
+
+Measured numbers are printed (``pytest -s`` shows them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from helpers import (
+    FIXTURE,
+    ROOT,
+    Client,
+    connect,
+    fixture_backend,
+    make_config,
+    run_gateway,
+    text_of,
+)
+
+pytestmark = pytest.mark.system
+
+FAST_RESTART = "{ backoff_initial = 0.05, backoff_max = 0.1, max_restarts = 20, window = 60.0 }"
+
+
+def nonce() -> str:
+    return secrets.token_hex(6)
+
+
+def proc_state(pid: int) -> str | None:
+    """The /proc state letter of ``pid`` (``Z`` = zombie), None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read().decode(errors="replace")
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return data[data.rfind(")") + 2 :].split()[0]
+
+
+def alive(pid: int) -> bool:
+    state = proc_state(pid)
+    return state is not None and state != "Z"
+
+
+def children_of(ppid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                data = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        rest = data[data.rfind(")") + 2 :].split()
+        if int(rest[1]) == ppid and rest[0] != "Z":
+            out.append(int(entry))
+    return out
+
+
+async def http_json(port: int | None, path: str) -> Any:
+    assert port is not None
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(
+            f"GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n".encode()
+        )
+        data = b""
+        while chunk := await stream.receive_some(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.split()[1] == b"200", head
+    return json.loads(body)
+
+
+async def instance_status(port: int | None, backend: str) -> dict[str, Any]:
+    doc = await http_json(port, "/status")
+    (b,) = [b for b in doc["backends"] if b["name"] == backend]
+    return b["instances"][0]
+
+
+async def child_pid(c: Client, tool: str = "fx__client_info") -> int:
+    r = await c.call(tool, {})
+    assert "result" in r, r
+    return int(json.loads(text_of(r))["pid"])
+
+
+def assert_exited_error(r: dict[str, Any], backend: str) -> None:
+    assert "result" not in r, r
+    err = r["error"]
+    assert err["code"] == -32004, err
+    assert err["data"]["reason"] == "backend_exited"
+    assert err["data"]["backend"] == backend
+
+
+async def first_success(c: Client, tool: str, args: dict[str, Any], bound: float) -> dict[str, Any]:
+    """Call until the call succeeds (bounded): the backend is back."""
+    with trio.fail_after(bound):
+        while True:
+            r = await c.call(tool, args, timeout=bound)
+            if "result" in r and not r["result"].get("isError"):
+                return r
+            await trio.sleep(0.02)
+
+
+# ---- crash and kill -9 mid-call -------------------------------------------------------------
+
+
+async def test_crash_mid_call_gives_backend_exited_then_the_backend_restarts() -> None:
+    cfg = make_config(fixture_backend("fx", restart=FAST_RESTART))
+    with trio.fail_after(30):
+        async with run_gateway(cfg) as gw, connect(gw.url) as c, connect(gw.url) as other:
+            old_pid = await child_pid(c)
+            tag = nonce()
+            # another connection's call is in flight too: it fails the same way, at once
+            await other.send(
+                {
+                    "jsonrpc": "2.0",
+                    "id": "slow",
+                    "method": "tools/call",
+                    "params": {"name": "fx__sleep", "arguments": {"seconds": 30, "message": tag}},
+                }
+            )
+            await trio.sleep(0.1)
+            start = trio.current_time()
+            r = await c.call("fx__crash", {"code": 7}, timeout=5)
+            crashed_after = trio.current_time() - start
+            assert_exited_error(r, "fx")
+            assert crashed_after < 1.0
+            assert_exited_error(await other.response("slow", timeout=1), "fx")
+
+            errored = trio.current_time()
+            r = await first_success(c, "fx__echo", {"message": tag}, bound=10)
+            ready_after = trio.current_time() - errored
+            assert text_of(r) == tag
+            new_pid = await child_pid(c)
+            assert new_pid != old_pid and not alive(old_pid)
+            print(
+                f"\n[measure] fx__crash -> caller's error: {crashed_after * 1000:.0f} ms; "
+                f"error -> first successful call after restart: {ready_after * 1000:.0f} ms"
+            )
+            inst = await instance_status(gw.bound.admin_port, "fx")
+            assert inst["state"] == "RUNNING" and inst["restarts"] == 1 and inst["pid"] == new_pid
+            assert "exit code 7" in inst["last_exit"]
+
+
+async def test_kill_9_mid_call_gives_backend_exited_within_1s() -> None:
+    cfg = make_config(fixture_backend("fx", restart=FAST_RESTART))
+    with trio.fail_after(30):
+        async with run_gateway(cfg) as gw, connect(gw.url) as c:
+            pid = await child_pid(c)
+            tag = nonce()
+            for i in range(3):
+                await c.send(
+                    {
+                        "jsonrpc": "2.0",
+                        "id": f"s{i}",
+                        "method": "tools/call",
+                        "params": {
+                            "name": "fx__sleep",
+                            "arguments": {"seconds": 30, "message": f"{tag}{i}"},
+                        },
+                    }
+                )
+            await trio.sleep(0.2)
+            killed = trio.current_time()
+            os.kill(pid, signal.SIGKILL)
+            r = await c.response("s0", timeout=2)
+            to_error = trio.current_time() - killed
+            assert_exited_error(r, "fx")
+            for i in (1, 2):
+                assert_exited_error(await c.response(f"s{i}", timeout=1), "fx")
+            assert to_error < 1.0
+            r = await first_success(c, "fx__echo", {"message": tag}, bound=10)
+            restarted = trio.current_time() - killed
+            assert text_of(r) == tag
+            assert await child_pid(c) != pid
+            print(
+                f"\n[measure] kill -9 -> caller's -32004: {to_error * 1000:.0f} ms; "
+                f"kill -9 -> first successful call: {restarted * 1000:.0f} ms"
+            )
+            inst = await instance_status(gw.bound.admin_port, "fx")
+            assert inst["restarts"] == 1 and "signal 9" in inst["last_exit"]
+
+
+async def test_restart_to_ready_time() -> None:
+    """Restart-to-ready, measured by polling /status after a crash (spawn + handshake + lists)."""
+    cfg = make_config(
+        fixture_backend("fx", restart="{ backoff_initial = 0.001, backoff_max = 0.001 }")
+    )
+    samples = []
+    with trio.fail_after(30):
+        async with run_gateway(cfg) as gw, connect(gw.url) as c:
+            for _ in range(3):
+                pid = await child_pid(c)
+                assert_exited_error(await c.call("fx__crash", {}), "fx")
+                start = trio.current_time()
+                with trio.fail_after(10):
+                    while True:
+                        inst = await instance_status(gw.bound.admin_port, "fx")
+                        if inst["state"] == "RUNNING" and inst["pid"] not in (None, pid):
+                            break
+                        await trio.sleep(0.005)
+                samples.append(trio.current_time() - start)
+                tag = nonce()
+                assert text_of(await c.call("fx__echo", {"message": tag}, timeout=2)) == tag
+    print(
+        "\n[measure] crash -> RUNNING again (fixture backend, backoff 1 ms): "
+        + ", ".join(f"{s * 1000:.0f} ms" for s in samples)
+    )
+    assert max(samples) < 5.0
+
+
+# ---- backoff and crash loops ----------------------------------------------------------------
+
+
+async def test_call_during_backoff_waits_then_succeeds_or_fails_retryable() -> None:
+    cfg = make_config(
+        fixture_backend(
+            "quick", restart="{ backoff_initial = 0.3, backoff_max = 0.3, max_restarts = 10 }"
+        )
+        + fixture_backend(
+            "slow", restart="{ backoff_initial = 5.0, backoff_max = 5.0, max_restarts = 10 }"
+        ),
+        gateway="restart_wait = 1.5",
+    )
+    with trio.fail_after(30):
+        async with run_gateway(cfg) as gw, connect(gw.url) as c:
+            tag = nonce()
+            # slow: BACKOFF of 2.5-5 s > restart_wait: the call fails after ~1.5 s, retryable
+            assert_exited_error(await c.call("slow__crash", {}), "slow")
+            start = trio.current_time()
+            r = await c.call("slow__echo", {"message": tag}, timeout=5)
+            waited = trio.current_time() - start
+            err = r["error"]
+            assert err["code"] == -32001, err
+            assert err["data"] == {
+                "backend": "slow",
+                "retryable": True,
+                "reason": "backend_unavailable",
+            }
+            assert 1.4 <= waited < 2.4, waited
+            inst = await instance_status(gw.bound.admin_port, "slow")
+            assert inst["state"] == "BACKOFF"
+            # quick: BACKOFF of 0.15-0.3 s < restart_wait: the call waits, then succeeds
+            assert_exited_error(await c.call("quick__crash", {}), "quick")
+            start = trio.current_time()
+            r = await c.call("quick__echo", {"message": tag}, timeout=5)
+            waited = trio.current_time() - start
+            assert "result" in r and text_of(r) == tag, r
+            assert 0.1 <= waited < 1.5, waited
+            inst = await instance_status(gw.bound.admin_port, "quick")
+            assert inst["state"] == "RUNNING" and inst["restarts"] == 1
+
+
+CRASH_LOOP = "{ backoff_initial = 0.01, backoff_max = 0.02, max_restarts = 2, window = 60.0 }"
+
+
+async def test_crash_on_start_goes_fatal_other_backend_keeps_working() -> None:
+    cfg = make_config(
+        fixture_backend("bad", env={"FIXTURE_CRASH_ON_START": "1"}, restart=CRASH_LOOP)
+        + fixture_backend("fx")
+    )
+    with trio.fail_after(20):
+        start = trio.current_time()
+        async with run_gateway(cfg) as gw, connect(gw.url) as c:
+            booted = trio.current_time() - start
+            with trio.fail_after(5):
+                while (inst := await instance_status(gw.bound.admin_port, "bad"))[
+                    "state"
+                ] != "FATAL":
+                    await trio.sleep(0.02)
+            assert inst["restarts"] == 2 and inst["pid"] is None
+            assert "exit code 3" in inst["last_exit"]
+            assert any("FIXTURE_CRASH_ON_START" in line for line in inst["stderr_tail"])
+            # it never listed anything: no bad__ tool, a call is refused at once
+            tools = (await c.request("tools/list"))["result"]["tools"]
+            assert not [t for t in tools if t["name"].startswith("bad__")]
+            start = trio.current_time()
+            r = await c.call("bad__echo", {"message": "x"})
+            assert "error" in r and trio.current_time() - start < 0.5
+            tag = nonce()
+            assert text_of(await c.call("fx__echo", {"message": tag})) == tag
+            status = await http_json(gw.bound.admin_port, "/status")
+            assert status["ready"] is True  # not required
+        # a crash during the handshake is noticed at once, not after start_timeout (10 s)
+        assert booted < 5.0, booted
+
+
+def wrapper_backend(name: str, marker: Path, restart: str) -> str:
+    """The fixture behind /bin/sh: while ``marker`` exists, every start crashes (exit 3)."""
+    script = (
+        'if [ -e "$MARKER" ]; then echo "crash-on-start marker" >&2; exit 3; fi; '
+        'exec "$PY" "$FIXTURE"'
+    )
+    return (
+        f'[backends.{name}]\ncommand = "/bin/sh"\nargs = ["-c", {json.dumps(script)}]\n'
+        f"env = {{ MARKER = {json.dumps(str(marker))}, PY = {json.dumps(sys.executable)}, "
+        f"FIXTURE = {json.dumps(FIXTURE)} }}\nrestart = {restart}\n"
+    )
+
+
+async def test_crash_loop_goes_fatal_and_calls_fail_fast_not_retryable(tmp_path: Path) -> None:
+    marker = tmp_path / "crash"
+    cfg = make_config(wrapper_backend("cl", marker, CRASH_LOOP) + fixture_backend("fx"))
+    with trio.fail_after(30):
+        async with run_gateway(cfg) as gw, connect(gw.url) as c:
+            tag = nonce()
+            assert text_of(await c.call("cl__echo", {"message": tag})) == tag
+            marker.touch()
+            assert_exited_error(await c.call("cl__crash", {}), "cl")
+            with trio.fail_after(5):
+                while (inst := await instance_status(gw.bound.admin_port, "cl"))[
+                    "state"
+                ] != "FATAL":
+                    await trio.sleep(0.02)
+            assert "crash-on-start marker" in inst["stderr_tail"]
+            for i in range(3):
+                start = trio.current_time()
+                r = await c.call("cl__echo", {"message": f"{tag}{i}"}, timeout=5)
+                took = trio.current_time() - start
+                err = r["error"]
+                assert err["code"] == -32001, err
+                assert err["data"]["reason"] == "backend_unavailable"
+                assert err["data"]["retryable"] is False
+                assert err["data"]["backend"] == "cl"
+                assert took < 0.5, took
+            # the tools stay listed while FATAL (the lists survive), the other backend is fine
+            names = {t["name"] for t in (await c.request("tools/list"))["result"]["tools"]}
+            assert {"cl__echo", "fx__echo"} <= names
+            assert text_of(await c.call("fx__echo", {"message": tag})) == tag
+
+
+# ---- timeouts, stop ladder, health ----------------------------------------------------------
+
+
+def tapped_backend(name: str, tap: Path, extra: str = "") -> str:
+    """The fixture behind a shell pipeline copying the child's stdin into ``tap`` (a wire tap)."""
+    script = 'tee -a "$TAP" | "$PY" "$FIXTURE"'
+    return (
+        f'[backends.{name}]\ncommand = "/bin/sh"\nargs = ["-c", {json.dumps(script)}]\n'
+        f"env = {{ TAP = {json.dumps(str(tap))}, PY = {json.dumps(sys.executable)}, "
+        f"FIXTURE = {json.dumps(FIXTURE)} }}\n{extra}\n"
+    )
+
+
+async def test_call_timeout_gives_32003(tmp_path: Path) -> None:
+    tap = tmp_path / "stdin.jsonl"
+    cfg = make_config(tapped_backend("fx", tap, "request_timeout = 0.5"))
+    with trio.fail_after(20):
+        async with run_gateway(cfg) as gw, connect(gw.url) as c:
+            tag = nonce()
+            start = trio.current_time()
+            r = await c.call("fx__sleep", {"seconds": 5, "message": tag}, timeout=5)
+            took = trio.current_time() - start
+            err = r["error"]
+            assert err["code"] == -32003, err
+            assert err["data"]["reason"] == "timeout" and err["data"]["backend"] == "fx"
+            assert 0.45 <= took < 1.5, took
+            # the child is fine; a quick call inside the timeout works
+            r = await c.call("fx__sleep", {"seconds": 0.05, "message": tag})
+            assert text_of(r) == tag
+            await trio.sleep(0.3)
+            assert len([m for m in c.received if "method" not in m]) == 3  # no late reply leaked
+            # the child was told: notifications/cancelled for the timed-out call's gateway id
+            lines = [json.loads(line) for line in tap.read_text().splitlines() if line.strip()]
+            (gid,) = [
+                m["id"]
+                for m in lines
+                if m.get("method") == "tools/call"
+                and m["params"]["arguments"] == {"seconds": 5, "message": tag}
+            ]
+            assert [
+                m["params"]["requestId"]
+                for m in lines
+                if m.get("method") == "notifications/cancelled"
+            ] == [gid]
+
+
+async def test_child_ignoring_sigterm_and_eof_is_killed_on_stop_in_bounded_time() -> None:
+    cfg = make_config(fixture_backend("fx", env={"FIXTURE_IGNORE_SIGTERM": "1"}))
+    with trio.fail_after(30):
+        async with run_gateway(cfg) as gw:
+            async with connect(gw.url) as c:
+                pid = await child_pid(c)
+            assert alive(pid)
+            stopping = trio.current_time()
+        took = trio.current_time() - stopping
+    print(f"\n[measure] stop of a child ignoring stdin EOF and SIGTERM: {took:.2f} s")
+    assert took < 8.0
+    assert not alive(pid)
+
+
+async def test_unanswered_pings_restart_the_instance() -> None:
+    cfg = make_config(
+        fixture_backend(
+            "fx",
+            env={"FIXTURE_NO_PING": "1"},
+            health="{ interval = 0.2, timeout = 0.2, failures = 2 }",
+        )
+    )
+    with trio.fail_after(20):
+        async with run_gateway(cfg) as gw, connect(gw.url) as c:
+            pid = await child_pid(c)
+            with trio.fail_after(5):
+                while (inst := await instance_status(gw.bound.admin_port, "fx"))["restarts"] < 1:
+                    await trio.sleep(0.05)
+            assert "unhealthy" in inst["last_exit"]
+            assert not alive(pid)
+            tag = nonce()
+            r = await first_success(c, "fx__echo", {"message": tag}, bound=5)
+            assert text_of(r) == tag
+
+
+async def test_answered_pings_do_not_restart() -> None:
+    cfg = make_config(
+        fixture_backend("fx", health="{ interval = 0.1, timeout = 0.5, failures = 1 }")
+    )
+    with trio.fail_after(20):
+        async with run_gateway(cfg) as gw, connect(gw.url) as c:
+            pid = await child_pid(c)
+            await trio.sleep(1.0)
+            inst = await instance_status(gw.bound.admin_port, "fx")
+            assert inst["restarts"] == 0 and inst["state"] == "RUNNING" and inst["pid"] == pid
+
+
+# ---- the real daemon: no orphans ------------------------------------------------------------
+
+
+class Daemon:
+    """``python -m gateway run`` as a subprocess, its stderr collected line by line."""
+
+    def __init__(self, proc: trio.Process) -> None:
+        self.proc = proc
+        self.lines: list[str] = []
+        self._changed = trio.Event()
+
+    async def read_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        buf = b""
+        async for chunk in self.proc.stderr:
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            self.lines += [line.decode(errors="replace") for line in lines]
+            self._changed.set()
+            self._changed = trio.Event()
+        self._changed.set()
+
+    async def wait_line(
+        self, pattern: str, count: int = 1, bound: float = 10.0
+    ) -> list[re.Match[str]]:
+        with trio.fail_after(bound):
+            while True:
+                found = [m for line in self.lines if (m := re.search(pattern, line))]
+                if len(found) >= count:
+                    return found
+                if self.proc.returncode is not None:
+                    raise AssertionError("gateway exited:\n" + "\n".join(self.lines[-30:]))
+                await self._changed.wait()
+
+
+def daemon_config(tmp_path: Path) -> Path:
+    path = tmp_path / "gateway.toml"
+    path.write_text(f"""
+[listen]
+websocket = "127.0.0.1:0"
+[admin]
+listen = "127.0.0.1:0"
+{fixture_backend("fx", env={"FIXTURE_SPAWN_GRANDCHILD": "1"}, restart=FAST_RESTART)}
+""")
+    return path
+
+
+async def run_daemon(tmp_path: Path, nursery: trio.Nursery) -> Daemon:
+    proc = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "gateway", "run", "--config", str(daemon_config(tmp_path))],
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    daemon = Daemon(proc)
+    nursery.start_soon(daemon.read_stderr)
+    await daemon.wait_line(r"ready: websocket port \d+")
+    return daemon
+
+
+GRANDCHILD = r"\[fx/0\] grandchild-pid (\d+)"
+
+
+async def stop_daemon(daemon: Daemon) -> float:
+    start = trio.current_time()
+    daemon.proc.send_signal(signal.SIGTERM)
+    with trio.fail_after(10):
+        await daemon.proc.wait()
+    took = trio.current_time() - start
+    assert daemon.proc.returncode == 0, "\n".join(daemon.lines[-30:])
+    return took
+
+
+async def test_sigterm_leaves_no_orphans(tmp_path: Path) -> None:
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            daemon = await run_daemon(tmp_path, nursery)
+            try:
+                (m,) = await daemon.wait_line(GRANDCHILD)
+                grandchild = int(m.group(1))
+                kids = children_of(daemon.proc.pid)
+                assert len(kids) == 1, kids
+                (child,) = kids
+                assert alive(child) and alive(grandchild)
+                assert grandchild not in kids  # setsid'd away under the child
+                took = await stop_daemon(daemon)
+            finally:
+                if daemon.proc.returncode is None:
+                    daemon.proc.kill()
+        print(f"\n[measure] SIGTERM -> daemon exit 0: {took:.2f} s")
+        assert took < 8.0
+        assert not alive(child)
+        assert not alive(grandchild)
+        assert any("mcp-gateway stopped" in line for line in daemon.lines)
+
+
+async def test_kill_9_child_its_grandchild_is_reaped_after_restart(tmp_path: Path) -> None:
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            daemon = await run_daemon(tmp_path, nursery)
+            try:
+                (m,) = await daemon.wait_line(GRANDCHILD)
+                old_grandchild = int(m.group(1))
+                (child,) = children_of(daemon.proc.pid)
+                os.kill(child, signal.SIGKILL)
+                found = await daemon.wait_line(GRANDCHILD, count=2)
+                new_grandchild = int(found[1].group(1))
+                assert new_grandchild != old_grandchild
+                # the leaked grandchild was killed and reaped: gone, not even a zombie
+                with trio.fail_after(5):
+                    while proc_state(old_grandchild) is not None:
+                        await trio.sleep(0.02)
+                assert not alive(child)
+                (new_child,) = children_of(daemon.proc.pid)
+                assert new_child != child and alive(new_grandchild)
+                await stop_daemon(daemon)
+            finally:
+                if daemon.proc.returncode is None:
+                    daemon.proc.kill()
+        assert not alive(new_child)
+        assert not alive(new_grandchild)

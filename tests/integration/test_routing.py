@@ -1,0 +1,487 @@
+"""Routing through a real gateway: colliding client ids and progress tokens across many
+connections, cancellation, byte-exact payloads, local ping, and the gateway's own pagination.
+
+Every connection uses a nonce of its own in every argument, and every payload is checked.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sys
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio_websocket
+from helpers import FIXTURE, Client, connect, fixture_backend, make_config, run_gateway, text_of
+
+pytestmark = pytest.mark.system
+
+#: Tools the fixture lists by default (extra_tool and wipe only on demand).
+FIXTURE_TOOLS = {
+    "echo", "progress", "sleep", "crash", "garbage", "stderr", "elicit", "sample", "roots",
+    "notify_list_changed", "add_destructive", "update_resource", "log", "client_info", "big",
+}  # fmt: skip
+
+
+def nonce() -> str:
+    return secrets.token_hex(6)
+
+
+def call_msg(
+    id: Any, tool: str, arguments: dict[str, Any], meta: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    params: dict[str, Any] = {"name": tool, "arguments": arguments}
+    if meta is not None:
+        params["_meta"] = meta
+    return {"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": params}
+
+
+def responses_in(c: Client) -> list[dict[str, Any]]:
+    """Every response (result or error) the connection received, in order."""
+    return [m for m in c.received if "method" not in m]
+
+
+async def http_get(port: int, path: str) -> tuple[int, bytes]:
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(
+            f"GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n".encode()
+        )
+        data = b""
+        while chunk := await stream.receive_some(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+async def metric(port: int, name: str, **labels: str) -> float:
+    """The value of one sample on the admin /metrics page (0 when absent)."""
+    status, body = await http_get(port, "/metrics")
+    assert status == 200
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in body.decode().splitlines():
+        if not line.startswith(name + "{") and line.split(" ")[0] != name:
+            continue
+        sample, _, value = line.rpartition(" ")
+        got = sample[len(name) + 1 : -1] if "{" in sample else ""
+        if ",".join(sorted(got.split(","))) == want:
+            return float(value)
+    return 0.0
+
+
+# ---- colliding request ids ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_conns", [2, 16])
+async def test_colliding_request_ids_each_connection_gets_only_its_own_responses(
+    n_conns: int,
+) -> None:
+    cfg = make_config(fixture_backend("fx"))
+    ids: list[Any] = [
+        *range(1, 21),
+        *(f"r{i}" for i in range(1, 6)),
+    ]  # same ids on every connection
+    with trio.fail_after(60):
+        async with run_gateway(cfg) as gw, AsyncExitStack() as stack:
+            clients = [await stack.enter_async_context(connect(gw.url)) for _ in range(n_conns)]
+            nonces = [nonce() for _ in clients]
+            for c in clients:
+                c.responses.clear()
+                c.received.clear()
+
+            async def burst(c: Client, tag: str) -> None:
+                for i in ids:
+                    await c.send(call_msg(i, "fx__echo", {"message": f"{tag}/{i}"}))
+
+            async with trio.open_nursery() as nursery:
+                for c, tag in zip(clients, nonces, strict=True):
+                    nursery.start_soon(burst, c, tag)
+            for c in clients:
+                await c.wait_for(lambda c=c: len(c.responses) >= len(ids), timeout=30)
+            await trio.sleep(0.3)  # anything extra (or misrouted) would arrive meanwhile
+            for c, tag in zip(clients, nonces, strict=True):
+                got = responses_in(c)
+                assert len(got) == len(ids), f"{len(got)} responses for {len(ids)} requests"
+                assert sorted(map(str, (m["id"] for m in got))) == sorted(map(str, ids))
+                assert [m for m in c.received if "method" in m] == []
+                for i in ids:
+                    r = c.responses[i]
+                    assert "error" not in r, r
+                    assert text_of(r) == f"{tag}/{i}"
+                    assert r["result"]["structuredContent"] == {"message": f"{tag}/{i}"}
+
+
+@pytest.mark.parametrize("n_conns", [2, 16])
+async def test_colliding_progress_tokens_reach_only_their_connection_in_order(n_conns: int) -> None:
+    cfg = make_config(fixture_backend("fx"))
+    tokens: list[Any] = ["tok-a", "tok-b", 7]  # the same tokens (and request ids) everywhere
+    with trio.fail_after(60):
+        async with run_gateway(cfg) as gw, AsyncExitStack() as stack:
+            clients = [await stack.enter_async_context(connect(gw.url)) for _ in range(n_conns)]
+            tags = [nonce() for _ in clients]
+            steps = [3 + k for k in range(n_conns)]  # distinct per connection: misrouting shows
+            for c in clients:
+                c.responses.clear()
+                c.received.clear()
+
+            async def run(c: Client, tag: str, n: int) -> None:
+                for rid, token in enumerate(tokens, start=1):
+                    await c.send(
+                        call_msg(
+                            rid,
+                            "fx__progress",
+                            {"steps": n, "delay": 0.01, "message": f"{tag}/{rid}"},
+                            meta={"progressToken": token},
+                        )
+                    )
+
+            async with trio.open_nursery() as nursery:
+                for c, tag, n in zip(clients, tags, steps, strict=True):
+                    nursery.start_soon(run, c, tag, n)
+            for c in clients:
+                await c.wait_for(lambda c=c: len(c.responses) >= len(tokens), timeout=30)
+            await trio.sleep(0.3)
+            for c, tag, n in zip(clients, tags, steps, strict=True):
+                assert len(responses_in(c)) == len(tokens)
+                notes = [m for m in c.received if "method" in m]
+                assert all(m["method"] == "notifications/progress" for m in notes), notes
+                assert len(notes) == n * len(tokens), (
+                    f"expected {n * len(tokens)} progress, got {len(notes)}"
+                )
+                for rid, token in enumerate(tokens, start=1):
+                    resp = c.responses[rid]
+                    assert text_of(resp) == f"{tag}/{rid}"
+                    mine = [
+                        (i, m["params"])
+                        for i, m in enumerate(c.received)
+                        if m.get("method") == "notifications/progress"
+                        and m["params"]["progressToken"] == token
+                    ]
+                    assert [p["progress"] for _, p in mine] == list(range(1, n + 1))
+                    assert all(p["total"] == n for _, p in mine)
+                    assert all(type(p["progressToken"]) is type(token) for _, p in mine)
+                    result_at = c.received.index(resp)
+                    assert all(i < result_at for i, _ in mine), "progress after the result"
+
+
+# ---- cancellation ---------------------------------------------------------------------------
+
+
+async def test_client_cancel_suppresses_the_response_and_the_connection_keeps_working() -> None:
+    cfg = make_config(fixture_backend("fx"))
+    with trio.fail_after(30):
+        async with run_gateway(cfg) as gw, connect(gw.url) as c:
+            tag = nonce()
+            # 0.8 s: if the gateway failed to cancel, the child's reply would arrive in time.
+            await c.send(call_msg(50, "fx__sleep", {"seconds": 0.8, "message": tag}))
+            await trio.sleep(0.2)
+            await c.notify("notifications/cancelled", {"requestId": 50, "reason": "test"})
+            r = await c.call("fx__echo", {"message": f"{tag}-after"}, id=51)
+            assert text_of(r) == f"{tag}-after"
+            r = await c.call("fx__sleep", {"seconds": 0.05, "message": f"{tag}-sleep"}, id=52)
+            assert text_of(r) == f"{tag}-sleep"
+            await trio.sleep(1.2)
+            assert 50 not in c.responses, c.responses.get(50)
+            assert not any(m.get("id") == 50 for m in c.received)
+            # the id is free again on this connection
+            r = await c.call("fx__echo", {"message": f"{tag}-reuse"}, id=50)
+            assert text_of(r) == f"{tag}-reuse"
+
+
+async def test_cancel_reaches_the_child() -> None:
+    """The child sees the cancellation: it withdraws its pending elicitation, which the gateway
+    relays to the owner as notifications/cancelled for the gateway's own request id."""
+    cfg = make_config(fixture_backend("fx"))
+    with trio.fail_after(30):
+        async with run_gateway(cfg) as gw, connect(gw.url, capabilities={"elicitation": {}}) as c:
+            tag = nonce()
+            await c.send(call_msg(9, "fx__elicit", {"message": f"q-{tag}", "nonce": tag}))
+            req = await c.wait_for(
+                lambda: next((m for m in c.requests if m["method"] == "elicitation/create"), None)
+            )
+            assert req["params"]["message"] == f"q-{tag}"
+            assert req["params"]["_meta"]["fixture/nonce"] == tag
+            await c.notify("notifications/cancelled", {"requestId": 9})
+            note = await c.wait_for(
+                lambda: next(
+                    (m for m in c.notifications if m["method"] == "notifications/cancelled"), None
+                ),
+                timeout=5,
+            )
+            assert note["params"]["requestId"] == req["id"]
+            await trio.sleep(0.3)
+            assert 9 not in c.responses
+            r = await c.call("fx__echo", {"message": tag})
+            assert text_of(r) == tag
+
+
+async def test_closed_connection_cancels_its_calls(tmp_path: Path) -> None:
+    tap = tmp_path / "stdin.jsonl"
+    cfg = make_config(tapped_backend("fx", tap))
+    with trio.fail_after(30):
+        async with run_gateway(cfg) as gw:
+            port = gw.bound.admin_port
+            assert port is not None
+            a_tag = nonce()
+            async with connect(gw.url) as b:
+                async with connect(gw.url) as a:
+                    for i in range(3):
+                        await a.send(
+                            call_msg(i + 1, "fx__sleep", {"seconds": 30, "message": f"{a_tag}-{i}"})
+                        )
+                    await trio.sleep(0.3)
+                # a is closed with three calls in flight
+                tag = nonce()
+                start = trio.current_time()
+                r = await b.call("fx__echo", {"message": tag})
+                assert text_of(r) == tag
+                assert trio.current_time() - start < 1.0
+                with trio.fail_after(5):
+                    while (
+                        await metric(
+                            port,
+                            "mcp_gateway_requests_total",
+                            method="tools/call",
+                            backend="fx",
+                            outcome="cancelled",
+                        )
+                        < 3
+                    ):
+                        await trio.sleep(0.05)
+                assert (
+                    await metric(
+                        port,
+                        "mcp_gateway_requests_total",
+                        method="tools/call",
+                        backend="fx",
+                        outcome="cancelled",
+                    )
+                    == 3
+                )
+                # the child was told to cancel exactly those three calls
+                lines = tapped(tap)
+                a_gids = {
+                    m["id"]
+                    for m in lines
+                    if m.get("method") == "tools/call"
+                    and m["params"]["arguments"].get("message", "").startswith(a_tag)
+                }
+                assert len(a_gids) == 3
+                cancelled = [
+                    m["params"]["requestId"]
+                    for m in lines
+                    if m.get("method") == "notifications/cancelled"
+                ]
+                assert sorted(cancelled) == sorted(a_gids)
+                r = await b.call("fx__echo", {"message": tag + "2"})
+                assert text_of(r) == tag + "2"
+
+
+def tapped_backend(name: str, tap: Path) -> str:
+    """The fixture behind a shell pipeline that copies everything the gateway writes to the
+    child's stdin into ``tap`` (a wire tap, real processes only)."""
+    script = 'tee -a "$TAP" | "$PY" "$FIXTURE"'
+    return (
+        f'[backends.{name}]\ncommand = "/bin/sh"\nargs = ["-c", {json.dumps(script)}]\n'
+        f"env = {{ TAP = {json.dumps(str(tap))}, PY = {json.dumps(sys.executable)}, "
+        f"FIXTURE = {json.dumps(FIXTURE)} }}\n"
+    )
+
+
+def tapped(tap: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in tap.read_text().splitlines() if line.strip()]
+
+
+async def test_client_ids_and_progress_tokens_never_reach_the_child(tmp_path: Path) -> None:
+    tap = tmp_path / "stdin.jsonl"
+    cfg = make_config(tapped_backend("fx", tap))
+    with trio.fail_after(30):
+        async with run_gateway(cfg) as gw, connect(gw.url) as a, connect(gw.url) as b:
+            secret = nonce()  # only ever in ids and tokens, never in arguments
+            args_tag = nonce()
+            for who, c in (("a", a), ("b", b)):
+                for i in range(3):
+                    await c.send(
+                        call_msg(
+                            f"id-{secret}-{i}",
+                            "fx__progress",
+                            {"steps": 2, "delay": 0.01, "message": f"{args_tag}-{i}"},
+                            meta={"progressToken": f"tok-{secret}-{i}"},
+                        )
+                    )
+                await c.send(
+                    call_msg(
+                        f"id-{secret}-sleep",
+                        "fx__sleep",
+                        {"seconds": 30, "message": f"{args_tag}-{who}"},
+                    )
+                )
+            for c in (a, b):
+                await c.wait_for(
+                    lambda c=c: (
+                        len(c.responses) >= 4
+                        and len(
+                            [m for m in c.notifications if m["method"] == "notifications/progress"]
+                        )
+                        == 6
+                    )
+                )
+            for c in (a, b):
+                assert {m["params"]["progressToken"] for m in c.notifications} == {
+                    f"tok-{secret}-{i}" for i in range(3)
+                }
+            await a.notify("notifications/cancelled", {"requestId": f"id-{secret}-sleep"})
+            await trio.sleep(0.3)
+            lines = tapped(tap)
+            assert secret not in tap.read_text()
+            calls = [m for m in lines if m.get("method") == "tools/call"]
+            assert len(calls) == 8
+            gids = [m["id"] for m in calls]
+            assert all(isinstance(g, int) for g in gids) and len(set(gids)) == 8
+            tokens = [
+                m["params"]["_meta"]["progressToken"]
+                for m in calls
+                if m["params"]["name"] == "progress"
+            ]
+            assert len(set(tokens)) == 6  # the colliding client tokens became six distinct ones
+            (a_sleep,) = [
+                m["id"] for m in calls if m["params"]["arguments"].get("message") == f"{args_tag}-a"
+            ]
+            cancels = [
+                m["params"]["requestId"]
+                for m in lines
+                if m.get("method") == "notifications/cancelled"
+            ]
+            assert cancels == [a_sleep]  # a's sleep only, under its gateway id
+            assert f"id-{secret}-sleep" not in a.responses
+            assert text_of(await b.call("fx__echo", {"message": args_tag})) == args_tag
+
+
+# ---- payloads -------------------------------------------------------------------------------
+
+UNICODE = (
+    "héllo wörld ✓ 日本語 عربى 𝄞 🎉👩‍👩‍👧 e\u0301 \u2028\u2029 "
+    '"quoted" \\back\\slash\n\ttab \u0000 end'
+)
+
+
+async def test_unicode_and_a_1mb_result_pass_through_byte_exact() -> None:
+    cfg = make_config(fixture_backend("fx"))
+    with trio.fail_after(30):
+        async with (
+            run_gateway(cfg) as gw,
+            trio_websocket.open_websocket_url(
+                gw.url, subprotocols=["mcp"], max_message_size=16 * 2**20
+            ) as ws,
+        ):
+            await ws.send_message(
+                json.dumps(
+                    {
+                        "jsonrpc": "2.0",
+                        "id": 1,
+                        "method": "initialize",
+                        "params": {
+                            "protocolVersion": "2025-11-25",
+                            "capabilities": {},
+                            "clientInfo": {"name": "t", "version": "0"},
+                        },
+                    }
+                )
+            )
+            assert json.loads(await ws.get_message())["id"] == 1
+            await ws.send_message(
+                json.dumps({"jsonrpc": "2.0", "method": "notifications/initialized"})
+            )
+
+            async def exchange(id: int, tool: str, arguments: dict[str, Any]) -> str:
+                # ensure_ascii=False: raw UTF-8 on the wire toward the gateway
+                await ws.send_message(json.dumps(call_msg(id, tool, arguments), ensure_ascii=False))
+                while True:
+                    raw = await ws.get_message()
+                    assert isinstance(raw, str)
+                    if json.loads(raw).get("id") == id:
+                        return raw
+
+            tag = nonce()
+            message = f"{tag} {UNICODE} " * 200
+            raw = await exchange(2, "fx__echo", {"message": message})
+            # the fixture writes json.dumps(result, separators=(",", ":")): it must arrive as is
+            expected = json.dumps(
+                {
+                    "content": [{"type": "text", "text": message}],
+                    "structuredContent": {"message": message},
+                },
+                separators=(",", ":"),
+            )
+            assert raw.endswith(',"result":' + expected + "}"), raw[:300]
+            assert json.loads(raw)["result"]["content"][0]["text"] == message
+
+            size = 1_000_000
+            raw = await exchange(3, "fx__big", {"size": size})
+            expected = json.dumps(
+                {"content": [{"type": "text", "text": "x" * size}]}, separators=(",", ":")
+            )
+            assert raw.endswith(',"result":' + expected + "}")
+            assert json.loads(raw) == {"jsonrpc": "2.0", "id": 3, "result": json.loads(expected)}
+
+
+async def test_ping_is_answered_by_the_gateway_itself() -> None:
+    # The backend never answers ping: a ping that reached it would hang.
+    cfg = make_config(fixture_backend("fx", env={"FIXTURE_NO_PING": "1"}))
+    with trio.fail_after(20):
+        async with run_gateway(cfg) as gw:
+            async with connect(gw.url, initialize=False) as c:
+                r = await c.request("ping", id="p-before-init", timeout=2)
+                assert r == {"jsonrpc": "2.0", "id": "p-before-init", "result": {}}
+                await c.initialize()
+                r = await c.request("ping", id=77, timeout=2)
+                assert r == {"jsonrpc": "2.0", "id": 77, "result": {}}
+                tag = nonce()
+                assert text_of(await c.call("fx__echo", {"message": tag})) == tag
+
+
+# ---- pagination -----------------------------------------------------------------------------
+
+
+async def test_tools_list_pagination_follows_next_cursor_to_the_full_list() -> None:
+    cfg = make_config(fixture_backend("fx"), gateway="page_size = 3")
+    with trio.fail_after(20):
+        async with run_gateway(cfg) as gw, connect(gw.url) as c:
+            names: list[str] = []
+            cursor = None
+            pages = 0
+            while True:
+                r = await c.request("tools/list", {"cursor": cursor} if cursor is not None else {})
+                assert "error" not in r, r
+                tools = r["result"]["tools"]
+                assert 1 <= len(tools) <= 3
+                for t in tools:
+                    assert isinstance(t["inputSchema"], dict)
+                names += [t["name"] for t in tools]
+                pages += 1
+                cursor = r["result"].get("nextCursor")
+                if cursor is None:
+                    break
+                assert isinstance(cursor, str) and cursor
+                assert pages < 50
+            assert len(names) == len(set(names))
+            assert set(names) == {f"fx__{n}" for n in FIXTURE_TOOLS}
+            assert pages == -(-len(FIXTURE_TOOLS) // 3)
+
+            for bogus in (
+                "bogus-cursor",
+                "",
+                "!!!",
+                "dG9vbHM6OTk5",
+            ):  # the last: base64 "tools:999"
+                r = await c.request("tools/list", {"cursor": bogus})
+                assert r["error"]["code"] == -32602, (bogus, r)
+            r = await c.request("tools/list", {"cursor": 3})
+            assert r["error"]["code"] == -32602
+            # still serving
+            tag = nonce()
+            assert text_of(await c.call("fx__echo", {"message": tag})) == tag
