@@ -77,6 +77,7 @@ class BackendConfig(Base):
     prefix: str | None = None  # None: the backend's name; "": names unchanged
     request_timeout: float = 60.0
     start_timeout: float = 10.0
+    cancel_grace: float = 10.0  # a cancelled call unanswered this long: see README "Attribution"
     restart: RestartSection = RestartSection()
     health: HealthSection = HealthSection()
     required: bool = False
@@ -278,7 +279,7 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
         p = f"backends.{name}"
         if not b.command:
             errors.append(f"{p}.command: must not be empty")
-        for key in ("request_timeout", "start_timeout"):
+        for key in ("request_timeout", "start_timeout", "cancel_grace"):
             if getattr(b, key) <= 0:
                 errors.append(f"{p}.{key}: must be positive")
         r = b.restart

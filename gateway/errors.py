@@ -14,6 +14,7 @@ policy / consent             -32005   ``denied`` ``declined`` ``timeout``
                                       ``authorization_required`` ``shutdown``
 per-connection limit         -32006   ``overloaded``
 unroutable server request    -32007   ``unattributable`` ``no_capability``
+backend reply too large      -32008   ``response_too_large`` (+backend, limit)
 ===========================  =======  =========================================
 
 The JSON-RPC 2.0 codes (-32700 … -32603) and the MCP spec's -32002 (resource not found)
@@ -39,6 +40,7 @@ BACKEND_EXITED = -32004
 DENIED = -32005
 OVERLOADED = -32006
 UNROUTABLE = -32007
+RESPONSE_TOO_LARGE = -32008
 
 #: Every code the gateway itself emits, by name (a bounded metric label set).
 CODE_NAMES: dict[int, str] = {
@@ -54,6 +56,7 @@ CODE_NAMES: dict[int, str] = {
     DENIED: "denied",
     OVERLOADED: "overloaded",
     UNROUTABLE: "unroutable",
+    RESPONSE_TOO_LARGE: "response_too_large",
 }
 
 
@@ -144,6 +147,11 @@ class Overloaded(GatewayError):
 class Unroutable(GatewayError):
     code = UNROUTABLE
     reason = "unattributable"
+
+
+class ResponseTooLarge(GatewayError):
+    code = RESPONSE_TOO_LARGE
+    reason = "response_too_large"
 
 
 class RemoteError(GatewayError):

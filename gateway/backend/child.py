@@ -5,7 +5,9 @@ gets a gateway id from a per-child counter; ``pending`` maps it to a :class:`Pen
 the child's reply completes.  ``pending`` is also the instance's *attribution set*: a call stays
 in it until the child's reply arrives, also after the caller gave up (``abandoned``), so a
 server→client request is attributed only while provably one connection's calls are open.
-Abandoned entries older than :data:`ABANDONED_TTL` are purged.  Gateway-internal requests
+Abandoned entries are never dropped by guessing: the instance either restarts a child that
+leaves one unanswered past ``cancel_grace`` (when attribution matters for it) or purges them with
+:meth:`ChildConnection.purge_abandoned` (when it does not).  Gateway-internal requests
 (initialize, list refresh, ping, subscribe) are marked ``internal`` and never count.
 
 Progress tokens are rewritten to gateway-unique tokens and mapped back.  When the child dies,
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -34,10 +37,10 @@ if TYPE_CHECKING:
 
 LOGGER = logging.getLogger(__name__)
 
-#: A call the caller abandoned (cancel, timeout) stays in the attribution set this long at most.
-ABANDONED_TTL = 30.0
 
 _tokens = itertools.count(1)
+#: The gateway id near the start of a reply line (gateway ids are integers).
+_REPLY_ID = re.compile(rb'^\s*\{(?:[^{}\[\]]*?,)?\s*"id"\s*:\s*(\d+)\s*[,}]')
 
 
 class PendingCall:
@@ -271,17 +274,21 @@ class ChildConnection:
 
     def attribution(self) -> set[ClientSession]:
         """The client sessions with calls in this child's attribution set (internal calls never)."""
-        now = trio.current_time()
-        owners: set[ClientSession] = set()
-        for gid, call in list(self.pending.items()):
-            if call.internal:
-                continue
-            if call.abandoned_at is not None and now - call.abandoned_at > ABANDONED_TTL:
-                del self.pending[gid]
-                continue
-            if call.owner is not None:
-                owners.add(call.owner)
-        return owners
+        return {c.owner for c in self.pending.values() if not c.internal and c.owner is not None}
+
+    def oldest_abandoned(self) -> float | None:
+        """When the oldest still-unanswered abandoned call was given up (None: there is none)."""
+        times = [c.abandoned_at for c in self.pending.values() if c.abandoned_at is not None]
+        return min(times) if times else None
+
+    def purge_abandoned(self, before: float) -> int:
+        """Forget abandoned calls given up before ``before``; returns how many."""
+        stale = [gid for gid, c in self.pending.items() if c.abandoned_at is not None and c.abandoned_at < before]
+        for gid in stale:
+            del self.pending[gid]
+        if stale and self.on_settled is not None:
+            self.on_settled()
+        return len(stale)
 
     def calls_of(self, owner: ClientSession) -> list[PendingCall]:
         return [c for c in self.pending.values() if c.owner is owner and not c.done.is_set()]
@@ -309,10 +316,21 @@ class ChildConnection:
                 return
             for frame in framer.feed(data):
                 if isinstance(frame, Oversize):
-                    LOGGER.warning("backend %s: dropped a %d-byte line over the limit", self.instance, frame.size)
-                    self._protocol_error("oversize")
+                    self._on_oversize(frame)
                     continue
                 self._dispatch(frame)
+
+    def _on_oversize(self, frame: Oversize) -> None:
+        """A line over the limit: dropped; if it was a reply, its call fails now (no hang)."""
+        LOGGER.warning("backend %s: dropped a line of more than %d bytes (limit %d)",
+                       self.instance, frame.size - 1, self._max_line)
+        self._protocol_error("oversize")
+        m = _REPLY_ID.search(frame.head)
+        call = self.pending.pop(int(m.group(1)), None) if m else None
+        if call is not None:
+            call.complete(None, errors.ResponseTooLarge(
+                f"backend {self.backend!r} answered {call.method} with more than "
+                f"{self._max_line} bytes (max_message_bytes)", backend=self.backend, limit=self._max_line))
 
     def _protocol_error(self, kind: str) -> None:
         self._bus.emit(BackendProtocolError(self.backend, self.instance, kind))

@@ -201,6 +201,7 @@ class Instance(ChildHandlers):
                     self.backend.on_instance_ready(self)
                     if self.cfg.health.interval > 0:
                         nursery.start_soon(self._health, child, down)
+                    nursery.start_soon(self._watch_abandoned, child, down)
                 await down.wait()
                 exit_reason = self._down_reason or "exited"
                 # Fail every call in flight at once, before the (bounded) stop ladder.
@@ -220,8 +221,8 @@ class Instance(ChildHandlers):
         rc = proc.returncode
         if exit_reason == "stopped":
             kind = "stopped"
-        elif exit_reason in ("unhealthy", "start failed"):
-            kind = "unhealthy" if exit_reason == "unhealthy" else "start_failed"
+        elif exit_reason in ("unhealthy", "cancel unanswered", "start failed"):
+            kind = "start_failed" if exit_reason == "start failed" else "unhealthy"
         else:
             kind = "crashed" if rc not in (0, None) else "exited"
         detail = f"exit code {rc}" if rc is not None and rc >= 0 else f"signal {-rc}" if rc else "unknown"
@@ -266,6 +267,29 @@ class Instance(ChildHandlers):
             line = buf.decode("utf-8", "replace").rstrip()
             self.stderr_tail.append(line)
             LOGGER.info("[%s] %s", self.name, line, extra=log_extra)
+
+    async def _watch_abandoned(self, child: ChildConnection, down: trio.Event) -> None:
+        """Calls the gateway gave up on (client cancel, timeout) but the child never answered.
+
+        They stay in the attribution set (the child may still be working on them and ask their
+        owner something).  Where attribution matters (server→client requests can be forwarded),
+        a child that leaves one unanswered past ``cancel_grace`` is restarted instead of
+        guessing it is done; elsewhere the stale entries are simply forgotten.
+        """
+        grace = self.cfg.cancel_grace
+        while not down.is_set():
+            oldest = child.oldest_abandoned()
+            if oldest is None or trio.current_time() < oldest + grace:
+                await trio.sleep(grace if oldest is None else oldest + grace - trio.current_time())
+                continue
+            if not self.backend.attribution_matters:
+                child.purge_abandoned(trio.current_time() - grace)
+                continue
+            LOGGER.warning("backend %s: a cancelled call was not answered within %gs; restarting it "
+                           "so requests it may still send cannot be misattributed", self.name, grace)
+            self._down_reason = "cancel unanswered"
+            down.set()
+            return
 
     async def _health(self, child: ChildConnection, down: trio.Event) -> None:
         h = self.cfg.health

@@ -94,6 +94,13 @@ class Backend:
         self._own: dict[ClientSession, Instance] = {}
         self._session_index = 0
 
+    @property
+    def attribution_matters(self) -> bool:
+        """Whether this backend's server→client requests are ever forwarded by attribution."""
+        if self.cfg.sharing == "per-session":
+            return False  # the owner is fixed per child
+        return bool(self.declared & {"elicitation", "sampling"})
+
     # ---- lifecycle --------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

@@ -11,9 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+#: Bytes of an oversize frame kept for diagnosis (e.g. to find the id of a reply).
+HEAD = 256
+
+
 @dataclass(frozen=True, slots=True)
 class Oversize:
     size: int  # bytes seen when the frame crossed the limit (at least limit + 1)
+    head: bytes = b""  # its first HEAD bytes
 
 
 class LineFramer:
@@ -43,7 +48,7 @@ class LineFramer:
             if frame.endswith(b"\r"):
                 frame = frame[:-1]
             if len(frame) > self._max:
-                out.append(Oversize(len(frame)))
+                out.append(Oversize(len(frame), frame[:HEAD]))
                 continue
             if frame.strip():
                 out.append(frame)
@@ -51,7 +56,7 @@ class LineFramer:
         if rest and not self._discarding:
             self._buf += rest
             if len(self._buf) > self._max:
-                out.append(Oversize(len(self._buf)))
+                out.append(Oversize(len(self._buf), bytes(self._buf[:HEAD])))
                 self._buf.clear()
                 self._discarding = True
         return out

@@ -558,3 +558,49 @@ async def test_kill_9_child_its_grandchild_is_reaped_after_restart(tmp_path: Pat
                     daemon.proc.kill()
         assert not alive(new_child)
         assert not alive(new_grandchild)
+
+
+async def test_reply_over_the_limit_fails_the_call_at_once() -> None:
+    """A child's reply over max_message_bytes is dropped and its caller told now, not at timeout."""
+    from helpers import connect, fixture_backend, make_config, run_gateway
+
+    cfg = make_config(fixture_backend("fx", request_timeout=30.0), gateway="max_message_bytes = 65536")
+    with trio.fail_after(20):
+        async with run_gateway(cfg) as gw, connect(gw.url) as c:
+            started = trio.current_time()
+            r = await c.call("fx__big", {"size": 100_000})
+            assert trio.current_time() - started < 2.0
+            assert r["error"]["code"] == -32008
+            assert r["error"]["data"] == {"reason": "response_too_large", "backend": "fx", "limit": 65536}
+            assert (await c.call("fx__echo", {"message": "next"}))["result"]["content"][0]["text"] == "next"
+
+
+async def test_unanswered_cancel_restarts_a_shared_child_that_may_elicit() -> None:
+    """A cancelled call the child never answers keeps attribution closed; past cancel_grace the
+    child is restarted rather than guessed done.  With nothing to attribute, it is just forgotten."""
+    from helpers import connect, fixture_backend, make_config, run_gateway
+
+    backends = (fixture_backend("el", cancel_grace=0.5)
+                + fixture_backend("plain", cancel_grace=0.5, declare=[]))
+    with trio.fail_after(30):
+        async with run_gateway(make_config(backends)) as gw, connect(gw.url) as c:
+            pids = {}
+            for name in ("el", "plain"):
+                pids[name] = json.loads((await c.call(f"{name}__client_info"))["result"]["content"][0]["text"])["pid"]
+                await c.send({"jsonrpc": "2.0", "id": f"s-{name}", "method": "tools/call",
+                              "params": {"name": f"{name}__sleep", "arguments": {"seconds": 30}}})
+            await trio.sleep(0.2)
+            for name in ("el", "plain"):
+                await c.notify("notifications/cancelled", {"requestId": f"s-{name}"})
+            await trio.sleep(1.5)
+            after = {}
+            for name in ("el", "plain"):
+                with trio.fail_after(10):
+                    while True:
+                        r = await c.call(f"{name}__client_info")
+                        if "result" in r:
+                            break
+                        await trio.sleep(0.05)
+                after[name] = json.loads(r["result"]["content"][0]["text"])["pid"]
+            assert after["el"] != pids["el"]  # restarted: it may still have asked someone something
+            assert after["plain"] == pids["plain"]  # nothing to misattribute: kept running
