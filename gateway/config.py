@@ -76,6 +76,7 @@ class BackendConfig(Base):
     cwd: str | None = None
     prefix: str | None = None  # None: the backend's name; "": names unchanged
     request_timeout: float = 60.0
+    max_call_duration: float = 900.0  # hard maximum, even while prompts pause request_timeout
     start_timeout: float = 10.0
     cancel_grace: float = 10.0  # a cancelled call unanswered this long: see README "Attribution"
     restart: RestartSection = RestartSection()
@@ -279,7 +280,7 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
         p = f"backends.{name}"
         if not b.command:
             errors.append(f"{p}.command: must not be empty")
-        for key in ("request_timeout", "start_timeout", "cancel_grace"):
+        for key in ("request_timeout", "max_call_duration", "start_timeout", "cancel_grace"):
             if getattr(b, key) <= 0:
                 errors.append(f"{p}.{key}: must be positive")
         r = b.restart

@@ -161,7 +161,8 @@ async def forward(hub: Hub, session: ClientSession, req: Request, backend: Backe
     for attempt in range(2):
         inst, child = await backend.acquire(session)
         try:
-            return await child.request(req.method, timeout=backend.cfg.request_timeout, owner=session,
+            return await child.request(req.method, timeout=backend.cfg.request_timeout,
+                                       hard_timeout=backend.cfg.max_call_duration, owner=session,
                                        progress=progress, rewrite=rewrite)
         except errors.NotDelivered:
             if attempt:  # the child died before reading it twice in a row: give up

@@ -46,7 +46,8 @@ _REPLY_ID = re.compile(rb'^\s*\{(?:[^{}\[\]]*?,)?\s*"id"\s*:\s*(\d+)\s*[,}]')
 class PendingCall:
     __slots__ = (
         "abandoned_at", "client_token", "done", "error", "gid", "internal", "method",
-        "on_progress", "owner", "paused", "remaining", "result", "scope", "started", "token",
+        "hard_deadline", "on_progress", "owner", "paused", "remaining", "result", "scope", "started",
+        "token",
     )  # fmt: skip
 
     def __init__(self, gid: int, method: str, owner: ClientSession | None, internal: bool) -> None:
@@ -65,6 +66,7 @@ class PendingCall:
         self.scope: trio.CancelScope | None = None
         self.paused = 0  # prompts pending for this call: its timeout is paused meanwhile
         self.remaining: float | None = None
+        self.hard_deadline = float("inf")  # the timeout never extends past this
 
     def complete(self, result: Raw | None, error: errors.GatewayError | None) -> None:
         if not self.done.is_set():
@@ -72,16 +74,16 @@ class PendingCall:
             self.done.set()
 
     def pause(self) -> None:
-        """A prompt tied to this call began: stop its timeout clock."""
+        """A prompt tied to this call began: stop its timeout clock (the hard maximum stays)."""
         self.paused += 1
         if self.paused == 1 and self.scope is not None:
             self.remaining = max(0.0, self.scope.deadline - trio.current_time())
-            self.scope.deadline = float("inf")
+            self.scope.deadline = self.hard_deadline
 
     def resume(self) -> None:
         self.paused = max(0, self.paused - 1)
         if self.paused == 0 and self.scope is not None and self.remaining is not None:
-            self.scope.deadline = trio.current_time() + self.remaining
+            self.scope.deadline = min(trio.current_time() + self.remaining, self.hard_deadline)
             self.remaining = None
 
 
@@ -199,6 +201,7 @@ class ChildConnection:
         params: Raw | UnsetType = UNSET,
         *,
         timeout: float,
+        hard_timeout: float | None = None,
         owner: ClientSession | None = None,
         internal: bool = False,
         progress: tuple[Any, Callable[[Any, Raw], None]] | None = None,
@@ -209,6 +212,7 @@ class ChildConnection:
 
         Args:
             timeout: seconds until the gateway gives up (paused while a prompt is pending).
+            hard_timeout: the most the call may take even with pauses (default: no maximum).
             owner: the client session the call belongs to (None for gateway-internal calls).
             progress: ``(client_token, callback)`` when the client asked for progress.
             rewrite: builds the final params given the gateway progress token (or None).
@@ -221,6 +225,8 @@ class ChildConnection:
             raise errors.NotDelivered(self.closed.message, **self.closed.data)
         gid = next(self._ids)
         call = PendingCall(gid, method, owner, internal)
+        if hard_timeout is not None:
+            call.hard_deadline = trio.current_time() + hard_timeout
         token = None
         if progress is not None:
             token = f"gw-{next(_tokens)}"

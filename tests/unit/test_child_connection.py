@@ -501,3 +501,16 @@ async def test_abandoned_calls_count_until_answered_or_purged(autojump_clock: Mo
         await h.child.reply(req_b["id"], {})
         await trio.testing.wait_all_tasks_blocked()
         assert h.protocol_errors() == ["unknown_response"]
+
+
+async def test_pause_never_extends_past_the_hard_maximum(autojump_clock: MockClock) -> None:
+    async with connected() as h:
+        t0 = trio.current_time()
+        call = start_call(h, "tools/call", Raw(b"{}"), timeout=10, hard_timeout=25, owner=Owner("a"))
+        await h.child.receive()
+        await trio.testing.wait_all_tasks_blocked()
+        (pending,) = h.conn.pending.values()
+        pending.pause()  # a prompt for this call is pending for a long time
+        await call.done.wait()
+        assert isinstance(call.error, errors.CallTimeout)
+        assert call.at - t0 == 25
