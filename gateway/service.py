@@ -178,7 +178,7 @@ async def _wait_for_backends(hub: Hub, cfg: GatewayConfig) -> None:
             continue
         inst = hub.backends[name].instances[0]
         while inst.state not in (State.RUNNING, State.FATAL):
-            await inst._state_changed.wait()
+            await inst.state_changed()
         if inst.state is State.FATAL:
             raise StartupError(
                 f"required backend {name!r} failed to start: {inst.last_exit}; "

@@ -163,7 +163,7 @@ class ChildConnection:
             try:
                 await self._send_stream.send_all(b"".join([line + b"\n" for line, _ in batch]))
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                error = self._exited_error("the backend's stdin is closed")
+                error = self.exited_error("the backend's stdin is closed")
                 if self.closed is None:
                     self.closed = error
                 for _line, gid in batch + self._outbox:
@@ -173,7 +173,7 @@ class ChildConnection:
                 self._outbox = []
                 return
 
-    def _exited_error(self, detail: str) -> errors.GatewayError:
+    def exited_error(self, detail: str) -> errors.GatewayError:
         return errors.BackendExited(
             f"backend {self.backend!r} exited: {detail}", backend=self.backend, retryable=True
         )

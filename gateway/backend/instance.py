@@ -88,6 +88,10 @@ class Instance(ChildHandlers):
         self._state_changed = trio.Event()
         self.backend.on_instance_state(self)
 
+    async def state_changed(self) -> None:
+        """Return at the next state transition."""
+        await self._state_changed.wait()
+
     async def wait_ready(self, timeout: float) -> ChildConnection:
         """The running child, waiting up to ``timeout`` while it (re)starts.
 
@@ -205,7 +209,7 @@ class Instance(ChildHandlers):
                 await down.wait()
                 exit_reason = self._down_reason or "exited"
                 # Fail every call in flight at once, before the (bounded) stop ladder.
-                child.fail_all(child._exited_error(exit_reason))
+                child.fail_all(child.exited_error(exit_reason))
                 self.child = None
                 self.backend.on_instance_down(self, child)
                 how = await process.stop_process(proc)
@@ -217,7 +221,7 @@ class Instance(ChildHandlers):
                 with trio.CancelScope(shield=True):
                     await process.stop_process(proc)
             process.kill_group(proc.pid)
-            child.fail_all(child._exited_error(exit_reason))
+            child.fail_all(child.exited_error(exit_reason))
         rc = proc.returncode
         if exit_reason == "stopped":
             kind = "stopped"
@@ -241,7 +245,7 @@ class Instance(ChildHandlers):
             down.set()
         # No reply can arrive any more: fail the calls waiting for one now, including the
         # handshake's initialize (which would otherwise wait out the whole start_timeout).
-        child.fail_all(child._exited_error(self._down_reason or "exited"))
+        child.fail_all(child.exited_error(self._down_reason or "exited"))
 
     async def _read_stderr(self, stream: trio.abc.ReceiveStream) -> None:
         buf = b""
