@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import re
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -121,8 +122,11 @@ class ChildConnection:
         self._handlers = handlers
         self._bus = bus
         self._max_line = max_line
-        self._outbox: list[tuple[bytes, int | None]] = []
+        self._outbox: list[tuple[bytes, int | None]] = []  # (bytes to write, gateway id)
         self._outbox_ready = trio.Event()
+        self._writing = False
+        # A real pipe (trio FdStream, non-blocking) can be written to directly when idle.
+        self._fd = send_stream.fileno() if isinstance(send_stream, trio.lowlevel.FdStream) else None
         self._ids = itertools.count(1)
         self.pending: dict[int, PendingCall] = {}
         self._by_token: dict[str, PendingCall] = {}
@@ -134,14 +138,29 @@ class ChildConnection:
     # ---- writing ----------------------------------------------------------------------------
 
     def post(self, line: bytes, gid: int | None = None) -> None:
-        """Queue one message for the child's stdin (never blocks; the writer task sends it).
+        """Send one message to the child's stdin without blocking.
+
+        When nothing is queued and the pipe has room, the line is written right here (no task
+        switch); otherwise it is queued for :meth:`write_loop`, which keeps the order.
 
         Raises:
             NotDelivered: the child's stdin is already known to be gone.
         """
         if self.closed is not None:
             raise errors.NotDelivered(self.closed.message, **self.closed.data)
-        self._outbox.append((line, gid))
+        data = line + b"\n"
+        if self._fd is not None and not self._outbox and not self._writing:
+            try:
+                written = os.write(self._fd, data)
+            except BlockingIOError:
+                written = 0
+            except OSError:
+                self.closed = self.exited_error("the backend's stdin is closed")
+                raise errors.NotDelivered(self.closed.message, **self.closed.data) from None
+            if written == len(data):
+                return
+            data = data[written:]
+        self._outbox.append((data, gid))
         self._outbox_ready.set()
 
     async def send(self, line: bytes) -> None:
@@ -160,8 +179,9 @@ class ChildConnection:
                 self._outbox_ready = trio.Event()
                 await self._outbox_ready.wait()
             batch, self._outbox = self._outbox, []
+            self._writing = True
             try:
-                await self._send_stream.send_all(b"".join([line + b"\n" for line, _ in batch]))
+                await self._send_stream.send_all(b"".join([data for data, _ in batch]))
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 error = self.exited_error("the backend's stdin is closed")
                 if self.closed is None:
@@ -172,6 +192,8 @@ class ChildConnection:
                         call.complete(None, errors.NotDelivered(error.message, **error.data))
                 self._outbox = []
                 return
+            finally:
+                self._writing = False
 
     def exited_error(self, detail: str) -> errors.GatewayError:
         return errors.BackendExited(
