@@ -278,10 +278,16 @@ class Backend:
         assert session is not None
         while not inst.stopped.is_set():
             idle_at = inst.last_used + self.cfg.idle_timeout
+            if inst.child is not None and inst.child.attribution():
+                idle_at = max(idle_at, trio.current_time() + 1.0)  # busy: look again later
             with trio.move_on_at(idle_at):
                 await session.closed.wait()
-            if session.closed.is_set() or (trio.current_time() >= inst.last_used + self.cfg.idle_timeout
-                                           and not (inst.child and inst.child.attribution())):
+            if session.closed.is_set():
+                break
+            busy = inst.child is not None and inst.child.attribution()
+            if not busy and trio.current_time() >= inst.last_used + self.cfg.idle_timeout:
+                LOGGER.info("backend %s: per-session child idle for %gs, stopping it", inst.name,
+                            self.cfg.idle_timeout)
                 break
         self._own.pop(session, None)
         inst.request_stop()

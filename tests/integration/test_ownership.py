@@ -211,3 +211,18 @@ async def test_sampling_forwarded_with_include_context_none() -> None:
                 nursery.start_soon(answer)
                 r = await a.call("fx__sample", {"prompt": "p"})
             assert json.loads(text_of(r))["content"]["text"] == "sampled"
+
+
+async def test_per_session_child_stops_when_idle_and_restarts_on_use() -> None:
+    cfg = make_config(fixture_backend("fx", sharing="per-session", idle_timeout=0.5))
+    with trio.fail_after(30):
+        async with run_gateway(cfg) as gw, connect(gw.url) as a:
+            first = json.loads(text_of(await a.call("fx__client_info")))["pid"]
+            # a call longer than the idle timeout keeps its child
+            assert text_of(await a.call("fx__sleep", {"seconds": 1.0})) == "slept"
+            assert json.loads(text_of(await a.call("fx__client_info")))["pid"] == first
+            await trio.sleep(1.5)  # idle: the child is stopped ...
+            st = json.loads((await http_get(gw.bound.admin_port, "/status")).split("\r\n\r\n", 1)[1])
+            assert [i["name"] for i in st["backends"][0]["instances"]] == ["fx/0"]  # only the probe
+            second = json.loads(text_of(await a.call("fx__client_info")))["pid"]
+            assert second != first  # ... and a new one starts on the next call
