@@ -252,7 +252,15 @@ class Hub:
         self.ownership.child_down(instance, child)
 
     def roots_changed(self, session: ClientSession) -> None:
-        pass  # roots are answered from config in shared/affine mode
+        """A client's roots changed: tell its own per-session children (elsewhere roots come
+        from config, so other backends have nothing to re-read)."""
+        for backend in self.backends.values():
+            child = backend.own_child(session)
+            if child is not None and "roots" in backend.declared:
+                try:
+                    child.post(jsonrpc.encode_notification("notifications/roots/list_changed"))
+                except errors.NotDelivered:
+                    pass
 
     async def session_closed(self, session: ClientSession) -> None:
         self.ownership.forget_session(session)

@@ -248,6 +248,11 @@ class Backend:
 
     # per-session: a dedicated child per connection, started on first use, capped.
 
+    def own_child(self, session: ClientSession) -> ChildConnection | None:
+        """The running per-session child of ``session``, if it has one."""
+        inst = self._own.get(session)
+        return _running(inst) if inst is not None else None
+
     async def _acquire_own(self, session: ClientSession) -> tuple[Instance, ChildConnection]:
         inst = self._own.get(session)
         if inst is None:

@@ -9,7 +9,9 @@ from typing import Any
 import pytest
 import trio
 
-from helpers import Client, connect, fixture_backend, make_config, run_gateway, text_of
+import sys
+
+from helpers import FIXTURE, Client, connect, fixture_backend, make_config, run_gateway, text_of
 
 pytestmark = pytest.mark.system
 
@@ -226,3 +228,22 @@ async def test_per_session_child_stops_when_idle_and_restarts_on_use() -> None:
             assert [i["name"] for i in st["backends"][0]["instances"]] == ["fx/0"]  # only the probe
             second = json.loads(text_of(await a.call("fx__client_info")))["pid"]
             assert second != first  # ... and a new one starts on the next call
+
+
+async def test_per_session_roots_are_the_clients_own(tmp_path: Any) -> None:
+    tap = tmp_path / "tap"
+    script = f"tee -a {tap} | {sys.executable} {FIXTURE}"
+    backend = f'[backends.fx]\ncommand = "sh"\nargs = ["-c", {json.dumps(script)}]\nsharing = "per-session"\n'
+    with trio.fail_after(30):
+        async with run_gateway(make_config(backend)) as gw, connect(gw.url, capabilities={"roots": {"listChanged": True}}) as a:
+            async def answer() -> None:
+                req = await a.wait_for(lambda: [r for r in a.requests if r["method"] == "roots/list"])
+                await a.send({"jsonrpc": "2.0", "id": req[0]["id"], "result": {"roots": [{"uri": "file:///home/a"}]}})
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(answer)
+                r = await a.call("fx__roots")
+            assert json.loads(text_of(r)) == {"roots": [{"uri": "file:///home/a"}]}
+            await a.notify("notifications/roots/list_changed")
+            with trio.fail_after(5):
+                while b"notifications/roots/list_changed" not in tap.read_bytes():
+                    await trio.sleep(0.05)
