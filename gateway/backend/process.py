@@ -74,14 +74,15 @@ def _signal_group(pgid: int, sig: int) -> bool:
 def group_members(pgid: int) -> list[int]:
     """Live processes (not zombies) whose process group is ``pgid``, from /proc."""
     out = []
-    for stat in _proc_stats():
+    for stat in proc_stats():
         pid, state, _ppid, pgrp = stat
         if pgrp == pgid and state != "Z":
             out.append(pid)
     return out
 
 
-def _proc_stats() -> Iterable[tuple[int, str, int, int]]:
+def proc_stats() -> Iterable[tuple[int, str, int, int]]:
+    """``(pid, state, ppid, pgrp)`` of every process, from /proc (a full scan: not on hot paths)."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue

@@ -55,19 +55,9 @@ def alive(pid: int) -> bool:
 
 
 def children_of(ppid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                data = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        rest = data[data.rfind(")") + 2 :].split()
-        if int(rest[1]) == ppid and rest[0] != "Z":
-            out.append(int(entry))
-    return out
+    from gateway.backend.process import proc_stats
+
+    return [pid for pid, state, parent, _pgrp in proc_stats() if parent == ppid and state != "Z"]
 
 
 async def http_json(port: int | None, path: str) -> Any:
