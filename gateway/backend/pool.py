@@ -269,7 +269,9 @@ class Backend:
             inst.owner = session
             self._own[session] = inst
             self.instances.append(inst)
-            await self._nursery.start(inst.run)
+            # No checkpoint between registering the instance and starting its supervisor and
+            # reaper: a call cancelled right here must not leave an unsupervised entry behind.
+            self._nursery.start_soon(inst.run)
             self._nursery.start_soon(self._reap_own, inst)
             wait = self.cfg.start_timeout + 1.0
         else:
