@@ -241,8 +241,8 @@ class Hub:
     # ---- server→client requests ---------------------------------------------------------------
 
     async def on_server_request(self, instance: Instance, child: ChildConnection, id: int | str,
-                                method: str, params: Raw | UnsetType) -> None:
-        await self.ownership.route(instance, child, id, method, params)
+                                method: str, params: Raw | UnsetType, owners: set[ClientSession]) -> None:
+        await self.ownership.route(instance, child, id, method, params, owners)
 
     def on_server_request_cancelled(self, instance: Instance, child: ChildConnection,
                                     request_id: int | str) -> None:

@@ -116,7 +116,8 @@ class Ownership:
         self.elicitations: dict[str, ClientSession] = {}  # URL-mode elicitationId -> owner
 
     async def route(self, inst: Instance, child: ChildConnection, child_id: int | str,
-                    method: str, params: Raw | UnsetType) -> None:
+                    method: str, params: Raw | UnsetType, owners: set[ClientSession]) -> None:
+        """``owners``: the attribution set as it was when the request arrived."""
         backend = inst.backend
         try:
             fields: dict[str, Any] = msgspec.json.decode(params) if params is not UNSET else {}
@@ -126,7 +127,7 @@ class Ownership:
             await child.respond_error(child_id, errors.INVALID_PARAMS, "params must be an object")
             return
         decision = decide(method, fields, sharing=backend.cfg.sharing, config_roots=backend.cfg.roots,
-                          owners=backend.owners(inst, child), declared=backend.declared)
+                          owners=owners, declared=backend.declared)
         if isinstance(decision, Answer):
             if decision.reason and decision.reason != "":
                 LOGGER.warning("backend %s: %s", inst.name, decision.message)

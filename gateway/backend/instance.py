@@ -433,7 +433,10 @@ class Instance(ChildHandlers):
         if method == "ping":
             self._nursery.start_soon(child.respond, id, jsonrpc.EMPTY_RESULT)
             return
-        self._nursery.start_soon(self.backend.host.on_server_request, self, child, id, method, params)
+        # Attribute on arrival: by the time the routing task runs, a reply read in the same
+        # chunk may already have taken its call out of the set.
+        owners = self.backend.owners(self, child)
+        self._nursery.start_soon(self.backend.host.on_server_request, self, child, id, method, params, owners)
 
     def on_cancelled(self, child: ChildConnection, request_id: int | str) -> None:
         self.backend.host.on_server_request_cancelled(self, child, request_id)

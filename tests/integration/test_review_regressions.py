@@ -44,3 +44,57 @@ async def test_per_session_first_call_cancelled_at_once_does_not_wedge_the_sessi
                         assert r["error"]["code"] == -32006, r  # the old child is still stopping
                         await trio.sleep(0.1)
                 assert text_of(r) == "next"
+
+
+# A minimal stdio backend: `hold` never answers; `trick` sends an elicitation/create and then
+# its own result in ONE write, so both lines reach the gateway in the same read.
+TRICK_SERVER = r'''
+import json, sys
+out = sys.stdout.buffer
+def send(*msgs):
+    out.write(b"".join(json.dumps(m).encode() + b"\n" for m in msgs)); out.flush()
+for line in sys.stdin.buffer:
+    m = json.loads(line)
+    method, mid = m.get("method"), m.get("id")
+    if method == "initialize":
+        send({"jsonrpc": "2.0", "id": mid, "result": {"protocolVersion": "2025-11-25",
+              "capabilities": {"tools": {}}, "serverInfo": {"name": "trick", "version": "0"}}})
+    elif method == "tools/list":
+        send({"jsonrpc": "2.0", "id": mid, "result": {"tools": [
+            {"name": n, "inputSchema": {"type": "object"}} for n in ("hold", "trick")]}})
+    elif method == "ping":
+        send({"jsonrpc": "2.0", "id": mid, "result": {}})
+    elif method == "tools/call" and m["params"]["name"] == "trick":
+        send({"jsonrpc": "2.0", "id": "srv-1", "method": "elicitation/create",
+              "params": {"message": "asked by trick", "requestedSchema": {"type": "object", "properties": {}}}},
+             {"jsonrpc": "2.0", "id": mid, "result": {"content": [{"type": "text", "text": "tricked"}]}})
+    elif mid is not None and method is not None and method != "tools/call":
+        send({"jsonrpc": "2.0", "id": mid, "error": {"code": -32601, "message": "no"}})
+'''
+
+
+def script_backend(tmp_path: Any, name: str, source: str, **extra: Any) -> str:
+    import sys
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    lines = [f"[backends.{name}]", f"command = {json.dumps(sys.executable)}", f"args = [{json.dumps(str(path))}]"]
+    lines += [f"{k} = {json.dumps(v)}" for k, v in extra.items()]
+    return "\n".join(lines) + "\n"
+
+
+async def test_server_request_is_attributed_on_arrival_not_when_its_task_runs(tmp_path: Any) -> None:
+    # When the child's elicitation arrived, calls of two connections were in flight: it must be
+    # refused.  It used to be attributed later, after the caller's reply (same read) had already
+    # left the set, and so reached the *other* connection, which never made the call.
+    cfg = make_config(script_backend(tmp_path, "tk", TRICK_SERVER))
+    caps = {"elicitation": {"form": {}}}
+    with trio.fail_after(20):
+        async with run_gateway(cfg) as gw, connect(gw.url, capabilities=caps) as x, \
+                connect(gw.url, capabilities=caps) as y:
+            await y.send(call_msg(1, "tk__hold"))
+            await trio.sleep(0.3)  # y's call is in the child's attribution set
+            r = await x.call("tk__trick", timeout=10)
+            assert text_of(r) == "tricked"
+            await trio.sleep(0.5)
+            assert [q for q in y.requests if q["method"] == "elicitation/create"] == []
+            assert [q for q in x.requests if q["method"] == "elicitation/create"] == []
