@@ -124,6 +124,9 @@ class ClientSession:
         req = ServerRequest(rid, method, params)
         self.server_requests[rid] = req
         req.on_end.append(self._forget)
+        if self.closed.is_set():  # nobody will ever answer (end_all_requests already ran)
+            req.finish("owner_gone")
+            return req
         payload = params if isinstance(params, Raw) else jsonrpc.encode_dict(params)
         self.send(jsonrpc.encode_request(rid, method, payload))
         return req

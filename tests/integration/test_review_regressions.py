@@ -98,3 +98,55 @@ async def test_server_request_is_attributed_on_arrival_not_when_its_task_runs(tm
             await trio.sleep(0.5)
             assert [q for q in y.requests if q["method"] == "elicitation/create"] == []
             assert [q for q in x.requests if q["method"] == "elicitation/create"] == []
+
+
+# `late` waits a little, then asks its caller (elicitation/create) and writes the answer it got
+# to the file named by $ANSWERS; it ignores notifications/cancelled.
+LATE_SERVER = r'''
+import json, os, sys, threading, time
+out = sys.stdout.buffer
+lock = threading.Lock()
+def send(m):
+    with lock:
+        out.write(json.dumps(m).encode() + b"\n"); out.flush()
+def late(mid):
+    time.sleep(0.5)
+    send({"jsonrpc": "2.0", "id": "srv-1", "method": "elicitation/create",
+          "params": {"message": "late question", "requestedSchema": {"type": "object", "properties": {}}}})
+for line in sys.stdin.buffer:
+    m = json.loads(line)
+    method, mid = m.get("method"), m.get("id")
+    if method == "initialize":
+        send({"jsonrpc": "2.0", "id": mid, "result": {"protocolVersion": "2025-11-25",
+              "capabilities": {"tools": {}}, "serverInfo": {"name": "late", "version": "0"}}})
+    elif method == "tools/list":
+        send({"jsonrpc": "2.0", "id": mid, "result": {"tools": [{"name": "late", "inputSchema": {"type": "object"}}]}})
+    elif method == "ping":
+        send({"jsonrpc": "2.0", "id": mid, "result": {}})
+    elif method == "tools/call":
+        threading.Thread(target=late, args=(mid,), daemon=True).start()
+    elif method is None and mid == "srv-1":
+        with open(os.environ["ANSWERS"], "a") as f:
+            f.write(json.dumps(m) + "\n")
+    elif mid is not None and method is not None:
+        send({"jsonrpc": "2.0", "id": mid, "error": {"code": -32601, "message": "no"}})
+'''
+
+
+async def test_request_attributed_to_a_closed_connection_is_answered_at_once(tmp_path: Any) -> None:
+    # The caller disconnected, its call is still in the attribution set (the child has not
+    # answered the cancel yet), and the child asks it something: the child must get an
+    # answer (elicitation → cancel), not wait forever on a connection that is gone.
+    answers = tmp_path / "answers.jsonl"
+    cfg = make_config(script_backend(tmp_path, "lt", LATE_SERVER) + f"env = {{ ANSWERS = {json.dumps(str(answers))} }}\n")
+    with trio.fail_after(20):
+        async with run_gateway(cfg) as gw:
+            async with connect(gw.url, capabilities={"elicitation": {"form": {}}}) as x:
+                await x.send(call_msg(1, "lt__late"))
+                await trio.sleep(0.1)
+            with trio.move_on_after(3):
+                while not answers.exists():
+                    await trio.sleep(0.05)
+            assert answers.exists(), "the child's elicitation/create was never answered"
+            got = json.loads(answers.read_text().splitlines()[0])
+            assert got["result"] == {"action": "cancel"}, got
