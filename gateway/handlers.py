@@ -186,9 +186,13 @@ async def call_tool(hub: Hub, session: ClientSession, req: Request) -> Raw:
         raw_args = req.params.get("arguments")
         arguments = msgspec.json.decode(raw_args) if raw_args is not None else None
         await hub.authorize(session, name, arguments)
+    backend = hub.backends.get(route.backend)
+    if backend is None:  # removed by a reload while the call waited for consent
+        raise errors.BackendUnavailable(f"backend {route.backend!r} was removed", backend=route.backend,
+                                        retryable=False)
     params = dict(req.params)
     params["name"] = Raw(msgspec.json.encode(route.name))
-    return await forward(hub, session, req, hub.backends[route.backend], params)
+    return await forward(hub, session, req, backend, params)
 
 
 async def get_prompt(hub: Hub, session: ClientSession, req: Request) -> Raw:

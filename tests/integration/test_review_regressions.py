@@ -150,3 +150,33 @@ async def test_request_attributed_to_a_closed_connection_is_answered_at_once(tmp
             assert answers.exists(), "the child's elicitation/create was never answered"
             got = json.loads(answers.read_text().splitlines()[0])
             assert got["result"] == {"action": "cancel"}, got
+
+
+def gateway_toml(backends: str, extra: str = "") -> str:
+    return f'[listen]\nwebsocket = "127.0.0.1:0"\n[admin]\nlisten = ""\n{extra}\n{backends}'
+
+
+async def test_backend_removed_by_reload_during_a_consent_prompt_is_backend_unavailable(tmp_path: Any) -> None:
+    # The tool's backend was removed while its call waited for consent: the approved call gets
+    # -32001 backend_unavailable, not an internal error (KeyError on hub.backends).
+    from gateway import config
+
+    from helpers import ROOT
+    policy = '[[policy.rules]]\nmatch = "fx__echo"\naction = "ask"\n'
+    path = tmp_path / "gateway.toml"
+    path.write_text(gateway_toml(fixture_backend("fx") + fixture_backend("keep"), policy))
+    cfg = config.load(path.read_text(), base_dir=ROOT)
+    with trio.fail_after(30):
+        async with run_gateway(cfg, str(path)) as gw, \
+                connect(gw.url, capabilities={"elicitation": {"form": {}}}) as c:
+            await c.send(call_msg("call", "fx__echo", {"message": "hi"}))
+            prompt = await c.wait_for(lambda: [q for q in c.requests if q["method"] == "elicitation/create"])
+            path.write_text(gateway_toml(fixture_backend("keep"), policy))
+            gw.control.reload()
+            await c.wait_for(lambda: any(n["method"] == "notifications/tools/list_changed"
+                                         for n in c.notifications))
+            await c.send({"jsonrpc": "2.0", "id": prompt[0]["id"],
+                          "result": {"action": "accept", "content": {"approve": True}}})
+            r = await c.response("call")
+            assert r["error"]["code"] == -32001, r
+            assert r["error"]["data"]["reason"] == "backend_unavailable"
