@@ -238,6 +238,10 @@ class Backend:
             if inst is not None:
                 inst.owner = None
                 self._grant()
+            if self._stopping:
+                raise errors.BackendUnavailable(
+                    f"backend {self.name!r} is being removed", backend=self.name, retryable=False
+                )
             if all(i.state is State.FATAL for i in self.instances):
                 raise errors.BackendUnavailable(f"backend {self.name!r} is failing (crash loop)",
                                                 backend=self.name, retryable=False)

@@ -180,3 +180,25 @@ async def test_backend_removed_by_reload_during_a_consent_prompt_is_backend_unav
             r = await c.response("call")
             assert r["error"]["code"] == -32001, r
             assert r["error"]["data"]["reason"] == "backend_unavailable"
+
+
+async def test_affine_call_queued_when_reload_removes_the_backend_is_backend_unavailable(tmp_path: Any) -> None:
+    # A call waiting in the affine queue of a backend that reload removes is told the backend
+    # is unavailable (-32001), not that the gateway is overloaded (-32006).
+    from gateway import config
+
+    from helpers import ROOT
+    path = tmp_path / "gateway.toml"
+    path.write_text(gateway_toml(fixture_backend("fx", sharing="affine") + fixture_backend("keep")))
+    cfg = config.load(path.read_text(), base_dir=ROOT)
+    with trio.fail_after(30):
+        async with run_gateway(cfg, str(path)) as gw, connect(gw.url) as a, connect(gw.url) as b:
+            await a.send(call_msg("hold", "fx__sleep", {"seconds": 5}))
+            await trio.sleep(0.3)
+            await b.send(call_msg("queued", "fx__echo", {"message": "x"}))
+            await trio.sleep(0.3)
+            path.write_text(gateway_toml(fixture_backend("keep")))
+            gw.control.reload()
+            r = await b.response("queued")
+            assert r["error"]["code"] == -32001, r
+            assert r["error"]["data"]["reason"] == "backend_unavailable"
