@@ -369,7 +369,18 @@ class Backend:
             if self.cfg.sharing == "affine" and inst.owner is session:
                 self._settle(inst)
         for uri in [u for u, s in self.subscriptions.items() if session in s]:
-            await self.unsubscribe(session, uri)
+            holders = self.subscriptions[uri]
+            holders.discard(session)
+            if not holders:
+                del self.subscriptions[uri]
+                if self._nursery is not None and not self._stopping:
+                    # In the background: a wedged backend must not hold up the closing
+                    # connection's (shielded) cleanup, and with it a drain, for request_timeout.
+                    self._nursery.start_soon(self._unsubscribe_unless_wanted, uri)
+
+    async def _unsubscribe_unless_wanted(self, uri: str) -> None:
+        if uri not in self.subscriptions:  # nobody subscribed again meanwhile
+            await self._upstream(uri, "resources/unsubscribe")
 
     async def _upstream(self, uri: str, method: str) -> None:
         for inst in self.instances:

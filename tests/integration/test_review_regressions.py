@@ -202,3 +202,41 @@ async def test_affine_call_queued_when_reload_removes_the_backend_is_backend_una
             r = await b.response("queued")
             assert r["error"]["code"] == -32001, r
             assert r["error"]["data"]["reason"] == "backend_unavailable"
+
+
+# Answers everything at once except resources/unsubscribe, which it never answers (wedged).
+WEDGED_UNSUBSCRIBE_SERVER = r'''
+import json, sys
+out = sys.stdout.buffer
+def send(m):
+    out.write(json.dumps(m).encode() + b"\n"); out.flush()
+for line in sys.stdin.buffer:
+    m = json.loads(line)
+    method, mid = m.get("method"), m.get("id")
+    if method == "initialize":
+        send({"jsonrpc": "2.0", "id": mid, "result": {"protocolVersion": "2025-11-25",
+              "capabilities": {"resources": {"subscribe": True}}, "serverInfo": {"name": "w", "version": "0"}}})
+    elif method == "resources/list":
+        send({"jsonrpc": "2.0", "id": mid, "result": {"resources": [{"uri": "w://a", "name": "a"}]}})
+    elif method == "resources/templates/list":
+        send({"jsonrpc": "2.0", "id": mid, "result": {"resourceTemplates": []}})
+    elif method == "resources/unsubscribe":
+        pass
+    elif mid is not None and method is not None:
+        send({"jsonrpc": "2.0", "id": mid, "result": {}})
+'''
+
+
+async def test_closing_a_subscribed_connection_does_not_wait_for_a_wedged_backend(tmp_path: Any) -> None:
+    # The upstream unsubscribe of a closing connection ran inside its shielded cleanup, bounded
+    # only by request_timeout: a backend that never answers held the connection task (and so
+    # the whole drain on SIGTERM) for that long.
+    cfg = make_config(script_backend(tmp_path, "w", WEDGED_UNSUBSCRIBE_SERVER, request_timeout=30.0),
+                      gateway="drain_grace = 1.0")
+    with trio.fail_after(12):
+        async with run_gateway(cfg) as gw:
+            async with connect(gw.url) as c:
+                r = await c.request("resources/subscribe", {"uri": "w://a"})
+                assert r["result"] == {}, r
+            await trio.sleep(0.2)
+        # leaving run_gateway stops it: drain (1 s) + close must not wait 30 s for the backend
