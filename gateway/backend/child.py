@@ -309,9 +309,10 @@ class ChildConnection:
         times = [c.abandoned_at for c in self.pending.values() if c.abandoned_at is not None]
         return min(times) if times else None
 
-    def purge_abandoned(self, before: float) -> int:
-        """Forget abandoned calls given up before ``before``; returns how many."""
-        stale = [gid for gid, c in self.pending.items() if c.abandoned_at is not None and c.abandoned_at < before]
+    def purge_abandoned(self, before: float, *, internal_only: bool = False) -> int:
+        """Forget abandoned calls given up before ``before`` (only internal ones if asked)."""
+        stale = [gid for gid, c in self.pending.items() if c.abandoned_at is not None and c.abandoned_at < before
+                 and (c.internal or not internal_only)]
         for gid in stale:
             del self.pending[gid]
         if stale and self.on_settled is not None:

@@ -289,6 +289,8 @@ class Instance(ChildHandlers):
             if not self.backend.attribution_matters:
                 child.purge_abandoned(trio.current_time() - grace)
                 continue
+            if child.purge_abandoned(trio.current_time() - grace, internal_only=True):
+                continue  # internal requests never count for attribution: no restart for them
             LOGGER.warning("backend %s: a cancelled call was not answered within %gs; restarting it "
                            "so requests it may still send cannot be misattributed", self.name, grace)
             self._down_reason = "cancel unanswered"

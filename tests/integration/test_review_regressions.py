@@ -240,3 +240,16 @@ async def test_closing_a_subscribed_connection_does_not_wait_for_a_wedged_backen
                 assert r["result"] == {}, r
             await trio.sleep(0.2)
         # leaving run_gateway stops it: drain (1 s) + close must not wait 30 s for the backend
+
+
+async def test_unanswered_internal_request_does_not_restart_the_child() -> None:
+    # A server that (as the spec asks) never answers a request the gateway cancelled, here a
+    # timed-out health ping: internal requests never count for attribution, so they must not
+    # trigger the cancel_grace restart meant for clients' calls (it killed everyone's calls).
+    cfg = make_config(fixture_backend("fx", env={"FIXTURE_NO_PING": "1"}, cancel_grace=0.5,
+                                      health="{ interval = 0.2, timeout = 0.2, failures = 1000 }"))
+    with trio.fail_after(20):
+        async with run_gateway(cfg) as gw, connect(gw.url) as c:
+            pid = json.loads(text_of(await c.call("fx__client_info")))["pid"]
+            await trio.sleep(2.5)
+            assert json.loads(text_of(await c.call("fx__client_info")))["pid"] == pid
