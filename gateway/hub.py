@@ -210,7 +210,7 @@ class Hub:
 
     def on_elicitation_complete(self, instance: Instance, params: Raw | UnsetType) -> None:
         eid = _str_field(params, "elicitationId")
-        owner = self.ownership.elicitation_owner(eid) if eid is not None else None
+        owner = self.ownership.elicitation_owner(instance.backend.name, eid) if eid is not None else None
         if owner is not None:
             owner.notify("notifications/elicitation/complete", params)
 

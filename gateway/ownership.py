@@ -113,7 +113,8 @@ class Ownership:
     def __init__(self, bus: EventBus) -> None:
         self._bus = bus
         self.pending: dict[tuple[str, int, int | str], tuple[ClientSession, ServerRequest]] = {}
-        self.elicitations: dict[str, ClientSession] = {}  # URL-mode elicitationId -> owner
+        # (backend, URL-mode elicitationId) -> owner; ids are chosen by each backend
+        self.elicitations: dict[tuple[str, str], ClientSession] = {}
 
     async def route(self, inst: Instance, child: ChildConnection, child_id: int | str,
                     method: str, params: Raw | UnsetType, owners: set[ClientSession]) -> None:
@@ -150,7 +151,7 @@ class Ownership:
         self.pending[key] = (owner, req)
         elicitation_id = fields.get("elicitationId") if method == "elicitation/create" else None
         if isinstance(elicitation_id, str):
-            self.elicitations[elicitation_id] = owner
+            self.elicitations[(backend, elicitation_id)] = owner
         self._bus.emit(ServerRequestRouted(backend, method, owner.conn_id))
         paused = child.calls_of(owner)
         for call in paused:
@@ -200,8 +201,8 @@ class Ownership:
             if name == inst.name and gen == child.generation:
                 owner.cancel_request(req, "child_restarted", "the backend exited")
 
-    def elicitation_owner(self, elicitation_id: str) -> ClientSession | None:
-        return self.elicitations.get(elicitation_id)
+    def elicitation_owner(self, backend: str, elicitation_id: str) -> ClientSession | None:
+        return self.elicitations.get((backend, elicitation_id))
 
     def forget_session(self, session: ClientSession) -> None:
         for eid in [e for e, s in self.elicitations.items() if s is session]:

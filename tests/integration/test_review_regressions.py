@@ -253,3 +253,53 @@ async def test_unanswered_internal_request_does_not_restart_the_child() -> None:
             pid = json.loads(text_of(await c.call("fx__client_info")))["pid"]
             await trio.sleep(2.5)
             assert json.loads(text_of(await c.call("fx__client_info")))["pid"] == pid
+
+
+# `url` asks a URL-mode elicitation with the fixed elicitationId "e1"; once answered it sends
+# notifications/elicitation/complete for "e1" and then its result.
+URL_ELICIT_SERVER = r'''
+import json, sys
+out = sys.stdout.buffer
+def send(m):
+    out.write(json.dumps(m).encode() + b"\n"); out.flush()
+waiting = {}
+n = 0
+for line in sys.stdin.buffer:
+    m = json.loads(line)
+    method, mid = m.get("method"), m.get("id")
+    if method == "initialize":
+        send({"jsonrpc": "2.0", "id": mid, "result": {"protocolVersion": "2025-11-25",
+              "capabilities": {"tools": {}}, "serverInfo": {"name": "u", "version": "0"}}})
+    elif method == "tools/list":
+        send({"jsonrpc": "2.0", "id": mid, "result": {"tools": [{"name": "url", "inputSchema": {"type": "object"}}]}})
+    elif method == "tools/call":
+        n += 1
+        waiting[f"srv-{n}"] = mid
+        send({"jsonrpc": "2.0", "id": f"srv-{n}", "method": "elicitation/create",
+              "params": {"mode": "url", "message": "open it", "url": "https://example.com/x", "elicitationId": "e1"}})
+    elif method is None and mid in waiting:
+        send({"jsonrpc": "2.0", "method": "notifications/elicitation/complete", "params": {"elicitationId": "e1"}})
+        send({"jsonrpc": "2.0", "id": waiting.pop(mid), "result": {"content": [{"type": "text", "text": "done"}]}})
+    elif mid is not None and method is not None:
+        send({"jsonrpc": "2.0", "id": mid, "result": {}})
+'''
+
+
+async def test_elicitation_complete_goes_to_the_owner_even_when_two_backends_reuse_an_id(tmp_path: Any) -> None:
+    # elicitationIds are chosen by each backend: the same id from two backends must not make
+    # one backend's completion reach the other backend's prompt owner.
+    cfg = make_config(script_backend(tmp_path, "ua", URL_ELICIT_SERVER) + script_backend(tmp_path, "ub", URL_ELICIT_SERVER))
+    caps = {"elicitation": {"url": {}}}
+    with trio.fail_after(20):
+        async with run_gateway(cfg) as gw, connect(gw.url, capabilities=caps) as x, \
+                connect(gw.url, capabilities=caps) as y:
+            await x.send(call_msg("cx", "ua__url"))
+            px = await x.wait_for(lambda: x.requests)
+            await y.send(call_msg("cy", "ub__url"))
+            await y.wait_for(lambda: y.requests)
+            await x.send({"jsonrpc": "2.0", "id": px[0]["id"], "result": {"action": "accept"}})
+            assert text_of(await x.response("cx")) == "done"
+            await trio.sleep(0.3)
+            done = "notifications/elicitation/complete"
+            assert [n for n in x.notifications if n["method"] == done], "the owner did not get its completion"
+            assert [n for n in y.notifications if n["method"] == done] == []
