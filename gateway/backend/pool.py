@@ -212,6 +212,9 @@ class Backend:
                 child = _running(inst)
                 assert child is not None
                 return inst, child
+        if all(i.state is State.FATAL for i in self.instances):
+            raise errors.BackendUnavailable(f"backend {self.name!r} is failing (crash loop)",
+                                            backend=self.name, retryable=False)
         if len(self._waiters) >= self.cfg.queue_size:
             raise errors.Overloaded(
                 f"backend {self.name!r}: {len(self._waiters)} calls already wait for an instance",
@@ -220,14 +223,27 @@ class Backend:
         waiter = _Waiter(session)
         self._waiters.append(waiter)
         started = trio.current_time()
+        # None while some instance runs; else since when none has (restart_wait bounds that)
+        down_since: float | None = None if any(_running(i) for i in self.instances) else started
+        poll = min(1.0, max(self.host.restart_wait, 0.05))
         try:
             with trio.move_on_after(self.cfg.queue_timeout):
                 while not waiter.granted.is_set():
-                    with trio.move_on_after(1.0):  # abandoned calls age out of attribution sets
+                    with trio.move_on_after(poll):  # abandoned calls age out of attribution sets
                         await waiter.granted.wait()
                     if not waiter.granted.is_set():
                         for inst in self.instances:
                             self._settle(inst)
+                    if waiter.granted.is_set():
+                        break
+                    now = trio.current_time()
+                    if any(_running(i) for i in self.instances):
+                        down_since = None
+                    elif down_since is None:
+                        down_since = now
+                    if all(i.state is State.FATAL for i in self.instances) or (
+                            down_since is not None and now - down_since >= self.host.restart_wait):
+                        break  # not running: backend_unavailable below, not a queue timeout
         finally:
             if not waiter.granted.is_set():
                 self._waiters.remove(waiter)
@@ -245,6 +261,11 @@ class Backend:
             if all(i.state is State.FATAL for i in self.instances):
                 raise errors.BackendUnavailable(f"backend {self.name!r} is failing (crash loop)",
                                                 backend=self.name, retryable=False)
+            if not any(_running(i) for i in self.instances):
+                raise errors.BackendUnavailable(
+                    f"backend {self.name!r} is not running after waiting {self.host.restart_wait:g}s",
+                    backend=self.name, retryable=True,
+                )
             raise errors.Overloaded(
                 f"backend {self.name!r}: no instance became free within {self.cfg.queue_timeout:g}s",
                 backend=self.name,

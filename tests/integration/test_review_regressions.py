@@ -303,3 +303,41 @@ async def test_elicitation_complete_goes_to_the_owner_even_when_two_backends_reu
             done = "notifications/elicitation/complete"
             assert [n for n in x.notifications if n["method"] == done], "the owner did not get its completion"
             assert [n for n in y.notifications if n["method"] == done] == []
+
+
+def crash_marker_backend(name: str, marker: Any, restart: str, **extra: Any) -> str:
+    """The fixture behind /bin/sh: while ``marker`` exists, every start crashes (exit 3)."""
+    import sys
+
+    from helpers import FIXTURE
+    script = 'if [ -e "$MARKER" ]; then exit 3; fi; exec "$PY" "$FIXTURE"'
+    lines = [f"[backends.{name}]", 'command = "/bin/sh"', f"args = [\"-c\", {json.dumps(script)}]",
+             f"env = {{ MARKER = {json.dumps(str(marker))}, PY = {json.dumps(sys.executable)}, "
+             f"FIXTURE = {json.dumps(FIXTURE)} }}", f"restart = {restart}"]
+    lines += [f"{k} = {json.dumps(v)}" for k, v in extra.items()]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("restart, retryable", [
+    ("{ backoff_initial = 0.01, backoff_max = 0.02, max_restarts = 2, window = 60.0 }", False),  # FATAL
+    ("{ backoff_initial = 30.0, backoff_max = 30.0, max_restarts = 5, window = 60.0 }", True),  # BACKOFF
+])
+async def test_affine_backend_not_running_is_backend_unavailable_within_the_wait_bound(
+        tmp_path: Any, restart: str, retryable: bool) -> None:
+    # §10: a backend that is not running gives -32001 — FATAL at once, restarting after
+    # restart_wait.  In affine mode the call used to sit in the instance queue for queue_timeout
+    # (30 s) and then got -32006 overloaded.
+    marker = tmp_path / "crash"
+    cfg = make_config(crash_marker_backend("af", marker, restart, sharing="affine"), gateway="restart_wait = 1.0")
+    with trio.fail_after(30):
+        async with run_gateway(cfg) as gw, connect(gw.url) as c:
+            assert text_of(await c.call("af__echo", {"message": "up"})) == "up"
+            marker.touch()
+            assert (await c.call("af__crash", {}))["error"]["code"] == -32004
+            await trio.sleep(0.5)  # FATAL, or waiting out a long backoff
+            start = trio.current_time()
+            r = await c.call("af__echo", {"message": "x"}, timeout=20)
+            took = trio.current_time() - start
+            assert r["error"]["code"] == -32001, r
+            assert r["error"]["data"]["retryable"] is retryable
+            assert took < (0.5 if not retryable else 2.5), took
