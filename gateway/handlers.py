@@ -186,10 +186,7 @@ async def call_tool(hub: Hub, session: ClientSession, req: Request) -> Raw:
         raw_args = req.params.get("arguments")
         arguments = msgspec.json.decode(raw_args) if raw_args is not None else None
         await hub.authorize(session, name, arguments)
-    backend = hub.backends.get(route.backend)
-    if backend is None:  # removed by a reload while the call waited for consent
-        raise errors.BackendUnavailable(f"backend {route.backend!r} was removed", backend=route.backend,
-                                        retryable=False)
+    backend = hub.backend(route.backend)  # looked up after consent: a reload may have removed it
     params = dict(req.params)
     params["name"] = Raw(msgspec.json.encode(route.name))
     return await forward(hub, session, req, backend, params)
@@ -202,7 +199,7 @@ async def get_prompt(hub: Hub, session: ClientSession, req: Request) -> Raw:
         raise errors.InvalidParams(f"unknown prompt {name!r}")
     params = dict(req.params)
     params["name"] = Raw(msgspec.json.encode(route.name))
-    return await forward(hub, session, req, hub.backends[route.backend], params)
+    return await forward(hub, session, req, hub.backend(route.backend), params)
 
 
 async def read_resource(hub: Hub, session: ClientSession, req: Request) -> Raw:
@@ -225,13 +222,13 @@ async def complete(hub: Hub, session: ClientSession, req: Request) -> Raw:
         if route is None:
             raise errors.InvalidParams(f"unknown prompt {ref.get('name')!r}")
         params["ref"] = jsonrpc.encode_dict({**ref, "name": route.name})
-        backend = hub.backends[route.backend]
+        backend = hub.backend(route.backend)
     elif ref.get("type") == "ref/resource":
         uri = str(ref.get("uri"))
         name = hub.catalog.route_template(uri)
         if name is None:
             raise errors.InvalidParams(f"unknown resource or template {uri!r}")
-        backend = hub.backends[name]
+        backend = hub.backend(name)
     else:
         raise errors.InvalidParams("completion/complete: ref.type must be ref/prompt or ref/resource")
     return await forward(hub, session, req, backend, params)

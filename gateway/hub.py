@@ -61,6 +61,7 @@ class Hub:
         self._nursery: trio.Nursery | None = None
         self._levels: dict[str, str | None] = {}
         self._catalog_warnings: set[str] = set()
+        self._restarting: dict[str, Backend] = {}  # stopped by a reload, about to start again
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -81,19 +82,34 @@ class Hub:
         self.policy.catalog_changed(self.catalog)
 
     async def add_backend(self, name: str, bcfg: BackendConfig) -> Backend:
+        """Start a backend (after a reload restart, it takes over its predecessor's lists until
+        its own child has listed)."""
         assert self._nursery is not None
         prefix = name if bcfg.prefix is None else bcfg.prefix
         backend = Backend(name, bcfg, prefix, self)
+        previous = self._restarting.pop(name, None)
+        if previous is not None:
+            backend.lists = previous.lists
         self.backends[name] = backend
         await self._nursery.start(backend.run)
         return backend
 
-    async def remove_backend(self, name: str) -> None:
+    async def remove_backend(self, name: str, *, drain: float = 0.0, restarting: bool = False) -> None:
+        """Stop a backend: no new calls, in-flight ones get up to ``drain`` seconds, then stop.
+
+        ``restarting``: it comes back (changed config); its lists stay in the catalog until the
+        new one has listed its own, so clients see no churn.
+        """
         backend = self.backends[name]
+        if drain > 0:
+            await backend.drain(drain)
         backend.stop()
         await backend.stopped()
         del self.backends[name]
-        self.rebuild_catalog()
+        if restarting:
+            self._restarting[name] = backend
+        else:
+            self.rebuild_catalog()
 
     async def stop_backends(self) -> None:
         """Stop every backend in the spec's order, concurrently; returns when all are reaped."""
@@ -126,8 +142,10 @@ class Hub:
         Raises:
             CatalogConflict: ``strict`` (boot) and two backends expose the same name.
         """
+        serving = {**self._restarting, **self.backends}  # a restarting backend keeps its lists
+        order = [n for n in self.cfg.backends if n in serving] + [n for n in serving if n not in self.cfg.backends]
         lists: list[tuple[str, str, BackendLists]] = [
-            (name, b.prefix, b.lists) for name, b in self.backends.items()
+            (name, serving[name].prefix, serving[name].lists) for name in order
         ]
         new, warnings = build_catalog(lists, self.cfg.gateway.separator, strict=strict)
         for warning in warnings:
@@ -166,6 +184,16 @@ class Hub:
             "completions": {},
         }
 
+    def backend(self, name: str) -> Backend:
+        """The running backend ``name``; -32001 while a reload stops or restarts it."""
+        backend = self.backends.get(name)
+        if backend is None:
+            restarting = name in self.cfg.backends
+            raise errors.BackendUnavailable(
+                f"backend {name!r} is {'restarting after a reload' if restarting else 'removed'}",
+                backend=name, retryable=restarting)
+        return backend
+
     def backend_for_uri(self, uri: str) -> Backend:
         name = self.catalog.route_resource(uri)
         if name is None:
@@ -173,7 +201,7 @@ class Hub:
             if len(candidates) != 1:
                 raise errors.ResourceNotFound(f"resource {uri!r} not found", uri=uri)
             return candidates[0]
-        return self.backends[name]
+        return self.backend(name)
 
     async def authorize(self, session: ClientSession, tool: str, arguments: Any) -> None:
         await self.policy.authorize(session, tool, self.catalog.tool_defs.get(tool, {}), arguments)

@@ -320,7 +320,9 @@ class ChildConnection:
         return len(stale)
 
     def calls_of(self, owner: ClientSession) -> list[PendingCall]:
-        return [c for c in self.pending.values() if c.owner is owner and not c.done.is_set()]
+        """``owner``'s calls still waited for (abandoned ones are over for the owner)."""
+        return [c for c in self.pending.values()
+                if c.owner is owner and not c.done.is_set() and c.abandoned_at is None]
 
     def fail_all(self, error: errors.GatewayError) -> None:
         """The child is gone: complete every pending call with ``error`` now."""

@@ -70,10 +70,6 @@ class BackendHost(Protocol):
                                 owners: set[ClientSession]) -> None: ...
     def on_server_request_cancelled(self, instance: Instance, child: ChildConnection,
                                     request_id: int | str) -> None: ...
-    def on_settled(self, inst: Instance) -> None:
-        if self.cfg.sharing == "affine":
-            self._settle(inst)
-
     def on_instance_down(self, instance: Instance, child: ChildConnection) -> None: ...
     def reap(self) -> None: ...
 
@@ -115,6 +111,20 @@ class Backend:
                 await nursery.start(inst.run)
             task_status.started()
         self._nursery = None
+
+    def inflight(self) -> int:
+        """Client calls in flight on this backend's children (gateway-internal ones excluded)."""
+        return sum(1 for i in self.instances if i.child is not None
+                   for c in i.child.pending.values() if not c.internal and c.abandoned_at is None)
+
+    async def drain(self, grace: float) -> None:
+        """Take no new calls and wait (at most ``grace`` seconds) for the calls in flight."""
+        self._stopping = True
+        for waiter in self._waiters:
+            waiter.granted.set()
+        with trio.move_on_after(grace):
+            while self.inflight():
+                await trio.sleep(0.05)
 
     def stop(self) -> None:
         self._stopping = True
