@@ -202,7 +202,8 @@ class Ownership:
                 owner.cancel_request(req, "child_restarted", "the backend exited")
 
     def elicitation_owner(self, backend: str, elicitation_id: str) -> ClientSession | None:
-        return self.elicitations.get((backend, elicitation_id))
+        """The owner of a URL-mode elicitation, once: its completion is the last word on it."""
+        return self.elicitations.pop((backend, elicitation_id), None)
 
     def forget_session(self, session: ClientSession) -> None:
         for eid in [e for e, s in self.elicitations.items() if s is session]:
