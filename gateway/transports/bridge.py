@@ -14,7 +14,27 @@ import trio_websocket
 
 from gateway.errors import MessageTooLarge, TransportClosed
 from gateway.transports.lines import LineStream
-from gateway.transports.websocket import SUBPROTOCOL, WebSocketStream
+from gateway.transports.websocket import SUBPROTOCOL
+
+
+class _ClientWebSocket:
+    """The bridge's side of a WebSocket (trio-websocket client), as a message stream."""
+
+    def __init__(self, ws: trio_websocket.WebSocketConnection) -> None:
+        self._ws = ws
+
+    async def receive(self) -> bytes:
+        try:
+            message = await self._ws.get_message()
+        except trio_websocket.ConnectionClosed as exc:
+            raise TransportClosed(str(exc.reason)) from None
+        return message.encode() if isinstance(message, str) else message
+
+    async def send(self, data: bytes) -> None:
+        try:
+            await self._ws.send_message(data.decode())
+        except (trio_websocket.ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise TransportClosed(str(exc)) from None
 
 
 async def _copy(source: trio.abc.ReceiveStream, sink: trio.abc.SendStream, done: trio.CancelScope) -> None:
@@ -43,7 +63,7 @@ async def bridge(url: str, max_message: int) -> None:
         async with trio_websocket.open_websocket_url(
             url, subprotocols=[SUBPROTOCOL], max_message_size=2 * max_message, receive_buffer_size=65536
         ) as ws:
-            remote = WebSocketStream(ws, 2 * max_message)
+            remote = _ClientWebSocket(ws)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_pump, local, remote, nursery.cancel_scope)
                 nursery.start_soon(_pump, remote, local, nursery.cancel_scope)
@@ -51,7 +71,7 @@ async def bridge(url: str, max_message: int) -> None:
         raise OSError(f"WebSocket handshake failed: {exc}") from None
 
 
-async def _pump(source: LineStream | WebSocketStream, sink: LineStream | WebSocketStream,
+async def _pump(source: LineStream | _ClientWebSocket, sink: LineStream | _ClientWebSocket,
                 done: trio.CancelScope) -> None:
     try:
         while True:
