@@ -163,3 +163,22 @@ async def connect(url: str, *, initialize: bool = True, capabilities: dict[str, 
 
 def text_of(response: dict[str, Any]) -> str:
     return response["result"]["content"][0]["text"]
+
+
+async def http_request(port: int | None, path: str) -> tuple[int, bytes]:
+    """GET ``path`` from 127.0.0.1:``port`` (the admin listener); returns (status, body)."""
+    assert port is not None
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n".encode())
+        data = b""
+        while chunk := await stream.receive_some(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+async def http_json(port: int | None, path: str) -> Any:
+    status, body = await http_request(port, path)
+    assert status == 200, (status, body[:200])
+    return json.loads(body)

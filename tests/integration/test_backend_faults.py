@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import trio
 from helpers import (
+    http_json,
     FIXTURE,
     ROOT,
     Client,
@@ -58,21 +59,6 @@ def children_of(ppid: int) -> list[int]:
     from gateway.backend.process import proc_stats
 
     return [pid for pid, state, parent, _pgrp in proc_stats() if parent == ppid and state != "Z"]
-
-
-async def http_json(port: int | None, path: str) -> Any:
-    assert port is not None
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
-    async with stream:
-        await stream.send_all(
-            f"GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n".encode()
-        )
-        data = b""
-        while chunk := await stream.receive_some(65536):
-            data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    assert head.split()[1] == b"200", head
-    return json.loads(body)
 
 
 async def instance_status(port: int | None, backend: str) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import trio
 
 import sys
 
-from helpers import FIXTURE, Client, connect, fixture_backend, make_config, run_gateway, text_of
+from helpers import FIXTURE, Client, connect, fixture_backend, http_json, http_request, make_config, run_gateway, text_of
 
 pytestmark = pytest.mark.system
 
@@ -110,19 +110,8 @@ async def test_shared_two_connections_in_flight_is_refused_and_counted() -> None
                     nursery.cancel_scope.cancel()
                 assert json.loads(text_of(r))["content"] == {"answer": "answer-solo"}
                 assert len(seen) == 1 and b.requests == []
-            metrics = await http_get(gw.bound.admin_port, "/metrics")
+            metrics = (await http_request(gw.bound.admin_port, "/metrics"))[1].decode()
             assert 'mcp_gateway_unroutable_server_requests_total{backend="fx",method="elicitation/create",reason="unattributable"} 1.0' in metrics
-
-
-async def http_get(port: int | None, path: str) -> str:
-    assert port is not None
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
-    async with stream:
-        await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
-        chunks = []
-        while data := await stream.receive_some(65536):
-            chunks.append(data)
-    return b"".join(chunks).decode()
 
 
 async def test_answer_from_another_connection_is_refused() -> None:
@@ -145,7 +134,7 @@ async def test_answer_from_another_connection_is_refused() -> None:
                     await a.send({"jsonrpc": "2.0", "id": prompt["id"],
                                   "result": {"action": "accept", "content": {"answer": "genuine"}}})
                 assert json.loads(text_of(result))["content"] == {"answer": "genuine"}
-            metrics = await http_get(gw.bound.admin_port, "/metrics")
+            metrics = (await http_request(gw.bound.admin_port, "/metrics"))[1].decode()
             assert 'mcp_gateway_refused_answers_total{reason="unknown_id"} 1.0' in metrics
 
 
@@ -161,7 +150,7 @@ async def test_owner_disconnect_cancels_pending_prompt() -> None:
             async with connect(gw.url, capabilities=ELICIT_CAPS) as c:
                 r = await c.call("fx__echo", {"message": "still here"})
                 assert text_of(r) == "still here"
-                st = json.loads((await http_get(gw.bound.admin_port, "/status")).split("\r\n\r\n", 1)[1])
+                st = await http_json(gw.bound.admin_port, "/status")
                 assert st["pending_server_requests"] == 0
 
 
@@ -224,7 +213,7 @@ async def test_per_session_child_stops_when_idle_and_restarts_on_use() -> None:
             assert text_of(await a.call("fx__sleep", {"seconds": 1.0})) == "slept"
             assert json.loads(text_of(await a.call("fx__client_info")))["pid"] == first
             await trio.sleep(1.5)  # idle: the child is stopped ...
-            st = json.loads((await http_get(gw.bound.admin_port, "/status")).split("\r\n\r\n", 1)[1])
+            st = await http_json(gw.bound.admin_port, "/status")
             assert [i["name"] for i in st["backends"][0]["instances"]] == ["fx/0"]  # only the probe
             second = json.loads(text_of(await a.call("fx__client_info")))["pid"]
             assert second != first  # ... and a new one starts on the next call

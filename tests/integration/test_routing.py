@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import trio
 import trio_websocket
-from helpers import FIXTURE, Client, connect, fixture_backend, make_config, run_gateway, text_of
+from helpers import FIXTURE, Client, connect, fixture_backend, http_request, make_config, run_gateway, text_of
 
 pytestmark = pytest.mark.system
 
@@ -45,22 +45,9 @@ def responses_in(c: Client) -> list[dict[str, Any]]:
     return [m for m in c.received if "method" not in m]
 
 
-async def http_get(port: int, path: str) -> tuple[int, bytes]:
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
-    async with stream:
-        await stream.send_all(
-            f"GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n".encode()
-        )
-        data = b""
-        while chunk := await stream.receive_some(65536):
-            data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    return int(head.split()[1]), body
-
-
 async def metric(port: int, name: str, **labels: str) -> float:
     """The value of one sample on the admin /metrics page (0 when absent)."""
-    status, body = await http_get(port, "/metrics")
+    status, body = await http_request(port, "/metrics")
     assert status == 200
     want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
     for line in body.decode().splitlines():
