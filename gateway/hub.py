@@ -78,7 +78,7 @@ class Hub:
         """Adopt a reloaded config (backends are added/removed by the caller)."""
         self.cfg = cfg
         self.restart_wait = cfg.gateway.restart_wait
-        self.policy = Policy(cfg.policy, self.bus, cfg)
+        self.policy = self.policy.reconfigured(cfg)
         self.policy.catalog_changed(self.catalog)
 
     async def add_backend(self, name: str, bcfg: BackendConfig) -> Backend:

@@ -41,8 +41,11 @@ class Policy:
         self.sensitive: set[str] = set()
         self._pending: set[ServerRequest] = set()
 
-    def bind_config(self, full: GatewayConfig) -> None:
-        self._full = full
+    def reconfigured(self, full: GatewayConfig) -> Policy:
+        """The policy of a reloaded config; prompts parked under this one stay tracked."""
+        new = Policy(full.policy, self._bus, full)
+        new._pending = self._pending
+        return new
 
     def catalog_changed(self, catalog: Catalog) -> None:
         sensitive = set()

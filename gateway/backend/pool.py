@@ -254,6 +254,10 @@ class Backend:
                     if all(i.state is State.FATAL for i in self.instances) or (
                             down_since is not None and now - down_since >= self.host.restart_wait):
                         break  # not running: backend_unavailable below, not a queue timeout
+        except BaseException:
+            if waiter.inst is not None:  # granted, but the caller went away: hand it on
+                self._settle(waiter.inst)
+            raise
         finally:
             if not waiter.granted.is_set():
                 self._waiters.remove(waiter)
