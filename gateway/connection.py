@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 import trio
-from msgspec import UNSET, Raw
 
 from gateway import errors
 from gateway.events import AnswerRefused, ConnectionClosed, ConnectionOpened, RequestFinished
@@ -64,7 +63,7 @@ async def serve(hub: Hub, stream: MessageStream, transport: str) -> None:
                             max_inflight=cfg.max_inflight_per_connection)
     hub.sessions.add(session)
     hub.bus.emit(ConnectionOpened(session.conn_id, transport))
-    LOGGER.debug("connection %s opened (%s)", session.conn_id, transport)
+    LOGGER.debug("connection %s opened (%s)", session.conn_id, transport, extra=session.log_fields)
     in_hand: list[bytes] = []  # taken off the queue by the writer, not yet sent
     try:
         async with trio.open_nursery() as nursery:
@@ -73,7 +72,7 @@ async def serve(hub: Hub, stream: MessageStream, transport: str) -> None:
             await _reader(hub, session, stream, nursery)
             session.close("client_closed")
     except Exception:
-        LOGGER.exception("connection %s: unexpected error", session.conn_id)
+        LOGGER.exception("connection %s: unexpected error", session.conn_id, extra=session.log_fields)
         session.close("error")
     finally:
         with trio.CancelScope(shield=True):
@@ -85,7 +84,7 @@ async def serve(hub: Hub, stream: MessageStream, transport: str) -> None:
                 await stream.aclose(session.close_reason)
             hub.bus.emit(ConnectionClosed(session.conn_id, transport, session.close_reason,
                                           trio.current_time() - session.opened))
-            LOGGER.debug("connection %s closed: %s", session.conn_id, session.close_reason)
+            LOGGER.debug("connection %s closed: %s", session.conn_id, session.close_reason, extra=session.log_fields)
 
 
 async def _flush(session: ClientSession, stream: MessageStream, in_hand: list[bytes]) -> None:
@@ -229,7 +228,7 @@ def _handle(hub: Hub, session: ClientSession, data: bytes, nursery: trio.Nursery
     else:
         outcome = session.on_answer(env)
         if outcome == "refused":
-            LOGGER.warning("connection %s answered unknown request id %r: refused", session.conn_id, env.id)
+            LOGGER.warning("connection %s answered unknown request id %r: refused", session.conn_id, env.id, extra=session.log_fields)
             hub.bus.emit(AnswerRefused(session.conn_id, "unknown_id"))
 
 
@@ -247,7 +246,7 @@ def _on_notification(hub: Hub, session: ClientSession, method: str, env: jsonrpc
     elif method == "notifications/roots/list_changed":
         hub.roots_changed(session)
     else:
-        LOGGER.debug("connection %s: ignored notification %s", session.conn_id, method)
+        LOGGER.debug("connection %s: ignored notification %s", session.conn_id, method, extra=session.log_fields)
 
 
 async def _run_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, scope: trio.CancelScope,
@@ -275,7 +274,7 @@ async def _run_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, 
                 code = exc.code
                 response = jsonrpc.encode_error(env.id, exc.code, exc.message, exc.error_data())
             except Exception:
-                LOGGER.exception("connection %s: %s failed", session.conn_id, env.method)
+                LOGGER.exception("connection %s: %s failed", session.conn_id, env.method, extra=session.log_fields)
                 code = errors.INTERNAL_ERROR
                 response = jsonrpc.encode_error(env.id, code, f"internal error while handling {env.method}")
         if response is not None and not scope.cancelled_caught:

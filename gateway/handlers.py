@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
-from msgspec import UNSET, Raw
+from msgspec import Raw
 
 from gateway import __version__, errors
 from gateway.events import RequestStarted

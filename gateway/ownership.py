@@ -131,7 +131,8 @@ class Ownership:
                           owners=owners, declared=backend.declared)
         if isinstance(decision, Answer):
             if decision.reason and decision.reason != "":
-                LOGGER.warning("backend %s: %s", inst.name, decision.message)
+                LOGGER.warning("backend %s: %s", inst.name, decision.message,
+                               extra={"MCP_BACKEND": backend.name})
                 self._bus.emit(ServerRequestRefused(backend.name, method, decision.reason))
             if decision.result is not None:
                 await child.respond(child_id, decision.result)

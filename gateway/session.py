@@ -68,6 +68,7 @@ class ServerRequest:
 class ClientSession:
     def __init__(self, transport: str, *, outbound_capacity: int, max_inflight: int) -> None:
         self.conn_id = mint_conn_id()
+        self.log_fields = {"MCP_CONN": self.conn_id}  # structured log field (journald)
         self.transport = transport
         self.opened = trio.current_time()
         self.initialized = False
@@ -99,7 +100,7 @@ class ClientSession:
             self._send.send_nowait(data)
             return True
         except trio.WouldBlock:
-            LOGGER.warning("connection %s: outbound queue full, disconnecting a slow client", self.conn_id)
+            LOGGER.warning("connection %s: outbound queue full, disconnecting a slow client", self.conn_id, extra=self.log_fields)
             self.close("overflow")
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass

@@ -146,12 +146,11 @@ class Instance(ChildHandlers):
                     with trio.move_on_after(t.delay):
                         await self._stop.wait()
         finally:
-            with trio.CancelScope(shield=True):
-                if self.state is not State.STOPPED:
-                    if self.state is not State.STOPPING:
-                        self._emit(self.sup.stop())
-                    self._emit(self.sup.stopped())
-                self.stopped.set()
+            if self.state is not State.STOPPED:
+                if self.state is not State.STOPPING:
+                    self._emit(self.sup.stop())
+                self._emit(self.sup.stopped())
+            self.stopped.set()
 
     async def _run_generation(self) -> str:
         """Spawn, hand-shake and serve one child; returns why it ended."""
