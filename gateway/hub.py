@@ -17,7 +17,7 @@ import trio
 from msgspec import UNSET, Raw, UnsetType
 
 from gateway import __version__, errors
-from gateway.backend import process
+from gateway.backend import client, process
 from gateway.backend.child import ChildConnection
 from gateway.backend.instance import Instance
 from gateway.backend.pool import Backend
@@ -258,11 +258,10 @@ class Hub:
     async def _set_level(self, backend: Backend, level: str) -> None:
         for inst in backend.instances:
             child = inst.child
-            if child is None or "logging" not in child.server_capabilities:
+            if child is None:
                 continue
             try:
-                await child.request("logging/setLevel", jsonrpc.encode_dict({"level": level}),
-                                    timeout=backend.cfg.request_timeout, internal=True)
+                await client.set_level(child, level, timeout=backend.cfg.request_timeout)
             except errors.GatewayError as exc:
                 LOGGER.info("backend %s: logging/setLevel failed: %s", inst.name, exc)
 

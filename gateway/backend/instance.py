@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
-from msgspec import UNSET, Raw, UnsetType
+from msgspec import Raw, UnsetType
 
-from gateway import __version__, errors
-from gateway.backend import process
+from gateway import errors
+from gateway.backend import client, process
 from gateway.backend.child import ChildConnection, ChildHandlers
 from gateway.events import BackendExited, BackendStarted, BackendStateChanged
-from gateway.protocol import jsonrpc, mcp
+from gateway.protocol import jsonrpc
 from gateway.protocol.catalog import BackendLists
 from gateway.protocol.supervision import RestartPolicy, State, Supervision, Transition
 
@@ -32,17 +32,9 @@ if TYPE_CHECKING:
 
 LOGGER = logging.getLogger(__name__)
 
-#: Pages fetched per list at most (a child that paginates forever is cut off).
-MAX_PAGES = 1000
 #: stderr lines kept for /status after a crash.
 STDERR_TAIL = 20
 
-_LIST_KINDS = {
-    "tools": ("tools/list", "tools"),
-    "prompts": ("prompts/list", "prompts"),
-    "resources": ("resources/list", "resources"),
-    "templates": ("resources/templates/list", "resourceTemplates"),
-}
 
 
 class Instance(ChildHandlers):
@@ -327,74 +319,24 @@ class Instance(ChildHandlers):
 
     # ---- MCP client side --------------------------------------------------------------------
 
-    def _declared_capabilities(self) -> dict[str, Any]:
-        caps: dict[str, Any] = {}
-        declare = self.backend.declared
-        if "roots" in declare:
-            caps["roots"] = {"listChanged": False}
-        if "sampling" in declare:
-            caps["sampling"] = {}
-        if "elicitation" in declare:
-            caps["elicitation"] = {"form": {}, "url": {}}
-        return caps
-
     async def _handshake(self, child: ChildConnection) -> None:
         host = self.backend.host
-        params = jsonrpc.encode_dict(
-            {
-                "protocolVersion": mcp.LATEST_LEGACY,
-                "capabilities": self._declared_capabilities(),
-                "clientInfo": {"name": host.server_name, "version": __version__},
-            }
-        )
-        raw = await child.request("initialize", params, timeout=self.cfg.start_timeout, internal=True)
-        result = mcp.decode_initialize_result(raw)
-        if result.protocolVersion not in mcp.LEGACY_VERSIONS:
-            LOGGER.warning("backend %s answered protocol %r; continuing", self.name, result.protocolVersion)
-        child.protocol_version = result.protocolVersion
-        child.server_capabilities = result.capabilities
-        await child.notify("notifications/initialized")
+        await client.initialize(child, declare=self.backend.declared, client_name=host.server_name,
+                                timeout=self.cfg.start_timeout)
         for kind in ("tools", "prompts", "resources", "templates"):
             await self._fetch(child, kind)
         level = host.wanted_log_level(self.backend.name)
-        if level is not None and "logging" in child.server_capabilities:
-            try:
-                await child.request("logging/setLevel", jsonrpc.encode_dict({"level": level}),
-                                    timeout=self.cfg.start_timeout, internal=True)
-            except errors.RemoteError as exc:
-                LOGGER.info("backend %s refused logging/setLevel: %s", self.name, exc)
+        if level is not None:
+            await client.set_level(child, level, timeout=self.cfg.start_timeout)
         for uri in self.backend.subscribed_uris():
             await self.subscribe(child, uri)
 
     async def subscribe(self, child: ChildConnection, uri: str, method: str = "resources/subscribe") -> None:
-        try:
-            await child.request(method, jsonrpc.encode_dict({"uri": uri}),
-                                timeout=self.cfg.request_timeout, internal=True)
-        except errors.RemoteError as exc:
-            LOGGER.warning("backend %s refused %s %s: %s", self.name, method, uri, exc)
+        await client.subscribe(child, uri, timeout=self.cfg.request_timeout, method=method)
 
     async def _fetch(self, child: ChildConnection, kind: str) -> bool:
-        """Fetch every page of one list; returns whether it changed."""
-        method, field = _LIST_KINDS[kind]
-        cap = "resources" if kind == "templates" else kind
-        items: list[dict[str, Any]] = []
-        if cap in child.server_capabilities:
-            cursor: str | None = None
-            for _ in range(MAX_PAGES):
-                params: Raw | UnsetType = UNSET if cursor is None else jsonrpc.encode_dict({"cursor": cursor})
-                try:
-                    raw = await child.request(method, params, timeout=self.cfg.request_timeout, internal=True)
-                except errors.RemoteError as exc:
-                    if exc.code == errors.METHOD_NOT_FOUND:
-                        break
-                    raise
-                page = mcp.decode_list_page(raw)
-                got = getattr(page, field)
-                if got is not UNSET:
-                    items.extend(got)
-                cursor = page.nextCursor if isinstance(page.nextCursor, str) and page.nextCursor else None
-                if cursor is None:
-                    break
+        """Fetch every page of one list into ``self.lists``; returns whether it changed."""
+        items = await client.fetch_list(child, kind, timeout=self.cfg.request_timeout)
         changed = items != getattr(self.lists, kind)
         setattr(self.lists, kind, items)
         return changed
