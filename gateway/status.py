@@ -43,12 +43,17 @@ class GatewayStatus:
     draining: bool = False
     pending_server_requests: int = 0
 
-    @property
-    def ready(self) -> bool:
-        """Listeners bound, every required backend has a RUNNING instance, not draining."""
-        if not self.listeners_bound or self.draining:
-            return False
+    def not_ready_because(self) -> list[str]:
+        """Why the daemon is not ready, in words for ``/readyz`` (empty when it is ready):
+        listeners bound, every required backend has a RUNNING instance, not draining."""
+        problems = [] if self.listeners_bound else ["listeners not bound"]
+        if self.draining:
+            problems.append("draining")
         for backend in self.backends:
             if backend.required and not any(i.state == "RUNNING" for i in backend.instances):
-                return False
-        return True
+                problems.append(f"backend {backend.name} not running")
+        return problems
+
+    @property
+    def ready(self) -> bool:
+        return not self.not_ready_because()

@@ -83,17 +83,6 @@ async def serve_admin(
     )
 
 
-def readiness_problems(snap: GatewayStatus) -> list[str]:
-    """Why ``snap`` is not ready, in words for ``/readyz`` (empty when it is)."""
-    problems = [] if snap.listeners_bound else ["listeners not bound"]
-    if snap.draining:
-        problems.append("draining")
-    for backend in snap.backends:
-        if backend.required and not any(i.state == "RUNNING" for i in backend.instances):
-            problems.append(f"backend {backend.name} not running")
-    return problems
-
-
 def _respond(
     metrics: GatewayMetrics,
     status: Callable[[], GatewayStatus],
@@ -115,7 +104,7 @@ def _respond(
     if path == "/readyz":
         if snap.ready:
             return 200, TEXT, b"ready\n", []
-        why = "; ".join(readiness_problems(snap)) or "not ready"
+        why = "; ".join(snap.not_ready_because()) or "not ready"
         return 503, TEXT, f"{why}\n".encode(), []
     doc = dataclasses.asdict(snap)
     doc["ready"] = snap.ready
