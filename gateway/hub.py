@@ -124,9 +124,9 @@ class Hub:
         with trio.move_on_after(timeout):
             for backend in list(self.backends.values()):
                 inst = backend.instances[0]
+                # lists_ready is set in the same step as the RUNNING transition
                 while not backend.lists_ready.is_set() and inst.state not in (State.BACKOFF, State.FATAL):
-                    with trio.move_on_after(0.05):
-                        await backend.lists_ready.wait()
+                    await inst.state_changed()
 
     def reap(self) -> None:
         if self._subreaper:

@@ -78,7 +78,6 @@ class Instance(ChildHandlers):
         )
         self._state_changed.set()
         self._state_changed = trio.Event()
-        self.backend.on_instance_state(self)
 
     async def state_changed(self) -> None:
         """Return at the next state transition."""

@@ -344,9 +344,6 @@ class Backend:
 
     # ---- hooks from instances ---------------------------------------------------------------
 
-    def on_instance_state(self, inst: Instance) -> None:
-        pass
-
     def on_instance_ready(self, inst: Instance) -> None:
         if inst is self.instances[0] or not self.lists_ready.is_set():
             self._take_lists(inst)
