@@ -31,6 +31,10 @@ TOOLS = [
 ]
 
 
+class UnknownMethod(Exception):
+    pass
+
+
 def _text(text: str, error: bool = False) -> dict[str, Any]:
     return {"content": [{"type": "text", "text": text}], "isError": error}
 
@@ -58,7 +62,7 @@ def handle(method: str, params: dict[str, Any]) -> dict[str, Any]:
             except (KeyError, TypeError, ValueError):
                 return _text("add needs numbers a and b", error=True)
         raise LookupError(f"unknown tool {name!r}")
-    raise NotImplementedError(method)
+    raise UnknownMethod(method)
 
 
 def main() -> None:
@@ -76,7 +80,7 @@ def main() -> None:
             reply["result"] = handle(msg["method"], msg.get("params") or {})
         except LookupError as exc:
             reply["error"] = {"code": -32602, "message": str(exc)}
-        except NotImplementedError:
+        except UnknownMethod:
             reply["error"] = {"code": -32601, "message": f"method {msg['method']!r} not found"}
         print(json.dumps(reply), flush=True)
 

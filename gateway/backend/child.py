@@ -21,7 +21,7 @@ import logging
 import os
 import re
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import trio
@@ -88,17 +88,14 @@ class PendingCall:
             self.remaining = None
 
 
-class ChildHandlers:
+class ChildHandlers(Protocol):
     """What the owner of a child connection does with traffic that is not a reply."""
 
-    def on_notification(self, child: ChildConnection, method: str, params: Raw | UnsetType) -> None:
-        raise NotImplementedError
+    def on_notification(self, child: ChildConnection, method: str, params: Raw | UnsetType) -> None: ...
 
-    def on_request(self, child: ChildConnection, id: int | str, method: str, params: Raw | UnsetType) -> None:
-        raise NotImplementedError
+    def on_request(self, child: ChildConnection, id: int | str, method: str, params: Raw | UnsetType) -> None: ...
 
-    def on_cancelled(self, child: ChildConnection, request_id: int | str) -> None:
-        raise NotImplementedError
+    def on_cancelled(self, child: ChildConnection, request_id: int | str) -> None: ...
 
 
 class ChildConnection:
@@ -243,8 +240,6 @@ class ChildConnection:
             CallTimeout, BackendExited, RemoteError.  On cancellation or timeout the child is
             sent ``notifications/cancelled`` and a late reply is dropped.
         """
-        if self.closed is not None:
-            raise errors.NotDelivered(self.closed.message, **self.closed.data)
         gid = next(self._ids)
         call = PendingCall(gid, method, owner, internal)
         if hard_timeout is not None:
