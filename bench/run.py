@@ -23,6 +23,7 @@ See bench/README.md for what each row means and the caveats.
 
 from __future__ import annotations
 
+import abc
 import argparse
 import datetime
 import itertools
@@ -271,20 +272,41 @@ def _reap(pid: int) -> bool:
 # ==== JSON-RPC clients ===========================================================================
 
 
-class Conn:
+class Conn(abc.ABC):
     """A JSON-RPC client connection with any number of requests in flight (unique ids)."""
 
     def __init__(self) -> None:
         self._ids = itertools.count(1)
+
+    @abc.abstractmethod
+    async def request(self, method: str, params: Any = None, timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]: ...
+
+    @abc.abstractmethod
+    async def notify(self, method: str, params: Any = None) -> None: ...
+
+    @abc.abstractmethod
+    async def aclose(self) -> None: ...
+
+    async def initialize(self) -> dict[str, Any]:
+        resp = await self.request("initialize", {"protocolVersion": PROTOCOL, "capabilities": {},
+                                                 "clientInfo": {"name": "mcp-gateway-bench", "version": "1"}})
+        if "result" not in resp:
+            raise BenchError(f"initialize failed: {resp.get('error')}")
+        await self.notify("notifications/initialized")
+        return resp
+
+
+class StreamConn(Conn):
+    """A connection over one message stream: requests are matched to replies by id."""
+
+    def __init__(self) -> None:
+        super().__init__()
         self._pending: dict[int, list[Any]] = {}
         self._lock = trio.Lock()
         self.closed: str | None = None
 
-    async def _send(self, data: bytes) -> None:
-        raise NotImplementedError
-
-    async def aclose(self) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    async def _send(self, data: bytes) -> None: ...
 
     async def request(self, method: str, params: Any = None, timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]:
         if self.closed is not None:
@@ -313,14 +335,6 @@ class Conn:
         async with self._lock:
             await self._send(ENCODE(msg))
 
-    async def initialize(self) -> dict[str, Any]:
-        resp = await self.request("initialize", {"protocolVersion": PROTOCOL, "capabilities": {},
-                                                 "clientInfo": {"name": "mcp-gateway-bench", "version": "1"}})
-        if "result" not in resp:
-            raise BenchError(f"initialize failed: {resp.get('error')}")
-        await self.notify("notifications/initialized")
-        return resp
-
     def _deliver(self, data: bytes | str) -> None:
         try:
             msg = DECODE(data)
@@ -339,7 +353,7 @@ class Conn:
             slot[0].set()
 
 
-class WsConn(Conn):
+class WsConn(StreamConn):
     def __init__(self, ws: trio_websocket.WebSocketConnection) -> None:
         super().__init__()
         self.ws = ws
@@ -371,7 +385,7 @@ class WsConn(Conn):
             await self.ws.aclose()
 
 
-class LineConn(Conn):
+class LineConn(StreamConn):
     """Newline-delimited JSON-RPC over a byte stream (unix socket, a child's stdin/stdout)."""
 
     def __init__(self, send: trio.abc.SendStream, receive: trio.abc.ReceiveStream) -> None:
