@@ -277,6 +277,7 @@ class Conn(abc.ABC):
 
     def __init__(self) -> None:
         self._ids = itertools.count(1)
+        self.closed: str | None = None  # why the connection ended, once it has
 
     @abc.abstractmethod
     async def request(self, method: str, params: Any = None, timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]: ...
@@ -303,7 +304,6 @@ class StreamConn(Conn):
         super().__init__()
         self._pending: dict[int, list[Any]] = {}
         self._lock = trio.Lock()
-        self.closed: str | None = None
 
     @abc.abstractmethod
     async def _send(self, data: bytes) -> None: ...
