@@ -38,6 +38,11 @@ WRITE_BATCH = 64
 FLUSH_TIMEOUT = 2.0
 
 
+def error_response(id: int | str | None, exc: errors.GatewayError) -> bytes:
+    """The JSON-RPC error response for ``exc``: every error the gateway answers goes through here."""
+    return jsonrpc.encode_error(id, exc.code, exc.message, exc.error_data())
+
+
 class MessageStream(Protocol):
     """A bidirectional stream of whole JSON-RPC messages (one per WebSocket frame or line)."""
 
@@ -136,23 +141,22 @@ async def _reader(hub: Hub, session: ClientSession, stream: MessageStream, nurse
         except errors.TransportClosed:
             return
         except errors.MessageTooLarge as exc:
-            session.send(jsonrpc.encode_error(None, errors.INVALID_REQUEST, str(exc),
-                                              {"reason": "message_too_large", "limit": exc.limit}))
+            session.send(error_response(None, errors.InvalidRequest(
+                str(exc), reason="message_too_large", limit=exc.limit)))
             session.close("oversize")
             return
         if jsonrpc.is_batch(data):
             if session.protocol_version != mcp.BATCH_VERSION:
-                session.send(jsonrpc.encode_error(
-                    None, errors.INVALID_REQUEST,
-                    "JSON-RPC batches are only accepted from clients that negotiated 2025-03-26"))
+                session.send(error_response(None, errors.InvalidRequest(
+                    "JSON-RPC batches are only accepted from clients that negotiated 2025-03-26")))
                 continue
             try:
                 items = jsonrpc.split_batch(data)
             except errors.ParseError as exc:
-                session.send(jsonrpc.encode_error(None, exc.code, exc.message))
+                session.send(error_response(None, exc))
                 continue
             if not items:
-                session.send(jsonrpc.encode_error(None, errors.INVALID_REQUEST, "empty batch"))
+                session.send(error_response(None, errors.InvalidRequest("empty batch")))
                 continue
             collector = _BatchCollector(session)
             for item in items:
@@ -205,17 +209,17 @@ def _handle(hub: Hub, session: ClientSession, data: bytes, nursery: trio.Nursery
         env = jsonrpc.decode(data)
         kind = jsonrpc.classify(env)
     except errors.GatewayError as exc:
-        reply(jsonrpc.encode_error(exc.data.get("id"), exc.code, exc.message))
+        reply(error_response(exc.data.pop("id", None), exc))
         return
     if kind == "request":
         assert isinstance(env.id, int | str) and isinstance(env.method, str)
         if env.method == "initialize" and batch is not None:
-            reply(jsonrpc.encode_error(env.id, errors.INVALID_REQUEST, "initialize must not be part of a batch"))
+            reply(error_response(env.id, errors.InvalidRequest("initialize must not be part of a batch")))
             return
         try:
             session.check_new_call(env.id)
         except errors.GatewayError as exc:
-            reply(jsonrpc.encode_error(env.id, exc.code, exc.message, exc.error_data()))
+            reply(error_response(env.id, exc))
             return
         scope = trio.CancelScope()
         session.inflight[env.id] = scope
@@ -272,11 +276,12 @@ async def _run_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, 
                 response = jsonrpc.encode_result(env.id, result)
             except errors.GatewayError as exc:
                 code = exc.code
-                response = jsonrpc.encode_error(env.id, exc.code, exc.message, exc.error_data())
+                response = error_response(env.id, exc)
             except Exception:
                 LOGGER.exception("connection %s: %s failed", session.conn_id, env.method, extra=session.log_fields)
                 code = errors.INTERNAL_ERROR
-                response = jsonrpc.encode_error(env.id, code, f"internal error while handling {env.method}")
+                response = error_response(env.id, errors.InternalError(
+                    f"internal error while handling {env.method}"))
         if response is not None and not scope.cancelled_caught:
             outcome = "ok" if code is None else "error"
         reply(response if outcome != "cancelled" else None)  # a cancelled request gets no response
