@@ -171,11 +171,11 @@ class ClientSession:
                 limit=self.max_inflight,
             )
 
-    def progress_callback(self) -> Callable[[Any, Raw], None]:
-        """Maps a child's progress notification back to this client's own token."""
+    def progress_callback(self) -> Callable[[Any, dict[str, Raw]], None]:
+        """Maps a child's progress notification (its params, decoded one level) back to this
+        client's own token."""
 
-        def on_progress(client_token: Any, params: Raw) -> None:
-            fields = jsonrpc.raw_dict(params)
+        def on_progress(client_token: Any, fields: dict[str, Raw]) -> None:
             fields["progressToken"] = Raw(msgspec.json.encode(client_token))
             self.notify("notifications/progress", jsonrpc.encode_dict(fields))
 

@@ -61,7 +61,7 @@ class PendingCall:
         self.error: errors.GatewayError | None = None
         self.token: str | None = None
         self.client_token: Any = None
-        self.on_progress: Callable[[Any, Raw], None] | None = None
+        self.on_progress: Callable[[Any, dict[str, Raw]], None] | None = None
         self.started = trio.current_time()
         self.abandoned_at: float | None = None
         self.scope: trio.CancelScope | None = None
@@ -223,7 +223,7 @@ class ChildConnection:
         hard_timeout: float | None = None,
         owner: ClientSession | None = None,
         internal: bool = False,
-        progress: tuple[Any, Callable[[Any, Raw], None]] | None = None,
+        progress: tuple[Any, Callable[[Any, dict[str, Raw]], None]] | None = None,
         rewrite: Callable[[str | None], Raw | UnsetType] | None = None,
         on_sent: Callable[[PendingCall], Awaitable[None] | None] | None = None,
     ) -> Raw:
@@ -421,4 +421,4 @@ class ChildConnection:
         call = self._by_token.get(key) if isinstance(key, str) else None
         if call is None or call.on_progress is None or call.done.is_set():
             return  # progress for an unknown or finished token: dropped
-        call.on_progress(call.client_token, params)
+        call.on_progress(call.client_token, fields)  # already decoded: the callback re-encodes once

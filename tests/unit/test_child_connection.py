@@ -280,8 +280,8 @@ async def test_progress_reaches_the_callback_with_the_clients_token(
 ) -> None:
     got: list[tuple[Any, dict[str, Any]]] = []
 
-    def on_progress(client_token: Any, params: Raw) -> None:
-        got.append((client_token, json.loads(bytes(params))))
+    def on_progress(client_token: Any, fields: dict[str, Raw]) -> None:
+        got.append((client_token, {k: json.loads(bytes(v)) for k, v in fields.items()}))
 
     def rewrite(token: str | None) -> Raw:
         return Raw(json.dumps({"name": "slow", "_meta": {"progressToken": token}}).encode())

@@ -222,7 +222,7 @@ async def test_progress_callback_restores_the_clients_token() -> None:
     on_progress = s.progress_callback()
     on_progress(
         {"client": "tok"},
-        Raw(b'{"progressToken":"gw-17","progress":2,"total":12345678901234567890}'),
+        jsonrpc.raw_dict(Raw(b'{"progressToken":"gw-17","progress":2,"total":12345678901234567890}')),
     )
     (msg,) = drain(s)
     assert msg["method"] == "notifications/progress"
