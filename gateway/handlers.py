@@ -134,7 +134,8 @@ async def tasks_unsupported(hub: Hub, session: ClientSession, req: Request) -> R
 
 async def forward(hub: Hub, session: ClientSession, req: Request, backend: Backend,
                   params: dict[str, Raw]) -> Raw:
-    """Send ``req`` (with ``params`` already renamed) to an instance of ``backend``."""
+    """Send ``req`` to an instance of ``backend``.  ``params`` is the caller's copy of the
+    request's params (names already mapped back); it is updated in place."""
     req.backend = backend.name
     hub.bus.emit(RequestStarted(session.conn_id, mcp.method_label(req.method), backend.name))
     progress = None
@@ -149,13 +150,9 @@ async def forward(hub: Hub, session: ClientSession, req: Request, backend: Backe
             progress = (client_token, session.progress_callback())
 
     def rewrite(token: str | None) -> Raw:
-        out = dict(params)
-        if meta is not None:
-            m = dict(meta)
-            if token is not None:
-                m["progressToken"] = Raw(msgspec.json.encode(token))
-            out["_meta"] = jsonrpc.encode_dict(m)
-        return jsonrpc.encode_dict(out)
+        if meta is not None and token is not None:  # only the token changes; the rest passes as is
+            params["_meta"] = jsonrpc.encode_dict({**meta, "progressToken": Raw(msgspec.json.encode(token))})
+        return jsonrpc.encode_dict(params)
 
     started = trio.current_time()
     for attempt in range(2):
