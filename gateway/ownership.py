@@ -130,7 +130,7 @@ class Ownership:
         decision = decide(method, fields, sharing=backend.cfg.sharing, config_roots=backend.cfg.roots,
                           owners=owners, declared=backend.declared)
         if isinstance(decision, Answer):
-            if decision.reason and decision.reason != "":
+            if decision.reason:
                 LOGGER.warning("backend %s: %s", inst.name, decision.message,
                                extra={"MCP_BACKEND": backend.name})
                 self._bus.emit(ServerRequestRefused(backend.name, method, decision.reason))
