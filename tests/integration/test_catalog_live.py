@@ -50,6 +50,10 @@ async def tool_names(c: Client) -> set[str]:
     return {t["name"] for t in r["result"]["tools"]}
 
 
+async def complete(c: Any, ref: dict[str, str], argument: str, value: str) -> dict[str, Any]:
+    return await c.request("completion/complete", {"ref": ref, "argument": {"name": argument, "value": value}})
+
+
 async def test_two_backends_are_namespaced_and_routed() -> None:
     cfg = make_config(fixture_backend("a") + fixture_backend("b"))
     with trio.fail_after(30):
@@ -233,45 +237,15 @@ async def test_prompts_completion_and_resources_are_routed() -> None:
             r = await c.request("prompts/get", {"name": "fx__greet", "arguments": {}})
             assert r["error"]["code"] == -32602  # the backend's own error, passed through
 
-            r = await c.request(
-                "completion/complete",
-                {
-                    "ref": {"type": "ref/prompt", "name": "fx__greet"},
-                    "argument": {"name": "name", "value": "A"},
-                },
-            )
+            r = await complete(c, {"type": "ref/prompt", "name": "fx__greet"}, "name", "A")
             assert r["result"]["completion"]["values"] == ["Alice"]
-            r = await c.request(
-                "completion/complete",
-                {
-                    "ref": {"type": "ref/prompt", "name": "fx__greet"},
-                    "argument": {"name": "name", "value": ""},
-                },
-            )
+            r = await complete(c, {"type": "ref/prompt", "name": "fx__greet"}, "name", "")
             assert r["result"]["completion"]["values"] == ["Alice", "Bob"]
-            r = await c.request(
-                "completion/complete",
-                {
-                    "ref": {"type": "ref/resource", "uri": "fixture://item/{id}"},
-                    "argument": {"name": "id", "value": ""},
-                },
-            )
+            r = await complete(c, {"type": "ref/resource", "uri": "fixture://item/{id}"}, "id", "")
             assert r["result"]["completion"]["values"] == ["1", "2", "3"]
-            r = await c.request(
-                "completion/complete",
-                {
-                    "ref": {"type": "ref/resource", "uri": "fixture://item/{id}"},
-                    "argument": {"name": "id", "value": "2"},
-                },
-            )
+            r = await complete(c, {"type": "ref/resource", "uri": "fixture://item/{id}"}, "id", "2")
             assert r["result"]["completion"]["values"] == ["2"]
-            r = await c.request(
-                "completion/complete",
-                {
-                    "ref": {"type": "ref/prompt", "name": "greet"},
-                    "argument": {"name": "name", "value": ""},
-                },
-            )
+            r = await complete(c, {"type": "ref/prompt", "name": "greet"}, "name", "")
             assert r["error"]["code"] == -32602  # the unprefixed name is not a gateway name
 
             templates = (await c.request("resources/templates/list"))["result"]["resourceTemplates"]
