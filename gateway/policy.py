@@ -71,10 +71,6 @@ class Policy:
     def pending_count(self) -> int:
         return len(self._pending)
 
-    def end_all(self, outcome: str) -> None:
-        for req in list(self._pending):
-            req.finish(outcome)
-
     async def authorize(self, session: ClientSession, tool: str, tool_def: dict[str, Any],
                         arguments: Any = None) -> None:
         """Return when ``session`` may call ``tool``; raise Denied otherwise."""

@@ -305,8 +305,7 @@ async def _drain(hub: Hub, cfg: GatewayConfig, accept: trio.CancelScope, conns: 
     LOGGER.info("draining: %d connections, grace %.0fs", len(hub.sessions), cfg.gateway.drain_grace)
     hub.draining = True
     accept.cancel()
-    hub.policy.end_all("shutdown")
-    for session in list(hub.sessions):
+    for session in list(hub.sessions):  # backend prompts and consent prompts alike
         session.end_all_requests("shutdown")
     with trio.move_on_after(cfg.gateway.drain_grace):
         while any(s.inflight for s in hub.sessions):
