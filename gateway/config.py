@@ -35,6 +35,10 @@ class GatewaySection(Base):
     page_size: int = 100
     max_inflight_per_connection: int = 64
     outbound_queue: int = 512  # messages queued toward one client before it is cut off
+    outbound_bytes: int = 16 * MIB  # bytes queued toward one client before it is cut off
+    buffered_bytes_total: int = 256 * MIB  # all queued client/backend messages, daemon-wide
+    max_json_depth: int = 128  # deeper JSON is refused before it is decoded
+    max_connections: int = 4096  # client connections at once (WebSocket + unix)
     restart_wait: float = 10 * SECONDS  # how long a call waits for a restarting backend
     drain_grace: float = 20 * SECONDS  # SIGTERM: how long in-flight calls may finish
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -247,7 +251,13 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
         errors.append("gateway.separator: must be 1-8 characters from [a-zA-Z0-9_.-]")
     if g.max_message_bytes < 1024:
         errors.append("gateway.max_message_bytes: must be at least 1024")
-    for key in ("page_size", "max_inflight_per_connection", "outbound_queue"):
+    if not 2 <= g.max_json_depth <= 512:
+        errors.append("gateway.max_json_depth: must be between 2 and 512")
+    if g.outbound_bytes < g.max_message_bytes:
+        errors.append("gateway.outbound_bytes: must be at least gateway.max_message_bytes")
+    if g.buffered_bytes_total < g.outbound_bytes:
+        errors.append("gateway.buffered_bytes_total: must be at least gateway.outbound_bytes")
+    for key in ("page_size", "max_inflight_per_connection", "outbound_queue", "max_connections"):
         if getattr(g, key) < 1:
             errors.append(f"gateway.{key}: must be at least 1")
     for key, value in (("listen.websocket", cfg.listen.websocket), ("admin.listen", cfg.admin.listen)):

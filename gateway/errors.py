@@ -15,6 +15,7 @@ policy / consent             -32005   ``denied`` ``declined`` ``timeout``
 per-connection limit         -32006   ``overloaded``
 unroutable server request    -32007   ``unattributable`` ``no_capability``
 backend reply too large      -32008   ``response_too_large`` (+backend, limit)
+backend broke the protocol   -32009   ``backend_protocol_error`` (+backend, detail)
 ===========================  =======  =========================================
 
 The JSON-RPC 2.0 codes (-32700 … -32603) and the MCP spec's -32002 (resource not found)
@@ -41,6 +42,7 @@ DENIED = -32005
 OVERLOADED = -32006
 UNROUTABLE = -32007
 RESPONSE_TOO_LARGE = -32008
+BACKEND_PROTOCOL_ERROR = -32009
 
 #: Every code the gateway itself emits, by name (a bounded metric label set).
 CODE_NAMES: dict[int, str] = {
@@ -57,6 +59,7 @@ CODE_NAMES: dict[int, str] = {
     OVERLOADED: "overloaded",
     UNROUTABLE: "unroutable",
     RESPONSE_TOO_LARGE: "response_too_large",
+    BACKEND_PROTOCOL_ERROR: "backend_protocol_error",
 }
 
 
@@ -152,6 +155,13 @@ class Unroutable(GatewayError):
 class ResponseTooLarge(GatewayError):
     code = RESPONSE_TOO_LARGE
     reason = "response_too_large"
+
+
+class BackendProtocolError(GatewayError):
+    """The backend's reply to the call could not be passed on (invalid UTF-8, nested too deep)."""
+
+    code = BACKEND_PROTOCOL_ERROR
+    reason = "backend_protocol_error"
 
 
 class RemoteError(GatewayError):
