@@ -332,7 +332,7 @@ def restart_only_changes(old: GatewayConfig, new: GatewayConfig) -> list[str]:
         out.append("listen")
     if old.admin != new.admin:
         out.append("admin")
-    for key in ("max_message_bytes", "log_target"):
+    for key in ("max_message_bytes", "max_json_depth", "log_target"):
         if getattr(old.gateway, key) != getattr(new.gateway, key):
             out.append(f"gateway.{key}")
     return out

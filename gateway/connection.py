@@ -151,8 +151,8 @@ async def _reader(hub: Hub, session: ClientSession, stream: MessageStream, nurse
                     "JSON-RPC batches are only accepted from clients that negotiated 2025-03-26")))
                 continue
             try:
-                items = jsonrpc.split_batch(data)
-            except errors.ParseError as exc:
+                items = jsonrpc.split_batch(data, hub.max_json_depth)
+            except errors.GatewayError as exc:
                 session.send(error_response(None, exc))
                 continue
             if not items:
@@ -206,7 +206,7 @@ def _handle(hub: Hub, session: ClientSession, data: bytes, nursery: trio.Nursery
             if message is not None:
                 session.send(message)
     try:
-        env = jsonrpc.decode(data)
+        env = jsonrpc.decode(data, hub.max_json_depth)
         kind = jsonrpc.classify(env)
     except errors.GatewayError as exc:
         reply(error_response(exc.data.pop("id", None), exc))

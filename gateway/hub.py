@@ -49,6 +49,7 @@ class Hub:
         self.bus = bus
         self.server_name = cfg.gateway.name
         self.max_message_bytes = cfg.gateway.max_message_bytes
+        self.max_json_depth = cfg.gateway.max_json_depth
         self.restart_wait = cfg.gateway.restart_wait
         self.backends: dict[str, Backend] = {}
         self.catalog = Catalog()

@@ -19,7 +19,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import re
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -29,8 +28,8 @@ from msgspec import UNSET, Raw, UnsetType
 
 from gateway import errors
 from gateway.events import BackendProtocolError, EventBus
-from gateway.protocol import jsonrpc
-from gateway.protocol.framing import LineFramer, Oversize
+from gateway.protocol import jsonrpc, wire
+from gateway.protocol.framing import HEAD, LineFramer, Oversize, OversizeEnd
 from gateway.protocol.mcp import decode_cancelled
 
 if TYPE_CHECKING:
@@ -40,8 +39,6 @@ LOGGER = logging.getLogger(__name__)
 
 
 _tokens = itertools.count(1)
-#: The gateway id near the start of a reply line (gateway ids are integers).
-_REPLY_ID = re.compile(rb'^\s*\{(?:[^{}\[\]]*?,)?\s*"id"\s*:\s*(\d+)\s*[,}]')
 
 
 class PendingCall:
@@ -110,6 +107,7 @@ class ChildConnection:
         handlers: ChildHandlers,
         bus: EventBus,
         max_line: int,
+        max_depth: int = jsonrpc.MAX_DEPTH,
     ) -> None:
         self.backend = backend
         self.instance = instance
@@ -119,6 +117,8 @@ class ChildConnection:
         self._handlers = handlers
         self._bus = bus
         self._max_line = max_line
+        self._max_depth = max_depth
+        self._oversize_head = b""  # first bytes of the oversize line being discarded
         self._outbox: list[tuple[bytes, int | None]] = []  # (bytes to write, gateway id)
         self._outbox_ready = trio.Event()
         self._writing = False
@@ -332,7 +332,7 @@ class ChildConnection:
 
     async def read_loop(self) -> None:
         """Read the child's stdout until EOF; returns when the child closed it."""
-        framer = LineFramer(self._max_line)
+        framer = LineFramer(self._max_line, report_end=True)
         while True:
             try:
                 data = await self._receive_stream.receive_some(65536)
@@ -342,36 +342,42 @@ class ChildConnection:
                 return
             for frame in framer.feed(data):
                 if isinstance(frame, Oversize):
+                    self._oversize_head = frame.head
+                elif isinstance(frame, OversizeEnd):
                     self._on_oversize(frame)
-                    continue
-                self._dispatch(frame)
+                else:
+                    self._dispatch(frame)
 
-    def _on_oversize(self, frame: Oversize) -> None:
+    def _on_oversize(self, frame: OversizeEnd) -> None:
         """A line over the limit: dropped; if it was a reply, its call fails now (no hang)."""
-        LOGGER.warning("backend %s: dropped a line of more than %d bytes (limit %d)",
-                       self.instance, frame.size - 1, self._max_line)
+        LOGGER.warning("backend %s: dropped a line of %d bytes (limit %d)",
+                       self.instance, frame.size, self._max_line)
         self._protocol_error("oversize")
-        m = _REPLY_ID.search(frame.head)
-        call = self.pending.pop(int(m.group(1)), None) if m else None
-        if call is not None:
-            call.complete(None, errors.ResponseTooLarge(
-                f"backend {self.backend!r} answered {call.method} with more than "
-                f"{self._max_line} bytes (max_message_bytes)", backend=self.backend, limit=self._max_line))
+        head, self._oversize_head = self._oversize_head, b""
+        self._fail_reply(wire.reply_id_hint(head, frame.tail), errors.ResponseTooLarge(
+            f"backend {self.backend!r} answered with more than {self._max_line} bytes "
+            "(max_message_bytes)", backend=self.backend, limit=self._max_line))
+
+    def _fail_reply(self, gid: int | None, error: errors.GatewayError) -> None:
+        """A reply the gateway will not pass on: its call (if it is one) fails now."""
+        call = self.pending.pop(gid, None) if gid is not None else None
+        if call is None:
+            return
+        if call.abandoned_at is not None:
+            if self.on_settled is not None:
+                self.on_settled()
+            return
+        call.complete(None, error)
 
     def _protocol_error(self, kind: str) -> None:
         self._bus.emit(BackendProtocolError(self.backend, self.instance, kind))
 
     def _dispatch(self, line: bytes) -> None:
         try:
-            env = jsonrpc.decode(line)
+            env = jsonrpc.decode(line, self._max_depth)
             kind = jsonrpc.classify(env)
-        except errors.ParseError:
-            LOGGER.warning("backend %s printed a non-JSON line on stdout: %.200r", self.instance, line)
-            self._protocol_error("not_json")
-            return
-        except errors.InvalidRequest as exc:
-            LOGGER.warning("backend %s sent an invalid message (%s): %.200r", self.instance, exc, line)
-            self._protocol_error("invalid_message")
+        except errors.GatewayError as exc:
+            self._on_undecodable(line, exc)
             return
         if kind in ("response", "error"):
             self._on_reply(env)
@@ -391,6 +397,25 @@ class ChildConnection:
         else:
             assert isinstance(env.method, str) and isinstance(env.id, int | str)
             self._handlers.on_request(self, env.id, env.method, env.params)
+
+    def _on_undecodable(self, line: bytes, exc: errors.GatewayError) -> None:
+        """A line that is not a message the gateway can pass on: logged and counted; when it is
+        not UTF-8 or nested too deep and shows a reply's id, that call fails now with -32009."""
+        reason = exc.reason
+        if reason in ("invalid_utf8", "too_deep"):
+            LOGGER.warning("backend %s sent a line that cannot be passed on (%s): %.200r",
+                           self.instance, exc.message, line)
+            self._protocol_error(reason)
+            self._fail_reply(wire.reply_id_hint(line[:HEAD], line[-HEAD:]),
+                             errors.BackendProtocolError(
+                f"backend {self.backend!r} sent a reply that cannot be passed on: {exc.message}",
+                backend=self.backend, detail=reason))
+        elif isinstance(exc, errors.ParseError):
+            LOGGER.warning("backend %s printed a non-JSON line on stdout: %.200r", self.instance, line)
+            self._protocol_error("not_json")
+        else:
+            LOGGER.warning("backend %s sent an invalid message (%s): %.200r", self.instance, exc, line)
+            self._protocol_error("invalid_message")
 
     def _on_reply(self, env: jsonrpc.Envelope) -> None:
         call = self.pending.get(env.id) if isinstance(env.id, int) else None

@@ -165,6 +165,7 @@ class Instance(ChildHandlers):
             handlers=self,
             bus=self.backend.host.bus,
             max_line=self.backend.host.max_message_bytes,
+            max_depth=self.backend.host.max_json_depth,
         )
         child.on_settled = lambda: self.backend.on_settled(self)
         down = self._down = trio.Event()

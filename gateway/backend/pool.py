@@ -58,6 +58,7 @@ class BackendHost(Protocol):
     bus: EventBus
     server_name: str
     max_message_bytes: int
+    max_json_depth: int
     restart_wait: float
 
     def wanted_log_level(self, backend: str) -> str | None: ...

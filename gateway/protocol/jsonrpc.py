@@ -10,12 +10,20 @@ params further (``gateway.protocol.mcp``).
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Literal
 
 import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
 from gateway.errors import InvalidRequest, ParseError
+from gateway.protocol import wire
+
+#: Default of ``gateway.max_json_depth``.
+MAX_DEPTH = 128
+#: A ``\uD800``–``\uDFFF`` escape: valid JSON that msgspec refuses when it is unpaired.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 RequestId = int | str
 
@@ -63,7 +71,6 @@ class _Error(msgspec.Struct):
 
 
 _decoder = msgspec.json.Decoder(Envelope)
-_batch_decoder = msgspec.json.Decoder(list[Envelope])
 _raw_list_decoder = msgspec.json.Decoder(list[Raw])
 _encoder = msgspec.json.Encoder()
 _dict_decoder = msgspec.json.Decoder(dict[str, Raw])
@@ -77,26 +84,92 @@ def is_batch(data: bytes) -> bool:
     return stripped[:1] == b"["
 
 
-def decode(data: bytes) -> Envelope:
-    """Decode one JSON-RPC message.
+def decode(data: bytes, max_depth: int = MAX_DEPTH) -> Envelope:
+    """Decode one JSON-RPC message, after checking that it is UTF-8 and nests at most
+    ``max_depth`` levels (:func:`gateway.protocol.wire.check`).
 
     Raises:
-        ParseError: ``data`` is not JSON.
-        InvalidRequest: JSON, but not a JSON-RPC 2.0 message (wrong types, bool ids, …).
+        ParseError: ``data`` is not JSON, or not UTF-8 (``reason = "invalid_utf8"``).
+        InvalidRequest: JSON, but not a JSON-RPC 2.0 message (wrong types, bool ids, …), or
+            nested too deep (``reason = "too_deep"``).
     """
+    _check(data, max_depth)
     try:
         env = _decoder.decode(data)
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"invalid JSON-RPC message: {exc}") from None
     except msgspec.DecodeError as exc:
-        raise ParseError(f"parse error: {exc}") from None
+        if not _SURROGATE_ESCAPE.search(data):
+            raise ParseError(f"parse error: {exc}") from None
+        env = _decode_unpaired_surrogates(data)
+    except RecursionError:  # unreachable while max_depth stays far below the stack's depth
+        raise InvalidRequest("JSON nested too deep", reason="too_deep", limit=max_depth) from None
     if env.jsonrpc != "2.0":
         raise InvalidRequest('invalid JSON-RPC message: "jsonrpc" must be "2.0"', id=_safe_id(env))
     return env
 
 
-def split_batch(data: bytes) -> list[Raw]:
-    """Split a JSON array into its elements (each decoded later by :func:`decode`)."""
+def _check(data: bytes, max_depth: int) -> None:
+    try:
+        wire.check(data, max_depth)
+    except wire.NotUtf8 as exc:
+        raise ParseError(f"parse error: {exc}", reason="invalid_utf8") from None
+    except wire.TooDeep as exc:
+        raise InvalidRequest(str(exc), reason="too_deep", limit=max_depth) from None
+
+
+def _decode_unpaired_surrogates(data: bytes) -> Envelope:
+    """The slow path for a message with an unpaired ``\\uD8xx`` escape (valid JSON, which
+    JavaScript and Python emit, and which msgspec refuses): decoded by the standard library,
+    payloads re-encoded with ASCII escapes, so the unpaired surrogate passes on as an escape."""
+    try:
+        obj = json.loads(data)
+    except ValueError as exc:
+        raise ParseError(f"parse error: {exc}") from None
+    if not isinstance(obj, dict):
+        raise InvalidRequest("invalid JSON-RPC message: expected an object")
+    typed = {k: obj[k] for k in ("jsonrpc", "id", "method") if k in obj}
+    for key, value in typed.items():
+        if isinstance(value, str) and not _encodable(value):
+            raise InvalidRequest(f"invalid JSON-RPC message: {key!r} holds an unpaired surrogate")
+    error = obj.get("error")
+    if isinstance(error, dict):
+        message = error.get("message")
+        typed["error"] = {
+            "code": error.get("code"),
+            "message": message if not isinstance(message, str) or _encodable(message)
+            else message.encode("utf-16", "surrogatepass").decode("utf-16", "replace"),
+        }
+    elif error is not None:
+        typed["error"] = error
+    try:
+        env = msgspec.convert(typed, Envelope)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"invalid JSON-RPC message: {exc}") from None
+    for key in ("params", "result"):
+        if key in obj:
+            setattr(env, key, Raw(json.dumps(obj[key], separators=(",", ":")).encode()))
+    if isinstance(error, dict) and "data" in error and env.error is not UNSET:
+        env.error.data = Raw(json.dumps(error["data"], separators=(",", ":")).encode())
+    return env
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def split_batch(data: bytes, max_depth: int = MAX_DEPTH) -> list[Raw]:
+    """Split a JSON array into its elements (each decoded later by :func:`decode`).
+
+    Raises:
+        ParseError: not JSON, not UTF-8.
+        InvalidRequest: nested deeper than ``max_depth``.
+    """
+    _check(data, max_depth)
     try:
         return _raw_list_decoder.decode(data)
     except msgspec.DecodeError as exc:

@@ -1,0 +1,110 @@
+"""What the gateway checks of JSON bytes before it decodes them, and what it can still read of a
+line it will not decode.
+
+Theory of operation: payloads pass through the gateway as bytes (``msgspec.Raw``), so the decoder
+never looks inside them.  Two properties must still hold for every message that crosses the
+gateway, because the next hop depends on them: the bytes are UTF-8 (a WebSocket text frame must
+be, and a backend must not receive what a client could not legally send), and the nesting depth
+is bounded (a decoder that recurses per level, in the gateway or behind it, must not be handed
+a value that exhausts its stack).  :func:`check` tests both in C-speed passes over the bytes:
+``isascii`` (most messages), then a strict UTF-8 decode; a bracket count as an upper bound on the
+depth (most messages), then an exact depth over the brackets outside strings.
+
+:func:`reply_id_hint` finds the gateway id of a reply the gateway will not decode (too large,
+too deep, not UTF-8) from the line's first and last bytes, so that its caller can be failed at
+once instead of waiting for a timeout.  Gateway ids are integers, and the SDKs write ``id`` either
+first (``{"jsonrpc":"2.0","id":7,…``) or last (``…,"id":7}``).
+"""
+
+from __future__ import annotations
+
+import re
+from itertools import accumulate
+
+#: Every byte but the four brackets is deleted; ``{}`` become ``[]``.
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_SQUARE = bytes.maketrans(b"{}", b"[]")
+#: Openers count +1, closers -1 (indexed by byte value).
+_DEPTH_STEP = [0] * 256
+_DEPTH_STEP[ord("[")] = 1
+_DEPTH_STEP[ord("]")] = -1
+
+#: The start of a reply: ``{``, scalar ``jsonrpc``/``id`` members, then ``result`` or ``error``.
+_REPLY_HEAD = re.compile(
+    rb'^\s*\{((?:\s*"(?:jsonrpc|id)"\s*:\s*(?:"[^"\\]*"|-?\d+)\s*,)*)\s*"(?:result|error)"\s*:')
+_ID_MEMBER = re.compile(rb'"id"\s*:\s*(\d+)')
+#: ``id`` as the last member of a line.
+_ID_LAST = re.compile(rb',\s*"id"\s*:\s*(\d+)\s*\}\s*$')
+
+
+class NotUtf8(ValueError):
+    """The bytes are not valid UTF-8."""
+
+
+class TooDeep(ValueError):
+    """The JSON nests arrays/objects deeper than allowed."""
+
+
+def check(data: bytes | bytearray | memoryview, max_depth: int) -> None:
+    """Raise unless ``data`` is UTF-8 and nests at most ``max_depth`` levels.
+
+    Bytes that are not JSON at all pass here (the decoder reports them); only what would make a
+    decoder misbehave or a peer receive invalid text is refused before decoding.
+
+    Raises:
+        NotUtf8: an invalid UTF-8 sequence (position in the message).
+        TooDeep: more than ``max_depth`` levels of ``[``/``{``.
+    """
+    if not isinstance(data, bytes):
+        data = bytes(data)
+    if not data.isascii():
+        try:
+            data.decode()
+        except UnicodeDecodeError as exc:
+            raise NotUtf8(f"invalid UTF-8 at byte {exc.start}") from None
+    if data.count(b"[") + data.count(b"{") <= max_depth:
+        return
+    brackets = _brackets(data)
+    peeled = brackets
+    for _ in range(max_depth):  # each pass removes the innermost level: as many passes as levels
+        if not peeled:
+            return
+        shorter = peeled.replace(b"[]", b"")
+        if len(shorter) == len(peeled):
+            break  # unbalanced: not JSON, but measure it before the decoder recurses into it
+        peeled = shorter
+    if peeled and _prefix_depth(brackets) > max_depth:
+        raise TooDeep(f"JSON nested deeper than {max_depth} levels")
+
+
+def depth(data: bytes) -> int:
+    """The deepest nesting of arrays/objects in ``data``, brackets inside strings not counted."""
+    return _prefix_depth(_brackets(data))
+
+
+def _brackets(data: bytes) -> bytes:
+    """The brackets of ``data`` outside JSON strings, as ``[`` and ``]``.
+
+    Escaped backslashes go first, then escaped quotes (left to right, as JSON pairs them); what
+    remains between unescaped quotes is string content: every other piece of a split on ``"``.
+    """
+    unescaped = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+    return b"".join(unescaped.split(b'"')[::2]).translate(_SQUARE, _NOT_BRACKETS)
+
+
+def _prefix_depth(brackets: bytes) -> int:
+    if not brackets:
+        return 0
+    return max(0, max(accumulate(map(_DEPTH_STEP.__getitem__, brackets))))
+
+
+def reply_id_hint(head: bytes, tail: bytes = b"") -> int | None:
+    """The integer ``id`` of a reply, read from the line's first bytes (``id`` before ``result``
+    or ``error``) or, when the first bytes show a reply, from its last bytes (``id`` the last
+    member).  None when the line is not shown to be a reply (a request from the backend also
+    carries an ``id``), or its id is not visible there."""
+    m = _REPLY_HEAD.match(head)
+    if m is None:
+        return None
+    found = _ID_MEMBER.search(m.group(1)) or _ID_LAST.search(tail)
+    return int(found.group(1)) if found else None
