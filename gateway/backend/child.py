@@ -342,21 +342,33 @@ class ChildConnection:
                 return
             for frame in framer.feed(data):
                 if isinstance(frame, Oversize):
-                    self._oversize_head = frame.head
-                elif isinstance(frame, OversizeEnd):
                     self._on_oversize(frame)
+                elif isinstance(frame, OversizeEnd):
+                    self._on_oversize_end(frame)
                 else:
                     self._dispatch(frame)
 
-    def _on_oversize(self, frame: OversizeEnd) -> None:
-        """A line over the limit: dropped; if it was a reply, its call fails now (no hang)."""
-        LOGGER.warning("backend %s: dropped a line of %d bytes (limit %d)",
-                       self.instance, frame.size, self._max_line)
+    def _on_oversize(self, frame: Oversize) -> None:
+        """A line crossed the limit: it is dropped; if its first bytes show a reply's id, that
+        call fails now, else the line's last bytes are looked at when it ends."""
+        LOGGER.warning("backend %s: dropping a line of more than %d bytes (max_message_bytes)",
+                       self.instance, self._max_line)
         self._protocol_error("oversize")
+        gid = wire.reply_id_hint(frame.head)
+        if gid is None:
+            self._oversize_head = frame.head
+        else:
+            self._fail_reply(gid, self._too_large())
+
+    def _on_oversize_end(self, frame: OversizeEnd) -> None:
         head, self._oversize_head = self._oversize_head, b""
-        self._fail_reply(wire.reply_id_hint(head, frame.tail), errors.ResponseTooLarge(
+        if head:
+            self._fail_reply(wire.reply_id_hint(head, frame.tail), self._too_large())
+
+    def _too_large(self) -> errors.GatewayError:
+        return errors.ResponseTooLarge(
             f"backend {self.backend!r} answered with more than {self._max_line} bytes "
-            "(max_message_bytes)", backend=self.backend, limit=self._max_line))
+            "(max_message_bytes)", backend=self.backend, limit=self._max_line)
 
     def _fail_reply(self, gid: int | None, error: errors.GatewayError) -> None:
         """A reply the gateway will not pass on: its call (if it is one) fails now."""
