@@ -411,23 +411,21 @@ class ChildConnection:
             self._handlers.on_request(self, env.id, env.method, env.params)
 
     def _on_undecodable(self, line: bytes, exc: errors.GatewayError) -> None:
-        """A line that is not a message the gateway can pass on: logged and counted; when it is
-        not UTF-8 or nested too deep and shows a reply's id, that call fails now with -32009."""
-        reason = exc.reason
-        if reason in ("invalid_utf8", "too_deep"):
-            LOGGER.warning("backend %s sent a line that cannot be passed on (%s): %.200r",
-                           self.instance, exc.message, line)
-            self._protocol_error(reason)
-            self._fail_reply(wire.reply_id_hint(line[:HEAD], line[-HEAD:]),
-                             errors.BackendProtocolError(
-                f"backend {self.backend!r} sent a reply that cannot be passed on: {exc.message}",
-                backend=self.backend, detail=reason))
-        elif isinstance(exc, errors.ParseError):
-            LOGGER.warning("backend %s printed a non-JSON line on stdout: %.200r", self.instance, line)
-            self._protocol_error("not_json")
+        """A line that is not a message the gateway can pass on: logged and counted.  A reply
+        that is not UTF-8 or nested too deep fails its call now with -32009 (its id read from the
+        line's first or last bytes); other invalid lines are ignored, and the call still waits
+        for a valid reply."""
+        if exc.reason in ("invalid_utf8", "too_deep"):
+            kind = exc.reason
         else:
-            LOGGER.warning("backend %s sent an invalid message (%s): %.200r", self.instance, exc, line)
-            self._protocol_error("invalid_message")
+            kind = "not_json" if isinstance(exc, errors.ParseError) else "invalid_message"
+        LOGGER.warning("backend %s sent a line that is not a valid message (%s: %s): %.200r",
+                       self.instance, kind, exc.message, line)
+        self._protocol_error(kind)
+        if kind in ("invalid_utf8", "too_deep"):
+            self._fail_reply(wire.reply_id_hint(line[:HEAD], line[-HEAD:]), errors.BackendProtocolError(
+                f"backend {self.backend!r} sent a reply that cannot be passed on: {exc.message}",
+                backend=self.backend, detail=kind))
 
     def _on_reply(self, env: jsonrpc.Envelope) -> None:
         call = self.pending.get(env.id) if isinstance(env.id, int) else None
