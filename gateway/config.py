@@ -48,6 +48,7 @@ class GatewaySection(Base):
 class ListenSection(Base):
     websocket: str | None = "127.0.0.1:8765"  # "" switches it off
     allowed_origins: list[str] = []
+    allowed_hosts: list[str] = []  # Host names for upgrades besides loopback + the bound address
     unix: str | None = None
     unix_mode: str = "0660"
 
@@ -55,6 +56,7 @@ class ListenSection(Base):
 class AdminSection(Base):
     listen: str | None = "127.0.0.1:9477"  # "" switches it off
     allow_non_loopback: bool = False  # /status shows child stderr: loopback unless explicit
+    allowed_hosts: list[str] = []  # Host names for /status, /metrics besides loopback + bound address
 
 
 class RestartSection(Base):
@@ -159,6 +161,31 @@ def parse_host_port(value: str) -> tuple[str, int]:
     if not 0 <= p <= 65535:
         raise ValueError(f"port out of range in {value!r}")
     return host, p
+
+
+#: Host names a loopback listener always answers to (DNS rebinding cannot produce these).
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def host_name(value: str) -> str:
+    """The name part of a ``Host`` header or an ``allowed_hosts`` entry, lowercased, without
+    port, brackets or trailing dot: ``"[::1]:9477"`` → ``"::1"``, ``"LocalHost.:80"`` →
+    ``"localhost"``."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        end = value.find("]")
+        value = value[1:end] if end > 0 else value
+    elif value.count(":") == 1:
+        value = value.partition(":")[0]
+    return value.rstrip(".")
+
+
+def host_allowed(value: str | None, allowed: frozenset[str]) -> bool:
+    """Whether a request's ``Host`` header (None: absent) names this server: a loopback name or
+    one of ``allowed`` (names as :func:`host_name` returns them).  The port is not compared:
+    DNS rebinding changes the name, not the port."""
+    return value is not None and (host := host_name(value)) != "" and (
+        host in LOOPBACK_NAMES or host in allowed)
 
 
 def is_loopback(host: str) -> bool:
@@ -278,6 +305,11 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
                 f"{key}: {host!r} is not a loopback address; /status exposes backend stderr, "
                 "set admin.allow_non_loopback = true to bind it anyway"
             )
+    for key, hosts in (("listen.allowed_hosts", cfg.listen.allowed_hosts),
+                       ("admin.allowed_hosts", cfg.admin.allowed_hosts)):
+        for entry in hosts:
+            if not re.fullmatch(r"[a-zA-Z0-9._-]+(:[0-9]{1,5})?|\[[0-9a-fA-F:.]+\](:[0-9]{1,5})?", entry):
+                errors.append(f"{key}: {entry!r} is not a host name or address (optionally with :PORT)")
     try:
         mode = int(cfg.listen.unix_mode, 8)
         if not 0 <= mode <= 0o777:

@@ -227,7 +227,8 @@ async def _serve_listeners(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], co
                     await connection.serve(hub, stream, "websocket")
 
                 await nursery.start(lambda task_status: serve_websocket(
-                    ws_listeners, on_ws, allowed_origins=cfg.listen.allowed_origins, max_message=max_msg,
+                    ws_listeners, on_ws, allowed_origins=cfg.listen.allowed_origins,
+                    allowed_hosts=cfg.listen.allowed_hosts, max_message=max_msg,
                     handler_nursery=conns, task_status=task_status))
             if "unix" in fds or cfg.listen.unix is not None:
                 if "unix" in fds:
