@@ -122,7 +122,8 @@ async def run(
         outer.start_soon(metrics.run_lag_probe)
         if cfg.admin.listen is not None or "admin" in fds:
             admin_listeners = await _admin_listeners(cfg, fds)
-            await outer.start(serve_admin, admin_listeners, metrics, hub.status)
+            await outer.start(partial(serve_admin, allowed_hosts=cfg.admin.allowed_hosts),
+                              admin_listeners, metrics, hub.status)
             bound.admin_port = ls.bound_port(admin_listeners)
         try:
             async with trio.open_nursery() as hub_nursery:

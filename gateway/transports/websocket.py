@@ -25,7 +25,6 @@ mid-frame drops the TCP connection instead of sending a close frame into the mid
 from __future__ import annotations
 
 import logging
-import socket
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -44,7 +43,7 @@ from wsproto.events import (
 )
 from wsproto.utilities import RemoteProtocolError
 
-from gateway.config import host_allowed, host_name
+from gateway.config import host_allowed
 from gateway.errors import (
     CloseReason,
     InvalidFramePayload,
@@ -52,6 +51,7 @@ from gateway.errors import (
     TransportClosed,
     UnsupportedMessage,
 )
+from gateway.transports.listeners import allowed_host_names
 
 LOGGER = logging.getLogger(__name__)
 
@@ -204,14 +204,6 @@ def origin_allowed(headers: Sequence[tuple[bytes, bytes]], allowed: Sequence[str
     """Every ``Origin`` header is in ``allowed`` (none at all: not a browser, allowed)."""
     return all(value.decode("latin-1") in allowed
                for name, value in headers if name.lower() == b"origin")
-
-
-def allowed_host_names(listeners: Sequence[trio.SocketListener], extra: Sequence[str]) -> frozenset[str]:
-    """The ``Host`` names a listener answers to besides the loopback names: its bound address
-    (unless a wildcard) and the operator's ``allowed_hosts``."""
-    bound = {host_name(str(l.socket.getsockname()[0])) for l in listeners
-             if l.socket.family in (socket.AF_INET, socket.AF_INET6)}
-    return frozenset((bound - {"0.0.0.0", "::"}) | {host_name(h) for h in extra})
 
 
 async def _refuse(stream: trio.abc.Stream, ws: WSConnection, status: int, text: str) -> None:
