@@ -30,7 +30,7 @@ class ConnectionOpened:
 class ConnectionClosed:
     conn_id: str
     transport: str
-    reason: str  # "client_closed" | "overflow" | "oversize" | "shutdown" | "error" | "idle"
+    reason: str  # a gateway.errors.CloseReason value
     duration: float
 
 
