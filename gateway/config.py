@@ -99,6 +99,8 @@ class BackendConfig(Base):
         default_factory=lambda: ["roots", "sampling", "elicitation"]
     )
     sensitive: list[str] = []  # tool names (backend's own) that need an explicit policy rule
+    stderr_lines_per_second: float = 100.0  # stderr lines logged per second (0: no limit)
+    stderr_burst: int = 500  # lines logged at once before the rate applies
 
 
 class PolicyRule(Base):
@@ -332,6 +334,8 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
             errors.append(f"{p}.restart: need max_restarts >= 0 and window > 0")
         if b.health.interval < 0 or b.health.timeout <= 0 or b.health.failures < 1:
             errors.append(f"{p}.health: need interval >= 0, timeout > 0, failures >= 1")
+        if b.stderr_lines_per_second < 0 or b.stderr_burst < 1:
+            errors.append(f"{p}: need stderr_lines_per_second >= 0 and stderr_burst >= 1")
         if b.instances < 1 or b.max_sessions < 1:
             errors.append(f"{p}: instances and max_sessions must be at least 1")
         if b.prefix is not None and b.prefix and not re.fullmatch(r"[a-zA-Z0-9_-]{1,32}", b.prefix):
