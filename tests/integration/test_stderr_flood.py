@@ -14,7 +14,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.backend import instance
-from helpers import connect, fixture_backend, http_request, make_config, run_gateway, text_of
+from helpers import connect, fixture_backend, http_json, http_request, make_config, run_gateway, text_of
 
 pytestmark = pytest.mark.system
 
@@ -91,3 +91,7 @@ async def test_stderr_flood_is_summarised_counted_and_spares_bystanders(records:
             allowed = BURST + RATE * (elapsed + 1)  # +1 s: the admin scrape came after `elapsed`
             assert 0 < counted["true"] <= allowed
             assert logged_lines <= allowed
+            doc = await http_json(gw.bound.admin_port, "/status")
+            (tail,) = [b["instances"][0]["stderr_tail"] for b in doc["backends"] if b["name"] == "noisy"]
+            assert len(tail) == instance.STDERR_TAIL  # the running child's tail, bounded
+            assert all(line.startswith("fixture: flood line ") for line in tail)
