@@ -36,7 +36,7 @@ LOGGER = logging.getLogger(__name__)
 
 #: stderr lines kept for /status after a crash.
 STDERR_TAIL = 20
-#: A stderr line longer than this (bytes) is cut (also bounds the tail: 20 × 2 KiB).
+#: A stderr line longer than this (bytes) is cut (also bounds the tail: 20 lines of 2 KiB).
 STDERR_MAX_LINE = 2048
 #: Bytes read from a child's stderr at once.
 STDERR_CHUNK = 65536

@@ -38,8 +38,8 @@ def allowed_host_names(listeners: Sequence[trio.SocketListener], extra: Sequence
     """The ``Host`` names a TCP listener answers to besides the loopback names (see
     :func:`gateway.config.host_allowed`): its bound address unless a wildcard, and ``extra``
     (the operator's ``allowed_hosts``)."""
-    bound = {host_name(str(l.socket.getsockname()[0])) for l in listeners
-             if l.socket.family in (socket.AF_INET, socket.AF_INET6)}
+    bound = {host_name(str(lst.socket.getsockname()[0])) for lst in listeners
+             if lst.socket.family in (socket.AF_INET, socket.AF_INET6)}
     return frozenset((bound - {"0.0.0.0", "::"}) | {host_name(h) for h in extra})
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 import trio
+from helpers import connect, fixture_backend, make_config, run_gateway, text_of
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import (
     AcceptConnection,
@@ -22,8 +23,6 @@ from wsproto.events import (
     TextMessage,
 )
 from wsproto.frame_protocol import Opcode
-
-from helpers import connect, fixture_backend, make_config, run_gateway, text_of
 
 pytestmark = pytest.mark.system
 

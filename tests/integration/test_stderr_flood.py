@@ -11,10 +11,18 @@ from collections.abc import Iterator
 
 import pytest
 import trio
+from helpers import (
+    connect,
+    fixture_backend,
+    http_json,
+    http_request,
+    make_config,
+    run_gateway,
+    text_of,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.backend import instance
-from helpers import connect, fixture_backend, http_json, http_request, make_config, run_gateway, text_of
 
 pytestmark = pytest.mark.system
 
