@@ -48,6 +48,7 @@ class GatewaySection(Base):
 class ListenSection(Base):
     websocket: str | None = "127.0.0.1:8765"  # "" switches it off
     allowed_origins: list[str] = []
+    allowed_hosts: list[str] = []  # Host names for upgrades besides loopback + the bound address
     unix: str | None = None
     unix_mode: str = "0660"
 
@@ -55,6 +56,7 @@ class ListenSection(Base):
 class AdminSection(Base):
     listen: str | None = "127.0.0.1:9477"  # "" switches it off
     allow_non_loopback: bool = False  # /status shows child stderr: loopback unless explicit
+    allowed_hosts: list[str] = []  # Host names for /status, /metrics besides loopback + bound address
 
 
 class RestartSection(Base):
@@ -97,6 +99,8 @@ class BackendConfig(Base):
         default_factory=lambda: ["roots", "sampling", "elicitation"]
     )
     sensitive: list[str] = []  # tool names (backend's own) that need an explicit policy rule
+    stderr_lines_per_second: float = 100.0  # stderr lines logged per second (0: no limit)
+    stderr_burst: int = 500  # lines logged at once before the rate applies
 
 
 class PolicyRule(Base):
@@ -159,6 +163,31 @@ def parse_host_port(value: str) -> tuple[str, int]:
     if not 0 <= p <= 65535:
         raise ValueError(f"port out of range in {value!r}")
     return host, p
+
+
+#: Host names a loopback listener always answers to (DNS rebinding cannot produce these).
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def host_name(value: str) -> str:
+    """The name part of a ``Host`` header or an ``allowed_hosts`` entry, lowercased, without
+    port, brackets or trailing dot: ``"[::1]:9477"`` → ``"::1"``, ``"LocalHost.:80"`` →
+    ``"localhost"``."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        end = value.find("]")
+        value = value[1:end] if end > 0 else value
+    elif value.count(":") == 1:
+        value = value.partition(":")[0]
+    return value.rstrip(".")
+
+
+def host_allowed(value: str | None, allowed: frozenset[str]) -> bool:
+    """Whether a request's ``Host`` header (None: absent) names this server: a loopback name or
+    one of ``allowed`` (names as :func:`host_name` returns them).  The port is not compared:
+    DNS rebinding changes the name, not the port."""
+    return value is not None and (host := host_name(value)) != "" and (
+        host in LOOPBACK_NAMES or host in allowed)
 
 
 def is_loopback(host: str) -> bool:
@@ -278,6 +307,11 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
                 f"{key}: {host!r} is not a loopback address; /status exposes backend stderr, "
                 "set admin.allow_non_loopback = true to bind it anyway"
             )
+    for key, hosts in (("listen.allowed_hosts", cfg.listen.allowed_hosts),
+                       ("admin.allowed_hosts", cfg.admin.allowed_hosts)):
+        for entry in hosts:
+            if not re.fullmatch(r"[a-zA-Z0-9._-]+(:[0-9]{1,5})?|\[[0-9a-fA-F:.]+\](:[0-9]{1,5})?", entry):
+                errors.append(f"{key}: {entry!r} is not a host name or address (optionally with :PORT)")
     try:
         mode = int(cfg.listen.unix_mode, 8)
         if not 0 <= mode <= 0o777:
@@ -300,6 +334,8 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
             errors.append(f"{p}.restart: need max_restarts >= 0 and window > 0")
         if b.health.interval < 0 or b.health.timeout <= 0 or b.health.failures < 1:
             errors.append(f"{p}.health: need interval >= 0, timeout > 0, failures >= 1")
+        if b.stderr_lines_per_second < 0 or b.stderr_burst < 1:
+            errors.append(f"{p}: need stderr_lines_per_second >= 0 and stderr_burst >= 1")
         if b.instances < 1 or b.max_sessions < 1:
             errors.append(f"{p}: instances and max_sessions must be at least 1")
         if b.prefix is not None and b.prefix and not re.fullmatch(r"[a-zA-Z0-9_-]{1,32}", b.prefix):

@@ -47,7 +47,7 @@ class MessageStream(Protocol):
     """A bidirectional stream of whole JSON-RPC messages (one per WebSocket frame or line)."""
 
     async def receive(self) -> bytes:
-        """The next message.  Raises TransportClosed or MessageTooLarge."""
+        """The next message.  Raises TransportClosed or MessageRefused."""
         ...
 
     async def send(self, data: bytes) -> None:
@@ -140,10 +140,11 @@ async def _reader(hub: Hub, session: ClientSession, stream: MessageStream, nurse
             data = await stream.receive()
         except errors.TransportClosed:
             return
-        except errors.MessageTooLarge as exc:
-            session.send(error_response(None, errors.InvalidRequest(
-                str(exc), reason="message_too_large", limit=exc.limit)))
-            session.close("oversize")
+        except errors.MessageRefused as exc:
+            if exc.reason is not None:
+                session.send(error_response(None, errors.InvalidRequest(
+                    str(exc), reason=exc.reason, **exc.data)))
+            session.close(exc.close_reason)
             return
         if jsonrpc.is_batch(data):
             if session.protocol_version != mcp.BATCH_VERSION:

@@ -24,6 +24,7 @@ keep their standard meaning.
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 # JSON-RPC 2.0
@@ -183,13 +184,58 @@ class TransportClosed(Exception):
     """The peer went away (EOF, reset, WebSocket close).  Raised by transports only."""
 
 
-class MessageTooLarge(Exception):
+class CloseReason(enum.StrEnum):
+    """Why a client connection ended (the ``reason`` label of the closed-connections counter).
+
+    A ``StrEnum``: code that still passes the plain string compares and hashes equal.
+    """
+
+    CLIENT_CLOSED = "client_closed"
+    OVERFLOW = "overflow"  # the client did not read its outbound queue
+    OVERSIZE = "oversize"  # a message over max_message_bytes
+    UNSUPPORTED_DATA = "unsupported_data"  # a WebSocket binary frame
+    INVALID_DATA = "invalid_data"  # a WebSocket text frame that is not UTF-8
+    SHUTDOWN = "shutdown"
+    ERROR = "error"
+    IDLE = "idle"
+
+
+class MessageRefused(Exception):
+    """A peer sent a message the transport will not pass on: the connection answers -32600 with
+    ``data.reason = reason`` (no answer when ``reason`` is None) and closes for ``close_reason``."""
+
+    close_reason: CloseReason = CloseReason.ERROR
+    reason: str | None = None
+
+    def __init__(self, message: str, **data: Any) -> None:
+        super().__init__(message)
+        self.data = data
+
+
+class MessageTooLarge(MessageRefused):
     """A peer sent a message over ``max_message_bytes``."""
 
+    close_reason = CloseReason.OVERSIZE
+    reason = "message_too_large"
+
     def __init__(self, size: int, limit: int) -> None:
-        super().__init__(f"message of {size} bytes exceeds the limit of {limit} bytes")
+        super().__init__(f"message of {size} bytes exceeds the limit of {limit} bytes", limit=limit)
         self.size = size
         self.limit = limit
+
+
+class UnsupportedMessage(MessageRefused):
+    """A WebSocket binary frame: MCP over WebSocket is one JSON-RPC message per text frame."""
+
+    close_reason = CloseReason.UNSUPPORTED_DATA
+    reason = "binary_frame"
+
+
+class InvalidFramePayload(MessageRefused):
+    """A WebSocket text frame that is not valid UTF-8 (RFC 6455 §8.1: fail the connection, no
+    answer)."""
+
+    close_reason = CloseReason.INVALID_DATA
 
 
 class ConfigError(Exception):

@@ -30,7 +30,7 @@ class ConnectionOpened:
 class ConnectionClosed:
     conn_id: str
     transport: str
-    reason: str  # "client_closed" | "overflow" | "oversize" | "shutdown" | "error" | "idle"
+    reason: str  # a gateway.errors.CloseReason value
     duration: float
 
 
@@ -102,6 +102,17 @@ class BackendProtocolError:
 
 
 @dataclass(frozen=True, slots=True)
+class BackendStderr:
+    """Lines a child wrote to stderr (one event per chunk read): logged, or held back by the
+    rate limit (those are summarised in one log line per window)."""
+
+    backend: str
+    instance: str
+    logged: int
+    suppressed: int
+
+
+@dataclass(frozen=True, slots=True)
 class CatalogChanged:
     kinds: tuple[str, ...]  # subset of ("tools", "prompts", "resources")
 
@@ -157,6 +168,7 @@ Event = (
     | BackendStarted
     | BackendExited
     | BackendProtocolError
+    | BackendStderr
     | CatalogChanged
     | ServerRequestRouted
     | ServerRequestRefused

@@ -67,6 +67,12 @@ def _reject_tasks(req: Request) -> None:
 
 
 async def initialize(hub: Hub, session: ClientSession, req: Request) -> Raw:
+    if session.protocol_version is not None:  # set synchronously below: two racing ones cannot both pass
+        raise errors.InvalidRequest(
+            f"initialize: this connection is already initialized (protocol {session.protocol_version}); "
+            "a second initialize is refused, the negotiated revision stays",
+            reason="already_initialized",
+        )
     try:
         params = mcp.decode_initialize_params(jsonrpc.encode_dict(req.params))
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:

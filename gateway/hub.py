@@ -309,7 +309,7 @@ class Hub:
                     restarts=max(0, i.sup.starts - 1),
                     uptime=i.sup.uptime(now),
                     last_exit=i.last_exit,
-                    stderr_tail=i.crash_stderr,
+                    stderr_tail=tuple(i.stderr_tail) if i.child is not None else i.crash_stderr,
                     inflight=len(i.child.pending) if i.child is not None else 0,
                     owner=getattr(i.owner, "conn_id", None),
                 )

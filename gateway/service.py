@@ -122,7 +122,8 @@ async def run(
         outer.start_soon(metrics.run_lag_probe)
         if cfg.admin.listen is not None or "admin" in fds:
             admin_listeners = await _admin_listeners(cfg, fds)
-            await outer.start(serve_admin, admin_listeners, metrics, hub.status)
+            await outer.start(partial(serve_admin, allowed_hosts=cfg.admin.allowed_hosts),
+                              admin_listeners, metrics, hub.status)
             bound.admin_port = ls.bound_port(admin_listeners)
         try:
             async with trio.open_nursery() as hub_nursery:
@@ -227,7 +228,8 @@ async def _serve_listeners(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], co
                     await connection.serve(hub, stream, "websocket")
 
                 await nursery.start(lambda task_status: serve_websocket(
-                    ws_listeners, on_ws, allowed_origins=cfg.listen.allowed_origins, max_message=max_msg,
+                    ws_listeners, on_ws, allowed_origins=cfg.listen.allowed_origins,
+                    allowed_hosts=cfg.listen.allowed_hosts, max_message=max_msg,
                     handler_nursery=conns, task_status=task_status))
             if "unix" in fds or cfg.listen.unix is not None:
                 if "unix" in fds:

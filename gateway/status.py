@@ -17,7 +17,7 @@ class InstanceStatus:
     restarts: int  # starts after the first one
     uptime: float | None  # seconds since RUNNING, None when not running
     last_exit: str | None  # e.g. "crashed (exit code 1)"
-    stderr_tail: tuple[str, ...]  # last lines of stderr of the last crashed child
+    stderr_tail: tuple[str, ...]  # last stderr lines: of the running child, else of the last one that ended
     inflight: int  # calls waiting on this child (attribution set size)
     owner: str | None = None  # per-session / affine: the conn id it serves
 

@@ -170,7 +170,7 @@ async def http_request(port: int | None, path: str) -> tuple[int, bytes]:
     assert port is not None
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     async with stream:
-        await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n".encode())
+        await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n".encode())
         data = b""
         while chunk := await stream.receive_some(65536):
             data += chunk

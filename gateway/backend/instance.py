@@ -12,6 +12,7 @@ BACKOFF and FATAL; every transition is emitted as an event.
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -22,9 +23,10 @@ from msgspec import Raw, UnsetType
 from gateway import errors
 from gateway.backend import client, process
 from gateway.backend.child import ChildConnection, ChildHandlers
-from gateway.events import BackendExited, BackendStarted, BackendStateChanged
+from gateway.events import BackendExited, BackendStarted, BackendStateChanged, BackendStderr
 from gateway.protocol import jsonrpc
 from gateway.protocol.catalog import BackendLists
+from gateway.protocol.stderr import LineSplitter, LineThrottle
 from gateway.protocol.supervision import RestartPolicy, State, Supervision, Transition
 
 if TYPE_CHECKING:
@@ -34,6 +36,15 @@ LOGGER = logging.getLogger(__name__)
 
 #: stderr lines kept for /status after a crash.
 STDERR_TAIL = 20
+#: A stderr line longer than this (bytes) is cut (also bounds the tail: 20 lines of 2 KiB).
+STDERR_MAX_LINE = 2048
+#: Bytes read from a child's stderr at once.
+STDERR_CHUNK = 65536
+#: Seconds after the first line held back by the stderr rate limit until its summary line.
+STDERR_SUMMARY_WINDOW = 5.0
+#: Pause between reads of a child's stderr while its lines are being held back: bounds what a
+#: flood costs (at most one 64 KiB read per pause) and makes the child wait instead.
+STDERR_FLOOD_PAUSE = 0.005
 
 
 
@@ -239,29 +250,68 @@ class Instance(ChildHandlers):
         child.fail_all(child.exited_error(self._down_reason or "exited"))
 
     async def _read_stderr(self, stream: trio.abc.ReceiveStream) -> None:
-        buf = b""
+        """Log the child's stderr line by line, within ``stderr_lines_per_second``/``stderr_burst``.
+
+        Lines over the rate are counted, not logged; one summary line per
+        :data:`STDERR_SUMMARY_WINDOW` says how many (also at end of stream, so none vanish
+        silently), and ``BackendStderr`` events count both kinds.  Read in large chunks, lines
+        cut at :data:`STDERR_MAX_LINE` bytes; while lines are held back a chunk is only counted,
+        and the pipe is left alone for :data:`STDERR_FLOOD_PAUSE` after each read (a child that
+        fills it waits): a flood costs little CPU and no log volume.  The last
+        :data:`STDERR_TAIL` lines are kept for ``/status``.
+        """
+        bus = self.backend.host.bus
         log_extra = {"MCP_BACKEND": self.backend.name}
-        while True:
-            try:
-                data = await stream.receive_some(65536)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                data = b""
-            if not data:
-                break
-            buf += data
-            *lines, buf = buf.split(b"\n")
-            if len(buf) > 65536:
-                lines.append(buf)
-                buf = b""
-            for raw in lines:
-                line = raw.decode("utf-8", "replace").rstrip()
-                if line:
-                    self.stderr_tail.append(line)
-                    LOGGER.info("[%s] %s", self.name, line, extra=log_extra)
-        if buf.strip():
-            line = buf.decode("utf-8", "replace").rstrip()
-            self.stderr_tail.append(line)
-            LOGGER.info("[%s] %s", self.name, line, extra=log_extra)
+        splitter = LineSplitter(STDERR_MAX_LINE)
+        throttle = LineThrottle(self.cfg.stderr_lines_per_second, self.cfg.stderr_burst,
+                                STDERR_SUMMARY_WINDOW, trio.current_time())
+
+        def take(count: int, lines: list[bytes]) -> None:
+            """``count`` new lines, of which ``lines`` are the last ones (all of them, unless
+            the limit is already holding lines back)."""
+            if not count:
+                return
+            logged = throttle.admit(trio.current_time(), count)
+            for raw in lines[:logged]:
+                LOGGER.info("[%s] %s", self.name, raw.decode("utf-8", "replace").rstrip(), extra=log_extra)
+            self.stderr_tail.extend(raw.decode("utf-8", "replace").rstrip() for raw in lines[-STDERR_TAIL:])
+            bus.emit(BackendStderr(self.backend.name, self.name, logged, count - logged))
+
+        def summarise(final: bool = False) -> None:
+            held = throttle.summary(trio.current_time(), final=final)
+            if held is not None and held[0]:
+                LOGGER.warning("backend %s: %d stderr lines not logged in the last %.1fs "
+                               "(over stderr_lines_per_second = %g)", self.name, held[0], held[1],
+                               throttle.rate, extra=log_extra)
+
+        try:
+            while True:
+                due = throttle.due()
+                data = None
+                with trio.move_on_at(due if due is not None else math.inf):
+                    try:
+                        data = await stream.receive_some(STDERR_CHUNK)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                        data = b""
+                if data is None:  # the summary window ended while the child was quiet
+                    summarise()
+                    continue
+                if not data:
+                    break
+                if throttle.due() is None:
+                    lines = [raw for raw in splitter.feed(data) if raw.strip()]
+                    take(len(lines), lines)
+                else:  # holding back already: count, keep the tail, log what the rate allows
+                    take(*splitter.feed_counted(data, STDERR_TAIL))
+                summarise()
+                if throttle.due() is not None:
+                    # Over the rate: let the pipe fill for a moment (the child's writes wait once
+                    # it is full) instead of spending a core on lines that are only counted.
+                    await trio.sleep(STDERR_FLOOD_PAUSE)
+        finally:  # also when cancelled (the child is being stopped): nothing vanishes silently
+            lines = [raw for raw in splitter.close() if raw.strip()]
+            take(len(lines), lines)
+            summarise(final=True)
 
     async def _watch_abandoned(self, child: ChildConnection, down: trio.Event) -> None:
         """Calls the gateway gave up on (client cancel, timeout) but the child never answered.

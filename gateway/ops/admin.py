@@ -6,6 +6,11 @@ handler nursery; requests on it are served one after the other (keep-alive, pipe
 h11's buffer), ``Connection: close`` is honoured by h11.  Every read of a request (including
 the idle wait between keep-alive requests) and every write is bounded by a timeout, the request
 head by ``max_head_bytes`` (431) and the body by :data:`MAX_BODY_BYTES` (413).
+
+DNS rebinding: a browser page whose name resolves to 127.0.0.1 may read same-origin responses,
+so ``/status`` (backend stderr) and ``/metrics`` answer only a ``Host`` that is a loopback name,
+the bound address or in ``allowed_hosts`` (else 421).  ``/healthz`` and ``/readyz`` answer any
+``Host`` (load balancers probe by address or by their own name) and reveal nothing.
 """
 
 from __future__ import annotations
@@ -13,13 +18,16 @@ from __future__ import annotations
 import dataclasses
 import http
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
 import h11
 import msgspec
 import trio
+
+from gateway.config import host_allowed
+from gateway.transports.listeners import allowed_host_names
 
 if TYPE_CHECKING:
     from gateway.ops.metrics import GatewayMetrics
@@ -33,6 +41,7 @@ MAX_HEAD_BYTES = 16 * 1024  # request line + headers; browsers and Prometheus se
 MAX_BODY_BYTES = 64 * 1024  # GET/HEAD carry no body; tolerate a small one, refuse more
 RECEIVE_SIZE = 64 * 1024
 ALLOWED_METHODS = ("GET", "HEAD")
+HOST_CHECKED = ("/metrics", "/status")  # what a rebound browser page must not read
 TEXT = "text/plain; charset=utf-8"
 
 Response = tuple[int, str, bytes, list[tuple[str, str]]]  # status, content type, body, headers
@@ -53,6 +62,7 @@ async def serve_admin(
     status: Callable[[], GatewayStatus],
     *,
     handler_nursery: trio.Nursery | None = None,
+    allowed_hosts: Sequence[str] = (),
     read_timeout: float = READ_TIMEOUT,
     max_head_bytes: int = MAX_HEAD_BYTES,
     task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
@@ -67,6 +77,8 @@ async def serve_admin(
         metrics: rendered on ``GET /metrics`` with content negotiation on ``Accept``.
         status: the snapshot for ``/readyz`` and ``/status``; called in the trio thread.
         handler_nursery: where connection tasks run (default: an internal nursery).
+        allowed_hosts: ``Host`` names ``/status`` and ``/metrics`` answer besides the loopback
+            names and the bound address (``admin.allowed_hosts``).
         read_timeout: seconds to receive a complete request (also the keep-alive idle limit).
         max_head_bytes: the largest request head accepted (larger ones get a 431).
         task_status: reports the listeners once accepting.
@@ -75,8 +87,9 @@ async def serve_admin(
         Nothing a client does escapes its connection task: protocol errors get a 4xx and a
         close, failures in a route a 500, anything else is logged and the connection closed.
     """
+    hosts = allowed_host_names(listeners, allowed_hosts)
     handler = partial(
-        _serve_connection, partial(_respond, metrics, status), read_timeout, max_head_bytes
+        _serve_connection, partial(_respond, metrics, status, hosts), read_timeout, max_head_bytes
     )
     await trio.serve_listeners(
         handler, listeners, handler_nursery=handler_nursery, task_status=task_status
@@ -86,8 +99,10 @@ async def serve_admin(
 def _respond(
     metrics: GatewayMetrics,
     status: Callable[[], GatewayStatus],
+    hosts: frozenset[str],
     method: str,
     target: str,
+    host: str | None,
     accept: str | None,
 ) -> Response:
     path = target.split("?", 1)[0]
@@ -95,6 +110,9 @@ def _respond(
         return 404, TEXT, b"not found\n", []
     if method not in ALLOWED_METHODS:
         return 405, TEXT, b"method not allowed\n", [("allow", ", ".join(ALLOWED_METHODS))]
+    if path in HOST_CHECKED and not host_allowed(host, hosts):
+        LOGGER.warning("admin: %s refused: Host %r not allowed (admin.allowed_hosts)", path, host)
+        return 421, TEXT, b"Host not allowed\n", []
     if path == "/healthz":
         return 200, TEXT, b"ok\n", []
     if path == "/metrics":
@@ -111,8 +129,11 @@ def _respond(
     return 200, "application/json", msgspec.json.encode(doc) + b"\n", []
 
 
+Respond = Callable[[str, str, str | None, str | None], Response]  # method, target, host, accept
+
+
 async def _serve_connection(
-    respond: Callable[[str, str, str | None], Response],
+    respond: Respond,
     read_timeout: float,
     max_head_bytes: int,
     stream: trio.SocketStream,
@@ -129,7 +150,7 @@ async def _serve_connection(
 
 
 async def _serve_one(
-    respond: Callable[[str, str, str | None], Response],
+    respond: Respond,
     conn: h11.Connection,
     stream: trio.SocketStream,
     read_timeout: float,
@@ -153,8 +174,9 @@ async def _serve_one(
         return False
     method, target = request.method.decode("ascii"), request.target.decode("ascii", "replace")
     accept = ", ".join(v.decode("latin-1") for k, v in request.headers if k == b"accept") or None
+    host = next((v.decode("latin-1") for k, v in request.headers if k == b"host"), None)  # h11: one at most
     try:
-        response = respond(method, target, accept)
+        response = respond(method, target, host, accept)
     except Exception:
         LOGGER.exception("admin: %s %s failed", method, target)
         response = (500, TEXT, b"internal error\n", [])

@@ -68,6 +68,10 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "backend_starts_total": ("Backend instances started.", ("backend",)),
     "backend_exits_total": ("Backend processes that ended.", ("backend", "reason")),
     "backend_protocol_errors_total": ("Non-JSON-RPC lines from backends.", ("backend", "kind")),
+    "backend_stderr_lines_total": (
+        "Backend stderr lines, logged or held back by the rate limit.",
+        ("backend", "logged"),
+    ),
     "catalog_changes_total": ("Changes of the merged catalog.", ("kind",)),
     "server_requests_total": ("Server requests finished.", ("backend", "method", "outcome")),
     "unroutable_server_requests_total": (
@@ -249,6 +253,7 @@ class GatewayMetrics:
             events.BackendProtocolError: lambda e: inc(
                 "backend_protocol_errors_total", e.backend, e.kind
             ),
+            events.BackendStderr: self._on_backend_stderr,
             events.CatalogChanged: self._on_catalog_changed,
             events.ServerRequestFinished: lambda e: inc(
                 "server_requests_total", _backend(e.backend), e.method, e.outcome
@@ -338,6 +343,13 @@ class GatewayMetrics:
     def _on_backend_started(self, e: events.BackendStarted) -> None:
         self._inc("backend_starts_total", e.backend)
         self._observe("backend_start_duration_seconds", e.start_duration, e.backend)
+
+    def _on_backend_stderr(self, e: events.BackendStderr) -> None:
+        name = "backend_stderr_lines_total"
+        if e.logged:
+            self._child(self._c[name], name, (e.backend, "true")).inc(e.logged)
+        if e.suppressed:
+            self._child(self._c[name], name, (e.backend, "false")).inc(e.suppressed)
 
     def _on_catalog_changed(self, e: events.CatalogChanged) -> None:
         for kind in e.kinds:

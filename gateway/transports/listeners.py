@@ -8,10 +8,11 @@ import logging
 import os
 import socket
 import stat
+from collections.abc import Sequence
 
 import trio
 
-from gateway.config import is_loopback
+from gateway.config import host_name, is_loopback
 
 LOGGER = logging.getLogger(__name__)
 
@@ -31,6 +32,15 @@ def check_loopback(listener: trio.SocketListener, what: str) -> None:
             f"{what}: bound to {host}, which is not loopback; network listeners need "
             "authentication, which is not configured"
         )
+
+
+def allowed_host_names(listeners: Sequence[trio.SocketListener], extra: Sequence[str]) -> frozenset[str]:
+    """The ``Host`` names a TCP listener answers to besides the loopback names (see
+    :func:`gateway.config.host_allowed`): its bound address unless a wildcard, and ``extra``
+    (the operator's ``allowed_hosts``)."""
+    bound = {host_name(str(lst.socket.getsockname()[0])) for lst in listeners
+             if lst.socket.family in (socket.AF_INET, socket.AF_INET6)}
+    return frozenset((bound - {"0.0.0.0", "::"}) | {host_name(h) for h in extra})
 
 
 async def open_tcp(host: str, port: int, what: str) -> list[trio.SocketListener]:

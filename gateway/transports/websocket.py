@@ -7,11 +7,18 @@ message, measured at about 150 µs of CPU per call on this path.)  Control frame
 from :meth:`WebSocketStream.receive`; writes share a lock that is taken without a checkpoint when
 free.
 
-Origin check: an upgrade whose ``Origin`` header is present and not in ``allowed_origins`` gets
-HTTP 403 (browsers open cross-origin WebSockets without CORS, so loopback alone does not protect a
-local gateway).  Size limit: a message over ``max_message_bytes`` raises
-:class:`~gateway.errors.MessageTooLarge` (the connection answers -32600 and closes with 1009);
-the partial message is never buffered past the limit.  A close after a write that was cut off
+Origin check: an upgrade with an ``Origin`` header that is not in ``allowed_origins`` gets HTTP
+403 (browsers open cross-origin WebSockets without CORS, so loopback alone does not protect a
+local gateway); with several ``Origin`` headers every one must be allowed.  Host check: an
+upgrade whose ``Host`` is not a loopback name, the bound address or in ``allowed_hosts`` gets
+HTTP 421 (DNS rebinding: a page whose name resolves to 127.0.0.1 sends its own name).
+
+Frames: MCP over WebSocket is one JSON-RPC message per *text* frame.  A message over
+``max_message_bytes`` raises :class:`~gateway.errors.MessageTooLarge` (the connection answers
+-32600 and closes with 1009); the partial message is never buffered past the limit.  A binary
+frame raises :class:`~gateway.errors.UnsupportedMessage` (-32600, then close 1003); a text frame
+that is not UTF-8 raises :class:`~gateway.errors.InvalidFramePayload` (close 1007, no answer);
+other frame-level protocol errors close with the code wsproto names (1002).  A close after a write that was cut off
 mid-frame drops the TCP connection instead of sending a close frame into the middle of a frame.
 """
 
@@ -36,7 +43,15 @@ from wsproto.events import (
 )
 from wsproto.utilities import RemoteProtocolError
 
-from gateway.errors import MessageTooLarge, TransportClosed
+from gateway.config import host_allowed
+from gateway.errors import (
+    CloseReason,
+    InvalidFramePayload,
+    MessageTooLarge,
+    TransportClosed,
+    UnsupportedMessage,
+)
+from gateway.transports.listeners import allowed_host_names
 
 LOGGER = logging.getLogger(__name__)
 
@@ -47,7 +62,16 @@ HANDSHAKE_TIMEOUT = 10.0
 CLOSE_WAIT = 2.0
 _RECEIVE = 65536
 _BROKEN = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
-_CLOSE_CODES = {"oversize": 1009, "overflow": 1008, "shutdown": 1001, "error": 1011}
+_CLOSE_CODES = {
+    CloseReason.OVERSIZE: 1009,
+    CloseReason.OVERFLOW: 1008,
+    CloseReason.SHUTDOWN: 1001,
+    CloseReason.ERROR: 1011,
+    CloseReason.UNSUPPORTED_DATA: 1003,
+    CloseReason.INVALID_DATA: 1007,
+}
+#: wsproto's close code for an invalid UTF-8 text frame (RFC 6455 §7.4.1).
+_INVALID_PAYLOAD = 1007
 
 
 class WebSocketStream:
@@ -63,6 +87,7 @@ class WebSocketStream:
         self._lock = trio.Lock()
         self._broken = False  # a write was interrupted mid-frame
         self._closed = False
+        self._failed: int | None = None  # close code for a frame wsproto could not parse
 
     async def receive(self) -> bytes:
         while not self._messages:
@@ -83,8 +108,12 @@ class WebSocketStream:
 
     async def _handle_events(self) -> None:
         for event in self._ws.events():
-            if isinstance(event, TextMessage | BytesMessage):
-                part = event.data.encode() if isinstance(event, TextMessage) else bytes(event.data)
+            if isinstance(event, BytesMessage):
+                self._parts, self._size = [], 0
+                raise UnsupportedMessage("binary WebSocket frames are not supported: send each "
+                                         "JSON-RPC message as one text frame")
+            if isinstance(event, TextMessage):
+                part = event.data.encode()
                 self._size += len(part)
                 if self._size > self._max:
                     size, self._parts, self._size = self._size, [], 0
@@ -96,6 +125,15 @@ class WebSocketStream:
             elif isinstance(event, Ping):
                 await self._write(self._ws.send(event.response()))
             elif isinstance(event, CloseConnection):
+                if self._ws.state is ConnectionState.OPEN:
+                    # wsproto's way to report a frame it could not parse: no close frame came in,
+                    # the close (with event.code) is ours to send.
+                    self._failed = event.code
+                    self._closed = True
+                    self._messages.clear()
+                    if event.code == _INVALID_PAYLOAD:
+                        raise InvalidFramePayload(f"invalid WebSocket frame: {event.reason}")
+                    raise TransportClosed(f"WebSocket protocol error: {event.reason}")
                 if self._ws.state is ConnectionState.REMOTE_CLOSING:
                     await self._write(self._ws.send(event.response()))
                 self._closed = True
@@ -148,7 +186,7 @@ class WebSocketStream:
 
     async def aclose(self, reason: str) -> None:
         if not self._broken and self._ws.state is ConnectionState.OPEN:
-            code = _CLOSE_CODES.get(reason, 1000)
+            code = self._failed or _CLOSE_CODES.get(reason, 1000)
             with trio.move_on_after(CLOSE_WAIT):
                 try:
                     await self._write(self._ws.send(CloseConnection(code=code, reason=reason)))
@@ -163,13 +201,20 @@ class WebSocketStream:
 
 
 def origin_allowed(headers: Sequence[tuple[bytes, bytes]], allowed: Sequence[str]) -> bool:
-    for name, value in headers:
-        if name.lower() == b"origin":
-            return value.decode("latin-1") in allowed
-    return True  # no Origin: not a browser
+    """Every ``Origin`` header is in ``allowed`` (none at all: not a browser, allowed)."""
+    return all(value.decode("latin-1") in allowed
+               for name, value in headers if name.lower() == b"origin")
 
 
-async def _handshake(stream: trio.abc.Stream, allowed_origins: Sequence[str]) -> WSConnection | None:
+async def _refuse(stream: trio.abc.Stream, ws: WSConnection, status: int, text: str) -> None:
+    body = f"{text}\n".encode()
+    reject = RejectConnection(status_code=status, has_body=True, headers=[
+        (b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())])
+    await stream.send_all(ws.send(reject) + ws.send(RejectData(data=body)))
+
+
+async def _handshake(stream: trio.abc.Stream, allowed_origins: Sequence[str],
+                     allowed_hosts: frozenset[str]) -> WSConnection | None:
     """Run the HTTP upgrade; returns the open connection, or None after refusing it."""
     ws = WSConnection(ConnectionType.SERVER)
     while True:
@@ -186,12 +231,13 @@ async def _handshake(stream: trio.abc.Stream, allowed_origins: Sequence[str]) ->
         for event in events:
             if not isinstance(event, Request):
                 continue
+            if not host_allowed(event.host, allowed_hosts):
+                LOGGER.warning("websocket upgrade refused: Host %r not allowed", event.host)
+                await _refuse(stream, ws, 421, "Host not allowed")
+                return None
             if not origin_allowed(event.extra_headers, allowed_origins):
                 LOGGER.warning("websocket upgrade refused: Origin not allowed")
-                body = b"Origin not allowed\n"
-                reject = RejectConnection(status_code=403, has_body=True, headers=[
-                    (b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())])
-                await stream.send_all(ws.send(reject) + ws.send(RejectData(data=body)))
+                await _refuse(stream, ws, 403, "Origin not allowed")
                 return None
             sub = SUBPROTOCOL if SUBPROTOCOL in event.subprotocols else None
             await stream.send_all(ws.send(AcceptConnection(subprotocol=sub)))
@@ -203,6 +249,7 @@ async def serve_websocket(
     on_connection: Callable[[WebSocketStream], Awaitable[None]],
     *,
     allowed_origins: Sequence[str],
+    allowed_hosts: Sequence[str] = (),
     max_message: int,
     handler_nursery: trio.Nursery,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
@@ -210,14 +257,16 @@ async def serve_websocket(
     """Accept WebSocket connections on ``listeners`` until cancelled.
 
     Connections run in ``handler_nursery``, so cancelling this task (stop accepting) does not
-    cancel live connections.
+    cancel live connections.  ``allowed_hosts``: ``Host`` names accepted besides the loopback
+    names and the bound address.
     """
+    hosts = allowed_host_names(listeners, allowed_hosts)
 
     async def handler(stream: trio.SocketStream) -> None:
         ws = None
         with trio.move_on_after(HANDSHAKE_TIMEOUT):
             try:
-                ws = await _handshake(stream, allowed_origins)
+                ws = await _handshake(stream, allowed_origins, hosts)
             except _BROKEN:
                 ws = None
         if ws is None:

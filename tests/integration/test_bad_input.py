@@ -316,7 +316,7 @@ async def test_slow_reader_is_disconnected_for_outbound_overflow_others_keep_wor
 async def closed_for_overflow(port: int) -> float:
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     async with stream:
-        await stream.send_all(b"GET /metrics HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        await stream.send_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
         data = b""
         while chunk := await stream.receive_some(65536):
             data += chunk

@@ -66,16 +66,17 @@ async def server() -> AsyncIterator[Server]:
 class Client:
     """A minimal HTTP/1.1 client on h11 over one trio stream (for keep-alive checks)."""
 
-    def __init__(self, stream: trio.SocketStream) -> None:
+    def __init__(self, stream: trio.SocketStream, host: str = "127.0.0.1") -> None:
         self.stream = stream
         self.conn = h11.Connection(h11.CLIENT)
+        self.host = host
 
     async def request(
         self, method: str, target: str, *headers: tuple[str, str]
     ) -> tuple[int, dict[str, str], bytes]:
         if self.conn.our_state is h11.DONE:
             self.conn.start_next_cycle()
-        req = h11.Request(method=method, target=target, headers=[("host", "t"), *headers])
+        req = h11.Request(method=method, target=target, headers=[("host", self.host), *headers])
         await self.stream.send_all(self.conn.send(req) + self.conn.send(h11.EndOfMessage()))
         response, body = None, b""
         while True:
@@ -93,10 +94,10 @@ class Client:
 
 
 async def get(
-    port: int, target: str, method: str = "GET", *headers: tuple[str, str]
+    port: int, target: str, method: str = "GET", *headers: tuple[str, str], host: str = "127.0.0.1"
 ) -> tuple[int, dict[str, str], bytes]:
     async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
-        return await Client(stream).request(method, target, *headers)
+        return await Client(stream, host).request(method, target, *headers)
 
 
 async def read_until_eof(stream: trio.SocketStream) -> bytes:
@@ -200,3 +201,40 @@ async def test_oversized_head_and_garbage(server: Server) -> None:
         await stream.send_all(b"\x16\x03\x01 not http at all\r\n\r\n")
         assert (await read_until_eof(stream)).startswith(b"HTTP/1.1 400 ")
     assert (await get(server.port, "/healthz"))[0] == 200
+
+
+async def test_status_and_metrics_answer_only_loopback_or_bound_host_names(server: Server) -> None:
+    """DNS rebinding: a page on attacker.example (resolving to 127.0.0.1) sends its own name."""
+    for host in ("127.0.0.1", f"127.0.0.1:{server.port}", "localhost", f"LocalHost:{server.port}",
+                 "[::1]", f"[::1]:{server.port}"):
+        for path in ("/status", "/metrics"):
+            assert (await get(server.port, path, host=host))[0] == 200, (host, path)
+    for host in ("attacker.example", f"attacker.example:{server.port}", "127.0.0.2", "localhost.attacker.example"):
+        for path in ("/status", "/metrics", "/status?x"):
+            status, _, body = await get(server.port, path, host=host)
+            assert (status, body) == (421, b"Host not allowed\n"), (host, path)
+        # probes answer whatever name the load balancer uses
+        assert (await get(server.port, "/healthz", host=host))[0] == 200
+        assert (await get(server.port, "/readyz", host=host))[0] == 200
+    async with await trio.open_tcp_stream("127.0.0.1", server.port) as stream:  # two Host headers
+        await stream.send_all(b"GET /status HTTP/1.0\r\nHost: 127.0.0.1\r\nHost: attacker.example\r\n\r\n")
+        assert (await read_until_eof(stream)).startswith(b"HTTP/1.1 400 ")  # h11 refuses it
+    async with await trio.open_tcp_stream("127.0.0.1", server.port) as stream:  # HTTP/1.0, no Host
+        await stream.send_all(b"GET /status HTTP/1.0\r\n\r\n")
+        assert (await read_until_eof(stream)).startswith(b"HTTP/1.1 421 ")
+
+
+async def test_admin_allowed_hosts_and_the_bound_address() -> None:
+    listeners = await open_admin_listeners("127.0.0.1", 0)
+    port = listeners[0].socket.getsockname()[1]
+    srv = Server(port, snapshot())
+    metrics = GatewayMetrics(srv.bus, srv.status, version="1.2.3")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lambda task_status: serve_admin(
+            listeners, metrics, srv.status, allowed_hosts=["Gateway.Example.Internal:9477"],
+            task_status=task_status))
+        with trio.fail_after(20):
+            assert (await get(port, "/status", host="gateway.example.internal"))[0] == 200
+            assert (await get(port, "/metrics", host="gateway.example.internal:80"))[0] == 200
+            assert (await get(port, "/status", host="other.example.internal"))[0] == 421
+        nursery.cancel_scope.cancel()
