@@ -23,7 +23,7 @@ pytestmark = pytest.mark.system
 #: Tools the fixture lists by default (extra_tool and wipe only on demand).
 FIXTURE_TOOLS = {
     "echo", "progress", "sleep", "crash", "garbage", "stderr", "elicit", "sample", "roots",
-    "notify_list_changed", "add_destructive", "update_resource", "log", "client_info", "big",
+    "notify_list_changed", "add_destructive", "update_resource", "log", "client_info", "big", "raw",
 }  # fmt: skip
 
 
