@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -258,3 +259,18 @@ def test_required_backend_failing_at_boot_fails_start(tmp_path: Path) -> None:
     out = finish(proc).encode()
     assert proc.returncode == 1
     assert b"required backend 'r' failed to start" in out
+
+
+def test_log_target_stderr_starts(tmp_path: Path, notify_socket: tuple[socket.socket, str]) -> None:
+    """Issue 7: ``log_target = "stderr"`` passed check-config, then ``run`` died setting up logs."""
+    sock, addr = notify_socket
+    cfg = tmp_path / "gw.toml"
+    write_config(cfg, free_port(), free_port(), backend_toml("a"), gateway='log_target = "stderr"')
+    proc = start_daemon(cfg, {"NOTIFY_SOCKET": addr})
+    try:
+        recv_until(sock, "READY=1", [])
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        out = finish(proc)
+    assert re.search(r"^\S+ \S+ INFO gateway.service: mcp-gateway \S+ ready", out, re.M), out[-2000:]
