@@ -11,10 +11,11 @@ SIGTERM/SIGINT drain.  Tests drive the same paths through :class:`Control`.
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import trio
@@ -53,21 +54,44 @@ class Bound:
     admin_port: int | None = None
 
 
-@dataclass
+class Command(enum.Enum):
+    """What :meth:`Control.next` tells the daemon to do."""
+
+    RELOAD = enum.auto()
+    STOP = enum.auto()
+
+
 class Control:
-    """Reload/stop triggers, fed by signals in production and by tests directly."""
+    """Reload/stop triggers, fed by signals in production and by tests directly.
 
-    send: trio.MemorySendChannel[str] = field(init=False)
-    receive: trio.MemoryReceiveChannel[str] = field(init=False)
+    Nothing is queued, so nothing can overflow however many signals arrive: stop is a level
+    (once requested it stays requested and wins over any reload), reload a pending flag (any
+    number of requests while a reload runs cause exactly one more reload after it).
+    """
 
-    def __post_init__(self) -> None:
-        self.send, self.receive = trio.open_memory_channel[str](16)
+    def __init__(self) -> None:
+        self.stopping = trio.Event()
+        self._reload_pending = False
+        self._wake = trio.Event()
 
     def reload(self) -> None:
-        self.send.send_nowait("reload")
+        self._reload_pending = True
+        self._wake.set()
 
     def stop(self) -> None:
-        self.send.send_nowait("stop")
+        self.stopping.set()
+        self._wake.set()
+
+    async def next(self) -> Command:
+        """Wait for the next command: STOP as soon as a stop was requested, else RELOAD."""
+        while True:
+            if self.stopping.is_set():
+                return Command.STOP
+            if self._reload_pending:
+                self._reload_pending = False
+                return Command.RELOAD
+            await self._wake.wait()
+            self._wake = trio.Event()
 
 
 def _status_line(hub: Hub) -> str:
@@ -81,7 +105,10 @@ async def _signals(control: Control, task_status: trio.TaskStatus[None] = trio.T
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         task_status.started()
         async for signum in signals:
-            control.send.send_nowait("reload" if signum == signal.SIGHUP else "stop")
+            if signum == signal.SIGHUP:
+                control.reload()
+            else:
+                control.stop()
 
 
 async def run(
@@ -250,11 +277,24 @@ async def _serve_listeners(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], co
 
 
 async def _control_loop(hub: Hub, control: Control, config_path: str | None) -> None:
-    async for command in control.receive:
-        if command == "stop":
-            return
-        if command == "reload":
+    """Reload on request until a stop is requested; a stop cancels a reload that is running.
+
+    A cancelled reload leaves nothing unowned: every backend it was draining, stopping or
+    starting is still in ``hub.backends`` (or already stopped), so the shutdown path stops and
+    reaps it like any other.
+    """
+    while await control.next() is Command.RELOAD:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_cancel_when_stopping, control, nursery.cancel_scope)
             await reload(hub, config_path)
+            nursery.cancel_scope.cancel()
+        if control.stopping.is_set():
+            LOGGER.warning("reload abandoned: stop requested while it ran")
+
+
+async def _cancel_when_stopping(control: Control, scope: trio.CancelScope) -> None:
+    await control.stopping.wait()
+    scope.cancel()
 
 
 async def reload(hub: Hub, config_path: str | None) -> bool:

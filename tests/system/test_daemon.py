@@ -274,3 +274,59 @@ def test_log_target_stderr_starts(tmp_path: Path, notify_socket: tuple[socket.so
     finally:
         out = finish(proc)
     assert re.search(r"^\S+ \S+ INFO gateway.service: mcp-gateway \S+ ready", out, re.M), out[-2000:]
+
+
+def metric(admin: int, line_start: str) -> float:
+    _, text = http(admin, "/metrics")
+    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(line_start)]
+    return values[0] if values else 0.0
+
+
+async def call_in_flight(admin: int, backend: str) -> None:
+    """Return once the daemon's metrics show a call in flight on ``backend`` (caller bounds it)."""
+    while await trio.to_thread.run_sync(
+            metric, admin, f'mcp_gateway_inflight_requests{{backend="{backend}"}}') < 1:
+        await trio.sleep(0.02)
+
+
+async def test_sighup_burst_while_a_reload_drains_coalesces(
+        tmp_path: Path, notify_socket: tuple[socket.socket, str]) -> None:
+    """Issue 7: 30 SIGHUPs while a reload drains a slow call used to overflow the control channel
+    and kill the daemon.  Now they coalesce into at most one more reload."""
+    sock, addr = notify_socket
+    ws, admin = free_port(), free_port()
+    cfg = tmp_path / "gw.toml"
+    write_config(cfg, ws, admin, backend_toml("a") + backend_toml("b"))
+    proc = start_daemon(cfg, {"NOTIFY_SOCKET": addr})
+    seen: list[str] = []
+    try:
+        recv_until(sock, "READY=1", seen)
+        with trio.fail_after(40):
+            async with connect(f"ws://127.0.0.1:{ws}/") as c, trio.open_nursery() as nursery:
+                result: dict = {}
+
+                async def slow() -> None:
+                    result.update(await c.call("a__sleep", {"seconds": 2.0, "message": "drained"}, timeout=20))
+
+                nursery.start_soon(slow)
+                await call_in_flight(admin, "a")
+                write_config(cfg, ws, admin, backend_toml("b"))  # removing a drains the slow call
+                proc.send_signal(signal.SIGHUP)
+                await trio.to_thread.run_sync(recv_until, sock, "RELOADING=1", seen)
+                for _ in range(30):
+                    proc.send_signal(signal.SIGHUP)
+                    time.sleep(0.002)  # a burst, spread over the drain (pacing, not waiting)
+                await trio.to_thread.run_sync(recv_until, sock, "READY=1", seen)  # the first reload
+                assert proc.poll() is None
+                await trio.to_thread.run_sync(recv_until, sock, "RELOADING=1", seen)  # one more
+                await trio.to_thread.run_sync(recv_until, sock, "READY=1", seen)
+                assert text_of(await c.call("b__echo", {"message": "served"})) == "served"
+            assert text_of(result) == "drained"
+        proc.send_signal(signal.SIGTERM)
+        recv_until(sock, "STOPPING=1", seen)
+        assert proc.wait(timeout=20) == 0
+        reloads = [m for m in seen if "RELOADING=1" in m.split("\n")]
+        assert len(reloads) == 2, seen
+    finally:
+        print(finish(proc)[-3000:])
+
