@@ -159,7 +159,6 @@ async def run(
                 async with trio.open_nursery() as conns:
                     accept = trio.CancelScope()
                     await conns.start(_serve_listeners, hub, cfg, fds, conns, accept, bound)
-                    hub.listeners_bound = True
                     systemd.notify("READY=1", _status_line(hub))
                     LOGGER.info("mcp-gateway %s ready: websocket port %s, unix %s, admin port %s",
                                 __version__, bound.websocket_port, bound.unix_path, bound.admin_port)
@@ -169,6 +168,7 @@ async def run(
                 await hub.stop_backends()
                 hub_nursery.cancel_scope.cancel()
         finally:
+            hub.draining = True  # however run ends, the daemon is going down: not ready
             with trio.CancelScope(shield=True):
                 if hub.backends:
                     with trio.move_on_after(15):
@@ -232,48 +232,57 @@ async def _serve_listeners(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], co
                            accept: trio.CancelScope, bound: Bound,
                            task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     max_msg = cfg.gateway.max_message_bytes
-    with accept:
-        async with trio.open_nursery() as nursery:
-            if "websocket" in fds or cfg.listen.websocket is not None:
-                if "websocket" in fds:
-                    ws_listeners = [systemd.adopt_listener(fds["websocket"])]
-                    try:
-                        ls.check_loopback(ws_listeners[0], "websocket socket from systemd")
-                    except ls.ListenerError as exc:
-                        raise StartupError(str(exc)) from None
-                else:
-                    assert cfg.listen.websocket is not None
-                    host, port = config.parse_host_port(cfg.listen.websocket)
-                    try:
-                        ws_listeners = await ls.open_tcp(host, port, "listen.websocket")
-                    except ls.ListenerError as exc:
-                        raise StartupError(str(exc)) from None
-                bound.websocket_port = ls.bound_port(ws_listeners)
+    try:
+        with accept:
+            await _accept(hub, cfg, fds, conns, bound, max_msg, task_status)
+    finally:
+        hub.listeners_bound = False  # not ready from the moment nothing is accepted any more
 
-                async def on_ws(stream: connection.MessageStream) -> None:
-                    await connection.serve(hub, stream, "websocket")
 
-                await nursery.start(lambda task_status: serve_websocket(
-                    ws_listeners, on_ws, allowed_origins=cfg.listen.allowed_origins, max_message=max_msg,
-                    handler_nursery=conns, task_status=task_status))
-            if "unix" in fds or cfg.listen.unix is not None:
-                if "unix" in fds:
-                    unix_listener = systemd.adopt_listener(fds["unix"])
-                    bound.unix_path = str(unix_listener.socket.getsockname())
-                else:
-                    assert cfg.listen.unix is not None
-                    try:
-                        unix_listener = await ls.open_unix(cfg.listen.unix, int(cfg.listen.unix_mode, 8))
-                    except ls.ListenerError as exc:
-                        raise StartupError(str(exc)) from None
-                    bound.unix_path = cfg.listen.unix
+async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio.Nursery, bound: Bound,
+                  max_msg: int, task_status: trio.TaskStatus[None]) -> None:
+    async with trio.open_nursery() as nursery:
+        if "websocket" in fds or cfg.listen.websocket is not None:
+            if "websocket" in fds:
+                ws_listeners = [systemd.adopt_listener(fds["websocket"])]
+                try:
+                    ls.check_loopback(ws_listeners[0], "websocket socket from systemd")
+                except ls.ListenerError as exc:
+                    raise StartupError(str(exc)) from None
+            else:
+                assert cfg.listen.websocket is not None
+                host, port = config.parse_host_port(cfg.listen.websocket)
+                try:
+                    ws_listeners = await ls.open_tcp(host, port, "listen.websocket")
+                except ls.ListenerError as exc:
+                    raise StartupError(str(exc)) from None
+            bound.websocket_port = ls.bound_port(ws_listeners)
 
-                async def on_unix(stream: trio.SocketStream) -> None:
-                    await connection.serve(hub, LineStream(stream, max_msg), "unix")
+            async def on_ws(stream: connection.MessageStream) -> None:
+                await connection.serve(hub, stream, "websocket")
 
-                await nursery.start(lambda task_status: trio.serve_listeners(
-                    on_unix, [unix_listener], handler_nursery=conns, task_status=task_status))
-            task_status.started()
+            await nursery.start(lambda task_status: serve_websocket(
+                ws_listeners, on_ws, allowed_origins=cfg.listen.allowed_origins, max_message=max_msg,
+                handler_nursery=conns, task_status=task_status))
+        if "unix" in fds or cfg.listen.unix is not None:
+            if "unix" in fds:
+                unix_listener = systemd.adopt_listener(fds["unix"])
+                bound.unix_path = str(unix_listener.socket.getsockname())
+            else:
+                assert cfg.listen.unix is not None
+                try:
+                    unix_listener = await ls.open_unix(cfg.listen.unix, int(cfg.listen.unix_mode, 8))
+                except ls.ListenerError as exc:
+                    raise StartupError(str(exc)) from None
+                bound.unix_path = cfg.listen.unix
+
+            async def on_unix(stream: trio.SocketStream) -> None:
+                await connection.serve(hub, LineStream(stream, max_msg), "unix")
+
+            await nursery.start(lambda task_status: trio.serve_listeners(
+                on_unix, [unix_listener], handler_nursery=conns, task_status=task_status))
+        hub.listeners_bound = True
+        task_status.started()
 
 
 async def _control_loop(hub: Hub, control: Control, config_path: str | None) -> None:
