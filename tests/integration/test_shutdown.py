@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 import trio
+from helpers import fixture_backend, make_config
 
 from gateway import service
 from gateway.backend import process
 from gateway.hub import Hub
 from gateway.status import GatewayStatus
-from helpers import fixture_backend, make_config
 
 pytestmark = pytest.mark.system
 
