@@ -10,6 +10,7 @@ and hands server→client requests to :mod:`gateway.ownership`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -57,6 +58,8 @@ class Hub:
         self.policy = Policy(cfg.policy, bus, cfg)
         self.listeners_bound = False
         self.draining = False
+        self.calls_cut_off = False  # drain grace over: cancelled calls are answered -32005 shutdown
+        self._connections_changed = trio.Event()
         self._subreaper = subreaper
         self._nursery: trio.Nursery | None = None
         self._levels: dict[str, str | None] = {}
@@ -133,6 +136,27 @@ class Hub:
             known = {i.proc.pid for b in self.backends.values() for i in b.instances
                      if i.proc is not None and i.proc.returncode is None}
             process.reap_orphans(known)
+
+    # ---- connections ------------------------------------------------------------------------
+
+    def connections_changed(self) -> None:
+        """A connection closed or its last call in flight ended: wake :meth:`wait_connections`."""
+        self._connections_changed.set()
+        self._connections_changed = trio.Event()
+
+    async def wait_connections(self, done: Callable[[], bool]) -> None:
+        """Return once ``done()`` holds, checked at each :meth:`connections_changed` (the caller
+        bounds the wait)."""
+        while not done():
+            await self._connections_changed.wait()
+
+    def cut_off_calls(self) -> None:
+        """The drain grace is over: cancel every call still running; each is answered -32005
+        ``shutdown`` (``retryable: false``, it may have had effects) before its connection closes."""
+        self.calls_cut_off = True
+        for session in self.sessions:
+            for scope in session.inflight.values():
+                scope.cancel()
 
     # ---- catalog ----------------------------------------------------------------------------
 

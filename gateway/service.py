@@ -349,19 +349,32 @@ async def reload(hub: Hub, config_path: str | None) -> bool:
 
 
 async def _drain(hub: Hub, cfg: GatewayConfig, accept: trio.CancelScope, conns: trio.Nursery) -> None:
-    """SIGTERM: stop accepting, let in-flight calls finish until the grace deadline, close."""
+    """SIGTERM: stop accepting, let in-flight calls finish until the grace deadline, close.
+
+    While draining, a connection answers each new request at once with -32005 ``shutdown``
+    (``retryable: true``: it never started); a call still running when ``drain_grace`` ends is
+    cancelled and answered -32005 ``shutdown`` with ``retryable: false`` (it may have had
+    effects), and only then is the connection closed.
+    """
+    hub.draining = True  # /readyz: 503 from here on
+    accept.cancel()
     systemd.notify("STOPPING=1", "STATUS=draining")
     LOGGER.info("draining: %d connections, grace %.0fs", len(hub.sessions), cfg.gateway.drain_grace)
-    hub.draining = True
-    accept.cancel()
     for session in list(hub.sessions):  # backend prompts and consent prompts alike
         session.end_all_requests("shutdown")
+
+    def no_calls() -> bool:
+        return not any(s.inflight for s in hub.sessions)
+
     with trio.move_on_after(cfg.gateway.drain_grace):
-        while any(s.inflight for s in hub.sessions):
-            await trio.sleep(0.05)
-    for session in list(hub.sessions):
-        session.close("shutdown")
+        await hub.wait_connections(no_calls)
+    late = sum(len(s.inflight) for s in hub.sessions)
     with trio.move_on_after(CLOSE_TIMEOUT):
-        while hub.sessions:
-            await trio.sleep(0.02)
+        if late:
+            LOGGER.warning("drain grace over: %d calls still running get -32005 shutdown", late)
+            hub.cut_off_calls()
+            await hub.wait_connections(no_calls)
+        for session in list(hub.sessions):
+            session.close("shutdown")
+        await hub.wait_connections(lambda: not hub.sessions)
     conns.cancel_scope.cancel()
