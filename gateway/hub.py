@@ -65,6 +65,9 @@ class Hub:
         self._levels: dict[str, str | None] = {}
         self._catalog_warnings: set[str] = set()
         self._restarting: dict[str, Backend] = {}  # stopped by a reload, about to start again
+        # a reload is restarting these: set once the new backend has started (or the restart
+        # was given up); calls wait on it instead of failing
+        self._replacing: dict[str, trio.Event] = {}
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -94,7 +97,10 @@ class Hub:
         if previous is not None:
             backend.lists = previous.lists
         self.backends[name] = backend
-        await self._nursery.start(backend.run)
+        try:
+            await self._nursery.start(backend.run)
+        finally:
+            self._replaced(name)
         return backend
 
     async def remove_backend(self, name: str, *, drain: float = 0.0, restarting: bool = False) -> None:
@@ -104,6 +110,9 @@ class Hub:
         new one has listed its own, so clients see no churn.
         """
         backend = self.backends[name]
+        if restarting:
+            backend.restarting = True
+            self._replacing.setdefault(name, trio.Event())
         if drain > 0:
             await backend.drain(drain)
         backend.stop()
@@ -113,6 +122,16 @@ class Hub:
             self._restarting[name] = backend
         else:
             self.rebuild_catalog()
+
+    def _replaced(self, name: str) -> None:
+        replacing = self._replacing.pop(name, None)
+        if replacing is not None:
+            replacing.set()
+
+    def restarts_done(self) -> None:
+        """A reload ended (also when cancelled): nothing waits for a restart any more."""
+        for name in list(self._replacing):
+            self._replaced(name)
 
     async def stop_backends(self) -> None:
         """Stop every backend in the spec's order, concurrently; returns when all are reaped."""
@@ -208,24 +227,35 @@ class Hub:
             "completions": {},
         }
 
-    def backend(self, name: str) -> Backend:
-        """The running backend ``name``; -32001 while a reload stops or restarts it."""
+    async def backend(self, name: str) -> Backend:
+        """The running backend ``name``.  While a reload restarts it, wait up to ``restart_wait``
+        for the new one to be started (:meth:`Backend.acquire` then waits for it to run, as after
+        a crash).
+
+        Raises:
+            BackendUnavailable: removed by a reload (``retryable: false``), or a restart by
+                reload that has not brought it back within ``restart_wait`` (``retryable: true``).
+        """
+        replaced = self._replacing.get(name)
+        if replaced is not None:
+            with trio.move_on_after(self.restart_wait):
+                await replaced.wait()
         backend = self.backends.get(name)
-        if backend is None:
+        if backend is None or name in self._replacing:
             restarting = name in self.cfg.backends
             raise errors.BackendUnavailable(
                 f"backend {name!r} is {'restarting after a reload' if restarting else 'removed'}",
                 backend=name, retryable=restarting)
         return backend
 
-    def backend_for_uri(self, uri: str) -> Backend:
+    async def backend_for_uri(self, uri: str) -> Backend:
         name = self.catalog.route_resource(uri)
         if name is None:
             candidates = [b for b in self.backends.values() if b.lists.resources or b.lists.templates]
             if len(candidates) != 1:
                 raise errors.ResourceNotFound(f"resource {uri!r} not found", uri=uri)
             return candidates[0]
-        return self.backend(name)
+        return await self.backend(name)
 
     async def authorize(self, session: ClientSession, tool: str, arguments: Any) -> None:
         await self.policy.authorize(session, tool, self.catalog.tool_defs.get(tool, {}), arguments)

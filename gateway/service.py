@@ -326,15 +326,18 @@ async def reload(hub: Hub, config_path: str | None) -> bool:
     for section in config.restart_only_changes(old, new):
         LOGGER.warning("reload: %s changed; that takes effect only after a restart", section)
     hub.apply_config(new)
-    async with trio.open_nursery() as nursery:  # drain them all at once, each bounded
-        for name in removed + changed:
-            LOGGER.info("reload: draining and stopping backend %s (%s)", name,
-                        "removed" if name in removed else "changed")
-            nursery.start_soon(partial(hub.remove_backend, name, drain=new.gateway.drain_grace,
-                                       restarting=name in changed))
-    for name in changed + added:
-        LOGGER.info("reload: starting backend %s", name)
-        await hub.add_backend(name, new.backends[name])
+    try:
+        async with trio.open_nursery() as nursery:  # drain them all at once, each bounded
+            for name in removed + changed:
+                LOGGER.info("reload: draining and stopping backend %s (%s)", name,
+                            "removed" if name in removed else "changed")
+                nursery.start_soon(partial(hub.remove_backend, name, drain=new.gateway.drain_grace,
+                                           restarting=name in changed))
+        for name in changed + added:
+            LOGGER.info("reload: starting backend %s", name)
+            await hub.add_backend(name, new.backends[name])
+    finally:
+        hub.restarts_done()
     for name in new.backends:
         if name not in changed and name not in added:
             hub.backends[name].reset()  # unchanged but FATAL: try again

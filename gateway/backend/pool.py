@@ -87,6 +87,7 @@ class Backend:
         self.subscriptions: dict[str, set[ClientSession]] = {}
         self._nursery: trio.Nursery | None = None
         self._stopping = False
+        self.restarting = False  # stopped by a reload that starts it again with a changed config
         self._waiters: deque[_Waiter] = deque()
         self._own: dict[ClientSession, Instance] = {}
         self._session_index = 0
@@ -152,9 +153,7 @@ class Backend:
             Overloaded: affine queue full or timed out; per-session cap reached.
         """
         if self._stopping:
-            raise errors.BackendUnavailable(
-                f"backend {self.name!r} is being removed", backend=self.name, retryable=False
-            )
+            raise self._gone()
         if self.cfg.sharing == "affine":
             return await self._acquire_affine(session)
         if self.cfg.sharing == "per-session":
@@ -170,6 +169,13 @@ class Backend:
             return best[1], best[2]
         inst = self.instances[0]
         return inst, await inst.wait_ready(self.host.restart_wait)
+
+    def _gone(self) -> errors.BackendUnavailable:
+        if self.restarting:  # the reload starts a new one: trying again soon will work
+            return errors.BackendUnavailable(f"backend {self.name!r} is being restarted by a reload",
+                                             backend=self.name, retryable=True)
+        return errors.BackendUnavailable(f"backend {self.name!r} is being removed",
+                                         backend=self.name, retryable=False)
 
     def owners(self, inst: Instance, child: ChildConnection) -> set[ClientSession]:
         """Who may receive a server→client request from ``child`` (see gateway.ownership)."""
@@ -269,9 +275,7 @@ class Backend:
                 inst.owner = None
                 self._grant()
             if self._stopping:
-                raise errors.BackendUnavailable(
-                    f"backend {self.name!r} is being removed", backend=self.name, retryable=False
-                )
+                raise self._gone()
             if all(i.state is State.FATAL for i in self.instances):
                 raise errors.BackendUnavailable(f"backend {self.name!r} is failing (crash loop)",
                                                 backend=self.name, retryable=False)
