@@ -88,6 +88,7 @@ class Backend:
         self._nursery: trio.Nursery | None = None
         self._stopping = False
         self.restarting = False  # stopped by a reload that starts it again with a changed config
+        self._released = trio.Event()  # a client call ended (wakes drain); replaced each time
         self._waiters: deque[_Waiter] = deque()
         self._own: dict[ClientSession, Instance] = {}
         self._session_index = 0
@@ -125,7 +126,7 @@ class Backend:
             waiter.granted.set()
         with trio.move_on_after(grace):
             while self.inflight():
-                await trio.sleep(0.05)
+                await self._released.wait()
 
     def stop(self) -> None:
         self._stopping = True
@@ -189,6 +190,8 @@ class Backend:
             self._settle(inst)
         elif self.cfg.sharing == "per-session":
             inst.last_used = trio.current_time()
+        self._released.set()
+        self._released = trio.Event()
 
     # affine: an instance serves one connection while that connection has calls in its
     # attribution set; FIFO hand-over, and a holder gets no new calls once someone else waits.
