@@ -82,6 +82,7 @@ async def serve(hub: Hub, stream: MessageStream, transport: str) -> None:
     finally:
         with trio.CancelScope(shield=True):
             hub.sessions.discard(session)
+            hub.connections_changed()
             session.end_all_requests("owner_gone")
             await hub.session_closed(session)
             await _flush(session, stream, in_hand)
@@ -214,6 +215,10 @@ def _handle(hub: Hub, session: ClientSession, data: bytes, nursery: trio.Nursery
         return
     if kind == "request":
         assert isinstance(env.id, int | str) and isinstance(env.method, str)
+        if hub.draining:  # never started, so safe to send to another replica
+            reply(error_response(env.id, errors.Denied(
+                "the gateway is shutting down; send this request elsewhere", reason="shutdown", retryable=True)))
+            return
         if env.method == "initialize" and batch is not None:
             reply(error_response(env.id, errors.InvalidRequest("initialize must not be part of a batch")))
             return
@@ -283,10 +288,18 @@ async def _run_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, 
                 code = errors.INTERNAL_ERROR
                 response = error_response(env.id, errors.InternalError(
                     f"internal error while handling {env.method}"))
-        if response is not None and not scope.cancelled_caught:
+        if scope.cancelled_caught and hub.calls_cut_off:  # drain grace over: say so, not silence
+            code = errors.DENIED
+            response = error_response(env.id, errors.Denied(
+                "the gateway shut down before this call finished; it may have had effects",
+                reason="shutdown", retryable=False))
+            outcome = "error"
+        elif response is not None and not scope.cancelled_caught:
             outcome = "ok" if code is None else "error"
         reply(response if outcome != "cancelled" else None)  # a cancelled request gets no response
     finally:
         session.inflight.pop(env.id, None)
+        if not session.inflight:
+            hub.connections_changed()
         hub.bus.emit(RequestFinished(session.conn_id, label, req.backend, outcome, code,
                                      trio.current_time() - started, req.backend_time, req.tool))

@@ -121,7 +121,7 @@ async def set_level(hub: Hub, session: ClientSession, req: Request) -> Raw:
 
 async def subscribe(hub: Hub, session: ClientSession, req: Request) -> Raw:
     uri = _str_param(req, "uri")
-    backend = hub.backend_for_uri(uri)
+    backend = await hub.backend_for_uri(uri)
     if req.method == "resources/subscribe":
         await backend.subscribe(session, uri)
     else:
@@ -189,7 +189,7 @@ async def call_tool(hub: Hub, session: ClientSession, req: Request) -> Raw:
         raw_args = req.params.get("arguments")
         arguments = msgspec.json.decode(raw_args) if raw_args is not None else None
         await hub.authorize(session, name, arguments)
-    backend = hub.backend(route.backend)  # looked up after consent: a reload may have removed it
+    backend = await hub.backend(route.backend)  # looked up after consent: a reload may have removed it
     params = dict(req.params)
     params["name"] = Raw(msgspec.json.encode(route.name))
     return await forward(hub, session, req, backend, params)
@@ -202,13 +202,13 @@ async def get_prompt(hub: Hub, session: ClientSession, req: Request) -> Raw:
         raise errors.InvalidParams(f"unknown prompt {name!r}")
     params = dict(req.params)
     params["name"] = Raw(msgspec.json.encode(route.name))
-    return await forward(hub, session, req, hub.backend(route.backend), params)
+    return await forward(hub, session, req, await hub.backend(route.backend), params)
 
 
 async def read_resource(hub: Hub, session: ClientSession, req: Request) -> Raw:
     _reject_tasks(req)
     uri = _str_param(req, "uri")
-    return await forward(hub, session, req, hub.backend_for_uri(uri), dict(req.params))
+    return await forward(hub, session, req, await hub.backend_for_uri(uri), dict(req.params))
 
 
 async def complete(hub: Hub, session: ClientSession, req: Request) -> Raw:
@@ -225,13 +225,13 @@ async def complete(hub: Hub, session: ClientSession, req: Request) -> Raw:
         if route is None:
             raise errors.InvalidParams(f"unknown prompt {ref.get('name')!r}")
         params["ref"] = jsonrpc.encode_dict({**ref, "name": route.name})
-        backend = hub.backend(route.backend)
+        backend = await hub.backend(route.backend)
     elif ref.get("type") == "ref/resource":
         uri = str(ref.get("uri"))
         name = hub.catalog.route_template(uri)
         if name is None:
             raise errors.InvalidParams(f"unknown resource or template {uri!r}")
-        backend = hub.backend(name)
+        backend = await hub.backend(name)
     else:
         raise errors.InvalidParams("completion/complete: ref.type must be ref/prompt or ref/resource")
     return await forward(hub, session, req, backend, params)

@@ -10,6 +10,7 @@ and hands server→client requests to :mod:`gateway.ownership`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -58,11 +59,16 @@ class Hub:
         self.policy = Policy(cfg.policy, bus, cfg)
         self.listeners_bound = False
         self.draining = False
+        self.calls_cut_off = False  # drain grace over: cancelled calls are answered -32005 shutdown
+        self._connections_changed = trio.Event()
         self._subreaper = subreaper
         self._nursery: trio.Nursery | None = None
         self._levels: dict[str, str | None] = {}
         self._catalog_warnings: set[str] = set()
         self._restarting: dict[str, Backend] = {}  # stopped by a reload, about to start again
+        # a reload is restarting these: set once the new backend has started (or the restart
+        # was given up); calls wait on it instead of failing
+        self._replacing: dict[str, trio.Event] = {}
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -92,7 +98,10 @@ class Hub:
         if previous is not None:
             backend.lists = previous.lists
         self.backends[name] = backend
-        await self._nursery.start(backend.run)
+        try:
+            await self._nursery.start(backend.run)
+        finally:
+            self._replaced(name)
         return backend
 
     async def remove_backend(self, name: str, *, drain: float = 0.0, restarting: bool = False) -> None:
@@ -102,6 +111,9 @@ class Hub:
         new one has listed its own, so clients see no churn.
         """
         backend = self.backends[name]
+        if restarting:
+            backend.restarting = True
+            self._replacing.setdefault(name, trio.Event())
         if drain > 0:
             await backend.drain(drain)
         backend.stop()
@@ -111,6 +123,16 @@ class Hub:
             self._restarting[name] = backend
         else:
             self.rebuild_catalog()
+
+    def _replaced(self, name: str) -> None:
+        replacing = self._replacing.pop(name, None)
+        if replacing is not None:
+            replacing.set()
+
+    def restarts_done(self) -> None:
+        """A reload ended (also when cancelled): nothing waits for a restart any more."""
+        for name in list(self._replacing):
+            self._replaced(name)
 
     async def stop_backends(self) -> None:
         """Stop every backend in the spec's order, concurrently; returns when all are reaped."""
@@ -134,6 +156,27 @@ class Hub:
             known = {i.proc.pid for b in self.backends.values() for i in b.instances
                      if i.proc is not None and i.proc.returncode is None}
             process.reap_orphans(known)
+
+    # ---- connections ------------------------------------------------------------------------
+
+    def connections_changed(self) -> None:
+        """A connection closed or its last call in flight ended: wake :meth:`wait_connections`."""
+        self._connections_changed.set()
+        self._connections_changed = trio.Event()
+
+    async def wait_connections(self, done: Callable[[], bool]) -> None:
+        """Return once ``done()`` holds, checked at each :meth:`connections_changed` (the caller
+        bounds the wait)."""
+        while not done():
+            await self._connections_changed.wait()
+
+    def cut_off_calls(self) -> None:
+        """The drain grace is over: cancel every call still running; each is answered -32005
+        ``shutdown`` (``retryable: false``, it may have had effects) before its connection closes."""
+        self.calls_cut_off = True
+        for session in self.sessions:
+            for scope in session.inflight.values():
+                scope.cancel()
 
     # ---- catalog ----------------------------------------------------------------------------
 
@@ -185,24 +228,35 @@ class Hub:
             "completions": {},
         }
 
-    def backend(self, name: str) -> Backend:
-        """The running backend ``name``; -32001 while a reload stops or restarts it."""
+    async def backend(self, name: str) -> Backend:
+        """The running backend ``name``.  While a reload restarts it, wait up to ``restart_wait``
+        for the new one to be started (:meth:`Backend.acquire` then waits for it to run, as after
+        a crash).
+
+        Raises:
+            BackendUnavailable: removed by a reload (``retryable: false``), or a restart by
+                reload that has not brought it back within ``restart_wait`` (``retryable: true``).
+        """
+        replaced = self._replacing.get(name)
+        if replaced is not None:
+            with trio.move_on_after(self.restart_wait):
+                await replaced.wait()
         backend = self.backends.get(name)
-        if backend is None:
+        if backend is None or name in self._replacing:
             restarting = name in self.cfg.backends
             raise errors.BackendUnavailable(
                 f"backend {name!r} is {'restarting after a reload' if restarting else 'removed'}",
                 backend=name, retryable=restarting)
         return backend
 
-    def backend_for_uri(self, uri: str) -> Backend:
+    async def backend_for_uri(self, uri: str) -> Backend:
         name = self.catalog.route_resource(uri)
         if name is None:
             candidates = [b for b in self.backends.values() if b.lists.resources or b.lists.templates]
             if len(candidates) != 1:
                 raise errors.ResourceNotFound(f"resource {uri!r} not found", uri=uri)
             return candidates[0]
-        return self.backend(name)
+        return await self.backend(name)
 
     async def authorize(self, session: ClientSession, tool: str, arguments: Any) -> None:
         await self.policy.authorize(session, tool, self.catalog.tool_defs.get(tool, {}), arguments)

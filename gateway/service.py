@@ -11,10 +11,11 @@ SIGTERM/SIGINT drain.  Tests drive the same paths through :class:`Control`.
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import trio
@@ -53,21 +54,44 @@ class Bound:
     admin_port: int | None = None
 
 
-@dataclass
+class Command(enum.Enum):
+    """What :meth:`Control.next` tells the daemon to do."""
+
+    RELOAD = enum.auto()
+    STOP = enum.auto()
+
+
 class Control:
-    """Reload/stop triggers, fed by signals in production and by tests directly."""
+    """Reload/stop triggers, fed by signals in production and by tests directly.
 
-    send: trio.MemorySendChannel[str] = field(init=False)
-    receive: trio.MemoryReceiveChannel[str] = field(init=False)
+    Nothing is queued, so nothing can overflow however many signals arrive: stop is a level
+    (once requested it stays requested and wins over any reload), reload a pending flag (any
+    number of requests while a reload runs cause exactly one more reload after it).
+    """
 
-    def __post_init__(self) -> None:
-        self.send, self.receive = trio.open_memory_channel[str](16)
+    def __init__(self) -> None:
+        self.stopping = trio.Event()
+        self._reload_pending = False
+        self._wake = trio.Event()
 
     def reload(self) -> None:
-        self.send.send_nowait("reload")
+        self._reload_pending = True
+        self._wake.set()
 
     def stop(self) -> None:
-        self.send.send_nowait("stop")
+        self.stopping.set()
+        self._wake.set()
+
+    async def next(self) -> Command:
+        """Wait for the next command: STOP as soon as a stop was requested, else RELOAD."""
+        while True:
+            if self.stopping.is_set():
+                return Command.STOP
+            if self._reload_pending:
+                self._reload_pending = False
+                return Command.RELOAD
+            await self._wake.wait()
+            self._wake = trio.Event()
 
 
 def _status_line(hub: Hub) -> str:
@@ -81,7 +105,10 @@ async def _signals(control: Control, task_status: trio.TaskStatus[None] = trio.T
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         task_status.started()
         async for signum in signals:
-            control.send.send_nowait("reload" if signum == signal.SIGHUP else "stop")
+            if signum == signal.SIGHUP:
+                control.reload()
+            else:
+                control.stop()
 
 
 async def run(
@@ -133,7 +160,6 @@ async def run(
                 async with trio.open_nursery() as conns:
                     accept = trio.CancelScope()
                     await conns.start(_serve_listeners, hub, cfg, fds, conns, accept, bound)
-                    hub.listeners_bound = True
                     systemd.notify("READY=1", _status_line(hub))
                     LOGGER.info("mcp-gateway %s ready: websocket port %s, unix %s, admin port %s",
                                 __version__, bound.websocket_port, bound.unix_path, bound.admin_port)
@@ -143,6 +169,7 @@ async def run(
                 await hub.stop_backends()
                 hub_nursery.cancel_scope.cancel()
         finally:
+            hub.draining = True  # however run ends, the daemon is going down: not ready
             with trio.CancelScope(shield=True):
                 if hub.backends:
                     with trio.move_on_after(15):
@@ -206,57 +233,79 @@ async def _serve_listeners(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], co
                            accept: trio.CancelScope, bound: Bound,
                            task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     max_msg = cfg.gateway.max_message_bytes
-    with accept:
-        async with trio.open_nursery() as nursery:
-            if "websocket" in fds or cfg.listen.websocket is not None:
-                if "websocket" in fds:
-                    ws_listeners = [systemd.adopt_listener(fds["websocket"])]
-                    try:
-                        ls.check_loopback(ws_listeners[0], "websocket socket from systemd")
-                    except ls.ListenerError as exc:
-                        raise StartupError(str(exc)) from None
-                else:
-                    assert cfg.listen.websocket is not None
-                    host, port = config.parse_host_port(cfg.listen.websocket)
-                    try:
-                        ws_listeners = await ls.open_tcp(host, port, "listen.websocket")
-                    except ls.ListenerError as exc:
-                        raise StartupError(str(exc)) from None
-                bound.websocket_port = ls.bound_port(ws_listeners)
+    try:
+        with accept:
+            await _accept(hub, cfg, fds, conns, bound, max_msg, task_status)
+    finally:
+        hub.listeners_bound = False  # not ready from the moment nothing is accepted any more
 
-                async def on_ws(stream: connection.MessageStream) -> None:
-                    await connection.serve(hub, stream, "websocket")
 
-                await nursery.start(lambda task_status: serve_websocket(
-                    ws_listeners, on_ws, allowed_origins=cfg.listen.allowed_origins,
-                    allowed_hosts=cfg.listen.allowed_hosts, max_message=max_msg,
-                    handler_nursery=conns, task_status=task_status))
-            if "unix" in fds or cfg.listen.unix is not None:
-                if "unix" in fds:
-                    unix_listener = systemd.adopt_listener(fds["unix"])
-                    bound.unix_path = str(unix_listener.socket.getsockname())
-                else:
-                    assert cfg.listen.unix is not None
-                    try:
-                        unix_listener = await ls.open_unix(cfg.listen.unix, int(cfg.listen.unix_mode, 8))
-                    except ls.ListenerError as exc:
-                        raise StartupError(str(exc)) from None
-                    bound.unix_path = cfg.listen.unix
+async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio.Nursery, bound: Bound,
+                  max_msg: int, task_status: trio.TaskStatus[None]) -> None:
+    async with trio.open_nursery() as nursery:
+        if "websocket" in fds or cfg.listen.websocket is not None:
+            if "websocket" in fds:
+                ws_listeners = [systemd.adopt_listener(fds["websocket"])]
+                try:
+                    ls.check_loopback(ws_listeners[0], "websocket socket from systemd")
+                except ls.ListenerError as exc:
+                    raise StartupError(str(exc)) from None
+            else:
+                assert cfg.listen.websocket is not None
+                host, port = config.parse_host_port(cfg.listen.websocket)
+                try:
+                    ws_listeners = await ls.open_tcp(host, port, "listen.websocket")
+                except ls.ListenerError as exc:
+                    raise StartupError(str(exc)) from None
+            bound.websocket_port = ls.bound_port(ws_listeners)
 
-                async def on_unix(stream: trio.SocketStream) -> None:
-                    await connection.serve(hub, LineStream(stream, max_msg), "unix")
+            async def on_ws(stream: connection.MessageStream) -> None:
+                await connection.serve(hub, stream, "websocket")
 
-                await nursery.start(lambda task_status: trio.serve_listeners(
-                    on_unix, [unix_listener], handler_nursery=conns, task_status=task_status))
-            task_status.started()
+            await nursery.start(lambda task_status: serve_websocket(
+                ws_listeners, on_ws, allowed_origins=cfg.listen.allowed_origins,
+                allowed_hosts=cfg.listen.allowed_hosts, max_message=max_msg,
+                handler_nursery=conns, task_status=task_status))
+        if "unix" in fds or cfg.listen.unix is not None:
+            if "unix" in fds:
+                unix_listener = systemd.adopt_listener(fds["unix"])
+                bound.unix_path = str(unix_listener.socket.getsockname())
+            else:
+                assert cfg.listen.unix is not None
+                try:
+                    unix_listener = await ls.open_unix(cfg.listen.unix, int(cfg.listen.unix_mode, 8))
+                except ls.ListenerError as exc:
+                    raise StartupError(str(exc)) from None
+                bound.unix_path = cfg.listen.unix
+
+            async def on_unix(stream: trio.SocketStream) -> None:
+                await connection.serve(hub, LineStream(stream, max_msg), "unix")
+
+            await nursery.start(lambda task_status: trio.serve_listeners(
+                on_unix, [unix_listener], handler_nursery=conns, task_status=task_status))
+        hub.listeners_bound = True
+        task_status.started()
 
 
 async def _control_loop(hub: Hub, control: Control, config_path: str | None) -> None:
-    async for command in control.receive:
-        if command == "stop":
-            return
-        if command == "reload":
+    """Reload on request until a stop is requested; a stop cancels a reload that is running.
+
+    A cancelled reload leaves nothing unowned: every backend it was draining, stopping or
+    starting is still in ``hub.backends`` (or already stopped), so the shutdown path stops and
+    reaps it like any other.
+    """
+    while await control.next() is Command.RELOAD:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_cancel_when_stopping, control, nursery.cancel_scope)
             await reload(hub, config_path)
+            nursery.cancel_scope.cancel()
+        if control.stopping.is_set():
+            LOGGER.warning("reload abandoned: stop requested while it ran")
+
+
+async def _cancel_when_stopping(control: Control, scope: trio.CancelScope) -> None:
+    await control.stopping.wait()
+    scope.cancel()
 
 
 async def reload(hub: Hub, config_path: str | None) -> bool:
@@ -279,15 +328,18 @@ async def reload(hub: Hub, config_path: str | None) -> bool:
     for section in config.restart_only_changes(old, new):
         LOGGER.warning("reload: %s changed; that takes effect only after a restart", section)
     hub.apply_config(new)
-    async with trio.open_nursery() as nursery:  # drain them all at once, each bounded
-        for name in removed + changed:
-            LOGGER.info("reload: draining and stopping backend %s (%s)", name,
-                        "removed" if name in removed else "changed")
-            nursery.start_soon(partial(hub.remove_backend, name, drain=new.gateway.drain_grace,
-                                       restarting=name in changed))
-    for name in changed + added:
-        LOGGER.info("reload: starting backend %s", name)
-        await hub.add_backend(name, new.backends[name])
+    try:
+        async with trio.open_nursery() as nursery:  # drain them all at once, each bounded
+            for name in removed + changed:
+                LOGGER.info("reload: draining and stopping backend %s (%s)", name,
+                            "removed" if name in removed else "changed")
+                nursery.start_soon(partial(hub.remove_backend, name, drain=new.gateway.drain_grace,
+                                           restarting=name in changed))
+        for name in changed + added:
+            LOGGER.info("reload: starting backend %s", name)
+            await hub.add_backend(name, new.backends[name])
+    finally:
+        hub.restarts_done()
     for name in new.backends:
         if name not in changed and name not in added:
             hub.backends[name].reset()  # unchanged but FATAL: try again
@@ -302,19 +354,32 @@ async def reload(hub: Hub, config_path: str | None) -> bool:
 
 
 async def _drain(hub: Hub, cfg: GatewayConfig, accept: trio.CancelScope, conns: trio.Nursery) -> None:
-    """SIGTERM: stop accepting, let in-flight calls finish until the grace deadline, close."""
+    """SIGTERM: stop accepting, let in-flight calls finish until the grace deadline, close.
+
+    While draining, a connection answers each new request at once with -32005 ``shutdown``
+    (``retryable: true``: it never started); a call still running when ``drain_grace`` ends is
+    cancelled and answered -32005 ``shutdown`` with ``retryable: false`` (it may have had
+    effects), and only then is the connection closed.
+    """
+    hub.draining = True  # /readyz: 503 from here on
+    accept.cancel()
     systemd.notify("STOPPING=1", "STATUS=draining")
     LOGGER.info("draining: %d connections, grace %.0fs", len(hub.sessions), cfg.gateway.drain_grace)
-    hub.draining = True
-    accept.cancel()
     for session in list(hub.sessions):  # backend prompts and consent prompts alike
         session.end_all_requests("shutdown")
+
+    def no_calls() -> bool:
+        return not any(s.inflight for s in hub.sessions)
+
     with trio.move_on_after(cfg.gateway.drain_grace):
-        while any(s.inflight for s in hub.sessions):
-            await trio.sleep(0.05)
-    for session in list(hub.sessions):
-        session.close("shutdown")
+        await hub.wait_connections(no_calls)
+    late = sum(len(s.inflight) for s in hub.sessions)
     with trio.move_on_after(CLOSE_TIMEOUT):
-        while hub.sessions:
-            await trio.sleep(0.02)
+        if late:
+            LOGGER.warning("drain grace over: %d calls still running get -32005 shutdown", late)
+            hub.cut_off_calls()
+            await hub.wait_connections(no_calls)
+        for session in list(hub.sessions):
+            session.close("shutdown")
+        await hub.wait_connections(lambda: not hub.sessions)
     conns.cancel_scope.cancel()

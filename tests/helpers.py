@@ -152,13 +152,19 @@ class Client:
 async def connect(url: str, *, initialize: bool = True, capabilities: dict[str, Any] | None = None,
                   version: str = "2025-11-25") -> AsyncIterator[Client]:
     async with trio_websocket.open_websocket_url(url, subprotocols=["mcp"], max_message_size=64 * 2**20) as ws:
-        client = Client(ws)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(client._reader)
-            if initialize:
-                await client.initialize(capabilities, version)
-            yield client
-            nursery.cancel_scope.cancel()
+        try:
+            client = Client(ws)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(client._reader)
+                if initialize:
+                    await client.initialize(capabilities, version)
+                yield client
+                nursery.cancel_scope.cancel()
+        finally:
+            # trio-websocket 0.12.2's client never closes its TCP stream after a close the
+            # server started (its reader stops at EOF), and aclose() then does nothing: close it.
+            with trio.CancelScope(shield=True):
+                await ws._stream.aclose()
 
 
 def text_of(response: dict[str, Any]) -> str:

@@ -71,6 +71,7 @@ class Instance(ChildHandlers):
         self._down: trio.Event | None = None
         self._down_reason = ""
         self._nursery: trio.Nursery | None = None
+        self._starting: trio.CancelScope | None = None  # the hand-shake of a child being started
         self.stopped = trio.Event()
 
     # ---- state ------------------------------------------------------------------------------
@@ -120,6 +121,8 @@ class Instance(ChildHandlers):
 
     def request_stop(self) -> None:
         self._stop.set()
+        if self._starting is not None:
+            self._starting.cancel()  # a stop does not wait for a child still starting
         if self._down is not None:
             self._down_reason = "stopped"
             self._down.set()
@@ -190,13 +193,20 @@ class Instance(ChildHandlers):
                 nursery.start_soon(self._read_stdout, child, down)
                 nursery.start_soon(child.write_loop)
                 try:
-                    with trio.fail_after(self.cfg.start_timeout):
+                    with trio.CancelScope() as self._starting, trio.fail_after(self.cfg.start_timeout):
+                        if self._stop.is_set():
+                            self._starting.cancel()
                         await self._handshake(child)
                 except (errors.GatewayError, trio.TooSlowError, msgspec.ValidationError, msgspec.DecodeError) as exc:
                     if not down.is_set():
                         detail = "timed out" if isinstance(exc, trio.TooSlowError) else str(exc)
                         LOGGER.error("backend %s: handshake failed: %s", self.name, detail)
                         self._down_reason = "start failed"
+                    down.set()
+                finally:
+                    self._starting = None
+                if self._stop.is_set() and not down.is_set():  # stopped while starting
+                    self._down_reason = "stopped"
                     down.set()
                 if not down.is_set():
                     self.child = child

@@ -88,6 +88,8 @@ class Backend:
         self.subscriptions: dict[str, set[ClientSession]] = {}
         self._nursery: trio.Nursery | None = None
         self._stopping = False
+        self.restarting = False  # stopped by a reload that starts it again with a changed config
+        self._released = trio.Event()  # a client call ended (wakes drain); replaced each time
         self._waiters: deque[_Waiter] = deque()
         self._own: dict[ClientSession, Instance] = {}
         self._session_index = 0
@@ -125,7 +127,7 @@ class Backend:
             waiter.granted.set()
         with trio.move_on_after(grace):
             while self.inflight():
-                await trio.sleep(0.05)
+                await self._released.wait()
 
     def stop(self) -> None:
         self._stopping = True
@@ -153,9 +155,7 @@ class Backend:
             Overloaded: affine queue full or timed out; per-session cap reached.
         """
         if self._stopping:
-            raise errors.BackendUnavailable(
-                f"backend {self.name!r} is being removed", backend=self.name, retryable=False
-            )
+            raise self._gone()
         if self.cfg.sharing == "affine":
             return await self._acquire_affine(session)
         if self.cfg.sharing == "per-session":
@@ -172,6 +172,13 @@ class Backend:
         inst = self.instances[0]
         return inst, await inst.wait_ready(self.host.restart_wait)
 
+    def _gone(self) -> errors.BackendUnavailable:
+        if self.restarting:  # the reload starts a new one: trying again soon will work
+            return errors.BackendUnavailable(f"backend {self.name!r} is being restarted by a reload",
+                                             backend=self.name, retryable=True)
+        return errors.BackendUnavailable(f"backend {self.name!r} is being removed",
+                                         backend=self.name, retryable=False)
+
     def owners(self, inst: Instance, child: ChildConnection) -> set[ClientSession]:
         """Who may receive a server→client request from ``child`` (see gateway.ownership)."""
         if self.cfg.sharing == "per-session":
@@ -184,6 +191,8 @@ class Backend:
             self._settle(inst)
         elif self.cfg.sharing == "per-session":
             inst.last_used = trio.current_time()
+        self._released.set()
+        self._released = trio.Event()
 
     # affine: an instance serves one connection while that connection has calls in its
     # attribution set; FIFO hand-over, and a holder gets no new calls once someone else waits.
@@ -270,9 +279,7 @@ class Backend:
                 inst.owner = None
                 self._grant()
             if self._stopping:
-                raise errors.BackendUnavailable(
-                    f"backend {self.name!r} is being removed", backend=self.name, retryable=False
-                )
+                raise self._gone()
             if all(i.state is State.FATAL for i in self.instances):
                 raise errors.BackendUnavailable(f"backend {self.name!r} is failing (crash loop)",
                                                 backend=self.name, retryable=False)

@@ -18,7 +18,8 @@ log = logging.getLogger(__name__)
 
 SYSLOG_IDENTIFIER = "mcp-gateway"
 FIELD_PREFIX = "MCP_"
-TARGETS = ("auto", "journal")
+#: The values of ``[gateway] log_target`` (a test keeps this equal to the config's Literal).
+TARGETS = ("auto", "stderr", "journal")
 
 # logging level -> syslog priority (sd-daemon(3) prefixes, stored by journald as PRIORITY=)
 _PRIORITIES = ((logging.CRITICAL, 2), (logging.ERROR, 3), (logging.WARNING, 4), (logging.INFO, 6))
@@ -102,7 +103,8 @@ def setup_logging(level: str = "info", target: str = "auto") -> None:
     """Configure the root logger once at startup (calling it again replaces the handler).
 
     ``target="auto"``: stderr, with ``<N>`` priority prefixes when stderr is the journal stream,
-    timestamps and level names otherwise. ``target="journal"``: the native journal protocol
+    timestamps and level names otherwise. ``target="stderr"``: stderr with timestamps and level
+    names always (e.g. when stderr goes to a file or a collector that parses the plain format). ``target="journal"``: the native journal protocol
     (structured ``MCP_*`` fields), falling back to ``auto`` with a warning if systemd-python is
     not installed. Also enables :mod:`faulthandler`, so a watchdog SIGABRT or a crash leaves a
     Python traceback on stderr.
@@ -117,7 +119,7 @@ def setup_logging(level: str = "info", target: str = "auto") -> None:
     fallback = target == "journal" and handler is None
     if handler is None:
         handler = logging.StreamHandler(sys.stderr)
-        if journal_stream_matches():
+        if target != "stderr" and journal_stream_matches():
             handler.setFormatter(JournalStreamFormatter())
         else:
             handler.setFormatter(PlainFormatter())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -258,3 +259,123 @@ def test_required_backend_failing_at_boot_fails_start(tmp_path: Path) -> None:
     out = finish(proc).encode()
     assert proc.returncode == 1
     assert b"required backend 'r' failed to start" in out
+
+
+def test_log_target_stderr_starts(tmp_path: Path, notify_socket: tuple[socket.socket, str]) -> None:
+    """Issue 7: ``log_target = "stderr"`` passed check-config, then ``run`` died setting up logs."""
+    sock, addr = notify_socket
+    cfg = tmp_path / "gw.toml"
+    write_config(cfg, free_port(), free_port(), backend_toml("a"), gateway='log_target = "stderr"')
+    proc = start_daemon(cfg, {"NOTIFY_SOCKET": addr})
+    try:
+        recv_until(sock, "READY=1", [])
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        out = finish(proc)
+    assert re.search(r"^\S+ \S+ INFO gateway.service: mcp-gateway \S+ ready", out, re.M), out[-2000:]
+
+
+def metric(admin: int, line_start: str) -> float:
+    _, text = http(admin, "/metrics")
+    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(line_start)]
+    return values[0] if values else 0.0
+
+
+async def call_in_flight(admin: int, backend: str) -> None:
+    """Return once the daemon's metrics show a call in flight on ``backend`` (caller bounds it)."""
+    while await trio.to_thread.run_sync(
+            metric, admin, f'mcp_gateway_inflight_requests{{backend="{backend}"}}') < 1:
+        await trio.sleep(0.02)
+
+
+async def test_sighup_burst_while_a_reload_drains_coalesces(
+        tmp_path: Path, notify_socket: tuple[socket.socket, str]) -> None:
+    """Issue 7: 30 SIGHUPs while a reload drains a slow call used to overflow the control channel
+    and kill the daemon.  Now they coalesce into at most one more reload."""
+    sock, addr = notify_socket
+    ws, admin = free_port(), free_port()
+    cfg = tmp_path / "gw.toml"
+    write_config(cfg, ws, admin, backend_toml("a") + backend_toml("b"))
+    proc = start_daemon(cfg, {"NOTIFY_SOCKET": addr})
+    seen: list[str] = []
+    try:
+        recv_until(sock, "READY=1", seen)
+        with trio.fail_after(40):
+            async with connect(f"ws://127.0.0.1:{ws}/") as c, trio.open_nursery() as nursery:
+                result: dict = {}
+
+                async def slow() -> None:
+                    result.update(await c.call("a__sleep", {"seconds": 2.0, "message": "drained"}, timeout=20))
+
+                nursery.start_soon(slow)
+                await call_in_flight(admin, "a")
+                write_config(cfg, ws, admin, backend_toml("b"))  # removing a drains the slow call
+                proc.send_signal(signal.SIGHUP)
+                await trio.to_thread.run_sync(recv_until, sock, "RELOADING=1", seen)
+                for _ in range(30):
+                    proc.send_signal(signal.SIGHUP)
+                    await trio.sleep(0.002)  # a burst spread over the drain (pacing, not waiting)
+                await trio.to_thread.run_sync(recv_until, sock, "READY=1", seen)  # the first reload
+                assert proc.poll() is None
+                await trio.to_thread.run_sync(recv_until, sock, "RELOADING=1", seen)  # one more
+                await trio.to_thread.run_sync(recv_until, sock, "READY=1", seen)
+                assert text_of(await c.call("b__echo", {"message": "served"})) == "served"
+            assert text_of(result) == "drained"
+        proc.send_signal(signal.SIGTERM)
+        recv_until(sock, "STOPPING=1", seen)
+        assert proc.wait(timeout=20) == 0
+        reloads = [m for m in seen if "RELOADING=1" in m.split("\n")]
+        assert len(reloads) == 2, seen
+    finally:
+        print(finish(proc)[-3000:])
+
+
+async def test_sigterm_during_a_reload_drain_stops_at_once_and_answers_cut_off_calls(
+        tmp_path: Path, notify_socket: tuple[socket.socket, str]) -> None:
+    """Issue 7: SIGTERM while a reload drains used to wait for the reload (``/readyz`` 200, new
+    connections served); a call still running at the end of ``drain_grace`` got only a close."""
+    sock, addr = notify_socket
+    ws, admin = free_port(), free_port()
+    cfg = tmp_path / "gw.toml"
+    write_config(cfg, ws, admin, backend_toml("a") + backend_toml("b"), gateway="drain_grace = 4.0")
+    proc = start_daemon(cfg, {"NOTIFY_SOCKET": addr})
+    seen: list[str] = []
+    url = f"ws://127.0.0.1:{ws}/"
+    try:
+        recv_until(sock, "READY=1", seen)
+        with trio.fail_after(40):
+            async with connect(url) as c:
+                child_pid = json.loads(text_of(await c.call("a__client_info")))["pid"]
+                await c.send({"jsonrpc": "2.0", "id": "slow", "method": "tools/call",
+                              "params": {"name": "a__sleep", "arguments": {"seconds": 60}}})
+                await call_in_flight(admin, "a")
+                write_config(cfg, ws, admin, backend_toml("b"), gateway="drain_grace = 4.0")
+                proc.send_signal(signal.SIGHUP)  # the reload drains a: up to 4 s
+                await trio.to_thread.run_sync(recv_until, sock, "RELOADING=1", seen)
+                proc.send_signal(signal.SIGTERM)
+                stopping_by = time.monotonic() + 2.0  # well before the reload's drain could end
+                await trio.to_thread.run_sync(recv_until, sock, "STOPPING=1", seen, 2.0)
+                status, body = await trio.to_thread.run_sync(http, admin, "/readyz")
+                assert status == 503 and "draining" in body
+                # a new request on a live connection: refused at once, safe to send elsewhere
+                refused = await c.call("b__echo", {"message": "late"})
+                assert refused["error"]["code"] == -32005
+                assert refused["error"]["data"] == {"reason": "shutdown", "retryable": True}
+                with pytest.raises(ConnectionRefusedError):  # the listener no longer accepts
+                    socket.create_connection(("127.0.0.1", ws), timeout=2).close()
+                assert time.monotonic() < stopping_by + 1.0
+                # the slow call outlives drain_grace: answered -32005 shutdown, not retryable
+                cut = await c.response("slow")
+                assert cut["error"]["code"] == -32005
+                assert cut["error"]["data"] == {"reason": "shutdown", "retryable": False}
+                with trio.fail_after(5):  # then the daemon closes the connection
+                    while not c.closed:
+                        await c._changed.wait()
+        assert proc.wait(timeout=20) == 0
+        assert not [m for m in seen if "READY=1" in m.split("\n")][1:]  # the reload never finished
+        assert group_members(child_pid) == []
+        with pytest.raises(ProcessLookupError):
+            os.kill(child_pid, 0)
+    finally:
+        print(finish(proc)[-3000:])

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -141,6 +142,25 @@ def test_setup_logging_auto_prefixes_when_stderr_is_the_journal(
     log.debug("hidden")
     log.warning("careful", extra={"MCP_CONN": "c1"})
     assert capfd.readouterr().err == "<4>gateway.test: careful conn=c1\n"
+
+
+def test_setup_logging_stderr_target_is_plain_even_on_the_journal_stream(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("JOURNAL_STREAM", stream_id(2))
+    logs.setup_logging("info", "stderr")
+    logging.getLogger("gateway.test").warning("careful", extra={"MCP_CONN": "c1"})
+    err = capfd.readouterr().err
+    assert re.search(r"^\S+ \S+ WARNING gateway.test: careful conn=c1$", err, re.M), err
+
+
+def test_every_configurable_log_target_is_accepted() -> None:
+    from gateway.config import GatewaySection  # issue 7: "stderr" passed the config, then crashed
+
+    configurable = typing.get_args(typing.get_type_hints(GatewaySection)["log_target"])
+    assert set(configurable) == set(logs.TARGETS)
+    for target in configurable:
+        logs.setup_logging("info", target)
 
 
 def test_setup_logging_twice_replaces_its_handler(monkeypatch: pytest.MonkeyPatch) -> None:
