@@ -23,6 +23,7 @@ from gateway.backend.instance import Instance
 from gateway.backend.pool import Backend
 from gateway.config import BackendConfig, GatewayConfig
 from gateway.events import CatalogChanged, EventBus
+from gateway.limits import ByteBudget
 from gateway.ownership import Ownership
 from gateway.policy import Policy
 from gateway.protocol import jsonrpc, mcp
@@ -53,6 +54,7 @@ class Hub:
         self.backends: dict[str, Backend] = {}
         self.catalog = Catalog()
         self.sessions: set[ClientSession] = set()
+        self.budget = ByteBudget(cfg.gateway.buffered_bytes_total)  # every queued message's bytes
         self.ownership = Ownership(bus)
         self.policy = Policy(cfg.policy, bus, cfg)
         self.listeners_bound = False
@@ -78,6 +80,7 @@ class Hub:
         """Adopt a reloaded config (backends are added/removed by the caller)."""
         self.cfg = cfg
         self.restart_wait = cfg.gateway.restart_wait
+        self.budget.limit = cfg.gateway.buffered_bytes_total
         self.policy = self.policy.reconfigured(cfg)
         self.policy.catalog_changed(self.catalog)
 
@@ -326,6 +329,7 @@ class Hub:
             listeners_bound=self.listeners_bound,
             draining=self.draining,
             pending_server_requests=len(self.ownership.pending) + self.policy.pending_count(),
+            buffered_bytes=self.budget.total,
         )
 
 

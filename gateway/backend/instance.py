@@ -165,6 +165,7 @@ class Instance(ChildHandlers):
             handlers=self,
             bus=self.backend.host.bus,
             max_line=self.backend.host.max_message_bytes,
+            buffers=self.backend.host.budget.open(f"child {self.name}"),
         )
         child.on_settled = lambda: self.backend.on_settled(self)
         down = self._down = trio.Event()

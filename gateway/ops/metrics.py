@@ -100,6 +100,7 @@ STATUS_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "backend_resident_memory_bytes": ("RSS of the backend's process groups.", ("backend",)),
     "backend_catalog_items": ("Catalog entries a backend advertises.", ("backend", "kind")),
     "server_requests_pending": ("Server-to-client requests awaiting an answer.", ()),
+    "buffered_bytes": ("Bytes of client and backend messages queued in the gateway.", ()),
 }
 
 
@@ -174,6 +175,7 @@ class _StatusCollector(Collector):
     def _fill(self, fam: dict[str, GaugeMetricFamily], snap: GatewayStatus) -> None:
         fam["ready"].add_metric([], 1.0 if snap.ready else 0.0)
         fam["server_requests_pending"].add_metric([], snap.pending_server_requests)
+        fam["buffered_bytes"].add_metric([], snap.buffered_bytes)
         for transport, count in sorted(snap.connections.items()):
             fam["client_connections_active"].add_metric([transport], count)
         pids = [i.pid for b in snap.backends for i in b.instances if i.pid is not None]
