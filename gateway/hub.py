@@ -22,8 +22,8 @@ from gateway.backend.child import ChildConnection
 from gateway.backend.instance import Instance
 from gateway.backend.pool import Backend
 from gateway.config import BackendConfig, GatewayConfig
-from gateway.events import CatalogChanged, EventBus
-from gateway.limits import ByteBudget
+from gateway.events import CatalogChanged, ConnectionRefused, EventBus
+from gateway.limits import ByteBudget, ConnectionSlots
 from gateway.ownership import Ownership
 from gateway.policy import Policy
 from gateway.protocol import jsonrpc, mcp
@@ -55,6 +55,7 @@ class Hub:
         self.catalog = Catalog()
         self.sessions: set[ClientSession] = set()
         self.budget = ByteBudget(cfg.gateway.buffered_bytes_total)  # every queued message's bytes
+        self.slots = ConnectionSlots(cfg.gateway.max_connections, self._connection_refused)
         self.ownership = Ownership(bus)
         self.policy = Policy(cfg.policy, bus, cfg)
         self.listeners_bound = False
@@ -81,6 +82,7 @@ class Hub:
         self.cfg = cfg
         self.restart_wait = cfg.gateway.restart_wait
         self.budget.limit = cfg.gateway.buffered_bytes_total
+        self.slots.limit = cfg.gateway.max_connections
         self.policy = self.policy.reconfigured(cfg)
         self.policy.catalog_changed(self.catalog)
 
@@ -296,6 +298,11 @@ class Hub:
         self.ownership.forget_session(session)
         for backend in list(self.backends.values()):
             await backend.drop_session(session)
+
+    def _connection_refused(self, transport: str) -> None:
+        LOGGER.warning("refused a %s connection: %d connections open (max_connections)",
+                       transport, self.slots.used)
+        self.bus.emit(ConnectionRefused(transport, "max_connections"))
 
     # ---- status -----------------------------------------------------------------------------
 

@@ -9,7 +9,9 @@ free.
 
 Origin check: an upgrade whose ``Origin`` header is present and not in ``allowed_origins`` gets
 HTTP 403 (browsers open cross-origin WebSockets without CORS, so loopback alone does not protect a
-local gateway).  Size limit: a message over ``max_message_bytes`` raises
+local gateway).  Connection cap: an upgrade that finds every slot of ``slots``
+(``max_connections``) taken gets HTTP 503; a slot is held from the accepted upgrade until the
+connection ends.  Size limit: a message over ``max_message_bytes`` raises
 :class:`~gateway.errors.MessageTooLarge` (the connection answers -32600 and closes with 1009);
 the partial message is never buffered past the limit.  A close after a write that was cut off
 mid-frame drops the TCP connection instead of sending a close frame into the middle of a frame.
@@ -37,6 +39,7 @@ from wsproto.events import (
 from wsproto.utilities import RemoteProtocolError
 
 from gateway.errors import MessageTooLarge, TransportClosed
+from gateway.limits import ConnectionSlots
 
 LOGGER = logging.getLogger(__name__)
 
@@ -169,8 +172,18 @@ def origin_allowed(headers: Sequence[tuple[bytes, bytes]], allowed: Sequence[str
     return True  # no Origin: not a browser
 
 
-async def _handshake(stream: trio.abc.Stream, allowed_origins: Sequence[str]) -> WSConnection | None:
-    """Run the HTTP upgrade; returns the open connection, or None after refusing it."""
+def _reject(ws: WSConnection, status: int, body: bytes) -> bytes:
+    reject = RejectConnection(status_code=status, has_body=True, headers=[
+        (b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())])
+    return ws.send(reject) + ws.send(RejectData(data=body))
+
+
+async def _handshake(stream: trio.abc.Stream, allowed_origins: Sequence[str],
+                     admit: Callable[[], bool]) -> WSConnection | None:
+    """Run the HTTP upgrade; returns the open connection, or None after refusing it.
+
+    ``admit`` is asked once the upgrade request is acceptable (it takes a connection slot).
+    """
     ws = WSConnection(ConnectionType.SERVER)
     while True:
         data = await stream.receive_some(_RECEIVE)
@@ -188,10 +201,10 @@ async def _handshake(stream: trio.abc.Stream, allowed_origins: Sequence[str]) ->
                 continue
             if not origin_allowed(event.extra_headers, allowed_origins):
                 LOGGER.warning("websocket upgrade refused: Origin not allowed")
-                body = b"Origin not allowed\n"
-                reject = RejectConnection(status_code=403, has_body=True, headers=[
-                    (b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())])
-                await stream.send_all(ws.send(reject) + ws.send(RejectData(data=body)))
+                await stream.send_all(_reject(ws, 403, b"Origin not allowed\n"))
+                return None
+            if not admit():
+                await stream.send_all(_reject(ws, 503, b"too many connections (max_connections)\n"))
                 return None
             sub = SUBPROTOCOL if SUBPROTOCOL in event.subprotocols else None
             await stream.send_all(ws.send(AcceptConnection(subprotocol=sub)))
@@ -205,29 +218,41 @@ async def serve_websocket(
     allowed_origins: Sequence[str],
     max_message: int,
     handler_nursery: trio.Nursery,
+    slots: ConnectionSlots | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Accept WebSocket connections on ``listeners`` until cancelled.
 
     Connections run in ``handler_nursery``, so cancelling this task (stop accepting) does not
-    cancel live connections.
+    cancel live connections.  With ``slots``, each connection holds one while it lives.
     """
 
     async def handler(stream: trio.SocketStream) -> None:
-        ws = None
-        with trio.move_on_after(HANDSHAKE_TIMEOUT):
-            try:
-                ws = await _handshake(stream, allowed_origins)
-            except _BROKEN:
-                ws = None
-        if ws is None:
-            with trio.move_on_after(1.0):
+        admitted = False
+
+        def admit() -> bool:
+            nonlocal admitted
+            admitted = slots is None or slots.acquire("websocket")
+            return admitted
+
+        try:
+            ws = None
+            with trio.move_on_after(HANDSHAKE_TIMEOUT):
                 try:
-                    await stream.aclose()
+                    ws = await _handshake(stream, allowed_origins, admit)
                 except _BROKEN:
-                    pass
-            return
-        await on_connection(WebSocketStream(stream, ws, max_message))
+                    ws = None
+            if ws is None:
+                with trio.move_on_after(1.0):
+                    try:
+                        await stream.aclose()
+                    except _BROKEN:
+                        pass
+                return
+            await on_connection(WebSocketStream(stream, ws, max_message))
+        finally:
+            if admitted and slots is not None:
+                slots.release()
 
     await trio.serve_listeners(handler, listeners, handler_nursery=handler_nursery,
                                task_status=task_status)
