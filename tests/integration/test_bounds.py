@@ -117,7 +117,9 @@ buffered_bytes_total = {3 * MIB}
                 msg = call(f"slow{i}", "fx__sleep", {"seconds": 60, "message": "p" * 1_000_000})
                 await holder.send_message(msg)
                 held += len(msg)
-                await wait_status(port, lambda st, want=held: st["buffered_bytes"] == want)
+                # settled: the call is at the child (in flight there) and its write queue drained
+                await wait_status(port, lambda st, want=held, n=i + 1: st["buffered_bytes"] == want
+                                  and st["backends"][0]["instances"][0]["inflight"] == n)
             # 1.2 MB more would pass the total: refused at once, never started
             r = await other.call("fx__echo", {"message": "e" * 1_200_000})
             assert r["error"]["code"] == -32006
