@@ -34,6 +34,8 @@ LOGGER = logging.getLogger(__name__)
 
 #: Messages written to a client in one go at most (one syscall for a line stream).
 WRITE_BATCH = 64
+#: A batch stops growing past this many bytes (the transport copies a batch while framing it).
+WRITE_BATCH_BYTES = 1 << 20
 #: Bound on delivering the last queued messages (e.g. an error before closing) to a client.
 FLUSH_TIMEOUT = 2.0
 
@@ -65,7 +67,8 @@ async def serve(hub: Hub, stream: MessageStream, transport: str) -> None:
     """Serve one client connection until it closes; never raises for client misbehaviour."""
     cfg = hub.cfg.gateway
     session = ClientSession(transport, outbound_capacity=cfg.outbound_queue,
-                            max_inflight=cfg.max_inflight_per_connection)
+                            max_inflight=cfg.max_inflight_per_connection,
+                            outbound_bytes=cfg.outbound_bytes, budget=hub.budget)
     hub.sessions.add(session)
     hub.bus.emit(ConnectionOpened(session.conn_id, transport))
     LOGGER.debug("connection %s opened (%s)", session.conn_id, transport, extra=session.log_fields)
@@ -86,6 +89,8 @@ async def serve(hub: Hub, stream: MessageStream, transport: str) -> None:
             session.end_all_requests("owner_gone")
             await hub.session_closed(session)
             await _flush(session, stream, in_hand)
+            in_hand.clear()
+            session.drop_outbound()  # every byte it still had charged is released here
             with trio.move_on_after(FLUSH_TIMEOUT):
                 await stream.aclose(session.close_reason)
             hub.bus.emit(ConnectionClosed(session.conn_id, transport, session.close_reason,
@@ -122,17 +127,21 @@ async def _writer(session: ClientSession, stream: MessageStream, in_hand: list[b
     """Drain the outbound queue; whatever piled up meanwhile goes out in one batch."""
     async for data in session.outbound:
         in_hand.append(data)
-        while len(in_hand) < WRITE_BATCH:
+        size = len(data)
+        while len(in_hand) < WRITE_BATCH and size < WRITE_BATCH_BYTES:
             try:
-                in_hand.append(session.outbound.receive_nowait())
+                data = session.outbound.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel):
                 break
+            in_hand.append(data)
+            size += len(data)
         try:
             await stream.send_batch(in_hand)
         except errors.TransportClosed:
             session.close("client_closed")
             return
         in_hand.clear()
+        session.sent(size)
 
 
 async def _reader(hub: Hub, session: ClientSession, stream: MessageStream, nursery: trio.Nursery) -> None:
@@ -222,14 +231,16 @@ def _handle(hub: Hub, session: ClientSession, data: bytes, nursery: trio.Nursery
         if env.method == "initialize" and batch is not None:
             reply(error_response(env.id, errors.InvalidRequest("initialize must not be part of a batch")))
             return
+        size = len(data)
         try:
-            session.check_new_call(env.id)
+            session.check_new_call(env.id, size)
         except errors.GatewayError as exc:
             reply(error_response(env.id, exc))
             return
         scope = trio.CancelScope()
         session.inflight[env.id] = scope
-        nursery.start_soon(_run_request, hub, session, env, scope, reply)
+        session.buffers.charge(size)  # the request's bytes live until it is answered
+        nursery.start_soon(_run_request, hub, session, env, size, scope, reply)
         return
     reply(None)
     if kind == "notification":
@@ -259,8 +270,8 @@ def _on_notification(hub: Hub, session: ClientSession, method: str, env: jsonrpc
         LOGGER.debug("connection %s: ignored notification %s", session.conn_id, method, extra=session.log_fields)
 
 
-async def _run_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, scope: trio.CancelScope,
-                       reply: Callable[[bytes | None], None]) -> None:
+async def _run_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, size: int,
+                       scope: trio.CancelScope, reply: Callable[[bytes | None], None]) -> None:
     """Run one client request and answer it: the single exception → JSON-RPC error boundary."""
     assert isinstance(env.id, int | str) and isinstance(env.method, str)
     started = trio.current_time()
@@ -299,6 +310,7 @@ async def _run_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, 
         reply(response if outcome != "cancelled" else None)  # a cancelled request gets no response
     finally:
         session.inflight.pop(env.id, None)
+        session.buffers.release(size)
         if not session.inflight:
             hub.connections_changed()
         hub.bus.emit(RequestFinished(session.conn_id, label, req.backend, outcome, code,

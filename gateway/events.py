@@ -35,6 +35,14 @@ class ConnectionClosed:
 
 
 @dataclass(frozen=True, slots=True)
+class ConnectionRefused:
+    """A client connection turned away before it was served."""
+
+    transport: str  # "websocket" | "unix"
+    reason: str  # "max_connections"
+
+
+@dataclass(frozen=True, slots=True)
 class RequestStarted:
     """A client request accepted for processing (the in-flight gauge rises)."""
 
@@ -161,6 +169,7 @@ class ReloadFinished:
 Event = (
     ConnectionOpened
     | ConnectionClosed
+    | ConnectionRefused
     | RequestStarted
     | QueueWaited
     | RequestFinished

@@ -23,7 +23,8 @@ from gateway.backend.child import ChildConnection
 from gateway.backend.instance import Instance
 from gateway.backend.pool import Backend
 from gateway.config import BackendConfig, GatewayConfig
-from gateway.events import CatalogChanged, EventBus
+from gateway.events import CatalogChanged, ConnectionRefused, EventBus
+from gateway.limits import ByteBudget, ConnectionSlots
 from gateway.ownership import Ownership
 from gateway.policy import Policy
 from gateway.protocol import jsonrpc, mcp
@@ -55,6 +56,8 @@ class Hub:
         self.backends: dict[str, Backend] = {}
         self.catalog = Catalog()
         self.sessions: set[ClientSession] = set()
+        self.budget = ByteBudget(cfg.gateway.buffered_bytes_total)  # every queued message's bytes
+        self.slots = ConnectionSlots(cfg.gateway.max_connections, self._connection_refused)
         self.ownership = Ownership(bus)
         self.policy = Policy(cfg.policy, bus, cfg)
         self.listeners_bound = False
@@ -85,6 +88,8 @@ class Hub:
         """Adopt a reloaded config (backends are added/removed by the caller)."""
         self.cfg = cfg
         self.restart_wait = cfg.gateway.restart_wait
+        self.budget.limit = cfg.gateway.buffered_bytes_total
+        self.slots.limit = cfg.gateway.max_connections
         self.policy = self.policy.reconfigured(cfg)
         self.policy.catalog_changed(self.catalog)
 
@@ -349,6 +354,11 @@ class Hub:
         for backend in list(self.backends.values()):
             await backend.drop_session(session)
 
+    def _connection_refused(self, transport: str) -> None:
+        LOGGER.warning("refused a %s connection: %d connections open (max_connections)",
+                       transport, self.slots.used)
+        self.bus.emit(ConnectionRefused(transport, "max_connections"))
+
     # ---- status -----------------------------------------------------------------------------
 
     def status(self) -> GatewayStatus:
@@ -381,6 +391,7 @@ class Hub:
             listeners_bound=self.listeners_bound,
             draining=self.draining,
             pending_server_requests=len(self.ownership.pending) + self.policy.pending_count(),
+            buffered_bytes=self.budget.total,
         )
 
 

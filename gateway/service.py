@@ -265,7 +265,7 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
             await nursery.start(lambda task_status: serve_websocket(
                 ws_listeners, on_ws, allowed_origins=cfg.listen.allowed_origins,
                 allowed_hosts=cfg.listen.allowed_hosts, max_message=max_msg,
-                handler_nursery=conns, task_status=task_status))
+                handler_nursery=conns, slots=hub.slots, task_status=task_status))
         if "unix" in fds or cfg.listen.unix is not None:
             if "unix" in fds:
                 unix_listener = systemd.adopt_listener(fds["unix"])
@@ -279,7 +279,14 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                 bound.unix_path = cfg.listen.unix
 
             async def on_unix(stream: trio.SocketStream) -> None:
-                await connection.serve(hub, LineStream(stream, max_msg), "unix")
+                if not hub.slots.acquire("unix"):
+                    with trio.move_on_after(1.0):
+                        await stream.aclose()  # max_connections: closed at once
+                    return
+                try:
+                    await connection.serve(hub, LineStream(stream, max_msg), "unix")
+                finally:
+                    hub.slots.release()
 
             await nursery.start(lambda task_status: trio.serve_listeners(
                 on_unix, [unix_listener], handler_nursery=conns, task_status=task_status))

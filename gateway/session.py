@@ -3,8 +3,12 @@
 A :class:`ClientSession` is created by the hub for every accepted connection.  Its ``conn_id``
 is minted by the gateway (clients never choose it).  Everything sent to the client goes through
 :meth:`ClientSession.send`, which never blocks: the message is queued on a bounded channel that a
-writer task drains, and a client that lets the queue overflow is disconnected (reason
-``overflow``) instead of stalling a backend's reader.
+writer task drains, and a client that lets the queue overflow (``outbound_queue`` messages or
+``outbound_bytes`` bytes, counting what the writer has taken but not yet sent) is disconnected
+(reason ``overflow``) instead of stalling a backend's reader.  The same bytes, and those of the
+requests it sent that are still being served, are charged to the connection's account on the
+daemon-wide :class:`~gateway.limits.ByteBudget`; when the budget evicts this connection (it
+holds the most when the total runs over) it is closed with reason ``overflow`` too.
 
 Server→client requests (a backend's elicitation, sampling, roots; the gateway's own consent
 prompts) are recorded in ``server_requests`` under ids minted for this connection only.  An
@@ -18,6 +22,7 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
+import sys
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +32,7 @@ import trio
 from msgspec import UNSET, Raw, UnsetType
 
 from gateway import errors
+from gateway.limits import ByteBudget
 from gateway.protocol import jsonrpc, mcp
 
 LOGGER = logging.getLogger(__name__)
@@ -66,7 +72,8 @@ class ServerRequest:
 
 
 class ClientSession:
-    def __init__(self, transport: str, *, outbound_capacity: int, max_inflight: int) -> None:
+    def __init__(self, transport: str, *, outbound_capacity: int, max_inflight: int,
+                 outbound_bytes: int = sys.maxsize, budget: ByteBudget | None = None) -> None:
         self.conn_id = mint_conn_id()
         self.log_fields = {"MCP_CONN": self.conn_id}  # structured log field (journald)
         self.transport = transport
@@ -83,6 +90,10 @@ class ClientSession:
         self._ids = itertools.count(1)
         self._id_salt = secrets.token_hex(3)
         self._send, self.outbound = trio.open_memory_channel[bytes](outbound_capacity)
+        self.max_outbound_bytes = outbound_bytes
+        self.queued_bytes = 0  # in ``outbound`` or taken by the writer, not yet sent
+        self._budget = budget if budget is not None else ByteBudget(sys.maxsize)
+        self.buffers = self._budget.open(self.conn_id, self._evicted)
         self.closed = trio.Event()
         self.close_reason = "client_closed"
         self.cancel_scope: trio.CancelScope | None = None
@@ -96,15 +107,45 @@ class ClientSession:
         """Queue one message for the client.  Never blocks; on overflow the connection is closed."""
         if self.closed.is_set():
             return False
+        n = len(data)
+        if self.queued_bytes + n > self.max_outbound_bytes:
+            LOGGER.warning("connection %s: %d bytes queued toward a client that does not read "
+                           "(outbound_bytes %d), disconnecting it", self.conn_id, self.queued_bytes,
+                           self.max_outbound_bytes, extra=self.log_fields)
+            self.close("overflow")
+            return False
         try:
             self._send.send_nowait(data)
-            return True
         except trio.WouldBlock:
             LOGGER.warning("connection %s: outbound queue full, disconnecting a slow client", self.conn_id, extra=self.log_fields)
             self.close("overflow")
+            return False
         except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-        return False
+            return False
+        self.queued_bytes += n
+        self.buffers.charge(n)  # may evict a connection (this one too) when the total runs over
+        return True
+
+    def sent(self, n: int) -> None:
+        """The writer wrote ``n`` queued bytes to the client."""
+        self.queued_bytes -= n
+        self.buffers.release(n)
+
+    def drop_outbound(self) -> None:
+        """The connection is over: drop what is still queued and release all its bytes."""
+        while True:
+            try:
+                self.outbound.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+        self.queued_bytes = 0
+        self.buffers.close()
+
+    def _evicted(self) -> None:
+        LOGGER.warning("connection %s: the gateway's message buffers are full (buffered_bytes_total); "
+                       "closing this connection, which holds the most (%d bytes)", self.conn_id,
+                       self.buffers.held, extra=self.log_fields)
+        self.close("overflow")
 
     def notify(self, method: str, params: Raw | bytes | UnsetType = UNSET) -> bool:
         return self.send(jsonrpc.encode_notification(method, params))
@@ -162,13 +203,19 @@ class ClientSession:
 
     # ---- calls ------------------------------------------------------------------------------
 
-    def check_new_call(self, client_id: int | str) -> None:
+    def check_new_call(self, client_id: int | str, size: int = 0) -> None:
+        """Admit a request of ``size`` bytes, or raise the error to answer it with."""
         if client_id in self.inflight:
             raise errors.InvalidRequest(f"request id {client_id!r} is already in flight on this connection")
         if len(self.inflight) >= self.max_inflight:
             raise errors.Overloaded(
                 f"too many requests in flight on this connection (limit {self.max_inflight})",
                 limit=self.max_inflight,
+            )
+        if not self._budget.admits(size):
+            raise errors.Overloaded(
+                "the gateway's message buffers are full (buffered_bytes_total); retry later",
+                limit=self._budget.limit,
             )
 
     def progress_callback(self) -> Callable[[Any, dict[str, Raw]], None]:

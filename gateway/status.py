@@ -42,6 +42,7 @@ class GatewayStatus:
     listeners_bound: bool = False
     draining: bool = False
     pending_server_requests: int = 0
+    buffered_bytes: int = 0  # queued client/backend message bytes (gateway.buffered_bytes_total)
 
     def not_ready_because(self) -> list[str]:
         """Why the daemon is not ready, in words for ``/readyz`` (empty when it is ready):

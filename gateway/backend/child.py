@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import sys
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -28,6 +29,7 @@ from msgspec import UNSET, Raw, UnsetType
 
 from gateway import errors
 from gateway.events import BackendProtocolError, EventBus
+from gateway.limits import Account, ByteBudget
 from gateway.protocol import jsonrpc, wire
 from gateway.protocol.framing import HEAD, LineFramer, Oversize, OversizeEnd
 from gateway.protocol.mcp import decode_cancelled
@@ -108,6 +110,7 @@ class ChildConnection:
         bus: EventBus,
         max_line: int,
         max_depth: int = jsonrpc.MAX_DEPTH,
+        buffers: Account | None = None,
     ) -> None:
         self.backend = backend
         self.instance = instance
@@ -120,6 +123,9 @@ class ChildConnection:
         self._max_depth = max_depth
         self._oversize_head = b""  # first bytes of the oversize line being discarded
         self._outbox: list[tuple[bytes, int | None]] = []  # (bytes to write, gateway id)
+        # The outbox's bytes (queued or being written) on the daemon-wide budget; closed, and
+        # so released, when the outbox is dropped (stdin broken, fail_all).
+        self.buffers = buffers if buffers is not None else ByteBudget(sys.maxsize).open(instance)
         self._outbox_ready = trio.Event()
         self._writing = False
         # A real pipe (trio FdStream, non-blocking) can be written to directly when idle.
@@ -158,6 +164,7 @@ class ChildConnection:
                 return
             data = data[written:]
         self._outbox.append((data, gid))
+        self.buffers.charge(len(data))
         self._outbox_ready.set()
 
     async def send(self, line: bytes) -> None:
@@ -178,7 +185,8 @@ class ChildConnection:
             batch, self._outbox = self._outbox, []
             self._writing = True
             try:
-                await self._send_stream.send_all(b"".join([data for data, _ in batch]))
+                chunk = b"".join([line for line, _ in batch])
+                await self._send_stream.send_all(chunk)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 error = self.exited_error("the backend's stdin is closed")
                 if self.closed is None:
@@ -188,9 +196,11 @@ class ChildConnection:
                     if call is not None:
                         call.complete(None, errors.NotDelivered(error.message, **error.data))
                 self._outbox = []
+                self.buffers.close()
                 return
             finally:
                 self._writing = False
+            self.buffers.release(len(chunk))
 
     def exited_error(self, detail: str) -> errors.GatewayError:
         return errors.BackendExited(
@@ -327,6 +337,8 @@ class ChildConnection:
             call.complete(None, error)
         self.pending.clear()
         self._by_token.clear()
+        self._outbox = []  # nobody will read it: dropped with its bytes
+        self.buffers.close()
 
     # ---- reading ----------------------------------------------------------------------------
 

@@ -180,6 +180,7 @@ class Instance(ChildHandlers):
             bus=self.backend.host.bus,
             max_line=self.backend.host.max_message_bytes,
             max_depth=self.backend.host.max_json_depth,
+            buffers=self.backend.host.budget.open(f"child {self.name}"),
         )
         child.on_settled = lambda: self.backend.on_settled(self)
         down = self._down = trio.Event()

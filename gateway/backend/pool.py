@@ -27,6 +27,7 @@ from gateway.backend.child import ChildConnection
 from gateway.backend.instance import Instance
 from gateway.config import BackendConfig
 from gateway.events import EventBus, QueueWaited
+from gateway.limits import ByteBudget
 from gateway.protocol.catalog import BackendLists
 from gateway.protocol.supervision import State
 
@@ -56,6 +57,7 @@ class BackendHost(Protocol):
     """What a backend needs from the hub."""
 
     bus: EventBus
+    budget: ByteBudget  # the child write queues' bytes are charged here
     server_name: str
     max_message_bytes: int
     max_json_depth: int

@@ -61,6 +61,10 @@ CATALOG_KINDS = ("tools", "prompts", "resources", "templates")
 COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "client_connections_opened_total": ("Client connections accepted.", ("transport",)),
     "client_connections_closed_total": ("Client connections closed.", ("transport", "reason")),
+    "client_connections_refused_total": (
+        "Client connections turned away.",
+        ("transport", "reason"),
+    ),
     "requests_total": ("Client requests finished.", ("method", "backend", "outcome")),
     "jsonrpc_errors_total": ("JSON-RPC errors returned to clients.", ("code",)),
     "tool_calls_total": ("tools/call requests per tool (capped).", ("backend", "tool")),
@@ -104,6 +108,7 @@ STATUS_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "backend_resident_memory_bytes": ("RSS of the backend's process groups.", ("backend",)),
     "backend_catalog_items": ("Catalog entries a backend advertises.", ("backend", "kind")),
     "server_requests_pending": ("Server-to-client requests awaiting an answer.", ()),
+    "buffered_bytes": ("Bytes of client and backend messages queued in the gateway.", ()),
 }
 
 
@@ -178,6 +183,7 @@ class _StatusCollector(Collector):
     def _fill(self, fam: dict[str, GaugeMetricFamily], snap: GatewayStatus) -> None:
         fam["ready"].add_metric([], 1.0 if snap.ready else 0.0)
         fam["server_requests_pending"].add_metric([], snap.pending_server_requests)
+        fam["buffered_bytes"].add_metric([], snap.buffered_bytes)
         for transport, count in sorted(snap.connections.items()):
             fam["client_connections_active"].add_metric([transport], count)
         pids = [i.pid for b in snap.backends for i in b.instances if i.pid is not None]
@@ -235,6 +241,8 @@ class GatewayMetrics:
         self._g["build_info"].labels(version, platform.python_version(), trio.__version__).set(1)
         for name in (*errors.CODE_NAMES.values(), "other"):
             self._c["jsonrpc_errors_total"].labels(name)
+        for transport in ("websocket", "unix"):
+            self._c["client_connections_refused_total"].labels(transport, "max_connections")
         for result in ("success", "failure"):
             self._c["config_reloads_total"].labels(result)
         self._g["config_last_reload_success"].set(1)  # the startup load counts, as in Prometheus
@@ -244,6 +252,9 @@ class GatewayMetrics:
             events.ConnectionOpened: lambda e: inc("client_connections_opened_total", e.transport),
             events.ConnectionClosed: lambda e: inc(
                 "client_connections_closed_total", e.transport, e.reason
+            ),
+            events.ConnectionRefused: lambda e: inc(
+                "client_connections_refused_total", e.transport, e.reason
             ),
             events.RequestStarted: lambda e: self._inflight(e.backend).inc(),
             events.QueueWaited: lambda e: self._observe("queue_wait_seconds", e.seconds, e.backend),

@@ -9,7 +9,9 @@ free.
 
 Origin check: an upgrade with an ``Origin`` header that is not in ``allowed_origins`` gets HTTP
 403 (browsers open cross-origin WebSockets without CORS, so loopback alone does not protect a
-local gateway); with several ``Origin`` headers every one must be allowed.  Host check: an
+local gateway); with several ``Origin`` headers every one must be allowed.  Connection cap: an
+upgrade that finds every slot of ``slots`` (``max_connections``) taken gets HTTP 503; a slot is
+held from the accepted upgrade until the connection ends.  Host check: an
 upgrade whose ``Host`` is not a loopback name, the bound address or in ``allowed_hosts`` gets
 HTTP 421 (DNS rebinding: a page whose name resolves to 127.0.0.1 sends its own name).
 
@@ -52,6 +54,7 @@ from gateway.errors import (
     UnsupportedMessage,
 )
 from gateway.transports.listeners import allowed_host_names
+from gateway.limits import ConnectionSlots
 
 LOGGER = logging.getLogger(__name__)
 
@@ -214,8 +217,11 @@ async def _refuse(stream: trio.abc.Stream, ws: WSConnection, status: int, text: 
 
 
 async def _handshake(stream: trio.abc.Stream, allowed_origins: Sequence[str],
-                     allowed_hosts: frozenset[str]) -> WSConnection | None:
-    """Run the HTTP upgrade; returns the open connection, or None after refusing it."""
+                     allowed_hosts: frozenset[str], admit: Callable[[], bool]) -> WSConnection | None:
+    """Run the HTTP upgrade; returns the open connection, or None after refusing it.
+
+    ``admit`` is asked once the upgrade request is acceptable (it takes a connection slot).
+    """
     ws = WSConnection(ConnectionType.SERVER)
     while True:
         data = await stream.receive_some(_RECEIVE)
@@ -239,6 +245,9 @@ async def _handshake(stream: trio.abc.Stream, allowed_origins: Sequence[str],
                 LOGGER.warning("websocket upgrade refused: Origin not allowed")
                 await _refuse(stream, ws, 403, "Origin not allowed")
                 return None
+            if not admit():
+                await _refuse(stream, ws, 503, "too many connections (max_connections)")
+                return None
             sub = SUBPROTOCOL if SUBPROTOCOL in event.subprotocols else None
             await stream.send_all(ws.send(AcceptConnection(subprotocol=sub)))
             return ws
@@ -252,31 +261,43 @@ async def serve_websocket(
     allowed_hosts: Sequence[str] = (),
     max_message: int,
     handler_nursery: trio.Nursery,
+    slots: ConnectionSlots | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Accept WebSocket connections on ``listeners`` until cancelled.
 
     Connections run in ``handler_nursery``, so cancelling this task (stop accepting) does not
     cancel live connections.  ``allowed_hosts``: ``Host`` names accepted besides the loopback
-    names and the bound address.
+    names and the bound address.  With ``slots``, each connection holds one while it lives.
     """
     hosts = allowed_host_names(listeners, allowed_hosts)
 
     async def handler(stream: trio.SocketStream) -> None:
-        ws = None
-        with trio.move_on_after(HANDSHAKE_TIMEOUT):
-            try:
-                ws = await _handshake(stream, allowed_origins, hosts)
-            except _BROKEN:
-                ws = None
-        if ws is None:
-            with trio.move_on_after(1.0):
+        admitted = False
+
+        def admit() -> bool:
+            nonlocal admitted
+            admitted = slots is None or slots.acquire("websocket")
+            return admitted
+
+        try:
+            ws = None
+            with trio.move_on_after(HANDSHAKE_TIMEOUT):
                 try:
-                    await stream.aclose()
+                    ws = await _handshake(stream, allowed_origins, hosts, admit)
                 except _BROKEN:
-                    pass
-            return
-        await on_connection(WebSocketStream(stream, ws, max_message))
+                    ws = None
+            if ws is None:
+                with trio.move_on_after(1.0):
+                    try:
+                        await stream.aclose()
+                    except _BROKEN:
+                        pass
+                return
+            await on_connection(WebSocketStream(stream, ws, max_message))
+        finally:
+            if admitted and slots is not None:
+                slots.release()
 
     await trio.serve_listeners(handler, listeners, handler_nursery=handler_nursery,
                                task_status=task_status)

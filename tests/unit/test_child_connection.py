@@ -21,6 +21,7 @@ from msgspec import UNSET, Raw, UnsetType
 from gateway import errors
 from gateway.backend.child import ChildConnection, ChildHandlers
 from gateway.events import BackendProtocolError, EventBus
+from gateway.limits import ByteBudget
 
 CAP = 3000.0  # hard cap on every test, in trio time
 
@@ -514,3 +515,33 @@ async def test_pause_never_extends_past_the_hard_maximum(autojump_clock: MockClo
         await call.done.wait()
         assert isinstance(call.error, errors.CallTimeout)
         assert call.at - t0 == 25
+
+
+# ---- the write queue's bytes on the daemon-wide budget ------------------------------------
+
+
+async def test_write_queue_bytes_are_charged_until_written_or_dropped() -> None:
+    budget = ByteBudget(1 << 20)
+    gw_send, child_recv = trio.testing.memory_stream_one_way_pair()
+    _child_send, gw_recv = trio.testing.memory_stream_one_way_pair()
+    conn = ChildConnection(
+        backend="fx", instance="fx/0", generation=1, send_stream=gw_send, receive_stream=gw_recv,
+        handlers=Recorder(), bus=EventBus(), max_line=1 << 16, buffers=budget.open("child fx/0"),
+    )
+    conn.post(b"x" * 99)
+    conn.post(b"y" * 9)
+    assert budget.total == 110  # queued: no write loop yet (and no pipe to write to directly)
+    with trio.fail_after(CAP):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(conn.write_loop)
+            assert await child_recv.receive_some() == b"x" * 99 + b"\n" + b"y" * 9 + b"\n"
+            await trio.testing.wait_all_tasks_blocked()  # the write loop is idle again
+            assert budget.total == 0  # written: released
+            nursery.cancel_scope.cancel()
+    conn.post(b"z" * 49)
+    assert budget.total == 50
+    conn.fail_all(conn.exited_error("test"))  # the child is gone: its queue is dropped
+    assert budget.total == 0 and not budget.accounts
+    with pytest.raises(errors.NotDelivered):
+        conn.post(b"late")
+    assert budget.total == 0

@@ -11,7 +11,7 @@ import sys
 import gateway.protocol
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PURE = ["gateway.config", "gateway.errors", "gateway.events", "gateway.status"]
+PURE = ["gateway.config", "gateway.errors", "gateway.events", "gateway.limits", "gateway.status"]
 
 # Runs in a fresh interpreter: imports the modules one by one and reports the first one that
 # pulled in trio (or trio_websocket, …), and every trio module loaded in the end.

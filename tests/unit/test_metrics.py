@@ -25,6 +25,8 @@ EXPECTED_FAMILIES = {
     "mcp_gateway_client_connections_active",
     "mcp_gateway_client_connections_opened",  # the parser strips _total from counter families
     "mcp_gateway_client_connections_closed",
+    "mcp_gateway_client_connections_refused",
+    "mcp_gateway_buffered_bytes",
     "mcp_gateway_requests",
     "mcp_gateway_request_duration_seconds",
     "mcp_gateway_overhead_seconds",
@@ -185,6 +187,17 @@ def test_connection_and_backend_events(h: Harness) -> None:
     assert h.value("backend_start_duration_seconds_sum", backend="time") == 0.4
     assert h.value("backend_protocol_errors_total", backend="time", kind="not_json") == 1
     assert h.value("catalog_changes_total", kind="prompts") == 1
+
+
+def test_refused_connections_are_counted_and_buffered_bytes_follow_the_snapshot(h: Harness) -> None:
+    refused = {"reason": "max_connections"}
+    assert h.value("client_connections_refused_total", transport="unix", **refused) == 0
+    h.emit(ev.ConnectionRefused("websocket", "max_connections"),
+           ev.ConnectionRefused("websocket", "max_connections"))
+    assert h.value("client_connections_refused_total", transport="websocket", **refused) == 2
+    assert h.value("buffered_bytes") == 0
+    h.snapshot = GatewayStatus("1.2.3", (), {}, True, buffered_bytes=12345)
+    assert h.value("buffered_bytes") == 12345
 
 
 def test_backend_gauges_follow_the_snapshot(h: Harness) -> None:

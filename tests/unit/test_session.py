@@ -12,6 +12,7 @@ import trio.testing
 from msgspec import Raw
 
 from gateway import errors
+from gateway.limits import ByteBudget
 from gateway.protocol import jsonrpc
 from gateway.session import ClientSession, ServerRequest
 
@@ -236,3 +237,37 @@ async def test_session_caps_default_to_nothing() -> None:
     assert not s.caps.allows("elicitation/create", {})
     assert not s.caps.allows("sampling/createMessage")
     assert msgspec.json.encode(s.caps.raw) == b"{}"
+
+
+# ---- byte bounds --------------------------------------------------------------------------
+
+
+async def test_outbound_bytes_bound_closes_the_connection() -> None:
+    s = ClientSession("memory", outbound_capacity=512, max_inflight=4, outbound_bytes=1000)
+    assert s.send(b"x" * 600)
+    assert s.send(b"x" * 400)  # exactly at the bound
+    assert s.queued_bytes == 1000 and not s.closed.is_set()
+    s.sent(600)  # the writer wrote the first one: room again
+    assert s.send(b"x" * 600)
+    assert s.send(b"x") is False
+    assert s.close_reason == "overflow"
+
+
+async def test_sessions_charge_the_shared_budget_and_release_on_drop() -> None:
+    budget = ByteBudget(10_000)
+    a = ClientSession("memory", outbound_capacity=512, max_inflight=4, budget=budget)
+    b = ClientSession("memory", outbound_capacity=512, max_inflight=4, budget=budget)
+    a.send(b"x" * 3000)
+    b.send(b"y" * 1000)
+    assert budget.total == 4000
+    b.sent(1000)
+    assert budget.total == 3000
+    a.check_new_call(1, 7000)  # fits exactly
+    with pytest.raises(errors.Overloaded) as info:
+        b.check_new_call(1, 7001)
+    assert info.value.error_data() == {"reason": "overloaded", "limit": 10_000}
+    a.send(b"x" * 7001)  # a reply cannot be refused: the biggest holder is cut off
+    assert a.close_reason == "overflow" and not b.closed.is_set()
+    a.drop_outbound()
+    b.drop_outbound()
+    assert budget.total == 0

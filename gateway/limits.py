@@ -1,0 +1,138 @@
+"""Daemon-wide resource limits: one byte budget for queued messages, one cap on connections.
+
+Pure data (no trio, no I/O): the hub creates one :class:`ByteBudget` and one
+:class:`ConnectionSlots` and hands them to whoever queues bytes or accepts connections.
+
+Theory of operation (``gateway.buffered_bytes_total``): every queue that holds client or backend
+messages charges its bytes to an :class:`Account` it opened on the budget: a client connection's
+account covers its outbound queue (queued + taken by the writer, not yet sent) and the requests
+it sent that are still being served; a child's account covers its write queue.  A charge and a
+release are an int add each.  Each account is closed exactly once, when its queue is dropped
+(connection closed, child gone): closing releases whatever it still holds, and releases after
+that are no-ops, so every charged byte leaves the total exactly once.
+
+The budget is enforced in two ways, decided here and acted on by the caller:
+
+* :meth:`ByteBudget.admits` — a new client request is admitted only if its bytes fit under the
+  limit (otherwise the caller answers -32006 ``overloaded``);
+* a charge that cannot be refused (a reply, a notification, a line for a child) and takes the
+  total over the limit evicts the client account holding the most bytes: its ``evict``
+  callback closes that connection (reason ``overflow``).  One eviction at a time: until the
+  evicted account is closed (its bytes released), further overruns evict nobody else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+class Account:
+    """One queue's share of a :class:`ByteBudget` (open it with :meth:`ByteBudget.open`)."""
+
+    __slots__ = ("_budget", "closed", "evict", "held", "name")
+
+    def __init__(self, budget: ByteBudget, name: str, evict: Callable[[], None] | None) -> None:
+        self._budget = budget
+        self.name = name
+        self.evict = evict  # None: not a client connection, never evicted
+        self.held = 0
+        self.closed = False
+
+    def __repr__(self) -> str:
+        return f"<Account {self.name} {self.held}B{' closed' if self.closed else ''}>"
+
+    def charge(self, n: int) -> None:
+        """``n`` more bytes are queued.  May evict the largest client account (maybe this one)."""
+        if self.closed:
+            return
+        self.held += n
+        budget = self._budget
+        budget.total += n
+        if budget.total > budget.limit:
+            budget.overrun()
+
+    def release(self, n: int) -> None:
+        """``n`` of this account's bytes left their queue (written, or dropped)."""
+        if self.closed:
+            return  # already released by close()
+        self.held -= n
+        self._budget.total -= n
+
+    def close(self) -> None:
+        """The queue is gone: release everything still held (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        budget = self._budget
+        budget.total -= self.held
+        self.held = 0
+        budget.accounts.discard(self)
+        if budget.evicting is self:
+            budget.evicting = None
+
+
+class ByteBudget:
+    """The daemon-wide account of queued message bytes, bounded by ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.total = 0
+        self.accounts: set[Account] = set()
+        self.evicting: Account | None = None  # evicted, its bytes not released yet
+        self.evictions = 0
+
+    def open(self, name: str, evict: Callable[[], None] | None = None) -> Account:
+        """A new account; ``evict`` (client connections only) closes its owner on an overrun."""
+        account = Account(self, name, evict)
+        self.accounts.add(account)
+        return account
+
+    def admits(self, n: int) -> bool:
+        """Whether ``n`` more refusable bytes (a new client request) fit under the limit."""
+        return self.total + n <= self.limit
+
+    def overrun(self) -> Account | None:
+        """The total is over the limit: evict the client account holding the most bytes.
+
+        Returns the evicted account, or None (an eviction is still under way, or no client
+        account holds anything).
+        """
+        if self.evicting is not None:
+            return None
+        victim: Account | None = None
+        for account in self.accounts:
+            if account.evict is not None and account.held > 0 and (victim is None or account.held > victim.held):
+                victim = account
+        if victim is None:
+            return None
+        self.evicting = victim
+        self.evictions += 1
+        assert victim.evict is not None
+        victim.evict()
+        return victim
+
+
+class ConnectionSlots:
+    """Client connections open at once, bounded by ``limit`` (WebSocket and unix together).
+
+    ``on_refused(transport)`` is called for each connection turned away.
+    """
+
+    def __init__(self, limit: int, on_refused: Callable[[str], None] | None = None) -> None:
+        self.limit = limit
+        self.used = 0
+        self._on_refused = on_refused
+
+    def acquire(self, transport: str) -> bool:
+        """Take a slot for a new connection; False (and counted) when all are taken."""
+        if self.used >= self.limit:
+            if self._on_refused is not None:
+                self._on_refused(transport)
+            return False
+        self.used += 1
+        return True
+
+    def release(self) -> None:
+        """A connection that held a slot has ended."""
+        assert self.used > 0, "release without acquire"
+        self.used -= 1

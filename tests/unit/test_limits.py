@@ -1,0 +1,100 @@
+"""ByteBudget and ConnectionSlots: the daemon-wide limits, as plain data (no trio)."""
+
+from __future__ import annotations
+
+from gateway.limits import ByteBudget, ConnectionSlots
+
+
+def test_charge_and_release_move_the_total_and_the_account() -> None:
+    budget = ByteBudget(1000)
+    a, b = budget.open("a", lambda: None), budget.open("child b")
+    a.charge(100)
+    b.charge(50)
+    assert (budget.total, a.held, b.held) == (150, 100, 50)
+    a.release(60)
+    assert (budget.total, a.held) == (90, 40)
+
+
+def test_close_releases_what_is_left_exactly_once() -> None:
+    budget = ByteBudget(1000)
+    a = budget.open("a", lambda: None)
+    a.charge(300)
+    a.release(100)
+    a.close()
+    assert budget.total == 0 and a.held == 0
+    a.release(200)  # the writer finishing after the drop: already released
+    a.close()
+    a.charge(10)  # a closed account takes nothing
+    assert budget.total == 0
+    assert a not in budget.accounts
+
+
+def test_admits_refusable_bytes_only_while_they_fit() -> None:
+    budget = ByteBudget(100)
+    a = budget.open("a", lambda: None)
+    a.charge(60)
+    assert budget.admits(40)
+    assert not budget.admits(41)
+
+
+def test_overrun_evicts_the_client_account_holding_the_most() -> None:
+    evicted: list[str] = []
+    budget = ByteBudget(100)
+    small = budget.open("small", lambda: evicted.append("small"))
+    big = budget.open("big", lambda: evicted.append("big"))
+    child = budget.open("child")  # holds the most, but is not a connection
+    small.charge(10)
+    big.charge(30)
+    child.charge(60)
+    assert evicted == []  # at the limit, not over it
+    small.charge(1)
+    assert evicted == ["big"]
+    assert budget.evicting is big and budget.evictions == 1
+
+
+def test_one_eviction_at_a_time_until_the_victim_is_closed() -> None:
+    evicted: list[str] = []
+    budget = ByteBudget(100)
+    a = budget.open("a", lambda: evicted.append("a"))
+    b = budget.open("b", lambda: evicted.append("b"))
+    a.charge(70)
+    b.charge(40)
+    assert evicted == ["a"]
+    b.charge(10)  # still over, but a's bytes are about to go: nobody else is cut off
+    assert evicted == ["a"]
+    a.close()
+    assert budget.evicting is None and budget.total == 50
+    b.charge(60)
+    assert evicted == ["a", "b"]
+
+
+def test_overrun_with_no_client_bytes_evicts_nobody() -> None:
+    budget = ByteBudget(10)
+    idle = budget.open("idle", lambda: (_ for _ in ()).throw(AssertionError("evicted")))
+    child = budget.open("child")
+    child.charge(20)
+    assert budget.overrun() is None
+    assert idle.held == 0
+
+
+def test_every_account_closed_brings_the_total_back_to_zero() -> None:
+    budget = ByteBudget(10**6)
+    accounts = [budget.open(f"a{i}", lambda: None) for i in range(5)] + [budget.open("child")]
+    for i, account in enumerate(accounts):
+        account.charge(100 * (i + 1))
+        account.release(10)
+    for account in accounts:
+        account.close()
+    assert budget.total == 0 and not budget.accounts
+
+
+def test_connection_slots_refuse_beyond_the_limit_and_count_it() -> None:
+    refused: list[str] = []
+    slots = ConnectionSlots(2, refused.append)
+    assert slots.acquire("websocket") and slots.acquire("unix")
+    assert not slots.acquire("websocket")
+    assert not slots.acquire("unix")
+    assert refused == ["websocket", "unix"] and slots.used == 2
+    slots.release()
+    assert slots.acquire("unix")
+    assert refused == ["websocket", "unix"]
