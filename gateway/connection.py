@@ -87,12 +87,15 @@ async def serve(hub: Hub, stream: MessageStream, transport: str) -> None:
             hub.sessions.discard(session)
             hub.connections_changed()
             session.end_all_requests("owner_gone")
-            await hub.session_closed(session)
-            await _flush(session, stream, in_hand)
+            try:
+                await hub.session_closed(session)
+                await _flush(session, stream, in_hand)
+                with trio.move_on_after(FLUSH_TIMEOUT):
+                    await stream.aclose(session.close_reason)
+            except Exception:  # a bug must end this connection only, never the daemon
+                LOGGER.exception("connection %s: error while closing", session.conn_id, extra=session.log_fields)
             in_hand.clear()
             session.drop_outbound()  # every byte it still had charged is released here
-            with trio.move_on_after(FLUSH_TIMEOUT):
-                await stream.aclose(session.close_reason)
             hub.bus.emit(ConnectionClosed(session.conn_id, transport, session.close_reason,
                                           trio.current_time() - session.opened))
             LOGGER.debug("connection %s closed: %s", session.conn_id, session.close_reason, extra=session.log_fields)

@@ -287,6 +287,9 @@ async def serve_websocket(
                     ws = await _handshake(stream, allowed_origins, hosts, admit)
                 except _BROKEN:
                     ws = None
+                except Exception:  # a bug in the upgrade must end this connection only
+                    LOGGER.exception("websocket upgrade failed")
+                    ws = None
             if ws is None:
                 with trio.move_on_after(1.0):
                     try:
