@@ -326,6 +326,8 @@ class Hub:
             listeners_bound=self.listeners_bound,
             draining=self.draining,
             pending_server_requests=len(self.ownership.pending) + self.policy.pending_count(),
+            client_requests_in_flight=sum(len(s.inflight) for s in self.sessions),
+            outbound_messages_queued=sum(s.outbound.statistics().current_buffer_used for s in self.sessions),
         )
 
 

@@ -42,6 +42,8 @@ class GatewayStatus:
     listeners_bound: bool = False
     draining: bool = False
     pending_server_requests: int = 0
+    client_requests_in_flight: int = 0  # client requests read and not yet answered, all sessions
+    outbound_messages_queued: int = 0  # messages waiting in the sessions' outbound queues
 
     def not_ready_because(self) -> list[str]:
         """Why the daemon is not ready, in words for ``/readyz`` (empty when it is ready):
