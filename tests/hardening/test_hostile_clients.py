@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import trio
 from helpers import Client, connect, text_of, unix_connect
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from invariants import Daemon, DaemonSlot, baseline, chaos_backend, check, failed
 from wsproto import ConnectionType, WSConnection
@@ -36,6 +36,7 @@ MAX_MESSAGE = 256 * 1024
 MAX_DEPTH = 128  # gateway.max_json_depth (default)
 GATEWAY = f"max_message_bytes = {MAX_MESSAGE}\noutbound_queue = 4\noutbound_bytes = {MAX_MESSAGE}"
 TRANSPORTS = ["websocket", "unix"]
+ANSWER_BOUND = 3.0  # seconds for an answer to a generated message (echo or an error at once)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +121,13 @@ tool_params = st.fixed_dictionaries(
 )
 DEEP = "\x00DEEP\x00"  # replaced by a nested array after json.dumps
 params = st.one_of(json_values, tool_params, st.just(DEEP))
+requests = st.fixed_dictionaries(  # well-formed envelopes, hostile contents
+    {"jsonrpc": st.just("2.0"), "id": st.one_of(st.integers(*INT64), st.text(max_size=16)),
+     "method": methods},
+    optional={"params": params},
+)
 messages = st.one_of(
+    requests,
     st.fixed_dictionaries({}, optional={
         "jsonrpc": st.one_of(st.just("2.0"), json_scalars),
         "id": ids, "method": methods, "params": params, "result": json_values,
@@ -145,8 +152,11 @@ def encode(msg: Any, depth: int) -> bytes:
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@settings(max_examples=60, deadline=None,
+@settings(max_examples=60, deadline=None, report_multiple_bugs=False,
+          phases=[Phase.explicit, Phase.reuse, Phase.generate],  # no shrinking: bounded CI time
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@example(batch=[{"jsonrpc": "2.0", "id": 0, "method": None}], depth=3)  # found by this test
+@example(batch=[{"jsonrpc": "2.0", "id": "t", "method": True, "params": DEEP}], depth=129)
 @given(batch=st.lists(messages, min_size=1, max_size=4),
        depth=st.sampled_from([3, 100, 129, 1000, 20_000]))
 async def test_generated_jsonrpc_gets_exactly_one_answer_per_usable_id(
@@ -154,14 +164,16 @@ async def test_generated_jsonrpc_gets_exactly_one_answer_per_usable_id(
 ) -> None:
     expected: dict[str, int] = {}  # json of a usable request id -> answers seen
     too_deep: dict[str, int] = {}  # the same, for requests refused before their id is read
+    other: dict[str, int] = {}  # usable ids of messages that are not requests: at most one answer
     for msg in batch:
         if isinstance(msg, dict) and "id" in msg and usable(msg["id"]):
             key = json.dumps(msg["id"])
-            if key in expected or key in too_deep or key == "1":  # repeated, or initialize's
+            if key in expected or key in too_deep or key in other or key == "1":
                 msg.pop("id")
                 continue
             if "method" not in msg or "result" in msg or "error" in msg:
-                continue  # not a request: no answer promised
+                other[key] = 0  # not a request: an error answer at most
+                continue
             deep = depth > MAX_DEPTH - 4 and DEEP in json.dumps(msg)
             (too_deep if deep else expected)[key] = 0
     with trio.fail_after(30):
@@ -169,17 +181,19 @@ async def test_generated_jsonrpc_gets_exactly_one_answer_per_usable_id(
             start = len(c.received)
             for msg in batch:
                 await c.send(encode(msg, depth).decode())
-            await c.wait_for(lambda: all(
-                any(json.dumps(m.get("id")) == key for m in answers(c, start)) for key in expected))
+            await c.wait_for(lambda: all(  # the gateway answers these at once
+                any(json.dumps(m.get("id")) == key for m in answers(c, start)) for key in expected),
+                timeout=ANSWER_BOUND)
             await fence(c)
             got = [m for m in answers(c, start) if not str(m.get("id")).startswith("fence-")]
             assert sum(m.get("id") is None for m in got) <= len(batch), got
             for m in got:
                 key = json.dumps(m.get("id"))
-                assert key in expected or key in too_deep or m.get("id") is None, \
-                    f"answer to an id never sent: {m}"
-                if key in too_deep:
-                    too_deep[key] += 1
+                assert key in expected or key in too_deep or key in other \
+                    or m.get("id") is None, f"answer to an id never sent: {m}"
+                for table in (too_deep, other):
+                    if key in table:
+                        table[key] += 1
                 assert ("result" in m) != ("error" in m), m
                 if "error" in m:
                     assert isinstance(m["error"]["code"], int), m
@@ -189,7 +203,7 @@ async def test_generated_jsonrpc_gets_exactly_one_answer_per_usable_id(
                         "reason") == "too_deep":
                     assert m["error"]["code"] == -32600
             assert all(n == 1 for n in expected.values()), expected
-            assert all(n <= 1 for n in too_deep.values()), too_deep
+            assert all(n <= 1 for n in [*too_deep.values(), *other.values()]), (too_deep, other)
             assert not c.closed
 
 
