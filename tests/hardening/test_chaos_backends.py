@@ -148,6 +148,9 @@ async def test_chaos_command_gets_one_answer_then_invariants_hold(
         if case.counted:
             assert errors_after > errors_before, f"{case.do} was not counted"
         await check(daemon, base)
+        if not case.restarts:  # not later either (an abandoned call's grace, a health check)
+            late = await daemon.instance("cx")
+            assert (late["pid"], late["restarts"]) == (before["pid"], before["restarts"]), late
 
 
 async def test_invalid_utf8_reply_never_reaches_a_websocket_client_as_text(daemon: Daemon) -> None:

@@ -243,7 +243,7 @@ async def test_json_deeper_than_the_limit_is_refused_and_the_connection_stays(
                                    "params": {"name": "fx__echo", "arguments": {"message": DEEP}}})
                 start = len(c.received)
                 await c.send(body.replace(json.dumps(DEEP), "[" * depth + "]" * depth))
-                (r,) = await c.wait_for(lambda start=start: answers(c, start))
+                (r,) = await c.wait_for(lambda start=start: answers(c, start), ANSWER_BOUND)
                 assert r["id"] in (rid, None), r
                 assert r["error"]["code"] == -32600, r
                 assert r["error"]["data"]["reason"] == "too_deep", r
@@ -273,7 +273,7 @@ async def test_invalid_utf8_gets_parse_error_and_never_reaches_a_backend(
                               "params": {"name": "fx__echo", "arguments": {"message": "@@"}}})
             start = len(c.received)
             await send_raw(c, raw.encode().replace(b"@@", tag.encode() + b"\xff\xfe"))
-            (r,) = await c.wait_for(lambda: answers(c, start))
+            (r,) = await c.wait_for(lambda: answers(c, start), ANSWER_BOUND)
             assert r["error"]["code"] == -32700 and r["id"] is None, r
             after = await backend_stats(c)
             assert after["bad_utf8_in"] == before["bad_utf8_in"]
@@ -293,7 +293,7 @@ async def test_a_batch_in_a_session_that_forbids_batches_runs_nothing(
             await c.send([{"jsonrpc": "2.0", "id": "b1", "method": "tools/call",
                            "params": {"name": "fx__echo", "arguments": {"message": "b"}}},
                           {"jsonrpc": "2.0", "id": "b2", "method": "ping"}])
-            (r,) = await c.wait_for(lambda: answers(c, start))
+            (r,) = await c.wait_for(lambda: answers(c, start), ANSWER_BOUND)
             assert r["error"]["code"] == -32600 and r["id"] is None, r
             await fence(c)
             assert "b1" not in c.responses and "b2" not in c.responses
