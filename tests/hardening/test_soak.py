@@ -95,6 +95,9 @@ async def session(daemon: Daemon, n: int, deadline: float, fig: Figures) -> None
                     except trio.TooSlowError:
                         fig.lost.append(f"{rid}: no answer within {ANSWER_BOUND}s")
                         continue
+                    except ConnectionError:
+                        fig.lost.append(f"{rid}: connection closed by the gateway")
+                        break
                     fig.answers += 1
                     if "result" in r:
                         fig.results += 1
