@@ -43,6 +43,8 @@ class GatewayStatus:
     draining: bool = False
     pending_server_requests: int = 0
     buffered_bytes: int = 0  # queued client/backend message bytes (gateway.buffered_bytes_total)
+    client_requests_in_flight: int = 0  # client requests read and not yet answered, all sessions
+    outbound_messages_queued: int = 0  # messages waiting in the sessions' outbound queues
 
     def not_ready_because(self) -> list[str]:
         """Why the daemon is not ready, in words for ``/readyz`` (empty when it is ready):

@@ -188,3 +188,43 @@ async def http_json(port: int | None, path: str) -> Any:
     status, body = await http_request(port, path)
     assert status == 200, (status, body[:200])
     return json.loads(body)
+
+
+class LineSocket:
+    """A unix-socket stream with WebSocket-like ``send_message``/``get_message``, so
+    :class:`Client` works over the newline-delimited listener.  Incoming lines are decoded as
+    strict UTF-8: invalid bytes from the gateway fail the reader (and the test)."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self._buf = b""
+
+    async def send_message(self, message: str | bytes) -> None:
+        data = message.encode() if isinstance(message, str) else message
+        await self.stream.send_all(data + b"\n")
+
+    async def get_message(self) -> str:
+        while b"\n" not in self._buf:
+            try:
+                data = await self.stream.receive_some(1 << 20)
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                raise trio_websocket.ConnectionClosed(None) from exc
+            if not data:
+                raise trio_websocket.ConnectionClosed(None)
+            self._buf += data
+        line, self._buf = self._buf.split(b"\n", 1)
+        return line.decode("utf-8")
+
+
+@asynccontextmanager
+async def unix_connect(path: str, *, initialize: bool = True) -> AsyncIterator[Client]:
+    """Like :func:`connect`, over the unix socket listener at ``path``."""
+    stream = await trio.open_unix_socket(path)
+    async with stream:
+        client = Client(LineSocket(stream))  # type: ignore[arg-type]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client._reader)
+            if initialize:
+                await client.initialize()
+            yield client
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,331 @@
+"""The hardening suite's invariants, read from outside the daemon.
+
+A :class:`Daemon` is ``python -m gateway run`` as a real subprocess (subreaper, signals, its own
+fds and RSS).  :func:`baseline` records what an idle daemon looks like; :func:`check` asserts,
+after a scenario, that it looks like that again:
+
+* alive: the process runs and ``/healthz`` answers;
+* a bystander WebSocket connection's echo call succeeds (and gets nothing that is not its own);
+* the published ``/status`` snapshot settles back to the baseline: per-instance in-flight counts,
+  pending server->client requests, connections by transport, client requests in flight and
+  queued outbound messages (polled with an explicit deadline: an external observer can only poll);
+* open fds of the daemon are back to the baseline (+- ``FD_SLACK``);
+* the daemon's descendants are exactly the backend instances ``/status`` names (no orphan,
+  no grandchild left behind);
+* resident memory stays under ``RSS_BOUND``.
+
+Nothing here reads the daemon's internal objects, so a rewrite of the routing core keeps these
+tests as they are.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from helpers import ROOT, connect, http_json, http_request, text_of
+
+FD_SLACK = 4  # sockets in a close handshake, the admin connection of the check itself
+RSS_BOUND = 256 * 2**20  # the daemon's resident memory, bytes
+SETTLE = 15.0  # seconds for /status to settle back to the baseline
+POLL = 0.02  # seconds between two /status reads while settling
+CHAOS = os.path.join(ROOT, "tests", "fixtures", "chaos_server.py")
+READY = re.compile(r"ready: websocket port (\d+), unix (\S+), admin port (\d+)")
+
+
+def chaos_backend(name: str, env: dict[str, str] | None = None, **extra: Any) -> str:
+    """A TOML [backends.NAME] table running the chaos server."""
+    lines = [f"[backends.{name}]", f"command = {json.dumps(sys.executable)}",
+             f"args = [{json.dumps(CHAOS)}]"]
+    if env:
+        lines.append("env = {" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in env.items()) + "}")
+    for key, value in extra.items():
+        inline = isinstance(value, str) and value.startswith("{")  # a TOML inline table
+        lines.append(f"{key} = {value if inline else json.dumps(value)}")
+    return "\n".join(lines) + "\n"
+
+
+# ---- /proc ----------------------------------------------------------------------------------
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every live (non-zombie) process."""
+    out = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                data = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        state, ppid = data[data.rfind(")") + 2:].split()[:2]
+        if state != "Z":
+            out[int(name)] = int(ppid)
+    return out
+
+
+def descendants(pid: int) -> set[int]:
+    parents = _parents()
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read().decode(errors="replace")
+    except OSError:
+        return False
+    return data[data.rfind(")") + 2:].split()[0] != "Z"
+
+
+# ---- the daemon -----------------------------------------------------------------------------
+
+
+class Daemon:
+    """``python -m gateway run --config PATH`` with WebSocket, unix socket and admin listeners."""
+
+    def __init__(self, workdir: Path, backends: str, gateway: str = "") -> None:
+        self.workdir = workdir
+        self.config_path = workdir / "gateway.toml"
+        self.unix_path = str(workdir / "gw.sock")
+        self.backends, self.gateway = backends, gateway
+        self.write_config(backends)
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "run", "--config", str(self.config_path)],
+            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self._reader = threading.Thread(target=self._read_stderr, daemon=True)
+        self._reader.start()
+        if not self._ready.wait(30) or self.proc.poll() is not None:
+            self.stop()
+            raise AssertionError("daemon did not become ready:\n" + self.tail())
+        (m,) = [m for line in self.lines if (m := READY.search(line))]
+        self.ws_port, self.admin_port = int(m.group(1)), int(m.group(3))
+
+    def write_config(self, backends: str) -> None:
+        self.config_path.write_text(f"""
+[gateway]
+{self.gateway}
+[listen]
+websocket = "127.0.0.1:0"
+unix = "{self.unix_path}"
+[admin]
+listen = "127.0.0.1:0"
+{backends}
+""")
+
+    def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for raw in self.proc.stderr:
+            line = raw.decode(errors="replace").rstrip("\n")
+            if len(self.lines) < 20000:
+                self.lines.append(line)
+            if READY.search(line):
+                self._ready.set()
+        self._ready.set()
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.lines[-n:])
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.ws_port}/"
+
+    async def status(self) -> dict[str, Any]:
+        return await http_json(self.admin_port, "/status")
+
+    async def instance(self, backend: str, index: int = 0) -> dict[str, Any]:
+        (b,) = [b for b in (await self.status())["backends"] if b["name"] == backend]
+        return b["instances"][index]
+
+    async def metric(self, name: str, **labels: str) -> float:
+        """The sum of the samples of ``name`` whose labels include ``labels`` (0 when none)."""
+        status, body = await http_request(self.admin_port, "/metrics")
+        assert status == 200
+        total = 0.0
+        for line in body.decode().splitlines():
+            if not line.startswith(name + "{") and not line.startswith(name + " "):
+                continue
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def stop(self) -> int:
+        """SIGTERM, bounded wait, SIGKILL as a last resort; the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._reader.join(5)
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
+        return self.proc.returncode
+
+
+# ---- baseline and check ---------------------------------------------------------------------
+
+
+def settled_view(status: dict[str, Any]) -> dict[str, Any]:
+    """The numbers of a /status document that must return to the baseline after a scenario."""
+    return {
+        "connections": {k: v for k, v in status["connections"].items() if v},
+        "pending_server_requests": status["pending_server_requests"],
+        "client_requests_in_flight": status["client_requests_in_flight"],
+        "outbound_messages_queued": status["outbound_messages_queued"],
+        "inflight": {i["name"]: i["inflight"] for b in status["backends"] for i in b["instances"]},
+    }
+
+
+def instance_pids(status: dict[str, Any]) -> set[int]:
+    return {i["pid"] for b in status["backends"] for i in b["instances"] if i["pid"] is not None}
+
+
+@dataclass
+class Baseline:
+    view: dict[str, Any]
+    fds: int
+    rss: int
+    figures: dict[str, Any] = field(default_factory=dict)
+
+
+async def baseline(daemon: Daemon) -> Baseline:
+    """What the idle daemon looks like; taken once its backends settled (every instance
+    RUNNING or FATAL)."""
+    with trio.fail_after(SETTLE):
+        while True:
+            status = await daemon.status()
+            states = {i["state"] for b in status["backends"] for i in b["instances"]}
+            if states <= {"RUNNING", "FATAL"}:
+                break
+            await trio.sleep(POLL)
+    return Baseline(settled_view(status), open_fds(daemon.pid), rss_bytes(daemon.pid))
+
+
+async def bystander_echo(daemon: Daemon, tool: str = "fx__echo") -> None:
+    """A fresh WebSocket connection's echo call succeeds, and it receives only its own answers."""
+    tag = secrets.token_hex(6)
+    with trio.fail_after(15):
+        async with connect(daemon.url) as c:
+            r = await c.call(tool, {"message": tag}, id=f"bystander-{tag}")
+            assert "result" in r, r
+            assert text_of(r) == tag
+            ids = [m.get("id") for m in c.received if "method" not in m]
+            assert ids == [1, f"bystander-{tag}"], ids  # initialize, the call: nothing foreign
+
+
+async def check(daemon: Daemon, base: Baseline, *, bystander_tool: str = "fx__echo",
+                settle: float = SETTLE) -> None:
+    """Assert every invariant against ``base``; the snapshot gets ``settle`` seconds."""
+    assert daemon.proc.poll() is None, "daemon died:\n" + daemon.tail()
+    status, body = await http_request(daemon.admin_port, "/healthz")
+    assert (status, body) == (200, b"ok\n")
+    await bystander_echo(daemon, bystander_tool)
+    # the published snapshot settles back; so do the fds and the process tree
+    deadline = trio.current_time() + settle
+    while True:
+        status_doc = await daemon.status()
+        view = settled_view(status_doc)
+        fds = open_fds(daemon.pid)
+        extra = descendants(daemon.pid) - instance_pids(status_doc)
+        if view == base.view and fds <= base.fds + FD_SLACK and not extra:
+            break
+        if trio.current_time() > deadline:
+            procs = {p: _cmdline(p) for p in extra}
+            raise AssertionError(
+                f"did not settle within {settle}s:\n view {view}\n base {base.view}\n"
+                f" fds {fds} (baseline {base.fds}, slack {FD_SLACK})\n extra processes {procs}\n"
+                + daemon.tail(15))
+        await trio.sleep(POLL)
+    assert abs(fds - base.fds) <= FD_SLACK, (fds, base.fds)
+    rss = rss_bytes(daemon.pid)
+    assert rss <= RSS_BOUND, f"daemon RSS {rss / 2**20:.1f} MiB over {RSS_BOUND / 2**20:.0f} MiB"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")[:120]
+    except OSError:
+        return "?"
+
+
+FAILED = pytest.StashKey[bool]()  # set by tests/hardening/conftest.py when a test's call failed
+
+
+def failed(request: pytest.FixtureRequest) -> bool:
+    return request.node.stash.get(FAILED, False)
+
+
+class DaemonSlot:
+    """One daemon shared by a module's tests, replaced when a test left it dead (so one crash
+    fails its own test, not every test after it)."""
+
+    def __init__(self, workdir: Path, backends: str, gateway: str = "") -> None:
+        self.workdir, self.backends, self.gateway = workdir, backends, gateway
+        self.current: Daemon | None = None
+        self.spawned = 0
+
+    def get(self) -> Daemon:
+        if self.current is None or self.current.proc.poll() is not None:
+            self.spawned += 1
+            workdir = self.workdir / f"d{self.spawned}"
+            workdir.mkdir()
+            self.current = Daemon(workdir, self.backends, self.gateway)
+        return self.current
+
+    def discard(self) -> None:
+        """Kill the current daemon (its test failed: it may be half broken).  Sockets a client
+        library leaked when the daemon died are collected now, not in the next test."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            gc.collect()
+        if self.current is not None:
+            if self.current.proc.poll() is None:
+                self.current.proc.kill()
+            self.current.stop()
+            self.current = None
+
+    def close(self) -> None:
+        """Stop the live daemon; it must exit 0."""
+        if self.current is not None and self.current.proc.poll() is None:
+            code = self.current.stop()
+            assert code == 0, self.current.tail()
