@@ -59,8 +59,10 @@ SUPERGATEWAY = os.path.join(ROOT, ".deps", "bench", "node", "node_modules", "sup
                             "index.js")
 MCP_PROXY = os.path.join(ROOT, ".deps", "bench", "venv-mcpproxy", "bin", "mcp-proxy")
 PRELOAD = os.path.join(BENCH_DIR, "loopback-preload.cjs")
+FLOOR = os.path.join(BENCH_DIR, "floor.py")
 PROTOCOL = "2025-06-18"  # spoken by every path under test
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+FLOOD_INFLIGHT = 8 * 16  # calls the fairness scenario's flooding connection keeps in flight
 REQUEST_TIMEOUT = 30.0  # one call; a slower answer counts as an error
 START_TIMEOUT = 30.0  # a server process until it accepts connections
 
@@ -304,6 +306,9 @@ class StreamConn(Conn):
         super().__init__()
         self._pending: dict[int, list[Any]] = {}
         self._lock = trio.Lock()
+        # The floor row: the forwarder's `cat` sends each request back as it was; the echoed
+        # request (same id, same message) is the answer.
+        self.echo_mode = False
 
     @abc.abstractmethod
     async def _send(self, data: bytes) -> None: ...
@@ -341,7 +346,7 @@ class StreamConn(Conn):
         except msgspec.DecodeError:
             return
         for m in msg if isinstance(msg, list) else [msg]:
-            if isinstance(m, dict) and "method" not in m:  # a response (requests/notifications ignored)
+            if isinstance(m, dict) and ("method" not in m or self.echo_mode):  # a response (requests/notifications ignored)
                 slot = self._pending.get(m.get("id"))  # type: ignore[arg-type]
                 if slot is not None:
                     slot[1] = m
@@ -489,6 +494,16 @@ class HttpConn(Conn):
 # ==== measuring ==================================================================================
 
 
+def answer_ok(resp: dict[str, Any], message: str, backend: BackendSpec) -> bool:
+    """The echo call's answer carries the message (for the floor: the echoed request itself)."""
+    try:
+        if "method" in resp:  # only an echo-mode connection delivers these
+            return resp["params"]["arguments"]["message"] == message
+        return resp["result"]["content"][0]["text"] == backend.expected(message)
+    except (KeyError, IndexError, TypeError):
+        return False
+
+
 def pct(sorted_ns: list[int], q: float) -> float:
     """Nearest-rank percentile, in microseconds."""
     if not sorted_ns:
@@ -513,7 +528,8 @@ class LoadResult:
     # proxy / backend / bench client (user+system), and "<that> sys": the system part alone
     cpu_us_per_call: dict[str, float] = field(default_factory=dict)
     other_load: float | None = None  # cores busy with processes outside this bench meanwhile
-    capped: bool = False  # the wall-clock cap ended it before `requested` calls
+    call_bound_hit: bool = False  # it ended on the call bound (`requested`) before `--seconds`
+    rounds: list[dict[str, Any]] = field(default_factory=list)  # each of the --repeat rounds
     first_error: str | None = None
     ratio_vs_direct: float | None = None
     p50_vs_direct: float | None = None
@@ -544,8 +560,8 @@ def _cpu_snapshot(pids: dict[str, Callable[[], list[int]]]) -> dict[str, float]:
 async def run_load(conns: list[Conn], *, inflight: int, calls: int, cap: float, tool: str,
                    backend: BackendSpec, cpu_pids: dict[str, Callable[[], list[int]]] | None = None,
                    result: LoadResult | None = None) -> LoadResult:
-    """``len(conns) * inflight`` workers issue ``calls`` echo calls in total (each worker waits
-    for its answer before the next), or stop issuing when ``cap`` seconds have passed."""
+    """``len(conns) * inflight`` workers issue echo calls (each worker waits for its answer before
+    the next) for ``cap`` seconds, or until ``calls`` calls were issued, whichever first."""
     res = result or LoadResult("", "", len(conns), inflight, calls)
     lat: list[int] = []
     issued = 0
@@ -567,10 +583,7 @@ async def run_load(conns: list[Conn], *, inflight: int, calls: int, cap: float, 
                     return
                 continue
             t1 = perf()
-            try:
-                ok = resp["result"]["content"][0]["text"] == backend.expected(message)
-            except (KeyError, IndexError, TypeError):
-                ok = False
+            ok = answer_ok(resp, message, backend)
             if ok:
                 res.ok += 1
                 lat.append(t1 - t0)
@@ -586,7 +599,7 @@ async def run_load(conns: list[Conn], *, inflight: int, calls: int, cap: float, 
                 nursery.start_soon(worker, conn, i * inflight + d)
     res.elapsed = time.perf_counter() - started
     after = _cpu_snapshot(cpu_pids or {})
-    res.capped = issued < calls
+    res.call_bound_hit = issued >= calls
     res.calls_per_s = res.ok / res.elapsed if res.elapsed > 0 else 0.0
     lat.sort()
     if lat:
@@ -599,25 +612,57 @@ async def run_load(conns: list[Conn], *, inflight: int, calls: int, cap: float, 
     return res
 
 
+def _median(xs: list[float]) -> float:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    return statistics.median(xs) if xs else float("nan")
+
+
+def median_of_rounds(runs: list[LoadResult]) -> LoadResult:
+    """One row from the --repeat rounds: every figure is the median of that figure over the rounds
+    (calls/s, p50, p99, each CPU per call, other load); the rounds themselves are kept."""
+    first = runs[0]
+    res = LoadResult(first.path, first.group, first.clients, first.inflight, first.requested)
+    res.ok = sum(r.ok for r in runs)
+    res.errors = sum(r.errors for r in runs)
+    res.first_error = next((r.first_error for r in runs if r.first_error), None)
+    res.elapsed = sum(r.elapsed for r in runs)
+    res.calls_per_s = _median([r.calls_per_s for r in runs])
+    res.p50_us = _median([r.p50_us for r in runs])
+    res.p99_us = _median([r.p99_us for r in runs])
+    res.mean_us = _median([r.mean_us for r in runs])
+    loads = [r.other_load for r in runs if r.other_load is not None]
+    res.other_load = statistics.median(loads) if loads else None
+    keys = {k for r in runs for k in r.cpu_us_per_call}
+    res.cpu_us_per_call = {k: round(_median([r.cpu_us_per_call.get(k, float("nan")) for r in runs]), 1)
+                           for k in sorted(keys)}
+    res.call_bound_hit = any(r.call_bound_hit for r in runs)
+    res.rounds = [{"ok": r.ok, "errors": r.errors, "elapsed": round(r.elapsed, 3), "calls_per_s": round(r.calls_per_s, 1),
+                   "p50_us": r.p50_us, "p99_us": r.p99_us, "cpu_us_per_call": r.cpu_us_per_call,
+                   "other_load": r.other_load, "call_bound_hit": r.call_bound_hit} for r in runs]
+    return res
+
+
 async def measure(label: str, group: str, conns: list[Conn], args: argparse.Namespace, *, inflight: int,
-                  tool: str, backend: BackendSpec, cpu_pids: dict[str, Callable[[], list[int]]],
-                  calls: int | None = None) -> LoadResult:
-    n = calls if calls is not None else args.calls
-    warm = max(len(conns) * inflight, min(n // 5, 500))
-    await run_load(conns, inflight=inflight, calls=warm, cap=args.max_seconds, tool=tool, backend=backend)
+                  tool: str, backend: BackendSpec, cpu_pids: dict[str, Callable[[], list[int]]]) -> LoadResult:
+    """A throughput row: a short warm-up, then --repeat rounds of --seconds each (bounded by
+    --calls), reported as the median of each figure over the rounds."""
+    n = args.calls
+    warm = max(len(conns) * inflight, min(n // 5, 5000))
+    await run_load(conns, inflight=inflight, calls=warm, cap=min(0.5, args.seconds), tool=tool, backend=backend)
     runs = []
     for _ in range(args.repeat):
         res = LoadResult(label, group, len(conns), inflight, n)
-        await run_load(conns, inflight=inflight, calls=n, cap=args.max_seconds, tool=tool, backend=backend,
+        await run_load(conns, inflight=inflight, calls=n, cap=args.seconds, tool=tool, backend=backend,
                        cpu_pids=cpu_pids, result=res)
         runs.append(res)
-    runs.sort(key=lambda r: r.calls_per_s)
-    res = runs[len(runs) // 2]  # the median run (by calls/s) of --repeat
+    res = median_of_rounds(runs)
+    proxy_cpu = res.cpu_us_per_call.get("proxy")
     status = (f"{res.calls_per_s:8.0f} calls/s  p50 {res.p50_us:8.0f} us  p99 {res.p99_us:8.0f} us"
-              f"  (other load {res.other_load or 0:.1f} cores)")
+              + (f"  proxy CPU {proxy_cpu:5.0f} us/call" if proxy_cpu is not None else "")
+              + f"  (other load {res.other_load or 0:.1f} cores)")
     print(f"  {label:<44} {len(conns):>2}x{inflight:<2} {status}"
           + (f"  errors {res.errors} ({res.first_error})" if res.errors else "")
-          + ("  [wall-clock cap hit]" if res.capped else ""), file=sys.stderr, flush=True)
+          + ("  [call bound hit]" if res.call_bound_hit else ""), file=sys.stderr, flush=True)
     return res
 
 
@@ -635,7 +680,7 @@ async def sequential(conn: Conn, tool: str, backend: BackendSpec, calls: int, ca
         except (BenchError, trio.TooSlowError):
             continue
         t1 = time.perf_counter_ns()
-        if resp.get("result", {}).get("content", [{}])[0].get("text") == backend.expected(message):
+        if answer_ok(resp, message, backend):
             out.append(t1 - t0)
     return out
 
@@ -644,15 +689,18 @@ async def sequential(conn: Conn, tool: str, backend: BackendSpec, calls: int, ca
 class SeqResult:
     path: str
     calls: int
-    p50_us: float
+    p50_us: float  # the median over the rounds of each round's p50 (likewise p99, mean)
     p99_us: float
     mean_us: float
+    rounds_p50_us: list[float] = field(default_factory=list)
 
 
-def seq_result(path: str, lat: list[int]) -> SeqResult:
-    lat = sorted(lat)
-    return SeqResult(path, len(lat), pct(lat, 0.5), pct(lat, 0.99),
-                     statistics.fmean(lat) / 1000 if lat else float("nan"))
+def seq_result(path: str, rounds: list[list[int]]) -> SeqResult:
+    """``rounds``: the latencies (ns) of each round; every figure is the median over the rounds."""
+    rounds = [sorted(r) for r in rounds if r]
+    p50s = [pct(r, 0.5) for r in rounds]
+    return SeqResult(path, sum(len(r) for r in rounds), _median(p50s), _median([pct(r, 0.99) for r in rounds]),
+                     _median([statistics.fmean(r) / 1000 for r in rounds]), [round(x, 1) for x in p50s])
 
 
 # ==== small HTTP GET (admin /status) ============================================================
@@ -735,9 +783,10 @@ async def bench_direct(args: argparse.Namespace, backend: BackendSpec, procs: Pr
             with trio.fail_after(START_TIMEOUT):
                 await conn.initialize()
             cpu = {"backend": lambda: [proc.pid]}
-            lat = await sequential(conn, backend.tool, backend, min(args.calls, 200), args.max_seconds)  # warm-up
-            lat = await sequential(conn, backend.tool, backend, args.single_calls, args.max_seconds)
-            singles.append(seq_result("direct stdio", lat))
+            await sequential(conn, backend.tool, backend, 200, args.max_seconds)  # warm-up
+            singles.append(seq_result("direct stdio", [
+                await sequential(conn, backend.tool, backend, args.single_calls, args.max_seconds)
+                for _ in range(args.repeat)]))
             # N logical clients on one pipe: the same Conn, ids unique across all of them.
             clients = [conn] * args.clients
             for inflight in (1, args.inflight):
@@ -760,6 +809,7 @@ def gateway_config(backend: BackendSpec, ws_port: int, admin_port: int, unix_pat
     return f"""# written by bench/run.py
 [gateway]
 name = "mcp-gateway-bench"
+max_inflight_per_connection = {FLOOD_INFLIGHT * 2}  # the fairness flood keeps {FLOOD_INFLIGHT} in flight
 
 [listen]
 websocket = "127.0.0.1:{ws_port}"
@@ -875,9 +925,188 @@ async def restart_run(admin: int, conn: Conn, tool: str, backend: BackendSpec) -
     return run
 
 
+def rss_bytes(pid: int) -> int:
+    """Resident memory of one process (VmRSS of /proc/<pid>/status)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise BenchError(f"no VmRSS for pid {pid}")
+
+
+@dataclass
+class IdleResult:
+    wanted: int
+    opened: int = 0
+    rss_before: int = 0
+    rss_open: int = 0  # with all of them open and initialised, after 1 s
+    rss_closed: int = 0  # 1 s after closing them again
+    first_error: str | None = None
+
+    @property
+    def added_mib(self) -> float:
+        return (self.rss_open - self.rss_before) / 2**20
+
+
+async def idle_connections(url: str, pid: int, n: int) -> IdleResult:
+    """Open ``n`` WebSocket connections (each initialised, then idle), read the gateway's RSS
+    before and with them, close them."""
+    res = IdleResult(n)
+    conns: list[WsConn] = []
+    limit = trio.Semaphore(32)
+
+    async def open_one(nursery: trio.Nursery) -> None:
+        async with limit:
+            try:
+                with trio.fail_after(30):
+                    c = await WsConn.open(nursery, url, ["mcp"])
+                    conns.append(c)
+                    await c.initialize()
+                res.opened += 1
+            except (BenchError, OSError, trio.TooSlowError, trio_websocket.HandshakeError) as exc:
+                res.first_error = res.first_error or f"{type(exc).__name__}: {exc}"
+
+    async def close_one(c: WsConn) -> None:
+        async with limit:
+            await c.aclose()
+
+    res.rss_before = rss_bytes(pid)
+    with trio.fail_after(180):
+        async with trio.open_nursery() as readers:
+            async with trio.open_nursery() as opening:
+                for _ in range(n):
+                    opening.start_soon(open_one, readers)
+            await trio.sleep(1.0)
+            res.rss_open = rss_bytes(pid)
+            async with trio.open_nursery() as closing:
+                for c in conns:
+                    closing.start_soon(close_one, c)
+            readers.cancel_scope.cancel()
+    await trio.sleep(1.0)
+    res.rss_closed = rss_bytes(pid)
+    return res
+
+
+@dataclass
+class FairRound:
+    alone_p50_us: float
+    alone_p99_us: float
+    flood_p50_us: float
+    flood_p99_us: float
+    alone_calls: int
+    flood_calls: int  # the light connection's calls during the flood
+    flood_ok: int  # the flooding connection's successful calls meanwhile
+    flood_errors: int
+    flood_calls_per_s: float
+
+
+async def fairness(nursery: trio.Nursery, url: str, tool: str, flood_tool: str, flood_args: dict[str, Any],
+                   backend: BackendSpec, args: argparse.Namespace, inflight: int) -> list[FairRound]:
+    """A light connection's sequential echo calls alone, then while a second connection keeps
+    ``inflight`` calls in flight on the same shared backend; --repeat rounds, interleaved."""
+    light = await WsConn.open(nursery, url, ["mcp"])
+    heavy = await WsConn.open(nursery, url, ["mcp"])
+    await light.initialize()
+    await heavy.initialize()
+    phase = max(1.0, args.seconds / 2)
+    await sequential(light, tool, backend, 200, args.max_seconds)  # warm-up
+    out: list[FairRound] = []
+    for _ in range(args.repeat):
+        alone = sorted(await sequential(light, tool, backend, args.calls, phase))
+        stop = False
+        ok = errors = 0
+        deadline = trio.current_time() + phase + 30
+
+        async def flood_worker() -> None:
+            nonlocal ok, errors
+            while not stop and trio.current_time() < deadline:
+                try:
+                    resp = await heavy.request("tools/call", {"name": flood_tool, "arguments": flood_args})
+                except (BenchError, trio.TooSlowError):
+                    errors += 1
+                    if heavy.closed is not None:
+                        return
+                    continue
+                if "result" in resp and not resp["result"].get("isError"):
+                    ok += 1
+                else:
+                    errors += 1
+
+        async with trio.open_nursery() as flood:
+            for _ in range(inflight):
+                flood.start_soon(flood_worker)
+            await trio.sleep(0.2)  # let the flood build up
+            ok0, t0 = ok, time.perf_counter()
+            flooded = sorted(await sequential(light, tool, backend, args.calls, phase))
+            rate = (ok - ok0) / (time.perf_counter() - t0)
+            stop = True  # the workers end after their current call: no reply is left behind
+        out.append(FairRound(pct(alone, 0.5), pct(alone, 0.99), pct(flooded, 0.5), pct(flooded, 0.99),
+                             len(alone), len(flooded), ok, errors, rate))
+        r = out[-1]
+        print(f"  fairness: light p50 {r.alone_p50_us:6.0f} us alone, {r.flood_p50_us:6.0f} us under the flood "
+              f"({r.flood_calls_per_s:.0f} flood calls/s, {errors} errors)", file=sys.stderr, flush=True)
+    await light.aclose()
+    await heavy.aclose()
+    return out
+
+
+def speedscope_top(path: str, n: int = 15) -> list[tuple[str, float, float]]:
+    """(function, own %, total %) of the top ``n`` functions by own samples in a py-spy speedscope file."""
+    with open(path) as f:
+        doc = json.load(f)
+    frames = doc["shared"]["frames"]
+    own: dict[str, float] = {}
+    total: dict[str, float] = {}
+    all_weight = 0.0
+    for prof in doc["profiles"]:
+        for stack, w in zip(prof.get("samples", []), prof.get("weights", []), strict=False):
+            if not stack:
+                continue
+            all_weight += w
+            names = []
+            for i in stack:
+                fr = frames[i]
+                names.append(f"{fr.get('name')} ({os.path.basename(fr.get('file') or '?')}:{fr.get('line', '?')})")
+            own[names[-1]] = own.get(names[-1], 0.0) + w
+            for name in set(names):
+                total[name] = total.get(name, 0.0) + w
+    if not all_weight:
+        return []
+    top = sorted(own.items(), key=lambda kv: -kv[1])[:n]
+    return [(name, 100 * w / all_weight, 100 * total[name] / all_weight) for name, w in top]
+
+
+async def profile_gateway(args: argparse.Namespace, procs: Procs, pid: int, conns: list[Conn], tool: str,
+                          backend: BackendSpec) -> dict[str, Any]:
+    """py-spy (GIL-holding samples, by function) on the gateway while ``conns`` make sequential
+    calls: an extra load, after the measured rows, so the sampling costs them nothing."""
+    spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    if not os.path.exists(spy):
+        raise BenchError("py-spy not found (pip install py-spy into the .venv)")
+    secs = max(1, round(args.profile_seconds))
+    out_file = args.profile
+    print(f"  profiling the gateway with py-spy for {secs} s ({len(conns)} x 1 over WebSocket)", file=sys.stderr,
+          flush=True)
+    proc = procs.popen("py-spy", [spy, "record", "--pid", str(pid), "--duration", str(secs), "--rate", "250",
+                                  "--gil", "--function", "--nonblocking", "--format", "speedscope", "-o", out_file])
+    res = LoadResult("profile", "mcp-gateway", len(conns), 1, args.calls)
+    async with trio.open_nursery() as nursery:
+        async def load() -> None:
+            await run_load(conns, inflight=1, calls=10**9, cap=secs + 1.0, tool=tool, backend=backend, result=res)
+
+        nursery.start_soon(load)
+    with trio.fail_after(secs + 30):
+        while proc.poll() is None:
+            await trio.sleep(0.1)
+    procs.running.pop(proc.pid, None)
+    if proc.returncode != 0 or not os.path.exists(out_file):
+        raise BenchError(f"py-spy failed (code {proc.returncode}), see {procs.log_dir}/py-spy.log")
+    return {"file": out_file, "seconds": secs, "calls_per_s": res.calls_per_s, "top": speedscope_top(out_file)}
+
+
 async def bench_gateway(args: argparse.Namespace, backend: BackendSpec, procs: Procs,
                         results: list[LoadResult], singles: list[SeqResult], restarts: list[RestartRun],
-                        notes: list[str]) -> None:
+                        notes: list[str], extra: dict[str, Any]) -> None:
     print("mcp-gateway", file=sys.stderr, flush=True)
     tmp = tempfile.mkdtemp(prefix="mcpgw-bench-")
     unix_path = os.path.join(tmp, "gw.sock")
@@ -885,7 +1114,16 @@ async def bench_gateway(args: argparse.Namespace, backend: BackendSpec, procs: P
     cfg_path = os.path.join(procs.log_dir, "gateway-bench.toml")
     with open(cfg_path, "w") as f:
         f.write(gateway_config(backend, ws_port, admin, unix_path))
-    gw = procs.popen("gateway", [sys.executable, "-m", "gateway", "run", "--config", cfg_path])
+    # The gateway under test is the one in this tree (a worktree's, too), whatever is installed:
+    # its folder goes first on PYTHONPATH, and the child's import is checked before it starts.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [ROOT, *[x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x]]))
+    where = subprocess.run([sys.executable, "-c", "import gateway; print(gateway.__file__)"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=30).stdout.strip()
+    if not where.startswith(os.path.join(ROOT, "gateway") + os.sep):
+        raise BenchError(f"python -m gateway would import {where or 'nothing'}, not {ROOT}/gateway")
+    notes.append(f"mcp-gateway under test: {os.path.dirname(where)}")
+    gw = procs.popen("gateway", [sys.executable, "-m", "gateway", "run", "--config", cfg_path], env=env)
     try:
         deadline = trio.current_time() + START_TIMEOUT
         while True:
@@ -908,6 +1146,15 @@ async def bench_gateway(args: argparse.Namespace, backend: BackendSpec, procs: P
         cpu = {"proxy": lambda: [gw.pid], "backend": lambda: descendants(gw.pid)}
 
         async with trio.open_nursery() as nursery:
+            # ---- idle connections: first, on a fresh heap ------------------------------------
+            if args.idle_connections:
+                idle = await idle_connections(url, gw.pid, args.idle_connections)
+                extra["idle"] = idle
+                print(f"  {idle.opened} idle WebSocket connections: RSS {idle.rss_before / 2**20:.1f} -> "
+                      f"{idle.rss_open / 2**20:.1f} MiB (+{idle.added_mib:.1f}), {idle.rss_closed / 2**20:.1f} MiB "
+                      f"after closing them" + (f"; {idle.first_error}" if idle.first_error else ""),
+                      file=sys.stderr, flush=True)
+
             # ---- single client, sequential: shared vs affine, ws vs unix ----------------------
             one = await WsConn.open(nursery, url, ["mcp"])
             await one.initialize()
@@ -915,18 +1162,23 @@ async def bench_gateway(args: argparse.Namespace, backend: BackendSpec, procs: P
             one_unix = LineConn.start(nursery, sock, sock)
             await one_unix.initialize()
             for c, t in ((one, fx_tool), (one, f"fxa__{backend.tool}"), (one_unix, fx_tool)):
-                await sequential(c, t, backend, min(args.calls, 200), args.max_seconds)  # warm-up
-            lat: dict[str, list[int]] = {"ws shared": [], "ws affine": [], "unix shared": []}
+                await sequential(c, t, backend, 200, args.max_seconds)  # warm-up
+            rounds: dict[str, list[list[int]]] = {"ws shared": [], "ws affine": [], "unix shared": []}
             blocks = 5  # interleaved, so drift hits all three alike
-            for _ in range(blocks):
-                per = max(1, args.single_calls // blocks)
-                lat["ws shared"] += await sequential(one, fx_tool, backend, per, args.max_seconds / blocks)
-                lat["ws affine"] += await sequential(one, f"fxa__{backend.tool}", backend, per, args.max_seconds / blocks)
-                lat["unix shared"] += await sequential(one_unix, fx_tool, backend, per, args.max_seconds / blocks)
+            per = max(1, args.single_calls // blocks)
+            for _ in range(args.repeat):
+                lat: dict[str, list[int]] = {k: [] for k in rounds}
+                for _ in range(blocks):
+                    lat["ws shared"] += await sequential(one, fx_tool, backend, per, args.max_seconds / blocks)
+                    lat["ws affine"] += await sequential(one, f"fxa__{backend.tool}", backend, per,
+                                                         args.max_seconds / blocks)
+                    lat["unix shared"] += await sequential(one_unix, fx_tool, backend, per, args.max_seconds / blocks)
+                for k in rounds:
+                    rounds[k].append(lat[k])
             for key, label in (("ws shared", "mcp-gateway WS, shared backend"),
                                ("ws affine", "mcp-gateway WS, affine backend"),
                                ("unix shared", "mcp-gateway unix, shared backend")):
-                singles.append(seq_result(label, lat[key]))
+                singles.append(seq_result(label, rounds[key]))
                 print(f"  single client {label:<36} p50 {singles[-1].p50_us:6.0f} us", file=sys.stderr, flush=True)
 
             # ---- N connections --------------------------------------------------------------
@@ -936,6 +1188,8 @@ async def bench_gateway(args: argparse.Namespace, backend: BackendSpec, procs: P
             for inflight in (1, args.inflight):
                 results.append(await measure("mcp-gateway, WebSocket", "mcp-gateway", ws_conns, args,
                                              inflight=inflight, tool=fx_tool, backend=backend, cpu_pids=cpu))
+            if args.profile:
+                extra["profile"] = await profile_gateway(args, procs, gw.pid, ws_conns, fx_tool, backend)
             for c in ws_conns:
                 await c.aclose()
             unix_conns: list[Conn] = []
@@ -949,6 +1203,15 @@ async def bench_gateway(args: argparse.Namespace, backend: BackendSpec, procs: P
                                              inflight=inflight, tool=fx_tool, backend=backend, cpu_pids=cpu))
             for c in unix_conns:
                 await c.aclose()
+
+            # ---- fairness: a flood on one connection, sequential calls on another --------------
+            if backend.name == "fixture":
+                flood_tool, flood_args = "fx__sleep", {"seconds": 0.002, "message": "flood"}
+            else:
+                flood_tool, flood_args = fx_tool, {"message": "flood"}
+            extra["fairness"] = await fairness(nursery, url, fx_tool, flood_tool, flood_args, backend, args,
+                                               FLOOD_INFLIGHT)
+            extra["fairness_tool"] = f"{flood_tool} {json.dumps(flood_args)}"
 
             # ---- restart-to-ready -----------------------------------------------------------
             rs_tool = f"rs__{backend.tool}"
@@ -975,6 +1238,46 @@ async def bench_gateway(args: argparse.Namespace, backend: BackendSpec, procs: P
             shutil.rmtree(tmp, ignore_errors=True)
         if gw.returncode not in (0, None, -signal.SIGTERM):
             notes.append(f"mcp-gateway exited with code {gw.returncode} on SIGTERM")
+
+
+async def bench_floor(args: argparse.Namespace, backend: BackendSpec, procs: Procs,
+                      results: list[LoadResult], notes: list[str]) -> None:
+    """The floor: bench/floor.py, a forwarder without logic (frames in, the same bytes to a `cat`
+    child, back out), on the gateway's two transports. The echoed request is the answer."""
+    print("floor (no-logic trio forwarder -> cat)", file=sys.stderr, flush=True)
+    tmp = tempfile.mkdtemp(prefix="mcpgw-bench-")
+    unix_path = os.path.join(tmp, "floor.sock")
+    port = free_port()
+    fl = procs.popen("floor", [sys.executable, FLOOR, "--ws", f"127.0.0.1:{port}", "--unix", unix_path])
+    try:
+        await wait_port(port, fl, "floor")
+        addrs = assert_loopback_only(fl.pid, "floor")
+        notes.append(f"floor listens on {', '.join(sorted(addrs))} and unix:{unix_path}")
+        procs.remember_tree(fl.pid)
+        cpu = {"proxy": lambda: [fl.pid], "backend": lambda: descendants(fl.pid)}
+        async with trio.open_nursery() as nursery:
+            ws_conns: list[Conn] = [await WsConn.open(nursery, f"ws://127.0.0.1:{port}/", ["mcp"])
+                                    for _ in range(args.clients)]
+            unix_conns: list[Conn] = []
+            for _ in range(args.clients):
+                sock = await trio.open_unix_socket(unix_path)
+                unix_conns.append(LineConn.start(nursery, sock, sock))
+            for c in (*ws_conns, *unix_conns):
+                assert isinstance(c, StreamConn)
+                c.echo_mode = True
+            for label, conns in (("floor (no logic, cat), WebSocket", ws_conns),
+                                 ("floor (no logic, cat), unix socket", unix_conns)):
+                for inflight in (1, args.inflight):
+                    results.append(await measure(label, "floor", conns, args, inflight=inflight,
+                                                 tool=backend.tool, backend=backend, cpu_pids=cpu))
+                for c in conns:
+                    await c.aclose()
+            nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            procs.remember_tree(fl.pid)
+            procs.stop(fl.pid)
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 async def bench_supergateway(args: argparse.Namespace, backend: BackendSpec, procs: Procs,
@@ -1079,13 +1382,93 @@ def attach_ratios(results: list[LoadResult]) -> None:
                 r.p50_vs_direct = r.p50_us / base.p50_us
 
 
+WS_ROW, UNIX_ROW = "mcp-gateway, WebSocket", "mcp-gateway, unix socket"
+FLOOR_WS_ROW, FLOOR_UNIX_ROW = "floor (no logic, cat), WebSocket", "floor (no logic, cat), unix socket"
+SG_ROW, DIRECT_ROW = "supergateway 4.0.0, WebSocket", "direct stdio (one pipe)"
+FLOOR_OF = {WS_ROW: FLOOR_WS_ROW, UNIX_ROW: FLOOR_UNIX_ROW}
+
+
+def find_row(results: list[LoadResult], path: str, inflight: int) -> LoadResult | None:
+    return next((r for r in results if r.path == path and r.inflight == inflight and r.ok), None)
+
+
+def over_floor(results: list[LoadResult], r: LoadResult) -> float | None:
+    """The gateway row's proxy CPU per call minus the floor row's on the same transport and load."""
+    floor = find_row(results, FLOOR_OF.get(r.path, ""), r.inflight)
+    if floor is None or "proxy" not in r.cpu_us_per_call or "proxy" not in floor.cpu_us_per_call:
+        return None
+    return r.cpu_us_per_call["proxy"] - floor.cpu_us_per_call["proxy"]
+
+
+@dataclass
+class Target:
+    what: str
+    measured: str  # the figure, with its unit
+    limit: str  # "≥ 1.2×", "≤ 90 µs", ...
+    ratio: float | None  # measured ÷ limit (≥ 1 passes a lower bound, ≤ 1 an upper bound)
+    passed: bool | None  # None: not measured
+
+
+def evaluate_targets(results: list[LoadResult], singles: list[SeqResult], extra: dict[str, Any],
+                     args: argparse.Namespace) -> list[Target]:
+    """Issue 8's targets, each from this run's medians."""
+    out: list[Target] = []
+
+    def add(what: str, value: float | None, op: str, limit: float, unit: str, fmt: str = "{:.0f}") -> None:
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            out.append(Target(what, "not measured", f"{op} {limit:g}{unit}", None, None))
+            return
+        ratio = value / limit if limit else None
+        passed = value >= limit if op == "≥" else value <= limit
+        out.append(Target(what, fmt.format(value) + unit, f"{op} {limit:g}{unit}", ratio, passed))
+
+    n = args.clients
+    gw_ws, gw_unix = find_row(results, WS_ROW, 1), find_row(results, UNIX_ROW, 1)
+    sg, direct = find_row(results, SG_ROW, 1), find_row(results, DIRECT_ROW, 1)
+    add(f"WebSocket, {n} connections: calls/s ÷ supergateway's WebSocket calls/s",
+        gw_ws.calls_per_s / sg.calls_per_s if gw_ws and sg and sg.calls_per_s else None, "≥", 1.2, "×", "{:.2f}")
+    add(f"unix socket, {n} connections: calls/s ÷ direct stdio calls/s",
+        gw_unix.calls_per_s / direct.calls_per_s if gw_unix and direct and direct.calls_per_s else None,
+        "≥", 0.6, "×", "{:.2f}")
+    add(f"gateway CPU per call, WebSocket, {n} × 1", gw_ws.cpu_us_per_call.get("proxy") if gw_ws else None,
+        "≤", 90, " µs")
+    add(f"gateway CPU per call, unix socket, {n} × 1", gw_unix.cpu_us_per_call.get("proxy") if gw_unix else None,
+        "≤", 70, " µs")
+    add(f"gateway CPU per call minus the floor's, WebSocket, {n} × 1",
+        over_floor(results, gw_ws) if gw_ws else None, "≤", 40, " µs")
+    add(f"gateway CPU per call minus the floor's, unix socket, {n} × 1",
+        over_floor(results, gw_unix) if gw_unix else None, "≤", 40, " µs")
+    direct_seq = next((x for x in singles if x.path == "direct stdio"), None)
+    for label, path, limit in (("WebSocket", "mcp-gateway WS, shared backend", 0.3),
+                               ("unix socket", "mcp-gateway unix, shared backend", 0.15)):
+        seq = next((x for x in singles if x.path == path), None)
+        add(f"sequential added latency p50 (gateway − direct), {label}",
+            (seq.p50_us - direct_seq.p50_us) / 1000 if seq and direct_seq else None, "≤", limit, " ms", "{:.3f}")
+    fair = extra.get("fairness") or []
+    ratios = [r.flood_p50_us / r.alone_p50_us for r in fair if r.alone_p50_us > 0 and not math.isnan(r.flood_p50_us)]
+    add(f"fairness: light connection's p50 under a {FLOOD_INFLIGHT}-in-flight flood ÷ its p50 alone",
+        statistics.median(ratios) if ratios else None, "≤", 2, "×", "{:.2f}")
+    idle = extra.get("idle")
+    add(f"{args.idle_connections} idle WebSocket connections: added gateway RSS",
+        idle.added_mib if idle is not None and idle.opened == idle.wanted else None, "≤", 32, " MiB", "{:.1f}")
+    return out
+
+
 def markdown(args: argparse.Namespace, backend: BackendSpec, results: list[LoadResult], singles: list[SeqResult],
-             restarts: list[RestartRun], spawns: list[float], peers: dict[str, str], notes: list[str]) -> str:
-    out = [f"### Throughput: {args.clients} clients, {args.calls} echo calls per row "
-           f"(backend: {backend.name}, {os.cpu_count()} CPUs shared by client and servers)", "",
-           "| path | clients × in flight | ok / err | calls/s | × direct | p50 ms | p99 ms | p50 × direct "
-           "| proxy CPU µs/call (sys) | backend CPU µs/call | bench client CPU µs/call (sys) | other load (cores) |",
-           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             restarts: list[RestartRun], spawns: list[float], peers: dict[str, str], notes: list[str],
+             extra: dict[str, Any], targets: list[Target]) -> str:
+    out = [f"### Targets (issue 8; medians of {args.repeat} rounds; backend: {backend.name})", "",
+           "| target | measured | limit | measured ÷ limit | result |", "|---|---:|---:|---:|---|"]
+    for t in targets:
+        res = "n/a" if t.passed is None else ("PASS" if t.passed else "**FAIL**")
+        out.append(f"| {t.what} | {t.measured} | {t.limit} | {_f(t.ratio, '{:.2f}')} | {res} |")
+    out += ["", f"### Throughput: {args.clients} clients, {args.seconds:g} s per round (at most {args.calls} calls), "
+            f"median of {args.repeat} rounds (backend: {backend.name}, {os.cpu_count()} CPUs shared by client "
+            "and servers)", "",
+            "| path | clients × in flight | ok / err | calls/s | × direct | p50 ms | p99 ms | p50 × direct "
+            "| proxy CPU µs/call (sys) | proxy CPU − floor µs/call | backend CPU µs/call "
+            "| bench client CPU µs/call (sys) | other load (cores) |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         cpu = r.cpu_us_per_call
 
@@ -1093,12 +1476,16 @@ def markdown(args: argparse.Namespace, backend: BackendSpec, results: list[LoadR
             return f"{_f(cpu.get(label))} ({_f(cpu.get(label + ' sys'))})"
 
         out.append(
-            f"| {r.path}{' (cap hit)' if r.capped else ''} | {r.clients} × {r.inflight} | {r.ok} / {r.errors} "
+            f"| {r.path}{' (call bound hit)' if r.call_bound_hit else ''} | {r.clients} × {r.inflight} "
+            f"| {r.ok} / {r.errors} "
             f"| {r.calls_per_s:.0f} | {_f(r.ratio_vs_direct, '{:.2f}')} | {_f(r.p50_us / 1000, '{:.2f}')} "
             f"| {_f(r.p99_us / 1000, '{:.2f}')} | {_f(r.p50_vs_direct, '{:.2f}')} "
-            f"| {cpu_cell('proxy') if r.group != 'direct' else '–'} | {_f(cpu.get('backend'))} "
+            f"| {cpu_cell('proxy') if r.group != 'direct' else '–'} "
+            f"| {_f(over_floor(results, r), '{:+.0f}') if r.path in FLOOR_OF else '–'} "
+            f"| {_f(cpu.get('backend'))} "
             f"| {cpu_cell('bench client')} | {_f(r.other_load, '{:.1f}')} |")
-    out += ["", f"### Single client, sequential calls ({args.single_calls} per row)", "",
+    out += ["", f"### Single client, sequential calls ({args.single_calls} per row and round; median of "
+            f"{args.repeat} rounds' p50/p99)", "",
             "| path | calls | p50 µs | p99 µs | mean µs | p50 added vs direct µs | p50 added vs shared µs |",
             "|---|---:|---:|---:|---:|---:|---:|"]
     direct = next((s for s in singles if s.path == "direct stdio"), None)
@@ -1108,6 +1495,40 @@ def markdown(args: argparse.Namespace, backend: BackendSpec, results: list[LoadR
         add_shared = s.p50_us - shared.p50_us if shared and s.path == "mcp-gateway WS, affine backend" else None
         out.append(f"| {s.path} | {s.calls} | {_f(s.p50_us)} | {_f(s.p99_us)} | {_f(s.mean_us)} "
                    f"| {_f(add_direct, '{:+.0f}')} | {_f(add_shared, '{:+.0f}')} |")
+    fair = extra.get("fairness") or []
+    if fair:
+        out += ["", f"### Fairness (WebSocket, shared backend): a light connection's sequential `echo` calls, "
+                f"alone and while another connection keeps {FLOOD_INFLIGHT} calls in flight "
+                f"(`{extra.get('fairness_tool')}`); {max(1.0, args.seconds / 2):g} s per phase", "",
+                "| round | light p50 alone µs | light p99 alone µs | light p50 flooded µs | light p99 flooded µs "
+                "| p50 flooded ÷ alone | light calls alone / flooded | flood calls/s | flood errors |",
+                "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+        for i, r in enumerate(fair, 1):
+            out.append(f"| {i} | {_f(r.alone_p50_us)} | {_f(r.alone_p99_us)} | {_f(r.flood_p50_us)} "
+                       f"| {_f(r.flood_p99_us)} | {_f(r.flood_p50_us / r.alone_p50_us, '{:.2f}')} "
+                       f"| {r.alone_calls} / {r.flood_calls} | {r.flood_calls_per_s:.0f} | {r.flood_errors} |")
+        med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
+        out.append(f"| **median** | {_f(med([r.alone_p50_us for r in fair]))} | {_f(med([r.alone_p99_us for r in fair]))} "
+                   f"| {_f(med([r.flood_p50_us for r in fair]))} | {_f(med([r.flood_p99_us for r in fair]))} "
+                   f"| **{_f(med([r.flood_p50_us / r.alone_p50_us for r in fair]), '{:.2f}')}** | | "
+                   f"{_f(med([r.flood_calls_per_s for r in fair]))} | |")
+    idle = extra.get("idle")
+    if idle is not None:
+        out += ["", "### Idle WebSocket connections (opened first, on the gateway's fresh heap; each initialised)",
+                "", "| connections opened | gateway RSS before MiB | with them open MiB | added MiB | added KiB per "
+                "connection | 1 s after closing them MiB |", "|---:|---:|---:|---:|---:|---:|",
+                f"| {idle.opened} / {idle.wanted} | {idle.rss_before / 2**20:.1f} | {idle.rss_open / 2**20:.1f} "
+                f"| {idle.added_mib:.1f} | {_f(idle.added_mib * 1024 / idle.opened if idle.opened else None, '{:.1f}')} "
+                f"| {idle.rss_closed / 2**20:.1f} |"]
+        if idle.first_error:
+            out.append(f"\nFirst error while opening: {idle.first_error}")
+    prof = extra.get("profile")
+    if prof:
+        out += ["", f"### Profile: the gateway process under {args.clients} × 1 WebSocket load "
+                f"(py-spy, GIL-holding samples, {prof['seconds']} s, {prof['calls_per_s']:.0f} calls/s while sampled)",
+                "", "| # | function (file:first line) | own % | total % |", "|---:|---|---:|---:|"]
+        for i, (name, own, total) in enumerate(prof["top"], 1):
+            out.append(f"| {i} | `{name}` | {own:.1f} | {total:.1f} |")
     if restarts:
         out += ["", "### Restart-to-ready (kill -9 of the backend child; /status polled every 5 ms; "
                 "restart backoff configured to 5 ms; times from the kill)", "",
@@ -1148,6 +1569,7 @@ async def amain(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
     notes: list[str] = []
     peers: dict[str, str] = {}
     spawns: list[float] = []
+    extra: dict[str, Any] = {}
 
     failures: list[str] = []  # sections of the run that could not be measured
     interrupted: list[str] = []
@@ -1179,7 +1601,9 @@ async def amain(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
         with trio.move_on_after(args.total_timeout) as total:
             await section("direct stdio", lambda: bench_direct(args, backend, procs, results, singles, spawns))
             await section("mcp-gateway", lambda: bench_gateway(args, backend, procs, results, singles, restarts,
-                                                               notes))
+                                                               notes, extra))
+            if not args.no_floor:
+                await section("floor", lambda: bench_floor(args, backend, procs, results, notes))
             for name, fn, wanted in (("supergateway 4.0.0 (stdio → WebSocket)", bench_supergateway, "supergateway"),
                                      ("mcp-proxy 0.13.0 (stdio → Streamable HTTP)", bench_mcp_proxy, "mcp-proxy")):
                 if wanted not in args.peers:
@@ -1203,7 +1627,8 @@ async def amain(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
     notes.append(f"whole run took {time.perf_counter() - started:.1f} s; load average (1 min) "
                  f"{load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after, on {os.cpu_count()} CPUs; "
                  f"CPU calibration: a 1M-iteration Python loop took {calibration:.0f} ms of CPU")
-    report = markdown(args, backend, results, singles, restarts, spawns, peers, notes)
+    targets = evaluate_targets(results, singles, extra, args)
+    report = markdown(args, backend, results, singles, restarts, spawns, peers, notes, extra, targets)
     return {
         "meta": {
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -1217,6 +1642,11 @@ async def amain(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
                     "direct_spawn_to_ready_ms": spawns,
                     "median_running_ms": statistics.median([r.running_ms for r in restarts]) if restarts else None,
                     "median_first_call_ms": statistics.median([r.first_call_ms for r in restarts]) if restarts else None},
+        "fairness": {"tool": extra.get("fairness_tool"), "rounds": [asdict(r) for r in extra.get("fairness", [])]},
+        "idle_connections": ({**asdict(extra["idle"]), "added_mib": extra["idle"].added_mib}
+                             if "idle" in extra else None),
+        "profile": extra.get("profile"),
+        "targets": [asdict(t) for t in targets],
         "peers": peers,
         "notes": notes,
         "markdown": report,
@@ -1225,23 +1655,36 @@ async def amain(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--calls", type=int, default=2000, help="measured calls per throughput row (default 2000)")
+    p.add_argument("--seconds", type=float, default=5.0,
+                   help="measured time of each throughput row, per round (default 5)")
+    p.add_argument("--calls", type=int, default=200_000,
+                   help="bound on the calls of one throughput round (and of each sequential phase of the "
+                        "fairness scenario) (default 200000)")
     p.add_argument("--clients", type=int, default=16, help="concurrent clients / connections (default 16)")
     p.add_argument("--inflight", type=int, default=4, help="calls in flight per connection in the pipelined rows (default 4)")
     p.add_argument("--single-calls", type=int, default=1000, help="calls per single-client latency row (default 1000)")
     p.add_argument("--restarts", type=int, default=5, help="kill -9 / restart runs (default 5)")
-    p.add_argument("--repeat", type=int, default=1,
-                   help="measure each throughput row this many times and keep the median run (default 1)")
-    p.add_argument("--max-seconds", type=float, default=20.0, help="wall-clock cap of each measured loop (default 20)")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="rounds of each throughput, latency and fairness figure; the median is reported (default 3)")
+    p.add_argument("--max-seconds", type=float, default=20.0,
+                   help="wall-clock cap of each single-client latency row (default 20)")
+    p.add_argument("--idle-connections", type=int, default=1000,
+                   help="idle WebSocket connections for the gateway's added-RSS figure (0: skip; default 1000)")
+    p.add_argument("--profile", metavar="FILE",
+                   help="after the gateway's WebSocket rows, profile it with py-spy (speedscope FILE)")
+    p.add_argument("--profile-seconds", type=float, default=10.0, help="py-spy sampling time (default 10)")
     p.add_argument("--total-timeout", type=float, default=600.0, help="hard cap on the whole run (default 600 s)")
     p.add_argument("--backend", choices=("fixture", "everything"), default="fixture",
                    help="stdio backend: tests/fixtures/fixture_server.py (default) or server-everything")
     p.add_argument("--peers", default="supergateway,mcp-proxy", help="comma list of peers to run ('' for none)")
+    p.add_argument("--no-floor", action="store_true", help="skip the floor rows (bench/floor.py)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = p.parse_args(argv)
     args.peers = [x for x in args.peers.split(",") if x]
     if min(args.calls, args.clients, args.inflight, args.repeat, args.single_calls) < 1 or args.restarts < 0:
         p.error("--calls, --clients, --inflight, --repeat and --single-calls must be positive")
+    if args.seconds <= 0 or args.idle_connections < 0:
+        p.error("--seconds must be positive, --idle-connections not negative")
 
     os.makedirs(OUT_DIR, exist_ok=True)
     log_dir = os.path.join(OUT_DIR, "logs-" + time.strftime("%Y%m%d-%H%M%S"))
