@@ -97,7 +97,9 @@ def decode(data: bytes, max_depth: int = MAX_DEPTH) -> Envelope:
     try:
         env = _decoder.decode(data)
     except msgspec.ValidationError as exc:
-        raise InvalidRequest(f"invalid JSON-RPC message: {exc}") from None
+        salvaged = _salvage_id(data)
+        raise InvalidRequest(f"invalid JSON-RPC message: {exc}",
+                             **({} if salvaged is None else {"id": salvaged})) from None
     except msgspec.DecodeError as exc:
         if not _SURROGATE_ESCAPE.search(data):
             raise ParseError(f"parse error: {exc}") from None
@@ -107,6 +109,22 @@ def decode(data: bytes, max_depth: int = MAX_DEPTH) -> Envelope:
     if env.jsonrpc != "2.0":
         raise InvalidRequest('invalid JSON-RPC message: "jsonrpc" must be "2.0"', id=_safe_id(env))
     return env
+
+
+class _IdOnly(msgspec.Struct):
+    id: int | str | None = None
+
+
+_id_decoder = msgspec.json.Decoder(_IdOnly)
+
+
+def _salvage_id(data: bytes) -> int | str | None:
+    """The id of a message that is JSON but not a valid envelope, when it is an id the envelope
+    accepts (so the error answer reaches the caller's request); None otherwise."""
+    try:
+        return _id_decoder.decode(data).id
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
 
 
 def _check(data: bytes, max_depth: int) -> None:
