@@ -140,8 +140,8 @@ messages = st.one_of(
 
 
 def usable(i: Any) -> bool:
-    return (isinstance(i, int) and not isinstance(i, bool) and INT64[0] <= i <= INT64[1]) \
-        or isinstance(i, str)
+    """An id the gateway echoes back: any JSON integer (big ones too) or string."""
+    return (isinstance(i, int) and not isinstance(i, bool)) or isinstance(i, str)
 
 
 def encode(msg: Any, depth: int) -> bytes:
@@ -174,7 +174,7 @@ async def test_generated_jsonrpc_gets_exactly_one_answer_per_usable_id(
             if "method" not in msg or "result" in msg or "error" in msg:
                 other[key] = 0  # not a request: an error answer at most
                 continue
-            deep = depth > MAX_DEPTH - 4 and DEEP in json.dumps(msg)
+            deep = depth > MAX_DEPTH - 4 and json.dumps(DEEP) in json.dumps(msg)
             (too_deep if deep else expected)[key] = 0
     with trio.fail_after(30):
         async with client(daemon, transport) as c:
@@ -263,22 +263,31 @@ async def test_json_deeper_than_the_limit_is_refused_and_the_connection_stays(
 async def test_invalid_utf8_gets_parse_error_and_never_reaches_a_backend(
     daemon: Daemon, transport: str
 ) -> None:
-    """A binary WebSocket frame or a unix-socket line holding invalid UTF-8."""
+    """A unix-socket line holding invalid UTF-8 gets -32700; over WebSocket, bytes that are not
+    UTF-8 can only come in a binary frame, which is refused as such (-32600, then close 1003)."""
     with trio.fail_after(30):
         base = await baseline(daemon)
-        async with client(daemon, transport) as c:
+        async with client(daemon, "unix") as c:
             before = await backend_stats(c)
+        async with client(daemon, transport) as c:
             tag = secrets.token_hex(6)
             raw = json.dumps({"jsonrpc": "2.0", "id": "bad-utf8", "method": "tools/call",
                               "params": {"name": "fx__echo", "arguments": {"message": "@@"}}})
             start = len(c.received)
             await send_raw(c, raw.encode().replace(b"@@", tag.encode() + b"\xff\xfe"))
             (r,) = await c.wait_for(lambda: answers(c, start), ANSWER_BOUND)
-            assert r["error"]["code"] == -32700 and r["id"] is None, r
+            expected = -32700 if transport == "unix" else -32600
+            assert r["error"]["code"] == expected and r["id"] is None, r
+            if transport == "unix":
+                assert r["error"]["data"]["reason"] == "invalid_utf8", r
+                await fence(c)
+            else:
+                assert r["error"]["data"]["reason"] == "binary_frame", r
+        async with client(daemon, "unix") as c:
             after = await backend_stats(c)
-            assert after["bad_utf8_in"] == before["bad_utf8_in"]
-            assert after["lines_in"] == before["lines_in"] + 1  # only the fx__stats call itself
-            await fence(c)
+        assert after["bad_utf8_in"] == before["bad_utf8_in"]
+        fenced = 1 if transport == "unix" else 0  # fence() makes one call of its own
+        assert after["lines_in"] == before["lines_in"] + 1 + fenced  # and the second fx__stats
         await check(daemon, base)
 
 
@@ -416,14 +425,20 @@ async def test_websocket_fragments_and_invalid_utf8_text_frames(daemon: Daemon) 
             await ws.send_fragmented(call_bytes("frag", "fragmented"), 1)
             r = await ws.message()
             assert r["id"] == "frag" and r["result"]["content"][0]["text"] == "fragmented"
-            await ws.send_fragmented(call_bytes("frag-bin", "binary"), 100, opcode=2)
-            r = await ws.message()
-            assert r["id"] == "frag-bin" and r["result"]["content"][0]["text"] == "binary"
             # fragments that add up to more than the limit: refused like one big message
             await ws.send_fragmented(call_bytes("frag-big", "q" * MAX_MESSAGE), 65536)
             r = await ws.message()
             assert not isinstance(r, CloseConnection) and r["error"]["code"] == -32600, r
             assert r["error"]["data"]["reason"] == "message_too_large"
+        async with RawWs.open(daemon.ws_port) as ws:
+            await ws.frame(1, INIT)
+            assert (await ws.message())["id"] == "init"
+            # a message in binary fragments: refused (MCP is one message per text frame)
+            await ws.send_fragmented(call_bytes("frag-bin", "binary"), 100, opcode=2)
+            r = await ws.message()
+            assert r["error"]["code"] == -32600 and r["error"]["data"]["reason"] == "binary_frame", r
+            r = await ws.message()
+            assert isinstance(r, CloseConnection) and r.code == 1003, r
         async with RawWs.open(daemon.ws_port) as ws:
             await ws.frame(1, INIT)
             assert (await ws.message())["id"] == "init"
