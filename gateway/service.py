@@ -23,8 +23,8 @@ import trio
 from gateway import __version__, config, connection
 from gateway.backend import process
 from gateway.config import GatewayConfig
-from gateway.errors import ConfigError
-from gateway.events import EventBus, ReloadFinished
+from gateway.errors import CloseReason, ConfigError
+from gateway.events import EventBus, ReloadFinished, ServerRequestOutcome
 from gateway.hub import Hub
 from gateway.ops import systemd
 from gateway.ops.admin import serve_admin
@@ -373,7 +373,7 @@ async def _drain(hub: Hub, cfg: GatewayConfig, accept: trio.CancelScope, conns: 
     systemd.notify("STOPPING=1", "STATUS=draining")
     LOGGER.info("draining: %d connections, grace %.0fs", len(hub.sessions), cfg.gateway.drain_grace)
     for session in list(hub.sessions):  # backend prompts and consent prompts alike
-        session.end_all_requests("shutdown")
+        session.end_all_requests(ServerRequestOutcome.SHUTDOWN)
 
     def no_calls() -> bool:
         return not any(s.inflight for s in hub.sessions)
@@ -387,6 +387,6 @@ async def _drain(hub: Hub, cfg: GatewayConfig, accept: trio.CancelScope, conns: 
             hub.cut_off_calls()
             await hub.wait_connections(no_calls)
         for session in list(hub.sessions):
-            session.close("shutdown")
+            session.close(CloseReason.SHUTDOWN)
         await hub.wait_connections(lambda: not hub.sessions)
     conns.cancel_scope.cancel()

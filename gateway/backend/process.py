@@ -10,6 +10,7 @@ subreaper (``PR_SET_CHILD_SUBREAPER``) and :func:`reap_orphans` kills and reaps 
 from __future__ import annotations
 
 import ctypes
+import enum
 import logging
 import os
 import signal
@@ -36,6 +37,15 @@ ENV_ALLOW = (
 )  # fmt: skip
 
 PR_SET_CHILD_SUBREAPER = 36
+
+
+class Ended(enum.StrEnum):
+    """How :func:`stop_process` found a child ended (a ``StrEnum``: logged by value)."""
+
+    EXITED = "exited"  # already, before the stop began
+    STDIN = "stdin"  # after its stdin closed
+    SIGTERM = "sigterm"
+    SIGKILL = "sigkill"
 
 
 def child_environment(extra: dict[str, str], base: dict[str, str] | None = None) -> dict[str, str]:
@@ -113,14 +123,13 @@ def group_alive(pgid: int) -> bool:
 
 
 async def stop_process(proc: trio.Process, *, stdin_grace: float = STDIN_GRACE,
-                       term_grace: float = TERM_GRACE) -> str:
+                       term_grace: float = TERM_GRACE) -> Ended:
     """Stop ``proc`` and its process group in the spec's order.  Never raises, never hangs.
 
-    Returns how it ended: ``"exited"`` (before the stop began), ``"stdin"`` (exited after stdin
-    closed), ``"sigterm"``, ``"sigkill"``.
+    Returns how it ended (:class:`Ended`).
     """
     pgid = proc.pid
-    how = "exited" if proc.returncode is not None else "stdin"
+    how = Ended.EXITED if proc.returncode is not None else Ended.STDIN
     with trio.CancelScope(shield=True):
         if proc.stdin is not None:
             with trio.move_on_after(1.0):
@@ -132,7 +141,7 @@ async def stop_process(proc: trio.Process, *, stdin_grace: float = STDIN_GRACE,
             await proc.wait()
         if proc.returncode is None or group_alive(pgid):
             if proc.returncode is None:
-                how = "sigterm"
+                how = Ended.SIGTERM
             _signal_group(pgid, signal.SIGTERM)
             with trio.move_on_after(term_grace):
                 await proc.wait()
@@ -140,7 +149,7 @@ async def stop_process(proc: trio.Process, *, stdin_grace: float = STDIN_GRACE,
                     await trio.sleep(0.05)
         if proc.returncode is None or group_alive(pgid):
             if proc.returncode is None:
-                how = "sigkill"
+                how = Ended.SIGKILL
             _signal_group(pgid, signal.SIGKILL)
             with trio.move_on_after(KILL_WAIT):
                 await proc.wait()
