@@ -205,13 +205,11 @@ async def _wait_for_backends(hub: Hub, cfg: GatewayConfig) -> None:
     for name, b in cfg.backends.items():
         if not b.required:
             continue
-        inst = hub.backends[name].instances[0]
-        while inst.state not in (State.RUNNING, State.FATAL):
-            await inst.state_changed()
-        if inst.state is State.FATAL:
+        first = await hub.backends[name].settled()
+        if first.state == State.FATAL:  # not running: the tail is the last child's
             raise StartupError(
-                f"required backend {name!r} failed to start: {inst.last_exit}; "
-                + (" | ".join(inst.crash_stderr[-3:]) or "no stderr output")
+                f"required backend {name!r} failed to start: {first.last_exit}; "
+                + (" | ".join(first.stderr_tail[-3:]) or "no stderr output")
             )
 
 

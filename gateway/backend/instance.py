@@ -29,6 +29,7 @@ from gateway.protocol import jsonrpc
 from gateway.protocol.catalog import BackendLists
 from gateway.protocol.stderr import LineSplitter, LineThrottle
 from gateway.protocol.supervision import RestartPolicy, State, Supervision, Transition
+from gateway.status import InstanceStatus
 
 if TYPE_CHECKING:
     from gateway.backend.pool import Backend
@@ -111,6 +112,21 @@ class Instance(ChildHandlers):
         )
         self._state_changed.set()
         self._state_changed = trio.Event()
+
+    def snapshot(self, now: float) -> InstanceStatus:
+        """This instance as ``/status`` and the gauges see it (the one view given out)."""
+        child, proc = self.child, self.proc
+        return InstanceStatus(
+            name=self.name,
+            state=self.state.value,
+            pid=proc.pid if proc is not None and proc.returncode is None else None,
+            restarts=max(0, self.sup.starts - 1),
+            uptime=self.sup.uptime(now),
+            last_exit=self.last_exit,
+            stderr_tail=tuple(self.stderr_tail) if child is not None else self.crash_stderr,
+            inflight=len(child.pending) if child is not None else 0,
+            owner=getattr(self.owner, "conn_id", None),
+        )
 
     async def state_changed(self) -> None:
         """Return at the next state transition."""

@@ -23,6 +23,7 @@ import trio
 from msgspec import Raw, UnsetType
 
 from gateway import errors
+from gateway.backend import client
 from gateway.backend.child import ChildConnection
 from gateway.backend.instance import Instance
 from gateway.config import BackendConfig
@@ -30,6 +31,7 @@ from gateway.events import EventBus, QueueWaited
 from gateway.limits import ByteBudget
 from gateway.protocol.catalog import BackendLists
 from gateway.protocol.supervision import State
+from gateway.status import BackendStatus, InstanceStatus
 
 if TYPE_CHECKING:
     from gateway.session import ClientSession
@@ -116,6 +118,43 @@ class Backend:
                 await nursery.start(inst.run)
             task_status.started()
         self._nursery = None
+
+    def snapshot(self, now: float) -> BackendStatus:
+        """This backend and its instances as ``/status`` and the gauges see them."""
+        lists = self.lists
+        return BackendStatus(self.name, self.cfg.required, self.cfg.sharing,
+                             tuple(i.snapshot(now) for i in self.instances), len(lists.tools),
+                             len(lists.prompts), len(lists.resources), len(lists.templates))
+
+    async def first_start(self) -> None:
+        """Return once the lists are in, or the first instance's first start failed (BACKOFF or
+        FATAL); the caller bounds the wait."""
+        inst = self.instances[0]
+        # lists_ready is set in the same step as the RUNNING transition
+        while not self.lists_ready.is_set() and inst.state not in (State.BACKOFF, State.FATAL):
+            await inst.state_changed()
+
+    async def settled(self) -> InstanceStatus:
+        """Wait until the first instance runs or has given up (FATAL); its snapshot then."""
+        inst = self.instances[0]
+        while inst.state not in (State.RUNNING, State.FATAL):
+            await inst.state_changed()
+        return inst.snapshot(trio.current_time())
+
+    def live_pids(self) -> set[int]:
+        """The pids of this backend's children that have not been reaped yet."""
+        return {i.proc.pid for i in self.instances if i.proc is not None and i.proc.returncode is None}
+
+    async def set_level(self, level: str) -> None:
+        """``logging/setLevel`` on every running child (a refusal is logged, not raised)."""
+        for inst in self.instances:
+            child = inst.child
+            if child is None:
+                continue
+            try:
+                await client.set_level(child, level, timeout=self.cfg.request_timeout)
+            except errors.GatewayError as exc:
+                LOGGER.info("backend %s: logging/setLevel failed: %s", inst.name, exc)
 
     def inflight(self) -> int:
         """Client calls in flight on this backend's children (gateway-internal ones excluded)."""
