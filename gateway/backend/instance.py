@@ -24,7 +24,13 @@ from msgspec import Raw, UnsetType
 from gateway import errors
 from gateway.backend import client, process
 from gateway.backend.child import ChildConnection, ChildHandlers
-from gateway.events import BackendExited, BackendStarted, BackendStateChanged, BackendStderr, ExitKind
+from gateway.events import (
+    BackendExited,
+    BackendStarted,
+    BackendStateChanged,
+    BackendStderr,
+    ExitKind,
+)
 from gateway.protocol import jsonrpc
 from gateway.protocol.catalog import BackendLists
 from gateway.protocol.stderr import LineSplitter, LineThrottle

@@ -15,10 +15,10 @@ import logging
 import os
 import signal
 import subprocess
-from collections.abc import Iterable
 
 import trio
 
+from gateway import procfs
 from gateway.config import BackendConfig
 
 LOGGER = logging.getLogger(__name__)
@@ -81,33 +81,6 @@ def _signal_group(pgid: int, sig: int) -> bool:
         return False
 
 
-def group_members(pgid: int) -> list[int]:
-    """Live processes (not zombies) whose process group is ``pgid``, from /proc."""
-    out = []
-    for stat in proc_stats():
-        pid, state, _ppid, pgrp = stat
-        if pgrp == pgid and state != "Z":
-            out.append(pid)
-    return out
-
-
-def proc_stats() -> Iterable[tuple[int, str, int, int]]:
-    """``(pid, state, ppid, pgrp)`` of every process, from /proc (a full scan: not on hot paths)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                data = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        rest = data[data.rfind(")") + 2 :].split()
-        try:
-            yield int(entry), rest[0], int(rest[1]), int(rest[2])
-        except (IndexError, ValueError):
-            continue
-
-
 def group_alive(pgid: int) -> bool:
     """Whether any live (non-zombie) process remains in group ``pgid``.
 
@@ -119,7 +92,7 @@ def group_alive(pgid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return bool(group_members(pgid))
+    return bool(procfs.group_members(pgid))
 
 
 async def stop_process(proc: trio.Process, *, stdin_grace: float = STDIN_GRACE,
@@ -174,31 +147,6 @@ def become_subreaper() -> bool:
         return False
 
 
-def _children() -> set[int]:
-    """Pids of this process's children, from /proc/self/task/*/children (no /proc-wide scan)."""
-    pids: set[int] = set()
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return pids
-    for tid in tasks:
-        try:
-            with open(f"/proc/self/task/{tid}/children") as f:
-                pids.update(int(p) for p in f.read().split())
-        except (OSError, ValueError):
-            continue
-    return pids
-
-
-def _state(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    return data[data.rfind(")") + 2 :].split()[0]
-
-
 def reap_orphans(known: set[int]) -> list[int]:
     """Kill and reap re-parented descendants: our children that are not live backend leaders.
 
@@ -206,11 +154,11 @@ def reap_orphans(known: set[int]) -> list[int]:
     ``mcp-gateway run`` daemon); returns the pids handled.
     """
     handled = []
-    for pid in sorted(_children() - known):
-        state = _state(pid)
-        if state is None:
+    for pid in sorted(procfs.children() - known):
+        st = procfs.stat(pid)
+        if st is None:
             continue
-        if state != "Z":
+        if st.state != "Z":
             LOGGER.warning("killing orphaned backend descendant pid %d", pid)
             try:
                 os.kill(pid, signal.SIGKILL)
