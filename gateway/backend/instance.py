@@ -118,6 +118,7 @@ class Instance(ChildHandlers):
         )
         self._state_changed.set()
         self._state_changed = trio.Event()
+        self.backend.on_state_changed(self)
 
     def snapshot(self, now: float) -> InstanceStatus:
         """This instance as ``/status`` and the gauges see it (the one view given out)."""

@@ -16,6 +16,7 @@ restarts: a backend that is restarting keeps its tools listed, its calls wait up
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from typing import TYPE_CHECKING, Protocol
 
@@ -94,6 +95,9 @@ class Backend:
         self._stopping = False
         self.restarting = False  # stopped by a reload that starts it again with a changed config
         self._released = trio.Event()  # a client call ended (wakes drain); replaced each time
+        # an instance changed state, or an affine waiter was granted or let go (wakes the
+        # affine waiters); replaced each time
+        self._changed = trio.Event()
         self._waiters: deque[_Waiter] = deque()
         self._own: dict[ClientSession, Instance] = {}
         self._session_index = 0
@@ -161,11 +165,20 @@ class Backend:
         return sum(1 for i in self.instances if i.child is not None
                    for c in i.child.pending.values() if not c.internal and c.abandoned_at is None)
 
+    def _wake_waiters(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _let_go(self) -> None:
+        """Stopping: every affine waiter stops waiting (and fails with backend_unavailable)."""
+        for waiter in self._waiters:
+            waiter.granted.set()
+        self._wake_waiters()
+
     async def drain(self, grace: float) -> None:
         """Take no new calls and wait (at most ``grace`` seconds) for the calls in flight."""
         self._stopping = True
-        for waiter in self._waiters:
-            waiter.granted.set()
+        self._let_go()
         with trio.move_on_after(grace):
             while self.inflight():
                 await self._released.wait()
@@ -174,8 +187,7 @@ class Backend:
         self._stopping = True
         for inst in self.instances:
             inst.request_stop()
-        for waiter in self._waiters:
-            waiter.granted.set()
+        self._let_go()
 
     async def stopped(self) -> None:
         for inst in list(self.instances):
@@ -254,6 +266,7 @@ class Backend:
             inst.owner = waiter.session
             waiter.inst = inst
             waiter.granted.set()
+            self._wake_waiters()
 
     def _free_for(self, session: ClientSession) -> Instance | None:
         for inst in self.instances:
@@ -285,18 +298,12 @@ class Backend:
         self._waiters.append(waiter)
         started = trio.current_time()
         # None while some instance runs; else since when none has (restart_wait bounds that)
-        down_since: float | None = None if any(_running(i) for i in self.instances) else started
-        poll = min(1.0, max(self.host.restart_wait, 0.05))
+        down_since: float | None = None
         try:
+            # Woken by a grant (a holder's last call left its attribution set: released,
+            # answered late, purged after cancel_grace) and by every instance state change.
             with trio.move_on_after(self.cfg.queue_timeout):
                 while not waiter.granted.is_set():
-                    with trio.move_on_after(poll):  # abandoned calls age out of attribution sets
-                        await waiter.granted.wait()
-                    if not waiter.granted.is_set():
-                        for inst in self.instances:
-                            self._settle(inst)
-                    if waiter.granted.is_set():
-                        break
                     now = trio.current_time()
                     if any(_running(i) for i in self.instances):
                         down_since = None
@@ -305,6 +312,9 @@ class Backend:
                     if all(i.state is State.FATAL for i in self.instances) or (
                             down_since is not None and now - down_since >= self.host.restart_wait):
                         break  # not running: backend_unavailable below, not a queue timeout
+                    changed = self._changed
+                    with trio.move_on_at(math.inf if down_since is None else down_since + self.host.restart_wait):
+                        await changed.wait()
         except BaseException:
             if waiter.inst is not None:  # granted, but the caller went away: hand it on
                 self._settle(waiter.inst)
@@ -392,6 +402,9 @@ class Backend:
             self.instances.remove(inst)
 
     # ---- hooks from instances ---------------------------------------------------------------
+
+    def on_state_changed(self, inst: Instance) -> None:
+        self._wake_waiters()
 
     def on_instance_ready(self, inst: Instance) -> None:
         if inst is self.instances[0] or not self.lists_ready.is_set():

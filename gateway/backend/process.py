@@ -29,6 +29,8 @@ STDIN_GRACE = 2.0
 TERM_GRACE = 3.0
 #: After SIGKILL: the kernel needs no more than this to let us reap.
 KILL_WAIT = 2.0
+#: Without pidfds (Linux < 5.3): how often to look whether a group member has exited.
+EXIT_POLL_FALLBACK = 0.05
 
 #: Variables a child inherits from the gateway's own environment (everything else is dropped).
 ENV_ALLOW = (
@@ -118,8 +120,7 @@ async def stop_process(proc: trio.Process, *, stdin_grace: float = STDIN_GRACE,
             _signal_group(pgid, signal.SIGTERM)
             with trio.move_on_after(term_grace):
                 await proc.wait()
-                while group_alive(pgid):
-                    await trio.sleep(0.05)
+                await wait_group_gone(pgid)
         if proc.returncode is None or group_alive(pgid):
             if proc.returncode is None:
                 how = Ended.SIGKILL
@@ -131,6 +132,44 @@ async def stop_process(proc: trio.Process, *, stdin_grace: float = STDIN_GRACE,
                 with trio.move_on_after(0.5):
                     await stream.aclose()
     return how
+
+
+async def wait_group_gone(pgid: int) -> None:
+    """Return once no live process is left in group ``pgid``; the caller bounds the wait.
+
+    Members are not our children (but for the leader), so each one's exit is awaited on a pidfd
+    (readable once the process has exited); the group is looked at again after each exit, as a
+    member may have forked meanwhile.
+    """
+    while members := _live_members(pgid):
+        for pid in members:
+            await _wait_exit(pid)
+
+
+def _live_members(pgid: int) -> list[int]:
+    try:
+        os.killpg(pgid, 0)  # nothing left (the common case): no scan of /proc
+    except ProcessLookupError:
+        return []
+    except PermissionError:
+        pass
+    return procfs.group_members(pgid)
+
+
+async def _wait_exit(pid: int) -> None:
+    """Return when ``pid`` has exited (at once if there is no such process)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except OSError:  # no pidfds on this kernel: look again in a moment
+        await trio.sleep(EXIT_POLL_FALLBACK)
+        return
+    try:
+        await trio.lowlevel.wait_readable(fd)
+    finally:
+        trio.lowlevel.notify_closing(fd)
+        os.close(fd)
 
 
 def kill_group(pgid: int) -> None:
