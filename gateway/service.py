@@ -182,7 +182,7 @@ async def run(
 
 async def _admin_listeners(cfg: GatewayConfig, fds: dict[str, int]) -> list[trio.SocketListener]:
     if "admin" in fds:
-        listener = systemd.adopt_listener(fds["admin"])
+        listener = ls.adopt_listener(fds["admin"])
         if not cfg.admin.allow_non_loopback:
             try:
                 ls.check_loopback(listener, "admin socket from systemd")
@@ -243,7 +243,7 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
     async with trio.open_nursery() as nursery:
         if "websocket" in fds or cfg.listen.websocket is not None:
             if "websocket" in fds:
-                ws_listeners = [systemd.adopt_listener(fds["websocket"])]
+                ws_listeners = [ls.adopt_listener(fds["websocket"])]
                 try:
                     ls.check_loopback(ws_listeners[0], "websocket socket from systemd")
                 except ls.ListenerError as exc:
@@ -266,7 +266,7 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                 handler_nursery=conns, slots=hub.slots, task_status=task_status))
         if "unix" in fds or cfg.listen.unix is not None:
             if "unix" in fds:
-                unix_listener = systemd.adopt_listener(fds["unix"])
+                unix_listener = ls.adopt_listener(fds["unix"])
                 bound.unix_path = str(unix_listener.socket.getsockname())
             else:
                 assert cfg.listen.unix is not None

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from collections.abc import Mapping, MutableMapping
 
 import trio
+
+from gateway.transports.datagram import send_unix_datagram
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +49,8 @@ def notify(*assignments: str) -> bool:
         return False
     data = "\n".join(assignments).encode()
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-            # Never block the event loop: a full receive queue drops this one message.
-            sock.setblocking(False)
-            sock.sendto(data, addr)
+        # Never blocks the event loop: a full receive queue drops this one message.
+        send_unix_datagram(addr, data)
     except OSError as exc:
         log.warning("sd_notify to %r failed: %s", os.environ.get("NOTIFY_SOCKET"), exc)
         return False
@@ -134,17 +133,6 @@ def listen_fds_with_names(
         fds[fd] = names[i] or "unknown"
     log.info("socket activation: %s", ", ".join(f"fd {fd}={n}" for fd, n in fds.items()))
     return fds
-
-
-def adopt_listener(fd: int) -> trio.SocketListener:
-    """Wrap a listening socket passed by systemd in a :class:`trio.SocketListener`.
-
-    The family and type are detected from the fd itself; ``trio.SocketListener`` checks that it
-    is a listening stream socket. The socket takes ownership of ``fd``.
-    """
-    sock = socket.socket(fileno=fd)
-    sock.setblocking(False)
-    return trio.SocketListener(trio.socket.from_stdlib_socket(sock))
 
 
 def strip_systemd_env(env: Mapping[str, str]) -> dict[str, str]:

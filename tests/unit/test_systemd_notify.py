@@ -204,6 +204,7 @@ CHILD = textwrap.dedent(
     os.environ["LISTEN_PID"] = str(os.getpid())
     import trio
     from gateway.ops import systemd
+    from gateway.transports.listeners import adopt_listener
 
     async def main():
         fds = systemd.listen_fds_with_names()
@@ -214,7 +215,7 @@ CHILD = textwrap.dedent(
             "echo": [],
         }
         for fd in fds:
-            listener = systemd.adopt_listener(fd)
+            listener = adopt_listener(fd)
             stream = await listener.accept()
             data = await stream.receive_some(100)
             await stream.send_all(data.upper())
