@@ -148,11 +148,6 @@ class Overloaded(GatewayError):
     reason = "overloaded"
 
 
-class Unroutable(GatewayError):
-    code = UNROUTABLE
-    reason = "unattributable"
-
-
 class ResponseTooLarge(GatewayError):
     code = RESPONSE_TOO_LARGE
     reason = "response_too_large"

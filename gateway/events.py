@@ -59,7 +59,7 @@ class ExitKind(enum.StrEnum):
 @dataclass(frozen=True, slots=True)
 class ConnectionOpened:
     conn_id: str
-    transport: str  # "websocket" | "unix" | "http" | "memory"
+    transport: str  # "websocket" | "unix"
 
 
 @dataclass(frozen=True, slots=True)

@@ -96,8 +96,7 @@ class Hub:
         """Start a backend (after a reload restart, it takes over its predecessor's lists until
         its own child has listed)."""
         assert self._nursery is not None
-        prefix = name if bcfg.prefix is None else bcfg.prefix
-        backend = Backend(name, bcfg, prefix, self)
+        backend = Backend(name, bcfg, self.cfg.prefix_of(name), self)
         previous = self._restarting.pop(name, None)
         if previous is not None:
             backend.lists = previous.lists
@@ -258,7 +257,7 @@ class Hub:
         return await self.backend(name)
 
     async def authorize(self, session: ClientSession, tool: str, arguments: Any) -> None:
-        await self.policy.authorize(session, tool, self.catalog.tool_defs.get(tool, {}), arguments)
+        await self.policy.authorize(session, tool, arguments)
 
     # ---- fan-out ----------------------------------------------------------------------------
 
@@ -296,12 +295,12 @@ class Hub:
         if owner is not None:
             owner.notify("notifications/elicitation/complete", params)
 
-    def wanted_log_level(self, backend: str) -> str | None:
+    def wanted_log_level(self) -> str | None:
         levels = [s.log_level for s in self.sessions if s.log_level is not None]
         return min(levels, key=mcp.LOG_RANK.__getitem__) if levels else None
 
     def log_levels_changed(self) -> None:
-        level = self.wanted_log_level("")
+        level = self.wanted_log_level()
         if self._nursery is None:
             return
         for backend in self.backends.values():

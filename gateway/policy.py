@@ -78,8 +78,7 @@ class Policy:
     def pending_count(self) -> int:
         return len(self._pending)
 
-    async def authorize(self, session: ClientSession, tool: str, tool_def: dict[str, Any],
-                        arguments: Any = None) -> None:
+    async def authorize(self, session: ClientSession, tool: str, arguments: Any = None) -> None:
         """Return when ``session`` may call ``tool``; raise Denied otherwise."""
         decision = pure.decide(tool, self.rules, self.cfg.default, sensitive=tool in self.sensitive)
         if decision.sensitive_unruled:

@@ -92,7 +92,6 @@ class ClientSession:
         self.initialized = False
         self.protocol_version: str | None = None
         self.caps = mcp.ClientCaps({})
-        self.client_info: dict[str, Any] = {}
         self.log_level: str | None = None
         self.max_inflight = max_inflight
         self.inflight: dict[int | str, trio.CancelScope] = {}

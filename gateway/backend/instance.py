@@ -425,7 +425,7 @@ class Instance(ChildHandlers):
                                 timeout=self.cfg.start_timeout)
         for kind in ("tools", "prompts", "resources", "templates"):
             await self._fetch(child, kind)
-        level = host.wanted_log_level(self.backend.name)
+        level = host.wanted_log_level()
         if level is not None:
             await client.set_level(child, level, timeout=self.cfg.start_timeout)
         for uri in self.backend.subscribed_uris():

@@ -20,16 +20,6 @@ log = logging.getLogger(__name__)
 SD_LISTEN_FDS_START = 3
 """The first file descriptor passed by socket activation."""
 
-SYSTEMD_ENV_VARS = (
-    "NOTIFY_SOCKET",
-    "WATCHDOG_USEC",
-    "WATCHDOG_PID",
-    "LISTEN_PID",
-    "LISTEN_FDS",
-    "LISTEN_FDNAMES",
-)
-"""Variables that belong to the gateway's own unit and must never reach a backend."""
-
 
 def notify(*assignments: str) -> bool:
     """Send ``KEY=VALUE`` assignments to the service manager as one datagram.
@@ -133,12 +123,3 @@ def listen_fds_with_names(
         fds[fd] = names[i] or "unknown"
     log.info("socket activation: %s", ", ".join(f"fd {fd}={n}" for fd, n in fds.items()))
     return fds
-
-
-def strip_systemd_env(env: Mapping[str, str]) -> dict[str, str]:
-    """A copy of ``env`` without the variables meant for the gateway's own unit.
-
-    Use it for every backend's environment: a child that inherited ``NOTIFY_SOCKET`` or
-    ``WATCHDOG_USEC`` could confuse systemd, and ``LISTEN_*`` would point at the wrong fds.
-    """
-    return {k: v for k, v in env.items() if k not in SYSTEMD_ENV_VARS}
