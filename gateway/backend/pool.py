@@ -5,7 +5,7 @@ Sharing modes decide which instance serves a call:
 * ``shared`` — every connection's calls are multiplexed onto the instance(s); server→client
   requests are routed only when the attribution set proves the owner.
 * ``affine`` — an instance serves one connection at a time while that connection has calls in
-  its attribution set (see :mod:`gateway.backend.affinity`).
+  its attribution set (FIFO hand-over; see :meth:`Backend._acquire_affine`).
 * ``per-session`` — each connection gets its own child, started on first use.
 
 The backend's catalog lists come from instance 0 (the *probe* in per-session mode) and survive
