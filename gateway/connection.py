@@ -22,10 +22,18 @@ import msgspec
 import trio
 
 from gateway import errors
-from gateway.events import AnswerRefused, ConnectionClosed, ConnectionOpened, RequestFinished
+from gateway.errors import CloseReason
+from gateway.events import (
+    AnswerRefused,
+    ConnectionClosed,
+    ConnectionOpened,
+    RequestFinished,
+    RequestOutcome,
+    ServerRequestOutcome,
+)
 from gateway.handlers import HANDLERS, PRE_INIT, Request
 from gateway.protocol import jsonrpc, mcp
-from gateway.session import ClientSession
+from gateway.session import AnswerOutcome, ClientSession
 
 if TYPE_CHECKING:
     from gateway.hub import Hub
@@ -78,15 +86,15 @@ async def serve(hub: Hub, stream: MessageStream, transport: str) -> None:
             session.cancel_scope = nursery.cancel_scope
             nursery.start_soon(_writer, session, stream, in_hand)
             await _reader(hub, session, stream, nursery)
-            session.close("client_closed")
+            session.close(CloseReason.CLIENT_CLOSED)
     except Exception:
         LOGGER.exception("connection %s: unexpected error", session.conn_id, extra=session.log_fields)
-        session.close("error")
+        session.close(CloseReason.ERROR)
     finally:
         with trio.CancelScope(shield=True):
             hub.sessions.discard(session)
             hub.connections_changed()
-            session.end_all_requests("owner_gone")
+            session.end_all_requests(ServerRequestOutcome.OWNER_GONE)
             try:
                 await hub.session_closed(session)
                 await _flush(session, stream, in_hand)
@@ -107,7 +115,7 @@ async def _flush(session: ClientSession, stream: MessageStream, in_hand: list[by
     ``in_hand`` is the message the writer was cancelled with before it could send it (closing
     the connection cancels the writer, which may just have taken that very error message).
     """
-    if session.close_reason in ("overflow", "client_closed"):
+    if session.close_reason in (CloseReason.OVERFLOW, CloseReason.CLIENT_CLOSED):
         return
     with trio.move_on_after(FLUSH_TIMEOUT):
         try:
@@ -141,7 +149,7 @@ async def _writer(session: ClientSession, stream: MessageStream, in_hand: list[b
         try:
             await stream.send_batch(in_hand)
         except errors.TransportClosed:
-            session.close("client_closed")
+            session.close(CloseReason.CLIENT_CLOSED)
             return
         in_hand.clear()
         session.sent(size)
@@ -251,7 +259,7 @@ def _handle(hub: Hub, session: ClientSession, data: bytes, nursery: trio.Nursery
         _on_notification(hub, session, env.method, env)
     else:
         outcome = session.on_answer(env)
-        if outcome == "refused":
+        if outcome is AnswerOutcome.REFUSED:
             LOGGER.warning("connection %s answered unknown request id %r: refused", session.conn_id, env.id, extra=session.log_fields)
             hub.bus.emit(AnswerRefused(session.conn_id, "unknown_id"))
 
@@ -282,7 +290,7 @@ async def _run_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, 
     req = Request(env.id, env.method, {})
     response: bytes | None = None
     code: int | None = None
-    outcome = "cancelled"
+    outcome = RequestOutcome.CANCELLED
     try:
         with scope:
             try:
@@ -307,10 +315,10 @@ async def _run_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, 
             response = error_response(env.id, errors.Denied(
                 "the gateway shut down before this call finished; it may have had effects",
                 reason="shutdown", retryable=False))
-            outcome = "error"
+            outcome = RequestOutcome.ERROR
         elif response is not None and not scope.cancelled_caught:
-            outcome = "ok" if code is None else "error"
-        reply(response if outcome != "cancelled" else None)  # a cancelled request gets no response
+            outcome = RequestOutcome.OK if code is None else RequestOutcome.ERROR
+        reply(response if outcome is not RequestOutcome.CANCELLED else None)  # a cancelled request gets no response
     finally:
         session.inflight.pop(env.id, None)
         session.buffers.release(size)

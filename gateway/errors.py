@@ -1,8 +1,9 @@
 """The gateway's exception taxonomy and the one JSON-RPC error-code table.
 
 Every condition the gateway reports to a client is a :class:`GatewayError` with a code from
-the table below and a machine-readable ``data.reason``.  ``gateway.hub`` is the only place
-that turns exceptions into JSON-RPC error objects (:func:`error_object`).
+the table below and a machine-readable ``data.reason``.  ``gateway.connection`` is the only
+place that turns exceptions into JSON-RPC error responses
+(:func:`gateway.connection.error_response`).
 
 ===========================  =======  =========================================
 condition                    code     ``data.reason``
@@ -146,11 +147,6 @@ class Denied(GatewayError):
 class Overloaded(GatewayError):
     code = OVERLOADED
     reason = "overloaded"
-
-
-class Unroutable(GatewayError):
-    code = UNROUTABLE
-    reason = "unattributable"
 
 
 class ResponseTooLarge(GatewayError):

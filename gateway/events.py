@@ -13,6 +13,7 @@ carried for logs and for capped label sets only.
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,10 +21,45 @@ from dataclasses import dataclass
 LOGGER = logging.getLogger(__name__)
 
 
+# The bounded value sets of event fields.  ``StrEnum``s: metric labels and log lines carry their
+# plain string values, and a member compares and hashes equal to its value.
+
+
+class RequestOutcome(enum.StrEnum):
+    """How a client request ended (:class:`RequestFinished`)."""
+
+    OK = "ok"
+    ERROR = "error"
+    CANCELLED = "cancelled"  # the client cancelled it: no response was sent
+
+
+class ServerRequestOutcome(enum.StrEnum):
+    """How a server→client request ended (:class:`ServerRequestFinished`)."""
+
+    ANSWERED = "answered"  # the owner answered with a result
+    ERROR = "error"  # the owner answered with an error
+    CANCELLED = "cancelled"  # the child cancelled it
+    OWNER_GONE = "owner_gone"  # the owner disconnected
+    TIMEOUT = "timeout"
+    SHUTDOWN = "shutdown"  # the gateway is draining
+    CALL_FINISHED = "call_finished"  # the call that caused it ended first
+    CHILD_RESTARTED = "child_restarted"  # the child that sent it exited
+
+
+class ExitKind(enum.StrEnum):
+    """Why a backend process ended (:class:`BackendExited`)."""
+
+    EXITED = "exited"  # on its own, exit code 0
+    CRASHED = "crashed"  # on its own, non-zero exit code or a signal
+    STOPPED = "stopped"  # the gateway stopped it
+    UNHEALTHY = "unhealthy"  # restarted by the gateway (pings missed, a cancel unanswered)
+    START_FAILED = "start_failed"  # the hand-shake failed or timed out
+
+
 @dataclass(frozen=True, slots=True)
 class ConnectionOpened:
     conn_id: str
-    transport: str  # "websocket" | "unix" | "http" | "memory"
+    transport: str  # "websocket" | "unix"
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +102,7 @@ class RequestFinished:
     conn_id: str
     method: str  # bounded: a known MCP method or "other"
     backend: str  # backend name, or "" for requests the gateway answers itself
-    outcome: str  # "ok" | "error" | "cancelled"
+    outcome: RequestOutcome
     error_code: int | None
     duration: float  # seconds, receipt to answer
     backend_time: float | None  # seconds spent waiting on the child (None: no child involved)
@@ -96,7 +132,7 @@ class BackendExited:
     backend: str
     instance: str
     pid: int
-    reason: str  # "exited" | "crashed" | "killed" | "stopped" | "unhealthy" | "start_failed"
+    reason: ExitKind
     returncode: int | None
 
 
@@ -145,7 +181,7 @@ class ServerRequestRefused:
 class ServerRequestFinished:
     backend: str  # "" for the gateway's own consent prompts
     method: str
-    outcome: str  # "answered" | "error" | "cancelled" | "owner_gone" | "timeout" | "shutdown"
+    outcome: ServerRequestOutcome
     duration: float
 
 

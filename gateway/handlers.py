@@ -79,7 +79,6 @@ async def initialize(hub: Hub, session: ClientSession, req: Request) -> Raw:
         raise errors.InvalidParams(f"initialize: {exc}") from None
     session.protocol_version = mcp.negotiate_version(params.protocolVersion)
     session.caps = mcp.ClientCaps(params.capabilities)
-    session.client_info = {"name": params.clientInfo.name, "version": params.clientInfo.version}
     session.initialized = True
     return jsonrpc.encode_dict(
         {

@@ -18,7 +18,7 @@ import trio
 from msgspec import UNSET, Raw, UnsetType
 
 from gateway import __version__, errors
-from gateway.backend import client, process
+from gateway.backend import process
 from gateway.backend.child import ChildConnection
 from gateway.backend.instance import Instance
 from gateway.backend.pool import Backend
@@ -29,9 +29,8 @@ from gateway.ownership import Ownership
 from gateway.policy import Policy
 from gateway.protocol import jsonrpc, mcp
 from gateway.protocol.catalog import BackendLists, Catalog, CatalogConflict, build_catalog
-from gateway.protocol.supervision import State
 from gateway.session import ClientSession
-from gateway.status import BackendStatus, GatewayStatus, InstanceStatus
+from gateway.status import GatewayStatus
 
 LOGGER = logging.getLogger(__name__)
 
@@ -97,8 +96,7 @@ class Hub:
         """Start a backend (after a reload restart, it takes over its predecessor's lists until
         its own child has listed)."""
         assert self._nursery is not None
-        prefix = name if bcfg.prefix is None else bcfg.prefix
-        backend = Backend(name, bcfg, prefix, self)
+        backend = Backend(name, bcfg, self.cfg.prefix_of(name), self)
         previous = self._restarting.pop(name, None)
         if previous is not None:
             backend.lists = previous.lists
@@ -151,16 +149,11 @@ class Hub:
         """Wait until each backend has its lists or has failed its first start (bounded)."""
         with trio.move_on_after(timeout):
             for backend in list(self.backends.values()):
-                inst = backend.instances[0]
-                # lists_ready is set in the same step as the RUNNING transition
-                while not backend.lists_ready.is_set() and inst.state not in (State.BACKOFF, State.FATAL):
-                    await inst.state_changed()
+                await backend.first_start()
 
     def reap(self) -> None:
         if self._subreaper:
-            known = {i.proc.pid for b in self.backends.values() for i in b.instances
-                     if i.proc is not None and i.proc.returncode is None}
-            process.reap_orphans(known)
+            process.reap_orphans({pid for b in self.backends.values() for pid in b.live_pids()})
 
     # ---- connections ------------------------------------------------------------------------
 
@@ -264,7 +257,7 @@ class Hub:
         return await self.backend(name)
 
     async def authorize(self, session: ClientSession, tool: str, arguments: Any) -> None:
-        await self.policy.authorize(session, tool, self.catalog.tool_defs.get(tool, {}), arguments)
+        await self.policy.authorize(session, tool, arguments)
 
     # ---- fan-out ----------------------------------------------------------------------------
 
@@ -302,28 +295,18 @@ class Hub:
         if owner is not None:
             owner.notify("notifications/elicitation/complete", params)
 
-    def wanted_log_level(self, backend: str) -> str | None:
+    def wanted_log_level(self) -> str | None:
         levels = [s.log_level for s in self.sessions if s.log_level is not None]
         return min(levels, key=mcp.LOG_RANK.__getitem__) if levels else None
 
     def log_levels_changed(self) -> None:
-        level = self.wanted_log_level("")
+        level = self.wanted_log_level()
         if self._nursery is None:
             return
         for backend in self.backends.values():
             if self._levels.get(backend.name) != level and level is not None:
                 self._levels[backend.name] = level
-                self._nursery.start_soon(self._set_level, backend, level)
-
-    async def _set_level(self, backend: Backend, level: str) -> None:
-        for inst in backend.instances:
-            child = inst.child
-            if child is None:
-                continue
-            try:
-                await client.set_level(child, level, timeout=backend.cfg.request_timeout)
-            except errors.GatewayError as exc:
-                LOGGER.info("backend %s: logging/setLevel failed: %s", inst.name, exc)
+                self._nursery.start_soon(backend.set_level, level)
 
     # ---- server→client requests ---------------------------------------------------------------
 
@@ -362,31 +345,15 @@ class Hub:
     # ---- status -----------------------------------------------------------------------------
 
     def status(self) -> GatewayStatus:
+        """The daemon right now, built from the snapshots the backends publish."""
         now = trio.current_time()
-        backends = []
-        for name, b in self.backends.items():
-            instances = tuple(
-                InstanceStatus(
-                    name=i.name,
-                    state=i.state.value,
-                    pid=i.proc.pid if i.proc is not None and i.proc.returncode is None else None,
-                    restarts=max(0, i.sup.starts - 1),
-                    uptime=i.sup.uptime(now),
-                    last_exit=i.last_exit,
-                    stderr_tail=tuple(i.stderr_tail) if i.child is not None else i.crash_stderr,
-                    inflight=len(i.child.pending) if i.child is not None else 0,
-                    owner=getattr(i.owner, "conn_id", None),
-                )
-                for i in b.instances
-            )
-            backends.append(BackendStatus(name, b.cfg.required, b.cfg.sharing, instances, len(b.lists.tools),
-                                          len(b.lists.prompts), len(b.lists.resources), len(b.lists.templates)))
+        backends = tuple(b.snapshot(now) for b in self.backends.values())
         connections: dict[str, int] = {}
         for s in self.sessions:
             connections[s.transport] = connections.get(s.transport, 0) + 1
         return GatewayStatus(
             version=__version__,
-            backends=tuple(backends),
+            backends=backends,
             connections=connections,
             listeners_bound=self.listeners_bound,
             draining=self.draining,

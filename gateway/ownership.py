@@ -33,7 +33,13 @@ import trio
 from msgspec import UNSET, Raw, UnsetType
 
 from gateway import errors
-from gateway.events import EventBus, ServerRequestFinished, ServerRequestRefused, ServerRequestRouted
+from gateway.events import (
+    EventBus,
+    ServerRequestFinished,
+    ServerRequestOutcome,
+    ServerRequestRefused,
+    ServerRequestRouted,
+)
 from gateway.protocol import jsonrpc
 
 if TYPE_CHECKING:
@@ -44,6 +50,9 @@ if TYPE_CHECKING:
 LOGGER = logging.getLogger(__name__)
 
 DECLINE = Raw(b'{"action":"decline"}')
+#: Outcomes after which the child gets elicitation ``cancel`` (others: -32007): nobody will answer.
+_CLIENT_WENT_AWAY = frozenset({ServerRequestOutcome.OWNER_GONE, ServerRequestOutcome.SHUTDOWN,
+                               ServerRequestOutcome.TIMEOUT})
 CANCEL = Raw(b'{"action":"cancel"}')
 
 
@@ -164,30 +173,30 @@ class Ownership:
                 call.resume()
             self.pending.pop(key, None)
             if req.outcome is None:  # cancelled from outside (gateway shutdown)
-                owner.cancel_request(req, "shutdown", "the gateway is shutting down")
-        self._bus.emit(ServerRequestFinished(backend, method, req.outcome or "shutdown",
+                owner.cancel_request(req, ServerRequestOutcome.SHUTDOWN, "the gateway is shutting down")
+        self._bus.emit(ServerRequestFinished(backend, method, req.outcome or ServerRequestOutcome.SHUTDOWN,
                                              trio.current_time() - req.started))
         with trio.CancelScope(shield=True), trio.move_on_after(5):
-            if req.outcome == "answered":
+            if req.outcome == ServerRequestOutcome.ANSWERED:
                 assert req.result is not None
                 await child.respond(child_id, req.result)
-            elif req.outcome == "error":
+            elif req.outcome == ServerRequestOutcome.ERROR:
                 assert req.error is not None
                 e = req.error
                 await child.respond_error(child_id, e.code, e.message, None if e.data is UNSET else e.data)
-            elif req.outcome in ("owner_gone", "shutdown", "timeout"):
+            elif req.outcome in _CLIENT_WENT_AWAY:
                 if method == "elicitation/create":
                     await child.respond(child_id, CANCEL)
                 else:
                     await child.respond_error(child_id, errors.UNROUTABLE, f"{method}: the client went away",
                                               {"reason": req.outcome})
-            # child_cancelled / call_finished / child_restarted: the child expects nothing
+            # cancelled / call_finished / child_restarted: the child expects nothing
 
     def child_cancelled(self, inst: Instance, child: ChildConnection, child_id: int | str) -> None:
         entry = self.pending.get((inst.name, child.generation, child_id))
         if entry is not None:
             owner, req = entry
-            owner.cancel_request(req, "cancelled", "cancelled by the backend")
+            owner.cancel_request(req, ServerRequestOutcome.CANCELLED, "cancelled by the backend")
 
     def call_finished(self, child: ChildConnection, inst: Instance, owner: ClientSession) -> None:
         """A call of ``owner`` ended: prompts of a child with no call of that owner left end too."""
@@ -195,12 +204,12 @@ class Ownership:
             return
         for (name, gen, _cid), (o, req) in list(self.pending.items()):
             if o is owner and name == inst.name and gen == child.generation:
-                owner.cancel_request(req, "call_finished", "the call that caused this request has ended")
+                owner.cancel_request(req, ServerRequestOutcome.CALL_FINISHED, "the call that caused this request has ended")
 
     def child_down(self, inst: Instance, child: ChildConnection) -> None:
         for (name, gen, _cid), (owner, req) in list(self.pending.items()):
             if name == inst.name and gen == child.generation:
-                owner.cancel_request(req, "child_restarted", "the backend exited")
+                owner.cancel_request(req, ServerRequestOutcome.CHILD_RESTARTED, "the backend exited")
 
     def elicitation_owner(self, backend: str, elicitation_id: str) -> ClientSession | None:
         """The owner of a URL-mode elicitation, once: its completion is the last word on it."""

@@ -19,7 +19,7 @@ import trio
 
 from gateway import errors
 from gateway.config import GatewayConfig, PolicySection
-from gateway.events import EventBus, ServerRequestFinished
+from gateway.events import EventBus, ServerRequestFinished, ServerRequestOutcome
 from gateway.protocol import policy as pure
 from gateway.protocol.catalog import Catalog
 
@@ -30,6 +30,13 @@ LOGGER = logging.getLogger(__name__)
 
 #: Arguments shown in a consent prompt are cut to this many characters.
 MAX_ARGS_SHOWN = 500
+#: The ``data.reason`` of the Denied a consent prompt ends with, by how the prompt ended
+#: (an outcome not listed is its own reason, e.g. ``timeout``).
+DENY_REASONS = {
+    ServerRequestOutcome.ERROR: "declined",
+    ServerRequestOutcome.OWNER_GONE: "declined",
+    ServerRequestOutcome.SHUTDOWN: "shutdown",
+}
 
 
 class Policy:
@@ -71,8 +78,7 @@ class Policy:
     def pending_count(self) -> int:
         return len(self._pending)
 
-    async def authorize(self, session: ClientSession, tool: str, tool_def: dict[str, Any],
-                        arguments: Any = None) -> None:
+    async def authorize(self, session: ClientSession, tool: str, arguments: Any = None) -> None:
         """Return when ``session`` may call ``tool``; raise Denied otherwise."""
         decision = pure.decide(tool, self.rules, self.cfg.default, sensitive=tool in self.sensitive)
         if decision.sensitive_unruled:
@@ -101,20 +107,21 @@ class Policy:
              "requestedSchema": pure.consent_schema()},
         )
         self._pending.add(req)
-        outcome = "timeout"
+        outcome = ServerRequestOutcome.TIMEOUT
         try:
             with trio.move_on_after(self.cfg.elicitation_timeout):
                 await req.done.wait()
-            outcome = req.outcome or "timeout"
+            outcome = req.outcome or ServerRequestOutcome.TIMEOUT
         finally:
             self._pending.discard(req)
             if not req.done.is_set():
                 # timeout, or the client cancelled the parked call: withdraw the prompt
-                session.cancel_request(req, "timeout" if outcome == "timeout" else "cancelled",
-                                       "the consent prompt was withdrawn")
+                withdrawn = (ServerRequestOutcome.TIMEOUT if outcome == ServerRequestOutcome.TIMEOUT
+                             else ServerRequestOutcome.CANCELLED)
+                session.cancel_request(req, withdrawn, "the consent prompt was withdrawn")
             self._bus.emit(ServerRequestFinished("", "elicitation/create", req.outcome or outcome,
                                                  trio.current_time() - req.started))
-        if outcome == "answered":
+        if outcome == ServerRequestOutcome.ANSWERED:
             try:
                 answer = msgspec.json.decode(req.result) if req.result is not None else None
             except msgspec.DecodeError:
@@ -122,5 +129,5 @@ class Policy:
             if pure.consent_granted(answer):
                 return
             raise errors.Denied(f"the user declined to run {tool!r}", reason="declined", tool=tool)
-        reason = {"error": "declined", "owner_gone": "declined", "shutdown": "shutdown"}.get(outcome, outcome)
+        reason = DENY_REASONS.get(outcome, str(outcome))
         raise errors.Denied(f"consent for {tool!r} was not given ({reason})", reason=reason, tool=tool)

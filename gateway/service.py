@@ -23,8 +23,8 @@ import trio
 from gateway import __version__, config, connection
 from gateway.backend import process
 from gateway.config import GatewayConfig
-from gateway.errors import ConfigError
-from gateway.events import EventBus, ReloadFinished
+from gateway.errors import CloseReason, ConfigError
+from gateway.events import EventBus, ReloadFinished, ServerRequestOutcome
 from gateway.hub import Hub
 from gateway.ops import systemd
 from gateway.ops.admin import serve_admin
@@ -182,7 +182,7 @@ async def run(
 
 async def _admin_listeners(cfg: GatewayConfig, fds: dict[str, int]) -> list[trio.SocketListener]:
     if "admin" in fds:
-        listener = systemd.adopt_listener(fds["admin"])
+        listener = ls.adopt_listener(fds["admin"])
         if not cfg.admin.allow_non_loopback:
             try:
                 ls.check_loopback(listener, "admin socket from systemd")
@@ -205,13 +205,11 @@ async def _wait_for_backends(hub: Hub, cfg: GatewayConfig) -> None:
     for name, b in cfg.backends.items():
         if not b.required:
             continue
-        inst = hub.backends[name].instances[0]
-        while inst.state not in (State.RUNNING, State.FATAL):
-            await inst.state_changed()
-        if inst.state is State.FATAL:
+        first = await hub.backends[name].settled()
+        if first.state == State.FATAL:  # not running: the tail is the last child's
             raise StartupError(
-                f"required backend {name!r} failed to start: {inst.last_exit}; "
-                + (" | ".join(inst.crash_stderr[-3:]) or "no stderr output")
+                f"required backend {name!r} failed to start: {first.last_exit}; "
+                + (" | ".join(first.stderr_tail[-3:]) or "no stderr output")
             )
 
 
@@ -245,7 +243,7 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
     async with trio.open_nursery() as nursery:
         if "websocket" in fds or cfg.listen.websocket is not None:
             if "websocket" in fds:
-                ws_listeners = [systemd.adopt_listener(fds["websocket"])]
+                ws_listeners = [ls.adopt_listener(fds["websocket"])]
                 try:
                     ls.check_loopback(ws_listeners[0], "websocket socket from systemd")
                 except ls.ListenerError as exc:
@@ -268,7 +266,7 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                 handler_nursery=conns, slots=hub.slots, task_status=task_status))
         if "unix" in fds or cfg.listen.unix is not None:
             if "unix" in fds:
-                unix_listener = systemd.adopt_listener(fds["unix"])
+                unix_listener = ls.adopt_listener(fds["unix"])
                 bound.unix_path = str(unix_listener.socket.getsockname())
             else:
                 assert cfg.listen.unix is not None
@@ -373,7 +371,7 @@ async def _drain(hub: Hub, cfg: GatewayConfig, accept: trio.CancelScope, conns: 
     systemd.notify("STOPPING=1", "STATUS=draining")
     LOGGER.info("draining: %d connections, grace %.0fs", len(hub.sessions), cfg.gateway.drain_grace)
     for session in list(hub.sessions):  # backend prompts and consent prompts alike
-        session.end_all_requests("shutdown")
+        session.end_all_requests(ServerRequestOutcome.SHUTDOWN)
 
     def no_calls() -> bool:
         return not any(s.inflight for s in hub.sessions)
@@ -387,6 +385,6 @@ async def _drain(hub: Hub, cfg: GatewayConfig, accept: trio.CancelScope, conns: 
             hub.cut_off_calls()
             await hub.wait_connections(no_calls)
         for session in list(hub.sessions):
-            session.close("shutdown")
+            session.close(CloseReason.SHUTDOWN)
         await hub.wait_connections(lambda: not hub.sessions)
     conns.cancel_scope.cancel()

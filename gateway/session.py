@@ -19,6 +19,7 @@ which are dropped quietly.
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 import secrets
@@ -32,6 +33,8 @@ import trio
 from msgspec import UNSET, Raw, UnsetType
 
 from gateway import errors
+from gateway.errors import CloseReason
+from gateway.events import ServerRequestOutcome
 from gateway.limits import ByteBudget
 from gateway.protocol import jsonrpc, mcp
 
@@ -44,6 +47,14 @@ def mint_conn_id() -> str:
     return f"c{next(_conn_counter)}-{secrets.token_hex(4)}"
 
 
+class AnswerOutcome(enum.StrEnum):
+    """What :meth:`ClientSession.on_answer` made of a client's response."""
+
+    ACCEPTED = "accepted"  # it answered an open request of this connection
+    LATE = "late"  # the request had already ended: dropped quietly
+    REFUSED = "refused"  # no such request for this connection (logged and counted)
+
+
 class ServerRequest:
     """A request the gateway sent to this client and is waiting on (one owner, one answer)."""
 
@@ -54,13 +65,13 @@ class ServerRequest:
         self.method = method
         self.params = params
         self.done = trio.Event()
-        self.outcome: str | None = None  # answered | error | cancelled | owner_gone | timeout | shutdown
+        self.outcome: ServerRequestOutcome | None = None
         self.result: Raw | None = None
         self.error: jsonrpc.ErrorObject | None = None
         self.started = trio.current_time()
         self.on_end: list[Callable[[ServerRequest], None]] = []
 
-    def finish(self, outcome: str, result: Raw | None = None, error: jsonrpc.ErrorObject | None = None) -> bool:
+    def finish(self, outcome: ServerRequestOutcome, result: Raw | None = None, error: jsonrpc.ErrorObject | None = None) -> bool:
         """Close the request; only the first call has an effect (exactly-once)."""
         if self.done.is_set():
             return False
@@ -81,7 +92,6 @@ class ClientSession:
         self.initialized = False
         self.protocol_version: str | None = None
         self.caps = mcp.ClientCaps({})
-        self.client_info: dict[str, Any] = {}
         self.log_level: str | None = None
         self.max_inflight = max_inflight
         self.inflight: dict[int | str, trio.CancelScope] = {}
@@ -95,7 +105,7 @@ class ClientSession:
         self._budget = budget if budget is not None else ByteBudget(sys.maxsize)
         self.buffers = self._budget.open(self.conn_id, self._evicted)
         self.closed = trio.Event()
-        self.close_reason = "client_closed"
+        self.close_reason = CloseReason.CLIENT_CLOSED
         self.cancel_scope: trio.CancelScope | None = None
 
     def __repr__(self) -> str:
@@ -112,13 +122,13 @@ class ClientSession:
             LOGGER.warning("connection %s: %d bytes queued toward a client that does not read "
                            "(outbound_bytes %d), disconnecting it", self.conn_id, self.queued_bytes,
                            self.max_outbound_bytes, extra=self.log_fields)
-            self.close("overflow")
+            self.close(CloseReason.OVERFLOW)
             return False
         try:
             self._send.send_nowait(data)
         except trio.WouldBlock:
             LOGGER.warning("connection %s: outbound queue full, disconnecting a slow client", self.conn_id, extra=self.log_fields)
-            self.close("overflow")
+            self.close(CloseReason.OVERFLOW)
             return False
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return False
@@ -145,12 +155,12 @@ class ClientSession:
         LOGGER.warning("connection %s: the gateway's message buffers are full (buffered_bytes_total); "
                        "closing this connection, which holds the most (%d bytes)", self.conn_id,
                        self.buffers.held, extra=self.log_fields)
-        self.close("overflow")
+        self.close(CloseReason.OVERFLOW)
 
     def notify(self, method: str, params: Raw | bytes | UnsetType = UNSET) -> bool:
         return self.send(jsonrpc.encode_notification(method, params))
 
-    def close(self, reason: str) -> None:
+    def close(self, reason: CloseReason) -> None:
         """End the connection (idempotent); the first reason given is the one recorded."""
         if not self.closed.is_set():
             self.close_reason = reason
@@ -167,7 +177,7 @@ class ClientSession:
         self.server_requests[rid] = req
         req.on_end.append(self._forget)
         if self.closed.is_set():  # nobody will ever answer (end_all_requests already ran)
-            req.finish("owner_gone")
+            req.finish(ServerRequestOutcome.OWNER_GONE)
             return req
         payload = params if isinstance(params, Raw) else jsonrpc.encode_dict(params)
         self.send(jsonrpc.encode_request(rid, method, payload))
@@ -177,27 +187,27 @@ class ClientSession:
         self.server_requests.pop(req.id, None)
         self._ended_ids.append(req.id)
 
-    def cancel_request(self, req: ServerRequest, outcome: str, reason: str) -> None:
+    def cancel_request(self, req: ServerRequest, outcome: ServerRequestOutcome, reason: str) -> None:
         """End ``req`` without an answer and tell the client with ``notifications/cancelled``."""
         if req.finish(outcome):
             self.notify("notifications/cancelled", jsonrpc.encode_dict({"requestId": req.id, "reason": reason}))
 
-    def on_answer(self, env: jsonrpc.Envelope) -> str:
-        """A response from the client.  Returns ``accepted``, ``late`` or ``refused``."""
+    def on_answer(self, env: jsonrpc.Envelope) -> AnswerOutcome:
+        """A response from the client: accepted, late or refused."""
         rid = env.id
         req = self.server_requests.get(rid) if isinstance(rid, str) else None
         if req is None:
             if isinstance(rid, str) and rid in self._ended_ids:
-                return "late"
-            return "refused"
+                return AnswerOutcome.LATE
+            return AnswerOutcome.REFUSED
         if env.error is not UNSET:
-            req.finish("error", error=env.error)
+            req.finish(ServerRequestOutcome.ERROR, error=env.error)
         else:
             assert isinstance(env.result, Raw)
-            req.finish("answered", result=env.result)
-        return "accepted"
+            req.finish(ServerRequestOutcome.ANSWERED, result=env.result)
+        return AnswerOutcome.ACCEPTED
 
-    def end_all_requests(self, outcome: str) -> None:
+    def end_all_requests(self, outcome: ServerRequestOutcome) -> None:
         for req in list(self.server_requests.values()):
             req.finish(outcome)
 

@@ -15,6 +15,7 @@ import trio_websocket
 
 from gateway import config, service
 from gateway.config import GatewayConfig
+from gateway.errors import TransportClosed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "fixture_server.py")
@@ -228,3 +229,39 @@ async def unix_connect(path: str, *, initialize: bool = True) -> AsyncIterator[C
                 await client.initialize()
             yield client
             nursery.cancel_scope.cancel()
+
+
+# ---- an in-memory MessageStream pair (gateway.connection.serve without a transport) ----------
+
+
+class MemoryStream:
+    def __init__(self, send: trio.MemorySendChannel[bytes], receive: trio.MemoryReceiveChannel[bytes]) -> None:
+        self._send = send
+        self._receive = receive
+
+    async def receive(self) -> bytes:
+        try:
+            return await self._receive.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError, trio.BrokenResourceError):
+            raise TransportClosed("closed") from None
+
+    async def send(self, data: bytes) -> None:
+        try:
+            await self._send.send(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise TransportClosed("closed") from None
+
+    async def send_batch(self, messages: list[bytes]) -> None:
+        for data in messages:
+            await self.send(data)
+
+    async def aclose(self, reason: str = "") -> None:
+        await self._send.aclose()
+        await self._receive.aclose()
+
+
+def memory_stream_pair(buffer: int = 64) -> tuple[MemoryStream, MemoryStream]:
+    """Two connected ends: what one sends, the other receives."""
+    a_send, b_receive = trio.open_memory_channel[bytes](buffer)
+    b_send, a_receive = trio.open_memory_channel[bytes](buffer)
+    return MemoryStream(a_send, a_receive), MemoryStream(b_send, b_receive)

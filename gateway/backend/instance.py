@@ -11,6 +11,7 @@ BACKOFF and FATAL; every transition is emitted as an event.
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 from collections import deque
@@ -23,11 +24,18 @@ from msgspec import Raw, UnsetType
 from gateway import errors
 from gateway.backend import client, process
 from gateway.backend.child import ChildConnection, ChildHandlers
-from gateway.events import BackendExited, BackendStarted, BackendStateChanged, BackendStderr
+from gateway.events import (
+    BackendExited,
+    BackendStarted,
+    BackendStateChanged,
+    BackendStderr,
+    ExitKind,
+)
 from gateway.protocol import jsonrpc
 from gateway.protocol.catalog import BackendLists
 from gateway.protocol.stderr import LineSplitter, LineThrottle
 from gateway.protocol.supervision import RestartPolicy, State, Supervision, Transition
+from gateway.status import InstanceStatus
 
 if TYPE_CHECKING:
     from gateway.backend.pool import Backend
@@ -47,6 +55,27 @@ STDERR_SUMMARY_WINDOW = 5.0
 STDERR_FLOOD_PAUSE = 0.005
 
 
+class DownReason(enum.StrEnum):
+    """Why a child generation ended, as the supervisor, ``last_exit`` and the error of the
+    calls it fails say it (a ``StrEnum``: those texts carry the value)."""
+
+    EXITED = "exited"  # its stdout closed (it exited, or closed it)
+    STOPPED = "stopped"  # a stop was requested
+    START_FAILED = "start failed"  # the hand-shake failed or timed out
+    SPAWN_FAILED = "spawn failed"  # the process could not be started
+    UNHEALTHY = "unhealthy"  # health pings missed
+    CANCEL_UNANSWERED = "cancel unanswered"  # a cancelled call left unanswered past cancel_grace
+
+
+#: The exit kind (``BackendExited.reason``) of a generation the gateway ended; one that ended
+#: on its own (``EXITED``) is ``exited`` or ``crashed`` by its exit code.
+EXIT_KINDS = {
+    DownReason.STOPPED: ExitKind.STOPPED,
+    DownReason.START_FAILED: ExitKind.START_FAILED,
+    DownReason.UNHEALTHY: ExitKind.UNHEALTHY,
+    DownReason.CANCEL_UNANSWERED: ExitKind.UNHEALTHY,
+}
+
 
 class Instance(ChildHandlers):
     def __init__(self, backend: Backend, index: int, *, label: str | None = None) -> None:
@@ -64,12 +93,11 @@ class Instance(ChildHandlers):
         self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL)
         self.crash_stderr: tuple[str, ...] = ()
         self.owner: Any = None  # per-session / affine holder (a ClientSession)
-        self._ready = trio.Event()
         self._state_changed = trio.Event()
         self._stop = trio.Event()
         self._reset = trio.Event()
         self._down: trio.Event | None = None
-        self._down_reason = ""
+        self._down_reason: DownReason | None = None
         self._nursery: trio.Nursery | None = None
         self._starting: trio.CancelScope | None = None  # the hand-shake of a child being started
         self.stopped = trio.Event()
@@ -90,6 +118,22 @@ class Instance(ChildHandlers):
         )
         self._state_changed.set()
         self._state_changed = trio.Event()
+        self.backend.on_state_changed(self)
+
+    def snapshot(self, now: float) -> InstanceStatus:
+        """This instance as ``/status`` and the gauges see it (the one view given out)."""
+        child, proc = self.child, self.proc
+        return InstanceStatus(
+            name=self.name,
+            state=self.state.value,
+            pid=proc.pid if proc is not None and proc.returncode is None else None,
+            restarts=max(0, self.sup.starts - 1),
+            uptime=self.sup.uptime(now),
+            last_exit=self.last_exit,
+            stderr_tail=tuple(self.stderr_tail) if child is not None else self.crash_stderr,
+            inflight=len(child.pending) if child is not None else 0,
+            owner=getattr(self.owner, "conn_id", None),
+        )
 
     async def state_changed(self) -> None:
         """Return at the next state transition."""
@@ -124,7 +168,7 @@ class Instance(ChildHandlers):
         if self._starting is not None:
             self._starting.cancel()  # a stop does not wait for a child still starting
         if self._down is not None:
-            self._down_reason = "stopped"
+            self._down_reason = DownReason.STOPPED
             self._down.set()
         self._reset.set()
 
@@ -157,7 +201,7 @@ class Instance(ChildHandlers):
                 self._emit(self.sup.stopped())
             self.stopped.set()
 
-    async def _run_generation(self) -> str:
+    async def _run_generation(self) -> DownReason:
         """Spawn, hand-shake and serve one child; returns why it ended."""
         self.generation += 1
         spawned = trio.current_time()
@@ -165,8 +209,8 @@ class Instance(ChildHandlers):
             proc = await process.spawn(self.cfg)
         except OSError as exc:
             LOGGER.error("backend %s: cannot start %r: %s", self.name, self.cfg.command, exc)
-            self.last_exit = f"spawn failed: {exc}"
-            return "spawn failed"
+            self.last_exit = f"{DownReason.SPAWN_FAILED}: {exc}"
+            return DownReason.SPAWN_FAILED
         self.proc = proc
         self.stderr_tail.clear()
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
@@ -184,9 +228,9 @@ class Instance(ChildHandlers):
         )
         child.on_settled = lambda: self.backend.on_settled(self)
         down = self._down = trio.Event()
-        self._down_reason = ""
-        exit_reason = "exited"
-        how = "exited"
+        self._down_reason = None
+        exit_reason = DownReason.EXITED
+        how = process.Ended.EXITED
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -202,12 +246,12 @@ class Instance(ChildHandlers):
                     if not down.is_set():
                         detail = "timed out" if isinstance(exc, trio.TooSlowError) else str(exc)
                         LOGGER.error("backend %s: handshake failed: %s", self.name, detail)
-                        self._down_reason = "start failed"
+                        self._down_reason = DownReason.START_FAILED
                     down.set()
                 finally:
                     self._starting = None
                 if self._stop.is_set() and not down.is_set():  # stopped while starting
-                    self._down_reason = "stopped"
+                    self._down_reason = DownReason.STOPPED
                     down.set()
                 if not down.is_set():
                     self.child = child
@@ -220,7 +264,7 @@ class Instance(ChildHandlers):
                         nursery.start_soon(self._health, child, down)
                     nursery.start_soon(self._watch_abandoned, child, down)
                 await down.wait()
-                exit_reason = self._down_reason or "exited"
+                exit_reason = self._down_reason or DownReason.EXITED
                 # Fail every call in flight at once, before the (bounded) stop ladder.
                 child.fail_all(child.exited_error(exit_reason))
                 self.child = None
@@ -236,15 +280,10 @@ class Instance(ChildHandlers):
             process.kill_group(proc.pid)
             child.fail_all(child.exited_error(exit_reason))
         rc = proc.returncode
-        if exit_reason == "stopped":
-            kind = "stopped"
-        elif exit_reason in ("unhealthy", "cancel unanswered", "start failed"):
-            kind = "start_failed" if exit_reason == "start failed" else "unhealthy"
-        else:
-            kind = "crashed" if rc not in (0, None) else "exited"
+        kind = EXIT_KINDS.get(exit_reason) or (ExitKind.CRASHED if rc not in (0, None) else ExitKind.EXITED)
         detail = f"exit code {rc}" if rc is not None and rc >= 0 else f"signal {-rc}" if rc else "unknown"
-        self.last_exit = f"{exit_reason} ({detail})" if how == "exited" else f"{exit_reason} ({detail}; ended by {how})"
-        if kind != "stopped":
+        self.last_exit = f"{exit_reason} ({detail})" if how is process.Ended.EXITED else f"{exit_reason} ({detail}; ended by {how})"
+        if kind is not ExitKind.STOPPED:
             self.crash_stderr = tuple(self.stderr_tail)
             LOGGER.warning("backend %s: child pid %d ended: %s", self.name, proc.pid, self.last_exit)
         self.backend.host.bus.emit(BackendExited(self.backend.name, self.name, proc.pid, kind, rc))
@@ -254,11 +293,11 @@ class Instance(ChildHandlers):
     async def _read_stdout(self, child: ChildConnection, down: trio.Event) -> None:
         await child.read_loop()
         if not down.is_set():
-            self._down_reason = self._down_reason or "exited"
+            self._down_reason = self._down_reason or DownReason.EXITED
             down.set()
         # No reply can arrive any more: fail the calls waiting for one now, including the
         # handshake's initialize (which would otherwise wait out the whole start_timeout).
-        child.fail_all(child.exited_error(self._down_reason or "exited"))
+        child.fail_all(child.exited_error(self._down_reason or DownReason.EXITED))
 
     async def _read_stderr(self, stream: trio.abc.ReceiveStream) -> None:
         """Log the child's stderr line by line, within ``stderr_lines_per_second``/``stderr_burst``.
@@ -345,7 +384,7 @@ class Instance(ChildHandlers):
                 continue  # internal requests never count for attribution: no restart for them
             LOGGER.warning("backend %s: a cancelled call was not answered within %gs; restarting it "
                            "so requests it may still send cannot be misattributed", self.name, grace)
-            self._down_reason = "cancel unanswered"
+            self._down_reason = DownReason.CANCEL_UNANSWERED
             down.set()
             return
 
@@ -374,7 +413,7 @@ class Instance(ChildHandlers):
                 self._emit(self.sup.missed_ping())
             if misses >= h.failures:
                 LOGGER.error("backend %s: %d pings missed, restarting", self.name, misses)
-                self._down_reason = "unhealthy"
+                self._down_reason = DownReason.UNHEALTHY
                 down.set()
                 return
 
@@ -386,7 +425,7 @@ class Instance(ChildHandlers):
                                 timeout=self.cfg.start_timeout)
         for kind in ("tools", "prompts", "resources", "templates"):
             await self._fetch(child, kind)
-        level = host.wanted_log_level(self.backend.name)
+        level = host.wanted_log_level()
         if level is not None:
             await client.set_level(child, level, timeout=self.cfg.start_timeout)
         for uri in self.backend.subscribed_uris():

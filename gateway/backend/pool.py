@@ -5,7 +5,7 @@ Sharing modes decide which instance serves a call:
 * ``shared`` — every connection's calls are multiplexed onto the instance(s); server→client
   requests are routed only when the attribution set proves the owner.
 * ``affine`` — an instance serves one connection at a time while that connection has calls in
-  its attribution set (see :mod:`gateway.backend.affinity`).
+  its attribution set (FIFO hand-over; see :meth:`Backend._acquire_affine`).
 * ``per-session`` — each connection gets its own child, started on first use.
 
 The backend's catalog lists come from instance 0 (the *probe* in per-session mode) and survive
@@ -16,6 +16,7 @@ restarts: a backend that is restarting keeps its tools listed, its calls wait up
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from typing import TYPE_CHECKING, Protocol
 
@@ -23,6 +24,7 @@ import trio
 from msgspec import Raw, UnsetType
 
 from gateway import errors
+from gateway.backend import client
 from gateway.backend.child import ChildConnection
 from gateway.backend.instance import Instance
 from gateway.config import BackendConfig
@@ -30,6 +32,7 @@ from gateway.events import EventBus, QueueWaited
 from gateway.limits import ByteBudget
 from gateway.protocol.catalog import BackendLists
 from gateway.protocol.supervision import State
+from gateway.status import BackendStatus, InstanceStatus
 
 if TYPE_CHECKING:
     from gateway.session import ClientSession
@@ -63,7 +66,7 @@ class BackendHost(Protocol):
     max_json_depth: int
     restart_wait: float
 
-    def wanted_log_level(self, backend: str) -> str | None: ...
+    def wanted_log_level(self) -> str | None: ...
     def on_lists_changed(self, backend: Backend) -> None: ...
     def on_resource_updated(self, instance: Instance, params: Raw | UnsetType) -> None: ...
     def on_log_message(self, instance: Instance, params: Raw | UnsetType) -> None: ...
@@ -92,6 +95,9 @@ class Backend:
         self._stopping = False
         self.restarting = False  # stopped by a reload that starts it again with a changed config
         self._released = trio.Event()  # a client call ended (wakes drain); replaced each time
+        # an instance changed state, or an affine waiter was granted or let go (wakes the
+        # affine waiters); replaced each time
+        self._changed = trio.Event()
         self._waiters: deque[_Waiter] = deque()
         self._own: dict[ClientSession, Instance] = {}
         self._session_index = 0
@@ -117,16 +123,62 @@ class Backend:
             task_status.started()
         self._nursery = None
 
+    def snapshot(self, now: float) -> BackendStatus:
+        """This backend and its instances as ``/status`` and the gauges see them."""
+        lists = self.lists
+        return BackendStatus(self.name, self.cfg.required, self.cfg.sharing,
+                             tuple(i.snapshot(now) for i in self.instances), len(lists.tools),
+                             len(lists.prompts), len(lists.resources), len(lists.templates))
+
+    async def first_start(self) -> None:
+        """Return once the lists are in, or the first instance's first start failed (BACKOFF or
+        FATAL); the caller bounds the wait."""
+        inst = self.instances[0]
+        # lists_ready is set in the same step as the RUNNING transition
+        while not self.lists_ready.is_set() and inst.state not in (State.BACKOFF, State.FATAL):
+            await inst.state_changed()
+
+    async def settled(self) -> InstanceStatus:
+        """Wait until the first instance runs or has given up (FATAL); its snapshot then."""
+        inst = self.instances[0]
+        while inst.state not in (State.RUNNING, State.FATAL):
+            await inst.state_changed()
+        return inst.snapshot(trio.current_time())
+
+    def live_pids(self) -> set[int]:
+        """The pids of this backend's children that have not been reaped yet."""
+        return {i.proc.pid for i in self.instances if i.proc is not None and i.proc.returncode is None}
+
+    async def set_level(self, level: str) -> None:
+        """``logging/setLevel`` on every running child (a refusal is logged, not raised)."""
+        for inst in self.instances:
+            child = inst.child
+            if child is None:
+                continue
+            try:
+                await client.set_level(child, level, timeout=self.cfg.request_timeout)
+            except errors.GatewayError as exc:
+                LOGGER.info("backend %s: logging/setLevel failed: %s", inst.name, exc)
+
     def inflight(self) -> int:
         """Client calls in flight on this backend's children (gateway-internal ones excluded)."""
         return sum(1 for i in self.instances if i.child is not None
                    for c in i.child.pending.values() if not c.internal and c.abandoned_at is None)
 
+    def _wake_waiters(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _let_go(self) -> None:
+        """Stopping: every affine waiter stops waiting (and fails with backend_unavailable)."""
+        for waiter in self._waiters:
+            waiter.granted.set()
+        self._wake_waiters()
+
     async def drain(self, grace: float) -> None:
         """Take no new calls and wait (at most ``grace`` seconds) for the calls in flight."""
         self._stopping = True
-        for waiter in self._waiters:
-            waiter.granted.set()
+        self._let_go()
         with trio.move_on_after(grace):
             while self.inflight():
                 await self._released.wait()
@@ -135,8 +187,7 @@ class Backend:
         self._stopping = True
         for inst in self.instances:
             inst.request_stop()
-        for waiter in self._waiters:
-            waiter.granted.set()
+        self._let_go()
 
     async def stopped(self) -> None:
         for inst in list(self.instances):
@@ -215,6 +266,7 @@ class Backend:
             inst.owner = waiter.session
             waiter.inst = inst
             waiter.granted.set()
+            self._wake_waiters()
 
     def _free_for(self, session: ClientSession) -> Instance | None:
         for inst in self.instances:
@@ -246,18 +298,12 @@ class Backend:
         self._waiters.append(waiter)
         started = trio.current_time()
         # None while some instance runs; else since when none has (restart_wait bounds that)
-        down_since: float | None = None if any(_running(i) for i in self.instances) else started
-        poll = min(1.0, max(self.host.restart_wait, 0.05))
+        down_since: float | None = None
         try:
+            # Woken by a grant (a holder's last call left its attribution set: released,
+            # answered late, purged after cancel_grace) and by every instance state change.
             with trio.move_on_after(self.cfg.queue_timeout):
                 while not waiter.granted.is_set():
-                    with trio.move_on_after(poll):  # abandoned calls age out of attribution sets
-                        await waiter.granted.wait()
-                    if not waiter.granted.is_set():
-                        for inst in self.instances:
-                            self._settle(inst)
-                    if waiter.granted.is_set():
-                        break
                     now = trio.current_time()
                     if any(_running(i) for i in self.instances):
                         down_since = None
@@ -266,6 +312,9 @@ class Backend:
                     if all(i.state is State.FATAL for i in self.instances) or (
                             down_since is not None and now - down_since >= self.host.restart_wait):
                         break  # not running: backend_unavailable below, not a queue timeout
+                    changed = self._changed
+                    with trio.move_on_at(math.inf if down_since is None else down_since + self.host.restart_wait):
+                        await changed.wait()
         except BaseException:
             if waiter.inst is not None:  # granted, but the caller went away: hand it on
                 self._settle(waiter.inst)
@@ -353,6 +402,9 @@ class Backend:
             self.instances.remove(inst)
 
     # ---- hooks from instances ---------------------------------------------------------------
+
+    def on_state_changed(self, inst: Instance) -> None:
+        self._wake_waiters()
 
     def on_instance_ready(self, inst: Instance) -> None:
         if inst is self.instances[0] or not self.lists_ready.is_set():

@@ -10,14 +10,15 @@ subreaper (``PR_SET_CHILD_SUBREAPER``) and :func:`reap_orphans` kills and reaps 
 from __future__ import annotations
 
 import ctypes
+import enum
 import logging
 import os
 import signal
 import subprocess
-from collections.abc import Iterable
 
 import trio
 
+from gateway import procfs
 from gateway.config import BackendConfig
 
 LOGGER = logging.getLogger(__name__)
@@ -28,6 +29,8 @@ STDIN_GRACE = 2.0
 TERM_GRACE = 3.0
 #: After SIGKILL: the kernel needs no more than this to let us reap.
 KILL_WAIT = 2.0
+#: Without pidfds (Linux < 5.3): how often to look whether a group member has exited.
+EXIT_POLL_FALLBACK = 0.05
 
 #: Variables a child inherits from the gateway's own environment (everything else is dropped).
 ENV_ALLOW = (
@@ -36,6 +39,15 @@ ENV_ALLOW = (
 )  # fmt: skip
 
 PR_SET_CHILD_SUBREAPER = 36
+
+
+class Ended(enum.StrEnum):
+    """How :func:`stop_process` found a child ended (a ``StrEnum``: logged by value)."""
+
+    EXITED = "exited"  # already, before the stop began
+    STDIN = "stdin"  # after its stdin closed
+    SIGTERM = "sigterm"
+    SIGKILL = "sigkill"
 
 
 def child_environment(extra: dict[str, str], base: dict[str, str] | None = None) -> dict[str, str]:
@@ -71,33 +83,6 @@ def _signal_group(pgid: int, sig: int) -> bool:
         return False
 
 
-def group_members(pgid: int) -> list[int]:
-    """Live processes (not zombies) whose process group is ``pgid``, from /proc."""
-    out = []
-    for stat in proc_stats():
-        pid, state, _ppid, pgrp = stat
-        if pgrp == pgid and state != "Z":
-            out.append(pid)
-    return out
-
-
-def proc_stats() -> Iterable[tuple[int, str, int, int]]:
-    """``(pid, state, ppid, pgrp)`` of every process, from /proc (a full scan: not on hot paths)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                data = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        rest = data[data.rfind(")") + 2 :].split()
-        try:
-            yield int(entry), rest[0], int(rest[1]), int(rest[2])
-        except (IndexError, ValueError):
-            continue
-
-
 def group_alive(pgid: int) -> bool:
     """Whether any live (non-zombie) process remains in group ``pgid``.
 
@@ -109,18 +94,17 @@ def group_alive(pgid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return bool(group_members(pgid))
+    return bool(procfs.group_members(pgid))
 
 
 async def stop_process(proc: trio.Process, *, stdin_grace: float = STDIN_GRACE,
-                       term_grace: float = TERM_GRACE) -> str:
+                       term_grace: float = TERM_GRACE) -> Ended:
     """Stop ``proc`` and its process group in the spec's order.  Never raises, never hangs.
 
-    Returns how it ended: ``"exited"`` (before the stop began), ``"stdin"`` (exited after stdin
-    closed), ``"sigterm"``, ``"sigkill"``.
+    Returns how it ended (:class:`Ended`).
     """
     pgid = proc.pid
-    how = "exited" if proc.returncode is not None else "stdin"
+    how = Ended.EXITED if proc.returncode is not None else Ended.STDIN
     with trio.CancelScope(shield=True):
         if proc.stdin is not None:
             with trio.move_on_after(1.0):
@@ -132,15 +116,14 @@ async def stop_process(proc: trio.Process, *, stdin_grace: float = STDIN_GRACE,
             await proc.wait()
         if proc.returncode is None or group_alive(pgid):
             if proc.returncode is None:
-                how = "sigterm"
+                how = Ended.SIGTERM
             _signal_group(pgid, signal.SIGTERM)
             with trio.move_on_after(term_grace):
                 await proc.wait()
-                while group_alive(pgid):
-                    await trio.sleep(0.05)
+                await wait_group_gone(pgid)
         if proc.returncode is None or group_alive(pgid):
             if proc.returncode is None:
-                how = "sigkill"
+                how = Ended.SIGKILL
             _signal_group(pgid, signal.SIGKILL)
             with trio.move_on_after(KILL_WAIT):
                 await proc.wait()
@@ -149,6 +132,44 @@ async def stop_process(proc: trio.Process, *, stdin_grace: float = STDIN_GRACE,
                 with trio.move_on_after(0.5):
                     await stream.aclose()
     return how
+
+
+async def wait_group_gone(pgid: int) -> None:
+    """Return once no live process is left in group ``pgid``; the caller bounds the wait.
+
+    Members are not our children (but for the leader), so each one's exit is awaited on a pidfd
+    (readable once the process has exited); the group is looked at again after each exit, as a
+    member may have forked meanwhile.
+    """
+    while members := _live_members(pgid):
+        for pid in members:
+            await _wait_exit(pid)
+
+
+def _live_members(pgid: int) -> list[int]:
+    try:
+        os.killpg(pgid, 0)  # nothing left (the common case): no scan of /proc
+    except ProcessLookupError:
+        return []
+    except PermissionError:
+        pass
+    return procfs.group_members(pgid)
+
+
+async def _wait_exit(pid: int) -> None:
+    """Return when ``pid`` has exited (at once if there is no such process)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except OSError:  # no pidfds on this kernel: look again in a moment
+        await trio.sleep(EXIT_POLL_FALLBACK)
+        return
+    try:
+        await trio.lowlevel.wait_readable(fd)
+    finally:
+        trio.lowlevel.notify_closing(fd)
+        os.close(fd)
 
 
 def kill_group(pgid: int) -> None:
@@ -165,31 +186,6 @@ def become_subreaper() -> bool:
         return False
 
 
-def _children() -> set[int]:
-    """Pids of this process's children, from /proc/self/task/*/children (no /proc-wide scan)."""
-    pids: set[int] = set()
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return pids
-    for tid in tasks:
-        try:
-            with open(f"/proc/self/task/{tid}/children") as f:
-                pids.update(int(p) for p in f.read().split())
-        except (OSError, ValueError):
-            continue
-    return pids
-
-
-def _state(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    return data[data.rfind(")") + 2 :].split()[0]
-
-
 def reap_orphans(known: set[int]) -> list[int]:
     """Kill and reap re-parented descendants: our children that are not live backend leaders.
 
@@ -197,11 +193,11 @@ def reap_orphans(known: set[int]) -> list[int]:
     ``mcp-gateway run`` daemon); returns the pids handled.
     """
     handled = []
-    for pid in sorted(_children() - known):
-        state = _state(pid)
-        if state is None:
+    for pid in sorted(procfs.children() - known):
+        st = procfs.stat(pid)
+        if st is None:
             continue
-        if state != "Z":
+        if st.state != "Z":
             LOGGER.warning("killing orphaned backend descendant pid %d", pid)
             try:
                 os.kill(pid, signal.SIGKILL)

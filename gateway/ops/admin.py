@@ -47,15 +47,6 @@ TEXT = "text/plain; charset=utf-8"
 Response = tuple[int, str, bytes, list[tuple[str, str]]]  # status, content type, body, headers
 
 
-async def open_admin_listeners(host: str, port: int) -> list[trio.SocketListener]:
-    """Bind the admin listener(s) for ``host``:``port`` (port 0 picks a free port).
-
-    For socket activation, pass ``[gateway.ops.systemd.adopt_listener(fd)]`` to
-    :func:`serve_admin` instead.
-    """
-    return await trio.open_tcp_listeners(port, host=host)
-
-
 async def serve_admin(
     listeners: list[trio.SocketListener],
     metrics: GatewayMetrics,

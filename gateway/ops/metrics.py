@@ -16,8 +16,6 @@ Theory of operation:
 from __future__ import annotations
 
 import logging
-import mmap
-import os
 import platform
 import time
 from collections.abc import Callable, Iterable
@@ -38,7 +36,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
-from gateway import errors, events
+from gateway import errors, events, procfs
 from gateway.status import GatewayStatus
 
 LOGGER = logging.getLogger(__name__)
@@ -54,7 +52,6 @@ STATES = ("RUNNING", "STARTING", "UNHEALTHY", "BACKOFF", "STOPPING", "FATAL", "S
 GATEWAY_BACKEND = "_gateway"  # backend label for requests the gateway answers itself
 OVERFLOW_TOOL = "_overflow"
 MAX_TOOL_LABEL_CHARS = 128
-PAGE_SIZE = mmap.PAGESIZE
 CATALOG_KINDS = ("tools", "prompts", "resources", "templates")
 
 # The metric tables: name after PREFIX -> (help, label names).
@@ -112,46 +109,6 @@ STATUS_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
-def process_group_rss(pgids: Iterable[int], proc: str = "/proc") -> dict[int, int] | None:
-    """Resident bytes summed over every process whose process group id is in ``pgids``.
-
-    A backend child is spawned as a process-group leader, so its group also holds whatever it
-    forked (an ``npx`` wrapper's node server, a shell's children).  A pgid with no member in its
-    group (a child that is not a group leader) falls back to that single process's RSS.
-
-    Returns None when ``proc`` cannot be read (not Linux, ``ProcSubset=pid``).
-    """
-    totals = dict.fromkeys(pgids, 0)
-    try:
-        with os.scandir(proc) as it:
-            entries = [e.name for e in it if e.name.isdigit()]
-    except OSError:
-        return None
-    found: set[int] = set()
-    for name in entries:
-        try:
-            with open(f"{proc}/{name}/stat", "rb") as f:
-                stat = f.read()
-            pgrp = int(stat[stat.rindex(b")") + 2 :].split()[2])
-            if pgrp not in totals:
-                continue
-            found.add(pgrp)
-            totals[pgrp] += _statm_rss(f"{proc}/{name}/statm")
-        except (OSError, ValueError, IndexError):  # the process exited while we looked
-            continue
-    for pgid in totals.keys() - found:
-        try:
-            totals[pgid] = _statm_rss(f"{proc}/{pgid}/statm")
-        except (OSError, ValueError, IndexError):
-            pass
-    return totals
-
-
-def _statm_rss(path: str) -> int:
-    with open(path, "rb") as f:
-        return int(f.read().split()[1]) * PAGE_SIZE
-
-
 def summary_state(states: Iterable[str]) -> str:
     """One state for a backend with several instances: the most alive one (STOPPED if none)."""
     present = set(states)
@@ -187,7 +144,7 @@ class _StatusCollector(Collector):
         for transport, count in sorted(snap.connections.items()):
             fam["client_connections_active"].add_metric([transport], count)
         pids = [i.pid for b in snap.backends for i in b.instances if i.pid is not None]
-        memory = process_group_rss(pids, self._proc)
+        memory = procfs.group_rss(pids, self._proc)
         for b in snap.backends:
             states = [i.state for i in b.instances]
             fam["backend_up"].add_metric([b.name], 1.0 if "RUNNING" in states else 0.0)
@@ -221,7 +178,7 @@ class GatewayMetrics:
         *,
         max_tool_series: int = 500,
         version: str,
-        proc: str = "/proc",
+        proc: str = procfs.PROC,
     ) -> None:
         disable_created_metrics()
         self.registry = reg = CollectorRegistry()

@@ -8,26 +8,17 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from collections.abc import Mapping, MutableMapping
 
 import trio
 
+from gateway.transports.datagram import send_unix_datagram
+
 log = logging.getLogger(__name__)
 
 SD_LISTEN_FDS_START = 3
 """The first file descriptor passed by socket activation."""
-
-SYSTEMD_ENV_VARS = (
-    "NOTIFY_SOCKET",
-    "WATCHDOG_USEC",
-    "WATCHDOG_PID",
-    "LISTEN_PID",
-    "LISTEN_FDS",
-    "LISTEN_FDNAMES",
-)
-"""Variables that belong to the gateway's own unit and must never reach a backend."""
 
 
 def notify(*assignments: str) -> bool:
@@ -48,10 +39,8 @@ def notify(*assignments: str) -> bool:
         return False
     data = "\n".join(assignments).encode()
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-            # Never block the event loop: a full receive queue drops this one message.
-            sock.setblocking(False)
-            sock.sendto(data, addr)
+        # Never blocks the event loop: a full receive queue drops this one message.
+        send_unix_datagram(addr, data)
     except OSError as exc:
         log.warning("sd_notify to %r failed: %s", os.environ.get("NOTIFY_SOCKET"), exc)
         return False
@@ -134,23 +123,3 @@ def listen_fds_with_names(
         fds[fd] = names[i] or "unknown"
     log.info("socket activation: %s", ", ".join(f"fd {fd}={n}" for fd, n in fds.items()))
     return fds
-
-
-def adopt_listener(fd: int) -> trio.SocketListener:
-    """Wrap a listening socket passed by systemd in a :class:`trio.SocketListener`.
-
-    The family and type are detected from the fd itself; ``trio.SocketListener`` checks that it
-    is a listening stream socket. The socket takes ownership of ``fd``.
-    """
-    sock = socket.socket(fileno=fd)
-    sock.setblocking(False)
-    return trio.SocketListener(trio.socket.from_stdlib_socket(sock))
-
-
-def strip_systemd_env(env: Mapping[str, str]) -> dict[str, str]:
-    """A copy of ``env`` without the variables meant for the gateway's own unit.
-
-    Use it for every backend's environment: a child that inherited ``NOTIFY_SOCKET`` or
-    ``WATCHDOG_USEC`` could confuse systemd, and ``LISTEN_*`` would point at the wrong fds.
-    """
-    return {k: v for k, v in env.items() if k not in SYSTEMD_ENV_VARS}

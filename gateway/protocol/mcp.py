@@ -41,9 +41,6 @@ KNOWN_METHODS = frozenset(
     }
 )
 
-#: Requests a backend may send to its client that the gateway routes to an owner.
-SERVER_TO_CLIENT = frozenset({"elicitation/create", "sampling/createMessage", "roots/list"})
-
 
 def method_label(method: str) -> str:
     return method if method in KNOWN_METHODS else "other"
@@ -77,14 +74,6 @@ class InitializeResult(msgspec.Struct, omit_defaults=True):
 class CancelledParams(msgspec.Struct, omit_defaults=True):
     requestId: int | str
     reason: str | UnsetType = UNSET
-
-
-class ProgressParams(msgspec.Struct, omit_defaults=False):
-    progressToken: int | str
-    progress: Raw
-    total: Raw | UnsetType = UNSET
-    message: Raw | UnsetType = UNSET
-    _meta: Raw | UnsetType = UNSET
 
 
 class ListPage(msgspec.Struct, omit_defaults=True):

@@ -21,6 +21,18 @@ class ListenerError(Exception):
     """A listener cannot be opened, or would be exposed beyond loopback."""
 
 
+def adopt_listener(fd: int) -> trio.SocketListener:
+    """Wrap a listening socket passed by systemd (socket activation, see
+    :func:`gateway.ops.systemd.listen_fds_with_names`) in a :class:`trio.SocketListener`.
+
+    The family and type are detected from the fd itself; ``trio.SocketListener`` checks that it
+    is a listening stream socket. The socket takes ownership of ``fd``.
+    """
+    sock = socket.socket(fileno=fd)
+    sock.setblocking(False)
+    return trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+
+
 def check_loopback(listener: trio.SocketListener, what: str) -> None:
     """Refuse a TCP listener bound to anything but loopback (checked with getsockname())."""
     sock = listener.socket

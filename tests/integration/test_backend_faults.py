@@ -56,7 +56,7 @@ def alive(pid: int) -> bool:
 
 
 def children_of(ppid: int) -> list[int]:
-    from gateway.backend.process import proc_stats
+    from gateway.procfs import stats as proc_stats
 
     return [pid for pid, state, parent, _pgrp in proc_stats() if parent == ppid and state != "Z"]
 

@@ -14,7 +14,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.events import EventBus, RequestStarted
-from gateway.ops.admin import open_admin_listeners, serve_admin
+from gateway.ops.admin import serve_admin
 from gateway.ops.metrics import GatewayMetrics
 from gateway.status import BackendStatus, GatewayStatus, InstanceStatus
 
@@ -49,7 +49,7 @@ def snapshot(state: str = "RUNNING", **kw: object) -> GatewayStatus:
 
 @pytest.fixture
 async def server() -> AsyncIterator[Server]:
-    listeners = await open_admin_listeners("127.0.0.1", 0)
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     srv = Server(listeners[0].socket.getsockname()[1], snapshot())
     metrics = GatewayMetrics(srv.bus, srv.status, version="1.2.3")
     async with trio.open_nursery() as nursery:
@@ -225,7 +225,7 @@ async def test_status_and_metrics_answer_only_loopback_or_bound_host_names(serve
 
 
 async def test_admin_allowed_hosts_and_the_bound_address() -> None:
-    listeners = await open_admin_listeners("127.0.0.1", 0)
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     port = listeners[0].socket.getsockname()[1]
     srv = Server(port, snapshot())
     metrics = GatewayMetrics(srv.bus, srv.status, version="1.2.3")

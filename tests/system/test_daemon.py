@@ -19,7 +19,7 @@ import trio
 import trio_websocket
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.backend.process import group_members
+from gateway.procfs import group_members
 from helpers import FIXTURE, ROOT, connect, text_of
 
 pytestmark = pytest.mark.system

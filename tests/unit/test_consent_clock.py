@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 
 import trio
+from helpers import memory_stream_pair
 
 from gateway import config, connection
 from gateway.events import EventBus, ServerRequestFinished
 from gateway.hub import Hub
 from gateway.protocol.catalog import BackendLists, build_catalog
-from gateway.transports.memory import memory_stream_pair
 
 CFG = """
 [listen]

@@ -66,7 +66,7 @@ async def scenario(events: list[object]) -> tuple[str, list[ServerRequestFinishe
         nonlocal outcome
         with scope:
             try:
-                await policy.authorize(session, "t", {}, {"a": 1})
+                await policy.authorize(session, "t", {"a": 1})
                 outcome = "ok"
             except errors.Denied as exc:
                 outcome = str(exc.reason)

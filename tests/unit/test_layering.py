@@ -1,17 +1,38 @@
-"""The sans-IO layer never imports trio (ARCHITECTURE §2, STYLE item 1)."""
+"""Layering (ARCHITECTURE §2, STYLE item 1).
+
+* The sans-IO layer (``gateway/protocol/``) and the pure modules never load trio (checked by
+  importing them in a fresh interpreter).
+* ``gateway/protocol/`` does no I/O at all: it imports none of ``trio``, ``socket``,
+  ``subprocess``, ``asyncio``, ``select``, ``selectors``, and calls none of ``open()``,
+  ``os.open``, ``os.read``, ``os.write`` (checked on the source).
+* ``gateway/transports/`` is the only code touching sockets: no module elsewhere imports
+  ``socket`` or uses ``trio.socket`` (checked on the source; no exceptions).
+"""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import pkgutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
 
 import gateway.protocol
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PURE = ["gateway.config", "gateway.errors", "gateway.events", "gateway.limits", "gateway.status"]
+PURE = ["gateway.config", "gateway.errors", "gateway.events", "gateway.limits", "gateway.procfs",
+        "gateway.status"]
+PACKAGE = Path(ROOT) / "gateway"
+#: Modules the sans-IO layer must not import (nor any submodule of them).
+PROTOCOL_BANNED_MODULES = frozenset({"trio", "socket", "subprocess", "asyncio", "select", "selectors"})
+#: ``os`` functions that do I/O on file descriptors, banned in the sans-IO layer with ``open()``.
+PROTOCOL_BANNED_OS_CALLS = frozenset({"open", "read", "write"})
+TRANSPORTS = PACKAGE / "transports"
 
 # Runs in a fresh interpreter: imports the modules one by one and reports the first one that
 # pulled in trio (or trio_websocket, …), and every trio module loaded in the end.
@@ -49,3 +70,90 @@ def test_pure_modules_do_not_import_trio() -> None:
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report == {"culprit": None, "loaded": []}, f"trio imported via {report['culprit']}"
+
+
+# ---- source checks ------------------------------------------------------------------------
+
+
+def _imports(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """``(line, dotted name)`` of every module imported, and of every name imported from one."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
+            yield node.lineno, node.module
+            for alias in node.names:
+                yield node.lineno, f"{node.module}.{alias.name}"
+
+
+def _top(name: str) -> str:
+    return name.split(".")[0]
+
+
+def io_violations(source: str) -> list[str]:
+    """What in ``source`` (a module of ``gateway/protocol/``) imports or does I/O."""
+    tree = ast.parse(source)
+    found = [f"line {line}: imports {name}" for line, name in _imports(tree)
+             if _top(name) in PROTOCOL_BANNED_MODULES or _top(name).startswith("trio_")
+             or name in {f"os.{f}" for f in PROTOCOL_BANNED_OS_CALLS}]
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Name) and func.id == "open":
+            found.append(f"line {node.lineno}: calls open()")
+        elif (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
+              and func.value.id in ("os", "io") and func.attr in PROTOCOL_BANNED_OS_CALLS):
+            found.append(f"line {node.lineno}: calls {func.value.id}.{func.attr}()")
+    return found
+
+
+def socket_violations(source: str) -> list[str]:
+    """Where ``source`` (a module outside ``gateway/transports/``) touches the socket module."""
+    tree = ast.parse(source)
+    found = [f"line {line}: imports {name}" for line, name in _imports(tree)
+             if _top(name) == "socket" or name == "trio.socket"]
+    found += [f"line {node.lineno}: uses trio.socket" for node in ast.walk(tree)
+              if isinstance(node, ast.Attribute) and node.attr == "socket"
+              and isinstance(node.value, ast.Name) and node.value.id == "trio"]
+    return found
+
+
+def _sources(under: Path) -> list[Path]:
+    return sorted(under.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", _sources(PACKAGE / "protocol"), ids=lambda p: p.name)
+def test_protocol_does_no_io(path: Path) -> None:
+    assert io_violations(path.read_text()) == []
+
+
+@pytest.mark.parametrize("path", [p for p in _sources(PACKAGE) if TRANSPORTS not in p.parents],
+                         ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_only_transports_touch_sockets(path: Path) -> None:
+    assert socket_violations(path.read_text()) == []
+
+
+@pytest.mark.parametrize("source", [
+    "import socket", "import trio", "from trio import socket", "import trio.lowlevel",
+    "import subprocess", "import asyncio", "import select", "import selectors",
+    "from select import epoll", "import trio_websocket", "from os import read",
+    "open('/proc/self/stat')", "import os\nos.read(0, 1)", "import os\nos.write(1, b'')",
+    "import os\nos.open('x', 0)", "import io\nio.open('x')",
+])
+def test_the_io_check_catches(source: str) -> None:
+    assert io_violations(source)
+
+
+@pytest.mark.parametrize("source", [
+    "import socket", "from socket import AF_UNIX", "import socket as s", "from trio import socket",
+    "import trio\ntrio.socket.socket()", "import trio.socket",
+])
+def test_the_socket_check_catches(source: str) -> None:
+    assert socket_violations(source)
+
+
+def test_the_checks_pass_plain_code() -> None:
+    source = "import os, re\nfrom msgspec import Raw\nos.path.join('a', 'b')\nx = trio_like = 1\n"
+    assert io_violations(source) == [] and socket_violations(source) == []

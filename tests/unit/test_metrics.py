@@ -16,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import errors
 from gateway import events as ev
-from gateway.ops.metrics import BUCKETS, PREFIX, STATES, GatewayMetrics, process_group_rss
+from gateway.ops.metrics import BUCKETS, PREFIX, STATES, GatewayMetrics
+from gateway.procfs import group_rss as process_group_rss
 from gateway.status import BackendStatus, GatewayStatus, InstanceStatus
 
 EXPECTED_FAMILIES = {

@@ -16,7 +16,12 @@ from pathlib import Path
 import pytest
 import trio
 
+from gateway.backend.process import child_environment
 from gateway.ops import systemd
+
+#: Variables that belong to the gateway's own unit (sd_notify, watchdog, socket activation).
+SYSTEMD_ENV_VARS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_PID", "LISTEN_FDS",
+                    "LISTEN_FDNAMES")
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,7 +41,7 @@ def notify_socket(
         addr, env = "\0" + name, "@" + name
     sock.bind(addr)
     sock.settimeout(2)
-    for key in systemd.SYSTEMD_ENV_VARS:
+    for key in SYSTEMD_ENV_VARS:
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("NOTIFY_SOCKET", env)
     yield sock
@@ -204,6 +209,7 @@ CHILD = textwrap.dedent(
     os.environ["LISTEN_PID"] = str(os.getpid())
     import trio
     from gateway.ops import systemd
+    from gateway.transports.listeners import adopt_listener
 
     async def main():
         fds = systemd.listen_fds_with_names()
@@ -214,7 +220,7 @@ CHILD = textwrap.dedent(
             "echo": [],
         }
         for fd in fds:
-            listener = systemd.adopt_listener(fd)
+            listener = adopt_listener(fd)
             stream = await listener.accept()
             data = await stream.receive_some(100)
             await stream.send_all(data.upper())
@@ -244,7 +250,7 @@ def test_listen_fds_adopted_as_trio_listeners(names: str | None, expected: list[
         s.bind(("127.0.0.1", 0))
         s.listen()
         listeners.append(s)
-    env = systemd.strip_systemd_env(os.environ) | {"LISTEN_FDS": "2", "PYTHONPATH": str(REPO)}
+    env = {k: v for k, v in os.environ.items() if k not in SYSTEMD_ENV_VARS} | {"LISTEN_FDS": "2", "PYTHONPATH": str(REPO)}
     if names is not None:
         env["LISTEN_FDNAMES"] = names
     fds = [s.fileno() for s in listeners]
@@ -279,7 +285,7 @@ def test_listen_fds_adopted_as_trio_listeners(names: str | None, expected: list[
 # --- backend environment -----------------------------------------------------------------------
 
 
-def test_strip_systemd_env_removes_only_the_units_variables() -> None:
+def test_backends_never_get_the_units_variables() -> None:
     env = {
         "PATH": "/usr/bin",
         "HOME": "/var/lib/mcp-gateway",
@@ -289,14 +295,5 @@ def test_strip_systemd_env_removes_only_the_units_variables() -> None:
         "LISTEN_PID": "42",
         "LISTEN_FDS": "2",
         "LISTEN_FDNAMES": "websocket:admin",
-        "JOURNAL_STREAM": "8:1234",  # keep: backends' stderr goes through the gateway anyway
-        "INVOCATION_ID": "abc",
     }
-    original = dict(env)
-    assert systemd.strip_systemd_env(env) == {
-        "PATH": "/usr/bin",
-        "HOME": "/var/lib/mcp-gateway",
-        "JOURNAL_STREAM": "8:1234",
-        "INVOCATION_ID": "abc",
-    }
-    assert env == original  # a copy, not in place
+    assert child_environment({}, base=env) == {"PATH": "/usr/bin", "HOME": "/var/lib/mcp-gateway"}
