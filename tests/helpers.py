@@ -162,9 +162,13 @@ async def connect(url: str, *, initialize: bool = True, capabilities: dict[str, 
                 yield client
                 nursery.cancel_scope.cancel()
         finally:
-            # trio-websocket 0.12.2's client never closes its TCP stream after a close the
-            # server started (its reader stops at EOF), and aclose() then does nothing: close it.
+            # Close handshake first (bounded), then the TCP stream: trio-websocket 0.12.2's
+            # client never closes its stream after a close the server started (its reader stops
+            # at EOF), and closing the stream before the handshake would leave aclose() waiting
+            # for a close frame it can no longer receive.
             with trio.CancelScope(shield=True):
+                with trio.move_on_after(5):
+                    await ws.aclose()
                 await ws._stream.aclose()
 
 

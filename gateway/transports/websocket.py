@@ -91,6 +91,7 @@ class WebSocketStream:
         self._broken = False  # a write was interrupted mid-frame
         self._closed = False
         self._failed: int | None = None  # close code for a frame wsproto could not parse
+        self._close_reply = b""  # our answer to the peer's close frame, until it is written
 
     async def receive(self) -> bytes:
         while not self._messages:
@@ -138,7 +139,11 @@ class WebSocketStream:
                         raise InvalidFramePayload(f"invalid WebSocket frame: {event.reason}")
                     raise TransportClosed(f"WebSocket protocol error: {event.reason}")
                 if self._ws.state is ConnectionState.REMOTE_CLOSING:
-                    await self._write(self._ws.send(event.response()))
+                    # wsproto counts it as sent now; if this write is cancelled (the writer saw
+                    # the close and ended the connection), aclose() still sends it
+                    self._close_reply = self._ws.send(event.response())
+                    await self._write(self._close_reply)
+                    self._close_reply = b""
                 self._closed = True
                 if not self._messages:
                     raise TransportClosed(f"closed by the client ({event.code})")
@@ -188,7 +193,13 @@ class WebSocketStream:
         await self._write(b"".join([self._ws.send(TextMessage(data=m.decode())) for m in messages]))
 
     async def aclose(self, reason: str) -> None:
-        if not self._broken and self._ws.state is ConnectionState.OPEN:
+        if not self._broken and self._close_reply:  # the peer waits for it to finish closing
+            with trio.move_on_after(CLOSE_WAIT):
+                try:
+                    await self._write(self._close_reply)
+                except TransportClosed:
+                    pass
+        elif not self._broken and self._ws.state is ConnectionState.OPEN:
             code = self._failed or _CLOSE_CODES.get(reason, 1000)
             with trio.move_on_after(CLOSE_WAIT):
                 try:
