@@ -21,13 +21,15 @@ from __future__ import annotations
 import re
 from itertools import accumulate
 
-#: Every byte but the four brackets is deleted; ``{}`` become ``[]``.
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+#: Every byte but quotes and brackets is deleted to get a message's skeleton.
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'"[]{}')
+#: A string in the skeleton (escaped quotes are gone by then, so: quote to quote).
+_SKELETON_STRING = re.compile(rb'"[^"]*"')
 _SQUARE = bytes.maketrans(b"{}", b"[]")
-#: Openers count +1, closers -1 (indexed by byte value).
-_DEPTH_STEP = [0] * 256
-_DEPTH_STEP[ord("[")] = 1
-_DEPTH_STEP[ord("]")] = -1
+#: Openers as +1, closers as -1 (signed bytes).
+_STEPS = bytes.maketrans(b"[]", b"\x01\xff")
+#: Innermost levels peeled off before the depth is measured exactly (most JSON is shallow).
+_PEEL_PASSES = 8
 
 #: The start of a reply: ``{``, scalar ``jsonrpc``/``id`` members, then ``result`` or ``error``.
 _REPLY_HEAD = re.compile(
@@ -66,12 +68,12 @@ def check(data: bytes | bytearray | memoryview, max_depth: int) -> None:
         return
     brackets = _brackets(data)
     peeled = brackets
-    for _ in range(max_depth):  # each pass removes the innermost level: as many passes as levels
+    for _ in range(min(max_depth, _PEEL_PASSES)):  # a pass removes one level: cheap when shallow
         if not peeled:
             return
         shorter = peeled.replace(b"[]", b"")
-        if len(shorter) == len(peeled):
-            break  # unbalanced: not JSON, but measure it before the decoder recurses into it
+        if len(shorter) * 4 > len(peeled) * 3:
+            break  # a pass that removes little (deep, or unbalanced): measure exactly instead
         peeled = shorter
     if peeled and _prefix_depth(brackets) > max_depth:
         raise TooDeep(f"JSON nested deeper than {max_depth} levels")
@@ -85,17 +87,22 @@ def depth(data: bytes) -> int:
 def _brackets(data: bytes) -> bytes:
     """The brackets of ``data`` outside JSON strings, as ``[`` and ``]``.
 
-    Escaped backslashes go first, then escaped quotes (left to right, as JSON pairs them); what
-    remains between unescaped quotes is string content: every other piece of a split on ``"``.
+    Escaped backslashes go first, then escaped quotes (left to right, as JSON pairs them); of
+    what remains only quotes and brackets are kept, and every quoted run is a string's content.
+    Each step is a pass in C that makes one new bytes object (no object per string).
     """
     unescaped = data.replace(b"\\\\", b"").replace(b'\\"', b"")
-    return b"".join(unescaped.split(b'"')[::2]).translate(_SQUARE, _NOT_BRACKETS)
+    # Quotes alternate open/close, so dropping two adjacent ones removes an empty string or
+    # joins two strings into one: either way no bracket changes sides, and most strings go.
+    skeleton = unescaped.translate(None, _NOT_STRUCTURE).replace(b'""', b"")
+    return _SKELETON_STRING.sub(b"", skeleton).translate(_SQUARE)
 
 
 def _prefix_depth(brackets: bytes) -> int:
+    """The highest running total of +1 per ``[`` and -1 per ``]`` (linear, in C)."""
     if not brackets:
         return 0
-    return max(0, max(accumulate(map(_DEPTH_STEP.__getitem__, brackets))))
+    return max(0, max(accumulate(memoryview(brackets.translate(_STEPS)).cast("b"))))
 
 
 def reply_id_hint(head: bytes, tail: bytes = b"") -> int | None:
