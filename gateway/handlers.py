@@ -47,7 +47,7 @@ def _str_param(req: Request, key: str) -> str:
     if raw is None:
         raise errors.InvalidParams(f"{req.method}: missing required parameter {key!r}")
     try:
-        value = msgspec.json.decode(raw)
+        value = jsonrpc.loads(raw)
     except msgspec.DecodeError:
         raise errors.InvalidParams(f"{req.method}: {key!r} is not valid JSON") from None
     if not isinstance(value, str):
@@ -151,7 +151,7 @@ async def forward(hub: Hub, session: ClientSession, req: Request, backend: Backe
         except (msgspec.ValidationError, msgspec.DecodeError):
             raise errors.InvalidParams(f"{req.method}: _meta must be an object") from None
         if "progressToken" in meta:
-            client_token = msgspec.json.decode(meta["progressToken"])
+            client_token = jsonrpc.loads(meta["progressToken"])
             progress = (client_token, session.progress_callback())
 
     def rewrite(token: str | None) -> Raw:
@@ -186,7 +186,7 @@ async def call_tool(hub: Hub, session: ClientSession, req: Request) -> Raw:
     req.tool = name
     if hub.policy.active:
         raw_args = req.params.get("arguments")
-        arguments = msgspec.json.decode(raw_args) if raw_args is not None else None
+        arguments = jsonrpc.loads(raw_args) if raw_args is not None else None
         await hub.authorize(session, name, arguments)
     backend = await hub.backend(route.backend)  # looked up after consent: a reload may have removed it
     params = dict(req.params)
@@ -213,7 +213,7 @@ async def read_resource(hub: Hub, session: ClientSession, req: Request) -> Raw:
 async def complete(hub: Hub, session: ClientSession, req: Request) -> Raw:
     raw_ref = req.params.get("ref")
     try:
-        ref = msgspec.json.decode(raw_ref) if raw_ref is not None else None
+        ref = jsonrpc.loads(raw_ref) if raw_ref is not None else None
     except msgspec.DecodeError:
         ref = None
     if not isinstance(ref, dict):

@@ -38,7 +38,7 @@ LOGGER = logging.getLogger(__name__)
 def _str_field(params: Raw | UnsetType, key: str) -> str | None:
     """A string field of a child's notification params, or None when absent or malformed."""
     try:
-        value = msgspec.json.decode(jsonrpc.params_dict(params)[key])
+        value = jsonrpc.loads(jsonrpc.params_dict(params)[key])
     except (KeyError, errors.GatewayError, msgspec.DecodeError):
         return None
     return value if isinstance(value, str) else None

@@ -130,7 +130,7 @@ class Ownership:
         """``owners``: the attribution set as it was when the request arrived."""
         backend = inst.backend
         try:
-            fields: dict[str, Any] = msgspec.json.decode(params) if params is not UNSET else {}
+            fields: dict[str, Any] = jsonrpc.loads(params) if params is not UNSET else {}
             if not isinstance(fields, dict):
                 raise ValueError
         except (msgspec.DecodeError, ValueError):

@@ -20,6 +20,7 @@ import trio
 from gateway import errors
 from gateway.config import GatewayConfig, PolicySection
 from gateway.events import EventBus, ServerRequestFinished, ServerRequestOutcome
+from gateway.protocol import jsonrpc
 from gateway.protocol import policy as pure
 from gateway.protocol.catalog import Catalog
 
@@ -123,7 +124,7 @@ class Policy:
                                                  trio.current_time() - req.started))
         if outcome == ServerRequestOutcome.ANSWERED:
             try:
-                answer = msgspec.json.decode(req.result) if req.result is not None else None
+                answer = jsonrpc.loads(req.result) if req.result is not None else None
             except msgspec.DecodeError:
                 answer = None
             if pure.consent_granted(answer):

@@ -461,7 +461,7 @@ class ChildConnection:
     def _on_progress(self, params: Raw | UnsetType) -> None:
         try:
             fields = jsonrpc.params_dict(params)
-            key = msgspec.json.decode(fields["progressToken"])
+            key = jsonrpc.loads(fields["progressToken"])
         except (KeyError, errors.InvalidRequest, msgspec.DecodeError):
             self._protocol_error("invalid_message")
             return

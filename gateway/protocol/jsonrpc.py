@@ -166,9 +166,9 @@ def _decode_unpaired_surrogates(data: bytes) -> Envelope:
         raise InvalidRequest(f"invalid JSON-RPC message: {exc}") from None
     for key in ("params", "result"):
         if key in obj:
-            setattr(env, key, Raw(json.dumps(obj[key], separators=(",", ":")).encode()))
+            setattr(env, key, _stdlib_raw(obj[key]))
     if isinstance(error, dict) and "data" in error and env.error is not UNSET:
-        env.error.data = Raw(json.dumps(error["data"], separators=(",", ":")).encode())
+        env.error.data = _stdlib_raw(error["data"])
     return env
 
 
@@ -191,7 +191,12 @@ def split_batch(data: bytes, max_depth: int = MAX_DEPTH) -> list[Raw]:
     try:
         return _raw_list_decoder.decode(data)
     except msgspec.DecodeError as exc:
-        raise ParseError(f"parse error: {exc}") from None
+        if not _SURROGATE_ESCAPE.search(data):
+            raise ParseError(f"parse error: {exc}") from None
+        items = _stdlib_loads(data)
+        if not isinstance(items, list):
+            raise ParseError("parse error: expected an array") from None
+        return [_stdlib_raw(item) for item in items]
 
 
 def _safe_id(env: Envelope) -> int | str | None:
@@ -264,14 +269,68 @@ def params_dict(params: Raw | UnsetType) -> dict[str, Raw]:
     if params is UNSET or not params:
         return {}
     try:
-        return _dict_decoder.decode(params)
+        return raw_dict(params)
     except (msgspec.ValidationError, msgspec.DecodeError):
         raise InvalidRequest("params must be a JSON object") from None
 
 
-def raw_dict(raw: Raw) -> dict[str, Raw]:
-    """Decode the top level of a JSON object held as Raw; values stay Raw."""
-    return _dict_decoder.decode(raw)
+def raw_dict(raw: Raw | bytes) -> dict[str, Raw]:
+    """Decode the top level of a JSON object held as Raw; values stay Raw (an unpaired
+    surrogate escape in a value passes on as an escape).
+
+    Raises:
+        msgspec.DecodeError, msgspec.ValidationError: not a JSON object.
+    """
+    try:
+        return _dict_decoder.decode(raw)
+    except msgspec.DecodeError:
+        if not _SURROGATE_ESCAPE.search(raw):
+            raise
+    obj = _stdlib_loads(raw)
+    if not isinstance(obj, dict):
+        raise msgspec.ValidationError("expected an object")
+    return {key: _stdlib_raw(value) for key, value in obj.items()}
+
+
+def loads(raw: Raw | bytes) -> Any:
+    """Decode JSON the gateway reads for itself (a tool name, a progress token, a client's
+    answer).  Unpaired surrogate escapes become U+FFFD there; payloads that pass through are
+    never decoded by this.
+
+    Raises:
+        msgspec.DecodeError: not JSON.
+    """
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        if not _SURROGATE_ESCAPE.search(raw):
+            raise
+        return msgspec.json.decode(replace_unpaired_surrogates(raw))
+
+
+#: An unpaired surrogate escape: a high one not followed by a low one, a low one not preceded
+#: by a high one.
+_UNPAIRED = re.compile(
+    rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+    rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+
+
+def replace_unpaired_surrogates(raw: Raw | bytes) -> bytes:
+    """``raw`` with every unpaired surrogate escape replaced by ``\\ufffd`` (same length), for
+    data the gateway must decode with msgspec, which refuses them."""
+    return _UNPAIRED.sub(rb"\\ufffd", bytes(raw))
+
+
+def _stdlib_loads(raw: Raw | bytes) -> Any:
+    try:
+        return json.loads(bytes(raw))
+    except ValueError as exc:
+        raise msgspec.DecodeError(str(exc)) from None
+
+
+def _stdlib_raw(value: Any) -> Raw:
+    """A value the standard library decoded, as compact JSON with ASCII escapes."""
+    return Raw(json.dumps(value, separators=(",", ":")).encode())
 
 
 def encode_dict(d: dict[str, Raw | Any]) -> Raw:

@@ -5,10 +5,14 @@ Only the messages the gateway inspects are typed here; everything else stays Raw
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from msgspec import UNSET, Raw, UnsetType
+
+from gateway.protocol import jsonrpc
+
+T = TypeVar("T")
 
 #: Legacy (``initialize``-based) revisions the gateway speaks toward clients, oldest first.
 LEGACY_VERSIONS = ("2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25")
@@ -125,17 +129,29 @@ _cancelled = msgspec.json.Decoder(CancelledParams)
 _list_page = msgspec.json.Decoder(ListPage)
 
 
+def _decode(decoder: msgspec.json.Decoder[T], raw: Raw | bytes) -> T:
+    """``decoder.decode(raw)``; unpaired surrogate escapes (which msgspec refuses) become U+FFFD
+    in what the gateway reads for itself."""
+    try:
+        return decoder.decode(raw)
+    except msgspec.DecodeError:
+        fixed = jsonrpc.replace_unpaired_surrogates(raw)
+        if fixed == bytes(raw):
+            raise
+        return decoder.decode(fixed)
+
+
 def decode_initialize_params(raw: Raw | UnsetType) -> InitializeParams:
-    return _init_params.decode(raw if raw is not UNSET else b"{}")
+    return _decode(_init_params, raw if raw is not UNSET else b"{}")
 
 
 def decode_initialize_result(raw: Raw) -> InitializeResult:
-    return _init_result.decode(raw)
+    return _decode(_init_result, raw)
 
 
 def decode_cancelled(raw: Raw | UnsetType) -> CancelledParams:
-    return _cancelled.decode(raw if raw is not UNSET else b"{}")
+    return _decode(_cancelled, raw if raw is not UNSET else b"{}")
 
 
 def decode_list_page(raw: Raw) -> ListPage:
-    return _list_page.decode(raw)
+    return _decode(_list_page, raw)

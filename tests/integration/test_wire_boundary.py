@@ -139,6 +139,16 @@ async def test_unpaired_surrogate_escapes_pass_through() -> None:
             assert await protocol_errors(gw.bound.admin_port, "not_json") == 0
 
 
+async def test_unpaired_surrogate_from_a_client_reaches_the_backend_and_comes_back() -> None:
+    cfg = make_config(fixture_backend("fx", request_timeout=30.0))
+    with trio.fail_after(20):
+        async with run_gateway(cfg) as gw, connect(gw.url) as c:
+            await c.send('{"jsonrpc":"2.0","id":"s","method":"tools/call",'
+                         '"params":{"name":"fx__echo","arguments":{"message":"x\\ud83d"}}}')
+            r = await c.response("s")
+            assert text_of(r) == "x\ud83d", r  # params split and forwarded with the escape kept
+
+
 @pytest.mark.parametrize("id_last", [False, True], ids=["id_first", "id_last"])
 async def test_oversize_reply_fails_at_once_and_leaves_no_abandoned_call(id_last: bool) -> None:
     cfg = make_config(fixture_backend("fx", request_timeout=30.0, cancel_grace=0.2),

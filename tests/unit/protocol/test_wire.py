@@ -10,7 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway import errors
-from gateway.protocol import jsonrpc, wire
+from msgspec import Raw
+
+from gateway.protocol import jsonrpc, mcp, wire
 from gateway.protocol.framing import LineFramer, Oversize, OversizeEnd
 
 # Strings full of brackets and escapes, so the depth must skip what is inside strings.
@@ -65,6 +67,18 @@ def test_unpaired_surrogate_escapes_pass_through_as_escapes() -> None:
     assert json.loads(bytes(env.error.data)) == ["\udc00"]
     with pytest.raises(errors.InvalidRequest):  # an id the gateway could not echo back
         jsonrpc.decode(b'{"jsonrpc":"2.0","id":"\\ud800","method":"ping"}')
+
+
+def test_unpaired_surrogates_in_what_the_gateway_splits_or_reads() -> None:
+    # params and batches are split, their values pass on with the escape kept
+    fields = jsonrpc.params_dict(Raw(b'{"name":"fx__echo","arguments":{"message":"\\ud83d"}}'))
+    assert bytes(fields["arguments"]) == b'{"message":"\\ud83d"}'
+    (item,) = jsonrpc.split_batch(b'[{"jsonrpc":"2.0","id":1,"method":"x","params":"\\udc00"}]')
+    assert jsonrpc.decode(bytes(item)).params == Raw(b'"\\udc00"')
+    # what the gateway reads for itself gets U+FFFD (a pair stays a pair)
+    assert jsonrpc.loads(b'["a\\ud83d", "\\ud83d\\ude00", "\\ude00b"]') == ["a\ufffd", "\U0001f600", "\ufffdb"]
+    page = mcp.decode_list_page(Raw(b'{"tools":[{"name":"t","description":"x\\ud800"}]}'))
+    assert page.tools == [{"name": "t", "description": "x\ufffd"}]
 
 
 @pytest.mark.parametrize(("head", "tail", "expected"), [
