@@ -151,7 +151,12 @@ async def forward(hub: Hub, session: ClientSession, req: Request, backend: Backe
         except (msgspec.ValidationError, msgspec.DecodeError):
             raise errors.InvalidParams(f"{req.method}: _meta must be an object") from None
         if "progressToken" in meta:
-            client_token = jsonrpc.loads(meta["progressToken"])
+            try:
+                client_token = jsonrpc.loads(meta["progressToken"])
+            except msgspec.DecodeError:
+                client_token = None
+            if not isinstance(client_token, str | int) or isinstance(client_token, bool):
+                raise errors.InvalidParams(f"{req.method}: _meta.progressToken must be a string or an integer")
             progress = (client_token, session.progress_callback())
 
     def rewrite(token: str | None) -> Raw:

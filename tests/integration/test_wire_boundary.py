@@ -193,3 +193,16 @@ async def test_client_json_too_deep_or_not_utf8_gets_an_error_and_the_connection
                 r = await ws.wait_for(lambda: [m for m in ws.received if "error" in m])
                 assert r[0]["error"]["data"]["reason"] == "too_deep"
                 assert text_of(await ws.call("fx__echo", {"message": "ws"})) == "ws"
+
+
+async def test_progress_token_that_is_not_a_string_or_integer_is_invalid_params() -> None:
+    cfg = make_config(fixture_backend("fx"))
+    with trio.fail_after(20):
+        async with run_gateway(cfg) as gw, connect(gw.url) as c:
+            for n, token in enumerate(("1e400", "true", "{}", "1.5")):
+                await c.send('{"jsonrpc":"2.0","id":%d,"method":"tools/call","params":{"name":"fx__echo",'
+                             '"arguments":{"message":"m"},"_meta":{"progressToken":%s}}}' % (100 + n, token))
+                r = await c.response(100 + n)
+                assert r["error"]["code"] == -32602, (token, r)  # was -32603 and a traceback for 1e400
+            r = await c.call("fx__echo", {"message": "m"}, id=200)
+            assert text_of(r) == "m"
