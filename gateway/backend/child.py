@@ -397,6 +397,8 @@ class ChildConnection:
         self._bus.emit(BackendProtocolError(self.backend, self.instance, kind))
 
     def _dispatch(self, line: bytes) -> None:
+        if line.startswith(b"\xef\xbb\xbf"):  # a byte order mark: JSON parsers may ignore it
+            line = line[3:]
         try:
             env = jsonrpc.decode(line, self._max_depth)
             kind = jsonrpc.classify(env)
@@ -423,10 +425,9 @@ class ChildConnection:
             self._handlers.on_request(self, env.id, env.method, env.params)
 
     def _on_undecodable(self, line: bytes, exc: errors.GatewayError) -> None:
-        """A line that is not a message the gateway can pass on: logged and counted.  A reply
-        that is not UTF-8 or nested too deep fails its call now with -32009 (its id read from the
-        line's first or last bytes); other invalid lines are ignored, and the call still waits
-        for a valid reply."""
+        """A line that is not a message the gateway can pass on: logged and counted.  When the
+        line shows a reply's id (read from its first or last bytes: it may not decode at all),
+        that call fails now with -32009 instead of waiting for its timeout."""
         if exc.reason in ("invalid_utf8", "too_deep"):
             kind = exc.reason
         else:
@@ -434,10 +435,9 @@ class ChildConnection:
         LOGGER.warning("backend %s sent a line that is not a valid message (%s: %s): %.200r",
                        self.instance, kind, exc.message, line)
         self._protocol_error(kind)
-        if kind in ("invalid_utf8", "too_deep"):
-            self._fail_reply(wire.reply_id_hint(line[:HEAD], line[-HEAD:]), errors.BackendProtocolError(
-                f"backend {self.backend!r} sent a reply that cannot be passed on: {exc.message}",
-                backend=self.backend, detail=kind))
+        self._fail_reply(wire.reply_id_hint(line[:HEAD], line[-HEAD:]), errors.BackendProtocolError(
+            f"backend {self.backend!r} sent a reply that cannot be passed on: {exc.message}",
+            backend=self.backend, detail=kind))
 
     def _on_reply(self, env: jsonrpc.Envelope) -> None:
         call = self.pending.get(env.id) if isinstance(env.id, int) else None

@@ -394,7 +394,7 @@ async def test_read_loop_returns_at_eof(autojump_clock: MockClock) -> None:
     [
         (b"Starting server on stdio...", "not_json"),
         (b"{not json", "not_json"),
-        (b'{"id": 1, "result": {}}', "invalid_message"),  # no jsonrpc
+        (b'{"id": 999, "result": {}}', "invalid_message"),  # no jsonrpc
         (b'{"jsonrpc":"2.0","id":true,"method":"x"}', "invalid_message"),
         (b'{"jsonrpc":"2.0","id":999,"result":{}}', "unknown_response"),
         (b'{"jsonrpc":"2.0","id":"1","result":{}}', "unknown_response"),  # our ids are ints
@@ -414,6 +414,36 @@ async def test_bad_lines_emit_protocol_errors_and_the_child_keeps_serving(
         assert h.protocol_errors() == [kind]
         (event,) = [e for e in h.events if isinstance(e, BackendProtocolError)]
         assert (event.backend, event.instance) == ("fx", "fx/0")
+
+
+@pytest.mark.parametrize("line", [
+    b'{"jsonrpc":"1.0","id":{ID},"result":{}}',
+    b'{"jsonrpc":"2.0","id":{ID},"error":{"code":"x","message":1}}',
+    b'{"jsonrpc":"2.0","id":{ID},"result":{},"error":{"code":1,"message":"m"}}',
+    b'{"jsonrpc":"2.0","id":{ID},"error":{"code":1e400,"message":"m"}}',
+    b'{"jsonrpc":"2.0","id":{ID},"result":{"unterminated"',
+])
+async def test_an_invalid_reply_showing_its_id_fails_the_call_at_once(
+    line: bytes, autojump_clock: MockClock
+) -> None:
+    async with connected() as h:
+        c = start_call(h, "ping", timeout=30)
+        req = await h.child.receive()
+        started = trio.current_time()
+        await h.child.send(line.replace(b"{ID}", str(req["id"]).encode()))
+        await c.done.wait()
+        assert c.at == started  # not after the 30 s timeout
+        assert isinstance(c.error, errors.BackendProtocolError), c.error
+        assert not h.conn.pending  # nothing left to attribute or to restart for
+
+
+async def test_a_reply_after_a_byte_order_mark_is_read(autojump_clock: MockClock) -> None:
+    async with connected() as h:
+        c = start_call(h, "ping", timeout=30)
+        req = await h.child.receive()
+        await h.child.send(b'\xef\xbb\xbf{"jsonrpc":"2.0","id":%d,"result":{"ok":1}}' % req["id"])
+        await c.done.wait()
+        assert c.error is None and bytes(c.value) == b'{"ok":1}'
 
 
 async def test_oversize_line_is_a_protocol_error(autojump_clock: MockClock) -> None:
