@@ -260,7 +260,7 @@ def _handle(hub: Hub, session: ClientSession, data: bytes, nursery: trio.Nursery
     else:
         outcome = session.on_answer(env)
         if outcome is AnswerOutcome.REFUSED:
-            LOGGER.warning("connection %s answered unknown request id %r: refused", session.conn_id, env.id, extra=session.log_fields)
+            LOGGER.warning("connection %s answered unknown request id %.100r: refused", session.conn_id, env.id, extra=session.log_fields)
             hub.bus.emit(AnswerRefused(session.conn_id, "unknown_id"))
 
 

@@ -442,7 +442,7 @@ class ChildConnection:
     def _on_reply(self, env: jsonrpc.Envelope) -> None:
         call = self.pending.get(env.id) if isinstance(env.id, int) else None
         if call is None:
-            LOGGER.warning("backend %s answered unknown request id %r", self.instance, env.id)
+            LOGGER.warning("backend %s answered unknown request id %.100r", self.instance, env.id)
             self._protocol_error("unknown_response")
             return
         del self.pending[call.gid]

@@ -33,7 +33,7 @@ from gateway.events import (
 )
 from gateway.protocol import jsonrpc
 from gateway.protocol.catalog import BackendLists
-from gateway.protocol.stderr import LineSplitter, LineThrottle
+from gateway.protocol.stderr import LineSplitter, LineThrottle, printable
 from gateway.protocol.supervision import RestartPolicy, State, Supervision, Transition
 from gateway.status import InstanceStatus
 
@@ -323,8 +323,8 @@ class Instance(ChildHandlers):
                 return
             logged = throttle.admit(trio.current_time(), count)
             for raw in lines[:logged]:
-                LOGGER.info("[%s] %s", self.name, raw.decode("utf-8", "replace").rstrip(), extra=log_extra)
-            self.stderr_tail.extend(raw.decode("utf-8", "replace").rstrip() for raw in lines[-STDERR_TAIL:])
+                LOGGER.info("[%s] %s", self.name, printable(raw), extra=log_extra)
+            self.stderr_tail.extend(printable(raw) for raw in lines[-STDERR_TAIL:])
             bus.emit(BackendStderr(self.backend.name, self.name, logged, count - logged))
 
         def summarise(final: bool = False) -> None:

@@ -12,7 +12,8 @@ import faulthandler
 import logging
 import os
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,48 @@ class JournalStreamFormatter(logging.Formatter):
         return "\n".join(prefix + line for line in super().format(record).split("\n"))
 
 
+class RepeatFilter(logging.Filter):
+    """Rate-limits records of one call site (logger, message template) at WARNING and below.
+
+    Clients and backends cause warnings (an answer to an unknown id, a refused server→client
+    request); one that repeats them must not flood the log.  Each call site may log ``burst``
+    records, then one per ``interval`` seconds; what it holds back is counted and the count is
+    added to the next record it lets through.  Errors and above always pass.  ``clock`` is
+    passed in for tests.
+    """
+
+    def __init__(self, burst: int = 20, interval: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic, max_sites: int = 1024) -> None:
+        super().__init__()
+        self._burst = burst
+        self._interval = interval
+        self._clock = clock
+        self._max_sites = max_sites
+        self._sites: dict[tuple[str, int, str], list[float]] = {}  # key -> [tokens, last, held]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > logging.WARNING:
+            return True
+        key = (record.name, record.lineno, str(record.msg))
+        now = self._clock()
+        site = self._sites.get(key)
+        if site is None:
+            if len(self._sites) >= self._max_sites:
+                self._sites.clear()  # bounded: forget old sites rather than grow
+            site = self._sites[key] = [float(self._burst), now, 0.0]
+        tokens = min(float(self._burst), site[0] + (now - site[1]) / self._interval)
+        site[1] = now
+        if tokens < 1.0:
+            site[0] = tokens
+            site[2] += 1
+            return False
+        site[0] = tokens - 1.0
+        if site[2]:
+            record.msg = f"{record.msg} [{int(site[2])} more like this not logged]"
+            site[2] = 0
+        return True
+
+
 def _journal_handler() -> logging.Handler | None:
     """systemd-python's JournalHandler (the package's ``systemd`` extra), if importable."""
     try:
@@ -124,6 +167,7 @@ def setup_logging(level: str = "info", target: str = "auto") -> None:
         else:
             handler.setFormatter(PlainFormatter())
     handler._gateway_handler = True  # type: ignore[attr-defined]
+    handler.addFilter(RepeatFilter())
 
     root = logging.getLogger()
     for old in [h for h in root.handlers if getattr(h, "_gateway_handler", False)]:

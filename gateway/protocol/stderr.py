@@ -8,6 +8,15 @@ A backend flooding stderr must not cost the daemon a core or drown its log: the 
 from __future__ import annotations
 
 TRUNCATED = b" [truncated]"
+#: C0 controls but tab, and DEL, shown as U+FFFD: a backend must not write terminal escape
+#: sequences or NULs into the daemon's log.
+_CONTROLS = {c: "\ufffd" for c in (*range(0x09), *range(0x0A, 0x20), 0x7F)}
+
+
+def printable(line: bytes) -> str:
+    """A stderr line as log text: UTF-8 (invalid bytes replaced), control characters replaced,
+    trailing whitespace dropped."""
+    return line.decode("utf-8", "replace").rstrip().translate(_CONTROLS)
 
 
 class LineSplitter:

@@ -234,3 +234,22 @@ def test_prefixes_in_a_real_process_whose_stderr_is_the_stream(tmp_path: Path) -
         err.seek(0)
         lines = err.read().splitlines()
     assert lines == [f"<{p}>gateway.child: {m}" for p, m in zip("76432", "diwec", strict=True)]
+
+
+def test_repeat_filter_holds_back_a_flood_from_one_call_site_and_counts_it() -> None:
+    from gateway.ops.logs import RepeatFilter
+
+    now = [0.0]
+    f = RepeatFilter(burst=3, interval=1.0, clock=lambda: now[0])
+
+    def record(msg: str, level: int = logging.WARNING, line: int = 10) -> logging.LogRecord:
+        return logging.LogRecord("gateway.x", level, "x.py", line, msg, None, None)
+
+    passed = [f.filter(record("answered unknown id %r")) for _ in range(100)]
+    assert passed.count(True) == 3  # the burst, then nothing within the same instant
+    assert f.filter(record("another site", line=11))  # other call sites are not held back
+    assert f.filter(record("an error", level=logging.ERROR))  # errors always pass
+    now[0] = 1.0
+    r = record("answered unknown id %r")
+    assert f.filter(r) and r.msg.endswith("[97 more like this not logged]")
+    assert not f.filter(record("answered unknown id %r"))

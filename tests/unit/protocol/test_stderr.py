@@ -62,3 +62,9 @@ def test_feed_counted_agrees_with_feed_in_any_chunking() -> None:
             lines = whole.feed(chunk)
             assert counted.feed_counted(chunk, 2) == (len(lines), lines[-2:]), (trial, chunks)
         assert whole.close() == counted.close()
+
+
+def test_printable_replaces_control_characters_and_invalid_utf8() -> None:
+    from gateway.protocol.stderr import printable
+
+    assert printable(b"\x1b[31mred\x1b[0m\tok\x00 caf\xc3\xa9 \xff  \r") == "\ufffd[31mred\ufffd[0m\tok\ufffd café \ufffd"
