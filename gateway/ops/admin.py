@@ -10,7 +10,9 @@ head by ``max_head_bytes`` (431) and the body by :data:`MAX_BODY_BYTES` (413).
 DNS rebinding: a browser page whose name resolves to 127.0.0.1 may read same-origin responses,
 so ``/status`` (backend stderr) and ``/metrics`` answer only a ``Host`` that is a loopback name,
 the bound address or in ``allowed_hosts`` (else 421).  ``/healthz`` and ``/readyz`` answer any
-``Host`` (load balancers probe by address or by their own name) and reveal nothing.
+``Host`` (load balancers probe by address or by their own name) and reveal nothing.  A request
+for ``/status`` or ``/metrics`` that carries an ``Origin`` header comes from a browser page
+(scrapers and curl send none): 403.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ def _respond(
     target: str,
     host: str | None,
     accept: str | None,
+    origin: str | None = None,
 ) -> Response:
     path = target.split("?", 1)[0]
     if path not in ("/metrics", "/healthz", "/readyz", "/status"):
@@ -104,6 +107,9 @@ def _respond(
     if path in HOST_CHECKED and not host_allowed(host, hosts):
         LOGGER.warning("admin: %s refused: Host %r not allowed (admin.allowed_hosts)", path, host)
         return 421, TEXT, b"Host not allowed\n", []
+    if path in HOST_CHECKED and origin is not None:
+        LOGGER.warning("admin: %s refused: a browser page (Origin %.100r) asked for it", path, origin)
+        return 403, TEXT, b"Origin not allowed\n", []
     if path == "/healthz":
         return 200, TEXT, b"ok\n", []
     if path == "/metrics":
@@ -120,7 +126,7 @@ def _respond(
     return 200, "application/json", msgspec.json.encode(doc) + b"\n", []
 
 
-Respond = Callable[[str, str, str | None, str | None], Response]  # method, target, host, accept
+Respond = Callable[[str, str, str | None, str | None, str | None], Response]  # method, target, host, accept, origin
 
 
 async def _serve_connection(
@@ -166,8 +172,9 @@ async def _serve_one(
     method, target = request.method.decode("ascii"), request.target.decode("ascii", "replace")
     accept = ", ".join(v.decode("latin-1") for k, v in request.headers if k == b"accept") or None
     host = next((v.decode("latin-1") for k, v in request.headers if k == b"host"), None)  # h11: one at most
+    origin = next((v.decode("latin-1") for k, v in request.headers if k == b"origin"), None)
     try:
-        response = respond(method, target, host, accept)
+        response = respond(method, target, host, accept, origin)
     except Exception:
         LOGGER.exception("admin: %s %s failed", method, target)
         response = (500, TEXT, b"internal error\n", [])

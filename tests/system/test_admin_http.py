@@ -219,6 +219,11 @@ async def test_status_and_metrics_answer_only_loopback_or_bound_host_names(serve
     async with await trio.open_tcp_stream("127.0.0.1", server.port) as stream:  # two Host headers
         await stream.send_all(b"GET /status HTTP/1.0\r\nHost: 127.0.0.1\r\nHost: attacker.example\r\n\r\n")
         assert (await read_until_eof(stream)).startswith(b"HTTP/1.1 400 ")  # h11 refuses it
+    for origin in ("http://attacker.example", "null", f"http://127.0.0.1:{server.port}"):
+        async with await trio.open_tcp_stream("127.0.0.1", server.port) as stream:  # from a page
+            await stream.send_all(f"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: {origin}\r\n"
+                                  "Connection: close\r\n\r\n".encode())
+            assert (await read_until_eof(stream)).startswith(b"HTTP/1.1 403 "), origin
     async with await trio.open_tcp_stream("127.0.0.1", server.port) as stream:  # HTTP/1.0, no Host
         await stream.send_all(b"GET /status HTTP/1.0\r\n\r\n")
         assert (await read_until_eof(stream)).startswith(b"HTTP/1.1 421 ")
