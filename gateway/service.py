@@ -371,7 +371,8 @@ async def _drain(hub: Hub, cfg: GatewayConfig, accept: trio.CancelScope, conns: 
     systemd.notify("STOPPING=1", "STATUS=draining")
     LOGGER.info("draining: %d connections, grace %.0fs", len(hub.sessions), cfg.gateway.drain_grace)
     for session in list(hub.sessions):  # backend prompts and consent prompts alike
-        session.end_all_requests(ServerRequestOutcome.SHUTDOWN)
+        for req in list(session.server_requests.values()):  # the owner is told, not left waiting
+            session.cancel_request(req, ServerRequestOutcome.SHUTDOWN, "the gateway is shutting down")
 
     def no_calls() -> bool:
         return not any(s.inflight for s in hub.sessions)

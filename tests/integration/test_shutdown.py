@@ -82,3 +82,22 @@ async def test_stop_during_a_reload_that_starts_a_backend_stops_it_at_once(tmp_p
         assert trio.current_time() - stopped_at < 5  # not the 20 s start delay
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+async def test_drain_cancels_a_pending_elicitation_at_its_owner() -> None:
+    # Issue 7 (hostile tester): on SIGTERM a backend's pending elicitation/create ended
+    # without the owner being told; it must get notifications/cancelled for it.
+    from helpers import connect, run_gateway
+
+    cfg = make_config(fixture_backend("fx"), gateway="drain_grace = 5.0")
+    with trio.fail_after(30):
+        async with run_gateway(cfg) as gw, connect(gw.url, capabilities={"elicitation": {}}) as c:
+            await c.send({"jsonrpc": "2.0", "id": "e", "method": "tools/call",
+                          "params": {"name": "fx__elicit", "arguments": {"message": "sure?"}}})
+            (req,) = await c.wait_for(lambda: c.requests)
+            gw.control.stop()
+            cancelled = await c.wait_for(lambda: [n for n in c.notifications
+                                                  if n["method"] == "notifications/cancelled"])
+            assert cancelled[0]["params"]["requestId"] == req["id"]
+            r = await c.response("e")  # the call itself still gets its one answer
+            assert ("result" in r) != ("error" in r)
