@@ -149,7 +149,10 @@ def _decode_unpaired_surrogates(data: bytes) -> Envelope:
     typed = {k: obj[k] for k in ("jsonrpc", "id", "method") if k in obj}
     for key, value in typed.items():
         if isinstance(value, str) and not _encodable(value):
-            raise InvalidRequest(f"invalid JSON-RPC message: {key!r} holds an unpaired surrogate")
+            rid = typed.get("id")
+            usable = isinstance(rid, int | str) and not isinstance(rid, bool) and key != "id"
+            raise InvalidRequest(f"invalid JSON-RPC message: {key!r} holds an unpaired surrogate",
+                                 **({"id": rid} if usable else {}))
     error = obj.get("error")
     if isinstance(error, dict):
         message = error.get("message")
