@@ -315,7 +315,7 @@ class Instance(ChildHandlers):
         detail = f"exit code {rc}" if rc is not None and rc >= 0 else f"signal {-rc}" if rc else "unknown"
         self.last_exit = f"{exit_reason} ({detail})" if how is process.Ended.EXITED else f"{exit_reason} ({detail}; ended by {how})"
         if kind is ExitKind.RECYCLED:
-            LOGGER.info("backend %s: child pid %d recycled: %s", self.name, proc.pid, self.last_exit,
+            LOGGER.info("backend %s: child pid %d ended: %s", self.name, proc.pid, self.last_exit,
                         extra={"MCP_BACKEND": self.backend.name})
         elif kind is not ExitKind.STOPPED:
             self.crash_stderr = tuple(self.stderr_tail)
