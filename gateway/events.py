@@ -52,7 +52,8 @@ class ExitKind(enum.StrEnum):
     EXITED = "exited"  # on its own, exit code 0
     CRASHED = "crashed"  # on its own, non-zero exit code or a signal
     STOPPED = "stopped"  # the gateway stopped it
-    UNHEALTHY = "unhealthy"  # restarted by the gateway (pings missed, a cancel unanswered)
+    UNHEALTHY = "unhealthy"  # restarted by the gateway for health (pings missed)
+    RECYCLED = "recycled"  # restarted by the gateway after a drain (a cancelled call unanswered): not a failure
     START_FAILED = "start_failed"  # the hand-shake failed or timed out
 
 

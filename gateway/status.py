@@ -20,6 +20,8 @@ class InstanceStatus:
     stderr_tail: tuple[str, ...]  # last stderr lines: of the running child, else of the last one that ended
     inflight: int  # calls waiting on this child (attribution set size)
     owner: str | None = None  # per-session / affine: the conn id it serves
+    recycles: int = 0  # of ``restarts``, those that were recycles (not failures)
+    draining: bool = False  # drained for a recycle: no new calls, those in flight end
 
 
 @dataclass(frozen=True, slots=True)

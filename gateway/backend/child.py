@@ -5,8 +5,9 @@ gets a gateway id from a per-child counter; ``pending`` maps it to a :class:`Pen
 the child's reply completes.  ``pending`` is also the instance's *attribution set*: a call stays
 in it until the child's reply arrives, also after the caller gave up (``abandoned``), so a
 server→client request is attributed only while provably one connection's calls are open.
-Abandoned entries are never dropped by guessing: the instance either restarts a child that
-leaves one unanswered past ``cancel_grace`` (when attribution matters for it) or purges them with
+Abandoned entries are never dropped by guessing: the instance either *recycles* a child that
+leaves one unanswered past ``cancel_grace`` (when attribution matters for it: no new calls, the
+ones in flight end, then a restart that is not a failure) or purges them with
 :meth:`ChildConnection.purge_abandoned` (when it does not).  Gateway-internal requests
 (initialize, list refresh, ping, subscribe) are marked ``internal`` and never count.
 
@@ -309,10 +310,16 @@ class ChildConnection:
         """The client sessions with calls in this child's attribution set (internal calls never)."""
         return {c.owner for c in self.pending.values() if not c.internal and c.owner is not None}
 
-    def oldest_abandoned(self) -> float | None:
-        """When the oldest still-unanswered abandoned call was given up (None: there is none)."""
-        times = [c.abandoned_at for c in self.pending.values() if c.abandoned_at is not None]
+    def oldest_abandoned(self, *, clients_only: bool = False) -> float | None:
+        """When the oldest still-unanswered abandoned call was given up (None: there is none);
+        ``clients_only``: among clients' calls only (internal ones never count for attribution)."""
+        times = [c.abandoned_at for c in self.pending.values()
+                 if c.abandoned_at is not None and not (clients_only and c.internal)]
         return min(times) if times else None
+
+    def calls_in_flight(self) -> int:
+        """Clients' calls whose callers still wait for them (not internal, not abandoned)."""
+        return sum(1 for c in self.pending.values() if not c.internal and c.abandoned_at is None)
 
     def purge_abandoned(self, before: float, *, internal_only: bool = False) -> int:
         """Forget abandoned calls given up before ``before`` (only internal ones if asked)."""

@@ -7,6 +7,12 @@ the health probe fails ``failures`` times, or a stop is requested.  Whatever end
 in flight gets :class:`~gateway.errors.BackendExited` at once, and the child is stopped in the
 spec's order.  The :class:`~gateway.protocol.supervision.Supervision` table decides between
 BACKOFF and FATAL; every transition is emitted as an event.
+
+A *recycle* is a restart the gateway chooses for a healthy child (a cancelled call it left
+unanswered past ``cancel_grace``, where attribution matters): the instance is first *drained*
+(``draining``: no new calls are routed to it, the calls in flight end on their own, bounded by
+their own timeouts), then restarted at once.  It is not a failure: it never counts toward the
+crash loop, and it is reported as its own exit kind (``recycled``).
 """
 
 from __future__ import annotations
@@ -64,7 +70,7 @@ class DownReason(enum.StrEnum):
     START_FAILED = "start failed"  # the hand-shake failed or timed out
     SPAWN_FAILED = "spawn failed"  # the process could not be started
     UNHEALTHY = "unhealthy"  # health pings missed
-    CANCEL_UNANSWERED = "cancel unanswered"  # a cancelled call left unanswered past cancel_grace
+    RECYCLED = "recycled"  # drained and restarted: a cancelled call left unanswered past cancel_grace
 
 
 #: The exit kind (``BackendExited.reason``) of a generation the gateway ended; one that ended
@@ -73,7 +79,7 @@ EXIT_KINDS = {
     DownReason.STOPPED: ExitKind.STOPPED,
     DownReason.START_FAILED: ExitKind.START_FAILED,
     DownReason.UNHEALTHY: ExitKind.UNHEALTHY,
-    DownReason.CANCEL_UNANSWERED: ExitKind.UNHEALTHY,
+    DownReason.RECYCLED: ExitKind.RECYCLED,
 }
 
 
@@ -101,6 +107,9 @@ class Instance(ChildHandlers):
         self._nursery: trio.Nursery | None = None
         self._starting: trio.CancelScope | None = None  # the hand-shake of a child being started
         self.stopped = trio.Event()
+        # Being drained for a recycle: the pool routes no new call here (see _watch_abandoned).
+        self.draining = False
+        self._calls_changed = trio.Event()  # a client call on this child ended; replaced each time
 
     # ---- state ------------------------------------------------------------------------------
 
@@ -133,22 +142,32 @@ class Instance(ChildHandlers):
             stderr_tail=tuple(self.stderr_tail) if child is not None else self.crash_stderr,
             inflight=len(child.pending) if child is not None else 0,
             owner=getattr(self.owner, "conn_id", None),
+            recycles=self.sup.recycles,
+            draining=self.draining,
         )
 
     async def state_changed(self) -> None:
         """Return at the next state transition."""
         await self._state_changed.wait()
 
+    def serving(self) -> ChildConnection | None:
+        """The child that takes new calls now: running, and not being drained for a recycle."""
+        child = self.child
+        if (self.state in (State.RUNNING, State.UNHEALTHY) and child is not None and child.closed is None
+                and not self.draining):
+            return child
+        return None
+
     async def wait_ready(self, timeout: float) -> ChildConnection:
-        """The running child, waiting up to ``timeout`` while it (re)starts.
+        """The running child, waiting up to ``timeout`` while it (re)starts or drains for a recycle.
 
         Raises:
             BackendUnavailable: FATAL or stopped (at once), or still not running after ``timeout``.
         """
         with trio.move_on_after(timeout):
             while True:
-                child = self.child
-                if self.state in (State.RUNNING, State.UNHEALTHY) and child is not None and child.closed is None:
+                child = self.serving()
+                if child is not None:
                     return child
                 if self.state is State.FATAL or self._stop.is_set():
                     break
@@ -181,10 +200,16 @@ class Instance(ChildHandlers):
         task_status.started()
         try:
             while not self._stop.is_set():
-                self._emit(self.sup.start("start" if self.generation == 0 else "restart"))
+                if self.state is not State.STARTING:  # a recycle went to STARTING already
+                    self._emit(self.sup.start("start" if self.generation == 0 else "restart"))
                 reason = await self._run_generation()
                 if self._stop.is_set():
                     break
+                if reason is DownReason.RECYCLED and self.state in (State.RUNNING, State.UNHEALTHY):
+                    # Not a failure: no crash-loop count, no backoff; the next child starts now.
+                    self._emit(self.sup.recycled(trio.current_time(), "recycled: a cancelled call was "
+                                                 f"not answered within cancel_grace ({self.cfg.cancel_grace:g}s)"))
+                    continue
                 t = self.sup.exited(trio.current_time(), reason)
                 self._emit(t)
                 if t.new is State.FATAL:
@@ -226,7 +251,11 @@ class Instance(ChildHandlers):
             max_depth=self.backend.host.max_json_depth,
             buffers=self.backend.host.budget.open(f"child {self.name}"),
         )
-        child.on_settled = lambda: self.backend.on_settled(self)
+        def settled() -> None:  # an abandoned call left the attribution set
+            self.calls_changed()
+            self.backend.on_settled(self)
+
+        child.on_settled = settled
         down = self._down = trio.Event()
         self._down_reason = None
         exit_reason = DownReason.EXITED
@@ -268,12 +297,14 @@ class Instance(ChildHandlers):
                 # Fail every call in flight at once, before the (bounded) stop ladder.
                 child.fail_all(child.exited_error(exit_reason))
                 self.child = None
+                self.draining = False
                 self.backend.on_instance_down(self, child)
                 how = await process.stop_process(proc)
                 nursery.cancel_scope.cancel()
         finally:
             self._nursery = None
             self.child = None
+            self.draining = False
             if proc.returncode is None:
                 with trio.CancelScope(shield=True):
                     await process.stop_process(proc)
@@ -283,7 +314,10 @@ class Instance(ChildHandlers):
         kind = EXIT_KINDS.get(exit_reason) or (ExitKind.CRASHED if rc not in (0, None) else ExitKind.EXITED)
         detail = f"exit code {rc}" if rc is not None and rc >= 0 else f"signal {-rc}" if rc else "unknown"
         self.last_exit = f"{exit_reason} ({detail})" if how is process.Ended.EXITED else f"{exit_reason} ({detail}; ended by {how})"
-        if kind is not ExitKind.STOPPED:
+        if kind is ExitKind.RECYCLED:
+            LOGGER.info("backend %s: child pid %d ended: %s", self.name, proc.pid, self.last_exit,
+                        extra={"MCP_BACKEND": self.backend.name})
+        elif kind is not ExitKind.STOPPED:
             self.crash_stderr = tuple(self.stderr_tail)
             LOGGER.warning("backend %s: child pid %d ended: %s", self.name, proc.pid, self.last_exit)
         self.backend.host.bus.emit(BackendExited(self.backend.name, self.name, proc.pid, kind, rc))
@@ -363,13 +397,29 @@ class Instance(ChildHandlers):
             take(len(lines), lines)
             summarise(final=True)
 
+    def calls_changed(self) -> None:
+        """A client call on this instance ended, or an abandoned one left the attribution set."""
+        self._calls_changed.set()
+        self._calls_changed = trio.Event()
+
+    def _set_draining(self, draining: bool) -> None:
+        self.draining = draining
+        # Callers waiting for this instance (wait_ready, affine waiters) look again.
+        self._state_changed.set()
+        self._state_changed = trio.Event()
+        self.backend.on_draining_changed(self)
+
     async def _watch_abandoned(self, child: ChildConnection, down: trio.Event) -> None:
         """Calls the gateway gave up on (client cancel, timeout) but the child never answered.
 
         They stay in the attribution set (the child may still be working on them and ask their
         owner something).  Where attribution matters (server→client requests can be forwarded),
-        a child that leaves one unanswered past ``cancel_grace`` is restarted instead of
-        guessing it is done; elsewhere the stale entries are simply forgotten.
+        a child that leaves a client's call unanswered past ``cancel_grace`` is *recycled*
+        instead of guessing it is done: drained (no new calls; the calls in flight end on their
+        own, bounded by their own timeouts; the abandoned entries stay in the set meanwhile, so
+        its requests stay fail-closed), then restarted — not a failure.  If the child answers
+        the stale call while draining, the drain ends and the child keeps serving.  Elsewhere the
+        stale entries are simply forgotten.
         """
         grace = self.cfg.cancel_grace
         while not down.is_set():
@@ -381,12 +431,28 @@ class Instance(ChildHandlers):
                 child.purge_abandoned(trio.current_time() - grace)
                 continue
             if child.purge_abandoned(trio.current_time() - grace, internal_only=True):
-                continue  # internal requests never count for attribution: no restart for them
-            LOGGER.warning("backend %s: a cancelled call was not answered within %gs; restarting it "
-                           "so requests it may still send cannot be misattributed", self.name, grace)
-            self._down_reason = DownReason.CANCEL_UNANSWERED
-            down.set()
-            return
+                continue  # internal requests never count for attribution: no recycle for them
+            LOGGER.warning("backend %s: a cancelled call was not answered within %gs; recycling the "
+                           "child so requests it may still send cannot be misattributed: no new calls, "
+                           "waiting for the %d in flight first", self.name, grace, child.calls_in_flight(),
+                           extra={"MCP_BACKEND": self.backend.name})
+            self._set_draining(True)
+            while not down.is_set():
+                stale = child.oldest_abandoned(clients_only=True)
+                if stale is None or trio.current_time() < stale + grace:
+                    break  # answered late after all: nothing left to misattribute
+                if not child.calls_in_flight():
+                    LOGGER.info("backend %s: drained, recycling the child", self.name,
+                                extra={"MCP_BACKEND": self.backend.name})
+                    self._down_reason = DownReason.RECYCLED
+                    down.set()
+                    return
+                await self._calls_changed.wait()
+            if down.is_set():
+                return
+            LOGGER.info("backend %s: the cancelled call was answered late; drain ended, no recycle",
+                        self.name, extra={"MCP_BACKEND": self.backend.name})
+            self._set_draining(False)
 
     async def _health(self, child: ChildConnection, down: trio.Event) -> None:
         h = self.cfg.health

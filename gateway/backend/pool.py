@@ -10,7 +10,9 @@ Sharing modes decide which instance serves a call:
 
 The backend's catalog lists come from instance 0 (the *probe* in per-session mode) and survive
 restarts: a backend that is restarting keeps its tools listed, its calls wait up to
-``restart_wait`` and then fail with a retryable ``backend_unavailable``.
+``restart_wait`` and then fail with a retryable ``backend_unavailable``.  An instance being
+drained for a recycle (see :mod:`gateway.backend.instance`) takes no new calls either: they go to
+another instance, or wait for it as for a restart.
 """
 
 from __future__ import annotations
@@ -41,10 +43,8 @@ LOGGER = logging.getLogger(__name__)
 
 
 def _running(inst: Instance) -> ChildConnection | None:
-    child = inst.child
-    if inst.state in (State.RUNNING, State.UNHEALTHY) and child is not None and child.closed is None:
-        return child
-    return None
+    """The child of ``inst`` that takes new calls (running, not draining for a recycle)."""
+    return inst.serving()
 
 
 class _Waiter:
@@ -240,6 +240,7 @@ class Backend:
 
     def release(self, inst: Instance, session: ClientSession) -> None:
         """A call of ``session`` on ``inst`` ended (affine: maybe hand the instance over)."""
+        inst.calls_changed()
         if self.cfg.sharing == "affine":
             self._settle(inst)
         elif self.cfg.sharing == "per-session":
@@ -405,6 +406,12 @@ class Backend:
 
     def on_state_changed(self, inst: Instance) -> None:
         self._wake_waiters()
+
+    def on_draining_changed(self, inst: Instance) -> None:
+        """``inst`` began or ended a drain: waiters look again (affine: it may be free now)."""
+        self._wake_waiters()
+        if self.cfg.sharing == "affine" and not inst.draining:
+            self._grant()
 
     def on_instance_ready(self, inst: Instance) -> None:
         if inst is self.instances[0] or not self.lists_ready.is_set():

@@ -7,6 +7,7 @@ States (after supervisord)::
                           │ exited/failed    │ exited / health restart
                           ▼                  ▼
                  BACKOFF (delay) or FATAL (crash loop) ; BACKOFF ──retry──► STARTING
+    RUNNING/UNHEALTHY ──recycled──► STARTING   (a restart the gateway chose: no failure, no delay)
     any live state ──stop──► STOPPING ──stopped──► STOPPED ;  FATAL ──start──► STARTING
 
 Every operation is guarded by the states it allows; an illegal one raises
@@ -68,6 +69,7 @@ class Supervision:
         self._consecutive = 0
         self._running_since: float | None = None
         self.starts = 0
+        self.recycles = 0  # starts that were recycles (counted in ``starts`` too)
 
     def _go(self, new: State, reason: str, delay: float | None = None) -> Transition:
         t = Transition(self.state, new, reason, delay)
@@ -120,6 +122,18 @@ class Supervision:
         )
         delay = base * (0.5 + 0.5 * self._rng.random())  # jitter in [base/2, base]
         return self._go(State.BACKOFF, reason, delay)
+
+    def recycled(self, now: float, reason: str = "recycled") -> Transition:
+        """The gateway restarted a healthy child on purpose (a cancelled call it never answered,
+        after draining): start the next one at once.  Not a failure: it never counts toward the
+        crash loop (FATAL) nor grows the backoff delay."""
+        self._require("recycled", State.RUNNING, State.UNHEALTHY)
+        if self._running_since is not None and now - self._running_since >= STABLE_AFTER:
+            self._consecutive = 0
+        self._running_since = None
+        self.starts += 1
+        self.recycles += 1
+        return self._go(State.STARTING, reason)
 
     def stop(self, reason: str = "stop") -> Transition:
         self._require("stop", *LIVE)

@@ -26,6 +26,7 @@ OPS: dict[str, Op] = {
     "missed_ping": lambda s: s.missed_ping(),
     "healthy": lambda s: s.healthy(),
     "exited": lambda s: s.exited(0.0, "crashed"),
+    "recycled": lambda s: s.recycled(0.0),
     "stop": lambda s: s.stop(),
     "stopped": lambda s: s.stopped(),
 }
@@ -42,6 +43,8 @@ LEGAL: dict[tuple[str, State], State] = {
     ("exited", S.STARTING): S.BACKOFF,
     ("exited", S.RUNNING): S.BACKOFF,
     ("exited", S.UNHEALTHY): S.BACKOFF,
+    ("recycled", S.RUNNING): S.STARTING,
+    ("recycled", S.UNHEALTHY): S.STARTING,
     ("stop", S.STARTING): S.STOPPING,
     ("stop", S.RUNNING): S.STOPPING,
     ("stop", S.UNHEALTHY): S.STOPPING,
@@ -266,3 +269,34 @@ def test_stop_from_fatal_and_start_again() -> None:
     sup.stop()
     sup.stopped()
     assert sup.start().new is S.STARTING
+
+
+# ---- recycles (a restart the gateway chose) -----------------------------------------------
+
+
+def test_recycles_never_count_toward_the_crash_loop() -> None:
+    # max_restarts = 1: two failures in the window are FATAL; a hundred recycles are not.
+    sup = Supervision(RestartPolicy(max_restarts=1, window=60.0), random.Random(0))
+    sup.start()
+    for i in range(100):
+        sup.ready(float(i))
+        t = sup.recycled(i + 0.5)
+        assert (t.old, t.new, t.delay) == (S.RUNNING, S.STARTING, None)
+    assert (sup.starts, sup.recycles) == (101, 100)
+    sup.ready(200.0)
+    assert sup.exited(200.1, "crashed").new is S.BACKOFF  # the first real failure: backoff only
+    sup.start()
+    sup.ready(200.2)
+    assert sup.exited(200.3, "crashed").new is S.FATAL  # the second one within the window
+
+
+def test_recycles_do_not_grow_the_backoff() -> None:
+    policy = RestartPolicy(backoff_initial=1.0, backoff_max=60.0, max_restarts=1000)
+    sup = Supervision(policy, random.Random(3))
+    sup.start()
+    for i in range(10):
+        sup.ready(float(i))
+        sup.recycled(i + 0.1)
+    sup.ready(20.0)
+    t = sup.exited(20.1, "crashed")
+    assert t.delay is not None and 0.5 <= t.delay <= 1.0
