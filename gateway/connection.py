@@ -151,12 +151,24 @@ async def _writer(session: ClientSession, stream: MessageStream, in_hand: list[b
         except errors.TransportClosed:
             session.close(CloseReason.CLIENT_CLOSED)
             return
+        count = len(in_hand)
         in_hand.clear()
-        session.sent(size)
+        session.sent(size, count)
 
 
 async def _reader(hub: Hub, session: ClientSession, stream: MessageStream, nursery: trio.Nursery) -> None:
+    """Read and dispatch messages until the client closes.
+
+    Backpressure: a transport hands out the messages it already holds without a checkpoint, so
+    a burst of pipelined requests would be handled (and its answers queued) without the writer
+    ever running.  Above the outbound queue's high water the reader waits for the writer to
+    drain it (see :meth:`ClientSession.wait_drained`); when not backlogged that costs two int
+    comparisons per message and no checkpoint.
+    """
     while not session.closed.is_set():
+        if session.queued > session.high_water or session.queued_bytes > session.high_water_bytes:
+            await session.wait_drained()
+            continue
         try:
             data = await stream.receive()
         except errors.TransportClosed:
