@@ -5,16 +5,31 @@ Real sockets, real fixture child."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
-from helpers import fixture_backend, make_config, run_gateway
+from helpers import connect, fixture_backend, http_json, make_config, run_gateway, text_of
+
+MIB = 1 << 20
+#: Between two looks at /status while waiting for the state it proves.
+POLL = 0.02
 
 pytestmark = pytest.mark.system
 
 
-async def read_lines(stream: trio.SocketStream, want: int) -> list[dict]:
+async def wait_status(port: int | None, predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    """Poll /status until ``predicate`` holds (the caller bounds the wait)."""
+    while True:
+        st = await http_json(port, "/status")
+        if predicate(st):
+            return st
+        await trio.sleep(POLL)
+
+
+async def read_lines(stream: trio.SocketStream, want: int) -> list[dict[str, Any]]:
     """Read newline-delimited messages until ``want`` arrived or the stream ends."""
     buf, out = b"", []
     while len(out) < want:
@@ -45,3 +60,30 @@ async def test_a_burst_of_pipelined_requests_is_answered_in_full(tmp_path: Path)
                 assert {m["error"]["code"] for m in got} <= {-32601, -32006}
                 await stream.send_all(b'{"jsonrpc":"2.0","id":"p","method":"ping"}\n')
                 assert (await read_lines(stream, 1))[0]["id"] == "p"
+
+
+async def test_batch_answers_are_charged_and_those_past_outbound_bytes_become_overloaded() -> None:
+    # four answers of 700 kB and a slow call: the finished answers wait for the slow one, charged
+    # to the connection; only two fit in outbound_bytes (2 MiB), the other two are -32006
+    cfg = make_config(fixture_backend("fx"), gateway=f"max_message_bytes = {2 * MIB}\noutbound_bytes = {2 * MIB}")
+    size = 700_000
+    with trio.fail_after(30):
+        async with run_gateway(cfg) as gw, connect(gw.url, version="2025-03-26") as client:
+            port = gw.bound.admin_port
+            batch: list[dict[str, Any]] = [{"jsonrpc": "2.0", "id": f"b{i}", "method": "tools/call",
+                      "params": {"name": "fx__big", "arguments": {"size": size}}} for i in range(4)]
+            batch.append({"jsonrpc": "2.0", "id": "slow", "method": "tools/call",
+                          "params": {"name": "fx__sleep", "arguments": {"seconds": 60}}})
+            await client.send(batch)
+            # all four answered and held, charged (two results, two small errors)
+            await wait_status(port, lambda st: st["buffered_bytes"] > 2 * size
+                              and st["backends"][0]["instances"][0]["inflight"] == 1)
+            await client.notify("notifications/cancelled", {"requestId": "slow"})  # no answer for it
+            await client.wait_for(lambda: all(f"b{i}" in client.responses for i in range(4)))
+            answers = [client.responses[f"b{i}"] for i in range(4)]
+            assert sorted(len(text_of(a)) for a in answers if "result" in a) == [size, size]
+            errors = [a["error"] for a in answers if "error" in a]
+            assert [(e["code"], e["data"]) for e in errors] == [(-32006, {"reason": "overloaded", "limit": 2 * MIB})] * 2
+            assert "slow" not in client.responses and not client.closed
+            await wait_status(port, lambda st: st["buffered_bytes"] == 0)
+            assert text_of(await client.call("fx__echo", {"message": "still here"})) == "still here"
