@@ -9,9 +9,12 @@ free.
 
 Origin check: an upgrade with an ``Origin`` header that is not in ``allowed_origins`` gets HTTP
 403 (browsers open cross-origin WebSockets without CORS, so loopback alone does not protect a
-local gateway); with several ``Origin`` headers every one must be allowed.  Connection cap: an
-upgrade that finds every slot of ``slots`` (``max_connections``) taken gets HTTP 503; a slot is
-held from the accepted upgrade until the connection ends.  Host check: an
+local gateway); with several ``Origin`` headers every one must be allowed.  Connection cap: a
+slot of ``slots`` (``max_connections``) is taken when the TCP connection is accepted, before the
+handshake, and held until the connection ends (a half-open handshake holds one for at most
+:data:`HANDSHAKE_TIMEOUT`).  A connection beyond the cap gets HTTP 503 as soon as its request line
+is readable, within :data:`REFUSE_WAIT`; at most :data:`REFUSING_MAX` such refusals are under way
+at once, beyond that the TCP connection is closed at once.  Host check: an
 upgrade whose ``Host`` is not a loopback name, the bound address or in ``allowed_hosts`` gets
 HTTP 421 (DNS rebinding: a page whose name resolves to 127.0.0.1 sends its own name).
 
@@ -53,7 +56,7 @@ from gateway.errors import (
     TransportClosed,
     UnsupportedMessage,
 )
-from gateway.transports.listeners import allowed_host_names
+from gateway.transports.listeners import Accepted, SlottedListener, allowed_host_names
 from gateway.limits import ConnectionSlots
 
 LOGGER = logging.getLogger(__name__)
@@ -63,6 +66,13 @@ SUBPROTOCOL = "mcp"
 HANDSHAKE_TIMEOUT = 10.0
 #: Bound on the closing handshake (waiting for the peer's close frame).
 CLOSE_WAIT = 2.0
+#: Bound on turning away a connection beyond ``max_connections`` with a 503.
+REFUSE_WAIT = 1.0
+#: Refusals under way at once; a connection beyond the cap past this many is closed at once.
+REFUSING_MAX = 64
+_AT_CAP_BODY = b"too many connections (max_connections)\n"
+_AT_CAP = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\nconnection: close\r\n"
+           b"content-length: %d\r\n\r\n%s" % (len(_AT_CAP_BODY), _AT_CAP_BODY))
 _RECEIVE = 65536
 _BROKEN = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 _CLOSE_CODES = {
@@ -227,12 +237,33 @@ async def _refuse(stream: trio.abc.Stream, ws: WSConnection, status: int, text: 
     await stream.send_all(ws.send(reject) + ws.send(RejectData(data=body)))
 
 
-async def _handshake(stream: trio.abc.Stream, allowed_origins: Sequence[str],
-                     allowed_hosts: frozenset[str], admit: Callable[[], bool]) -> WSConnection | None:
-    """Run the HTTP upgrade; returns the open connection, or None after refusing it.
+async def _refuse_at_cap(stream: trio.SocketStream) -> None:
+    """503 for a connection beyond ``max_connections``, once its request line is readable
+    (bounded by the caller); then wait for the peer to close, so that closing does not reset the
+    connection under the answer."""
+    data = b""
+    while b"\n" not in data and len(data) < _RECEIVE:
+        chunk = await stream.receive_some(_RECEIVE)
+        if not chunk:
+            return
+        data += chunk
+    await stream.send_all(_AT_CAP)
+    await stream.send_eof()
+    while await stream.receive_some(_RECEIVE):
+        pass
 
-    ``admit`` is asked once the upgrade request is acceptable (it takes a connection slot).
-    """
+
+async def _close_tcp(stream: trio.SocketStream) -> None:
+    with trio.move_on_after(1.0):
+        try:
+            await stream.aclose()
+        except _BROKEN:
+            pass
+
+
+async def _handshake(stream: trio.abc.Stream, allowed_origins: Sequence[str],
+                     allowed_hosts: frozenset[str]) -> WSConnection | None:
+    """Run the HTTP upgrade; returns the open connection, or None after refusing it."""
     ws = WSConnection(ConnectionType.SERVER)
     while True:
         data = await stream.receive_some(_RECEIVE)
@@ -256,9 +287,6 @@ async def _handshake(stream: trio.abc.Stream, allowed_origins: Sequence[str],
                 LOGGER.warning("websocket upgrade refused: Origin not allowed")
                 await _refuse(stream, ws, 403, "Origin not allowed")
                 return None
-            if not admit():
-                await _refuse(stream, ws, 503, "too many connections (max_connections)")
-                return None
             sub = SUBPROTOCOL if SUBPROTOCOL in event.subprotocols else None
             await stream.send_all(ws.send(AcceptConnection(subprotocol=sub)))
             return ws
@@ -279,39 +307,44 @@ async def serve_websocket(
 
     Connections run in ``handler_nursery``, so cancelling this task (stop accepting) does not
     cancel live connections.  ``allowed_hosts``: ``Host`` names accepted besides the loopback
-    names and the bound address.  With ``slots``, each connection holds one while it lives.
+    names and the bound address.  With ``slots``, each connection holds one from its accept
+    until it ends.
     """
     hosts = allowed_host_names(listeners, allowed_hosts)
+    refusing = 0
 
-    async def handler(stream: trio.SocketStream) -> None:
-        admitted = False
-
-        def admit() -> bool:
-            nonlocal admitted
-            admitted = slots is None or slots.acquire("websocket")
-            return admitted
-
+    async def handler(accepted: Accepted) -> None:
+        nonlocal refusing
+        stream = accepted.stream
         try:
+            if not accepted.admitted:  # beyond max_connections (already counted)
+                if refusing < REFUSING_MAX:
+                    refusing += 1
+                    try:
+                        with trio.move_on_after(REFUSE_WAIT):
+                            await _refuse_at_cap(stream)
+                    except _BROKEN:
+                        pass
+                    finally:
+                        refusing -= 1
+                await _close_tcp(stream)
+                return
             ws = None
             with trio.move_on_after(HANDSHAKE_TIMEOUT):
                 try:
-                    ws = await _handshake(stream, allowed_origins, hosts, admit)
+                    ws = await _handshake(stream, allowed_origins, hosts)
                 except _BROKEN:
                     ws = None
                 except Exception:  # a bug in the upgrade must end this connection only
                     LOGGER.exception("websocket upgrade failed")
                     ws = None
             if ws is None:
-                with trio.move_on_after(1.0):
-                    try:
-                        await stream.aclose()
-                    except _BROKEN:
-                        pass
+                await _close_tcp(stream)
                 return
             await on_connection(WebSocketStream(stream, ws, max_message))
         finally:
-            if admitted and slots is not None:
+            if accepted.admitted and slots is not None:
                 slots.release()
 
-    await trio.serve_listeners(handler, listeners, handler_nursery=handler_nursery,
-                               task_status=task_status)
+    await trio.serve_listeners(handler, [SlottedListener(lst, slots, "websocket") for lst in listeners],
+                               handler_nursery=handler_nursery, task_status=task_status)

@@ -5,28 +5,25 @@ Real sockets, real fixture child."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
-from helpers import connect, fixture_backend, http_json, make_config, run_gateway, text_of
+from helpers import (
+    connect,
+    fixture_backend,
+    make_config,
+    metric,
+    run_gateway,
+    text_of,
+    upgrade_status,
+    wait_status,
+)
 
 MIB = 1 << 20
-#: Between two looks at /status while waiting for the state it proves.
-POLL = 0.02
 
 pytestmark = pytest.mark.system
-
-
-async def wait_status(port: int | None, predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-    """Poll /status until ``predicate`` holds (the caller bounds the wait)."""
-    while True:
-        st = await http_json(port, "/status")
-        if predicate(st):
-            return st
-        await trio.sleep(POLL)
 
 
 async def read_lines(stream: trio.SocketStream, want: int) -> list[dict[str, Any]]:
@@ -87,3 +84,30 @@ async def test_batch_answers_are_charged_and_those_past_outbound_bytes_become_ov
             assert "slow" not in client.responses and not client.closed
             await wait_status(port, lambda st: st["buffered_bytes"] == 0)
             assert text_of(await client.call("fx__echo", {"message": "still here"})) == "still here"
+
+
+async def test_half_open_websocket_handshakes_hold_a_slot_and_the_cap_refuses_at_once(tmp_path: Path) -> None:
+    sock = tmp_path / "gw.sock"
+    cfg = make_config(fixture_backend("fx"), gateway="max_connections = 2", unix=str(sock))
+    refused = "mcp_gateway_client_connections_refused_total"
+    with trio.fail_after(30):
+        async with run_gateway(cfg) as gw:
+            port, ws_port = gw.bound.admin_port, gw.bound.websocket_port
+            assert ws_port is not None
+            half_open = [await trio.open_tcp_stream("127.0.0.1", ws_port) for _ in range(2)]
+            for stream in half_open:  # a request line, and nothing more
+                await stream.send_all(b"GET / HTTP/1.1\r\n")
+            # both hold a slot from their accept, before any handshake
+            await wait_status(port, lambda st: st["connection_slots"] == 2 and st["connections"] == {})
+            status, body = await upgrade_status(ws_port)  # a complete upgrade: no slot left
+            assert status == 503 and b"max_connections" in body
+            unix = await trio.open_unix_socket(str(sock))
+            async with unix:
+                assert await unix.receive_some(65536) == b""  # closed at once
+            assert await metric(port, refused, transport="websocket", reason="max_connections") == 1
+            assert await metric(port, refused, transport="unix", reason="max_connections") == 1
+            for stream in half_open:  # the handshake ends without an upgrade: slot released
+                await stream.aclose()
+            await wait_status(port, lambda st: st["connection_slots"] == 0)
+            async with connect(gw.url) as client:
+                assert text_of(await client.call("fx__echo", {"message": "served"})) == "served"
