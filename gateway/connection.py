@@ -209,7 +209,7 @@ class _BatchCollector:
     The answers collected so far are charged to the session's byte account (``/status``
     ``buffered_bytes``, and ``buffered_bytes_total`` evicts as for any queue) until the array is
     queued.  The array must fit in ``outbound_bytes``: an answer that would take the collected
-    ones past ``outbound_bytes`` − :data:`BATCH_RESERVE` is replaced by a -32006 ``overloaded``
+    ones past ``outbound_bytes`` - :data:`BATCH_RESERVE` is replaced by a -32006 ``overloaded``
     error for its id (the call ran; its result is dropped), so the array is always sent.
     """
 

@@ -5,6 +5,7 @@ Real sockets, real fixture child."""
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,10 @@ from helpers import (
     upgrade_status,
     wait_status,
 )
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import AcceptConnection, CloseConnection, Request, TextMessage
+
+from gateway import limits
 
 MIB = 1 << 20
 
@@ -111,3 +116,68 @@ async def test_half_open_websocket_handshakes_hold_a_slot_and_the_cap_refuses_at
             await wait_status(port, lambda st: st["connection_slots"] == 0)
             async with connect(gw.url) as client:
                 assert text_of(await client.call("fx__echo", {"message": "served"})) == "served"
+
+
+async def raw_ws(port: int | None) -> tuple[trio.SocketStream, WSConnection]:
+    """A WebSocket handshake done by hand: frames can then be written as raw bytes."""
+    assert port is not None
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    ws = WSConnection(ConnectionType.CLIENT)
+    await stream.send_all(ws.send(Request(host="127.0.0.1", target="/", subprotocols=["mcp"])))
+    while True:
+        ws.receive_data(await stream.receive_some(65536))
+        if any(isinstance(e, AcceptConnection) for e in ws.events()):
+            return stream, ws
+
+
+async def until_close(stream: trio.SocketStream, ws: WSConnection) -> tuple[list[dict[str, Any]], int]:
+    """The messages received until the server's close frame, and its code."""
+    got: list[dict[str, Any]] = []
+    while True:
+        ws.receive_data(await stream.receive_some(65536))
+        for event in ws.events():
+            if isinstance(event, TextMessage):
+                got.append(json.loads(event.data))
+            elif isinstance(event, CloseConnection):
+                return got, event.code
+
+
+def frame_header(length: int) -> bytes:
+    """A masked text frame header (FIN set) declaring ``length`` (> 125) bytes, mask key zero."""
+    size = b"\xfe" + struct.pack("!H", length) if length < 1 << 16 else b"\xff" + struct.pack("!Q", length)
+    return b"\x81" + size + b"\0\0\0\0"
+
+
+async def test_frames_are_refused_by_their_header_and_messages_must_complete_in_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(limits, "INCOMPLETE_MESSAGE_TIMEOUT", 0.5)
+    sock = tmp_path / "gw.sock"
+    cfg = make_config(fixture_backend("fx"), gateway=f"max_message_bytes = {MIB}", unix=str(sock))
+    with trio.fail_after(20):
+        async with run_gateway(cfg) as gw:
+            port = gw.bound.websocket_port
+            # a header declaring 2^63-1 bytes, 1000 of them, then silence: refused at the header
+            stream, ws = await raw_ws(port)
+            async with stream:
+                await stream.send_all(frame_header(2**63 - 1) + b" " * 1000)
+                got, code = await until_close(stream, ws)
+            assert code == 1009
+            assert [(m["id"], m["error"]["code"], m["error"]["data"]["reason"]) for m in got] == [
+                (None, -32600, "message_too_large")]
+            # a frame within the limit that never completes: refused when the bound passes
+            stream, ws = await raw_ws(port)
+            async with stream:
+                await stream.send_all(frame_header(1000) + b'{"jsonrpc":')
+                got, code = await until_close(stream, ws)
+            assert code == 1008
+            assert [(m["error"]["code"], m["error"]["data"]["reason"]) for m in got] == [
+                (-32600, "incomplete_message")]
+            # the same for a line on the unix socket
+            unix = await trio.open_unix_socket(str(sock))
+            async with unix:
+                await unix.send_all(b'{"jsonrpc":"2.0","id":1,"method":"ping"}\n{"jsonrpc":')
+                got = await read_lines(unix, 3)  # the ping's answer, the error, then the end
+            assert [m["id"] for m in got] == [1, None]
+            assert got[1]["error"]["data"]["reason"] == "incomplete_message"
+            st = await wait_status(gw.bound.admin_port, lambda st: st["connection_slots"] == 0)
+            assert st["buffered_bytes"] == 0
