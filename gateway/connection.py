@@ -44,6 +44,9 @@ LOGGER = logging.getLogger(__name__)
 WRITE_BATCH = 64
 #: A batch stops growing past this many bytes (the transport copies a batch while framing it).
 WRITE_BATCH_BYTES = 1 << 20
+#: Room kept in ``outbound_bytes`` for the -32006 errors that replace a batch's answers that do
+#: not fit (see :class:`_BatchCollector`).
+BATCH_RESERVE = 64 * 1024
 #: Bound on delivering the last queued messages (e.g. an error before closing) to a client.
 FLUSH_TIMEOUT = 2.0
 
@@ -151,12 +154,24 @@ async def _writer(session: ClientSession, stream: MessageStream, in_hand: list[b
         except errors.TransportClosed:
             session.close(CloseReason.CLIENT_CLOSED)
             return
+        count = len(in_hand)
         in_hand.clear()
-        session.sent(size)
+        session.sent(size, count)
 
 
 async def _reader(hub: Hub, session: ClientSession, stream: MessageStream, nursery: trio.Nursery) -> None:
+    """Read and dispatch messages until the client closes.
+
+    Backpressure: a transport hands out the messages it already holds without a checkpoint, so
+    a burst of pipelined requests would be handled (and its answers queued) without the writer
+    ever running.  Above the outbound queue's high water the reader waits for the writer to
+    drain it (see :meth:`ClientSession.wait_drained`); when not backlogged that costs two int
+    comparisons per message and no checkpoint.
+    """
     while not session.closed.is_set():
+        if session.queued > session.high_water or session.queued_bytes > session.high_water_bytes:
+            await session.wait_drained()
+            continue
         try:
             data = await stream.receive()
         except errors.TransportClosed:
@@ -189,20 +204,37 @@ async def _reader(hub: Hub, session: ClientSession, stream: MessageStream, nurse
 
 
 class _BatchCollector:
-    """Gathers the responses to one batch and sends them as one array."""
+    """Gathers the responses to one batch and sends them as one array.
+
+    The answers collected so far are charged to the session's byte account (``/status``
+    ``buffered_bytes``, and ``buffered_bytes_total`` evicts as for any queue) until the array is
+    queued.  The array must fit in ``outbound_bytes``: an answer that would take the collected
+    ones past ``outbound_bytes`` - :data:`BATCH_RESERVE` is replaced by a -32006 ``overloaded``
+    error for its id (the call ran; its result is dropped), so the array is always sent.
+    """
 
     def __init__(self, session: ClientSession) -> None:
         self._session = session
         self._parts: list[bytes] = []
+        self._size = 1  # bytes of the array so far: "[", and per part its bytes and "," or "]"
+        self._limit = max(session.max_outbound_bytes - BATCH_RESERVE, session.max_outbound_bytes // 2)
         self._open = 0
         self._sealed = False
+        self._dropped = 0
 
-    def expect(self) -> Callable[[bytes | None], None]:
+    def expect(self) -> Callable[[bytes | None, int | str | None], None]:
         self._open += 1
 
-        def deliver(data: bytes | None) -> None:
+        def deliver(data: bytes | None, id: int | str | None = None) -> None:
             if data is not None:
+                if self._size + len(data) + 1 > self._limit:
+                    self._dropped += len(data)
+                    data = error_response(id, errors.Overloaded(
+                        "the answers to this batch would exceed outbound_bytes; "
+                        "send this request again on its own", limit=self._session.max_outbound_bytes))
                 self._parts.append(data)
+                self._size += len(data) + 1
+                self._session.buffers.charge(len(data))  # may evict this connection
             self._open -= 1
             self._maybe_send()
 
@@ -214,46 +246,53 @@ class _BatchCollector:
 
     def _maybe_send(self) -> None:
         if self._sealed and self._open == 0 and self._parts:
-            self._session.send(b"[" + b",".join(self._parts) + b"]")
+            session = self._session
+            if self._dropped:
+                LOGGER.warning("connection %s: a batch's answers would exceed outbound_bytes (%d); "
+                               "%d bytes of results replaced by -32006 errors", session.conn_id,
+                               session.max_outbound_bytes, self._dropped, extra=session.log_fields)
+            session.buffers.release(self._size - 1 - len(self._parts))  # charged again by send()
+            session.send(b"[" + b",".join(self._parts) + b"]")
             self._parts = []
 
 
 def _handle(hub: Hub, session: ClientSession, data: bytes, nursery: trio.Nursery,
             batch: _BatchCollector | None) -> None:
-    reply: Callable[[bytes | None], None]
+    reply: Callable[[bytes | None, int | str | None], None]
     if batch is not None:
         reply = batch.expect()
     else:
-        def reply(message: bytes | None) -> None:
+        def reply(message: bytes | None, id: int | str | None = None) -> None:
             if message is not None:
                 session.send(message)
     try:
         env = jsonrpc.decode(data, hub.max_json_depth)
         kind = jsonrpc.classify(env)
     except errors.GatewayError as exc:
-        reply(error_response(exc.data.pop("id", None), exc))
+        bad_id = exc.data.pop("id", None)
+        reply(error_response(bad_id, exc), bad_id)
         return
     if kind == "request":
         assert isinstance(env.id, int | str) and isinstance(env.method, str)
         if hub.draining:  # never started, so safe to send to another replica
             reply(error_response(env.id, errors.Denied(
-                "the gateway is shutting down; send this request elsewhere", reason="shutdown", retryable=True)))
+                "the gateway is shutting down; send this request elsewhere", reason="shutdown", retryable=True)), env.id)
             return
         if env.method == "initialize" and batch is not None:
-            reply(error_response(env.id, errors.InvalidRequest("initialize must not be part of a batch")))
+            reply(error_response(env.id, errors.InvalidRequest("initialize must not be part of a batch")), env.id)
             return
         size = len(data)
         try:
             session.check_new_call(env.id, size)
         except errors.GatewayError as exc:
-            reply(error_response(env.id, exc))
+            reply(error_response(env.id, exc), env.id)
             return
         scope = trio.CancelScope()
         session.inflight[env.id] = scope
         session.buffers.charge(size)  # the request's bytes live until it is answered
         nursery.start_soon(_run_request, hub, session, env, size, scope, reply)
         return
-    reply(None)
+    reply(None, None)
     if kind == "notification":
         assert isinstance(env.method, str)
         _on_notification(hub, session, env.method, env)
@@ -282,7 +321,7 @@ def _on_notification(hub: Hub, session: ClientSession, method: str, env: jsonrpc
 
 
 async def _run_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, size: int,
-                       scope: trio.CancelScope, reply: Callable[[bytes | None], None]) -> None:
+                       scope: trio.CancelScope, reply: Callable[[bytes | None, int | str | None], None]) -> None:
     """Run one client request and answer it: the single exception → JSON-RPC error boundary."""
     assert isinstance(env.id, int | str) and isinstance(env.method, str)
     started = trio.current_time()
@@ -318,7 +357,7 @@ async def _run_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, 
             outcome = RequestOutcome.ERROR
         elif response is not None and not scope.cancelled_caught:
             outcome = RequestOutcome.OK if code is None else RequestOutcome.ERROR
-        reply(response if outcome is not RequestOutcome.CANCELLED else None)  # a cancelled request gets no response
+        reply(response if outcome is not RequestOutcome.CANCELLED else None, env.id)  # a cancelled request gets no response
     finally:
         session.inflight.pop(env.id, None)
         session.buffers.release(size)

@@ -191,6 +191,7 @@ class CloseReason(enum.StrEnum):
     OVERSIZE = "oversize"  # a message over max_message_bytes
     UNSUPPORTED_DATA = "unsupported_data"  # a WebSocket binary frame
     INVALID_DATA = "invalid_data"  # a WebSocket text frame that is not UTF-8
+    INCOMPLETE = "incomplete_message"  # a message not completed within INCOMPLETE_MESSAGE_TIMEOUT
     SHUTDOWN = "shutdown"
     ERROR = "error"
     IDLE = "idle"
@@ -218,6 +219,14 @@ class MessageTooLarge(MessageRefused):
         super().__init__(f"message of {size} bytes exceeds the limit of {limit} bytes", limit=limit)
         self.size = size
         self.limit = limit
+
+
+class IncompleteMessage(MessageRefused):
+    """A peer started a message and did not complete it within
+    :data:`gateway.limits.INCOMPLETE_MESSAGE_TIMEOUT` seconds."""
+
+    close_reason = CloseReason.INCOMPLETE
+    reason = "incomplete_message"
 
 
 class UnsupportedMessage(MessageRefused):

@@ -361,6 +361,7 @@ class Hub:
             buffered_bytes=self.budget.total,
             client_requests_in_flight=sum(len(s.inflight) for s in self.sessions),
             outbound_messages_queued=sum(s.outbound.statistics().current_buffer_used for s in self.sessions),
+            connection_slots=self.slots.used,
         )
 
 

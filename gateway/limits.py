@@ -25,6 +25,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+#: Seconds a client message may stay incomplete: from the first bytes of a WebSocket frame or
+#: line until the message is whole.  A connection that lets this pass is answered -32600
+#: ``incomplete_message`` and closed (WebSocket 1008), so a peer that starts a message and falls
+#: silent cannot hold a slot and a partial buffer of up to ``max_message_bytes`` forever.
+#: Idle connections between messages are not affected.
+INCOMPLETE_MESSAGE_TIMEOUT = 30.0
+
 
 class Account:
     """One queue's share of a :class:`ByteBudget` (open it with :meth:`ByteBudget.open`)."""

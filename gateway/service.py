@@ -276,18 +276,20 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                     raise StartupError(str(exc)) from None
                 bound.unix_path = cfg.listen.unix
 
-            async def on_unix(stream: trio.SocketStream) -> None:
-                if not hub.slots.acquire("unix"):
-                    with trio.move_on_after(1.0):
-                        await stream.aclose()  # max_connections: closed at once
-                    return
+            async def on_unix(accepted: ls.Accepted) -> None:
                 try:
-                    await connection.serve(hub, LineStream(stream, max_msg), "unix")
+                    if not accepted.admitted:
+                        with trio.move_on_after(1.0):
+                            await accepted.stream.aclose()  # max_connections: closed at once
+                        return
+                    await connection.serve(hub, LineStream(accepted.stream, max_msg), "unix")
                 finally:
-                    hub.slots.release()
+                    if accepted.admitted:
+                        hub.slots.release()
 
             await nursery.start(lambda task_status: trio.serve_listeners(
-                on_unix, [unix_listener], handler_nursery=conns, task_status=task_status))
+                on_unix, [ls.SlottedListener(unix_listener, hub.slots, "unix")], handler_nursery=conns,
+                task_status=task_status))
         hub.listeners_bound = True
         task_status.started()
 

@@ -10,6 +10,13 @@ requests it sent that are still being served, are charged to the connection's ac
 daemon-wide :class:`~gateway.limits.ByteBudget`; when the budget evicts this connection (it
 holds the most when the total runs over) it is closed with reason ``overflow`` too.
 
+Backpressure on the client's own requests: once the queue holds more than half of
+``outbound_queue`` messages or half of ``outbound_bytes`` bytes (``high_water``), the
+connection's reader stops reading (:meth:`ClientSession.wait_drained`) until the writer has
+brought it down to a quarter of both, or the connection closes.  A burst of pipelined requests
+from a client that reads is thus answered in full; a client that never reads simply stops being
+read, and what its calls already in flight answer still runs into ``outbound_bytes``.
+
 Server→client requests (a backend's elicitation, sampling, roots; the gateway's own consent
 prompts) are recorded in ``server_requests`` under ids minted for this connection only.  An
 answer is accepted only from this connection for an id it was sent; anything else is refused
@@ -102,6 +109,13 @@ class ClientSession:
         self._send, self.outbound = trio.open_memory_channel[bytes](outbound_capacity)
         self.max_outbound_bytes = outbound_bytes
         self.queued_bytes = 0  # in ``outbound`` or taken by the writer, not yet sent
+        self.queued = 0  # messages, counted like ``queued_bytes``
+        # backpressure on the reader: above high water it waits until both are at low water
+        self.high_water = max(1, outbound_capacity // 2)
+        self.high_water_bytes = outbound_bytes // 2
+        self._low_water = outbound_capacity // 4
+        self._low_water_bytes = outbound_bytes // 4
+        self._drained: trio.Event | None = None  # the reader waits on it
         self._budget = budget if budget is not None else ByteBudget(sys.maxsize)
         self.buffers = self._budget.open(self.conn_id, self._evicted)
         self.closed = trio.Event()
@@ -119,8 +133,9 @@ class ClientSession:
             return False
         n = len(data)
         if self.queued_bytes + n > self.max_outbound_bytes:
-            LOGGER.warning("connection %s: %d bytes queued toward a client that does not read "
-                           "(outbound_bytes %d), disconnecting it", self.conn_id, self.queued_bytes,
+            LOGGER.warning("connection %s: a message of %d bytes does not fit in the outbound queue "
+                           "(%d bytes already queued toward the client, outbound_bytes %d); "
+                           "disconnecting it", self.conn_id, n, self.queued_bytes,
                            self.max_outbound_bytes, extra=self.log_fields)
             self.close(CloseReason.OVERFLOW)
             return False
@@ -133,13 +148,27 @@ class ClientSession:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return False
         self.queued_bytes += n
+        self.queued += 1
         self.buffers.charge(n)  # may evict a connection (this one too) when the total runs over
         return True
 
-    def sent(self, n: int) -> None:
-        """The writer wrote ``n`` queued bytes to the client."""
+    def sent(self, n: int, count: int = 1) -> None:
+        """The writer wrote ``count`` queued messages of ``n`` bytes in all to the client."""
         self.queued_bytes -= n
+        self.queued -= count
         self.buffers.release(n)
+        if (self._drained is not None and self.queued <= self._low_water
+                and self.queued_bytes <= self._low_water_bytes):
+            self._drained.set()
+            self._drained = None
+
+    async def wait_drained(self) -> None:
+        """Until the writer has brought the queue down to low water, or the connection closed."""
+        if self.closed.is_set():
+            return
+        if self._drained is None:
+            self._drained = trio.Event()
+        await self._drained.wait()
 
     def drop_outbound(self) -> None:
         """The connection is over: drop what is still queued and release all its bytes."""
@@ -149,6 +178,7 @@ class ClientSession:
             except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
                 break
         self.queued_bytes = 0
+        self.queued = 0
         self.buffers.close()
 
     def _evicted(self) -> None:
@@ -165,6 +195,9 @@ class ClientSession:
         if not self.closed.is_set():
             self.close_reason = reason
             self.closed.set()
+            if self._drained is not None:  # a reader waiting for the queue to drain
+                self._drained.set()
+                self._drained = None
             if self.cancel_scope is not None:
                 self.cancel_scope.cancel()
 

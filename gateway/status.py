@@ -48,6 +48,7 @@ class GatewayStatus:
     buffered_bytes: int = 0  # queued client/backend message bytes (gateway.buffered_bytes_total)
     client_requests_in_flight: int = 0  # client requests read and not yet answered, all sessions
     outbound_messages_queued: int = 0  # messages waiting in the sessions' outbound queues
+    connection_slots: int = 0  # max_connections slots taken: accepted connections, handshakes included
 
     def not_ready_because(self) -> list[str]:
         """Why the daemon is not ready, in words for ``/readyz`` (empty when it is ready):

@@ -211,6 +211,7 @@ def settled_view(status: dict[str, Any]) -> dict[str, Any]:
         "pending_server_requests": status["pending_server_requests"],
         "client_requests_in_flight": status["client_requests_in_flight"],
         "outbound_messages_queued": status["outbound_messages_queued"],
+        "connection_slots": status["connection_slots"],
         "inflight": {i["name"]: i["inflight"] for b in status["backends"] for i in b["instances"]},
     }
 

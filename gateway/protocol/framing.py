@@ -38,6 +38,11 @@ class LineFramer:
         self._skipped = 0  # bytes of the oversize frame being discarded
         self._tail = b""  # its last HEAD bytes so far
 
+    @property
+    def partial(self) -> bool:
+        """Bytes of a frame whose newline has not arrived yet are held."""
+        return bool(self._buf)
+
     def feed(self, data: bytes) -> list[bytes | Oversize | OversizeEnd]:
         out: list[bytes | Oversize | OversizeEnd] = []
         start = 0

@@ -1,11 +1,18 @@
 """A :class:`~gateway.connection.MessageStream` over any byte stream, one message per line
-(the MCP stdio framing), used by the unix socket listener and the stdio bridge."""
+(the MCP stdio framing), used by the unix socket listener and the stdio bridge.
+
+A line must be complete (its newline read) within
+:data:`gateway.limits.INCOMPLETE_MESSAGE_TIMEOUT` seconds of the read that started it, else
+:class:`~gateway.errors.IncompleteMessage`; the deadline is armed only while a partial line is
+held, so reading whole lines costs nothing more.
+"""
 
 from __future__ import annotations
 
 import trio
 
-from gateway.errors import MessageTooLarge, TransportClosed
+from gateway import limits
+from gateway.errors import IncompleteMessage, MessageTooLarge, TransportClosed
 from gateway.protocol.framing import LineFramer, Oversize
 
 _RECEIVE_CHUNK = 65536
@@ -18,17 +25,30 @@ class LineStream:
         self._max = max_message
         self._ready: list[bytes | Oversize] = []
         self._pos = 0
+        self._deadline: float | None = None  # for the partial line held, if any
 
     async def receive(self) -> bytes:
         while self._pos >= len(self._ready):
             try:
-                data = await self._stream.receive_some(_RECEIVE_CHUNK)
+                if self._framer.partial:
+                    if self._deadline is None:
+                        self._deadline = trio.current_time() + limits.INCOMPLETE_MESSAGE_TIMEOUT
+                    data = b""
+                    with trio.move_on_at(self._deadline) as scope:
+                        data = await self._stream.receive_some(_RECEIVE_CHUNK)
+                    if scope.cancelled_caught:
+                        raise IncompleteMessage(
+                            f"a line was not completed within {limits.INCOMPLETE_MESSAGE_TIMEOUT:g} seconds")
+                else:
+                    data = await self._stream.receive_some(_RECEIVE_CHUNK)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 raise TransportClosed(str(exc)) from None
             if not data:
                 raise TransportClosed("end of stream")
             self._ready = self._framer.feed(data)
             self._pos = 0
+            if self._ready:
+                self._deadline = None  # a partial line left now started in this read
         frame = self._ready[self._pos]
         self._pos += 1
         if isinstance(frame, Oversize):

@@ -9,16 +9,52 @@ import os
 import socket
 import stat
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import trio
 
 from gateway.config import host_name, is_loopback
+from gateway.limits import ConnectionSlots
 
 LOGGER = logging.getLogger(__name__)
 
 
 class ListenerError(Exception):
     """A listener cannot be opened, or would be exposed beyond loopback."""
+
+
+@dataclass(slots=True)
+class Accepted(trio.abc.AsyncResource):
+    """A connection accepted by a :class:`SlottedListener`; ``admitted``: it holds a slot, which
+    its handler must release (whatever happens) once the connection is over.  Closing it closes
+    the stream (``trio.serve_listeners`` does, after the handler)."""
+
+    stream: trio.SocketStream
+    admitted: bool
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+class SlottedListener(trio.abc.Listener[Accepted]):
+    """A listener whose ``accept()`` takes a ``max_connections`` slot for each connection at
+    once — in the accept loop, in accept order, before a single byte is read (a WebSocket whose
+    handshake never completes holds a slot too, so half-open sockets cannot pile up past the
+    cap).  A connection beyond the cap comes back with ``admitted=False`` (already counted as
+    refused) for its handler to turn away at once."""
+
+    def __init__(self, inner: trio.SocketListener, slots: ConnectionSlots | None, transport: str) -> None:
+        self.inner = inner
+        self.socket = inner.socket
+        self._slots = slots
+        self._transport = transport
+
+    async def accept(self) -> Accepted:
+        stream = await self.inner.accept()
+        return Accepted(stream, self._slots is None or self._slots.acquire(self._transport))
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
 
 
 def adopt_listener(fd: int) -> trio.SocketListener:

@@ -4,7 +4,7 @@ daemon-wide, ``max_connections`` across WebSocket and unix.  Real sockets, real 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -12,34 +12,21 @@ from typing import Any
 import pytest
 import trio
 import trio_websocket
-from helpers import connect, fixture_backend, http_json, http_request, make_config, run_gateway, text_of
+from helpers import (
+    POLL,
+    connect,
+    fixture_backend,
+    make_config,
+    metric,
+    run_gateway,
+    text_of,
+    upgrade_status,
+    wait_status,
+)
 
 pytestmark = pytest.mark.system
 
 MIB = 1 << 20
-#: Between two looks at /status or /metrics while waiting for the state they prove.
-POLL = 0.02
-
-
-async def wait_status(port: int | None, predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-    """Poll /status until ``predicate`` holds (the caller bounds the wait)."""
-    while True:
-        st = await http_json(port, "/status")
-        if predicate(st):
-            return st
-        await trio.sleep(POLL)
-
-
-async def metric(port: int | None, name: str, **labels: str) -> float:
-    """One sample of /metrics (0 when absent)."""
-    status, body = await http_request(port, "/metrics")
-    assert status == 200
-    want = sorted(f'{k}="{v}"' for k, v in labels.items())
-    for line in body.decode().splitlines():
-        sample, _, value = line.rpartition(" ")
-        if sample.split("{")[0] == name and sorted(sample.partition("{")[2].rstrip("}").split(",")) == want:
-            return float(value)
-    return 0.0
 
 
 async def wait_metric(port: int | None, name: str, value: float, **labels: str) -> None:
@@ -134,26 +121,6 @@ buffered_bytes_total = {3 * MIB}
                               transport="websocket", reason="overflow")
             await wait_status(port, lambda st: st["buffered_bytes"] == 0)
             assert text_of(await other.call("fx__echo", {"message": "served"})) == "served"
-
-
-UPGRADE = (b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-           b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
-           b"Sec-WebSocket-Protocol: mcp\r\n\r\n")
-
-
-async def upgrade_status(port: int | None) -> tuple[int, bytes]:
-    assert port is not None
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
-    async with stream:
-        await stream.send_all(UPGRADE)
-        data = b""
-        while b"\r\n\r\n" not in data or data.startswith(b"HTTP/1.1 503") and not data.endswith(b"\n"):
-            chunk = await stream.receive_some(65536)
-            if not chunk:
-                break
-            data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    return int(head.split()[1]), body
 
 
 async def test_max_connections_refuses_websocket_with_503_and_unix_at_once(tmp_path: Path) -> None:
