@@ -84,7 +84,6 @@ class BackendConfig(Base):
     request_timeout: float = 60.0
     max_call_duration: float = 900.0  # hard maximum, even while prompts pause request_timeout
     start_timeout: float = 10.0
-    max_inflight: int = 32  # client calls in flight to one child; beyond, connections take turns
     cancel_grace: float = 10.0  # a cancelled call unanswered this long: see README "Attribution"
     restart: RestartSection = RestartSection()
     health: HealthSection = HealthSection()
@@ -337,8 +336,8 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
             errors.append(f"{p}.health: need interval >= 0, timeout > 0, failures >= 1")
         if b.stderr_lines_per_second < 0 or b.stderr_burst < 1:
             errors.append(f"{p}: need stderr_lines_per_second >= 0 and stderr_burst >= 1")
-        if b.instances < 1 or b.max_sessions < 1 or b.max_inflight < 1:
-            errors.append(f"{p}: instances, max_sessions and max_inflight must be at least 1")
+        if b.instances < 1 or b.max_sessions < 1:
+            errors.append(f"{p}: instances and max_sessions must be at least 1")
         if b.prefix is not None and b.prefix and not re.fullmatch(r"[a-zA-Z0-9_-]{1,32}", b.prefix):
             errors.append(f"{p}.prefix: must match [a-zA-Z0-9_-]{{0,32}}")
         for root in b.roots:

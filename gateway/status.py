@@ -22,7 +22,6 @@ class InstanceStatus:
     owner: str | None = None  # per-session / affine: the conn id it serves
     recycles: int = 0  # of ``restarts``, those that were recycles (not failures)
     draining: bool = False  # drained for a recycle: no new calls, those in flight end
-    queued: int = 0  # client calls waiting for one of the child's max_inflight slots
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ import itertools
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
@@ -32,7 +32,6 @@ from gateway import errors
 from gateway.events import BackendProtocolError, EventBus
 from gateway.limits import Account, ByteBudget
 from gateway.protocol import jsonrpc, wire
-from gateway.protocol.fairness import FairQueue
 from gateway.protocol.framing import HEAD, LineFramer, Oversize, OversizeEnd
 from gateway.protocol.mcp import decode_cancelled
 
@@ -113,7 +112,6 @@ class ChildConnection:
         max_line: int,
         max_depth: int = jsonrpc.MAX_DEPTH,
         buffers: Account | None = None,
-        max_inflight: int = 32,
     ) -> None:
         self.backend = backend
         self.instance = instance
@@ -124,7 +122,6 @@ class ChildConnection:
         self._bus = bus
         self._max_line = max_line
         self._max_depth = max_depth
-        self.admission: FairQueue[ClientSession, trio.Event] = FairQueue(max_inflight)
         self._oversize_head = b""  # first bytes of the oversize line being discarded
         self._outbox: list[tuple[bytes, int | None]] = []  # (bytes to write, gateway id)
         # The outbox's bytes (queued or being written) on the daemon-wide budget; closed, and
@@ -239,6 +236,7 @@ class ChildConnection:
         internal: bool = False,
         progress: tuple[Any, Callable[[Any, dict[str, Raw]], None]] | None = None,
         rewrite: Callable[[str | None], Raw | UnsetType] | None = None,
+        on_sent: Callable[[PendingCall], Awaitable[None] | None] | None = None,
     ) -> Raw:
         """Send a request to the child and wait for its reply.
 
@@ -253,55 +251,6 @@ class ChildConnection:
             CallTimeout, BackendExited, RemoteError.  On cancellation or timeout the child is
             sent ``notifications/cancelled`` and a late reply is dropped.
         """
-        fair = owner is not None and not internal
-        if fair:
-            assert owner is not None
-            await self._admitted(owner, timeout, method)
-        try:
-            return await self._request(method, params, timeout=timeout, hard_timeout=hard_timeout,
-                                       owner=owner, internal=internal, progress=progress,
-                                       rewrite=rewrite)
-        finally:
-            if fair:
-                self._release_slot()
-
-    async def _admitted(self, owner: ClientSession, timeout: float, method: str) -> None:
-        """Wait for a slot among the calls in flight to the child (``max_inflight``); beyond the
-        bound, connections take turns.  Bounded by the call's own ``timeout``."""
-        if self.admission.try_admit():
-            return
-        ready = trio.Event()
-        self.admission.enqueue(owner, ready)
-        admitted = False
-        try:
-            with trio.move_on_after(timeout):
-                await ready.wait()
-            admitted = ready.is_set()
-        finally:
-            if not admitted and not self.admission.withdraw(owner, ready):
-                self._release_slot()  # admitted just as it gave up: the slot goes on
-        if not admitted:
-            raise errors.CallTimeout(
-                f"backend {self.backend!r}: {method} waited {timeout:g}s for one of its "
-                f"{self.admission.limit} slots (max_inflight)", backend=self.backend)
-
-    def _release_slot(self) -> None:
-        admitted = self.admission.release()
-        if admitted is not None:
-            admitted.set()
-
-    async def _request(
-        self,
-        method: str,
-        params: Raw | UnsetType,
-        *,
-        timeout: float,
-        hard_timeout: float | None,
-        owner: ClientSession | None,
-        internal: bool,
-        progress: tuple[Any, Callable[[Any, dict[str, Raw]], None]] | None,
-        rewrite: Callable[[str | None], Raw | UnsetType] | None,
-    ) -> Raw:
         gid = next(self._ids)
         call = PendingCall(gid, method, owner, internal)
         if hard_timeout is not None:
@@ -395,8 +344,6 @@ class ChildConnection:
             call.complete(None, error)
         self.pending.clear()
         self._by_token.clear()
-        for waiting in self.admission.drain():  # each finds the child closed and gives up
-            waiting.set()
         self._outbox = []  # nobody will read it: dropped with its bytes
         self.buffers.close()
 

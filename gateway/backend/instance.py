@@ -141,7 +141,6 @@ class Instance(ChildHandlers):
             last_exit=self.last_exit,
             stderr_tail=tuple(self.stderr_tail) if child is not None else self.crash_stderr,
             inflight=len(child.pending) if child is not None else 0,
-            queued=child.admission.waiting if child is not None else 0,
             owner=getattr(self.owner, "conn_id", None),
             recycles=self.sup.recycles,
             draining=self.draining,
@@ -250,7 +249,6 @@ class Instance(ChildHandlers):
             bus=self.backend.host.bus,
             max_line=self.backend.host.max_message_bytes,
             max_depth=self.backend.host.max_json_depth,
-            max_inflight=self.cfg.max_inflight,
             buffers=self.backend.host.budget.open(f"child {self.name}"),
         )
         def settled() -> None:  # an abandoned call left the attribution set

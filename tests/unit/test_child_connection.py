@@ -19,7 +19,6 @@ from trio.testing import MockClock
 from msgspec import UNSET, Raw, UnsetType
 
 from gateway import errors
-from gateway.protocol import jsonrpc
 from gateway.backend.child import ChildConnection, ChildHandlers
 from gateway.events import BackendProtocolError, EventBus
 from gateway.limits import ByteBudget
@@ -90,7 +89,7 @@ class Harness:
 
 
 @asynccontextmanager
-async def connected(max_line: int = 1 << 16, max_inflight: int = 32) -> AsyncIterator[Harness]:
+async def connected(max_line: int = 1 << 16) -> AsyncIterator[Harness]:
     gw_send, child_recv = trio.testing.memory_stream_one_way_pair()
     child_send, gw_recv = trio.testing.memory_stream_one_way_pair()
     bus = EventBus()
@@ -100,7 +99,6 @@ async def connected(max_line: int = 1 << 16, max_inflight: int = 32) -> AsyncIte
     conn = ChildConnection(
         backend="fx", instance="fx/0", generation=1, send_stream=gw_send,
         receive_stream=gw_recv, handlers=handlers, bus=bus, max_line=max_line,
-        max_inflight=max_inflight,
     )
     with trio.fail_after(CAP):
         async with trio.open_nursery() as nursery:
@@ -577,50 +575,3 @@ async def test_write_queue_bytes_are_charged_until_written_or_dropped() -> None:
     with pytest.raises(errors.NotDelivered):
         conn.post(b"late")
     assert budget.total == 0
-
-
-# ---- fair admission (max_inflight) ---------------------------------------------------------
-
-
-async def test_connections_take_turns_for_the_childs_slots(autojump_clock: MockClock) -> None:
-    """One connection with many calls queued does not put them all ahead of another's call."""
-    heavy, light = object(), object()
-    async with connected(max_inflight=2) as h:
-        calls = [start_call(h, "tools/call", jsonrpc.encode_dict({"n": n}), timeout=60, owner=heavy)
-                 for n in range(5)]
-        await trio.testing.wait_all_tasks_blocked()
-        light_call = start_call(h, "tools/call", jsonrpc.encode_dict({"n": "light"}), timeout=60,
-                                owner=light)
-        await trio.testing.wait_all_tasks_blocked()
-        order = []
-        for _ in range(6):
-            req = await h.child.receive()
-            order.append(req["params"]["n"])
-            await h.child.reply(req["id"], {"n": req["params"]["n"]})
-        assert all(isinstance(n, int) for n in order[:2])  # the heavy connection's two slots
-        assert order.index("light") <= 3  # one turn of the heavy connection at most, not three
-        for c in [*calls, light_call]:
-            await c.done.wait()
-            assert c.error is None
-        assert h.conn.admission.inflight == 0 and h.conn.admission.waiting == 0
-
-
-async def test_a_queued_call_times_out_unsent_and_a_dead_child_frees_the_queue(
-    autojump_clock: MockClock,
-) -> None:
-    owner = object()
-    async with connected(max_inflight=1) as h:
-        first = start_call(h, "tools/call", timeout=60, owner=owner)
-        queued = start_call(h, "tools/call", timeout=5, owner=owner)
-        req = await h.child.receive()
-        await queued.done.wait()
-        assert isinstance(queued.error, errors.CallTimeout) and queued.at == 5.0
-        assert h.conn.admission.waiting == 0 and list(h.conn.pending) == [req["id"]]  # never sent
-        again = start_call(h, "tools/call", timeout=60, owner=owner)
-        await trio.testing.wait_all_tasks_blocked()
-        h.conn.fail_all(h.conn.exited_error("gone"))
-        await first.done.wait()
-        await again.done.wait()
-        assert isinstance(first.error, errors.BackendExited)
-        assert isinstance(again.error, errors.BackendExited)  # woken and told, not left waiting
-        assert h.conn.admission.inflight == 0
