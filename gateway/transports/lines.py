@@ -16,6 +16,28 @@ from gateway.errors import IncompleteMessage, MessageTooLarge, TransportClosed
 from gateway.protocol.framing import LineFramer, Oversize
 
 _RECEIVE_CHUNK = 65536
+_BROKEN = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+
+
+async def read_chunk(stream: trio.abc.ReceiveStream, size: int, deadline: float | None) -> bytes:
+    """The next bytes from ``stream`` (a message transport's one read).  With ``deadline`` (a
+    message is partly read) they must come by then, else :class:`IncompleteMessage`; a library
+    error or the end of the stream is :class:`TransportClosed`."""
+    try:
+        if deadline is None:
+            data = await stream.receive_some(size)
+        else:
+            data = b""
+            with trio.move_on_at(deadline) as scope:
+                data = await stream.receive_some(size)
+            if scope.cancelled_caught:
+                raise IncompleteMessage("a message was not completed within "
+                                        f"{limits.INCOMPLETE_MESSAGE_TIMEOUT:g} seconds")
+    except _BROKEN as exc:
+        raise TransportClosed(str(exc)) from None
+    if not data:
+        raise TransportClosed("end of stream")
+    return data
 
 
 class LineStream:
@@ -29,22 +51,10 @@ class LineStream:
 
     async def receive(self) -> bytes:
         while self._pos >= len(self._ready):
-            try:
-                if self._framer.partial:
-                    if self._deadline is None:
-                        self._deadline = trio.current_time() + limits.INCOMPLETE_MESSAGE_TIMEOUT
-                    data = b""
-                    with trio.move_on_at(self._deadline) as scope:
-                        data = await self._stream.receive_some(_RECEIVE_CHUNK)
-                    if scope.cancelled_caught:
-                        raise IncompleteMessage(
-                            f"a line was not completed within {limits.INCOMPLETE_MESSAGE_TIMEOUT:g} seconds")
-                else:
-                    data = await self._stream.receive_some(_RECEIVE_CHUNK)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                raise TransportClosed(str(exc)) from None
-            if not data:
-                raise TransportClosed("end of stream")
+            if self._framer.partial and self._deadline is None:
+                self._deadline = trio.current_time() + limits.INCOMPLETE_MESSAGE_TIMEOUT
+            data = await read_chunk(self._stream, _RECEIVE_CHUNK,
+                                    self._deadline if self._framer.partial else None)
             self._ready = self._framer.feed(data)
             self._pos = 0
             if self._ready:

@@ -41,9 +41,6 @@ from collections.abc import Awaitable, Callable, Sequence
 import trio
 from wsproto import ConnectionType, WSConnection
 from wsproto.connection import ConnectionState
-from wsproto.extensions import Extension
-from wsproto.frame_protocol import CloseReason as WsCloseReason
-from wsproto.frame_protocol import Opcode, RsvBits
 from wsproto.events import (
     AcceptConnection,
     BytesMessage,
@@ -54,20 +51,23 @@ from wsproto.events import (
     Request,
     TextMessage,
 )
+from wsproto.extensions import Extension
+from wsproto.frame_protocol import CloseReason as WsCloseReason
+from wsproto.frame_protocol import Opcode, RsvBits
 from wsproto.utilities import RemoteProtocolError
 
 from gateway import limits
 from gateway.config import host_allowed
 from gateway.errors import (
     CloseReason,
-    IncompleteMessage,
     InvalidFramePayload,
     MessageTooLarge,
     TransportClosed,
     UnsupportedMessage,
 )
-from gateway.transports.listeners import Accepted, SlottedListener, allowed_host_names
 from gateway.limits import ConnectionSlots
+from gateway.transports.lines import read_chunk
+from gateway.transports.listeners import Accepted, SlottedListener, allowed_host_names
 
 LOGGER = logging.getLogger(__name__)
 
@@ -159,22 +159,10 @@ class WebSocketStream:
         while not self._messages:
             if self._closed:
                 raise TransportClosed("closed")
-            try:
-                if self._parts or self._frame_limit.in_frame:  # a message is partly read
-                    if self._deadline is None:
-                        self._deadline = trio.current_time() + limits.INCOMPLETE_MESSAGE_TIMEOUT
-                    data = b""
-                    with trio.move_on_at(self._deadline) as scope:
-                        data = await self._stream.receive_some(_RECEIVE)
-                    if scope.cancelled_caught:
-                        raise IncompleteMessage(f"a message was not completed within "
-                                                f"{limits.INCOMPLETE_MESSAGE_TIMEOUT:g} seconds")
-                else:
-                    data = await self._stream.receive_some(_RECEIVE)
-            except _BROKEN as exc:
-                raise TransportClosed(str(exc)) from None
-            if not data:
-                raise TransportClosed("end of stream")
+            partial = bool(self._parts) or self._frame_limit.in_frame  # a message is partly read
+            if partial and self._deadline is None:
+                self._deadline = trio.current_time() + limits.INCOMPLETE_MESSAGE_TIMEOUT
+            data = await read_chunk(self._stream, _RECEIVE, self._deadline if partial else None)
             try:
                 self._ws.receive_data(data)
                 await self._handle_events()
