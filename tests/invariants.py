@@ -30,13 +30,15 @@ import subprocess
 import sys
 import threading
 import warnings
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
-from helpers import ROOT, connect, http_json, http_request, text_of
+from helpers import ROOT, Client, connect, http_json, http_request, text_of, unix_connect
 
 FD_SLACK = 4  # sockets in a close handshake, the admin connection of the check itself
 RSS_BOUND = 256 * 2**20  # the daemon's resident memory, bytes
@@ -166,6 +168,14 @@ listen = "127.0.0.1:0"
     @property
     def url(self) -> str:
         return f"ws://127.0.0.1:{self.ws_port}/"
+
+    @asynccontextmanager
+    async def client(self, transport: str, *, initialize: bool = True) -> AsyncIterator[Client]:
+        """A connection to this daemon over ``"websocket"`` or ``"unix"``."""
+        opener = connect(self.url, initialize=initialize) if transport == "websocket" \
+            else unix_connect(self.unix_path, initialize=initialize)
+        async with opener as c:
+            yield c
 
     async def status(self) -> dict[str, Any]:
         return await http_json(self.admin_port, "/status")

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import trio
-from helpers import Client, connect, text_of, unix_connect
-from invariants import Daemon, DaemonSlot, alive, baseline, chaos_backend, check, failed
+from helpers import Client, connect, text_of
+from invariants import Daemon, DaemonSlot, alive, baseline, chaos_backend, check
 
 pytestmark = pytest.mark.system
 
@@ -38,23 +37,6 @@ def slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonSlot]:
                    gateway=f"max_message_bytes = {MAX_MESSAGE}")
     yield s
     s.close()
-
-
-@pytest.fixture
-def daemon(slot: DaemonSlot, request: pytest.FixtureRequest) -> Iterator[Daemon]:
-    yield slot.get()
-    if failed(request):
-        slot.discard()
-
-
-@asynccontextmanager
-async def client(daemon: Daemon, transport: str) -> AsyncIterator[Client]:
-    if transport == "websocket":
-        async with connect(daemon.url) as c:
-            yield c
-    else:
-        async with unix_connect(daemon.unix_path) as c:
-            yield c
 
 
 @dataclass(frozen=True)
@@ -116,7 +98,7 @@ async def test_chaos_command_gets_one_answer_then_invariants_hold(
         before = await daemon.instance("cx")
         errors_before = await daemon.metric(PROTOCOL_ERRORS, backend="cx")
         tag = secrets.token_hex(6)
-        async with client(daemon, transport) as c:
+        async with daemon.client(transport) as c:
             rid = f"chaos-{tag}"
             started = trio.current_time()
             r = await c.call("cx__chaos", {"do": case.do, "message": tag, **case.args}, id=rid,

@@ -19,7 +19,7 @@ import trio
 from helpers import Client, connect, text_of, unix_connect
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
-from invariants import Daemon, DaemonSlot, baseline, chaos_backend, check, failed
+from invariants import Daemon, DaemonSlot, baseline, chaos_backend, check
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import (
     AcceptConnection,
@@ -44,25 +44,6 @@ def slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonSlot]:
     s = DaemonSlot(tmp_path_factory.mktemp("hostile"), chaos_backend("fx"), gateway=GATEWAY)
     yield s
     s.close()
-
-
-@pytest.fixture
-def daemon(slot: DaemonSlot, request: pytest.FixtureRequest) -> Iterator[Daemon]:
-    yield slot.get()
-    if failed(request):
-        slot.discard()
-
-
-@asynccontextmanager
-async def client(
-    daemon: Daemon, transport: str, *, initialize: bool = True
-) -> AsyncIterator[Client]:
-    if transport == "websocket":
-        async with connect(daemon.url, initialize=initialize) as c:
-            yield c
-    else:
-        async with unix_connect(daemon.unix_path, initialize=initialize) as c:
-            yield c
 
 
 async def send_raw(c: Client, data: bytes) -> None:
@@ -177,7 +158,7 @@ async def test_generated_jsonrpc_gets_exactly_one_answer_per_usable_id(
             deep = depth > MAX_DEPTH - 4 and json.dumps(DEEP) in json.dumps(msg)
             (too_deep if deep else expected)[key] = 0
     with trio.fail_after(30):
-        async with client(daemon, transport) as c:
+        async with daemon.client(transport) as c:
             start = len(c.received)
             for msg in batch:
                 await c.send(encode(msg, depth).decode())
@@ -216,7 +197,7 @@ async def test_requests_before_initialize_and_a_second_initialize_are_refused(
 ) -> None:
     with trio.fail_after(30):
         base = await baseline(daemon)
-        async with client(daemon, transport, initialize=False) as c:
+        async with daemon.client(transport, initialize=False) as c:
             r = await c.call("fx__echo", {"message": "early"}, id="early")
             assert r["error"]["code"] == -32600, r
             assert (await c.request("ping", id="early-ping"))["result"] == {}
@@ -236,7 +217,7 @@ async def test_json_deeper_than_the_limit_is_refused_and_the_connection_stays(
 ) -> None:
     with trio.fail_after(30):
         base = await baseline(daemon)
-        async with client(daemon, transport) as c:
+        async with daemon.client(transport) as c:
             for depth in (MAX_DEPTH + 1, 1000, 100_000):
                 rid = f"deep-{depth}"
                 body = json.dumps({"jsonrpc": "2.0", "id": rid, "method": "tools/call",
@@ -267,9 +248,9 @@ async def test_invalid_utf8_gets_parse_error_and_never_reaches_a_backend(
     UTF-8 can only come in a binary frame, which is refused as such (-32600, then close 1003)."""
     with trio.fail_after(30):
         base = await baseline(daemon)
-        async with client(daemon, "unix") as c:
+        async with daemon.client("unix") as c:
             before = await backend_stats(c)
-        async with client(daemon, transport) as c:
+        async with daemon.client(transport) as c:
             tag = secrets.token_hex(6)
             raw = json.dumps({"jsonrpc": "2.0", "id": "bad-utf8", "method": "tools/call",
                               "params": {"name": "fx__echo", "arguments": {"message": "@@"}}})
@@ -283,7 +264,7 @@ async def test_invalid_utf8_gets_parse_error_and_never_reaches_a_backend(
                 await fence(c)
             else:
                 assert r["error"]["data"]["reason"] == "binary_frame", r
-        async with client(daemon, "unix") as c:
+        async with daemon.client("unix") as c:
             after = await backend_stats(c)
         assert after["bad_utf8_in"] == before["bad_utf8_in"]
         fenced = 1 if transport == "unix" else 0  # fence() makes one call of its own
@@ -297,7 +278,7 @@ async def test_a_batch_in_a_session_that_forbids_batches_runs_nothing(
 ) -> None:
     with trio.fail_after(30):
         base = await baseline(daemon)
-        async with client(daemon, transport) as c:
+        async with daemon.client(transport) as c:
             start = len(c.received)
             await c.send([{"jsonrpc": "2.0", "id": "b1", "method": "tools/call",
                            "params": {"name": "fx__echo", "arguments": {"message": "b"}}},
@@ -315,7 +296,7 @@ async def test_oversize_message_is_refused_and_only_that_connection_closes(
     big = call_bytes("huge", "z" * MAX_MESSAGE)
     with trio.fail_after(30):
         base = await baseline(daemon)
-        async with client(daemon, "websocket") as bystander:
+        async with daemon.client("websocket") as bystander:
             async with RawWs.open(daemon.ws_port) as ws:  # WebSocket: -32600, then close 1009
                 await ws.frame(1, INIT)
                 assert (await ws.message())["id"] == "init"
@@ -326,7 +307,7 @@ async def test_oversize_message_is_refused_and_only_that_connection_closes(
                 assert r["error"]["data"]["reason"] == "message_too_large", r
                 close = await ws.message()
                 assert isinstance(close, CloseConnection) and close.code == 1009, close
-            async with client(daemon, "unix") as c:  # unix socket: -32600, then EOF
+            async with daemon.client("unix") as c:  # unix socket: -32600, then EOF
                 start = len(c.received)
                 await c.ws.send_message(big)
                 with trio.fail_after(10):
@@ -527,7 +508,7 @@ async def test_invariants_notice_a_connection_left_open(daemon: Daemon) -> None:
     """The invariants can fail: a connection still open is not the baseline."""
     with trio.fail_after(20):
         base = await baseline(daemon)
-        async with client(daemon, "unix"):
+        async with daemon.client("unix"):
             with pytest.raises(AssertionError, match="did not settle"):
                 await check(daemon, base, settle=0.3)
         await check(daemon, base)
