@@ -141,8 +141,8 @@ def _decode_unpaired_surrogates(data: bytes) -> Envelope:
     JavaScript and Python emit, and which msgspec refuses): decoded by the standard library,
     payloads re-encoded with ASCII escapes, so the unpaired surrogate passes on as an escape."""
     try:
-        obj = json.loads(data)
-    except ValueError as exc:
+        obj = _stdlib_loads(data)
+    except msgspec.DecodeError as exc:
         raise ParseError(f"parse error: {exc}") from None
     if not isinstance(obj, dict):
         raise InvalidRequest("invalid JSON-RPC message: expected an object")
@@ -196,7 +196,10 @@ def split_batch(data: bytes, max_depth: int = MAX_DEPTH) -> list[Raw]:
     except msgspec.DecodeError as exc:
         if not _SURROGATE_ESCAPE.search(data):
             raise ParseError(f"parse error: {exc}") from None
-        items = _stdlib_loads(data)
+        try:
+            items = _stdlib_loads(data)
+        except msgspec.DecodeError as exc:
+            raise ParseError(f"parse error: {exc}") from None
         if not isinstance(items, list):
             raise ParseError("parse error: expected an array") from None
         return [_stdlib_raw(item) for item in items]
@@ -324,11 +327,30 @@ def replace_unpaired_surrogates(raw: Raw | bytes) -> bytes:
     return _UNPAIRED.sub(rb"\\ufffd", bytes(raw))
 
 
+def _strict_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"number out of range: {text[:40]}")
+    return value
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
 def _stdlib_loads(raw: Raw | bytes) -> Any:
+    """The standard library's decoder, held to what msgspec accepts (it is the slow path for
+    unpaired surrogates only): the bytes are UTF-8 (no encoding is guessed), ``NaN`` and
+    ``Infinity`` are refused, and so are numbers that overflow a float.
+
+    Raises:
+        msgspec.DecodeError: not JSON by those rules, or too deep for the standard library.
+    """
     try:
-        return json.loads(bytes(raw))
-    except ValueError as exc:
-        raise msgspec.DecodeError(str(exc)) from None
+        return json.loads(bytes(raw).decode("utf-8"), parse_float=_strict_float,
+                          parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise msgspec.DecodeError(f"{type(exc).__name__}: {exc}") from None
 
 
 def _stdlib_raw(value: Any) -> Raw:

@@ -112,3 +112,19 @@ def test_framer_reports_the_end_of_an_oversize_line_with_its_tail() -> None:
     out = LineFramer(10, report_end=True).feed(b'{"result":1,"id":77}\nok\n')
     assert [type(f) for f in out] == [Oversize, OversizeEnd, bytes]
     assert wire.reply_id_hint(out[0].head, out[1].tail) == 77
+
+
+def test_the_surrogate_slow_path_accepts_only_what_msgspec_would() -> None:
+    # UTF-8 bytes shaped like UTF-16-LE: the standard library would guess UTF-16 and recurse
+    # 3,000 deep past a byte-view depth of 2 (a second reviewer's input: it ended the daemon)
+    text = ('{"jsonrpc":"2.0","id":1,"result":{"s":"\u755c\u3864\u4122","d":' + "[" * 3000
+            + "]" * 3000 + ',"t":"\u4122"}}')
+    with pytest.raises(errors.ParseError):
+        jsonrpc.decode(text.encode("utf-16-le"))
+    for bad in (b"NaN", b"Infinity", b"-Infinity", b"1e400"):  # not JSON, or not a float
+        with pytest.raises(errors.ParseError):
+            jsonrpc.decode(b'{"jsonrpc":"2.0","id":1,"params":{"a":"\\ud800","b":' + bad + b'},"method":"m"}')
+        with pytest.raises(errors.ParseError):
+            jsonrpc.split_batch(b'[{"a":"\\ud800","b":' + bad + b"}]")
+    with pytest.raises(errors.ParseError):  # a cut-off batch is a parse error, not an escape
+        jsonrpc.split_batch(b'[{"a":"\\ud800"}, ')
