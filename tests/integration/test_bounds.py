@@ -107,15 +107,16 @@ buffered_bytes_total = {3 * MIB}
                 # settled: the call is at the child (in flight there) and its write queue drained
                 await wait_status(port, lambda st, want=held, n=i + 1: st["buffered_bytes"] == want
                                   and st["backends"][0]["instances"][0]["inflight"] == n)
-            # 1.2 MB more would pass the total: refused at once, never started
+            # 1.2 MB more would pass the total: refused at once, never started, and the
+            # connection holding the most (the holder) is closed
             r = await other.call("fx__echo", {"message": "e" * 1_200_000})
             assert r["error"]["code"] == -32006
             assert r["error"]["data"] == {"reason": "overloaded", "limit": 3 * MIB}
-            # a small request fits; its 1.2 MB answer cannot be refused and takes the total
-            # over: the connection holding the most (the holder) is closed, the answer delivered
-            assert len(text_of(await other.call("fx__big", {"size": 1_200_000}))) == 1_200_000
             with pytest.raises(trio_websocket.ConnectionClosed) as closed:
                 await holder.get_message()  # the close, and no answer to its slow calls
+            await wait_status(port, lambda st: st["buffered_bytes"] == 0)
+            # its bytes are released: a 1.2 MB answer fits again
+            assert len(text_of(await other.call("fx__big", {"size": 1_200_000}))) == 1_200_000
             assert closed.value.reason.code == 1008 and closed.value.reason.reason == "overflow"
             await wait_metric(port, "mcp_gateway_client_connections_closed_total", 1,
                               transport="websocket", reason="overflow")
