@@ -195,6 +195,12 @@ async def _reader(hub: Hub, session: ClientSession, stream: MessageStream, nurse
             if not items:
                 session.send(error_response(None, errors.InvalidRequest("empty batch")))
                 continue
+            if len(items) > session.max_inflight:  # its answers must fit in one bounded array
+                session.send(error_response(None, errors.InvalidRequest(
+                    f"a batch of {len(items)} messages; at most {session.max_inflight} "
+                    "(max_inflight_per_connection)", reason="batch_too_large",
+                    limit=session.max_inflight)))
+                continue
             collector = _BatchCollector(session)
             for item in items:
                 _handle(hub, session, bytes(item), nursery, collector)

@@ -255,10 +255,6 @@ class ClientSession:
                 f"too many requests in flight on this connection (limit {self.max_inflight})",
                 limit=self.max_inflight,
             )
-        if self.buffers.held + size > self.max_outbound_bytes:
-            raise errors.Overloaded(
-                f"this connection holds too many bytes: requests in flight and queued answers "
-                f"(outbound_bytes {self.max_outbound_bytes})", limit=self.max_outbound_bytes)
         if not self._budget.admits(size):
             self._budget.overrun()  # the connection holding the most is closed (maybe this one)
             raise errors.Overloaded(

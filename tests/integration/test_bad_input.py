@@ -194,6 +194,15 @@ async def test_batches_only_for_2025_03_26() -> None:
                 await ws.send_message("[]")
                 r = json.loads(await ws.get_message())
                 assert r["error"]["code"] == -32600
+                # a batch bigger than max_inflight_per_connection (64) is one error, not 10,000
+                # answers in an array no byte bound could hold; 64 are all answered
+                pings = [{"jsonrpc": "2.0", "id": n, "method": "ping"} for n in range(10_000)]
+                await ws.send_message(json.dumps(pings))
+                r = json.loads(await ws.get_message())
+                assert r["error"]["data"] == {"reason": "batch_too_large", "limit": 64}, r
+                await ws.send_message(json.dumps(pings[:64]))
+                r = json.loads(await ws.get_message())
+                assert sorted(m["id"] for m in r) == list(range(64))
                 await ws.send_message(
                     json.dumps(
                         {

@@ -218,17 +218,6 @@ async def test_check_new_call_limits() -> None:
     assert info.value.code == errors.OVERLOADED
 
 
-async def test_requests_in_flight_count_against_the_connections_outbound_bytes() -> None:
-    s = ClientSession("websocket", outbound_capacity=8, max_inflight=8, outbound_bytes=1000)
-    s.check_new_call(1, 600)
-    s.buffers.charge(600)  # held until it is answered
-    with pytest.raises(errors.Overloaded) as info:
-        s.check_new_call(2, 600)
-    assert info.value.error_data() == {"reason": "overloaded", "limit": 1000}
-    s.buffers.release(600)
-    s.check_new_call(2, 600)
-
-
 async def test_progress_callback_restores_the_clients_token() -> None:
     s = session()
     on_progress = s.progress_callback()
