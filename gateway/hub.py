@@ -31,6 +31,7 @@ from gateway.protocol import jsonrpc, mcp
 from gateway.protocol.catalog import BackendLists, Catalog, CatalogConflict, build_catalog
 from gateway.session import ClientSession
 from gateway.status import GatewayStatus
+from gateway.wakeup import Wakeup
 
 LOGGER = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class Hub:
         self.listeners_bound = False
         self.draining = False
         self.calls_cut_off = False  # drain grace over: cancelled calls are answered -32005 shutdown
-        self._connections_changed = trio.Event()
+        self._connections_changed = Wakeup()
         self._subreaper = subreaper
         self._nursery: trio.Nursery | None = None
         self._levels: dict[str, str | None] = {}
@@ -160,7 +161,6 @@ class Hub:
     def connections_changed(self) -> None:
         """A connection closed or its last call in flight ended: wake :meth:`wait_connections`."""
         self._connections_changed.set()
-        self._connections_changed = trio.Event()
 
     async def wait_connections(self, done: Callable[[], bool]) -> None:
         """Return once ``done()`` holds, checked at each :meth:`connections_changed` (the caller

@@ -42,6 +42,7 @@ from gateway.protocol.catalog import BackendLists
 from gateway.protocol.stderr import LineSplitter, LineThrottle, printable
 from gateway.protocol.supervision import RestartPolicy, State, Supervision, Transition
 from gateway.status import InstanceStatus
+from gateway.wakeup import Wakeup
 
 if TYPE_CHECKING:
     from gateway.backend.pool import Backend
@@ -109,7 +110,7 @@ class Instance(ChildHandlers):
         self.stopped = trio.Event()
         # Being drained for a recycle: the pool routes no new call here (see _watch_abandoned).
         self.draining = False
-        self._calls_changed = trio.Event()  # a client call on this child ended; replaced each time
+        self._calls_changed = Wakeup()  # a client call on this child ended
 
     # ---- state ------------------------------------------------------------------------------
 
@@ -400,7 +401,6 @@ class Instance(ChildHandlers):
     def calls_changed(self) -> None:
         """A client call on this instance ended, or an abandoned one left the attribution set."""
         self._calls_changed.set()
-        self._calls_changed = trio.Event()
 
     def _set_draining(self, draining: bool) -> None:
         self.draining = draining
