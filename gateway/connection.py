@@ -201,7 +201,7 @@ async def _reader(hub: Hub, session: ClientSession, stream: MessageStream, nurse
                     "(max_inflight_per_connection)", reason="batch_too_large",
                     limit=session.max_inflight)))
                 continue
-            collector = _BatchCollector(session)
+            collector = _BatchCollector(session, hub.max_message_bytes)
             for item in items:
                 _handle(hub, session, bytes(item), nursery, collector)
             collector.seal()
@@ -214,16 +214,19 @@ class _BatchCollector:
 
     The answers collected so far are charged to the session's byte account (``/status``
     ``buffered_bytes``, and ``buffered_bytes_total`` evicts as for any queue) until the array is
-    queued.  The array must fit in ``outbound_bytes``: an answer that would take the collected
-    ones past ``outbound_bytes`` - :data:`BATCH_RESERVE` is replaced by a -32006 ``overloaded``
-    error for its id (the call ran; its result is dropped), so the array is always sent.
+    queued.  The array is one message, so it must fit in ``max_message_bytes`` (what a peer of
+    the gateway accepts, e.g. ``mcp-gateway connect``) and in ``outbound_bytes``: an answer that
+    would take the collected ones past the smaller, less :data:`BATCH_RESERVE`, is replaced by a
+    -32006 ``overloaded`` error for its id (the call ran; its result is dropped).  A batch has
+    at most ``max_inflight_per_connection`` items, so those errors fit in the reserve.
     """
 
-    def __init__(self, session: ClientSession) -> None:
+    def __init__(self, session: ClientSession, max_message: int) -> None:
         self._session = session
         self._parts: list[bytes] = []
         self._size = 1  # bytes of the array so far: "[", and per part its bytes and "," or "]"
-        self._limit = max(session.max_outbound_bytes - BATCH_RESERVE, session.max_outbound_bytes // 2)
+        self._bound = min(session.max_outbound_bytes, max_message)
+        self._limit = max(self._bound - BATCH_RESERVE, self._bound // 2)
         self._open = 0
         self._sealed = False
         self._dropped = 0
@@ -236,8 +239,8 @@ class _BatchCollector:
                 if self._size + len(data) + 1 > self._limit:
                     self._dropped += len(data)
                     data = error_response(id, errors.Overloaded(
-                        "the answers to this batch would exceed outbound_bytes; "
-                        "send this request again on its own", limit=self._session.max_outbound_bytes))
+                        "the answers to this batch would not fit in one message; "
+                        "send this request again on its own", limit=self._bound))
                 self._parts.append(data)
                 self._size += len(data) + 1
                 self._session.buffers.charge(len(data))  # may evict this connection
@@ -254,9 +257,9 @@ class _BatchCollector:
         if self._sealed and self._open == 0 and self._parts:
             session = self._session
             if self._dropped:
-                LOGGER.warning("connection %s: a batch's answers would exceed outbound_bytes (%d); "
-                               "%d bytes of results replaced by -32006 errors", session.conn_id,
-                               session.max_outbound_bytes, self._dropped, extra=session.log_fields)
+                LOGGER.warning("connection %s: a batch's answers would pass %d bytes (max_message_bytes, "
+                               "outbound_bytes); %d bytes of results replaced by -32006 errors",
+                               session.conn_id, self._bound, self._dropped, extra=session.log_fields)
             session.buffers.release(self._size - 1 - len(self._parts))  # charged again by send()
             session.send(b"[" + b",".join(self._parts) + b"]")
             self._parts = []

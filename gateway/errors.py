@@ -215,8 +215,9 @@ class MessageTooLarge(MessageRefused):
     close_reason = CloseReason.OVERSIZE
     reason = "message_too_large"
 
-    def __init__(self, size: int, limit: int) -> None:
-        super().__init__(f"message of {size} bytes exceeds the limit of {limit} bytes", limit=limit)
+    def __init__(self, size: int | None, limit: int) -> None:
+        what = f"message of {size} bytes" if size is not None else "message"
+        super().__init__(f"{what} exceeds the limit of {limit} bytes", limit=limit)
         self.size = size
         self.limit = limit
 

@@ -20,13 +20,16 @@ from gateway.transports.websocket import SUBPROTOCOL
 class _ClientWebSocket:
     """The bridge's side of a WebSocket (trio-websocket client), as a message stream."""
 
-    def __init__(self, ws: trio_websocket.WebSocketConnection) -> None:
+    def __init__(self, ws: trio_websocket.WebSocketConnection, limit: int) -> None:
         self._ws = ws
+        self._limit = limit
 
     async def receive(self) -> bytes:
         try:
             message = await self._ws.get_message()
         except trio_websocket.ConnectionClosed as exc:
+            if exc.reason is not None and exc.reason.code == 1009:  # the library's own limit
+                raise MessageTooLarge(None, self._limit) from None
             raise TransportClosed(str(exc.reason)) from None
         return message.encode() if isinstance(message, str) else message
 
@@ -59,23 +62,30 @@ async def bridge(url: str, max_message: int) -> None:
     if not url.startswith(("ws://", "wss://")):
         raise OSError(f"unsupported URL {url!r} (use ws://HOST:PORT/ or unix:/path)")
     local = LineStream(stdio, max_message)
+    failed: list[str] = []
     try:
         async with trio_websocket.open_websocket_url(
             url, subprotocols=[SUBPROTOCOL], max_message_size=2 * max_message, receive_buffer_size=65536
         ) as ws:
-            remote = _ClientWebSocket(ws)
+            remote = _ClientWebSocket(ws, 2 * max_message)
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_pump, local, remote, nursery.cancel_scope)
-                nursery.start_soon(_pump, remote, local, nursery.cancel_scope)
+                nursery.start_soon(_pump, local, remote, nursery.cancel_scope, failed)
+                nursery.start_soon(_pump, remote, local, nursery.cancel_scope, failed)
     except trio_websocket.HandshakeError as exc:
         raise OSError(f"WebSocket handshake failed: {exc}") from None
+    if failed:
+        raise OSError(failed[0])
 
 
 async def _pump(source: LineStream | _ClientWebSocket, sink: LineStream | _ClientWebSocket,
-                done: trio.CancelScope) -> None:
+                done: trio.CancelScope, failed: list[str]) -> None:
+    """Copy messages one way until either side closes; a message over the limit ends the bridge
+    with an error (the other side would otherwise wait for an answer that never comes)."""
     try:
         while True:
             await sink.send(await source.receive())
-    except (TransportClosed, MessageTooLarge):
+    except TransportClosed:
         pass
+    except MessageTooLarge as exc:
+        failed.append(f"{exc} (--max-message-bytes)")
     done.cancel()

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import struct
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -181,3 +183,44 @@ async def test_frames_are_refused_by_their_header_and_messages_must_complete_in_
             assert got[1]["error"]["data"]["reason"] == "incomplete_message"
             st = await wait_status(gw.bound.admin_port, lambda st: st["connection_slots"] == 0)
             assert st["buffered_bytes"] == 0
+
+
+async def test_a_batch_array_fits_in_max_message_bytes_and_the_bridge_reports_what_it_cannot_pass() -> None:
+    # A batch's answers are one message: held to max_message_bytes (1 MiB here) as well as to
+    # outbound_bytes (16 MiB); the stdio bridge, whose limit is its own --max-message-bytes,
+    # said nothing and exited 0 when a message was too big for it (a hostile tester's find).
+    cfg = make_config(fixture_backend("fx"), gateway=f"max_message_bytes = {MIB}")
+    batch = [{"jsonrpc": "2.0", "id": i, "method": "tools/call",
+              "params": {"name": "fx__big", "arguments": {"size": 600_000}}} for i in "abc"]
+    with trio.fail_after(60):
+        async with run_gateway(cfg) as gw:
+            async with connect(gw.url, version="2025-03-26") as client:
+                await client.send(batch)
+                await client.wait_for(lambda: all(i in client.responses for i in "abc"))
+                got = [client.responses[i] for i in "abc"]
+                assert sorted("result" in m for m in got) == [False, False, True]  # one fits
+                assert all(m["error"]["data"] == {"reason": "overloaded", "limit": MIB}
+                           for m in got if "error" in m)
+            init = json.dumps({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+                "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "b", "version": "0"}}})
+            call = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                               "params": {"name": "fx__big", "arguments": {"size": 300_000}}})
+            proc = await trio.lowlevel.open_process(
+                [sys.executable, "-m", "gateway", "connect", gw.url, "--max-message-bytes", "65536"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            out: list[bytes] = []
+            err: list[bytes] = []
+
+            async def read(stream: trio.abc.ReceiveStream, into: list[bytes]) -> None:
+                while chunk := await stream.receive_some(65536):
+                    into.append(chunk)
+
+            async with trio.open_nursery() as nursery:  # stdin stays open: the client waits
+                nursery.start_soon(read, proc.stdout, out)
+                nursery.start_soon(read, proc.stderr, err)
+                await proc.stdin.send_all((init + "\n" + call + "\n").encode())
+                await proc.wait()
+            await proc.stdin.aclose()
+            assert proc.returncode == 1, (proc.returncode, b"".join(err)[-300:])
+            assert b'"id":0' in b"".join(out)  # the initialize answer went through
+            assert b"exceeds the limit of 131072 bytes (--max-message-bytes)" in b"".join(err)
