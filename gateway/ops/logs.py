@@ -91,12 +91,13 @@ class JournalStreamFormatter(logging.Formatter):
 
 
 class RepeatFilter(logging.Filter):
-    """Rate-limits records of one call site (logger, message template) at WARNING and below.
+    """Rate-limits WARNING records of one call site (logger, line, message template).
 
     Clients and backends cause warnings (an answer to an unknown id, a refused server→client
     request); one that repeats them must not flood the log.  Each call site may log ``burst``
     records, then one per ``interval`` seconds; what it holds back is counted and the count is
-    added to the next record it lets through.  Errors and above always pass.  ``clock`` is
+    added to the next record it lets through.  Other levels always pass (a backend's stderr,
+    logged at INFO, has its own limit per backend; errors are never held back).  ``clock`` is
     passed in for tests.
     """
 
@@ -110,7 +111,7 @@ class RepeatFilter(logging.Filter):
         self._sites: dict[tuple[str, int, str], list[float]] = {}  # key -> [tokens, last, held]
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno > logging.WARNING:
+        if record.levelno != logging.WARNING:
             return True
         key = (record.name, record.lineno, str(record.msg))
         now = self._clock()

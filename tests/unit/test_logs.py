@@ -249,6 +249,7 @@ def test_repeat_filter_holds_back_a_flood_from_one_call_site_and_counts_it() -> 
     assert passed.count(True) == 3  # the burst, then nothing within the same instant
     assert f.filter(record("another site", line=11))  # other call sites are not held back
     assert f.filter(record("an error", level=logging.ERROR))  # errors always pass
+    assert all(f.filter(record("[%s] %s", level=logging.INFO, line=12)) for _ in range(100))
     now[0] = 1.0
     r = record("answered unknown id %r")
     assert f.filter(r) and r.msg.endswith("[97 more like this not logged]")
