@@ -52,6 +52,7 @@ class Hub:
         self.server_name = cfg.gateway.name
         self.max_message_bytes = cfg.gateway.max_message_bytes
         self.max_json_depth = cfg.gateway.max_json_depth
+        self.outbound_bytes = cfg.gateway.outbound_bytes  # also bounds each child's write queue
         self.restart_wait = cfg.gateway.restart_wait
         self.backends: dict[str, Backend] = {}
         self.catalog = Catalog()

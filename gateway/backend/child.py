@@ -112,6 +112,7 @@ class ChildConnection:
         max_line: int,
         max_depth: int = jsonrpc.MAX_DEPTH,
         buffers: Account | None = None,
+        max_queued: int = sys.maxsize,
     ) -> None:
         self.backend = backend
         self.instance = instance
@@ -122,6 +123,7 @@ class ChildConnection:
         self._bus = bus
         self._max_line = max_line
         self._max_depth = max_depth
+        self._max_queued = max_queued
         self._oversize_head = b""  # first bytes of the oversize line being discarded
         self._outbox: list[tuple[bytes, int | None]] = []  # (bytes to write, gateway id)
         # The outbox's bytes (queued or being written) on the daemon-wide budget; closed, and
@@ -147,12 +149,17 @@ class ChildConnection:
         When nothing is queued and the pipe has room, the line is written right here (no task
         switch); otherwise it is queued for :meth:`write_loop`, which keeps the order.
 
+        A request (``gid`` given) that would take the queue past ``max_queued`` bytes is refused
+        instead: a child that stops reading its stdin must not hold the daemon's byte budget.
+
         Raises:
             NotDelivered: the child's stdin is already known to be gone.
+            Overloaded: a request, and the child's write queue is full.
         """
         if self.closed is not None:
             raise errors.NotDelivered(self.closed.message, **self.closed.data)
         data = line + b"\n"
+        written = 0
         if self._fd is not None and not self._outbox and not self._writing:
             try:
                 written = os.write(self._fd, data)
@@ -164,6 +171,11 @@ class ChildConnection:
             if written == len(data):
                 return
             data = data[written:]
+        if gid is not None and not written and self.buffers.held + len(data) > self._max_queued:
+            raise errors.Overloaded(
+                f"backend {self.backend!r} is not reading its input: {self.buffers.held} bytes "
+                "already wait to be written to it (outbound_bytes)", backend=self.backend,
+                limit=self._max_queued)
         self._outbox.append((data, gid))
         self.buffers.charge(len(data))
         self._outbox_ready.set()
@@ -267,7 +279,7 @@ class ChildConnection:
         try:
             try:
                 self.post(jsonrpc.encode_request(gid, method, params), gid)
-            except errors.NotDelivered:
+            except (errors.NotDelivered, errors.Overloaded):
                 self.pending.pop(gid, None)
                 raise
             sent = True

@@ -250,6 +250,7 @@ class Instance(ChildHandlers):
             bus=self.backend.host.bus,
             max_line=self.backend.host.max_message_bytes,
             max_depth=self.backend.host.max_json_depth,
+            max_queued=self.backend.host.outbound_bytes,
             buffers=self.backend.host.budget.open(f"child {self.name}"),
         )
         def settled() -> None:  # an abandoned call left the attribution set

@@ -64,6 +64,7 @@ class BackendHost(Protocol):
     server_name: str
     max_message_bytes: int
     max_json_depth: int
+    outbound_bytes: int
     restart_wait: float
 
     def wanted_log_level(self) -> str | None: ...

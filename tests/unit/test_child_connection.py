@@ -15,13 +15,14 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from trio.testing import MockClock
 from msgspec import UNSET, Raw, UnsetType
+from trio.testing import MockClock
 
 from gateway import errors
 from gateway.backend.child import ChildConnection, ChildHandlers
 from gateway.events import BackendProtocolError, EventBus
 from gateway.limits import ByteBudget
+from gateway.protocol import jsonrpc
 
 CAP = 3000.0  # hard cap on every test, in trio time
 
@@ -575,3 +576,29 @@ async def test_write_queue_bytes_are_charged_until_written_or_dropped() -> None:
     with pytest.raises(errors.NotDelivered):
         conn.post(b"late")
     assert budget.total == 0
+
+
+async def test_a_child_that_stops_reading_cannot_hold_more_than_max_queued(
+    autojump_clock: MockClock,
+) -> None:
+    """Requests beyond the bound get -32006 at once (a hostile tester's child pinned the
+    daemon-wide byte budget and got a bystander evicted)."""
+    gw_send, _child_never_reads = trio.testing.lockstep_stream_one_way_pair()
+    _unused, gw_recv = trio.testing.memory_stream_one_way_pair()
+    conn = ChildConnection(
+        backend="fx", instance="fx/0", generation=1, send_stream=gw_send, receive_stream=gw_recv,
+        handlers=Recorder(), bus=EventBus(), max_line=1 << 16, max_queued=300,
+    )
+    owner = object()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(conn.write_loop)
+        h = Harness(conn, None, None, [], nursery)  # type: ignore[arg-type]
+        first = start_call(h, "tools/call", jsonrpc.encode_dict({"m": "x" * 100}), timeout=5, owner=owner)
+        await trio.testing.wait_all_tasks_blocked()
+        second = start_call(h, "tools/call", jsonrpc.encode_dict({"m": "y" * 250}), timeout=5, owner=owner)
+        await second.done.wait()
+        assert isinstance(second.error, errors.Overloaded) and second.at == 0  # at once, unsent
+        assert conn.buffers.held < 300 and len(conn.pending) == 1
+        await first.done.wait()
+        assert isinstance(first.error, errors.CallTimeout)
+        nursery.cancel_scope.cancel()
