@@ -35,6 +35,7 @@ from gateway.limits import ByteBudget
 from gateway.protocol.catalog import BackendLists
 from gateway.protocol.supervision import State
 from gateway.status import BackendStatus, InstanceStatus
+from gateway.wakeup import Wakeup
 
 if TYPE_CHECKING:
     from gateway.session import ClientSession
@@ -95,7 +96,7 @@ class Backend:
         self._nursery: trio.Nursery | None = None
         self._stopping = False
         self.restarting = False  # stopped by a reload that starts it again with a changed config
-        self._released = trio.Event()  # a client call ended (wakes drain); replaced each time
+        self._released = Wakeup()  # a client call ended (wakes drain)
         # an instance changed state, or an affine waiter was granted or let go (wakes the
         # affine waiters); replaced each time
         self._changed = trio.Event()
@@ -247,7 +248,6 @@ class Backend:
         elif self.cfg.sharing == "per-session":
             inst.last_used = trio.current_time()
         self._released.set()
-        self._released = trio.Event()
 
     # affine: an instance serves one connection while that connection has calls in its
     # attribution set; FIFO hand-over, and a holder gets no new calls once someone else waits.
