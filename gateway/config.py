@@ -90,6 +90,7 @@ class BackendConfig(Base):
     required: bool = False
     sharing: Literal["shared", "affine", "per-session"] = "shared"
     instances: int = 1
+    max_inflight: int = 32  # calls at one child at once; more wait in a queue per connection
     max_sessions: int = 16  # per-session: cap on children
     idle_timeout: float = 300.0  # per-session: stop an idle child after this long
     queue_size: int = 64  # affine: calls waiting for an instance
@@ -336,8 +337,8 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
             errors.append(f"{p}.health: need interval >= 0, timeout > 0, failures >= 1")
         if b.stderr_lines_per_second < 0 or b.stderr_burst < 1:
             errors.append(f"{p}: need stderr_lines_per_second >= 0 and stderr_burst >= 1")
-        if b.instances < 1 or b.max_sessions < 1:
-            errors.append(f"{p}: instances and max_sessions must be at least 1")
+        if b.instances < 1 or b.max_sessions < 1 or b.max_inflight < 1:
+            errors.append(f"{p}: instances, max_sessions and max_inflight must be at least 1")
         if b.prefix is not None and b.prefix and not re.fullmatch(r"[a-zA-Z0-9_-]{1,32}", b.prefix):
             errors.append(f"{p}.prefix: must match [a-zA-Z0-9_-]{{0,32}}")
         for root in b.roots:

@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 import trio
+from msgspec import UNSET, Raw
 
-from gateway import errors
+from gateway import errors, handlers
 from gateway.errors import CloseReason
 from gateway.events import (
     AnswerRefused,
@@ -29,14 +30,19 @@ from gateway.events import (
     ConnectionOpened,
     RequestFinished,
     RequestOutcome,
+    RequestStarted,
     ServerRequestOutcome,
 )
-from gateway.handlers import HANDLERS, PRE_INIT, Request
+from gateway.handlers import HANDLERS, PRE_INIT, Request, Target
 from gateway.protocol import jsonrpc, mcp
 from gateway.session import AnswerOutcome, ClientSession
 
 if TYPE_CHECKING:
+    from gateway.backend.child import ChildConnection
+    from gateway.backend.instance import Instance
+    from gateway.backend.pool import Backend
     from gateway.hub import Hub
+    from gateway.protocol.routing import Call
 
 LOGGER = logging.getLogger(__name__)
 
@@ -87,6 +93,7 @@ async def serve(hub: Hub, stream: MessageStream, transport: str) -> None:
     try:
         async with trio.open_nursery() as nursery:
             session.cancel_scope = nursery.cancel_scope
+            session.nursery = nursery
             nursery.start_soon(_writer, session, stream, in_hand)
             await _reader(hub, session, stream, nursery)
             session.close(CloseReason.CLIENT_CLOSED)
@@ -98,6 +105,8 @@ async def serve(hub: Hub, stream: MessageStream, transport: str) -> None:
             hub.sessions.discard(session)
             hub.connections_changed()
             session.end_all_requests(ServerRequestOutcome.OWNER_GONE)
+            for served in list(session.inflight.values()):  # calls forwarded without a task
+                served.cancel()
             try:
                 await hub.session_closed(session)
                 await _flush(session, stream, in_hand)
@@ -296,10 +305,7 @@ def _handle(hub: Hub, session: ClientSession, data: bytes, nursery: trio.Nursery
         except errors.GatewayError as exc:
             reply(error_response(env.id, exc), env.id)
             return
-        scope = trio.CancelScope()
-        session.inflight[env.id] = scope
-        session.buffers.charge(size)  # the request's bytes live until it is answered
-        nursery.start_soon(_run_request, hub, session, env, size, scope, reply)
+        _serve_request(hub, session, env, size, reply)
         return
     reply(None, None)
     if kind == "notification":
@@ -318,9 +324,9 @@ def _on_notification(hub: Hub, session: ClientSession, method: str, env: jsonrpc
             request_id = mcp.decode_cancelled(env.params).requestId
         except (msgspec.ValidationError, msgspec.DecodeError):
             return
-        scope = session.inflight.get(request_id)
-        if scope is not None:
-            scope.cancel()
+        served = session.inflight.get(request_id)
+        if served is not None:
+            served.cancel()
     elif method == "notifications/initialized":
         pass
     elif method == "notifications/roots/list_changed":
@@ -329,48 +335,183 @@ def _on_notification(hub: Hub, session: ClientSession, method: str, env: jsonrpc
         LOGGER.debug("connection %s: ignored notification %s", session.conn_id, method, extra=session.log_fields)
 
 
-async def _run_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, size: int,
-                       scope: trio.CancelScope, reply: Callable[[bytes | None, int | str | None], None]) -> None:
-    """Run one client request and answer it: the single exception → JSON-RPC error boundary."""
-    assert isinstance(env.id, int | str) and isinstance(env.method, str)
-    started = trio.current_time()
-    label = mcp.method_label(env.method)
-    req = Request(env.id, env.method, {})
-    response: bytes | None = None
-    code: int | None = None
-    outcome = RequestOutcome.CANCELLED
-    try:
-        with scope:
-            try:
-                handler = HANDLERS.get(env.method)
-                if handler is None:
-                    raise errors.MethodNotFound(f"method {env.method!r} not found")
-                if not session.initialized and env.method not in PRE_INIT:
-                    raise errors.InvalidRequest(f"{env.method}: the connection is not initialized yet")
-                req.params = jsonrpc.params_dict(env.params)
-                result = await handler(hub, session, req)
-                response = jsonrpc.encode_result(env.id, result)
-            except errors.GatewayError as exc:
-                code = exc.code
-                response = error_response(env.id, exc)
-            except Exception:
-                LOGGER.exception("connection %s: %s failed", session.conn_id, env.method, extra=session.log_fields)
-                code = errors.INTERNAL_ERROR
-                response = error_response(env.id, errors.InternalError(
-                    f"internal error while handling {env.method}"))
-        if scope.cancelled_caught and hub.calls_cut_off:  # drain grace over: say so, not silence
-            code = errors.DENIED
-            response = error_response(env.id, errors.Denied(
-                "the gateway shut down before this call finished; it may have had effects",
-                reason="shutdown", retryable=False))
+class Served:
+    """One client request being served: ``session.inflight``'s entry for its id, and the one
+    place where its answer is made (:meth:`end`, exceptions become JSON-RPC errors there).
+
+    Served three ways: answered by the gateway at once; *forwarded* without a task (it is then
+    the handle of its call at the child, told by :meth:`finished`); or in a task of the
+    connection's nursery (:func:`_run_slow`) when it must wait for something.
+    """
+
+    __slots__ = ("backend", "call", "child", "ended", "forwarded_at", "hub", "id", "inst", "label",
+                 "reply", "req", "retried", "scope", "session", "size", "started", "target")
+
+    def __init__(self, hub: Hub, session: ClientSession, env: jsonrpc.Envelope, size: int,
+                 reply: Callable[[bytes | None, int | str | None], None]) -> None:
+        assert isinstance(env.id, int | str) and isinstance(env.method, str)
+        self.hub = hub
+        self.session = session
+        self.id: int | str = env.id
+        self.req = Request(env.id, env.method, {})
+        self.label = mcp.method_label(env.method)
+        self.size = size
+        self.reply = reply
+        self.started = trio.current_time()
+        self.ended = False
+        self.scope: trio.CancelScope | None = None  # served in a task
+        self.target: Target | None = None
+        self.backend: Backend | None = None  # forwarded without a task: where to
+        self.inst: Instance | None = None
+        self.child: ChildConnection | None = None
+        self.call: Call | None = None
+        self.forwarded_at = 0.0
+        self.retried = False
+
+    def cancel(self) -> None:
+        """The client cancelled it, its connection closed, or the drain grace is over (then it
+        is answered -32005 ``shutdown``, ``retryable: false``: it may have had effects)."""
+        if self.call is not None and self.child is not None:
+            self.child.cancel(self.call, _cut_off() if self.hub.calls_cut_off else None)
+        elif self.scope is not None:
+            self.scope.cancel()
+
+    def forward_now(self) -> bool:
+        """Forward to the target's backend without a task, if an instance takes it right now."""
+        hub, session, req, target = self.hub, self.session, self.req, self.target
+        assert target is not None
+        backend = hub.backend_now(target.backend)
+        if backend is None:
+            return False
+        picked = backend.pick_now(session)
+        if picked is None:
+            return False
+        inst, child = picked
+        req.backend = backend.name
+        if not req.counted:
+            req.counted = True
+            hub.bus.emit(RequestStarted(session.conn_id, self.label, backend.name))
+        client_token, meta = handlers.progress_token(req, target.params)
+        self.backend, self.inst, self.child = backend, inst, child
+        self.forwarded_at = trio.current_time()
+        try:
+            self.call = child.start(req.method, UNSET, handle=self, now=self.forwarded_at, owner=session,
+                                    hard_timeout=backend.cfg.max_call_duration, progress=client_token,
+                                    rewrite=handlers.rewriter(target.params, meta))
+        except errors.NotDelivered:  # the child just died: the slow path waits for the next one
+            backend.release(inst, session)
+            self.child = None
+            return False
+        except errors.GatewayError as exc:
+            backend.release(inst, session)
+            self.child = None
+            self.end(exc=exc)
+        return True
+
+    def finished(self, result: Raw | None, error: errors.GatewayError | None) -> None:
+        """The forwarded call is over (see :class:`gateway.protocol.routing.Finished`)."""
+        assert self.backend is not None and self.inst is not None
+        self.call = None
+        self.req.backend_time = trio.current_time() - self.forwarded_at
+        self.backend.release(self.inst, self.session)
+        if (isinstance(error, errors.NotDelivered) and not self.retried and self.target is not None
+                and not self.session.closed.is_set() and self.session.nursery is not None):
+            # The child died before reading it: once more, on the next child (slow path).
+            LOGGER.info("backend %s died before %s reached it; retrying once", self.inst.name,
+                        self.req.method, extra=self.session.log_fields)
+            self.retried = True
+            self.child = None
+            self.scope = trio.CancelScope()
+            self.session.nursery.start_soon(_run_slow, self)
+            return
+        self.end(result, error, cancelled=result is None and error is None)
+
+    def end(self, result: Raw | None = None, exc: BaseException | None = None, *,
+            cancelled: bool = False) -> None:
+        """Answer the request (a cancelled one gets no answer) and account for it, once."""
+        if self.ended:
+            return
+        self.ended = True
+        hub, session, req = self.hub, self.session, self.req
+        code: int | None = None
+        response: bytes | None = None
+        if cancelled and hub.calls_cut_off:  # drain grace over: say so, not silence
+            exc = _cut_off()
+        if cancelled and exc is None:
+            outcome = RequestOutcome.CANCELLED  # a cancelled request gets no response
+        elif exc is None:
+            assert result is not None
+            outcome = RequestOutcome.OK
+            response = jsonrpc.encode_result(self.id, result)
+        else:
             outcome = RequestOutcome.ERROR
-        elif response is not None and not scope.cancelled_caught:
-            outcome = RequestOutcome.OK if code is None else RequestOutcome.ERROR
-        reply(response if outcome is not RequestOutcome.CANCELLED else None, env.id)  # a cancelled request gets no response
-    finally:
-        session.inflight.pop(env.id, None)
-        session.buffers.release(size)
+            if not isinstance(exc, errors.GatewayError):
+                LOGGER.error("connection %s: %s failed", session.conn_id, req.method,
+                             exc_info=exc, extra=session.log_fields)
+                exc = errors.InternalError(f"internal error while handling {req.method}")
+            code = exc.code
+            response = error_response(self.id, exc)
+        self.reply(response, self.id)
+        session.inflight.pop(self.id, None)
+        session.buffers.release(self.size)
         if not session.inflight:
             hub.connections_changed()
-        hub.bus.emit(RequestFinished(session.conn_id, label, req.backend, outcome, code,
-                                     trio.current_time() - started, req.backend_time, req.tool))
+        hub.bus.emit(RequestFinished(session.conn_id, self.label, req.backend, outcome, code,
+                                     trio.current_time() - self.started, req.backend_time, req.tool))
+
+
+def _cut_off() -> errors.GatewayError:
+    return errors.Denied("the gateway shut down before this call finished; it may have had effects",
+                         reason="shutdown", retryable=False)
+
+
+def _serve_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, size: int,
+                   reply: Callable[[bytes | None, int | str | None], None]) -> None:
+    """Serve one admitted request: at once when the gateway answers it or a backend instance
+    takes it now (no task), else in a task."""
+    served = Served(hub, session, env, size, reply)
+    session.inflight[served.id] = served
+    session.buffers.charge(size)  # the request's bytes live until it is answered
+    req = served.req
+    method = req.method
+    handler = HANDLERS.get(method)
+    targeter = handlers.FORWARDED.get(method)
+    try:
+        if handler is None and targeter is None and method not in handlers.ASYNC_HANDLERS:
+            raise errors.MethodNotFound(f"method {method!r} not found")
+        if not session.initialized and method not in PRE_INIT:
+            raise errors.InvalidRequest(f"{method}: the connection is not initialized yet")
+        req.params = jsonrpc.params_dict(env.params)
+        if handler is not None:
+            served.end(handler(hub, session, req))
+            return
+        if targeter is not None:
+            served.target = targeter(hub, session, req)
+            handlers.progress_token(req, served.target.params)  # a bad token fails here, not later
+            if served.target.consent is None and served.forward_now():
+                return
+    except Exception as exc:
+        served.end(exc=exc)
+        return
+    served.scope = trio.CancelScope()
+    assert session.nursery is not None
+    session.nursery.start_soon(_run_slow, served)
+
+
+async def _run_slow(served: Served) -> None:
+    """Serve a request that must wait (consent, an instance starting or busy, a backend's answer)."""
+    hub, session, req = served.hub, served.session, served.req
+    assert served.scope is not None
+    result: Raw | None = None
+    exc: BaseException | None = None
+    try:
+        with served.scope:
+            try:
+                if served.target is not None:
+                    result = await handlers.forward(hub, session, req, served.target)
+                else:
+                    result = await handlers.ASYNC_HANDLERS[req.method](hub, session, req)
+            except Exception as e:
+                exc = e
+    finally:
+        served.end(result, exc, cancelled=result is None and exc is None)

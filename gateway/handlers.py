@@ -1,8 +1,12 @@
 """Client request handlers: one function per MCP method the gateway serves.
 
-Each handler takes the hub, the session and a :class:`Request`, and returns the ``result``
-(Raw) or raises a :class:`~gateway.errors.GatewayError`.  Handlers never build error responses
-themselves: ``gateway.connection`` is the one place that does.
+Three kinds: :data:`HANDLERS` answer from the gateway's own state, synchronously (no task);
+:data:`FORWARDED` decide synchronously where a request goes (a :class:`Target`), and
+``gateway.connection`` forwards it without a task when it can, else runs :func:`forward` (the
+slow path: consent, waiting for an instance); :data:`ASYNC_HANDLERS` need a backend's answer
+before they can answer.  Each takes the hub, the session and a :class:`Request`, and returns the
+``result`` (Raw) or a Target, or raises a :class:`~gateway.errors.GatewayError`.  Handlers never
+build error responses themselves: ``gateway.connection`` is the one place that does.
 """
 
 from __future__ import annotations
@@ -37,9 +41,11 @@ class Request:
     backend: str = ""
     backend_time: float | None = None
     tool: str | None = None
+    counted: bool = False  # RequestStarted was emitted (a backend was chosen)
 
 
-Handler = Callable[["Hub", "ClientSession", Request], Awaitable[Raw]]
+Handler = Callable[["Hub", "ClientSession", Request], Raw]
+AsyncHandler = Callable[["Hub", "ClientSession", Request], Awaitable[Raw]]
 
 
 def _str_param(req: Request, key: str) -> str:
@@ -66,7 +72,7 @@ def _reject_tasks(req: Request) -> None:
 # ---- answered by the gateway itself ----------------------------------------------------------------
 
 
-async def initialize(hub: Hub, session: ClientSession, req: Request) -> Raw:
+def initialize(hub: Hub, session: ClientSession, req: Request) -> Raw:
     if session.protocol_version is not None:  # set synchronously below: two racing ones cannot both pass
         raise errors.InvalidRequest(
             f"initialize: this connection is already initialized (protocol {session.protocol_version}); "
@@ -89,12 +95,12 @@ async def initialize(hub: Hub, session: ClientSession, req: Request) -> Raw:
     )
 
 
-async def ping(hub: Hub, session: ClientSession, req: Request) -> Raw:
+def ping(hub: Hub, session: ClientSession, req: Request) -> Raw:
     return jsonrpc.EMPTY_RESULT
 
 
 def _lister(kind: str, field: str) -> Handler:
-    async def handler(hub: Hub, session: ClientSession, req: Request) -> Raw:
+    def handler(hub: Hub, session: ClientSession, req: Request) -> Raw:
         cursor = _str_param(req, "cursor") if "cursor" in req.params else None
         items = getattr(hub.catalog, kind)
         got = cat.page(kind, items, cursor, hub.cfg.gateway.page_size)
@@ -109,7 +115,7 @@ def _lister(kind: str, field: str) -> Handler:
     return handler
 
 
-async def set_level(hub: Hub, session: ClientSession, req: Request) -> Raw:
+def set_level(hub: Hub, session: ClientSession, req: Request) -> Raw:
     level = _str_param(req, "level")
     if level not in mcp.LOG_RANK:
         raise errors.InvalidParams(f"logging/setLevel: unknown level {level!r}")
@@ -120,7 +126,7 @@ async def set_level(hub: Hub, session: ClientSession, req: Request) -> Raw:
 
 async def subscribe(hub: Hub, session: ClientSession, req: Request) -> Raw:
     uri = _str_param(req, "uri")
-    backend = await hub.backend_for_uri(uri)
+    backend = await hub.backend(hub.backend_name_for_uri(uri))
     if req.method == "resources/subscribe":
         await backend.subscribe(session, uri)
     else:
@@ -128,7 +134,7 @@ async def subscribe(hub: Hub, session: ClientSession, req: Request) -> Raw:
     return jsonrpc.EMPTY_RESULT
 
 
-async def tasks_unsupported(hub: Hub, session: ClientSession, req: Request) -> Raw:
+def tasks_unsupported(hub: Hub, session: ClientSession, req: Request) -> Raw:
     raise errors.MethodNotFound(
         f"{req.method}: tasks are not supported by this gateway", reason="tasks_unsupported"
     )
@@ -137,85 +143,113 @@ async def tasks_unsupported(hub: Hub, session: ClientSession, req: Request) -> R
 # ---- forwarded to a backend ----------------------------------------------------------------------
 
 
-async def forward(hub: Hub, session: ClientSession, req: Request, backend: Backend,
-                  params: dict[str, Raw]) -> Raw:
-    """Send ``req`` to an instance of ``backend``.  ``params`` is the caller's copy of the
-    request's params (names already mapped back); it is updated in place."""
-    req.backend = backend.name
-    hub.bus.emit(RequestStarted(session.conn_id, mcp.method_label(req.method), backend.name))
-    progress = None
-    meta: dict[str, Raw] | None = None
-    if "_meta" in params:
-        try:
-            meta = jsonrpc.raw_dict(params["_meta"])
-        except (msgspec.ValidationError, msgspec.DecodeError):
-            raise errors.InvalidParams(f"{req.method}: _meta must be an object") from None
-        if "progressToken" in meta:
-            try:
-                client_token = jsonrpc.loads(meta["progressToken"])
-            except msgspec.DecodeError:
-                client_token = None
-            if not isinstance(client_token, str | int) or isinstance(client_token, bool):
-                raise errors.InvalidParams(f"{req.method}: _meta.progressToken must be a string or an integer")
-            progress = (client_token, session.progress_callback())
+@dataclass(slots=True)
+class Target:
+    """Where a forwarded request goes, decided synchronously from the request alone."""
+
+    backend: str
+    params: dict[str, Raw]  # the params for the backend (names mapped back)
+    consent: tuple[str, Any] | None = None  # (tool, arguments): policy asks the user first
+
+
+Targeter = Callable[["Hub", "ClientSession", Request], Target]
+
+
+def progress_token(req: Request, params: dict[str, Raw]) -> tuple[Any, dict[str, Raw] | None]:
+    """The caller's progress token (None: it asked for none) and its ``_meta``, decoded one level."""
+    if "_meta" not in params:
+        return None, None
+    try:
+        meta = jsonrpc.raw_dict(params["_meta"])
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        raise errors.InvalidParams(f"{req.method}: _meta must be an object") from None
+    if "progressToken" not in meta:
+        return None, meta
+    try:
+        client_token = jsonrpc.loads(meta["progressToken"])
+    except msgspec.DecodeError:
+        client_token = None
+    if not isinstance(client_token, str | int) or isinstance(client_token, bool):
+        raise errors.InvalidParams(f"{req.method}: _meta.progressToken must be a string or an integer")
+    return client_token, meta
+
+
+def rewriter(params: dict[str, Raw], meta: dict[str, Raw] | None) -> Callable[[str | None], Raw]:
+    """Builds the params sent to the child, given the gateway's progress token: only the token
+    changes, the rest passes as is."""
 
     def rewrite(token: str | None) -> Raw:
-        if meta is not None and token is not None:  # only the token changes; the rest passes as is
+        if meta is not None and token is not None:
             params["_meta"] = jsonrpc.encode_dict({**meta, "progressToken": Raw(msgspec.json.encode(token))})
         return jsonrpc.encode_dict(params)
 
+    return rewrite
+
+
+async def forward(hub: Hub, session: ClientSession, req: Request, target: Target) -> Raw:
+    """The slow path of a forwarded request: consent, a backend being replaced by a reload, an
+    instance that must first start or become free.  (The fast path, in :mod:`gateway.connection`,
+    forwards without a task when none of that applies.)"""
+    if target.consent is not None:
+        await hub.policy.ask(session, *target.consent)
+    backend = await hub.backend(target.backend)  # looked up after consent: a reload may have removed it
+    req.backend = backend.name
+    if not req.counted:
+        req.counted = True
+        hub.bus.emit(RequestStarted(session.conn_id, mcp.method_label(req.method), backend.name))
+    params = target.params
+    client_token, meta = progress_token(req, params)
+    rewrite = rewriter(params, meta)
     started = trio.current_time()
     for attempt in range(2):
         inst, child = await backend.acquire(session)
         try:
             return await child.request(req.method, timeout=backend.cfg.request_timeout,
                                        hard_timeout=backend.cfg.max_call_duration, owner=session,
-                                       progress=progress, rewrite=rewrite)
+                                       progress=client_token, rewrite=rewrite)
         except errors.NotDelivered:
             if attempt:  # the child died before reading it twice in a row: give up
                 raise
             LOGGER.info("backend %s died before %s reached it; retrying once", inst.name, req.method)
         finally:
             req.backend_time = trio.current_time() - started
-            hub.ownership.call_finished(child, inst, session)
             backend.release(inst, session)
     raise AssertionError("unreachable")
 
 
-async def call_tool(hub: Hub, session: ClientSession, req: Request) -> Raw:
+def call_tool(hub: Hub, session: ClientSession, req: Request) -> Target:
     _reject_tasks(req)
     name = _str_param(req, "name")
     route = hub.catalog.tool_routes.get(name)
     if route is None:
         raise errors.InvalidParams(f"unknown tool {name!r}")
     req.tool = name
-    if hub.policy.active:
+    consent = None
+    if hub.policy.active and hub.policy.check(name):
         raw_args = req.params.get("arguments")
-        arguments = jsonrpc.loads(raw_args) if raw_args is not None else None
-        await hub.authorize(session, name, arguments)
-    backend = await hub.backend(route.backend)  # looked up after consent: a reload may have removed it
+        consent = (name, jsonrpc.loads(raw_args) if raw_args is not None else None)
     params = dict(req.params)
     params["name"] = Raw(msgspec.json.encode(route.name))
-    return await forward(hub, session, req, backend, params)
+    return Target(route.backend, params, consent)
 
 
-async def get_prompt(hub: Hub, session: ClientSession, req: Request) -> Raw:
+def get_prompt(hub: Hub, session: ClientSession, req: Request) -> Target:
     name = _str_param(req, "name")
     route = hub.catalog.prompt_routes.get(name)
     if route is None:
         raise errors.InvalidParams(f"unknown prompt {name!r}")
     params = dict(req.params)
     params["name"] = Raw(msgspec.json.encode(route.name))
-    return await forward(hub, session, req, await hub.backend(route.backend), params)
+    return Target(route.backend, params)
 
 
-async def read_resource(hub: Hub, session: ClientSession, req: Request) -> Raw:
+def read_resource(hub: Hub, session: ClientSession, req: Request) -> Target:
     _reject_tasks(req)
     uri = _str_param(req, "uri")
-    return await forward(hub, session, req, await hub.backend_for_uri(uri), dict(req.params))
+    return Target(hub.backend_name_for_uri(uri), dict(req.params))
 
 
-async def complete(hub: Hub, session: ClientSession, req: Request) -> Raw:
+def complete(hub: Hub, session: ClientSession, req: Request) -> Target:
     raw_ref = req.params.get("ref")
     try:
         ref = jsonrpc.loads(raw_ref) if raw_ref is not None else None
@@ -229,18 +263,17 @@ async def complete(hub: Hub, session: ClientSession, req: Request) -> Raw:
         if route is None:
             raise errors.InvalidParams(f"unknown prompt {ref.get('name')!r}")
         params["ref"] = jsonrpc.encode_dict({**ref, "name": route.name})
-        backend = await hub.backend(route.backend)
-    elif ref.get("type") == "ref/resource":
+        return Target(route.backend, params)
+    if ref.get("type") == "ref/resource":
         uri = str(ref.get("uri"))
         name = hub.catalog.route_template(uri)
         if name is None:
             raise errors.InvalidParams(f"unknown resource or template {uri!r}")
-        backend = await hub.backend(name)
-    else:
-        raise errors.InvalidParams("completion/complete: ref.type must be ref/prompt or ref/resource")
-    return await forward(hub, session, req, backend, params)
+        return Target(name, params)
+    raise errors.InvalidParams("completion/complete: ref.type must be ref/prompt or ref/resource")
 
 
+#: Answered by the gateway itself, synchronously (no task).
 HANDLERS: dict[str, Handler] = {
     "initialize": initialize,
     "ping": ping,
@@ -248,17 +281,25 @@ HANDLERS: dict[str, Handler] = {
     "prompts/list": _lister("prompts", "prompts"),
     "resources/list": _lister("resources", "resources"),
     "resources/templates/list": _lister("templates", "resourceTemplates"),
-    "tools/call": call_tool,
-    "prompts/get": get_prompt,
-    "resources/read": read_resource,
-    "resources/subscribe": subscribe,
-    "resources/unsubscribe": subscribe,
-    "completion/complete": complete,
     "logging/setLevel": set_level,
     "tasks/get": tasks_unsupported,
     "tasks/result": tasks_unsupported,
     "tasks/list": tasks_unsupported,
     "tasks/cancel": tasks_unsupported,
+}
+
+#: Forwarded to a backend: where to is decided synchronously (see :class:`Target`).
+FORWARDED: dict[str, Targeter] = {
+    "tools/call": call_tool,
+    "prompts/get": get_prompt,
+    "resources/read": read_resource,
+    "completion/complete": complete,
+}
+
+#: Answered by the gateway after waiting for a backend (always in a task).
+ASYNC_HANDLERS: dict[str, AsyncHandler] = {
+    "resources/subscribe": subscribe,
+    "resources/unsubscribe": subscribe,
 }
 
 #: Methods a client may call before ``initialize``.

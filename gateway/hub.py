@@ -174,8 +174,8 @@ class Hub:
         ``shutdown`` (``retryable: false``, it may have had effects) before its connection closes."""
         self.calls_cut_off = True
         for session in self.sessions:
-            for scope in session.inflight.values():
-                scope.cancel()
+            for call in list(session.inflight.values()):
+                call.cancel()
 
     # ---- catalog ----------------------------------------------------------------------------
 
@@ -248,14 +248,24 @@ class Hub:
                 backend=name, retryable=restarting)
         return backend
 
-    async def backend_for_uri(self, uri: str) -> Backend:
+    def backend_now(self, name: str) -> Backend | None:
+        """The running backend ``name`` when it can take a call without waiting (not being
+        replaced by a reload), else None: :meth:`backend` then waits or says why not."""
+        return self.backends.get(name) if name not in self._replacing else None
+
+    def backend_name_for_uri(self, uri: str) -> str:
+        """The backend serving ``uri``: by the catalog, else the only backend with resources.
+
+        Raises:
+            ResourceNotFound: none, or several could.
+        """
         name = self.catalog.route_resource(uri)
         if name is None:
-            candidates = [b for b in self.backends.values() if b.lists.resources or b.lists.templates]
+            candidates = [b.name for b in self.backends.values() if b.lists.resources or b.lists.templates]
             if len(candidates) != 1:
                 raise errors.ResourceNotFound(f"resource {uri!r} not found", uri=uri)
             return candidates[0]
-        return await self.backend(name)
+        return name
 
     async def authorize(self, session: ClientSession, tool: str, arguments: Any) -> None:
         await self.policy.authorize(session, tool, arguments)
@@ -311,16 +321,13 @@ class Hub:
 
     # ---- server→client requests ---------------------------------------------------------------
 
-    async def on_server_request(self, instance: Instance, child: ChildConnection, id: int | str,
-                                method: str, params: Raw | UnsetType, owners: set[ClientSession]) -> None:
-        await self.ownership.route(instance, child, id, method, params, owners)
+    def on_server_request(self, instance: Instance, child: ChildConnection, id: int | str,
+                          method: str, params: Raw | UnsetType, owners: set[ClientSession]) -> None:
+        self.ownership.route(instance, child, id, method, params, owners)
 
     def on_server_request_cancelled(self, instance: Instance, child: ChildConnection,
                                     request_id: int | str) -> None:
-        self.ownership.child_cancelled(instance, child, request_id)
-
-    def on_instance_down(self, instance: Instance, child: ChildConnection) -> None:
-        self.ownership.child_down(instance, child)
+        self.ownership.child_cancelled(child, request_id)
 
     def roots_changed(self, session: ClientSession) -> None:
         """A client's roots changed: tell its own per-session children (elsewhere roots come
@@ -358,7 +365,7 @@ class Hub:
             connections=connections,
             listeners_bound=self.listeners_bound,
             draining=self.draining,
-            pending_server_requests=len(self.ownership.pending) + self.policy.pending_count(),
+            pending_server_requests=self.ownership.open + self.policy.pending_count(),
             buffered_bytes=self.budget.total,
             client_requests_in_flight=sum(len(s.inflight) for s in self.sessions),
             outbound_messages_queued=sum(s.outbound.statistics().current_buffer_used for s in self.sessions),

@@ -50,10 +50,6 @@ if TYPE_CHECKING:
 LOGGER = logging.getLogger(__name__)
 
 DECLINE = Raw(b'{"action":"decline"}')
-#: Outcomes after which the child gets elicitation ``cancel`` (others: -32007): nobody will answer.
-_CLIENT_WENT_AWAY = frozenset({ServerRequestOutcome.OWNER_GONE, ServerRequestOutcome.SHUTDOWN,
-                               ServerRequestOutcome.TIMEOUT})
-CANCEL = Raw(b'{"action":"cancel"}')
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,16 +113,20 @@ def decide(
 
 
 class Ownership:
-    """Pending server→client requests of every instance, keyed by (instance, generation, child id)."""
+    """Routes children's server→client requests; remembers the owners of URL-mode elicitations.
+
+    Everything here is synchronous: a forwarded request is state in the child's router and in
+    the owner's session, ended by whichever event comes first (see the table above).
+    """
 
     def __init__(self, bus: EventBus) -> None:
         self._bus = bus
-        self.pending: dict[tuple[str, int, int | str], tuple[ClientSession, ServerRequest]] = {}
+        self.open = 0  # forwarded requests not ended yet (``/status``)
         # (backend, URL-mode elicitationId) -> owner; ids are chosen by each backend
         self.elicitations: dict[tuple[str, str], ClientSession] = {}
 
-    async def route(self, inst: Instance, child: ChildConnection, child_id: int | str,
-                    method: str, params: Raw | UnsetType, owners: set[ClientSession]) -> None:
+    def route(self, inst: Instance, child: ChildConnection, child_id: int | str,
+              method: str, params: Raw | UnsetType, owners: set[ClientSession]) -> None:
         """``owners``: the attribution set as it was when the request arrived."""
         backend = inst.backend
         try:
@@ -134,7 +134,7 @@ class Ownership:
             if not isinstance(fields, dict):
                 raise ValueError
         except (msgspec.DecodeError, ValueError):
-            await child.respond_error(child_id, errors.INVALID_PARAMS, "params must be an object")
+            child.respond_error(child_id, errors.INVALID_PARAMS, "params must be an object")
             return
         decision = decide(method, fields, sharing=backend.cfg.sharing, config_roots=backend.cfg.roots,
                           owners=owners, declared=backend.declared)
@@ -144,72 +144,44 @@ class Ownership:
                                extra={"MCP_BACKEND": backend.name})
                 self._bus.emit(ServerRequestRefused(backend.name, method, decision.reason))
             if decision.result is not None:
-                await child.respond(child_id, decision.result)
+                child.respond(child_id, decision.result)
             else:
-                await child.respond_error(child_id, decision.code, decision.message,
-                                          {"reason": decision.reason} if decision.reason else None)
+                child.respond_error(child_id, decision.code, decision.message,
+                                    {"reason": decision.reason} if decision.reason else None)
             return
-        await self._forward(inst, child, child_id, method, fields, decision.owner)
+        self._forward(inst, child, child_id, method, fields, decision.owner)
 
-    async def _forward(self, inst: Instance, child: ChildConnection, child_id: int | str,
-                       method: str, fields: dict[str, Any], owner: ClientSession) -> None:
+    def _forward(self, inst: Instance, child: ChildConnection, child_id: int | str,
+                 method: str, fields: dict[str, Any], owner: ClientSession) -> None:
         backend = inst.backend.name
         if method == "sampling/createMessage":
             fields = {**fields, "includeContext": "none"}  # one client's context must not leak
-        key = (inst.name, child.generation, child_id)
+        router = child.router
+        if router.has_server_request(child_id):
+            child.respond_error(child_id, errors.INVALID_REQUEST,
+                                f"request id {child_id!r} is already in use by an open request")
+            return
         req = owner.open_request(method, fields)
-        self.pending[key] = (owner, req)
         elicitation_id = fields.get("elicitationId") if method == "elicitation/create" else None
         if isinstance(elicitation_id, str):
             self.elicitations[(backend, elicitation_id)] = owner
         self._bus.emit(ServerRequestRouted(backend, method, owner.conn_id))
-        paused = child.calls_of(owner)
-        for call in paused:
-            call.pause()
-        try:
-            await req.done.wait()
-        finally:
-            for call in paused:
-                call.resume()
-            self.pending.pop(key, None)
-            if req.outcome is None:  # cancelled from outside (gateway shutdown)
-                owner.cancel_request(req, ServerRequestOutcome.SHUTDOWN, "the gateway is shutting down")
-        self._bus.emit(ServerRequestFinished(backend, method, req.outcome or ServerRequestOutcome.SHUTDOWN,
-                                             trio.current_time() - req.started))
-        with trio.CancelScope(shield=True), trio.move_on_after(5):
-            if req.outcome == ServerRequestOutcome.ANSWERED:
-                assert req.result is not None
-                await child.respond(child_id, req.result)
-            elif req.outcome == ServerRequestOutcome.ERROR:
-                assert req.error is not None
-                e = req.error
-                await child.respond_error(child_id, e.code, e.message, None if e.data is UNSET else e.data)
-            elif req.outcome in _CLIENT_WENT_AWAY:
-                if method == "elicitation/create":
-                    await child.respond(child_id, CANCEL)
-                else:
-                    await child.respond_error(child_id, errors.UNROUTABLE, f"{method}: the client went away",
-                                              {"reason": req.outcome})
-            # cancelled / call_finished / child_restarted: the child expects nothing
+        self.open += 1
 
-    def child_cancelled(self, inst: Instance, child: ChildConnection, child_id: int | str) -> None:
-        entry = self.pending.get((inst.name, child.generation, child_id))
-        if entry is not None:
-            owner, req = entry
-            owner.cancel_request(req, ServerRequestOutcome.CANCELLED, "cancelled by the backend")
+        def ended(req: ServerRequest) -> None:
+            self.open -= 1
+            outcome = req.outcome or ServerRequestOutcome.SHUTDOWN
+            self._bus.emit(ServerRequestFinished(backend, method, outcome, trio.current_time() - req.started))
+            child.perform(router.server_request_done(child_id, outcome, trio.current_time(),
+                                                     req.result, req.error))
 
-    def call_finished(self, child: ChildConnection, inst: Instance, owner: ClientSession) -> None:
-        """A call of ``owner`` ended: prompts of a child with no call of that owner left end too."""
-        if child.calls_of(owner):
-            return
-        for (name, gen, _cid), (o, req) in list(self.pending.items()):
-            if o is owner and name == inst.name and gen == child.generation:
-                owner.cancel_request(req, ServerRequestOutcome.CALL_FINISHED, "the call that caused this request has ended")
+        req.on_end.append(ended)
+        child.perform(router.server_request(child_id, owner, method, req, trio.current_time()))
+        if req.outcome is not None:  # the owner was already gone: it ended before anyone listened
+            ended(req)
 
-    def child_down(self, inst: Instance, child: ChildConnection) -> None:
-        for (name, gen, _cid), (owner, req) in list(self.pending.items()):
-            if name == inst.name and gen == child.generation:
-                owner.cancel_request(req, ServerRequestOutcome.CHILD_RESTARTED, "the backend exited")
+    def child_cancelled(self, child: ChildConnection, child_id: int | str) -> None:
+        child.perform(child.router.child_cancelled(child_id))
 
     def elicitation_owner(self, backend: str, elicitation_id: str) -> ClientSession | None:
         """The owner of a URL-mode elicitation, once: its completion is the last word on it."""

@@ -79,21 +79,28 @@ class Policy:
     def pending_count(self) -> int:
         return len(self._pending)
 
-    async def authorize(self, session: ClientSession, tool: str, arguments: Any = None) -> None:
-        """Return when ``session`` may call ``tool``; raise Denied otherwise."""
+    def check(self, tool: str) -> bool:
+        """Whether a call of ``tool`` needs the user's consent first (False: allowed).
+
+        Raises:
+            Denied: policy denies it, or it is sensitive and no rule names it.
+        """
         decision = pure.decide(tool, self.rules, self.cfg.default, sensitive=tool in self.sensitive)
         if decision.sensitive_unruled:
             raise errors.Denied(
                 f"tool {tool!r} is marked destructive/sensitive and no [policy] rule names it",
                 tool=tool,
             )
-        if decision.action == "allow":
-            return
         if decision.action == "deny":
             raise errors.Denied(f"tool {tool!r} is denied by policy", tool=tool)
-        await self._ask(session, tool, arguments)
+        return decision.action == "ask"
 
-    async def _ask(self, session: ClientSession, tool: str, arguments: Any) -> None:
+    async def authorize(self, session: ClientSession, tool: str, arguments: Any = None) -> None:
+        """Return when ``session`` may call ``tool``; raise Denied otherwise."""
+        if self.check(tool):
+            await self.ask(session, tool, arguments)
+
+    async def ask(self, session: ClientSession, tool: str, arguments: Any) -> None:
         if not session.caps.elicitation_form:
             raise errors.Denied(
                 f"tool {tool!r} needs the user's consent, but the client did not declare elicitation",

@@ -101,7 +101,7 @@ class ClientSession:
         self.caps = mcp.ClientCaps({})
         self.log_level: str | None = None
         self.max_inflight = max_inflight
-        self.inflight: dict[int | str, trio.CancelScope] = {}
+        self.inflight: dict[int | str, Any] = {}  # client id -> gateway.connection.Served
         self.server_requests: dict[str, ServerRequest] = {}
         self._ended_ids: deque[str] = deque(maxlen=1024)
         self._ids = itertools.count(1)
@@ -121,6 +121,7 @@ class ClientSession:
         self.closed = trio.Event()
         self.close_reason = CloseReason.CLIENT_CLOSED
         self.cancel_scope: trio.CancelScope | None = None
+        self.nursery: trio.Nursery | None = None  # where requests that must wait run
 
     def __repr__(self) -> str:
         return f"<ClientSession {self.conn_id} {self.transport}>"
@@ -261,13 +262,3 @@ class ClientSession:
                 "the gateway's message buffers are full (buffered_bytes_total); retry later",
                 limit=self._budget.limit,
             )
-
-    def progress_callback(self) -> Callable[[Any, dict[str, Raw]], None]:
-        """Maps a child's progress notification (its params, decoded one level) back to this
-        client's own token."""
-
-        def on_progress(client_token: Any, fields: dict[str, Raw]) -> None:
-            fields["progressToken"] = Raw(msgspec.json.encode(client_token))
-            self.notify("notifications/progress", jsonrpc.encode_dict(fields))
-
-        return on_progress

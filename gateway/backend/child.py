@@ -1,91 +1,94 @@
-"""The gateway's MCP client session with one running child (one process generation).
+"""The gateway's MCP client session with one running child (one process generation): the I/O
+shell around its :class:`~gateway.protocol.routing.ChildRouter`.
 
-Theory of operation: the gateway never sends a client's request id to a child.  Every request
-gets a gateway id from a per-child counter; ``pending`` maps it to a :class:`PendingCall` that
-the child's reply completes.  ``pending`` is also the instance's *attribution set*: a call stays
-in it until the child's reply arrives, also after the caller gave up (``abandoned``), so a
+Theory of operation: the router holds every call and server→client request of this child as
+data and returns what to do; this shell performs it (:meth:`ChildConnection.perform`): lines for
+the child go straight into an idle pipe (else into the write queue :meth:`write_loop` drains),
+messages for a client go into its session's outbound queue, a finished call is handed to the
+handle its caller gave (a forwarded call's connection answers it at once; an awaiting caller of
+:meth:`request` is woken).  No task per call: the child's reader feeds replies to the router in
+its own task, and one timer task (:meth:`timer_loop`) wakes at the router's earliest deadline.
+
+The gateway never sends a client's request id to a child: ids are minted by the router, progress
+tokens rewritten and mapped back.  The router's pending table is the *attribution set*: a call
+stays in it until the child's reply arrives, also after the caller gave up (abandoned), so a
 server→client request is attributed only while provably one connection's calls are open.
 Abandoned entries are never dropped by guessing: the instance either *recycles* a child that
-leaves one unanswered past ``cancel_grace`` (when attribution matters for it: no new calls, the
-ones in flight end, then a restart that is not a failure) or purges them with
-:meth:`ChildConnection.purge_abandoned` (when it does not).  Gateway-internal requests
-(initialize, list refresh, ping, subscribe) are marked ``internal`` and never count.
-
-Progress tokens are rewritten to gateway-unique tokens and mapped back.  When the child dies,
-:meth:`ChildConnection.fail_all` completes every pending call with :class:`BackendExited` at once.
+leaves one unanswered past ``cancel_grace`` or purges them (:meth:`purge_abandoned`) where
+attribution does not matter.  When the child dies, :meth:`fail_all` fails every call at once.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
+import math
 import os
 import sys
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Hashable
+from typing import Any, Protocol
 
 import msgspec
 import trio
 from msgspec import UNSET, Raw, UnsetType
 
 from gateway import errors
-from gateway.events import BackendProtocolError, EventBus
+from gateway.events import BackendProtocolError, EventBus, ServerRequestOutcome
 from gateway.limits import Account, ByteBudget
 from gateway.protocol import jsonrpc, wire
 from gateway.protocol.framing import HEAD, LineFramer, Oversize, OversizeEnd
 from gateway.protocol.mcp import decode_cancelled
-
-if TYPE_CHECKING:
-    from gateway.session import ClientSession
+from gateway.protocol.routing import (
+    Action,
+    ArmTimer,
+    Call,
+    ChildRouter,
+    EndServerRequest,
+    Finished,
+    Settled,
+    ToChild,
+    ToOwner,
+    UnknownReply,
+)
 
 LOGGER = logging.getLogger(__name__)
 
+#: Bytes read from the child's stdout at once (at most 64 KiB: larger buffers are above glibc's
+#: mmap threshold, and every read would map and unmap one).
+READ_CHUNK = 65536
+#: Why the gateway withdraws a request it forwarded to a client, by how it ended.
+_WITHDRAWN = {
+    ServerRequestOutcome.CANCELLED: "cancelled by the backend",
+    ServerRequestOutcome.CALL_FINISHED: "the call that caused this request has ended",
+    ServerRequestOutcome.CHILD_RESTARTED: "the backend exited",
+}
 
-_tokens = itertools.count(1)
+
+class Owner(Protocol):
+    """What the shell needs of a call's owner (a client session)."""
+
+    def send(self, data: bytes) -> bool: ...
+    def cancel_request(self, req: Any, outcome: ServerRequestOutcome, reason: str) -> None: ...
 
 
-class PendingCall:
-    __slots__ = (
-        "abandoned_at", "client_token", "done", "error", "gid", "internal", "method",
-        "hard_deadline", "on_progress", "owner", "paused", "remaining", "result", "scope", "started",
-        "token",
-    )  # fmt: skip
+class CallHandle(Protocol):
+    """Told once when its call is over (see :class:`~gateway.protocol.routing.Finished`)."""
 
-    def __init__(self, gid: int, method: str, owner: ClientSession | None, internal: bool) -> None:
-        self.gid = gid
-        self.method = method
-        self.owner = owner
-        self.internal = internal
+    def finished(self, result: Raw | None, error: errors.GatewayError | None) -> None: ...
+
+
+class _Waiter:
+    """The handle of a caller that awaits its call (:meth:`ChildConnection.request`)."""
+
+    __slots__ = ("done", "error", "result")
+
+    def __init__(self) -> None:
         self.done = trio.Event()
         self.result: Raw | None = None
         self.error: errors.GatewayError | None = None
-        self.token: str | None = None
-        self.client_token: Any = None
-        self.on_progress: Callable[[Any, dict[str, Raw]], None] | None = None
-        self.started = trio.current_time()
-        self.abandoned_at: float | None = None
-        self.scope: trio.CancelScope | None = None
-        self.paused = 0  # prompts pending for this call: its timeout is paused meanwhile
-        self.remaining: float | None = None
-        self.hard_deadline = float("inf")  # the timeout never extends past this
 
-    def complete(self, result: Raw | None, error: errors.GatewayError | None) -> None:
-        if not self.done.is_set():
-            self.result, self.error = result, error
-            self.done.set()
-
-    def pause(self) -> None:
-        """A prompt tied to this call began: stop its timeout clock (the hard maximum stays)."""
-        self.paused += 1
-        if self.paused == 1 and self.scope is not None:
-            self.remaining = max(0.0, self.scope.deadline - trio.current_time())
-            self.scope.deadline = self.hard_deadline
-
-    def resume(self) -> None:
-        self.paused = max(0, self.paused - 1)
-        if self.paused == 0 and self.scope is not None and self.remaining is not None:
-            self.scope.deadline = min(trio.current_time() + self.remaining, self.hard_deadline)
-            self.remaining = None
+    def finished(self, result: Raw | None, error: errors.GatewayError | None) -> None:
+        self.result, self.error = result, error
+        self.done.set()
 
 
 class ChildHandlers(Protocol):
@@ -113,10 +116,13 @@ class ChildConnection:
         max_depth: int = jsonrpc.MAX_DEPTH,
         buffers: Account | None = None,
         max_queued: int = sys.maxsize,
+        timeout: float = 60.0,
+        max_inflight: int = sys.maxsize,
     ) -> None:
         self.backend = backend
         self.instance = instance
         self.generation = generation
+        self.router = ChildRouter(backend, timeout=timeout, max_inflight=max_inflight)
         self._send_stream = send_stream
         self._receive_stream = receive_stream
         self._handlers = handlers
@@ -133,13 +139,54 @@ class ChildConnection:
         self._writing = False
         # A real pipe (trio FdStream, non-blocking) can be written to directly when idle.
         self._fd = send_stream.fileno() if isinstance(send_stream, trio.lowlevel.FdStream) else None
-        self._ids = itertools.count(1)
-        self.pending: dict[int, PendingCall] = {}
-        self._by_token: dict[str, PendingCall] = {}
+        self._timer: trio.CancelScope | None = None  # the timer task's sleep, while it sleeps
+        self._timer_at = math.inf
         self.closed: errors.GatewayError | None = None
         self.protocol_version: str | None = None
         self.server_capabilities: dict[str, Any] = {}
-        self.on_settled: Callable[[], None] | None = None  # a pending entry left the set
+        self.on_settled: Callable[[], None] | None = None  # abandoned calls left the set
+
+    @property
+    def pending(self) -> dict[int, Call]:
+        """The calls at the child (the attribution set, internal calls included)."""
+        return self.router.pending
+
+    # ---- performing the router's actions ----------------------------------------------------
+
+    def perform(self, actions: list[Action]) -> None:
+        """Do what the router said, in order (never blocks, never raises for a dead child)."""
+        for action in actions:
+            kind = type(action)
+            if kind is ToChild:
+                try:
+                    self.post(action.data, action.gid)  # type: ignore[union-attr]
+                except errors.NotDelivered as exc:
+                    if action.gid is not None:  # type: ignore[union-attr]
+                        self.perform(self.router.undelivered([action.gid], exc))  # type: ignore[union-attr]
+            elif kind is Finished:
+                action.call.handle.finished(action.result, action.error)  # type: ignore[union-attr]
+            elif kind is ToOwner:
+                action.owner.send(action.data)  # type: ignore[union-attr]
+            elif kind is ArmTimer:
+                self._timer_at = action.at  # type: ignore[union-attr]
+                if self._timer is not None and action.at < self._timer.deadline:  # type: ignore[union-attr]
+                    self._timer.deadline = action.at  # type: ignore[union-attr]
+            elif kind is EndServerRequest:
+                assert isinstance(action, EndServerRequest)
+                action.owner.cancel_request(action.handle, action.outcome,  # type: ignore[attr-defined]
+                                            _WITHDRAWN.get(action.outcome, str(action.outcome)))
+            elif kind is Settled:
+                if self.on_settled is not None:
+                    self.on_settled()
+
+    async def timer_loop(self) -> None:
+        """Sleep until the router's earliest deadline, time out what is due, repeat."""
+        while True:
+            with trio.CancelScope(deadline=self._timer_at) as scope:
+                self._timer = scope
+                await trio.sleep_forever()
+            self._timer = None
+            self.perform(self.router.timer_due(trio.current_time()))
 
     # ---- writing ----------------------------------------------------------------------------
 
@@ -149,17 +196,12 @@ class ChildConnection:
         When nothing is queued and the pipe has room, the line is written right here (no task
         switch); otherwise it is queued for :meth:`write_loop`, which keeps the order.
 
-        A request (``gid`` given) that would take the queue past ``max_queued`` bytes is refused
-        instead: a child that stops reading its stdin must not hold the daemon's byte budget.
-
         Raises:
             NotDelivered: the child's stdin is already known to be gone.
-            Overloaded: a request, and the child's write queue is full.
         """
         if self.closed is not None:
             raise errors.NotDelivered(self.closed.message, **self.closed.data)
         data = line + b"\n"
-        written = 0
         if self._fd is not None and not self._outbox and not self._writing:
             try:
                 written = os.write(self._fd, data)
@@ -171,19 +213,23 @@ class ChildConnection:
             if written == len(data):
                 return
             data = data[written:]
-        if gid is not None and not written and self.buffers.held + len(data) > self._max_queued:
-            raise errors.Overloaded(
-                f"backend {self.backend!r} is not reading its input: {self.buffers.held} bytes "
-                "already wait to be written to it (outbound_bytes)", backend=self.backend,
-                limit=self._max_queued)
         self._outbox.append((data, gid))
         self.buffers.charge(len(data))
         self._outbox_ready.set()
 
-    async def send(self, line: bytes) -> None:
-        """Queue one message (async form of :meth:`post`, a checkpoint for callers)."""
-        self.post(line)
-        await trio.lowlevel.checkpoint()
+    def _fits(self, size: int) -> bool:
+        """Whether a new request of ``size`` bytes may be written: straight into an idle pipe,
+        or within ``max_queued`` bytes of write queue (a child that stops reading its stdin must
+        not hold the daemon's byte budget)."""
+        if self._fd is not None and not self._outbox and not self._writing:
+            return True
+        return self.buffers.held + size <= self._max_queued
+
+    def _queue_full(self) -> errors.Overloaded:
+        return errors.Overloaded(
+            f"backend {self.backend!r} is not reading its input: {self.buffers.held} bytes "
+            "already wait to be written to it (outbound_bytes)", backend=self.backend,
+            limit=self._max_queued)
 
     async def write_loop(self) -> None:
         """Write queued messages to the child, batching whatever piled up into one write.
@@ -204,12 +250,10 @@ class ChildConnection:
                 error = self.exited_error("the backend's stdin is closed")
                 if self.closed is None:
                     self.closed = error
-                for _line, gid in batch + self._outbox:
-                    call = self.pending.pop(gid, None) if gid is not None else None
-                    if call is not None:
-                        call.complete(None, errors.NotDelivered(error.message, **error.data))
+                gids = [gid for _line, gid in batch + self._outbox if gid is not None]
                 self._outbox = []
                 self.buffers.close()
+                self.perform(self.router.undelivered(gids, error))
                 return
             finally:
                 self._writing = False
@@ -220,22 +264,60 @@ class ChildConnection:
             f"backend {self.backend!r} exited: {detail}", backend=self.backend, retryable=True
         )
 
-    async def notify(self, method: str, params: Raw | UnsetType = UNSET) -> None:
-        await self.send(jsonrpc.encode_notification(method, params))
-
-    async def respond(self, id: int | str, result: Raw) -> None:
+    def notify(self, method: str, params: Raw | UnsetType = UNSET) -> None:
+        """Send a notification (dropped if the child is gone)."""
         try:
-            await self.send(jsonrpc.encode_result(id, result))
-        except errors.BackendExited:
+            self.post(jsonrpc.encode_notification(method, params))
+        except errors.NotDelivered:
+            pass
+
+    def respond(self, id: int | str, result: Raw) -> None:
+        """Answer the child's request ``id`` (dropped if the child is gone)."""
+        try:
+            self.post(jsonrpc.encode_result(id, result))
+        except errors.NotDelivered:
             LOGGER.debug("backend %s gone before its request %r was answered", self.instance, id)
 
-    async def respond_error(self, id: int | str, code: int, message: str, data: Any = None) -> None:
+    def respond_error(self, id: int | str, code: int, message: str, data: Any = None) -> None:
         try:
-            await self.send(jsonrpc.encode_error(id, code, message, data))
-        except errors.BackendExited:
+            self.post(jsonrpc.encode_error(id, code, message, data))
+        except errors.NotDelivered:
             LOGGER.debug("backend %s gone before its request %r was answered", self.instance, id)
 
     # ---- requests ---------------------------------------------------------------------------
+
+    def start(self, method: str, params: Raw | UnsetType, *, handle: CallHandle, now: float,
+              owner: Hashable | None = None, internal: bool = False, timeout: float | None = None,
+              hard_timeout: float | None = None, progress: Any = None,
+              rewrite: Callable[[str | None], Raw | UnsetType] | None = None) -> Call:
+        """Start a call without waiting: ``handle.finished`` is told how it ended.
+
+        Args:
+            timeout: seconds until the gateway gives up (default: the backend's
+                ``request_timeout``; paused while a prompt of the owner is pending).
+            hard_timeout: the most the call may take even with pauses.
+            progress: the caller's progress token, when it asked for progress.
+            rewrite: builds the final params given the gateway's progress token (or None).
+
+        Raises:
+            NotDelivered: the child is gone.  Overloaded: its write queue is full.
+        """
+        if self.closed is not None:
+            raise errors.NotDelivered(self.closed.message, **self.closed.data)
+        hard = math.inf if hard_timeout is None else now + hard_timeout
+        call = self.router.open_call(method, owner=owner, handle=handle, now=now, timeout=timeout,
+                                     hard_deadline=hard, progress=progress, internal=internal)
+        if rewrite is not None:
+            params = rewrite(call.token)
+        line = jsonrpc.encode_request(call.gid, method, params)
+        if not internal and not self._fits(len(line) + 1):
+            raise self._queue_full()  # an opened call that is never submitted leaves no trace
+        self.perform(self.router.submit(call, line))
+        return call
+
+    def cancel(self, call: Call, error: errors.GatewayError | None = None) -> None:
+        """The caller gives up on ``call`` (answered ``error``, or not at all)."""
+        self.perform(self.router.cancel(call, trio.current_time(), error))
 
     async def request(
         self,
@@ -244,129 +326,83 @@ class ChildConnection:
         *,
         timeout: float,
         hard_timeout: float | None = None,
-        owner: ClientSession | None = None,
+        owner: Hashable | None = None,
         internal: bool = False,
-        progress: tuple[Any, Callable[[Any, dict[str, Raw]], None]] | None = None,
+        progress: Any = None,
         rewrite: Callable[[str | None], Raw | UnsetType] | None = None,
-        on_sent: Callable[[PendingCall], Awaitable[None] | None] | None = None,
     ) -> Raw:
-        """Send a request to the child and wait for its reply.
-
-        Args:
-            timeout: seconds until the gateway gives up (paused while a prompt is pending).
-            hard_timeout: the most the call may take even with pauses (default: no maximum).
-            owner: the client session the call belongs to (None for gateway-internal calls).
-            progress: ``(client_token, callback)`` when the client asked for progress.
-            rewrite: builds the final params given the gateway progress token (or None).
+        """Send a request to the child and wait for its reply (the slow path and the gateway's
+        own requests; see :meth:`start`).
 
         Raises:
-            CallTimeout, BackendExited, RemoteError.  On cancellation or timeout the child is
-            sent ``notifications/cancelled`` and a late reply is dropped.
+            CallTimeout, BackendExited, NotDelivered, Overloaded, RemoteError.  On cancellation
+            or timeout the child is sent ``notifications/cancelled`` and a late reply is dropped.
         """
-        gid = next(self._ids)
-        call = PendingCall(gid, method, owner, internal)
-        if hard_timeout is not None:
-            call.hard_deadline = trio.current_time() + hard_timeout
-        token = None
-        if progress is not None:
-            token = f"gw-{next(_tokens)}"
-            call.token, (call.client_token, call.on_progress) = token, progress
-            self._by_token[token] = call
-        if rewrite is not None:
-            params = rewrite(token)
-        self.pending[gid] = call  # before the write: the reply may race the end of send()
-        sent = False
+        waiter = _Waiter()
+        call = self.start(method, params, handle=waiter, now=trio.current_time(), owner=owner,
+                          internal=internal, timeout=timeout, hard_timeout=hard_timeout,
+                          progress=progress, rewrite=rewrite)
         try:
-            try:
-                self.post(jsonrpc.encode_request(gid, method, params), gid)
-            except (errors.NotDelivered, errors.Overloaded):
-                self.pending.pop(gid, None)
-                raise
-            sent = True
-            with trio.move_on_after(timeout) as scope:
-                call.scope = scope
-                await call.done.wait()
-            call.scope = None
-            if not call.done.is_set():
-                raise errors.CallTimeout(
-                    f"backend {self.backend!r} did not answer {method} within {timeout:g}s",
-                    backend=self.backend,
-                )
-            if call.error is not None:
-                raise call.error
-            assert call.result is not None
-            return call.result
+            await waiter.done.wait()
         finally:
-            if token is not None:
-                self._by_token.pop(token, None)
-            if call.done.is_set() or not sent:
-                # Answered, or never written: the child has no such call to attribute or cancel.
-                self.pending.pop(gid, None)
-            else:
-                call.abandoned_at = trio.current_time()
-                with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-                    await self._cancel_at_child(gid)
+            if not waiter.done.is_set():  # cancelled from outside
+                self.cancel(call)
+        if waiter.error is not None:
+            raise waiter.error
+        assert waiter.result is not None
+        return waiter.result
 
-    async def _cancel_at_child(self, gid: int) -> None:
-        if self.closed is not None or gid not in self.pending:
-            return
-        try:
-            await self.notify(
-                "notifications/cancelled",
-                jsonrpc.encode_dict({"requestId": gid, "reason": "cancelled by the gateway"}),
-            )
-        except errors.BackendExited:
-            pass
-
-    def attribution(self) -> set[ClientSession]:
-        """The client sessions with calls in this child's attribution set (internal calls never)."""
-        return {c.owner for c in self.pending.values() if not c.internal and c.owner is not None}
+    def attribution(self) -> set[Any]:
+        """The owners with calls in this child's attribution set (internal calls never)."""
+        return self.router.attribution()
 
     def oldest_abandoned(self, *, clients_only: bool = False) -> float | None:
-        """When the oldest still-unanswered abandoned call was given up (None: there is none);
-        ``clients_only``: among clients' calls only (internal ones never count for attribution)."""
-        times = [c.abandoned_at for c in self.pending.values()
-                 if c.abandoned_at is not None and not (clients_only and c.internal)]
-        return min(times) if times else None
+        return self.router.oldest_abandoned(clients_only=clients_only)
 
     def calls_in_flight(self) -> int:
         """Clients' calls whose callers still wait for them (not internal, not abandoned)."""
-        return sum(1 for c in self.pending.values() if not c.internal and c.abandoned_at is None)
+        return self.router.calls_in_flight()
 
     def purge_abandoned(self, before: float, *, internal_only: bool = False) -> int:
         """Forget abandoned calls given up before ``before`` (only internal ones if asked)."""
-        stale = [gid for gid, c in self.pending.items() if c.abandoned_at is not None and c.abandoned_at < before
-                 and (c.internal or not internal_only)]
-        for gid in stale:
-            del self.pending[gid]
-        if stale and self.on_settled is not None:
-            self.on_settled()
-        return len(stale)
+        count = len(self.router.pending)
+        self.perform(self.router.purge_abandoned(before, internal_only=internal_only))
+        return count - len(self.router.pending)
 
-    def calls_of(self, owner: ClientSession) -> list[PendingCall]:
+    def calls_of(self, owner: Hashable) -> list[Call]:
         """``owner``'s calls still waited for (abandoned ones are over for the owner)."""
-        return [c for c in self.pending.values()
-                if c.owner is owner and not c.done.is_set() and c.abandoned_at is None]
+        return self.router.calls_of(owner)
 
     def fail_all(self, error: errors.GatewayError) -> None:
         """The child is gone: complete every pending call with ``error`` now."""
         if self.closed is None:
             self.closed = error
-        for call in self.pending.values():
-            call.complete(None, error)
-        self.pending.clear()
-        self._by_token.clear()
         self._outbox = []  # nobody will read it: dropped with its bytes
         self.buffers.close()
+        self.perform(self.router.child_exited(error))
 
     # ---- reading ----------------------------------------------------------------------------
+
+    async def _read_some(self) -> bytes:
+        """The next bytes of the child's stdout (b"" at its end).  A real pipe is read with
+        ``os.read`` and waited on with ``wait_readable``: one task step per wake-up (trio's
+        FdStream adds a checkpoint to every read, a second step per reply)."""
+        stream = self._receive_stream
+        if not isinstance(stream, trio.lowlevel.FdStream):
+            return await stream.receive_some(READ_CHUNK)
+        fd = stream.fileno()
+        while True:
+            try:
+                return os.read(fd, READ_CHUNK)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(fd)
 
     async def read_loop(self) -> None:
         """Read the child's stdout until EOF; returns when the child closed it."""
         framer = LineFramer(self._max_line, report_end=True)
         while True:
             try:
-                data = await self._receive_stream.receive_some(65536)
+                data = await self._read_some()
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 return
             if not data:
@@ -378,6 +414,8 @@ class ChildConnection:
                     self._on_oversize_end(frame)
                 else:
                     self._dispatch(frame)
+            if len(data) == READ_CHUNK:  # more may be waiting: let other tasks run meanwhile
+                await trio.lowlevel.checkpoint()
 
     def _on_oversize(self, frame: Oversize) -> None:
         """A line crossed the limit: it is dropped; if its first bytes show a reply's id, that
@@ -403,14 +441,7 @@ class ChildConnection:
 
     def _fail_reply(self, gid: int | None, error: errors.GatewayError) -> None:
         """A reply the gateway will not pass on: its call (if it is one) fails now."""
-        call = self.pending.pop(gid, None) if gid is not None else None
-        if call is None:
-            return
-        if call.abandoned_at is not None:
-            if self.on_settled is not None:
-                self.on_settled()
-            return
-        call.complete(None, error)
+        self.perform(self.router.fail_reply(gid, error))
 
     def _protocol_error(self, kind: str) -> None:
         self._bus.emit(BackendProtocolError(self.backend, self.instance, kind))
@@ -459,23 +490,14 @@ class ChildConnection:
             backend=self.backend, detail=kind))
 
     def _on_reply(self, env: jsonrpc.Envelope) -> None:
-        call = self.pending.get(env.id) if isinstance(env.id, int) else None
-        if call is None:
+        try:
+            actions = self.router.reply(env.id, env.result if env.result is not UNSET else None,  # type: ignore[arg-type]
+                                        env.error if env.error is not UNSET else None)
+        except UnknownReply:
             LOGGER.warning("backend %s answered unknown request id %.100r", self.instance, env.id)
             self._protocol_error("unknown_response")
             return
-        del self.pending[call.gid]
-        if call.abandoned_at is not None:
-            LOGGER.debug("backend %s: dropped late reply to abandoned call %d", self.instance, call.gid)
-            if self.on_settled is not None:
-                self.on_settled()
-            return
-        if env.error is not UNSET:
-            e = env.error
-            call.complete(None, errors.RemoteError(e.code, e.message, None if e.data is UNSET else e.data))
-        else:
-            assert isinstance(env.result, Raw)
-            call.complete(env.result, None)
+        self.perform(actions)
 
     def _on_progress(self, params: Raw | UnsetType) -> None:
         try:
@@ -484,7 +506,4 @@ class ChildConnection:
         except (KeyError, errors.InvalidRequest, msgspec.DecodeError):
             self._protocol_error("invalid_message")
             return
-        call = self._by_token.get(key) if isinstance(key, str) else None
-        if call is None or call.on_progress is None or call.done.is_set():
-            return  # progress for an unknown or finished token: dropped
-        call.on_progress(call.client_token, fields)  # already decoded: the callback re-encodes once
+        self.perform(self.router.progress(key, fields))  # unknown or finished tokens: dropped

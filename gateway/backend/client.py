@@ -56,7 +56,7 @@ async def initialize(child: ChildConnection, *, declare: Iterable[str], client_n
         LOGGER.warning("backend %s answered protocol %r; continuing", child.instance, result.protocolVersion)
     child.protocol_version = result.protocolVersion
     child.server_capabilities = result.capabilities
-    await child.notify("notifications/initialized")
+    child.notify("notifications/initialized")
 
 
 async def set_level(child: ChildConnection, level: str, *, timeout: float) -> None:

@@ -141,7 +141,7 @@ class Instance(ChildHandlers):
             uptime=self.sup.uptime(now),
             last_exit=self.last_exit,
             stderr_tail=tuple(self.stderr_tail) if child is not None else self.crash_stderr,
-            inflight=len(child.pending) if child is not None else 0,
+            inflight=child.router.load if child is not None else 0,
             owner=getattr(self.owner, "conn_id", None),
             recycles=self.sup.recycles,
             draining=self.draining,
@@ -252,6 +252,8 @@ class Instance(ChildHandlers):
             max_depth=self.backend.host.max_json_depth,
             max_queued=self.backend.host.outbound_bytes,
             buffers=self.backend.host.budget.open(f"child {self.name}"),
+            timeout=self.cfg.request_timeout,
+            max_inflight=self.cfg.max_inflight,
         )
         def settled() -> None:  # an abandoned call left the attribution set
             self.calls_changed()
@@ -268,6 +270,7 @@ class Instance(ChildHandlers):
                 nursery.start_soon(self._read_stderr, proc.stderr)
                 nursery.start_soon(self._read_stdout, child, down)
                 nursery.start_soon(child.write_loop)
+                nursery.start_soon(child.timer_loop)
                 try:
                     with trio.CancelScope() as self._starting, trio.fail_after(self.cfg.start_timeout):
                         if self._stop.is_set():
@@ -538,15 +541,10 @@ class Instance(ChildHandlers):
             LOGGER.debug("backend %s: ignored notification %s", self.name, method)
 
     def on_request(self, child: ChildConnection, id: int | str, method: str, params: Raw | UnsetType) -> None:
-        if self._nursery is None:
-            return
         if method == "ping":
-            self._nursery.start_soon(child.respond, id, jsonrpc.EMPTY_RESULT)
+            child.respond(id, jsonrpc.EMPTY_RESULT)
             return
-        # Attribute on arrival: by the time the routing task runs, a reply read in the same
-        # chunk may already have taken its call out of the set.
-        owners = self.backend.owners(self, child)
-        self._nursery.start_soon(self.backend.host.on_server_request, self, child, id, method, params, owners)
+        self.backend.host.on_server_request(self, child, id, method, params, self.backend.owners(self, child))
 
     def on_cancelled(self, child: ChildConnection, request_id: int | str) -> None:
         self.backend.host.on_server_request_cancelled(self, child, request_id)

@@ -73,12 +73,10 @@ class BackendHost(Protocol):
     def on_resource_updated(self, instance: Instance, params: Raw | UnsetType) -> None: ...
     def on_log_message(self, instance: Instance, params: Raw | UnsetType) -> None: ...
     def on_elicitation_complete(self, instance: Instance, params: Raw | UnsetType) -> None: ...
-    async def on_server_request(self, instance: Instance, child: ChildConnection, id: int | str,
-                                method: str, params: Raw | UnsetType,
-                                owners: set[ClientSession]) -> None: ...
+    def on_server_request(self, instance: Instance, child: ChildConnection, id: int | str,
+                          method: str, params: Raw | UnsetType, owners: set[ClientSession]) -> None: ...
     def on_server_request_cancelled(self, instance: Instance, child: ChildConnection,
                                     request_id: int | str) -> None: ...
-    def on_instance_down(self, instance: Instance, child: ChildConnection) -> None: ...
     def reap(self) -> None: ...
 
 
@@ -164,8 +162,7 @@ class Backend:
 
     def inflight(self) -> int:
         """Client calls in flight on this backend's children (gateway-internal ones excluded)."""
-        return sum(1 for i in self.instances if i.child is not None
-                   for c in i.child.pending.values() if not c.internal and c.abandoned_at is None)
+        return sum(i.child.calls_in_flight() for i in self.instances if i.child is not None)
 
     def _wake_waiters(self) -> None:
         self._changed.set()
@@ -202,6 +199,37 @@ class Backend:
 
     # ---- choosing an instance ---------------------------------------------------------------
 
+    def pick_now(self, session: ClientSession) -> tuple[Instance, ChildConnection] | None:
+        """An instance that takes a call of ``session`` right now, per the sharing mode, or None
+        when the call would have to wait (then :meth:`acquire` waits for one)."""
+        if self._stopping:
+            return None
+        if self.cfg.sharing == "shared":
+            best: tuple[int, Instance, ChildConnection] | None = None
+            for inst in self.instances:
+                child = _running(inst)
+                if child is not None:
+                    load = child.router.load
+                    if best is None or load < best[0]:
+                        best = (load, inst, child)
+            return (best[1], best[2]) if best is not None else None
+        if self.cfg.sharing == "per-session":
+            inst = self._own.get(session)
+            child = _running(inst) if inst is not None else None
+            if inst is None or child is None:
+                return None
+            inst.last_used = trio.current_time()
+            return inst, child
+        if self._waiters:  # affine: first come, first served
+            return None
+        inst = self._free_for(session)
+        if inst is None:
+            return None
+        inst.owner = session
+        child = _running(inst)
+        assert child is not None
+        return inst, child
+
     async def acquire(self, session: ClientSession) -> tuple[Instance, ChildConnection]:
         """An instance and its running child for a call of ``session``, per the sharing mode.
 
@@ -211,19 +239,13 @@ class Backend:
         """
         if self._stopping:
             raise self._gone()
+        picked = self.pick_now(session)
+        if picked is not None:
+            return picked
         if self.cfg.sharing == "affine":
             return await self._acquire_affine(session)
         if self.cfg.sharing == "per-session":
             return await self._acquire_own(session)
-        best: tuple[int, Instance, ChildConnection] | None = None
-        for inst in self.instances:
-            child = _running(inst)
-            if child is not None:
-                load = len(child.pending)
-                if best is None or load < best[0]:
-                    best = (load, inst, child)
-        if best is not None:
-            return best[1], best[2]
         inst = self.instances[0]
         return inst, await inst.wait_ready(self.host.restart_wait)
 
@@ -281,13 +303,7 @@ class Backend:
         return None
 
     async def _acquire_affine(self, session: ClientSession) -> tuple[Instance, ChildConnection]:
-        if not self._waiters:
-            inst = self._free_for(session)
-            if inst is not None:
-                inst.owner = session
-                child = _running(inst)
-                assert child is not None
-                return inst, child
+        """Wait for an instance (:meth:`pick_now` found none free for ``session``)."""
         if all(i.state is State.FATAL for i in self.instances):
             raise errors.BackendUnavailable(f"backend {self.name!r} is failing (crash loop)",
                                             backend=self.name, retryable=False)
@@ -441,7 +457,6 @@ class Backend:
     def on_instance_down(self, inst: Instance, child: ChildConnection) -> None:
         if self.cfg.sharing == "affine":
             inst.owner = None
-        self.host.on_instance_down(inst, child)
 
     # ---- resource subscriptions (one upstream subscription per URI per instance) -----------------
 

@@ -239,7 +239,8 @@ class ChildRouter:
                   timeout: float | None = None, hard_deadline: float = math.inf,
                   progress: Any = None, internal: bool = False) -> Call:
         """A new call: its gateway id (and progress token, when ``progress`` is the caller's
-        token) are minted; the shell builds its line and hands it to :meth:`submit`.
+        token) are minted; the shell builds its line and hands it to :meth:`submit`.  Nothing
+        is recorded before that: a call that is never submitted leaves no trace.
 
         Raises:
             NotDelivered: the child has exited (the call never reached it: safe to retry).
@@ -508,6 +509,9 @@ class ChildRouter:
             if call.owner == owner and call.state is CallState.SENT:
                 return call
         return None
+
+    def has_server_request(self, child_id: int | str) -> bool:
+        return child_id in self._server_requests
 
     def server_request(self, child_id: int | str, owner: Hashable, method: str, handle: Any,
                        now: float) -> list[Action]:

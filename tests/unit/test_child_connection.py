@@ -20,7 +20,7 @@ from trio.testing import MockClock
 
 from gateway import errors
 from gateway.backend.child import ChildConnection, ChildHandlers
-from gateway.events import BackendProtocolError, EventBus
+from gateway.events import BackendProtocolError, EventBus, ServerRequestOutcome
 from gateway.limits import ByteBudget
 from gateway.protocol import jsonrpc
 
@@ -105,6 +105,7 @@ async def connected(max_line: int = 1 << 16) -> AsyncIterator[Harness]:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(conn.read_loop)
             nursery.start_soon(conn.write_loop)
+            nursery.start_soon(conn.timer_loop)
             yield Harness(conn, FakeChild(child_recv, child_send), handlers, events, nursery)
             nursery.cancel_scope.cancel()
 
@@ -133,10 +134,30 @@ def start_call(h: Harness, method: str, params: Raw | UnsetType = UNSET, **kw: A
 
 
 class Owner:
-    """Stands in for a ClientSession (ChildConnection only hashes and compares it)."""
+    """Stands in for a ClientSession: records what it is sent and which prompts end."""
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self.sent: list[dict[str, Any]] = []
+        self.ended: list[tuple[Any, ServerRequestOutcome]] = []
+
+    def send(self, data: bytes) -> bool:
+        self.sent.append(json.loads(data))
+        return True
+
+    def cancel_request(self, req: Any, outcome: ServerRequestOutcome, reason: str) -> None:
+        self.ended.append((req, outcome))
+
+
+def open_prompt(h: Harness, owner: Owner, child_id: int | str) -> None:
+    """What gateway.ownership does when it forwards a child's request to ``owner``."""
+    h.conn.perform(h.conn.router.server_request(child_id, owner, "elicitation/create", object(),
+                                                trio.current_time()))
+
+
+def close_prompt(h: Harness, child_id: int | str) -> None:
+    h.conn.perform(h.conn.router.server_request_done(child_id, ServerRequestOutcome.CANCELLED,
+                                                     trio.current_time()))
 
     def __repr__(self) -> str:
         return f"<Owner {self.name}>"
@@ -244,18 +265,18 @@ async def test_pause_and_resume_extend_the_deadline_by_the_paused_time(
 ) -> None:
     async with connected() as h:
         t0 = trio.current_time()
-        c = start_call(h, "tools/call", Raw(b"{}"), timeout=10.0)
-        req = await h.child.receive()
+        owner = Owner("a")
+        c = start_call(h, "tools/call", Raw(b"{}"), timeout=10.0, owner=owner)
+        await h.child.receive()
         await trio.sleep(4.0)
-        call = h.conn.pending[req["id"]]
-        call.pause()
-        call.pause()  # two prompts for the same call
+        open_prompt(h, owner, "p1")
+        open_prompt(h, owner, "p2")  # two prompts for the same call
         await trio.sleep(100.0)
         assert not c.done.is_set()
-        call.resume()  # one prompt still pending: still paused
+        close_prompt(h, "p1")  # one prompt still pending: still paused
         await trio.sleep(50.0)
         assert not c.done.is_set()
-        call.resume()  # 6 s of the timeout were left
+        close_prompt(h, "p2")  # 6 s of the timeout were left
         await c.done.wait()
         assert isinstance(c.error, errors.CallTimeout)
         assert c.at is not None and c.at - t0 == pytest.approx(4.0 + 150.0 + 6.0)
@@ -263,33 +284,32 @@ async def test_pause_and_resume_extend_the_deadline_by_the_paused_time(
 
 async def test_reply_while_paused_completes_normally(autojump_clock: MockClock) -> None:
     async with connected() as h:
-        c = start_call(h, "tools/call", Raw(b"{}"), timeout=10.0)
+        owner = Owner("a")
+        c = start_call(h, "tools/call", Raw(b"{}"), timeout=10.0, owner=owner)
         req = await h.child.receive()
-        call = h.conn.pending[req["id"]]
-        call.pause()
+        open_prompt(h, owner, "p1")
         await trio.sleep(200.0)  # far past the 10 s timeout
         await h.child.reply(req["id"], {"ok": 1})
         await c.done.wait()
-        call.resume()  # after the end: harmless
+        assert [outcome for _, outcome in owner.ended] == [ServerRequestOutcome.CALL_FINISHED]
+        close_prompt(h, "p1")  # after the end: harmless
         assert c.error is None and c.value is not None
 
 
 # ---- progress ---------------------------------------------------------------------------
 
 
-async def test_progress_reaches_the_callback_with_the_clients_token(
+async def test_progress_reaches_the_owner_with_the_clients_token(
     autojump_clock: MockClock,
 ) -> None:
-    got: list[tuple[Any, dict[str, Any]]] = []
-
-    def on_progress(client_token: Any, fields: dict[str, Raw]) -> None:
-        got.append((client_token, {k: json.loads(bytes(v)) for k, v in fields.items()}))
+    owner = Owner("a")
+    got = owner.sent
 
     def rewrite(token: str | None) -> Raw:
         return Raw(json.dumps({"name": "slow", "_meta": {"progressToken": token}}).encode())
 
     async with connected() as h:
-        c = start_call(h, "tools/call", timeout=30, progress=(42, on_progress), rewrite=rewrite)
+        c = start_call(h, "tools/call", timeout=30, owner=owner, progress=42, rewrite=rewrite)
         req = await h.child.receive()
         wire_token = req["params"]["_meta"]["progressToken"]
         assert isinstance(wire_token, str) and wire_token != 42  # gateway-unique, not the client's
@@ -303,8 +323,9 @@ async def test_progress_reaches_the_callback_with_the_clients_token(
         await progress(42, 2)  # the client's own token means nothing to the gateway
         await progress(wire_token, 3)
         await trio.testing.wait_all_tasks_blocked()
-        assert [(t, p["progress"]) for t, p in got] == [(42, 1), (42, 3)]
-        assert got[0][1]["total"] == 3
+        assert [m["method"] for m in got] == ["notifications/progress"] * 2
+        assert [(m["params"]["progressToken"], m["params"]["progress"]) for m in got] == [(42, 1), (42, 3)]
+        assert got[0]["params"]["total"] == 3
         await h.child.reply(req["id"], {})
         await c.done.wait()
         await progress(wire_token, 4)  # after the reply: dropped
@@ -320,9 +341,7 @@ async def test_progress_tokens_are_unique_across_calls(autojump_clock: MockClock
 
     async with connected() as h:
         for _ in range(3):
-            start_call(
-                h, "tools/call", timeout=30, progress=("same", lambda t, p: None), rewrite=rewrite
-            )
+            start_call(h, "tools/call", timeout=30, owner=Owner("a"), progress="same", rewrite=rewrite)
         tokens = {(await h.child.receive())["params"]["_meta"]["progressToken"] for _ in range(3)}
         assert len(tokens) == 3
 
@@ -362,8 +381,9 @@ async def test_fail_all_completes_every_pending_call_at_once(autojump_clock: Moc
         with pytest.raises(errors.BackendExited):
             await h.conn.request("ping", timeout=5)
         with pytest.raises(errors.BackendExited):
-            await h.conn.notify("notifications/initialized")
-        await h.conn.respond(1, Raw(b"{}"))  # answering a gone child is not an error
+            h.conn.post(jsonrpc.encode_notification("notifications/initialized"))
+        h.conn.notify("notifications/initialized")  # notifying or answering a gone child: dropped
+        h.conn.respond(1, Raw(b"{}"))
         assert trio.current_time() == t0
 
 
@@ -383,8 +403,8 @@ async def test_read_loop_returns_at_eof(autojump_clock: MockClock) -> None:
     async with connected() as h:
         await h.child.close_stdout()
         await trio.testing.wait_all_tasks_blocked()
-        # read_loop ended; only the writer (which lives until its stream breaks) is left.
-        assert [t.name.rsplit(".", 1)[-1] for t in h.nursery.child_tasks] == ["write_loop"]
+        # read_loop ended; the writer (which lives until its stream breaks) and the timer are left.
+        assert sorted(t.name.rsplit(".", 1)[-1] for t in h.nursery.child_tasks) == ["timer_loop", "write_loop"]
 
 
 # ---- what the child sends besides replies ------------------------------------------------
@@ -480,9 +500,9 @@ async def test_notifications_requests_and_cancellations_go_to_the_handlers(
 
 async def test_respond_and_respond_error_write_to_the_child(autojump_clock: MockClock) -> None:
     async with connected() as h:
-        await h.conn.respond("s1", Raw(b'{"roots":[]}'))
-        await h.conn.respond_error(5, -32007, "refused", {"reason": "unattributable"})
-        await h.conn.respond_error(6, -32601, "nope")
+        h.conn.respond("s1", Raw(b'{"roots":[]}'))
+        h.conn.respond_error(5, -32007, "refused", {"reason": "unattributable"})
+        h.conn.respond_error(6, -32601, "nope")
         assert await h.child.receive() == {"jsonrpc": "2.0", "id": "s1", "result": {"roots": []}}
         assert await h.child.receive() == {
             "jsonrpc": "2.0", "id": 5,
@@ -538,11 +558,11 @@ async def test_abandoned_calls_count_until_answered_or_purged(autojump_clock: Mo
 async def test_pause_never_extends_past_the_hard_maximum(autojump_clock: MockClock) -> None:
     async with connected() as h:
         t0 = trio.current_time()
-        call = start_call(h, "tools/call", Raw(b"{}"), timeout=10, hard_timeout=25, owner=Owner("a"))
+        owner = Owner("a")
+        call = start_call(h, "tools/call", Raw(b"{}"), timeout=10, hard_timeout=25, owner=owner)
         await h.child.receive()
         await trio.testing.wait_all_tasks_blocked()
-        (pending,) = h.conn.pending.values()
-        pending.pause()  # a prompt for this call is pending for a long time
+        open_prompt(h, owner, "p1")  # a prompt for this call is pending for a long time
         await call.done.wait()
         assert isinstance(call.error, errors.CallTimeout)
         assert call.at - t0 == 25
@@ -589,9 +609,10 @@ async def test_a_child_that_stops_reading_cannot_hold_more_than_max_queued(
         backend="fx", instance="fx/0", generation=1, send_stream=gw_send, receive_stream=gw_recv,
         handlers=Recorder(), bus=EventBus(), max_line=1 << 16, max_queued=300,
     )
-    owner = object()
+    owner = Owner("a")
     async with trio.open_nursery() as nursery:
         nursery.start_soon(conn.write_loop)
+        nursery.start_soon(conn.timer_loop)
         h = Harness(conn, None, None, [], nursery)  # type: ignore[arg-type]
         first = start_call(h, "tools/call", jsonrpc.encode_dict({"m": "x" * 100}), timeout=5, owner=owner)
         await trio.testing.wait_all_tasks_blocked()

@@ -218,20 +218,6 @@ async def test_check_new_call_limits() -> None:
     assert info.value.code == errors.OVERLOADED
 
 
-async def test_progress_callback_restores_the_clients_token() -> None:
-    s = session()
-    on_progress = s.progress_callback()
-    on_progress(
-        {"client": "tok"},
-        jsonrpc.raw_dict(Raw(b'{"progressToken":"gw-17","progress":2,"total":12345678901234567890}')),
-    )
-    (msg,) = drain(s)
-    assert msg["method"] == "notifications/progress"
-    assert msg["params"] == {
-        "progressToken": {"client": "tok"}, "progress": 2, "total": 12345678901234567890,
-    }
-
-
 async def test_session_caps_default_to_nothing() -> None:
     s = session()
     assert not s.caps.allows("elicitation/create", {})

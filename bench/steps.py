@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""Count the trio task steps and task spawns the gateway spends per forwarded call.
+
+    .venv/bin/python bench/steps.py [--calls 2000] [--clients 1] [--transport unix|websocket]
+
+Runs the gateway of this tree in-process (one echo backend, ``tests/fixtures/fixture_server.py``)
+under a trio Instrument, and drives it from a separate client process (plain sockets, no trio)
+that makes ``--calls`` sequential ``tools/call echo`` per client.  A *task step* is one run of a
+task between two checkpoints: every wake-up of a task (a reader woken by its socket, a writer
+woken by its queue, a task woken by an event) is one; trio's fixed cost per step is what issue 8
+asks to count.  Reported per call, over the measured calls only (the warm-up is excluded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import collections
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import trio
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from gateway import config as gwconfig  # noqa: E402
+from gateway import service  # noqa: E402
+
+CLIENT = r'''
+import base64, json, os, socket, sys, time
+transport, addr, calls, clients = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+
+def ws_frame(data):
+    mask = os.urandom(4)
+    n = len(data)
+    head = bytes([0x81])
+    head += bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + n.to_bytes(2, "big")
+    return head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(data))
+
+class Conn:
+    def __init__(self):
+        if transport == "unix":
+            self.s = socket.socket(socket.AF_UNIX); self.s.connect(addr)
+        else:
+            host, port = addr.rsplit(":", 1)
+            self.s = socket.create_connection((host, int(port)))
+            key = base64.b64encode(os.urandom(16)).decode()
+            self.s.sendall((f"GET / HTTP/1.1\r\nHost: {addr}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                            f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+                            "Sec-WebSocket-Protocol: mcp\r\n\r\n").encode())
+            buf = b""
+            while b"\r\n\r\n" not in buf:
+                buf += self.s.recv(4096)
+            self.buf = buf.split(b"\r\n\r\n", 1)[1]
+        self.buf = getattr(self, "buf", b"")
+    def send(self, msg):
+        data = json.dumps(msg).encode()
+        self.s.sendall(data + b"\n" if transport == "unix" else ws_frame(data))
+    def recv(self):
+        while True:
+            if transport == "unix":
+                if b"\n" in self.buf:
+                    line, self.buf = self.buf.split(b"\n", 1); return json.loads(line)
+            elif len(self.buf) >= 2:
+                n = self.buf[1] & 0x7F; off = 2
+                if n == 126: n = int.from_bytes(self.buf[2:4], "big"); off = 4
+                elif n == 127: n = int.from_bytes(self.buf[2:10], "big"); off = 10
+                if len(self.buf) >= off + n:
+                    data = self.buf[off:off + n]; self.buf = self.buf[off + n:]; return json.loads(data)
+            self.buf += self.s.recv(65536)
+    def call(self, i, method, params):
+        self.send({"jsonrpc": "2.0", "id": i, "method": method, "params": params})
+        while True:
+            m = self.recv()
+            if m.get("id") == i: return m
+
+conns = [Conn() for _ in range(clients)]
+for c in conns:
+    c.call(0, "initialize", {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "steps", "version": "0"}})
+    c.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+for i in range(1, 51):
+    for c in conns: c.call(i, "tools/call", {"name": "fx__echo", "arguments": {"message": "warm"}})
+print("GO", flush=True); sys.stdin.readline()
+for i in range(51, 51 + calls):
+    for c in conns:
+        r = c.call(i, "tools/call", {"name": "fx__echo", "arguments": {"message": "x"}})
+        assert "result" in r, r
+print("DONE", flush=True); sys.stdin.readline()
+'''
+
+
+class Counter(trio.abc.Instrument):
+    def __init__(self) -> None:
+        self.on = False
+        self.steps: collections.Counter[str] = collections.Counter()
+        self.spawned = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if self.on:
+            self.steps[task.name.rsplit(".", 1)[-1]] += 1
+
+    def task_spawned(self, task: trio.lowlevel.Task) -> None:
+        if self.on:
+            self.spawned += 1
+
+
+async def main(args: argparse.Namespace) -> None:
+    tmp = tempfile.mkdtemp(prefix="steps-")
+    sock = os.path.join(tmp, "gw.sock")
+    toml = textwrap.dedent(f"""
+        [gateway]
+        name = "steps"
+        [listen]
+        websocket = "127.0.0.1:0"
+        unix = "{sock}"
+        [admin]
+        listen = ""
+        [backends.fx]
+        command = "{sys.executable}"
+        args = ["{ROOT}/tests/fixtures/fixture_server.py"]
+        health = {{ interval = 0 }}
+    """)
+    cfg = gwconfig.load(toml)
+    counter = Counter()
+    trio.lowlevel.add_instrument(counter)
+    async with trio.open_nursery() as nursery:
+        bound = await nursery.start(lambda task_status: service.run(cfg, task_status=task_status))
+        addr = sock if args.transport == "unix" else f"127.0.0.1:{bound.websocket_port}"
+        proc = await trio.lowlevel.open_process(
+            [sys.executable, "-c", CLIENT, args.transport, addr, str(args.calls), str(args.clients)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        buf = b""
+
+        async def expect(word: bytes) -> None:
+            nonlocal buf
+            while word not in buf:
+                data = await proc.stdout.receive_some(4096)
+                assert data, f"client ended before {word!r}"
+                buf += data
+            buf = b""
+
+        await expect(b"GO")
+        counter.on = True
+        t0 = time.perf_counter()
+        await proc.stdin.send_all(b"\n")
+        await expect(b"DONE")
+        counter.on = False
+        elapsed = time.perf_counter() - t0
+        await proc.stdin.send_all(b"\n")
+        await proc.wait()
+        n = args.calls * args.clients
+        total = sum(counter.steps.values())
+        print(f"{args.transport}, {args.clients} client(s), {n} calls in {elapsed:.2f}s: "
+              f"{total / n:.2f} task steps per call, {counter.spawned / n:.3f} tasks spawned per call")
+        for name, count in counter.steps.most_common(12):
+            print(f"  {count / n:6.2f}  {name}")
+        nursery.cancel_scope.cancel()
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--clients", type=int, default=1)
+    p.add_argument("--transport", choices=("unix", "websocket"), default="unix")
+    trio.run(main, p.parse_args())
