@@ -799,12 +799,14 @@ async def bench_direct(args: argparse.Namespace, backend: BackendSpec, procs: Pr
             procs.stop(proc.pid)
 
 
-def gateway_config(backend: BackendSpec, ws_port: int, admin_port: int, unix_path: str) -> str:
+def gateway_config(backend: BackendSpec, ws_port: int, admin_port: int, unix_path: str,
+                   max_inflight: int | None = None) -> str:
     argv = backend.argv
+    bound = "" if max_inflight is None else f"max_inflight = {max_inflight}\n"
 
     def table(name: str, extra: str = "") -> str:
         return (f"[backends.{name}]\ncommand = {json.dumps(argv[0])}\nargs = {json.dumps(argv[1:])}\n"
-                f"required = true\n{extra}\n")
+                f"required = true\n{bound}{extra}\n")
 
     return f"""# written by bench/run.py
 [gateway]
@@ -1113,7 +1115,7 @@ async def bench_gateway(args: argparse.Namespace, backend: BackendSpec, procs: P
     ws_port, admin = free_port(), free_port()
     cfg_path = os.path.join(procs.log_dir, "gateway-bench.toml")
     with open(cfg_path, "w") as f:
-        f.write(gateway_config(backend, ws_port, admin, unix_path))
+        f.write(gateway_config(backend, ws_port, admin, unix_path, args.max_inflight))
     # The gateway under test is the one in this tree (a worktree's, too), whatever is installed:
     # its folder goes first on PYTHONPATH, and the child's import is checked before it starts.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -1678,6 +1680,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="stdio backend: tests/fixtures/fixture_server.py (default) or server-everything")
     p.add_argument("--peers", default="supergateway,mcp-proxy", help="comma list of peers to run ('' for none)")
     p.add_argument("--no-floor", action="store_true", help="skip the floor rows (bench/floor.py)")
+    p.add_argument("--max-inflight", type=int, default=None,
+                   help="backends.NAME.max_inflight for the gateway's backends (default: the gateway's)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = p.parse_args(argv)
     args.peers = [x for x in args.peers.split(",") if x]

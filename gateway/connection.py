@@ -53,6 +53,9 @@ WRITE_BATCH_BYTES = 1 << 20
 #: Room kept in ``outbound_bytes`` for the -32006 errors that replace a batch's answers that do
 #: not fit (see :class:`_BatchCollector`).
 BATCH_RESERVE = 64 * 1024
+#: Messages handled in one task step at most: one client's burst of pipelined requests must not
+#: hold the other connections' tasks back for milliseconds (fair sharing).
+SLICE = 8
 #: Bound on delivering the last queued messages (e.g. an error before closing) to a client.
 FLUSH_TIMEOUT = 2.0
 
@@ -177,10 +180,15 @@ async def _reader(hub: Hub, session: ClientSession, stream: MessageStream, nurse
     drain it (see :meth:`ClientSession.wait_drained`); when not backlogged that costs two int
     comparisons per message and no checkpoint.
     """
+    handled = 0
     while not session.closed.is_set():
         if session.queued > session.high_water or session.queued_bytes > session.high_water_bytes:
             await session.wait_drained()
             continue
+        handled += 1
+        if handled == SLICE:  # a long run of pipelined messages: let the other tasks run
+            handled = 0
+            await trio.lowlevel.checkpoint()
         try:
             data = await stream.receive()
         except errors.TransportClosed:

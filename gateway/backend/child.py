@@ -55,6 +55,9 @@ LOGGER = logging.getLogger(__name__)
 #: Bytes read from the child's stdout at once (at most 64 KiB: larger buffers are above glibc's
 #: mmap threshold, and every read would map and unmap one).
 READ_CHUNK = 65536
+#: Lines handled in one task step at most: a busy child's burst of replies must not hold the
+#: other tasks (another client's reader, its writer) back for milliseconds (fair sharing).
+SLICE = 8
 #: Why the gateway withdraws a request it forwarded to a client, by how it ended.
 _WITHDRAWN = {
     ServerRequestOutcome.CANCELLED: "cancelled by the backend",
@@ -407,14 +410,17 @@ class ChildConnection:
                 return
             if not data:
                 return
-            for frame in framer.feed(data):
+            frames = framer.feed(data)
+            for n, frame in enumerate(frames, 1):
                 if isinstance(frame, Oversize):
                     self._on_oversize(frame)
                 elif isinstance(frame, OversizeEnd):
                     self._on_oversize_end(frame)
                 else:
                     self._dispatch(frame)
-            if len(data) == READ_CHUNK:  # more may be waiting: let other tasks run meanwhile
+                if not n % SLICE:  # a long run of replies: let the other tasks run meanwhile
+                    await trio.lowlevel.checkpoint()
+            if len(data) == READ_CHUNK and len(frames) % SLICE:  # more may be waiting
                 await trio.lowlevel.checkpoint()
 
     def _on_oversize(self, frame: Oversize) -> None:
