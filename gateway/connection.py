@@ -3,11 +3,15 @@
 Theory of operation: the transport hands over a :class:`MessageStream` (whole messages in and
 out, its own exceptions already mapped to :class:`~gateway.errors.TransportClosed` /
 :class:`~gateway.errors.MessageTooLarge`).  :func:`serve` gives the connection a nursery with a
-writer task draining the session's bounded outbound queue and a reader loop.  Every client
-request runs in its own task (a slow call never blocks the reader), under a cancel scope the
-client can trigger with ``notifications/cancelled`` (then no response is sent, per the spec).
+writer task draining the session's bounded outbound queue and a reader loop.  The reader
+serves each request without a task where it can (:func:`_serve_request`): the gateway's own
+answers at once, a forwarded call by handing it to the routing core of the child that takes it
+(its answer comes back through :meth:`Served.finished`, in the child's reader).  Only requests
+that must wait (consent, an instance starting or busy, a resource subscription) run in a task
+of the connection's nursery (:func:`_run_slow`).  A client's ``notifications/cancelled`` cancels
+either kind; a cancelled request gets no response, per the spec.
 
-:func:`_run_request` is the only place where exceptions become JSON-RPC error responses.
+:meth:`Served.end` is the only place where exceptions become JSON-RPC error responses.
 Unexpected exceptions are logged with their traceback and answered -32603; they never take the
 connection down.
 """
