@@ -320,6 +320,10 @@ class RouterMachine(RuleBasedStateMachine):
             with pytest.raises(errors.NotDelivered):
                 self.r.open_call(method, owner=owner, handle=None, now=self.now)
             return
+        self.submit(self.open(owner, method, timeout, hard, progress))
+
+    def open(self, owner: Any, method: str, timeout: float | None, hard: float,
+             progress: Any) -> MCall:
         call = self.r.open_call(method, owner=owner, handle=object(), now=self.now, timeout=timeout,
                                 hard_deadline=hard, progress=progress)
         t = TIMEOUT if timeout is None else timeout
@@ -330,6 +334,10 @@ class RouterMachine(RuleBasedStateMachine):
         if progress is not None:
             assert call.token is not None
             assert call.token not in {c.call.token for c in self.calls.values() if c is not m}
+        return m
+
+    def submit(self, m: MCall) -> None:
+        call, owner = m.call, m.owner
         sent_now = owner is None or (self.busy() < MAX_INFLIGHT and not any(self.queues.values()))
         self.event_run("submit", self.r.submit(call, f"line-{call.gid}".encode()))
         if sent_now:
@@ -356,6 +364,17 @@ class RouterMachine(RuleBasedStateMachine):
         owner = (name, self.gen[name])
         for _ in range(n):
             self.open_and_submit(owner, method, timeout, self.now + hard, progress)
+
+    @rule(first=st.sampled_from(NAMES), second=st.sampled_from(NAMES), dt=st.integers(1, 5))
+    def calls_submitted_out_of_order(self, first: str, second: str, dt: int) -> None:
+        """The shell opened a call, time passed before it submitted it (its clock runs since it
+        was opened), and a call opened later was submitted first."""
+        if self.exited is not None:
+            return
+        early = self.open((first, self.gen[first]), "tools/call", None, math.inf, None)
+        self.time_passes(dt, late=False)
+        self.submit(self.open((second, self.gen[second]), "tools/call", None, math.inf, None))
+        self.submit(early)
 
     @rule(timeout=st.sampled_from([None, 3]), progress=st.sampled_from([None, 5]))
     def internal_call(self, timeout: float | None, progress: Any) -> None:
@@ -439,6 +458,8 @@ class RouterMachine(RuleBasedStateMachine):
     @rule(dt=st.integers(1, 8), late=st.booleans())
     def time_passes(self, dt: int, late: bool) -> None:
         """The shell's timer fires at its time, or late (a busy event loop): timer_due then."""
+        unsubmitted = [m for m in self.calls.values() if m.state == "new"]
+        assert all(m.deadline() > self.now + dt for m in unsubmitted)  # (its clock runs already)
         target = self.now + dt
         while self.armed <= target:
             self.now = target if late else max(self.now, int(self.armed))
@@ -765,6 +786,19 @@ def test_when_the_owner_goes_away_the_child_is_told() -> None:
     (refusal,) = r.server_request_done(8, Out.OWNER_GONE, now=1)
     assert json.loads(refusal.data)["error"]["code"] == errors.UNROUTABLE == -32007
     assert [type(a) for a in r.owner_closed("alice", now=1)] == [Finished, ToChild]
+
+
+def test_a_call_submitted_after_a_later_one_still_times_out_on_time() -> None:
+    """The shell may submit a call some time after it opened it (its clock runs from the
+    opening), so after a call opened later: its deadline is still the one the timer keeps."""
+    r = ChildRouter("b", timeout=10)
+    early = r.open_call("tools/call", owner="alice", handle=None, now=0)
+    late, _ = _open(r, "bob", now=5)
+    assert r.submit(early, b"early")[0] == ArmTimer(10)
+    assert r.next_deadline == 10
+    (fin,) = [a for a in r.timer_due(10) if isinstance(a, Finished)]
+    assert fin.call is early and fin.error.code == errors.TIMEOUT
+    assert r.next_deadline == 15 and late.state is CallState.SENT
 
 
 def test_child_exit_fails_queued_calls_as_not_delivered_and_sent_ones_with_the_error() -> None:
