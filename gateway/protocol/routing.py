@@ -461,7 +461,9 @@ class ChildRouter:
     # ---- timers -----------------------------------------------------------------------------
 
     def _arm(self, call: Call, actions: list[Action]) -> None:
-        if call.timeout == self.timeout and call.deadline == call.started + call.timeout:
+        last = next(reversed(self._timed.values()), None)
+        if (call.timeout == self.timeout and call.deadline == call.started + call.timeout
+                and (last is None or last.deadline <= call.deadline)):  # (submitted in order)
             self._timed[call.gid] = call
         elif call.deadline < math.inf:
             heapq.heappush(self._heap, (call.deadline, call.gid, call))
