@@ -377,12 +377,17 @@ async def test_rss_sums_every_process_in_the_group(h: Harness) -> None:
 GOLDEN = Path(__file__).parent / "golden"
 _VOLATILE = (
     (re.compile(r"^(mcp_gateway_build_info)\{.*\}", re.M), r"\1{...}"),
-    (re.compile(r"^(mcp_gateway_config_last_reload_success_timestamp_seconds) \S+$", re.M), r"\1 T"),
+    (
+        re.compile(r"^(mcp_gateway_config_last_reload_success_timestamp_seconds) \S+$", re.M),
+        r"\1 T",
+    ),
 )
 
 
 def _every_event_once_or_more() -> list[ev.Event]:
-    ok, error, cancelled = ev.RequestOutcome.OK, ev.RequestOutcome.ERROR, ev.RequestOutcome.CANCELLED
+    ok, error, cancelled = (ev.RequestOutcome.OK, ev.RequestOutcome.ERROR,
+                            ev.RequestOutcome.CANCELLED)
+    answered, timeout = ev.ServerRequestOutcome.ANSWERED, ev.ServerRequestOutcome.TIMEOUT
     return [
         ev.ConnectionOpened("c1", "websocket"),
         ev.ConnectionOpened("c2", "unix"),
@@ -415,8 +420,8 @@ def _every_event_once_or_more() -> list[ev.Event]:
         ev.CatalogChanged(("tools",)),
         ev.ServerRequestRouted("time", "elicitation/create", "c1"),
         ev.ServerRequestRefused("time", "sampling/createMessage", "no_capability"),
-        ev.ServerRequestFinished("", "elicitation/create", ev.ServerRequestOutcome.TIMEOUT, 60.0),
-        ev.ServerRequestFinished("time", "elicitation/create", ev.ServerRequestOutcome.ANSWERED, 2.5),
+        ev.ServerRequestFinished("", "elicitation/create", timeout, 60.0),
+        ev.ServerRequestFinished("time", "elicitation/create", answered, 2.5),
         ev.AnswerRefused("c1", "unknown_id"),
         ev.ConnectionClosed("c1", "websocket", "client_closed", 3.0),
         ev.ReloadFinished(False, "bad toml"),
@@ -440,7 +445,9 @@ def _gateway_lines(body: bytes) -> str:
     ("accept", "golden"),
     [(None, "metrics.prom"), ("application/openmetrics-text; version=1.0.0", "metrics.om")],
 )
-async def test_8_exposition_is_unchanged(accept: str | None, golden: str, autojump_clock: object) -> None:
+async def test_8_exposition_is_unchanged(
+    accept: str | None, golden: str, autojump_clock: object
+) -> None:
     h = Harness(max_tool_series=2)
     h.emit(*_every_event_once_or_more())
     async with trio.open_nursery() as nursery:
@@ -451,3 +458,35 @@ async def test_8_exposition_is_unchanged(accept: str | None, golden: str, autoju
         nursery.cancel_scope.cancel()
     body, _ = h.metrics.exposition(accept)
     assert _gateway_lines(body) == (GOLDEN / golden).read_text()
+
+
+def test_a_failing_subscriber_is_logged_and_the_others_still_run(
+    h: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    seen: list[str] = []
+
+    def broken(event: ev.Event) -> None:
+        raise RuntimeError("observer bug")
+
+    h.bus.subscribe(broken, ev.RequestStarted)
+    h.bus.subscribe(lambda e: seen.append(type(e).__name__))
+    h.emit(ev.RequestStarted("c1", "tools/call", "time"), ev.ConnectionOpened("c1", "unix"))
+    assert h.value("inflight_requests", backend="time") == 1
+    assert seen == ["RequestStarted", "ConnectionOpened"]
+    assert [r.exc_info[0] for r in caplog.records if r.exc_info] == [RuntimeError]
+
+
+def test_subscriptions_by_type_keep_their_order_and_unsubscribe() -> None:
+    bus, seen = ev.EventBus(), []
+    bus.subscribe(lambda e: seen.append("any"))
+    stop = bus.subscribe(lambda e: seen.append("opened"), ev.ConnectionOpened)
+    bus.subscribe(lambda e: seen.append("either"), ev.ConnectionOpened, ev.ConnectionClosed)
+    bus.emit(ev.ConnectionOpened("c1", "unix"))
+    bus.emit(ev.ConnectionClosed("c1", "unix", "client_closed", 1.0))
+    assert seen == ["any", "opened", "either", "any", "either"]
+    seen.clear()
+    stops = [stop]
+    bus.subscribe(lambda e: stops and stops.pop()(), ev.ConnectionOpened)  # effective next event
+    bus.emit(ev.ConnectionOpened("c1", "unix"))
+    bus.emit(ev.ConnectionOpened("c2", "unix"))
+    assert seen == ["any", "opened", "either", "any", "either"]
