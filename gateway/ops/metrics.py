@@ -4,6 +4,12 @@ Theory of operation:
 
 * Counters and histograms move only through :class:`gateway.events.EventBus` events (handlers
   run synchronously in the emitting task and are cheap); business logic never touches a metric.
+* Every forwarded call emits ``RequestStarted`` and ``RequestFinished``, so the event-fed series
+  are plain numbers in dicts keyed by label-value tuples (:class:`_EventSeries`), not
+  prometheus_client metric objects, whose every ``inc``/``observe`` takes a threading lock that a
+  one-thread trio process does not need.  A series exists from its first update, as a labelled
+  child does, and the families are built at scrape time in the order, names, types and buckets
+  prometheus_client's own objects render (``tests/unit/golden`` pins that scrape).
 * State gauges (connections, backend up/state/RSS, pending server requests, readiness) are
   computed at scrape time from one :class:`GatewayStatus` snapshot, so they cannot drift.  The
   in-flight gauge is the exception: it follows ``RequestStarted``/``RequestFinished`` pairs.
@@ -16,25 +22,30 @@ Theory of operation:
 from __future__ import annotations
 
 import logging
+import math
 import platform
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import trio
 from prometheus_client import (
     CollectorRegistry,
-    Counter,
-    Gauge,
     GCCollector,
-    Histogram,
     PlatformCollector,
     ProcessCollector,
     disable_created_metrics,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from gateway import errors, events, procfs
 from gateway.status import GatewayStatus
@@ -159,6 +170,70 @@ class _StatusCollector(Collector):
                 fam["backend_catalog_items"].add_metric([b.name, kind], getattr(b, kind))
 
 
+#: A histogram series: the count per bucket (``BUCKETS`` then +Inf), then the sum.
+_Buckets = list[float]
+_LE = tuple(floatToGoString(bound) for bound in (*BUCKETS, math.inf))
+_SUM = len(_LE)
+
+
+def _observe(series: dict[tuple[str, ...], _Buckets], key: tuple[str, ...], value: float) -> None:
+    buckets = series.get(key)
+    if buckets is None:
+        buckets = series[key] = [0.0] * (_SUM + 1)
+    buckets[bisect_left(BUCKETS, value)] += 1.0  # the first bound >= value, else +Inf
+    buckets[_SUM] += value
+
+
+class _EventSeries(Collector):
+    """The event-fed counters, gauges and histograms as plain numbers, rendered per scrape.
+
+    ``counters[name]``, ``gauges[name]`` and ``histograms[name]`` map a tuple of label values
+    (in the order the table names the labels) to a value or a :data:`_Buckets` list.  Unlabelled
+    series exist from the start with the key ``()``.  Only the trio thread touches them.
+    """
+
+    def __init__(self) -> None:
+        self.counters: dict[str, dict[tuple[str, ...], float]] = {n: {} for n in COUNTERS}
+        self.gauges: dict[str, dict[tuple[str, ...], float]] = {n: {} for n in GAUGES}
+        self.histograms: dict[str, dict[tuple[str, ...], _Buckets]] = {n: {} for n in HISTOGRAMS}
+        for table, values in ((COUNTERS, self.counters), (GAUGES, self.gauges)):
+            for name, (_, labels) in table.items():
+                if not labels:
+                    values[name][()] = 0.0
+        for name, (_, labels) in HISTOGRAMS.items():
+            if not labels:
+                self.histograms[name][()] = [0.0] * (_SUM + 1)
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families(samples=False)
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families(samples=True)
+
+    def _families(self, *, samples: bool) -> list[Metric]:
+        families: list[Metric] = []
+        for name, (doc, labels) in COUNTERS.items():
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            for key, value in self.counters[name].items() if samples else ():
+                counter.add_metric([str(v) for v in key], value)
+            families.append(counter)
+        for name, (doc, labels) in GAUGES.items():
+            gauge = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            for key, value in self.gauges[name].items() if samples else ():
+                gauge.add_metric([str(v) for v in key], value)
+            families.append(gauge)
+        for name, (doc, labels) in HISTOGRAMS.items():
+            histogram = HistogramMetricFamily(PREFIX + name, doc, labels=labels)
+            for key, buckets in self.histograms[name].items() if samples else ():
+                cumulative, total = [], 0.0
+                for le, count in zip(_LE, buckets[:_SUM], strict=True):
+                    total += count
+                    cumulative.append((le, total))
+                histogram.add_metric([str(v) for v in key], cumulative, buckets[_SUM])
+            families.append(histogram)
+        return families
+
+
 class GatewayMetrics:
     """Every metric the gateway exports, on a private registry, fed by the event bus.
 
@@ -186,26 +261,28 @@ class GatewayMetrics:
         PlatformCollector(registry=reg)
         GCCollector(registry=reg)
         reg.register(_StatusCollector(status, proc))
+        series = _EventSeries()
+        reg.register(series)
         self._max_tool_series = max_tool_series
-        self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
         self._tool_series: set[tuple[str, str]] = set()
-        self._c = {n: Counter(PREFIX + n, d, ls, registry=reg) for n, (d, ls) in COUNTERS.items()}
-        self._g = {n: Gauge(PREFIX + n, d, ls, registry=reg) for n, (d, ls) in GAUGES.items()}
-        self._h = {
-            n: Histogram(PREFIX + n, d, ls, registry=reg, buckets=BUCKETS)
-            for n, (d, ls) in HISTOGRAMS.items()
-        }
-        self._g["build_info"].labels(version, platform.python_version(), trio.__version__).set(1)
+        self._c, self._g, self._h = series.counters, series.gauges, series.histograms
+        # The per-call series, bound once (see _on_request_started/_on_request_finished).
+        self._inflight = self._g["inflight_requests"]
+        self._requests = self._c["requests_total"]
+        self._durations = self._h["request_duration_seconds"]
+        self._overheads = self._h["overhead_seconds"]
+        self._tool_calls = self._c["tool_calls_total"]
+        self._g["build_info"][(version, platform.python_version(), trio.__version__)] = 1.0
         for name in (*errors.CODE_NAMES.values(), "other"):
-            self._c["jsonrpc_errors_total"].labels(name)
+            self._c["jsonrpc_errors_total"][(name,)] = 0.0
         for transport in ("websocket", "unix"):
-            self._c["client_connections_refused_total"].labels(transport, "max_connections")
+            self._c["client_connections_refused_total"][(transport, "max_connections")] = 0.0
         for result in ("success", "failure"):
-            self._c["config_reloads_total"].labels(result)
-        self._g["config_last_reload_success"].set(1)  # the startup load counts, as in Prometheus
-        self._g["config_last_reload_success_timestamp_seconds"].set(time.time())
+            self._c["config_reloads_total"][(result,)] = 0.0
+        self._g["config_last_reload_success"][()] = 1.0  # the startup load counts, as in Prometheus
+        self._g["config_last_reload_success_timestamp_seconds"][()] = time.time()
         inc = self._inc
-        self._handlers: dict[type, Callable[[Any], None]] = {
+        handlers: dict[type, Callable[[Any], None]] = {
             events.ConnectionOpened: lambda e: inc("client_connections_opened_total", e.transport),
             events.ConnectionClosed: lambda e: inc(
                 "client_connections_closed_total", e.transport, e.reason
@@ -213,7 +290,7 @@ class GatewayMetrics:
             events.ConnectionRefused: lambda e: inc(
                 "client_connections_refused_total", e.transport, e.reason
             ),
-            events.RequestStarted: lambda e: self._inflight(e.backend).inc(),
+            events.RequestStarted: self._on_request_started,
             events.QueueWaited: lambda e: self._observe("queue_wait_seconds", e.seconds, e.backend),
             events.RequestFinished: self._on_request_finished,
             events.BackendStarted: self._on_backend_started,
@@ -232,14 +309,18 @@ class GatewayMetrics:
             events.AnswerRefused: lambda e: inc("refused_answers_total", e.reason),
             events.ReloadFinished: self._on_reload,
         }
-        self._unsubscribe = bus.subscribe(self._on_event)
+        self._unsubscribe = [bus.subscribe(handler, kind) for kind, handler in handlers.items()]
 
     def close(self) -> None:
         """Stop listening to the bus (the registry keeps its values)."""
-        self._unsubscribe()
+        for unsubscribe in self._unsubscribe:
+            unsubscribe()
+        self._unsubscribe = []
 
     def exposition(self, accept_header: str | None) -> tuple[bytes, str]:
         """Render the registry in the format the ``Accept`` header asks for.
+
+        Call it in the trio thread: the event-fed series are read without a lock.
 
         Returns:
             ``(body, content_type)``: OpenMetrics when asked for, else the Prometheus text format.
@@ -261,63 +342,55 @@ class GatewayMetrics:
             lag = max(0.0, trio.current_time() - start - interval)
             self._observe("event_loop_lag_seconds", lag)
 
-    def _on_event(self, event: events.Event) -> None:
-        handler = self._handlers.get(type(event))
-        if handler is not None:
-            handler(event)
-
-    # Labelled children are cached: prometheus_client's labels() costs microseconds per call,
-    # and the label sets are bounded by construction, so the cache is too.
-
-    def _child(self, family: Any, name: str, labels: tuple[str, ...]) -> Any:
-        key = (name, labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = family.labels(*labels) if labels else family
-        return child
-
-    def _inc(self, name: str, *labels: str) -> None:
-        self._child(self._c[name], name, labels).inc()
+    def _inc(self, name: str, *labels: str, amount: float = 1.0) -> None:
+        values = self._c[name]
+        values[labels] = values.get(labels, 0.0) + amount
 
     def _observe(self, name: str, value: float, *labels: str) -> None:
-        self._child(self._h[name], name, labels).observe(value)
+        _observe(self._h[name], labels, value)
 
-    def _inflight(self, backend: str) -> Gauge:
-        return self._child(self._g["inflight_requests"], "inflight_requests", (_backend(backend),))
+    # The per-call handlers: a few dict operations each, with the series dicts bound in __init__.
+
+    def _on_request_started(self, e: events.RequestStarted) -> None:
+        key = (e.backend or GATEWAY_BACKEND,)
+        self._inflight[key] = self._inflight.get(key, 0.0) + 1.0
 
     def _on_request_finished(self, e: events.RequestFinished) -> None:
-        backend = _backend(e.backend)
+        method = e.method
+        backend = e.backend or GATEWAY_BACKEND
         if e.backend:  # RequestStarted is emitted exactly when a backend is chosen
-            self._inflight(backend).dec()
-        self._inc("requests_total", e.method, backend, e.outcome)
-        self._observe("request_duration_seconds", e.duration, e.method, backend)
+            key: tuple[str, ...] = (backend,)
+            self._inflight[key] = self._inflight.get(key, 0.0) - 1.0
+        key = (method, backend, e.outcome)
+        self._requests[key] = self._requests.get(key, 0.0) + 1.0
+        _observe(self._durations, (method, backend), e.duration)
         if e.backend_time is not None:
-            overhead = max(0.0, e.duration - e.backend_time)
-            self._observe("overhead_seconds", overhead, e.method)
+            _observe(self._overheads, (method,), max(0.0, e.duration - e.backend_time))
         if e.error_code is not None:
             self._inc("jsonrpc_errors_total", errors.code_name(e.error_code))
         if e.tool is not None:
-            self._inc("tool_calls_total", backend, self._tool_label(backend, e.tool))
+            key = (backend, e.tool[:MAX_TOOL_LABEL_CHARS])
+            if key not in self._tool_series:
+                key = self._new_tool_series(key)
+            self._tool_calls[key] = self._tool_calls.get(key, 0.0) + 1.0
 
-    def _tool_label(self, backend: str, tool: str) -> str:
-        tool = tool[:MAX_TOOL_LABEL_CHARS]
-        if (backend, tool) not in self._tool_series:
-            if len(self._tool_series) >= self._max_tool_series:
-                self._inc("tool_series_overflow_total")
-                return OVERFLOW_TOOL
-            self._tool_series.add((backend, tool))
-        return tool
+    def _new_tool_series(self, key: tuple[str, str]) -> tuple[str, str]:
+        """``key`` as the label values of a new tool series, or the overflow series when full."""
+        if len(self._tool_series) >= self._max_tool_series:
+            self._inc("tool_series_overflow_total")
+            return (key[0], OVERFLOW_TOOL)
+        self._tool_series.add(key)
+        return key
 
     def _on_backend_started(self, e: events.BackendStarted) -> None:
         self._inc("backend_starts_total", e.backend)
         self._observe("backend_start_duration_seconds", e.start_duration, e.backend)
 
     def _on_backend_stderr(self, e: events.BackendStderr) -> None:
-        name = "backend_stderr_lines_total"
         if e.logged:
-            self._child(self._c[name], name, (e.backend, "true")).inc(e.logged)
+            self._inc("backend_stderr_lines_total", e.backend, "true", amount=e.logged)
         if e.suppressed:
-            self._child(self._c[name], name, (e.backend, "false")).inc(e.suppressed)
+            self._inc("backend_stderr_lines_total", e.backend, "false", amount=e.suppressed)
 
     def _on_catalog_changed(self, e: events.CatalogChanged) -> None:
         for kind in e.kinds:
@@ -325,9 +398,9 @@ class GatewayMetrics:
 
     def _on_reload(self, e: events.ReloadFinished) -> None:
         self._inc("config_reloads_total", "success" if e.success else "failure")
-        self._g["config_last_reload_success"].set(1 if e.success else 0)
+        self._g["config_last_reload_success"][()] = 1.0 if e.success else 0.0
         if e.success:
-            self._g["config_last_reload_success_timestamp_seconds"].set(time.time())
+            self._g["config_last_reload_success_timestamp_seconds"][()] = time.time()
 
 
 def _backend(name: str) -> str:

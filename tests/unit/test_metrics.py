@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import signal
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import trio
@@ -366,3 +368,125 @@ async def test_rss_sums_every_process_in_the_group(h: Harness) -> None:
         loner.kill()
         await proc.wait()
         await loner.wait()
+
+
+# The exposition is a contract with dashboards and alerts: issue 8 moved the event-fed series
+# off prometheus_client's metric objects, and the scrape must not have changed by a byte.  The
+# golden files were written by the implementation before that change from the same traffic.
+
+GOLDEN = Path(__file__).parent / "golden"
+_VOLATILE = (
+    (re.compile(r"^(mcp_gateway_build_info)\{.*\}", re.M), r"\1{...}"),
+    (
+        re.compile(r"^(mcp_gateway_config_last_reload_success_timestamp_seconds) \S+$", re.M),
+        r"\1 T",
+    ),
+)
+
+
+def _every_event_once_or_more() -> list[ev.Event]:
+    ok, error, cancelled = (ev.RequestOutcome.OK, ev.RequestOutcome.ERROR,
+                            ev.RequestOutcome.CANCELLED)
+    answered, timeout = ev.ServerRequestOutcome.ANSWERED, ev.ServerRequestOutcome.TIMEOUT
+    return [
+        ev.ConnectionOpened("c1", "websocket"),
+        ev.ConnectionOpened("c2", "unix"),
+        ev.ConnectionRefused("unix", "max_connections"),
+        ev.RequestStarted("c1", "tools/call", "time"),
+        ev.RequestStarted("c1", "tools/call", "time"),
+        ev.RequestStarted("c2", "resources/read", "fs"),
+        ev.QueueWaited("time", 0.0042),
+        ev.RequestFinished("c1", "tools/call", "time", ok, None, 0.0001, 0.00005, "time__now"),
+        ev.RequestFinished("c1", "ping", "", ok, None, 0.00002, None),
+        ev.RequestFinished("c2", "resources/read", "fs", error, errors.METHOD_NOT_FOUND, 0.1, 0.2),
+        ev.RequestFinished("c1", "tools/call", "time", error, 42, 75.0, 74.9, "time__slow"),
+        ev.RequestStarted("c1", "tools/call", "time"),
+        ev.RequestFinished("c1", "tools/call", "time", cancelled, None, 0.3, 0.1, "x" * 300),
+        ev.RequestStarted("c1", "tools/call", "time"),
+        ev.RequestStarted("c1", "tools/call", "time"),
+        ev.RequestFinished("c1", "tools/call", "time", ok, None, 0.0031, 0.0011, "time__later"),
+        ev.RequestFinished("c1", "tools/call", "time", ok, None, 0.0025, 0.001, "time__now"),
+        ev.RequestFinished("c2", "tools/list", "", ok, None, 60.0, None),
+        ev.RequestStarted("c2", "resources/read", "fs"),  # still in flight at the scrape
+        ev.BackendStarted("time", "time/0", 100, 0.4),
+        ev.BackendStateChanged("time", "time/0", "STARTING", "RUNNING", 100, "ready"),
+        ev.BackendExited("time", "time/0", 100, ev.ExitKind.CRASHED, 1),
+        ev.BackendExited("fs", "fs/0", 101, ev.ExitKind.RECYCLED, None),
+        ev.BackendProtocolError("time", "time/0", "not_json"),
+        ev.BackendStderr("time", "time/0", 3, 0),
+        ev.BackendStderr("fs", "fs/0", 0, 7),
+        ev.BackendStderr("time", "time/0", 2, 4),
+        ev.CatalogChanged(("tools", "prompts")),
+        ev.CatalogChanged(("tools",)),
+        ev.ServerRequestRouted("time", "elicitation/create", "c1"),
+        ev.ServerRequestRefused("time", "sampling/createMessage", "no_capability"),
+        ev.ServerRequestFinished("", "elicitation/create", timeout, 60.0),
+        ev.ServerRequestFinished("time", "elicitation/create", answered, 2.5),
+        ev.AnswerRefused("c1", "unknown_id"),
+        ev.ConnectionClosed("c1", "websocket", "client_closed", 3.0),
+        ev.ReloadFinished(False, "bad toml"),
+        ev.ReloadFinished(True, None, added=("fs",)),
+    ]
+
+
+def _gateway_lines(body: bytes) -> str:
+    lines = [
+        line
+        for line in body.decode().splitlines(keepends=True)
+        if line.startswith(("mcp_gateway_", "# HELP mcp_gateway_", "# TYPE mcp_gateway_", "# EOF"))
+    ]
+    text = "".join(lines)
+    for pattern, replacement in _VOLATILE:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+@pytest.mark.parametrize(
+    ("accept", "golden"),
+    [(None, "metrics.prom"), ("application/openmetrics-text; version=1.0.0", "metrics.om")],
+)
+async def test_8_exposition_is_unchanged(
+    accept: str | None, golden: str, autojump_clock: object
+) -> None:
+    h = Harness(max_tool_series=2)
+    h.emit(*_every_event_once_or_more())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(
+            lambda task_status: h.metrics.run_lag_probe(interval=0.5, task_status=task_status)
+        )
+        await trio.sleep(1.1)
+        nursery.cancel_scope.cancel()
+    body, _ = h.metrics.exposition(accept)
+    assert _gateway_lines(body) == (GOLDEN / golden).read_text()
+
+
+def test_a_failing_subscriber_is_logged_and_the_others_still_run(
+    h: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    seen: list[str] = []
+
+    def broken(event: ev.Event) -> None:
+        raise RuntimeError("observer bug")
+
+    h.bus.subscribe(broken, ev.RequestStarted)
+    h.bus.subscribe(lambda e: seen.append(type(e).__name__))
+    h.emit(ev.RequestStarted("c1", "tools/call", "time"), ev.ConnectionOpened("c1", "unix"))
+    assert h.value("inflight_requests", backend="time") == 1
+    assert seen == ["RequestStarted", "ConnectionOpened"]
+    assert [r.exc_info[0] for r in caplog.records if r.exc_info] == [RuntimeError]
+
+
+def test_subscriptions_by_type_keep_their_order_and_unsubscribe() -> None:
+    bus, seen = ev.EventBus(), []
+    bus.subscribe(lambda e: seen.append("any"))
+    stop = bus.subscribe(lambda e: seen.append("opened"), ev.ConnectionOpened)
+    bus.subscribe(lambda e: seen.append("either"), ev.ConnectionOpened, ev.ConnectionClosed)
+    bus.emit(ev.ConnectionOpened("c1", "unix"))
+    bus.emit(ev.ConnectionClosed("c1", "unix", "client_closed", 1.0))
+    assert seen == ["any", "opened", "either", "any", "either"]
+    seen.clear()
+    stops = [stop]
+    bus.subscribe(lambda e: stops and stops.pop()(), ev.ConnectionOpened)  # effective next event
+    bus.emit(ev.ConnectionOpened("c1", "unix"))
+    bus.emit(ev.ConnectionOpened("c2", "unix"))
+    assert seen == ["any", "opened", "either", "any", "either"]
