@@ -1,4 +1,5 @@
-"""RFC 6455 framing, server side, sans-IO: bytes in, whole text messages out; messages in, bytes out.
+"""RFC 6455 framing, server side, sans-IO: bytes in, whole text messages out; messages in,
+bytes out.
 
 Theory of operation: :class:`ServerFramer` is fed what the socket gave and returns the text
 messages it completed, in order.  Everything else it finds is left on the framer for the shell
@@ -39,7 +40,8 @@ _CLOSE = 0x8
 _PING = 0x9
 _PONG = 0xA
 #: Close codes a peer may send (RFC 6455 §7.4; 1004-1006 and 1015 never go on the wire).
-_PEER_CODES = frozenset(range(1000, 1004)) | frozenset(range(1007, 1015)) | frozenset(range(3000, 5000))
+_PEER_CODES = (frozenset(range(1000, 1004)) | frozenset(range(1007, 1015))
+               | frozenset(range(3000, 5000)))
 _SMALL_TEXT_HEADERS = [bytes((0x80 | _TEXT, n)) for n in range(126)]
 
 
@@ -79,15 +81,31 @@ def close_frame(code: int | None, reason: str = "") -> bytes:
     """A close frame with ``code`` (None: no status) and ``reason`` cut to fit in 123 bytes."""
     if code is None:
         return control_frame(_CLOSE)
-    return control_frame(_CLOSE, code.to_bytes(2, "big") + reason.encode()[:123])
+    text = reason.encode()[:123].decode(errors="ignore").encode()  # not cut inside a character
+    return control_frame(_CLOSE, code.to_bytes(2, "big") + text)
 
 
 class ServerFramer:
     """Parses the frames a client sends (see the module docstring)."""
 
-    __slots__ = ("_fragments", "_frame", "_head", "_in_message", "_message", "_need", "_parts",
-                 "_skip", "dead", "declared", "detail", "fault", "max_message", "peer_close",
-                 "replies", "_closing")
+    __slots__ = (
+        "_closing",
+        "_fragments",
+        "_frame",
+        "_head",
+        "_in_message",
+        "_message",
+        "_need",
+        "_parts",
+        "_skip",
+        "dead",
+        "declared",
+        "detail",
+        "fault",
+        "max_message",
+        "peer_close",
+        "replies",
+    )
 
     def __init__(self, max_message: int) -> None:
         self.max_message = max_message
@@ -196,7 +214,8 @@ class ServerFramer:
             if opcode > _PONG:
                 self._fail(Fault.PROTOCOL_ERROR, f"unknown opcode {opcode:#x}")
             elif not fin or length > 125:
-                self._fail(Fault.PROTOCOL_ERROR, "a control frame must be final and at most 125 bytes")
+                self._fail(Fault.PROTOCOL_ERROR,
+                           "a control frame must be final and at most 125 bytes")
             return not self.dead
         if opcode > _BINARY:
             self._fail(Fault.PROTOCOL_ERROR, f"unknown opcode {opcode:#x}")
@@ -238,7 +257,8 @@ class ServerFramer:
                 try:
                     payload.decode()
                 except UnicodeDecodeError as exc:
-                    self._fail(Fault.INVALID_PAYLOAD, f"a text message that is not UTF-8 ({exc.reason})")
+                    self._fail(Fault.INVALID_PAYLOAD,
+                               f"a text message that is not UTF-8 ({exc.reason})")
                     return
             out.append(payload)
         elif opcode == _PING:

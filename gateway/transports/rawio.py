@@ -35,7 +35,8 @@ _BROKEN = (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResource
 
 
 def _incomplete() -> IncompleteMessage:
-    return IncompleteMessage(f"a message was not completed within {limits.INCOMPLETE_MESSAGE_TIMEOUT:g} seconds")
+    return IncompleteMessage("a message was not completed within "
+                             f"{limits.INCOMPLETE_MESSAGE_TIMEOUT:g} seconds")
 
 
 class SocketIO:
@@ -158,7 +159,8 @@ class SocketIO:
 
 class StreamIO:
     """The interface of :class:`SocketIO` over any trio stream: writes are held until
-    :meth:`flush` (the stdio bridge, which is not a hot path)."""
+    :meth:`flush` (the stdio bridge, which is not a hot path).  A cancelled flush may have
+    written part of what was held; nothing here depends on knowing how much."""
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream

@@ -21,15 +21,18 @@ MIB = 1 << 20
 pytestmark = pytest.mark.system
 
 
-def call(id: Any, tool: str, arguments: dict[str, Any], meta: dict[str, Any] | None = None) -> bytes:
+def call(id: Any, tool: str, arguments: dict[str, Any],
+         meta: dict[str, Any] | None = None) -> bytes:
     params: dict[str, Any] = {"name": tool, "arguments": arguments}
     if meta is not None:
         params["_meta"] = meta
-    return json.dumps({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": params}).encode()
+    return json.dumps({"jsonrpc": "2.0", "id": id, "method": "tools/call",
+                       "params": params}).encode()
 
 
 INIT = json.dumps({"jsonrpc": "2.0", "id": "init", "method": "initialize", "params": {
-    "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}}).encode()
+    "protocolVersion": "2025-11-25", "capabilities": {},
+    "clientInfo": {"name": "t", "version": "0"}}}).encode()
 
 
 def masked_text(payload: bytes) -> bytes:
@@ -59,7 +62,8 @@ async def ws_initialize(stream: trio.SocketStream, ws: WSConnection) -> None:
             return
 
 
-async def ws_read_all(stream: trio.SocketStream, ws: WSConnection) -> tuple[list[dict[str, Any]], int | None]:
+async def ws_read_all(stream: trio.SocketStream,
+                      ws: WSConnection) -> tuple[list[dict[str, Any]], int | None]:
     """Every message until the close frame (its code) or the end of the stream (None); wsproto
     raises on any byte that is not a well-formed frame."""
     got: list[dict[str, Any]] = []
@@ -90,6 +94,7 @@ async def test_a_slow_unix_reader_gets_every_message_whole_and_in_order(tmp_path
     cfg = make_config(fixture_backend("fx"), unix=str(sock))
     with trio.fail_after(60):
         async with run_gateway(cfg) as gw:
+            port = gw.bound.admin_port
             stream = await trio.open_unix_socket(str(sock))
             async with stream:
                 stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -97,10 +102,10 @@ async def test_a_slow_unix_reader_gets_every_message_whole_and_in_order(tmp_path
                 init = await stream.receive_some(65536)
                 assert init.endswith(b"\n") and json.loads(init)["id"] == "init"
                 await stream.send_all(call("big", "fx__big", {"size": 3_000_000}) + b"\n")
-                await wait_status(gw.bound.admin_port, lambda st: st["outbound_messages_queued"] > 0)
+                await wait_status(port, lambda st: st["outbound_messages_queued"] > 0)
                 await stream.send_all(call("p", "fx__progress", {"steps": 200, "delay": 0},
                                            meta={"progressToken": "tok"}) + b"\n")
-                await wait_status(gw.bound.admin_port, lambda st: st["client_requests_in_flight"] == 0)
+                await wait_status(port, lambda st: st["client_requests_in_flight"] == 0)
                 buf, got = b"", []
                 while "p" not in [m.get("id") for m in got]:
                     data = await stream.receive_some(65536)  # slowly: a read, then a pause
@@ -110,28 +115,33 @@ async def test_a_slow_unix_reader_gets_every_message_whole_and_in_order(tmp_path
                     got += [json.loads(line) for line in lines]
                     await trio.sleep(0.001)
             assert [m.get("id") for m in got if "id" in m] == ["big", "p"]
-            assert len(next(m for m in got if m.get("id") == "big")["result"]["content"][0]["text"]) == 3_000_000
-            progress = [m["params"]["progress"] for m in got if m.get("method") == "notifications/progress"]
+            big = next(m for m in got if m.get("id") == "big")
+            assert len(big["result"]["content"][0]["text"]) == 3_000_000
+            progress = [m["params"]["progress"] for m in got
+                        if m.get("method") == "notifications/progress"]
             assert progress == list(range(1, 201))
             assert [m.get("id") for m in got].index("p") == len(got) - 1
-            await wait_status(gw.bound.admin_port, lambda st: st["buffered_bytes"] == 0
-                              and st["outbound_messages_queued"] == 0 and st["connection_slots"] == 0)
+            await wait_status(port, lambda st: st["buffered_bytes"] == 0
+                              and st["outbound_messages_queued"] == 0
+                              and st["connection_slots"] == 0)
 
 
 async def test_a_client_that_stops_reading_mid_frame_never_gets_a_close_frame_inside_it() -> None:
     # Answers of 1 MB to a client that does not read: one is cut off mid-frame by the full socket;
     # the byte bound closes the connection.  Read afterwards, the stream is whole frames and then
     # its end (a close frame written into the frame's payload would be a protocol error here).
-    cfg = make_config(fixture_backend("fx"), gateway=f"max_message_bytes = {2 * MIB}\noutbound_bytes = {2 * MIB}")
+    cfg = make_config(fixture_backend("fx"),
+                      gateway=f"max_message_bytes = {2 * MIB}\noutbound_bytes = {2 * MIB}")
     with trio.fail_after(60):
         async with run_gateway(cfg) as gw:
+            port = gw.bound.admin_port
             stream, ws = await ws_open(gw.bound.websocket_port)
             async with stream:
                 stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
                 await ws_initialize(stream, ws)
                 for i in range(8):
                     await stream.send_all(masked_text(call(i, "fx__big", {"size": 1_000_000})))
-                await wait_status(gw.bound.admin_port, lambda st: st["connections"] == {}
+                await wait_status(port, lambda st: st["connections"] == {}
                                   and st["buffered_bytes"] == 0)
                 got, code = await ws_read_all(stream, ws)
             assert all(len(m["result"]["content"][0]["text"]) == 1_000_000 for m in got)
@@ -148,11 +158,12 @@ async def test_the_answer_to_a_peer_close_goes_behind_the_rest_of_a_held_frame()
                       f"outbound_bytes = {16 * MIB}\nbuffered_bytes_total = {64 * MIB}")
     with trio.fail_after(30):
         async with run_gateway(cfg) as gw:
+            port = gw.bound.admin_port
             stream, ws = await ws_open(gw.bound.websocket_port)
             async with stream:
                 await ws_initialize(stream, ws)
                 await stream.send_all(masked_text(call("big", "fx__big", {"size": 8_000_000})))
-                await wait_status(gw.bound.admin_port, lambda st: st["outbound_messages_queued"] > 0)
+                await wait_status(port, lambda st: st["outbound_messages_queued"] > 0)
                 await stream.send_all(b"\x88\x82\0\0\0\0" + struct.pack("!H", 1000))
                 await trio.sleep(0.2)  # the close is read while the answer is still held
                 got, code = await ws_read_all(stream, ws)
