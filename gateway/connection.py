@@ -3,13 +3,15 @@
 Theory of operation: the transport hands over a :class:`MessageStream` (whole messages in and
 out, its own exceptions already mapped to :class:`~gateway.errors.TransportClosed` /
 :class:`~gateway.errors.MessageTooLarge`).  :func:`serve` gives the connection a nursery with a
-writer task draining the session's bounded outbound queue and a reader loop.  The reader
-serves each request without a task where it can (:func:`_serve_request`): the gateway's own
-answers at once, a forwarded call by handing it to the routing core of the child that takes it
-(its answer comes back through :meth:`Served.finished`, in the child's reader).  Only requests
-that must wait (consent, an instance starting or busy, a resource subscription) run in a task
-of the connection's nursery (:func:`_run_slow`).  A client's ``notifications/cancelled`` cancels
-either kind; a cancelled request gets no response, per the spec.
+reader loop and a flusher task; answers are written straight to the transport by
+:meth:`ClientSession.send` and the flusher only writes what did not fit (see
+:mod:`gateway.outbox`).  The reader serves each request without a task where it can
+(:func:`_serve_request`): the gateway's own answers at once, a forwarded call by handing it to
+the routing core of the child that takes it (its answer comes back through
+:meth:`Served.finished`, in the child's reader).  Only requests that must wait (consent, an
+instance starting or busy, a resource subscription) run in a task of the connection's nursery
+(:func:`_run_slow`).  A client's ``notifications/cancelled`` cancels either kind; a cancelled
+request gets no response, per the spec.
 
 :meth:`Served.end` is the only place where exceptions become JSON-RPC error responses.
 Unexpected exceptions are logged with their traceback and answered -32603; they never take the
@@ -38,6 +40,7 @@ from gateway.events import (
     ServerRequestOutcome,
 )
 from gateway.handlers import HANDLERS, PRE_INIT, Request, Target
+from gateway.outbox import MessageWriter
 from gateway.protocol import jsonrpc, mcp
 from gateway.session import AnswerOutcome, ClientSession
 
@@ -50,7 +53,7 @@ if TYPE_CHECKING:
 
 LOGGER = logging.getLogger(__name__)
 
-#: Messages written to a client in one go at most (one syscall for a line stream).
+#: Messages the flusher hands a transport in one go at most (one syscall).
 WRITE_BATCH = 64
 #: A batch stops growing past this many bytes (the transport copies a batch while framing it).
 WRITE_BATCH_BYTES = 1 << 20
@@ -69,19 +72,12 @@ def error_response(id: int | str | None, exc: errors.GatewayError) -> bytes:
     return jsonrpc.encode_error(id, exc.code, exc.message, exc.error_data())
 
 
-class MessageStream(Protocol):
-    """A bidirectional stream of whole JSON-RPC messages (one per WebSocket frame or line)."""
+class MessageStream(MessageWriter, Protocol):
+    """A bidirectional stream of whole JSON-RPC messages (one per WebSocket frame or line);
+    its write side is a :class:`~gateway.outbox.MessageWriter`."""
 
     async def receive(self) -> bytes:
         """The next message.  Raises TransportClosed or MessageRefused."""
-        ...
-
-    async def send(self, data: bytes) -> None:
-        """Send one message.  Raises TransportClosed."""
-        ...
-
-    async def send_batch(self, messages: list[bytes]) -> None:
-        """Send several messages in order (as few writes as the transport allows)."""
         ...
 
     async def aclose(self, reason: str) -> None: ...
@@ -93,15 +89,15 @@ async def serve(hub: Hub, stream: MessageStream, transport: str) -> None:
     session = ClientSession(transport, outbound_capacity=cfg.outbound_queue,
                             max_inflight=cfg.max_inflight_per_connection,
                             outbound_bytes=cfg.outbound_bytes, budget=hub.budget)
+    session.writer = stream
     hub.sessions.add(session)
     hub.bus.emit(ConnectionOpened(session.conn_id, transport))
     LOGGER.debug("connection %s opened (%s)", session.conn_id, transport, extra=session.log_fields)
-    in_hand: list[bytes] = []  # taken off the queue by the writer, not yet sent
     try:
         async with trio.open_nursery() as nursery:
             session.cancel_scope = nursery.cancel_scope
             session.nursery = nursery
-            nursery.start_soon(_writer, session, stream, in_hand)
+            nursery.start_soon(_writer, session, stream)
             await _reader(hub, session, stream, nursery)
             session.close(CloseReason.CLIENT_CLOSED)
     except Exception:
@@ -109,6 +105,7 @@ async def serve(hub: Hub, stream: MessageStream, transport: str) -> None:
         session.close(CloseReason.ERROR)
     finally:
         with trio.CancelScope(shield=True):
+            session.writer = None  # what is sent from now on is queued: flushed below, or dropped
             hub.sessions.discard(session)
             hub.connections_changed()
             session.end_all_requests(ServerRequestOutcome.OWNER_GONE)
@@ -116,63 +113,58 @@ async def serve(hub: Hub, stream: MessageStream, transport: str) -> None:
                 served.cancel()
             try:
                 await hub.session_closed(session)
-                await _flush(session, stream, in_hand)
+                await _flush(session, stream)
                 with trio.move_on_after(FLUSH_TIMEOUT):
                     await stream.aclose(session.close_reason)
             except Exception:  # a bug must end this connection only, never the daemon
                 LOGGER.exception("connection %s: error while closing", session.conn_id, extra=session.log_fields)
-            in_hand.clear()
             session.drop_outbound()  # every byte it still had charged is released here
             hub.bus.emit(ConnectionClosed(session.conn_id, transport, session.close_reason,
                                           trio.current_time() - session.opened))
             LOGGER.debug("connection %s closed: %s", session.conn_id, session.close_reason, extra=session.log_fields)
 
 
-async def _flush(session: ClientSession, stream: MessageStream, in_hand: list[bytes]) -> None:
-    """Deliver what is still queued (e.g. the error explaining a close), bounded.
-
-    ``in_hand`` is the message the writer was cancelled with before it could send it (closing
-    the connection cancels the writer, which may just have taken that very error message).
-    """
+async def _flush(session: ClientSession, stream: MessageStream) -> None:
+    """Deliver what is still held or queued (e.g. the error explaining a close), bounded."""
     if session.close_reason in (CloseReason.OVERFLOW, CloseReason.CLIENT_CLOSED):
         return
     with trio.move_on_after(FLUSH_TIMEOUT):
         try:
-            await stream.send_batch(in_hand)
+            await stream.flush()
+            while True:
+                batch, _size = session.outbound.take(WRITE_BATCH, WRITE_BATCH_BYTES)
+                if not batch:
+                    return
+                if not stream.write_nowait(batch):
+                    await stream.flush()
         except errors.TransportClosed:
             return
-        in_hand.clear()
+
+
+async def _writer(session: ClientSession, stream: MessageStream) -> None:
+    """The flusher: writes what :meth:`ClientSession.send` could not write at once.
+
+    Woken only when something is queued or held (see :mod:`gateway.outbox`); hands the
+    transport what piled up meanwhile in batches, and waits for it to take them.
+    """
+    outbound = session.outbound
+    try:
         while True:
-            try:
-                data = session.outbound.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                return
-            try:
-                await stream.send(data)
-            except errors.TransportClosed:
-                return
-
-
-async def _writer(session: ClientSession, stream: MessageStream, in_hand: list[bytes]) -> None:
-    """Drain the outbound queue; whatever piled up meanwhile goes out in one batch."""
-    async for data in session.outbound:
-        in_hand.append(data)
-        size = len(data)
-        while len(in_hand) < WRITE_BATCH and size < WRITE_BATCH_BYTES:
-            try:
-                data = session.outbound.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel):
-                break
-            in_hand.append(data)
-            size += len(data)
-        try:
-            await stream.send_batch(in_hand)
-        except errors.TransportClosed:
-            session.close(CloseReason.CLIENT_CLOSED)
-            return
-        count = len(in_hand)
-        in_hand.clear()
-        session.sent(size, count)
+            if session.held:
+                await stream.flush()
+                n, count = session.held_bytes, session.held
+                session.held = session.held_bytes = 0
+                session.sent(n, count)
+            batch, size = outbound.take(WRITE_BATCH, WRITE_BATCH_BYTES)
+            if not batch:
+                await outbound.wait()
+                continue
+            if stream.write_nowait(batch):
+                session.sent(size, len(batch))
+            else:
+                session.held, session.held_bytes = len(batch), size
+    except errors.TransportClosed:
+        session.close(CloseReason.CLIENT_CLOSED)
 
 
 async def _reader(hub: Hub, session: ClientSession, stream: MessageStream, nursery: trio.Nursery) -> None:

@@ -368,7 +368,7 @@ class Hub:
             pending_server_requests=self.ownership.open + self.policy.pending_count(),
             buffered_bytes=self.budget.total,
             client_requests_in_flight=sum(len(s.inflight) for s in self.sessions),
-            outbound_messages_queued=sum(s.outbound.statistics().current_buffer_used for s in self.sessions),
+            outbound_messages_queued=sum(s.queued for s in self.sessions),
             connection_slots=self.slots.used,
         )
 

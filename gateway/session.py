@@ -2,9 +2,11 @@
 
 A :class:`ClientSession` is created by the hub for every accepted connection.  Its ``conn_id``
 is minted by the gateway (clients never choose it).  Everything sent to the client goes through
-:meth:`ClientSession.send`, which never blocks: the message is queued on a bounded channel that a
-writer task drains, and a client that lets the queue overflow (``outbound_queue`` messages or
-``outbound_bytes`` bytes, counting what the writer has taken but not yet sent) is disconnected
+:meth:`ClientSession.send`, which never blocks: the message is written straight to the transport
+when nothing is queued toward the client, else queued in a bounded :class:`~gateway.outbox.Outbox`
+that the connection's flusher task drains (see :mod:`gateway.outbox`).  A client that lets the
+queue overflow (``outbound_queue`` messages not yet handed to the transport, or
+``outbound_bytes`` bytes, counting what the transport holds and has not written) is disconnected
 (reason ``overflow``) instead of stalling a backend's reader.  The same bytes, and those of the
 requests it sent that are still being served, are charged to the connection's account on the
 daemon-wide :class:`~gateway.limits.ByteBudget`; when the budget evicts this connection (it
@@ -43,6 +45,7 @@ from gateway import errors
 from gateway.errors import CloseReason
 from gateway.events import ServerRequestOutcome
 from gateway.limits import ByteBudget
+from gateway.outbox import MessageWriter, Outbox
 from gateway.protocol import jsonrpc, mcp
 
 LOGGER = logging.getLogger(__name__)
@@ -106,10 +109,13 @@ class ClientSession:
         self._ended_ids: deque[str] = deque(maxlen=1024)
         self._ids = itertools.count(1)
         self._id_salt = secrets.token_hex(3)
-        self._send, self.outbound = trio.open_memory_channel[bytes](outbound_capacity)
+        self.writer: MessageWriter | None = None  # the transport, while the connection is served
+        self.outbound = Outbox(outbound_capacity)  # what could not be written at once
         self.max_outbound_bytes = outbound_bytes
-        self.queued_bytes = 0  # in ``outbound`` or taken by the writer, not yet sent
+        self.queued_bytes = 0  # in ``outbound`` or handed to the transport, not yet written
         self.queued = 0  # messages, counted like ``queued_bytes``
+        self.held = 0  # of them: messages handed to the transport that it has not written out
+        self.held_bytes = 0
         # backpressure on the reader: above high water it waits until both are at low water
         self.high_water = max(1, outbound_capacity // 2)
         self.high_water_bytes = outbound_bytes // 2
@@ -129,7 +135,9 @@ class ClientSession:
     # ---- outbound ---------------------------------------------------------------------------
 
     def send(self, data: bytes) -> bool:
-        """Queue one message for the client.  Never blocks; on overflow the connection is closed."""
+        """Write one message to the client, or queue it.  Never blocks; on overflow the
+        connection is closed.  Straight to the transport when nothing is queued (see
+        :mod:`gateway.outbox`)."""
         if self.closed.is_set():
             return False
         n = len(data)
@@ -140,13 +148,19 @@ class ClientSession:
                            self.max_outbound_bytes, extra=self.log_fields)
             self.close(CloseReason.OVERFLOW)
             return False
-        try:
-            self._send.send_nowait(data)
-        except trio.WouldBlock:
+        writer = self.writer
+        if self.queued == 0 and writer is not None:
+            try:
+                if writer.write_nowait([data]):
+                    return True
+            except errors.TransportClosed:
+                self.close(CloseReason.CLIENT_CLOSED)
+                return False
+            self.held, self.held_bytes = 1, n  # its rest is held by the transport
+            self.outbound.wake()
+        elif not self.outbound.put(data):
             LOGGER.warning("connection %s: outbound queue full, disconnecting a slow client", self.conn_id, extra=self.log_fields)
             self.close(CloseReason.OVERFLOW)
-            return False
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
             return False
         self.queued_bytes += n
         self.queued += 1
@@ -154,7 +168,7 @@ class ClientSession:
         return True
 
     def sent(self, n: int, count: int = 1) -> None:
-        """The writer wrote ``count`` queued messages of ``n`` bytes in all to the client."""
+        """``count`` queued messages of ``n`` bytes in all are written to the client."""
         self.queued_bytes -= n
         self.queued -= count
         self.buffers.release(n)
@@ -173,13 +187,11 @@ class ClientSession:
 
     def drop_outbound(self) -> None:
         """The connection is over: drop what is still queued and release all its bytes."""
-        while True:
-            try:
-                self.outbound.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                break
+        self.writer = None
+        self.outbound.clear()
         self.queued_bytes = 0
         self.queued = 0
+        self.held = self.held_bytes = 0
         self.buffers.close()
 
     def _evicted(self) -> None:

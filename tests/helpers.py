@@ -287,6 +287,7 @@ class MemoryStream:
     def __init__(self, send: trio.MemorySendChannel[bytes], receive: trio.MemoryReceiveChannel[bytes]) -> None:
         self._send = send
         self._receive = receive
+        self._held: list[bytes] = []  # what the channel did not take (write_nowait)
 
     async def receive(self) -> bytes:
         try:
@@ -300,9 +301,23 @@ class MemoryStream:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             raise TransportClosed("closed") from None
 
-    async def send_batch(self, messages: list[bytes]) -> None:
-        for data in messages:
-            await self.send(data)
+    def write_nowait(self, messages: list[bytes]) -> bool:
+        for i, data in enumerate(messages):
+            if self._held:
+                self._held.extend(messages[i:])
+                return False
+            try:
+                self._send.send_nowait(data)
+            except trio.WouldBlock:
+                self._held.append(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                raise TransportClosed("closed") from None
+        return not self._held
+
+    async def flush(self) -> None:
+        while self._held:
+            await self.send(self._held[0])
+            del self._held[0]
 
     async def aclose(self, reason: str = "") -> None:
         await self._send.aclose()

@@ -1,0 +1,216 @@
+"""Byte I/O under a message transport: a non-blocking write that never waits, a backlog for what
+the peer's socket did not take, and reads of at most 64 KiB.
+
+Theory of operation: :meth:`SocketIO.write` is synchronous.  When nothing is held it writes
+straight to the socket (``os.writev`` on its fd: no task switch, no checkpoint) and holds only
+what the socket did not take; when something is held the bytes go behind it, so the order on
+the wire is always the order of the calls.  :meth:`SocketIO.flush` (async, one caller at a
+time) waits for the socket with ``trio.lowlevel.wait_writable`` until nothing is held.  What is
+held is exact at every moment (a cancelled flush wrote what it wrote, nothing more), so a
+transport can tell whether the wire is at a frame boundary: it is when nothing is held.
+:meth:`SocketIO.read` waits with ``wait_readable`` and reads once (64 KiB at most: a bigger
+buffer would be an mmap per read in glibc).
+
+Both bypass trio's socket methods, which checkpoint (a scheduler round trip) on every call
+even when the socket is ready.  :class:`StreamIO` offers the same interface over any trio
+stream (the stdio bridge's pipes), holding every write until :meth:`StreamIO.flush`.
+
+Every library error, and the end of the stream, is :class:`~gateway.errors.TransportClosed`.
+After :meth:`close_writes` every write raises it: a closed fd must never be written (its number
+may already belong to another connection).
+"""
+
+from __future__ import annotations
+
+import os
+
+import trio
+
+from gateway import limits
+from gateway.errors import IncompleteMessage, TransportClosed
+
+#: Bytes asked of one read (see the module docstring).
+READ_SIZE = 65536
+_BROKEN = (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError, OSError)
+
+
+def _incomplete() -> IncompleteMessage:
+    return IncompleteMessage("a message was not completed within "
+                             f"{limits.INCOMPLETE_MESSAGE_TIMEOUT:g} seconds")
+
+
+class SocketIO:
+    """Direct I/O on a connected, non-blocking socket (a ``trio.SocketStream``'s)."""
+
+    __slots__ = ("_held", "_lock", "_off", "_writes_closed", "fd", "stream")
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.fd = stream.socket.fileno()
+        self._held = b""  # accepted, not yet written: its bytes from ``_off`` on
+        self._off = 0
+        self._lock: trio.Lock | None = None  # made at the first flush that has to wait
+        self._writes_closed = False
+
+    @property
+    def held(self) -> int:
+        """Bytes accepted by :meth:`write` and not written yet."""
+        return len(self._held) - self._off
+
+    def close_writes(self) -> None:
+        """Refuse every write from now on (the transport is closing)."""
+        self._writes_closed = True
+
+    def write(self, parts: list[bytes]) -> bool:
+        """Write ``parts`` in order, after anything held, as far as the socket takes them now.
+
+        Returns:
+            True when nothing is held afterwards (all written).
+
+        Raises:
+            TransportClosed: the socket is broken or closed.
+        """
+        if self._writes_closed:
+            raise TransportClosed("closed")
+        if self._off < len(self._held):
+            self._held = self._held[self._off:] + b"".join(parts)
+            self._off = 0
+            return False
+        try:
+            n = os.writev(self.fd, parts)
+        except BlockingIOError:
+            n = 0
+        except OSError as exc:
+            raise TransportClosed(str(exc)) from None
+        if len(parts) == 1:
+            data = parts[0]
+            if n == len(data):
+                return True
+        else:
+            if n == sum(map(len, parts)):
+                return True
+            data = b"".join(parts)
+        self._held, self._off = data, n
+        return False
+
+    async def flush(self) -> None:
+        """Until nothing is held.  Cancelling it loses nothing (what is held stays exact).
+
+        Raises:
+            TransportClosed: the socket is broken or closed.
+        """
+        if self._off >= len(self._held):
+            return
+        if self._lock is None:
+            self._lock = trio.Lock()
+        async with self._lock:
+            while self._off < len(self._held):
+                if self._writes_closed:
+                    raise TransportClosed("closed")
+                try:
+                    await trio.lowlevel.wait_writable(self.fd)
+                    n = os.write(self.fd, memoryview(self._held)[self._off:])
+                except BlockingIOError:
+                    continue
+                except _BROKEN as exc:
+                    raise TransportClosed(str(exc)) from None
+                self._off += n
+                if self._off >= len(self._held):
+                    self._held, self._off = b"", 0
+
+    def drop_held(self) -> None:
+        self._held, self._off = b"", 0
+
+    async def read(self, deadline: float | None = None) -> bytes:
+        """The next bytes (at most :data:`READ_SIZE`).
+
+        Args:
+            deadline: a message is partly read; its rest must start coming by then.
+
+        Raises:
+            IncompleteMessage: ``deadline`` passed.
+            TransportClosed: end of stream, or the socket is broken or closed.
+        """
+        while True:
+            try:
+                if deadline is None:
+                    await trio.lowlevel.wait_readable(self.fd)
+                else:
+                    with trio.move_on_at(deadline) as scope:
+                        await trio.lowlevel.wait_readable(self.fd)
+                    if scope.cancelled_caught:
+                        raise _incomplete()
+                data = os.read(self.fd, READ_SIZE)
+            except BlockingIOError:
+                continue
+            except _BROKEN as exc:
+                raise TransportClosed(str(exc)) from None
+            if not data:
+                raise TransportClosed("end of stream")
+            return data
+
+    async def aclose(self) -> None:
+        self._writes_closed = True
+        try:
+            await self.stream.aclose()
+        except _BROKEN:
+            pass
+
+
+class StreamIO:
+    """The interface of :class:`SocketIO` over any trio stream: writes are held until
+    :meth:`flush` (the stdio bridge, which is not a hot path).  A cancelled flush may have
+    written part of what was held; nothing here depends on knowing how much."""
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self.stream = stream
+        self._held: list[bytes] = []
+        self._writes_closed = False
+
+    @property
+    def held(self) -> int:
+        return sum(map(len, self._held))
+
+    def close_writes(self) -> None:
+        self._writes_closed = True
+
+    def write(self, parts: list[bytes]) -> bool:
+        if self._writes_closed:
+            raise TransportClosed("closed")
+        self._held.extend(parts)
+        return False
+
+    async def flush(self) -> None:
+        if not self._held:
+            return
+        data, self._held = b"".join(self._held), []
+        try:
+            await self.stream.send_all(data)
+        except _BROKEN as exc:
+            raise TransportClosed(str(exc)) from None
+
+    def drop_held(self) -> None:
+        self._held = []
+
+    async def read(self, deadline: float | None = None) -> bytes:
+        try:
+            if deadline is None:
+                data = await self.stream.receive_some(READ_SIZE)
+            else:
+                data = b""
+                with trio.move_on_at(deadline) as scope:
+                    data = await self.stream.receive_some(READ_SIZE)
+                if scope.cancelled_caught:
+                    raise _incomplete()
+        except _BROKEN as exc:
+            raise TransportClosed(str(exc)) from None
+        if not data:
+            raise TransportClosed("end of stream")
+        return data
+
+    async def aclose(self) -> None:
+        self._writes_closed = True
+        try:
+            await self.stream.aclose()
+        except _BROKEN:
+            pass
