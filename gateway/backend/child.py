@@ -165,7 +165,12 @@ class ChildConnection:
                     self.post(action.data, action.gid)  # type: ignore[union-attr]
                 except errors.NotDelivered as exc:
                     if action.gid is not None:  # type: ignore[union-attr]
-                        self.perform(self.router.undelivered([action.gid], exc))  # type: ignore[union-attr]
+                        # stdin is gone for good: the queued calls cannot reach the child either.
+                        # All of them at once: one by one, each freed slot would dispatch the next
+                        # and fail it in a nested perform (a RecursionError with ~1000 queued).
+                        undelivered = self.router.withdraw_queued(exc)
+                        undelivered += self.router.undelivered([action.gid], exc)  # type: ignore[union-attr]
+                        self.perform(undelivered)
             elif kind is Finished:
                 action.call.handle.finished(action.result, action.error)  # type: ignore[union-attr]
             elif kind is ToOwner:

@@ -441,6 +441,10 @@ class Instance(ChildHandlers):
                            "waiting for the %d in flight first", self.name, grace, child.calls_in_flight(),
                            extra={"MCP_BACKEND": self.backend.name})
             self._set_draining(True)
+            # Calls queued behind the stale ones (which may hold every max_inflight slot) can
+            # never reach this child: they go to the next one instead of waiting out their timeout.
+            child.perform(child.router.withdraw_queued(errors.NotDelivered(
+                f"backend {self.backend.name!r} is being recycled", backend=self.backend.name, retryable=True)))
             while not down.is_set():
                 stale = child.oldest_abandoned(clients_only=True)
                 if stale is None or trio.current_time() < stale + grace:

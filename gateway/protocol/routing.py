@@ -429,17 +429,23 @@ class ChildRouter:
                 actions.extend(self._reply(call, None, errors.NotDelivered(error.message, **error.data)))
         return actions
 
+    def withdraw_queued(self, error: errors.GatewayError) -> list[Action]:
+        """The child takes no more calls (drained for a recycle): every queued call ends with
+        NotDelivered ``error`` now (it never reached the child: safe to send to the next one)."""
+        actions: list[Action] = []
+        while self._turns:
+            call = self._queues[self._turns[0]][0]
+            self._unqueue(call)
+            self._finish(call, None, errors.NotDelivered(error.message, **error.data), actions)
+        return actions
+
     def child_exited(self, error: errors.GatewayError) -> list[Action]:
         """The child is gone: every call fails with ``error`` (a queued one with NotDelivered: it
         never reached the child), its server→client requests end; nothing is taken any more."""
         if self.exited is not None:
             return []
         self.exited = error
-        actions: list[Action] = []
-        while self._turns:
-            call = self._queues[self._turns[0]][0]
-            self._unqueue(call)
-            self._finish(call, None, errors.NotDelivered(error.message, **error.data), actions)
+        actions = self.withdraw_queued(error)
         settled = False
         for call in list(self.pending.values()):
             del self.pending[call.gid]
