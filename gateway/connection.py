@@ -42,6 +42,7 @@ from gateway.events import (
 from gateway.handlers import HANDLERS, PRE_INIT, Request, Target
 from gateway.outbox import MessageWriter
 from gateway.protocol import jsonrpc, mcp
+from gateway.protocol.routing import CallState
 from gateway.session import AnswerOutcome, ClientSession
 
 if TYPE_CHECKING:
@@ -376,7 +377,10 @@ class Served:
         """The client cancelled it, its connection closed, or the drain grace is over (then it
         is answered -32005 ``shutdown``, ``retryable: false``: it may have had effects)."""
         if self.call is not None and self.child is not None:
-            self.child.cancel(self.call, _cut_off() if self.hub.calls_cut_off else None)
+            error = None
+            if self.hub.calls_cut_off:  # a call still queued never reached the child: retryable
+                error = _cut_off(retryable=self.call.state is CallState.QUEUED)
+            self.child.cancel(self.call, error)
         elif self.scope is not None:
             self.scope.cancel()
 
@@ -464,7 +468,10 @@ class Served:
                                      trio.current_time() - self.started, req.backend_time, req.tool))
 
 
-def _cut_off() -> errors.GatewayError:
+def _cut_off(*, retryable: bool = False) -> errors.GatewayError:
+    if retryable:
+        return errors.Denied("the gateway shut down before this call reached the backend; send it "
+                             "elsewhere", reason="shutdown", retryable=True)
     return errors.Denied("the gateway shut down before this call finished; it may have had effects",
                          reason="shutdown", retryable=False)
 

@@ -14,8 +14,10 @@ while the child may still be working on it: it stays in the *attribution set* un
 answers it (the late reply is dropped) or the shell purges it (:meth:`purge_abandoned`).
 Gateway-internal calls (handshake, list refresh, ping) have no owner and never count.
 
-Fairness: at most ``max_inflight`` clients' calls are at the child at once (abandoned ones count:
-the child may still be busy with them); beyond that a call waits in its owner's queue, and a
+Fairness: at most ``max_inflight`` clients' calls whose callers wait are at the child at once
+(an abandoned call frees its slot: the spec has a server stop work on a cancelled request, and
+one that does not is recycled or purged after ``cancel_grace`` — counting them would let one
+client hold a shared child for every other client by cancelling its own calls); beyond that a call waits in its owner's queue, and a
 freed slot goes to the owners round-robin, so a client that floods a shared child cannot starve
 the others.  Internal calls never wait.
 
@@ -169,7 +171,7 @@ class ChildRouter:
         self.pending: dict[int, Call] = {}  # SENT and ABANDONED: the attribution set (+ internal)
         self.exited: errors.GatewayError | None = None
         self._gid = 0
-        self._busy = 0  # clients' calls at the child (SENT or ABANDONED)
+        self._busy = 0  # clients' calls at the child whose callers wait (SENT)
         self._queues: dict[Hashable, deque[Call]] = {}
         self._turns: deque[Hashable] = deque()  # owners with queued calls, next first
         self._queued = 0
@@ -334,7 +336,7 @@ class ChildRouter:
     def _reply(self, call: Call, result: Raw | None, error: errors.GatewayError | None) -> list[Action]:
         actions: list[Action] = []
         del self.pending[call.gid]
-        if not call.internal:
+        if call.state is CallState.SENT and not call.internal:
             self._busy -= 1
         if call.state is CallState.ABANDONED:
             call.state = CallState.DONE
@@ -380,6 +382,10 @@ class ChildRouter:
         call.abandoned_at = now
         actions.append(ToChild(jsonrpc.encode_notification("notifications/cancelled", jsonrpc.encode_dict(
             {"requestId": call.gid, "reason": "cancelled by the gateway"}))))
+        if not call.internal:
+            self._busy -= 1
+            if self._queued:
+                self._dispatch(actions)
 
     def progress(self, token: Any, fields: dict[str, Raw]) -> list[Action]:
         """The child reported progress for ``token`` (its params, decoded one level): passed to
@@ -413,11 +419,8 @@ class ChildRouter:
         for call in stale:
             del self.pending[call.gid]
             call.state = CallState.DONE
-            if not call.internal:
-                self._busy -= 1
         if stale:
             actions.append(_SETTLED)
-            self._dispatch(actions)
         return actions
 
     def undelivered(self, gids: list[int], error: errors.GatewayError) -> list[Action]:
