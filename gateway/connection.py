@@ -28,7 +28,7 @@ import msgspec
 import trio
 from msgspec import UNSET, Raw
 
-from gateway import errors, handlers
+from gateway import __version__, errors, handlers
 from gateway.errors import CloseReason
 from gateway.events import (
     AnswerRefused,
@@ -41,7 +41,7 @@ from gateway.events import (
 )
 from gateway.handlers import HANDLERS, PRE_INIT, Request, Target
 from gateway.outbox import MessageWriter
-from gateway.protocol import jsonrpc, mcp
+from gateway.protocol import era, jsonrpc, mcp
 from gateway.protocol.routing import CallState
 from gateway.session import AnswerOutcome, ClientSession
 
@@ -350,7 +350,8 @@ class Served:
     """
 
     __slots__ = ("backend", "call", "child", "ended", "forwarded_at", "hub", "id", "inst", "label",
-                 "reply", "req", "retried", "scope", "session", "size", "started", "target")
+                 "modern", "reply", "req", "retried", "scope", "session", "size", "started",
+                 "target")
 
     def __init__(self, hub: Hub, session: ClientSession, env: jsonrpc.Envelope, size: int,
                  reply: Callable[[bytes | None, int | str | None], None]) -> None:
@@ -372,6 +373,7 @@ class Served:
         self.call: Call | None = None
         self.forwarded_at = 0.0
         self.retried = False
+        self.modern = False  # a 2026-07-28 request: its result says resultType (see gateway.protocol.era)
 
     def cancel(self) -> None:
         """The client cancelled it, its connection closed, or the drain grace is over (then it
@@ -450,6 +452,8 @@ class Served:
         elif exc is None:
             assert result is not None
             outcome = RequestOutcome.OK
+            if self.modern:
+                result = era.complete(req.method, result)
             response = jsonrpc.encode_result(self.id, result)
         else:
             outcome = RequestOutcome.ERROR
@@ -457,6 +461,8 @@ class Served:
                 LOGGER.error("connection %s: %s failed", session.conn_id, req.method,
                              exc_info=exc, extra=session.log_fields)
                 exc = errors.InternalError(f"internal error while handling {req.method}")
+            if self.modern:
+                exc = era.modern_error(exc)
             code = exc.code
             response = error_response(self.id, exc)
         self.reply(response, self.id)
@@ -488,11 +494,23 @@ def _serve_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, size
     handler = HANDLERS.get(method)
     targeter = handlers.FORWARDED.get(method)
     try:
-        if handler is None and targeter is None and method not in handlers.ASYNC_HANDLERS:
+        if (handler is None and targeter is None and method not in handlers.ASYNC_HANDLERS
+                and method != "server/discover"):
             raise errors.MethodNotFound(f"method {method!r} not found")
-        if not session.initialized and method not in PRE_INIT:
-            raise errors.InvalidRequest(f"{method}: the connection is not initialized yet")
         req.params = jsonrpc.params_dict(env.params)
+        if session.era is None:  # the first request chooses the connection's era
+            session.era = era.era_of(method, req.params)
+        if session.era is era.Era.MODERN:
+            served.modern = True
+            era.check_modern(method, req.params)
+            if method == "server/discover":
+                served.end(era.discover(hub.advertised_capabilities(), hub.server_name, __version__))
+                return
+        elif method == "server/discover":
+            raise errors.MethodNotFound(f"method {method!r} not found: this connection speaks "
+                                        f"{session.protocol_version or 'a legacy revision'}")
+        elif not session.initialized and method not in PRE_INIT:
+            raise errors.InvalidRequest(f"{method}: the connection is not initialized yet")
         if handler is not None:
             served.end(handler(hub, session, req))
             return

@@ -45,6 +45,10 @@ OVERLOADED = -32006
 UNROUTABLE = -32007
 RESPONSE_TOO_LARGE = -32008
 BACKEND_PROTOCOL_ERROR = -32009
+# MCP 2026-07-28, spec-defined range -32020..-32099
+HEADER_MISMATCH = -32020
+MISSING_CAPABILITY = -32021
+UNSUPPORTED_VERSION = -32022
 
 #: Every code the gateway itself emits, by name (a bounded metric label set).
 CODE_NAMES: dict[int, str] = {
@@ -62,6 +66,9 @@ CODE_NAMES: dict[int, str] = {
     UNROUTABLE: "unroutable",
     RESPONSE_TOO_LARGE: "response_too_large",
     BACKEND_PROTOCOL_ERROR: "backend_protocol_error",
+    HEADER_MISMATCH: "header_mismatch",
+    MISSING_CAPABILITY: "missing_capability",
+    UNSUPPORTED_VERSION: "unsupported_version",
 }
 
 
@@ -111,6 +118,12 @@ class InvalidParams(GatewayError):
 
 class ResourceNotFound(GatewayError):
     code = RESOURCE_NOT_FOUND
+
+
+class UnsupportedVersion(GatewayError):
+    """A modern request names a protocol version the gateway does not speak (2026-07-28)."""
+
+    code = UNSUPPORTED_VERSION
 
 
 class InternalError(GatewayError):

@@ -47,6 +47,7 @@ from gateway.events import ServerRequestOutcome
 from gateway.limits import ByteBudget
 from gateway.outbox import MessageWriter, Outbox
 from gateway.protocol import jsonrpc, mcp
+from gateway.protocol.era import Era
 
 LOGGER = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ class ClientSession:
         self.opened = trio.current_time()
         self.initialized = False
         self.protocol_version: str | None = None
+        self.era: Era | None = None  # chosen by the connection's first request
         self.caps = mcp.ClientCaps({})
         self.log_level: str | None = None
         self.max_inflight = max_inflight

@@ -1,0 +1,135 @@
+"""The modern protocol era (2026-07-28) on a client connection: what a request must carry, and
+what a result must say (pure).
+
+Theory of operation (mcp-spec-digest §3.2, §7.1, §10.2-3).  A modern request has no handshake:
+every request carries its protocol version and the client's capabilities in ``params._meta``
+(:data:`VERSION_KEY`, :data:`CAPABILITIES_KEY`).  A WebSocket or unix-socket connection is pinned
+to an era by its first request (:func:`era_of`): ``initialize`` (or any request without the
+modern ``_meta``) makes it legacy, a request with it (or ``server/discover``) makes it modern;
+a request of the other era afterwards is refused.  Every modern result carries ``resultType``
+(``"complete"`` here: a legacy child's result passes through with it added), and the cacheable
+ones (lists, ``resources/read``, ``server/discover``) ``ttlMs`` and ``cacheScope``.
+
+Not here yet: the Streamable HTTP modern shape, ``subscriptions/listen``, era bridging of a legacy
+child's server→client requests into ``InputRequiredResult`` (a modern owner is never sent a
+request: the child's request is refused as for a client without the capability), and modern
+backends.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+from msgspec import Raw
+
+from gateway import errors
+from gateway.protocol import jsonrpc, mcp
+
+MODERN_VERSIONS = ("2026-07-28",)
+LATEST_MODERN = MODERN_VERSIONS[-1]
+#: Every revision the gateway speaks to clients, newest first (``server/discover``).
+SUPPORTED_VERSIONS = (*reversed(MODERN_VERSIONS), *reversed(mcp.LEGACY_VERSIONS))
+
+VERSION_KEY = "io.modelcontextprotocol/protocolVersion"
+CAPABILITIES_KEY = "io.modelcontextprotocol/clientCapabilities"
+SERVER_INFO_KEY = "io.modelcontextprotocol/serverInfo"
+
+#: Methods of the legacy era only: a modern request for them is "method not found".
+LEGACY_ONLY = frozenset({"initialize", "ping", "logging/setLevel", "resources/subscribe",
+                         "resources/unsubscribe"})
+#: Results that carry caching hints, by method.
+CACHEABLE = frozenset({"tools/list", "prompts/list", "resources/list", "resources/templates/list",
+                       "resources/read", "server/discover"})
+#: Results computed by the gateway from its merged catalog, the same for every caller today
+#: (``cacheScope`` becomes ``"private"`` once lists are filtered per caller).
+CATALOG = frozenset({"tools/list", "prompts/list", "resources/list", "resources/templates/list",
+                     "server/discover"})
+
+
+class Era(enum.Enum):
+    LEGACY = "legacy"
+    MODERN = "modern"
+
+
+def modern_version(params: dict[str, Raw]) -> str | None:
+    """The protocol version a request's ``_meta`` names (None: none, a legacy request)."""
+    raw = params.get("_meta")
+    if raw is None or VERSION_KEY.encode() not in bytes(raw):
+        return None
+    try:
+        meta = jsonrpc.raw_dict(raw)
+        value = jsonrpc.loads(meta[VERSION_KEY])
+    except (KeyError, errors.GatewayError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def era_of(method: str, params: dict[str, Raw]) -> Era:
+    """The era a connection's first request pins it to."""
+    if method == "server/discover" or modern_version(params) is not None:
+        return Era.MODERN
+    return Era.LEGACY
+
+
+def check_modern(method: str, params: dict[str, Raw]) -> dict[str, Any]:
+    """Validate a modern request's ``_meta``; returns the client's capabilities.
+
+    Raises:
+        InvalidParams: the protocol version or the client capabilities are missing.
+        errors.UnsupportedVersion: a version the gateway does not speak (``data.supported``).
+        MethodNotFound: a method the 2026-07-28 revision removed.
+    """
+    if method in LEGACY_ONLY:
+        raise errors.MethodNotFound(f"{method} does not exist in protocol version {LATEST_MODERN}, "
+                                    "which this connection speaks (its first request chose it)")
+    try:
+        meta = jsonrpc.raw_dict(params["_meta"]) if "_meta" in params else {}
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        raise errors.InvalidParams(f"{method}: _meta must be an object") from None
+    if VERSION_KEY not in meta:
+        raise errors.InvalidParams(f"{method}: _meta[{VERSION_KEY!r}] is required (2026-07-28), "
+                                   "or open the connection with initialize")
+    version = jsonrpc.loads(meta[VERSION_KEY])
+    if version not in MODERN_VERSIONS:
+        raise errors.UnsupportedVersion(f"protocol version {version!r} is not supported on a modern request",
+                                 supported=list(SUPPORTED_VERSIONS), requested=version)
+    if CAPABILITIES_KEY not in meta:
+        raise errors.InvalidParams(f"{method}: _meta[{CAPABILITIES_KEY!r}] is required (2026-07-28)")
+    caps = jsonrpc.loads(meta[CAPABILITIES_KEY])
+    if not isinstance(caps, dict):
+        raise errors.InvalidParams(f"{method}: _meta[{CAPABILITIES_KEY!r}] must be an object")
+    return caps
+
+
+def complete(method: str, result: Raw) -> Raw:
+    """A result for a modern client: ``resultType`` (``"complete"`` unless the result has one)
+    and, where the revision requires them, ``ttlMs`` and ``cacheScope`` (a legacy child gives
+    none: ``0`` and ``"private"``, the safe reading; the gateway's own catalog is the same for
+    every caller: ``"public"``)."""
+    try:
+        fields = jsonrpc.raw_dict(result)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return result  # not an object: passed on as the child sent it
+    fields.setdefault("resultType", Raw(b'"complete"'))
+    if method in CACHEABLE:
+        fields.setdefault("ttlMs", Raw(b"0"))
+        fields.setdefault("cacheScope", Raw(b'"public"' if method in CATALOG else b'"private"'))
+    return jsonrpc.encode_dict(fields)
+
+
+def modern_error(exc: errors.GatewayError) -> errors.GatewayError:
+    """Errors whose code changed in 2026-07-28: resource not found is -32602 there."""
+    if exc.code == errors.RESOURCE_NOT_FOUND:
+        return errors.InvalidParams(exc.message, **exc.data)
+    return exc
+
+
+def discover(capabilities: dict[str, Any], server_name: str, version: str) -> Raw:
+    """The gateway's ``server/discover`` result."""
+    return complete("server/discover", jsonrpc.encode_dict({
+        "supportedVersions": list(SUPPORTED_VERSIONS),
+        "capabilities": capabilities,
+        "_meta": {SERVER_INFO_KEY: {"name": server_name, "version": version}},
+    }))

@@ -1,0 +1,48 @@
+"""gateway.protocol.era: the 2026-07-28 request checks and result decoration (pure)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from msgspec import Raw
+
+from gateway import errors
+from gateway.protocol import era, jsonrpc
+
+
+def params(**meta: object) -> dict[str, Raw]:
+    return {"_meta": jsonrpc.encode_dict(meta)} if meta else {}
+
+
+def test_the_first_request_pins_the_era() -> None:
+    assert era.era_of("initialize", {}) is era.Era.LEGACY
+    assert era.era_of("tools/list", params(**{era.VERSION_KEY: "2026-07-28"})) is era.Era.MODERN
+    assert era.era_of("server/discover", {}) is era.Era.MODERN
+    assert era.era_of("tools/list", params(progressToken=1)) is era.Era.LEGACY
+
+
+def test_check_modern_refuses_removed_methods_first_then_version_then_capabilities() -> None:
+    good = {era.VERSION_KEY: "2026-07-28", era.CAPABILITIES_KEY: {"sampling": {}}}
+    assert era.check_modern("tools/call", params(**good)) == {"sampling": {}}
+    with pytest.raises(errors.MethodNotFound):
+        era.check_modern("initialize", {})  # no _meta: still "method not found", not -32602
+    with pytest.raises(errors.InvalidParams):
+        era.check_modern("tools/list", params(**{era.CAPABILITIES_KEY: {}}))
+    with pytest.raises(errors.UnsupportedVersion) as info:
+        era.check_modern("tools/list", params(**{**good, era.VERSION_KEY: "2025-11-25"}))
+    assert info.value.code == -32022 and info.value.error_data()["supported"][0] == "2026-07-28"
+    with pytest.raises(errors.InvalidParams):
+        era.check_modern("tools/list", params(**{era.VERSION_KEY: "2026-07-28"}))
+
+
+def test_complete_adds_what_the_revision_requires_and_keeps_what_is_there() -> None:
+    out = json.loads(bytes(era.complete("tools/call", Raw(b'{"content":[],"n":1.0e10}'))))
+    assert out == {"content": [], "n": 1.0e10, "resultType": "complete"}
+    out = json.loads(bytes(era.complete("resources/read", Raw(b'{"contents":[]}'))))
+    assert (out["ttlMs"], out["cacheScope"]) == (0, "private")  # a child's: the safe reading
+    out = json.loads(bytes(era.complete("tools/list", Raw(b'{"tools":[],"ttlMs":5}'))))
+    assert (out["ttlMs"], out["cacheScope"], out["resultType"]) == (5, "public", "complete")
+    kept = json.loads(bytes(era.complete("tools/call", Raw(b'{"resultType":"input_required"}'))))
+    assert kept["resultType"] == "input_required"
+    assert bytes(era.complete("tools/call", Raw(b"[1]"))) == b"[1]"  # not an object: untouched
