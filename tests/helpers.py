@@ -42,6 +42,7 @@ def make_config(backends: str, *, gateway: str = "", extra: str = "", unix: str 
 {gateway}
 [listen]
 websocket = "127.0.0.1:0"
+http = "127.0.0.1:0"
 {f'unix = "{unix}"' if unix else ''}
 [admin]
 listen = "127.0.0.1:0"
@@ -60,6 +61,10 @@ class Running:
     @property
     def url(self) -> str:
         return f"ws://127.0.0.1:{self.bound.websocket_port}/"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.bound.http_port}/mcp"
 
 
 @asynccontextmanager
