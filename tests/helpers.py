@@ -36,13 +36,15 @@ def fixture_backend(name: str = "fx", **extra: Any) -> str:
     return "\n".join(lines) + "\n"
 
 
-def make_config(backends: str, *, gateway: str = "", extra: str = "", unix: str | None = None) -> GatewayConfig:
+def make_config(backends: str, *, gateway: str = "", extra: str = "", unix: str | None = None,
+                listen: str = "") -> GatewayConfig:
     text = f"""
 [gateway]
 {gateway}
 [listen]
 websocket = "127.0.0.1:0"
 http = "127.0.0.1:0"
+{listen}
 {f'unix = "{unix}"' if unix else ''}
 [admin]
 listen = "127.0.0.1:0"
