@@ -164,9 +164,9 @@ async def run(
                     accept = trio.CancelScope()
                     await conns.start(_serve_listeners, hub, cfg, fds, conns, accept, bound)
                     systemd.notify("READY=1", _status_line(hub))
-                    LOGGER.info("mcp-gateway %s ready: websocket port %s, http port %s, unix %s, admin port %s",
-                                __version__, bound.websocket_port, bound.http_port, bound.unix_path,
-                                bound.admin_port)
+                    LOGGER.info("mcp-gateway %s ready: websocket port %s, unix %s, admin port %s, http port %s",
+                                __version__, bound.websocket_port, bound.unix_path, bound.admin_port,
+                                bound.http_port)
                     task_status.started(bound)
                     await _control_loop(hub, control, config_path)
                     await _drain(hub, cfg, accept, conns)
