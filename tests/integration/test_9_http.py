@@ -12,7 +12,7 @@ import trio
 from mcp import ClientSession, types
 from mcp.client.streamable_http import streamable_http_client
 
-from helpers import fixture_backend, http_json, http_request, make_config, run_gateway
+from helpers import fixture_backend, http_json, make_config, metric, run_gateway, wait_status
 
 # httpx (and the SDK on it) leaves streams it did not read to the end (an SSE stream the client
 # stops reading) to the garbage collector as async generators; under trio that warns. Client
@@ -76,8 +76,7 @@ async def test_sdk_client_tools_progress_and_elicitation() -> None:
                 status = await http_json(gw.bound.admin_port, "/status")
                 assert status["connections"].get("http") == 1
         with trio.fail_after(10):  # the SDK DELETEs its session on exit
-            while (await http_json(gw.bound.admin_port, "/status"))["connections"].get("http"):
-                await trio.sleep(0.05)
+            await wait_status(gw.bound.admin_port, lambda st: not st["connections"].get("http"))
 
 
 async def test_bad_requests_get_their_status() -> None:
@@ -168,18 +167,14 @@ async def test_delete_ends_session_and_cancels_its_calls() -> None:
 
             nursery.start_soon(post)
             with trio.fail_after(10):
-                while not (await http_json(gw.bound.admin_port, "/status"))["client_requests_in_flight"]:
-                    await trio.sleep(0.02)
+                await wait_status(gw.bound.admin_port, lambda st: st["client_requests_in_flight"] == 1)
             r = await c.delete(url, headers=headers)
             assert r.status_code == 200
-        with trio.fail_after(10):  # the call is cancelled, the session gone
-            while True:
-                st = await http_json(gw.bound.admin_port, "/status")
-                _, metrics = await http_request(gw.bound.admin_port, "/metrics")
-                if (not st["connections"].get("http") and not st["client_requests_in_flight"]
-                        and b'{backend="fx",method="tools/call",outcome="cancelled"} 1.0' in metrics):
-                    break
-                await trio.sleep(0.02)
+        with trio.fail_after(10):  # the session is gone, its call cancelled
+            await wait_status(gw.bound.admin_port, lambda st: not st["connections"].get("http")
+                              and not st["client_requests_in_flight"])
+        assert await metric(gw.bound.admin_port, "mcp_gateway_requests_total", backend="fx",
+                            method="tools/call", outcome="cancelled") == 1
         assert result[0].status_code in (200, 404)  # the POST's stream ended with its session
         r = await c.post(url, headers=headers, json={"jsonrpc": "2.0", "id": 8, "method": "ping"})
         assert r.status_code == 404
@@ -190,8 +185,7 @@ async def test_idle_session_expires() -> None:
     async with run_gateway(cfg) as gw, httpx.AsyncClient(timeout=10) as c:
         headers = await _open(c, gw.http_url)
         with trio.fail_after(10):
-            while (await http_json(gw.bound.admin_port, "/status"))["connections"].get("http"):
-                await trio.sleep(0.05)
+            await wait_status(gw.bound.admin_port, lambda st: not st["connections"].get("http"))
         r = await c.post(gw.http_url, headers=headers, json={"jsonrpc": "2.0", "id": 2, "method": "ping"})
         assert r.status_code == 404
 
