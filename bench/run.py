@@ -815,6 +815,7 @@ max_inflight_per_connection = {FLOOD_INFLIGHT * 2}  # the fairness flood keeps {
 
 [listen]
 websocket = "127.0.0.1:{ws_port}"
+http = ""
 unix = "{unix_path}"
 unix_mode = "0600"
 

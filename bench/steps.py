@@ -119,6 +119,7 @@ async def main(args: argparse.Namespace) -> None:
         name = "steps"
         [listen]
         websocket = "127.0.0.1:0"
+        http = ""
         unix = "{sock}"
         [admin]
         listen = ""

@@ -48,9 +48,12 @@ class GatewaySection(Base):
 class ListenSection(Base):
     websocket: str | None = "127.0.0.1:8765"  # "" switches it off
     allowed_origins: list[str] = []
-    allowed_hosts: list[str] = []  # Host names for upgrades besides loopback + the bound address
+    allowed_hosts: list[str] = []  # Host names (WebSocket upgrade, /mcp) besides loopback + the bound address
     unix: str | None = None
     unix_mode: str = "0660"
+    http: str | None = "127.0.0.1:8766"  # Streamable HTTP at /mcp; "" switches it off
+    http_session_idle_timeout: float = 600 * SECONDS  # an HTTP session with nothing in flight ends
+    http_max_sessions: int = 1024  # HTTP sessions at once; initialize beyond it gets 503
 
 
 class AdminSection(Base):
@@ -247,7 +250,7 @@ def load(data: bytes | str, *, base_dir: str = ".", check_commands: bool = False
     # TOML has no null: an empty string switches a listener off.
     listen, admin = sections["listen"], sections["admin"]
     sections["listen"] = msgspec.structs.replace(
-        listen, websocket=listen.websocket or None, unix=listen.unix or None
+        listen, websocket=listen.websocket or None, unix=listen.unix or None, http=listen.http or None
     )
     sections["admin"] = msgspec.structs.replace(admin, listen=admin.listen or None)
     cfg = GatewayConfig(**sections, backends=backends, base_dir=os.path.abspath(base_dir))
@@ -290,7 +293,8 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
     for key in ("page_size", "max_inflight_per_connection", "outbound_queue", "max_connections"):
         if getattr(g, key) < 1:
             errors.append(f"gateway.{key}: must be at least 1")
-    for key, value in (("listen.websocket", cfg.listen.websocket), ("admin.listen", cfg.admin.listen)):
+    for key, value in (("listen.websocket", cfg.listen.websocket), ("listen.http", cfg.listen.http),
+                       ("admin.listen", cfg.admin.listen)):
         if value is None:
             continue
         try:
@@ -298,7 +302,7 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
         except ValueError as exc:
             errors.append(f"{key}: {exc}")
             continue
-        if key == "listen.websocket" and not is_loopback(host):
+        if key in ("listen.websocket", "listen.http") and not is_loopback(host):
             errors.append(
                 f"{key}: {host!r} is not a loopback address; network listeners need "
                 "authentication, which is not configured (bind 127.0.0.1 or ::1)"
@@ -319,8 +323,12 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
             raise ValueError
     except ValueError:
         errors.append(f"listen.unix_mode: expected an octal mode like \"0660\", got {cfg.listen.unix_mode!r}")
-    if cfg.listen.websocket is None and cfg.listen.unix is None:
-        errors.append("listen: configure at least one of websocket and unix")
+    if cfg.listen.websocket is None and cfg.listen.unix is None and cfg.listen.http is None:
+        errors.append("listen: configure at least one of websocket, unix and http")
+    if cfg.listen.http_session_idle_timeout <= 0:
+        errors.append("listen.http_session_idle_timeout: must be positive")
+    if cfg.listen.http_max_sessions < 1:
+        errors.append("listen.http_max_sessions: must be at least 1")
     for name, b in cfg.backends.items():
         p = f"backends.{name}"
         if not b.command:

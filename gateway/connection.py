@@ -84,12 +84,18 @@ class MessageStream(MessageWriter, Protocol):
     async def aclose(self, reason: str) -> None: ...
 
 
-async def serve(hub: Hub, stream: MessageStream, transport: str) -> None:
-    """Serve one client connection until it closes; never raises for client misbehaviour."""
+async def serve(hub: Hub, stream: MessageStream, transport: str,
+                bind: Callable[[ClientSession], None] | None = None) -> None:
+    """Serve one client connection until it closes; never raises for client misbehaviour.
+
+    ``bind`` is told the connection's :class:`ClientSession` before anything is read (an HTTP
+    session's stream asks it whether calls are in flight)."""
     cfg = hub.cfg.gateway
     session = ClientSession(transport, outbound_capacity=cfg.outbound_queue,
                             max_inflight=cfg.max_inflight_per_connection,
                             outbound_bytes=cfg.outbound_bytes, budget=hub.budget)
+    if bind is not None:
+        bind(session)
     session.writer = stream
     hub.sessions.add(session)
     hub.bus.emit(ConnectionOpened(session.conn_id, transport))

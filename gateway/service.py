@@ -32,7 +32,9 @@ from gateway.ops.metrics import GatewayMetrics
 from gateway.protocol.catalog import CatalogConflict
 from gateway.protocol.supervision import State
 from gateway.transports import listeners as ls
+from gateway.transports.endpoint import Endpoint, Sessions, serve_http
 from gateway.transports.lines import LineStream
+from gateway.transports.streamable import HttpSession
 from gateway.transports.websocket import serve_websocket
 
 LOGGER = logging.getLogger(__name__)
@@ -50,6 +52,7 @@ class Bound:
     """Where the daemon listens (ports resolved, for tests binding port 0)."""
 
     websocket_port: int | None = None
+    http_port: int | None = None
     unix_path: str | None = None
     admin_port: int | None = None
 
@@ -161,8 +164,9 @@ async def run(
                     accept = trio.CancelScope()
                     await conns.start(_serve_listeners, hub, cfg, fds, conns, accept, bound)
                     systemd.notify("READY=1", _status_line(hub))
-                    LOGGER.info("mcp-gateway %s ready: websocket port %s, unix %s, admin port %s",
-                                __version__, bound.websocket_port, bound.unix_path, bound.admin_port)
+                    LOGGER.info("mcp-gateway %s ready: websocket port %s, unix %s, admin port %s, http port %s",
+                                __version__, bound.websocket_port, bound.unix_path, bound.admin_port,
+                                bound.http_port)
                     task_status.started(bound)
                     await _control_loop(hub, control, config_path)
                     await _drain(hub, cfg, accept, conns)
@@ -264,6 +268,21 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                 ws_listeners, on_ws, allowed_origins=cfg.listen.allowed_origins,
                 allowed_hosts=cfg.listen.allowed_hosts, max_message=max_msg,
                 handler_nursery=conns, slots=hub.slots, task_status=task_status))
+        if "http" in fds or cfg.listen.http is not None:
+            http_listeners = await _tcp_listeners(fds, "http", cfg.listen.http)
+            bound.http_port = ls.bound_port(http_listeners)
+
+            async def serve_session(session: HttpSession) -> None:
+                await connection.serve(hub, session, "http", bind=session.bind)
+
+            sessions = Sessions(serve_session, conns, max_sessions=cfg.listen.http_max_sessions,
+                                idle_timeout=cfg.listen.http_session_idle_timeout)
+            endpoint = Endpoint(sessions, hosts=ls.allowed_host_names(http_listeners, cfg.listen.allowed_hosts),
+                                allowed_origins=cfg.listen.allowed_origins,
+                                max_json_depth=cfg.gateway.max_json_depth)
+            await nursery.start(lambda task_status: serve_http(
+                http_listeners, endpoint, max_message=max_msg, handler_nursery=conns, slots=hub.slots,
+                task_status=task_status))
         if "unix" in fds or cfg.listen.unix is not None:
             if "unix" in fds:
                 unix_listener = ls.adopt_listener(fds["unix"])
@@ -292,6 +311,21 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                 task_status=task_status))
         hub.listeners_bound = True
         task_status.started()
+
+
+async def _tcp_listeners(fds: dict[str, int], name: str, address: str | None) -> list[trio.SocketListener]:
+    """The listeners of client listener ``name``: adopted from systemd (fd name ``name``) or
+    bound to ``address``; loopback only either way."""
+    try:
+        if name in fds:
+            listeners = [ls.adopt_listener(fds[name])]
+            ls.check_loopback(listeners[0], f"{name} socket from systemd")
+            return listeners
+        assert address is not None
+        host, port = config.parse_host_port(address)
+        return await ls.open_tcp(host, port, f"listen.{name}")
+    except ls.ListenerError as exc:
+        raise StartupError(str(exc)) from None
 
 
 async def _control_loop(hub: Hub, control: Control, config_path: str | None) -> None:

@@ -36,12 +36,15 @@ def fixture_backend(name: str = "fx", **extra: Any) -> str:
     return "\n".join(lines) + "\n"
 
 
-def make_config(backends: str, *, gateway: str = "", extra: str = "", unix: str | None = None) -> GatewayConfig:
+def make_config(backends: str, *, gateway: str = "", extra: str = "", unix: str | None = None,
+                listen: str = "") -> GatewayConfig:
     text = f"""
 [gateway]
 {gateway}
 [listen]
 websocket = "127.0.0.1:0"
+http = "127.0.0.1:0"
+{listen}
 {f'unix = "{unix}"' if unix else ''}
 [admin]
 listen = "127.0.0.1:0"
@@ -60,6 +63,10 @@ class Running:
     @property
     def url(self) -> str:
         return f"ws://127.0.0.1:{self.bound.websocket_port}/"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.bound.http_port}/mcp"
 
 
 @asynccontextmanager

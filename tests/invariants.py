@@ -142,6 +142,7 @@ class Daemon:
 {self.gateway}
 [listen]
 websocket = "127.0.0.1:0"
+http = ""
 unix = "{self.unix_path}"
 [admin]
 listen = "127.0.0.1:0"

@@ -275,7 +275,7 @@ class GatewayMetrics:
         self._g["build_info"][(version, platform.python_version(), trio.__version__)] = 1.0
         for name in (*errors.CODE_NAMES.values(), "other"):
             self._c["jsonrpc_errors_total"][(name,)] = 0.0
-        for transport in ("websocket", "unix"):
+        for transport in ("websocket", "unix", "http"):
             self._c["client_connections_refused_total"][(transport, "max_connections")] = 0.0
         for result in ("success", "failure"):
             self._c["config_reloads_total"][(result,)] = 0.0

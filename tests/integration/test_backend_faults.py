@@ -452,6 +452,7 @@ def daemon_config(tmp_path: Path) -> Path:
     path.write_text(f"""
 [listen]
 websocket = "127.0.0.1:0"
+http = ""
 [admin]
 listen = "127.0.0.1:0"
 {fixture_backend("fx", env={"FIXTURE_SPAWN_GRANDCHILD": "1"}, restart=FAST_RESTART)}

@@ -343,6 +343,7 @@ def origin_config(allowed: list[str]) -> config.GatewayConfig:
         f"""
 [listen]
 websocket = "127.0.0.1:0"
+http = ""
 allowed_origins = {json.dumps(allowed)}
 [admin]
 listen = "127.0.0.1:0"

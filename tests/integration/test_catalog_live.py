@@ -88,7 +88,7 @@ async def test_empty_prefix_on_both_backends_refuses_to_start() -> None:
 async def test_empty_prefix_conflict_cli_exits_1_naming_both(tmp_path: Path) -> None:
     path = tmp_path / "gateway.toml"
     path.write_text(
-        '[listen]\nwebsocket = "127.0.0.1:0"\n[admin]\nlisten = "127.0.0.1:0"\n'
+        '[listen]\nwebsocket = "127.0.0.1:0"\nhttp = ""\n[admin]\nlisten = "127.0.0.1:0"\n'
         + fixture_backend("alpha", prefix="")
         + fixture_backend("beta", prefix="")
     )

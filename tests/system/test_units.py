@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.system]
 REPO = Path(__file__).resolve().parents[2]
 UNITS_DIR = REPO / "systemd"
 SERVICE = "mcp-gateway.service"
-SOCKETS = ("mcp-gateway-ws.socket", "mcp-gateway-admin.socket")
+SOCKETS = ("mcp-gateway-ws.socket", "mcp-gateway-http.socket", "mcp-gateway-admin.socket")
 HOST_UNITS = Path("/usr/lib/systemd/system")
 MAX_EXPOSURE = 2.0  # `--threshold=20`: the 0-100 scale of the displayed 0-10 score
 EXPECTED_EXPOSURE = 1.3  # measured on systemd 252; a rise means hardening was lost
@@ -133,7 +133,9 @@ def test_service_settings_that_verify_cannot_judge() -> None:
 
 @pytest.mark.parametrize(
     ("unit", "address", "fdname"),
-    [(SOCKETS[0], "127.0.0.1:8765", "websocket"), (SOCKETS[1], "127.0.0.1:9477", "admin")],
+    [("mcp-gateway-ws.socket", "127.0.0.1:8765", "websocket"),
+     ("mcp-gateway-http.socket", "127.0.0.1:8766", "http"),
+     ("mcp-gateway-admin.socket", "127.0.0.1:9477", "admin")],
 )
 def test_socket_units(unit: str, address: str, fdname: str) -> None:
     s = unit_settings(unit)

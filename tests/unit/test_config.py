@@ -212,6 +212,17 @@ def test_non_loopback_websocket_refused(addr: str) -> None:
     assert error.startswith("listen.websocket:") and "loopback" in error
 
 
+def test_http_listener_keys() -> None:
+    """Issue 9: listen.http defaults to loopback, must stay loopback, "" switches it off."""
+    cfg = load("", base_dir=BASE)
+    assert cfg.listen.http == "127.0.0.1:8766" and cfg.listen.http_max_sessions == 1024
+    assert load('[listen]\nhttp = ""\n', base_dir=BASE).listen.http is None
+    (error,) = errors_of('[listen]\nhttp = "0.0.0.0:8766"\n')
+    assert error.startswith("listen.http:") and "loopback" in error
+    assert errors_of('[listen]\nhttp_session_idle_timeout = 0.0\nhttp_max_sessions = 0\n') == [
+        "listen.http_session_idle_timeout: must be positive", "listen.http_max_sessions: must be at least 1"]
+
+
 @pytest.mark.parametrize("addr", ["127.0.0.1:0", "127.0.0.2:1", "[::1]:8765", "localhost:8765"])
 def test_loopback_websocket_accepted(addr: str) -> None:
     assert load(f'[listen]\nwebsocket = "{addr}"\n', base_dir=BASE).listen.websocket == addr

@@ -15,6 +15,7 @@ from gateway.protocol.catalog import BackendLists, build_catalog
 CFG = """
 [listen]
 websocket = "127.0.0.1:0"
+http = ""
 [policy]
 elicitation_timeout = 60.0
 rules = [{ match = "x__t", action = "ask" }]

@@ -19,6 +19,7 @@ from gateway.hub import Hub
 CFG = """
 [listen]
 websocket = "127.0.0.1:0"
+http = ""
 [backends.fake]
 command = "fake-server"
 health = { interval = 0.0 }

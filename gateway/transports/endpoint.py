@@ -1,0 +1,302 @@
+"""The Streamable HTTP endpoint ``/mcp`` (legacy shape, 2025-03-26 … 2025-11-25): the listener,
+its connections, the checks every request passes, and the table of live sessions.
+
+Theory of operation: each accepted TCP connection holds a ``max_connections`` slot and is one
+task serving requests one after the other (:class:`~gateway.transports.http.HttpConnection`,
+keep-alive).  A request is checked in this order, each failure answered and counted by its
+status: path (404), ``Host`` (403: DNS rebinding), ``Origin`` (403), method (405), ``Accept``
+(406), ``Content-Type`` (415), the body as one JSON-RPC message (400 with the -32700/-32600
+error), ``Mcp-Session-Id`` (400 missing, 404 unknown or ended), ``MCP-Protocol-Version``
+(400 unsupported; absent means 2025-03-26).  An ``initialize`` POST without a session id creates
+a session (:class:`~gateway.transports.streamable.HttpSession`, at most ``http_max_sessions``:
+503 beyond) whose id comes back in the ``Mcp-Session-Id`` header.  A POSTed request opens a
+:class:`~gateway.transports.streamable.Sink` and its task waits, reading the socket only to see
+the peer leave, until the sink is answered; an SSE comment every :data:`KEEPALIVE` seconds keeps
+an idle stream open.  Notifications and responses get 202.  GET opens the session's one
+standalone stream (409 for a second one); DELETE ends the session.
+
+One endpoint decides per request: the modern shape (2026-07-28, no session) will be told apart
+here by its ``MCP-Protocol-Version`` header before any session lookup.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+
+import trio
+
+from gateway import errors
+from gateway.config import host_allowed
+from gateway.errors import TransportClosed
+from gateway.limits import ConnectionSlots
+from gateway.protocol import jsonrpc, mcp
+from gateway.transports.http import HttpConnection, HttpError, Request
+from gateway.transports.listeners import Accepted, SlottedListener
+from gateway.transports.streamable import SESSION_HEADER, HttpSession, Sink
+from gateway.transports.websocket import origin_allowed
+
+LOGGER = logging.getLogger(__name__)
+
+PATH = "/mcp"
+#: Seconds between SSE comments on an idle stream.
+KEEPALIVE = 15.0
+#: A keep-alive connection with no request for this long is closed.
+IDLE_TIMEOUT = 60.0
+#: Bound on writing a response the peer does not read, and on the 503 beyond max_connections.
+WRITE_TIMEOUT = 10.0
+JSON = "application/json"
+TEXT = "text/plain; charset=utf-8"
+ALLOW = [("allow", "GET, POST, DELETE")]
+
+
+def _jsonrpc_error(status: int, exc: errors.GatewayError, id: int | str | None = None) -> HttpError:
+    body = jsonrpc.encode_error(id, exc.code, exc.message, exc.error_data())
+    return HttpError(status, exc.message, body, JSON)
+
+
+class Sessions:
+    """The live HTTP sessions by id; each runs ``serve_session`` in ``nursery`` for its life."""
+
+    def __init__(self, serve_session: Callable[[HttpSession], Awaitable[None]], nursery: trio.Nursery,
+                 *, max_sessions: int, idle_timeout: float) -> None:
+        self._serve = serve_session
+        self._nursery = nursery
+        self.max_sessions = max_sessions
+        self.idle_timeout = idle_timeout
+        self.by_id: dict[str, HttpSession] = {}
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+    def create(self) -> HttpSession | None:
+        if len(self.by_id) >= self.max_sessions:
+            return None
+        session = HttpSession(self.idle_timeout)
+        self.by_id[session.id] = session
+        self._nursery.start_soon(self._run, session)
+        return session
+
+    async def _run(self, session: HttpSession) -> None:
+        try:
+            await self._serve(session)
+        finally:
+            session.closed = True
+            self.by_id.pop(session.id, None)
+
+
+class Endpoint:
+    """What ``/mcp`` needs to answer a request: the checks' allow-lists and the sessions."""
+
+    def __init__(self, sessions: Sessions, *, hosts: frozenset[str], allowed_origins: Sequence[str],
+                 max_json_depth: int) -> None:
+        self.sessions = sessions
+        self.hosts = hosts
+        self.allowed_origins = allowed_origins
+        self.max_json_depth = max_json_depth
+
+    def _session(self, req: Request) -> HttpSession:
+        sid = req.header(b"mcp-session-id")
+        if sid is None:
+            raise _jsonrpc_error(400, errors.InvalidRequest("missing Mcp-Session-Id header: initialize first"))
+        session = self.sessions.by_id.get(sid)
+        if session is None or session.closed:
+            raise _jsonrpc_error(404, errors.InvalidRequest("unknown or ended session: initialize again"))
+        version = req.header(b"mcp-protocol-version")
+        if version is not None and version not in mcp.LEGACY_VERSIONS:
+            raise _jsonrpc_error(400, errors.InvalidRequest(
+                f"unsupported MCP-Protocol-Version {version[:40]!r}", supported=list(mcp.LEGACY_VERSIONS)))
+        return session
+
+    async def handle(self, conn: HttpConnection, req: Request) -> None:
+        """Answer one request (raises HttpError for a refusal)."""
+        if req.path != PATH:
+            raise HttpError(404, "not found (the MCP endpoint is /mcp)")
+        if not host_allowed(req.header(b"host"), self.hosts):
+            LOGGER.warning("/mcp: refused Host %.100r (listen.allowed_hosts)", req.header(b"host"))
+            raise HttpError(403, "Host not allowed")
+        if not origin_allowed(req.headers, self.allowed_origins):
+            LOGGER.warning("/mcp: refused Origin %.100r (listen.allowed_origins)", req.header(b"origin"))
+            raise HttpError(403, "Origin not allowed")
+        accept = req.header(b"accept") or ""
+        if req.method == "POST":
+            if not (_accepts(accept, "application/json") and _accepts(accept, "text/event-stream")):
+                raise HttpError(406, "Accept must list application/json and text/event-stream")
+            ctype = (req.header(b"content-type") or "").split(";", 1)[0].strip().lower()
+            if ctype != JSON:
+                raise HttpError(415, "Content-Type must be application/json")
+            await self._post(conn, req)
+        elif req.method == "GET":
+            if not _accepts(accept, "text/event-stream"):
+                raise HttpError(406, "Accept must list text/event-stream")
+            session = self._session(req)
+            if session.get is not None:
+                raise HttpError(409, "this session already has a GET stream open")
+            sink = Sink(conn, session.id)
+            session.open_get(sink)
+            await _hold(conn, session, sink)
+        elif req.method == "DELETE":
+            session = self._session(req)
+            session.terminate()
+            conn.respond(200)
+        else:
+            raise HttpError(405, "method not allowed")
+
+    async def _post(self, conn: HttpConnection, req: Request) -> None:
+        body = req.body
+        if jsonrpc.is_batch(body):
+            session = self._session(req)
+            if session.client is None or session.client.protocol_version != mcp.BATCH_VERSION:
+                raise _jsonrpc_error(400, errors.InvalidRequest(
+                    "JSON-RPC batches are only accepted from clients that negotiated 2025-03-26"))
+            try:
+                items = jsonrpc.split_batch(body, self.max_json_depth)
+                kinds = [jsonrpc.classify(jsonrpc.decode(bytes(i), self.max_json_depth)) for i in items]
+            except errors.GatewayError as exc:
+                raise _jsonrpc_error(400, exc) from None
+            if not items:
+                raise _jsonrpc_error(400, errors.InvalidRequest("empty batch"))
+            if "request" in kinds:
+                await self._stream(conn, session, Sink(conn, session.id, batch=True), body)
+            else:
+                self._accepted(conn, session, body)
+            return
+        try:
+            env = jsonrpc.decode(body, self.max_json_depth)
+            kind = jsonrpc.classify(env)
+        except errors.GatewayError as exc:
+            bad_id = exc.data.pop("id", None)
+            raise _jsonrpc_error(400, exc, bad_id) from None
+        if req.header(b"mcp-session-id") is None and kind == "request" and env.method == "initialize":
+            session = self.sessions.create()
+            if session is None:
+                raise _jsonrpc_error(503, errors.Overloaded(
+                    "too many HTTP sessions (listen.http_max_sessions); retry later",
+                    limit=self.sessions.max_sessions), env.id if isinstance(env.id, int | str) else None)
+            LOGGER.debug("http session %.8s… created", session.id)
+        else:
+            session = self._session(req)
+        if kind != "request":
+            self._accepted(conn, session, body)
+            return
+        assert isinstance(env.id, int | str)
+        if session.has_request(env.id):
+            raise _jsonrpc_error(400, errors.InvalidRequest(
+                f"request id {env.id!r} is already in flight on this session"), env.id)
+        sink = Sink(conn, session.id, env.id)
+        sink.token = _progress_token(env.params)
+        await self._stream(conn, session, sink, body)
+
+    def _accepted(self, conn: HttpConnection, session: HttpSession, body: bytes) -> None:
+        if not session.push(body):
+            raise HttpError(503, "this session's inbox is full; retry later")
+        conn.respond(202, headers=[(SESSION_HEADER, session.id)])
+
+    async def _stream(self, conn: HttpConnection, session: HttpSession, sink: Sink, body: bytes) -> None:
+        session.open_post(sink)
+        if not session.push(body):
+            session.close_sink(sink)
+            raise HttpError(503, "this session's inbox is full; retry later")
+        await _hold(conn, session, sink)
+
+
+def _accepts(accept: str, media: str) -> bool:
+    kinds = {part.split(";", 1)[0].strip().lower() for part in accept.split(",")}
+    return media in kinds or "*/*" in kinds or f"{media.split('/')[0]}/*" in kinds
+
+
+def _progress_token(params: object) -> int | str | None:
+    if not isinstance(params, jsonrpc.Raw):
+        return None
+    try:
+        meta = jsonrpc.params_dict(params).get("_meta")
+        if meta is None:
+            return None
+        token = jsonrpc.loads(meta).get("progressToken")
+    except Exception:  # a malformed _meta is the connection layer's to answer
+        return None
+    return token if isinstance(token, int | str) and not isinstance(token, bool) else None
+
+
+async def _hold(conn: HttpConnection, session: HttpSession, sink: Sink) -> None:
+    """Wait until ``sink`` is answered (or its session ends), watching the peer; an SSE comment
+    every :data:`KEEPALIVE` seconds of silence.  Raises TransportClosed when the peer left."""
+    try:
+        while not sink.done:
+            with trio.move_on_after(KEEPALIVE) as scope:
+                sink.scope = scope
+                await conn.watch()
+            sink.scope = None
+            if not sink.done and scope.cancelled_caught:
+                if not sink.started:
+                    sink.start()
+                if not conn.keepalive():
+                    with trio.move_on_after(WRITE_TIMEOUT):
+                        await conn.flush()
+    finally:
+        session.close_sink(sink)
+
+
+async def serve_http(
+    listeners: list[trio.SocketListener],
+    endpoint: Endpoint,
+    *,
+    max_message: int,
+    handler_nursery: trio.Nursery,
+    slots: ConnectionSlots | None = None,
+    task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Accept HTTP connections on ``listeners`` until cancelled; connections run in
+    ``handler_nursery`` (cancelling this stops accepting only).
+
+    Error handling:
+        Nothing a client does escapes its connection task: refusals get their status, a broken
+        connection ends its task, anything else is logged and the connection closed.
+    """
+
+    async def handler(accepted: Accepted) -> None:
+        try:
+            conn = HttpConnection(accepted.stream, max_message)
+            if not accepted.admitted:  # beyond max_connections (already counted)
+                with trio.move_on_after(WRITE_TIMEOUT):
+                    try:
+                        conn.respond(503, b"too many connections (max_connections)\n", TEXT, close=True)
+                        await conn.flush()
+                    except TransportClosed:
+                        pass
+                return
+            await _serve_connection(endpoint, conn)
+        finally:
+            if accepted.admitted and slots is not None:
+                slots.release()
+
+    await trio.serve_listeners(handler, [SlottedListener(lst, slots, "http") for lst in listeners],
+                               handler_nursery=handler_nursery, task_status=task_status)
+
+
+async def _serve_connection(endpoint: Endpoint, conn: HttpConnection) -> None:
+    try:
+        while True:
+            try:
+                try:
+                    req = await conn.next_request(IDLE_TIMEOUT)
+                except HttpError as exc:
+                    exc.close = True  # the rest of the request stream cannot be trusted
+                    raise
+                if req is None:
+                    return
+                await endpoint.handle(conn, req)
+            except HttpError as exc:
+                LOGGER.debug("/mcp: %d %s", exc.status, exc)
+                conn.respond(exc.status, exc.body, exc.content_type,
+                             ALLOW if exc.status == 405 else (), close=exc.close)
+            with trio.move_on_after(WRITE_TIMEOUT) as scope:
+                await conn.flush()
+            if scope.cancelled_caught or not conn.reusable:
+                return
+    except TransportClosed:
+        return
+    except Exception:  # the one catch-all per HTTP connection
+        LOGGER.exception("/mcp: connection failed")
+    finally:
+        conn.io.close_writes()  # the fd is closed after this: nothing may write to it any more

@@ -1,0 +1,219 @@
+"""A small HTTP/1.1 server connection on h11: request head and body read with limits, plain
+responses, and Server-Sent Events framing, written once for every HTTP endpoint of ``/mcp``.
+
+Theory of operation: :class:`HttpConnection` drives an ``h11.Connection`` over a
+:class:`~gateway.transports.rawio.SocketIO`.  :meth:`HttpConnection.next_request` reads one
+whole request: the idle wait before it is bounded by ``idle_timeout``; once its first byte has
+arrived, the head and the body together must arrive within
+:data:`gateway.limits.INCOMPLETE_MESSAGE_TIMEOUT` (slow loris), the head must fit in
+:data:`MAX_HEAD_BYTES` (431) and the body in ``max_body`` bytes — refused by its
+``Content-Length`` before a byte of it is read, or as soon as a chunked body passes it (413).
+Every refusal is an :class:`HttpError` the caller answers and then closes on.
+
+Writing is synchronous (:meth:`respond`, :meth:`start_events`, :meth:`event`, :meth:`end_events`):
+h11 frames the bytes and :class:`SocketIO` writes them straight to the socket, holding what the
+socket does not take; :meth:`flush` waits for it.  So an SSE event can be written from whatever
+task produced the message (see :mod:`gateway.transports.streamable`), with no task switch.
+Every library error is :class:`~gateway.errors.TransportClosed`.
+"""
+
+from __future__ import annotations
+
+import http
+import logging
+from collections.abc import Sequence
+
+import h11
+import trio
+
+from gateway import limits
+from gateway.errors import IncompleteMessage, TransportClosed
+from gateway.transports.rawio import SocketIO
+
+LOGGER = logging.getLogger(__name__)
+
+#: Request line and headers; the SDK clients and curl send well under 2 KiB.
+MAX_HEAD_BYTES = 16 * 1024
+#: Data received while a response is being streamed (a pipelined request) kept at most.
+MAX_PIPELINED = MAX_HEAD_BYTES
+#: The header every SSE response carries besides the content type (no proxy buffering).
+SSE_HEADERS = [("content-type", "text/event-stream"), ("cache-control", "no-cache"),
+               ("x-accel-buffering", "no")]
+_EVENT = b"event: message\ndata: "
+_KEEPALIVE = b": keep-alive\n\n"
+
+Headers = Sequence[tuple[str, str]]
+
+
+class HttpError(Exception):
+    """A request refused at the HTTP level: answer ``status`` with ``body`` and close."""
+
+    def __init__(self, status: int, text: str, body: bytes | None = None,
+                 content_type: str = "text/plain; charset=utf-8") -> None:
+        super().__init__(text)
+        self.status = status
+        self.body = body if body is not None else f"{text}\n".encode()
+        self.content_type = content_type
+        self.close = False  # True: the connection is closed after the answer
+
+
+class Request:
+    """One received request: method, path, lowercased header names, the whole body."""
+
+    __slots__ = ("body", "headers", "method", "path")
+
+    def __init__(self, event: h11.Request, body: bytes) -> None:
+        self.method = event.method.decode("ascii", "replace")
+        self.path = event.target.decode("ascii", "replace").split("?", 1)[0]
+        self.headers: list[tuple[bytes, bytes]] = list(event.headers)
+        self.body = body
+
+    def header(self, name: bytes) -> str | None:
+        """The value of header ``name`` (lowercase); several are joined with ``", "``."""
+        values = [v.decode("latin-1") for k, v in self.headers if k == name]
+        return ", ".join(values) if values else None
+
+
+class HttpConnection:
+    """One accepted TCP connection served as HTTP/1.1 (keep-alive; one request at a time)."""
+
+    def __init__(self, stream: trio.SocketStream, max_body: int) -> None:
+        self.io = SocketIO(stream)
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+        self.max_body = max_body
+        self.closed = False
+
+    # ---- reading ----------------------------------------------------------------------------
+
+    async def next_request(self, idle_timeout: float) -> Request | None:
+        """The next whole request, or None when the peer closed or stayed idle too long.
+
+        Raises:
+            HttpError: the request is refused (431, 413, 408, 400); close after answering.
+            TransportClosed: the connection broke mid-request.
+        """
+        conn = self.h11
+        if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
+            conn.start_next_cycle()
+        elif conn.our_state is not h11.IDLE:
+            return None
+        deadline: float | None = None
+        head: h11.Request | None = None
+        body: list[bytes] = []
+        size = 0
+        while True:
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                raise HttpError(exc.error_status_hint, http.HTTPStatus(exc.error_status_hint).phrase.lower()) from None
+            if event is h11.NEED_DATA:
+                if deadline is None and (head is not None or conn.trailing_data[0]):
+                    deadline = trio.current_time() + limits.INCOMPLETE_MESSAGE_TIMEOUT
+                try:
+                    if deadline is None:
+                        with trio.move_on_after(idle_timeout):
+                            data = await self.io.read()
+                            conn.receive_data(data)
+                            deadline = trio.current_time() + limits.INCOMPLETE_MESSAGE_TIMEOUT
+                            continue
+                        return None  # idle keep-alive connection: closed without a word
+                    conn.receive_data(await self.io.read(deadline))
+                except IncompleteMessage:
+                    raise HttpError(408, "request not completed in time") from None
+                except TransportClosed:
+                    if head is None and not conn.trailing_data[0]:
+                        return None
+                    raise
+            elif isinstance(event, h11.Request):
+                head = event
+                length = _content_length(event)
+                if length is not None and length > self.max_body:
+                    raise HttpError(413, f"request body of {length} bytes; at most {self.max_body} "
+                                         "(gateway.max_message_bytes)")
+                if conn.they_are_waiting_for_100_continue:
+                    self._write(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
+            elif isinstance(event, h11.Data):
+                size += len(event.data)
+                if size > self.max_body:
+                    raise HttpError(413, f"request body over {self.max_body} bytes (gateway.max_message_bytes)")
+                body.append(bytes(event.data))
+            elif isinstance(event, h11.EndOfMessage):
+                assert head is not None
+                return Request(head, b"".join(body))
+            elif isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
+                return None
+
+    async def watch(self) -> None:
+        """Read while a response is streamed, until the peer closes (raises TransportClosed)
+        or the caller cancels; bytes of a pipelined request are kept for :meth:`next_request`."""
+        while True:
+            data = await self.io.read()
+            if len(self.h11.trailing_data[0]) + len(data) > MAX_PIPELINED:
+                raise TransportClosed("too much pipelined data while streaming a response")
+            self.h11.receive_data(data)
+
+    # ---- writing (synchronous; True when nothing is held) -----------------------------------
+
+    def _write(self, data: bytes) -> bool:
+        return self.io.write([data])
+
+    def _send(self, *events: h11.Event) -> bool:
+        try:
+            data = b"".join(self.h11.send(e) or b"" for e in events)
+        except h11.LocalProtocolError as exc:
+            raise TransportClosed(f"HTTP state: {exc}") from None
+        return self._write(data)
+
+    def respond(self, status: int, body: bytes = b"", content_type: str | None = None,
+                headers: Headers = (), *, close: bool = False) -> bool:
+        """A whole response with ``Content-Length``."""
+        hdrs = list(headers)
+        if content_type is not None:
+            hdrs.append(("content-type", content_type))
+        hdrs.append(("content-length", str(len(body))))
+        if close:
+            hdrs.append(("connection", "close"))
+        head = h11.Response(status_code=status, headers=hdrs, reason=http.HTTPStatus(status).phrase)
+        if body:
+            return self._send(head, h11.Data(data=body), h11.EndOfMessage())
+        return self._send(head, h11.EndOfMessage())
+
+    def start_events(self, headers: Headers = ()) -> bool:
+        """A 200 ``text/event-stream`` response head (chunked: it ends with :meth:`end_events`)."""
+        return self._send(h11.Response(status_code=200, headers=[*SSE_HEADERS, *headers]))
+
+    def event(self, message: bytes) -> bool:
+        """One SSE ``message`` event carrying ``message`` (a JSON text, so a CR or LF in it can
+        only be whitespace between tokens: each becomes a new ``data:`` line, still valid JSON)."""
+        if b"\n" in message or b"\r" in message:
+            message = b"\ndata: ".join(message.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n"))
+        return self._send(h11.Data(data=_EVENT + message + b"\n\n"))
+
+    def keepalive(self) -> bool:
+        """An SSE comment, so that idle streams are not cut by proxies (and a gone peer shows)."""
+        return self._send(h11.Data(data=_KEEPALIVE))
+
+    def end_events(self) -> bool:
+        return self._send(h11.EndOfMessage())
+
+    async def flush(self) -> None:
+        await self.io.flush()
+
+    @property
+    def reusable(self) -> bool:
+        """The exchange is over on both sides and the connection may carry another request."""
+        return not self.closed and self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE
+
+    async def aclose(self) -> None:
+        self.closed = True
+        await self.io.aclose()
+
+
+def _content_length(event: h11.Request) -> int | None:
+    for name, value in event.headers:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None

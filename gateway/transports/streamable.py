@@ -1,0 +1,341 @@
+"""An HTTP session of the legacy Streamable HTTP shape (2025-03-26 … 2025-11-25): one
+:class:`~gateway.connection.MessageStream` fed by POSTs and written to their response streams.
+
+Theory of operation: an HTTP session is served like any connection, by
+``connection.serve(hub, session, "http")`` for the session's whole life: one
+:class:`~gateway.session.ClientSession`, one owner for the routing core.  :meth:`HttpSession.receive`
+hands out the messages POSTed to it (a bounded inbox); :meth:`HttpSession.write_nowait` routes
+every outgoing message to one open response stream (a :class:`Sink`), never to two:
+
+- a response goes to the POST that carries its request id (a batch's array answer to the oldest
+  open batch POST); when that POST's stream is gone the response is dropped (the call is not
+  cancelled by a closed stream: the spec says so);
+- ``notifications/progress`` goes to the POST whose request carried that ``progressToken``;
+- list and resource-update notifications (unrelated to any request) go to the GET stream;
+- anything else (log messages, elicitation/sampling/roots requests, their cancellations) goes to
+  the only open POST stream when there is exactly one (the routing core delivered it to this
+  owner because one of its calls caused it), else to the GET stream, else to the oldest open POST;
+- with no stream open at all it is parked, at most :data:`PARK_MAX` messages and
+  :data:`PARK_MAX_BYTES` bytes (charged to the session's byte account), and written when the
+  GET stream opens; beyond that the oldest is dropped and counted.
+
+A POST's response is JSON when the response is the first thing for it (the usual case), else an
+SSE stream that the response ends.  Writes are synchronous; what a socket does not take is held
+by that socket's :class:`~gateway.transports.rawio.SocketIO`, and :meth:`HttpSession.flush`
+waits for all of them, so the session's outbound accounting (``outbound_bytes``, the
+ByteBudget) covers every stream.  A stream whose peer is gone is dropped from the session; the
+session goes on.  The session ends on DELETE (its calls are cancelled, as for a closed
+connection) or when it has been idle (nothing in flight, no stream open) for
+``http_session_idle_timeout``: :meth:`receive` then raises TransportClosed.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections import deque
+from typing import TYPE_CHECKING
+
+import msgspec
+import trio
+from msgspec import UNSET, Raw, UnsetType
+
+from gateway.errors import CloseReason, TransportClosed
+from gateway.wakeup import Wakeup
+
+if TYPE_CHECKING:
+    from gateway.session import ClientSession
+    from gateway.transports.http import HttpConnection
+
+LOGGER = logging.getLogger(__name__)
+
+#: Messages parked for a session with no stream open.
+PARK_MAX = 64
+PARK_MAX_BYTES = 1 << 20
+#: Messages POSTed and not yet read by the session's reader (it reads at once unless the
+#: session is backlogged); a POST beyond it gets 503.
+INBOX_MAX = 256
+#: Notifications that relate to no request: they go to the GET stream only.
+UNRELATED = frozenset({
+    "notifications/tools/list_changed", "notifications/prompts/list_changed",
+    "notifications/resources/list_changed", "notifications/resources/updated",
+})
+SESSION_HEADER = "mcp-session-id"
+
+RequestId = int | str
+
+
+class _Out(msgspec.Struct):
+    id: RequestId | None | UnsetType = UNSET
+    method: str | UnsetType = UNSET
+    params: Raw | UnsetType = UNSET
+
+
+class _ProgressParams(msgspec.Struct):
+    progressToken: RequestId | None = None
+
+
+_out = msgspec.json.Decoder(_Out)
+_progress = msgspec.json.Decoder(_ProgressParams)
+
+
+class Sink:
+    """One open response stream of a session: a POST's (``request_id`` set; a batch POST has
+    ``batch``) or the GET stream.  Its connection task waits in :meth:`HttpConnection.watch`
+    under ``scope`` until :attr:`done`."""
+
+    __slots__ = ("batch", "conn", "done", "request_id", "scope", "session_id", "started", "token")
+
+    def __init__(self, conn: HttpConnection, session_id: str, request_id: RequestId | None = None,
+                 *, batch: bool = False) -> None:
+        self.conn = conn
+        self.session_id = session_id
+        self.request_id = request_id
+        self.batch = batch
+        self.token: RequestId | None = None
+        self.started = False  # SSE head written
+        self.done = False
+        self.scope: trio.CancelScope | None = None
+
+    def deliver(self, message: bytes, final: bool) -> bool:
+        """Write ``message`` (``final``: the response that ends this stream).  True when all
+        written.  Raises TransportClosed when the peer is gone."""
+        conn = self.conn
+        if final:
+            self.finish_soon()
+            if not self.started:  # answered before anything else: a plain JSON response
+                return conn.respond(200, message, "application/json", [(SESSION_HEADER, self.session_id)])
+            conn.event(message)
+            return conn.end_events()
+        if not self.started:
+            self.start()
+        return conn.event(message)
+
+    def start(self) -> None:
+        self.started = True
+        self.conn.start_events([(SESSION_HEADER, self.session_id)])
+
+    def finish_soon(self) -> None:
+        self.done = True
+        if self.scope is not None:
+            self.scope.cancel()
+
+
+class HttpSession:
+    """A legacy Streamable HTTP session as a :class:`~gateway.connection.MessageStream`."""
+
+    def __init__(self, idle_timeout: float) -> None:
+        self.id = secrets.token_urlsafe(24)  # visible ASCII, 192 random bits
+        self.idle_timeout = idle_timeout
+        self.client: ClientSession | None = None  # bound by connection.serve
+        self.closed = False
+        self.last_active = trio.current_time()
+        self.dropped = 0  # messages no stream could take (logged once per session)
+        self._inbox: deque[bytes] = deque()
+        self._wakeup = Wakeup()
+        self._posts: dict[RequestId, Sink] = {}
+        self._batches: deque[Sink] = deque()
+        self._tokens: dict[RequestId, Sink] = {}
+        self.get: Sink | None = None
+        self._parked: deque[bytes] = deque()
+        self._parked_bytes = 0
+        self._dirty: set[HttpConnection] = set()  # connections holding bytes not yet written
+
+    # ---- the POST/GET side ------------------------------------------------------------------
+
+    def bind(self, client: ClientSession) -> None:
+        self.client = client
+
+    def push(self, message: bytes) -> bool:
+        """A POSTed message for the reader; False when the inbox is full."""
+        if self.closed or len(self._inbox) >= INBOX_MAX:
+            return False
+        self._inbox.append(message)
+        self.last_active = trio.current_time()
+        self._wakeup.set()
+        return True
+
+    def has_request(self, request_id: RequestId) -> bool:
+        return request_id in self._posts
+
+    def open_post(self, sink: Sink) -> None:
+        if sink.batch:
+            self._batches.append(sink)
+        else:
+            assert sink.request_id is not None
+            self._posts[sink.request_id] = sink
+            if sink.token is not None:
+                self._tokens[sink.token] = sink
+
+    def open_get(self, sink: Sink) -> None:
+        """The GET stream opens: its head, then what was parked."""
+        self.get = sink
+        sink.start()
+        parked, self._parked = self._parked, deque()
+        self._release_parked()
+        for message in parked:
+            self._write(sink, message, final=False)
+
+    def close_sink(self, sink: Sink) -> None:
+        """The stream is over (answered, or its peer is gone): forget it."""
+        sink.done = True
+        self.last_active = trio.current_time()
+        if self.get is sink:
+            self.get = None
+        elif sink.batch:
+            if sink in self._batches:
+                self._batches.remove(sink)
+        elif sink.request_id is not None and self._posts.get(sink.request_id) is sink:
+            del self._posts[sink.request_id]
+            if sink.token is not None and self._tokens.get(sink.token) is sink:
+                del self._tokens[sink.token]
+        self._dirty.discard(sink.conn)
+        self._wakeup.set()  # the reader re-checks idleness
+
+    def idle(self) -> bool:
+        client = self.client
+        return (not self._posts and not self._batches and self.get is None and not self._inbox
+                and (client is None or (not client.inflight and not client.server_requests)))
+
+    def terminate(self) -> None:
+        """DELETE: end the session (its calls are cancelled by the connection layer)."""
+        self.closed = True
+        if self.client is not None:
+            self.client.close(CloseReason.CLIENT_CLOSED)
+        self._wakeup.set()
+
+    # ---- MessageStream ----------------------------------------------------------------------
+
+    async def receive(self) -> bytes:
+        while not self._inbox:
+            if self.closed:
+                raise TransportClosed("session ended")
+            now = trio.current_time()
+            deadline = self.last_active + self.idle_timeout
+            if now >= deadline:
+                if self.idle():
+                    self.closed = True
+                    raise TransportClosed("session expired (http_session_idle_timeout)")
+                self.last_active = now  # busy: look again one timeout later
+                continue
+            with trio.move_on_at(deadline):
+                await self._wakeup.wait()
+        return self._inbox.popleft()
+
+    def write_nowait(self, messages: list[bytes]) -> bool:
+        if self.closed:
+            raise TransportClosed("session ended")
+        for message in messages:
+            self._route(message)
+        return not self._dirty
+
+    def _route(self, message: bytes) -> None:
+        if message[:1] == b"[":  # a batch's answers
+            if self._batches:
+                self._write(self._batches.popleft(), message, final=True)
+            else:
+                self._drop(message)
+            return
+        try:
+            out = _out.decode(message)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            out = _Out()
+        method = out.method
+        if method is UNSET:  # a response
+            sink = self._posts.pop(out.id, None) if isinstance(out.id, int | str) else None
+            if sink is None and self._batches and out.id is None:
+                sink = self._batches.popleft()
+            if sink is None:
+                self._drop(message)
+                return
+            if sink.token is not None:
+                self._tokens.pop(sink.token, None)
+            self._write(sink, message, final=True)
+            return
+        sink = None
+        if method == "notifications/progress" and out.params is not UNSET:
+            try:
+                token = _progress.decode(out.params).progressToken
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                token = None
+            if token is not None:
+                sink = self._tokens.get(token)
+        if sink is None:
+            if method in UNRELATED:
+                sink = self.get
+            elif len(self._posts) == 1 and not self._batches:
+                sink = next(iter(self._posts.values()))
+            elif self.get is not None:
+                sink = self.get
+            elif self._posts:
+                sink = next(iter(self._posts.values()))
+        if sink is None:
+            self._park(message)
+        else:
+            self._write(sink, message, final=False)
+
+    def _write(self, sink: Sink, message: bytes, *, final: bool) -> None:
+        try:
+            if not sink.deliver(message, final):
+                self._dirty.add(sink.conn)
+        except TransportClosed:
+            LOGGER.debug("http session %.8s…: a response stream is gone; message dropped", self.id)
+            self.close_sink(sink)
+            sink.finish_soon()
+            self.dropped += 1
+
+    def _park(self, message: bytes) -> None:
+        n = len(message)
+        while self._parked and (len(self._parked) >= PARK_MAX or self._parked_bytes + n > PARK_MAX_BYTES):
+            old = self._parked.popleft()
+            self._parked_bytes -= len(old)
+            if self.client is not None:
+                self.client.buffers.release(len(old))
+            self._drop(old)
+        if n > PARK_MAX_BYTES:
+            self._drop(message)
+            return
+        self._parked.append(message)
+        self._parked_bytes += n
+        if self.client is not None:
+            self.client.buffers.charge(n)
+
+    def _release_parked(self) -> None:
+        if self.client is not None:
+            self.client.buffers.release(self._parked_bytes)
+        self._parked_bytes = 0
+
+    def _drop(self, message: bytes) -> None:
+        if not self.dropped:
+            LOGGER.info("http session %.8s…: no open stream for a message of %d bytes; dropped "
+                        "(open a GET stream to receive server messages)", self.id, len(message))
+        self.dropped += 1
+
+    async def flush(self) -> None:
+        while self._dirty:
+            conn = next(iter(self._dirty))
+            try:
+                await conn.flush()
+            except TransportClosed:
+                pass
+            self._dirty.discard(conn)
+
+    async def aclose(self, reason: str) -> None:
+        """The session is over: end every open stream (a POST not yet answered gets 404)."""
+        self.closed = True
+        sinks = [*self._posts.values(), *self._batches]
+        if self.get is not None:
+            sinks.append(self.get)
+        for sink in sinks:
+            try:
+                if sink.started:
+                    sink.conn.end_events()
+                elif sink.request_id is not None or sink.batch:
+                    sink.conn.respond(404, b"session ended\n", "text/plain; charset=utf-8")
+            except TransportClosed:
+                pass
+            self.close_sink(sink)
+            sink.finish_soon()
+        self._parked.clear()
+        self._release_parked()
+        self._dirty.clear()
