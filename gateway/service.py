@@ -279,7 +279,8 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                                 idle_timeout=cfg.listen.http_session_idle_timeout)
             endpoint = Endpoint(sessions, hosts=ls.allowed_host_names(http_listeners, cfg.listen.allowed_hosts),
                                 allowed_origins=cfg.listen.allowed_origins,
-                                max_json_depth=cfg.gateway.max_json_depth)
+                                max_json_depth=cfg.gateway.max_json_depth,
+                                ports=frozenset(ls.bound_port([lst]) for lst in http_listeners))
             await nursery.start(lambda task_status: serve_http(
                 http_listeners, endpoint, max_message=max_msg, handler_nursery=conns, slots=hub.slots,
                 task_status=task_status))

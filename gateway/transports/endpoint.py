@@ -34,7 +34,6 @@ from gateway.protocol import jsonrpc, mcp
 from gateway.transports.http import HttpConnection, HttpError, Request
 from gateway.transports.listeners import Accepted, SlottedListener
 from gateway.transports.streamable import SESSION_HEADER, HttpSession, Sink
-from gateway.transports.websocket import origin_allowed
 
 LOGGER = logging.getLogger(__name__)
 
@@ -89,11 +88,28 @@ class Endpoint:
     """What ``/mcp`` needs to answer a request: the checks' allow-lists and the sessions."""
 
     def __init__(self, sessions: Sessions, *, hosts: frozenset[str], allowed_origins: Sequence[str],
-                 max_json_depth: int) -> None:
+                 max_json_depth: int, ports: frozenset[int] = frozenset()) -> None:
         self.sessions = sessions
         self.hosts = hosts
         self.allowed_origins = allowed_origins
         self.max_json_depth = max_json_depth
+        self.ports = ports  # the listener's own ports: an Origin naming this server is allowed
+
+    def _origin_allowed(self, req: Request) -> bool:
+        """Every ``Origin`` is in ``allowed_origins`` or is this server itself (a loopback name
+        or an allowed host, with the listener's port): a page served from elsewhere, such as
+        a DNS-rebinding attacker's, is refused."""
+        for name, value in req.headers:
+            if name.lower() != b"origin":
+                continue
+            origin = value.decode("latin-1")
+            if origin in self.allowed_origins:
+                continue
+            authority = origin.partition("://")[2]
+            port = authority.rpartition(":")[2] if not authority.endswith("]") else ""
+            if not (host_allowed(authority, self.hosts) and port.isdigit() and int(port) in self.ports):
+                return False
+        return True
 
     def _session(self, req: Request) -> HttpSession:
         sid = req.header(b"mcp-session-id")
@@ -115,7 +131,7 @@ class Endpoint:
         if not host_allowed(req.header(b"host"), self.hosts):
             LOGGER.warning("/mcp: refused Host %.100r (listen.allowed_hosts)", req.header(b"host"))
             raise HttpError(403, "Host not allowed")
-        if not origin_allowed(req.headers, self.allowed_origins):
+        if not self._origin_allowed(req):
             LOGGER.warning("/mcp: refused Origin %.100r (listen.allowed_origins)", req.header(b"origin"))
             raise HttpError(403, "Origin not allowed")
         accept = req.header(b"accept") or ""

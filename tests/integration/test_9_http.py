@@ -97,6 +97,11 @@ async def test_bad_requests_get_their_status() -> None:
         assert r.status_code == 400
         r = await c.post(url, headers=dict(headers, origin="http://evil.example"), json=ping)
         assert r.status_code == 403
+        port = gw.bound.http_port
+        r = await c.post(url, headers=dict(headers, origin=f"http://localhost:{port + 1}"), json=ping)
+        assert r.status_code == 403  # another server on this machine is another origin
+        r = await c.post(url, headers=dict(headers, origin=f"http://127.0.0.1:{port}"), json=ping)
+        assert r.status_code == 200  # this server itself (the conformance suite sends it)
         r = await c.post(url, headers=dict(headers, host="evil.example"), json=ping)
         assert r.status_code == 403
         r = await c.post(url, headers=headers, content=b"{not json")

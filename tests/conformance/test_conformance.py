@@ -1,0 +1,24 @@
+"""The official MCP conformance suite (npm ``@modelcontextprotocol/conformance``) against the
+gateway's ``/mcp``, with ``tests/fixtures/conformance_server.py`` (a legacy stdio server) as its
+one backend, unprefixed (see tests/conformance/run.py)."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from conformance.run import gateway_toml, run_suite
+from gateway import config
+from helpers import ROOT, run_gateway
+
+pytestmark = [pytest.mark.conformance, pytest.mark.system]
+
+
+@pytest.mark.parametrize("requirements", ["2025-11-25"])  # 2026-07-28: needs the modern HTTP shape
+async def test_every_scored_scenario_passes_through_the_gateway(requirements: str) -> None:
+    cfg = config.load(gateway_toml("127.0.0.1:0"), base_dir=ROOT)
+    async with run_gateway(cfg) as gw:
+        url = f"http://127.0.0.1:{gw.bound.http_port}/mcp"
+        report = await trio.to_thread.run_sync(run_suite, url, requirements)
+    print(report.summary_line())
+    assert not report.scored_failures, report.explain()
