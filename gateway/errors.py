@@ -120,6 +120,12 @@ class ResourceNotFound(GatewayError):
     code = RESOURCE_NOT_FOUND
 
 
+class HeaderMismatch(GatewayError):
+    """A 2026-07-28 HTTP request whose routing headers do not match its body."""
+
+    code = HEADER_MISMATCH
+
+
 class UnsupportedVersion(GatewayError):
     """A modern request names a protocol version the gateway does not speak (2026-07-28)."""
 

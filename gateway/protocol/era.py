@@ -18,6 +18,7 @@ backends.
 
 from __future__ import annotations
 
+import base64
 import enum
 from typing import Any
 
@@ -39,6 +40,12 @@ SERVER_INFO_KEY = "io.modelcontextprotocol/serverInfo"
 #: Methods of the legacy era only: a modern request for them is "method not found".
 LEGACY_ONLY = frozenset({"initialize", "ping", "logging/setLevel", "resources/subscribe",
                          "resources/unsubscribe"})
+#: Requests a modern client may send the gateway (others: -32601, on HTTP with status 404).
+MODERN_METHODS = frozenset({"server/discover", "tools/list", "tools/call", "prompts/list",
+                            "prompts/get", "resources/list", "resources/templates/list",
+                            "resources/read", "completion/complete"})
+#: Requests whose ``Mcp-Name`` header carries a param (2026-07-28 Streamable HTTP).
+NAMED = {"tools/call": "name", "prompts/get": "name", "resources/read": "uri"}
 #: Results that carry caching hints, by method.
 CACHEABLE = frozenset({"tools/list", "prompts/list", "resources/list", "resources/templates/list",
                        "resources/read", "server/discover"})
@@ -101,6 +108,48 @@ def check_modern(method: str, params: dict[str, Raw]) -> dict[str, Any]:
     if not isinstance(caps, dict):
         raise errors.InvalidParams(f"{method}: _meta[{CAPABILITIES_KEY!r}] must be an object")
     return caps
+
+
+def version_mismatch(params: dict[str, Raw], headers: dict[str, str | None]) -> errors.GatewayError | None:
+    """-32020 when the ``MCP-Protocol-Version`` header and the body's ``_meta`` name different
+    versions (both present); checked before either version is judged."""
+    got = _header_value(headers.get("mcp-protocol-version"))
+    want = modern_version(params)
+    if got is not None and want is not None and got != want:
+        return errors.HeaderMismatch(f"the mcp-protocol-version header ({got!r}) does not match the "
+                                     f"request's _meta ({want!r})", header="mcp-protocol-version")
+    return None
+
+
+def header_mismatch(method: str, params: dict[str, Raw],
+                    headers: dict[str, str | None]) -> errors.GatewayError | None:
+    """The -32020 error for a modern HTTP request whose routing headers do not match its body
+    (``MCP-Protocol-Version``, ``Mcp-Method``, ``Mcp-Name``), or None.  A header value may be
+    ``=?base64?…?=``-encoded."""
+    meta = jsonrpc.raw_dict(params["_meta"])
+    expected = {"mcp-protocol-version": jsonrpc.loads(meta[VERSION_KEY]), "mcp-method": method}
+    if method in NAMED:
+        raw = params.get(NAMED[method])
+        expected["mcp-name"] = jsonrpc.loads(raw) if raw is not None else None
+    for name, want in expected.items():
+        got = _header_value(headers.get(name))
+        if got is None or got != want:
+            return errors.HeaderMismatch(
+                f"the {name} header ({got!r}) does not match the request body ({want!r})",
+                header=name)
+    return None
+
+
+def _header_value(value: str | None) -> str | None:
+    if value is None:
+        return None
+    value = value.strip()
+    if value.startswith("=?base64?") and value.endswith("?="):
+        try:
+            return base64.b64decode(value[9:-2], validate=True).decode("utf-8")
+        except (ValueError, UnicodeDecodeError):
+            return None
+    return value
 
 
 def complete(method: str, result: Raw) -> Raw:

@@ -30,7 +30,7 @@ from gateway import errors
 from gateway.config import host_allowed
 from gateway.errors import TransportClosed
 from gateway.limits import ConnectionSlots
-from gateway.protocol import jsonrpc, mcp
+from gateway.protocol import era, jsonrpc, mcp
 from gateway.transports.http import HttpConnection, HttpError, Request
 from gateway.transports.listeners import Accepted, SlottedListener
 from gateway.transports.streamable import SESSION_HEADER, HttpSession, Sink
@@ -76,12 +76,21 @@ class Sessions:
         self._nursery.start_soon(self._run, session)
         return session
 
+    def flow(self) -> HttpSession:
+        """A modern (2026-07-28) request's own short-lived owner: never listed, never named to
+        the client; it ends with its request."""
+        session = HttpSession(self.idle_timeout)
+        session.id = ""
+        self._nursery.start_soon(self._run, session)
+        return session
+
     async def _run(self, session: HttpSession) -> None:
         try:
             await self._serve(session)
         finally:
             session.closed = True
-            self.by_id.pop(session.id, None)
+            if session.id:
+                self.by_id.pop(session.id, None)
 
 
 class Endpoint:
@@ -142,6 +151,9 @@ class Endpoint:
             if ctype != JSON:
                 raise HttpError(415, "Content-Type must be application/json")
             await self._post(conn, req)
+        elif req.method in ("GET", "DELETE") and req.header(b"mcp-protocol-version") in era.MODERN_VERSIONS:
+            raise HttpError(405, "no sessions and no standalone stream in protocol version "
+                                 f"{era.LATEST_MODERN}: POST each request")
         elif req.method == "GET":
             if not _accepts(accept, "text/event-stream"):
                 raise HttpError(406, "Accept must list text/event-stream")
@@ -183,6 +195,9 @@ class Endpoint:
         except errors.GatewayError as exc:
             bad_id = exc.data.pop("id", None)
             raise _jsonrpc_error(400, exc, bad_id) from None
+        if _is_modern(req, env):
+            await self._modern(conn, req, env, kind, body)
+            return
         if req.header(b"mcp-session-id") is None and kind == "request" and env.method == "initialize":
             session = self.sessions.create()
             if session is None:
@@ -203,6 +218,38 @@ class Endpoint:
         sink.token = _progress_token(env.params)
         await self._stream(conn, session, sink, body)
 
+    async def _modern(self, conn: HttpConnection, req: Request, env: jsonrpc.Envelope, kind: str,
+                      body: bytes) -> None:
+        """A 2026-07-28 POST: stateless, checked at the edge (headers against the body, the
+        request's ``_meta``), served by its own flow; closing the response stream cancels it."""
+        if kind != "request":
+            conn.respond(202)  # nothing of the client's needs the gateway's attention
+            return
+        assert isinstance(env.method, str) and isinstance(env.id, int | str)
+        try:
+            params = jsonrpc.params_dict(env.params)
+            if env.method not in era.MODERN_METHODS:
+                raise _jsonrpc_error(404, errors.MethodNotFound(f"method {env.method!r} not found"), env.id)
+            headers = {"mcp-protocol-version": req.header(b"mcp-protocol-version"),
+                       "mcp-method": req.header(b"mcp-method"), "mcp-name": req.header(b"mcp-name")}
+            mismatch = era.version_mismatch(params, headers)  # before the version is judged
+            if mismatch is None:
+                era.check_modern(env.method, params)
+                mismatch = era.header_mismatch(env.method, params, headers)
+        except errors.MethodNotFound as exc:
+            raise _jsonrpc_error(404, exc, env.id) from None
+        except errors.GatewayError as exc:
+            raise _jsonrpc_error(400, exc, env.id) from None
+        if mismatch is not None:
+            raise _jsonrpc_error(400, mismatch, env.id)
+        session = self.sessions.flow()
+        sink = Sink(conn, "", env.id)
+        sink.token = _progress_token(env.params)
+        try:
+            await self._stream(conn, session, sink, body)
+        finally:
+            session.terminate()  # answered, or the client closed the stream: that cancels it
+
     def _accepted(self, conn: HttpConnection, session: HttpSession, body: bytes) -> None:
         if not session.push(body):
             raise HttpError(503, "this session's inbox is full; retry later")
@@ -214,6 +261,22 @@ class Endpoint:
             session.close_sink(sink)
             raise HttpError(503, "this session's inbox is full; retry later")
         await _hold(conn, session, sink)
+
+
+def _is_modern(req: Request, env: jsonrpc.Envelope) -> bool:
+    """Whether a POST is of the 2026-07-28 shape: its ``MCP-Protocol-Version`` says so, or it
+    has no session and its ``_meta`` names a protocol version (an unsupported one too: it gets
+    -32022 with the versions the gateway speaks)."""
+    version = req.header(b"mcp-protocol-version")
+    if version is not None:
+        return version in era.MODERN_VERSIONS or (
+            version not in mcp.LEGACY_VERSIONS and req.header(b"mcp-session-id") is None)
+    if req.header(b"mcp-session-id") is not None or not isinstance(env.params, jsonrpc.Raw):
+        return False
+    try:
+        return era.modern_version(jsonrpc.params_dict(env.params)) is not None
+    except errors.GatewayError:
+        return False
 
 
 def _accepts(accept: str, media: str) -> bool:

@@ -104,16 +104,20 @@ class Sink:
         if final:
             self.finish_soon()
             if not self.started:  # answered before anything else: a plain JSON response
-                return conn.respond(200, message, "application/json", [(SESSION_HEADER, self.session_id)])
+                return conn.respond(200, message, "application/json", self._headers())
             conn.event(message)
             return conn.end_events()
         if not self.started:
             self.start()
         return conn.event(message)
 
+    def _headers(self) -> list[tuple[str, str]]:
+        """A modern (2026-07-28) flow has no session: no ``Mcp-Session-Id`` is sent."""
+        return [(SESSION_HEADER, self.session_id)] if self.session_id else []
+
     def start(self) -> None:
         self.started = True
-        self.conn.start_events([(SESSION_HEADER, self.session_id)])
+        self.conn.start_events(self._headers())
 
     def finish_soon(self) -> None:
         self.done = True

@@ -1,0 +1,67 @@
+"""Issue 9: Streamable HTTP at /mcp, modern shape (2026-07-28): stateless POSTs checked at the
+edge, served by a flow of their own, cancelled by closing the response stream."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from helpers import fixture_backend, http_json, make_config, metric, run_gateway, wait_status
+
+pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWarning")]
+
+V = "2026-07-28"
+META = {"io.modelcontextprotocol/protocolVersion": V, "io.modelcontextprotocol/clientCapabilities": {}}
+
+
+def post(method: str, params: dict[str, Any], *, id: int = 1, **headers: str) -> dict[str, Any]:
+    h = {"accept": "application/json, text/event-stream", "content-type": "application/json",
+         "mcp-protocol-version": V, "mcp-method": method}
+    if method == "tools/call":
+        h["mcp-name"] = params["name"]
+    h.update(headers)
+    return {"headers": h, "json": {"jsonrpc": "2.0", "id": id, "method": method,
+                                   "params": {**params, "_meta": META}}}
+
+
+async def test_a_stateless_call_with_its_headers_checked_and_no_session() -> None:
+    async with run_gateway(make_config(fixture_backend("fx"))) as gw, httpx.AsyncClient() as c:
+        r = await c.post(gw.http_url, **post("tools/call", {"name": "fx__echo", "arguments": {"message": "m"}}))
+        assert r.status_code == 200 and "mcp-session-id" not in r.headers
+        body = r.json()
+        assert body["result"]["resultType"] == "complete"
+        assert body["result"]["content"][0]["text"] == "m"
+        r = await c.post(gw.http_url, **post("tools/call", {"name": "fx__echo", "arguments": {"message": "m"}},
+                                             **{"mcp-name": "fx__other"}))
+        assert r.status_code == 400 and r.json()["error"]["code"] == -32020
+        r = await c.post(gw.http_url, **post("tools/list", {}, **{"mcp-method": "prompts/list"}))
+        assert r.status_code == 400 and r.json()["error"]["code"] == -32020
+        r = await c.post(gw.http_url, **post("ping", {}))  # removed in 2026-07-28
+        assert r.status_code == 404 and r.json()["error"]["code"] == -32601
+        args = post("tools/list", {})
+        args["json"]["params"]["_meta"] = {**META, "io.modelcontextprotocol/protocolVersion": "2099-01-01"}
+        r = await c.post(gw.http_url, headers=dict(args["headers"], **{"mcp-protocol-version": "2099-01-01"}),
+                         json=args["json"])
+        assert r.status_code == 400 and r.json()["error"]["code"] == -32022
+        r = await c.get(gw.http_url, headers={"accept": "text/event-stream", "mcp-protocol-version": V})
+        assert r.status_code == 405
+        st = await http_json(gw.bound.admin_port, "/status")
+        assert st["connections"].get("http", 0) == 0  # every flow ended with its request
+
+
+async def test_closing_the_response_stream_cancels_the_call() -> None:
+    async with run_gateway(make_config(fixture_backend("fx"))) as gw:
+        port = gw.bound.admin_port
+        async with httpx.AsyncClient() as c:
+            with trio.move_on_after(1.0):  # the client gives up: its connection closes
+                await c.post(gw.http_url, **post("tools/call", {"name": "fx__sleep", "arguments": {"seconds": 30}}))
+        # the call was cancelled (no answer, the child told), not left to run its 30 s
+        with trio.fail_after(10):
+            await wait_status(port, lambda st: st["client_requests_in_flight"] == 0
+                              and st["connections"].get("http", 0) == 0)
+            while not await metric(port, "mcp_gateway_requests_total", backend="fx",
+                                   method="tools/call", outcome="cancelled"):
+                await trio.sleep(0.05)
