@@ -1,7 +1,8 @@
 """``mcp-gateway connect``: a stdio bridge so stdio-only MCP clients can use the gateway.
 
 stdin lines go to the gateway, the gateway's messages come out on stdout, one per line.  A unix
-socket target speaks the same framing, so bytes are copied through untouched.  The bridge exits
+socket target speaks the same framing, so bytes are copied through untouched; an http(s)://
+target is reached as a Streamable HTTP client (:mod:`gateway.transports.bridge_http`).  The bridge exits
 when either side closes.
 """
 
@@ -59,8 +60,16 @@ async def bridge(url: str, max_message: int) -> None:
             nursery.start_soon(_copy, stdin, sock, nursery.cancel_scope)
             nursery.start_soon(_copy, sock, stdout, nursery.cancel_scope)
         return
+    if url.startswith(("http://", "https://")):
+        from gateway.transports.bridge_http import HttpBridge
+
+        http = HttpBridge(url, LineStream(stdio, max_message), max_message)
+        await http.run()
+        if http.failed:
+            raise OSError(http.failed[0])
+        return
     if not url.startswith(("ws://", "wss://")):
-        raise OSError(f"unsupported URL {url!r} (use ws://HOST:PORT/ or unix:/path)")
+        raise OSError(f"unsupported URL {url!r} (use ws://HOST:PORT/, http://HOST:PORT/mcp or unix:/path)")
     local = LineStream(stdio, max_message)
     failed: list[str] = []
     try:

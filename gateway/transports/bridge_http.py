@@ -1,0 +1,265 @@
+"""``mcp-gateway connect http(s)://HOST:PORT/mcp``: the stdio bridge as a Streamable HTTP client,
+legacy shape (2025-03-26 … 2025-11-25; the client on stdin starts with ``initialize``).
+
+The ``initialize`` request is POSTed alone; its answer brings the session id (``Mcp-Session-Id``)
+and the protocol version, sent on every later request.  Each later message read from stdin is
+POSTed on its own connection, concurrently: a JSON answer, or each event of an SSE answer (the
+request's progress, the server's requests about it, then its result), goes to stdout.  A GET
+stream carries the server's other messages.  When the client closes stdin, or the gateway
+closes the GET stream, the bridge DELETEs the session and exits.
+
+HTTP/1.1 on h11, one request per connection (no pool: the bridge is for local stdio clients).
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import h11
+import trio
+
+from gateway.errors import MessageTooLarge, TransportClosed
+from gateway.transports.lines import LineStream
+
+_JSON = "application/json"
+_SSE = "text/event-stream"
+_DELETE_TIMEOUT = 5.0
+
+
+@dataclass
+class _Response:
+    status: int
+    headers: dict[str, str]
+    _chunks: AsyncIterator[bytes]
+
+    @property
+    def content_type(self) -> str:
+        return self.headers.get("content-type", "").split(";")[0].strip().lower()
+
+    async def body(self, limit: int) -> bytes:
+        data = bytearray()
+        async for chunk in self._chunks:
+            data += chunk
+            if len(data) > limit:
+                raise MessageTooLarge(len(data), limit)
+        return bytes(data)
+
+    async def events(self, limit: int) -> AsyncIterator[bytes]:
+        """The data of each SSE event (``data:`` lines joined), skipping events without data."""
+        buf = b""
+        async for chunk in self._chunks:
+            buf += chunk.replace(b"\r\n", b"\n")
+            while (end := buf.find(b"\n\n")) >= 0:
+                event, buf = buf[:end], buf[end + 2:]
+                data = [line[5:].removeprefix(b" ") for line in event.split(b"\n")
+                        if line.startswith(b"data:")]
+                if data:
+                    yield b"\n".join(data)
+            if len(buf) > limit:
+                raise MessageTooLarge(len(buf), limit)
+
+
+class _HttpClient:
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        self._tls = parts.scheme == "https"
+        if not parts.hostname:
+            raise OSError(f"no host in {url!r}")
+        self._host = parts.hostname
+        self._port = parts.port or (443 if self._tls else 80)
+        self._authority = parts.netloc.rpartition("@")[2]
+        self._target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+
+    @asynccontextmanager
+    async def request(self, method: str, headers: dict[str, str],
+                      body: bytes = b"") -> AsyncIterator[_Response]:
+        stream: trio.abc.Stream = await trio.open_tcp_stream(self._host, self._port)
+        if self._tls:
+            stream = trio.SSLStream(stream, ssl.create_default_context(), server_hostname=self._host)
+        async with stream:
+            conn = h11.Connection(h11.CLIENT)
+            head = [("host", self._authority), ("connection", "close"), *headers.items()]
+            if body or method == "POST":
+                head.append(("content-length", str(len(body))))
+            out = conn.send(h11.Request(method=method, target=self._target, headers=head))
+            if body:
+                out += conn.send(h11.Data(data=body))
+            out += conn.send(h11.EndOfMessage())
+            await stream.send_all(out)
+
+            async def next_event() -> Any:
+                while True:
+                    event = conn.next_event()
+                    if event is not h11.NEED_DATA:
+                        return event
+                    conn.receive_data(await stream.receive_some(65536))
+
+            while isinstance(event := await next_event(), h11.InformationalResponse):
+                pass
+            if not isinstance(event, h11.Response):
+                raise OSError(f"{method}: the connection closed before an answer")
+
+            async def chunks() -> AsyncIterator[bytes]:
+                while isinstance(e := await next_event(), h11.Data):
+                    yield bytes(e.data)
+
+            yield _Response(event.status_code,
+                            {k.decode().lower(): v.decode("latin-1") for k, v in event.headers},
+                            chunks())
+
+
+class HttpBridge:
+    def __init__(self, url: str, local: LineStream, max_message: int) -> None:
+        self._http = _HttpClient(url)
+        self._local = local
+        self._limit = 2 * max_message
+        self._session: str | None = None
+        self._version: str | None = None
+        self._out_send, self._out_recv = trio.open_memory_channel[bytes](64)
+        self.failed: list[str] = []
+        self._done = trio.CancelScope()
+
+    def _headers(self, accept: str) -> dict[str, str]:
+        headers = {"accept": accept}
+        if self._session:
+            headers["mcp-session-id"] = self._session
+        if self._version:
+            headers["mcp-protocol-version"] = self._version
+        return headers
+
+    async def run(self) -> None:
+        try:
+            async with trio.open_nursery() as outer:
+                outer.start_soon(self._writer, outer.cancel_scope)
+                async with trio.open_nursery() as nursery:
+                    self._done = nursery.cancel_scope
+                    await self._reader(nursery)
+                    nursery.cancel_scope.cancel()
+                # what is already answered still goes out, within a bound
+                self._out_send.close()
+                outer.cancel_scope.deadline = trio.current_time() + _DELETE_TIMEOUT
+        finally:
+            if self._session:
+                with trio.move_on_after(_DELETE_TIMEOUT) as scope:
+                    scope.shield = True
+                    try:
+                        async with self._http.request("DELETE", self._headers(_JSON)):
+                            pass
+                    except (OSError, h11.ProtocolError):
+                        pass
+
+    def _fail(self, exc: MessageTooLarge) -> None:
+        self.failed.append(f"{exc} (--max-message-bytes)")
+        self._done.cancel()
+
+    async def _writer(self, everything: trio.CancelScope) -> None:
+        try:
+            async for message in self._out_recv:
+                await self._local.send(message)
+        except (TransportClosed, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+        everything.cancel()
+
+    async def _reader(self, nursery: trio.Nursery) -> None:
+        """stdin → POSTs; the first ``initialize`` is answered before anything else is sent."""
+        while True:
+            try:
+                message = await self._local.receive()
+            except TransportClosed:
+                return
+            except MessageTooLarge as exc:
+                self._fail(exc)
+                return
+            if self._session is None and _method(message) == "initialize":
+                await self._post(message, initialize=True)
+                if self._session:
+                    nursery.start_soon(self._get_stream)
+            else:
+                nursery.start_soon(self._post, message)
+
+    async def _emit(self, message: bytes, initialize: bool) -> None:
+        if initialize:
+            try:
+                self._version = json.loads(message)["result"]["protocolVersion"]
+            except (ValueError, KeyError, TypeError):
+                pass
+        await self._out_send.send(message)
+
+    async def _post(self, message: bytes, initialize: bool = False) -> None:
+        headers = self._headers(f"{_JSON}, {_SSE}")
+        headers["content-type"] = _JSON
+        try:
+            async with self._http.request("POST", headers, message) as r:
+                if initialize and r.status == 200:
+                    self._session = r.headers.get("mcp-session-id")
+                if r.status == 200 and r.content_type == _SSE:
+                    async for data in r.events(self._limit):
+                        await self._emit(data, initialize)
+                    return
+                body = await r.body(self._limit)
+                if r.status == 200 and r.content_type == _JSON:
+                    await self._emit(body, initialize)
+                elif r.status >= 300:
+                    await self._http_error(message, r.status, body)
+        except MessageTooLarge as exc:
+            self._fail(exc)
+        except (OSError, h11.ProtocolError) as exc:
+            if initialize:  # the gateway is not there: the bridge ends with the error
+                self.failed.append(f"initialize: {exc or type(exc).__name__}")
+                self._done.cancel()
+                return
+            await self._http_error(message, 0, str(exc).encode())
+
+    async def _http_error(self, message: bytes, status: int, body: bytes) -> None:
+        """The gateway's JSON-RPC error when the body is one; else one made for the request."""
+        try:
+            answer = json.loads(body)
+            if isinstance(answer, dict) and answer.get("jsonrpc") == "2.0" and "error" in answer:
+                await self._out_send.send(body)
+                return
+        except ValueError:
+            pass
+        request_id = _id(message)
+        if request_id is not None:
+            text = body.decode("utf-8", "replace")[:200]
+            error = {"code": -32603, "message": f"HTTP {status}: {text}" if status else text}
+            await self._out_send.send(json.dumps({"jsonrpc": "2.0", "id": request_id,
+                                                  "error": error}).encode())
+
+    async def _get_stream(self) -> None:
+        """The server's messages that belong to no request; when the gateway closes it, the
+        bridge ends (a 405 only means the server has no GET stream)."""
+        try:
+            async with self._http.request("GET", self._headers(_SSE)) as r:
+                if r.status != 200 or r.content_type != _SSE:
+                    return
+                async for data in r.events(self._limit):
+                    await self._out_send.send(data)
+        except MessageTooLarge as exc:
+            self._fail(exc)
+        except (OSError, h11.ProtocolError):
+            pass
+        self._done.cancel()
+
+
+def _parse(message: bytes) -> Any:
+    try:
+        return json.loads(message)
+    except ValueError:
+        return None
+
+
+def _method(message: bytes) -> Any:
+    obj = _parse(message)
+    return obj.get("method") if isinstance(obj, dict) else None
+
+
+def _id(message: bytes) -> Any:
+    obj = _parse(message)
+    return obj.get("id") if isinstance(obj, dict) and "method" in obj else None
