@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import ssl
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -81,7 +81,8 @@ class _HttpClient:
                       body: bytes = b"") -> AsyncIterator[_Response]:
         stream: trio.abc.Stream = await trio.open_tcp_stream(self._host, self._port)
         if self._tls:
-            stream = trio.SSLStream(stream, ssl.create_default_context(), server_hostname=self._host)
+            stream = trio.SSLStream(stream, ssl.create_default_context(),
+                                    server_hostname=self._host)
         async with stream:
             conn = h11.Connection(h11.CLIENT)
             head = [("host", self._authority), ("connection", "close"), *headers.items()]
@@ -109,9 +110,10 @@ class _HttpClient:
                 while isinstance(e := await next_event(), h11.Data):
                     yield bytes(e.data)
 
-            yield _Response(event.status_code,
-                            {k.decode().lower(): v.decode("latin-1") for k, v in event.headers},
-                            chunks())
+            async with aclosing(chunks()) as body:
+                yield _Response(event.status_code,
+                                {k.decode().lower(): v.decode("latin-1") for k, v in event.headers},
+                                body)
 
 
 class HttpBridge:
