@@ -2008,6 +2008,7 @@ async def amain(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
         "idle_connections": ({**asdict(extra["idle"]), "added_mib": extra["idle"].added_mib}
                              if "idle" in extra else None),
         "profile": extra.get("profile"),
+        "shared_child": extra.get("shared_child"),  # /status fx instances [pid, state] around the HTTP rows
         "targets": [asdict(t) for t in targets],
         "peers": peers,
         "notes": notes,
