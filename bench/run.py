@@ -438,13 +438,18 @@ MODERN_META = {"io.modelcontextprotocol/protocolVersion": MODERN, "io.modelconte
 NAME_PARAM = {"tools/call": "name", "prompts/get": "name", "resources/read": "uri"}  # -> Mcp-Name
 
 
+class _StaleLink(BenchError):
+    """A reused keep-alive connection was closed by the server before it answered (an idle
+    timeout): the request never reached it, so it is sent again on a fresh connection."""
+
+
 class _HttpLink:
     """One keep-alive HTTP/1.1 connection on a plain trio socket, one request at a time.
 
     The body of an answer is read only as far as needed (an SSE stream up to the response);
     the rest of it (``mode`` not None) is read and dropped before the next request is sent."""
 
-    __slots__ = ("buf", "dead", "left", "mode", "need_crlf", "sock")
+    __slots__ = ("answers", "buf", "dead", "left", "mode", "need_crlf", "sock")
 
     def __init__(self, sock: trio.socket.SocketType) -> None:
         self.sock = sock
@@ -453,6 +458,7 @@ class _HttpLink:
         self.left = 0  # "length": bytes of the body left; "chunked": of the current chunk
         self.need_crlf = False  # "chunked": the CRLF after a chunk's data is still to come
         self.dead = False  # the server closes it (Connection: close, or a body up to EOF)
+        self.answers = 0  # answer heads read on it so far
 
     async def send(self, data: bytes) -> None:
         view = memoryview(data)
@@ -469,10 +475,13 @@ class _HttpLink:
         while (end := self.buf.find(b"\r\n\r\n")) < 0:
             data = await self._recv()
             if not data:
+                if self.answers and not self.buf:
+                    raise _StaleLink("keep-alive connection closed by the server while idle")
                 raise BenchError("HTTP connection closed by the server before an answer")
             self.buf += data
         lines = self.buf[:end].decode("latin-1").split("\r\n")
         self.buf = self.buf[end + 4:]
+        self.answers += 1
         headers = {}
         for line in lines[1:]:
             k, _, v = line.partition(":")
@@ -580,6 +589,7 @@ class HttpConn(Conn):
         self._set_head()
         self.links_opened = 0  # keep-alive check: one per call in flight, unless the server closes them
         self.answers = {"json": 0, "sse": 0}  # how the responses came
+        self.stale_retries = 0  # requests sent again: an idle keep-alive connection had been closed
 
     def _set_head(self) -> None:
         head = (f"POST {self.path} HTTP/1.1\r\nhost: 127.0.0.1:{self.port}\r\n"
@@ -644,19 +654,26 @@ class HttpConn(Conn):
     async def _post(self, head: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
         body = ENCODE(msg)
         async with self._slots:
-            link = await self._link()
-            clean = False
-            try:
-                out = await self._exchange(link, head, body, msg.get("id"))
-                clean = not link.dead
-                return out
-            except OSError as exc:
-                raise BenchError(f"HTTP connection failed: {exc}") from None
-            finally:
-                if clean:
-                    self._idle.append(link)
-                else:  # an error, a timeout in the middle of an answer, or the server closes it
-                    link.close()
+            while True:
+                link = await self._link()
+                clean = False
+                try:
+                    out = await self._exchange(link, head, body, msg.get("id"))
+                    clean = not link.dead
+                    return out
+                except _StaleLink:
+                    self.stale_retries += 1
+                    continue
+                except OSError as exc:
+                    if link.answers and isinstance(exc, (ConnectionResetError, BrokenPipeError)) and not link.buf:
+                        self.stale_retries += 1  # the same: reset while idle, before our request
+                        continue
+                    raise BenchError(f"HTTP connection failed: {exc}") from None
+                finally:
+                    if clean:
+                        self._idle.append(link)
+                    else:  # an error, a timeout in the middle of an answer, or the server closes it
+                        link.close()
 
     async def request(self, method: str, params: Any = None, timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]:
         msg: dict[str, Any] = {"jsonrpc": "2.0", "id": next(self._ids), "method": method}
@@ -696,7 +713,8 @@ class HttpConn(Conn):
         hc = [c for c in conns if isinstance(c, HttpConn)]
         return (f"{label}: {len(hc)} clients opened {sum(c.links_opened for c in hc)} HTTP connections in all "
                 f"(keep-alive); answers: {sum(c.answers['json'] for c in hc)} JSON, "
-                f"{sum(c.answers['sse'] for c in hc)} SSE")
+                f"{sum(c.answers['sse'] for c in hc)} SSE; {sum(c.stale_retries for c in hc)} requests sent again "
+                f"on a fresh connection because the server had closed an idle one")
 
     async def aclose(self) -> None:
         with trio.move_on_after(2):
