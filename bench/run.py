@@ -12,8 +12,10 @@ with ``--backend everything``):
 * single-client sequential latency: direct, gateway ``shared`` backend, gateway ``affine`` backend;
 * restart-to-ready: kill -9 the backend child, time until /status says RUNNING and until the
   first successful call (5 runs, median);
-* peers: supergateway 4.0.0 (stdio -> WebSocket) and mcp-proxy 0.13.0 (stdio -> Streamable HTTP),
-  installed by ``scripts/setup-bench``.
+* mcp-gateway over Streamable HTTP (``/mcp``): legacy sessions, and the stateless 2026-07-28 shape,
+  with a lean keep-alive HTTP/1.1 client (plain trio sockets; ``--no-http`` skips every HTTP row);
+* peers: supergateway 4.0.0 (stdio -> WebSocket, and stdio -> Streamable HTTP, stateful) and
+  mcp-proxy 0.13.0 (stdio -> Streamable HTTP), installed by ``scripts/setup-bench``.
 
 Every server binds 127.0.0.1 (checked on the real sockets of each process tree, /proc/net/tcp*),
 every load loop is bounded by a call count and a wall-clock cap, and every child process is
@@ -431,64 +433,308 @@ class LineConn(StreamConn):
                 await s.aclose()
 
 
+MODERN = "2026-07-28"  # the stateless Streamable HTTP shape: no initialize, no session
+MODERN_META = {"io.modelcontextprotocol/protocolVersion": MODERN, "io.modelcontextprotocol/clientCapabilities": {}}
+NAME_PARAM = {"tools/call": "name", "prompts/get": "name", "resources/read": "uri"}  # -> Mcp-Name
+
+
+class _StaleLink(BenchError):
+    """A reused keep-alive connection was closed by the server before it answered (an idle
+    timeout): the request never reached it, so it is sent again on a fresh connection."""
+
+
+class _HttpLink:
+    """One keep-alive HTTP/1.1 connection on a plain trio socket, one request at a time.
+
+    The body of an answer is read only as far as needed (an SSE stream up to the response);
+    the rest of it (``mode`` not None) is read and dropped before the next request is sent."""
+
+    __slots__ = ("answers", "buf", "dead", "left", "mode", "need_crlf", "sock")
+
+    def __init__(self, sock: trio.socket.SocketType) -> None:
+        self.sock = sock
+        self.buf = b""
+        self.mode: str | None = None  # the unread body: "length" (left bytes), "chunked", "close"
+        self.left = 0  # "length": bytes of the body left; "chunked": of the current chunk
+        self.need_crlf = False  # "chunked": the CRLF after a chunk's data is still to come
+        self.dead = False  # the server closes it (Connection: close, or a body up to EOF)
+        self.answers = 0  # answer heads read on it so far
+
+    async def send(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[await self.sock.send(view):]
+
+    async def _recv(self) -> bytes:
+        data = await self.sock.recv(65536)
+        if not data:
+            self.dead = True
+        return data
+
+    async def read_head(self) -> tuple[int, dict[str, str]]:
+        while (end := self.buf.find(b"\r\n\r\n")) < 0:
+            data = await self._recv()
+            if not data:
+                if self.answers and not self.buf:
+                    raise _StaleLink("keep-alive connection closed by the server while idle")
+                raise BenchError("HTTP connection closed by the server before an answer")
+            self.buf += data
+        lines = self.buf[:end].decode("latin-1").split("\r\n")
+        self.buf = self.buf[end + 4:]
+        self.answers += 1
+        headers = {}
+        for line in lines[1:]:
+            k, _, v = line.partition(":")
+            headers[k.strip().lower()] = v.strip()
+        status = int(lines[0].split(" ", 2)[1])
+        if headers.get("connection", "").lower() == "close":
+            self.dead = True
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            self.mode, self.left, self.need_crlf = "chunked", 0, False
+        elif "content-length" in headers:
+            self.mode, self.left = "length", int(headers["content-length"])
+        elif status in (204, 304) or 100 <= status < 200:
+            self.mode = None
+        else:
+            self.mode, self.dead = "close", True
+        return status, headers
+
+    def _take(self) -> tuple[bytes, bool]:
+        """The body bytes now in the buffer, and whether the body is complete."""
+        if self.mode == "length":
+            take = self.buf[:self.left]
+            self.buf = self.buf[len(take):]
+            self.left -= len(take)
+            return take, self.left == 0
+        if self.mode == "close":
+            take, self.buf = self.buf, b""
+            return take, False
+        out = []
+        while True:  # chunked
+            if self.left:
+                take = self.buf[:self.left]
+                self.buf = self.buf[len(take):]
+                self.left -= len(take)
+                out.append(take)
+                if self.left:
+                    break
+                self.need_crlf = True
+            if self.need_crlf:
+                if len(self.buf) < 2:
+                    break
+                self.buf = self.buf[2:]
+                self.need_crlf = False
+            i = self.buf.find(b"\r\n")
+            if i < 0:
+                break
+            size = int(self.buf[:i].split(b";", 1)[0], 16)
+            if size == 0:  # the last chunk, then trailers (none expected) and an empty line
+                j = self.buf.find(b"\r\n\r\n", i)
+                if j < 0:
+                    break
+                self.buf = self.buf[j + 4:]
+                return b"".join(out), True
+            self.buf = self.buf[i + 2:]
+            self.left = size
+        return b"".join(out), False
+
+    async def body_piece(self) -> tuple[bytes, bool]:
+        """The next piece of the body (waiting for one), and whether the body is complete."""
+        data, done = self._take()
+        while not data and not done:
+            got = await self._recv()
+            if not got:
+                if self.mode != "close":
+                    raise BenchError("HTTP connection closed by the server in the middle of a body")
+                done = True
+                break
+            self.buf += got
+            data, done = self._take()
+        if done:
+            self.mode = None
+        return data, done
+
+    async def read_body(self) -> bytes:
+        parts = []
+        while self.mode is not None:
+            parts.append((await self.body_piece())[0])
+        return b"".join(parts)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 class HttpConn(Conn):
-    """Streamable HTTP (POST per message, ``Mcp-Session-Id``), through httpx on trio."""
+    """Streamable HTTP with a lean keep-alive HTTP/1.1 client (plain trio sockets, not httpx, which
+    alone burns over 1 ms of CPU per call): ``POST /mcp``, Content-Length bodies, a JSON answer or
+    an SSE stream read until the response arrives.
 
-    def __init__(self, url: str, max_connections: int) -> None:
+    Legacy shape (``modern=False``): ``initialize`` mints a session (``Mcp-Session-Id``), sent on
+    every later request with ``MCP-Protocol-Version``; ``aclose`` DELETEs it.  Modern shape
+    (2026-07-28): no initialize, no session; each request carries ``_meta`` (protocol version,
+    client capabilities) and the headers ``MCP-Protocol-Version``, ``Mcp-Method`` and ``Mcp-Name``.
+
+    One client holds up to ``max_links`` keep-alive connections, opened as needed (one per call in
+    flight: the ``N × 1`` rows use one per client, the ``N × 4`` rows four per client)."""
+
+    def __init__(self, port: int, path: str = "/mcp", *, modern: bool = False, max_links: int = 1) -> None:
         super().__init__()
-        import httpx
-
-        self.url = url
+        self.port = port
+        self.path = path
+        self.modern = modern
         self.session: str | None = None
-        self.client = httpx.AsyncClient(
-            timeout=REQUEST_TIMEOUT,
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections))
+        self._idle: list[_HttpLink] = []
+        self._slots = trio.Semaphore(max_links)
+        self._head = b""
+        self._set_head()
+        self.links_opened = 0  # keep-alive check: one per call in flight, unless the server closes them
+        self.answers = {"json": 0, "sse": 0}  # how the responses came
+        self.stale_retries = 0  # requests sent again: an idle keep-alive connection had been closed
 
-    def _headers(self) -> dict[str, str]:
-        h = {"content-type": "application/json", "accept": "application/json, text/event-stream"}
-        if self.session is not None:
-            h["mcp-session-id"] = self.session
-            h["mcp-protocol-version"] = PROTOCOL
-        return h
+    def _set_head(self) -> None:
+        head = (f"POST {self.path} HTTP/1.1\r\nhost: 127.0.0.1:{self.port}\r\n"
+                "accept: application/json, text/event-stream\r\ncontent-type: application/json\r\n")
+        if self.modern:
+            head += f"mcp-protocol-version: {MODERN}\r\n"
+        elif self.session is not None:
+            head += f"mcp-session-id: {self.session}\r\nmcp-protocol-version: {PROTOCOL}\r\n"
+        self._head = head.encode()
 
-    async def _post(self, msg: dict[str, Any]) -> Any:
-        r = await self.client.post(self.url, content=ENCODE(msg), headers=self._headers())
-        if "mcp-session-id" in r.headers:
-            self.session = r.headers["mcp-session-id"]
-        if r.status_code == 202:
+    async def _link(self) -> _HttpLink:
+        if self._idle:
+            return self._idle.pop()
+        sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_NODELAY, 1)
+            await sock.connect(("127.0.0.1", self.port))
+        except BaseException:
+            sock.close()
+            raise
+        self.links_opened += 1
+        return _HttpLink(sock)
+
+    async def _exchange(self, link: _HttpLink, head: bytes, body: bytes, rid: Any) -> dict[str, Any] | None:
+        if link.mode is not None:  # the rest of the previous answer's body
+            await link.read_body()
+        await link.send(head + b"content-length: %d\r\n\r\n" % len(body) + body)
+        status, headers = await link.read_head()
+        if self.session is None and not self.modern and "mcp-session-id" in headers:
+            self.session = headers["mcp-session-id"]
+            self._set_head()
+        if status == 202:
+            await link.read_body()
             return None
-        if r.status_code != 200:
-            raise BenchError(f"HTTP {r.status_code}: {r.text[:200]}")
-        if r.headers.get("content-type", "").startswith("text/event-stream"):
-            for line in r.text.splitlines():  # the answer is the data: line with our id
-                if line.startswith("data:"):
-                    m = DECODE(line[5:].strip())
-                    if isinstance(m, dict) and m.get("id") == msg.get("id"):
-                        return m
-            raise BenchError("SSE stream ended without the response")
-        return DECODE(r.content)
+        if status != 200:
+            raise BenchError(f"HTTP {status}: {(await link.read_body())[:200]!r}")
+        if not headers.get("content-type", "").startswith("text/event-stream"):
+            self.answers["json"] += 1
+            return DECODE(await link.read_body())
+        self.answers["sse"] += 1
+        pending = b""  # an SSE stream: events until the one that carries our response
+        while True:
+            data, done = await link.body_piece()
+            pending += data
+            if b"\r" in pending:
+                pending = pending.replace(b"\r\n", b"\n")
+            while (i := pending.find(b"\n\n")) >= 0:
+                event, pending = pending[:i], pending[i + 2:]
+                lines = [ln[5:] for ln in event.split(b"\n") if ln.startswith(b"data:")]
+                if not lines:
+                    continue
+                payload = b"\n".join(ln[1:] if ln.startswith(b" ") else ln for ln in lines)
+                try:
+                    m = DECODE(payload)
+                except msgspec.DecodeError:
+                    continue
+                if isinstance(m, dict) and "method" not in m and m.get("id") == rid:
+                    return m
+            if done:
+                raise BenchError("SSE stream ended without the response")
+
+    async def _post(self, head: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
+        body = ENCODE(msg)
+        async with self._slots:
+            while True:
+                link = await self._link()
+                clean = False
+                try:
+                    out = await self._exchange(link, head, body, msg.get("id"))
+                    clean = not link.dead
+                    return out
+                except _StaleLink:
+                    self.stale_retries += 1
+                    continue
+                except OSError as exc:
+                    if link.answers and isinstance(exc, (ConnectionResetError, BrokenPipeError)) and not link.buf:
+                        self.stale_retries += 1  # the same: reset while idle, before our request
+                        continue
+                    raise BenchError(f"HTTP connection failed: {exc}") from None
+                finally:
+                    if clean:
+                        self._idle.append(link)
+                    else:  # an error, a timeout in the middle of an answer, or the server closes it
+                        link.close()
 
     async def request(self, method: str, params: Any = None, timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]:
         msg: dict[str, Any] = {"jsonrpc": "2.0", "id": next(self._ids), "method": method}
+        head = self._head
+        if self.modern:
+            params = {**(params or {}), "_meta": MODERN_META}
+            extra = f"mcp-method: {method}\r\n"
+            if method in NAME_PARAM and NAME_PARAM[method] in params:
+                extra += f"mcp-name: {params[NAME_PARAM[method]]}\r\n"
+            head += extra.encode()
         if params is not None:
             msg["params"] = params
         with trio.fail_after(timeout):
-            return await self._post(msg)
+            resp = await self._post(head, msg)
+        if resp is None:
+            raise BenchError(f"{method}: answered 202, no response")
+        return resp
 
     async def notify(self, method: str, params: Any = None) -> None:
         msg: dict[str, Any] = {"jsonrpc": "2.0", "method": method}
         if params is not None:
             msg["params"] = params
-        await self._post(msg)
+        with trio.fail_after(REQUEST_TIMEOUT):
+            await self._post(self._head, msg)
+
+    async def initialize(self) -> dict[str, Any]:
+        if self.modern:  # stateless: nothing to set up
+            return {}
+        resp = await super().initialize()
+        if self.session is None:
+            raise BenchError("initialize answered without an Mcp-Session-Id")
+        return resp
+
+    @staticmethod
+    def summary(label: str, conns: list[Conn]) -> str:
+        """A note: connections opened and how the answers came, over all of ``conns``."""
+        hc = [c for c in conns if isinstance(c, HttpConn)]
+        return (f"{label}: {len(hc)} clients opened {sum(c.links_opened for c in hc)} HTTP connections in all "
+                f"(keep-alive); answers: {sum(c.answers['json'] for c in hc)} JSON, "
+                f"{sum(c.answers['sse'] for c in hc)} SSE; {sum(c.stale_retries for c in hc)} requests sent again "
+                f"on a fresh connection because the server had closed an idle one")
 
     async def aclose(self) -> None:
         with trio.move_on_after(2):
-            if self.session is not None:
+            if self.session is not None:  # end the session (supergateway: stops its child)
+                head = (f"DELETE {self.path} HTTP/1.1\r\nhost: 127.0.0.1:{self.port}\r\n"
+                        f"mcp-session-id: {self.session}\r\nmcp-protocol-version: {PROTOCOL}\r\n").encode()
                 try:
-                    await self.client.delete(self.url, headers=self._headers())
-                except Exception:  # best effort: ending the session is a courtesy
+                    link = await self._link()
+                    self._idle.append(link)
+                    if link.mode is not None:
+                        await link.read_body()
+                    await link.send(head + b"content-length: 0\r\n\r\n")
+                    await link.read_head()
+                    await link.read_body()
+                except (OSError, BenchError):  # best effort: ending the session is a courtesy
                     pass
-            await self.client.aclose()
+                self.session = None
+        for link in self._idle:
+            link.close()
+        self._idle.clear()
 
 
 # ==== measuring ==================================================================================
@@ -528,6 +774,9 @@ class LoadResult:
     # proxy / backend / bench client (user+system), and "<that> sys": the system part alone
     cpu_us_per_call: dict[str, float] = field(default_factory=dict)
     other_load: float | None = None  # cores busy with processes outside this bench meanwhile
+    # resident memory (MiB) at the end of the round, per label of cpu_pids (all its processes
+    # summed), and "<label> procs": how many processes that was; rows: the largest over the rounds
+    rss_mib: dict[str, float] = field(default_factory=dict)
     call_bound_hit: bool = False  # it ended on the call bound (`requested`) before `--seconds`
     rounds: list[dict[str, Any]] = field(default_factory=list)  # each of the --repeat rounds
     first_error: str | None = None
@@ -609,7 +858,24 @@ async def run_load(conns: list[Conn], *, inflight: int, calls: int, cap: float, 
         res.other_load = max(0.0, (after["_system"] - before["_system"] - ours) / res.elapsed)
     if res.ok:
         res.cpu_us_per_call = {k: round((after[k] - before[k]) / res.ok * 1e6, 1) for k in after if k != "_system"}
+    for label, get in (cpu_pids or {}).items():
+        sizes = [rss_of(p) for p in get()]
+        sizes = [x for x in sizes if x is not None]
+        res.rss_mib[label] = round(sum(sizes) / 2**20, 1)
+        res.rss_mib[f"{label} procs"] = len(sizes)
     return res
+
+
+def rss_of(pid: int) -> int | None:
+    """VmRSS in bytes, or None for a process that is gone (or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _median(xs: list[float]) -> float:
@@ -636,9 +902,11 @@ def median_of_rounds(runs: list[LoadResult]) -> LoadResult:
     res.cpu_us_per_call = {k: round(_median([r.cpu_us_per_call.get(k, float("nan")) for r in runs]), 1)
                            for k in sorted(keys)}
     res.call_bound_hit = any(r.call_bound_hit for r in runs)
+    res.rss_mib = {k: max(r.rss_mib.get(k, 0) for r in runs) for k in sorted({k for r in runs for k in r.rss_mib})}
     res.rounds = [{"ok": r.ok, "errors": r.errors, "elapsed": round(r.elapsed, 3), "calls_per_s": round(r.calls_per_s, 1),
                    "p50_us": r.p50_us, "p99_us": r.p99_us, "cpu_us_per_call": r.cpu_us_per_call,
-                   "other_load": r.other_load, "call_bound_hit": r.call_bound_hit} for r in runs]
+                   "other_load": r.other_load, "call_bound_hit": r.call_bound_hit, "rss_mib": r.rss_mib}
+                  for r in runs]
     return res
 
 
@@ -800,7 +1068,7 @@ async def bench_direct(args: argparse.Namespace, backend: BackendSpec, procs: Pr
 
 
 def gateway_config(backend: BackendSpec, ws_port: int, admin_port: int, unix_path: str,
-                   max_inflight: int | None = None) -> str:
+                   max_inflight: int | None = None, http_port: int | None = None) -> str:
     argv = backend.argv
     bound = "" if max_inflight is None else f"max_inflight = {max_inflight}\n"
 
@@ -815,7 +1083,7 @@ max_inflight_per_connection = {FLOOD_INFLIGHT * 2}  # the fairness flood keeps {
 
 [listen]
 websocket = "127.0.0.1:{ws_port}"
-http = ""
+http = "{'' if http_port is None else f'127.0.0.1:{http_port}'}"
 unix = "{unix_path}"
 unix_mode = "0600"
 
@@ -833,6 +1101,14 @@ async def gateway_status(admin: int) -> dict[str, Any]:
     if code != 200:
         raise BenchError(f"/status answered {code}")
     return json.loads(body)
+
+
+def fx_instances(status: dict[str, Any], backend: str = "fx") -> list[list[Any]]:
+    """[pid, state] of each instance of ``backend`` in /status."""
+    for b in status["backends"]:
+        if b["name"] == backend:
+            return [[i.get("pid"), i.get("state")] for i in b["instances"]]
+    raise BenchError(f"backend {backend} not in /status")
 
 
 def instance_of(status: dict[str, Any], backend: str) -> dict[str, Any]:
@@ -1114,9 +1390,10 @@ async def bench_gateway(args: argparse.Namespace, backend: BackendSpec, procs: P
     tmp = tempfile.mkdtemp(prefix="mcpgw-bench-")
     unix_path = os.path.join(tmp, "gw.sock")
     ws_port, admin = free_port(), free_port()
+    http_port = None if args.no_http else free_port()
     cfg_path = os.path.join(procs.log_dir, "gateway-bench.toml")
     with open(cfg_path, "w") as f:
-        f.write(gateway_config(backend, ws_port, admin, unix_path, args.max_inflight))
+        f.write(gateway_config(backend, ws_port, admin, unix_path, args.max_inflight, http_port))
     # The gateway under test is the one in this tree (a worktree's, too), whatever is installed:
     # its folder goes first on PYTHONPATH, and the child's import is checked before it starts.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -1206,6 +1483,28 @@ async def bench_gateway(args: argparse.Namespace, backend: BackendSpec, procs: P
                                              inflight=inflight, tool=fx_tool, backend=backend, cpu_pids=cpu))
             for c in unix_conns:
                 await c.aclose()
+
+            # ---- Streamable HTTP /mcp: legacy sessions, then the stateless 2026-07-28 shape ----
+            if http_port is not None:
+                fx_before = fx_instances(await gateway_status(admin))
+                for label, modern in ((GW_HTTP_LEGACY_ROW, False), (GW_HTTP_MODERN_ROW, True)):
+                    http_conns: list[Conn] = [HttpConn(http_port, modern=modern, max_links=args.inflight)
+                                              for _ in range(args.clients)]
+                    try:
+                        for c in http_conns:
+                            with trio.fail_after(10):
+                                await c.initialize()
+                        for inflight in (1, args.inflight):
+                            results.append(await measure(label, "mcp-gateway", http_conns, args, inflight=inflight,
+                                                         tool=fx_tool, backend=backend, cpu_pids=cpu))
+                    finally:
+                        notes.append(HttpConn.summary(label, http_conns))
+                        for c in http_conns:
+                            await c.aclose()
+                fx_after = fx_instances(await gateway_status(admin))
+                extra["shared_child"] = {"before": fx_before, "after": fx_after}
+                print(f"  backend fx instances (pid, state): before the HTTP rows {fx_before}, after {fx_after}",
+                      file=sys.stderr, flush=True)
 
             # ---- fairness: a flood on one connection, sequential calls on another --------------
             if backend.name == "fixture":
@@ -1320,15 +1619,54 @@ async def bench_supergateway(args: argparse.Namespace, backend: BackendSpec, pro
             procs.stop(sg.pid)
 
 
+async def bench_supergateway_http(args: argparse.Namespace, backend: BackendSpec, procs: Procs,
+                                  results: list[LoadResult], notes: list[str]) -> None:
+    """supergateway's Streamable HTTP output, stateful: one session per client, and supergateway
+    spawns one backend child per session (their CPU and memory are the backend columns)."""
+    print("supergateway 4.0.0 (stdio -> Streamable HTTP, stateful)", file=sys.stderr, flush=True)
+    if not os.path.isfile(SUPERGATEWAY):
+        raise BenchError("not installed (run scripts/setup-bench)")
+    node = shutil.which("node")
+    if node is None:
+        raise BenchError("node not found")
+    port = free_port()
+    argv = [node, "--require", PRELOAD, SUPERGATEWAY, "--stdio", shlex.join(backend.argv),
+            "--outputTransport", "streamableHttp", "--stateful", "--streamableHttpPath", "/mcp",
+            "--port", str(port), "--logLevel", "none"]
+    sg = procs.popen("supergateway-http", argv)
+    try:
+        await wait_port(port, sg, "supergateway")
+        assert_loopback_only(sg.pid, "supergateway")
+        cpu = {"proxy": lambda: [sg.pid], "backend": lambda: descendants(sg.pid)}
+        conns: list[Conn] = [HttpConn(port, max_links=args.inflight) for _ in range(args.clients)]
+        try:
+            for c in conns:
+                with trio.fail_after(START_TIMEOUT):  # each session spawns its own backend child
+                    await c.initialize()
+                procs.remember_tree(sg.pid)
+            addrs = assert_loopback_only(sg.pid, "supergateway")
+            notes.append(f"supergateway (Streamable HTTP) listens on {', '.join(sorted(addrs))} (forced by "
+                         f"bench/loopback-preload.cjs); {len(descendants(sg.pid))} processes below it with "
+                         f"{args.clients} sessions open")
+            for inflight in (1, args.inflight):
+                results.append(await measure(SG_HTTP_ROW, "peer", conns, args, inflight=inflight,
+                                             tool=backend.tool, backend=backend, cpu_pids=cpu))
+        finally:
+            procs.remember_tree(sg.pid)
+            notes.append(HttpConn.summary(SG_HTTP_ROW, conns))
+            for c in conns:
+                await c.aclose()
+    finally:
+        with trio.CancelScope(shield=True):
+            procs.remember_tree(sg.pid)
+            procs.stop(sg.pid)
+
+
 async def bench_mcp_proxy(args: argparse.Namespace, backend: BackendSpec, procs: Procs,
                           results: list[LoadResult], notes: list[str]) -> None:
     print("mcp-proxy 0.13.0 (stdio -> Streamable HTTP)", file=sys.stderr, flush=True)
     if not os.path.isfile(MCP_PROXY):
         raise BenchError("not installed (run scripts/setup-bench)")
-    try:
-        import httpx  # noqa: F401
-    except ImportError:
-        raise BenchError("httpx is not installed in this interpreter (run scripts/setup-bench)") from None
     port = free_port()
     argv = [MCP_PROXY, "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING", *backend.argv]
     mp = procs.popen("mcp-proxy", argv)
@@ -1337,19 +1675,19 @@ async def bench_mcp_proxy(args: argparse.Namespace, backend: BackendSpec, procs:
         addrs = assert_loopback_only(mp.pid, "mcp-proxy")
         notes.append(f"mcp-proxy listens on {', '.join(sorted(addrs))}")
         procs.remember_tree(mp.pid)
-        url = f"http://127.0.0.1:{port}/mcp"
         cpu = {"proxy": lambda: [mp.pid], "backend": lambda: descendants(mp.pid)}
-        for inflight in (1, args.inflight):
-            conns: list[Conn] = [HttpConn(url, inflight) for _ in range(args.clients)]
-            try:
-                for c in conns:
-                    with trio.fail_after(10):
-                        await c.initialize()
-                results.append(await measure("mcp-proxy 0.13.0, Streamable HTTP", "peer", conns, args,
-                                             inflight=inflight, tool=backend.tool, backend=backend, cpu_pids=cpu))
-            finally:
-                for c in conns:
-                    await c.aclose()
+        conns: list[Conn] = [HttpConn(port, max_links=args.inflight) for _ in range(args.clients)]
+        try:
+            for c in conns:
+                with trio.fail_after(10):
+                    await c.initialize()
+            for inflight in (1, args.inflight):
+                results.append(await measure(MP_ROW, "peer", conns, args, inflight=inflight,
+                                             tool=backend.tool, backend=backend, cpu_pids=cpu))
+        finally:
+            notes.append(HttpConn.summary(MP_ROW, conns))
+            for c in conns:
+                await c.aclose()
     finally:
         with trio.CancelScope(shield=True):
             procs.remember_tree(mp.pid)
@@ -1388,6 +1726,10 @@ def attach_ratios(results: list[LoadResult]) -> None:
 WS_ROW, UNIX_ROW = "mcp-gateway, WebSocket", "mcp-gateway, unix socket"
 FLOOR_WS_ROW, FLOOR_UNIX_ROW = "floor (no logic, cat), WebSocket", "floor (no logic, cat), unix socket"
 SG_ROW, DIRECT_ROW = "supergateway 4.0.0, WebSocket", "direct stdio (one pipe)"
+GW_HTTP_LEGACY_ROW = "mcp-gateway, HTTP legacy session"
+GW_HTTP_MODERN_ROW = "mcp-gateway, HTTP stateless 2026-07-28"
+SG_HTTP_ROW = "supergateway 4.0.0, Streamable HTTP (stateful)"
+MP_ROW = "mcp-proxy 0.13.0, Streamable HTTP"
 FLOOR_OF = {WS_ROW: FLOOR_WS_ROW, UNIX_ROW: FLOOR_UNIX_ROW}
 
 
@@ -1417,13 +1759,15 @@ def evaluate_targets(results: list[LoadResult], singles: list[SeqResult], extra:
     """Issue 8's targets, each from this run's medians."""
     out: list[Target] = []
 
-    def add(what: str, value: float | None, op: str, limit: float, unit: str, fmt: str = "{:.0f}") -> None:
+    def add(what: str, value: float | None, op: str, limit: float, unit: str, fmt: str = "{:.0f}",
+            limit_text: str | None = None) -> None:
+        shown = f"{op} {limit_text or f'{limit:g}'}{unit}"
         if value is None or (isinstance(value, float) and math.isnan(value)):
-            out.append(Target(what, "not measured", f"{op} {limit:g}{unit}", None, None))
+            out.append(Target(what, "not measured", shown, None, None))
             return
         ratio = value / limit if limit else None
-        passed = value >= limit if op == "≥" else value <= limit
-        out.append(Target(what, fmt.format(value) + unit, f"{op} {limit:g}{unit}", ratio, passed))
+        passed = value >= limit if op == "≥" else value < limit if op == "<" else value <= limit
+        out.append(Target(what, fmt.format(value) + unit, shown, ratio, passed))
 
     n = args.clients
     gw_ws, gw_unix = find_row(results, WS_ROW, 1), find_row(results, UNIX_ROW, 1)
@@ -1454,13 +1798,41 @@ def evaluate_targets(results: list[LoadResult], singles: list[SeqResult], extra:
     idle = extra.get("idle")
     add(f"{args.idle_connections} idle WebSocket connections: added gateway RSS",
         idle.added_mib if idle is not None and idle.opened == idle.wanted else None, "≤", 32, " MiB", "{:.1f}")
+
+    # issue 9: Streamable HTTP, against supergateway's (stateful) and mcp-proxy's
+    sg_http, mp = find_row(results, SG_HTTP_ROW, 1), find_row(results, MP_ROW, 1)
+    shapes = (("legacy session", find_row(results, GW_HTTP_LEGACY_ROW, 1)),
+              ("stateless 2026-07-28", find_row(results, GW_HTTP_MODERN_ROW, 1)))
+    for shape, gw in shapes:
+        for peer_name, peer in (("supergateway's (stateful)", sg_http), ("mcp-proxy's", mp)):
+            add(f"HTTP {shape}, {n} clients: calls/s ÷ {peer_name} Streamable HTTP calls/s",
+                gw.calls_per_s / peer.calls_per_s if gw and peer and peer.calls_per_s else None, "≥", 2, "×", "{:.2f}")
+    mp_cpu = mp.cpu_us_per_call.get("proxy") if mp else None
+    for shape, gw in shapes:
+        gw_cpu = gw.cpu_us_per_call.get("proxy") if gw else None
+        add(f"gateway CPU per call, HTTP {shape}, {n} × 1, ÷ mcp-proxy's "
+            f"({_f(gw_cpu)} µs ÷ {_f(mp_cpu)} µs)",
+            gw_cpu / mp_cpu if gw_cpu is not None and mp_cpu else None, "≤", 1 / 3, "×", "{:.2f}", "⅓")
+    gw_rss = [r.rss_mib["proxy"] for r in results if r.group == "mcp-gateway" and "proxy" in r.rss_mib]
+    add("gateway resident memory (the largest VmRSS seen at the end of any round of its rows)",
+        max(gw_rss) * 2**20 / 1e6 if gw_rss else None, "<", 64, " MB", "{:.1f}")
+    shared = extra.get("shared_child")
+    if shared is None:
+        out.append(Target("one shared child: backend fx instances after the HTTP rows", "not measured", "= 1, same pid",
+                          None, None))
+    else:
+        before, after = shared["before"], shared["after"]
+        same = len(before) == 1 and len(after) == 1 and before[0][0] == after[0][0]
+        out.append(Target("one shared child: backend fx instances after the HTTP rows (same pid as before them)",
+                          f"{len(after)} ({'same pid' if same else f'pids {before} → {after}'})", "= 1, same pid",
+                          None, same))
     return out
 
 
 def markdown(args: argparse.Namespace, backend: BackendSpec, results: list[LoadResult], singles: list[SeqResult],
              restarts: list[RestartRun], spawns: list[float], peers: dict[str, str], notes: list[str],
              extra: dict[str, Any], targets: list[Target]) -> str:
-    out = [f"### Targets (issue 8; medians of {args.repeat} rounds; backend: {backend.name})", "",
+    out = [f"### Targets (issues 8 and 9; medians of {args.repeat} rounds; backend: {backend.name})", "",
            "| target | measured | limit | measured ÷ limit | result |", "|---|---:|---:|---:|---|"]
     for t in targets:
         res = "n/a" if t.passed is None else ("PASS" if t.passed else "**FAIL**")
@@ -1470,8 +1842,8 @@ def markdown(args: argparse.Namespace, backend: BackendSpec, results: list[LoadR
             "and servers)", "",
             "| path | clients × in flight | ok / err | calls/s | × direct | p50 ms | p99 ms | p50 × direct "
             "| proxy CPU µs/call (sys) | proxy CPU − floor µs/call | backend CPU µs/call "
-            "| bench client CPU µs/call (sys) | other load (cores) |",
-            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "| bench client CPU µs/call (sys) | other load (cores) | proxy RSS MiB | backend RSS MiB (processes) |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         cpu = r.cpu_us_per_call
 
@@ -1486,7 +1858,9 @@ def markdown(args: argparse.Namespace, backend: BackendSpec, results: list[LoadR
             f"| {cpu_cell('proxy') if r.group != 'direct' else '–'} "
             f"| {_f(over_floor(results, r), '{:+.0f}') if r.path in FLOOR_OF else '–'} "
             f"| {_f(cpu.get('backend'))} "
-            f"| {cpu_cell('bench client')} | {_f(r.other_load, '{:.1f}')} |")
+            f"| {cpu_cell('bench client')} | {_f(r.other_load, '{:.1f}')} "
+            f"| {_f(r.rss_mib.get('proxy'), '{:.1f}') if r.group != 'direct' else '–'} "
+            f"| {_f(r.rss_mib.get('backend'), '{:.1f}')} ({r.rss_mib.get('backend procs', 0):.0f}) |")
     out += ["", f"### Single client, sequential calls ({args.single_calls} per row and round; median of "
             f"{args.repeat} rounds' p50/p99)", "",
             "| path | calls | p50 µs | p99 µs | mean µs | p50 added vs direct µs | p50 added vs shared µs |",
@@ -1607,10 +1981,13 @@ async def amain(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
                                                                notes, extra))
             if not args.no_floor:
                 await section("floor", lambda: bench_floor(args, backend, procs, results, notes))
-            for name, fn, wanted in (("supergateway 4.0.0 (stdio → WebSocket)", bench_supergateway, "supergateway"),
-                                     ("mcp-proxy 0.13.0 (stdio → Streamable HTTP)", bench_mcp_proxy, "mcp-proxy")):
-                if wanted not in args.peers:
-                    peers[name] = "skipped (--peers)"
+            for name, fn, wanted, http in (
+                    ("supergateway 4.0.0 (stdio → WebSocket)", bench_supergateway, "supergateway", False),
+                    ("supergateway 4.0.0 (stdio → Streamable HTTP, stateful)", bench_supergateway_http,
+                     "supergateway", True),
+                    ("mcp-proxy 0.13.0 (stdio → Streamable HTTP)", bench_mcp_proxy, "mcp-proxy", True)):
+                if wanted not in args.peers or (http and args.no_http):
+                    peers[name] = "skipped (--peers)" if wanted not in args.peers else "skipped (--no-http)"
                     continue
                 before = len(results)
                 if not await section(name, lambda fn=fn: fn(args, backend, procs, results, notes)):
@@ -1649,6 +2026,7 @@ async def amain(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
         "idle_connections": ({**asdict(extra["idle"]), "added_mib": extra["idle"].added_mib}
                              if "idle" in extra else None),
         "profile": extra.get("profile"),
+        "shared_child": extra.get("shared_child"),  # /status fx instances [pid, state] around the HTTP rows
         "targets": [asdict(t) for t in targets],
         "peers": peers,
         "notes": notes,
@@ -1681,6 +2059,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="stdio backend: tests/fixtures/fixture_server.py (default) or server-everything")
     p.add_argument("--peers", default="supergateway,mcp-proxy", help="comma list of peers to run ('' for none)")
     p.add_argument("--no-floor", action="store_true", help="skip the floor rows (bench/floor.py)")
+    p.add_argument("--no-http", action="store_true",
+                   help="skip every Streamable HTTP row (the gateway's /mcp, supergateway's and mcp-proxy's)")
     p.add_argument("--max-inflight", type=int, default=None,
                    help="backends.NAME.max_inflight for the gateway's backends (default: the gateway's)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
