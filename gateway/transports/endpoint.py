@@ -116,7 +116,9 @@ class Endpoint:
                 continue
             authority = origin.partition("://")[2]
             port = authority.rpartition(":")[2] if not authority.endswith("]") else ""
-            if not (host_allowed(authority, self.hosts) and port.isdigit() and int(port) in self.ports):
+            # ASCII digits only, and few: "²".isdigit() is true, and int() refuses 4301+ digits
+            if not (host_allowed(authority, self.hosts) and port.isascii() and port.isdigit()
+                    and len(port) <= 5 and int(port) in self.ports):
                 return False
         return True
 
