@@ -181,13 +181,17 @@ class Endpoint:
                     "JSON-RPC batches are only accepted from clients that negotiated 2025-03-26"))
             try:
                 items = jsonrpc.split_batch(body, self.max_json_depth)
-                kinds = [jsonrpc.classify(jsonrpc.decode(bytes(i), self.max_json_depth)) for i in items]
+                envs = [jsonrpc.decode(bytes(i), self.max_json_depth) for i in items]
+                kinds = [jsonrpc.classify(e) for e in envs]
             except errors.GatewayError as exc:
                 raise _jsonrpc_error(400, exc) from None
             if not items:
                 raise _jsonrpc_error(400, errors.InvalidRequest("empty batch"))
             if "request" in kinds:
-                await self._stream(conn, session, Sink(conn, session.id, batch=True), body)
+                sink = Sink(conn, session.id, batch=True)
+                sink.ids = frozenset(e.id for e, k in zip(envs, kinds, strict=True)
+                                     if k == "request" and isinstance(e.id, int | str))
+                await self._stream(conn, session, sink, body)
             else:
                 self._accepted(conn, session, body)
             return

@@ -7,9 +7,9 @@ Theory of operation: an HTTP session is served like any connection, by
 hands out the messages POSTed to it (a bounded inbox); :meth:`HttpSession.write_nowait` routes
 every outgoing message to one open response stream (a :class:`Sink`), never to two:
 
-- a response goes to the POST that carries its request id (a batch's array answer to the oldest
-  open batch POST); when that POST's stream is gone the response is dropped (the call is not
-  cancelled by a closed stream: the spec says so);
+- a response goes to the POST that carries its request id (a batch's array answer to the batch
+  POST whose request ids it answers); when that POST's stream is gone the response is dropped
+  (the call is not cancelled by a closed stream: the spec says so);
 - ``notifications/progress`` goes to the POST whose request carried that ``progressToken``;
 - list and resource-update notifications (unrelated to any request) go to the GET stream;
 - anything else (log messages, elicitation/sampling/roots requests, their cancellations) goes to
@@ -76,6 +76,7 @@ class _ProgressParams(msgspec.Struct):
 
 
 _out = msgspec.json.Decoder(_Out)
+_outs = msgspec.json.Decoder(list[_Out])
 _progress = msgspec.json.Decoder(_ProgressParams)
 
 
@@ -84,7 +85,7 @@ class Sink:
     ``batch``) or the GET stream.  Its connection task waits in :meth:`HttpConnection.watch`
     under ``scope`` until :attr:`done`."""
 
-    __slots__ = ("batch", "conn", "done", "request_id", "scope", "session_id", "started", "token")
+    __slots__ = ("batch", "conn", "done", "ids", "request_id", "scope", "session_id", "started", "token")
 
     def __init__(self, conn: HttpConnection, session_id: str, request_id: RequestId | None = None,
                  *, batch: bool = False) -> None:
@@ -92,6 +93,7 @@ class Sink:
         self.session_id = session_id
         self.request_id = request_id
         self.batch = batch
+        self.ids: frozenset[RequestId] = frozenset()  # a batch POST's request ids
         self.token: RequestId | None = None
         self.started = False  # SSE head written
         self.done = False
@@ -235,8 +237,9 @@ class HttpSession:
 
     def _route(self, message: bytes) -> None:
         if message[:1] == b"[":  # a batch's answers
-            if self._batches:
-                self._write(self._batches.popleft(), message, final=True)
+            batch = self._batch_for(message)
+            if batch is not None:
+                self._write(batch, message, final=True)
             else:
                 self._drop(message)
             return
@@ -277,6 +280,22 @@ class HttpSession:
             self._park(message)
         else:
             self._write(sink, message, final=False)
+
+    def _batch_for(self, answers: bytes) -> Sink | None:
+        """The open batch POST that ``answers`` answer, taken out of the queue (batches finish
+        in any order): the one with exactly those request ids, else one sharing an id; answers
+        without a usable id go to the oldest.  None: that POST's stream is gone."""
+        try:
+            ids = {o.id for o in _outs.decode(answers) if isinstance(o.id, int | str)}
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            ids = set()
+        sink = next((s for s in self._batches if s.ids == ids), None) \
+            or next((s for s in self._batches if s.ids & ids), None)
+        if sink is None and not ids and self._batches:
+            sink = self._batches[0]
+        if sink is not None:
+            self._batches.remove(sink)
+        return sink
 
     def _write(self, sink: Sink, message: bytes, *, final: bool) -> None:
         try:
