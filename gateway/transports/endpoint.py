@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
+import msgspec
 import trio
 
 from gateway import errors
@@ -215,6 +216,11 @@ class Endpoint:
             session = self._session(req)
         if kind != "request":
             self._accepted(conn, session, body)
+            if env.method == "notifications/cancelled":
+                try:
+                    session.cancelled(mcp.decode_cancelled(env.params).requestId)
+                except (msgspec.ValidationError, msgspec.DecodeError):
+                    pass  # the connection layer ignores it too
             return
         assert isinstance(env.id, int | str)
         if session.has_request(env.id):

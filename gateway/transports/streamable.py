@@ -173,6 +173,22 @@ class HttpSession:
             if sink.token is not None:
                 self._tokens[sink.token] = sink
 
+    def cancelled(self, request_id: RequestId) -> None:
+        """The client cancelled ``request_id``: a cancelled request gets no response, so its
+        POST's stream ends now, empty (an answer already on its way is dropped: the client
+        ignores it anyway)."""
+        sink = self._posts.get(request_id)
+        if sink is None:
+            return
+        try:
+            if not sink.started:
+                sink.start()
+            sink.conn.end_events()
+        except TransportClosed:
+            pass
+        self.close_sink(sink)
+        sink.finish_soon()
+
     def open_get(self, sink: Sink) -> None:
         """The GET stream opens: its head, then what was parked."""
         self.get = sink
