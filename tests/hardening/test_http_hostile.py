@@ -102,11 +102,13 @@ class Conn:
         part, self.buf = self.buf[:n], self.buf[n:]
         return part
 
-    async def response(self) -> Response:
+    async def response(self, *, head_only: bool = False) -> Response:
         head = await self._until(b"\r\n\r\n")
         status_line, *lines = head.split(b"\r\n")
         headers = {k.strip().lower(): v.strip() for k, v in (line.split(b":", 1) for line in lines)}
-        if headers.get(b"transfer-encoding") == b"chunked":
+        if head_only:  # the answer to HEAD
+            body = b""
+        elif headers.get(b"transfer-encoding") == b"chunked":
             body = b""
             while size := int(await self._until(b"\r\n"), 16):
                 body += await self._take(size)
@@ -210,4 +212,20 @@ async def test_a_cancelled_request_ends_its_post_stream(daemon: Daemon) -> None:
     assert r.status == 200
     for conn in (c, call):
         await conn.aclose()
+    await check(daemon, base)
+
+
+async def test_head_requests_get_their_status_without_a_body(daemon: Daemon) -> None:
+    """HEAD is answered like GET minus the body: writing the refusal's body used to be a
+    LocalProtocolError in h11, so the connection was dropped without a word."""
+    base = await baseline(daemon)
+    c = await Conn.open(daemon.http_port)
+    for path, status in [(b"/mcp", 405), (b"/other", 404)]:
+        await c.send(b"HEAD " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        with trio.fail_after(ANSWER_BOUND):
+            r = await c.response(head_only=True)
+        assert r.status == status
+        assert int(r.headers[b"content-length"]) > 0  # what a GET would have carried
+    assert (await c.exchange(post(b"", method=b"DELETE"))).status == 400  # still in step
+    await c.aclose()
     await check(daemon, base)
