@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -81,8 +82,13 @@ class Conn:
         self.buf = b""
 
     @classmethod
-    async def open(cls, port: int) -> Conn:
-        return cls(await trio.open_tcp_stream("127.0.0.1", port))
+    async def open(cls, port: int, rcvbuf: int | None = None) -> Conn:
+        if rcvbuf is None:
+            return cls(await trio.open_tcp_stream("127.0.0.1", port))
+        sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)  # a small window
+        await sock.connect(("127.0.0.1", port))
+        return cls(trio.SocketStream(sock))
 
     async def _more(self) -> None:
         data = await self.stream.receive_some(65536)
@@ -228,4 +234,37 @@ async def test_head_requests_get_their_status_without_a_body(daemon: Daemon) -> 
         assert int(r.headers[b"content-length"]) > 0  # what a GET would have carried
     assert (await c.exchange(post(b"", method=b"DELETE"))).status == 400  # still in step
     await c.aclose()
+    await check(daemon, base)
+
+
+async def test_messages_parked_for_a_session_flow_out_when_its_get_stream_opens(daemon: Daemon) -> None:
+    """What was parked while a session had no stream open (here: progress of a call whose POST
+    stream the client closed) is written when a GET stream opens; what the socket did not take
+    at once must follow as the client reads, not wait for the next keep-alive comment (15 s)."""
+    base = await baseline(daemon)
+    port = daemon.http_port
+    c, session = await open_session(port)
+    call = await Conn.open(port)
+    await call.send(post({"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": {
+        "name": "fx__progress", "arguments": {"steps": 60, "delay": 0.01},
+        "_meta": {"progressToken": "t" * 30_000}}}, session))
+    await call.aclose()  # the call goes on; its progress has no stream: parked (at most 1 MiB)
+    with trio.fail_after(ANSWER_BOUND):
+        while True:
+            st = await daemon.status()
+            if st["client_requests_in_flight"] == 0 and st["buffered_bytes"] > 512 * 1024:
+                break
+            await trio.sleep(0.02)
+    parked = st["buffered_bytes"]
+    get = await Conn.open(port, rcvbuf=4096)
+    await get.send(b"GET /mcp HTTP/1.1\r\n" + HEADERS.replace(b"application/json, ", b"") + session + b"\r\n")
+    with trio.fail_after(ANSWER_BOUND):
+        head = await get._until(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head
+        while len(get.buf) < parked:  # SSE framing only adds bytes
+            await get._more()
+    r = await c.exchange(post(b"", session, method=b"DELETE"))
+    assert r.status == 200
+    for conn in (c, get):
+        await conn.aclose()
     await check(daemon, base)
