@@ -313,6 +313,9 @@ async def _hold(conn: HttpConnection, session: HttpSession, sink: Sink) -> None:
     """Wait until ``sink`` is answered (or its session ends), watching the peer; an SSE comment
     every :data:`KEEPALIVE` seconds of silence.  Raises TransportClosed when the peer left."""
     try:
+        if conn.io.held:  # a GET stream's parked backlog, more than the socket took at once
+            with trio.move_on_after(WRITE_TIMEOUT):
+                await conn.flush()
         while not sink.done:
             with trio.move_on_after(KEEPALIVE) as scope:
                 sink.scope = scope
