@@ -85,7 +85,8 @@ class Sink:
     ``batch``) or the GET stream.  Its connection task waits in :meth:`HttpConnection.watch`
     under ``scope`` until :attr:`done`."""
 
-    __slots__ = ("batch", "conn", "done", "ids", "request_id", "scope", "session_id", "started", "token")
+    __slots__ = ("batch", "conn", "done", "ids", "request_id", "scope", "session_id", "started",
+                 "token")
 
     def __init__(self, conn: HttpConnection, session_id: str, request_id: RequestId | None = None,
                  *, batch: bool = False) -> None:

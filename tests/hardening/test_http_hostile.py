@@ -9,7 +9,6 @@ import json
 import re
 import socket
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -139,8 +138,10 @@ class Conn:
 async def open_session(port: int, version: str = "2025-11-25") -> tuple[Conn, bytes]:
     """A connection and the headers of an initialized session on it."""
     c = await Conn.open(port)
-    r = await c.exchange(post({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
-        "protocolVersion": version, "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}}))
+    params = {"protocolVersion": version, "capabilities": {},
+              "clientInfo": {"name": "t", "version": "0"}}
+    init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": params}
+    r = await c.exchange(post(init))
     assert r.status == 200, r.body
     session = b"mcp-session-id: " + r.headers[b"mcp-session-id"] + b"\r\nmcp-protocol-version: " \
         + version.encode() + b"\r\n"
@@ -176,8 +177,9 @@ async def test_concurrent_batch_posts_each_get_their_own_answers(daemon: Daemon)
     port = daemon.http_port
     c, session = await open_session(port, "2025-03-26")
     slow, fast = await Conn.open(port), await Conn.open(port)
+    sleep = {"name": "fx__sleep", "arguments": {"seconds": 1.0}}
     await slow.send(post([{"jsonrpc": "2.0", "id": "slow-1", "method": "tools/call",
-                           "params": {"name": "fx__sleep", "arguments": {"seconds": 1.0}}}], session))
+                           "params": sleep}], session))
     await trio.sleep(0.2)  # the slow batch is the older open batch POST
     r = await fast.exchange(post([{"jsonrpc": "2.0", "id": "fast-1", "method": "tools/call",
                                    "params": {"name": "fx__echo", "arguments": {"message": "f"}}},
@@ -203,8 +205,10 @@ async def test_a_cancelled_request_ends_its_post_stream(daemon: Daemon) -> None:
     call = await Conn.open(port)
     await call.send(post({"jsonrpc": "2.0", "id": 5, "method": "tools/call",
                           "params": {"name": "fx__sleep", "arguments": {"seconds": 30}}}, session))
-    with trio.fail_after(ANSWER_BOUND):  # the call reached the backend
-        while not (await daemon.instance("fx"))["inflight"]:
+    with trio.fail_after(ANSWER_BOUND):  # the call reached the backend (polled: from outside)
+        while True:
+            if (await daemon.instance("fx"))["inflight"]:
+                break
             await trio.sleep(0.02)
     r = await c.exchange(post({"jsonrpc": "2.0", "method": "notifications/cancelled",
                                "params": {"requestId": 5, "reason": "user"}}, session))
@@ -237,7 +241,7 @@ async def test_head_requests_get_their_status_without_a_body(daemon: Daemon) -> 
     await check(daemon, base)
 
 
-async def test_messages_parked_for_a_session_flow_out_when_its_get_stream_opens(daemon: Daemon) -> None:
+async def test_parked_messages_flow_out_when_the_get_stream_opens(daemon: Daemon) -> None:
     """What was parked while a session had no stream open (here: progress of a call whose POST
     stream the client closed) is written when a GET stream opens; what the socket did not take
     at once must follow as the client reads, not wait for the next keep-alive comment (15 s)."""
@@ -257,7 +261,8 @@ async def test_messages_parked_for_a_session_flow_out_when_its_get_stream_opens(
             await trio.sleep(0.02)
     parked = st["buffered_bytes"]
     get = await Conn.open(port, rcvbuf=4096)
-    await get.send(b"GET /mcp HTTP/1.1\r\n" + HEADERS.replace(b"application/json, ", b"") + session + b"\r\n")
+    accept_sse = HEADERS.replace(b"application/json, ", b"")
+    await get.send(b"GET /mcp HTTP/1.1\r\n" + accept_sse + session + b"\r\n")
     with trio.fail_after(ANSWER_BOUND):
         head = await get._until(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200"), head
