@@ -225,6 +225,35 @@ async def test_a_cancelled_request_ends_its_post_stream(daemon: Daemon) -> None:
     await check(daemon, base)
 
 
+async def test_a_batch_with_every_request_cancelled_ends_its_post_stream(daemon: Daemon) -> None:
+    """The same for a batch POST (2025-03-26): with every request in it cancelled it gets no
+    answer at all, so its stream must end; a batch with a request left is answered as usual."""
+    base = await baseline(daemon)
+    port = daemon.http_port
+    c, session = await open_session(port, "2025-03-26")
+    sleep = {"name": "fx__sleep", "arguments": {"seconds": 30}}
+    call = await Conn.open(port)
+    await call.send(post([{"jsonrpc": "2.0", "id": f"b{i}", "method": "tools/call", "params": sleep}
+                          for i in range(2)], session))
+    with trio.fail_after(ANSWER_BOUND):  # both calls reached the backend (polled: from outside)
+        while True:
+            if (await daemon.instance("fx"))["inflight"] == 2:
+                break
+            await trio.sleep(0.02)
+    for i in range(2):
+        r = await c.exchange(post({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                                   "params": {"requestId": f"b{i}"}}, session))
+        assert r.status == 202
+    with trio.fail_after(ANSWER_BOUND):
+        r = await call.response()
+    assert r.status == 200 and r.json() is None, r.body  # an empty stream: no answers
+    r = await c.exchange(post(b"", session, method=b"DELETE"))
+    assert r.status == 200
+    for conn in (c, call):
+        await conn.aclose()
+    await check(daemon, base)
+
+
 async def test_head_requests_get_their_status_without_a_body(daemon: Daemon) -> None:
     """HEAD is answered like GET minus the body: writing the refusal's body used to be a
     LocalProtocolError in h11, so the connection was dropped without a word."""
