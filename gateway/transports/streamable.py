@@ -177,10 +177,15 @@ class HttpSession:
     def cancelled(self, request_id: RequestId) -> None:
         """The client cancelled ``request_id``: a cancelled request gets no response, so its
         POST's stream ends now, empty (an answer already on its way is dropped: the client
-        ignores it anyway)."""
+        ignores it anyway); a batch POST's once every request in it was cancelled."""
         sink = self._posts.get(request_id)
         if sink is None:
-            return
+            sink = next((s for s in self._batches if request_id in s.ids), None)
+            if sink is None:
+                return
+            sink.ids -= {request_id}
+            if sink.ids:
+                return  # its other requests answer it
         try:
             if not sink.started:
                 sink.start()
