@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
+import msgspec
 import trio
 
 from gateway import errors
@@ -116,7 +117,9 @@ class Endpoint:
                 continue
             authority = origin.partition("://")[2]
             port = authority.rpartition(":")[2] if not authority.endswith("]") else ""
-            if not (host_allowed(authority, self.hosts) and port.isdigit() and int(port) in self.ports):
+            # ASCII digits only, and few: "²".isdigit() is true, and int() refuses 4301+ digits
+            if not (host_allowed(authority, self.hosts) and port.isascii() and port.isdigit()
+                    and len(port) <= 5 and int(port) in self.ports):
                 return False
         return True
 
@@ -179,13 +182,17 @@ class Endpoint:
                     "JSON-RPC batches are only accepted from clients that negotiated 2025-03-26"))
             try:
                 items = jsonrpc.split_batch(body, self.max_json_depth)
-                kinds = [jsonrpc.classify(jsonrpc.decode(bytes(i), self.max_json_depth)) for i in items]
+                envs = [jsonrpc.decode(bytes(i), self.max_json_depth) for i in items]
+                kinds = [jsonrpc.classify(e) for e in envs]
             except errors.GatewayError as exc:
                 raise _jsonrpc_error(400, exc) from None
             if not items:
                 raise _jsonrpc_error(400, errors.InvalidRequest("empty batch"))
             if "request" in kinds:
-                await self._stream(conn, session, Sink(conn, session.id, batch=True), body)
+                sink = Sink(conn, session.id, batch=True)
+                sink.ids = frozenset(e.id for e, k in zip(envs, kinds, strict=True)
+                                     if k == "request" and isinstance(e.id, int | str))
+                await self._stream(conn, session, sink, body)
             else:
                 self._accepted(conn, session, body)
             return
@@ -209,6 +216,11 @@ class Endpoint:
             session = self._session(req)
         if kind != "request":
             self._accepted(conn, session, body)
+            if env.method == "notifications/cancelled":
+                try:
+                    session.cancelled(mcp.decode_cancelled(env.params).requestId)
+                except (msgspec.ValidationError, msgspec.DecodeError):
+                    pass  # the connection layer ignores it too
             return
         assert isinstance(env.id, int | str)
         if session.has_request(env.id):
@@ -301,6 +313,9 @@ async def _hold(conn: HttpConnection, session: HttpSession, sink: Sink) -> None:
     """Wait until ``sink`` is answered (or its session ends), watching the peer; an SSE comment
     every :data:`KEEPALIVE` seconds of silence.  Raises TransportClosed when the peer left."""
     try:
+        if conn.io.held:  # a GET stream's parked backlog, more than the socket took at once
+            with trio.move_on_after(WRITE_TIMEOUT):
+                await conn.flush()
         while not sink.done:
             with trio.move_on_after(KEEPALIVE) as scope:
                 sink.scope = scope

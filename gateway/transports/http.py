@@ -82,6 +82,7 @@ class HttpConnection:
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         self.max_body = max_body
         self.closed = False
+        self._head = False  # the request being answered is a HEAD: its response has no body
 
     # ---- reading ----------------------------------------------------------------------------
 
@@ -97,6 +98,7 @@ class HttpConnection:
             conn.start_next_cycle()
         elif conn.our_state is not h11.IDLE:
             return None
+        self._head = False
         deadline: float | None = None
         head: h11.Request | None = None
         body: list[bytes] = []
@@ -126,6 +128,7 @@ class HttpConnection:
                     raise
             elif isinstance(event, h11.Request):
                 head = event
+                self._head = event.method == b"HEAD"
                 length = _content_length(event)
                 if length is not None and length > self.max_body:
                     raise HttpError(413, f"request body of {length} bytes; at most {self.max_body} "
@@ -166,7 +169,7 @@ class HttpConnection:
 
     def respond(self, status: int, body: bytes = b"", content_type: str | None = None,
                 headers: Headers = (), *, close: bool = False) -> bool:
-        """A whole response with ``Content-Length``."""
+        """A whole response with ``Content-Length`` (to a HEAD request: without the body)."""
         hdrs = list(headers)
         if content_type is not None:
             hdrs.append(("content-type", content_type))
@@ -174,7 +177,7 @@ class HttpConnection:
         if close:
             hdrs.append(("connection", "close"))
         head = h11.Response(status_code=status, headers=hdrs, reason=http.HTTPStatus(status).phrase)
-        if body:
+        if body and not self._head:
             return self._send(head, h11.Data(data=body), h11.EndOfMessage())
         return self._send(head, h11.EndOfMessage())
 

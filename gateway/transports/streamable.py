@@ -7,9 +7,9 @@ Theory of operation: an HTTP session is served like any connection, by
 hands out the messages POSTed to it (a bounded inbox); :meth:`HttpSession.write_nowait` routes
 every outgoing message to one open response stream (a :class:`Sink`), never to two:
 
-- a response goes to the POST that carries its request id (a batch's array answer to the oldest
-  open batch POST); when that POST's stream is gone the response is dropped (the call is not
-  cancelled by a closed stream: the spec says so);
+- a response goes to the POST that carries its request id (a batch's array answer to the batch
+  POST whose request ids it answers); when that POST's stream is gone the response is dropped
+  (the call is not cancelled by a closed stream: the spec says so);
 - ``notifications/progress`` goes to the POST whose request carried that ``progressToken``;
 - list and resource-update notifications (unrelated to any request) go to the GET stream;
 - anything else (log messages, elicitation/sampling/roots requests, their cancellations) goes to
@@ -76,6 +76,7 @@ class _ProgressParams(msgspec.Struct):
 
 
 _out = msgspec.json.Decoder(_Out)
+_outs = msgspec.json.Decoder(list[_Out])
 _progress = msgspec.json.Decoder(_ProgressParams)
 
 
@@ -84,7 +85,8 @@ class Sink:
     ``batch``) or the GET stream.  Its connection task waits in :meth:`HttpConnection.watch`
     under ``scope`` until :attr:`done`."""
 
-    __slots__ = ("batch", "conn", "done", "request_id", "scope", "session_id", "started", "token")
+    __slots__ = ("batch", "conn", "done", "ids", "request_id", "scope", "session_id", "started",
+                 "token")
 
     def __init__(self, conn: HttpConnection, session_id: str, request_id: RequestId | None = None,
                  *, batch: bool = False) -> None:
@@ -92,6 +94,7 @@ class Sink:
         self.session_id = session_id
         self.request_id = request_id
         self.batch = batch
+        self.ids: frozenset[RequestId] = frozenset()  # a batch POST's request ids
         self.token: RequestId | None = None
         self.started = False  # SSE head written
         self.done = False
@@ -171,6 +174,27 @@ class HttpSession:
             if sink.token is not None:
                 self._tokens[sink.token] = sink
 
+    def cancelled(self, request_id: RequestId) -> None:
+        """The client cancelled ``request_id``: a cancelled request gets no response, so its
+        POST's stream ends now, empty (an answer already on its way is dropped: the client
+        ignores it anyway); a batch POST's once every request in it was cancelled."""
+        sink = self._posts.get(request_id)
+        if sink is None:
+            sink = next((s for s in self._batches if request_id in s.ids), None)
+            if sink is None:
+                return
+            sink.ids -= {request_id}
+            if sink.ids:
+                return  # its other requests answer it
+        try:
+            if not sink.started:
+                sink.start()
+            sink.conn.end_events()
+        except TransportClosed:
+            pass
+        self.close_sink(sink)
+        sink.finish_soon()
+
     def open_get(self, sink: Sink) -> None:
         """The GET stream opens: its head, then what was parked."""
         self.get = sink
@@ -235,8 +259,9 @@ class HttpSession:
 
     def _route(self, message: bytes) -> None:
         if message[:1] == b"[":  # a batch's answers
-            if self._batches:
-                self._write(self._batches.popleft(), message, final=True)
+            batch = self._batch_for(message)
+            if batch is not None:
+                self._write(batch, message, final=True)
             else:
                 self._drop(message)
             return
@@ -277,6 +302,22 @@ class HttpSession:
             self._park(message)
         else:
             self._write(sink, message, final=False)
+
+    def _batch_for(self, answers: bytes) -> Sink | None:
+        """The open batch POST that ``answers`` answer, taken out of the queue (batches finish
+        in any order): the one with exactly those request ids, else one sharing an id; answers
+        without a usable id go to the oldest.  None: that POST's stream is gone."""
+        try:
+            ids = {o.id for o in _outs.decode(answers) if isinstance(o.id, int | str)}
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            ids = set()
+        sink = next((s for s in self._batches if s.ids == ids), None) \
+            or next((s for s in self._batches if s.ids & ids), None)
+        if sink is None and not ids and self._batches:
+            sink = self._batches[0]
+        if sink is not None:
+            self._batches.remove(sink)
+        return sink
 
     def _write(self, sink: Sink, message: bytes, *, final: bool) -> None:
         try:
