@@ -522,6 +522,8 @@ def _serve_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, size
             return
         if targeter is not None:
             served.target = targeter(hub, session, req)
+            if served.modern:  # the child is legacy: it gets no modern envelope
+                era.strip_envelope(served.target.params)
             handlers.progress_token(req, served.target.params)  # a bad token fails here, not later
             if served.target.consent is None and served.forward_now():
                 return

@@ -152,6 +152,31 @@ def _header_value(value: str | None) -> str | None:
     return value
 
 
+#: The 2026-07-28 ``_meta`` keys that describe the client's request to the gateway: never passed
+#: to a legacy child (a dual-era child refuses a modern envelope on its initialized session).
+ENVELOPE_KEYS = frozenset({VERSION_KEY, CAPABILITIES_KEY, "io.modelcontextprotocol/clientInfo",
+                           "io.modelcontextprotocol/logLevel"})
+
+
+def strip_envelope(params: dict[str, Raw]) -> None:
+    """Remove the modern envelope from a request's ``_meta`` (in place; the rest passes as is,
+    ``_meta`` goes when nothing is left)."""
+    raw = params.get("_meta")
+    if raw is None:
+        return
+    try:
+        meta = jsonrpc.raw_dict(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return
+    kept = {k: v for k, v in meta.items() if k not in ENVELOPE_KEYS}
+    if len(kept) == len(meta):
+        return
+    if kept:
+        params["_meta"] = jsonrpc.encode_dict(kept)
+    else:
+        del params["_meta"]
+
+
 def complete(method: str, result: Raw) -> Raw:
     """A result for a modern client: ``resultType`` (``"complete"`` unless the result has one)
     and, where the revision requires them, ``ttlMs`` and ``cacheScope`` (a legacy child gives

@@ -3,13 +3,14 @@ edge, served by a flow of their own, cancelled by closing the response stream.""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
 import pytest
 import trio
 
-from helpers import fixture_backend, http_json, make_config, metric, run_gateway, wait_status
+from helpers import TIME_SERVER, fixture_backend, http_json, make_config, metric, run_gateway, wait_status
 
 pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
@@ -65,3 +66,20 @@ async def test_closing_the_response_stream_cancels_the_call() -> None:
             while not await metric(port, "mcp_gateway_requests_total", backend="fx",
                                    method="tools/call", outcome="cancelled"):
                 await trio.sleep(0.05)
+
+
+async def test_a_dual_era_child_gets_no_modern_envelope_from_a_modern_client() -> None:
+    """mcp-server-time (Python SDK 2.x) speaks both eras and refuses a 2026-07-28 envelope on
+    the legacy session the gateway opened with it: the client's envelope must not reach it."""
+    backend = f"[backends.time]\ncommand = {json.dumps(TIME_SERVER)}\n"
+    async with run_gateway(make_config(backend)) as gw, httpx.AsyncClient() as c:
+        args = post("tools/call", {"name": "time__get_current_time", "arguments": {"timezone": "UTC"},
+                                   "_meta": {"progressToken": "p1"}})
+        args["json"]["params"]["_meta"] = {**META, "progressToken": "p1"}  # other keys pass on
+        with trio.fail_after(20):
+            r = await c.post(gw.http_url, **args)
+        assert r.status_code == 200, r.text
+        body = r.json() if r.headers["content-type"].startswith("application/json") else [
+            json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")][-1]
+        assert "error" not in body, body
+        assert body["result"]["resultType"] == "complete" and "UTC" in body["result"]["content"][0]["text"]
