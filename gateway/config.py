@@ -36,6 +36,9 @@ class GatewaySection(Base):
     max_inflight_per_connection: int = 64
     outbound_queue: int = 512  # messages queued toward one client before it is cut off
     outbound_bytes: int = 16 * MIB  # bytes queued toward one client before it is cut off
+    # a client that takes no byte of its answers for this long while its reader is stopped
+    # (backpressure) is cut off: it would otherwise hold its connection forever
+    write_stall_timeout: float = 30 * SECONDS
     buffered_bytes_total: int = 256 * MIB  # all queued client/backend messages, daemon-wide
     max_json_depth: int = 128  # deeper JSON is refused before it is decoded
     max_connections: int = 4096  # client connections at once (WebSocket + unix)
@@ -290,6 +293,8 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
         errors.append("gateway.outbound_bytes: must be at least gateway.max_message_bytes")
     if g.buffered_bytes_total < g.outbound_bytes:
         errors.append("gateway.buffered_bytes_total: must be at least gateway.outbound_bytes")
+    if g.write_stall_timeout <= 0:
+        errors.append("gateway.write_stall_timeout: must be positive")
     for key in ("page_size", "max_inflight_per_connection", "outbound_queue", "max_connections"):
         if getattr(g, key) < 1:
             errors.append(f"gateway.{key}: must be at least 1")

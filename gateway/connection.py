@@ -186,7 +186,7 @@ async def _reader(hub: Hub, session: ClientSession, stream: MessageStream, nurse
     handled = 0
     while not session.closed.is_set():
         if session.queued > session.high_water or session.queued_bytes > session.high_water_bytes:
-            await session.wait_drained()
+            await _wait_drained(session, hub.cfg.gateway.write_stall_timeout)
             continue
         handled += 1
         if handled == SLICE:  # a long run of pipelined messages: let the other tasks run
@@ -227,6 +227,24 @@ async def _reader(hub: Hub, session: ClientSession, stream: MessageStream, nurse
             collector.seal()
             continue
         _handle(hub, session, data, nursery, None)
+
+
+async def _wait_drained(session: ClientSession, stall: float) -> None:
+    """Wait until the client has taken its answers down to low water; a client that takes none
+    of them for ``stall`` seconds (``write_stall_timeout``) is disconnected (``overflow``): with
+    its reader stopped it would otherwise hold the connection and its buffers forever."""
+    stopped = trio.current_time()
+    while not session.closed.is_set():
+        deadline = max(session.last_sent, stopped) + stall
+        with trio.move_on_at(deadline):
+            await session.wait_drained()
+            return
+        if trio.current_time() >= max(session.last_sent, stopped) + stall:
+            LOGGER.warning("connection %s: took none of its %d queued answers (%d bytes) for %gs "
+                           "(write_stall_timeout); disconnecting it", session.conn_id, session.queued,
+                           session.queued_bytes, stall, extra=session.log_fields)
+            session.close(CloseReason.OVERFLOW)
+            return
 
 
 class _BatchCollector:

@@ -124,6 +124,7 @@ class ClientSession:
         self._low_water = outbound_capacity // 4
         self._low_water_bytes = outbound_bytes // 4
         self._drained: trio.Event | None = None  # the reader waits on it
+        self.last_sent = self.opened  # when queued bytes were last written to the client
         self._budget = budget if budget is not None else ByteBudget(sys.maxsize)
         self.buffers = self._budget.open(self.conn_id, self._evicted)
         self.closed = trio.Event()
@@ -171,6 +172,7 @@ class ClientSession:
 
     def sent(self, n: int, count: int = 1) -> None:
         """``count`` queued messages of ``n`` bytes in all are written to the client."""
+        self.last_sent = trio.current_time()
         self.queued_bytes -= n
         self.queued -= count
         self.buffers.release(n)

@@ -34,7 +34,8 @@ pytestmark = pytest.mark.system
 
 MAX_MESSAGE = 256 * 1024
 MAX_DEPTH = 128  # gateway.max_json_depth (default)
-GATEWAY = f"max_message_bytes = {MAX_MESSAGE}\noutbound_queue = 4\noutbound_bytes = {MAX_MESSAGE}"
+GATEWAY = (f"max_message_bytes = {MAX_MESSAGE}\noutbound_queue = 4\noutbound_bytes = {MAX_MESSAGE}\n"
+           "write_stall_timeout = 2.0")
 TRANSPORTS = ["websocket", "unix"]
 ANSWER_BOUND = 3.0  # seconds for an answer to a generated message (echo or an error at once)
 
