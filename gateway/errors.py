@@ -3,7 +3,7 @@
 Every condition the gateway reports to a client is a :class:`GatewayError` with a code from
 the table below and a machine-readable ``data.reason``.  ``gateway.connection`` is the only
 place that turns exceptions into JSON-RPC error responses
-(:func:`gateway.connection.error_response`).
+(:func:`gateway.serving.error_response`).
 
 ===========================  =======  =========================================
 condition                    code     ``data.reason``

@@ -106,7 +106,7 @@ class ClientSession:
         self.caps = mcp.ClientCaps({})
         self.log_level: str | None = None
         self.max_inflight = max_inflight
-        self.inflight: dict[int | str, Any] = {}  # client id -> gateway.connection.Served
+        self.inflight: dict[int | str, Any] = {}  # client id -> gateway.serving.Served
         self.server_requests: dict[str, ServerRequest] = {}
         self._ended_ids: deque[str] = deque(maxlen=1024)
         self._ids = itertools.count(1)

@@ -1,0 +1,254 @@
+"""Serving one client request: answered by the gateway at once, forwarded without a task, or
+run in a task when it must wait — and the one place where exceptions become JSON-RPC errors.
+
+Theory of operation: :func:`serve_request` is called by a connection's reader for each admitted
+request (see :mod:`gateway.connection`).  It makes a :class:`Served`, the request's entry in
+``session.inflight``: the gateway's own methods are answered synchronously; a forwarded request
+(:data:`gateway.handlers.FORWARDED`) goes to the routing core of the child that takes it right
+now (:meth:`Served.forward_now`; the answer comes back through :meth:`Served.finished`, in the
+child's reader); only a request that must wait (consent, an instance starting or busy, a
+resource subscription) runs in a task of the connection's nursery (:func:`_run_slow`).  A modern
+(2026-07-28) request is checked first (:mod:`gateway.protocol.era`) and its result completed.
+
+:meth:`Served.end` is the only place where an answer is made: exceptions become JSON-RPC error
+responses there (unexpected ones are logged with their traceback and answered -32603; they never
+take the connection down).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import trio
+from msgspec import UNSET, Raw
+
+from gateway import __version__, errors, handlers
+from gateway.events import RequestFinished, RequestOutcome, RequestStarted
+from gateway.handlers import HANDLERS, PRE_INIT, Request, Target
+from gateway.protocol import era, jsonrpc, mcp
+from gateway.protocol.routing import CallState
+from gateway.session import ClientSession
+
+if TYPE_CHECKING:
+    from gateway.backend.child import ChildConnection
+    from gateway.backend.instance import Instance
+    from gateway.backend.pool import Backend
+    from gateway.hub import Hub
+    from gateway.protocol.routing import Call
+
+LOGGER = logging.getLogger(__name__)
+
+
+def error_response(id: int | str | None, exc: errors.GatewayError) -> bytes:
+    """The JSON-RPC error response for ``exc``: every error the gateway answers goes through here."""
+    return jsonrpc.encode_error(id, exc.code, exc.message, exc.error_data())
+
+
+class Served:
+    """One client request being served: ``session.inflight``'s entry for its id, and the one
+    place where its answer is made (:meth:`end`, exceptions become JSON-RPC errors there).
+
+    Served three ways: answered by the gateway at once; *forwarded* without a task (it is then
+    the handle of its call at the child, told by :meth:`finished`); or in a task of the
+    connection's nursery (:func:`_run_slow`) when it must wait for something.
+    """
+
+    __slots__ = ("backend", "call", "child", "ended", "forwarded_at", "hub", "id", "inst", "label",
+                 "modern", "reply", "req", "retried", "scope", "session", "size", "started",
+                 "target")
+
+    def __init__(self, hub: Hub, session: ClientSession, env: jsonrpc.Envelope, size: int,
+                 reply: Callable[[bytes | None, int | str | None], None]) -> None:
+        assert isinstance(env.id, int | str) and isinstance(env.method, str)
+        self.hub = hub
+        self.session = session
+        self.id: int | str = env.id
+        self.req = Request(env.id, env.method, {})
+        self.label = mcp.method_label(env.method)
+        self.size = size
+        self.reply = reply
+        self.started = trio.current_time()
+        self.ended = False
+        self.scope: trio.CancelScope | None = None  # served in a task
+        self.target: Target | None = None
+        self.backend: Backend | None = None  # forwarded without a task: where to
+        self.inst: Instance | None = None
+        self.child: ChildConnection | None = None
+        self.call: Call | None = None
+        self.forwarded_at = 0.0
+        self.retried = False
+        self.modern = False  # a 2026-07-28 request: its result says resultType (see gateway.protocol.era)
+
+    def cancel(self) -> None:
+        """The client cancelled it, its connection closed, or the drain grace is over (then it
+        is answered -32005 ``shutdown``, ``retryable: false``: it may have had effects)."""
+        if self.call is not None and self.child is not None:
+            error = None
+            if self.hub.calls_cut_off:  # a call still queued never reached the child: retryable
+                error = _cut_off(retryable=self.call.state is CallState.QUEUED)
+            self.child.cancel(self.call, error)
+        elif self.scope is not None:
+            self.scope.cancel()
+
+    def forward_now(self) -> bool:
+        """Forward to the target's backend without a task, if an instance takes it right now."""
+        hub, session, req, target = self.hub, self.session, self.req, self.target
+        assert target is not None
+        backend = hub.backend_now(target.backend)
+        if backend is None:
+            return False
+        picked = backend.pick_now(session)
+        if picked is None:
+            return False
+        inst, child = picked
+        req.backend = backend.name
+        if not req.counted:
+            req.counted = True
+            hub.bus.emit(RequestStarted(session.conn_id, self.label, backend.name))
+        client_token, meta = handlers.progress_token(req, target.params)
+        self.backend, self.inst, self.child = backend, inst, child
+        self.forwarded_at = trio.current_time()
+        try:
+            self.call = child.start(req.method, UNSET, handle=self, now=self.forwarded_at, owner=session,
+                                    hard_timeout=backend.cfg.max_call_duration, progress=client_token,
+                                    rewrite=handlers.rewriter(target.params, meta))
+        except errors.NotDelivered:  # the child just died: the slow path waits for the next one
+            backend.release(inst, session)
+            self.child = None
+            return False
+        except errors.GatewayError as exc:
+            backend.release(inst, session)
+            self.child = None
+            self.end(exc=exc)
+        return True
+
+    def finished(self, result: Raw | None, error: errors.GatewayError | None) -> None:
+        """The forwarded call is over (see :class:`gateway.protocol.routing.Finished`)."""
+        assert self.backend is not None and self.inst is not None
+        self.call = None
+        self.req.backend_time = trio.current_time() - self.forwarded_at
+        self.backend.release(self.inst, self.session)
+        if (isinstance(error, errors.NotDelivered) and not self.retried and self.target is not None
+                and not self.session.closed.is_set() and self.session.nursery is not None):
+            # The child died before reading it: once more, on the next child (slow path).
+            LOGGER.info("backend %s died before %s reached it; retrying once", self.inst.name,
+                        self.req.method, extra=self.session.log_fields)
+            self.retried = True
+            self.child = None
+            self.scope = trio.CancelScope()
+            self.session.nursery.start_soon(_run_slow, self)
+            return
+        self.end(result, error, cancelled=result is None and error is None)
+
+    def end(self, result: Raw | None = None, exc: BaseException | None = None, *,
+            cancelled: bool = False) -> None:
+        """Answer the request (a cancelled one gets no answer) and account for it, once."""
+        if self.ended:
+            return
+        self.ended = True
+        hub, session, req = self.hub, self.session, self.req
+        code: int | None = None
+        response: bytes | None = None
+        if cancelled and hub.calls_cut_off:  # drain grace over: say so, not silence
+            exc = _cut_off()
+        if cancelled and exc is None:
+            outcome = RequestOutcome.CANCELLED  # a cancelled request gets no response
+        elif exc is None:
+            assert result is not None
+            outcome = RequestOutcome.OK
+            if self.modern:
+                result = era.complete(req.method, result)
+            response = jsonrpc.encode_result(self.id, result)
+        else:
+            outcome = RequestOutcome.ERROR
+            if not isinstance(exc, errors.GatewayError):
+                LOGGER.error("connection %s: %s failed", session.conn_id, req.method,
+                             exc_info=exc, extra=session.log_fields)
+                exc = errors.InternalError(f"internal error while handling {req.method}")
+            if self.modern:
+                exc = era.modern_error(exc)
+            code = exc.code
+            response = error_response(self.id, exc)
+        self.reply(response, self.id)
+        session.inflight.pop(self.id, None)
+        session.buffers.release(self.size)
+        if not session.inflight:
+            hub.connections_changed()
+        hub.bus.emit(RequestFinished(session.conn_id, self.label, req.backend, outcome, code,
+                                     trio.current_time() - self.started, req.backend_time, req.tool))
+
+
+def _cut_off(*, retryable: bool = False) -> errors.GatewayError:
+    if retryable:
+        return errors.Denied("the gateway shut down before this call reached the backend; send it "
+                             "elsewhere", reason="shutdown", retryable=True)
+    return errors.Denied("the gateway shut down before this call finished; it may have had effects",
+                         reason="shutdown", retryable=False)
+
+
+def serve_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, size: int,
+                   reply: Callable[[bytes | None, int | str | None], None]) -> None:
+    """Serve one admitted request: at once when the gateway answers it or a backend instance
+    takes it now (no task), else in a task."""
+    served = Served(hub, session, env, size, reply)
+    session.inflight[served.id] = served
+    session.buffers.charge(size)  # the request's bytes live until it is answered
+    req = served.req
+    method = req.method
+    handler = HANDLERS.get(method)
+    targeter = handlers.FORWARDED.get(method)
+    try:
+        if (handler is None and targeter is None and method not in handlers.ASYNC_HANDLERS
+                and method != "server/discover"):
+            raise errors.MethodNotFound(f"method {method!r} not found")
+        req.params = jsonrpc.params_dict(env.params)
+        if session.era is None:  # the first request chooses the connection's era
+            session.era = era.era_of(method, req.params)
+        if session.era is era.Era.MODERN:
+            served.modern = True
+            era.check_modern(method, req.params)
+            if method == "server/discover":
+                served.end(era.discover(hub.advertised_capabilities(), hub.server_name, __version__))
+                return
+        elif method == "server/discover":
+            raise errors.MethodNotFound(f"method {method!r} not found: this connection speaks "
+                                        f"{session.protocol_version or 'a legacy revision'}")
+        elif not session.initialized and method not in PRE_INIT:
+            raise errors.InvalidRequest(f"{method}: the connection is not initialized yet")
+        if handler is not None:
+            served.end(handler(hub, session, req))
+            return
+        if targeter is not None:
+            served.target = targeter(hub, session, req)
+            if served.modern:  # the child is legacy: it gets no modern envelope
+                era.strip_envelope(served.target.params)
+            handlers.progress_token(req, served.target.params)  # a bad token fails here, not later
+            if served.target.consent is None and served.forward_now():
+                return
+    except Exception as exc:
+        served.end(exc=exc)
+        return
+    served.scope = trio.CancelScope()
+    assert session.nursery is not None
+    session.nursery.start_soon(_run_slow, served)
+
+
+async def _run_slow(served: Served) -> None:
+    """Serve a request that must wait (consent, an instance starting or busy, a backend's answer)."""
+    hub, session, req = served.hub, served.session, served.req
+    assert served.scope is not None
+    result: Raw | None = None
+    exc: BaseException | None = None
+    try:
+        with served.scope:
+            try:
+                if served.target is not None:
+                    result = await handlers.forward(hub, session, req, served.target)
+                else:
+                    result = await handlers.ASYNC_HANDLERS[req.method](hub, session, req)
+            except Exception as e:
+                exc = e
+    finally:
+        served.end(result, exc, cancelled=result is None and exc is None)
