@@ -28,7 +28,6 @@ from gateway.protocol import jsonrpc, mcp
 LOGGER = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from gateway.backend.pool import Backend
     from gateway.hub import Hub
     from gateway.session import ClientSession
 
@@ -150,6 +149,8 @@ class Target:
     backend: str
     params: dict[str, Raw]  # the params for the backend (names mapped back)
     consent: tuple[str, Any] | None = None  # (tool, arguments): policy asks the user first
+    progress: Any = None  # the caller's progress token, if any (see :func:`progress_token`)
+    meta: dict[str, Raw] | None = None  # the request's ``_meta``, decoded one level, if any
 
 
 Targeter = Callable[["Hub", "ClientSession", Request], Target]
@@ -197,9 +198,8 @@ async def forward(hub: Hub, session: ClientSession, req: Request, target: Target
     if not req.counted:
         req.counted = True
         hub.bus.emit(RequestStarted(session.conn_id, mcp.method_label(req.method), backend.name))
-    params = target.params
-    client_token, meta = progress_token(req, params)
-    rewrite = rewriter(params, meta)
+    rewrite = rewriter(target.params, target.meta)
+    client_token = target.progress
     started = trio.current_time()
     for attempt in range(2):
         inst, child = await backend.acquire(session)

@@ -107,13 +107,12 @@ class Served:
         if not req.counted:
             req.counted = True
             hub.bus.emit(RequestStarted(session.conn_id, self.label, backend.name))
-        client_token, meta = handlers.progress_token(req, target.params)
         self.backend, self.inst, self.child = backend, inst, child
         self.forwarded_at = trio.current_time()
         try:
             self.call = child.start(req.method, UNSET, handle=self, now=self.forwarded_at, owner=session,
-                                    hard_timeout=backend.cfg.max_call_duration, progress=client_token,
-                                    rewrite=handlers.rewriter(target.params, meta))
+                                    hard_timeout=backend.cfg.max_call_duration, progress=target.progress,
+                                    rewrite=handlers.rewriter(target.params, target.meta))
         except errors.NotDelivered:  # the child just died: the slow path waits for the next one
             backend.release(inst, session)
             self.child = None
@@ -224,7 +223,9 @@ def serve_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, size:
             served.target = targeter(hub, session, req)
             if served.modern:  # the child is legacy: it gets no modern envelope
                 era.strip_envelope(served.target.params)
-            handlers.progress_token(req, served.target.params)  # a bad token fails here, not later
+            # decoded once, here: a bad token fails the request at once
+            target = served.target
+            target.progress, target.meta = handlers.progress_token(req, target.params)
             if served.target.consent is None and served.forward_now():
                 return
     except Exception as exc:
