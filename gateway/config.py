@@ -46,6 +46,12 @@ class GatewaySection(Base):
     drain_grace: float = 20 * SECONDS  # SIGTERM: how long in-flight calls may finish
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_target: Literal["auto", "stderr", "journal"] = "auto"
+    # Era bridging (gateway.bridge): the replica id leads every requestState ("" = the host
+    # name's first label), signed with the key in state_key_file ("" = a random key per start;
+    # generated when the file is absent); a parked flow not resumed in state_ttl seconds ends.
+    replica_id: str = ""
+    state_key_file: str = ""
+    state_ttl: float = 300 * SECONDS
 
 
 class ListenSection(Base):
@@ -295,6 +301,10 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
         errors.append("gateway.buffered_bytes_total: must be at least gateway.outbound_bytes")
     if g.write_stall_timeout <= 0:
         errors.append("gateway.write_stall_timeout: must be positive")
+    if g.replica_id and not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", g.replica_id):
+        errors.append("gateway.replica_id: must be 1-64 characters from [A-Za-z0-9_-]")
+    if g.state_ttl <= 0:
+        errors.append("gateway.state_ttl: must be positive")
     for key in ("page_size", "max_inflight_per_connection", "outbound_queue", "max_connections"):
         if getattr(g, key) < 1:
             errors.append(f"gateway.{key}: must be at least 1")

@@ -60,6 +60,7 @@ class Answer:
     code: int = 0
     message: str = ""
     reason: str = ""  # why the gateway answered itself (for the refusal event), "" if not refused
+    data: dict[str, Any] | None = None  # the error's ``data``, beyond ``reason``
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +83,9 @@ def decide(
     owners: set[ClientSession],
     declared: frozenset[str],
 ) -> Answer | Forward:
-    """What to do with a child's server→client request (pure)."""
+    """What to do with a child's server→client request (pure).  A modern owner (a bridged
+    flow, ``owner.mrtr``) that lacks the capability gets nothing asked: the child is answered
+    -32021 with ``data.requiredCapabilities`` (2026-07-28), and the flow goes on."""
     if method == "roots/list" and sharing != "per-session":
         return Answer(result=jsonrpc.encode_dict({"roots": [{"uri": r} for r in config_roots]}))
     capability = {"elicitation/create": "elicitation", "sampling/createMessage": "sampling",
@@ -102,6 +105,10 @@ def decide(
                        f"{method} refused: calls of {len(owners)} connections are in flight, "
                        "the requesting one cannot be proven (use sharing = \"affine\" or \"per-session\")")
     (owner,) = owners
+    if owner.mrtr is not None and not owner.caps.allows(method, params):
+        return Answer(code=errors.MISSING_CAPABILITY, reason="no_capability",
+                      message=f"the calling client did not declare the {capability} capability",
+                      data={"requiredCapabilities": {capability: {}}})
     if not owner.caps.allows(method, params):
         if method == "elicitation/create" and owner.caps.has_capability(method):
             mode = params.get("mode", "form")
@@ -146,8 +153,9 @@ class Ownership:
             if decision.result is not None:
                 child.respond(child_id, decision.result)
             else:
+                data = {"reason": decision.reason} if decision.reason else {}
                 child.respond_error(child_id, decision.code, decision.message,
-                                    {"reason": decision.reason} if decision.reason else None)
+                                    {**data, **(decision.data or {})} or None)
             return
         self._forward(inst, child, child_id, method, fields, decision.owner)
 
@@ -161,7 +169,8 @@ class Ownership:
             child.respond_error(child_id, errors.INVALID_REQUEST,
                                 f"request id {child_id!r} is already in use by an open request")
             return
-        req = owner.open_request(method, fields)
+        bridge = owner.mrtr
+        req = owner.open_request(method, fields, send=bridge is None)
         elicitation_id = fields.get("elicitationId") if method == "elicitation/create" else None
         if isinstance(elicitation_id, str):
             self.elicitations[(backend, elicitation_id)] = owner
@@ -179,6 +188,8 @@ class Ownership:
         child.perform(router.server_request(child_id, owner, method, req, trio.current_time()))
         if req.outcome is not None:  # the owner was already gone: it ended before anyone listened
             ended(req)
+        elif bridge is not None:  # asked in the flow's InputRequiredResult, under the child's id
+            bridge.requested(owner, str(child_id), req)
 
     def child_cancelled(self, child: ChildConnection, child_id: int | str) -> None:
         child.perform(child.router.child_cancelled(child_id))

@@ -20,7 +20,7 @@ from functools import partial
 
 import trio
 
-from gateway import __version__, config, connection
+from gateway import __version__, bridge, config, connection
 from gateway.backend import process
 from gateway.config import GatewayConfig
 from gateway.errors import CloseReason, ConfigError
@@ -280,7 +280,8 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
             endpoint = Endpoint(sessions, hosts=ls.allowed_host_names(http_listeners, cfg.listen.allowed_hosts),
                                 allowed_origins=cfg.listen.allowed_origins,
                                 max_json_depth=cfg.gateway.max_json_depth,
-                                ports=frozenset(ls.bound_port([lst]) for lst in http_listeners))
+                                ports=frozenset(ls.bound_port([lst]) for lst in http_listeners),
+                                bridge=bridge.from_config(cfg.gateway))
             await nursery.start(lambda task_status: serve_http(
                 http_listeners, endpoint, max_message=max_msg, handler_nursery=conns, slots=hub.slots,
                 task_status=task_status))

@@ -27,7 +27,7 @@ from msgspec import UNSET, Raw
 from gateway import __version__, errors, handlers
 from gateway.events import RequestFinished, RequestOutcome, RequestStarted
 from gateway.handlers import HANDLERS, PRE_INIT, Request, Target
-from gateway.protocol import era, jsonrpc, mcp
+from gateway.protocol import era, jsonrpc, mcp, mrtr
 from gateway.protocol.routing import CallState
 from gateway.session import ClientSession
 
@@ -172,6 +172,8 @@ class Served:
             response = error_response(self.id, exc)
         self.reply(response, self.id)
         session.inflight.pop(self.id, None)
+        if session.flow is not None:
+            session.flow.call_ended()
         session.buffers.release(self.size)
         if not session.inflight:
             hub.connections_changed()
@@ -207,7 +209,9 @@ def serve_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, size:
             session.era = era.era_of(method, req.params)
         if session.era is era.Era.MODERN:
             served.modern = True
-            era.check_modern(method, req.params)
+            caps = era.check_modern(method, req.params)
+            if session.mrtr is not None:  # a flow serves one request: its capabilities are exact
+                session.caps = mcp.ClientCaps(caps)
             if method == "server/discover":
                 served.end(era.discover(hub.advertised_capabilities(), hub.server_name, __version__))
                 return
@@ -221,8 +225,10 @@ def serve_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, size:
             return
         if targeter is not None:
             served.target = targeter(hub, session, req)
-            if served.modern:  # the child is legacy: it gets no modern envelope
+            if served.modern:  # the child is legacy: it gets no modern envelope, no round trip
                 era.strip_envelope(served.target.params)
+                for key in mrtr.ROUND_TRIP_KEYS:
+                    served.target.params.pop(key, None)
             # decoded once, here: a bad token fails the request at once
             target = served.target
             target.progress, target.meta = handlers.progress_token(req, target.params)

@@ -35,7 +35,7 @@ import secrets
 import sys
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
@@ -48,6 +48,9 @@ from gateway.limits import ByteBudget
 from gateway.outbox import MessageWriter, Outbox
 from gateway.protocol import jsonrpc, mcp
 from gateway.protocol.era import Era
+
+if TYPE_CHECKING:
+    from gateway.bridge import Bridge, Flow
 
 LOGGER = logging.getLogger(__name__)
 
@@ -131,6 +134,9 @@ class ClientSession:
         self.close_reason = CloseReason.CLIENT_CLOSED
         self.cancel_scope: trio.CancelScope | None = None
         self.nursery: trio.Nursery | None = None  # where requests that must wait run
+        # A modern HTTP flow: the child's requests to it are bridged (gateway.bridge), not sent
+        self.mrtr: Bridge | None = None
+        self.flow: Flow | None = None  # its bridged call, once the child asked for input
 
     def __repr__(self) -> str:
         return f"<ClientSession {self.conn_id} {self.transport}>"
@@ -220,14 +226,17 @@ class ClientSession:
 
     # ---- server→client requests ---------------------------------------------------------------
 
-    def open_request(self, method: str, params: Any) -> ServerRequest:
-        """Record a request to this client and send it; the caller awaits ``req.done``."""
+    def open_request(self, method: str, params: Any, *, send: bool = True) -> ServerRequest:
+        """Record a request to this client and send it (unless ``send`` is false: a bridged
+        flow asks for it in its ``InputRequiredResult``); the caller awaits ``req.done``."""
         rid = f"gw-{self._id_salt}-{next(self._ids)}"
         req = ServerRequest(rid, method, params)
         self.server_requests[rid] = req
         req.on_end.append(self._forget)
         if self.closed.is_set():  # nobody will ever answer (end_all_requests already ran)
             req.finish(ServerRequestOutcome.OWNER_GONE)
+            return req
+        if not send:
             return req
         payload = params if isinstance(params, Raw) else jsonrpc.encode_dict(params)
         self.send(jsonrpc.encode_request(rid, method, payload))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import msgspec
 import trio
@@ -31,10 +32,13 @@ from gateway import errors
 from gateway.config import host_allowed
 from gateway.errors import TransportClosed
 from gateway.limits import ConnectionSlots
-from gateway.protocol import era, jsonrpc, mcp
+from gateway.protocol import era, jsonrpc, mcp, mrtr
 from gateway.transports.http import HttpConnection, HttpError, Request
 from gateway.transports.listeners import Accepted, SlottedListener
 from gateway.transports.streamable import SESSION_HEADER, HttpSession, Sink
+
+if TYPE_CHECKING:
+    from gateway.bridge import Bridge
 
 LOGGER = logging.getLogger(__name__)
 
@@ -77,11 +81,12 @@ class Sessions:
         self._nursery.start_soon(self._run, session)
         return session
 
-    def flow(self) -> HttpSession:
+    def flow(self, bridge: Bridge | None = None) -> HttpSession:
         """A modern (2026-07-28) request's own short-lived owner: never listed, never named to
-        the client; it ends with its request."""
+        the client; it ends with its request, or when its bridged call ends (gateway.bridge)."""
         session = HttpSession(self.idle_timeout)
         session.id = ""
+        session.mrtr = bridge
         self._nursery.start_soon(self._run, session)
         return session
 
@@ -98,8 +103,10 @@ class Endpoint:
     """What ``/mcp`` needs to answer a request: the checks' allow-lists and the sessions."""
 
     def __init__(self, sessions: Sessions, *, hosts: frozenset[str], allowed_origins: Sequence[str],
-                 max_json_depth: int, ports: frozenset[int] = frozenset()) -> None:
+                 max_json_depth: int, ports: frozenset[int] = frozenset(),
+                 bridge: Bridge | None = None) -> None:
         self.sessions = sessions
+        self.bridge = bridge  # None: a legacy child's requests to a modern caller are refused
         self.hosts = hosts
         self.allowed_origins = allowed_origins
         self.max_json_depth = max_json_depth
@@ -246,7 +253,7 @@ class Endpoint:
                        "mcp-method": req.header(b"mcp-method"), "mcp-name": req.header(b"mcp-name")}
             mismatch = era.version_mismatch(params, headers)  # before the version is judged
             if mismatch is None:
-                era.check_modern(env.method, params)
+                caps = era.check_modern(env.method, params)
                 mismatch = era.header_mismatch(env.method, params, headers)
         except errors.MethodNotFound as exc:
             raise _jsonrpc_error(404, exc, env.id) from None
@@ -254,13 +261,38 @@ class Endpoint:
             raise _jsonrpc_error(400, exc, env.id) from None
         if mismatch is not None:
             raise _jsonrpc_error(400, mismatch, env.id)
-        session = self.sessions.flow()
         sink = Sink(conn, "", env.id)
         sink.token = _progress_token(env.params)
+        if "requestState" in params and env.method in mrtr.METHODS:
+            session = self._resume(env, params, caps, sink)
+            try:
+                await _hold(conn, session, sink)
+            finally:
+                if not _parked(session):
+                    session.terminate()
+            return
+        session = self.sessions.flow(self.bridge)
         try:
             await self._stream(conn, session, sink, body)
         finally:
-            session.terminate()  # answered, or the client closed the stream: that cancels it
+            if not _parked(session):  # answered, or the client closed the stream: that cancels it
+                session.terminate()
+
+    def _resume(self, env: jsonrpc.Envelope, params: dict[str, jsonrpc.Raw], caps: dict[str, object],
+                sink: Sink) -> HttpSession:
+        """A retry carrying ``requestState``: the parked flow it continues (gateway.bridge),
+        with ``sink`` open for the retry's id."""
+        assert isinstance(env.method, str) and isinstance(env.id, int | str)
+        if self.bridge is None:
+            raise _jsonrpc_error(400, mrtr.invalid_state("this gateway issues no requestState"), env.id)
+        try:
+            owner = self.bridge.resume(env.method, params, env.id, caps)
+        except errors.GatewayError as exc:
+            raise _jsonrpc_error(400, exc, env.id) from None
+        session = owner.writer
+        assert isinstance(session, HttpSession)
+        session.open_post(sink)
+        return session
 
     def _accepted(self, conn: HttpConnection, session: HttpSession, body: bytes) -> None:
         if not session.push(body):
@@ -273,6 +305,12 @@ class Endpoint:
             session.close_sink(sink)
             raise HttpError(503, "this session's inbox is full; retry later")
         await _hold(conn, session, sink)
+
+
+def _parked(session: HttpSession) -> bool:
+    """Whether the flow answered ``input_required`` and waits for the client's retry."""
+    client = session.client
+    return client is not None and client.flow is not None and client.flow.parked
 
 
 def _is_modern(req: Request, env: jsonrpc.Envelope) -> bool:

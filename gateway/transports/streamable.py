@@ -40,10 +40,12 @@ import msgspec
 import trio
 from msgspec import UNSET, Raw, UnsetType
 
+from gateway import errors
 from gateway.errors import CloseReason, TransportClosed
 from gateway.wakeup import Wakeup
 
 if TYPE_CHECKING:
+    from gateway.bridge import Bridge
     from gateway.session import ClientSession
     from gateway.transports.http import HttpConnection
 
@@ -75,6 +77,17 @@ class _ProgressParams(msgspec.Struct):
     progressToken: RequestId | None = None
 
 
+class _Code(msgspec.Struct):
+    code: int = 0
+
+
+class _Error(msgspec.Struct):
+    error: _Code | None = None
+
+
+#: Modern errors answered with HTTP 400 (2026-07-28 Streamable HTTP).
+_HTTP_400 = frozenset({errors.HEADER_MISMATCH, errors.MISSING_CAPABILITY, errors.UNSUPPORTED_VERSION})
+_error = msgspec.json.Decoder(_Error)
 _out = msgspec.json.Decoder(_Out)
 _outs = msgspec.json.Decoder(list[_Out])
 _progress = msgspec.json.Decoder(_ProgressParams)
@@ -107,12 +120,23 @@ class Sink:
         if final:
             self.finish_soon()
             if not self.started:  # answered before anything else: a plain JSON response
-                return conn.respond(200, message, "application/json", self._headers())
+                return conn.respond(self._status(message), message, "application/json", self._headers())
             conn.event(message)
             return conn.end_events()
         if not self.started:
             self.start()
         return conn.event(message)
+
+    def _status(self, message: bytes) -> int:
+        """200, or 400 for a modern request refused with an error the 2026-07-28 HTTP transport
+        answers with 400 (missing capability, header mismatch, unsupported version)."""
+        if self.session_id or b'"error"' not in message:
+            return 200
+        try:
+            error = _error.decode(message).error
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return 200
+        return 400 if error is not None and error.code in _HTTP_400 else 200
 
     def _headers(self) -> list[tuple[str, str]]:
         """A modern (2026-07-28) flow has no session: no ``Mcp-Session-Id`` is sent."""
@@ -135,6 +159,7 @@ class HttpSession:
         self.id = secrets.token_urlsafe(24)  # visible ASCII, 192 random bits
         self.idle_timeout = idle_timeout
         self.client: ClientSession | None = None  # bound by connection.serve
+        self.mrtr: Bridge | None = None  # a modern flow's: its child's requests are bridged
         self.closed = False
         self.last_active = trio.current_time()
         self.dropped = 0  # messages no stream could take (logged once per session)
@@ -152,6 +177,7 @@ class HttpSession:
 
     def bind(self, client: ClientSession) -> None:
         self.client = client
+        client.mrtr = self.mrtr
 
     def push(self, message: bytes) -> bool:
         """A POSTed message for the reader; False when the inbox is full."""

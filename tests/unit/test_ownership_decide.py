@@ -18,8 +18,9 @@ ROOTS = ["file:///srv/data", "file:///home/shared"]
 class FakeOwner:
     """Stands in for a ClientSession: decide() only reads ``caps``."""
 
-    def __init__(self, caps: dict[str, Any]) -> None:
+    def __init__(self, caps: dict[str, Any], mrtr: object = None) -> None:
         self.caps = ClientCaps(caps)
+        self.mrtr = mrtr  # a modern HTTP flow's bridge
 
 
 FULL = {"roots": {}, "sampling": {}, "elicitation": {"form": {}, "url": {}}}
@@ -154,6 +155,9 @@ def test_owner_lacking_the_capability_gets_an_error(method: str, caps: dict[str,
     assert answer.result is None
     assert answer.code == errors.UNROUTABLE
     assert answer.reason == "no_capability"
+    bridged = run(method, owners={FakeOwner(caps, mrtr=object())})  # a modern caller (2026-07-28)
+    assert isinstance(bridged, Answer) and bridged.code == errors.MISSING_CAPABILITY
+    assert bridged.data == {"requiredCapabilities": {bridged.message.split()[-2]: {}}}
 
 
 def test_form_only_owner_asked_for_url_mode_is_invalid_params() -> None:

@@ -1,0 +1,268 @@
+"""Era bridging: a legacy child's server→client requests during a modern client's call become an
+``InputRequiredResult``, and the client's retry carries the answers back to the waiting child.
+
+Theory of operation (mcp-spec-digest §5.3; the pure half is :mod:`gateway.protocol.mrtr`).  A
+modern (2026-07-28) POST to ``/mcp`` is served by its own short-lived owner (an HTTP *flow*
+session whose ``ClientSession.mrtr`` is the :class:`Bridge`).  When the routing core forwards
+one of the child's requests to such an owner (``gateway.ownership``), the request is not sent:
+it is recorded in the owner's :class:`Flow` under the child's own request id.  After
+:data:`GATHER` seconds (a child often asks several things at once) the flow answers the round's
+POST with the ``InputRequiredResult`` and a signed ``requestState``, and *parks*: the call stays
+in flight at the child, its timeouts paused by the open requests, its flow session alive.
+
+The client's retry (a new POST, new id, the same params plus ``inputResponses`` and the state)
+is checked by :meth:`Bridge.resume`: the state must verify, name a parked flow of this replica at
+its current round (one-time: each retry consumes the round) and the same call (params digest).
+The retry then becomes the call's request (its id answers it), each answer goes to the child's
+waiting request, and what was not answered is asked again in a fresh ``InputRequiredResult``.
+Whatever the child does next (more requests, its result, an error) reaches the retry's stream.
+
+Nothing waits forever: a parked flow not resumed within ``gateway.state_ttl`` seconds, or one
+whose state was presented tampered, is ended like a closed connection (its waiting requests are
+declined or refused toward the child, its call cancelled at the child); a retry for a flow that
+is gone gets -32602 with ``data.reason = "invalid_state"``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+import trio
+from msgspec import Raw
+
+from gateway import errors
+from gateway.errors import CloseReason, ConfigError
+from gateway.events import ServerRequestOutcome
+from gateway.protocol import jsonrpc, mcp, mrtr
+
+if TYPE_CHECKING:
+    from gateway.config import GatewaySection
+    from gateway.serving import Served
+    from gateway.session import ClientSession, ServerRequest
+
+LOGGER = logging.getLogger(__name__)
+
+#: Seconds a flow waits, after the first request of a round, for more before it answers.
+GATHER = 0.02
+
+
+def load_key(path: str) -> bytes:
+    """The state key in ``path`` (hex), generated (32 random bytes, mode 0600) when absent.
+
+    Raises:
+        ValueError: the file exists but holds no usable key.
+        OSError: it can be neither read nor created.
+    """
+    try:
+        with open(path, encoding="ascii") as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        key = secrets.token_bytes(32)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(key.hex() + "\n")
+        LOGGER.info("generated the requestState key %s", path)
+        return key
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        raise ValueError(f"{path}: the requestState key must be hex") from None
+    if len(key) < 16:
+        raise ValueError(f"{path}: the requestState key must be at least 16 bytes (32 hex digits)")
+    return key
+
+
+def replica_id(configured: str) -> str:
+    """``gateway.replica_id``, or the host name's first label (made safe for a state)."""
+    if configured:
+        return configured
+    label = os.uname().nodename.split(".", 1)[0]
+    return re.sub(r"[^A-Za-z0-9_-]", "-", label)[:64] or "gateway"
+
+
+def from_config(g: GatewaySection) -> Bridge:
+    """The bridge ``[gateway]`` describes (reads or creates ``state_key_file``)."""
+    try:
+        key = load_key(g.state_key_file) if g.state_key_file else secrets.token_bytes(32)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"gateway.state_key_file: {exc}") from None
+    return Bridge(mrtr.StateCodec(key, replica_id(g.replica_id)), g.state_ttl)
+
+
+class Bridge:
+    """The replica's parked flows, by id, and the codec that signs their states."""
+
+    def __init__(self, codec: mrtr.StateCodec, ttl: float) -> None:
+        self.codec = codec
+        self.ttl = ttl
+        self.flows: dict[str, Flow] = {}
+        self.refused = 0  # retries refused for an invalid state (``/status``)
+
+    def flow_of(self, owner: ClientSession) -> Flow:
+        flow = owner.flow
+        if flow is None:
+            flow = owner.flow = Flow(self, owner)
+        return flow
+
+    def requested(self, owner: ClientSession, key: str, req: ServerRequest) -> None:
+        """The routing core gave ``owner`` (a modern flow) the child's request ``key``."""
+        self.flow_of(owner).requested(key, req)
+
+    def resume(self, method: str, params: dict[str, Raw], request_id: int | str,
+               caps: dict[str, object]) -> ClientSession:
+        """Continue the flow a retry's ``requestState`` names; returns its owner, whose flow
+        session must now carry ``request_id``'s stream.
+
+        Raises:
+            InvalidParams: ``invalid_state`` (see the module docstring), or malformed ``inputResponses``.
+        """
+        try:
+            claims = self.codec.verify(jsonrpc.loads(params["requestState"]), time.time())
+            flow = self.flows.get(claims.flow)
+            if flow is None:
+                raise mrtr.invalid_state("its call is over or expired, or was served by another "
+                                         "process of this replica")
+            if not flow.parked or claims.round != flow.round:
+                raise mrtr.invalid_state("it was already used (a requestState is good for one retry)")
+            if claims.digest != mrtr.params_digest(method, params) or method != flow.method:
+                flow.end("a retry presented its state with other params")
+                raise mrtr.invalid_state("the retry's params differ from the call it continues")
+        except errors.InvalidParams as exc:
+            if exc.reason == "invalid_state":
+                self.refused += 1
+                if "signature" in exc.message:
+                    self._end_tampered(params)
+            raise
+        except msgspec.DecodeError:
+            self.refused += 1
+            raise mrtr.invalid_state("not a string") from None
+        answers = mrtr.input_responses(params)  # before anything changes: a bad one changes nothing
+        flow.resume(request_id, answers, caps)
+        return flow.owner
+
+    def _end_tampered(self, params: dict[str, Raw]) -> None:
+        """A state whose signature fails but that names a parked flow of ours: that flow's state
+        is compromised; end it now instead of at its expiry, so its child stops waiting."""
+        try:
+            flow_id = self.codec.peek(jsonrpc.loads(params["requestState"]))
+        except Exception:  # noqa: BLE001 - anything unreadable names no flow
+            return
+        flow = self.flows.get(flow_id) if flow_id else None
+        if flow is not None and flow.parked:
+            flow.end("its requestState was presented tampered")
+
+
+class Flow:
+    """One modern call bridged to a legacy child: its rounds, the child's requests it waits
+    on, and whether it is parked (answered ``input_required``, waiting for the retry)."""
+
+    __slots__ = ("bridge", "digest", "gathering", "id", "method", "owner", "parked", "pending",
+                 "resumed", "round")
+
+    def __init__(self, bridge: Bridge, owner: ClientSession) -> None:
+        self.bridge = bridge
+        self.owner = owner
+        self.id = secrets.token_urlsafe(12)
+        self.round = 0
+        self.parked = False
+        self.gathering = False
+        self.pending: dict[str, ServerRequest] = {}
+        self.method = ""
+        self.digest = ""
+        self.resumed: trio.Event | None = None
+
+    def served(self) -> Served | None:
+        """The call this flow continues (a flow session serves one request)."""
+        return next(iter(self.owner.inflight.values()), None)
+
+    def requested(self, key: str, req: ServerRequest) -> None:
+        self.pending[key] = req  # unique: the router refuses a request id still open at its child
+        req.on_end.append(lambda _req: self.pending.pop(key, None))
+        self._gather()
+
+    def _gather(self) -> None:
+        if self.gathering or self.parked or self.owner.nursery is None:
+            return
+        self.gathering = True
+        self.owner.nursery.start_soon(self._answer_after_gather)
+
+    async def _answer_after_gather(self) -> None:
+        await trio.sleep(GATHER)
+        self.gathering = False
+        self._answer()
+
+    def _answer(self) -> None:
+        """Answer the round's request with what the child waits for, and park."""
+        served = self.served()
+        if served is None or served.ended or not self.pending or self.parked:
+            return
+        if not self.digest:
+            self.method = served.req.method
+            self.digest = mrtr.params_digest(self.method, served.req.params)
+        self.round += 1
+        bridge = self.bridge
+        state = bridge.codec.sign(mrtr.Claims(
+            flow=self.id, round=self.round, expires=int(time.time() + bridge.ttl) + 1,
+            backend=served.req.backend, keys=tuple(self.pending), digest=self.digest))
+        result = mrtr.input_required({k: (r.method, _raw(r.params)) for k, r in self.pending.items()}, state)
+        self.parked = True
+        bridge.flows[self.id] = self  # only parked flows are listed: a retry finds them here
+        served.reply(jsonrpc.encode_result(served.id, result), served.id)
+        self.resumed = trio.Event()
+        assert self.owner.nursery is not None
+        self.owner.nursery.start_soon(self._expire, self.resumed, trio.current_time() + bridge.ttl)
+
+    async def _expire(self, resumed: trio.Event, deadline: float) -> None:
+        try:
+            with trio.move_on_at(deadline):
+                await resumed.wait()
+                return
+            self.end("not resumed within gateway.state_ttl")
+        finally:
+            if not resumed.is_set():  # expired, ended, or its session closed (cancelled)
+                self.bridge.flows.pop(self.id, None)
+
+    def resume(self, request_id: int | str, answers: dict[str, Raw], caps: dict[str, object]) -> None:
+        served = self.served()
+        assert served is not None
+        self.parked = False
+        self.bridge.flows.pop(self.id, None)
+        if self.resumed is not None:
+            self.resumed.set()
+            self.resumed = None
+        inflight = self.owner.inflight
+        inflight.pop(served.id, None)
+        served.id = served.req.id = request_id
+        inflight[request_id] = served
+        self.owner.caps = mcp.ClientCaps(caps)
+        for key, result in answers.items():
+            req = self.pending.get(key)
+            if req is not None:  # keys the child did not ask are ignored (the spec says so)
+                req.finish(ServerRequestOutcome.ANSWERED, result=result)
+        if self.pending:  # asked again, with whatever the child asks next
+            self._gather()
+
+    def end(self, why: str) -> None:
+        """End the flow like a closed connection: the child's requests are declined or refused,
+        its call cancelled at the child."""
+        LOGGER.info("bridged %s flow %s ended: %s", self.method or "call", self.id, why,
+                    extra=self.owner.log_fields)
+        self.bridge.flows.pop(self.id, None)
+        self.parked = False
+        self.owner.close(CloseReason.CLIENT_CLOSED)
+
+    def call_ended(self) -> None:
+        """The call is over.  While parked nobody hears of it (the client is between rounds): end
+        the flow now; its retry gets ``invalid_state``."""
+        if self.parked:
+            self.end("the call ended while waiting for the client's input")
+
+
+def _raw(params: object) -> Raw:
+    return params if isinstance(params, Raw) else jsonrpc.encode_dict(params)  # type: ignore[arg-type]

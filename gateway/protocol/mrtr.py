@@ -1,0 +1,173 @@
+"""Multi-round-trip requests (2026-07-28, "MRTR"): the signed ``requestState`` the gateway hands a
+modern client when it bridges a legacy child's server→client requests, and the pieces of an
+``InputRequiredResult`` (pure).
+
+Theory of operation (mcp-spec-digest §5.3).  A legacy child asks for input by sending requests
+(``elicitation/create``, ``sampling/createMessage``, ``roots/list``) while it serves a call; a
+modern client cannot be sent requests.  The gateway keeps the child waiting and answers the
+client's call with ``{"resultType": "input_required", "inputRequests": {key: {method, params}},
+"requestState": state}``, the keys being the child's own request ids.  The client retries the
+call (new JSON-RPC id, same params) with ``inputResponses`` and the state byte-exact; the gateway
+checks the state and hands the answers to the waiting child.
+
+The state is attacker-controlled input, so it is signed: ``<replica_id>.<payload>.<mac>``, the
+payload base64url JSON of the claims (flow id, round, expiry, backend, the keys asked, a digest
+of the original params, the principal), the mac HMAC-SHA256 over ``<replica_id>.<payload>`` with
+the replica's key.  The replica id stays readable so a load balancer can route a retry to the
+replica that holds the waiting child (issue "fleet").  :meth:`StateCodec.verify` refuses
+anything not signed by this replica's key, expired, or malformed, with
+:class:`~gateway.errors.InvalidParams` carrying ``data.reason = "invalid_state"``; one-time use
+(a replayed round) is the flow table's to refuse, since only it knows the current round.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from msgspec import Raw
+
+from gateway import errors
+from gateway.protocol import jsonrpc
+
+#: The requests that may answer ``input_required`` (spec: MUST NOT on others).
+METHODS = frozenset({"tools/call", "prompts/get", "resources/read"})
+#: Params that belong to the round trip, not to the call itself (never forwarded to a legacy
+#: child, left out of the digest).
+ROUND_TRIP_KEYS = frozenset({"inputResponses", "requestState"})
+#: Longest ``requestState`` accepted (a real one is a few hundred bytes).
+MAX_STATE = 4096
+
+
+def invalid_state(why: str) -> errors.InvalidParams:
+    return errors.InvalidParams(f"requestState refused: {why}", reason="invalid_state")
+
+
+@dataclass(frozen=True, slots=True)
+class Claims:
+    flow: str  # the flow's id in the replica's table
+    round: int  # which InputRequiredResult of the flow this state answers
+    expires: int  # unix seconds
+    backend: str
+    keys: tuple[str, ...]  # the inputRequests keys of that round
+    digest: str  # of the original call's params (see :func:`params_digest`)
+    principal: str | None = None
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+class StateCodec:
+    """Signs and verifies ``requestState`` for one replica."""
+
+    def __init__(self, key: bytes, replica_id: str) -> None:
+        if not key:
+            raise ValueError("the state key must not be empty")
+        if not replica_id or "." in replica_id:
+            raise ValueError("replica_id must be non-empty and contain no '.'")
+        self._key = key
+        self.replica_id = replica_id
+
+    def _mac(self, signed: str) -> str:
+        return _b64(hmac.new(self._key, signed.encode("ascii"), hashlib.sha256).digest())
+
+    def sign(self, claims: Claims) -> str:
+        payload = _b64(json.dumps(
+            {"f": claims.flow, "n": claims.round, "x": claims.expires, "b": claims.backend,
+             "k": list(claims.keys), "d": claims.digest, "p": claims.principal},
+            separators=(",", ":")).encode())
+        signed = f"{self.replica_id}.{payload}"
+        return f"{signed}.{self._mac(signed)}"
+
+    def verify(self, state: object, now: float) -> Claims:
+        """The claims of a state this replica signed and that has not expired.
+
+        Raises:
+            InvalidParams: (``reason: invalid_state``) anything else.
+        """
+        if not isinstance(state, str) or len(state) > MAX_STATE:
+            raise invalid_state("not a state this gateway issued")
+        replica, _, rest = state.partition(".")
+        payload, _, mac = rest.partition(".")
+        if replica != self.replica_id:
+            raise invalid_state(f"it was issued by replica {replica[:64]!r}, this is {self.replica_id!r}")
+        if not payload or not hmac.compare_digest(mac, self._mac(f"{replica}.{payload}")):
+            raise invalid_state("its signature does not verify (tampered, or signed with another key)")
+        try:
+            fields = json.loads(_unb64(payload))
+            claims = Claims(flow=fields["f"], round=fields["n"], expires=fields["x"], backend=fields["b"],
+                            keys=tuple(fields["k"]), digest=fields["d"], principal=fields["p"])
+        except (ValueError, KeyError, TypeError, binascii.Error):  # signed by us: cannot happen
+            raise invalid_state("its payload is malformed") from None
+        if claims.expires <= now:
+            raise invalid_state("it has expired (gateway.state_ttl)")
+        return claims
+
+
+    def peek(self, state: str) -> str | None:
+        """The flow id a state names, NOT verified (only to end a flow whose state was tampered)."""
+        replica, _, rest = state.partition(".")
+        if replica != self.replica_id:
+            return None
+        try:
+            flow = json.loads(_unb64(rest.partition(".")[0])).get("f")
+        except (ValueError, AttributeError, binascii.Error):
+            return None
+        return flow if isinstance(flow, str) else None
+
+
+def params_digest(method: str, params: dict[str, Raw]) -> str:
+    """A digest of a call's own params (not ``_meta``, not the round-trip keys): a retry must
+    repeat the call it continues."""
+    body = {k: _canonical(v) for k, v in params.items() if k != "_meta" and k not in ROUND_TRIP_KEYS}
+    text = json.dumps([method, body], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return _b64(hashlib.sha256(text.encode()).digest()[:18])
+
+
+def _canonical(raw: Raw) -> Any:
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return bytes(raw).decode("utf-8", "replace")
+
+
+def input_responses(params: dict[str, Raw]) -> dict[str, Raw]:
+    """The retry's ``inputResponses``: an object of objects (each value a result for the key's
+    request), re-encoded one by one.
+
+    Raises:
+        InvalidParams: not an object, or a value that is not an object.
+    """
+    raw = params.get("inputResponses")
+    if raw is None:
+        return {}
+    try:
+        fields = jsonrpc.raw_dict(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        raise errors.InvalidParams("inputResponses must be an object keyed by inputRequests keys") from None
+    for key, value in fields.items():
+        if bytes(value).lstrip()[:1] != b"{":
+            raise errors.InvalidParams(f"inputResponses[{key[:64]!r}] must be an object (the result of "
+                                       "that input request)")
+    return fields
+
+
+def input_required(requests: dict[str, tuple[str, Raw]], state: str) -> Raw:
+    """An ``InputRequiredResult``: ``requests`` maps each key to (method, params)."""
+    return jsonrpc.encode_dict({
+        "resultType": "input_required",
+        "inputRequests": {key: {"method": method, "params": params}
+                          for key, (method, params) in requests.items()},
+        "requestState": state,
+    })
