@@ -41,6 +41,7 @@ from gateway.events import (
     ServerRequestRouted,
 )
 from gateway.protocol import jsonrpc
+from gateway.protocol.era import Era
 
 if TYPE_CHECKING:
     from gateway.backend.child import ChildConnection
@@ -103,6 +104,9 @@ def decide(
                        "the requesting one cannot be proven (use sharing = \"affine\" or \"per-session\")")
     (owner,) = owners
     if not owner.caps.allows(method, params):
+        if owner.era is Era.MODERN:  # 2026-07-28: the spec's missing-capability error
+            return Answer(code=errors.MISSING_CAPABILITY, reason="no_capability",
+                          message=f"the calling client did not declare the {capability} capability")
         if method == "elicitation/create" and owner.caps.has_capability(method):
             mode = params.get("mode", "form")
             return Answer(code=errors.INVALID_PARAMS, reason="no_capability",

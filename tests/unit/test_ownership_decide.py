@@ -16,10 +16,11 @@ ROOTS = ["file:///srv/data", "file:///home/shared"]
 
 
 class FakeOwner:
-    """Stands in for a ClientSession: decide() only reads ``caps``."""
+    """Stands in for a ClientSession: decide() only reads ``caps`` and ``era``."""
 
     def __init__(self, caps: dict[str, Any]) -> None:
         self.caps = ClientCaps(caps)
+        self.era = None  # not pinned yet: a legacy one's rules
 
 
 FULL = {"roots": {}, "sampling": {}, "elicitation": {"form": {}, "url": {}}}
