@@ -11,7 +11,8 @@ every outgoing message to one open response stream (a :class:`Sink`), never to t
   POST whose request ids it answers); when that POST's stream is gone the response is dropped
   (the call is not cancelled by a closed stream: the spec says so);
 - ``notifications/progress`` goes to the POST whose request carried that ``progressToken``;
-- list and resource-update notifications (unrelated to any request) go to the GET stream;
+- list and resource-update notifications (unrelated to any request) go to the GET stream (a
+  modern flow, which has none, gets them only for its ``subscriptions/listen``: to its POST);
 - anything else (log messages, elicitation/sampling/roots requests, their cancellations) goes to
   the only open POST stream when there is exactly one (the routing core delivered it to this
   owner because one of its calls caused it), else to the GET stream, else to the oldest open POST;
@@ -20,7 +21,7 @@ every outgoing message to one open response stream (a :class:`Sink`), never to t
   GET stream opens; beyond that the oldest is dropped and counted.
 
 A POST's response is JSON when the response is the first thing for it (the usual case), else an
-SSE stream that the response ends.  Writes are synchronous; what a socket does not take is held
+SSE stream that the response ends; a modern flow's -32021 error is sent with status 400.  Writes are synchronous; what a socket does not take is held
 by that socket's :class:`~gateway.transports.rawio.SocketIO`, and :meth:`HttpSession.flush`
 waits for all of them, so the session's outbound accounting (``outbound_bytes``, the
 ByteBudget) covers every stream.  A stream whose peer is gone is dropped from the session; the
@@ -40,6 +41,7 @@ import msgspec
 import trio
 from msgspec import UNSET, Raw, UnsetType
 
+from gateway import errors
 from gateway.errors import CloseReason, TransportClosed
 from gateway.wakeup import Wakeup
 
@@ -75,7 +77,20 @@ class _ProgressParams(msgspec.Struct):
     progressToken: RequestId | None = None
 
 
+class _ErrorCode(msgspec.Struct):
+    code: int | None = None
+
+
+class _Error(msgspec.Struct):
+    error: _ErrorCode | None = None
+
+
+#: Error codes a modern (2026-07-28) response carries with HTTP status 400 when it is the whole
+#: response (the edge's own checks answer -32020, -32022 and -32602 with 400 already).
+BAD_REQUEST_CODES = frozenset({errors.MISSING_CAPABILITY})
+
 _out = msgspec.json.Decoder(_Out)
+_error = msgspec.json.Decoder(_Error)
 _outs = msgspec.json.Decoder(list[_Out])
 _progress = msgspec.json.Decoder(_ProgressParams)
 
@@ -107,12 +122,23 @@ class Sink:
         if final:
             self.finish_soon()
             if not self.started:  # answered before anything else: a plain JSON response
-                return conn.respond(200, message, "application/json", self._headers())
+                return conn.respond(self._status(message), message, "application/json",
+                                    self._headers())
             conn.event(message)
             return conn.end_events()
         if not self.started:
             self.start()
         return conn.event(message)
+
+    def _status(self, response: bytes) -> int:
+        """200, or 400 for a modern flow's error whose code the revision answers with 400."""
+        if self.session_id or b'"error"' not in response:
+            return 200
+        try:
+            error = _error.decode(response).error
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return 200
+        return 400 if error is not None and error.code in BAD_REQUEST_CODES else 200
 
     def _headers(self) -> list[tuple[str, str]]:
         """A modern (2026-07-28) flow has no session: no ``Mcp-Session-Id`` is sent."""
@@ -290,7 +316,7 @@ class HttpSession:
             if token is not None:
                 sink = self._tokens.get(token)
         if sink is None:
-            if method in UNRELATED:
+            if method in UNRELATED and self.id:  # a modern flow has no GET: its listen's POST
                 sink = self.get
             elif len(self._posts) == 1 and not self._batches:
                 sink = next(iter(self._posts.values()))
