@@ -130,6 +130,8 @@ async def listen(hub: Hub, session: ClientSession, req: Request) -> Raw:
         this.filter = Filter(wanted.kinds, tuple(uri for _, uri in held))
         hub.listens.add(this)
         session.send(subscriptions.acknowledged(this.filter, req.id))
+        if hub.draining:  # began while it subscribed: end_all has run already
+            this.ended.set()
         await this.ended.wait()
         return subscriptions.closing_result(req.id)
     finally:

@@ -21,11 +21,11 @@ every outgoing message to one open response stream (a :class:`Sink`), never to t
   GET stream opens; beyond that the oldest is dropped and counted.
 
 A POST's response is JSON when the response is the first thing for it (the usual case), else an
-SSE stream that the response ends; a modern flow's -32021 error is sent with status 400.  Writes are synchronous; what a socket does not take is held
-by that socket's :class:`~gateway.transports.rawio.SocketIO`, and :meth:`HttpSession.flush`
-waits for all of them, so the session's outbound accounting (``outbound_bytes``, the
-ByteBudget) covers every stream.  A stream whose peer is gone is dropped from the session; the
-session goes on.  The session ends on DELETE (its calls are cancelled, as for a closed
+SSE stream that the response ends; a modern flow's -32021 error is sent with status 400.
+Writes are synchronous; what a socket does not take is held by that socket's
+:class:`~gateway.transports.rawio.SocketIO`, and :meth:`HttpSession.flush` waits for all of
+them, so the session's outbound accounting (``outbound_bytes``, the ByteBudget) covers every
+stream.  A stream whose peer is gone is dropped from the session; the session goes on.  The session ends on DELETE (its calls are cancelled, as for a closed
 connection) or when it has been idle (nothing in flight, no stream open) for
 ``http_session_idle_timeout``: :meth:`receive` then raises TransportClosed.
 """
