@@ -329,6 +329,8 @@ def _on_notification(hub: Hub, session: ClientSession, method: str, env: jsonrpc
             request_id = mcp.decode_cancelled(env.params).requestId
         except (msgspec.ValidationError, msgspec.DecodeError):
             return
+        if hub.listens.end(session, request_id):  # a listen ends with its result (2026-07-28)
+            return
         served = session.inflight.get(request_id)
         if served is not None:
             served.cancel()

@@ -22,6 +22,7 @@ from msgspec import Raw
 
 from gateway import __version__, errors
 from gateway.events import RequestStarted
+from gateway.listen import listen
 from gateway.protocol import catalog as cat
 from gateway.protocol import jsonrpc, mcp
 
@@ -300,6 +301,7 @@ FORWARDED: dict[str, Targeter] = {
 ASYNC_HANDLERS: dict[str, AsyncHandler] = {
     "resources/subscribe": subscribe,
     "resources/unsubscribe": subscribe,
+    "subscriptions/listen": listen,  # modern connections only (see gateway.listen)
 }
 
 #: Methods a client may call before ``initialize``.

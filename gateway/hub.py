@@ -25,10 +25,13 @@ from gateway.backend.pool import Backend
 from gateway.config import BackendConfig, GatewayConfig
 from gateway.events import CatalogChanged, ConnectionRefused, EventBus
 from gateway.limits import ByteBudget, ConnectionSlots
+from gateway.listen import Listens
 from gateway.ownership import Ownership
 from gateway.policy import Policy
 from gateway.protocol import jsonrpc, mcp
 from gateway.protocol.catalog import BackendLists, Catalog, CatalogConflict, build_catalog
+from gateway.protocol.era import Era
+from gateway.protocol.subscriptions import uri_matches
 from gateway.session import ClientSession
 from gateway.status import GatewayStatus
 from gateway.wakeup import Wakeup
@@ -60,6 +63,7 @@ class Hub:
         self.budget = ByteBudget(cfg.gateway.buffered_bytes_total)  # every queued message's bytes
         self.slots = ConnectionSlots(cfg.gateway.max_connections, self._connection_refused)
         self.ownership = Ownership(bus)
+        self.listens = Listens()  # modern clients' subscriptions/listen requests
         self.policy = Policy(cfg.policy, bus, cfg)
         self.listeners_bound = False
         self.draining = False
@@ -211,6 +215,7 @@ class Hub:
             self.bus.emit(CatalogChanged(changed))
             for kind in changed:
                 self.broadcast(f"notifications/{kind}/list_changed")
+                self.listens.list_changed(kind)
         return warnings
 
     def on_lists_changed(self, backend: Backend) -> None:
@@ -285,10 +290,13 @@ class Hub:
         data = jsonrpc.encode_notification("notifications/resources/updated", params)
         targets: set[ClientSession] = set()
         for sub, holders in instance.backend.subscriptions.items():
-            if uri == sub or uri.startswith(sub.rstrip("/") + "/"):
+            if uri_matches(sub, uri):
                 targets |= holders
         for session in targets:
-            session.send(data)
+            if session.era is Era.MODERN:  # held by its listens: to each, tagged
+                self.listens.resource_updated(session, uri, params)
+            else:
+                session.send(data)
 
     def on_log_message(self, instance: Instance, params: Raw | UnsetType) -> None:
         level = _str_field(params, "level")

@@ -41,6 +41,7 @@ from gateway.events import (
     ServerRequestRouted,
 )
 from gateway.protocol import jsonrpc
+from gateway.protocol.era import Era
 
 if TYPE_CHECKING:
     from gateway.backend.child import ChildConnection
@@ -105,11 +106,11 @@ def decide(
                        f"{method} refused: calls of {len(owners)} connections are in flight, "
                        "the requesting one cannot be proven (use sharing = \"affine\" or \"per-session\")")
     (owner,) = owners
-    if owner.mrtr is not None and not owner.caps.allows(method, params):
-        return Answer(code=errors.MISSING_CAPABILITY, reason="no_capability",
-                      message=f"the calling client did not declare the {capability} capability",
-                      data={"requiredCapabilities": {capability: {}}})
     if not owner.caps.allows(method, params):
+        if owner.mrtr is not None or owner.era is Era.MODERN:  # 2026-07-28: missing capability
+            return Answer(code=errors.MISSING_CAPABILITY, reason="no_capability",
+                          message=f"the calling client did not declare the {capability} capability",
+                          data={"requiredCapabilities": {capability: {}}})
         if method == "elicitation/create" and owner.caps.has_capability(method):
             mode = params.get("mode", "form")
             return Answer(code=errors.INVALID_PARAMS, reason="no_capability",

@@ -405,6 +405,7 @@ async def _drain(hub: Hub, cfg: GatewayConfig, accept: trio.CancelScope, conns: 
     effects), and only then is the connection closed.
     """
     hub.draining = True  # /readyz: 503 from here on
+    hub.listens.end_all()  # each answered with its closing result, not left to the grace
     accept.cancel()
     systemd.notify("STOPPING=1", "STATUS=draining")
     LOGGER.info("draining: %d connections, grace %.0fs", len(hub.sessions), cfg.gateway.drain_grace)

@@ -486,14 +486,21 @@ class Backend:
             if self.cfg.sharing == "affine" and inst.owner is session:
                 self._settle(inst)
         for uri in [u for u, s in self.subscriptions.items() if session in s]:
-            holders = self.subscriptions[uri]
-            holders.discard(session)
-            if not holders:
-                del self.subscriptions[uri]
-                if self._nursery is not None and not self._stopping:
-                    # In the background: a wedged backend must not hold up the closing
-                    # connection's (shielded) cleanup, and with it a drain, for request_timeout.
-                    self._nursery.start_soon(self._unsubscribe_unless_wanted, uri)
+            self.drop_subscription(session, uri)
+
+    def drop_subscription(self, session: ClientSession, uri: str) -> None:
+        """``session`` no longer holds ``uri`` (without waiting: the upstream unsubscribe, when
+        it was the last holder, runs in the background)."""
+        holders = self.subscriptions.get(uri)
+        if holders is None or session not in holders:
+            return
+        holders.discard(session)
+        if not holders:
+            del self.subscriptions[uri]
+            if self._nursery is not None and not self._stopping:
+                # In the background: a wedged backend must not hold up the closing
+                # connection's (shielded) cleanup, and with it a drain, for request_timeout.
+                self._nursery.start_soon(self._unsubscribe_unless_wanted, uri)
 
     async def _unsubscribe_unless_wanted(self, uri: str) -> None:
         if uri not in self.subscriptions:  # nobody subscribed again meanwhile

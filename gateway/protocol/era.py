@@ -10,10 +10,10 @@ a request of the other era afterwards is refused.  Every modern result carries `
 (``"complete"`` here: a legacy child's result passes through with it added), and the cacheable
 ones (lists, ``resources/read``, ``server/discover``) ``ttlMs`` and ``cacheScope``.
 
-Not here yet: the Streamable HTTP modern shape, ``subscriptions/listen``, era bridging of a legacy
-child's server→client requests into ``InputRequiredResult`` (a modern owner is never sent a
-request: the child's request is refused as for a client without the capability), and modern
-backends.
+``subscriptions/listen`` is served by :mod:`gateway.listen`.  Not here yet: era bridging of a
+legacy child's server→client requests into ``InputRequiredResult`` (a modern owner is never
+sent a request: the child's request is refused as for a client without the capability), and
+modern backends.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ LEGACY_ONLY = frozenset({"initialize", "ping", "logging/setLevel", "resources/su
 #: Requests a modern client may send the gateway (others: -32601, on HTTP with status 404).
 MODERN_METHODS = frozenset({"server/discover", "tools/list", "tools/call", "prompts/list",
                             "prompts/get", "resources/list", "resources/templates/list",
-                            "resources/read", "completion/complete"})
+                            "resources/read", "completion/complete", "subscriptions/listen"})
 #: Requests whose ``Mcp-Name`` header carries a param (2026-07-28 Streamable HTTP).
 NAMED = {"tools/call": "name", "prompts/get": "name", "resources/read": "uri"}
 #: Results that carry caching hints, by method.

@@ -42,6 +42,7 @@ KNOWN_METHODS = frozenset(
         "elicitation/create",
         "sampling/createMessage",
         "roots/list",
+        "subscriptions/listen",
     }
 )
 

@@ -11,7 +11,8 @@ every outgoing message to one open response stream (a :class:`Sink`), never to t
   POST whose request ids it answers); when that POST's stream is gone the response is dropped
   (the call is not cancelled by a closed stream: the spec says so);
 - ``notifications/progress`` goes to the POST whose request carried that ``progressToken``;
-- list and resource-update notifications (unrelated to any request) go to the GET stream;
+- list and resource-update notifications (unrelated to any request) go to the GET stream (a
+  modern flow, which has none, gets them only for its ``subscriptions/listen``: to its POST);
 - anything else (log messages, elicitation/sampling/roots requests, their cancellations) goes to
   the only open POST stream when there is exactly one (the routing core delivered it to this
   owner because one of its calls caused it), else to the GET stream, else to the oldest open POST;
@@ -20,11 +21,11 @@ every outgoing message to one open response stream (a :class:`Sink`), never to t
   GET stream opens; beyond that the oldest is dropped and counted.
 
 A POST's response is JSON when the response is the first thing for it (the usual case), else an
-SSE stream that the response ends.  Writes are synchronous; what a socket does not take is held
-by that socket's :class:`~gateway.transports.rawio.SocketIO`, and :meth:`HttpSession.flush`
-waits for all of them, so the session's outbound accounting (``outbound_bytes``, the
-ByteBudget) covers every stream.  A stream whose peer is gone is dropped from the session; the
-session goes on.  The session ends on DELETE (its calls are cancelled, as for a closed
+SSE stream that the response ends; a modern flow's -32021 error is sent with status 400.
+Writes are synchronous; what a socket does not take is held by that socket's
+:class:`~gateway.transports.rawio.SocketIO`, and :meth:`HttpSession.flush` waits for all of
+them, so the session's outbound accounting (``outbound_bytes``, the ByteBudget) covers every
+stream.  A stream whose peer is gone is dropped from the session; the session goes on.  The session ends on DELETE (its calls are cancelled, as for a closed
 connection) or when it has been idle (nothing in flight, no stream open) for
 ``http_session_idle_timeout``: :meth:`receive` then raises TransportClosed.
 """
@@ -316,7 +317,7 @@ class HttpSession:
             if token is not None:
                 sink = self._tokens.get(token)
         if sink is None:
-            if method in UNRELATED:
+            if method in UNRELATED and self.id:  # a modern flow has no GET: its listen's POST
                 sink = self.get
             elif len(self._posts) == 1 and not self._batches:
                 sink = next(iter(self._posts.values()))

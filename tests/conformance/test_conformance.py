@@ -3,9 +3,9 @@ gateway's ``/mcp``, with ``tests/fixtures/conformance_server.py`` (a legacy stdi
 one backend, unprefixed (see tests/conformance/run.py).
 
 2025-11-25: every scored scenario passes.  2026-07-28: the scenarios listed in
-:data:`PASSING_2026` pass (a legacy child reached by a modern client); the others wait for era
-bridging (input-required results), ``subscriptions/listen`` and the fixture's diagnostic tools,
-and are reported, not asserted.
+:data:`PASSING_2026` pass (a legacy child reached by a modern client; ``server-stateless`` with
+the fixture's diagnostic tools and ``subscriptions/listen``); the others wait for era bridging
+(input-required results) and are reported, not asserted.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ PASSING_2026 = frozenset({
     "prompts-get-embedded-resource", "prompts-get-simple", "prompts-get-with-args",
     "prompts-get-with-image", "prompts-list", "resources-list", "resources-read-binary",
     "resources-read-text", "resources-templates-read", "sep-2164-resource-not-found",
-    "server-sse-multiple-streams", "tools-call-audio", "tools-call-embedded-resource",
+    "server-sse-multiple-streams", "server-stateless", "tools-call-audio", "tools-call-embedded-resource",
     "tools-call-error", "tools-call-image", "tools-call-mixed-content", "tools-call-simple-text",
     "tools-call-with-progress", "tools-list",
 })

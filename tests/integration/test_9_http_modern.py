@@ -18,7 +18,7 @@ V = "2026-07-28"
 META = {"io.modelcontextprotocol/protocolVersion": V, "io.modelcontextprotocol/clientCapabilities": {}}
 
 
-def post(method: str, params: dict[str, Any], *, id: int = 1, **headers: str) -> dict[str, Any]:
+def post(method: str, params: dict[str, Any], *, id: int | str = 1, **headers: str) -> dict[str, Any]:
     h = {"accept": "application/json, text/event-stream", "content-type": "application/json",
          "mcp-protocol-version": V, "mcp-method": method}
     if method == "tools/call":
@@ -83,3 +83,62 @@ async def test_a_dual_era_child_gets_no_modern_envelope_from_a_modern_client() -
             json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")][-1]
         assert "error" not in body, body
         assert body["result"]["resultType"] == "complete" and "UTC" in body["result"]["content"][0]["text"]
+
+
+async def _events(response: httpx.Response) -> Any:
+    """The JSON messages of an SSE response, as they arrive."""
+    async for line in response.aiter_lines():
+        if line.startswith("data: "):
+            yield json.loads(line[6:])
+
+
+async def test_subscriptions_listen_streams_tagged_notifications_until_the_client_closes() -> None:
+    """subscriptions/listen: acknowledged first, then only the kinds asked for, each tagged with
+    the listen's id; closing the stream ends it and releases its upstream subscription."""
+    uri = "fixture://static/a"
+    tag = "io.modelcontextprotocol/subscriptionId"
+    async with run_gateway(make_config(fixture_backend("fx"))) as gw, httpx.AsyncClient(timeout=30) as c:
+
+        async def upstream_subscriptions() -> list[str]:
+            r = await c.post(gw.http_url, **post("tools/call", {"name": "fx__client_info", "arguments": {}}))
+            return json.loads(r.json()["result"]["content"][0]["text"])["subscriptions"]
+
+        async def call(tool: str, **arguments: Any) -> None:
+            r = await c.post(gw.http_url, **post("tools/call", {"name": tool, "arguments": arguments}))
+            assert r.json()["result"]["resultType"] == "complete", r.text
+
+        tools = post("subscriptions/listen", {"notifications": {
+            "toolsListChanged": True, "resourceSubscriptions": [uri]}}, id="L1")
+        prompts = post("subscriptions/listen", {"notifications": {"promptsListChanged": True}}, id=7)
+        with trio.fail_after(20):
+            async with c.stream("POST", gw.http_url, **tools) as r1, \
+                    c.stream("POST", gw.http_url, **prompts) as r2:
+                assert r1.status_code == 200 and r1.headers["content-type"] == "text/event-stream"
+                e1, e2 = _events(r1), _events(r2)
+                ack = await anext(e1)
+                assert ack["method"] == "notifications/subscriptions/acknowledged"
+                assert ack["params"]["notifications"] == {"toolsListChanged": True,
+                                                          "resourceSubscriptions": [uri]}
+                assert ack["params"]["_meta"] == {tag: "L1"}
+                ack = await anext(e2)
+                assert ack["params"] == {"notifications": {"promptsListChanged": True}, "_meta": {tag: 7}}
+                assert await upstream_subscriptions() == [uri]
+
+                await call("fx__notify_list_changed", kind="tools")
+                got = await anext(e1)
+                assert got == {"jsonrpc": "2.0", "method": "notifications/tools/list_changed",
+                               "params": {"_meta": {tag: "L1"}}}
+                # every listen was handed that change at once: the prompts-only one got none
+                await call("fx__notify_list_changed", kind="prompts")
+                got = await anext(e2)
+                assert got["method"] == "notifications/prompts/list_changed"
+                assert got["params"]["_meta"] == {tag: 7}
+                await call("fx__update_resource", uri=uri + "/part")  # a sub-resource
+                got = await anext(e1)
+                assert got["method"] == "notifications/resources/updated"
+                assert got["params"] == {"uri": uri + "/part", "_meta": {tag: "L1"}}
+            # both streams closed by the client: the listens end, the subscription is released
+            while await upstream_subscriptions():
+                await trio.sleep(0.05)
+            await wait_status(gw.bound.admin_port, lambda st: st["client_requests_in_flight"] == 0
+                              and st["connections"].get("http", 0) == 0)

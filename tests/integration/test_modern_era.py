@@ -63,3 +63,35 @@ async def test_modern_requests_are_checked_and_the_era_is_pinned_per_connection(
                 assert r["error"]["code"] == -32601
                 r = await legacy.request("tools/list")
                 assert "resultType" not in r["result"]  # legacy results are unchanged
+
+
+async def test_subscriptions_listen_on_a_websocket_ends_with_its_result_on_cancel_and_on_drain() -> None:
+    """On a byte stream the client ends a listen with notifications/cancelled, and the gateway
+    ends every listen when it drains: both answered with the closing result."""
+    tag = "io.modelcontextprotocol/subscriptionId"
+    closing = {"resultType": "complete", "_meta": {tag: 5}}
+    cfg = make_config(fixture_backend("fx"))
+    with trio.fail_after(20):
+        async with run_gateway(cfg) as gw:
+            async with connect(gw.url) as legacy:  # a legacy connection has resources/subscribe
+                r = await legacy.request("subscriptions/listen", {"notifications": {"toolsListChanged": True}})
+                assert r["error"]["code"] == -32601
+            async with connect(gw.url, initialize=False) as c:
+                for id, flag in ((5, "resourcesListChanged"), (6, "toolsListChanged")):
+                    await c.send({"jsonrpc": "2.0", "id": id, "method": "subscriptions/listen",
+                                  "params": {"notifications": {flag: True}, **meta()}})
+                    await c.wait_for(lambda id=id: [n for n in c.notifications
+                                                    if n["params"]["_meta"] == {tag: id}])
+                r = await c.request("tools/call", {"name": "fx__notify_list_changed",
+                                                   "arguments": {"kind": "resources"}, **meta()})
+                assert r["result"]["resultType"] == "complete"
+                changed = await c.wait_for(lambda: [n for n in c.notifications
+                                                    if n["method"].endswith("/list_changed")])
+                assert changed == [{"jsonrpc": "2.0", "method": "notifications/resources/list_changed",
+                                    "params": {"_meta": {tag: 5}}}]
+                await c.notify("notifications/cancelled", {"requestId": 5})
+                assert (await c.response(5))["result"] == closing
+                gw.control.stop()  # drain: the other listen ends with its result too
+                assert (await c.response(6))["result"] == {**closing, "_meta": {tag: 6}}
+                # by now everything sent before has arrived: the tools listen got no change
+                assert [n for n in c.notifications if n["method"].endswith("/list_changed")] == changed

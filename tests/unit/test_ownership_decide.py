@@ -16,11 +16,12 @@ ROOTS = ["file:///srv/data", "file:///home/shared"]
 
 
 class FakeOwner:
-    """Stands in for a ClientSession: decide() only reads ``caps``."""
+    """Stands in for a ClientSession: decide() only reads ``caps``, ``mrtr`` and ``era``."""
 
     def __init__(self, caps: dict[str, Any], mrtr: object = None) -> None:
         self.caps = ClientCaps(caps)
         self.mrtr = mrtr  # a modern HTTP flow's bridge
+        self.era = None  # not pinned yet: a legacy one's rules
 
 
 FULL = {"roots": {}, "sampling": {}, "elicitation": {"form": {}, "url": {}}}

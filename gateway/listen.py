@@ -1,0 +1,141 @@
+"""``subscriptions/listen`` on a modern (2026-07-28) connection: the open listens and what they
+are sent.
+
+Theory of operation (mcp-spec-digest §6.1, §10.13-14; the wire shapes are in
+:mod:`gateway.protocol.subscriptions`).  A listen is a request that stays in flight: :func:`listen`
+runs in a task of its connection's nursery (``handlers.ASYNC_HANDLERS``).  It reads the filter,
+subscribes each resource URI it can route through the backend's reference-counted subscriptions
+(:meth:`~gateway.backend.pool.Backend.subscribe`: the upstream ``resources/subscribe`` goes out
+on the first interest, shared with legacy sessions), registers a :class:`Listen` with the hub's
+:class:`Listens`, sends the acknowledgement (the honoured subset: every list kind, the URIs that
+route to a backend) and waits.  Meanwhile the hub hands :class:`Listens` each catalog change
+(``list_changed``, only when a merged list really changed) and each resource update of a URI a
+modern session holds; each goes, tagged with the listen's id, to the listens that asked for it.
+
+A listen ends in one of three ways: the client closes its HTTP response stream (its flow
+session ends, which cancels the task; no answer, nobody reads it), the client sends
+``notifications/cancelled`` for it on a byte stream (WebSocket, unix socket: :meth:`Listens.end`,
+answered with the closing result), or the gateway drains (:meth:`Listens.end_all`, the same
+result).  Its URIs are released then (the upstream ``resources/unsubscribe`` when it was the
+last interest).  Bounds: a listen is a request in flight on its connection, so a WebSocket or
+unix connection has at most ``max_inflight_per_connection`` of them; on HTTP each holds its own
+TCP connection (``max_connections``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import trio
+from msgspec import Raw, UnsetType
+
+from gateway import errors
+from gateway.protocol import subscriptions
+from gateway.protocol.era import Era
+from gateway.protocol.subscriptions import Filter, RequestId
+
+if TYPE_CHECKING:
+    from gateway.backend.pool import Backend
+    from gateway.handlers import Request
+    from gateway.hub import Hub
+    from gateway.session import ClientSession
+
+LOGGER = logging.getLogger(__name__)
+UPDATED = "notifications/resources/updated"
+
+
+class Listen:
+    """One open ``subscriptions/listen`` request."""
+
+    __slots__ = ("ended", "filter", "id", "session")
+
+    def __init__(self, session: ClientSession, id: RequestId, filter: Filter) -> None:
+        self.session = session
+        self.id = id
+        self.filter = filter
+        self.ended = trio.Event()  # set: answer with the closing result
+
+
+class Listens:
+    """The open listens of every connection."""
+
+    def __init__(self) -> None:
+        self._open: dict[ClientSession, dict[RequestId, Listen]] = {}
+
+    def __len__(self) -> int:
+        return sum(len(listens) for listens in self._open.values())
+
+    def add(self, listen: Listen) -> None:
+        self._open.setdefault(listen.session, {})[listen.id] = listen
+
+    def remove(self, listen: Listen) -> None:
+        listens = self._open.get(listen.session)
+        if listens is not None and listens.get(listen.id) is listen:
+            del listens[listen.id]
+            if not listens:
+                del self._open[listen.session]
+
+    def wants_uri(self, session: ClientSession, uri: str) -> bool:
+        """Whether another open listen of ``session`` still subscribes to ``uri`` itself."""
+        return any(uri in listen.filter.uris for listen in self._open.get(session, {}).values())
+
+    def list_changed(self, kind: str) -> None:
+        """A merged list changed (``kind``: tools, prompts or resources)."""
+        method = f"notifications/{kind}/list_changed"
+        for session, listens in list(self._open.items()):
+            for listen in list(listens.values()):
+                if kind in listen.filter.kinds:
+                    session.send(subscriptions.tagged(method, Raw(b"{}"), listen.id))
+
+    def resource_updated(self, session: ClientSession, uri: str, params: Raw | UnsetType) -> None:
+        """A backend reported ``uri`` updated and ``session`` holds a subscription it concerns."""
+        for listen in list(self._open.get(session, {}).values()):
+            if listen.filter.wants_uri(uri):
+                session.send(subscriptions.tagged(UPDATED, params, listen.id))
+
+    def end(self, session: ClientSession, request_id: RequestId) -> bool:
+        """The client cancelled ``request_id``: if it is a listen, it ends with its result."""
+        listen = self._open.get(session, {}).get(request_id)
+        if listen is None:
+            return False
+        listen.ended.set()
+        return True
+
+    def end_all(self) -> None:
+        """The gateway drains: every listen ends with its result."""
+        for listens in self._open.values():
+            for listen in listens.values():
+                listen.ended.set()
+
+
+async def listen(hub: Hub, session: ClientSession, req: Request) -> Raw:
+    """Serve one ``subscriptions/listen`` until it ends (see the module docstring)."""
+    if session.era is not Era.MODERN:
+        raise errors.MethodNotFound("subscriptions/listen exists in protocol version 2026-07-28 "
+                                    "only; this connection speaks a legacy revision")
+    wanted = subscriptions.parse_filter(req.params)
+    held: list[tuple[Backend, str]] = []
+    this = Listen(session, req.id, Filter(wanted.kinds))
+    try:
+        for uri in wanted.uris:
+            try:
+                backend = await hub.backend(hub.backend_name_for_uri(uri))
+            except errors.GatewayError as exc:  # not honoured: left out of the acknowledgement
+                LOGGER.debug("connection %s: listen %r: %s", session.conn_id, req.id, exc,
+                             extra=session.log_fields)
+                continue
+            held.append((backend, uri))
+            await backend.subscribe(session, uri)
+        this.filter = Filter(wanted.kinds, tuple(uri for _, uri in held))
+        hub.listens.add(this)
+        session.send(subscriptions.acknowledged(this.filter, req.id))
+        if hub.draining:  # began while it subscribed: end_all has run already
+            this.ended.set()
+        await this.ended.wait()
+        return subscriptions.closing_result(req.id)
+    finally:
+        hub.listens.remove(this)
+        for backend, uri in held:
+            if not hub.listens.wants_uri(session, uri):
+                backend.drop_subscription(session, uri)
