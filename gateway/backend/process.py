@@ -62,17 +62,27 @@ def child_environment(extra: dict[str, str], base: dict[str, str] | None = None)
     return env
 
 
+#: Spawns under way: a child exists before its instance knows its pid, so no reaping meanwhile.
+_spawning = 0
+
+
 async def spawn(cfg: BackendConfig) -> trio.Process:
-    """Start a backend child with stdin/stdout/stderr pipes in its own process group."""
-    return await trio.lowlevel.open_process(
-        [cfg.command, *cfg.args],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        cwd=cfg.cwd,
-        env=child_environment(cfg.env),
-        start_new_session=True,
-    )
+    """Start a backend child with stdin/stdout/stderr pipes in its own process group.  The
+    caller records ``proc`` before its next checkpoint (:func:`reap_orphans` relies on it)."""
+    global _spawning
+    _spawning += 1
+    try:
+        return await trio.lowlevel.open_process(
+            [cfg.command, *cfg.args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=cfg.cwd,
+            env=child_environment(cfg.env),
+            start_new_session=True,
+        )
+    finally:
+        _spawning -= 1
 
 
 def _signal_group(pgid: int, sig: int) -> bool:
@@ -192,7 +202,9 @@ def reap_orphans(known: set[int]) -> list[int]:
     Only meaningful when this process is a subreaper and spawns nothing but backends (the
     ``mcp-gateway run`` daemon); returns the pids handled.
     """
-    handled = []
+    handled: list[int] = []
+    if _spawning:  # a new child's pid is not in ``known`` yet: reap at the next stop instead
+        return handled
     for pid in sorted(procfs.children() - known):
         st = procfs.stat(pid)
         if st is None:

@@ -265,17 +265,20 @@ class Endpoint:
         sink.token = _progress_token(env.params)
         if "requestState" in params and env.method in mrtr.METHODS:
             session = self._resume(env, params, caps, sink)
+            asked = _rounds(session)
             try:
                 await _hold(conn, session, sink)
             finally:
-                if not _parked(session):
+                if _rounds(session) == asked:
                     session.terminate()
             return
         session = self.sessions.flow(self.bridge)
         try:
             await self._stream(conn, session, sink, body)
         finally:
-            if not _parked(session):  # answered, or the client closed the stream: that cancels it
+            # answered, or the client closed the stream: that cancels the call, unless this POST
+            # was answered input_required (the flow waits for the retry, which may already run)
+            if _rounds(session) == 0:
                 session.terminate()
 
     def _resume(self, env: jsonrpc.Envelope, params: dict[str, jsonrpc.Raw], caps: dict[str, object],
@@ -307,10 +310,11 @@ class Endpoint:
         await _hold(conn, session, sink)
 
 
-def _parked(session: HttpSession) -> bool:
-    """Whether the flow answered ``input_required`` and waits for the client's retry."""
+def _rounds(session: HttpSession) -> int:
+    """How many ``input_required`` answers the flow gave so far: a POST during which it grew
+    was answered so, and its end must not end the flow."""
     client = session.client
-    return client is not None and client.flow is not None and client.flow.parked
+    return client.flow.round if client is not None and client.flow is not None else 0
 
 
 def _is_modern(req: Request, env: jsonrpc.Envelope) -> bool:

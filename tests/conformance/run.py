@@ -254,7 +254,9 @@ def supergateway_argv(port: int) -> list[str]:
 
 
 def gateway_toml(http: str, admin: str = "127.0.0.1:0") -> str:
-    """An mcp-gateway config: Streamable HTTP on `http`, the fixture as one unprefixed backend."""
+    """An mcp-gateway config: Streamable HTTP on `http`, the fixture as one unprefixed backend,
+    per-session (a child per session or modern flow: only such a child's roots/list reaches the
+    caller, which the suite's list-roots scenarios need)."""
     return f"""[listen]
 websocket = ""
 http = {json.dumps(http)}
@@ -264,6 +266,8 @@ listen = {json.dumps(admin)}
 command = {json.dumps(sys.executable)}
 args = [{json.dumps(FIXTURE)}]
 prefix = ""
+sharing = "per-session"
+max_sessions = 256
 """
 
 
