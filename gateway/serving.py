@@ -256,10 +256,11 @@ async def _run_slow(served: Served, first: Raw | None = None) -> None:
         with served.scope:
             try:
                 if served.target is not None:
-                    result = first or await handlers.forward(hub, session, req, served.target)
+                    got = first or await handlers.forward(hub, session, req, served.target)
                     if (not served.modern and req.method in inputs.MRTR_METHODS
-                            and era.is_input_required(result)):
-                        result = await inputs.resolve(hub, session, req, served.target, result, served.started)
+                            and era.is_input_required(got)):  # cancelled meanwhile: no answer
+                        got = await inputs.resolve(hub, session, req, served.target, got, served.started)
+                    result = got
                 else:
                     result = await handlers.ASYNC_HANDLERS[req.method](hub, session, req)
             except Exception as e:

@@ -14,6 +14,7 @@ child says it does not speak the first one; the era found is pinned on the child
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -132,6 +133,23 @@ async def open_child(child: ChildConnection, *, mode: str, declare: Iterable[str
             LOGGER.info("backend %s refused initialize (%s); trying server/discover (%s)",
                         child.instance, exc, era.LATEST_MODERN)
             await discover(child, declare=declare, client_name=client_name, timeout=timeout)
+
+
+def listen_filter(child: ChildConnection) -> dict[str, bool]:
+    """What ``subscriptions/listen`` asks a modern child for: the list changes it announces
+    (``listChanged`` capabilities); empty for a legacy child (it just sends list_changed)."""
+    if child.era is not Era.MODERN:
+        return {}
+    caps = child.server_capabilities
+    return {f"{kind}ListChanged": True for kind in ("tools", "prompts", "resources")
+            if isinstance(caps.get(kind), dict) and caps[kind].get("listChanged")}
+
+
+async def listen(child: ChildConnection, wanted: dict[str, bool]) -> None:
+    """``subscriptions/listen`` on a modern child, open until the child ends it (returns) or
+    the caller is cancelled (the child is told with ``notifications/cancelled``)."""
+    await child.request("subscriptions/listen", _params(child, {"notifications": wanted}),
+                        timeout=math.inf, internal=True)
 
 
 def _params(child: ChildConnection, fields: dict[str, Any] | None = None) -> Raw | UnsetType:

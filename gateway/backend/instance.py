@@ -38,8 +38,8 @@ from gateway.events import (
     ExitKind,
 )
 from gateway.protocol import era, jsonrpc
-from gateway.protocol.era import Era
 from gateway.protocol.catalog import BackendLists
+from gateway.protocol.era import Era
 from gateway.protocol.stderr import LineSplitter, LineThrottle, printable
 from gateway.protocol.supervision import RestartPolicy, State, Supervision, Transition
 from gateway.status import InstanceStatus
@@ -522,11 +522,25 @@ class Instance(ChildHandlers):
                     extra={"MCP_BACKEND": self.backend.name})
         for kind in ("tools", "prompts", "resources", "templates"):
             await self._fetch(child, kind)
+        wanted = client.listen_filter(child)
+        if wanted and self._nursery is not None:
+            self._nursery.start_soon(self._listen, child, wanted)
         level = host.wanted_log_level()
         if level is not None:
             await client.set_level(child, level, timeout=self.cfg.start_timeout)
         for uri in self.backend.subscribed_uris():
             await self.subscribe(child, uri)
+
+    async def _listen(self, child: ChildConnection, wanted: dict[str, bool]) -> None:
+        """A modern child's list changes: one ``subscriptions/listen`` open while it runs (its
+        notifications are handled like a legacy child's list_changed, :meth:`on_notification`)."""
+        try:
+            await client.listen(child, wanted)
+        except errors.GatewayError as exc:
+            if child.closed is None:
+                LOGGER.warning("backend %s: subscriptions/listen ended: %s; list changes of this "
+                               "child are not seen until it restarts", self.name, exc,
+                               extra={"MCP_BACKEND": self.backend.name})
 
     async def subscribe(self, child: ChildConnection, uri: str, method: str = "resources/subscribe") -> None:
         await client.subscribe(child, uri, timeout=self.cfg.request_timeout, method=method)
