@@ -302,7 +302,7 @@ class ChildConnection:
     def start(self, method: str, params: Raw | UnsetType, *, handle: CallHandle, now: float,
               owner: Hashable | None = None, internal: bool = False, timeout: float | None = None,
               hard_timeout: float | None = None, progress: Any = None,
-              rewrite: Callable[[str | None, bool], Raw | UnsetType] | None = None) -> Call:
+              rewrite: Callable[..., Raw | UnsetType] | None = None) -> Call:
         """Start a call without waiting: ``handle.finished`` is told how it ended.
 
         Args:
@@ -322,7 +322,8 @@ class ChildConnection:
         call = self.router.open_call(method, owner=owner, handle=handle, now=now, timeout=timeout,
                                      hard_deadline=hard, progress=progress, internal=internal)
         if rewrite is not None:
-            params = rewrite(call.token, self.era is Era.MODERN)
+            # (a legacy child's rewrite is called with the token alone)
+            params = rewrite(call.token, True) if self.era is Era.MODERN else rewrite(call.token)
         line = jsonrpc.encode_request(call.gid, method, params)
         if not internal and not self._fits(len(line) + 1):
             raise self._queue_full()  # an opened call that is never submitted leaves no trace
@@ -343,7 +344,7 @@ class ChildConnection:
         owner: Hashable | None = None,
         internal: bool = False,
         progress: Any = None,
-        rewrite: Callable[[str | None, bool], Raw | UnsetType] | None = None,
+        rewrite: Callable[..., Raw | UnsetType] | None = None,
     ) -> Raw:
         """Send a request to the child and wait for its reply (the slow path and the gateway's
         own requests; see :meth:`start`).

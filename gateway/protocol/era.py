@@ -10,10 +10,14 @@ a request of the other era afterwards is refused.  Every modern result carries `
 (``"complete"`` here: a legacy child's result passes through with it added), and the cacheable
 ones (lists, ``resources/read``, ``server/discover``) ``ttlMs`` and ``cacheScope``.
 
-Not here yet: the Streamable HTTP modern shape, ``subscriptions/listen``, era bridging of a legacy
-child's server→client requests into ``InputRequiredResult`` (a modern owner is never sent a
-request: the child's request is refused as for a client without the capability), and modern
-backends.
+The gateway as the client of a modern *child* (``protocol_mode``, gateway.backend.client): the
+envelope it sends (:func:`envelope`, :func:`add_envelope`, :func:`restrict_envelope`), how a
+child's answers tell its era (:func:`refuses_legacy`, :func:`speaks_modern`), and how an
+``InputRequiredResult`` is recognised (:func:`is_input_required`).
+
+Not here yet: ``subscriptions/listen`` for clients, era bridging of a legacy child's
+server→client requests into ``InputRequiredResult`` (a modern owner is never sent a request: the
+child's request is refused as for a client without the capability).
 """
 
 from __future__ import annotations
