@@ -30,6 +30,7 @@ import os
 import re
 import secrets
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -101,6 +102,9 @@ class Bridge:
     def __init__(self, codec: mrtr.StateCodec, ttl: float) -> None:
         self.codec = codec
         self.ttl = ttl
+        # Whether a retry goes to a modern child, whose own requestState passes through as is
+        # (set by the service: Hub.targets_modern).
+        self.passthrough: Callable[[str, dict[str, Raw]], bool] = lambda method, params: False
         self.flows: dict[str, Flow] = {}
         self.refused = 0  # retries refused for an invalid state (``/status``)
 

@@ -101,6 +101,8 @@ class BackendConfig(Base):
     health: HealthSection = HealthSection()
     required: bool = False
     sharing: Literal["shared", "affine", "per-session"] = "shared"
+    # how the child is opened: initialize (legacy) or server/discover (2026-07-28); see README
+    protocol_mode: Literal["legacy_only", "prefer_legacy", "prefer_modern", "modern_only"] = "prefer_legacy"
     instances: int = 1
     max_inflight: int = 32  # calls at one child at once; more wait in a queue per connection
     max_sessions: int = 16  # per-session: cap on children

@@ -24,7 +24,8 @@ from gateway import __version__, errors
 from gateway.events import RequestStarted
 from gateway.listen import listen
 from gateway.protocol import catalog as cat
-from gateway.protocol import jsonrpc, mcp
+from gateway.protocol import era, jsonrpc, mcp, mrtr
+from gateway.protocol.mcp import declared_capabilities
 
 LOGGER = logging.getLogger(__name__)
 
@@ -152,6 +153,7 @@ class Target:
     consent: tuple[str, Any] | None = None  # (tool, arguments): policy asks the user first
     progress: Any = None  # the caller's progress token, if any (see :func:`progress_token`)
     meta: dict[str, Raw] | None = None  # the request's ``_meta``, decoded one level, if any
+    envelope: dict[str, Raw] | None = None  # a modern caller's envelope (for a modern child)
 
 
 Targeter = Callable[["Hub", "ClientSession", Request], Target]
@@ -176,16 +178,54 @@ def progress_token(req: Request, params: dict[str, Raw]) -> tuple[Any, dict[str,
     return client_token, meta
 
 
-def rewriter(params: dict[str, Raw], meta: dict[str, Raw] | None) -> Callable[[str | None], Raw]:
-    """Builds the params sent to the child, given the gateway's progress token: only the token
-    changes, the rest passes as is."""
+def rewriter(params: dict[str, Raw], meta: dict[str, Raw] | None,
+             envelope: Callable[[], dict[str, Raw]] | None = None) -> Callable[[str | None, bool], Raw]:
+    """Builds the params sent to the child, given the gateway's progress token and whether the
+    child is modern: only the token changes, the rest passes as is; a modern child also gets the
+    modern envelope (``envelope()``: the modern caller's own, or the gateway's for a legacy one)."""
 
-    def rewrite(token: str | None) -> Raw:
+    def rewrite(token: str | None, modern: bool = False) -> Raw:
         if meta is not None and token is not None:
             params["_meta"] = jsonrpc.encode_dict({**meta, "progressToken": Raw(msgspec.json.encode(token))})
+        if modern and envelope is not None:
+            sent = dict(params)
+            era.add_envelope(sent, envelope())
+            return jsonrpc.encode_dict(sent)
+        if "inputResponses" in params or "requestState" in params:  # a legacy child's call has
+            return jsonrpc.encode_dict({k: v for k, v in params.items()  # no round trips
+                                        if k not in mrtr.ROUND_TRIP_KEYS})
         return jsonrpc.encode_dict(params)
 
     return rewrite
+
+
+def envelope_of(hub: Hub, session: ClientSession, target: Target) -> Callable[[], dict[str, Raw]]:
+    """The modern envelope a request of ``session`` carries to a modern child of ``target``'s
+    backend (made only when the child is modern).  A modern caller's own envelope, without the
+    input kinds the backend may not ask for (``declare``); for a legacy caller the gateway's:
+    the capabilities declared to the backend that the caller declared too (input requests are
+    pushed to it: it must be able to answer them; roots are answered from config outside
+    per-session mode), and the level it set with ``logging/setLevel``."""
+
+    def build() -> dict[str, Raw]:
+        cfg = hub.cfg.backends.get(target.backend)
+        declare = frozenset(cfg.declare) if cfg is not None else frozenset()
+        if target.envelope is not None:
+            return era.restrict_envelope(target.envelope, declare)
+        caps = session.caps
+        per_session = cfg is not None and cfg.sharing == "per-session"
+        allowed = {kind for kind in declare
+                   if (kind == "roots" and (caps.roots or not per_session))
+                   or (kind == "sampling" and caps.sampling)
+                   or (kind == "elicitation" and (caps.elicitation_form or caps.elicitation_url))}
+        declared = declared_capabilities(allowed)
+        if "elicitation" in declared:
+            declared["elicitation"] = {k: {} for k, ok in (("form", caps.elicitation_form),
+                                                           ("url", caps.elicitation_url)) if ok}
+        return era.envelope(declared, log_level=session.log_level,
+                            client_info={"name": hub.server_name, "version": __version__})
+
+    return build
 
 
 async def forward(hub: Hub, session: ClientSession, req: Request, target: Target) -> Raw:
@@ -199,7 +239,7 @@ async def forward(hub: Hub, session: ClientSession, req: Request, target: Target
     if not req.counted:
         req.counted = True
         hub.bus.emit(RequestStarted(session.conn_id, mcp.method_label(req.method), backend.name))
-    rewrite = rewriter(target.params, target.meta)
+    rewrite = rewriter(target.params, target.meta, envelope_of(hub, session, target))
     client_token = target.progress
     started = trio.current_time()
     for attempt in range(2):

@@ -258,6 +258,25 @@ class Hub:
         replaced by a reload), else None: :meth:`backend` then waits or says why not."""
         return self.backends.get(name) if name not in self._replacing else None
 
+    def targets_modern(self, method: str, params: dict[str, Raw]) -> bool:
+        """Whether a ``tools/call`` / ``prompts/get`` / ``resources/read`` goes to a backend that
+        speaks 2026-07-28: its ``requestState`` is then the child's own, passed through (else it
+        is one the gateway signed, see gateway.bridge)."""
+        try:
+            key = jsonrpc.loads(params.get("uri" if method == "resources/read" else "name", b"null"))
+            if method == "tools/call":
+                route = self.catalog.tool_routes.get(key)
+                name = route.backend if route is not None else None
+            elif method == "prompts/get":
+                route = self.catalog.prompt_routes.get(key)
+                name = route.backend if route is not None else None
+            else:
+                name = self.backend_name_for_uri(key) if isinstance(key, str) else None
+        except (errors.GatewayError, msgspec.DecodeError, TypeError):
+            return False
+        backend = self.backends.get(name) if name is not None else None
+        return backend is not None and backend.modern_seen
+
     def backend_name_for_uri(self, uri: str) -> str:
         """The backend serving ``uri``: by the catalog, else the only backend with resources.
 

@@ -275,13 +275,15 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
             async def serve_session(session: HttpSession) -> None:
                 await connection.serve(hub, session, "http", bind=session.bind)
 
+            mrtr_bridge = bridge.from_config(cfg.gateway)
+            mrtr_bridge.passthrough = hub.targets_modern
             sessions = Sessions(serve_session, conns, max_sessions=cfg.listen.http_max_sessions,
                                 idle_timeout=cfg.listen.http_session_idle_timeout)
             endpoint = Endpoint(sessions, hosts=ls.allowed_host_names(http_listeners, cfg.listen.allowed_hosts),
                                 allowed_origins=cfg.listen.allowed_origins,
                                 max_json_depth=cfg.gateway.max_json_depth,
                                 ports=frozenset(ls.bound_port([lst]) for lst in http_listeners),
-                                bridge=bridge.from_config(cfg.gateway))
+                                bridge=mrtr_bridge)
             await nursery.start(lambda task_status: serve_http(
                 http_listeners, endpoint, max_message=max_msg, handler_nursery=conns, slots=hub.slots,
                 task_status=task_status))

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING
 import trio
 from msgspec import UNSET, Raw
 
-from gateway import __version__, errors, handlers
+from gateway import __version__, errors, handlers, inputs
 from gateway.events import RequestFinished, RequestOutcome, RequestStarted
 from gateway.handlers import HANDLERS, PRE_INIT, Request, Target
-from gateway.protocol import era, jsonrpc, mcp, mrtr
+from gateway.protocol import era, jsonrpc, mcp
 from gateway.protocol.routing import CallState
 from gateway.session import ClientSession
 
@@ -112,7 +112,8 @@ class Served:
         try:
             self.call = child.start(req.method, UNSET, handle=self, now=self.forwarded_at, owner=session,
                                     hard_timeout=backend.cfg.max_call_duration, progress=target.progress,
-                                    rewrite=handlers.rewriter(target.params, target.meta))
+                                    rewrite=handlers.rewriter(target.params, target.meta,
+                                                              handlers.envelope_of(hub, session, target)))
         except errors.NotDelivered:  # the child just died: the slow path waits for the next one
             backend.release(inst, session)
             self.child = None
@@ -138,6 +139,14 @@ class Served:
             self.child = None
             self.scope = trio.CancelScope()
             self.session.nursery.start_soon(_run_slow, self)
+            return
+        if (result is not None and not self.modern and self.target is not None
+                and self.child is not None and self.child.era is era.Era.MODERN
+                and self.req.method in inputs.MRTR_METHODS and era.is_input_required(result) and not self.session.closed.is_set()
+                and self.session.nursery is not None):
+            # A modern child asks for input; this legacy client is asked the legacy way (a task).
+            self.scope = trio.CancelScope()
+            self.session.nursery.start_soon(_run_slow, self, result)
             return
         self.end(result, error, cancelled=result is None and error is None)
 
@@ -225,10 +234,8 @@ def serve_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, size:
             return
         if targeter is not None:
             served.target = targeter(hub, session, req)
-            if served.modern:  # the child is legacy: it gets no modern envelope, no round trip
-                era.strip_envelope(served.target.params)
-                for key in mrtr.ROUND_TRIP_KEYS:
-                    served.target.params.pop(key, None)
+            if served.modern:  # kept aside: only a modern child gets it (handlers.envelope_of)
+                served.target.envelope = era.strip_envelope(served.target.params)
             # decoded once, here: a bad token fails the request at once
             target = served.target
             target.progress, target.meta = handlers.progress_token(req, target.params)
@@ -242,8 +249,9 @@ def serve_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, size:
     session.nursery.start_soon(_run_slow, served)
 
 
-async def _run_slow(served: Served) -> None:
-    """Serve a request that must wait (consent, an instance starting or busy, a backend's answer)."""
+async def _run_slow(served: Served, first: Raw | None = None) -> None:
+    """Serve a request that must wait (consent, an instance starting or busy, a backend's answer,
+    a modern backend's input requests to a legacy client: ``first`` is its ``input_required``)."""
     hub, session, req = served.hub, served.session, served.req
     assert served.scope is not None
     result: Raw | None = None
@@ -252,7 +260,11 @@ async def _run_slow(served: Served) -> None:
         with served.scope:
             try:
                 if served.target is not None:
-                    result = await handlers.forward(hub, session, req, served.target)
+                    got = first or await handlers.forward(hub, session, req, served.target)
+                    if (not served.modern and req.method in inputs.MRTR_METHODS
+                            and era.is_input_required(got)):  # cancelled meanwhile: no answer
+                        got = await inputs.resolve(hub, session, req, served.target, got, served.started)
+                    result = got
                 else:
                     result = await handlers.ASYNC_HANDLERS[req.method](hub, session, req)
             except Exception as e:

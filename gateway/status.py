@@ -22,6 +22,8 @@ class InstanceStatus:
     owner: str | None = None  # per-session / affine: the conn id it serves
     recycles: int = 0  # of ``restarts``, those that were recycles (not failures)
     draining: bool = False  # drained for a recycle: no new calls, those in flight end
+    era: str | None = None  # "legacy" / "modern": what the running child's handshake found
+    protocol_version: str | None = None  # the revision spoken with the running child
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +36,8 @@ class BackendStatus:
     prompts: int
     resources: int
     templates: int
+    protocol_mode: str = "prefer_legacy"  # the backend's config key
+    modern_seen: bool = False  # a child of it spoke 2026-07-28: a legacy one after that is an error
 
 
 @dataclass(frozen=True, slots=True)

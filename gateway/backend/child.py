@@ -35,6 +35,7 @@ from gateway import errors
 from gateway.events import BackendProtocolError, EventBus, ServerRequestOutcome
 from gateway.limits import Account, ByteBudget
 from gateway.protocol import jsonrpc, wire
+from gateway.protocol.era import Era
 from gateway.protocol.framing import HEAD, LineFramer, Oversize, OversizeEnd
 from gateway.protocol.mcp import decode_cancelled
 from gateway.protocol.routing import (
@@ -147,6 +148,10 @@ class ChildConnection:
         self.closed: errors.GatewayError | None = None
         self.protocol_version: str | None = None
         self.server_capabilities: dict[str, Any] = {}
+        # The era the handshake found (pinned for this process), and for a modern child the
+        # envelope of the gateway's own requests (see gateway.backend.client.open_child).
+        self.era = Era.LEGACY
+        self.envelope: dict[str, Raw] | None = None
         self.on_settled: Callable[[], None] | None = None  # abandoned calls left the set
 
     @property
@@ -297,7 +302,7 @@ class ChildConnection:
     def start(self, method: str, params: Raw | UnsetType, *, handle: CallHandle, now: float,
               owner: Hashable | None = None, internal: bool = False, timeout: float | None = None,
               hard_timeout: float | None = None, progress: Any = None,
-              rewrite: Callable[[str | None], Raw | UnsetType] | None = None) -> Call:
+              rewrite: Callable[..., Raw | UnsetType] | None = None) -> Call:
         """Start a call without waiting: ``handle.finished`` is told how it ended.
 
         Args:
@@ -305,7 +310,8 @@ class ChildConnection:
                 ``request_timeout``; paused while a prompt of the owner is pending).
             hard_timeout: the most the call may take even with pauses.
             progress: the caller's progress token, when it asked for progress.
-            rewrite: builds the final params given the gateway's progress token (or None).
+            rewrite: builds the final params given the gateway's progress token (or None) and
+                whether this child is modern (then they carry the modern envelope).
 
         Raises:
             NotDelivered: the child is gone.  Overloaded: its write queue is full.
@@ -316,7 +322,8 @@ class ChildConnection:
         call = self.router.open_call(method, owner=owner, handle=handle, now=now, timeout=timeout,
                                      hard_deadline=hard, progress=progress, internal=internal)
         if rewrite is not None:
-            params = rewrite(call.token)
+            # (a legacy child's rewrite is called with the token alone)
+            params = rewrite(call.token, True) if self.era is Era.MODERN else rewrite(call.token)
         line = jsonrpc.encode_request(call.gid, method, params)
         if not internal and not self._fits(len(line) + 1):
             raise self._queue_full()  # an opened call that is never submitted leaves no trace
@@ -337,7 +344,7 @@ class ChildConnection:
         owner: Hashable | None = None,
         internal: bool = False,
         progress: Any = None,
-        rewrite: Callable[[str | None], Raw | UnsetType] | None = None,
+        rewrite: Callable[..., Raw | UnsetType] | None = None,
     ) -> Raw:
         """Send a request to the child and wait for its reply (the slow path and the gateway's
         own requests; see :meth:`start`).

@@ -37,8 +37,9 @@ from gateway.events import (
     BackendStderr,
     ExitKind,
 )
-from gateway.protocol import jsonrpc
+from gateway.protocol import era, jsonrpc
 from gateway.protocol.catalog import BackendLists
+from gateway.protocol.era import Era
 from gateway.protocol.stderr import LineSplitter, LineThrottle, printable
 from gateway.protocol.supervision import RestartPolicy, State, Supervision, Transition
 from gateway.status import InstanceStatus
@@ -145,6 +146,8 @@ class Instance(ChildHandlers):
             owner=getattr(self.owner, "conn_id", None),
             recycles=self.sup.recycles,
             draining=self.draining,
+            era=child.era.value if child is not None else None,
+            protocol_version=child.protocol_version if child is not None else None,
         )
 
     async def state_changed(self) -> None:
@@ -468,7 +471,11 @@ class Instance(ChildHandlers):
         while not down.is_set():
             await trio.sleep(h.interval)
             try:
-                await child.request("ping", timeout=h.timeout, internal=True)
+                if child.envelope is not None:  # ping is gone in 2026-07-28: discover is as cheap
+                    await child.request("server/discover", jsonrpc.encode_dict({"_meta": child.envelope}),
+                                        timeout=h.timeout, internal=True)
+                else:
+                    await child.request("ping", timeout=h.timeout, internal=True)
             except errors.RemoteError:
                 ok = True  # answered (even with an error): the child is alive
             except (errors.CallTimeout, errors.BackendExited):
@@ -495,15 +502,45 @@ class Instance(ChildHandlers):
 
     async def _handshake(self, child: ChildConnection) -> None:
         host = self.backend.host
-        await client.initialize(child, declare=self.backend.declared, client_name=host.server_name,
-                                timeout=self.cfg.start_timeout)
+        mode = self.cfg.protocol_mode
+        if self.backend.modern_seen and mode.startswith("prefer_"):
+            mode = "modern_only"  # found modern before: no silent downgrade (see open_child)
+        try:
+            await client.open_child(child, mode=mode, declare=self.backend.declared,
+                                    client_name=host.server_name, timeout=self.cfg.start_timeout)
+        except (errors.GatewayError, trio.TooSlowError) as exc:
+            if mode != self.cfg.protocol_mode:
+                raise errors.BackendProtocolError(
+                    f"backend {self.backend.name!r} spoke {era.LATEST_MODERN} before this restart and "
+                    f"its server/discover probe failed now ({exc or 'timed out'}); not falling back to "
+                    "initialize (a silent downgrade): fix the backend, or reload with protocol_mode = "
+                    '"legacy_only" if the change is intended', backend=self.backend.name) from exc
+            raise
+        if child.era is Era.MODERN:
+            self.backend.modern_seen = True
+        LOGGER.info("backend %s: opened as %s (%s)", self.name, child.era.value, child.protocol_version,
+                    extra={"MCP_BACKEND": self.backend.name})
         for kind in ("tools", "prompts", "resources", "templates"):
             await self._fetch(child, kind)
+        wanted = client.listen_filter(child)
+        if wanted and self._nursery is not None:
+            self._nursery.start_soon(self._listen, child, wanted)
         level = host.wanted_log_level()
         if level is not None:
             await client.set_level(child, level, timeout=self.cfg.start_timeout)
         for uri in self.backend.subscribed_uris():
             await self.subscribe(child, uri)
+
+    async def _listen(self, child: ChildConnection, wanted: dict[str, bool]) -> None:
+        """A modern child's list changes: one ``subscriptions/listen`` open while it runs (its
+        notifications are handled like a legacy child's list_changed, :meth:`on_notification`)."""
+        try:
+            await client.listen(child, wanted)
+        except errors.GatewayError as exc:
+            if child.closed is None:
+                LOGGER.warning("backend %s: subscriptions/listen ended: %s; list changes of this "
+                               "child are not seen until it restarts", self.name, exc,
+                               extra={"MCP_BACKEND": self.backend.name})
 
     async def subscribe(self, child: ChildConnection, uri: str, method: str = "resources/subscribe") -> None:
         await client.subscribe(child, uri, timeout=self.cfg.request_timeout, method=method)

@@ -100,6 +100,9 @@ class Backend:
         self._changed = trio.Event()
         self._waiters: deque[_Waiter] = deque()
         self._own: dict[ClientSession, Instance] = {}
+        # A child of this backend spoke the modern era: every later one must too (a restart, a
+        # per-session child), else it fails to start (never a silent downgrade to legacy).
+        self.modern_seen = False
         self._session_index = 0
 
     @property
@@ -128,7 +131,8 @@ class Backend:
         lists = self.lists
         return BackendStatus(self.name, self.cfg.required, self.cfg.sharing,
                              tuple(i.snapshot(now) for i in self.instances), len(lists.tools),
-                             len(lists.prompts), len(lists.resources), len(lists.templates))
+                             len(lists.prompts), len(lists.resources), len(lists.templates),
+                             self.cfg.protocol_mode, self.modern_seen)
 
     async def first_start(self) -> None:
         """Return once the lists are in, or the first instance's first start failed (BACKOFF or

@@ -115,6 +115,8 @@ STATUS_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "backend_instances": ("Backend instances per state.", ("backend", "state")),
     "backend_resident_memory_bytes": ("RSS of the backend's process groups.", ("backend",)),
     "backend_catalog_items": ("Catalog entries a backend advertises.", ("backend", "kind")),
+    "backend_era_instances": ("Running children of the backend by the protocol era they speak "
+                              "(legacy: initialize; modern: 2026-07-28).", ("backend", "era")),
     "server_requests_pending": ("Server-to-client requests awaiting an answer.", ()),
     "buffered_bytes": ("Bytes of client and backend messages queued in the gateway.", ()),
 }
@@ -168,6 +170,9 @@ class _StatusCollector(Collector):
                 fam["backend_resident_memory_bytes"].add_metric([b.name], rss)
             for kind in CATALOG_KINDS:
                 fam["backend_catalog_items"].add_metric([b.name, kind], getattr(b, kind))
+            eras = [i.era for i in b.instances]
+            for e in ("legacy", "modern"):
+                fam["backend_era_instances"].add_metric([b.name, e], eras.count(e))
 
 
 #: A histogram series: the count per bucket (``BUCKETS`` then +Inf), then the sum.

@@ -10,10 +10,15 @@ a request of the other era afterwards is refused.  Every modern result carries `
 (``"complete"`` here: a legacy child's result passes through with it added), and the cacheable
 ones (lists, ``resources/read``, ``server/discover``) ``ttlMs`` and ``cacheScope``.
 
-``subscriptions/listen`` is served by :mod:`gateway.listen`.  Not here yet: era bridging of a
-legacy child's server→client requests into ``InputRequiredResult`` (a modern owner is never
-sent a request: the child's request is refused as for a client without the capability), and
-modern backends.
+The gateway as the client of a modern *child* (``protocol_mode``, gateway.backend.client): the
+envelope it sends (:func:`envelope`, :func:`add_envelope`, :func:`restrict_envelope`), how a
+child's answers tell its era (:func:`refuses_legacy`, :func:`speaks_modern`), and how an
+``InputRequiredResult`` is recognised (:func:`is_input_required`).
+
+``subscriptions/listen`` is served by :mod:`gateway.listen`; era bridging of a legacy child's
+server→client requests into ``InputRequiredResult`` by :mod:`gateway.bridge` (HTTP flows only: on
+a modern WebSocket or unix connection such a request is refused), of a modern child's input
+requests into pushed requests to a legacy client by :mod:`gateway.inputs`.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ SUPPORTED_VERSIONS = (*reversed(MODERN_VERSIONS), *reversed(mcp.LEGACY_VERSIONS)
 
 VERSION_KEY = "io.modelcontextprotocol/protocolVersion"
 CAPABILITIES_KEY = "io.modelcontextprotocol/clientCapabilities"
+CLIENT_INFO_KEY = "io.modelcontextprotocol/clientInfo"
+LOG_LEVEL_KEY = "io.modelcontextprotocol/logLevel"
 SERVER_INFO_KEY = "io.modelcontextprotocol/serverInfo"
 
 #: Methods of the legacy era only: a modern request for them is "method not found".
@@ -154,27 +161,103 @@ def _header_value(value: str | None) -> str | None:
 
 #: The 2026-07-28 ``_meta`` keys that describe the client's request to the gateway: never passed
 #: to a legacy child (a dual-era child refuses a modern envelope on its initialized session).
-ENVELOPE_KEYS = frozenset({VERSION_KEY, CAPABILITIES_KEY, "io.modelcontextprotocol/clientInfo",
-                           "io.modelcontextprotocol/logLevel"})
+ENVELOPE_KEYS = frozenset({VERSION_KEY, CAPABILITIES_KEY, CLIENT_INFO_KEY, LOG_LEVEL_KEY})
 
 
-def strip_envelope(params: dict[str, Raw]) -> None:
+def strip_envelope(params: dict[str, Raw]) -> dict[str, Raw] | None:
     """Remove the modern envelope from a request's ``_meta`` (in place; the rest passes as is,
-    ``_meta`` goes when nothing is left)."""
+    ``_meta`` goes when nothing is left).  Returns the envelope's keys that were there (for a
+    modern child, which gets them back: :func:`add_envelope`), or None."""
     raw = params.get("_meta")
     if raw is None:
-        return
+        return None
     try:
         meta = jsonrpc.raw_dict(raw)
     except (msgspec.DecodeError, msgspec.ValidationError):
-        return
+        return None
     kept = {k: v for k, v in meta.items() if k not in ENVELOPE_KEYS}
     if len(kept) == len(meta):
-        return
+        return None
     if kept:
         params["_meta"] = jsonrpc.encode_dict(kept)
     else:
         del params["_meta"]
+    return {k: v for k, v in meta.items() if k in ENVELOPE_KEYS}
+
+
+# ---- the gateway as the client of a modern child ----------------------------------------------
+
+#: The client capabilities a child may ask input for (``inputRequests`` methods), by name.
+INPUT_CAPABILITIES = ("roots", "sampling", "elicitation")
+
+
+def envelope(capabilities: dict[str, Any], *, log_level: str | None = None,
+             client_info: dict[str, Any] | None = None) -> dict[str, Raw]:
+    """The ``_meta`` keys the gateway sends a modern child with a request of its own or of a
+    legacy client (whose ``logLevel``, set with ``logging/setLevel``, goes along)."""
+    env = {VERSION_KEY: Raw(b'"' + LATEST_MODERN.encode() + b'"'),
+           CAPABILITIES_KEY: Raw(msgspec.json.encode(capabilities))}
+    if client_info is not None:
+        env[CLIENT_INFO_KEY] = Raw(msgspec.json.encode(client_info))
+    if log_level is not None:
+        env[LOG_LEVEL_KEY] = Raw(msgspec.json.encode(log_level))
+    return env
+
+
+def restrict_envelope(env: dict[str, Raw], declare: frozenset[str]) -> dict[str, Raw]:
+    """A modern client's envelope for a modern child: its capabilities without the input kinds
+    the operator does not let this backend ask for (``declare``); the rest as the client sent it."""
+    raw = env.get(CAPABILITIES_KEY)
+    if raw is None or all(kind in declare for kind in INPUT_CAPABILITIES):
+        return env
+    try:
+        caps = jsonrpc.loads(raw)
+    except msgspec.DecodeError:
+        return env
+    if not isinstance(caps, dict):
+        return env
+    kept = {k: v for k, v in caps.items() if k not in INPUT_CAPABILITIES or k in declare}
+    return {**env, CAPABILITIES_KEY: Raw(msgspec.json.encode(kept))}
+
+
+def add_envelope(params: dict[str, Raw], env: dict[str, Raw]) -> None:
+    """Put a modern envelope into a request's ``_meta`` (in place; its other keys stay)."""
+    raw = params.get("_meta")
+    meta: dict[str, Raw] = {}
+    if raw is not None:
+        try:
+            meta = jsonrpc.raw_dict(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            meta = {}
+    params["_meta"] = jsonrpc.encode_dict({**meta, **env})
+
+
+def speaks_modern(supported: Any) -> bool:
+    """Whether a ``supportedVersions`` / ``data.supported`` list names a revision the gateway
+    speaks as a modern client."""
+    return isinstance(supported, list) and any(v in MODERN_VERSIONS for v in supported)
+
+
+def refuses_legacy(code: int, data: Any) -> bool:
+    """Whether a child's error to ``initialize`` says it speaks only the modern era: -32601
+    (``initialize`` does not exist for it), -32022, or an error whose ``data.supported`` names
+    a modern revision only (mcp-spec-digest §3.2: a modern-only server SHOULD list them)."""
+    supported = data.get("supported") if isinstance(data, dict) else None
+    if isinstance(supported, list) and supported:
+        return speaks_modern(supported) and not any(v in mcp.LEGACY_VERSIONS for v in supported)
+    return code in (errors.METHOD_NOT_FOUND, errors.UNSUPPORTED_VERSION)
+
+
+def is_input_required(result: Raw) -> bool:
+    """Whether a result is an ``InputRequiredResult`` (checked on the bytes first: cheap)."""
+    data = bytes(result)
+    if b'"input_required"' not in data:
+        return False
+    try:
+        value = jsonrpc.loads(jsonrpc.raw_dict(result).get("resultType", Raw(b"null")))
+    except (msgspec.DecodeError, msgspec.ValidationError, errors.GatewayError):
+        return False
+    return value == "input_required"
 
 
 def complete(method: str, result: Raw) -> Raw:

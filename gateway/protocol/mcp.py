@@ -5,6 +5,7 @@ Only the messages the gateway inspects are typed here; everything else stays Raw
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, TypeVar
 
 import msgspec
@@ -156,3 +157,16 @@ def decode_cancelled(raw: Raw | UnsetType) -> CancelledParams:
 
 def decode_list_page(raw: Raw) -> ListPage:
     return _decode(_list_page, raw)
+
+
+def declared_capabilities(declare: Iterable[str]) -> dict[str, Any]:
+    """The client capabilities the gateway declares to a child (what it can route)."""
+    declare = set(declare)
+    caps: dict[str, Any] = {}
+    if "roots" in declare:
+        caps["roots"] = {"listChanged": False}
+    if "sampling" in declare:
+        caps["sampling"] = {}
+    if "elicitation" in declare:
+        caps["elicitation"] = {"form": {}, "url": {}}
+    return caps

@@ -263,7 +263,8 @@ class Endpoint:
             raise _jsonrpc_error(400, mismatch, env.id)
         sink = Sink(conn, "", env.id)
         sink.token = _progress_token(env.params)
-        if "requestState" in params and env.method in mrtr.METHODS:
+        if ("requestState" in params and env.method in mrtr.METHODS and self.bridge is not None
+                and not self.bridge.passthrough(env.method, params)):
             session = self._resume(env, params, caps, sink)
             asked = _rounds(session)
             try:
@@ -285,9 +286,7 @@ class Endpoint:
                 sink: Sink) -> HttpSession:
         """A retry carrying ``requestState``: the parked flow it continues (gateway.bridge),
         with ``sink`` open for the retry's id."""
-        assert isinstance(env.method, str) and isinstance(env.id, int | str)
-        if self.bridge is None:
-            raise _jsonrpc_error(400, mrtr.invalid_state("this gateway issues no requestState"), env.id)
+        assert isinstance(env.method, str) and isinstance(env.id, int | str) and self.bridge is not None
         try:
             owner = self.bridge.resume(env.method, params, env.id, caps)
         except errors.GatewayError as exc:

@@ -1,0 +1,169 @@
+"""A modern child's ``InputRequiredResult`` for a legacy client: pushed requests, then a retry.
+
+Theory of operation (mcp-spec-digest §5.3, §10.10; ARCHITECTURE §8).  A modern (2026-07-28)
+child never sends requests: when a call needs input it answers ``resultType: "input_required"``
+with ``inputRequests`` (``{key: {method, params}}``) and maybe an opaque ``requestState``, and the
+caller is to re-issue the call with ``inputResponses`` (and that ``requestState``, byte for byte).
+A modern client gets that result as it is (:mod:`gateway.serving`).  A legacy client (WebSocket,
+unix socket, a legacy HTTP session) cannot read it, so the gateway asks it the legacy way:
+:func:`resolve` pushes each input request to the call's owner (the client whose call it is: the
+correlation is in the reply itself, no attribution needed) as a server→client request under an id
+minted for that connection, waits for every answer, and re-issues the call to the backend with
+``inputResponses`` (+ ``requestState``), as often as the child asks again (at most
+:data:`MAX_ROUNDS` rounds), until a complete result answers the client's original request.
+
+Each input request is decided by :func:`gateway.ownership.decide`, as a legacy child's request of
+the same kind would be: ``roots/list`` is answered from config outside ``per-session`` mode; a kind
+the gateway does not declare to this backend, or that the owner did not declare, is not asked:
+its key is left out of ``inputResponses`` and the child decides (the envelope the child got
+already said what the caller can answer, see :func:`gateway.handlers.envelope_of`); a client's
+error answer is left out the same way.  Forwarded sampling gets ``includeContext: "none"``.
+
+Bounds: the whole flow ends at the backend's ``max_call_duration`` after the client's request
+(-32003); the client cancelling its request (or closing its connection) cancels the flow, and the
+pushed requests still open are withdrawn with ``notifications/cancelled`` (the call ended).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import trio
+from msgspec import Raw
+
+from gateway import errors, handlers
+from gateway.events import ServerRequestFinished, ServerRequestOutcome, ServerRequestRouted
+from gateway.ownership import Answer, decide
+from gateway.protocol import era, jsonrpc
+
+if TYPE_CHECKING:
+    from gateway.handlers import Request, Target
+    from gateway.hub import Hub
+    from gateway.session import ClientSession, ServerRequest
+
+LOGGER = logging.getLogger(__name__)
+
+#: Rounds of input requests one call may take before the gateway gives up (-32009).
+MAX_ROUNDS = 16
+#: Input requests in one round at most (each becomes a request pushed to the client).
+MAX_INPUTS = 32
+#: The methods a child may answer with ``input_required`` (2026-07-28 MRTR).
+MRTR_METHODS = frozenset({"tools/call", "prompts/get", "resources/read"})
+
+
+def input_requests(result: Raw) -> tuple[dict[str, tuple[str, dict[str, Any]]], Raw | None]:
+    """The ``inputRequests`` of an ``InputRequiredResult`` as ``{key: (method, params)}`` and its
+    ``requestState`` as the child sent it (Raw: passed back byte for byte), pure.
+
+    Raises:
+        BackendProtocolError: not a well-formed ``InputRequiredResult``.
+    """
+    try:
+        fields = jsonrpc.raw_dict(result)
+        raw = fields.get("inputRequests")
+        asks = jsonrpc.loads(raw) if raw is not None else {}
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        asks = None
+        fields = {}
+    state = fields.get("requestState")
+    if not isinstance(asks, dict) or (not asks and state is None) or len(asks) > MAX_INPUTS:
+        raise errors.BackendProtocolError("the backend answered input_required without valid "
+                                          f"inputRequests (at most {MAX_INPUTS})")
+    out: dict[str, tuple[str, dict[str, Any]]] = {}
+    for key, ask in asks.items():
+        method = ask.get("method") if isinstance(ask, dict) else None
+        params = ask.get("params", {}) if isinstance(ask, dict) else None
+        if not isinstance(method, str) or not isinstance(params, dict):
+            raise errors.BackendProtocolError(f"the backend's input request {key!r} has no method or params")
+        out[key] = (method, params)
+    return out, state
+
+
+def retry_params(params: dict[str, Raw], responses: dict[str, Raw], state: Raw | None) -> dict[str, Raw]:
+    """The params of the re-issued call: the original ones plus ``inputResponses`` and the
+    child's ``requestState`` (pure; an earlier round's keys are replaced)."""
+    out = {k: v for k, v in params.items() if k not in ("inputResponses", "requestState")}
+    out["inputResponses"] = jsonrpc.encode_dict(responses)
+    if state is not None:
+        out["requestState"] = state
+    return out
+
+
+async def resolve(hub: Hub, session: ClientSession, req: Request, target: Target, result: Raw,
+                  started: float) -> Raw:
+    """Answer a modern child's ``input_required`` ``result`` for the legacy ``session`` (see the
+    module's docstring); returns the complete result.
+
+    Raises:
+        CallTimeout (max_call_duration), BackendProtocolError (too many rounds, a malformed
+        result), and whatever the re-issued call raises.
+    """
+    backend_cfg = hub.cfg.backends[target.backend]
+    deadline = started + backend_cfg.max_call_duration
+    rounds = 0
+    with trio.move_on_at(deadline) as scope:
+        while era.is_input_required(result):
+            rounds += 1
+            if rounds > MAX_ROUNDS:
+                raise errors.BackendProtocolError(
+                    f"backend {target.backend!r} asked for input more than {MAX_ROUNDS} times in one "
+                    f"{req.method}", backend=target.backend)
+            asks, state = input_requests(result)
+            responses = await _ask(hub, session, target.backend, asks)
+            retry = handlers.Target(target.backend, retry_params(target.params, responses, state),
+                                    progress=target.progress, meta=target.meta)
+            result = await handlers.forward(hub, session, req, retry)
+        return result
+    assert scope.cancelled_caught
+    raise errors.CallTimeout(f"{req.method} waited for input longer than max_call_duration "
+                             f"({backend_cfg.max_call_duration:g}s)", backend=target.backend)
+
+
+async def _ask(hub: Hub, session: ClientSession, backend: str,
+               asks: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, Raw]:
+    """One round: push what the owner can answer, answer what the gateway answers itself, wait
+    for every answer; returns ``inputResponses`` (keys without an answer left out)."""
+    cfg = hub.cfg.backends[backend]
+    responses: dict[str, Raw] = {}
+    pushed: list[tuple[str, ServerRequest]] = []
+    try:
+        for key, (method, params) in asks.items():
+            decision = decide(method, params, sharing=cfg.sharing, config_roots=cfg.roots,
+                              owners={session}, declared=frozenset(cfg.declare))
+            if isinstance(decision, Answer):
+                if decision.result is not None:
+                    responses[key] = decision.result
+                else:  # left out: the child decides (it was told what the caller can answer)
+                    LOGGER.info("backend %s: input request %r (%s) not asked: %s", backend, key,
+                                method, decision.message, extra=session.log_fields)
+                continue
+            if method == "sampling/createMessage":
+                params = {**params, "includeContext": "none"}  # one client's context must not leak
+            hub.bus.emit(ServerRequestRouted(backend, method, session.conn_id))
+            hub.ownership.open += 1
+            sreq = session.open_request(method, params)
+            sreq.on_end.append(_finished_event(hub, backend))
+            if sreq.outcome is not None:  # the owner was already gone
+                _finished_event(hub, backend)(sreq)
+            pushed.append((key, sreq))
+        for key, sreq in pushed:
+            await sreq.done.wait()
+            if sreq.outcome is ServerRequestOutcome.ANSWERED and sreq.result is not None:
+                responses[key] = sreq.result
+    finally:  # cancelled or timed out: withdraw what is still open
+        for _key, sreq in pushed:
+            if not sreq.done.is_set():
+                session.cancel_request(sreq, ServerRequestOutcome.CALL_FINISHED,
+                                       "the call that caused this request has ended")
+    return responses
+
+
+def _finished_event(hub: Hub, backend: str) -> Any:
+    def ended(sreq: ServerRequest) -> None:
+        hub.ownership.open -= 1
+        outcome = sreq.outcome or ServerRequestOutcome.SHUTDOWN
+        hub.bus.emit(ServerRequestFinished(backend, sreq.method, outcome, trio.current_time() - sreq.started))
+
+    return ended
