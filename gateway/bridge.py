@@ -39,7 +39,7 @@ from msgspec import Raw
 
 from gateway import errors
 from gateway.errors import CloseReason, ConfigError
-from gateway.events import ServerRequestOutcome
+from gateway.events import EventBus, InputRequired, RequestStateRefused, ServerRequestOutcome
 from gateway.protocol import jsonrpc, mcp, mrtr
 
 if TYPE_CHECKING:
@@ -106,7 +106,7 @@ class Bridge:
         # (set by the service: Hub.targets_modern).
         self.passthrough: Callable[[str, dict[str, Raw]], bool] = lambda method, params: False
         self.flows: dict[str, Flow] = {}
-        self.refused = 0  # retries refused for an invalid state (``/status``)
+        self.bus = EventBus()  # the hub's, once the service sets it
 
     def flow_of(self, owner: ClientSession) -> Flow:
         flow = owner.flow
@@ -131,20 +131,23 @@ class Bridge:
             flow = self.flows.get(claims.flow)
             if flow is None:
                 raise mrtr.invalid_state("its call is over or expired, or was served by another "
-                                         "process of this replica")
+                                         "process of this replica", "gone")
             if not flow.parked or claims.round != flow.round:
-                raise mrtr.invalid_state("it was already used (a requestState is good for one retry)")
+                raise mrtr.invalid_state("it was already used (a requestState is good for one retry)",
+                                         "used")
             if claims.digest != mrtr.params_digest(method, params) or method != flow.method:
                 flow.end("a retry presented its state with other params")
-                raise mrtr.invalid_state("the retry's params differ from the call it continues")
+                raise mrtr.invalid_state("the retry's params differ from the call it continues",
+                                         "other_params")
         except errors.InvalidParams as exc:
             if exc.reason == "invalid_state":
-                self.refused += 1
-                if "signature" in exc.message:
+                kind = getattr(exc, "kind", "malformed")
+                self.bus.emit(RequestStateRefused(kind))
+                if kind == "tampered":
                     self._end_tampered(params)
             raise
         except msgspec.DecodeError:
-            self.refused += 1
+            self.bus.emit(RequestStateRefused("malformed"))
             raise mrtr.invalid_state("not a string") from None
         answers = mrtr.input_responses(params)  # before anything changes: a bad one changes nothing
         flow.resume(request_id, answers, caps)
@@ -218,6 +221,7 @@ class Flow:
         self.parked = True
         bridge.flows[self.id] = self  # only parked flows are listed: a retry finds them here
         served.reply(jsonrpc.encode_result(served.id, result), served.id)
+        bridge.bus.emit(InputRequired(served.req.backend))
         self.resumed = trio.Event()
         assert self.owner.nursery is not None
         self.owner.nursery.start_soon(self._expire, self.resumed, trio.current_time() + bridge.ttl)

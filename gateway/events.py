@@ -196,6 +196,21 @@ class AnswerRefused:
 
 
 @dataclass(frozen=True, slots=True)
+class InputRequired:
+    """A modern caller's call was answered ``input_required`` for a legacy child's requests
+    (era bridging, one per round)."""
+
+    backend: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStateRefused:
+    """A retry's ``requestState`` was refused (``invalid_state``)."""
+
+    reason: str  # "tampered" | "foreign" | "expired" | "used" | "gone" | "other_params" | "malformed"
+
+
+@dataclass(frozen=True, slots=True)
 class ReloadFinished:
     success: bool
     error: str | None
@@ -221,6 +236,8 @@ Event = (
     | ServerRequestRefused
     | ServerRequestFinished
     | AnswerRefused
+    | InputRequired
+    | RequestStateRefused
     | ReloadFinished
 )
 

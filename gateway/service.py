@@ -277,6 +277,7 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
 
             mrtr_bridge = bridge.from_config(cfg.gateway)
             mrtr_bridge.passthrough = hub.targets_modern
+            mrtr_bridge.bus = hub.bus
             sessions = Sessions(serve_session, conns, max_sessions=cfg.listen.http_max_sessions,
                                 idle_timeout=cfg.listen.http_session_idle_timeout)
             endpoint = Endpoint(sessions, hosts=ls.allowed_host_names(http_listeners, cfg.listen.allowed_hosts),

@@ -91,6 +91,11 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
         ("backend", "method", "reason"),
     ),
     "refused_answers_total": ("Client answers to requests they do not own.", ("reason",)),
+    "input_required_results_total": (
+        "Modern calls answered input_required for a legacy backend's requests (era bridging).",
+        ("backend",),
+    ),
+    "request_states_refused_total": ("Retries whose requestState was refused.", ("reason",)),
     "config_reloads_total": ("Configuration reload attempts.", ("result",)),
 }
 HISTOGRAMS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -312,6 +317,8 @@ class GatewayMetrics:
                 "unroutable_server_requests_total", e.backend, e.method, e.reason
             ),
             events.AnswerRefused: lambda e: inc("refused_answers_total", e.reason),
+            events.InputRequired: lambda e: inc("input_required_results_total", _backend(e.backend)),
+            events.RequestStateRefused: lambda e: inc("request_states_refused_total", e.reason),
             events.ReloadFinished: self._on_reload,
         }
         self._unsubscribe = [bus.subscribe(handler, kind) for kind, handler in handlers.items()]

@@ -45,8 +45,11 @@ ROUND_TRIP_KEYS = frozenset({"inputResponses", "requestState"})
 MAX_STATE = 4096
 
 
-def invalid_state(why: str) -> errors.InvalidParams:
-    return errors.InvalidParams(f"requestState refused: {why}", reason="invalid_state")
+def invalid_state(why: str, kind: str = "malformed") -> errors.InvalidParams:
+    """-32602 ``invalid_state``; ``kind`` (the metric label) is kept on the exception only."""
+    exc = errors.InvalidParams(f"requestState refused: {why}", reason="invalid_state")
+    exc.kind = kind  # type: ignore[attr-defined]
+    return exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,9 +104,11 @@ class StateCodec:
         replica, _, rest = state.partition(".")
         payload, _, mac = rest.partition(".")
         if replica != self.replica_id:
-            raise invalid_state(f"it was issued by replica {replica[:64]!r}, this is {self.replica_id!r}")
+            raise invalid_state(f"it was issued by replica {replica[:64]!r}, this is {self.replica_id!r}",
+                                "foreign")
         if not payload or not hmac.compare_digest(mac, self._mac(f"{replica}.{payload}")):
-            raise invalid_state("its signature does not verify (tampered, or signed with another key)")
+            raise invalid_state("its signature does not verify (tampered, or signed with another key)",
+                                "tampered")
         try:
             fields = json.loads(_unb64(payload))
             claims = Claims(flow=fields["f"], round=fields["n"], expires=fields["x"], backend=fields["b"],
@@ -111,7 +116,7 @@ class StateCodec:
         except (ValueError, KeyError, TypeError, binascii.Error):  # signed by us: cannot happen
             raise invalid_state("its payload is malformed") from None
         if claims.expires <= now:
-            raise invalid_state("it has expired (gateway.state_ttl)")
+            raise invalid_state("it has expired (gateway.state_ttl)", "expired")
         return claims
 
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import trio
 
-from helpers import fixture_backend, make_config, run_gateway, wait_status
+from helpers import fixture_backend, make_config, metric, run_gateway, wait_status
 
 pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
@@ -72,6 +72,8 @@ async def test_tampered_other_params_and_missing_capability() -> None:
                        inputResponses={"srv-1": {"action": "accept", "content": {"answer": "x"}}},
                        requestState=state + "-TAMPERED")
         assert invalid_state(r), r.text
+        assert await metric(port, "mcp_gateway_request_states_refused_total", reason="tampered") == 1
+        assert await metric(port, "mcp_gateway_input_required_results_total", backend="fx") == 1
         # the waiting child was told at once (declined) and its call ended: nothing hangs
         with trio.fail_after(5):
             await wait_status(port, lambda st: st["client_requests_in_flight"] == 0

@@ -423,6 +423,8 @@ def _every_event_once_or_more() -> list[ev.Event]:
         ev.ServerRequestFinished("", "elicitation/create", timeout, 60.0),
         ev.ServerRequestFinished("time", "elicitation/create", answered, 2.5),
         ev.AnswerRefused("c1", "unknown_id"),
+        ev.InputRequired("time"),
+        ev.RequestStateRefused("tampered"),
         ev.ConnectionClosed("c1", "websocket", "client_closed", 3.0),
         ev.ReloadFinished(False, "bad toml"),
         ev.ReloadFinished(True, None, added=("fs",)),
