@@ -4,7 +4,8 @@ its connections, the checks every request passes, and the table of live sessions
 Theory of operation: each accepted TCP connection holds a ``max_connections`` slot and is one
 task serving requests one after the other (:class:`~gateway.transports.http.HttpConnection`,
 keep-alive).  A request is checked in this order, each failure answered and counted by its
-status: path (404), ``Host`` (403: DNS rebinding), ``Origin`` (403), method (405), ``Accept``
+status: path (404; ``/healthz`` and ``/readyz`` are answered for load balancers, with any
+``Host``, by :func:`gateway.ops.admin.probe`), ``Host`` (403: DNS rebinding), ``Origin`` (403), method (405), ``Accept``
 (406), ``Content-Type`` (415), the body as one JSON-RPC message (400 with the -32700/-32600
 error), ``Mcp-Session-Id`` (400 missing, 404 unknown or ended), ``MCP-Protocol-Version``
 (400 unsupported; absent means 2025-03-26).  An ``initialize`` POST without a session id creates
@@ -32,19 +33,26 @@ from gateway.config import host_allowed
 from gateway.errors import TransportClosed
 from gateway.limits import ConnectionSlots
 from gateway.protocol import era, jsonrpc, mcp
-from gateway.transports.http import HttpConnection, HttpError, Request
+from gateway.transports.http import (
+    WRITE_TIMEOUT,
+    HttpConnection,
+    HttpError,
+    Reply,
+    Request,
+    serve_connection,
+)
 from gateway.transports.listeners import Accepted, SlottedListener
 from gateway.transports.streamable import SESSION_HEADER, HttpSession, Sink
 
 LOGGER = logging.getLogger(__name__)
 
 PATH = "/mcp"
+#: Served beside /mcp for load balancers, with any Host (never /status or /metrics here).
+PROBES = ("/healthz", "/readyz")
 #: Seconds between SSE comments on an idle stream.
 KEEPALIVE = 15.0
 #: A keep-alive connection with no request for this long is closed.
 IDLE_TIMEOUT = 60.0
-#: Bound on writing a response the peer does not read, and on the 503 beyond max_connections.
-WRITE_TIMEOUT = 10.0
 JSON = "application/json"
 TEXT = "text/plain; charset=utf-8"
 ALLOW = [("allow", "GET, POST, DELETE")]
@@ -98,8 +106,10 @@ class Endpoint:
     """What ``/mcp`` needs to answer a request: the checks' allow-lists and the sessions."""
 
     def __init__(self, sessions: Sessions, *, hosts: frozenset[str], allowed_origins: Sequence[str],
-                 max_json_depth: int, ports: frozenset[int] = frozenset()) -> None:
+                 max_json_depth: int, ports: frozenset[int] = frozenset(),
+                 probes: Callable[[Request], Reply] | None = None) -> None:
         self.sessions = sessions
+        self.probes = probes  # /healthz and /readyz (gateway.ops.admin.probe), any Host
         self.hosts = hosts
         self.allowed_origins = allowed_origins
         self.max_json_depth = max_json_depth
@@ -139,8 +149,12 @@ class Endpoint:
     async def handle(self, conn: HttpConnection, req: Request) -> None:
         """Answer one request (raises HttpError for a refusal)."""
         if req.path != PATH:
+            if req.path in PROBES and self.probes is not None:  # a load balancer's health checks
+                code, content_type, text, extra = self.probes(req)
+                conn.respond(code, text, content_type, [("cache-control", "no-store"), *extra])
+                return
             raise HttpError(404, "not found (the MCP endpoint is /mcp)")
-        if not host_allowed(req.header(b"host"), self.hosts):
+        if not req.host_in(self.hosts):
             LOGGER.warning("/mcp: refused Host %.100r (listen.allowed_hosts)", req.header(b"host"))
             raise HttpError(403, "Host not allowed")
         if not self._origin_allowed(req):
@@ -291,6 +305,10 @@ def _is_modern(req: Request, env: jsonrpc.Envelope) -> bool:
         return False
 
 
+def _allow(exc: HttpError) -> list[tuple[str, str]]:
+    return ALLOW if exc.status == 405 else []
+
+
 def _accepts(accept: str, media: str) -> bool:
     kinds = {part.split(";", 1)[0].strip().lower() for part in accept.split(",")}
     return media in kinds or "*/*" in kinds or f"{media.split('/')[0]}/*" in kinds
@@ -359,38 +377,11 @@ async def serve_http(
                     except TransportClosed:
                         pass
                 return
-            await _serve_connection(endpoint, conn)
+            await serve_connection(conn, endpoint.handle, idle_timeout=IDLE_TIMEOUT, name="/mcp",
+                                   error_headers=_allow)
         finally:
             if accepted.admitted and slots is not None:
                 slots.release()
 
     await trio.serve_listeners(handler, [SlottedListener(lst, slots, "http") for lst in listeners],
                                handler_nursery=handler_nursery, task_status=task_status)
-
-
-async def _serve_connection(endpoint: Endpoint, conn: HttpConnection) -> None:
-    try:
-        while True:
-            try:
-                try:
-                    req = await conn.next_request(IDLE_TIMEOUT)
-                except HttpError as exc:
-                    exc.close = True  # the rest of the request stream cannot be trusted
-                    raise
-                if req is None:
-                    return
-                await endpoint.handle(conn, req)
-            except HttpError as exc:
-                LOGGER.debug("/mcp: %d %s", exc.status, exc)
-                conn.respond(exc.status, exc.body, exc.content_type,
-                             ALLOW if exc.status == 405 else (), close=exc.close)
-            with trio.move_on_after(WRITE_TIMEOUT) as scope:
-                await conn.flush()
-            if scope.cancelled_caught or not conn.reusable:
-                return
-    except TransportClosed:
-        return
-    except Exception:  # the one catch-all per HTTP connection
-        LOGGER.exception("/mcp: connection failed")
-    finally:
-        conn.io.close_writes()  # the fd is closed after this: nothing may write to it any more
