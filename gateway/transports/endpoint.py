@@ -133,17 +133,15 @@ class Endpoint:
                 return False
         return True
 
-    def _session(self, req: Request) -> HttpSession:
+    def _session(self, req: Request, id: int | str | None = None) -> HttpSession:
+        """The session a request names (``id``: the request's, echoed in a refusal)."""
         sid = req.header(b"mcp-session-id")
         if sid is None:
-            raise _jsonrpc_error(400, errors.InvalidRequest("missing Mcp-Session-Id header: initialize first"))
+            raise _jsonrpc_error(400, errors.InvalidRequest("missing Mcp-Session-Id header: initialize first"), id)
         session = self.sessions.by_id.get(sid)
         if session is None or session.closed:
-            raise _jsonrpc_error(404, errors.InvalidRequest("unknown or ended session: initialize again"))
-        version = req.header(b"mcp-protocol-version")
-        if version is not None and version not in mcp.LEGACY_VERSIONS:
-            raise _jsonrpc_error(400, errors.InvalidRequest(
-                f"unsupported MCP-Protocol-Version {version[:40]!r}", supported=list(mcp.LEGACY_VERSIONS)))
+            raise _jsonrpc_error(404, errors.InvalidRequest("unknown or ended session: initialize again"), id)
+        _check_version(req, id)
         return session
 
     async def handle(self, conn: HttpConnection, req: Request) -> None:
@@ -219,15 +217,17 @@ class Endpoint:
         if _is_modern(req, env):
             await self._modern(conn, req, env, kind, body)
             return
+        rid = env.id if isinstance(env.id, int | str) else None
         if req.header(b"mcp-session-id") is None and kind == "request" and env.method == "initialize":
+            _check_version(req, rid)
             session = self.sessions.create()
             if session is None:
                 raise _jsonrpc_error(503, errors.Overloaded(
                     "too many HTTP sessions (listen.http_max_sessions); retry later",
-                    limit=self.sessions.max_sessions), env.id if isinstance(env.id, int | str) else None)
+                    limit=self.sessions.max_sessions), rid)
             LOGGER.debug("http session %.8s… created", session.id)
         else:
-            session = self._session(req)
+            session = self._session(req, rid)
         if kind != "request":
             self._accepted(conn, session, body)
             if env.method == "notifications/cancelled":
@@ -242,6 +242,12 @@ class Endpoint:
                 f"request id {env.id!r} is already in flight on this session"), env.id)
         sink = Sink(conn, session.id, env.id)
         sink.token = _progress_token(env.params)
+        if sink.token is not None and session.token_in_use(sink.token):
+            # the spec: a progress token is unique across active requests; two would mix their
+            # progress on one stream.  A JSON-RPC error for this request (HTTP 200, like any)
+            raise _jsonrpc_error(200, errors.InvalidParams(
+                f"progressToken {sink.token!r} is in use by another request of this session",
+                reason="progress_token_in_use"), env.id)
         await self._stream(conn, session, sink, body)
 
     async def _modern(self, conn: HttpConnection, req: Request, env: jsonrpc.Envelope, kind: str,
@@ -289,14 +295,25 @@ class Endpoint:
         await _hold(conn, session, sink)
 
 
+def _check_version(req: Request, id: int | str | None) -> None:
+    """A legacy-shape request's ``MCP-Protocol-Version``, when present, is one the gateway
+    speaks (absent: 2025-03-26 is assumed); else 400 with the supported versions."""
+    version = req.header(b"mcp-protocol-version")
+    if version is not None and version not in mcp.LEGACY_VERSIONS:
+        raise _jsonrpc_error(400, errors.InvalidRequest(
+            f"unsupported MCP-Protocol-Version {version[:40]!r}", supported=list(era.SUPPORTED_VERSIONS)), id)
+
+
 def _is_modern(req: Request, env: jsonrpc.Envelope) -> bool:
     """Whether a POST is of the 2026-07-28 shape: its ``MCP-Protocol-Version`` says so, or it
     has no session and its ``_meta`` names a protocol version (an unsupported one too: it gets
-    -32022 with the versions the gateway speaks)."""
+    -32022 with the versions the gateway speaks).  An ``initialize`` with an unknown version
+    header is a legacy client's (400 with the supported versions, not the modern 404)."""
     version = req.header(b"mcp-protocol-version")
     if version is not None:
         return version in era.MODERN_VERSIONS or (
-            version not in mcp.LEGACY_VERSIONS and req.header(b"mcp-session-id") is None)
+            version not in mcp.LEGACY_VERSIONS and req.header(b"mcp-session-id") is None
+            and env.method != "initialize")
     if req.header(b"mcp-session-id") is not None or not isinstance(env.params, jsonrpc.Raw):
         return False
     try:

@@ -165,6 +165,10 @@ class HttpSession:
     def has_request(self, request_id: RequestId) -> bool:
         return request_id in self._posts
 
+    def token_in_use(self, token: RequestId) -> bool:
+        """Whether a request of this session still open carries progress token ``token``."""
+        return token in self._tokens
+
     def open_post(self, sink: Sink) -> None:
         if sink.batch:
             self._batches.append(sink)

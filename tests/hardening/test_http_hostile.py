@@ -302,3 +302,51 @@ async def test_parked_messages_flow_out_when_the_get_stream_opens(daemon: Daemon
     for conn in (c, get):
         await conn.aclose()
     await check(daemon, base)
+
+
+async def test_refusals_name_the_request_and_smuggling_is_refused(daemon: Daemon) -> None:
+    """Leftovers of the hostile tester: (a) a session refusal echoes the request's id, not null;
+    (b) ``initialize`` with an unknown version header is 400 with the supported versions, not the
+    modern shape's 404; (c) ``Transfer-Encoding`` with ``Content-Length`` is 400 and the
+    connection closed (RFC 9112 6.1); (d) a progress token already in use by an open request of
+    the session is refused with -32602 (the first call is unharmed)."""
+    base = await baseline(daemon)
+    port = daemon.http_port
+    c, session = await open_session(port)
+    ping = {"jsonrpc": "2.0", "id": "p-1", "method": "ping"}
+    sid = session.split(b"\r\n")[0] + b"\r\n"
+    for headers, status in [(b"", 400), (b"mcp-session-id: nope\r\n", 404),
+                            (sid + b"mcp-protocol-version: 1999-01-01\r\n", 400)]:
+        r = await c.exchange(post(ping, headers))
+        assert (r.status, r.json()["id"]) == (status, "p-1"), (headers, r.status, r.body)  # (a)
+    init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}}
+    r = await c.exchange(post(init, b"mcp-protocol-version: 1999-01-01\r\n"))
+    assert r.status == 400 and "2025-11-25" in r.json()["error"]["data"]["supported"], r.body  # (b)
+    data = json.dumps(ping).encode()
+    smuggled = await Conn.open(port)
+    await smuggled.send(b"POST /mcp HTTP/1.1\r\n" + HEADERS + session + b"content-length: %d\r\n"
+                        b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(data), len(data), data))
+    with trio.fail_after(ANSWER_BOUND):
+        r = await smuggled.response()
+        assert r.status == 400 and r.headers[b"connection"] == b"close", r.body  # (c)
+        with pytest.raises(EOFError):
+            await smuggled._more()
+    slow = await Conn.open(port)
+    meta = {"_meta": {"progressToken": "tok"}}
+    await slow.send(post({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+        "name": "fx__sleep", "arguments": {"seconds": 1.0}, **meta}}, session))
+    with trio.fail_after(ANSWER_BOUND):  # the first call is open (polled: from outside)
+        while not (await daemon.instance("fx"))["inflight"]:
+            await trio.sleep(0.02)
+    r = await c.exchange(post({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
+        "name": "fx__echo", "arguments": {"message": "x"}, **meta}}, session))
+    assert r.json()["id"] == 2 and r.json()["error"]["code"] == -32602, r.body  # (d)
+    with trio.fail_after(ANSWER_BOUND):
+        r = await slow.response()
+    assert r.json()["id"] == 1 and "result" in r.json(), r.body
+    r = await c.exchange(post(b"", session, method=b"DELETE"))
+    assert r.status == 200
+    for conn in (c, slow, smuggled):
+        await conn.aclose()
+    await check(daemon, base)
