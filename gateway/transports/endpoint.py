@@ -14,7 +14,9 @@ a session (:class:`~gateway.transports.streamable.HttpSession`, at most ``http_m
 :class:`~gateway.transports.streamable.Sink` and its task waits, reading the socket only to see
 the peer leave, until the sink is answered; an SSE comment every :data:`KEEPALIVE` seconds keeps
 an idle stream open.  Notifications and responses get 202.  GET opens the session's one
-standalone stream (409 for a second one); DELETE ends the session.
+standalone stream (409 for a second one); with ``Last-Event-ID`` it resumes the stream that id
+belongs to (:meth:`~gateway.transports.streamable.HttpSession.resume`; 400 when nothing of it
+is left to resume).  DELETE ends the session.
 
 One endpoint decides per request: the modern shape (2026-07-28, no session) will be told apart
 here by its ``MCP-Protocol-Version`` header before any session lookup.
@@ -33,6 +35,7 @@ from gateway.config import host_allowed
 from gateway.errors import TransportClosed
 from gateway.limits import ConnectionSlots
 from gateway.protocol import era, jsonrpc, mcp
+from gateway.transports import replay
 from gateway.transports.http import (
     WRITE_TIMEOUT,
     HttpConnection,
@@ -173,10 +176,24 @@ class Endpoint:
             if not _accepts(accept, "text/event-stream"):
                 raise HttpError(406, "Accept must list text/event-stream")
             session = self._session(req)
+            last = req.header(b"last-event-id")
+            resume = None if last is None else replay.parse_id(last)
+            if last is not None and resume is None:
+                raise _jsonrpc_error(400, errors.InvalidRequest(
+                    f"Last-Event-ID {last[:40]!r} is not an event id of this server"))
+            if resume is not None and resume[0] != 0:  # a POST stream
+                sink = session.resume(conn, *resume)
+                if sink is None:
+                    raise _jsonrpc_error(400, errors.InvalidRequest(
+                        f"nothing to resume after event {last[:40]!r}: the stream ended, or its "
+                        "events fell out of the replay buffer"))
+                if not sink.done:
+                    await _hold(conn, session, sink)
+                return
             if session.get is not None:
                 raise HttpError(409, "this session already has a GET stream open")
             sink = Sink(conn, session.id)
-            session.open_get(sink)
+            session.open_get(sink, None if resume is None else resume[1])
             await _hold(conn, session, sink)
         elif req.method == "DELETE":
             session = self._session(req)
@@ -351,19 +368,19 @@ async def _hold(conn: HttpConnection, session: HttpSession, sink: Sink) -> None:
         if conn.io.held:  # a GET stream's parked backlog, more than the socket took at once
             with trio.move_on_after(WRITE_TIMEOUT):
                 await conn.flush()
-        while not sink.done:
+        while not sink.done and sink.conn is conn:
             with trio.move_on_after(KEEPALIVE) as scope:
                 sink.scope = scope
                 await conn.watch()
             sink.scope = None
-            if not sink.done and scope.cancelled_caught:
+            if not sink.done and sink.conn is conn and scope.cancelled_caught:
                 if not sink.started:
-                    sink.start()
+                    session.start_stream(sink)
                 if not conn.keepalive():
                     with trio.move_on_after(WRITE_TIMEOUT):
                         await conn.flush()
     finally:
-        session.close_sink(sink)
+        session.release(sink, conn)
 
 
 async def serve_http(

@@ -205,12 +205,20 @@ class HttpConnection:
         """A 200 ``text/event-stream`` response head (chunked: it ends with :meth:`end_events`)."""
         return self._send(h11.Response(status_code=200, headers=[*SSE_HEADERS, *headers]))
 
-    def event(self, message: bytes) -> bool:
+    def event(self, message: bytes, event_id: bytes | None = None) -> bool:
         """One SSE ``message`` event carrying ``message`` (a JSON text, so a CR or LF in it can
-        only be whitespace between tokens: each becomes a new ``data:`` line, still valid JSON)."""
+        only be whitespace between tokens: each becomes a new ``data:`` line, still valid JSON),
+        with id ``event_id`` when given (visible ASCII, no newline)."""
         if b"\n" in message or b"\r" in message:
             message = b"\ndata: ".join(message.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n"))
-        return self._send(h11.Data(data=_EVENT + message + b"\n\n"))
+        if event_id is None:
+            return self._send(h11.Data(data=_EVENT + message + b"\n\n"))
+        return self._send(h11.Data(data=b"id: " + event_id + b"\n" + _EVENT + message + b"\n\n"))
+
+    def priming_event(self, event_id: bytes) -> bool:
+        """An event with an id and empty data (2025-11-25): the client has an id to resume
+        from before the first message; clients dispatch no message for it."""
+        return self._send(h11.Data(data=b"id: " + event_id + b"\ndata:\n\n"))
 
     def keepalive(self) -> bool:
         """An SSE comment, so that idle streams are not cut by proxies (and a gone peer shows)."""

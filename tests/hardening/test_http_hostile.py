@@ -350,3 +350,43 @@ async def test_refusals_name_the_request_and_smuggling_is_refused(daemon: Daemon
     for conn in (c, slow, smuggled):
         await conn.aclose()
     await check(daemon, base)
+
+
+async def test_a_broken_post_stream_is_resumed_by_get_with_last_event_id(daemon: Daemon) -> None:
+    """SSE resumption (2025-11-25): a POST stream opens with a priming event, its events carry
+    ids naming the stream; the client's connection breaks mid-call; the response, which comes
+    after, is kept, and a GET with the last id it saw replays it on a new connection.  A
+    malformed id, and an id of a stream with nothing left, are 400 (a client retries those a
+    bounded number of times; an empty stream would have it reconnect for ever)."""
+    base = await baseline(daemon)
+    port = daemon.http_port
+    c, session = await open_session(port)
+    call = await Conn.open(port)
+    await call.send(post({"jsonrpc": "2.0", "id": 9, "method": "tools/call", "params": {
+        "name": "fx__progress", "arguments": {"steps": 3, "delay": 0.3},
+        "_meta": {"progressToken": "p"}}}, session))
+    with trio.fail_after(ANSWER_BOUND):
+        assert (await call._until(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        while b'"progress":1' not in call.buf:
+            await call._more()
+    ids = re.findall(rb"id: (\d+)-(\d+)\n", call.buf)
+    assert b"data:\n\n" in call.buf and len(ids) == 2 and ids[0][0] == ids[1][0], call.buf  # primed
+    await call.aclose()  # the connection breaks; the call goes on
+    with trio.fail_after(ANSWER_BOUND):
+        while (await daemon.instance("fx"))["inflight"]:
+            await trio.sleep(0.02)
+    accept_sse = HEADERS.replace(b"application/json, ", b"")
+    get = await Conn.open(port)
+    last = b"%s-%s" % ids[1]
+    r = await get.exchange(b"GET /mcp HTTP/1.1\r\n" + accept_sse + session + b"last-event-id: " + last + b"\r\n\r\n")
+    assert r.status == 200 and r.json() == {"jsonrpc": "2.0", "id": 9, "result": {
+        "content": [{"type": "text", "text": "done"}]}}, r.body
+    assert re.search(rb"id: %s-\d+\n" % ids[1][0], r.body), r.body  # the same stream's ids
+    for bad in (b"x", b"999-1", last.split(b"-")[0] + b"-999999"):
+        r = await get.exchange(b"GET /mcp HTTP/1.1\r\n" + accept_sse + session + b"last-event-id: " + bad + b"\r\n\r\n")
+        assert r.status == 400, (bad, r.body)
+    r = await c.exchange(post(b"", session, method=b"DELETE"))
+    assert r.status == 200
+    for conn in (c, get):
+        await conn.aclose()
+    await check(daemon, base)
