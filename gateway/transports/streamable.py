@@ -259,9 +259,10 @@ class HttpSession:
     def resume(self, conn: HttpConnection, stream: int, after: int) -> Sink | None:
         """A ``GET`` with ``Last-Event-ID`` naming POST stream ``stream`` (not 0: that is
         :meth:`open_get`): the stream's events after id ``after`` are written on ``conn``; a
-        detached stream is attached to ``conn`` and goes on live until its response, an ended
-        one ends after them.  None: nothing of that stream to resume (unknown, ended with
-        nothing left after that id, or still attached to a live connection)."""
+        detached stream (or one whose old connection the gateway has not seen break yet) is
+        attached to ``conn`` and goes on live until its response, an ended one ends after
+        them.  None: nothing of that stream to resume (unknown, or ended with nothing left
+        after that id)."""
         sink = self._detached.pop(stream, None)
         if sink is None:  # the client saw the break before the gateway did: take the stream over
             sink = next((s for s in self._posts.values() if s.stream == stream), None)
