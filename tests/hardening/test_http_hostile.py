@@ -337,7 +337,9 @@ async def test_refusals_name_the_request_and_smuggling_is_refused(daemon: Daemon
     await slow.send(post({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
         "name": "fx__sleep", "arguments": {"seconds": 1.0}, **meta}}, session))
     with trio.fail_after(ANSWER_BOUND):  # the first call is open (polled: from outside)
-        while not (await daemon.instance("fx"))["inflight"]:
+        while True:
+            if (await daemon.instance("fx"))["inflight"]:
+                break
             await trio.sleep(0.02)
     r = await c.exchange(post({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
         "name": "fx__echo", "arguments": {"message": "x"}, **meta}}, session))
@@ -373,7 +375,9 @@ async def test_a_broken_post_stream_is_resumed_by_get_with_last_event_id(daemon:
     assert b"data:\n\n" in call.buf and len(ids) == 2 and ids[0][0] == ids[1][0], call.buf  # primed
     await call.aclose()  # the connection breaks; the call goes on
     with trio.fail_after(ANSWER_BOUND):
-        while (await daemon.instance("fx"))["inflight"]:
+        while True:
+            if not (await daemon.instance("fx"))["inflight"]:
+                break
             await trio.sleep(0.02)
     accept_sse = HEADERS.replace(b"application/json, ", b"")
     get = await Conn.open(port)
