@@ -27,6 +27,7 @@ from gateway.errors import CloseReason, ConfigError
 from gateway.events import EventBus, ReloadFinished, ServerRequestOutcome
 from gateway.hub import Hub
 from gateway.ops import systemd
+from gateway.ops.admin import probe as admin_probe
 from gateway.ops.admin import serve_admin
 from gateway.ops.metrics import GatewayMetrics
 from gateway.protocol.catalog import CatalogConflict
@@ -284,7 +285,7 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                                 allowed_origins=cfg.listen.allowed_origins,
                                 max_json_depth=cfg.gateway.max_json_depth,
                                 ports=frozenset(ls.bound_port([lst]) for lst in http_listeners),
-                                bridge=mrtr_bridge)
+                                probes=partial(admin_probe, hub.status), bridge=mrtr_bridge)
             await nursery.start(lambda task_status: serve_http(
                 http_listeners, endpoint, max_message=max_msg, handler_nursery=conns, slots=hub.slots,
                 task_status=task_status))

@@ -4,7 +4,8 @@ its connections, the checks every request passes, and the table of live sessions
 Theory of operation: each accepted TCP connection holds a ``max_connections`` slot and is one
 task serving requests one after the other (:class:`~gateway.transports.http.HttpConnection`,
 keep-alive).  A request is checked in this order, each failure answered and counted by its
-status: path (404), ``Host`` (403: DNS rebinding), ``Origin`` (403), method (405), ``Accept``
+status: path (404; ``/healthz`` and ``/readyz`` are answered for load balancers, with any
+``Host``, by :func:`gateway.ops.admin.probe`), ``Host`` (403: DNS rebinding), ``Origin`` (403), method (405), ``Accept``
 (406), ``Content-Type`` (415), the body as one JSON-RPC message (400 with the -32700/-32600
 error), ``Mcp-Session-Id`` (400 missing, 404 unknown or ended), ``MCP-Protocol-Version``
 (400 unsupported; absent means 2025-03-26).  An ``initialize`` POST without a session id creates
@@ -13,7 +14,9 @@ a session (:class:`~gateway.transports.streamable.HttpSession`, at most ``http_m
 :class:`~gateway.transports.streamable.Sink` and its task waits, reading the socket only to see
 the peer leave, until the sink is answered; an SSE comment every :data:`KEEPALIVE` seconds keeps
 an idle stream open.  Notifications and responses get 202.  GET opens the session's one
-standalone stream (409 for a second one); DELETE ends the session.
+standalone stream (409 for a second one); with ``Last-Event-ID`` it resumes the stream that id
+belongs to (:meth:`~gateway.transports.streamable.HttpSession.resume`; 400 when nothing of it
+is left to resume).  DELETE ends the session.
 
 One endpoint decides per request: the modern shape (2026-07-28, no session) will be told apart
 here by its ``MCP-Protocol-Version`` header before any session lookup.
@@ -33,7 +36,15 @@ from gateway.config import host_allowed
 from gateway.errors import TransportClosed
 from gateway.limits import ConnectionSlots
 from gateway.protocol import era, jsonrpc, mcp, mrtr
-from gateway.transports.http import HttpConnection, HttpError, Request
+from gateway.transports import replay
+from gateway.transports.http import (
+    WRITE_TIMEOUT,
+    HttpConnection,
+    HttpError,
+    Reply,
+    Request,
+    serve_connection,
+)
 from gateway.transports.listeners import Accepted, SlottedListener
 from gateway.transports.streamable import SESSION_HEADER, HttpSession, Sink
 
@@ -43,12 +54,12 @@ if TYPE_CHECKING:
 LOGGER = logging.getLogger(__name__)
 
 PATH = "/mcp"
+#: Served beside /mcp for load balancers, with any Host (never /status or /metrics here).
+PROBES = ("/healthz", "/readyz")
 #: Seconds between SSE comments on an idle stream.
 KEEPALIVE = 15.0
 #: A keep-alive connection with no request for this long is closed.
 IDLE_TIMEOUT = 60.0
-#: Bound on writing a response the peer does not read, and on the 503 beyond max_connections.
-WRITE_TIMEOUT = 10.0
 JSON = "application/json"
 TEXT = "text/plain; charset=utf-8"
 ALLOW = [("allow", "GET, POST, DELETE")]
@@ -104,8 +115,10 @@ class Endpoint:
 
     def __init__(self, sessions: Sessions, *, hosts: frozenset[str], allowed_origins: Sequence[str],
                  max_json_depth: int, ports: frozenset[int] = frozenset(),
+                 probes: Callable[[Request], Reply] | None = None,
                  bridge: Bridge | None = None) -> None:
         self.sessions = sessions
+        self.probes = probes  # /healthz and /readyz (gateway.ops.admin.probe), any Host
         self.bridge = bridge  # None: a legacy child's requests to a modern caller are refused
         self.hosts = hosts
         self.allowed_origins = allowed_origins
@@ -130,24 +143,26 @@ class Endpoint:
                 return False
         return True
 
-    def _session(self, req: Request) -> HttpSession:
+    def _session(self, req: Request, id: int | str | None = None) -> HttpSession:
+        """The session a request names (``id``: the request's, echoed in a refusal)."""
         sid = req.header(b"mcp-session-id")
         if sid is None:
-            raise _jsonrpc_error(400, errors.InvalidRequest("missing Mcp-Session-Id header: initialize first"))
+            raise _jsonrpc_error(400, errors.InvalidRequest("missing Mcp-Session-Id header: initialize first"), id)
         session = self.sessions.by_id.get(sid)
         if session is None or session.closed:
-            raise _jsonrpc_error(404, errors.InvalidRequest("unknown or ended session: initialize again"))
-        version = req.header(b"mcp-protocol-version")
-        if version is not None and version not in mcp.LEGACY_VERSIONS:
-            raise _jsonrpc_error(400, errors.InvalidRequest(
-                f"unsupported MCP-Protocol-Version {version[:40]!r}", supported=list(mcp.LEGACY_VERSIONS)))
+            raise _jsonrpc_error(404, errors.InvalidRequest("unknown or ended session: initialize again"), id)
+        _check_version(req, id)
         return session
 
     async def handle(self, conn: HttpConnection, req: Request) -> None:
         """Answer one request (raises HttpError for a refusal)."""
         if req.path != PATH:
+            if req.path in PROBES and self.probes is not None:  # a load balancer's health checks
+                code, content_type, text, extra = self.probes(req)
+                conn.respond(code, text, content_type, [("cache-control", "no-store"), *extra])
+                return
             raise HttpError(404, "not found (the MCP endpoint is /mcp)")
-        if not host_allowed(req.header(b"host"), self.hosts):
+        if not req.host_in(self.hosts):
             LOGGER.warning("/mcp: refused Host %.100r (listen.allowed_hosts)", req.header(b"host"))
             raise HttpError(403, "Host not allowed")
         if not self._origin_allowed(req):
@@ -168,10 +183,24 @@ class Endpoint:
             if not _accepts(accept, "text/event-stream"):
                 raise HttpError(406, "Accept must list text/event-stream")
             session = self._session(req)
+            last = req.header(b"last-event-id")
+            resume = None if last is None else replay.parse_id(last)
+            if last is not None and resume is None:
+                raise _jsonrpc_error(400, errors.InvalidRequest(
+                    f"Last-Event-ID {last[:40]!r} is not an event id of this server"))
+            if resume is not None and resume[0] != 0:  # a POST stream
+                sink = session.resume(conn, *resume)
+                if sink is None:
+                    raise _jsonrpc_error(400, errors.InvalidRequest(
+                        f"nothing to resume after event {last[:40]!r}: the stream ended, or its "
+                        "events fell out of the replay buffer"))
+                if not sink.done:
+                    await _hold(conn, session, sink)
+                return
             if session.get is not None:
                 raise HttpError(409, "this session already has a GET stream open")
             sink = Sink(conn, session.id)
-            session.open_get(sink)
+            session.open_get(sink, None if resume is None else resume[1])
             await _hold(conn, session, sink)
         elif req.method == "DELETE":
             session = self._session(req)
@@ -212,15 +241,17 @@ class Endpoint:
         if _is_modern(req, env):
             await self._modern(conn, req, env, kind, body)
             return
+        rid = env.id if isinstance(env.id, int | str) else None
         if req.header(b"mcp-session-id") is None and kind == "request" and env.method == "initialize":
+            _check_version(req, rid)
             session = self.sessions.create()
             if session is None:
                 raise _jsonrpc_error(503, errors.Overloaded(
                     "too many HTTP sessions (listen.http_max_sessions); retry later",
-                    limit=self.sessions.max_sessions), env.id if isinstance(env.id, int | str) else None)
+                    limit=self.sessions.max_sessions), rid)
             LOGGER.debug("http session %.8s… created", session.id)
         else:
-            session = self._session(req)
+            session = self._session(req, rid)
         if kind != "request":
             self._accepted(conn, session, body)
             if env.method == "notifications/cancelled":
@@ -235,6 +266,12 @@ class Endpoint:
                 f"request id {env.id!r} is already in flight on this session"), env.id)
         sink = Sink(conn, session.id, env.id)
         sink.token = _progress_token(env.params)
+        if sink.token is not None and session.token_in_use(sink.token):
+            # the spec: a progress token is unique across active requests; two would mix their
+            # progress on one stream.  A JSON-RPC error for this request (HTTP 200, like any)
+            raise _jsonrpc_error(200, errors.InvalidParams(
+                f"progressToken {sink.token!r} is in use by another request of this session",
+                reason="progress_token_in_use"), env.id)
         await self._stream(conn, session, sink, body)
 
     async def _modern(self, conn: HttpConnection, req: Request, env: jsonrpc.Envelope, kind: str,
@@ -316,20 +353,35 @@ def _rounds(session: HttpSession) -> int:
     return client.flow.round if client is not None and client.flow is not None else 0
 
 
+def _check_version(req: Request, id: int | str | None) -> None:
+    """A legacy-shape request's ``MCP-Protocol-Version``, when present, is one the gateway
+    speaks (absent: 2025-03-26 is assumed); else 400 with the supported versions."""
+    version = req.header(b"mcp-protocol-version")
+    if version is not None and version not in mcp.LEGACY_VERSIONS:
+        raise _jsonrpc_error(400, errors.InvalidRequest(
+            f"unsupported MCP-Protocol-Version {version[:40]!r}", supported=list(era.SUPPORTED_VERSIONS)), id)
+
+
 def _is_modern(req: Request, env: jsonrpc.Envelope) -> bool:
     """Whether a POST is of the 2026-07-28 shape: its ``MCP-Protocol-Version`` says so, or it
     has no session and its ``_meta`` names a protocol version (an unsupported one too: it gets
-    -32022 with the versions the gateway speaks)."""
+    -32022 with the versions the gateway speaks).  An ``initialize`` with an unknown version
+    header is a legacy client's (400 with the supported versions, not the modern 404)."""
     version = req.header(b"mcp-protocol-version")
     if version is not None:
         return version in era.MODERN_VERSIONS or (
-            version not in mcp.LEGACY_VERSIONS and req.header(b"mcp-session-id") is None)
+            version not in mcp.LEGACY_VERSIONS and req.header(b"mcp-session-id") is None
+            and env.method != "initialize")
     if req.header(b"mcp-session-id") is not None or not isinstance(env.params, jsonrpc.Raw):
         return False
     try:
         return era.modern_version(jsonrpc.params_dict(env.params)) is not None
     except errors.GatewayError:
         return False
+
+
+def _allow(exc: HttpError) -> list[tuple[str, str]]:
+    return ALLOW if exc.status == 405 else []
 
 
 def _accepts(accept: str, media: str) -> bool:
@@ -357,19 +409,19 @@ async def _hold(conn: HttpConnection, session: HttpSession, sink: Sink) -> None:
         if conn.io.held:  # a GET stream's parked backlog, more than the socket took at once
             with trio.move_on_after(WRITE_TIMEOUT):
                 await conn.flush()
-        while not sink.done:
+        while not sink.done and sink.conn is conn:
             with trio.move_on_after(KEEPALIVE) as scope:
                 sink.scope = scope
                 await conn.watch()
             sink.scope = None
-            if not sink.done and scope.cancelled_caught:
+            if not sink.done and sink.conn is conn and scope.cancelled_caught:
                 if not sink.started:
-                    sink.start()
+                    session.start_stream(sink)
                 if not conn.keepalive():
                     with trio.move_on_after(WRITE_TIMEOUT):
                         await conn.flush()
     finally:
-        session.close_sink(sink)
+        session.release(sink, conn)
 
 
 async def serve_http(
@@ -400,38 +452,11 @@ async def serve_http(
                     except TransportClosed:
                         pass
                 return
-            await _serve_connection(endpoint, conn)
+            await serve_connection(conn, endpoint.handle, idle_timeout=IDLE_TIMEOUT, name="/mcp",
+                                   error_headers=_allow)
         finally:
             if accepted.admitted and slots is not None:
                 slots.release()
 
     await trio.serve_listeners(handler, [SlottedListener(lst, slots, "http") for lst in listeners],
                                handler_nursery=handler_nursery, task_status=task_status)
-
-
-async def _serve_connection(endpoint: Endpoint, conn: HttpConnection) -> None:
-    try:
-        while True:
-            try:
-                try:
-                    req = await conn.next_request(IDLE_TIMEOUT)
-                except HttpError as exc:
-                    exc.close = True  # the rest of the request stream cannot be trusted
-                    raise
-                if req is None:
-                    return
-                await endpoint.handle(conn, req)
-            except HttpError as exc:
-                LOGGER.debug("/mcp: %d %s", exc.status, exc)
-                conn.respond(exc.status, exc.body, exc.content_type,
-                             ALLOW if exc.status == 405 else (), close=exc.close)
-            with trio.move_on_after(WRITE_TIMEOUT) as scope:
-                await conn.flush()
-            if scope.cancelled_caught or not conn.reusable:
-                return
-    except TransportClosed:
-        return
-    except Exception:  # the one catch-all per HTTP connection
-        LOGGER.exception("/mcp: connection failed")
-    finally:
-        conn.io.close_writes()  # the fd is closed after this: nothing may write to it any more

@@ -1,14 +1,19 @@
 """A small HTTP/1.1 server connection on h11: request head and body read with limits, plain
-responses, and Server-Sent Events framing, written once for every HTTP endpoint of ``/mcp``.
+responses, Server-Sent Events framing and the connection loop, written once for every HTTP
+endpoint of the gateway: ``/mcp`` and the probes on the client listener
+(:mod:`gateway.transports.endpoint`) and the admin listener (:mod:`gateway.ops.admin`).
 
 Theory of operation: :class:`HttpConnection` drives an ``h11.Connection`` over a
 :class:`~gateway.transports.rawio.SocketIO`.  :meth:`HttpConnection.next_request` reads one
 whole request: the idle wait before it is bounded by ``idle_timeout``; once its first byte has
-arrived, the head and the body together must arrive within
-:data:`gateway.limits.INCOMPLETE_MESSAGE_TIMEOUT` (slow loris), the head must fit in
-:data:`MAX_HEAD_BYTES` (431) and the body in ``max_body`` bytes — refused by its
+arrived, the head and the body together must arrive within ``request_timeout`` (default
+:data:`gateway.limits.INCOMPLETE_MESSAGE_TIMEOUT`: slow loris), the head must fit in
+``max_head`` bytes (431) and the body in ``max_body`` bytes — refused by its
 ``Content-Length`` before a byte of it is read, or as soon as a chunked body passes it (413).
-Every refusal is an :class:`HttpError` the caller answers and then closes on.
+A request with both ``Transfer-Encoding`` and ``Content-Length`` is refused (400, RFC 9112
+§6.1: the two framings disagreeing is how requests are smuggled past a proxy).  Every refusal
+is an :class:`HttpError` the caller answers and then closes on: :func:`serve_connection` does,
+the one loop (and the one catch-all) of every HTTP connection.
 
 Writing is synchronous (:meth:`respond`, :meth:`start_events`, :meth:`event`, :meth:`end_events`):
 h11 frames the bytes and :class:`SocketIO` writes them straight to the socket, holding what the
@@ -21,12 +26,13 @@ from __future__ import annotations
 
 import http
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import h11
 import trio
 
 from gateway import limits
+from gateway.config import host_allowed
 from gateway.errors import IncompleteMessage, TransportClosed
 from gateway.transports.rawio import SocketIO
 
@@ -43,6 +49,10 @@ _EVENT = b"event: message\ndata: "
 _KEEPALIVE = b": keep-alive\n\n"
 
 Headers = Sequence[tuple[str, str]]
+#: A whole response: status, content type, body, extra headers.
+Reply = tuple[int, str, bytes, list[tuple[str, str]]]
+#: Bound on writing a response the peer does not read.
+WRITE_TIMEOUT = 10.0
 
 
 class HttpError(Exception):
@@ -73,14 +83,21 @@ class Request:
         values = [v.decode("latin-1") for k, v in self.headers if k == name]
         return ", ".join(values) if values else None
 
+    def host_in(self, hosts: frozenset[str]) -> bool:
+        """Whether the ``Host`` header names this server (a loopback name or one of ``hosts``;
+        h11 refuses a request with two): the check against DNS rebinding."""
+        return host_allowed(self.header(b"host"), hosts)
+
 
 class HttpConnection:
     """One accepted TCP connection served as HTTP/1.1 (keep-alive; one request at a time)."""
 
-    def __init__(self, stream: trio.SocketStream, max_body: int) -> None:
+    def __init__(self, stream: trio.SocketStream, max_body: int, *, max_head: int = MAX_HEAD_BYTES,
+                 request_timeout: float = limits.INCOMPLETE_MESSAGE_TIMEOUT) -> None:
         self.io = SocketIO(stream)
-        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=max_head)
         self.max_body = max_body
+        self.request_timeout = request_timeout
         self.closed = False
         self._head = False  # the request being answered is a HEAD: its response has no body
 
@@ -110,13 +127,13 @@ class HttpConnection:
                 raise HttpError(exc.error_status_hint, http.HTTPStatus(exc.error_status_hint).phrase.lower()) from None
             if event is h11.NEED_DATA:
                 if deadline is None and (head is not None or conn.trailing_data[0]):
-                    deadline = trio.current_time() + limits.INCOMPLETE_MESSAGE_TIMEOUT
+                    deadline = trio.current_time() + self.request_timeout
                 try:
                     if deadline is None:
                         with trio.move_on_after(idle_timeout):
                             data = await self.io.read()
                             conn.receive_data(data)
-                            deadline = trio.current_time() + limits.INCOMPLETE_MESSAGE_TIMEOUT
+                            deadline = trio.current_time() + self.request_timeout
                             continue
                         return None  # idle keep-alive connection: closed without a word
                     conn.receive_data(await self.io.read(deadline))
@@ -129,6 +146,9 @@ class HttpConnection:
             elif isinstance(event, h11.Request):
                 head = event
                 self._head = event.method == b"HEAD"
+                names = {name for name, _ in event.headers}
+                if b"transfer-encoding" in names and b"content-length" in names:
+                    raise HttpError(400, "both Transfer-Encoding and Content-Length (RFC 9112 6.1)")
                 length = _content_length(event)
                 if length is not None and length > self.max_body:
                     raise HttpError(413, f"request body of {length} bytes; at most {self.max_body} "
@@ -185,12 +205,20 @@ class HttpConnection:
         """A 200 ``text/event-stream`` response head (chunked: it ends with :meth:`end_events`)."""
         return self._send(h11.Response(status_code=200, headers=[*SSE_HEADERS, *headers]))
 
-    def event(self, message: bytes) -> bool:
+    def event(self, message: bytes, event_id: bytes | None = None) -> bool:
         """One SSE ``message`` event carrying ``message`` (a JSON text, so a CR or LF in it can
-        only be whitespace between tokens: each becomes a new ``data:`` line, still valid JSON)."""
+        only be whitespace between tokens: each becomes a new ``data:`` line, still valid JSON),
+        with id ``event_id`` when given (visible ASCII, no newline)."""
         if b"\n" in message or b"\r" in message:
             message = b"\ndata: ".join(message.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n"))
-        return self._send(h11.Data(data=_EVENT + message + b"\n\n"))
+        if event_id is None:
+            return self._send(h11.Data(data=_EVENT + message + b"\n\n"))
+        return self._send(h11.Data(data=b"id: " + event_id + b"\n" + _EVENT + message + b"\n\n"))
+
+    def priming_event(self, event_id: bytes) -> bool:
+        """An event with an id and empty data (2025-11-25): the client has an id to resume
+        from before the first message; clients dispatch no message for it."""
+        return self._send(h11.Data(data=b"id: " + event_id + b"\ndata:\n\n"))
 
     def keepalive(self) -> bool:
         """An SSE comment, so that idle streams are not cut by proxies (and a gone peer shows)."""
@@ -210,6 +238,53 @@ class HttpConnection:
     async def aclose(self) -> None:
         self.closed = True
         await self.io.aclose()
+
+
+async def serve_connection(
+    conn: HttpConnection,
+    handle: Callable[[HttpConnection, Request], Awaitable[None]],
+    *,
+    idle_timeout: float,
+    name: str,
+    error_headers: Callable[[HttpError], Headers] = lambda exc: (),
+    write_timeout: float = WRITE_TIMEOUT,
+) -> None:
+    """Serve ``conn`` request after request until the peer leaves, stays idle ``idle_timeout``
+    seconds, or the connection cannot carry another request.
+
+    ``handle`` answers one request (it may raise :class:`HttpError`, answered here with its
+    status and ``error_headers(exc)``); a refusal of the request itself (head, body, timing)
+    closes the connection after its answer: the rest of the byte stream cannot be trusted.
+    What a peer does not read within ``write_timeout`` ends the connection.
+
+    Error handling:
+        The one catch-all of an HTTP connection: a broken connection ends it quietly, anything
+        else is logged (under ``name``) and the connection closed.
+    """
+    try:
+        while True:
+            try:
+                try:
+                    req = await conn.next_request(idle_timeout)
+                except HttpError as exc:
+                    exc.close = True
+                    raise
+                if req is None:
+                    return
+                await handle(conn, req)
+            except HttpError as exc:
+                LOGGER.debug("%s: %d %s", name, exc.status, exc)
+                conn.respond(exc.status, exc.body, exc.content_type, error_headers(exc), close=exc.close)
+            with trio.move_on_after(write_timeout) as scope:
+                await conn.flush()
+            if scope.cancelled_caught or not conn.reusable:
+                return
+    except TransportClosed:
+        return
+    except Exception:  # the one catch-all per HTTP connection
+        LOGGER.exception("%s: connection failed", name)
+    finally:
+        conn.io.close_writes()  # the fd is closed after this: nothing may write to it any more
 
 
 def _content_length(event: h11.Request) -> int | None:

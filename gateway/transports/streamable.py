@@ -22,10 +22,24 @@ every outgoing message to one open response stream (a :class:`Sink`), never to t
 
 A POST's response is JSON when the response is the first thing for it (the usual case), else an
 SSE stream that the response ends; a modern flow's -32021 error is sent with status 400.
-Writes are synchronous; what a socket does not take is held by that socket's
-:class:`~gateway.transports.rawio.SocketIO`, and :meth:`HttpSession.flush` waits for all of
-them, so the session's outbound accounting (``outbound_bytes``, the ByteBudget) covers every
-stream.  A stream whose peer is gone is dropped from the session; the session goes on.  The session ends on DELETE (its calls are cancelled, as for a closed
+
+Resumption (:mod:`gateway.transports.replay`): every SSE event of a session's streams carries an
+id naming its stream, and is kept in the session's replay log (at most :data:`REPLAY_MAX_BYTES`,
+charged to the session's byte account; what falls out is lost, and a resumption that needed it
+is logged).  A POST stream whose connection breaks after the client got an id from it is kept
+*detached*: its response, when it comes, goes into the log only; its progress and anything
+else go where they would go with the stream gone.  A ``GET`` with ``Last-Event-ID``
+(:meth:`HttpSession.resume`) replays what the log holds of that stream after that id, then
+re-attaches a detached POST stream (it goes on live until its response) or, for the GET
+stream's own ids, opens the GET stream.  A session that negotiated 2025-11-25 gets the spec's
+priming event (an id, empty data) first on each POST stream, so a stream broken before its first
+message can be resumed too.  The gateway never closes a stream's connection early on purpose
+(so it sends no ``retry`` field); keep-alive comments keep idle streams open.  Modern
+(2026-07-28) flows have no resumability: no ids.  Writes are synchronous; what a socket does not take is held
+by that socket's :class:`~gateway.transports.rawio.SocketIO`, and :meth:`HttpSession.flush`
+waits for all of them, so the session's outbound accounting (``outbound_bytes``, the
+ByteBudget) covers every stream.  A stream whose peer is gone is dropped from the session; the
+session goes on.  The session ends on DELETE (its calls are cancelled, as for a closed
 connection) or when it has been idle (nothing in flight, no stream open) for
 ``http_session_idle_timeout``: :meth:`receive` then raises TransportClosed.
 """
@@ -43,6 +57,7 @@ from msgspec import UNSET, Raw, UnsetType
 
 from gateway import errors
 from gateway.errors import CloseReason, TransportClosed
+from gateway.transports.replay import ReplayLog, format_id
 from gateway.wakeup import Wakeup
 
 if TYPE_CHECKING:
@@ -55,6 +70,11 @@ LOGGER = logging.getLogger(__name__)
 #: Messages parked for a session with no stream open.
 PARK_MAX = 64
 PARK_MAX_BYTES = 1 << 20
+#: Bytes of sent events a session keeps for ``Last-Event-ID`` resumption.
+REPLAY_MAX_BYTES = 256 * 1024
+#: The revision from which a POST stream opens with a priming event (older clients may try to
+#: parse its empty data as JSON).
+PRIMING_VERSION = "2025-11-25"
 #: Messages POSTed and not yet read by the session's reader (it reads at once unless the
 #: session is backlogged); a POST beyond it gets 503.
 INBOX_MAX = 256
@@ -69,7 +89,7 @@ RequestId = int | str
 
 
 class _Out(msgspec.Struct):
-    id: RequestId | None | UnsetType = UNSET
+    id: RequestId | UnsetType | None = UNSET
     method: str | UnsetType = UNSET
     params: Raw | UnsetType = UNSET
 
@@ -95,38 +115,39 @@ _progress = msgspec.json.Decoder(_ProgressParams)
 
 
 class Sink:
-    """One open response stream of a session: a POST's (``request_id`` set; a batch POST has
-    ``batch``) or the GET stream.  Its connection task waits in :meth:`HttpConnection.watch`
-    under ``scope`` until :attr:`done`."""
+    """One response stream of a session: a POST's (``request_id`` set; a batch POST has
+    ``batch``) or the GET stream (``stream`` 0).  Its connection task waits in
+    :meth:`HttpConnection.watch` under ``scope`` until :attr:`done` or until ``conn`` is no
+    longer its connection (detached, or resumed on another)."""
 
     __slots__ = ("batch", "conn", "done", "ids", "request_id", "scope", "session_id", "started",
-                 "token")
+                 "stream", "token")
 
-    def __init__(self, conn: HttpConnection, session_id: str, request_id: RequestId | None = None,
-                 *, batch: bool = False) -> None:
-        self.conn = conn
+    def __init__(self, conn: HttpConnection | None, session_id: str, request_id: RequestId | None = None,
+                 *, batch: bool = False, stream: int | None = None) -> None:
+        self.conn = conn  # None: detached (its connection broke; it may be resumed)
         self.session_id = session_id
         self.request_id = request_id
         self.batch = batch
         self.ids: frozenset[RequestId] = frozenset()  # a batch POST's request ids
         self.token: RequestId | None = None
+        self.stream = stream  # its number in event ids; None: no ids (a modern flow, a batch)
         self.started = False  # SSE head written
         self.done = False
         self.scope: trio.CancelScope | None = None
 
-    def deliver(self, message: bytes, final: bool) -> bool:
+    def deliver(self, message: bytes, final: bool, event_id: bytes | None = None) -> bool:
         """Write ``message`` (``final``: the response that ends this stream).  True when all
         written.  Raises TransportClosed when the peer is gone."""
         conn = self.conn
+        assert conn is not None
         if final:
             self.finish_soon()
             if not self.started:  # answered before anything else: a plain JSON response
                 return conn.respond(self._status(message), message, "application/json", self._headers())
-            conn.event(message)
+            conn.event(message, event_id)
             return conn.end_events()
-        if not self.started:
-            self.start()
-        return conn.event(message)
+        return conn.event(message, event_id)
 
     def _status(self, message: bytes) -> int:
         """200, or 400 for a modern request refused with an error the 2026-07-28 HTTP transport
@@ -143,12 +164,20 @@ class Sink:
         """A modern (2026-07-28) flow has no session: no ``Mcp-Session-Id`` is sent."""
         return [(SESSION_HEADER, self.session_id)] if self.session_id else []
 
-    def start(self) -> None:
+    def start(self, priming_id: bytes | None = None) -> None:
+        assert self.conn is not None
         self.started = True
         self.conn.start_events(self._headers())
+        if priming_id is not None:
+            self.conn.priming_event(priming_id)
 
     def finish_soon(self) -> None:
         self.done = True
+        if self.scope is not None:
+            self.scope.cancel()
+
+    def wake(self) -> None:
+        """Its connection task looks again (it is no longer this sink's connection)."""
         if self.scope is not None:
             self.scope.cancel()
 
@@ -169,6 +198,9 @@ class HttpSession:
         self._posts: dict[RequestId, Sink] = {}
         self._batches: deque[Sink] = deque()
         self._tokens: dict[RequestId, Sink] = {}
+        self._detached: dict[int, Sink] = {}  # POST streams whose connection broke, by stream
+        self._streams = 0  # POST streams numbered so far
+        self.replay = ReplayLog(REPLAY_MAX_BYTES)
         self.get: Sink | None = None
         self._parked: deque[bytes] = deque()
         self._parked_bytes = 0
@@ -192,6 +224,10 @@ class HttpSession:
     def has_request(self, request_id: RequestId) -> bool:
         return request_id in self._posts
 
+    def token_in_use(self, token: RequestId) -> bool:
+        """Whether a request of this session still open carries progress token ``token``."""
+        return token in self._tokens or any(s.token == token for s in self._detached.values())
+
     def open_post(self, sink: Sink) -> None:
         if sink.batch:
             self._batches.append(sink)
@@ -200,6 +236,17 @@ class HttpSession:
             self._posts[sink.request_id] = sink
             if sink.token is not None:
                 self._tokens[sink.token] = sink
+            if self.id:  # a legacy session's stream: its events get ids
+                self._streams += 1
+                sink.stream = self._streams
+
+    def start_stream(self, sink: Sink) -> None:
+        """The SSE head of ``sink`` (and a priming event for a 2025-11-25 POST stream)."""
+        prime = None
+        if (sink.stream and self.client is not None
+                and self.client.protocol_version == PRIMING_VERSION):
+            prime = format_id(sink.stream, self.replay.next_seq())
+        sink.start(prime)
 
     def cancelled(self, request_id: RequestId) -> None:
         """The client cancelled ``request_id``: a cancelled request gets no response, so its
@@ -213,26 +260,116 @@ class HttpSession:
             sink.ids -= {request_id}
             if sink.ids:
                 return  # its other requests answer it
-        try:
-            if not sink.started:
-                sink.start()
-            sink.conn.end_events()
-        except TransportClosed:
-            pass
-        self.close_sink(sink)
         sink.finish_soon()
+        if sink.conn is not None:
+            try:
+                if not sink.started:
+                    sink.start()  # no priming: nothing to resume
+                sink.conn.end_events()
+            except TransportClosed:
+                pass
+        self.close_sink(sink)
 
-    def open_get(self, sink: Sink) -> None:
-        """The GET stream opens: its head, then what was parked."""
+    def open_get(self, sink: Sink, after: int | None = None) -> None:
+        """The GET stream opens: its head, what the replay log holds of it after id ``after``
+        (a resumption), then what was parked."""
         self.get = sink
+        sink.stream = 0 if self.id else None
         sink.start()
+        if after is not None:
+            self._replay(sink, after)
         parked, self._parked = self._parked, deque()
         self._release_parked()
         for message in parked:
             self._write(sink, message, final=False)
 
+    def resume(self, conn: HttpConnection, stream: int, after: int) -> Sink | None:
+        """A ``GET`` with ``Last-Event-ID`` naming POST stream ``stream`` (not 0: that is
+        :meth:`open_get`): the stream's events after id ``after`` are written on ``conn``; a
+        detached stream (or one whose old connection the gateway has not seen break yet) is
+        attached to ``conn`` and goes on live until its response, an ended one ends after
+        them.  None: nothing of that stream to resume (unknown, or ended with nothing left
+        after that id)."""
+        sink = self._detached.pop(stream, None)
+        if sink is None:  # the client saw the break before the gateway did: take the stream over
+            sink = next((s for s in self._posts.values() if s.stream == stream), None)
+            if sink is not None and sink.conn is not None:
+                self._dirty.discard(sink.conn)
+                sink.wake()
+        if sink is None:
+            if not any(e.stream == stream and e.seq > after for e in self.replay.entries):
+                self._note_lost(stream, after)
+                return None
+            sink = Sink(conn, self.id, stream=stream)  # ended: its replay only
+            sink.done = True
+        else:
+            sink.conn = conn
+            if sink.token is not None:
+                self._tokens.setdefault(sink.token, sink)
+        sink.start()
+        final = self._replay(sink, after)
+        if sink.done and not final:
+            conn.end_events()  # ended without its response (cancelled, or it fell out)
+        LOGGER.debug("http session %.8s…: stream %d resumed after %d", self.id, stream, after)
+        return sink
+
+    def _replay(self, sink: Sink, after: int) -> bool:
+        """Write the log's events of ``sink``'s stream after ``after``; True when the last was
+        its final response (then the stream has ended)."""
+        assert sink.stream is not None and sink.conn is not None
+        self._note_lost(sink.stream, after)
+        entries = self.replay.after(sink.stream, after)
+        for entry in entries:
+            event_id = format_id(entry.stream, entry.seq)
+            try:
+                ok = sink.deliver(entry.message, entry.final, event_id)
+            except TransportClosed:
+                return False  # the caller's connection task sees the peer gone
+            if not ok:
+                self._dirty.add(sink.conn)
+            if entry.final:
+                return True
+        return False
+
+    def _note_lost(self, stream: int, after: int) -> None:
+        if self.replay.floor > after:
+            LOGGER.warning("http session %.8s…: resuming stream %d after event %d: events up to "
+                           "%d fell out of the replay buffer (%d bytes); some may be lost",
+                           self.id, stream, after, self.replay.floor, REPLAY_MAX_BYTES)
+
+    def release(self, sink: Sink, conn: HttpConnection) -> None:
+        """``conn``'s task stops serving ``sink`` (answered, or the peer gone)."""
+        if sink.conn is not conn:
+            return  # detached already, or resumed on another connection
+        if sink.done:
+            self.close_sink(sink)
+        else:
+            self._lost(sink)
+
+    @staticmethod
+    def _resumable(sink: Sink) -> bool:
+        """A POST stream of a legacy session that may have given the client an event id."""
+        return sink.started and sink.stream is not None and sink.request_id is not None
+
+    def _lost(self, sink: Sink) -> None:
+        """``sink``'s connection is gone before its end.  A POST stream the client may hold an
+        id of is detached (kept for resumption until its response); any other is forgotten."""
+        if not self._resumable(sink):
+            self.close_sink(sink)
+            sink.finish_soon()
+            return
+        if sink.conn is not None:
+            self._dirty.discard(sink.conn)
+        sink.conn = None
+        if sink.token is not None and self._tokens.get(sink.token) is sink:
+            del self._tokens[sink.token]  # its progress goes elsewhere meanwhile
+        self._detached[sink.stream] = sink
+        sink.wake()
+        self.last_active = trio.current_time()
+        self._wakeup.set()
+
     def close_sink(self, sink: Sink) -> None:
-        """The stream is over (answered, or its peer is gone): forget it."""
+        """The stream is over (answered, cancelled, or gone): forget it."""
         sink.done = True
         self.last_active = trio.current_time()
         if self.get is sink:
@@ -244,7 +381,10 @@ class HttpSession:
             del self._posts[sink.request_id]
             if sink.token is not None and self._tokens.get(sink.token) is sink:
                 del self._tokens[sink.token]
-        self._dirty.discard(sink.conn)
+        if sink.stream is not None and self._detached.get(sink.stream) is sink:
+            del self._detached[sink.stream]
+        if sink.conn is not None:
+            self._dirty.discard(sink.conn)
         self._wakeup.set()  # the reader re-checks idleness
 
     def idle(self) -> bool:
@@ -304,8 +444,8 @@ class HttpSession:
             if sink is None:
                 self._drop(message)
                 return
-            if sink.token is not None:
-                self._tokens.pop(sink.token, None)
+            if sink.token is not None and self._tokens.get(sink.token) is sink:
+                del self._tokens[sink.token]
             self._write(sink, message, final=True)
             return
         sink = None
@@ -319,12 +459,12 @@ class HttpSession:
         if sink is None:
             if method in UNRELATED and self.id:  # a modern flow has no GET: its listen's POST
                 sink = self.get
-            elif len(self._posts) == 1 and not self._batches:
-                sink = next(iter(self._posts.values()))
+            elif len(self._posts) - len(self._detached) == 1 and not self._batches:
+                sink = next(s for s in self._posts.values() if s.conn is not None)
             elif self.get is not None:
                 sink = self.get
-            elif self._posts:
-                sink = next(iter(self._posts.values()))
+            elif len(self._posts) > len(self._detached):
+                sink = next(s for s in self._posts.values() if s.conn is not None)
         if sink is None:
             self._park(message)
         else:
@@ -347,14 +487,37 @@ class HttpSession:
         return sink
 
     def _write(self, sink: Sink, message: bytes, *, final: bool) -> None:
+        conn = sink.conn
+        event_id = None
         try:
-            if not sink.deliver(message, final):
-                self._dirty.add(sink.conn)
+            if not (final or sink.started):  # the first event: the SSE head first
+                assert conn is not None
+                self.start_stream(sink)
+            if sink.stream is not None and sink.started:  # an SSE event of a legacy session
+                seq, delta = self.replay.record(sink.stream, message, final)
+                event_id = format_id(sink.stream, seq)
+                if self.client is not None and delta:
+                    if delta > 0:
+                        self.client.buffers.charge(delta)
+                    else:
+                        self.client.buffers.release(-delta)
+            if conn is None:  # detached: kept in the replay log for its resumption only
+                if final:
+                    sink.done = True
+                    self.close_sink(sink)
+                    LOGGER.debug("http session %.8s…: a response kept for resumption", self.id)
+                return
+            if not sink.deliver(message, final, event_id):
+                self._dirty.add(conn)
         except TransportClosed:
-            LOGGER.debug("http session %.8s…: a response stream is gone; message dropped", self.id)
+            if not final and self._resumable(sink):
+                self._lost(sink)  # the message is in the log: a resumption gets it
+                return
+            if event_id is None:
+                LOGGER.debug("http session %.8s…: a response stream is gone; message dropped", self.id)
+                self.dropped += 1
             self.close_sink(sink)
             sink.finish_soon()
-            self.dropped += 1
 
     def _park(self, message: bytes) -> None:
         n = len(message)
@@ -400,7 +563,9 @@ class HttpSession:
             sinks.append(self.get)
         for sink in sinks:
             try:
-                if sink.started:
+                if sink.conn is None:
+                    pass  # detached
+                elif sink.started:
                     sink.conn.end_events()
                 elif sink.request_id is not None or sink.batch:
                     sink.conn.respond(404, b"session ended\n", "text/plain; charset=utf-8")
@@ -410,4 +575,7 @@ class HttpSession:
             sink.finish_soon()
         self._parked.clear()
         self._release_parked()
+        held = self.replay.clear()
+        if self.client is not None:
+            self.client.buffers.release(held)
         self._dirty.clear()

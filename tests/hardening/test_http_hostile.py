@@ -302,3 +302,95 @@ async def test_parked_messages_flow_out_when_the_get_stream_opens(daemon: Daemon
     for conn in (c, get):
         await conn.aclose()
     await check(daemon, base)
+
+
+async def test_refusals_name_the_request_and_smuggling_is_refused(daemon: Daemon) -> None:
+    """Leftovers of the hostile tester: (a) a session refusal echoes the request's id, not null;
+    (b) ``initialize`` with an unknown version header is 400 with the supported versions, not the
+    modern shape's 404; (c) ``Transfer-Encoding`` with ``Content-Length`` is 400 and the
+    connection closed (RFC 9112 6.1); (d) a progress token already in use by an open request of
+    the session is refused with -32602 (the first call is unharmed)."""
+    base = await baseline(daemon)
+    port = daemon.http_port
+    c, session = await open_session(port)
+    ping = {"jsonrpc": "2.0", "id": "p-1", "method": "ping"}
+    sid = session.split(b"\r\n")[0] + b"\r\n"
+    for headers, status in [(b"", 400), (b"mcp-session-id: nope\r\n", 404),
+                            (sid + b"mcp-protocol-version: 1999-01-01\r\n", 400)]:
+        r = await c.exchange(post(ping, headers))
+        assert (r.status, r.json()["id"]) == (status, "p-1"), (headers, r.status, r.body)  # (a)
+    init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}}
+    r = await c.exchange(post(init, b"mcp-protocol-version: 1999-01-01\r\n"))
+    assert r.status == 400 and "2025-11-25" in r.json()["error"]["data"]["supported"], r.body  # (b)
+    data = json.dumps(ping).encode()
+    smuggled = await Conn.open(port)
+    await smuggled.send(b"POST /mcp HTTP/1.1\r\n" + HEADERS + session + b"content-length: %d\r\n"
+                        b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(data), len(data), data))
+    with trio.fail_after(ANSWER_BOUND):
+        r = await smuggled.response()
+        assert r.status == 400 and r.headers[b"connection"] == b"close", r.body  # (c)
+        with pytest.raises(EOFError):
+            await smuggled._more()
+    slow = await Conn.open(port)
+    meta = {"_meta": {"progressToken": "tok"}}
+    await slow.send(post({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+        "name": "fx__sleep", "arguments": {"seconds": 1.0}, **meta}}, session))
+    with trio.fail_after(ANSWER_BOUND):  # the first call is open (polled: from outside)
+        while True:
+            if (await daemon.instance("fx"))["inflight"]:
+                break
+            await trio.sleep(0.02)
+    r = await c.exchange(post({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
+        "name": "fx__echo", "arguments": {"message": "x"}, **meta}}, session))
+    assert r.json()["id"] == 2 and r.json()["error"]["code"] == -32602, r.body  # (d)
+    with trio.fail_after(ANSWER_BOUND):
+        r = await slow.response()
+    assert r.json()["id"] == 1 and "result" in r.json(), r.body
+    r = await c.exchange(post(b"", session, method=b"DELETE"))
+    assert r.status == 200
+    for conn in (c, slow, smuggled):
+        await conn.aclose()
+    await check(daemon, base)
+
+
+async def test_a_broken_post_stream_is_resumed_by_get_with_last_event_id(daemon: Daemon) -> None:
+    """SSE resumption (2025-11-25): a POST stream opens with a priming event, its events carry
+    ids naming the stream; the client's connection breaks mid-call; the response, which comes
+    after, is kept, and a GET with the last id it saw replays it on a new connection.  A
+    malformed id, and an id of a stream with nothing left, are 400 (a client retries those a
+    bounded number of times; an empty stream would have it reconnect for ever)."""
+    base = await baseline(daemon)
+    port = daemon.http_port
+    c, session = await open_session(port)
+    call = await Conn.open(port)
+    await call.send(post({"jsonrpc": "2.0", "id": 9, "method": "tools/call", "params": {
+        "name": "fx__progress", "arguments": {"steps": 3, "delay": 0.3},
+        "_meta": {"progressToken": "p"}}}, session))
+    with trio.fail_after(ANSWER_BOUND):
+        assert (await call._until(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        while b'"progress":1' not in call.buf:
+            await call._more()
+    ids = re.findall(rb"id: (\d+)-(\d+)\n", call.buf)
+    assert b"data:\n\n" in call.buf and len(ids) == 2 and ids[0][0] == ids[1][0], call.buf  # primed
+    await call.aclose()  # the connection breaks; the call goes on
+    with trio.fail_after(ANSWER_BOUND):
+        while True:
+            if not (await daemon.instance("fx"))["inflight"]:
+                break
+            await trio.sleep(0.02)
+    accept_sse = HEADERS.replace(b"application/json, ", b"")
+    get = await Conn.open(port)
+    last = b"%s-%s" % ids[1]
+    r = await get.exchange(b"GET /mcp HTTP/1.1\r\n" + accept_sse + session + b"last-event-id: " + last + b"\r\n\r\n")
+    assert r.status == 200 and r.json() == {"jsonrpc": "2.0", "id": 9, "result": {
+        "content": [{"type": "text", "text": "done"}]}}, r.body
+    assert re.search(rb"id: %s-\d+\n" % ids[1][0], r.body), r.body  # the same stream's ids
+    for bad in (b"x", b"999-1", last.split(b"-")[0] + b"-999999"):
+        r = await get.exchange(b"GET /mcp HTTP/1.1\r\n" + accept_sse + session + b"last-event-id: " + bad + b"\r\n\r\n")
+        assert r.status == 400, (bad, r.body)
+    r = await c.exchange(post(b"", session, method=b"DELETE"))
+    assert r.status == 200
+    for conn in (c, get):
+        await conn.aclose()
+    await check(daemon, base)

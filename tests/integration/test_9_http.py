@@ -112,6 +112,12 @@ async def test_bad_requests_get_their_status() -> None:
         assert r.status_code == 405
         r = await c.post(url.replace("/mcp", "/other"), headers=headers, json=ping)
         assert r.status_code == 404
+        # a load balancer's probes, under any Host; never /status or /metrics on this listener
+        for path, body in [("/healthz", b"ok\n"), ("/readyz", b"ready\n")]:
+            r = await c.get(url.replace("/mcp", path), headers={"host": "lb.example"})
+            assert (r.status_code, r.content) == (200, body)
+        for path in ("/status", "/metrics"):
+            assert (await c.get(url.replace("/mcp", path))).status_code == 404
         # the session still works; absent MCP-Protocol-Version is accepted (2025-03-26 assumed)
         r = await c.post(url, headers={k: v for k, v in headers.items() if k != "mcp-protocol-version"}, json=ping)
         assert r.status_code == 200 and r.json() == {"jsonrpc": "2.0", "id": 5, "result": {}}

@@ -35,6 +35,12 @@ async def test_a_stateless_call_with_its_headers_checked_and_no_session() -> Non
         body = r.json()
         assert body["result"]["resultType"] == "complete"
         assert body["result"]["content"][0]["text"] == "m"
+        args = post("tools/call", {"name": "fx__progress", "arguments": {"steps": 2}})
+        args["json"]["params"]["_meta"] = {**META, "progressToken": "t"}
+        r = await c.post(gw.http_url, **args)  # streamed: progress, then the result; no event ids
+        assert r.headers["content-type"] == "text/event-stream" and "id:" not in r.text, r.text
+        assert [json.loads(line[6:]).get("method") for line in r.text.splitlines()
+                if line.startswith("data: ")] == ["notifications/progress"] * 2 + [None], r.text
         r = await c.post(gw.http_url, **post("tools/call", {"name": "fx__echo", "arguments": {"message": "m"}},
                                              **{"mcp-name": "fx__other"}))
         assert r.status_code == 400 and r.json()["error"]["code"] == -32020

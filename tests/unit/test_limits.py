@@ -98,3 +98,23 @@ def test_connection_slots_refuse_beyond_the_limit_and_count_it() -> None:
     slots.release()
     assert slots.acquire("unix")
     assert refused == ["websocket", "unix"]
+
+
+def test_sse_replay_log_is_bounded_in_bytes_and_knows_what_fell_out() -> None:
+    """The replay log behind ``Last-Event-ID`` (gateway.transports.replay): ids unique per
+    session and naming their stream; the oldest events pushed out past the byte bound, the
+    change in bytes reported for the session's account, a resumption below the floor told."""
+    from gateway.transports.replay import ReplayLog, format_id, parse_id
+
+    log = ReplayLog(100)
+    assert log.record(1, b"a" * 40, False) == (1, 40)
+    assert log.next_seq() == 2  # a priming event's id: nothing kept
+    assert log.record(0, b"b" * 40, False) == (3, 40)
+    assert log.record(1, b"c" * 40, True) == (4, 40 - 40)  # pushed "a" out
+    assert (log.bytes, log.floor) == (80, 1)
+    assert [e.message[:1] for e in log.after(1, 0)] == [b"c"] and log.after(1, 4) == []
+    assert log.record(2, b"x" * 101, False) == (5, 0) and log.floor == 5  # too big to keep
+    assert parse_id(format_id(12, 345).decode()) == (12, 345)
+    for bad in ("", "12", "-3", "1-²", "1-" + "9" * 50, "a-1"):
+        assert parse_id(bad) is None, bad
+    assert log.clear() == 80 and not log.entries
