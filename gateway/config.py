@@ -63,12 +63,19 @@ class ListenSection(Base):
     http: str | None = "127.0.0.1:8766"  # Streamable HTTP at /mcp; "" switches it off
     http_session_idle_timeout: float = 600 * SECONDS  # an HTTP session with nothing in flight ends
     http_max_sessions: int = 1024  # HTTP sessions at once; initialize beyond it gets 503
+    # Off loopback (issue "authentication"): TLS on the client listeners, or a TLS-terminating
+    # proxy in front (behind_proxy) reached by clients at public_url (https://…/mcp).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    behind_proxy: bool = False
+    public_url: str | None = None
 
 
 class AdminSection(Base):
     listen: str | None = "127.0.0.1:9477"  # "" switches it off
     allow_non_loopback: bool = False  # /status shows child stderr: loopback unless explicit
     allowed_hosts: list[str] = []  # Host names for /status, /metrics besides loopback + bound address
+    token_sha256: str | None = None  # hex SHA-256 of the bearer token /status needs off loopback
 
 
 class RestartSection(Base):
@@ -85,6 +92,14 @@ class HealthSection(Base):
 
 
 Capability = Literal["roots", "sampling", "elicitation"]
+
+
+class ItemFilter(Base):
+    """Globs on a backend's own item names (URIs for resources): listed and callable only when
+    ``include`` matches (empty: everything) and ``exclude`` does not."""
+
+    include: list[str] = []
+    exclude: list[str] = []
 
 
 class BackendConfig(Base):
@@ -114,13 +129,59 @@ class BackendConfig(Base):
         default_factory=lambda: ["roots", "sampling", "elicitation"]
     )
     sensitive: list[str] = []  # tool names (backend's own) that need an explicit policy rule
+    # what the gateway exposes of this backend at all, whatever the policy (backend's own names)
+    tools: ItemFilter = msgspec.field(default_factory=lambda: ItemFilter())
+    prompts: ItemFilter = msgspec.field(default_factory=lambda: ItemFilter())
+    resources: ItemFilter = msgspec.field(default_factory=lambda: ItemFilter())
     stderr_lines_per_second: float = 100.0  # stderr lines logged per second (0: no limit)
     stderr_burst: int = 500  # lines logged at once before the rate applies
 
 
 class PolicyRule(Base):
-    match: str  # glob on the namespaced tool name
+    match: str  # glob on the namespaced tool / prompt name, or on the resource URI
     action: Literal["allow", "ask", "deny"]
+    kind: Literal["tool", "prompt", "resource"] = "tool"
+    principal: str | None = None  # glob on the caller's principal name
+    group: str | None = None  # the caller is in this group
+    transport: Literal["http", "ws", "unix"] | None = None
+    scopes: list[str] = []  # OAuth scopes the caller's token must carry (else 403 insufficient_scope)
+
+
+class BearerToken(Base):
+    principal: str
+    token_sha256: str  # hex SHA-256 of the token
+    groups: list[str] = []
+
+
+class OAuthSection(Base):
+    issuer: str
+    jwks_uri: str
+    audience: str  # this gateway's resource URI (RFC 8707), e.g. https://gateway.example.com/mcp
+    principal_claim: str = "sub"
+    groups_claim: str | None = None
+    scopes_supported: list[str] = []  # advertised in the protected resource metadata
+    jwks_refresh_min_interval: float = 30.0  # an unknown kid refetches the JWKS at most this often
+    leeway: float = 30.0  # clock skew allowed on exp / nbf
+
+
+class PrincipalLimit(Base):
+    principal: str  # glob on the principal name
+    max_inflight: int | None = None
+    calls_per_second: float | None = None
+
+
+class AuthSection(Base):
+    """Authentication is *configured* when at least one authenticator is given (bearer tokens,
+    a tokens file, or OAuth): then every client listener but the unix socket requires it."""
+
+    bearer: list[BearerToken] = []
+    tokens_file: str | None = None  # lines: principal:sha256hex[:group,group]
+    oauth: OAuthSection | None = None
+    limits: list[PrincipalLimit] = []
+
+    @property
+    def configured(self) -> bool:
+        return bool(self.bearer or self.tokens_file or self.oauth is not None)
 
 
 class PolicySection(Base):
@@ -134,6 +195,7 @@ class GatewayConfig(Base):
     listen: ListenSection = ListenSection()
     admin: AdminSection = AdminSection()
     policy: PolicySection = PolicySection()
+    auth: AuthSection = AuthSection()
     backends: dict[str, BackendConfig] = {}
     base_dir: str = "."  # not a TOML key: filled in by load()
 
@@ -148,6 +210,7 @@ _SECTIONS = {
     "listen": ListenSection,
     "admin": AdminSection,
     "policy": PolicySection,
+    "auth": AuthSection,
 }
 
 
@@ -235,7 +298,7 @@ def load(data: bytes | str, *, base_dir: str = ".", check_commands: bool = False
     sections: dict[str, Any] = {}
     for key in tree:
         if key not in _SECTIONS and key != "backends":
-            errors.append(f"{key}: unknown section (expected one of gateway, listen, admin, policy, backends)")
+            errors.append(f"{key}: unknown section (expected one of gateway, listen, admin, policy, auth, backends)")
     for key, typ in _SECTIONS.items():
         try:
             sections[key] = msgspec.convert(tree.get(key, {}), typ)

@@ -50,6 +50,7 @@ from gateway.protocol import jsonrpc, mcp
 from gateway.protocol.era import Era
 
 if TYPE_CHECKING:
+    from gateway.auth.principal import Principal
     from gateway.bridge import Bridge, Flow
 
 LOGGER = logging.getLogger(__name__)
@@ -137,6 +138,7 @@ class ClientSession:
         # A modern HTTP flow: the child's requests to it are bridged (gateway.bridge), not sent
         self.mrtr: Bridge | None = None
         self.flow: Flow | None = None  # its bridged call, once the child asked for input
+        self.principal: Principal | None = None  # who is calling (gateway.auth), when known
 
     def __repr__(self) -> str:
         return f"<ClientSession {self.conn_id} {self.transport}>"
