@@ -233,8 +233,16 @@ class Flow:
                 return
             self.end("not resumed within gateway.state_ttl")
         finally:
-            if not resumed.is_set():  # expired, ended, or its session closed (cancelled)
+            if not resumed.is_set():  # expired, ended, or cancelled
                 self.bridge.flows.pop(self.id, None)
+
+    def closed(self) -> None:
+        """Its session is over (the call ended, or the flow was ended): a parked flow is gone."""
+        self.parked = False
+        self.bridge.flows.pop(self.id, None)
+        if self.resumed is not None:
+            self.resumed.set()  # its expiry timer stops
+            self.resumed = None
 
     def resume(self, request_id: int | str, answers: dict[str, Raw], caps: dict[str, object]) -> None:
         served = self.served()

@@ -60,12 +60,9 @@ class MessageStream(MessageWriter, Protocol):
     async def aclose(self, reason: str) -> None: ...
 
 
-async def serve(hub: Hub, stream: MessageStream, transport: str,
-                bind: Callable[[ClientSession], None] | None = None) -> None:
-    """Serve one client connection until it closes; never raises for client misbehaviour.
-
-    ``bind`` is told the connection's :class:`ClientSession` before anything is read (an HTTP
-    session's stream asks it whether calls are in flight)."""
+def _open(hub: Hub, stream: MessageStream, transport: str,
+          bind: Callable[[ClientSession], None] | None) -> ClientSession:
+    """A connection's session, registered with the hub."""
     cfg = hub.cfg.gateway
     session = ClientSession(transport, outbound_capacity=cfg.outbound_queue,
                             max_inflight=cfg.max_inflight_per_connection,
@@ -76,6 +73,37 @@ async def serve(hub: Hub, stream: MessageStream, transport: str,
     hub.sessions.add(session)
     hub.bus.emit(ConnectionOpened(session.conn_id, transport))
     LOGGER.debug("connection %s opened (%s)", session.conn_id, transport, extra=session.log_fields)
+    return session
+
+
+def _release(hub: Hub, session: ClientSession) -> None:
+    """What a closed connection holds goes: it leaves the hub, the requests it was sent end,
+    its calls are cancelled, the backends forget it."""
+    session.writer = None  # what is sent from now on is queued: flushed, or dropped
+    hub.sessions.discard(session)
+    hub.connections_changed()
+    session.end_all_requests(ServerRequestOutcome.OWNER_GONE)
+    for served in list(session.inflight.values()):  # calls forwarded without a task
+        served.cancel()
+    hub.session_closed(session)
+    if session.flow is not None:
+        session.flow.closed()
+
+
+def _closed(hub: Hub, session: ClientSession, transport: str) -> None:
+    session.drop_outbound()  # every byte it still had charged is released here
+    hub.bus.emit(ConnectionClosed(session.conn_id, transport, session.close_reason,
+                                  trio.current_time() - session.opened))
+    LOGGER.debug("connection %s closed: %s", session.conn_id, session.close_reason, extra=session.log_fields)
+
+
+async def serve(hub: Hub, stream: MessageStream, transport: str,
+                bind: Callable[[ClientSession], None] | None = None) -> None:
+    """Serve one client connection until it closes; never raises for client misbehaviour.
+
+    ``bind`` is told the connection's :class:`ClientSession` before anything is read (an HTTP
+    session's stream asks it whether calls are in flight)."""
+    session = _open(hub, stream, transport, bind)
     try:
         async with trio.open_nursery() as nursery:
             session.cancel_scope = nursery.cancel_scope
@@ -88,23 +116,80 @@ async def serve(hub: Hub, stream: MessageStream, transport: str,
         session.close(CloseReason.ERROR)
     finally:
         with trio.CancelScope(shield=True):
-            session.writer = None  # what is sent from now on is queued: flushed below, or dropped
-            hub.sessions.discard(session)
-            hub.connections_changed()
-            session.end_all_requests(ServerRequestOutcome.OWNER_GONE)
-            for served in list(session.inflight.values()):  # calls forwarded without a task
-                served.cancel()
             try:
-                await hub.session_closed(session)
+                _release(hub, session)
                 await _flush(session, stream)
                 with trio.move_on_after(FLUSH_TIMEOUT):
                     await stream.aclose(session.close_reason)
             except Exception:  # a bug must end this connection only, never the daemon
                 LOGGER.exception("connection %s: error while closing", session.conn_id, extra=session.log_fields)
-            session.drop_outbound()  # every byte it still had charged is released here
-            hub.bus.emit(ConnectionClosed(session.conn_id, transport, session.close_reason,
-                                          trio.current_time() - session.opened))
-            LOGGER.debug("connection %s closed: %s", session.conn_id, session.close_reason, extra=session.log_fields)
+            _closed(hub, session, transport)
+
+
+class DirectStream(MessageStream, Protocol):
+    def abort(self) -> None:
+        """End every open stream of it at once (it is closed)."""
+        ...
+
+
+class Direct:
+    """A connection served without a task of its own: a modern (2026-07-28) HTTP request's flow.
+
+    Its one message is handled in the caller's task (:meth:`handle`); what must wait (the slow
+    path, a bridged flow's timers) runs in ``nursery``, a long-lived one, and a flusher task is
+    started there only when a write did not fit.  :meth:`finish` ends it (idempotent): called
+    inline when its request is answered, or from a task when it is closed by anything else
+    (``ClientSession.on_close``: overflow, a bridged flow ending, drain).  Saves the two tasks
+    and the inbox a served connection costs per request.
+    """
+
+    __slots__ = ("done", "hub", "nursery", "session", "stream", "transport", "writer_scope")
+
+    def __init__(self, hub: Hub, stream: DirectStream, nursery: trio.Nursery, transport: str,
+                 bind: Callable[[ClientSession], None] | None = None) -> None:
+        self.hub = hub
+        self.stream = stream
+        self.nursery = nursery
+        self.transport = transport
+        self.done = False
+        self.writer_scope: trio.CancelScope | None = None
+        session = self.session = _open(hub, stream, transport, bind)
+        session.nursery = nursery
+        session.outbound.on_wake = self._start_writer
+        session.on_close = lambda: nursery.start_soon(self._finish_task)
+
+    def handle(self, data: bytes) -> None:
+        _handle(self.hub, self.session, data, self.nursery, None)
+
+    def _start_writer(self) -> None:
+        if not self.done:
+            self.writer_scope = trio.CancelScope()
+            self.nursery.start_soon(self._write)
+
+    async def _write(self) -> None:
+        assert self.writer_scope is not None
+        with self.writer_scope:
+            await _writer(self.session, self.stream)
+
+    async def _finish_task(self) -> None:
+        self.finish()
+
+    def finish(self) -> None:
+        """Close it and release everything it holds (once)."""
+        if self.done:
+            return
+        self.done = True
+        session = self.session
+        session.on_close = None
+        session.close(CloseReason.CLIENT_CLOSED)  # no-op when something else closed it
+        if self.writer_scope is not None:
+            self.writer_scope.cancel()
+        try:
+            _release(self.hub, session)
+            self.stream.abort()
+        except Exception:  # a bug must end this connection only, never the daemon
+            LOGGER.exception("connection %s: error while closing", session.conn_id, extra=session.log_fields)
+        _closed(self.hub, session, self.transport)
 
 
 async def _flush(session: ClientSession, stream: MessageStream) -> None:

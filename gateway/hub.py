@@ -367,10 +367,10 @@ class Hub:
                 except errors.NotDelivered:
                     pass
 
-    async def session_closed(self, session: ClientSession) -> None:
+    def session_closed(self, session: ClientSession) -> None:
         self.ownership.forget_session(session)
         for backend in list(self.backends.values()):
-            await backend.drop_session(session)
+            backend.drop_session(session)
 
     def _connection_refused(self, transport: str) -> None:
         LOGGER.warning("refused a %s connection: %d connections open (max_connections)",

@@ -15,6 +15,7 @@ is written directly only when nothing at all is queued or held before it.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 import trio
@@ -51,12 +52,15 @@ class Outbox:
     ``capacity``).  :meth:`receive_nowait` and :meth:`receive` take one, like a trio memory
     channel's ends."""
 
-    __slots__ = ("_items", "_wakeup", "capacity")
+    __slots__ = ("_items", "_wakeup", "capacity", "on_wake")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._items: deque[bytes] = deque()
         self._wakeup = Wakeup()
+        # Called once, at the first put or wake: a connection without a flusher task of its own
+        # (connection.open_direct) starts one then.
+        self.on_wake: Callable[[], None] | None = None
 
     def __len__(self) -> int:
         return len(self._items)
@@ -66,12 +70,15 @@ class Outbox:
         if len(self._items) >= self.capacity:
             return False
         self._items.append(data)
-        self._wakeup.set()
+        self.wake()
         return True
 
     def wake(self) -> None:
         """Wake the task in :meth:`wait` (something else needs flushing)."""
         self._wakeup.set()
+        if self.on_wake is not None:
+            start, self.on_wake = self.on_wake, None
+            start()
 
     async def wait(self) -> None:
         """Until the next :meth:`put` or :meth:`wake`."""

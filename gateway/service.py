@@ -286,6 +286,7 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                                 max_json_depth=cfg.gateway.max_json_depth,
                                 ports=frozenset(ls.bound_port([lst]) for lst in http_listeners),
                                 probes=partial(admin_probe, hub.status), bridge=mrtr_bridge)
+            endpoint.direct = lambda stream: connection.Direct(hub, stream, conns, "http", stream.bind)
             await nursery.start(lambda task_status: serve_http(
                 http_listeners, endpoint, max_message=max_msg, handler_nursery=conns, slots=hub.slots,
                 task_status=task_status))

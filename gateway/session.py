@@ -139,6 +139,8 @@ class ClientSession:
         self.mrtr: Bridge | None = None
         self.flow: Flow | None = None  # its bridged call, once the child asked for input
         self.principal: Principal | None = None  # who is calling (gateway.auth), when known
+        # A connection without a task of its own (connection.open_direct): its end, once closed
+        self.on_close: Callable[[], None] | None = None
 
     def __repr__(self) -> str:
         return f"<ClientSession {self.conn_id} {self.transport}>"
@@ -225,6 +227,9 @@ class ClientSession:
                 self._drained = None
             if self.cancel_scope is not None:
                 self.cancel_scope.cancel()
+            if self.on_close is not None:
+                finish, self.on_close = self.on_close, None
+                finish()
 
     # ---- server→client requests ---------------------------------------------------------------
 

@@ -483,7 +483,7 @@ class Backend:
             del self.subscriptions[uri]
             await self._upstream(uri, "resources/unsubscribe")
 
-    async def drop_session(self, session: ClientSession) -> None:
+    def drop_session(self, session: ClientSession) -> None:
         for waiter in [w for w in self._waiters if w.session is session]:
             self._waiters.remove(waiter)
         for inst in self.instances:

@@ -50,6 +50,7 @@ from gateway.transports.streamable import SESSION_HEADER, HttpSession, Sink
 
 if TYPE_CHECKING:
     from gateway.bridge import Bridge
+    from gateway.connection import Direct
 
 LOGGER = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ PATH = "/mcp"
 PROBES = ("/healthz", "/readyz")
 #: Seconds between SSE comments on an idle stream.
 KEEPALIVE = 15.0
+#: A POST's answer is awaited this long before its connection is watched for the peer leaving
+#: (closing a response stream earlier cancels the call once this has passed).
+QUICK_ANSWER = 0.05
 #: A keep-alive connection with no request for this long is closed.
 IDLE_TIMEOUT = 60.0
 JSON = "application/json"
@@ -92,15 +96,6 @@ class Sessions:
         self._nursery.start_soon(self._run, session)
         return session
 
-    def flow(self, bridge: Bridge | None = None) -> HttpSession:
-        """A modern (2026-07-28) request's own short-lived owner: never listed, never named to
-        the client; it ends with its request, or when its bridged call ends (gateway.bridge)."""
-        session = HttpSession(self.idle_timeout)
-        session.id = ""
-        session.mrtr = bridge
-        self._nursery.start_soon(self._run, session)
-        return session
-
     async def _run(self, session: HttpSession) -> None:
         try:
             await self._serve(session)
@@ -120,6 +115,8 @@ class Endpoint:
         self.sessions = sessions
         self.probes = probes  # /healthz and /readyz (gateway.ops.admin.probe), any Host
         self.bridge = bridge  # None: a legacy child's requests to a modern caller are refused
+        # serves a modern request's flow without a task of its own (set by the service)
+        self.direct: Callable[[HttpSession], Direct] | None = None
         self.hosts = hosts
         self.allowed_origins = allowed_origins
         self.max_json_depth = max_json_depth
@@ -308,16 +305,22 @@ class Endpoint:
                 await _hold(conn, session, sink)
             finally:
                 if _rounds(session) == asked:
-                    session.terminate()
+                    _end(session)
             return
-        session = self.sessions.flow(self.bridge)
+        session = HttpSession(self.sessions.idle_timeout, id="")
+        session.mrtr = self.bridge
+        session.open_post(sink)
+        assert self.direct is not None
+        flow = session.direct = self.direct(session)
         try:
-            await self._stream(conn, session, sink, body)
+            flow.handle(body)
+            if not sink.done:
+                await _hold(conn, session, sink)
         finally:
             # answered, or the client closed the stream: that cancels the call, unless this POST
             # was answered input_required (the flow waits for the retry, which may already run)
             if _rounds(session) == 0:
-                session.terminate()
+                flow.finish()
 
     def _resume(self, env: jsonrpc.Envelope, params: dict[str, jsonrpc.Raw], caps: dict[str, object],
                 sink: Sink) -> HttpSession:
@@ -344,6 +347,14 @@ class Endpoint:
             session.close_sink(sink)
             raise HttpError(503, "this session's inbox is full; retry later")
         await _hold(conn, session, sink)
+
+
+def _end(session: HttpSession) -> None:
+    """End a modern flow (its calls are cancelled)."""
+    if session.direct is not None:
+        session.direct.finish()
+    else:
+        session.terminate()
 
 
 def _rounds(session: HttpSession) -> int:
@@ -409,6 +420,13 @@ async def _hold(conn: HttpConnection, session: HttpSession, sink: Sink) -> None:
         if conn.io.held:  # a GET stream's parked backlog, more than the socket took at once
             with trio.move_on_after(WRITE_TIMEOUT):
                 await conn.flush()
+        if not sink.done and sink.request_id is not None:
+            # Most answers come within moments: wait for them without watching the socket
+            # (registering it with epoll and cancelling that wait costs more than the call).
+            sink.answered = trio.Event()
+            with trio.move_on_after(QUICK_ANSWER):
+                await sink.answered.wait()
+            sink.answered = None
         while not sink.done and sink.conn is conn:
             with trio.move_on_after(KEEPALIVE) as scope:
                 sink.scope = scope

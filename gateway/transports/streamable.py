@@ -62,6 +62,7 @@ from gateway.wakeup import Wakeup
 
 if TYPE_CHECKING:
     from gateway.bridge import Bridge
+    from gateway.connection import Direct
     from gateway.session import ClientSession
     from gateway.transports.http import HttpConnection
 
@@ -120,8 +121,8 @@ class Sink:
     :meth:`HttpConnection.watch` under ``scope`` until :attr:`done` or until ``conn`` is no
     longer its connection (detached, or resumed on another)."""
 
-    __slots__ = ("batch", "conn", "done", "ids", "request_id", "scope", "session_id", "started",
-                 "stream", "token")
+    __slots__ = ("answered", "batch", "conn", "done", "ids", "request_id", "scope", "session_id",
+                 "started", "stream", "token")
 
     def __init__(self, conn: HttpConnection | None, session_id: str, request_id: RequestId | None = None,
                  *, batch: bool = False, stream: int | None = None) -> None:
@@ -135,6 +136,7 @@ class Sink:
         self.started = False  # SSE head written
         self.done = False
         self.scope: trio.CancelScope | None = None
+        self.answered: trio.Event | None = None  # set with ``done`` (see endpoint._hold)
 
     def deliver(self, message: bytes, final: bool, event_id: bytes | None = None) -> bool:
         """Write ``message`` (``final``: the response that ends this stream).  True when all
@@ -173,11 +175,15 @@ class Sink:
 
     def finish_soon(self) -> None:
         self.done = True
+        if self.answered is not None:
+            self.answered.set()
         if self.scope is not None:
             self.scope.cancel()
 
     def wake(self) -> None:
         """Its connection task looks again (it is no longer this sink's connection)."""
+        if self.answered is not None:
+            self.answered.set()
         if self.scope is not None:
             self.scope.cancel()
 
@@ -185,11 +191,13 @@ class Sink:
 class HttpSession:
     """A legacy Streamable HTTP session as a :class:`~gateway.connection.MessageStream`."""
 
-    def __init__(self, idle_timeout: float) -> None:
-        self.id = secrets.token_urlsafe(24)  # visible ASCII, 192 random bits
+    def __init__(self, idle_timeout: float, *, id: str | None = None) -> None:
+        # visible ASCII, 192 random bits; "" for a modern flow (no session id)
+        self.id = secrets.token_urlsafe(24) if id is None else id
         self.idle_timeout = idle_timeout
         self.client: ClientSession | None = None  # bound by connection.serve
         self.mrtr: Bridge | None = None  # a modern flow's: its child's requests are bridged
+        self.direct: Direct | None = None  # a modern flow's: served without a task of its own
         self.closed = False
         self.last_active = trio.current_time()
         self.dropped = 0  # messages no stream could take (logged once per session)
@@ -557,6 +565,10 @@ class HttpSession:
 
     async def aclose(self, reason: str) -> None:
         """The session is over: end every open stream (a POST not yet answered gets 404)."""
+        self.abort()
+
+    def abort(self) -> None:
+        """:meth:`aclose`, synchronously (a modern flow served without a task of its own)."""
         self.closed = True
         sinks = [*self._posts.values(), *self._batches]
         if self.get is not None:
