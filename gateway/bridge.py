@@ -109,9 +109,12 @@ class Bridge:
         self.bus = EventBus()  # the hub's, once the service sets it
 
     def flow_of(self, owner: ClientSession) -> Flow:
+        """The owner's flow: the one of its request in flight (ownership bridges a request
+        only while its owner has exactly one)."""
+        served = next(iter(owner.inflight.values()))
         flow = owner.flow
-        if flow is None:
-            flow = owner.flow = Flow(self, owner)
+        if flow is None or flow.served is not served:
+            flow = owner.flow = Flow(self, owner, served)
         return flow
 
     def requested(self, owner: ClientSession, key: str, req: ServerRequest) -> None:
@@ -119,7 +122,7 @@ class Bridge:
         self.flow_of(owner).requested(key, req)
 
     def resume(self, method: str, params: dict[str, Raw], request_id: int | str,
-               caps: dict[str, object]) -> ClientSession:
+               caps: dict[str, object], *, owner: ClientSession | None = None) -> ClientSession:
         """Continue the flow a retry's ``requestState`` names; returns its owner, whose flow
         session must now carry ``request_id``'s stream.
 
@@ -132,6 +135,9 @@ class Bridge:
             if flow is None:
                 raise mrtr.invalid_state("its call is over or expired, or was served by another "
                                          "process of this replica", "gone")
+            if owner is not None and flow.owner is not owner:
+                raise mrtr.invalid_state("on a WebSocket or unix connection, the retry must come on "
+                                         "the connection of the call", "gone")
             if not flow.parked or claims.round != flow.round:
                 raise mrtr.invalid_state("it was already used (a requestState is good for one retry)",
                                          "used")
@@ -170,11 +176,12 @@ class Flow:
     on, and whether it is parked (answered ``input_required``, waiting for the retry)."""
 
     __slots__ = ("bridge", "digest", "gathering", "id", "method", "owner", "parked", "pending",
-                 "resumed", "round")
+                 "resumed", "round", "served")
 
-    def __init__(self, bridge: Bridge, owner: ClientSession) -> None:
+    def __init__(self, bridge: Bridge, owner: ClientSession, served: Served) -> None:
         self.bridge = bridge
         self.owner = owner
+        self.served = served  # the call it continues
         self.id = secrets.token_urlsafe(12)
         self.round = 0
         self.parked = False
@@ -183,10 +190,6 @@ class Flow:
         self.method = ""
         self.digest = ""
         self.resumed: trio.Event | None = None
-
-    def served(self) -> Served | None:
-        """The call this flow continues (a flow session serves one request)."""
-        return next(iter(self.owner.inflight.values()), None)
 
     def requested(self, key: str, req: ServerRequest) -> None:
         self.pending[key] = req  # unique: the router refuses a request id still open at its child
@@ -206,8 +209,8 @@ class Flow:
 
     def _answer(self) -> None:
         """Answer the round's request with what the child waits for, and park."""
-        served = self.served()
-        if served is None or served.ended or not self.pending or self.parked:
+        served = self.served
+        if served.ended or not self.pending or self.parked:
             return
         if not self.digest:
             self.method = served.req.method
@@ -245,8 +248,7 @@ class Flow:
             self.resumed = None
 
     def resume(self, request_id: int | str, answers: dict[str, Raw], caps: dict[str, object]) -> None:
-        served = self.served()
-        assert served is not None
+        served = self.served
         self.parked = False
         self.bridge.flows.pop(self.id, None)
         if self.resumed is not None:
@@ -256,7 +258,7 @@ class Flow:
         inflight.pop(served.id, None)
         served.id = served.req.id = request_id
         inflight[request_id] = served
-        self.owner.caps = mcp.ClientCaps(caps)
+        served.caps = mcp.ClientCaps(caps)
         for key, result in answers.items():
             req = self.pending.get(key)
             if req is not None:  # keys the child did not ask are ignored (the spec says so)
@@ -271,13 +273,25 @@ class Flow:
                     extra=self.owner.log_fields)
         self.bridge.flows.pop(self.id, None)
         self.parked = False
-        self.owner.close(CloseReason.CLIENT_CLOSED)
+        if self.owner.transport == "http":  # a flow session: it ends with its call
+            self.owner.close(CloseReason.CLIENT_CLOSED)
+            return
+        # A WebSocket/unix connection goes on: only this call ends (without an answer: it was
+        # answered input_required), its child's waiting requests declined or refused.
+        if self.owner.flow is self:
+            self.owner.flow = None
+        for req in list(self.pending.values()):
+            req.finish(ServerRequestOutcome.OWNER_GONE)
+        self.closed()
+        self.served.cancel()
 
     def call_ended(self) -> None:
         """The call is over.  While parked nobody hears of it (the client is between rounds): end
         the flow now; its retry gets ``invalid_state``."""
         if self.parked:
             self.end("the call ended while waiting for the client's input")
+        elif self.owner.transport != "http" and self.owner.flow is self:
+            self.owner.flow = None  # the connection's next call may ask for input afresh
 
 
 def _raw(params: object) -> Raw:

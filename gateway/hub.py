@@ -17,7 +17,7 @@ import msgspec
 import trio
 from msgspec import UNSET, Raw, UnsetType
 
-from gateway import __version__, errors
+from gateway import __version__, bridge, errors
 from gateway.backend import process
 from gateway.backend.child import ChildConnection
 from gateway.backend.instance import Instance
@@ -64,6 +64,9 @@ class Hub:
         self.slots = ConnectionSlots(cfg.gateway.max_connections, self._connection_refused)
         self.ownership = Ownership(bus)
         self.listens = Listens()  # modern clients' subscriptions/listen requests
+        self.bridge = bridge.from_config(cfg.gateway)  # era bridging for modern callers
+        self.bridge.passthrough = self.targets_modern
+        self.bridge.bus = bus
         self.policy = Policy(cfg.policy, bus, cfg)
         self.listeners_bound = False
         self.draining = False

@@ -106,8 +106,19 @@ def decide(
                        f"{method} refused: calls of {len(owners)} connections are in flight, "
                        "the requesting one cannot be proven (use sharing = \"affine\" or \"per-session\")")
     (owner,) = owners
+    if owner.mrtr is not None:  # a modern caller: asked in an InputRequiredResult (gateway.bridge)
+        if len(owner.inflight) != 1:
+            return refusal(method, "unattributable",
+                           f"{method} refused: {len(owner.inflight)} requests of the calling modern "
+                           "connection are in flight, the asking one cannot be proven")
+        caps = next(iter(owner.inflight.values())).caps
+        if caps is None or not caps.allows(method, params):
+            return Answer(code=errors.MISSING_CAPABILITY, reason="no_capability",
+                          message=f"the calling client did not declare the {capability} capability",
+                          data={"requiredCapabilities": {capability: {}}})
+        return Forward(owner)
     if not owner.caps.allows(method, params):
-        if owner.mrtr is not None or owner.era is Era.MODERN:  # 2026-07-28: missing capability
+        if owner.era is Era.MODERN:  # 2026-07-28: missing capability
             return Answer(code=errors.MISSING_CAPABILITY, reason="no_capability",
                           message=f"the calling client did not declare the {capability} capability",
                           data={"requiredCapabilities": {capability: {}}})

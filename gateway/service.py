@@ -20,7 +20,7 @@ from functools import partial
 
 import trio
 
-from gateway import __version__, bridge, config, connection
+from gateway import __version__, config, connection
 from gateway.backend import process
 from gateway.config import GatewayConfig
 from gateway.errors import CloseReason, ConfigError
@@ -276,16 +276,13 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
             async def serve_session(session: HttpSession) -> None:
                 await connection.serve(hub, session, "http", bind=session.bind)
 
-            mrtr_bridge = bridge.from_config(cfg.gateway)
-            mrtr_bridge.passthrough = hub.targets_modern
-            mrtr_bridge.bus = hub.bus
             sessions = Sessions(serve_session, conns, max_sessions=cfg.listen.http_max_sessions,
                                 idle_timeout=cfg.listen.http_session_idle_timeout)
             endpoint = Endpoint(sessions, hosts=ls.allowed_host_names(http_listeners, cfg.listen.allowed_hosts),
                                 allowed_origins=cfg.listen.allowed_origins,
                                 max_json_depth=cfg.gateway.max_json_depth,
                                 ports=frozenset(ls.bound_port([lst]) for lst in http_listeners),
-                                probes=partial(admin_probe, hub.status), bridge=mrtr_bridge)
+                                probes=partial(admin_probe, hub.status), bridge=hub.bridge)
             endpoint.direct = lambda stream: connection.Direct(hub, stream, conns, "http", stream.bind)
             await nursery.start(lambda task_status: serve_http(
                 http_listeners, endpoint, max_message=max_msg, handler_nursery=conns, slots=hub.slots,

@@ -27,7 +27,7 @@ from msgspec import UNSET, Raw
 from gateway import __version__, errors, handlers, inputs
 from gateway.events import RequestFinished, RequestOutcome, RequestStarted
 from gateway.handlers import HANDLERS, PRE_INIT, Request, Target
-from gateway.protocol import era, jsonrpc, mcp
+from gateway.protocol import era, jsonrpc, mcp, mrtr
 from gateway.protocol.routing import CallState
 from gateway.session import ClientSession
 
@@ -55,7 +55,7 @@ class Served:
     connection's nursery (:func:`_run_slow`) when it must wait for something.
     """
 
-    __slots__ = ("backend", "call", "child", "ended", "forwarded_at", "hub", "id", "inst", "label",
+    __slots__ = ("backend", "call", "caps", "child", "ended", "forwarded_at", "hub", "id", "inst", "label",
                  "modern", "reply", "req", "retried", "scope", "session", "size", "started",
                  "target")
 
@@ -80,6 +80,7 @@ class Served:
         self.forwarded_at = 0.0
         self.retried = False
         self.modern = False  # a 2026-07-28 request: its result says resultType (see gateway.protocol.era)
+        self.caps: mcp.ClientCaps | None = None  # a modern request's declared capabilities
 
     def cancel(self) -> None:
         """The client cancelled it, its connection closed, or the drain grace is over (then it
@@ -181,8 +182,9 @@ class Served:
             response = error_response(self.id, exc)
         self.reply(response, self.id)
         session.inflight.pop(self.id, None)
-        if session.flow is not None:
-            session.flow.call_ended()
+        flow = session.flow
+        if flow is not None and flow.served is self:
+            flow.call_ended()
         session.buffers.release(self.size)
         if not session.inflight:
             hub.connections_changed()
@@ -219,8 +221,17 @@ def serve_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, size:
         if session.era is era.Era.MODERN:
             served.modern = True
             caps = era.check_modern(method, req.params)
-            if session.mrtr is not None:  # a flow serves one request: its capabilities are exact
-                session.caps = mcp.ClientCaps(caps)
+            if session.mrtr is None:  # a modern WebSocket/unix connection: bridged like a flow
+                session.mrtr = hub.bridge
+            served.caps = mcp.ClientCaps(caps)  # what a child may ask this request's caller
+            if "requestState" in req.params and method in mrtr.METHODS and session.transport != "http" \
+                    and not hub.bridge.passthrough(method, req.params):
+                # A retry: it continues the call its state names, which takes over its id
+                # (``inflight`` then holds that call under it); this entry is dropped unanswered.
+                hub.bridge.resume(method, req.params, served.id, caps, owner=session)
+                served.ended = True
+                session.buffers.release(size)
+                return
             if method == "server/discover":
                 served.end(era.discover(hub.advertised_capabilities(), hub.server_name, __version__))
                 return

@@ -107,3 +107,30 @@ async def test_a_parked_flow_expires_after_state_ttl() -> None:
         r = await call(c, gw.http_url, "fx__roots", {}, id=2, inputResponses={"srv-1": {"roots": []}},
                        requestState=first["requestState"])
         assert invalid_state(r), r.text
+
+
+async def test_a_modern_websocket_connection_is_bridged_too_and_goes_on_after_a_flow_ends() -> None:
+    """On a byte stream the retry comes on the same connection; a flow that ends (here: a
+    tampered state) ends its call only, not the connection."""
+    from helpers import connect
+
+    cfg = make_config(fixture_backend("fx"))
+    caps = {"io.modelcontextprotocol/protocolVersion": V,
+            "io.modelcontextprotocol/clientCapabilities": ALL_CAPS}
+    with trio.fail_after(20):
+        async with run_gateway(cfg) as gw, connect(gw.url, initialize=False) as c:
+            args = {"name": "fx__elicit", "arguments": {"message": "name?"}, "_meta": caps}
+            first = (await c.request("tools/call", args))["result"]
+            assert first["resultType"] == "input_required" and list(first["inputRequests"]) == ["srv-1"]
+            answer = {"srv-1": {"action": "accept", "content": {"answer": "Ada"}}}
+            done = await c.request("tools/call", {**args, "inputResponses": answer,
+                                                  "requestState": first["requestState"]})
+            assert json.loads(done["result"]["content"][0]["text"])["content"] == {"answer": "Ada"}
+            second = (await c.request("tools/call", args))["result"]  # a new flow on the connection
+            assert list(second["inputRequests"]) == ["srv-2"]
+            bad = await c.request("tools/call", {**args, "inputResponses": {},
+                                                 "requestState": second["requestState"] + "x"})
+            assert bad["error"]["data"]["reason"] == "invalid_state"
+            r = await c.request("tools/call", {"name": "fx__echo", "arguments": {"message": "on"},
+                                               "_meta": caps})
+            assert r["result"]["content"][0]["text"] == "on"  # the connection goes on

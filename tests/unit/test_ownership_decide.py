@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -16,11 +17,13 @@ ROOTS = ["file:///srv/data", "file:///home/shared"]
 
 
 class FakeOwner:
-    """Stands in for a ClientSession: decide() only reads ``caps``, ``mrtr`` and ``era``."""
+    """Stands in for a ClientSession: decide() only reads ``caps``, ``mrtr``, ``era`` and, for
+    a modern caller, its requests in flight (their ``caps``)."""
 
-    def __init__(self, caps: dict[str, Any], mrtr: object = None) -> None:
+    def __init__(self, caps: dict[str, Any], mrtr: object = None, inflight: int = 1) -> None:
         self.caps = ClientCaps(caps)
-        self.mrtr = mrtr  # a modern HTTP flow's bridge
+        self.mrtr = mrtr  # a modern caller's bridge
+        self.inflight = {n: SimpleNamespace(caps=self.caps) for n in range(inflight)}
         self.era = None  # not pinned yet: a legacy one's rules
 
 
@@ -156,6 +159,8 @@ def test_owner_lacking_the_capability_gets_an_error(method: str, caps: dict[str,
     assert answer.result is None
     assert answer.code == errors.UNROUTABLE
     assert answer.reason == "no_capability"
+    two = run(method, owners={FakeOwner(FULL, mrtr=object(), inflight=2)})  # which one asks?
+    assert isinstance(two, Answer) and two.reason == "unattributable"
     bridged = run(method, owners={FakeOwner(caps, mrtr=object())})  # a modern caller (2026-07-28)
     assert isinstance(bridged, Answer) and bridged.code == errors.MISSING_CAPABILITY
     assert bridged.data == {"requiredCapabilities": {bridged.message.split()[-2]: {}}}
