@@ -86,6 +86,8 @@ class Policy:
         self.sensitive: set[str] = set()
         self._pending: set[ServerRequest] = set()
         self._views: dict[Caller, dict[str, list[dict[str, Any]]]] = {}
+        # per (kind, name): the rules whose kind and glob match it (the same for every caller)
+        self._named: dict[tuple[Kind, str], list[pure.Rule]] = {}
 
     def reconfigured(self, full: GatewayConfig) -> Policy:
         """The policy of a reloaded config; prompts parked under this one stay tracked."""
@@ -102,6 +104,18 @@ class Policy:
                 sensitive.add(name)
         self.sensitive = sensitive
         self._views = {}
+        self._named = {}
+
+    def _rules_for(self, kind: Kind, name: str) -> list[pure.Rule]:
+        """The rules that can decide on ``name`` (kind and glob match), in order: deciding
+        with them is deciding with all rules, without matching every glob for every caller."""
+        key = (kind, name)
+        rules = self._named.get(key)
+        if rules is None:
+            if len(self._named) >= MAX_VIEWS * 64:
+                self._named = {}
+            rules = self._named[key] = [r for r in self.rules if r.kind == kind and pure.names(name, [r], kind)]
+        return rules
 
     def unruled_sensitive(self) -> list[str]:
         """Sensitive tools no rule names (a boot error)."""
@@ -138,14 +152,20 @@ class Policy:
             views = self._views[key] = {}
         seen = views.get(kind)
         if seen is None:
-            policy_kind, field = LISTS[kind]
-            seen = views[kind] = [
-                item for item in items
-                if isinstance(item.get(field), str) and pure.visible(
-                    item[field], self.rules, self.cfg.default, caller=key, kind=policy_kind,
-                    sensitive=policy_kind == "tool" and item[field] in self.sensitive)
-            ]
+            seen = views[kind] = [item for item in items if self._visible(kind, item, key)]
         return seen
+
+    def _visible(self, kind: str, item: dict[str, Any], caller: Caller) -> bool:
+        policy_kind, field = LISTS[kind]
+        name = item.get(field)
+        if not isinstance(name, str):
+            return False
+        rules = self._rules_for(policy_kind, name)
+        sensitive = policy_kind == "tool" and name in self.sensitive
+        if not rules:  # no rule names it: the default (tools) or allowed; sensitive: never
+            return policy_kind != "tool" or (not sensitive and self.cfg.default != "deny")
+        return pure.visible(name, rules, self.cfg.default, sensitive=sensitive, caller=caller,
+                            kind=policy_kind)
 
     def check(self, name: str, caller: Caller = pure.ANONYMOUS, kind: Kind = "tool") -> bool:
         """Whether ``caller``'s use of ``name`` (a tool or prompt name, a resource URI) needs
