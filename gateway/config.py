@@ -409,6 +409,7 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
         errors.append("listen.http_session_idle_timeout: must be positive")
     if cfg.listen.http_max_sessions < 1:
         errors.append("listen.http_max_sessions: must be at least 1")
+    errors.extend(_authz_errors(cfg))
     for name, b in cfg.backends.items():
         p = f"backends.{name}"
         if not b.command:
@@ -437,6 +438,34 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
                 errors.append(f"{p}.command: {b.command!r} not found or not executable")
             if b.cwd is not None and not os.path.isdir(b.cwd):
                 errors.append(f"{p}.cwd: {b.cwd!r} is not a directory")
+    return errors
+
+
+def _authz_errors(cfg: GatewayConfig) -> list[str]:
+    """``[[auth.limits]]`` and the caller conditions of ``[policy] rules``."""
+    errors: list[str] = []
+    for i, lim in enumerate(cfg.auth.limits):
+        p = f"auth.limits[{i}]"
+        if not lim.principal:
+            errors.append(f"{p}.principal: must not be empty")
+        if lim.max_inflight is None and lim.calls_per_second is None:
+            errors.append(f"{p}: set max_inflight, calls_per_second or both")
+        if lim.max_inflight is not None and lim.max_inflight < 1:
+            errors.append(f"{p}.max_inflight: must be at least 1")
+        if lim.calls_per_second is not None and not lim.calls_per_second > 0:
+            errors.append(f"{p}.calls_per_second: must be positive")
+    for i, rule in enumerate(cfg.policy.rules):
+        p = f"policy.rules[{i}]"
+        for key in ("match", "principal", "group"):
+            if getattr(rule, key) == "":
+                errors.append(f"{p}.{key}: must not be empty")
+        if any(not scope or " " in scope for scope in rule.scopes):
+            errors.append(f"{p}.scopes: scopes are non-empty and contain no spaces")
+    for name, b in cfg.backends.items():
+        for kind in ("tools", "prompts", "resources"):
+            f = getattr(b, kind)
+            if "" in f.include or "" in f.exclude:
+                errors.append(f"backends.{name}.{kind}: an empty glob matches nothing; remove it")
     return errors
 
 

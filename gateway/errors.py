@@ -13,7 +13,9 @@ call timed out at gateway    -32003   ``timeout``
 child died with call open    -32004   ``backend_exited``
 policy / consent             -32005   ``denied`` ``declined`` ``timeout``
                                       ``authorization_required`` ``shutdown``
+                                      ``insufficient_scope`` (+scopes)
 per-connection limit         -32006   ``overloaded``
+per-principal limit          -32006   ``rate_limited`` (+limit, value, retryAfter)
 unroutable server request    -32007   ``unattributable`` ``no_capability``
 backend reply too large      -32008   ``response_too_large`` (+backend, limit)
 backend broke the protocol   -32009   ``backend_protocol_error`` (+backend, detail)

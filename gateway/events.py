@@ -109,6 +109,7 @@ class RequestFinished:
     duration: float  # seconds, receipt to answer
     backend_time: float | None  # seconds spent waiting on the child (None: no child involved)
     tool: str | None = None  # the namespaced tool for tools/call
+    principal: str = "_none"  # the caller's bounded label (gateway.auth.labels)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,9 +23,11 @@ from msgspec import Raw
 from gateway import __version__, errors
 from gateway.events import RequestStarted
 from gateway.listen import listen
+from gateway.policy import caller_of
 from gateway.protocol import catalog as cat
 from gateway.protocol import era, jsonrpc, mcp, mrtr
 from gateway.protocol.mcp import declared_capabilities
+from gateway.protocol.policy import Kind
 
 LOGGER = logging.getLogger(__name__)
 
@@ -101,9 +103,11 @@ def ping(hub: Hub, session: ClientSession, req: Request) -> Raw:
 
 
 def _lister(kind: str, field: str) -> Handler:
+    """A list handler: the caller's view of the merged list (what policy lets it call), paged
+    over that view (a cursor is an offset into it)."""
     def handler(hub: Hub, session: ClientSession, req: Request) -> Raw:
         cursor = _str_param(req, "cursor") if "cursor" in req.params else None
-        items = getattr(hub.catalog, kind)
+        items = hub.policy.view(hub.catalog, kind, caller_of(session))
         got = cat.page(kind, items, cursor, hub.cfg.gateway.page_size)
         if got is None:
             raise errors.InvalidParams(f"{req.method}: invalid cursor")
@@ -127,6 +131,8 @@ def set_level(hub: Hub, session: ClientSession, req: Request) -> Raw:
 
 async def subscribe(hub: Hub, session: ClientSession, req: Request) -> Raw:
     uri = _str_param(req, "uri")
+    if hub.policy.active and req.method == "resources/subscribe":
+        hub.policy.check(uri, caller_of(session), "resource")  # ask: updates carry no content
     backend = await hub.backend(hub.backend_name_for_uri(uri))
     if req.method == "resources/subscribe":
         await backend.subscribe(session, uri)
@@ -150,7 +156,7 @@ class Target:
 
     backend: str
     params: dict[str, Raw]  # the params for the backend (names mapped back)
-    consent: tuple[str, Any] | None = None  # (tool, arguments): policy asks the user first
+    consent: tuple[str, Any, Kind] | None = None  # (name, arguments, kind): policy asks the user first
     progress: Any = None  # the caller's progress token, if any (see :func:`progress_token`)
     meta: dict[str, Raw] | None = None  # the request's ``_meta``, decoded one level, if any
     envelope: dict[str, Raw] | None = None  # a modern caller's envelope (for a modern child)
@@ -266,12 +272,19 @@ def call_tool(hub: Hub, session: ClientSession, req: Request) -> Target:
         raise errors.InvalidParams(f"unknown tool {name!r}")
     req.tool = name
     consent = None
-    if hub.policy.active and hub.policy.check(name):
-        raw_args = req.params.get("arguments")
-        consent = (name, jsonrpc.loads(raw_args) if raw_args is not None else None)
+    if hub.policy.active and hub.policy.check(name, caller_of(session)):
+        consent = (name, _arguments(req), "tool")
     params = dict(req.params)
     params["name"] = Raw(msgspec.json.encode(route.name))
     return Target(route.backend, params, consent)
+
+
+def _arguments(req: Request) -> Any:
+    raw_args = req.params.get("arguments")
+    try:
+        return jsonrpc.loads(raw_args) if raw_args is not None else None
+    except msgspec.DecodeError:
+        return None
 
 
 def get_prompt(hub: Hub, session: ClientSession, req: Request) -> Target:
@@ -279,15 +292,21 @@ def get_prompt(hub: Hub, session: ClientSession, req: Request) -> Target:
     route = hub.catalog.prompt_routes.get(name)
     if route is None:
         raise errors.InvalidParams(f"unknown prompt {name!r}")
+    consent = None
+    if hub.policy.active and hub.policy.check(name, caller_of(session), "prompt"):
+        consent = (name, _arguments(req), "prompt")
     params = dict(req.params)
     params["name"] = Raw(msgspec.json.encode(route.name))
-    return Target(route.backend, params)
+    return Target(route.backend, params, consent)
 
 
 def read_resource(hub: Hub, session: ClientSession, req: Request) -> Target:
     _reject_tasks(req)
     uri = _str_param(req, "uri")
-    return Target(hub.backend_name_for_uri(uri), dict(req.params))
+    consent = None
+    if hub.policy.active and hub.policy.check(uri, caller_of(session), "resource"):
+        consent = (uri, None, "resource")
+    return Target(hub.backend_name_for_uri(uri), dict(req.params), consent)
 
 
 def complete(hub: Hub, session: ClientSession, req: Request) -> Target:
@@ -299,10 +318,13 @@ def complete(hub: Hub, session: ClientSession, req: Request) -> Target:
     if not isinstance(ref, dict):
         raise errors.InvalidParams("completion/complete: missing or invalid 'ref'")
     params = dict(req.params)
+    caller = caller_of(session) if hub.policy.active else None
     if ref.get("type") == "ref/prompt":
         route = hub.catalog.prompt_routes.get(str(ref.get("name")))
         if route is None:
             raise errors.InvalidParams(f"unknown prompt {ref.get('name')!r}")
+        if caller is not None:  # completing a prompt the caller may not get: refused alike
+            hub.policy.check(str(ref.get("name")), caller, "prompt")
         params["ref"] = jsonrpc.encode_dict({**ref, "name": route.name})
         return Target(route.backend, params)
     if ref.get("type") == "ref/resource":
@@ -310,6 +332,8 @@ def complete(hub: Hub, session: ClientSession, req: Request) -> Target:
         name = hub.catalog.route_template(uri)
         if name is None:
             raise errors.InvalidParams(f"unknown resource or template {uri!r}")
+        if caller is not None:
+            hub.policy.check(uri, caller, "resource")
         return Target(name, params)
     raise errors.InvalidParams("completion/complete: ref.type must be ref/prompt or ref/resource")
 

@@ -15,21 +15,29 @@ from typing import Any
 
 import msgspec
 import trio
-from msgspec import UNSET, Raw, UnsetType
+from msgspec import Raw, UnsetType
 
 from gateway import __version__, bridge, errors
+from gateway.auth.labels import configured_names
 from gateway.backend import process
 from gateway.backend.child import ChildConnection
 from gateway.backend.instance import Instance
 from gateway.backend.pool import Backend
-from gateway.config import BackendConfig, GatewayConfig
+from gateway.config import BackendConfig, GatewayConfig, ItemFilter
 from gateway.events import CatalogChanged, ConnectionRefused, EventBus
-from gateway.limits import ByteBudget, ConnectionSlots
+from gateway.limits import ByteBudget, ConnectionSlots, PrincipalLimit, PrincipalLimits
 from gateway.listen import Listens
 from gateway.ownership import Ownership
-from gateway.policy import Policy
+from gateway.policy import Caller, Policy, caller_of
 from gateway.protocol import jsonrpc, mcp
-from gateway.protocol.catalog import BackendLists, Catalog, CatalogConflict, build_catalog
+from gateway.protocol.catalog import (
+    BackendLists,
+    Catalog,
+    CatalogConflict,
+    Exposed,
+    Exposure,
+    build_catalog,
+)
 from gateway.protocol.era import Era
 from gateway.protocol.subscriptions import uri_matches
 from gateway.session import ClientSession
@@ -37,6 +45,22 @@ from gateway.status import GatewayStatus
 from gateway.wakeup import Wakeup
 
 LOGGER = logging.getLogger(__name__)
+
+
+#: The merged lists a ``notifications/<kind>/list_changed`` is about.
+LIST_KINDS = {"tools": ("tools",), "prompts": ("prompts",), "resources": ("resources", "templates")}
+
+
+def exposed(bcfg: BackendConfig) -> Exposed:
+    """A backend's ``tools``/``prompts``/``resources`` include/exclude filters."""
+    def one(f: ItemFilter) -> Exposure:
+        return Exposure(tuple(f.include), tuple(f.exclude))
+    return Exposed(one(bcfg.tools), one(bcfg.prompts), one(bcfg.resources))
+
+
+def principal_limits(cfg: GatewayConfig) -> list[PrincipalLimit]:
+    return [PrincipalLimit(lim.principal, lim.max_inflight, lim.calls_per_second)
+            for lim in cfg.auth.limits]
 
 
 def _str_field(params: Raw | UnsetType, key: str) -> str | None:
@@ -68,6 +92,8 @@ class Hub:
         self.bridge.passthrough = self.targets_modern
         self.bridge.bus = bus
         self.policy = Policy(cfg.policy, bus, cfg)
+        self.limits = PrincipalLimits(principal_limits(cfg))  # [[auth.limits]]
+        self.principal_names = configured_names(cfg)  # the principal label set
         self.listeners_bound = False
         self.draining = False
         self.calls_cut_off = False  # drain grace over: cancelled calls are answered -32005 shutdown
@@ -98,8 +124,13 @@ class Hub:
         self.restart_wait = cfg.gateway.restart_wait
         self.budget.limit = cfg.gateway.buffered_bytes_total
         self.slots.limit = cfg.gateway.max_connections
+        self.limits = self.limits.reconfigured(principal_limits(cfg))
+        self.principal_names = configured_names(cfg)
+        callers = self._callers()
+        before = self._views(self.policy, self.catalog, callers, tuple(LIST_KINDS))
         self.policy = self.policy.reconfigured(cfg)
         self.policy.catalog_changed(self.catalog)
+        self._lists_changed(tuple(LIST_KINDS), callers, before)
 
     async def add_backend(self, name: str, bcfg: BackendConfig) -> Backend:
         """Start a backend (after a reload restart, it takes over its predecessor's lists until
@@ -197,7 +228,9 @@ class Hub:
         lists: list[tuple[str, str, BackendLists]] = [
             (name, serving[name].prefix, serving[name].lists) for name in order
         ]
-        new, warnings = build_catalog(lists, self.cfg.gateway.separator, strict=strict)
+        filters = {name: exposed(serving[name].cfg) for name in order}
+        new, warnings = build_catalog(lists, self.cfg.gateway.separator, strict=strict,
+                                      exposed=filters)
         for warning in warnings:
             if warning not in self._catalog_warnings:  # say each collision once, not per rebuild
                 LOGGER.warning("catalog: %s", warning)
@@ -214,12 +247,42 @@ class Hub:
             if not same
         )
         if changed:
+            callers = self._callers()
+            before = self._views(self.policy, old, callers, changed)  # the policy saw ``old``
             self.policy.catalog_changed(new)
             self.bus.emit(CatalogChanged(changed))
-            for kind in changed:
-                self.broadcast(f"notifications/{kind}/list_changed")
-                self.listens.list_changed(kind)
+            self._lists_changed(changed, callers, before)
         return warnings
+
+    def _callers(self) -> dict[Caller, list[ClientSession]]:
+        callers: dict[Caller, list[ClientSession]] = {}
+        for session in self.sessions:
+            callers.setdefault(caller_of(session), []).append(session)
+        return callers
+
+    def _views(self, policy: Policy, catalog: Catalog, callers: dict[Caller, list[ClientSession]],
+               kinds: tuple[str, ...]) -> dict[Caller, dict[str, list[dict[str, Any]]]]:
+        """Each caller's view of the lists of ``kinds`` (before a change)."""
+        return {caller: {name: policy.view(catalog, name, caller)
+                         for kind in kinds for name in LIST_KINDS[kind]} for caller in callers}
+
+    def _lists_changed(self, kinds: tuple[str, ...], callers: dict[Caller, list[ClientSession]],
+                       before: dict[Caller, dict[str, list[dict[str, Any]]]]) -> None:
+        """Tell each connection ``notifications/<kind>/list_changed`` for the lists of ``kinds``
+        whose view changed *for it* (its caller's view, :meth:`Policy.view`)."""
+        for kind in kinds:
+            told: set[ClientSession] = set()
+            for caller, sessions in callers.items():
+                if any(before[caller][name] != self.policy.view(self.catalog, name, caller)
+                       for name in LIST_KINDS[kind]):
+                    told.update(sessions)
+            if not told:
+                continue
+            data = jsonrpc.encode_notification(f"notifications/{kind}/list_changed")
+            for session in told:
+                if session.initialized:
+                    session.send(data)
+            self.listens.list_changed(kind, told)
 
     def on_lists_changed(self, backend: Backend) -> None:
         if backend.name in self.backends:
@@ -291,19 +354,16 @@ class Hub:
             candidates = [b.name for b in self.backends.values() if b.lists.resources or b.lists.templates]
             if len(candidates) != 1:
                 raise errors.ResourceNotFound(f"resource {uri!r} not found", uri=uri)
-            return candidates[0]
+            name = candidates[0]
+        bcfg = self.cfg.backends.get(name)
+        if bcfg is not None and not exposed(bcfg).resources.admits(uri):  # filtered: absent
+            raise errors.ResourceNotFound(f"resource {uri!r} not found", uri=uri)
         return name
 
     async def authorize(self, session: ClientSession, tool: str, arguments: Any) -> None:
         await self.policy.authorize(session, tool, arguments)
 
     # ---- fan-out ----------------------------------------------------------------------------
-
-    def broadcast(self, method: str, params: Raw | UnsetType = UNSET) -> None:
-        data = jsonrpc.encode_notification(method, params)
-        for session in list(self.sessions):
-            if session.initialized:
-                session.send(data)
 
     def on_resource_updated(self, instance: Instance, params: Raw | UnsetType) -> None:
         uri = _str_field(params, "uri")

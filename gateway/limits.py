@@ -1,4 +1,5 @@
-"""Daemon-wide resource limits: one byte budget for queued messages, one cap on connections.
+"""Daemon-wide resource limits: one byte budget for queued messages, one cap on connections,
+and the per-principal limits of ``[[auth.limits]]`` (:class:`PrincipalLimits`).
 
 Pure data (no trio, no I/O): the hub creates one :class:`ByteBudget` and one
 :class:`ConnectionSlots` and hands them to whoever queues bytes or accepts connections.
@@ -23,7 +24,9 @@ The budget is enforced in two ways, decided here and acted on by the caller:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import fnmatch
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 #: Seconds a client message may stay incomplete: from the first bytes of a WebSocket frame or
 #: line until the message is whole.  A connection that lets this pass is answered -32600
@@ -143,3 +146,107 @@ class ConnectionSlots:
         """A connection that held a slot has ended."""
         assert self.used > 0, "release without acquire"
         self.used -= 1
+
+
+# ---- per principal: [[auth.limits]] ------------------------------------------------------------
+
+#: ``retryAfter`` (seconds) when a principal is at its ``max_inflight``: nothing says when one
+#: of its calls ends, so this is a hint, not a promise.
+INFLIGHT_RETRY_AFTER = 1.0
+#: Principals whose state is kept at most; past it, those with nothing in flight are forgotten
+#: (their buckets start full again).
+MAX_TRACKED_PRINCIPALS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class PrincipalLimit:
+    """One ``[[auth.limits]]`` entry: ``pattern`` is a glob on the principal's name."""
+
+    pattern: str
+    max_inflight: int | None = None
+    calls_per_second: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LimitRefusal:
+    """Why a request is refused: ``limit`` is ``max_inflight`` or ``calls_per_second``."""
+
+    limit: str
+    value: float
+    retry_after: float  # seconds
+
+
+class _Usage:
+    __slots__ = ("inflight", "stamp", "tokens")
+
+    def __init__(self, tokens: float, stamp: float) -> None:
+        self.inflight = 0
+        self.tokens = tokens
+        self.stamp = stamp
+
+
+class PrincipalLimits:
+    """Calls in flight and calls per second per principal, across all of its connections.
+
+    The first ``[[auth.limits]]`` entry whose glob matches a principal's name applies to it.
+    ``calls_per_second`` is a token bucket holding one second's worth of calls (at least one):
+    a request takes a token or is refused with the time until the next one.  Pure: the caller
+    passes the time (``trio.current_time()``), admits a request with :meth:`admit` and, when
+    it was admitted, calls :meth:`release` once when it ends.
+    """
+
+    def __init__(self, limits: Sequence[PrincipalLimit] = ()) -> None:
+        self.limits = tuple(limits)
+        self._usage: dict[str, _Usage] = {}
+        self._matched: dict[str, PrincipalLimit | None] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.limits)
+
+    def reconfigured(self, limits: Sequence[PrincipalLimit]) -> PrincipalLimits:
+        """The limits of a reloaded config; calls in flight stay counted."""
+        new = PrincipalLimits(limits)
+        for name, usage in self._usage.items():
+            if usage.inflight:
+                new._usage[name] = usage
+        return new
+
+    def limit_for(self, name: str) -> PrincipalLimit | None:
+        if name not in self._matched:
+            if len(self._matched) >= MAX_TRACKED_PRINCIPALS:
+                self._matched.clear()
+            self._matched[name] = next(
+                (lim for lim in self.limits if fnmatch.fnmatchcase(name, lim.pattern)), None)
+        return self._matched[name]
+
+    def inflight(self, name: str) -> int:
+        usage = self._usage.get(name)
+        return usage.inflight if usage is not None else 0
+
+    def admit(self, name: str, now: float) -> LimitRefusal | None:
+        """Admit one request of ``name`` at ``now`` (None: admitted, release it later)."""
+        lim = self.limit_for(name)
+        if lim is None:
+            return None
+        usage = self._usage.get(name)
+        burst = max(1.0, lim.calls_per_second or 0.0)
+        if usage is None:
+            if len(self._usage) >= MAX_TRACKED_PRINCIPALS:
+                self._usage = {n: u for n, u in self._usage.items() if u.inflight}
+            usage = self._usage[name] = _Usage(burst, now)
+        if lim.max_inflight is not None and usage.inflight >= lim.max_inflight:
+            return LimitRefusal("max_inflight", lim.max_inflight, INFLIGHT_RETRY_AFTER)
+        rate = lim.calls_per_second
+        if rate is not None:
+            usage.tokens = min(burst, usage.tokens + max(0.0, now - usage.stamp) * rate)
+            usage.stamp = now
+            if usage.tokens < 1.0:
+                return LimitRefusal("calls_per_second", rate, (1.0 - usage.tokens) / rate)
+            usage.tokens -= 1.0
+        usage.inflight += 1
+        return None
+
+    def release(self, name: str) -> None:
+        usage = self._usage.get(name)
+        if usage is not None and usage.inflight > 0:
+            usage.inflight -= 1

@@ -10,7 +10,9 @@ on the first interest, shared with legacy sessions), registers a :class:`Listen`
 :class:`Listens`, sends the acknowledgement (the honoured subset: every list kind, the URIs that
 route to a backend) and waits.  Meanwhile the hub hands :class:`Listens` each catalog change
 (``list_changed``, only when a merged list really changed) and each resource update of a URI a
-modern session holds; each goes, tagged with the listen's id, to the listens that asked for it.
+modern session holds; each goes, tagged with the listen's id, to the listens that asked for it
+(a ``list_changed`` only to the connections whose own view of the list changed, see
+:meth:`gateway.hub.Hub.rebuild_catalog`; a URI the caller may not read is not honoured).
 
 A listen ends in one of three ways: the client closes its HTTP response stream (its flow
 session ends, which cancels the task; no answer, nobody reads it), the client sends
@@ -31,6 +33,7 @@ import trio
 from msgspec import Raw, UnsetType
 
 from gateway import errors
+from gateway.policy import caller_of
 from gateway.protocol import subscriptions
 from gateway.protocol.era import Era
 from gateway.protocol.subscriptions import Filter, RequestId
@@ -80,10 +83,12 @@ class Listens:
         """Whether another open listen of ``session`` still subscribes to ``uri`` itself."""
         return any(uri in listen.filter.uris for listen in self._open.get(session, {}).values())
 
-    def list_changed(self, kind: str) -> None:
-        """A merged list changed (``kind``: tools, prompts or resources)."""
+    def list_changed(self, kind: str, sessions: set[ClientSession]) -> None:
+        """The list ``kind`` (tools, prompts or resources) changed as ``sessions`` see it."""
         method = f"notifications/{kind}/list_changed"
         for session, listens in list(self._open.items()):
+            if session not in sessions:
+                continue
             for listen in list(listens.values()):
                 if kind in listen.filter.kinds:
                     session.send(subscriptions.tagged(method, Raw(b"{}"), listen.id))
@@ -120,6 +125,8 @@ async def listen(hub: Hub, session: ClientSession, req: Request) -> Raw:
     try:
         for uri in wanted.uris:
             try:
+                if hub.policy.active:
+                    hub.policy.check(uri, caller_of(session), "resource")
                 backend = await hub.backend(hub.backend_name_for_uri(uri))
             except errors.GatewayError as exc:  # not honoured: left out of the acknowledgement
                 LOGGER.debug("connection %s: listen %r: %s", session.conn_id, req.id, exc,

@@ -6,6 +6,13 @@ exactly once by: approval (the tool runs), decline / cancel / accept-without-yes
 answer, owner disconnect, timeout, or shutdown.  Every path but approval raises
 :class:`~gateway.errors.Denied` with a ``data.reason``.  Silence is not consent.  If the client
 cancels the parked call, the prompt is withdrawn with ``notifications/cancelled``.
+
+Rules match the caller too (principal, group, transport, scopes: see
+:mod:`gateway.protocol.policy`).  Each caller sees only what it may call: :meth:`Policy.view`
+is the caller's part of a merged list, cached per distinct view key (the caller's principal,
+groups, scopes and transport; one shared key when no rule can tell callers apart) until the
+catalog changes or the policy is reloaded (a reload makes a new :class:`Policy`).  Without any
+rule, sensitive tool or ``default = "deny"``, the merged lists are served as they are.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import msgspec
 import trio
 
 from gateway import errors
-from gateway.config import GatewayConfig, PolicySection
+from gateway.config import GatewayConfig, PolicyRule, PolicySection
 from gateway.events import EventBus, ServerRequestFinished, ServerRequestOutcome
 from gateway.protocol import jsonrpc
 from gateway.protocol import policy as pure
@@ -26,6 +33,9 @@ from gateway.protocol.catalog import Catalog
 
 if TYPE_CHECKING:
     from gateway.session import ClientSession, ServerRequest
+
+Caller = pure.Caller
+Kind = pure.Kind
 
 LOGGER = logging.getLogger(__name__)
 
@@ -38,6 +48,31 @@ DENY_REASONS = {
     ServerRequestOutcome.OWNER_GONE: "declined",
     ServerRequestOutcome.SHUTDOWN: "shutdown",
 }
+#: ``ClientSession.transport`` → the ``transport`` a policy rule names.
+TRANSPORTS = {"websocket": "ws", "http": "http", "unix": "unix"}
+#: Distinct per-caller views cached at most (past it the cache starts over).
+MAX_VIEWS = 1024
+#: The merged catalog's lists, by the policy kind that governs them and the field that names
+#: an item.
+LISTS: dict[str, tuple[Kind, str]] = {
+    "tools": ("tool", "name"),
+    "prompts": ("prompt", "name"),
+    "resources": ("resource", "uri"),
+    "templates": ("resource", "uriTemplate"),
+}
+
+
+def caller_of(session: ClientSession) -> Caller:
+    """The caller ``session`` is, for policy."""
+    transport = TRANSPORTS.get(session.transport, session.transport)
+    principal = session.principal
+    if principal is None:
+        return Caller(transport)
+    return Caller(transport, principal.name, principal.groups, principal.scopes)
+
+
+def _rule(r: PolicyRule) -> pure.Rule:
+    return pure.Rule(r.match, r.action, r.kind, r.principal, r.group, r.transport, frozenset(r.scopes))
 
 
 class Policy:
@@ -45,9 +80,14 @@ class Policy:
         self.cfg = cfg
         self._bus = bus
         self._full = full
-        self.rules = [pure.Rule(r.match, r.action) for r in cfg.rules]
+        self.rules = [_rule(r) for r in cfg.rules]
+        #: some rule can decide differently for different callers: lists are filtered per caller
+        self.per_caller = any(r.per_caller for r in self.rules)
         self.sensitive: set[str] = set()
         self._pending: set[ServerRequest] = set()
+        self._views: dict[Caller, dict[str, list[dict[str, Any]]]] = {}
+        # per (kind, name): the rules whose kind and glob match it (the same for every caller)
+        self._named: dict[tuple[Kind, str], list[pure.Rule]] = {}
 
     def reconfigured(self, full: GatewayConfig) -> Policy:
         """The policy of a reloaded config; prompts parked under this one stay tracked."""
@@ -63,13 +103,23 @@ class Policy:
             if pure.is_sensitive(tool, backend_cfg.sensitive if backend_cfg else [], route.name):
                 sensitive.add(name)
         self.sensitive = sensitive
+        self._views = {}
+        self._named = {}
+
+    def _rules_for(self, kind: Kind, name: str) -> list[pure.Rule]:
+        """The rules that can decide on ``name`` (kind and glob match), in order: deciding
+        with them is deciding with all rules, without matching every glob for every caller."""
+        key = (kind, name)
+        rules = self._named.get(key)
+        if rules is None:
+            if len(self._named) >= MAX_VIEWS * 64:
+                self._named = {}
+            rules = self._named[key] = [r for r in self.rules if r.kind == kind and pure.names(name, [r], kind)]
+        return rules
 
     def unruled_sensitive(self) -> list[str]:
         """Sensitive tools no rule names (a boot error)."""
-        return sorted(
-            t for t in self.sensitive
-            if pure.decide(t, self.rules, self.cfg.default, sensitive=True).sensitive_unruled
-        )
+        return sorted(t for t in self.sensitive if not pure.names(t, self.rules))
 
     @property
     def active(self) -> bool:
@@ -79,40 +129,90 @@ class Policy:
     def pending_count(self) -> int:
         return len(self._pending)
 
-    def check(self, tool: str) -> bool:
-        """Whether a call of ``tool`` needs the user's consent first (False: allowed).
+    @property
+    def filtering(self) -> bool:
+        """Whether a caller's lists can differ from the merged ones (something may be hidden)."""
+        return bool(self.rules or self.sensitive or self.cfg.default == "deny")
+
+    def view_key(self, caller: Caller) -> Caller:
+        """The key of ``caller``'s view: one shared key when no rule tells callers apart."""
+        return caller if self.per_caller else pure.ANONYMOUS
+
+    def view(self, catalog: Catalog, kind: str, caller: Caller) -> list[dict[str, Any]]:
+        """What ``caller`` sees of the merged list ``kind`` (``tools``, ``prompts``,
+        ``resources``, ``templates``) of ``catalog``, the catalog the policy was last told of."""
+        items: list[dict[str, Any]] = getattr(catalog, kind)
+        if not self.filtering:
+            return items
+        key = self.view_key(caller)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= MAX_VIEWS:
+                self._views = {}
+            views = self._views[key] = {}
+        seen = views.get(kind)
+        if seen is None:
+            seen = views[kind] = [item for item in items if self._visible(kind, item, key)]
+        return seen
+
+    def _visible(self, kind: str, item: dict[str, Any], caller: Caller) -> bool:
+        policy_kind, field = LISTS[kind]
+        name = item.get(field)
+        if not isinstance(name, str):
+            return False
+        rules = self._rules_for(policy_kind, name)
+        sensitive = policy_kind == "tool" and name in self.sensitive
+        if not rules:  # no rule names it: the default (tools) or allowed; sensitive: never
+            return policy_kind != "tool" or (not sensitive and self.cfg.default != "deny")
+        return pure.visible(name, rules, self.cfg.default, sensitive=sensitive, caller=caller,
+                            kind=policy_kind)
+
+    def check(self, name: str, caller: Caller = pure.ANONYMOUS, kind: Kind = "tool") -> bool:
+        """Whether ``caller``'s use of ``name`` (a tool or prompt name, a resource URI) needs
+        the user's consent first (False: allowed).
 
         Raises:
-            Denied: policy denies it, or it is sensitive and no rule names it.
+            Denied: policy denies it (``data.reason`` ``denied``, or ``insufficient_scope`` with
+                ``data.scopes`` when a rule would allow it with those scopes), or it is a
+                sensitive tool no rule names for this caller.
         """
-        decision = pure.decide(tool, self.rules, self.cfg.default, sensitive=tool in self.sensitive)
+        decision = pure.decide(name, self.rules, self.cfg.default, caller=caller, kind=kind,
+                               sensitive=kind == "tool" and name in self.sensitive)
+        what = {"tool": "tool", "prompt": "prompt", "resource": "uri"}[kind]
+        if decision.action != "deny":
+            return decision.action == "ask"
+        if decision.scopes:
+            raise errors.Denied(
+                f"{kind} {name!r} needs the scopes {' '.join(decision.scopes)}",
+                reason="insufficient_scope", scopes=list(decision.scopes), **{what: name})
         if decision.sensitive_unruled:
             raise errors.Denied(
-                f"tool {tool!r} is marked destructive/sensitive and no [policy] rule names it",
-                tool=tool,
+                f"tool {name!r} is marked destructive/sensitive and no [policy] rule names it",
+                tool=name,
             )
-        if decision.action == "deny":
-            raise errors.Denied(f"tool {tool!r} is denied by policy", tool=tool)
-        return decision.action == "ask"
+        raise errors.Denied(f"{kind} {name!r} is denied by policy", **{what: name})
 
     async def authorize(self, session: ClientSession, tool: str, arguments: Any = None) -> None:
         """Return when ``session`` may call ``tool``; raise Denied otherwise."""
-        if self.check(tool):
+        if self.check(tool, caller_of(session)):
             await self.ask(session, tool, arguments)
 
-    async def ask(self, session: ClientSession, tool: str, arguments: Any) -> None:
+    async def ask(self, session: ClientSession, tool: str, arguments: Any, kind: Kind = "tool") -> None:
+        what = {"tool": "tool", "prompt": "prompt", "resource": "uri"}[kind]
         if not session.caps.elicitation_form:
             raise errors.Denied(
-                f"tool {tool!r} needs the user's consent, but the client did not declare elicitation",
-                reason="authorization_required", tool=tool,
+                f"{kind} {tool!r} needs the user's consent, but the client did not declare elicitation",
+                reason="authorization_required", **{what: tool},
             )
         shown = json.dumps(arguments, sort_keys=True, ensure_ascii=False) if arguments is not None else "{}"
         if len(shown) > MAX_ARGS_SHOWN:
             shown = shown[:MAX_ARGS_SHOWN] + "…"
+        message = {"tool": f"Allow the tool {tool} to run with arguments {shown}?",
+                   "prompt": f"Allow the prompt {tool} with arguments {shown}?",
+                   "resource": f"Allow reading the resource {tool}?"}[kind]
         req = session.open_request(
             "elicitation/create",
-            {"mode": "form", "message": f"Allow the tool {tool} to run with arguments {shown}?",
-             "requestedSchema": pure.consent_schema()},
+            {"mode": "form", "message": message, "requestedSchema": pure.consent_schema()},
         )
         self._pending.add(req)
         outcome = ServerRequestOutcome.TIMEOUT
@@ -136,6 +236,6 @@ class Policy:
                 answer = None
             if pure.consent_granted(answer):
                 return
-            raise errors.Denied(f"the user declined to run {tool!r}", reason="declined", tool=tool)
+            raise errors.Denied(f"the user declined {kind} {tool!r}", reason="declined", **{what: tool})
         reason = DENY_REASONS.get(outcome, str(outcome))
-        raise errors.Denied(f"consent for {tool!r} was not given ({reason})", reason=reason, tool=tool)
+        raise errors.Denied(f"consent for {tool!r} was not given ({reason})", reason=reason, **{what: tool})

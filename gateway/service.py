@@ -21,6 +21,8 @@ from functools import partial
 import trio
 
 from gateway import __version__, config, connection
+from gateway.auth.peer import peer_principal
+from gateway.auth.principal import Principal
 from gateway.backend import process
 from gateway.config import GatewayConfig
 from gateway.errors import CloseReason, ConfigError
@@ -32,9 +34,11 @@ from gateway.ops.admin import serve_admin
 from gateway.ops.metrics import GatewayMetrics
 from gateway.protocol.catalog import CatalogConflict
 from gateway.protocol.supervision import State
+from gateway.session import ClientSession
 from gateway.transports import listeners as ls
 from gateway.transports.endpoint import Endpoint, Sessions, serve_http
 from gateway.transports.lines import LineStream
+from gateway.transports.peercred import peer_credentials
 from gateway.transports.streamable import HttpSession
 from gateway.transports.websocket import serve_websocket
 
@@ -305,7 +309,9 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                         with trio.move_on_after(1.0):
                             await accepted.stream.aclose()  # max_connections: closed at once
                         return
-                    await connection.serve(hub, LineStream(accepted.stream, max_msg), "unix")
+                    principal = await _peer_principal(accepted.stream, hub.principal_names)
+                    await connection.serve(hub, LineStream(accepted.stream, max_msg), "unix",
+                                           bind=partial(_bind_principal, principal))
                 finally:
                     if accepted.admitted:
                         hub.slots.release()
@@ -315,6 +321,20 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                 task_status=task_status))
         hub.listeners_bound = True
         task_status.started()
+
+
+async def _peer_principal(stream: trio.SocketStream, configured: frozenset[str]) -> Principal | None:
+    """The unix socket peer's user as a principal (SO_PEERCRED; the user database is read in
+    a thread: NSS may be slow); None when the platform gives no credentials."""
+    creds = peer_credentials(stream)
+    if creds is None:
+        return None
+    _pid, uid, gid = creds
+    return await trio.to_thread.run_sync(peer_principal, uid, gid, configured)
+
+
+def _bind_principal(principal: Principal | None, session: ClientSession) -> None:
+    session.principal = principal
 
 
 async def _tcp_listeners(fds: dict[str, int], name: str, address: str | None) -> list[trio.SocketListener]:

@@ -25,6 +25,7 @@ import trio
 from msgspec import UNSET, Raw
 
 from gateway import __version__, errors, handlers, inputs
+from gateway.auth.labels import NO_PRINCIPAL
 from gateway.events import RequestFinished, RequestOutcome, RequestStarted
 from gateway.handlers import HANDLERS, PRE_INIT, Request, Target
 from gateway.protocol import era, jsonrpc, mcp, mrtr
@@ -55,7 +56,8 @@ class Served:
     connection's nursery (:func:`_run_slow`) when it must wait for something.
     """
 
-    __slots__ = ("backend", "call", "caps", "child", "ended", "forwarded_at", "hub", "id", "inst", "label",
+    __slots__ = ("backend", "call", "caps", "child", "ended", "forwarded_at", "held", "hub", "id", "inst",
+                 "label",
                  "modern", "reply", "req", "retried", "scope", "session", "size", "started",
                  "target")
 
@@ -81,6 +83,7 @@ class Served:
         self.retried = False
         self.modern = False  # a 2026-07-28 request: its result says resultType (see gateway.protocol.era)
         self.caps: mcp.ClientCaps | None = None  # a modern request's declared capabilities
+        self.held: str | None = None  # the principal whose [[auth.limits]] slot it holds
 
     def cancel(self) -> None:
         """The client cancelled it, its connection closed, or the drain grace is over (then it
@@ -168,7 +171,7 @@ class Served:
             assert result is not None
             outcome = RequestOutcome.OK
             if self.modern:
-                result = era.complete(req.method, result)
+                result = era.complete(req.method, result, per_caller=hub.policy.per_caller)
             response = jsonrpc.encode_result(self.id, result)
         else:
             outcome = RequestOutcome.ERROR
@@ -182,14 +185,18 @@ class Served:
             response = error_response(self.id, exc)
         self.reply(response, self.id)
         session.inflight.pop(self.id, None)
+        if self.held is not None:
+            hub.limits.release(self.held)
         flow = session.flow
         if flow is not None and flow.served is self:
             flow.call_ended()
         session.buffers.release(self.size)
         if not session.inflight:
             hub.connections_changed()
+        principal = session.principal
         hub.bus.emit(RequestFinished(session.conn_id, self.label, req.backend, outcome, code,
-                                     trio.current_time() - self.started, req.backend_time, req.tool))
+                                     trio.current_time() - self.started, req.backend_time, req.tool,
+                                     principal.label if principal is not None else NO_PRINCIPAL))
 
 
 def _cut_off(*, retryable: bool = False) -> errors.GatewayError:
@@ -198,6 +205,22 @@ def _cut_off(*, retryable: bool = False) -> errors.GatewayError:
                              "elsewhere", reason="shutdown", retryable=True)
     return errors.Denied("the gateway shut down before this call finished; it may have had effects",
                          reason="shutdown", retryable=False)
+
+
+#: Requests ``[[auth.limits]]`` do not count: opening a connection, liveness, a listen held
+#: open for notifications.
+UNLIMITED = frozenset({"initialize", "ping", "subscriptions/listen"})
+
+
+def _admit(hub: Hub, served: Served, principal: str) -> None:
+    """Take a slot of ``principal``'s ``[[auth.limits]]`` for ``served``, or raise -32006."""
+    refused = hub.limits.admit(principal, trio.current_time())
+    if refused is not None:
+        raise errors.Overloaded(
+            f"too many requests from this principal ({refused.limit} = {refused.value:g}); "
+            f"retry after {refused.retry_after:.3g}s", reason="rate_limited",
+            limit=refused.limit, value=refused.value, retryAfter=round(refused.retry_after, 3))
+    served.held = principal
 
 
 def serve_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, size: int,
@@ -215,6 +238,8 @@ def serve_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, size:
         if (handler is None and targeter is None and method not in handlers.ASYNC_HANDLERS
                 and method != "server/discover"):
             raise errors.MethodNotFound(f"method {method!r} not found")
+        if session.principal is not None and hub.limits and method not in UNLIMITED:
+            _admit(hub, served, session.principal.name)
         req.params = jsonrpc.params_dict(env.params)
         if session.era is None:  # the first request chooses the connection's era
             session.era = era.era_of(method, req.params)
@@ -231,6 +256,8 @@ def serve_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, size:
                 hub.bridge.resume(method, req.params, served.id, caps, owner=session)
                 served.ended = True
                 session.buffers.release(size)
+                if served.held is not None:  # the call it continues holds its own slot
+                    hub.limits.release(served.held)
                 return
             if method == "server/discover":
                 served.end(era.discover(hub.advertised_capabilities(), hub.server_name, __version__))

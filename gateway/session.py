@@ -138,9 +138,22 @@ class ClientSession:
         # A modern HTTP flow: the child's requests to it are bridged (gateway.bridge), not sent
         self.mrtr: Bridge | None = None
         self.flow: Flow | None = None  # its bridged call, once the child asked for input
-        self.principal: Principal | None = None  # who is calling (gateway.auth), when known
-        # A connection without a task of its own (connection.open_direct): its end, once closed
+        # A connection without a task of its own (connection.Direct): its end, once closed
         self.on_close: Callable[[], None] | None = None
+        self._principal: Principal | None = None
+
+    @property
+    def principal(self) -> Principal | None:
+        """Who is calling (gateway.auth), when known; None: not authenticated."""
+        return self._principal
+
+    @principal.setter
+    def principal(self, principal: Principal | None) -> None:
+        self._principal = principal
+        if principal is None:
+            self.log_fields.pop("MCP_PRINCIPAL", None)
+        else:  # the bounded label, never a raw subject
+            self.log_fields["MCP_PRINCIPAL"] = principal.label
 
     def __repr__(self) -> str:
         return f"<ClientSession {self.conn_id} {self.transport}>"

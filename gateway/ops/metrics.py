@@ -73,7 +73,10 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
         "Client connections turned away.",
         ("transport", "reason"),
     ),
-    "requests_total": ("Client requests finished.", ("method", "backend", "outcome")),
+    "requests_total": (
+        "Client requests finished.",
+        ("method", "backend", "outcome", "principal"),
+    ),
     "jsonrpc_errors_total": ("JSON-RPC errors returned to clients.", ("code",)),
     "tool_calls_total": ("tools/call requests per tool (capped).", ("backend", "tool")),
     "tool_series_overflow_total": ('Tool calls counted as tool="_overflow".', ()),
@@ -373,7 +376,7 @@ class GatewayMetrics:
         if e.backend:  # RequestStarted is emitted exactly when a backend is chosen
             key: tuple[str, ...] = (backend,)
             self._inflight[key] = self._inflight.get(key, 0.0) - 1.0
-        key = (method, backend, e.outcome)
+        key = (method, backend, e.outcome, e.principal)
         self._requests[key] = self._requests.get(key, 0.0) + 1.0
         _observe(self._durations, (method, backend), e.duration)
         if e.backend_time is not None:

@@ -11,11 +11,17 @@ sorted; the first keeps the name, later ones get a hash suffix) and reported in 
 
 Resources keep their URIs; a routing table maps each URI and each URI template to its backend.
 Lists are paginated by the gateway with its own opaque cursors.
+
+A backend's :class:`Exposed` filters (``[backends.NAME] tools/prompts/resources = { include,
+exclude }``, globs on the backend's own names, on URIs and URI templates for resources) are
+applied before the merge: what they filter out is not in the catalog at all, so it is neither
+listed nor routed (a call of it is an unknown tool/prompt).
 """
 
 from __future__ import annotations
 
 import base64
+import fnmatch
 import hashlib
 import re
 from dataclasses import dataclass, field
@@ -34,6 +40,38 @@ class CatalogConflict(Exception):
 class Route:
     backend: str
     name: str  # the backend's own name for the tool/prompt
+
+
+@dataclass(frozen=True, slots=True)
+class Exposure:
+    """Which of a backend's items of one kind the gateway exposes: those ``include`` matches
+    (empty: all) and ``exclude`` does not."""
+
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+
+    def admits(self, name: str) -> bool:
+        if self.include and not any(fnmatch.fnmatchcase(name, g) for g in self.include):
+            return False
+        return not any(fnmatch.fnmatchcase(name, g) for g in self.exclude)
+
+
+@dataclass(frozen=True, slots=True)
+class Exposed:
+    """A backend's exposure filters, per kind (resources: URIs and URI templates)."""
+
+    tools: Exposure = Exposure()
+    prompts: Exposure = Exposure()
+    resources: Exposure = Exposure()
+
+
+EVERYTHING = Exposed()
+
+
+def _exposed(items: list[dict[str, Any]], field: str, exposure: Exposure) -> list[dict[str, Any]]:
+    if not exposure.include and not exposure.exclude:
+        return items
+    return [i for i in items if isinstance(i.get(field), str) and exposure.admits(i[field])]
 
 
 @dataclass(slots=True)
@@ -151,8 +189,10 @@ def build_catalog(
     separator: str,
     *,
     strict: bool = False,
+    exposed: dict[str, Exposed] | None = None,
 ) -> tuple[Catalog, list[str]]:
-    """Merge backends' lists, given in config order as ``(backend, prefix, lists)``.
+    """Merge backends' lists, given in config order as ``(backend, prefix, lists)``, each
+    filtered by its backend's ``exposed`` filters first (none given: everything).
 
     Returns the catalog and human-readable warnings about resolved collisions.
 
@@ -160,6 +200,8 @@ def build_catalog(
         CatalogConflict: ``strict`` and two backends expose the same tool or prompt name.
     """
     warnings: list[str] = []
+    if exposed:
+        lists = [(b, p, _filtered(bl, exposed.get(b, EVERYTHING))) for b, p, bl in lists]
     cat = Catalog()
     cat.tools, cat.tool_routes = _merge_named(
         "tool", [(b, p, bl.tools) for b, p, bl in lists], separator, strict, warnings
@@ -188,6 +230,15 @@ def build_catalog(
             cat.template_routes.append((template_regex(t), backend, t))
             cat.templates.append(tmpl)
     return cat, warnings
+
+
+def _filtered(bl: BackendLists, exposed: Exposed) -> BackendLists:
+    if exposed == EVERYTHING:
+        return bl
+    return BackendLists(_exposed(bl.tools, "name", exposed.tools),
+                        _exposed(bl.prompts, "name", exposed.prompts),
+                        _exposed(bl.resources, "uri", exposed.resources),
+                        _exposed(bl.templates, "uriTemplate", exposed.resources))
 
 
 # ---- pagination -----------------------------------------------------------------------------

@@ -56,10 +56,11 @@ NAMED = {"tools/call": "name", "prompts/get": "name", "resources/read": "uri"}
 #: Results that carry caching hints, by method.
 CACHEABLE = frozenset({"tools/list", "prompts/list", "resources/list", "resources/templates/list",
                        "resources/read", "server/discover"})
-#: Results computed by the gateway from its merged catalog, the same for every caller today
-#: (``cacheScope`` becomes ``"private"`` once lists are filtered per caller).
+#: Results computed by the gateway from its merged catalog: ``cacheScope`` ``"public"``, except
+#: the lists (:data:`LISTS`) while policy filters them per caller (``"private"``).
 CATALOG = frozenset({"tools/list", "prompts/list", "resources/list", "resources/templates/list",
                      "server/discover"})
+LISTS = CATALOG - {"server/discover"}
 
 
 class Era(enum.Enum):
@@ -260,11 +261,12 @@ def is_input_required(result: Raw) -> bool:
     return value == "input_required"
 
 
-def complete(method: str, result: Raw) -> Raw:
+def complete(method: str, result: Raw, *, per_caller: bool = False) -> Raw:
     """A result for a modern client: ``resultType`` (``"complete"`` unless the result has one)
     and, where the revision requires them, ``ttlMs`` and ``cacheScope`` (a legacy child gives
     none: ``0`` and ``"private"``, the safe reading; the gateway's own catalog is the same for
-    every caller: ``"public"``)."""
+    every caller, ``"public"``, unless ``per_caller``: policy filters the lists per caller, so
+    a list result is ``"private"``)."""
     try:
         fields = jsonrpc.raw_dict(result)
     except (msgspec.DecodeError, msgspec.ValidationError):
@@ -272,7 +274,8 @@ def complete(method: str, result: Raw) -> Raw:
     fields.setdefault("resultType", Raw(b'"complete"'))
     if method in CACHEABLE:
         fields.setdefault("ttlMs", Raw(b"0"))
-        fields.setdefault("cacheScope", Raw(b'"public"' if method in CATALOG else b'"private"'))
+        public = method in CATALOG and not (per_caller and method in LISTS)
+        fields.setdefault("cacheScope", Raw(b'"public"' if public else b'"private"'))
     return jsonrpc.encode_dict(fields)
 
 

@@ -1,8 +1,27 @@
-"""Tool policy decisions (pure): allow / ask / deny by glob, and the sensitive-tool rule.
+"""Policy decisions (pure): allow / ask / deny per caller, and the sensitive-tool rule.
+
+Theory of operation.  A :class:`Rule` applies to one kind of item (``tool``: the namespaced
+name; ``prompt``: the namespaced name; ``resource``: the URI, or a template's ``uriTemplate``
+in listings) and may be narrowed to callers: ``principal`` (a glob on the principal's name),
+``group`` (the principal is in it), ``transport`` (``http``, ``ws`` or ``unix``) and ``scopes``
+(the principal's token carries all of them).  Rules are read in order and the first one that
+matches decides.  A caller without a principal (authentication not configured, loopback) never
+matches a rule that names a principal, a group or scopes; rules without them behave as they
+always did.  When no rule matches, ``[policy] default`` decides for tools; prompts and
+resources are allowed (an operator denies them with an explicit last rule, e.g.
+``{ kind = "resource", match = "*", action = "deny" }``).
+
+Scopes (OAuth step-up): a rule whose other conditions match but whose ``scopes`` the caller
+lacks does not match; the next rules are read.  If the call then ends up denied (by a later
+rule, the default, or the sensitive-tool rule), the decision carries that rule's scopes
+(``insufficient_scope``): the caller could have been let in with a token carrying them.
 
 A tool is *sensitive* when it declares ``annotations.destructiveHint: true`` explicitly or its
-backend lists it under ``sensitive``.  A sensitive tool is served only when a rule *names* it (a
-glob in ``[policy] rules`` that matches it); the default rule does not count.
+backend lists it under ``sensitive``.  A sensitive tool is served only when a rule that *names*
+it (a tool rule whose glob matches it) matched for this caller; the default does not count.
+
+A caller sees (``tools/list``, ``prompts/list``, ``resources/list``, templates) exactly what it
+may call: :func:`visible` is False for a deny (``ask`` is shown: the call asks the user).
 """
 
 from __future__ import annotations
@@ -12,12 +31,37 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 Action = Literal["allow", "ask", "deny"]
+Kind = Literal["tool", "prompt", "resource"]
 
 
 @dataclass(frozen=True, slots=True)
 class Rule:
     match: str
     action: Action
+    kind: Kind = "tool"
+    principal: str | None = None  # glob on the principal's name
+    group: str | None = None
+    transport: str | None = None  # "http" | "ws" | "unix"
+    scopes: frozenset[str] = frozenset()
+
+    @property
+    def per_caller(self) -> bool:
+        """Whether this rule can decide differently for different callers."""
+        return bool(self.principal is not None or self.group is not None
+                    or self.transport is not None or self.scopes)
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who is calling, as far as policy cares (hashable: the key of a per-caller view)."""
+
+    transport: str = ""  # "http" | "ws" | "unix" ("" for an in-process caller)
+    principal: str | None = None  # None: not authenticated
+    groups: frozenset[str] = frozenset()
+    scopes: frozenset[str] = frozenset()
+
+
+ANONYMOUS = Caller()
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +69,7 @@ class Decision:
     action: Action
     rule: str | None  # the glob that decided, None for the default
     sensitive_unruled: bool = False  # sensitive and no rule names it: refuse
+    scopes: tuple[str, ...] = ()  # denied, but a rule would let it in with these scopes
 
 
 def is_sensitive(tool: dict[str, Any], backend_sensitive: list[str], original_name: str) -> bool:
@@ -34,13 +79,56 @@ def is_sensitive(tool: dict[str, Any], backend_sensitive: list[str], original_na
     return any(fnmatch.fnmatchcase(original_name, pattern) for pattern in backend_sensitive)
 
 
-def decide(tool: str, rules: list[Rule], default: Action, *, sensitive: bool) -> Decision:
+def _caller_matches(rule: Rule, caller: Caller) -> bool:
+    """Every condition of ``rule`` on the caller but its scopes holds."""
+    if rule.transport is not None and rule.transport != caller.transport:
+        return False
+    if rule.principal is not None or rule.group is not None or rule.scopes:
+        if caller.principal is None:
+            return False
+        if rule.principal is not None and not fnmatch.fnmatchcase(caller.principal, rule.principal):
+            return False
+        if rule.group is not None and rule.group not in caller.groups:
+            return False
+    return True
+
+
+def decide(name: str, rules: list[Rule], default: Action, *, sensitive: bool,
+           caller: Caller = ANONYMOUS, kind: Kind = "tool") -> Decision:
+    """The decision for ``caller`` on the item ``name`` of ``kind`` (see the module docstring)."""
+    step_up: tuple[str, ...] = ()
+    decided: Decision | None = None
     for rule in rules:
-        if fnmatch.fnmatchcase(tool, rule.match):
-            return Decision(rule.action, rule.match)
-    if sensitive:
-        return Decision("deny", None, sensitive_unruled=True)
-    return Decision(default, None)
+        if rule.kind != kind or not fnmatch.fnmatchcase(name, rule.match):
+            continue
+        if not _caller_matches(rule, caller):
+            continue
+        if not rule.scopes <= caller.scopes:
+            if not step_up and rule.action != "deny":
+                step_up = tuple(sorted(rule.scopes))
+            continue
+        decided = Decision(rule.action, rule.match)
+        break
+    if decided is None:
+        if sensitive and kind == "tool":
+            decided = Decision("deny", None, sensitive_unruled=True)
+        else:
+            decided = Decision(default if kind == "tool" else "allow", None)
+    if decided.action == "deny" and step_up:
+        return Decision("deny", decided.rule, decided.sensitive_unruled, step_up)
+    return decided
+
+
+def names(name: str, rules: list[Rule], kind: Kind = "tool") -> bool:
+    """Whether some rule of ``kind`` names ``name`` (for some caller): a sensitive tool no rule
+    names cannot be served to anybody (a boot error)."""
+    return any(rule.kind == kind and fnmatch.fnmatchcase(name, rule.match) for rule in rules)
+
+
+def visible(name: str, rules: list[Rule], default: Action, *, sensitive: bool,
+            caller: Caller, kind: Kind) -> bool:
+    """Whether ``caller`` sees ``name`` in its lists: it may call it (allow, or ask)."""
+    return decide(name, rules, default, sensitive=sensitive, caller=caller, kind=kind).action != "deny"
 
 
 def consent_schema() -> dict[str, Any]:

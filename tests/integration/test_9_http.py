@@ -185,7 +185,7 @@ async def test_delete_ends_session_and_cancels_its_calls() -> None:
             await wait_status(gw.bound.admin_port, lambda st: not st["connections"].get("http")
                               and not st["client_requests_in_flight"])
         assert await metric(gw.bound.admin_port, "mcp_gateway_requests_total", backend="fx",
-                            method="tools/call", outcome="cancelled") == 1
+                            method="tools/call", outcome="cancelled", principal="_none") == 1
         assert result[0].status_code in (200, 404)  # the POST's stream ended with its session
         r = await c.post(url, headers=headers, json={"jsonrpc": "2.0", "id": 8, "method": "ping"})
         assert r.status_code == 404

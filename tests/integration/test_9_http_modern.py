@@ -70,7 +70,7 @@ async def test_closing_the_response_stream_cancels_the_call() -> None:
             await wait_status(port, lambda st: st["client_requests_in_flight"] == 0
                               and st["connections"].get("http", 0) == 0)
             while not await metric(port, "mcp_gateway_requests_total", backend="fx",
-                                   method="tools/call", outcome="cancelled"):
+                                   method="tools/call", outcome="cancelled", principal="_none"):
                 await trio.sleep(0.05)
 
 

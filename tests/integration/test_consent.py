@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from gateway.service import StartupError
-from helpers import Client, connect, fixture_backend, make_config, run_gateway, text_of
+from helpers import Client, connect, fixture_backend, make_config, metric, run_gateway, text_of
 
 pytestmark = pytest.mark.system
 
@@ -131,10 +131,12 @@ async def test_late_destructive_tool_is_denied() -> None:
     with trio.fail_after(30):
         async with run_gateway(cfg) as gw, connect(gw.url) as c:
             await c.call("fx__add_destructive")
-            await c.wait_for(lambda: [n for n in c.notifications
-                                      if n["method"] == "notifications/tools/list_changed"])
+            # the caller's view did not change (wipe is hidden from it): no list_changed
+            while not await metric(gw.bound.admin_port, "mcp_gateway_catalog_changes_total", kind="tools"):
+                await trio.sleep(0.05)
+            assert not [n for n in c.notifications if n["method"] == "notifications/tools/list_changed"]
             tools = (await c.request("tools/list"))["result"]["tools"]
-            assert "fx__wipe" in [t["name"] for t in tools]
+            assert "fx__wipe" not in [t["name"] for t in tools]  # nobody may call it: not listed
             r = await c.call("fx__wipe")
             assert r["error"]["code"] == -32005 and r["error"]["data"]["tool"] == "fx__wipe"
             assert json.loads(text_of(await c.call("fx__client_info")))["pid"] > 0

@@ -235,6 +235,7 @@ async def test_closed_connection_cancels_its_calls(tmp_path: Path) -> None:
                             method="tools/call",
                             backend="fx",
                             outcome="cancelled",
+                            principal="_none",
                         )
                         < 3
                     ):
@@ -246,6 +247,7 @@ async def test_closed_connection_cancels_its_calls(tmp_path: Path) -> None:
                         method="tools/call",
                         backend="fx",
                         outcome="cancelled",
+                        principal="_none",
                     )
                     == 3
                 )

@@ -138,7 +138,8 @@ def test_request_counters_histograms_and_inflight(h: Harness) -> None:
     h.emit(finished(), finished("ping", "", backend_time=None, duration=0.0002))
     assert h.value("inflight_requests", backend="time") == 0
     assert not h.value("inflight_requests", backend="_gateway")
-    assert h.value("requests_total", method="tools/call", backend="time", outcome="ok") == 1
+    assert h.value("requests_total", method="tools/call", backend="time", outcome="ok",
+                   principal="_none") == 1
     assert h.value("request_duration_seconds_count", method="ping", backend="_gateway") == 1
     ping = {"method": "ping", "backend": "_gateway"}
     assert h.value("request_duration_seconds_bucket", le="0.00025", **ping) == 1
@@ -159,7 +160,8 @@ def test_error_code_labels_are_bounded(h: Harness) -> None:
     assert h.label_values("jsonrpc_errors_total", "code") == allowed
     assert h.value("jsonrpc_errors_total", code="other") == 3
     assert h.value("jsonrpc_errors_total", code="method_not_found") == 1
-    assert h.value("requests_total", method="tools/call", backend="time", outcome="error") == 5
+    assert h.value("requests_total", method="tools/call", backend="time", outcome="error",
+                   principal="_none") == 5
 
 
 def test_tool_series_are_capped() -> None:
@@ -407,6 +409,7 @@ def _every_event_once_or_more() -> list[ev.Event]:
         ev.RequestFinished("c1", "tools/call", "time", ok, None, 0.0031, 0.0011, "time__later"),
         ev.RequestFinished("c1", "tools/call", "time", ok, None, 0.0025, 0.001, "time__now"),
         ev.RequestFinished("c2", "tools/list", "", ok, None, 60.0, None),
+        ev.RequestFinished("c3", "tools/list", "", ok, None, 0.001, None, principal="alice"),
         ev.RequestStarted("c2", "resources/read", "fs"),  # still in flight at the scrape
         ev.BackendStarted("time", "time/0", 100, 0.4),
         ev.BackendStateChanged("time", "time/0", "STARTING", "RUNNING", 100, "ready"),
