@@ -207,7 +207,7 @@ class InputRequired:
 class RequestStateRefused:
     """A retry's ``requestState`` was refused (``invalid_state``)."""
 
-    reason: str  # "tampered" | "foreign" | "expired" | "used" | "gone" | "other_params" | "malformed"
+    reason: str  # "tampered" | "foreign" | "expired" | "used" | "gone" | "other_params" | "malformed" | "principal"
 
 
 @dataclass(frozen=True, slots=True)

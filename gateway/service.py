@@ -21,6 +21,8 @@ from functools import partial
 import trio
 
 from gateway import __version__, bridge, config, connection
+from gateway.auth.authenticator import Authenticator, Unauthorized
+from gateway.auth.principal import Principal
 from gateway.backend import process
 from gateway.config import GatewayConfig
 from gateway.errors import CloseReason, ConfigError
@@ -32,11 +34,12 @@ from gateway.ops.admin import serve_admin
 from gateway.ops.metrics import GatewayMetrics
 from gateway.protocol.catalog import CatalogConflict
 from gateway.protocol.supervision import State
+from gateway.session import ClientSession
 from gateway.transports import listeners as ls
 from gateway.transports.endpoint import Endpoint, Sessions, serve_http
 from gateway.transports.lines import LineStream
 from gateway.transports.streamable import HttpSession
-from gateway.transports.websocket import serve_websocket
+from gateway.transports.websocket import Refused, WebSocketStream, serve_websocket
 
 LOGGER = logging.getLogger(__name__)
 
@@ -143,6 +146,11 @@ async def run(
         process.become_subreaper()
     bus = EventBus()
     hub = Hub(cfg, bus, subreaper=subreaper)
+    try:
+        hub.authn = Authenticator(cfg)  # reads auth.tokens_file
+    except ConfigError as exc:
+        raise StartupError("; ".join(exc.errors)) from None
+    hub.authn.bus = bus
     metrics = GatewayMetrics(bus, hub.status, version=__version__)
     fds = {name: fd for fd, name in systemd.listen_fds_with_names().items()}
     bound = Bound()
@@ -150,6 +158,7 @@ async def run(
         if handle_signals:
             await outer.start(_signals, control)
         outer.start_soon(systemd.run_watchdog)
+        outer.start_soon(hub.authn.start)  # the OAuth keys (JWTs wait for this first fetch)
         outer.start_soon(metrics.run_lag_probe)
         if cfg.admin.listen is not None or "admin" in fds:
             admin_listeners = await _admin_listeners(cfg, fds)
@@ -262,13 +271,16 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                     raise StartupError(str(exc)) from None
             bound.websocket_port = ls.bound_port(ws_listeners)
 
-            async def on_ws(stream: connection.MessageStream) -> None:
-                await connection.serve(hub, stream, "websocket")
+            async def on_ws(stream: WebSocketStream) -> None:
+                def bind(session: ClientSession) -> None:
+                    session.principal = stream.principal  # type: ignore[assignment]
+                await connection.serve(hub, stream, "websocket", bind=bind)
 
             await nursery.start(lambda task_status: serve_websocket(
                 ws_listeners, on_ws, allowed_origins=cfg.listen.allowed_origins,
                 allowed_hosts=cfg.listen.allowed_hosts, max_message=max_msg,
-                handler_nursery=conns, slots=hub.slots, task_status=task_status))
+                handler_nursery=conns, slots=hub.slots, authenticate=partial(_ws_authenticate, hub),
+                task_status=task_status))
         if "http" in fds or cfg.listen.http is not None:
             http_listeners = await _tcp_listeners(fds, "http", cfg.listen.http)
             bound.http_port = ls.bound_port(http_listeners)
@@ -285,7 +297,8 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                                 allowed_origins=cfg.listen.allowed_origins,
                                 max_json_depth=cfg.gateway.max_json_depth,
                                 ports=frozenset(ls.bound_port([lst]) for lst in http_listeners),
-                                probes=partial(admin_probe, hub.status), bridge=mrtr_bridge)
+                                probes=partial(admin_probe, hub.status), bridge=mrtr_bridge,
+                                authn=hub.authn, scope_check=partial(_missing_scopes, hub))
             await nursery.start(lambda task_status: serve_http(
                 http_listeners, endpoint, max_message=max_msg, handler_nursery=conns, slots=hub.slots,
                 task_status=task_status))
@@ -317,6 +330,44 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                 task_status=task_status))
         hub.listeners_bound = True
         task_status.started()
+
+
+async def _ws_authenticate(hub: Hub, host: str | None, authorization: str | None) -> Principal | None:
+    """A WebSocket upgrade's principal, or :class:`Refused` 401 with the challenge."""
+    authn = hub.authn
+    assert authn is not None
+    try:
+        return await authn.authenticate(authorization)
+    except Unauthorized as exc:
+        authn.refused("websocket", "websocket upgrade", exc.kind)
+        raise Refused(401, str(exc), [(b"www-authenticate", authn.challenge(host, exc).encode())]) from None
+
+
+def _missing_scopes(hub: Hub, principal: Principal, method: str, params: object) -> list[str] | None:
+    """The scopes policy rules want for a request that its principal's token lacks (the
+    policy's ``missing_scopes``, when it has one)."""
+    check = getattr(hub.policy, "missing_scopes", None)
+    return None if check is None else check(principal, method, params)  # type: ignore[no-any-return]
+
+
+def close_revoked(hub: Hub) -> int:
+    """After a reload: close every connection and HTTP session whose principal lost its
+    credential (or that has none while authentication is now configured).  A WebSocket is
+    closed with 1008; an HTTP session ends, and its client's next request gets 401 (its token
+    no longer authenticates) or 404 (the session is gone)."""
+    authn = hub.authn
+    if authn is None:
+        return 0
+    closed = 0
+    for session in list(hub.sessions):
+        if not authn.still_valid(session.principal, session.transport):
+            label = session.principal.label if session.principal is not None else "-"
+            LOGGER.warning("reload: closing connection %s (%s, principal %s): its credential is no "
+                           "longer configured", session.conn_id, session.transport, label,
+                           extra=session.log_fields)
+            session.close(CloseReason.UNAUTHORIZED)
+            closed += 1
+    return closed
 
 
 async def _tcp_listeners(fds: dict[str, int], name: str, address: str | None) -> list[trio.SocketListener]:
@@ -364,6 +415,8 @@ async def reload(hub: Hub, config_path: str | None) -> bool:
         with open(config_path, "rb") as f:
             data = f.read()
         new = config.load(data, base_dir=os.path.dirname(os.path.abspath(config_path)), check_commands=True)
+        if hub.authn is not None:
+            hub.authn.reconfigure(new)  # reads auth.tokens_file: a bad one fails the reload
     except (OSError, ConfigError) as exc:
         message = "; ".join(exc.errors) if isinstance(exc, ConfigError) else str(exc)
         LOGGER.error("reload failed, keeping the running config: %s", message)
@@ -375,6 +428,9 @@ async def reload(hub: Hub, config_path: str | None) -> bool:
     for section in config.restart_only_changes(old, new):
         LOGGER.warning("reload: %s changed; that takes effect only after a restart", section)
     hub.apply_config(new)
+    close_revoked(hub)
+    if hub.authn is not None:
+        await hub.authn.start()  # OAuth configured by this reload: its keys
     try:
         async with trio.open_nursery() as nursery:  # drain them all at once, each bounded
             for name in removed + changed:
