@@ -15,6 +15,7 @@ import enum
 import logging
 import os
 import signal
+import time
 from dataclasses import dataclass
 from functools import partial
 
@@ -273,7 +274,11 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
 
             async def on_ws(stream: WebSocketStream) -> None:
                 def bind(session: ClientSession) -> None:
-                    session.principal = stream.principal  # type: ignore[assignment]
+                    principal = stream.principal
+                    assert principal is None or isinstance(principal, Principal)
+                    session.principal = principal
+                    if principal is not None and principal.expires is not None:
+                        conns.start_soon(_close_at_expiry, session, principal.expires)
                 await connection.serve(hub, stream, "websocket", bind=bind)
 
             await nursery.start(lambda task_status: serve_websocket(
@@ -341,6 +346,16 @@ async def _ws_authenticate(hub: Hub, host: str | None, authorization: str | None
     except Unauthorized as exc:
         authn.refused("websocket", "websocket upgrade", exc.kind)
         raise Refused(401, str(exc), [(b"www-authenticate", authn.challenge(host, exc).encode())]) from None
+
+
+async def _close_at_expiry(session: ClientSession, expires: float) -> None:
+    """A WebSocket opened with a JWT ends when the token does (close 1008): a connection
+    must not outlive its credential; the client reconnects with a fresh token."""
+    with trio.move_on_at(trio.current_time() + max(0.0, expires - time.time())):
+        await session.closed.wait()
+        return
+    LOGGER.info("connection %s: its token expired; closing it", session.conn_id, extra=session.log_fields)
+    session.close(CloseReason.UNAUTHORIZED)
 
 
 def _missing_scopes(hub: Hub, principal: Principal, method: str, params: object) -> list[str] | None:
