@@ -5,10 +5,16 @@ Theory of operation: each accepted TCP connection holds a ``max_connections`` sl
 task serving requests one after the other (:class:`~gateway.transports.http.HttpConnection`,
 keep-alive).  A request is checked in this order, each failure answered and counted by its
 status: path (404; ``/healthz`` and ``/readyz`` are answered for load balancers, with any
-``Host``, by :func:`gateway.ops.admin.probe`), ``Host`` (403: DNS rebinding), ``Origin`` (403), method (405), ``Accept``
+``Host``, by :func:`gateway.ops.admin.probe`; the Protected Resource Metadata at
+:data:`~gateway.auth.challenge.METADATA_PATHS` when authentication is configured), ``Host``
+(403: DNS rebinding), ``Origin`` (403), the credential when ``[auth]`` is configured (401 with
+``WWW-Authenticate``, :mod:`gateway.auth.authenticator`), method (405), ``Accept``
 (406), ``Content-Type`` (415), the body as one JSON-RPC message (400 with the -32700/-32600
 error), ``Mcp-Session-Id`` (400 missing, 404 unknown or ended), ``MCP-Protocol-Version``
-(400 unsupported; absent means 2025-03-26).  An ``initialize`` POST without a session id creates
+(400 unsupported; absent means 2025-03-26), and a policy rule's scopes (403
+``insufficient_scope``, via ``scope_check``).  A session is bound to the principal that created
+it: another principal, or none, presenting its id gets the 404 of an unknown session; a
+bridged flow's ``requestState`` is bound the same way (gateway.bridge).  An ``initialize`` POST without a session id creates
 a session (:class:`~gateway.transports.streamable.HttpSession`, at most ``http_max_sessions``:
 503 beyond) whose id comes back in the ``Mcp-Session-Id`` header.  A POSTed request opens a
 :class:`~gateway.transports.streamable.Sink` and its task waits, reading the socket only to see

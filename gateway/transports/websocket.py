@@ -24,6 +24,10 @@ is readable, within :data:`REFUSE_WAIT`; at most :data:`REFUSING_MAX` such refus
 at once, beyond that the TCP connection is closed at once.  Host check: an
 upgrade whose ``Host`` is not a loopback name, the bound address or in ``allowed_hosts`` gets
 HTTP 421 (DNS rebinding: a page whose name resolves to 127.0.0.1 sends its own name).
+Authentication (``authenticate``, when ``[auth]`` is configured): after Host and Origin, the
+upgrade's ``Authorization`` header must name a principal, else :class:`Refused` (401 with
+``WWW-Authenticate``); the principal rides on the :class:`WebSocketStream` for the connection's
+life.  A connection whose credential a reload removed is closed with 1008.
 
 Frames: MCP over WebSocket is one JSON-RPC message per *text* frame.  A message over
 ``max_message_bytes`` raises :class:`~gateway.errors.MessageTooLarge` (the connection answers
