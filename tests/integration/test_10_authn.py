@@ -23,14 +23,23 @@ import httpx
 import jwt
 import pytest
 import trio
-import trio_websocket
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
+from helpers import (
+    ROOT,
+    UPGRADE,
+    connect,
+    fixture_backend,
+    http_json,
+    make_config,
+    metric,
+    run_gateway,
+    text_of,
+)
 from jwt.algorithms import RSAAlgorithm
 
 from gateway import config
 from gateway.policy import Policy
-from helpers import ROOT, UPGRADE, connect, fixture_backend, http_json, make_config, metric, run_gateway, text_of
 
 pytestmark = [pytest.mark.system,
               pytest.mark.filterwarnings("ignore::ResourceWarning",
@@ -148,7 +157,7 @@ class Issuer:
         issuer = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802
+            def do_GET(self) -> None:
                 issuer.fetches += 1
                 body = json.dumps({"keys": [dict(json.loads(RSAAlgorithm.to_jwk(issuer.keys[k].public_key())),
                                                  kid=k, use="sig", alg="RS256") for k in issuer.published]}).encode()
