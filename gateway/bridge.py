@@ -122,15 +122,20 @@ class Bridge:
         self.flow_of(owner).requested(key, req)
 
     def resume(self, method: str, params: dict[str, Raw], request_id: int | str,
-               caps: dict[str, object], *, owner: ClientSession | None = None) -> ClientSession:
+               caps: dict[str, object], *, principal: str | None = None,
+               owner: ClientSession | None = None) -> ClientSession:
         """Continue the flow a retry's ``requestState`` names; returns its owner, whose flow
-        session must now carry ``request_id``'s stream.
+        session must now carry ``request_id``'s stream.  ``principal`` (its
+        :attr:`~gateway.auth.principal.Principal.key`) must be the one the state was issued
+        to: another principal's retry is refused (and the flow goes on waiting for its own).
 
         Raises:
             InvalidParams: ``invalid_state`` (see the module docstring), or malformed ``inputResponses``.
         """
         try:
             claims = self.codec.verify(jsonrpc.loads(params["requestState"]), time.time())
+            if claims.principal != principal:
+                raise mrtr.invalid_state("it was issued to another principal", "principal")
             flow = self.flows.get(claims.flow)
             if flow is None:
                 raise mrtr.invalid_state("its call is over or expired, or was served by another "
@@ -219,7 +224,8 @@ class Flow:
         bridge = self.bridge
         state = bridge.codec.sign(mrtr.Claims(
             flow=self.id, round=self.round, expires=int(time.time() + bridge.ttl) + 1,
-            backend=served.req.backend, keys=tuple(self.pending), digest=self.digest))
+            backend=served.req.backend, keys=tuple(self.pending), digest=self.digest,
+            principal=None if self.owner.principal is None else self.owner.principal.key))
         result = mrtr.input_required({k: (r.method, _raw(r.params)) for k, r in self.pending.items()}, state)
         self.parked = True
         bridge.flows[self.id] = self  # only parked flows are listed: a retry finds them here

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from functools import partial
 
 import trio
 
@@ -66,11 +67,31 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
     return out
 
 
+def read_token_file(path: str) -> str:
+    """The bearer token in ``path`` (its first line, stripped).
+
+    Raises:
+        OSError: unreadable; ValueError: empty, or not a single token.
+    """
+    with open(path, encoding="utf-8") as f:
+        token = f.readline(8192).strip()
+    if not token or any(c.isspace() or not c.isprintable() for c in token):
+        raise ValueError(f"{path}: expected the token on its first line")
+    return token
+
+
 def cmd_connect(args: argparse.Namespace) -> int:
     from gateway.transports.bridge import bridge
 
+    token = None
+    if args.token_file:
+        try:
+            token = read_token_file(args.token_file)
+        except (OSError, ValueError) as exc:
+            print(f"mcp-gateway connect: --token-file: {exc}", file=sys.stderr)
+            return 1
     try:
-        trio.run(bridge, args.url, args.max_message_bytes)
+        trio.run(partial(bridge, args.url, args.max_message_bytes, token=token))
     except KeyboardInterrupt:
         return 130
     except OSError as exc:
@@ -93,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("connect", help="stdio bridge: ws://HOST:PORT/, http://HOST:PORT/mcp or unix:/path/to/mcp.sock")
     p.add_argument("url")
     p.add_argument("--max-message-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument("--token-file", help="a file holding the bearer token, sent as Authorization: "
+                   "Bearer on the WebSocket upgrade or on every HTTP request")
     p.set_defaults(func=cmd_connect)
     args = parser.parse_args(argv)
     return int(args.func(args))

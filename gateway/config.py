@@ -410,6 +410,7 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
     if cfg.listen.http_max_sessions < 1:
         errors.append("listen.http_max_sessions: must be at least 1")
     errors.extend(_authz_errors(cfg))
+    errors.extend(_auth_errors(cfg.auth))
     for name, b in cfg.backends.items():
         p = f"backends.{name}"
         if not b.command:
@@ -466,6 +467,37 @@ def _authz_errors(cfg: GatewayConfig) -> list[str]:
             f = getattr(b, kind)
             if "" in f.include or "" in f.exclude:
                 errors.append(f"backends.{name}.{kind}: an empty glob matches nothing; remove it")
+    return errors
+
+
+def _auth_errors(auth: AuthSection) -> list[str]:
+    from gateway.auth.tokens import valid_hash, valid_name  # pure
+
+    errors: list[str] = []
+    for n, b in enumerate(auth.bearer):
+        if not valid_name(b.principal):
+            errors.append(f"auth.bearer[{n}].principal: must match [A-Za-z0-9_.@+-]{{1,128}}")
+        if not valid_hash(b.token_sha256.lower()):
+            errors.append(f"auth.bearer[{n}].token_sha256: must be the hex SHA-256 of the token "
+                          "(64 hex digits; e.g. printf %s TOKEN | sha256sum), not the token")
+        if not all(valid_name(g) for g in b.groups):
+            errors.append(f"auth.bearer[{n}].groups: names must match [A-Za-z0-9_.@+-]{{1,128}}")
+    if auth.tokens_file is not None and not auth.tokens_file:
+        errors.append("auth.tokens_file: must not be empty (leave it out instead)")
+    o = auth.oauth
+    if o is not None:
+        for key in ("issuer", "jwks_uri", "audience", "principal_claim"):
+            if not getattr(o, key):
+                errors.append(f"auth.oauth.{key}: must not be empty")
+        scheme, _, rest = o.jwks_uri.partition("://")
+        host = rest.split("/", 1)[0].rpartition("@")[2]
+        host = host.rpartition(":")[0] if ":" in host and not host.endswith("]") else host
+        if scheme != "https" and not (scheme == "http" and is_loopback(host.strip("[]"))):
+            errors.append("auth.oauth.jwks_uri: must be an https:// URL (http:// only on loopback)")
+        if o.jwks_refresh_min_interval <= 0:
+            errors.append("auth.oauth.jwks_refresh_min_interval: must be positive")
+        if o.leeway < 0:
+            errors.append("auth.oauth.leeway: must not be negative")
     return errors
 
 

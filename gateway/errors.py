@@ -216,6 +216,7 @@ class CloseReason(enum.StrEnum):
     SHUTDOWN = "shutdown"
     ERROR = "error"
     IDLE = "idle"
+    UNAUTHORIZED = "unauthorized"  # its credential was removed by a reload (WebSocket 1008)
 
 
 class MessageRefused(Exception):

@@ -76,8 +76,8 @@ class ConnectionClosed:
 class ConnectionRefused:
     """A client connection turned away before it was served."""
 
-    transport: str  # "websocket" | "unix"
-    reason: str  # "max_connections"
+    transport: str  # "websocket" | "unix" | "http"
+    reason: str  # "max_connections" | "unauthorized" (a 401 on the upgrade or an HTTP request)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +208,7 @@ class InputRequired:
 class RequestStateRefused:
     """A retry's ``requestState`` was refused (``invalid_state``)."""
 
-    reason: str  # "tampered" | "foreign" | "expired" | "used" | "gone" | "other_params" | "malformed"
+    reason: str  # "tampered" | "foreign" | "expired" | "used" | "gone" | "other_params" | "malformed" | "principal"
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
@@ -43,6 +43,9 @@ from gateway.protocol.subscriptions import uri_matches
 from gateway.session import ClientSession
 from gateway.status import GatewayStatus
 from gateway.wakeup import Wakeup
+
+if TYPE_CHECKING:
+    from gateway.auth.authenticator import Authenticator
 
 LOGGER = logging.getLogger(__name__)
 
@@ -94,6 +97,7 @@ class Hub:
         self.policy = Policy(cfg.policy, bus, cfg)
         self.limits = PrincipalLimits(principal_limits(cfg))  # [[auth.limits]]
         self.principal_names = configured_names(cfg)  # the principal label set
+        self.authn: Authenticator | None = None  # set by the service (gateway.auth)
         self.listeners_bound = False
         self.draining = False
         self.calls_cut_off = False  # drain grace over: cancelled calls are answered -32005 shutdown
@@ -460,6 +464,7 @@ class Hub:
             client_requests_in_flight=sum(len(s.inflight) for s in self.sessions),
             outbound_messages_queued=sum(s.queued for s in self.sessions),
             connection_slots=self.slots.used,
+            auth=self.authn.status(self.cfg) if self.authn is not None else {},
         )
 
 

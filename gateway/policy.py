@@ -32,6 +32,7 @@ from gateway.protocol import policy as pure
 from gateway.protocol.catalog import Catalog
 
 if TYPE_CHECKING:
+    from gateway.auth.principal import Principal
     from gateway.session import ClientSession, ServerRequest
 
 Caller = pure.Caller
@@ -191,6 +192,31 @@ class Policy:
                 tool=name,
             )
         raise errors.Denied(f"{kind} {name!r} is denied by policy", **{what: name})
+
+    #: The requests whose target policy rules govern: method -> (kind, param naming it).
+    TARGETS: dict[str, tuple[Kind, str]] = {
+        "tools/call": ("tool", "name"), "prompts/get": ("prompt", "name"),
+        "resources/read": ("resource", "uri"), "resources/subscribe": ("resource", "uri"),
+    }
+
+    def missing_scopes(self, principal: Principal, method: str, params: object) -> list[str] | None:
+        """The scopes a rule wants for an HTTP request that ``principal``'s token lacks (the
+        deciding rule would allow it with them), or None: answered 403 ``insufficient_scope``
+        on ``/mcp`` before the request runs (a WebSocket gets the -32005 of :meth:`check`)."""
+        target = self.TARGETS.get(method)
+        if target is None or not isinstance(params, msgspec.Raw):
+            return None
+        kind, key = target
+        try:
+            name = jsonrpc.loads(jsonrpc.params_dict(params)[key])
+        except Exception:  # noqa: BLE001 - malformed params are the request's to answer
+            return None
+        if not isinstance(name, str):
+            return None
+        caller = Caller("http", principal.name, principal.groups, principal.scopes)
+        decision = pure.decide(name, self.rules, self.cfg.default, caller=caller, kind=kind,
+                               sensitive=kind == "tool" and name in self.sensitive)
+        return list(decision.scopes) if decision.action == "deny" and decision.scopes else None
 
     async def authorize(self, session: ClientSession, tool: str, arguments: Any = None) -> None:
         """Return when ``session`` may call ``tool``; raise Denied otherwise."""

@@ -15,12 +15,14 @@ import enum
 import logging
 import os
 import signal
+import time
 from dataclasses import dataclass
 from functools import partial
 
 import trio
 
 from gateway import __version__, config, connection
+from gateway.auth.authenticator import Authenticator, Unauthorized
 from gateway.auth.peer import peer_principal
 from gateway.auth.principal import Principal
 from gateway.backend import process
@@ -40,7 +42,7 @@ from gateway.transports.endpoint import Endpoint, Sessions, serve_http
 from gateway.transports.lines import LineStream
 from gateway.transports.peercred import peer_credentials
 from gateway.transports.streamable import HttpSession
-from gateway.transports.websocket import serve_websocket
+from gateway.transports.websocket import Refused, WebSocketStream, serve_websocket
 
 LOGGER = logging.getLogger(__name__)
 
@@ -147,6 +149,11 @@ async def run(
         process.become_subreaper()
     bus = EventBus()
     hub = Hub(cfg, bus, subreaper=subreaper)
+    try:
+        hub.authn = Authenticator(cfg)  # reads auth.tokens_file
+    except ConfigError as exc:
+        raise StartupError("; ".join(exc.errors)) from None
+    hub.authn.bus = bus
     metrics = GatewayMetrics(bus, hub.status, version=__version__)
     fds = {name: fd for fd, name in systemd.listen_fds_with_names().items()}
     bound = Bound()
@@ -154,6 +161,7 @@ async def run(
         if handle_signals:
             await outer.start(_signals, control)
         outer.start_soon(systemd.run_watchdog)
+        outer.start_soon(hub.authn.start)  # the OAuth keys (JWTs wait for this first fetch)
         outer.start_soon(metrics.run_lag_probe)
         if cfg.admin.listen is not None or "admin" in fds:
             admin_listeners = await _admin_listeners(cfg, fds)
@@ -266,13 +274,20 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                     raise StartupError(str(exc)) from None
             bound.websocket_port = ls.bound_port(ws_listeners)
 
-            async def on_ws(stream: connection.MessageStream) -> None:
-                await connection.serve(hub, stream, "websocket")
+            async def on_ws(stream: WebSocketStream) -> None:
+                def bind(session: ClientSession) -> None:
+                    principal = stream.principal
+                    assert principal is None or isinstance(principal, Principal)
+                    session.principal = principal
+                    if principal is not None and principal.expires is not None:
+                        conns.start_soon(_close_at_expiry, session, principal.expires)
+                await connection.serve(hub, stream, "websocket", bind=bind)
 
             await nursery.start(lambda task_status: serve_websocket(
                 ws_listeners, on_ws, allowed_origins=cfg.listen.allowed_origins,
                 allowed_hosts=cfg.listen.allowed_hosts, max_message=max_msg,
-                handler_nursery=conns, slots=hub.slots, task_status=task_status))
+                handler_nursery=conns, slots=hub.slots, authenticate=partial(_ws_authenticate, hub),
+                task_status=task_status))
         if "http" in fds or cfg.listen.http is not None:
             http_listeners = await _tcp_listeners(fds, "http", cfg.listen.http)
             bound.http_port = ls.bound_port(http_listeners)
@@ -286,7 +301,8 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                                 allowed_origins=cfg.listen.allowed_origins,
                                 max_json_depth=cfg.gateway.max_json_depth,
                                 ports=frozenset(ls.bound_port([lst]) for lst in http_listeners),
-                                probes=partial(admin_probe, hub.status), bridge=hub.bridge)
+                                probes=partial(admin_probe, hub.status), bridge=hub.bridge,
+                                authn=hub.authn, scope_check=partial(_missing_scopes, hub))
             endpoint.direct = lambda stream: connection.Direct(hub, stream, conns, "http", stream.bind)
             await nursery.start(lambda task_status: serve_http(
                 http_listeners, endpoint, max_message=max_msg, handler_nursery=conns, slots=hub.slots,
@@ -337,6 +353,54 @@ def _bind_principal(principal: Principal | None, session: ClientSession) -> None
     session.principal = principal
 
 
+async def _ws_authenticate(hub: Hub, host: str | None, authorization: str | None) -> Principal | None:
+    """A WebSocket upgrade's principal, or :class:`Refused` 401 with the challenge."""
+    authn = hub.authn
+    assert authn is not None
+    try:
+        return await authn.authenticate(authorization)
+    except Unauthorized as exc:
+        authn.refused("websocket", "websocket upgrade", exc.kind)
+        raise Refused(401, str(exc), [(b"www-authenticate", authn.challenge(host, exc).encode())]) from None
+
+
+async def _close_at_expiry(session: ClientSession, expires: float) -> None:
+    """A WebSocket opened with a JWT ends when the token does (close 1008): a connection
+    must not outlive its credential; the client reconnects with a fresh token."""
+    with trio.move_on_at(trio.current_time() + max(0.0, expires - time.time())):
+        await session.closed.wait()
+        return
+    LOGGER.info("connection %s: its token expired; closing it", session.conn_id, extra=session.log_fields)
+    session.close(CloseReason.UNAUTHORIZED)
+
+
+def _missing_scopes(hub: Hub, principal: Principal, method: str, params: object) -> list[str] | None:
+    """The scopes policy rules want for a request that its principal's token lacks (the
+    policy's ``missing_scopes``, when it has one)."""
+    check = getattr(hub.policy, "missing_scopes", None)
+    return None if check is None else check(principal, method, params)  # type: ignore[no-any-return]
+
+
+def close_revoked(hub: Hub) -> int:
+    """After a reload: close every connection and HTTP session whose principal lost its
+    credential (or that has none while authentication is now configured).  A WebSocket is
+    closed with 1008; an HTTP session ends, and its client's next request gets 401 (its token
+    no longer authenticates) or 404 (the session is gone)."""
+    authn = hub.authn
+    if authn is None:
+        return 0
+    closed = 0
+    for session in list(hub.sessions):
+        if not authn.still_valid(session.principal, session.transport):
+            label = session.principal.label if session.principal is not None else "-"
+            LOGGER.warning("reload: closing connection %s (%s, principal %s): its credential is no "
+                           "longer configured", session.conn_id, session.transport, label,
+                           extra=session.log_fields)
+            session.close(CloseReason.UNAUTHORIZED)
+            closed += 1
+    return closed
+
+
 async def _tcp_listeners(fds: dict[str, int], name: str, address: str | None) -> list[trio.SocketListener]:
     """The listeners of client listener ``name``: adopted from systemd (fd name ``name``) or
     bound to ``address``; loopback only either way."""
@@ -382,6 +446,8 @@ async def reload(hub: Hub, config_path: str | None) -> bool:
         with open(config_path, "rb") as f:
             data = f.read()
         new = config.load(data, base_dir=os.path.dirname(os.path.abspath(config_path)), check_commands=True)
+        if hub.authn is not None:
+            hub.authn.reconfigure(new)  # reads auth.tokens_file: a bad one fails the reload
     except (OSError, ConfigError) as exc:
         message = "; ".join(exc.errors) if isinstance(exc, ConfigError) else str(exc)
         LOGGER.error("reload failed, keeping the running config: %s", message)
@@ -393,6 +459,9 @@ async def reload(hub: Hub, config_path: str | None) -> bool:
     for section in config.restart_only_changes(old, new):
         LOGGER.warning("reload: %s changed; that takes effect only after a restart", section)
     hub.apply_config(new)
+    close_revoked(hub)
+    if hub.authn is not None:
+        await hub.authn.start()  # OAuth configured by this reload: its keys
     try:
         async with trio.open_nursery() as nursery:  # drain them all at once, each bounded
             for name in removed + changed:

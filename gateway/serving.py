@@ -253,7 +253,9 @@ def serve_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, size:
                     and not hub.bridge.passthrough(method, req.params):
                 # A retry: it continues the call its state names, which takes over its id
                 # (``inflight`` then holds that call under it); this entry is dropped unanswered.
-                hub.bridge.resume(method, req.params, served.id, caps, owner=session)
+                principal = session.principal
+                hub.bridge.resume(method, req.params, served.id, caps, owner=session,
+                                  principal=None if principal is None else principal.key)
                 served.ended = True
                 session.buffers.release(size)
                 if served.held is not None:  # the call it continues holds its own slot

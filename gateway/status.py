@@ -7,6 +7,7 @@ endpoint serialises it and the metrics collector reads gauges from it at scrape 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +53,7 @@ class GatewayStatus:
     client_requests_in_flight: int = 0  # client requests read and not yet answered, all sessions
     outbound_messages_queued: int = 0  # messages waiting in the sessions' outbound queues
     connection_slots: int = 0  # max_connections slots taken: accepted connections, handshakes included
+    auth: dict[str, Any] = field(default_factory=dict)  # authenticators and listeners (gateway.auth)
 
     def not_ready_because(self) -> list[str]:
         """Why the daemon is not ready, in words for ``/readyz`` (empty when it is ready):

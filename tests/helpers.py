@@ -158,8 +158,10 @@ class Client:
 
 @asynccontextmanager
 async def connect(url: str, *, initialize: bool = True, capabilities: dict[str, Any] | None = None,
-                  version: str = "2025-11-25") -> AsyncIterator[Client]:
-    async with trio_websocket.open_websocket_url(url, subprotocols=["mcp"], max_message_size=64 * 2**20) as ws:
+                  version: str = "2025-11-25", token: str | None = None) -> AsyncIterator[Client]:
+    headers = [(b"authorization", f"Bearer {token}".encode())] if token else None
+    async with trio_websocket.open_websocket_url(url, subprotocols=["mcp"], max_message_size=64 * 2**20,
+                                                 extra_headers=headers) as ws:
         try:
             client = Client(ws)
             async with trio.open_nursery() as nursery:

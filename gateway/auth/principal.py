@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -14,6 +14,11 @@ class Principal:
     ``principal_claim``, or the unix peer's user name); ``label`` is what metrics and logs carry:
     the name when the operator configured it (a bearer principal, or one named in a rule or
     limit), else ``"other"`` (bounded: never a raw token subject).
+
+    ``credential`` says which configured authenticator vouched for it (a bearer entry's
+    fingerprint, or the OAuth issuer/audience) and ``expires`` when that ends (a JWT's ``exp``,
+    unix seconds): a reload that removes the credential closes what the principal opened.
+    Neither is shown in ``repr`` nor compared.
     """
 
     name: str
@@ -21,3 +26,11 @@ class Principal:
     scopes: frozenset[str] = frozenset()
     via: str = "none"  # "bearer" | "oauth" | "peer"
     label: str = "other"
+    credential: str = field(default="", repr=False, compare=False)
+    expires: float | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def key(self) -> str:
+        """What a session, a connection or a requestState is bound to: the same name vouched
+        for the same way (an OAuth ``sub`` "alice" is not the bearer principal "alice")."""
+        return f"{self.via}:{self.name}"

@@ -50,7 +50,10 @@ async def _copy(source: trio.abc.ReceiveStream, sink: trio.abc.SendStream, done:
     done.cancel()
 
 
-async def bridge(url: str, max_message: int) -> None:
+async def bridge(url: str, max_message: int, *, token: str | None = None) -> None:
+    """Copy messages between stdio and ``url`` until either side closes; ``token`` is sent as
+    ``Authorization: Bearer`` (WebSocket upgrade, every HTTP request; not on a unix socket,
+    whose peer credentials authenticate it)."""
     stdin = trio.lowlevel.FdStream(sys.stdin.fileno())
     stdout = trio.lowlevel.FdStream(sys.stdout.fileno())
     stdio = trio.StapledStream(stdout, stdin)
@@ -63,7 +66,7 @@ async def bridge(url: str, max_message: int) -> None:
     if url.startswith(("http://", "https://")):
         from gateway.transports.bridge_http import HttpBridge
 
-        http = HttpBridge(url, LineStream(stdio, max_message), max_message)
+        http = HttpBridge(url, LineStream(stdio, max_message), max_message, token=token)
         await http.run()
         if http.failed:
             raise OSError(http.failed[0])
@@ -72,9 +75,11 @@ async def bridge(url: str, max_message: int) -> None:
         raise OSError(f"unsupported URL {url!r} (use ws://HOST:PORT/, http://HOST:PORT/mcp or unix:/path)")
     local = LineStream(stdio, max_message)
     failed: list[str] = []
+    headers = [(b"authorization", f"Bearer {token}".encode())] if token else None
     try:
         async with trio_websocket.open_websocket_url(
-            url, subprotocols=[SUBPROTOCOL], max_message_size=2 * max_message, receive_buffer_size=65536
+            url, subprotocols=[SUBPROTOCOL], max_message_size=2 * max_message, receive_buffer_size=65536,
+            extra_headers=headers,
         ) as ws:
             remote = _ClientWebSocket(ws, 2 * max_message)
             async with trio.open_nursery() as nursery:

@@ -117,8 +117,9 @@ class _HttpClient:
 
 
 class HttpBridge:
-    def __init__(self, url: str, local: LineStream, max_message: int) -> None:
+    def __init__(self, url: str, local: LineStream, max_message: int, *, token: str | None = None) -> None:
         self._http = _HttpClient(url)
+        self._token = token
         self._local = local
         self._limit = 2 * max_message
         self._session: str | None = None
@@ -129,6 +130,8 @@ class HttpBridge:
 
     def _headers(self, accept: str) -> dict[str, str]:
         headers = {"accept": accept}
+        if self._token:
+            headers["authorization"] = f"Bearer {self._token}"
         if self._session:
             headers["mcp-session-id"] = self._session
         if self._version:

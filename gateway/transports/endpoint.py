@@ -5,10 +5,16 @@ Theory of operation: each accepted TCP connection holds a ``max_connections`` sl
 task serving requests one after the other (:class:`~gateway.transports.http.HttpConnection`,
 keep-alive).  A request is checked in this order, each failure answered and counted by its
 status: path (404; ``/healthz`` and ``/readyz`` are answered for load balancers, with any
-``Host``, by :func:`gateway.ops.admin.probe`), ``Host`` (403: DNS rebinding), ``Origin`` (403), method (405), ``Accept``
+``Host``, by :func:`gateway.ops.admin.probe`; the Protected Resource Metadata at
+:data:`~gateway.auth.challenge.METADATA_PATHS` when authentication is configured), ``Host``
+(403: DNS rebinding), ``Origin`` (403), the credential when ``[auth]`` is configured (401 with
+``WWW-Authenticate``, :mod:`gateway.auth.authenticator`), method (405), ``Accept``
 (406), ``Content-Type`` (415), the body as one JSON-RPC message (400 with the -32700/-32600
 error), ``Mcp-Session-Id`` (400 missing, 404 unknown or ended), ``MCP-Protocol-Version``
-(400 unsupported; absent means 2025-03-26).  An ``initialize`` POST without a session id creates
+(400 unsupported; absent means 2025-03-26), and a policy rule's scopes (403
+``insufficient_scope``, via ``scope_check``).  A session is bound to the principal that created
+it: another principal, or none, presenting its id gets the 404 of an unknown session; a
+bridged flow's ``requestState`` is bound the same way (gateway.bridge).  An ``initialize`` POST without a session id creates
 a session (:class:`~gateway.transports.streamable.HttpSession`, at most ``http_max_sessions``:
 503 beyond) whose id comes back in the ``Mcp-Session-Id`` header.  A POSTed request opens a
 :class:`~gateway.transports.streamable.Sink` and its task waits, reading the socket only to see
@@ -32,6 +38,8 @@ import msgspec
 import trio
 
 from gateway import errors
+from gateway.auth.authenticator import Unauthorized
+from gateway.auth.challenge import METADATA_PATHS
 from gateway.config import host_allowed
 from gateway.errors import TransportClosed
 from gateway.limits import ConnectionSlots
@@ -49,8 +57,14 @@ from gateway.transports.listeners import Accepted, SlottedListener
 from gateway.transports.streamable import SESSION_HEADER, HttpSession, Sink
 
 if TYPE_CHECKING:
+    from gateway.auth.authenticator import Authenticator
+    from gateway.auth.principal import Principal
     from gateway.bridge import Bridge
     from gateway.connection import Direct
+
+#: Which scopes a request needs that its principal's token lacks (None: none missing); the
+#: policy's scope rules (gateway.policy) answer it.  Args: principal, method, params.
+ScopeCheck = Callable[["Principal", str, "jsonrpc.Raw | msgspec.UnsetType"], "list[str] | None"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -111,8 +125,11 @@ class Endpoint:
     def __init__(self, sessions: Sessions, *, hosts: frozenset[str], allowed_origins: Sequence[str],
                  max_json_depth: int, ports: frozenset[int] = frozenset(),
                  probes: Callable[[Request], Reply] | None = None,
-                 bridge: Bridge | None = None) -> None:
+                 bridge: Bridge | None = None, authn: Authenticator | None = None,
+                 scope_check: ScopeCheck | None = None) -> None:
         self.sessions = sessions
+        self.authn = authn  # None or not configured: no authentication (loopback only)
+        self.scope_check = scope_check
         self.probes = probes  # /healthz and /readyz (gateway.ops.admin.probe), any Host
         self.bridge = bridge  # None: a legacy child's requests to a modern caller are refused
         # serves a modern request's flow without a task of its own (set by the service)
@@ -140,19 +157,74 @@ class Endpoint:
                 return False
         return True
 
-    def _session(self, req: Request, id: int | str | None = None) -> HttpSession:
-        """The session a request names (``id``: the request's, echoed in a refusal)."""
+    def _session(self, req: Request, principal: Principal | None,
+                 id: int | str | None = None) -> HttpSession:
+        """The session a request names (``id``: the request's, echoed in a refusal).  A
+        session is bound to the principal that created it: presented by another (or with no
+        credential) it is answered exactly like an unknown one, 404 (its existence is not
+        revealed)."""
         sid = req.header(b"mcp-session-id")
         if sid is None:
             raise _jsonrpc_error(400, errors.InvalidRequest("missing Mcp-Session-Id header: initialize first"), id)
         session = self.sessions.by_id.get(sid)
+        if session is not None and _key(session.principal) != _key(principal):
+            if self.authn is not None:
+                self.authn.refused("http", "/mcp", "a session of another principal",
+                                   principal.label if principal else None)
+            session = None
         if session is None or session.closed:
             raise _jsonrpc_error(404, errors.InvalidRequest("unknown or ended session: initialize again"), id)
         _check_version(req, id)
+        if principal is not None and principal is not session.principal:
+            # the same principal, its latest token: its scopes (a step-up) and expiry apply
+            session.principal = principal
+            if session.client is not None:
+                session.client.principal = principal
         return session
+
+    async def _authenticate(self, req: Request) -> Principal | None:
+        """The request's principal (None: authentication is not configured); a 401 with the
+        ``WWW-Authenticate`` challenge otherwise."""
+        authn = self.authn
+        if authn is None or not authn.configured:
+            return None
+        try:
+            return await authn.authenticate(req.header(b"authorization"))
+        except Unauthorized as exc:
+            authn.refused("http", "/mcp", exc.kind)
+            refusal = HttpError(401, str(exc))
+            refusal.headers = [("www-authenticate", authn.challenge(req.header(b"host"), exc))]
+            raise refusal from None
+
+    def _check_scopes(self, req: Request, principal: Principal | None, env: jsonrpc.Envelope) -> None:
+        """403 ``insufficient_scope`` when a policy rule wants scopes the token lacks."""
+        if principal is None or self.scope_check is None or not isinstance(env.method, str):
+            return
+        missing = self.scope_check(principal, env.method, env.params)
+        if missing:
+            assert self.authn is not None
+            self.authn.refused("http", "/mcp", f"insufficient scope for {env.method}", principal.label)
+            refusal = HttpError(403, f"insufficient scope: this request needs {' '.join(missing)}")
+            refusal.headers = [("www-authenticate", self.authn.challenge(req.header(b"host"), scope=missing))]
+            raise refusal
+
+    def _metadata(self, conn: HttpConnection, req: Request) -> None:
+        """The Protected Resource Metadata (RFC 9728), when authentication is configured."""
+        if self.authn is None or not self.authn.configured:
+            raise HttpError(404, "not found (authentication is not configured)")
+        if not req.host_in(self.hosts):
+            raise HttpError(403, "Host not allowed")
+        if req.method not in ("GET", "HEAD"):
+            raise HttpError(405, "method not allowed")
+        body = msgspec.json.encode(self.authn.metadata(req.header(b"host")))
+        conn.respond(200, body, JSON, [("cache-control", "max-age=300"),
+                                       ("access-control-allow-origin", "*")])
 
     async def handle(self, conn: HttpConnection, req: Request) -> None:
         """Answer one request (raises HttpError for a refusal)."""
+        if req.path in METADATA_PATHS:
+            self._metadata(conn, req)
+            return
         if req.path != PATH:
             if req.path in PROBES and self.probes is not None:  # a load balancer's health checks
                 code, content_type, text, extra = self.probes(req)
@@ -165,6 +237,7 @@ class Endpoint:
         if not self._origin_allowed(req):
             LOGGER.warning("/mcp: refused Origin %.100r (listen.allowed_origins)", req.header(b"origin"))
             raise HttpError(403, "Origin not allowed")
+        principal = await self._authenticate(req)
         accept = req.header(b"accept") or ""
         if req.method == "POST":
             if not (_accepts(accept, "application/json") and _accepts(accept, "text/event-stream")):
@@ -172,14 +245,14 @@ class Endpoint:
             ctype = (req.header(b"content-type") or "").split(";", 1)[0].strip().lower()
             if ctype != JSON:
                 raise HttpError(415, "Content-Type must be application/json")
-            await self._post(conn, req)
+            await self._post(conn, req, principal)
         elif req.method in ("GET", "DELETE") and req.header(b"mcp-protocol-version") in era.MODERN_VERSIONS:
             raise HttpError(405, "no sessions and no standalone stream in protocol version "
                                  f"{era.LATEST_MODERN}: POST each request")
         elif req.method == "GET":
             if not _accepts(accept, "text/event-stream"):
                 raise HttpError(406, "Accept must list text/event-stream")
-            session = self._session(req)
+            session = self._session(req, principal)
             last = req.header(b"last-event-id")
             resume = None if last is None else replay.parse_id(last)
             if last is not None and resume is None:
@@ -200,16 +273,16 @@ class Endpoint:
             session.open_get(sink, None if resume is None else resume[1])
             await _hold(conn, session, sink)
         elif req.method == "DELETE":
-            session = self._session(req)
+            session = self._session(req, principal)
             session.terminate()
             conn.respond(200)
         else:
             raise HttpError(405, "method not allowed")
 
-    async def _post(self, conn: HttpConnection, req: Request) -> None:
+    async def _post(self, conn: HttpConnection, req: Request, principal: Principal | None) -> None:
         body = req.body
         if jsonrpc.is_batch(body):
-            session = self._session(req)
+            session = self._session(req, principal)
             if session.client is None or session.client.protocol_version != mcp.BATCH_VERSION:
                 raise _jsonrpc_error(400, errors.InvalidRequest(
                     "JSON-RPC batches are only accepted from clients that negotiated 2025-03-26"))
@@ -221,6 +294,8 @@ class Endpoint:
                 raise _jsonrpc_error(400, exc) from None
             if not items:
                 raise _jsonrpc_error(400, errors.InvalidRequest("empty batch"))
+            for e in envs:
+                self._check_scopes(req, principal, e)
             if "request" in kinds:
                 sink = Sink(conn, session.id, batch=True)
                 sink.ids = frozenset(e.id for e, k in zip(envs, kinds, strict=True)
@@ -235,8 +310,10 @@ class Endpoint:
         except errors.GatewayError as exc:
             bad_id = exc.data.pop("id", None)
             raise _jsonrpc_error(400, exc, bad_id) from None
+        if kind == "request":
+            self._check_scopes(req, principal, env)
         if _is_modern(req, env):
-            await self._modern(conn, req, env, kind, body)
+            await self._modern(conn, req, env, kind, body, principal)
             return
         rid = env.id if isinstance(env.id, int | str) else None
         if req.header(b"mcp-session-id") is None and kind == "request" and env.method == "initialize":
@@ -246,9 +323,10 @@ class Endpoint:
                 raise _jsonrpc_error(503, errors.Overloaded(
                     "too many HTTP sessions (listen.http_max_sessions); retry later",
                     limit=self.sessions.max_sessions), rid)
+            session.principal = principal
             LOGGER.debug("http session %.8s… created", session.id)
         else:
-            session = self._session(req, rid)
+            session = self._session(req, principal, rid)
         if kind != "request":
             self._accepted(conn, session, body)
             if env.method == "notifications/cancelled":
@@ -272,7 +350,7 @@ class Endpoint:
         await self._stream(conn, session, sink, body)
 
     async def _modern(self, conn: HttpConnection, req: Request, env: jsonrpc.Envelope, kind: str,
-                      body: bytes) -> None:
+                      body: bytes, principal: Principal | None) -> None:
         """A 2026-07-28 POST: stateless, checked at the edge (headers against the body, the
         request's ``_meta``), served by its own flow; closing the response stream cancels it."""
         if kind != "request":
@@ -299,7 +377,7 @@ class Endpoint:
         sink.token = _progress_token(env.params)
         if ("requestState" in params and env.method in mrtr.METHODS and self.bridge is not None
                 and not self.bridge.passthrough(env.method, params)):
-            session = self._resume(env, params, caps, sink)
+            session = self._resume(env, params, caps, sink, principal)
             asked = _rounds(session)
             try:
                 await _hold(conn, session, sink)
@@ -309,6 +387,7 @@ class Endpoint:
             return
         session = HttpSession(self.sessions.idle_timeout, id="")
         session.mrtr = self.bridge
+        session.principal = principal
         session.open_post(sink)
         assert self.direct is not None
         flow = session.direct = self.direct(session)
@@ -323,12 +402,13 @@ class Endpoint:
                 flow.finish()
 
     def _resume(self, env: jsonrpc.Envelope, params: dict[str, jsonrpc.Raw], caps: dict[str, object],
-                sink: Sink) -> HttpSession:
+                sink: Sink, principal: Principal | None) -> HttpSession:
         """A retry carrying ``requestState``: the parked flow it continues (gateway.bridge),
-        with ``sink`` open for the retry's id."""
+        with ``sink`` open for the retry's id (only for the principal the flow is bound to)."""
         assert isinstance(env.method, str) and isinstance(env.id, int | str) and self.bridge is not None
         try:
-            owner = self.bridge.resume(env.method, params, env.id, caps)
+            owner = self.bridge.resume(env.method, params, env.id, caps,
+                                       principal=None if principal is None else principal.key)
         except errors.GatewayError as exc:
             raise _jsonrpc_error(400, exc, env.id) from None
         session = owner.writer
@@ -355,6 +435,10 @@ def _end(session: HttpSession) -> None:
         session.direct.finish()
     else:
         session.terminate()
+
+
+def _key(principal: Principal | None) -> str | None:
+    return None if principal is None else principal.key
 
 
 def _rounds(session: HttpSession) -> int:

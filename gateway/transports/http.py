@@ -65,6 +65,7 @@ class HttpError(Exception):
         self.body = body if body is not None else f"{text}\n".encode()
         self.content_type = content_type
         self.close = False  # True: the connection is closed after the answer
+        self.headers: list[tuple[str, str]] = []  # sent with the answer (e.g. WWW-Authenticate)
 
 
 class Request:
@@ -274,7 +275,8 @@ async def serve_connection(
                 await handle(conn, req)
             except HttpError as exc:
                 LOGGER.debug("%s: %d %s", name, exc.status, exc)
-                conn.respond(exc.status, exc.body, exc.content_type, error_headers(exc), close=exc.close)
+                conn.respond(exc.status, exc.body, exc.content_type, [*error_headers(exc), *exc.headers],
+                             close=exc.close)
             with trio.move_on_after(write_timeout) as scope:
                 await conn.flush()
             if scope.cancelled_caught or not conn.reusable:

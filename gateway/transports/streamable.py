@@ -61,6 +61,7 @@ from gateway.transports.replay import ReplayLog, format_id
 from gateway.wakeup import Wakeup
 
 if TYPE_CHECKING:
+    from gateway.auth.principal import Principal
     from gateway.bridge import Bridge
     from gateway.connection import Direct
     from gateway.session import ClientSession
@@ -198,6 +199,7 @@ class HttpSession:
         self.client: ClientSession | None = None  # bound by connection.serve
         self.mrtr: Bridge | None = None  # a modern flow's: its child's requests are bridged
         self.direct: Direct | None = None  # a modern flow's: served without a task of its own
+        self.principal: Principal | None = None  # who opened it (gateway.auth); bound for its life
         self.closed = False
         self.last_active = trio.current_time()
         self.dropped = 0  # messages no stream could take (logged once per session)
@@ -219,6 +221,7 @@ class HttpSession:
     def bind(self, client: ClientSession) -> None:
         self.client = client
         client.mrtr = self.mrtr
+        client.principal = self.principal
 
     def push(self, message: bytes) -> bool:
         """A POSTed message for the reader; False when the inbox is full."""

@@ -24,6 +24,10 @@ is readable, within :data:`REFUSE_WAIT`; at most :data:`REFUSING_MAX` such refus
 at once, beyond that the TCP connection is closed at once.  Host check: an
 upgrade whose ``Host`` is not a loopback name, the bound address or in ``allowed_hosts`` gets
 HTTP 421 (DNS rebinding: a page whose name resolves to 127.0.0.1 sends its own name).
+Authentication (``authenticate``, when ``[auth]`` is configured): after Host and Origin, the
+upgrade's ``Authorization`` header must name a principal, else :class:`Refused` (401 with
+``WWW-Authenticate``); the principal rides on the :class:`WebSocketStream` for the connection's
+life.  A connection whose credential a reload removed is closed with 1008.
 
 Frames: MCP over WebSocket is one JSON-RPC message per *text* frame.  A message over
 ``max_message_bytes`` raises :class:`~gateway.errors.MessageTooLarge` (the connection answers
@@ -87,7 +91,20 @@ _CLOSE_CODES = {
     CloseReason.UNSUPPORTED_DATA: 1003,
     CloseReason.INVALID_DATA: 1007,
     CloseReason.INCOMPLETE: 1008,
+    CloseReason.UNAUTHORIZED: 1008,
 }
+#: Authenticates an upgrade: given its Host and Authorization headers, the principal (None:
+#: authentication not configured) or raises Refused (answered with its status and headers).
+Authenticate = Callable[[str | None, str | None], Awaitable[object]]
+
+
+class Refused(Exception):
+    """An upgrade turned away with ``status`` and ``headers`` (e.g. 401 + WWW-Authenticate)."""
+
+    def __init__(self, status: int, text: str, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+        super().__init__(text)
+        self.status = status
+        self.headers = list(headers)
 
 
 class WebSocketStream:
@@ -104,6 +121,7 @@ class WebSocketStream:
         self._failed: int | None = None  # close code for a frame that could not be parsed
         self._close_reply: bytes | None = None  # our answer to the peer's close frame
         self._closed = False
+        self.principal: object = None  # who authenticated on the upgrade (gateway.auth)
 
     async def receive(self) -> bytes:
         while self._pos >= len(self._ready):
@@ -202,10 +220,11 @@ def origin_allowed(headers: Sequence[tuple[bytes, bytes]], allowed: Sequence[str
                for name, value in headers if name.lower() == b"origin")
 
 
-async def _refuse(stream: trio.abc.Stream, ws: WSConnection, status: int, text: str) -> None:
+async def _refuse(stream: trio.abc.Stream, ws: WSConnection, status: int, text: str,
+                  headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     body = f"{text}\n".encode()
     reject = RejectConnection(status_code=status, has_body=True, headers=[
-        (b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())])
+        (b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode()), *headers])
     await stream.send_all(ws.send(reject) + ws.send(RejectData(data=body)))
 
 
@@ -233,35 +252,47 @@ async def _close_tcp(stream: trio.SocketStream) -> None:
             pass
 
 
+_REFUSED = object()
+
+
 async def _handshake(stream: trio.abc.Stream, allowed_origins: Sequence[str],
-                     allowed_hosts: frozenset[str]) -> bool:
-    """Run the HTTP upgrade (wsproto's handshake); False after refusing it."""
+                     allowed_hosts: frozenset[str], authenticate: Authenticate | None = None) -> object:
+    """Run the HTTP upgrade (wsproto's handshake); :data:`_REFUSED` after refusing it, else
+    the principal ``authenticate`` found (None without it)."""
     ws = WSConnection(ConnectionType.SERVER)
     while True:
         data = await stream.receive_some(_RECEIVE)
         if not data:
-            return False
+            return _REFUSED
         try:
             ws.receive_data(data)
             events = list(ws.events())
         except RemoteProtocolError as exc:
             LOGGER.info("websocket upgrade refused: %s", exc)
             await stream.send_all(ws.send(exc.event_hint or RejectConnection(status_code=400)))
-            return False
+            return _REFUSED
         for event in events:
             if not isinstance(event, Request):
                 continue
             if not host_allowed(event.host, allowed_hosts):
                 LOGGER.warning("websocket upgrade refused: Host %r not allowed", event.host)
                 await _refuse(stream, ws, 421, "Host not allowed")
-                return False
+                return _REFUSED
             if not origin_allowed(event.extra_headers, allowed_origins):
                 LOGGER.warning("websocket upgrade refused: Origin not allowed")
                 await _refuse(stream, ws, 403, "Origin not allowed")
-                return False
+                return _REFUSED
+            principal = None
+            if authenticate is not None:
+                values = [v.decode("latin-1") for k, v in event.extra_headers if k.lower() == b"authorization"]
+                try:
+                    principal = await authenticate(event.host, ", ".join(values) if values else None)
+                except Refused as exc:
+                    await _refuse(stream, ws, exc.status, str(exc), exc.headers)
+                    return _REFUSED
             sub = SUBPROTOCOL if SUBPROTOCOL in event.subprotocols else None
             await stream.send_all(ws.send(AcceptConnection(subprotocol=sub)))
-            return True
+            return principal
 
 
 async def serve_websocket(
@@ -273,6 +304,7 @@ async def serve_websocket(
     max_message: int,
     handler_nursery: trio.Nursery,
     slots: ConnectionSlots | None = None,
+    authenticate: Authenticate | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Accept WebSocket connections on ``listeners`` until cancelled.
@@ -280,7 +312,8 @@ async def serve_websocket(
     Connections run in ``handler_nursery``, so cancelling this task (stop accepting) does not
     cancel live connections.  ``allowed_hosts``: ``Host`` names accepted besides the loopback
     names and the bound address.  With ``slots``, each connection holds one from its accept
-    until it ends.
+    until it ends.  With ``authenticate``, every upgrade is authenticated (see
+    :data:`Authenticate`); the principal is on the stream handed to ``on_connection``.
     """
     hosts = allowed_host_names(listeners, allowed_hosts)
     refusing = 0
@@ -301,18 +334,20 @@ async def serve_websocket(
                         refusing -= 1
                 await _close_tcp(stream)
                 return
-            upgraded = False
+            upgraded: object = _REFUSED
             with trio.move_on_after(HANDSHAKE_TIMEOUT):
                 try:
-                    upgraded = await _handshake(stream, allowed_origins, hosts)
+                    upgraded = await _handshake(stream, allowed_origins, hosts, authenticate)
                 except _BROKEN:
                     pass
                 except Exception:  # a bug in the upgrade must end this connection only
                     LOGGER.exception("websocket upgrade failed")
-            if not upgraded:
+            if upgraded is _REFUSED:
                 await _close_tcp(stream)
                 return
-            await on_connection(WebSocketStream(stream, max_message))
+            ws_stream = WebSocketStream(stream, max_message)
+            ws_stream.principal = upgraded
+            await on_connection(ws_stream)
         finally:
             if accepted.admitted and slots is not None:
                 slots.release()

@@ -1,0 +1,274 @@
+"""Who the caller is, from the ``Authorization`` header of an HTTP request or a WebSocket
+upgrade: the daemon's one :class:`Authenticator`, built from ``[auth]`` and rebuilt by a reload.
+
+Theory of operation: authentication is *configured* when ``[auth]`` holds an authenticator
+(``auth.configured``); then every request to ``/mcp`` and every WebSocket upgrade must carry
+``Authorization: Bearer <token>`` (the unix socket is authenticated by its peer's uid instead,
+elsewhere).  A token is first looked up among the static bearer tokens
+(:mod:`gateway.auth.tokens`, constant time); if OAuth is configured and the token is a JWT it
+is then verified against the issuer's keys (:mod:`gateway.auth.jwt`, keys from
+:class:`~gateway.auth.jwks.JwksCache`).  Anything else is :class:`Unauthorized`: the caller
+answers 401 with a ``WWW-Authenticate`` challenge (``error="invalid_token"`` when a token was
+given).  The token itself is never logged, stored or passed on: only the principal it names.
+
+Reload (:meth:`Authenticator.reconfigure`) swaps the tables at once; :meth:`still_valid` tells
+which principals lost their credential (their connections are closed by the service).
+Refusals are logged at most :data:`LOG_BURST` per :data:`LOG_WINDOW` seconds, then summarised.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import trio
+
+from gateway.auth import challenge
+from gateway.auth import jwt as jwts
+from gateway.auth.jwks import JwksCache
+from gateway.auth.principal import Principal
+from gateway.auth.tokens import BearerEntry, BearerTable, file_problem, parse_tokens_file
+from gateway.config import AuthSection, GatewayConfig
+from gateway.errors import ConfigError
+from gateway.events import ConnectionRefused, EventBus
+
+LOGGER = logging.getLogger(__name__)
+
+#: The largest tokens file read.
+MAX_TOKENS_FILE = 1024 * 1024
+#: Refusal log lines: at most LOG_BURST per LOG_WINDOW seconds, then one summary line.
+LOG_BURST = 10
+LOG_WINDOW = 60.0
+_GLOB = set("*?[")
+
+
+class Unauthorized(Exception):
+    """No usable credential: 401.  ``error`` is ``"invalid_token"`` when a token was presented
+    (None when there was none), ``kind`` a short word for logs."""
+
+    def __init__(self, description: str, *, error: str | None = "invalid_token", kind: str = "invalid") -> None:
+        super().__init__(description)
+        self.error = error
+        self.kind = kind
+
+
+def load_tokens_file(path: str, gateway_uid: int | None = None) -> list[BearerEntry]:
+    """Read ``auth.tokens_file``, refusing it when others may read or change it.
+
+    Raises:
+        ConfigError: ``auth.tokens_file: …`` (unreadable, bad mode or owner, bad lines).
+    """
+    uid = os.geteuid() if gateway_uid is None else gateway_uid
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise ConfigError([f"auth.tokens_file: {path}: {exc.strerror or exc}"]) from None
+    try:
+        st = os.fstat(fd)
+        problem = file_problem(st.st_mode, st.st_uid, uid)
+        if problem is not None:
+            raise ConfigError([f"auth.tokens_file: {path}: {problem}"])
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(MAX_TOKENS_FILE + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_TOKENS_FILE:
+        raise ConfigError([f"auth.tokens_file: {path}: larger than {MAX_TOKENS_FILE} bytes"])
+    try:
+        return parse_tokens_file(data.decode("utf-8"), path)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"auth.tokens_file: {exc}"]) from None
+
+
+def configured_names(cfg: GatewayConfig, entries: list[BearerEntry]) -> frozenset[str]:
+    """Principal names an operator wrote down (bearer entries; rules and limits naming one
+    principal, not a glob): the only names metrics and logs may carry."""
+    names = {e.principal for e in entries}
+    for pattern in [r.principal for r in cfg.policy.rules] + [lim.principal for lim in cfg.auth.limits]:
+        if pattern and not _GLOB & set(pattern):
+            names.add(pattern)
+    return frozenset(names)
+
+
+def _tokens_path(cfg: GatewayConfig) -> str | None:
+    path = cfg.auth.tokens_file
+    return None if not path else os.path.join(cfg.base_dir, path)
+
+
+class Authenticator:
+    """The configured authenticators (see the module docstring)."""
+
+    def __init__(self, cfg: GatewayConfig) -> None:
+        self.auth = AuthSection()
+        self.public_url: str | None = None
+        self.tls = False
+        self.bearer = BearerTable([])
+        self.labels: frozenset[str] = frozenset()
+        self.jwks: JwksCache | None = None
+        self.refusals = 0  # all refusals since start
+        self.bus: EventBus | None = None  # the hub's, once the service sets it
+        self._logged = 0  # refusal lines logged in the current window
+        self._suppressed = 0
+        self._window = -LOG_WINDOW
+        self.reconfigure(cfg)
+
+    # ---- configuration ----------------------------------------------------------------------
+
+    def reconfigure(self, cfg: GatewayConfig) -> None:
+        """Adopt ``cfg``'s ``[auth]`` (reads the tokens file; the JWKS cache is kept when the
+        OAuth keys' URI did not change).
+
+        Raises:
+            ConfigError: the tokens file cannot be used (nothing changes then).
+        """
+        entries = [BearerEntry(b.principal, b.token_sha256.lower(), frozenset(b.groups))
+                   for b in cfg.auth.bearer]
+        path = _tokens_path(cfg)
+        if path is not None:
+            entries += load_tokens_file(path)
+        oauth = cfg.auth.oauth
+        jwks = None
+        if oauth is not None:
+            old = self.jwks
+            if old is not None and old.uri == oauth.jwks_uri:
+                old.min_interval = oauth.jwks_refresh_min_interval
+                jwks = old
+            else:
+                jwks = JwksCache(oauth.jwks_uri, oauth.jwks_refresh_min_interval)
+        self.auth = cfg.auth
+        self.public_url = cfg.listen.public_url
+        self.tls = bool(cfg.listen.tls_cert)
+        self.bearer = BearerTable(entries)
+        self.labels = configured_names(cfg, entries)
+        self.jwks = jwks
+
+    @property
+    def configured(self) -> bool:
+        return self.auth.configured
+
+    def _oauth_credential(self) -> str:
+        oauth = self.auth.oauth
+        assert oauth is not None
+        return "|".join((oauth.issuer, oauth.audience, oauth.jwks_uri, oauth.principal_claim,
+                         oauth.groups_claim or ""))
+
+    async def start(self) -> None:
+        """Fetch the OAuth keys once (at start; failures are logged, tokens then refetch)."""
+        if self.jwks is not None:
+            await self.jwks.prime()
+
+    # ---- authentication ---------------------------------------------------------------------
+
+    async def authenticate(self, authorization: str | None) -> Principal | None:
+        """The principal an ``Authorization`` header value names; None when authentication is
+        not configured.
+
+        Raises:
+            Unauthorized: no header, not a Bearer token, or a token that does not verify.
+        """
+        if not self.configured:
+            return None
+        if authorization is None or not authorization.strip():
+            raise Unauthorized("authentication required: send Authorization: Bearer <token>",
+                               error=None, kind="missing")
+        scheme, _, token = authorization.strip().partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token or "," in token:
+            raise Unauthorized("the Authorization header must be: Bearer <token>", kind="scheme")
+        entry = self.bearer.match(token)
+        if entry is not None:
+            name = entry.principal
+            return Principal(name, entry.groups, frozenset(), "bearer", name,
+                             credential=entry.token_sha256)
+        oauth = self.auth.oauth
+        if oauth is None or self.jwks is None or not jwts.looks_like_jwt(token):
+            raise Unauthorized("the token is not valid here", kind="unknown_token")
+        try:
+            kid, alg = jwts.header(token)
+            key = await self.jwks.key_for(kid)
+            if key is None:
+                raise jwts.TokenRefused("unknown_kid", "the token's key (kid) is not one of the issuer's")
+            claims = jwts.verify(token, key, alg, oauth)
+            return jwts.principal_of(claims, oauth, self.labels, self._oauth_credential())
+        except jwts.TokenRefused as exc:
+            raise Unauthorized(str(exc), kind=exc.kind) from None
+
+    def still_valid(self, principal: Principal | None, transport: str) -> bool:
+        """Whether a connection or session opened as ``principal`` may go on under the current
+        configuration (after a reload)."""
+        if transport == "unix" or (principal is not None and principal.via == "peer"):
+            return True  # authenticated by its peer credentials, not by [auth]
+        if principal is None:
+            return not self.configured
+        if principal.via == "bearer":
+            return any(e.principal == principal.name and e.token_sha256 == principal.credential
+                       and e.groups == principal.groups for e in self.bearer.entries)
+        if principal.via == "oauth":
+            return self.auth.oauth is not None and principal.credential == self._oauth_credential()
+        return False
+
+    # ---- what clients are told -------------------------------------------------------------
+
+    def resource(self, host: str | None) -> str:
+        return challenge.resource(self.auth, self.public_url, "https" if self.tls else "http", host)
+
+    def challenge(self, host: str | None, exc: Unauthorized | None = None,
+                  scope: list[str] | None = None) -> str:
+        """The ``WWW-Authenticate`` value for a 401 (``exc``) or a 403 ``insufficient_scope``
+        (``scope``: the scopes the request needs)."""
+        metadata = challenge.metadata_url(self.resource(host))
+        if scope is not None:
+            return challenge.www_authenticate(metadata, error="insufficient_scope", scope=scope,
+                                              description="the request needs more scopes")
+        if exc is None or exc.error is None:
+            return challenge.www_authenticate(metadata)
+        return challenge.www_authenticate(metadata, error=exc.error, description=str(exc))
+
+    def metadata(self, host: str | None) -> dict[str, Any]:
+        return challenge.metadata_document(self.resource(host), self.auth)
+
+    # ---- operator view ----------------------------------------------------------------------
+
+    def refused(self, transport: str, where: str, why: str, label: str | None = None) -> None:
+        """Log a refusal (rate-limited; the principal's label when known, never a token) and
+        count it (``client_connections_refused_total{reason="unauthorized"}``)."""
+        self.refusals += 1
+        if self.bus is not None:
+            self.bus.emit(ConnectionRefused(transport, "unauthorized"))
+        now = trio.current_time()
+        if now - self._window >= LOG_WINDOW:
+            if self._suppressed:
+                LOGGER.warning("auth: %d more refusals in the last %.0fs not logged", self._suppressed,
+                               LOG_WINDOW)
+            self._window, self._logged, self._suppressed = now, 0, 0
+        if self._logged >= LOG_BURST:
+            self._suppressed += 1
+            return
+        self._logged += 1
+        LOGGER.warning("auth: %s refused: %s (principal %s)", where, why, label or "-")
+
+    def status(self, cfg: GatewayConfig) -> dict[str, Any]:
+        auth = self.auth
+        listeners: dict[str, Any] = {}
+        if cfg.listen.websocket is not None:
+            listeners["websocket"] = {"auth_required": auth.configured}
+        if cfg.listen.http is not None:
+            listeners["http"] = {"auth_required": auth.configured}
+        if cfg.listen.unix is not None:
+            listeners["unix"] = {"auth_required": False, "principal": "peer uid (SO_PEERCRED)"}
+        oauth = None
+        if auth.oauth is not None:
+            jwks = self.jwks
+            oauth = {"issuer": auth.oauth.issuer, "audience": auth.oauth.audience,
+                     "jwks_uri": auth.oauth.jwks_uri, "jwks_keys": len(jwks.keys) if jwks else 0,
+                     "jwks_fetches": jwks.fetches if jwks else 0,
+                     "jwks_last_error": jwks.last_error if jwks else None}
+        return {
+            "configured": auth.configured,
+            "bearer": {"count": len(self.bearer), "in_config": len(auth.bearer),
+                       "tokens_file": auth.tokens_file},
+            "oauth": oauth,
+            "listeners": listeners,
+            "refusals": self.refusals,
+        }
