@@ -33,7 +33,7 @@ from gateway.protocol.catalog import BackendLists, Catalog, CatalogConflict, bui
 from gateway.protocol.era import Era
 from gateway.protocol.subscriptions import uri_matches
 from gateway.session import ClientSession
-from gateway.status import GatewayStatus
+from gateway.status import GatewayStatus, ListenerStatus
 from gateway.wakeup import Wakeup
 
 LOGGER = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ class Hub:
         self.listens = Listens()  # modern clients' subscriptions/listen requests
         self.policy = Policy(cfg.policy, bus, cfg)
         self.listeners_bound = False
+        self.listeners: tuple[ListenerStatus, ...] = ()  # for /status; set once they are bound
         self.draining = False
         self.calls_cut_off = False  # drain grace over: cancelled calls are answered -32005 shutdown
         self._connections_changed = Wakeup()
@@ -397,6 +398,7 @@ class Hub:
             client_requests_in_flight=sum(len(s.inflight) for s in self.sessions),
             outbound_messages_queued=sum(s.queued for s in self.sessions),
             connection_slots=self.slots.used,
+            listeners=self.listeners,
         )
 
 

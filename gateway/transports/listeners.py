@@ -69,16 +69,19 @@ def adopt_listener(fd: int) -> trio.SocketListener:
     return trio.SocketListener(trio.socket.from_stdlib_socket(sock))
 
 
-def check_loopback(listener: trio.SocketListener, what: str) -> None:
-    """Refuse a TCP listener bound to anything but loopback (checked with getsockname())."""
+def check_loopback(listener: trio.SocketListener, what: str,
+                   problems: Sequence[str] = ("authentication, which is not configured",)) -> None:
+    """Refuse a TCP listener bound to anything but loopback (checked with getsockname()) while
+    ``problems`` is not empty: what exposing it still lacks (see
+    :func:`gateway.guards.client_exposure_problems`); a unix socket always passes."""
     sock = listener.socket
-    if sock.family == socket.AF_UNIX:
+    if sock.family == socket.AF_UNIX or not problems:
         return
     host = sock.getsockname()[0]
     if not is_loopback(host):
         raise ListenerError(
-            f"{what}: bound to {host}, which is not loopback; network listeners need "
-            "authentication, which is not configured"
+            f"{what}: bound to {host}, which is not loopback, and a listener off loopback needs "
+            + "; ".join(problems)
         )
 
 
@@ -91,13 +94,21 @@ def allowed_host_names(listeners: Sequence[trio.SocketListener], extra: Sequence
     return frozenset((bound - {"0.0.0.0", "::"}) | {host_name(h) for h in extra})
 
 
-async def open_tcp(host: str, port: int, what: str) -> list[trio.SocketListener]:
+async def open_tcp(host: str, port: int, what: str,
+                   problems: Sequence[str]) -> list[trio.SocketListener]:
+    """Listen on ``host:port``; refused off loopback while ``problems`` (see
+    :func:`check_loopback`)."""
     try:
         listeners = await trio.open_tcp_listeners(port, host=host)
     except OSError as exc:
         raise ListenerError(f"{what}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     for listener in listeners:
-        check_loopback(listener, what)
+        try:
+            check_loopback(listener, what, problems)
+        except ListenerError:
+            for lst in listeners:
+                lst.socket.close()
+            raise
     return listeners
 
 
