@@ -28,7 +28,6 @@ import dataclasses
 import hashlib
 import hmac
 import logging
-import socket
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING
@@ -36,9 +35,8 @@ from typing import TYPE_CHECKING
 import msgspec
 import trio
 
-from gateway.config import is_loopback
 from gateway.transports.http import HttpConnection, Reply, Request, serve_connection
-from gateway.transports.listeners import allowed_host_names
+from gateway.transports.listeners import allowed_host_names, bound_off_loopback
 
 if TYPE_CHECKING:
     from gateway.ops.metrics import GatewayMetrics
@@ -89,8 +87,7 @@ async def serve_admin(
         Nothing a client does escapes its connection task: protocol errors get a 4xx and a
         close, failures in a route a 500, anything else is logged and the connection closed.
     """
-    off_loopback = any(lst.socket.family != socket.AF_UNIX and not is_loopback(str(lst.socket.getsockname()[0]))
-                       for lst in listeners)
+    off_loopback = bound_off_loopback(listeners)
     if off_loopback and token_sha256 is None:
         LOGGER.warning("admin: listening off loopback without admin.token_sha256: /status is refused "
                        "(403) until it is set; /metrics, /healthz, /readyz are served")

@@ -85,6 +85,12 @@ def check_loopback(listener: trio.SocketListener, what: str,
         )
 
 
+def bound_off_loopback(listeners: Sequence[trio.SocketListener]) -> bool:
+    """Whether any of ``listeners`` is a TCP socket bound to an address that is not loopback."""
+    return any(lst.socket.family != socket.AF_UNIX and not is_loopback(str(lst.socket.getsockname()[0]))
+               for lst in listeners)
+
+
 def allowed_host_names(listeners: Sequence[trio.SocketListener], extra: Sequence[str]) -> frozenset[str]:
     """The ``Host`` names a TCP listener answers to besides the loopback names (see
     :func:`gateway.config.host_allowed`): its bound address unless a wildcard, and ``extra``
