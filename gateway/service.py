@@ -174,7 +174,7 @@ async def run(
                                 __version__, bound.websocket_port, bound.unix_path, bound.admin_port,
                                 bound.http_port)
                     task_status.started(bound)
-                    await _control_loop(hub, control, config_path)
+                    await _control_loop(hub, control, config_path, tls_context)
                     await _drain(hub, cfg, accept, conns)
                 await hub.stop_backends()
                 hub_nursery.cancel_scope.cancel()
@@ -363,7 +363,8 @@ def _listener_status(name: str, listeners: list[trio.SocketListener], cfg: Gatew
     return out
 
 
-async def _control_loop(hub: Hub, control: Control, config_path: str | None) -> None:
+async def _control_loop(hub: Hub, control: Control, config_path: str | None,
+                        tls_context: ssl.SSLContext | None = None) -> None:
     """Reload on request until a stop is requested; a stop cancels a reload that is running.
 
     A cancelled reload leaves nothing unowned: every backend it was draining, stopping or
@@ -373,7 +374,7 @@ async def _control_loop(hub: Hub, control: Control, config_path: str | None) -> 
     while await control.next() is Command.RELOAD:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_when_stopping, control, nursery.cancel_scope)
-            await reload(hub, config_path)
+            await reload(hub, config_path, tls_context)
             nursery.cancel_scope.cancel()
         if control.stopping.is_set():
             LOGGER.warning("reload abandoned: stop requested while it ran")
@@ -384,8 +385,9 @@ async def _cancel_when_stopping(control: Control, scope: trio.CancelScope) -> No
     scope.cancel()
 
 
-async def reload(hub: Hub, config_path: str | None) -> bool:
-    """SIGHUP: re-read and validate, keep the old config on error, else apply the diff."""
+async def reload(hub: Hub, config_path: str | None, tls_context: ssl.SSLContext | None = None) -> bool:
+    """SIGHUP: re-read and validate, keep the old config on error, else apply the diff (and
+    load the TLS certificate and key again: a renewed certificate needs no restart)."""
     systemd.notify("RELOADING=1", f"MONOTONIC_USEC={systemd.monotonic_usec()}", "STATUS=reloading")
     try:
         if config_path is None:
@@ -399,6 +401,12 @@ async def reload(hub: Hub, config_path: str | None) -> bool:
         hub.bus.emit(ReloadFinished(False, message))
         systemd.notify("READY=1", f"STATUS=reload failed: {message[:200]}")
         return False
+    if tls_context is not None and new.listen.tls_cert is not None and new.listen.tls_key is not None:
+        try:
+            tls.reload_into(tls_context, new.listen.tls_cert, new.listen.tls_key)
+            LOGGER.info("reload: TLS certificate loaded again from %s", new.listen.tls_cert)
+        except tls.TlsError as exc:
+            LOGGER.error("reload: %s; the certificate loaded before stays in use", exc)
     old = hub.cfg
     added, removed, changed = config.diff_backends(old, new)
     for section in config.restart_only_changes(old, new):

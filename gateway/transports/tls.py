@@ -1,5 +1,6 @@
 """TLS on the client listeners (``listen.tls_cert`` + ``listen.tls_key``): the server context,
-loaded once at start, and the handshake of each accepted connection.
+loaded at start (and again on reload: :func:`reload_into`, for renewed certificates), and the
+handshake of each accepted connection.
 
 Theory of operation: the listener accepts TCP as always (a ``max_connections`` slot is taken at
 accept); the connection's own task then runs the TLS handshake (:func:`handshake`), bounded by
@@ -49,6 +50,18 @@ def server_context(cert: str, key: str) -> ssl.SSLContext:
                        f"{reason}") from None
     ctx.set_alpn_protocols(["http/1.1"])
     return ctx
+
+
+def reload_into(ctx: ssl.SSLContext, cert: str, key: str) -> None:
+    """Load a renewed certificate and key into the live ``ctx`` (``systemctl reload``): new
+    connections get them, open ones keep theirs.  The pair is first loaded into a fresh context,
+    so a bad pair leaves ``ctx`` as it was.
+
+    Raises:
+        TlsError: the pair cannot be loaded (``ctx`` unchanged).
+    """
+    server_context(cert, key)
+    ctx.load_cert_chain(cert, key)
 
 
 async def handshake(stream: trio.SocketStream, ctx: ssl.SSLContext,

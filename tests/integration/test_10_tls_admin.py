@@ -22,7 +22,8 @@ from gateway.ops.metrics import GatewayMetrics
 from gateway.events import EventBus
 from gateway.status import GatewayStatus
 from gateway.transports import tls
-from helpers import Client, fixture_backend, make_config, run_gateway
+from gateway import config
+from helpers import ROOT, Client, fixture_backend, make_config, run_gateway
 from tlsutil import make_certs
 
 pytestmark = [pytest.mark.system,
@@ -51,11 +52,14 @@ async def _closed_without_answer(port: int, send: bytes) -> bytes:
 
 async def test_10_tls_https_and_wss_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     certs = make_certs(tmp_path)
-    cfg = make_config(fixture_backend(), listen=(
-        f'tls_cert = "{certs.cert}"\ntls_key = "{certs.key}"\npublic_url = "https://gw.example.com/mcp"\n'))
+    path = tmp_path / "gw.toml"
+    path.write_text(f"""[listen]\nwebsocket = "127.0.0.1:0"\nhttp = "127.0.0.1:0"\ntls_cert = "{certs.cert}"
+tls_key = "{certs.key}"\npublic_url = "https://gw.example.com/mcp"\n[admin]\nlisten = "127.0.0.1:0"\n"""
+                    + fixture_backend())
+    cfg = config.load(path.read_text(), base_dir=ROOT)
     monkeypatch.setattr(tls, "HANDSHAKE_TIMEOUT", 0.5)
     ctx = certs.client_context()
-    async with run_gateway(cfg) as gw:
+    async with run_gateway(cfg, config_path=str(path)) as gw:
         http_port, ws_port = gw.bound.http_port, gw.bound.websocket_port
         assert http_port and ws_port
         # HTTPS POST to /mcp with the CA trusted; then by the public name (Host + Origin allowed)
@@ -112,6 +116,24 @@ async def test_10_tls_https_and_wss_end_to_end(tmp_path: Path, monkeypatch: pyte
         rows = {row["name"]: row for row in json.loads(status[2])["listeners"]}
         assert rows["http"]["tls"] and rows["websocket"]["tls"] and rows["http"]["loopback"]
         assert rows["http"]["auth_configured"] is False and rows["http"]["public_url"] == "https://gw.example.com/mcp"
+        # a renewed certificate (another CA here) is picked up by a reload, no restart
+        (tmp_path / "renewed").mkdir()
+        renewed = make_certs(tmp_path / "renewed")
+        certs.cert.write_bytes(renewed.cert.read_bytes())
+        certs.key.write_bytes(renewed.key.read_bytes())
+        gw.control.reload()
+        with trio.fail_after(10):
+            while True:
+                async with httpx.AsyncClient(verify=renewed.client_context()) as c:
+                    try:
+                        r = await c.get(f"https://localhost:{http_port}/healthz")
+                        break
+                    except httpx.ConnectError:  # still the old certificate
+                        await trio.sleep(0.05)
+        assert r.status_code == 200
+        with pytest.raises(httpx.ConnectError):  # the old CA no longer verifies it
+            async with httpx.AsyncClient(verify=ctx) as c:
+                await c.get(f"https://localhost:{http_port}/healthz")
 
 
 async def _admin(port: int | None, path: str, token: str | None = None,
