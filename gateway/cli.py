@@ -35,9 +35,20 @@ def _load_or_report(path: str, prefix: str = "") -> config.GatewayConfig | None:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
+    """Validate like ``run`` does before it binds anything: every key, the boot guards for
+    listeners off loopback (:mod:`gateway.guards`), backend commands, and the TLS certificate
+    and key loaded as the listeners would load them."""
     cfg = _load_or_report(args.config)
     if cfg is None:
         return 1
+    if cfg.listen.tls_cert is not None and cfg.listen.tls_key is not None:
+        from gateway.transports import tls
+
+        try:
+            tls.server_context(cfg.listen.tls_cert, cfg.listen.tls_key)
+        except tls.TlsError as exc:
+            print(f"{args.config}: {exc}", file=sys.stderr)
+            return 1
     print(f"{args.config}: ok ({len(cfg.backends)} backends: {', '.join(cfg.backends) or 'none'})")
     return 0
 

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from gateway import guards
 from gateway.errors import ConfigError
 
 SECONDS = 1.0
@@ -277,6 +278,26 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def resource_url(cfg: GatewayConfig) -> str | None:
+    """The URL clients reach ``/mcp`` at, when the operator named it (``listen.public_url``):
+    the OAuth protected resource (RFC 9728 ``resource``, RFC 8707 audience).  None: not set."""
+    return cfg.listen.public_url or None
+
+
+def client_allowed_hosts(cfg: GatewayConfig) -> list[str]:
+    """``Host`` names the client listeners answer besides loopback and the bound address:
+    ``listen.allowed_hosts`` and the host of ``listen.public_url``."""
+    public = guards.public_origin(cfg.listen.public_url)
+    return [*cfg.listen.allowed_hosts, *([public[0]] if public else [])]
+
+
+def client_allowed_origins(cfg: GatewayConfig) -> list[str]:
+    """``Origin`` values the client listeners accept: ``listen.allowed_origins`` and the origin
+    of ``listen.public_url`` (a browser client served from the gateway's own name)."""
+    public = guards.public_origin(cfg.listen.public_url)
+    return [*cfg.listen.allowed_origins, *([public[1]] if public else [])]
+
+
 def load(data: bytes | str, *, base_dir: str = ".", check_commands: bool = False) -> GatewayConfig:
     """Decode and validate a TOML config.
 
@@ -383,15 +404,17 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
             errors.append(f"{key}: {exc}")
             continue
         if key in ("listen.websocket", "listen.http") and not is_loopback(host):
-            errors.append(
-                f"{key}: {host!r} is not a loopback address; network listeners need "
-                "authentication, which is not configured (bind 127.0.0.1 or ::1)"
-            )
+            problems = guards.client_exposure_problems(cfg)
+            if problems:
+                errors.append(f"{key}: {host!r} is not a loopback address, and a client listener "
+                              "off loopback needs " + "; ".join(problems))
         if key == "admin.listen" and not is_loopback(host) and not cfg.admin.allow_non_loopback:
             errors.append(
                 f"{key}: {host!r} is not a loopback address; /status exposes backend stderr, "
-                "set admin.allow_non_loopback = true to bind it anyway"
+                "set admin.allow_non_loopback = true to bind it anyway (and admin.token_sha256 "
+                "for /status)"
             )
+    errors.extend(guards.key_errors(cfg, check_files=check_commands))
     for key, hosts in (("listen.allowed_hosts", cfg.listen.allowed_hosts),
                        ("admin.allowed_hosts", cfg.admin.allowed_hosts)):
         for entry in hosts:

@@ -41,7 +41,7 @@ from gateway.protocol.catalog import (
 from gateway.protocol.era import Era
 from gateway.protocol.subscriptions import uri_matches
 from gateway.session import ClientSession
-from gateway.status import GatewayStatus
+from gateway.status import GatewayStatus, ListenerStatus
 from gateway.wakeup import Wakeup
 
 if TYPE_CHECKING:
@@ -99,6 +99,7 @@ class Hub:
         self.principal_names = configured_names(cfg)  # the principal label set
         self.authn: Authenticator | None = None  # set by the service (gateway.auth)
         self.listeners_bound = False
+        self.listeners: tuple[ListenerStatus, ...] = ()  # for /status; set once they are bound
         self.draining = False
         self.calls_cut_off = False  # drain grace over: cancelled calls are answered -32005 shutdown
         self._connections_changed = Wakeup()
@@ -465,6 +466,7 @@ class Hub:
             outbound_messages_queued=sum(s.queued for s in self.sessions),
             connection_slots=self.slots.used,
             auth=self.authn.status(self.cfg) if self.authn is not None else {},
+            listeners=self.listeners,
         )
 
 

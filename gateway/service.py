@@ -15,13 +15,14 @@ import enum
 import logging
 import os
 import signal
+import ssl
 import time
 from dataclasses import dataclass
 from functools import partial
 
 import trio
 
-from gateway import __version__, config, connection
+from gateway import __version__, config, connection, guards
 from gateway.auth.authenticator import Authenticator, Unauthorized
 from gateway.auth.peer import peer_principal
 from gateway.auth.principal import Principal
@@ -37,7 +38,9 @@ from gateway.ops.metrics import GatewayMetrics
 from gateway.protocol.catalog import CatalogConflict
 from gateway.protocol.supervision import State
 from gateway.session import ClientSession
+from gateway.status import ListenerStatus
 from gateway.transports import listeners as ls
+from gateway.transports import tls
 from gateway.transports.endpoint import Endpoint, Sessions, serve_http
 from gateway.transports.lines import LineStream
 from gateway.transports.peercred import peer_credentials
@@ -145,6 +148,7 @@ async def run(
             a sensitive tool without a policy rule.
     """
     control = control or Control()
+    tls_context = _tls_context(cfg)
     if subreaper:
         process.become_subreaper()
     bus = EventBus()
@@ -165,7 +169,8 @@ async def run(
         outer.start_soon(metrics.run_lag_probe)
         if cfg.admin.listen is not None or "admin" in fds:
             admin_listeners = await _admin_listeners(cfg, fds)
-            await outer.start(partial(serve_admin, allowed_hosts=cfg.admin.allowed_hosts),
+            await outer.start(partial(serve_admin, allowed_hosts=cfg.admin.allowed_hosts,
+                                      token_sha256=cfg.admin.token_sha256),
                               admin_listeners, metrics, hub.status)
             bound.admin_port = ls.bound_port(admin_listeners)
         try:
@@ -175,13 +180,13 @@ async def run(
                 _boot_checks(hub)
                 async with trio.open_nursery() as conns:
                     accept = trio.CancelScope()
-                    await conns.start(_serve_listeners, hub, cfg, fds, conns, accept, bound)
+                    await conns.start(_serve_listeners, hub, cfg, fds, conns, accept, bound, tls_context)
                     systemd.notify("READY=1", _status_line(hub))
                     LOGGER.info("mcp-gateway %s ready: websocket port %s, unix %s, admin port %s, http port %s",
                                 __version__, bound.websocket_port, bound.unix_path, bound.admin_port,
                                 bound.http_port)
                     task_status.started(bound)
-                    await _control_loop(hub, control, config_path)
+                    await _control_loop(hub, control, config_path, tls_context)
                     await _drain(hub, cfg, accept, conns)
                 await hub.stop_backends()
                 hub_nursery.cancel_scope.cancel()
@@ -197,14 +202,26 @@ async def run(
     LOGGER.info("mcp-gateway stopped")
 
 
+def _tls_context(cfg: GatewayConfig) -> ssl.SSLContext | None:
+    """The client listeners' TLS context (``listen.tls_cert`` + ``listen.tls_key``), loaded once."""
+    if cfg.listen.tls_cert is None or cfg.listen.tls_key is None:
+        return None
+    try:
+        return tls.server_context(cfg.listen.tls_cert, cfg.listen.tls_key)
+    except tls.TlsError as exc:
+        raise StartupError(str(exc)) from None
+
+
 async def _admin_listeners(cfg: GatewayConfig, fds: dict[str, int]) -> list[trio.SocketListener]:
     if "admin" in fds:
         listener = ls.adopt_listener(fds["admin"])
         if not cfg.admin.allow_non_loopback:
             try:
-                ls.check_loopback(listener, "admin socket from systemd")
+                ls.check_loopback(listener, "admin socket from systemd", (
+                    "admin.allow_non_loopback = true (/status shows backend stderr: set "
+                    "admin.token_sha256 too)",))
             except ls.ListenerError as exc:
-                raise StartupError(f"{exc}; set admin.allow_non_loopback = true to allow it") from None
+                raise StartupError(str(exc)) from None
         return [listener]
     assert cfg.admin.listen is not None
     host, port = config.parse_host_port(cfg.admin.listen)
@@ -245,34 +262,26 @@ def _boot_checks(hub: Hub) -> None:
 
 
 async def _serve_listeners(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio.Nursery,
-                           accept: trio.CancelScope, bound: Bound,
+                           accept: trio.CancelScope, bound: Bound, tls_context: ssl.SSLContext | None,
                            task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     max_msg = cfg.gateway.max_message_bytes
     try:
         with accept:
-            await _accept(hub, cfg, fds, conns, bound, max_msg, task_status)
+            await _accept(hub, cfg, fds, conns, bound, max_msg, tls_context, task_status)
     finally:
         hub.listeners_bound = False  # not ready from the moment nothing is accepted any more
 
 
 async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio.Nursery, bound: Bound,
-                  max_msg: int, task_status: trio.TaskStatus[None]) -> None:
+                  max_msg: int, tls_context: ssl.SSLContext | None, task_status: trio.TaskStatus[None]) -> None:
+    hosts = config.client_allowed_hosts(cfg)
+    origins = config.client_allowed_origins(cfg)
+    exposed: list[ListenerStatus] = []
     async with trio.open_nursery() as nursery:
         if "websocket" in fds or cfg.listen.websocket is not None:
-            if "websocket" in fds:
-                ws_listeners = [ls.adopt_listener(fds["websocket"])]
-                try:
-                    ls.check_loopback(ws_listeners[0], "websocket socket from systemd")
-                except ls.ListenerError as exc:
-                    raise StartupError(str(exc)) from None
-            else:
-                assert cfg.listen.websocket is not None
-                host, port = config.parse_host_port(cfg.listen.websocket)
-                try:
-                    ws_listeners = await ls.open_tcp(host, port, "listen.websocket")
-                except ls.ListenerError as exc:
-                    raise StartupError(str(exc)) from None
+            ws_listeners = await _tcp_listeners(fds, "websocket", cfg.listen.websocket, cfg)
             bound.websocket_port = ls.bound_port(ws_listeners)
+            exposed += _listener_status("websocket", ws_listeners, cfg, tls_context is not None)
 
             async def on_ws(stream: WebSocketStream) -> None:
                 def bind(session: ClientSession) -> None:
@@ -284,21 +293,21 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                 await connection.serve(hub, stream, "websocket", bind=bind)
 
             await nursery.start(lambda task_status: serve_websocket(
-                ws_listeners, on_ws, allowed_origins=cfg.listen.allowed_origins,
-                allowed_hosts=cfg.listen.allowed_hosts, max_message=max_msg,
+                ws_listeners, on_ws, allowed_origins=origins, allowed_hosts=hosts, max_message=max_msg,
                 handler_nursery=conns, slots=hub.slots, authenticate=partial(_ws_authenticate, hub),
-                task_status=task_status))
+                tls_context=tls_context, task_status=task_status))
         if "http" in fds or cfg.listen.http is not None:
-            http_listeners = await _tcp_listeners(fds, "http", cfg.listen.http)
+            http_listeners = await _tcp_listeners(fds, "http", cfg.listen.http, cfg)
             bound.http_port = ls.bound_port(http_listeners)
+            exposed += _listener_status("http", http_listeners, cfg, tls_context is not None)
 
             async def serve_session(session: HttpSession) -> None:
                 await connection.serve(hub, session, "http", bind=session.bind)
 
             sessions = Sessions(serve_session, conns, max_sessions=cfg.listen.http_max_sessions,
                                 idle_timeout=cfg.listen.http_session_idle_timeout)
-            endpoint = Endpoint(sessions, hosts=ls.allowed_host_names(http_listeners, cfg.listen.allowed_hosts),
-                                allowed_origins=cfg.listen.allowed_origins,
+            endpoint = Endpoint(sessions, hosts=ls.allowed_host_names(http_listeners, hosts),
+                                allowed_origins=origins,
                                 max_json_depth=cfg.gateway.max_json_depth,
                                 ports=frozenset(ls.bound_port([lst]) for lst in http_listeners),
                                 probes=partial(admin_probe, hub.status), bridge=hub.bridge,
@@ -306,7 +315,7 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
             endpoint.direct = lambda stream: connection.Direct(hub, stream, conns, "http", stream.bind)
             await nursery.start(lambda task_status: serve_http(
                 http_listeners, endpoint, max_message=max_msg, handler_nursery=conns, slots=hub.slots,
-                task_status=task_status))
+                tls_context=tls_context, task_status=task_status))
         if "unix" in fds or cfg.listen.unix is not None:
             if "unix" in fds:
                 unix_listener = ls.adopt_listener(fds["unix"])
@@ -318,6 +327,8 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                 except ls.ListenerError as exc:
                     raise StartupError(str(exc)) from None
                 bound.unix_path = cfg.listen.unix
+            exposed.append(ListenerStatus("unix", str(bound.unix_path), loopback=True, tls=False,
+                                          auth_configured=cfg.auth.configured))
 
             async def on_unix(accepted: ls.Accepted) -> None:
                 try:
@@ -335,6 +346,7 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
             await nursery.start(lambda task_status: trio.serve_listeners(
                 on_unix, [ls.SlottedListener(unix_listener, hub.slots, "unix")], handler_nursery=conns,
                 task_status=task_status))
+        hub.listeners = tuple(exposed)
         hub.listeners_bound = True
         task_status.started()
 
@@ -401,22 +413,40 @@ def close_revoked(hub: Hub) -> int:
     return closed
 
 
-async def _tcp_listeners(fds: dict[str, int], name: str, address: str | None) -> list[trio.SocketListener]:
+async def _tcp_listeners(fds: dict[str, int], name: str, address: str | None,
+                         cfg: GatewayConfig) -> list[trio.SocketListener]:
     """The listeners of client listener ``name``: adopted from systemd (fd name ``name``) or
-    bound to ``address``; loopback only either way."""
+    bound to ``address``; off loopback only as the boot guards allow (checked on the address
+    really bound, see :mod:`gateway.guards`)."""
+    problems = guards.client_exposure_problems(cfg)
     try:
         if name in fds:
             listeners = [ls.adopt_listener(fds[name])]
-            ls.check_loopback(listeners[0], f"{name} socket from systemd")
+            ls.check_loopback(listeners[0], f"{name} socket from systemd", problems)
             return listeners
         assert address is not None
         host, port = config.parse_host_port(address)
-        return await ls.open_tcp(host, port, f"listen.{name}")
+        return await ls.open_tcp(host, port, f"listen.{name}", problems)
     except ls.ListenerError as exc:
         raise StartupError(str(exc)) from None
 
 
-async def _control_loop(hub: Hub, control: Control, config_path: str | None) -> None:
+def _listener_status(name: str, listeners: list[trio.SocketListener], cfg: GatewayConfig,
+                     encrypted: bool) -> list[ListenerStatus]:
+    """``/status`` rows of client listener ``name``: where it is bound and how it is guarded."""
+    out = []
+    for lst in listeners:
+        host, port = (str(part) for part in lst.socket.getsockname()[:2])
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        out.append(ListenerStatus(name, address, loopback=config.is_loopback(host), tls=encrypted,
+                                  auth_configured=cfg.auth.configured,
+                                  behind_proxy=cfg.listen.behind_proxy,
+                                  public_url=cfg.listen.public_url))
+    return out
+
+
+async def _control_loop(hub: Hub, control: Control, config_path: str | None,
+                        tls_context: ssl.SSLContext | None = None) -> None:
     """Reload on request until a stop is requested; a stop cancels a reload that is running.
 
     A cancelled reload leaves nothing unowned: every backend it was draining, stopping or
@@ -426,7 +456,7 @@ async def _control_loop(hub: Hub, control: Control, config_path: str | None) -> 
     while await control.next() is Command.RELOAD:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_when_stopping, control, nursery.cancel_scope)
-            await reload(hub, config_path)
+            await reload(hub, config_path, tls_context)
             nursery.cancel_scope.cancel()
         if control.stopping.is_set():
             LOGGER.warning("reload abandoned: stop requested while it ran")
@@ -437,8 +467,9 @@ async def _cancel_when_stopping(control: Control, scope: trio.CancelScope) -> No
     scope.cancel()
 
 
-async def reload(hub: Hub, config_path: str | None) -> bool:
-    """SIGHUP: re-read and validate, keep the old config on error, else apply the diff."""
+async def reload(hub: Hub, config_path: str | None, tls_context: ssl.SSLContext | None = None) -> bool:
+    """SIGHUP: re-read and validate, keep the old config on error, else apply the diff (and
+    load the TLS certificate and key again: a renewed certificate needs no restart)."""
     systemd.notify("RELOADING=1", f"MONOTONIC_USEC={systemd.monotonic_usec()}", "STATUS=reloading")
     try:
         if config_path is None:
@@ -454,6 +485,12 @@ async def reload(hub: Hub, config_path: str | None) -> bool:
         hub.bus.emit(ReloadFinished(False, message))
         systemd.notify("READY=1", f"STATUS=reload failed: {message[:200]}")
         return False
+    if tls_context is not None and new.listen.tls_cert is not None and new.listen.tls_key is not None:
+        try:
+            tls.reload_into(tls_context, new.listen.tls_cert, new.listen.tls_key)
+            LOGGER.info("reload: TLS certificate loaded again from %s", new.listen.tls_cert)
+        except tls.TlsError as exc:
+            LOGGER.error("reload: %s; the certificate loaded before stays in use", exc)
     old = hub.cfg
     added, removed, changed = config.diff_backends(old, new)
     for section in config.restart_only_changes(old, new):

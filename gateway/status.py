@@ -42,6 +42,20 @@ class BackendStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class ListenerStatus:
+    """A bound client listener and how it is guarded (issue 10: ``auth_configured`` is what the
+    operator configured in ``[auth]``; there is no default authenticator to confuse with it)."""
+
+    name: str  # websocket / http / unix
+    address: str  # "127.0.0.1:8765", "[::]:8766", or the unix socket's path
+    loopback: bool  # bound to loopback (a unix socket counts as local)
+    tls: bool  # speaks TLS itself (listen.tls_cert / tls_key)
+    auth_configured: bool  # [auth] holds an authenticator (the unix socket uses SO_PEERCRED)
+    behind_proxy: bool = False  # listen.behind_proxy: TLS ends at a proxy in front
+    public_url: str | None = None  # listen.public_url
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayStatus:
     version: str
     backends: tuple[BackendStatus, ...]
@@ -54,6 +68,7 @@ class GatewayStatus:
     outbound_messages_queued: int = 0  # messages waiting in the sessions' outbound queues
     connection_slots: int = 0  # max_connections slots taken: accepted connections, handshakes included
     auth: dict[str, Any] = field(default_factory=dict)  # authenticators and listeners (gateway.auth)
+    listeners: tuple[ListenerStatus, ...] = ()  # the client listeners bound, and their guards
 
     def not_ready_because(self) -> list[str]:
         """Why the daemon is not ready, in words for ``/readyz`` (empty when it is ready):

@@ -1,6 +1,11 @@
 """The admin HTTP listener: ``/metrics``, ``/healthz``, ``/readyz`` and ``/status``.
 
-Meant for loopback or a management interface: no auth, no TLS, GET/HEAD only.  HTTP itself is
+Meant for loopback or a management interface: no TLS, GET/HEAD only.  ``/status`` shows backend
+stderr, so with ``admin.token_sha256`` set it answers only ``Authorization: Bearer <token>``
+whose SHA-256 is that (compared in constant time; else 401), and off loopback (an
+``admin.allow_non_loopback`` listener) it is refused (403) until that key is set
+(:func:`status_refusal`).  ``/metrics``, ``/healthz`` and ``/readyz`` stay open to Prometheus
+and load balancers.  HTTP itself is
 the gateway's one HTTP layer (:mod:`gateway.transports.http`, h11 driven on trio, as for
 ``/mcp``): each connection is one task in the handler nursery, serving requests one after the
 other (keep-alive, pipelining via h11's buffer, ``Connection: close`` honoured).  The keep-alive
@@ -20,6 +25,8 @@ send none): 403.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import logging
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -29,7 +36,7 @@ import msgspec
 import trio
 
 from gateway.transports.http import HttpConnection, Reply, Request, serve_connection
-from gateway.transports.listeners import allowed_host_names
+from gateway.transports.listeners import allowed_host_names, bound_off_loopback
 
 if TYPE_CHECKING:
     from gateway.ops.metrics import GatewayMetrics
@@ -53,6 +60,7 @@ async def serve_admin(
     *,
     handler_nursery: trio.Nursery | None = None,
     allowed_hosts: Sequence[str] = (),
+    token_sha256: str | None = None,
     read_timeout: float = READ_TIMEOUT,
     max_head_bytes: int = MAX_HEAD_BYTES,
     task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
@@ -69,6 +77,8 @@ async def serve_admin(
         handler_nursery: where connection tasks run (default: an internal nursery).
         allowed_hosts: ``Host`` names ``/status`` and ``/metrics`` answer besides the loopback
             names and the bound address (``admin.allowed_hosts``).
+        token_sha256: hex SHA-256 of the bearer token ``/status`` needs (``admin.token_sha256``);
+            without it ``/status`` is refused on a listener bound off loopback.
         read_timeout: seconds to receive a complete request (also the keep-alive idle limit).
         max_head_bytes: the largest request head accepted (larger ones get a 431).
         task_status: reports the listeners once accepting.
@@ -77,7 +87,12 @@ async def serve_admin(
         Nothing a client does escapes its connection task: protocol errors get a 4xx and a
         close, failures in a route a 500, anything else is logged and the connection closed.
     """
-    respond = partial(_respond, metrics, status, allowed_host_names(listeners, allowed_hosts))
+    off_loopback = bound_off_loopback(listeners)
+    if off_loopback and token_sha256 is None:
+        LOGGER.warning("admin: listening off loopback without admin.token_sha256: /status is refused "
+                       "(403) until it is set; /metrics, /healthz, /readyz are served")
+    respond = partial(_respond, metrics, status, allowed_host_names(listeners, allowed_hosts),
+                      token_sha256, off_loopback)
 
     async def handle(conn: HttpConnection, req: Request) -> None:
         try:
@@ -115,10 +130,30 @@ def probe(status: Callable[[], GatewayStatus], req: Request) -> Reply:
     return 503, TEXT, f"{why}\n".encode(), []
 
 
+def status_refusal(authorization: str | None, token_sha256: str | None, off_loopback: bool) -> Reply | None:
+    """Whether ``/status`` is refused to a request with this ``Authorization`` header: None
+    (served), 401 (the token is required and missing or wrong; the SHA-256 of the presented
+    token is compared with ``token_sha256`` in constant time), or 403 (off loopback and no
+    ``admin.token_sha256`` configured: nothing could be accepted)."""
+    if token_sha256 is None:
+        if off_loopback:
+            return 403, TEXT, (b"/status is not served off loopback without admin.token_sha256 "
+                               b"(it shows backend stderr)\n"), []
+        return None
+    scheme, _, presented = (authorization or "").strip().partition(" ")
+    digest = hashlib.sha256(presented.strip().encode("latin-1")).hexdigest()
+    if scheme.lower() == "bearer" and presented.strip() and hmac.compare_digest(digest, token_sha256.lower()):
+        return None
+    return 401, TEXT, b"a bearer token is required (admin.token_sha256)\n", [
+        ("www-authenticate", 'Bearer realm="mcp-gateway admin"')]
+
+
 def _respond(
     metrics: GatewayMetrics,
     status: Callable[[], GatewayStatus],
     hosts: frozenset[str],
+    token_sha256: str | None,
+    off_loopback: bool,
     req: Request,
 ) -> Reply:
     path = req.path
@@ -138,6 +173,11 @@ def _respond(
     if path == "/metrics":
         body, content_type = metrics.exposition(req.header(b"accept"))
         return 200, content_type, body, []
+    refused = status_refusal(req.header(b"authorization"), token_sha256, off_loopback)
+    if refused is not None:
+        LOGGER.warning("admin: /status refused (%d): %s", refused[0],
+                       "no admin.token_sha256 off loopback" if refused[0] == 403 else "no valid bearer token")
+        return refused
     snap = status()
     doc = dataclasses.asdict(snap)
     doc["ready"] = snap.ready

@@ -8,7 +8,9 @@ when either side closes.
 
 from __future__ import annotations
 
+import ssl
 import sys
+from urllib.parse import urlsplit
 
 import trio
 import trio_websocket
@@ -73,6 +75,8 @@ async def bridge(url: str, max_message: int, *, token: str | None = None) -> Non
         return
     if not url.startswith(("ws://", "wss://")):
         raise OSError(f"unsupported URL {url!r} (use ws://HOST:PORT/, http://HOST:PORT/mcp or unix:/path)")
+    if url.startswith("wss://"):
+        await _check_tls(url)
     local = LineStream(stdio, max_message)
     failed: list[str] = []
     headers = [(b"authorization", f"Bearer {token}".encode())] if token else None
@@ -89,6 +93,23 @@ async def bridge(url: str, max_message: int, *, token: str | None = None) -> Non
         raise OSError(f"WebSocket handshake failed: {exc}") from None
     if failed:
         raise OSError(failed[0])
+
+
+async def _check_tls(url: str) -> None:
+    """A TLS handshake with the system CAs (``SSL_CERT_FILE`` for a private one) before the
+    WebSocket is opened, so a certificate that does not verify is an error naming why at once
+    (trio-websocket's client would wait for its connect timeout and say nothing)."""
+    parts = urlsplit(url)
+    if not parts.hostname:
+        raise OSError(f"no host in {url!r}")
+    stream = await trio.open_ssl_over_tcp_stream(parts.hostname, parts.port or 443,
+                                                 ssl_context=ssl.create_default_context())
+    try:
+        await stream.do_handshake()
+    except trio.BrokenResourceError as exc:
+        raise OSError(f"TLS with {parts.netloc}: {exc.__cause__ or exc}") from None
+    finally:
+        await trio.aclose_forcefully(stream)
 
 
 async def _pump(source: LineStream | _ClientWebSocket, sink: LineStream | _ClientWebSocket,

@@ -81,8 +81,13 @@ class _HttpClient:
                       body: bytes = b"") -> AsyncIterator[_Response]:
         stream: trio.abc.Stream = await trio.open_tcp_stream(self._host, self._port)
         if self._tls:
-            stream = trio.SSLStream(stream, ssl.create_default_context(),
-                                    server_hostname=self._host)
+            tls = trio.SSLStream(stream, ssl.create_default_context(), server_hostname=self._host)
+            try:
+                await tls.do_handshake()
+            except trio.BrokenResourceError as exc:  # e.g. a certificate the system CAs refuse
+                await trio.aclose_forcefully(stream)
+                raise OSError(f"TLS with {self._authority}: {exc.__cause__ or exc}") from None
+            stream = tls
         async with stream:
             conn = h11.Connection(h11.CLIENT)
             head = [("host", self._authority), ("connection", "close"), *headers.items()]

@@ -31,6 +31,7 @@ here by its ``MCP-Protocol-Version`` header before any session lookup.
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -44,7 +45,7 @@ from gateway.config import host_allowed
 from gateway.errors import TransportClosed
 from gateway.limits import ConnectionSlots
 from gateway.protocol import era, jsonrpc, mcp, mrtr
-from gateway.transports import replay
+from gateway.transports import replay, tls
 from gateway.transports.http import (
     WRITE_TIMEOUT,
     HttpConnection,
@@ -533,10 +534,13 @@ async def serve_http(
     max_message: int,
     handler_nursery: trio.Nursery,
     slots: ConnectionSlots | None = None,
+    tls_context: ssl.SSLContext | None = None,
     task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Accept HTTP connections on ``listeners`` until cancelled; connections run in
-    ``handler_nursery`` (cancelling this stops accepting only).
+    ``handler_nursery`` (cancelling this stops accepting only).  With ``tls_context`` each
+    connection is HTTPS: its TLS handshake first (bounded, :mod:`gateway.transports.tls`), and
+    one beyond ``max_connections`` is closed at once.
 
     Error handling:
         Nothing a client does escapes its connection task: refusals get their status, a broken
@@ -544,8 +548,16 @@ async def serve_http(
     """
 
     async def handler(accepted: Accepted) -> None:
+        stream: trio.abc.Stream = accepted.stream
         try:
-            conn = HttpConnection(accepted.stream, max_message)
+            if tls_context is not None:  # one beyond max_connections could not read a plain 503
+                secured = None
+                if accepted.admitted:
+                    secured = await tls.handshake(accepted.stream, tls_context, "/mcp")
+                if secured is None:
+                    return
+                stream = secured
+            conn = HttpConnection(stream, max_message)
             if not accepted.admitted:  # beyond max_connections (already counted)
                 with trio.move_on_after(WRITE_TIMEOUT):
                     try:
@@ -556,6 +568,8 @@ async def serve_http(
                 return
             await serve_connection(conn, endpoint.handle, idle_timeout=IDLE_TIMEOUT, name="/mcp",
                                    error_headers=_allow)
+            if isinstance(stream, trio.SSLStream):
+                await tls.close(stream)
         finally:
             if accepted.admitted and slots is not None:
                 slots.release()

@@ -34,7 +34,7 @@ import trio
 from gateway import limits
 from gateway.config import host_allowed
 from gateway.errors import IncompleteMessage, TransportClosed
-from gateway.transports.rawio import SocketIO
+from gateway.transports.rawio import stream_io
 
 LOGGER = logging.getLogger(__name__)
 
@@ -91,11 +91,12 @@ class Request:
 
 
 class HttpConnection:
-    """One accepted TCP connection served as HTTP/1.1 (keep-alive; one request at a time)."""
+    """One accepted TCP (or TLS) connection served as HTTP/1.1 (keep-alive; one request at a
+    time)."""
 
-    def __init__(self, stream: trio.SocketStream, max_body: int, *, max_head: int = MAX_HEAD_BYTES,
+    def __init__(self, stream: trio.abc.Stream, max_body: int, *, max_head: int = MAX_HEAD_BYTES,
                  request_timeout: float = limits.INCOMPLETE_MESSAGE_TIMEOUT) -> None:
-        self.io = SocketIO(stream)
+        self.io = stream_io(stream)  # a TLS connection's SSLStream: through the stream
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=max_head)
         self.max_body = max_body
         self.request_timeout = request_timeout

@@ -69,17 +69,26 @@ def adopt_listener(fd: int) -> trio.SocketListener:
     return trio.SocketListener(trio.socket.from_stdlib_socket(sock))
 
 
-def check_loopback(listener: trio.SocketListener, what: str) -> None:
-    """Refuse a TCP listener bound to anything but loopback (checked with getsockname())."""
+def check_loopback(listener: trio.SocketListener, what: str,
+                   problems: Sequence[str] = ("authentication, which is not configured",)) -> None:
+    """Refuse a TCP listener bound to anything but loopback (checked with getsockname()) while
+    ``problems`` is not empty: what exposing it still lacks (see
+    :func:`gateway.guards.client_exposure_problems`); a unix socket always passes."""
     sock = listener.socket
-    if sock.family == socket.AF_UNIX:
+    if sock.family == socket.AF_UNIX or not problems:
         return
     host = sock.getsockname()[0]
     if not is_loopback(host):
         raise ListenerError(
-            f"{what}: bound to {host}, which is not loopback; network listeners need "
-            "authentication, which is not configured"
+            f"{what}: bound to {host}, which is not loopback, and a listener off loopback needs "
+            + "; ".join(problems)
         )
+
+
+def bound_off_loopback(listeners: Sequence[trio.SocketListener]) -> bool:
+    """Whether any of ``listeners`` is a TCP socket bound to an address that is not loopback."""
+    return any(lst.socket.family != socket.AF_UNIX and not is_loopback(str(lst.socket.getsockname()[0]))
+               for lst in listeners)
 
 
 def allowed_host_names(listeners: Sequence[trio.SocketListener], extra: Sequence[str]) -> frozenset[str]:
@@ -91,13 +100,21 @@ def allowed_host_names(listeners: Sequence[trio.SocketListener], extra: Sequence
     return frozenset((bound - {"0.0.0.0", "::"}) | {host_name(h) for h in extra})
 
 
-async def open_tcp(host: str, port: int, what: str) -> list[trio.SocketListener]:
+async def open_tcp(host: str, port: int, what: str,
+                   problems: Sequence[str]) -> list[trio.SocketListener]:
+    """Listen on ``host:port``; refused off loopback while ``problems`` (see
+    :func:`check_loopback`)."""
     try:
         listeners = await trio.open_tcp_listeners(port, host=host)
     except OSError as exc:
         raise ListenerError(f"{what}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     for listener in listeners:
-        check_loopback(listener, what)
+        try:
+            check_loopback(listener, what, problems)
+        except ListenerError:
+            for lst in listeners:
+                lst.socket.close()
+            raise
     return listeners
 
 

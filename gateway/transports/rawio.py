@@ -13,7 +13,8 @@ buffer would be an mmap per read in glibc).
 
 Both bypass trio's socket methods, which checkpoint (a scheduler round trip) on every call
 even when the socket is ready.  :class:`StreamIO` offers the same interface over any trio
-stream (the stdio bridge's pipes), holding every write until :meth:`StreamIO.flush`.
+stream (a TLS connection, the stdio bridge's pipes), holding every write until
+:meth:`StreamIO.flush`; :func:`stream_io` picks one for a stream.
 
 Every library error, and the end of the stream, is :class:`~gateway.errors.TransportClosed`.
 After :meth:`close_writes` every write raises it: a closed fd must never be written (its number
@@ -37,6 +38,11 @@ _BROKEN = (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResource
 def _incomplete() -> IncompleteMessage:
     return IncompleteMessage("a message was not completed within "
                              f"{limits.INCOMPLETE_MESSAGE_TIMEOUT:g} seconds")
+
+
+def stream_io(stream: trio.abc.Stream) -> SocketIO | StreamIO:
+    """The I/O for ``stream``: direct on a plain socket, through the stream otherwise (TLS)."""
+    return SocketIO(stream) if isinstance(stream, trio.SocketStream) else StreamIO(stream)
 
 
 class SocketIO:
@@ -158,18 +164,22 @@ class SocketIO:
 
 
 class StreamIO:
-    """The interface of :class:`SocketIO` over any trio stream: writes are held until
-    :meth:`flush` (the stdio bridge, which is not a hot path).  A cancelled flush may have
-    written part of what was held; nothing here depends on knowing how much."""
+    """The interface of :class:`SocketIO` over any trio stream (a TLS connection's
+    ``trio.SSLStream``, the stdio bridge's pipes): writes are held until :meth:`flush`, which
+    sends them under a lock (one ``send_all`` at a time, in call order).  ``held`` counts what
+    was written and is not yet sent, a ``send_all`` under way included.  A cancelled flush may
+    have sent part of what it took (a TLS stream is broken by it: every later write fails)."""
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
         self._held: list[bytes] = []
+        self._sending = 0  # bytes of the send_all under way
+        self._lock = trio.Lock()
         self._writes_closed = False
 
     @property
     def held(self) -> int:
-        return sum(map(len, self._held))
+        return sum(map(len, self._held)) + self._sending
 
     def close_writes(self) -> None:
         self._writes_closed = True
@@ -181,13 +191,20 @@ class StreamIO:
         return False
 
     async def flush(self) -> None:
-        if not self._held:
+        if not self._held and not self._sending:
             return
-        data, self._held = b"".join(self._held), []
-        try:
-            await self.stream.send_all(data)
-        except _BROKEN as exc:
-            raise TransportClosed(str(exc)) from None
+        async with self._lock:  # after a send under way: it ends before this returns
+            while self._held:
+                if self._writes_closed:
+                    raise TransportClosed("closed")
+                data, self._held = b"".join(self._held), []
+                self._sending = len(data)
+                try:
+                    await self.stream.send_all(data)
+                except _BROKEN as exc:
+                    raise TransportClosed(str(exc)) from None
+                finally:
+                    self._sending = 0
 
     def drop_held(self) -> None:
         self._held = []

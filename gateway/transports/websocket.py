@@ -46,6 +46,7 @@ TCP connection instead; the answer to the peer's own close frame goes behind wha
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import Awaitable, Callable, Sequence
 
 import trio
@@ -64,8 +65,9 @@ from gateway.errors import (
 )
 from gateway.limits import ConnectionSlots
 from gateway.protocol.wsframing import Fault, ServerFramer, close_frame, text_header
+from gateway.transports import tls
 from gateway.transports.listeners import Accepted, SlottedListener, allowed_host_names
-from gateway.transports.rawio import SocketIO
+from gateway.transports.rawio import stream_io
 
 LOGGER = logging.getLogger(__name__)
 
@@ -110,8 +112,8 @@ class Refused(Exception):
 class WebSocketStream:
     """An accepted WebSocket connection as a :class:`~gateway.connection.MessageStream`."""
 
-    def __init__(self, stream: trio.SocketStream, max_message: int) -> None:
-        self._io = SocketIO(stream)
+    def __init__(self, stream: trio.abc.Stream, max_message: int) -> None:
+        self._io = stream_io(stream)  # a TLS connection's SSLStream: through the stream
         self._framer = ServerFramer(max_message)
         self._max = max_message
         self._ready: list[bytes] = []
@@ -305,6 +307,7 @@ async def serve_websocket(
     handler_nursery: trio.Nursery,
     slots: ConnectionSlots | None = None,
     authenticate: Authenticate | None = None,
+    tls_context: ssl.SSLContext | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Accept WebSocket connections on ``listeners`` until cancelled.
@@ -313,17 +316,20 @@ async def serve_websocket(
     cancel live connections.  ``allowed_hosts``: ``Host`` names accepted besides the loopback
     names and the bound address.  With ``slots``, each connection holds one from its accept
     until it ends.  With ``authenticate``, every upgrade is authenticated (see
-    :data:`Authenticate`); the principal is on the stream handed to ``on_connection``.
+    :data:`Authenticate`); the principal is on the stream handed to ``on_connection``.  With
+    ``tls_context`` every connection speaks TLS (``wss://``): the TLS handshake comes first
+    (:func:`gateway.transports.tls.handshake`), and a connection beyond ``max_connections`` is
+    closed at once (a TLS client could not read a plain 503).
     """
     hosts = allowed_host_names(listeners, allowed_hosts)
     refusing = 0
 
     async def handler(accepted: Accepted) -> None:
         nonlocal refusing
-        stream = accepted.stream
+        stream: trio.abc.Stream = accepted.stream
         try:
             if not accepted.admitted:  # beyond max_connections (already counted)
-                if refusing < REFUSING_MAX:
+                if refusing < REFUSING_MAX and tls_context is None:
                     refusing += 1
                     try:
                         with trio.move_on_after(REFUSE_WAIT):
@@ -332,8 +338,13 @@ async def serve_websocket(
                         pass
                     finally:
                         refusing -= 1
-                await _close_tcp(stream)
+                await _close_tcp(accepted.stream)
                 return
+            if tls_context is not None:
+                secured = await tls.handshake(accepted.stream, tls_context, "websocket")
+                if secured is None:
+                    return
+                stream = secured
             upgraded: object = _REFUSED
             with trio.move_on_after(HANDSHAKE_TIMEOUT):
                 try:
@@ -343,7 +354,10 @@ async def serve_websocket(
                 except Exception:  # a bug in the upgrade must end this connection only
                     LOGGER.exception("websocket upgrade failed")
             if upgraded is _REFUSED:
-                await _close_tcp(stream)
+                if isinstance(stream, trio.SSLStream):
+                    await tls.close(stream)
+                else:
+                    await _close_tcp(accepted.stream)
                 return
             ws_stream = WebSocketStream(stream, max_message)
             ws_stream.principal = upgraded

@@ -1,0 +1,110 @@
+"""Boot guards: what it takes to expose a listener beyond loopback (fail closed).  Pure: config
+in, problems out (each a sentence naming the keys to set); :mod:`gateway.config` reports them at
+load (and so ``check-config`` and a reload), :mod:`gateway.transports.listeners` on the address a
+socket is really bound to (``getsockname()``: systemd's sockets too).
+
+The rules:
+
+* A *client* listener (``listen.websocket``, ``listen.http``) bound to anything but loopback
+  needs (1) authentication the operator configured (``[auth]``: ``AuthSection.configured``; a
+  built-in default never counts), (2) TLS on the wire: ``listen.tls_cert`` + ``listen.tls_key``
+  (the gateway speaks TLS itself) or ``listen.behind_proxy = true`` with ``listen.public_url``
+  (a TLS-terminating proxy in front; clients use that https URL), so a bearer token never
+  crosses a network in clear, and (3) a read rule — a ``[[policy.rules]]`` with
+  ``kind = "resource"`` and ``action = "allow"`` — because ``resources/read``,
+  ``resources/subscribe`` (and a ``subscriptions/listen`` naming resources) can hand out files
+  and secrets.  A backend whose resources are excluded altogether
+  (``resources = { exclude = ["*"] }``) serves none, so it needs no rule.  The unix socket
+  (file mode, ``SO_PEERCRED``) and stdio are never "off loopback".
+* The *admin* listener keeps its own rule: off loopback only with ``admin.allow_non_loopback``,
+  and there ``/status`` (backend stderr) is answered only to ``Authorization: Bearer`` with a
+  token whose SHA-256 is ``admin.token_sha256`` (see :func:`gateway.ops.admin.status_refusal`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    from gateway.config import GatewayConfig, ListenSection
+
+_HEX64 = re.compile(r"[0-9a-fA-F]{64}")
+
+AUTH_NEEDED = ("authentication the operator configured: [[auth.bearer]], auth.tokens_file or "
+               "[auth.oauth] (the default, none, does not count)")
+TLS_NEEDED = ("TLS so that no token crosses the network in clear: set listen.tls_cert and "
+              "listen.tls_key, or listen.behind_proxy = true with listen.public_url = "
+              "\"https://HOST/mcp\" behind a TLS-terminating proxy")
+READ_RULE_NEEDED = ("a read rule for resources/read and resources/subscribe: add [[policy.rules]] "
+                    "with kind = \"resource\", match = \"<URI glob>\", action = \"allow\" (or "
+                    "exclude every backend's resources: resources = { exclude = [\"*\"] })")
+
+
+def tls_configured(listen: ListenSection) -> bool:
+    return listen.tls_cert is not None and listen.tls_key is not None
+
+
+def has_read_rule(cfg: GatewayConfig) -> bool:
+    return any(r.kind == "resource" and r.action == "allow" for r in cfg.policy.rules)
+
+
+def serves_resources(cfg: GatewayConfig) -> bool:
+    """Some backend may expose resources (not every one of them excludes ``*``)."""
+    return any("*" not in b.resources.exclude for b in cfg.backends.values())
+
+
+def client_exposure_problems(cfg: GatewayConfig) -> list[str]:
+    """What a client listener (websocket, http) off loopback still lacks; empty: allowed."""
+    problems = []
+    if not cfg.auth.configured:
+        problems.append(AUTH_NEEDED)
+    if not (tls_configured(cfg.listen) or cfg.listen.behind_proxy):
+        problems.append(TLS_NEEDED)
+    if serves_resources(cfg) and not has_read_rule(cfg):
+        problems.append(READ_RULE_NEEDED)
+    return problems
+
+
+def public_origin(public_url: str | None) -> tuple[str, str] | None:
+    """``(host, origin)`` of ``listen.public_url`` (``("gw.example.com",
+    "https://gw.example.com")``), None when it is not set."""
+    if not public_url:
+        return None
+    parts = urlsplit(public_url)
+    host = (parts.hostname or "").lower()
+    return host, f"{parts.scheme.lower()}://{parts.netloc.lower().rpartition('@')[2]}"
+
+
+def key_errors(cfg: GatewayConfig, *, check_files: bool) -> list[str]:
+    """Errors in the keys themselves, wherever the listeners are bound: both TLS files or
+    neither (readable, with ``check_files``), ``behind_proxy`` only with ``public_url``, an
+    https ``public_url`` (http only for a loopback host), a hex ``admin.token_sha256``."""
+    errors: list[str] = []
+    listen = cfg.listen
+    if (listen.tls_cert is None) != (listen.tls_key is None):
+        errors.append("listen.tls_cert, listen.tls_key: set both (the certificate chain and its "
+                      "private key, PEM) or neither")
+    if check_files:
+        for key in ("tls_cert", "tls_key"):
+            path = getattr(listen, key)
+            if path is not None and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+                errors.append(f"listen.{key}: {path!r} is not a readable file")
+    if listen.behind_proxy and not listen.public_url:
+        errors.append("listen.behind_proxy: needs listen.public_url, the https URL clients use "
+                      "(e.g. \"https://gateway.example.com/mcp\"); it names this gateway in "
+                      "the Host/Origin allow-lists and as the OAuth resource")
+    if listen.public_url is not None:
+        parts = urlsplit(listen.public_url)
+        loopback_http = parts.scheme == "http" and (parts.hostname or "") in ("localhost", "127.0.0.1", "::1")
+        if not parts.hostname or not (parts.scheme == "https" or loopback_http) \
+                or parts.query or parts.fragment or parts.username is not None:
+            errors.append(f"listen.public_url: {listen.public_url!r} is not an https URL "
+                          "(https://HOST[:PORT]/PATH, no query; http only for a loopback host)")
+    token = cfg.admin.token_sha256
+    if token is not None and not _HEX64.fullmatch(token):
+        errors.append("admin.token_sha256: expected the 64 hex digits of a SHA-256 "
+                      "(e.g. printf %s TOKEN | sha256sum)")
+    return errors

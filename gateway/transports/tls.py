@@ -1,0 +1,96 @@
+"""TLS on the client listeners (``listen.tls_cert`` + ``listen.tls_key``): the server context,
+loaded at start (and again on reload: :func:`reload_into`, for renewed certificates), and the
+handshake of each accepted connection.
+
+Theory of operation: the listener accepts TCP as always (a ``max_connections`` slot is taken at
+accept); the connection's own task then runs the TLS handshake (:func:`handshake`), bounded by
+:data:`HANDSHAKE_TIMEOUT`, and serves HTTP or the WebSocket upgrade over the resulting
+``trio.SSLStream`` — through :class:`~gateway.transports.rawio.StreamIO`, since the direct fd I/O
+of :class:`~gateway.transports.rawio.SocketIO` cannot encrypt.  A peer that fails the handshake
+(plain HTTP sent to the TLS port, a wrong protocol, a certificate it refuses) or does not finish
+it in time is closed; that is logged at debug level: it is the peer's business, not the
+daemon's.  ``https_compatible`` streams: an EOF without ``close_notify`` is an ordinary end of
+stream (HTTP frames its own messages), as with every HTTPS server.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+
+import trio
+
+LOGGER = logging.getLogger(__name__)
+
+#: Bound on a client's TLS handshake (a connection that sends nothing holds its slot this long).
+HANDSHAKE_TIMEOUT = 10.0
+#: Bound on sending our ``close_notify`` when a TLS connection ends.
+CLOSE_TIMEOUT = 1.0
+_BROKEN = (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError, OSError)
+
+
+class TlsError(Exception):
+    """The certificate or key cannot be loaded (message names the keys)."""
+
+
+def server_context(cert: str, key: str) -> ssl.SSLContext:
+    """A server context with the chain in ``cert`` and the private key in ``key`` (PEM), TLS 1.2
+    or later, ALPN ``http/1.1``.
+
+    Raises:
+        TlsError: a file is missing or unreadable, or the key does not match the certificate.
+    """
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise TlsError(f"listen.tls_cert / listen.tls_key: cannot load {cert!r} with key {key!r}: "
+                       f"{reason}") from None
+    ctx.set_alpn_protocols(["http/1.1"])
+    return ctx
+
+
+def reload_into(ctx: ssl.SSLContext, cert: str, key: str) -> None:
+    """Load a renewed certificate and key into the live ``ctx`` (``systemctl reload``): new
+    connections get them, open ones keep theirs.  The pair is first loaded into a fresh context,
+    so a bad pair leaves ``ctx`` as it was.
+
+    Raises:
+        TlsError: the pair cannot be loaded (``ctx`` unchanged).
+    """
+    server_context(cert, key)
+    ctx.load_cert_chain(cert, key)
+
+
+async def handshake(stream: trio.SocketStream, ctx: ssl.SSLContext,
+                    what: str) -> trio.SSLStream | None:
+    """The server side of the TLS handshake on ``stream``, bounded by :data:`HANDSHAKE_TIMEOUT`.
+
+    Returns:
+        The encrypted stream, or None when the handshake failed or timed out (``stream`` is
+        closed then).
+    """
+    tls = trio.SSLStream(stream, ctx, server_side=True, https_compatible=True)
+    with trio.move_on_after(HANDSHAKE_TIMEOUT) as scope:
+        try:
+            await tls.do_handshake()
+            return tls
+        except _BROKEN as exc:
+            LOGGER.debug("%s: TLS handshake failed: %s", what, exc.__cause__ or exc)
+    if scope.cancelled_caught:
+        LOGGER.debug("%s: TLS handshake not done within %gs; closed", what, HANDSHAKE_TIMEOUT)
+    await trio.aclose_forcefully(stream)
+    return None
+
+
+async def close(stream: trio.SSLStream) -> None:
+    """Send ``close_notify`` (bounded) and close the TCP connection."""
+    with trio.move_on_after(CLOSE_TIMEOUT):
+        try:
+            await stream.aclose()
+            return
+        except _BROKEN:
+            pass
+    await trio.aclose_forcefully(stream.transport_stream)
