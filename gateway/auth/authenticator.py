@@ -20,18 +20,19 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from gateway.auth import challenge
-from gateway.auth import jwt as jwts
-from gateway.auth.jwks import JwksCache
 from gateway.auth.principal import Principal
 from gateway.auth.tokens import BearerEntry, BearerTable, file_problem, parse_tokens_file
 from gateway.config import AuthSection, GatewayConfig
 from gateway.errors import ConfigError
 from gateway.events import ConnectionRefused, EventBus
+
+if TYPE_CHECKING:
+    from gateway.auth.jwks import JwksCache
 
 LOGGER = logging.getLogger(__name__)
 
@@ -134,7 +135,9 @@ class Authenticator:
             if old is not None and old.uri == oauth.jwks_uri:
                 old.min_interval = oauth.jwks_refresh_min_interval
                 jwks = old
-            else:
+            else:  # PyJWT and cryptography are imported only when OAuth is configured
+                from gateway.auth.jwks import JwksCache
+
                 jwks = JwksCache(oauth.jwks_uri, oauth.jwks_refresh_min_interval)
         self.auth = cfg.auth
         self.public_url = cfg.listen.public_url
@@ -182,7 +185,11 @@ class Authenticator:
             return Principal(name, entry.groups, frozenset(), "bearer", name,
                              credential=entry.token_sha256)
         oauth = self.auth.oauth
-        if oauth is None or self.jwks is None or not jwts.looks_like_jwt(token):
+        if oauth is None or self.jwks is None:
+            raise Unauthorized("the token is not valid here", kind="unknown_token")
+        from gateway.auth import jwt as jwts  # loaded with the JWKS cache: no import cost here
+
+        if not jwts.looks_like_jwt(token):
             raise Unauthorized("the token is not valid here", kind="unknown_token")
         try:
             kid, alg = jwts.header(token)
