@@ -20,7 +20,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -176,7 +175,6 @@ ERROR_LINE = b'{"jsonrpc":"2.0","id":{ID},"error":{"code":-32000,"message":"boom
 async def test_11_prometheus_scrapes_two_replicas_and_evaluates_the_rules(
     replicas: list[Replica], prometheus: int
 ) -> None:
-    started = time.monotonic()
     for r in replicas:
         await wait_ready(r.admin)
     up = await until(prometheus, f'up{{job="{JOB}"}} == 1', 2)
@@ -244,7 +242,6 @@ async def test_11_prometheus_scrapes_two_replicas_and_evaluates_the_rules(
     linted = promtool("check", "metrics", stdin=body)
     problems = linted.stdout + linted.stderr
     assert linted.returncode == 0 and problems == "", problems
-    print(f"fleet prometheus test: {time.monotonic() - started:.1f} s after the processes started")
 
 
 async def wait_ready(port: int) -> None:
