@@ -305,7 +305,8 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                 await connection.serve(hub, session, "http", bind=session.bind)
 
             sessions = Sessions(serve_session, conns, max_sessions=cfg.listen.http_max_sessions,
-                                idle_timeout=cfg.listen.http_session_idle_timeout)
+                                idle_timeout=cfg.listen.http_session_idle_timeout,
+                                tag=hub.bridge.codec.replica_id)
             endpoint = Endpoint(sessions, hosts=ls.allowed_host_names(http_listeners, hosts),
                                 allowed_origins=origins,
                                 max_json_depth=cfg.gateway.max_json_depth,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -158,10 +159,11 @@ class Client:
 
 @asynccontextmanager
 async def connect(url: str, *, initialize: bool = True, capabilities: dict[str, Any] | None = None,
-                  version: str = "2025-11-25", token: str | None = None) -> AsyncIterator[Client]:
+                  version: str = "2025-11-25", token: str | None = None,
+                  ssl_context: ssl.SSLContext | None = None) -> AsyncIterator[Client]:
     headers = [(b"authorization", f"Bearer {token}".encode())] if token else None
     async with trio_websocket.open_websocket_url(url, subprotocols=["mcp"], max_message_size=64 * 2**20,
-                                                 extra_headers=headers) as ws:
+                                                 extra_headers=headers, ssl_context=ssl_context) as ws:
         try:
             client = Client(ws)
             async with trio.open_nursery() as nursery:

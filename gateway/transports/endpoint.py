@@ -93,9 +93,10 @@ class Sessions:
     """The live HTTP sessions by id; each runs ``serve_session`` in ``nursery`` for its life."""
 
     def __init__(self, serve_session: Callable[[HttpSession], Awaitable[None]], nursery: trio.Nursery,
-                 *, max_sessions: int, idle_timeout: float) -> None:
+                 *, max_sessions: int, idle_timeout: float, tag: str = "") -> None:
         self._serve = serve_session
         self._nursery = nursery
+        self.tag = tag  # leads every session id: the replica id
         self.max_sessions = max_sessions
         self.idle_timeout = idle_timeout
         self.by_id: dict[str, HttpSession] = {}
@@ -106,7 +107,7 @@ class Sessions:
     def create(self) -> HttpSession | None:
         if len(self.by_id) >= self.max_sessions:
             return None
-        session = HttpSession(self.idle_timeout)
+        session = HttpSession(self.idle_timeout, tag=self.tag)
         self.by_id[session.id] = session
         self._nursery.start_soon(self._run, session)
         return session

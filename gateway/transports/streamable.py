@@ -192,9 +192,13 @@ class Sink:
 class HttpSession:
     """A legacy Streamable HTTP session as a :class:`~gateway.connection.MessageStream`."""
 
-    def __init__(self, idle_timeout: float, *, id: str | None = None) -> None:
-        # visible ASCII, 192 random bits; "" for a modern flow (no session id)
-        self.id = secrets.token_urlsafe(24) if id is None else id
+    def __init__(self, idle_timeout: float, *, id: str | None = None, tag: str = "") -> None:
+        # visible ASCII, 192 random bits, led by ``<tag>.`` (the replica id: a load balancer
+        # routes a session's requests to the replica that minted it, see README "Replicas
+        # behind HAProxy"); "" for a modern flow (no session id)
+        if id is None:
+            id = f"{tag}.{secrets.token_urlsafe(24)}" if tag else secrets.token_urlsafe(24)
+        self.id = id
         self.idle_timeout = idle_timeout
         self.client: ClientSession | None = None  # bound by connection.serve
         self.mrtr: Bridge | None = None  # a modern flow's: its child's requests are bridged
