@@ -17,6 +17,7 @@ import os
 import signal
 import ssl
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -79,11 +80,14 @@ class Control:
 
     Nothing is queued, so nothing can overflow however many signals arrive: stop is a level
     (once requested it stays requested and wins over any reload), reload a pending flag (any
-    number of requests while a reload runs cause exactly one more reload after it).
+    number of requests while a reload runs cause exactly one more reload after it).  A stop
+    either waits out ``gateway.drain_delay`` first (``lame_duck``: SIGTERM, see
+    :func:`lame_duck`) or not (SIGINT, tests); a second stop of either kind ends the wait.
     """
 
     def __init__(self) -> None:
         self.stopping = trio.Event()
+        self.hurry = trio.Event()  # skip (the rest of) drain_delay
         self._reload_pending = False
         self._wake = trio.Event()
 
@@ -91,7 +95,9 @@ class Control:
         self._reload_pending = True
         self._wake.set()
 
-    def stop(self) -> None:
+    def stop(self, *, lame_duck: bool = False) -> None:
+        if not lame_duck or self.stopping.is_set():
+            self.hurry.set()
         self.stopping.set()
         self._wake.set()
 
@@ -120,8 +126,8 @@ async def _signals(control: Control, task_status: trio.TaskStatus[None] = trio.T
         async for signum in signals:
             if signum == signal.SIGHUP:
                 control.reload()
-            else:
-                control.stop()
+            else:  # SIGTERM (systemd, a load balancer's orchestrator): lame duck first
+                control.stop(lame_duck=signum == signal.SIGTERM)
 
 
 async def run(
@@ -179,7 +185,7 @@ async def run(
                 await _wait_for_backends(hub, cfg)
                 _boot_checks(hub)
                 async with trio.open_nursery() as conns:
-                    accept = trio.CancelScope()
+                    accept: list[trio.CancelScope] = []  # the listeners the drain closes
                     await conns.start(_serve_listeners, hub, cfg, fds, conns, accept, bound, tls_context)
                     systemd.notify("READY=1", _status_line(hub))
                     LOGGER.info("mcp-gateway %s ready: websocket port %s, unix %s, admin port %s, http port %s",
@@ -187,7 +193,8 @@ async def run(
                                 bound.http_port)
                     task_status.started(bound)
                     await _control_loop(hub, control, config_path, tls_context)
-                    await _drain(hub, cfg, accept, conns)
+                    await lame_duck(hub, control)
+                    await _drain(hub, accept, conns)
                 await hub.stop_backends()
                 hub_nursery.cancel_scope.cancel()
         finally:
@@ -262,18 +269,20 @@ def _boot_checks(hub: Hub) -> None:
 
 
 async def _serve_listeners(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio.Nursery,
-                           accept: trio.CancelScope, bound: Bound, tls_context: ssl.SSLContext | None,
+                           accept: list[trio.CancelScope], bound: Bound, tls_context: ssl.SSLContext | None,
                            task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve the client listeners until ``conns`` is cancelled; the WebSocket and unix socket
+    listeners put their cancel scope into ``accept`` (the drain closes them at its start)."""
     max_msg = cfg.gateway.max_message_bytes
     try:
-        with accept:
-            await _accept(hub, cfg, fds, conns, bound, max_msg, tls_context, task_status)
+        await _accept(hub, cfg, fds, conns, accept, bound, max_msg, tls_context, task_status)
     finally:
         hub.listeners_bound = False  # not ready from the moment nothing is accepted any more
 
 
-async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio.Nursery, bound: Bound,
-                  max_msg: int, tls_context: ssl.SSLContext | None, task_status: trio.TaskStatus[None]) -> None:
+async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio.Nursery,
+                  accept: list[trio.CancelScope], bound: Bound, max_msg: int,
+                  tls_context: ssl.SSLContext | None, task_status: trio.TaskStatus[None]) -> None:
     hosts = config.client_allowed_hosts(cfg)
     origins = config.client_allowed_origins(cfg)
     exposed: list[ListenerStatus] = []
@@ -292,7 +301,7 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                         conns.start_soon(_close_at_expiry, session, principal.expires)
                 await connection.serve(hub, stream, "websocket", bind=bind)
 
-            await nursery.start(lambda task_status: serve_websocket(
+            await nursery.start(_closable, accept, lambda task_status: serve_websocket(
                 ws_listeners, on_ws, allowed_origins=origins, allowed_hosts=hosts, max_message=max_msg,
                 handler_nursery=conns, slots=hub.slots, authenticate=partial(_ws_authenticate, hub),
                 tls_context=tls_context, task_status=task_status))
@@ -313,6 +322,7 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                                 probes=partial(admin_probe, hub.status), bridge=hub.bridge,
                                 authn=hub.authn, scope_check=partial(_missing_scopes, hub))
             endpoint.direct = lambda stream: connection.Direct(hub, stream, conns, "http", stream.bind)
+            endpoint.draining = lambda: hub.draining
             await nursery.start(lambda task_status: serve_http(
                 http_listeners, endpoint, max_message=max_msg, handler_nursery=conns, slots=hub.slots,
                 tls_context=tls_context, task_status=task_status))
@@ -343,12 +353,20 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                     if accepted.admitted:
                         hub.slots.release()
 
-            await nursery.start(lambda task_status: trio.serve_listeners(
+            await nursery.start(_closable, accept, lambda task_status: trio.serve_listeners(
                 on_unix, [ls.SlottedListener(unix_listener, hub.slots, "unix")], handler_nursery=conns,
                 task_status=task_status))
         hub.listeners = tuple(exposed)
         hub.listeners_bound = True
         task_status.started()
+
+
+async def _closable(scopes: list[trio.CancelScope], serve: Callable[..., Awaitable[object]],
+                    task_status: trio.TaskStatus[object] = trio.TASK_STATUS_IGNORED) -> None:
+    """Run listener ``serve`` in a cancel scope of its own, put into ``scopes``."""
+    with trio.CancelScope() as scope:
+        scopes.append(scope)
+        await serve(task_status=task_status)
 
 
 async def _peer_principal(stream: trio.SocketStream, configured: frozenset[str]) -> Principal | None:
@@ -524,30 +542,55 @@ async def reload(hub: Hub, config_path: str | None, tls_context: ssl.SSLContext 
     return True
 
 
-async def _drain(hub: Hub, cfg: GatewayConfig, accept: trio.CancelScope, conns: trio.Nursery) -> None:
-    """SIGTERM: stop accepting, let in-flight calls finish until the grace deadline, close.
+async def lame_duck(hub: Hub, control: Control) -> None:
+    """SIGTERM: ``/readyz`` answers 503 at once, while everything else is served as before for
+    ``gateway.drain_delay`` seconds: long enough for a load balancer's health check to take the
+    replica out of rotation before anything is refused.  A second SIGTERM, or a SIGINT, ends
+    the wait (a stop that did not ask for it, or ``drain_delay = 0``, skips it).  Reloads
+    requested meanwhile are not applied: the daemon is going down."""
+    hub.lame_duck = True
+    delay = hub.cfg.gateway.drain_delay
+    systemd.notify("STOPPING=1", "STATUS=stopping: not ready, draining in "
+                   f"{0 if control.hurry.is_set() else delay:g}s")
+    if control.hurry.is_set() or delay <= 0:
+        return
+    LOGGER.info("stopping: /readyz answers 503; serving as usual for %gs (gateway.drain_delay) "
+                "before the drain", delay)
+    with trio.move_on_after(delay):
+        await control.hurry.wait()
+        LOGGER.info("stopping: asked again; draining now")
 
-    While draining, a connection answers each new request at once with -32005 ``shutdown``
-    (``retryable: true``: it never started); a call still running when ``drain_grace`` ends is
-    cancelled and answered -32005 ``shutdown`` with ``retryable: false`` (it may have had
-    effects), and only then is the connection closed.
+
+async def _drain(hub: Hub, accept: list[trio.CancelScope], conns: trio.Nursery) -> None:
+    """Stop accepting, let in-flight calls finish until the grace deadline, close.
+
+    While draining, a connection keeps reading (answers to the prompts of its calls and its
+    cancellations still arrive) and answers each new request at once with -32005 ``shutdown``
+    (``retryable: true``: it never started; over HTTP a 503 with ``Retry-After``, see
+    :class:`~gateway.transports.endpoint.Endpoint`).  The HTTP listener goes on accepting, so
+    a bridged call's retry (``requestState``) can still reach its waiting child, and so a load
+    balancer gets a 503 to retry elsewhere.  A call still running when ``drain_grace`` ends
+    has its prompts cancelled and is answered -32005 ``shutdown`` with ``retryable: false``
+    (it may have had effects); only then is the connection closed (WebSocket 1012, EOF).
     """
-    hub.draining = True  # /readyz: 503 from here on
+    grace = hub.cfg.gateway.drain_grace
+    hub.draining = True  # new requests refused from here on
     hub.listens.end_all()  # each answered with its closing result, not left to the grace
-    accept.cancel()
-    systemd.notify("STOPPING=1", "STATUS=draining")
-    LOGGER.info("draining: %d connections, grace %.0fs", len(hub.sessions), cfg.gateway.drain_grace)
-    for session in list(hub.sessions):  # backend prompts and consent prompts alike
-        for req in list(session.server_requests.values()):  # the owner is told, not left waiting
-            session.cancel_request(req, ServerRequestOutcome.SHUTDOWN, "the gateway is shutting down")
+    for scope in accept:
+        scope.cancel()
+    systemd.notify("STATUS=draining")
+    LOGGER.info("draining: %d connections, grace %gs", len(hub.sessions), grace)
 
     def no_calls() -> bool:
         return not any(s.inflight for s in hub.sessions)
 
-    with trio.move_on_after(cfg.gateway.drain_grace):
+    with trio.move_on_after(grace):
         await hub.wait_connections(no_calls)
     late = sum(len(s.inflight) for s in hub.sessions)
     with trio.move_on_after(CLOSE_TIMEOUT):
+        for session in list(hub.sessions):  # backend prompts and consent prompts alike
+            for req in list(session.server_requests.values()):  # the owner is told
+                session.cancel_request(req, ServerRequestOutcome.SHUTDOWN, "the gateway is shutting down")
         if late:
             LOGGER.warning("drain grace over: %d calls still running get -32005 shutdown", late)
             hub.cut_off_calls()
