@@ -87,6 +87,7 @@ class Control:
 
     def __init__(self) -> None:
         self.stopping = trio.Event()
+        self.stopped_at = 0.0  # trio time of the first stop request
         self.hurry = trio.Event()  # skip (the rest of) drain_delay
         self._reload_pending = False
         self._wake = trio.Event()
@@ -98,8 +99,16 @@ class Control:
     def stop(self, *, lame_duck: bool = False) -> None:
         if not lame_duck or self.stopping.is_set():
             self.hurry.set()
-        self.stopping.set()
+        if not self.stopping.is_set():
+            self.stopped_at = trio.current_time()
+            self.stopping.set()
         self._wake.set()
+
+    async def until_drain(self, delay: float) -> None:
+        """Wait until the drain may begin: ``delay`` seconds after the first stop request, or
+        at once when asked to hurry (a second stop, or a stop that wanted no delay)."""
+        with trio.move_on_at(self.stopped_at + delay):
+            await self.hurry.wait()
 
     async def next(self) -> Command:
         """Wait for the next command: STOP as soon as a stop was requested, else RELOAD."""
@@ -465,23 +474,30 @@ def _listener_status(name: str, listeners: list[trio.SocketListener], cfg: Gatew
 
 async def _control_loop(hub: Hub, control: Control, config_path: str | None,
                         tls_context: ssl.SSLContext | None = None) -> None:
-    """Reload on request until a stop is requested; a stop cancels a reload that is running.
+    """Reload on request until a stop is requested; a reload running then may finish within
+    ``drain_delay`` (the lame duck), and is cancelled when the drain begins.
 
     A cancelled reload leaves nothing unowned: every backend it was draining, stopping or
     starting is still in ``hub.backends`` (or already stopped), so the shutdown path stops and
     reaps it like any other.
     """
     while await control.next() is Command.RELOAD:
+        finished = False
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_cancel_when_stopping, control, nursery.cancel_scope)
+            nursery.start_soon(_cancel_when_stopping, hub, control, nursery.cancel_scope)
             await reload(hub, config_path, tls_context)
+            finished = True
             nursery.cancel_scope.cancel()
-        if control.stopping.is_set():
+        if not finished:
             LOGGER.warning("reload abandoned: stop requested while it ran")
 
 
-async def _cancel_when_stopping(control: Control, scope: trio.CancelScope) -> None:
+async def _cancel_when_stopping(hub: Hub, control: Control, scope: trio.CancelScope) -> None:
+    """A stop while a reload runs: the lame duck begins at once (``/readyz`` 503) and the
+    reload may finish within ``drain_delay``; when the drain must begin it is abandoned."""
     await control.stopping.wait()
+    _not_ready(hub, control)
+    await control.until_drain(hub.cfg.gateway.drain_delay)
     scope.cancel()
 
 
@@ -501,7 +517,8 @@ async def reload(hub: Hub, config_path: str | None, tls_context: ssl.SSLContext 
         message = "; ".join(exc.errors) if isinstance(exc, ConfigError) else str(exc)
         LOGGER.error("reload failed, keeping the running config: %s", message)
         hub.bus.emit(ReloadFinished(False, message))
-        systemd.notify("READY=1", f"STATUS=reload failed: {message[:200]}")
+        if not hub.lame_duck:  # stopping: STOPPING=1 was sent, no READY=1 after it
+            systemd.notify("READY=1", f"STATUS=reload failed: {message[:200]}")
         return False
     if tls_context is not None and new.listen.tls_cert is not None and new.listen.tls_key is not None:
         try:
@@ -538,8 +555,21 @@ async def reload(hub: Hub, config_path: str | None, tls_context: ssl.SSLContext 
     hub.rebuild_catalog()
     hub.bus.emit(ReloadFinished(True, None, tuple(added), tuple(removed), tuple(changed)))
     LOGGER.info("reload done: added %s, removed %s, changed %s", added or "-", removed or "-", changed or "-")
-    systemd.notify("READY=1", _status_line(hub))
+    if not hub.lame_duck:
+        systemd.notify("READY=1", _status_line(hub))
     return True
+
+
+def _not_ready(hub: Hub, control: Control) -> None:
+    """The stop was requested: ``/readyz`` answers 503 from now on (once)."""
+    if hub.lame_duck:
+        return
+    hub.lame_duck = True
+    delay = 0.0 if control.hurry.is_set() else hub.cfg.gateway.drain_delay
+    systemd.notify("STOPPING=1", f"STATUS=stopping: not ready, draining in {delay:g}s")
+    if delay > 0:
+        LOGGER.info("stopping: /readyz answers 503; serving as usual for %gs (gateway.drain_delay) "
+                    "before the drain", delay)
 
 
 async def lame_duck(hub: Hub, control: Control) -> None:
@@ -548,17 +578,8 @@ async def lame_duck(hub: Hub, control: Control) -> None:
     replica out of rotation before anything is refused.  A second SIGTERM, or a SIGINT, ends
     the wait (a stop that did not ask for it, or ``drain_delay = 0``, skips it).  Reloads
     requested meanwhile are not applied: the daemon is going down."""
-    hub.lame_duck = True
-    delay = hub.cfg.gateway.drain_delay
-    systemd.notify("STOPPING=1", "STATUS=stopping: not ready, draining in "
-                   f"{0 if control.hurry.is_set() else delay:g}s")
-    if control.hurry.is_set() or delay <= 0:
-        return
-    LOGGER.info("stopping: /readyz answers 503; serving as usual for %gs (gateway.drain_delay) "
-                "before the drain", delay)
-    with trio.move_on_after(delay):
-        await control.hurry.wait()
-        LOGGER.info("stopping: asked again; draining now")
+    _not_ready(hub, control)
+    await control.until_drain(hub.cfg.gateway.drain_delay)
 
 
 async def _drain(hub: Hub, accept: list[trio.CancelScope], conns: trio.Nursery) -> None:
