@@ -383,6 +383,7 @@ def _handle(hub: Hub, session: ClientSession, data: bytes, nursery: trio.Nursery
     if kind == "request":
         assert isinstance(env.id, int | str) and isinstance(env.method, str)
         if hub.draining and not _continues_flow(session, env):  # never started: safe elsewhere
+            session.refused_at = trio.current_time()  # its close waits for it to settle
             reply(error_response(env.id, errors.Denied(
                 "the gateway is shutting down; send this request elsewhere", reason="shutdown", retryable=True)), env.id)
             return

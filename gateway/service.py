@@ -52,6 +52,9 @@ LOGGER = logging.getLogger(__name__)
 
 #: After the drain grace, closing the remaining connections may take this long.
 CLOSE_TIMEOUT = 3.0
+#: A drained connection is closed once it has sent no request for this long: a request sent
+#: as the client got its last answer is refused (retryable) then, not lost in the close.
+SETTLE = 0.25
 
 
 class StartupError(Exception):
@@ -107,6 +110,8 @@ class Control:
     async def until_drain(self, delay: float) -> None:
         """Wait until the drain may begin: ``delay`` seconds after the first stop request, or
         at once when asked to hurry (a second stop, or a stop that wanted no delay)."""
+        if self.hurry.is_set() or trio.current_time() >= self.stopped_at + delay:
+            return  # no checkpoint: the caller begins the drain in the same step
         with trio.move_on_at(self.stopped_at + delay):
             await self.hurry.wait()
 
@@ -201,7 +206,7 @@ async def run(
                                 __version__, bound.websocket_port, bound.unix_path, bound.admin_port,
                                 bound.http_port)
                     task_status.started(bound)
-                    await _control_loop(hub, control, config_path, tls_context)
+                    await _control_loop(hub, control, config_path, tls_context, accept)
                     await lame_duck(hub, control)
                     await _drain(hub, accept, conns)
                 await hub.stop_backends()
@@ -473,7 +478,8 @@ def _listener_status(name: str, listeners: list[trio.SocketListener], cfg: Gatew
 
 
 async def _control_loop(hub: Hub, control: Control, config_path: str | None,
-                        tls_context: ssl.SSLContext | None = None) -> None:
+                        tls_context: ssl.SSLContext | None = None,
+                        accept: list[trio.CancelScope] | None = None) -> None:
     """Reload on request until a stop is requested; a reload running then may finish within
     ``drain_delay`` (the lame duck), and is cancelled when the drain begins.
 
@@ -484,7 +490,7 @@ async def _control_loop(hub: Hub, control: Control, config_path: str | None,
     while await control.next() is Command.RELOAD:
         finished = False
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_cancel_when_stopping, hub, control, nursery.cancel_scope)
+            nursery.start_soon(_cancel_when_stopping, hub, control, nursery.cancel_scope, accept)
             await reload(hub, config_path, tls_context)
             finished = True
             nursery.cancel_scope.cancel()
@@ -492,12 +498,14 @@ async def _control_loop(hub: Hub, control: Control, config_path: str | None,
             LOGGER.warning("reload abandoned: stop requested while it ran")
 
 
-async def _cancel_when_stopping(hub: Hub, control: Control, scope: trio.CancelScope) -> None:
+async def _cancel_when_stopping(hub: Hub, control: Control, scope: trio.CancelScope,
+                                accept: list[trio.CancelScope]) -> None:
     """A stop while a reload runs: the lame duck begins at once (``/readyz`` 503) and the
     reload may finish within ``drain_delay``; when the drain must begin it is abandoned."""
     await control.stopping.wait()
     _not_ready(hub, control)
     await control.until_drain(hub.cfg.gateway.drain_delay)
+    _stop_serving(hub, accept)  # at once, while the reload unwinds
     scope.cancel()
 
 
@@ -582,6 +590,14 @@ async def lame_duck(hub: Hub, control: Control) -> None:
     await control.until_drain(hub.cfg.gateway.drain_delay)
 
 
+def _stop_serving(hub: Hub, accept: list[trio.CancelScope] | None) -> None:
+    """The drain begins: new requests are refused from here on, the WebSocket and unix
+    listeners close (both at once: a client refused must not get a new connection here)."""
+    hub.draining = True
+    for scope in accept or ():
+        scope.cancel()
+
+
 async def _drain(hub: Hub, accept: list[trio.CancelScope], conns: trio.Nursery) -> None:
     """Stop accepting, let in-flight calls finish until the grace deadline, close.
 
@@ -595,10 +611,8 @@ async def _drain(hub: Hub, accept: list[trio.CancelScope], conns: trio.Nursery) 
     (it may have had effects); only then is the connection closed (WebSocket 1012, EOF).
     """
     grace = hub.cfg.gateway.drain_grace
-    hub.draining = True  # new requests refused from here on
+    _stop_serving(hub, accept)
     hub.listens.end_all()  # each answered with its closing result, not left to the grace
-    for scope in accept:
-        scope.cancel()
     systemd.notify("STATUS=draining")
     LOGGER.info("draining: %d connections, grace %gs", len(hub.sessions), grace)
 
@@ -616,7 +630,28 @@ async def _drain(hub: Hub, accept: list[trio.CancelScope], conns: trio.Nursery) 
             LOGGER.warning("drain grace over: %d calls still running get -32005 shutdown", late)
             hub.cut_off_calls()
             await hub.wait_connections(no_calls)
-        for session in list(hub.sessions):
-            session.close(CloseReason.SHUTDOWN)
+        await _close_settled(hub)
         await hub.wait_connections(lambda: not hub.sessions)
+    for session in list(hub.sessions):
+        session.close(CloseReason.SHUTDOWN)
     conns.cancel_scope.cancel()
+
+
+async def _close_settled(hub: Hub) -> None:
+    """Close each connection (reason ``shutdown``: WebSocket 1012, unix EOF) once it has sent
+    no request for :data:`SETTLE` seconds: a client looping calls sends its next request as
+    its last answer arrives; that one gets its -32005 ``retryable`` answer instead of a close
+    it could not tell from a crash.  (Whatever a client sends after the close was never
+    started either.)  The caller bounds it (a client that never stops sending)."""
+    quiet_from = trio.current_time()
+    while True:
+        now = trio.current_time()
+        waiting = []
+        for session in list(hub.sessions):
+            if max(quiet_from, session.refused_at) + SETTLE > now:
+                waiting.append(session)
+            else:
+                session.close(CloseReason.SHUTDOWN)
+        if not waiting:
+            return
+        await trio.sleep_until(min(max(quiet_from, s.refused_at) for s in waiting) + SETTLE)
