@@ -62,9 +62,9 @@ async def client(url: str, n: int, tally: Tally) -> None:
                 else:
                     name, args = "fx__echo", {"message": "e"}
                 tally.made += 1
-                await ws.send_message(json.dumps({"jsonrpc": "2.0", "id": i, "method": "tools/call",
-                                                  "params": {"name": name, "arguments": args}}))
                 try:
+                    await ws.send_message(json.dumps({"jsonrpc": "2.0", "id": i, "method": "tools/call",
+                                                      "params": {"name": name, "arguments": args}}))
                     msg = json.loads(await ws.get_message())
                 except trio_websocket.ConnectionClosed:
                     tally.outcomes["unanswered"] += 1
@@ -111,7 +111,7 @@ command = {json.dumps(sys.executable)}
 args = [{json.dumps(str(FIXTURE))}]
 max_inflight = 64
 """)
-        proc = subprocess.Popen([sys.executable, "-m", "gateway", "run", "--config", str(cfg)],
+        proc = subprocess.Popen([sys.executable, "-m", "gateway", "run", "--config", str(cfg)], cwd=ROOT,
                                 env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE)
         assert proc.stderr is not None
         try:
