@@ -404,6 +404,7 @@ async def test_11_lame_duck_serves_through_drain_delay_until_a_second_sigterm(
                 for probe_port in (admin, port):
                     status, body = await trio.to_thread.run_sync(http, probe_port, "/readyz")
                     assert status == 503 and "stopping" in body, body
+                proc.send_signal(signal.SIGHUP)  # not applied: the daemon is going down
                 assert text_of(await c.call("a__echo", {"message": "still"})) == "still"
                 async with connect(url) as late:  # the listener still accepts and serves
                     assert text_of(await late.call("a__echo", {"message": "new"})) == "new"
@@ -424,5 +425,9 @@ async def test_11_lame_duck_serves_through_drain_delay_until_a_second_sigterm(
                         await c._changed.wait()
                 assert c.ws.closed is not None and c.ws.closed.code == 1012
         assert proc.wait(timeout=20) == 0
+        sock.settimeout(0.2)
+        with pytest.raises((TimeoutError, AssertionError)):  # after STOPPING=1: no reload, no READY
+            recv_until(sock, "RELOADING=1", seen, 0.5)
+        assert not [m for m in seen if "RELOADING=1" in m.split("\n") or "READY=1" in m.split("\n")][1:]
     finally:
         print(finish(proc)[-3000:])
