@@ -1,12 +1,15 @@
 """The daemon: wires config, hub, listeners, admin, systemd and signals into one nursery tree.
 
 Nurseries nest by lifetime (outermost lives longest): observability (admin, watchdog, lag
-probe) → hub (backends) → connections (``handler_nursery``) → listeners.  Stopping to accept
-cancels only the listeners; live connections drain until ``drain_grace`` and are then closed;
-backends stop last, in the spec's order, and every child is reaped before ``run`` returns.
+probe) → hub (backends) → connections (``handler_nursery``) → listeners.  A stop is a lame
+duck first (:func:`lame_duck`: ``/readyz`` 503, serving on for ``drain_delay``), then the drain
+(:func:`_drain`): the WebSocket and unix listeners close, live connections drain until
+``drain_grace`` and are then closed; backends stop last, in the spec's order, and every child
+is reaped before ``run`` returns.
 
 Signals are received from the moment ``run`` starts (before ``READY=1``): SIGHUP reloads,
-SIGTERM/SIGINT drain.  Tests drive the same paths through :class:`Control`.
+SIGTERM stops with the lame duck, SIGINT (or a second SIGTERM) without it.  Tests drive the
+same paths through :class:`Control`.
 """
 
 from __future__ import annotations
