@@ -44,6 +44,10 @@ class GatewaySection(Base):
     max_json_depth: int = 128  # deeper JSON is refused before it is decoded
     max_connections: int = 4096  # client connections at once (WebSocket + unix)
     restart_wait: float = 10 * SECONDS  # how long a call waits for a restarting backend
+    # SIGTERM: /readyz answers 503 at once but everything is served as before for drain_delay
+    # seconds (a load balancer's health check takes the replica out of rotation meanwhile);
+    # then the drain: new requests refused (retryable), calls in flight get drain_grace.
+    drain_delay: float = 5 * SECONDS
     drain_grace: float = 20 * SECONDS  # SIGTERM: how long in-flight calls may finish
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_target: Literal["auto", "stderr", "journal"] = "auto"
@@ -391,6 +395,9 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
         errors.append("gateway.replica_id: must be 1-64 characters from [A-Za-z0-9_-]")
     if g.state_ttl <= 0:
         errors.append("gateway.state_ttl: must be positive")
+    for key in ("drain_delay", "drain_grace"):
+        if not 0 <= getattr(g, key) <= 3600:
+            errors.append(f"gateway.{key}: must be between 0 and 3600 seconds")
     for key in ("page_size", "max_inflight_per_connection", "outbound_queue", "max_connections"):
         if getattr(g, key) < 1:
             errors.append(f"gateway.{key}: must be at least 1")

@@ -382,7 +382,8 @@ def _handle(hub: Hub, session: ClientSession, data: bytes, nursery: trio.Nursery
         return
     if kind == "request":
         assert isinstance(env.id, int | str) and isinstance(env.method, str)
-        if hub.draining:  # never started, so safe to send to another replica
+        if hub.draining and not _continues_flow(session, env):  # never started: safe elsewhere
+            session.refused_at = trio.current_time()  # its close waits for it to settle
             reply(error_response(env.id, errors.Denied(
                 "the gateway is shutting down; send this request elsewhere", reason="shutdown", retryable=True)), env.id)
             return
@@ -406,6 +407,19 @@ def _handle(hub: Hub, session: ClientSession, data: bytes, nursery: trio.Nursery
         if outcome is AnswerOutcome.REFUSED:
             LOGGER.warning("connection %s answered unknown request id %.100r: refused", session.conn_id, env.id, extra=session.log_fields)
             hub.bus.emit(AnswerRefused(session.conn_id, "unknown_id"))
+
+
+def _continues_flow(session: ClientSession, env: jsonrpc.Envelope) -> bool:
+    """Whether a request is the retry of this connection's parked bridged call (it carries the
+    call's ``requestState``, gateway.bridge): it answers the prompts of a call already running,
+    so a drain lets it in like any answer."""
+    flow = session.flow
+    if flow is None or not flow.parked or env.method != flow.method:
+        return False
+    try:
+        return "requestState" in jsonrpc.params_dict(env.params)
+    except errors.GatewayError:
+        return False
 
 
 def _on_notification(hub: Hub, session: ClientSession, method: str, env: jsonrpc.Envelope) -> None:

@@ -100,7 +100,8 @@ class Hub:
         self.authn: Authenticator | None = None  # set by the service (gateway.auth)
         self.listeners_bound = False
         self.listeners: tuple[ListenerStatus, ...] = ()  # for /status; set once they are bound
-        self.draining = False
+        self.lame_duck = False  # SIGTERM: not ready, still serving (gateway.drain_delay)
+        self.draining = False  # new requests are refused (-32005 retryable, HTTP 503)
         self.calls_cut_off = False  # drain grace over: cancelled calls are answered -32005 shutdown
         self._connections_changed = Wakeup()
         self._subreaper = subreaper
@@ -460,6 +461,7 @@ class Hub:
             connections=connections,
             listeners_bound=self.listeners_bound,
             draining=self.draining,
+            stopping=self.lame_duck or self.draining,
             pending_server_requests=self.ownership.open + self.policy.pending_count(),
             buffered_bytes=self.budget.total,
             client_requests_in_flight=sum(len(s.inflight) for s in self.sessions),

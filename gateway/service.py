@@ -1,12 +1,15 @@
 """The daemon: wires config, hub, listeners, admin, systemd and signals into one nursery tree.
 
 Nurseries nest by lifetime (outermost lives longest): observability (admin, watchdog, lag
-probe) → hub (backends) → connections (``handler_nursery``) → listeners.  Stopping to accept
-cancels only the listeners; live connections drain until ``drain_grace`` and are then closed;
-backends stop last, in the spec's order, and every child is reaped before ``run`` returns.
+probe) → hub (backends) → connections (``handler_nursery``) → listeners.  A stop is a lame
+duck first (:func:`lame_duck`: ``/readyz`` 503, serving on for ``drain_delay``), then the drain
+(:func:`_drain`): the WebSocket and unix listeners close, live connections drain until
+``drain_grace`` and are then closed; backends stop last, in the spec's order, and every child
+is reaped before ``run`` returns.
 
 Signals are received from the moment ``run`` starts (before ``READY=1``): SIGHUP reloads,
-SIGTERM/SIGINT drain.  Tests drive the same paths through :class:`Control`.
+SIGTERM stops with the lame duck, SIGINT (or a second SIGTERM) without it.  Tests drive the
+same paths through :class:`Control`.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import os
 import signal
 import ssl
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -51,6 +55,9 @@ LOGGER = logging.getLogger(__name__)
 
 #: After the drain grace, closing the remaining connections may take this long.
 CLOSE_TIMEOUT = 3.0
+#: A drained connection is closed once it has sent no request for this long: a request sent
+#: as the client got its last answer is refused (retryable) then, not lost in the close.
+SETTLE = 0.25
 
 
 class StartupError(Exception):
@@ -79,11 +86,15 @@ class Control:
 
     Nothing is queued, so nothing can overflow however many signals arrive: stop is a level
     (once requested it stays requested and wins over any reload), reload a pending flag (any
-    number of requests while a reload runs cause exactly one more reload after it).
+    number of requests while a reload runs cause exactly one more reload after it).  A stop
+    either waits out ``gateway.drain_delay`` first (``lame_duck``: SIGTERM, see
+    :func:`lame_duck`) or not (SIGINT, tests); a second stop of either kind ends the wait.
     """
 
     def __init__(self) -> None:
         self.stopping = trio.Event()
+        self.stopped_at = 0.0  # trio time of the first stop request
+        self.hurry = trio.Event()  # skip (the rest of) drain_delay
         self._reload_pending = False
         self._wake = trio.Event()
 
@@ -91,9 +102,21 @@ class Control:
         self._reload_pending = True
         self._wake.set()
 
-    def stop(self) -> None:
-        self.stopping.set()
+    def stop(self, *, lame_duck: bool = False) -> None:
+        if not lame_duck or self.stopping.is_set():
+            self.hurry.set()
+        if not self.stopping.is_set():
+            self.stopped_at = trio.current_time()
+            self.stopping.set()
         self._wake.set()
+
+    async def until_drain(self, delay: float) -> None:
+        """Wait until the drain may begin: ``delay`` seconds after the first stop request, or
+        at once when asked to hurry (a second stop, or a stop that wanted no delay)."""
+        if self.hurry.is_set() or trio.current_time() >= self.stopped_at + delay:
+            return  # no checkpoint: the caller begins the drain in the same step
+        with trio.move_on_at(self.stopped_at + delay):
+            await self.hurry.wait()
 
     async def next(self) -> Command:
         """Wait for the next command: STOP as soon as a stop was requested, else RELOAD."""
@@ -120,8 +143,8 @@ async def _signals(control: Control, task_status: trio.TaskStatus[None] = trio.T
         async for signum in signals:
             if signum == signal.SIGHUP:
                 control.reload()
-            else:
-                control.stop()
+            else:  # SIGTERM (systemd, a load balancer's orchestrator): lame duck first
+                control.stop(lame_duck=signum == signal.SIGTERM)
 
 
 async def run(
@@ -179,15 +202,16 @@ async def run(
                 await _wait_for_backends(hub, cfg)
                 _boot_checks(hub)
                 async with trio.open_nursery() as conns:
-                    accept = trio.CancelScope()
+                    accept: list[trio.CancelScope] = []  # the listeners the drain closes
                     await conns.start(_serve_listeners, hub, cfg, fds, conns, accept, bound, tls_context)
                     systemd.notify("READY=1", _status_line(hub))
                     LOGGER.info("mcp-gateway %s ready: websocket port %s, unix %s, admin port %s, http port %s",
                                 __version__, bound.websocket_port, bound.unix_path, bound.admin_port,
                                 bound.http_port)
                     task_status.started(bound)
-                    await _control_loop(hub, control, config_path, tls_context)
-                    await _drain(hub, cfg, accept, conns)
+                    await _control_loop(hub, control, config_path, tls_context, accept)
+                    await lame_duck(hub, control)
+                    await _drain(hub, accept, conns)
                 await hub.stop_backends()
                 hub_nursery.cancel_scope.cancel()
         finally:
@@ -262,18 +286,20 @@ def _boot_checks(hub: Hub) -> None:
 
 
 async def _serve_listeners(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio.Nursery,
-                           accept: trio.CancelScope, bound: Bound, tls_context: ssl.SSLContext | None,
+                           accept: list[trio.CancelScope], bound: Bound, tls_context: ssl.SSLContext | None,
                            task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve the client listeners until ``conns`` is cancelled; the WebSocket and unix socket
+    listeners put their cancel scope into ``accept`` (the drain closes them at its start)."""
     max_msg = cfg.gateway.max_message_bytes
     try:
-        with accept:
-            await _accept(hub, cfg, fds, conns, bound, max_msg, tls_context, task_status)
+        await _accept(hub, cfg, fds, conns, accept, bound, max_msg, tls_context, task_status)
     finally:
         hub.listeners_bound = False  # not ready from the moment nothing is accepted any more
 
 
-async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio.Nursery, bound: Bound,
-                  max_msg: int, tls_context: ssl.SSLContext | None, task_status: trio.TaskStatus[None]) -> None:
+async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio.Nursery,
+                  accept: list[trio.CancelScope], bound: Bound, max_msg: int,
+                  tls_context: ssl.SSLContext | None, task_status: trio.TaskStatus[None]) -> None:
     hosts = config.client_allowed_hosts(cfg)
     origins = config.client_allowed_origins(cfg)
     exposed: list[ListenerStatus] = []
@@ -292,7 +318,7 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                         conns.start_soon(_close_at_expiry, session, principal.expires)
                 await connection.serve(hub, stream, "websocket", bind=bind)
 
-            await nursery.start(lambda task_status: serve_websocket(
+            await nursery.start(_closable, accept, lambda task_status: serve_websocket(
                 ws_listeners, on_ws, allowed_origins=origins, allowed_hosts=hosts, max_message=max_msg,
                 handler_nursery=conns, slots=hub.slots, authenticate=partial(_ws_authenticate, hub),
                 tls_context=tls_context, task_status=task_status))
@@ -314,6 +340,7 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                                 probes=partial(admin_probe, hub.status), bridge=hub.bridge,
                                 authn=hub.authn, scope_check=partial(_missing_scopes, hub))
             endpoint.direct = lambda stream: connection.Direct(hub, stream, conns, "http", stream.bind)
+            endpoint.draining = lambda: hub.draining
             await nursery.start(lambda task_status: serve_http(
                 http_listeners, endpoint, max_message=max_msg, handler_nursery=conns, slots=hub.slots,
                 tls_context=tls_context, task_status=task_status))
@@ -344,12 +371,20 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                     if accepted.admitted:
                         hub.slots.release()
 
-            await nursery.start(lambda task_status: trio.serve_listeners(
+            await nursery.start(_closable, accept, lambda task_status: trio.serve_listeners(
                 on_unix, [ls.SlottedListener(unix_listener, hub.slots, "unix")], handler_nursery=conns,
                 task_status=task_status))
         hub.listeners = tuple(exposed)
         hub.listeners_bound = True
         task_status.started()
+
+
+async def _closable(scopes: list[trio.CancelScope], serve: Callable[..., Awaitable[object]],
+                    task_status: trio.TaskStatus[object] = trio.TASK_STATUS_IGNORED) -> None:
+    """Run listener ``serve`` in a cancel scope of its own, put into ``scopes``."""
+    with trio.CancelScope() as scope:
+        scopes.append(scope)
+        await serve(task_status=task_status)
 
 
 async def _peer_principal(stream: trio.SocketStream, configured: frozenset[str]) -> Principal | None:
@@ -447,24 +482,34 @@ def _listener_status(name: str, listeners: list[trio.SocketListener], cfg: Gatew
 
 
 async def _control_loop(hub: Hub, control: Control, config_path: str | None,
-                        tls_context: ssl.SSLContext | None = None) -> None:
-    """Reload on request until a stop is requested; a stop cancels a reload that is running.
+                        tls_context: ssl.SSLContext | None = None,
+                        accept: list[trio.CancelScope] | None = None) -> None:
+    """Reload on request until a stop is requested; a reload running then may finish within
+    ``drain_delay`` (the lame duck), and is cancelled when the drain begins.
 
     A cancelled reload leaves nothing unowned: every backend it was draining, stopping or
     starting is still in ``hub.backends`` (or already stopped), so the shutdown path stops and
     reaps it like any other.
     """
     while await control.next() is Command.RELOAD:
+        finished = False
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_cancel_when_stopping, control, nursery.cancel_scope)
+            nursery.start_soon(_cancel_when_stopping, hub, control, nursery.cancel_scope, accept)
             await reload(hub, config_path, tls_context)
+            finished = True
             nursery.cancel_scope.cancel()
-        if control.stopping.is_set():
+        if not finished:
             LOGGER.warning("reload abandoned: stop requested while it ran")
 
 
-async def _cancel_when_stopping(control: Control, scope: trio.CancelScope) -> None:
+async def _cancel_when_stopping(hub: Hub, control: Control, scope: trio.CancelScope,
+                                accept: list[trio.CancelScope]) -> None:
+    """A stop while a reload runs: the lame duck begins at once (``/readyz`` 503) and the
+    reload may finish within ``drain_delay``; when the drain must begin it is abandoned."""
     await control.stopping.wait()
+    _not_ready(hub, control)
+    await control.until_drain(hub.cfg.gateway.drain_delay)
+    _stop_serving(hub, accept)  # at once, while the reload unwinds
     scope.cancel()
 
 
@@ -484,7 +529,8 @@ async def reload(hub: Hub, config_path: str | None, tls_context: ssl.SSLContext 
         message = "; ".join(exc.errors) if isinstance(exc, ConfigError) else str(exc)
         LOGGER.error("reload failed, keeping the running config: %s", message)
         hub.bus.emit(ReloadFinished(False, message))
-        systemd.notify("READY=1", f"STATUS=reload failed: {message[:200]}")
+        if not hub.lame_duck:  # stopping: STOPPING=1 was sent, no READY=1 after it
+            systemd.notify("READY=1", f"STATUS=reload failed: {message[:200]}")
         return False
     if tls_context is not None and new.listen.tls_cert is not None and new.listen.tls_key is not None:
         try:
@@ -521,39 +567,95 @@ async def reload(hub: Hub, config_path: str | None, tls_context: ssl.SSLContext 
     hub.rebuild_catalog()
     hub.bus.emit(ReloadFinished(True, None, tuple(added), tuple(removed), tuple(changed)))
     LOGGER.info("reload done: added %s, removed %s, changed %s", added or "-", removed or "-", changed or "-")
-    systemd.notify("READY=1", _status_line(hub))
+    if not hub.lame_duck:
+        systemd.notify("READY=1", _status_line(hub))
     return True
 
 
-async def _drain(hub: Hub, cfg: GatewayConfig, accept: trio.CancelScope, conns: trio.Nursery) -> None:
-    """SIGTERM: stop accepting, let in-flight calls finish until the grace deadline, close.
+def _not_ready(hub: Hub, control: Control) -> None:
+    """The stop was requested: ``/readyz`` answers 503 from now on (once)."""
+    if hub.lame_duck:
+        return
+    hub.lame_duck = True
+    delay = 0.0 if control.hurry.is_set() else hub.cfg.gateway.drain_delay
+    systemd.notify("STOPPING=1", f"STATUS=stopping: not ready, draining in {delay:g}s")
+    if delay > 0:
+        LOGGER.info("stopping: /readyz answers 503; serving as usual for %gs (gateway.drain_delay) "
+                    "before the drain", delay)
 
-    While draining, a connection answers each new request at once with -32005 ``shutdown``
-    (``retryable: true``: it never started); a call still running when ``drain_grace`` ends is
-    cancelled and answered -32005 ``shutdown`` with ``retryable: false`` (it may have had
-    effects), and only then is the connection closed.
+
+async def lame_duck(hub: Hub, control: Control) -> None:
+    """SIGTERM: ``/readyz`` answers 503 at once, while everything else is served as before for
+    ``gateway.drain_delay`` seconds: long enough for a load balancer's health check to take the
+    replica out of rotation before anything is refused.  A second SIGTERM, or a SIGINT, ends
+    the wait (a stop that did not ask for it, or ``drain_delay = 0``, skips it).  Reloads
+    requested meanwhile are not applied: the daemon is going down."""
+    _not_ready(hub, control)
+    await control.until_drain(hub.cfg.gateway.drain_delay)
+
+
+def _stop_serving(hub: Hub, accept: list[trio.CancelScope] | None) -> None:
+    """The drain begins: new requests are refused from here on, the WebSocket and unix
+    listeners close (both at once: a client refused must not get a new connection here)."""
+    hub.draining = True
+    for scope in accept or ():
+        scope.cancel()
+
+
+async def _drain(hub: Hub, accept: list[trio.CancelScope], conns: trio.Nursery) -> None:
+    """Stop accepting, let in-flight calls finish until the grace deadline, close.
+
+    While draining, a connection keeps reading (answers to the prompts of its calls and its
+    cancellations still arrive) and answers each new request at once with -32005 ``shutdown``
+    (``retryable: true``: it never started; over HTTP a 503 with ``Retry-After``, see
+    :class:`~gateway.transports.endpoint.Endpoint`).  The HTTP listener goes on accepting, so
+    a bridged call's retry (``requestState``) can still reach its waiting child, and so a load
+    balancer gets a 503 to retry elsewhere.  A call still running when ``drain_grace`` ends
+    has its prompts cancelled and is answered -32005 ``shutdown`` with ``retryable: false``
+    (it may have had effects); only then is the connection closed (WebSocket 1012, EOF).
     """
-    hub.draining = True  # /readyz: 503 from here on
+    grace = hub.cfg.gateway.drain_grace
+    _stop_serving(hub, accept)
     hub.listens.end_all()  # each answered with its closing result, not left to the grace
-    accept.cancel()
-    systemd.notify("STOPPING=1", "STATUS=draining")
-    LOGGER.info("draining: %d connections, grace %.0fs", len(hub.sessions), cfg.gateway.drain_grace)
-    for session in list(hub.sessions):  # backend prompts and consent prompts alike
-        for req in list(session.server_requests.values()):  # the owner is told, not left waiting
-            session.cancel_request(req, ServerRequestOutcome.SHUTDOWN, "the gateway is shutting down")
+    systemd.notify("STATUS=draining")
+    LOGGER.info("draining: %d connections, grace %gs", len(hub.sessions), grace)
 
     def no_calls() -> bool:
         return not any(s.inflight for s in hub.sessions)
 
-    with trio.move_on_after(cfg.gateway.drain_grace):
+    with trio.move_on_after(grace):
         await hub.wait_connections(no_calls)
     late = sum(len(s.inflight) for s in hub.sessions)
     with trio.move_on_after(CLOSE_TIMEOUT):
+        for session in list(hub.sessions):  # backend prompts and consent prompts alike
+            for req in list(session.server_requests.values()):  # the owner is told
+                session.cancel_request(req, ServerRequestOutcome.SHUTDOWN, "the gateway is shutting down")
         if late:
             LOGGER.warning("drain grace over: %d calls still running get -32005 shutdown", late)
             hub.cut_off_calls()
             await hub.wait_connections(no_calls)
-        for session in list(hub.sessions):
-            session.close(CloseReason.SHUTDOWN)
+        await _close_settled(hub)
         await hub.wait_connections(lambda: not hub.sessions)
+    for session in list(hub.sessions):
+        session.close(CloseReason.SHUTDOWN)
     conns.cancel_scope.cancel()
+
+
+async def _close_settled(hub: Hub) -> None:
+    """Close each connection (reason ``shutdown``: WebSocket 1012, unix EOF) once it has sent
+    no request for :data:`SETTLE` seconds: a client looping calls sends its next request as
+    its last answer arrives; that one gets its -32005 ``retryable`` answer instead of a close
+    it could not tell from a crash.  (Whatever a client sends after the close was never
+    started either.)  The caller bounds it (a client that never stops sending)."""
+    quiet_from = trio.current_time()
+    while True:
+        now = trio.current_time()
+        waiting = []
+        for session in list(hub.sessions):
+            if max(quiet_from, session.refused_at) + SETTLE > now:
+                waiting.append(session)
+            else:
+                session.close(CloseReason.SHUTDOWN)
+        if not waiting:
+            return
+        await trio.sleep_until(min(max(quiet_from, s.refused_at) for s in waiting) + SETTLE)

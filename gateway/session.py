@@ -129,6 +129,7 @@ class ClientSession:
         self._low_water_bytes = outbound_bytes // 4
         self._drained: trio.Event | None = None  # the reader waits on it
         self.last_sent = self.opened  # when queued bytes were last written to the client
+        self.refused_at = 0.0  # when the drain last refused a request of it (-32005 retryable)
         self._budget = budget if budget is not None else ByteBudget(sys.maxsize)
         self.buffers = self._budget.open(self.conn_id, self._evicted)
         self.closed = trio.Event()

@@ -61,7 +61,8 @@ class GatewayStatus:
     backends: tuple[BackendStatus, ...]
     connections: dict[str, int] = field(default_factory=dict)  # by transport
     listeners_bound: bool = False
-    draining: bool = False
+    draining: bool = False  # new requests are refused; calls in flight finish
+    stopping: bool = False  # SIGTERM received: lame duck (gateway.drain_delay), then draining
     pending_server_requests: int = 0
     buffered_bytes: int = 0  # queued client/backend message bytes (gateway.buffered_bytes_total)
     client_requests_in_flight: int = 0  # client requests read and not yet answered, all sessions
@@ -72,10 +73,12 @@ class GatewayStatus:
 
     def not_ready_because(self) -> list[str]:
         """Why the daemon is not ready, in words for ``/readyz`` (empty when it is ready):
-        listeners bound, every required backend has a RUNNING instance, not draining."""
+        listeners bound, every required backend has a RUNNING instance, not stopping."""
         problems = [] if self.listeners_bound else ["listeners not bound"]
         if self.draining:
             problems.append("draining")
+        elif self.stopping:
+            problems.append("stopping (draining after gateway.drain_delay)")
         for backend in self.backends:
             if backend.required and not any(i.state == "RUNNING" for i in backend.instances):
                 problems.append(f"backend {backend.name} not running")

@@ -139,6 +139,7 @@ class Daemon:
     def write_config(self, backends: str) -> None:
         self.config_path.write_text(f"""
 [gateway]
+drain_delay = 0.0
 {self.gateway}
 [listen]
 websocket = "127.0.0.1:0"

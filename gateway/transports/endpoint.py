@@ -22,7 +22,9 @@ the peer leave, until the sink is answered; an SSE comment every :data:`KEEPALIV
 an idle stream open.  Notifications and responses get 202.  GET opens the session's one
 standalone stream (409 for a second one); with ``Last-Event-ID`` it resumes the stream that id
 belongs to (:meth:`~gateway.transports.streamable.HttpSession.resume`; 400 when nothing of it
-is left to resume).  DELETE ends the session.
+is left to resume).  DELETE ends the session.  While the gateway drains, a POST that would
+start anything (a request, ``initialize`` included, of either shape) gets 503 with
+``Retry-After``; answers, notifications and a bridged call's retry are still taken.
 
 One endpoint decides per request: the modern shape (2026-07-28, no session) will be told apart
 here by its ``MCP-Protocol-Version`` header before any session lookup.
@@ -77,6 +79,8 @@ KEEPALIVE = 15.0
 #: A POST's answer is awaited this long before its connection is watched for the peer leaving
 #: (closing a response stream earlier cancels the call once this has passed).
 QUICK_ANSWER = 0.05
+#: Seconds a request refused while the gateway drains is told to wait (``Retry-After``).
+RETRY_AFTER = 1
 #: A keep-alive connection with no request for this long is closed.
 IDLE_TIMEOUT = 60.0
 JSON = "application/json"
@@ -140,6 +144,8 @@ class Endpoint:
         self.allowed_origins = allowed_origins
         self.max_json_depth = max_json_depth
         self.ports = ports  # the listener's own ports: an Origin naming this server is allowed
+        # the gateway drains: a request not yet started gets 503 + Retry-After (set by the service)
+        self.draining: Callable[[], bool] = lambda: False
 
     def _origin_allowed(self, req: Request) -> bool:
         """Every ``Origin`` is in ``allowed_origins`` or is this server itself (a loopback name
@@ -299,6 +305,7 @@ class Endpoint:
             for e in envs:
                 self._check_scopes(req, principal, e)
             if "request" in kinds:
+                _refuse_if(self.draining(), None)
                 sink = Sink(conn, session.id, batch=True)
                 sink.ids = frozenset(e.id for e, k in zip(envs, kinds, strict=True)
                                      if k == "request" and isinstance(e.id, int | str))
@@ -318,6 +325,7 @@ class Endpoint:
             await self._modern(conn, req, env, kind, body, principal)
             return
         rid = env.id if isinstance(env.id, int | str) else None
+        _refuse_if(kind == "request" and self.draining(), rid)  # an initialize too
         if req.header(b"mcp-session-id") is None and kind == "request" and env.method == "initialize":
             _check_version(req, rid)
             session = self.sessions.create()
@@ -379,7 +387,7 @@ class Endpoint:
         sink.token = _progress_token(env.params)
         if ("requestState" in params and env.method in mrtr.METHODS and self.bridge is not None
                 and not self.bridge.passthrough(env.method, params)):
-            session = self._resume(env, params, caps, sink, principal)
+            session = self._resume(env, params, caps, sink, principal)  # a drain lets it in
             asked = _rounds(session)
             try:
                 await _hold(conn, session, sink)
@@ -387,6 +395,7 @@ class Endpoint:
                 if _rounds(session) == asked:
                     _end(session)
             return
+        _refuse_if(self.draining(), env.id)
         session = HttpSession(self.sessions.idle_timeout, id="")
         session.mrtr = self.bridge
         session.principal = principal
@@ -429,6 +438,18 @@ class Endpoint:
             session.close_sink(sink)
             raise HttpError(503, "this session's inbox is full; retry later")
         await _hold(conn, session, sink)
+
+
+def _refuse_if(draining: bool, id: int | str | None) -> None:
+    """While the gateway drains, a request not yet started is refused with 503 and
+    ``Retry-After`` (its body the -32005 ``shutdown`` error, ``retryable: true``): a load
+    balancer retries it on another replica (HAProxy ``retry-on 503``), a client may too."""
+    if draining:
+        refusal = _jsonrpc_error(503, errors.Denied(
+            "the gateway is shutting down; send this request elsewhere", reason="shutdown",
+            retryable=True), id)
+        refusal.headers = [("retry-after", str(RETRY_AFTER))]
+        raise refusal
 
 
 def _end(session: HttpSession) -> None:

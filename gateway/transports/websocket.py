@@ -88,7 +88,7 @@ _BROKEN = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 _CLOSE_CODES = {
     CloseReason.OVERSIZE: 1009,
     CloseReason.OVERFLOW: 1008,
-    CloseReason.SHUTDOWN: 1001,
+    CloseReason.SHUTDOWN: 1012,  # service restart: reconnect (to another replica)
     CloseReason.ERROR: 1011,
     CloseReason.UNSUPPORTED_DATA: 1003,
     CloseReason.INVALID_DATA: 1007,

@@ -257,7 +257,9 @@ def gateway_toml(http: str, admin: str = "127.0.0.1:0") -> str:
     """An mcp-gateway config: Streamable HTTP on `http`, the fixture as one unprefixed backend,
     per-session (a child per session or modern flow: only such a child's roots/list reaches the
     caller, which the suite's list-roots scenarios need)."""
-    return f"""[listen]
+    return f"""[gateway]
+drain_delay = 0.0
+[listen]
 websocket = ""
 http = {json.dumps(http)}
 [admin]

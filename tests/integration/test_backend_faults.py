@@ -450,6 +450,8 @@ class Daemon:
 def daemon_config(tmp_path: Path) -> Path:
     path = tmp_path / "gateway.toml"
     path.write_text(f"""
+[gateway]
+drain_delay = 0.0
 [listen]
 websocket = "127.0.0.1:0"
 http = ""

@@ -38,7 +38,7 @@ def backend_toml(name: str, **env: str) -> str:
 
 
 def write_config(path: Path, ws: int, admin: int, backends: str, gateway: str = "drain_grace = 10.0") -> None:
-    path.write_text(f'[gateway]\n{gateway}\n[listen]\nwebsocket = "127.0.0.1:{ws}"\nhttp = ""\n'
+    path.write_text(f'[gateway]\ndrain_delay = 0.0\n{gateway}\n[listen]\nwebsocket = "127.0.0.1:{ws}"\nhttp = ""\n'
                     f'[admin]\nlisten = "127.0.0.1:{admin}"\n{backends}')
 
 
@@ -377,5 +377,57 @@ async def test_sigterm_during_a_reload_drain_stops_at_once_and_answers_cut_off_c
         assert group_members(child_pid) == []
         with pytest.raises(ProcessLookupError):
             os.kill(child_pid, 0)
+    finally:
+        print(finish(proc)[-3000:])
+
+
+async def test_11_lame_duck_serves_through_drain_delay_until_a_second_sigterm(
+        tmp_path: Path, notify_socket: tuple[socket.socket, str]) -> None:
+    """Issue 11: SIGTERM turns ``/readyz`` 503 at once (admin and http listener) while every
+    listener keeps serving for ``drain_delay`` (a load balancer takes the replica out of
+    rotation meanwhile); a second SIGTERM ends the wait and the drain refuses new requests."""
+    sock, addr = notify_socket
+    ws, admin, port = free_port(), free_port(), free_port()
+    cfg = tmp_path / "gw.toml"
+    write_config(cfg, ws, admin, backend_toml("a"), gateway="drain_delay = 60.0")
+    cfg.write_text(cfg.read_text().replace('http = ""', f'http = "127.0.0.1:{port}"')
+                   .replace("drain_delay = 0.0\n", ""))
+    proc = start_daemon(cfg, {"NOTIFY_SOCKET": addr})
+    seen: list[str] = []
+    url = f"ws://127.0.0.1:{ws}/"
+    try:
+        recv_until(sock, "READY=1", seen)
+        with trio.fail_after(30):
+            async with connect(url) as c:
+                proc.send_signal(signal.SIGTERM)
+                await trio.to_thread.run_sync(recv_until, sock, "STOPPING=1", seen)
+                for probe_port in (admin, port):
+                    status, body = await trio.to_thread.run_sync(http, probe_port, "/readyz")
+                    assert status == 503 and "stopping" in body, body
+                proc.send_signal(signal.SIGHUP)  # not applied: the daemon is going down
+                assert text_of(await c.call("a__echo", {"message": "still"})) == "still"
+                async with connect(url) as late:  # the listener still accepts and serves
+                    assert text_of(await late.call("a__echo", {"message": "new"})) == "new"
+                assert proc.poll() is None
+                await c.send({"jsonrpc": "2.0", "id": "slow", "method": "tools/call",  # holds the drain open
+                              "params": {"name": "a__sleep", "arguments": {"seconds": 1.5, "message": "slept"}}})
+                await call_in_flight(admin, "a")
+                proc.send_signal(signal.SIGTERM)  # asked again: the drain begins now
+                while True:  # the drain refuses a new request (retryable) once it has begun
+                    r = await c.call("a__echo", {"message": "late"})
+                    if "error" in r:
+                        break
+                assert r["error"]["code"] == -32005
+                assert r["error"]["data"] == {"reason": "shutdown", "retryable": True}
+                assert text_of(await c.response("slow")) == "slept"
+                with trio.fail_after(5):
+                    while not c.closed:
+                        await c._changed.wait()
+                assert c.ws.closed is not None and c.ws.closed.code == 1012
+        assert proc.wait(timeout=20) == 0
+        sock.settimeout(0.2)
+        with pytest.raises((TimeoutError, AssertionError)):  # after STOPPING=1: no reload, no READY
+            recv_until(sock, "RELOADING=1", seen, 0.5)
+        assert not [m for m in seen if "RELOADING=1" in m.split("\n") or "READY=1" in m.split("\n")][1:]
     finally:
         print(finish(proc)[-3000:])

@@ -119,7 +119,16 @@ def test_service_settings_that_verify_cannot_judge() -> None:
     ]
     assert s["Service.KillMode"] == ["mixed"]
     assert s["Service.WatchdogSec"] == ["30s"]
-    assert s["Service.TimeoutStopSec"] == ["45s"]
+    assert s["Service.TimeoutStopSec"] == ["60s"]
+    # it covers a stop with the default config, with margin: the lame duck, the drain, closing
+    # the connections and the backends' stop sequence (concurrent)
+    from gateway.backend import process
+    from gateway.config import GatewaySection
+    from gateway.service import CLOSE_TIMEOUT
+
+    g = GatewaySection()
+    stop = process.STDIN_GRACE + process.TERM_GRACE + process.KILL_WAIT
+    assert g.drain_delay + g.drain_grace + CLOSE_TIMEOUT + stop + 15 <= 60
     assert s["Service.OOMPolicy"] == ["continue"]
     assert s["Service.Restart"] == ["on-failure"]
     assert s["Service.SyslogIdentifier"] == ["mcp-gateway"]

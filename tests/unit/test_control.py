@@ -35,3 +35,31 @@ async def test_stop_is_a_level_and_wins_over_a_pending_reload() -> None:
     assert await control.next() is Command.STOP
     assert await control.next() is Command.STOP  # stays requested
     assert control.stopping.is_set()
+
+
+async def test_11_lame_duck_waits_drain_delay_from_the_first_stop_unless_asked_again(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """SIGTERM (``lame_duck``) waits ``drain_delay`` counted from the first stop; a second stop
+    ends the wait; a stop without it (SIGINT, tests) never waits."""
+    control = Control()
+    control.stop(lame_duck=True)
+    start = trio.current_time()
+    await trio.sleep(2)  # e.g. a reload finishing: the delay runs meanwhile
+    await control.until_drain(5)
+    assert trio.current_time() - start == 5
+    assert await control.next() is Command.STOP
+
+    control = Control()
+    control.stop(lame_duck=True)
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(control.until_drain, 5)
+        await trio.sleep(1)
+        control.stop(lame_duck=True)  # asked again
+    assert trio.current_time() - start == 1
+
+    control = Control()
+    control.stop()
+    start = trio.current_time()
+    await control.until_drain(5)
+    assert trio.current_time() == start

@@ -221,6 +221,7 @@ def test_backend_gauges_follow_the_snapshot(h: Harness) -> None:
         True,
     )
     assert h.value("backend_up", backend="time", required="true") == 0
+    assert h.value("backend_up", backend="fs", required="false") == 1  # alerts: required only
     assert h.value("ready") == 0
     for name, summary in (("time", "BACKOFF"), ("fs", "RUNNING"), ("none", "STOPPED")):
         one_hot = {s: h.value("backend_state", backend=name, state=s) for s in STATES}
