@@ -392,9 +392,13 @@ class Hub:
         if rank is None:
             return
         data = jsonrpc.encode_notification("notifications/message", params)
+        child = instance.child
+        callers = child.router.attribution() if child is not None else set()
         for session in list(self.sessions):
             if session.log_level is not None and rank >= mcp.LOG_RANK[session.log_level]:
-                session.send(data)
+                # 2026-07-28: only to a request that asked, while it runs at this child
+                if session.era is not Era.MODERN or session in callers:
+                    session.send(data)
 
     def on_elicitation_complete(self, instance: Instance, params: Raw | UnsetType) -> None:
         eid = _str_field(params, "elicitationId")

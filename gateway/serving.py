@@ -249,6 +249,10 @@ def serve_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, size:
             if session.mrtr is None:  # a modern WebSocket/unix connection: bridged like a flow
                 session.mrtr = hub.bridge
             served.caps = mcp.ClientCaps(caps)  # what a child may ask this request's caller
+            level = era.log_level(req.params)
+            if level is not None and level != session.log_level:  # its stream gets log messages
+                session.log_level = level
+                hub.log_levels_changed()
             if "requestState" in req.params and method in mrtr.METHODS and session.transport != "http" \
                     and not hub.bridge.passthrough(method, req.params):
                 # A retry: it continues the call its state names, which takes over its id

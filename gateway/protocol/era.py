@@ -115,7 +115,34 @@ def check_modern(method: str, params: dict[str, Raw]) -> dict[str, Any]:
     caps = jsonrpc.loads(meta[CAPABILITIES_KEY])
     if not isinstance(caps, dict):
         raise errors.InvalidParams(f"{method}: _meta[{CAPABILITIES_KEY!r}] must be an object")
+    if LOG_LEVEL_KEY in meta and not _is_level(jsonrpc.loads(meta[LOG_LEVEL_KEY])):
+        raise errors.InvalidParams(f"{method}: _meta[{LOG_LEVEL_KEY!r}] must be one of "
+                                   f"{', '.join(mcp.LOG_RANK)}")
     return caps
+
+
+def log_level(params: dict[str, Raw]) -> str | None:
+    """The log level a modern request asks for (``_meta`` :data:`LOG_LEVEL_KEY`), or None: it
+    gets no ``notifications/message`` at all.
+
+    Raises:
+        InvalidParams: not one of the RFC 5424 level names.
+    """
+    raw = params.get("_meta")
+    if raw is None or LOG_LEVEL_KEY.encode() not in bytes(raw):
+        return None
+    try:
+        value = jsonrpc.loads(jsonrpc.raw_dict(raw)[LOG_LEVEL_KEY])
+    except (KeyError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    if not _is_level(value):
+        raise errors.InvalidParams(f"_meta[{LOG_LEVEL_KEY!r}]: unknown level {str(value)[:40]!r}",
+                                   levels=list(mcp.LOG_RANK))
+    return str(value)
+
+
+def _is_level(value: object) -> bool:
+    return isinstance(value, str) and value in mcp.LOG_RANK
 
 
 def version_mismatch(params: dict[str, Raw], headers: dict[str, str | None]) -> errors.GatewayError | None:

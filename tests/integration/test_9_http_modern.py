@@ -148,3 +148,30 @@ async def test_subscriptions_listen_streams_tagged_notifications_until_the_clien
                 await trio.sleep(0.05)
             await wait_status(gw.bound.admin_port, lambda st: st["client_requests_in_flight"] == 0
                               and st["connections"].get("http", 0) == 0)
+
+
+async def test_a_modern_request_gets_log_messages_only_at_the_level_it_asked_for() -> None:
+    """2026-07-28: ``_meta`` logLevel per request; none asked, none sent; only on that request's
+    stream (the other flow calling the same child gets nothing)."""
+    async with run_gateway(make_config(fixture_backend("fx"))) as gw, httpx.AsyncClient() as c:
+        async def messages(level: str | None, log: str) -> list[dict[str, Any]]:
+            args = post("tools/call", {"name": "fx__log", "arguments": {"level": log, "data": "hi"}})
+            if level is not None:
+                args["json"]["params"]["_meta"] = {**META, "io.modelcontextprotocol/logLevel": level}
+            with trio.fail_after(10):
+                r = await c.post(gw.http_url, **args)
+            assert r.status_code == 200, r.text
+            if r.headers["content-type"].startswith("application/json"):
+                return [r.json()]
+            return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+
+        got = await messages("info", "warning")
+        assert [m.get("method") for m in got] == ["notifications/message", None]
+        assert got[0]["params"]["data"] == "hi" and got[-1]["result"]["resultType"] == "complete"
+        assert [m.get("method") for m in await messages("error", "warning")] == [None]  # below it
+        assert [m.get("method") for m in await messages(None, "emergency")] == [None]  # none asked
+        args = post("tools/call", {"name": "fx__echo", "arguments": {"message": "m"}})
+        for bad in ("loud", ["info"], {"a": 1}):
+            args["json"]["params"]["_meta"] = {**META, "io.modelcontextprotocol/logLevel": bad}
+            r = await c.post(gw.http_url, **args)
+            assert r.status_code == 400 and r.json()["error"]["code"] == -32602
