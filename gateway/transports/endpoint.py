@@ -33,7 +33,9 @@ here by its ``MCP-Protocol-Version`` header before any session lookup.
 from __future__ import annotations
 
 import logging
+import math
 import ssl
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -279,7 +281,17 @@ class Endpoint:
                 raise HttpError(409, "this session already has a GET stream open")
             sink = Sink(conn, session.id)
             session.open_get(sink, None if resume is None else resume[1])
-            await _hold(conn, session, sink)
+            # A stream opened with a JWT ends when the token does: the client reopens it with a
+            # fresh one (every request is checked; a long-lived stream must not outlive it).
+            expires = principal.expires if principal is not None else None
+            deadline = math.inf if expires is None else trio.current_time() + max(0.0, expires - time.time())
+            with trio.move_on_at(deadline) as expiry:
+                await _hold(conn, session, sink)
+            if expiry.cancelled_caught:  # expired: end the stream cleanly (the session goes on)
+                try:
+                    conn.end_events()
+                except TransportClosed:
+                    pass
         elif req.method == "DELETE":
             session = self._session(req, principal)
             session.terminate()

@@ -291,6 +291,17 @@ async def test_10_oauth_jwts_from_a_local_issuer(monkeypatch: pytest.MonkeyPatch
             r = await c.post(url, headers=dict(h, authorization=f"Bearer {issuer.token(scope='tools:read tools:write')}"),
                              json=call)
             assert r.status_code == 200 and r.json()["result"]["content"][0]["text"] == "up", r.text
+            # a GET stream opened with a JWT ends with the token (the session goes on)
+            short = issuer.token(exp=int(time.time()) + 2)
+            r = await c.post(url, headers=auth(short), json=INIT)
+            sid2 = r.headers["mcp-session-id"]
+            get_h = dict(auth(short), **{"mcp-session-id": sid2, "mcp-protocol-version": "2025-11-25",
+                                         "accept": "text/event-stream"})
+            with trio.fail_after(8):
+                async with c.stream("GET", url, headers=get_h) as stream:
+                    assert stream.status_code == 200
+                    async for _ in stream.aiter_bytes():
+                        pass  # ends when the token expires
             # WebSocket: the JWT on the upgrade; an expired one is refused
             assert (await upgrade(gw.bound.websocket_port, bad["expired"]))[0] == 401
             async with connect(gw.url, token=issuer.token(scope="tools:write")) as ws:
