@@ -11,7 +11,8 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import fixture_backend, make_config, run_gateway
+import trio
+from helpers import connect, fixture_backend, make_config, run_gateway
 
 pytestmark = [pytest.mark.system,
               pytest.mark.filterwarnings("ignore::ResourceWarning",
@@ -65,3 +66,21 @@ async def test_jwks_nested_too_deeply_does_not_end_the_daemon() -> None:
             assert r.status_code == 401 and 'error="invalid_token"' in r.headers["www-authenticate"]
             r = await c.post(gw.http_url, headers=dict(H, authorization="Bearer alice"), json=INIT)
             assert r.status_code == 200, r.text
+
+
+async def test_resource_read_rule_not_escaped_by_dot_segments() -> None:
+    """A read rule ``fixture://static/*`` (then ``*`` denied) must not let a URI climb out of
+    it with dot segments, plain or percent-encoded: those are refused -32005 before they reach
+    the backend, on read, subscribe and completion alike."""
+    rules = ('[[policy.rules]]\nkind = "resource"\nmatch = "fixture://static/*"\naction = "allow"\n'
+             '[[policy.rules]]\nkind = "resource"\nmatch = "*"\naction = "deny"\n')
+    cfg = make_config(fixture_backend(), extra=rules)
+    with trio.fail_after(30):
+        async with run_gateway(cfg) as gw, connect(gw.url) as c:
+            r = await c.request("resources/read", {"uri": "fixture://static/a"})
+            assert r["result"]["contents"][0]["uri"] == "fixture://static/a"
+            for uri in ("fixture://static/../item/1", "fixture://static/%2E%2e/item/1",
+                        "fixture://static/a/../../item/1", "fixture://static/./../item/1"):
+                for method in ("resources/read", "resources/subscribe"):
+                    r = await c.request(method, {"uri": uri})
+                    assert r.get("error", {}).get("code") == -32005, (method, uri, r)
