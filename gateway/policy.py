@@ -177,9 +177,13 @@ class Policy:
                 ``data.scopes`` when a rule would allow it with those scopes), or it is a
                 sensitive tool no rule names for this caller.
         """
+        what = {"tool": "tool", "prompt": "prompt", "resource": "uri"}[kind]
+        if kind == "resource" and pure.climbs(name) and any(r.kind == "resource" for r in self.rules):
+            # a glob on the URI cannot tell where a dot segment leads: refused, not guessed
+            raise errors.Denied(f"resource {name!r} has a '.' or '..' path segment; "
+                                "resource rules cannot be applied to it", uri=name)
         decision = pure.decide(name, self.rules, self.cfg.default, caller=caller, kind=kind,
                                sensitive=kind == "tool" and name in self.sensitive)
-        what = {"tool": "tool", "prompt": "prompt", "resource": "uri"}[kind]
         if decision.action != "deny":
             return decision.action == "ask"
         if decision.scopes:

@@ -66,6 +66,8 @@ def parse_jwks(data: bytes, max_keys: int = MAX_KEYS) -> tuple[dict[str, Key], l
         doc = json.loads(data)
     except ValueError:
         raise ValueError("not JSON") from None
+    except RecursionError:  # nested deeper than the parser goes: a bad document, not a crash
+        raise ValueError("JSON nested too deeply") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("keys"), list):
         raise ValueError("not a JWKS document (no \"keys\" array)")
     keys: dict[str, Key] = {}

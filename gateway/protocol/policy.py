@@ -29,6 +29,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 from typing import Any, Literal
+from urllib.parse import unquote
 
 Action = Literal["allow", "ask", "deny"]
 Kind = Literal["tool", "prompt", "resource"]
@@ -70,6 +71,13 @@ class Decision:
     rule: str | None  # the glob that decided, None for the default
     sensitive_unruled: bool = False  # sensitive and no rule names it: refuse
     scopes: tuple[str, ...] = ()  # denied, but a rule would let it in with these scopes
+
+
+def climbs(uri: str) -> bool:
+    """Whether ``uri`` has a dot segment (``.`` or ``..``, also percent-encoded) in its path: a
+    backend resolving it could land outside what a glob on the URI allowed
+    (``file:///srv/docs/../../etc/passwd`` matches ``file:///srv/docs/*``)."""
+    return any(seg in (".", "..") for seg in unquote(uri).replace("\\", "/").split("/"))
 
 
 def is_sensitive(tool: dict[str, Any], backend_sensitive: list[str], original_name: str) -> bool:
