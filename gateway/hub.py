@@ -39,6 +39,7 @@ from gateway.protocol.catalog import (
     build_catalog,
 )
 from gateway.protocol.era import Era
+from gateway.protocol.policy import climbs
 from gateway.protocol.subscriptions import uri_matches
 from gateway.session import ClientSession
 from gateway.status import GatewayStatus, ListenerStatus
@@ -362,8 +363,12 @@ class Hub:
                 raise errors.ResourceNotFound(f"resource {uri!r} not found", uri=uri)
             name = candidates[0]
         bcfg = self.cfg.backends.get(name)
-        if bcfg is not None and not exposed(bcfg).resources.admits(uri):  # filtered: absent
-            raise errors.ResourceNotFound(f"resource {uri!r} not found", uri=uri)
+        if bcfg is not None:
+            resources = bcfg.resources
+            filtered = resources.include or resources.exclude
+            # filtered: absent; a dot segment could climb out of what an include glob admits
+            if not exposed(bcfg).resources.admits(uri) or (filtered and climbs(uri)):
+                raise errors.ResourceNotFound(f"resource {uri!r} not found", uri=uri)
         return name
 
     async def authorize(self, session: ClientSession, tool: str, arguments: Any) -> None:

@@ -84,3 +84,11 @@ async def test_resource_read_rule_not_escaped_by_dot_segments() -> None:
                 for method in ("resources/read", "resources/subscribe"):
                     r = await c.request(method, {"uri": uri})
                     assert r.get("error", {}).get("code") == -32005, (method, uri, r)
+    # the same climb out of a backend's include filter: the resource is absent (-32002)
+    cfg = make_config(fixture_backend(resources='{ include = ["fixture://static/*"] }'))
+    with trio.fail_after(30):
+        async with run_gateway(cfg) as gw, connect(gw.url) as c:
+            assert "result" in await c.request("resources/read", {"uri": "fixture://static/a"})
+            for uri in ("fixture://static/../item/1", "fixture://static/%2e%2E/item/1"):
+                r = await c.request("resources/read", {"uri": uri})
+                assert r.get("error", {}).get("code") == -32002, (uri, r)
