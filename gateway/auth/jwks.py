@@ -20,6 +20,9 @@ from gateway.transports import jwks as fetcher
 
 LOGGER = logging.getLogger(__name__)
 
+#: Skipped JWKS entries logged one by one per fetch; the rest are counted in one line.
+MAX_SKIPPED_LOGGED = 8
+
 
 class JwksCache:
     def __init__(self, uri: str, min_interval: float,
@@ -44,8 +47,10 @@ class JwksCache:
             LOGGER.warning("auth: cannot fetch the JWKS from %s (%s); keeping the %d keys known",
                            self.uri, exc or "timed out", len(self.keys))
             return False
-        for why in skipped:
+        for why in skipped[:MAX_SKIPPED_LOGGED]:  # bounded: a document may hold 100k junk keys
             LOGGER.info("auth: JWKS %s: skipped %s", self.uri, why)
+        if len(skipped) > MAX_SKIPPED_LOGGED:
+            LOGGER.info("auth: JWKS %s: skipped %d more entries", self.uri, len(skipped) - MAX_SKIPPED_LOGGED)
         if not keys:
             self.last_error = "no usable signing key in the document"
             LOGGER.warning("auth: the JWKS from %s holds no usable key (RS256/ES256 with a kid); "
