@@ -61,3 +61,32 @@ async def test_a_non_ascii_request_state_is_invalid_state_not_a_dropped_connecti
             await wait_status(gw.bound.admin_port, lambda st: st["client_requests_in_flight"] == 0
                               and st["connections"].get("http", 0) == 0)
     assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR or rec.exc_info]
+
+
+async def test_a_caller_queued_behind_a_parked_flow_on_an_affine_backend_may_hang_up(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A parked flow holds its affine child; a modern call queued for that child whose client
+    hangs up had its waiter removed twice (the session's drop, then the waiting task's own
+    cleanup): ValueError, logged as a failed call with a traceback."""
+    caplog.set_level(logging.ERROR)
+    async with run_gateway(make_config(fixture_backend("fx", sharing="affine"))) as gw, \
+            httpx.AsyncClient(timeout=10) as c:
+        r = await c.post(gw.http_url, headers=_headers("fx__elicit"), content=_body("fx__elicit", {"message": "m"}))
+        state = r.json()["result"]["requestState"]  # parked: fx/0 is this flow's
+        for _ in range(3):
+            body = _body("fx__echo", {"text": "queued"})
+            head = "".join(f"{k}: {v}\r\n" for k, v in _headers("fx__echo").items())
+            stream = await trio.open_tcp_stream("127.0.0.1", gw.bound.http_port)
+            await stream.send_all(f"POST /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\n{head}content-length: "
+                                  f"{len(body)}\r\n\r\n".encode() + body)
+            await trio.sleep(0.3)  # queued for fx/0
+            await stream.aclose()
+        await trio.sleep(0.3)
+        r = await c.post(gw.http_url, headers=_headers("fx__elicit"),
+                         content=_body("fx__elicit", {"message": "m"}, id=2, requestState=state,
+                                       inputResponses={"srv-1": {"action": "accept", "content": {"answer": "A"}}}))
+        assert r.json()["result"]["resultType"] == "complete", r.text
+        with trio.fail_after(5):
+            await wait_status(gw.bound.admin_port, lambda st: st["client_requests_in_flight"] == 0
+                              and st["connections"].get("http", 0) == 0)
+    assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR or rec.exc_info]
