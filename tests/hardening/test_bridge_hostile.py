@@ -90,3 +90,28 @@ async def test_a_caller_queued_behind_a_parked_flow_on_an_affine_backend_may_han
             await wait_status(gw.bound.admin_port, lambda st: st["client_requests_in_flight"] == 0
                               and st["connections"].get("http", 0) == 0)
     assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR or rec.exc_info]
+
+
+class _Abort(Exception):
+    pass
+
+
+async def test_a_gateway_cancelled_with_a_parked_flow_unwinds_cleanly() -> None:
+    """Cancelled from outside (an error elsewhere unwinding the service), the child of a parked
+    flow exits and ends its call; the flow's session then closed its connection from a task
+    started in the listener's nursery, already closed: RuntimeError joined the unwinding."""
+    with pytest.raises(BaseExceptionGroup) as caught:  # noqa: PT012
+        async with run_gateway(make_config(fixture_backend("fx"))) as gw, httpx.AsyncClient(timeout=10) as c:
+            r = await c.post(gw.http_url, headers=_headers("fx__elicit"),
+                             content=_body("fx__elicit", {"message": "m"}))
+            assert r.json()["result"]["resultType"] == "input_required"
+            raise _Abort
+    leaves: list[BaseException] = []
+    stack: list[BaseException] = [caught.value]
+    while stack:
+        exc = stack.pop()
+        if isinstance(exc, BaseExceptionGroup):
+            stack.extend(exc.exceptions)
+        elif not isinstance(exc, trio.Cancelled):
+            leaves.append(exc)
+    assert [type(e) for e in leaves] == [_Abort], leaves
