@@ -18,6 +18,7 @@ pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWa
 
 V = "2026-07-28"
 CAPS = {"elicitation": {}, "sampling": {}, "roots": {}}
+ANSWER = {"srv-1": {"action": "accept", "content": {"answer": "A"}}}
 
 
 def _headers(name: str) -> dict[str, str]:
@@ -26,14 +27,17 @@ def _headers(name: str) -> dict[str, str]:
 
 
 def _body(name: str, args: dict[str, Any], id: int = 1, **extra: Any) -> bytes:
-    meta = {"io.modelcontextprotocol/protocolVersion": V, "io.modelcontextprotocol/clientCapabilities": CAPS}
+    meta = {"io.modelcontextprotocol/protocolVersion": V,
+            "io.modelcontextprotocol/clientCapabilities": CAPS}
     return json.dumps({"jsonrpc": "2.0", "id": id, "method": "tools/call",
-                       "params": {"name": name, "arguments": args, **extra, "_meta": meta}}).encode()
+                       "params": {"name": name, "arguments": args, **extra,
+                                  "_meta": meta}}).encode()
 
 
 def _invalid_state(r: httpx.Response) -> bool:
     error = r.json().get("error") or {}
-    return r.status_code == 400 and error.get("code") == -32602 and error["data"]["reason"] == "invalid_state"
+    return (r.status_code == 400 and error.get("code") == -32602
+            and error["data"]["reason"] == "invalid_state")
 
 
 async def test_a_non_ascii_request_state_is_invalid_state_not_a_dropped_connection(
@@ -44,10 +48,13 @@ async def test_a_non_ascii_request_state_is_invalid_state_not_a_dropped_connecti
     async with run_gateway(make_config(fixture_backend("fx", sharing="per-session"),
                                        gateway='replica_id = "r7"')) as gw, \
             httpx.AsyncClient(timeout=10) as c:
-        r = await c.post(gw.http_url, headers=_headers("fx__elicit"), content=_body("fx__elicit", {"message": "m"}))
+        r = await c.post(gw.http_url, headers=_headers("fx__elicit"),
+                         content=_body("fx__elicit", {"message": "m"}))
         state = r.json()["result"]["requestState"]
-        replica, payload, mac = state.split(".")
-        for forged in (f"r7.\u00e9{payload}.{mac}", f"r7.{payload}.\u00e9{mac[1:]}", "r7.\u00e9.\u00e9"):
+        _, payload, mac = state.split(".")
+        forged_states = (f"r7.\u00e9{payload}.{mac}", f"r7.{payload}.\u00e9{mac[1:]}",
+                         "r7.\u00e9.\u00e9")
+        for forged in forged_states:
             r = await c.post(gw.http_url, headers=_headers("fx__elicit"),
                              content=_body("fx__elicit", {"message": "m"}, id=2, inputResponses={},
                                            requestState=forged))
@@ -55,7 +62,7 @@ async def test_a_non_ascii_request_state_is_invalid_state_not_a_dropped_connecti
         # the genuine state still completes its call
         r = await c.post(gw.http_url, headers=_headers("fx__elicit"),
                          content=_body("fx__elicit", {"message": "m"}, id=3, requestState=state,
-                                       inputResponses={"srv-1": {"action": "accept", "content": {"answer": "A"}}}))
+                                       inputResponses=ANSWER))
         assert r.json()["result"]["resultType"] == "complete", r.text
         with trio.fail_after(5):
             await wait_status(gw.bound.admin_port, lambda st: st["client_requests_in_flight"] == 0
@@ -71,7 +78,8 @@ async def test_a_caller_queued_behind_a_parked_flow_on_an_affine_backend_may_han
     caplog.set_level(logging.ERROR)
     async with run_gateway(make_config(fixture_backend("fx", sharing="affine"))) as gw, \
             httpx.AsyncClient(timeout=10) as c:
-        r = await c.post(gw.http_url, headers=_headers("fx__elicit"), content=_body("fx__elicit", {"message": "m"}))
+        r = await c.post(gw.http_url, headers=_headers("fx__elicit"),
+                         content=_body("fx__elicit", {"message": "m"}))
         state = r.json()["result"]["requestState"]  # parked: fx/0 is this flow's
         for _ in range(3):
             body = _body("fx__echo", {"text": "queued"})
@@ -84,7 +92,7 @@ async def test_a_caller_queued_behind_a_parked_flow_on_an_affine_backend_may_han
         await trio.sleep(0.3)
         r = await c.post(gw.http_url, headers=_headers("fx__elicit"),
                          content=_body("fx__elicit", {"message": "m"}, id=2, requestState=state,
-                                       inputResponses={"srv-1": {"action": "accept", "content": {"answer": "A"}}}))
+                                       inputResponses=ANSWER))
         assert r.json()["result"]["resultType"] == "complete", r.text
         with trio.fail_after(5):
             await wait_status(gw.bound.admin_port, lambda st: st["client_requests_in_flight"] == 0
@@ -100,8 +108,9 @@ async def test_a_gateway_cancelled_with_a_parked_flow_unwinds_cleanly() -> None:
     """Cancelled from outside (an error elsewhere unwinding the service), the child of a parked
     flow exits and ends its call; the flow's session then closed its connection from a task
     started in the listener's nursery, already closed: RuntimeError joined the unwinding."""
-    with pytest.raises(BaseExceptionGroup) as caught:  # noqa: PT012
-        async with run_gateway(make_config(fixture_backend("fx"))) as gw, httpx.AsyncClient(timeout=10) as c:
+    with pytest.raises(BaseExceptionGroup) as caught:
+        async with run_gateway(make_config(fixture_backend("fx"))) as gw, \
+                httpx.AsyncClient(timeout=10) as c:
             r = await c.post(gw.http_url, headers=_headers("fx__elicit"),
                              content=_body("fx__elicit", {"message": "m"}))
             assert r.json()["result"]["resultType"] == "input_required"
