@@ -156,7 +156,13 @@ class Direct:
         session = self.session = _open(hub, stream, transport, bind)
         session.nursery = nursery
         session.outbound.on_wake = self._start_writer
-        session.on_close = lambda: nursery.start_soon(self._finish_task)
+        session.on_close = self._finish_soon
+
+    def _finish_soon(self) -> None:
+        try:
+            self.nursery.start_soon(self._finish_task)
+        except RuntimeError:  # the listener's nursery is closed (the service is unwinding)
+            self.finish()
 
     def handle(self, data: bytes) -> None:
         _handle(self.hub, self.session, data, self.nursery, None)

@@ -342,7 +342,8 @@ class Backend:
                 self._settle(waiter.inst)
             raise
         finally:
-            if not waiter.granted.is_set():
+            # (drop_session may have removed it already: its session ended while it waited)
+            if not waiter.granted.is_set() and waiter in self._waiters:
                 self._waiters.remove(waiter)
         self.host.bus.emit(QueueWaited(self.name, trio.current_time() - started))
         inst = waiter.inst

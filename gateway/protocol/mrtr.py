@@ -99,7 +99,8 @@ class StateCodec:
         Raises:
             InvalidParams: (``reason: invalid_state``) anything else.
         """
-        if not isinstance(state, str) or len(state) > MAX_STATE:
+        if not isinstance(state, str) or len(state) > MAX_STATE or not state.isascii():
+            # (non-ASCII: never ours, and hmac.compare_digest / the ASCII mac input refuse it)
             raise invalid_state("not a state this gateway issued")
         replica, _, rest = state.partition(".")
         payload, _, mac = rest.partition(".")
