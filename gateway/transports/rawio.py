@@ -157,10 +157,7 @@ class SocketIO:
 
     async def aclose(self) -> None:
         self._writes_closed = True
-        try:
-            await self.stream.aclose()
-        except _BROKEN:
-            pass
+        await _close_quietly(self.stream)
 
 
 class StreamIO:
@@ -227,7 +224,12 @@ class StreamIO:
 
     async def aclose(self) -> None:
         self._writes_closed = True
-        try:
-            await self.stream.aclose()
-        except _BROKEN:
-            pass
+        await _close_quietly(self.stream)
+
+
+async def _close_quietly(stream: trio.abc.AsyncResource) -> None:
+    """Close ``stream``; a peer already gone is not an error here."""
+    try:
+        await stream.aclose()
+    except _BROKEN:
+        pass
