@@ -476,12 +476,7 @@ class Backend:
             await self._upstream(uri, "resources/subscribe")
 
     async def unsubscribe(self, session: ClientSession, uri: str) -> None:
-        holders = self.subscriptions.get(uri)
-        if holders is None or session not in holders:
-            return
-        holders.discard(session)
-        if not holders:
-            del self.subscriptions[uri]
+        if self._release_subscription(session, uri):
             await self._upstream(uri, "resources/unsubscribe")
 
     def drop_session(self, session: ClientSession) -> None:
@@ -496,16 +491,22 @@ class Backend:
     def drop_subscription(self, session: ClientSession, uri: str) -> None:
         """``session`` no longer holds ``uri`` (without waiting: the upstream unsubscribe, when
         it was the last holder, runs in the background)."""
-        holders = self.subscriptions.get(uri)
-        if holders is None or session not in holders:
-            return
-        holders.discard(session)
-        if not holders:
-            del self.subscriptions[uri]
+        if self._release_subscription(session, uri):
             if self._nursery is not None and not self._stopping:
                 # In the background: a wedged backend must not hold up the closing
                 # connection's (shielded) cleanup, and with it a drain, for request_timeout.
                 self._nursery.start_soon(self._unsubscribe_unless_wanted, uri)
+
+    def _release_subscription(self, session: ClientSession, uri: str) -> bool:
+        """``session`` lets go of ``uri``; True when it was the last holder (unsubscribe upstream)."""
+        holders = self.subscriptions.get(uri)
+        if holders is None or session not in holders:
+            return False
+        holders.discard(session)
+        if holders:
+            return False
+        del self.subscriptions[uri]
+        return True
 
     async def _unsubscribe_unless_wanted(self, uri: str) -> None:
         if uri not in self.subscriptions:  # nobody subscribed again meanwhile
