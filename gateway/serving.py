@@ -245,11 +245,10 @@ def serve_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, size:
             session.era = era.era_of(method, req.params)
         if session.era is era.Era.MODERN:
             served.modern = True
-            caps = era.check_modern(method, req.params)
+            caps, level = era.modern_meta(method, req.params)
             if session.mrtr is None:  # a modern WebSocket/unix connection: bridged like a flow
                 session.mrtr = hub.bridge
             served.caps = mcp.ClientCaps(caps)  # what a child may ask this request's caller
-            level = era.log_level(req.params)
             if level is not None and level != session.log_level:  # its stream gets log messages
                 session.log_level = level
                 hub.log_levels_changed()

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import base64
 import enum
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 from msgspec import Raw
@@ -88,8 +88,20 @@ def era_of(method: str, params: dict[str, Raw]) -> Era:
     return Era.LEGACY
 
 
+class Modern(NamedTuple):
+    """What a valid modern request's ``_meta`` says about its caller."""
+
+    caps: dict[str, Any]  # the client's capabilities
+    log_level: str | None  # the level it wants log messages at (None: none at all)
+
+
 def check_modern(method: str, params: dict[str, Raw]) -> dict[str, Any]:
-    """Validate a modern request's ``_meta``; returns the client's capabilities.
+    """Validate a modern request's ``_meta``; returns the client's capabilities."""
+    return modern_meta(method, params).caps
+
+
+def modern_meta(method: str, params: dict[str, Raw]) -> Modern:
+    """Validate a modern request's ``_meta`` (one decode); returns what it says.
 
     Raises:
         InvalidParams: the protocol version or the client capabilities are missing.
@@ -115,30 +127,11 @@ def check_modern(method: str, params: dict[str, Raw]) -> dict[str, Any]:
     caps = jsonrpc.loads(meta[CAPABILITIES_KEY])
     if not isinstance(caps, dict):
         raise errors.InvalidParams(f"{method}: _meta[{CAPABILITIES_KEY!r}] must be an object")
-    if LOG_LEVEL_KEY in meta and not _is_level(jsonrpc.loads(meta[LOG_LEVEL_KEY])):
+    level = jsonrpc.loads(meta[LOG_LEVEL_KEY]) if LOG_LEVEL_KEY in meta else None
+    if level is not None and not _is_level(level):
         raise errors.InvalidParams(f"{method}: _meta[{LOG_LEVEL_KEY!r}] must be one of "
                                    f"{', '.join(mcp.LOG_RANK)}")
-    return caps
-
-
-def log_level(params: dict[str, Raw]) -> str | None:
-    """The log level a modern request asks for (``_meta`` :data:`LOG_LEVEL_KEY`), or None: it
-    gets no ``notifications/message`` at all.
-
-    Raises:
-        InvalidParams: not one of the RFC 5424 level names.
-    """
-    raw = params.get("_meta")
-    if raw is None or LOG_LEVEL_KEY.encode() not in bytes(raw):
-        return None
-    try:
-        value = jsonrpc.loads(jsonrpc.raw_dict(raw)[LOG_LEVEL_KEY])
-    except (KeyError, msgspec.DecodeError, msgspec.ValidationError):
-        return None
-    if not _is_level(value):
-        raise errors.InvalidParams(f"_meta[{LOG_LEVEL_KEY!r}]: unknown level {str(value)[:40]!r}",
-                                   levels=list(mcp.LOG_RANK))
-    return str(value)
+    return Modern(caps, level)
 
 
 def _is_level(value: object) -> bool:
