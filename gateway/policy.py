@@ -84,6 +84,7 @@ class Policy:
         self.rules = [_rule(r) for r in cfg.rules]
         #: some rule can decide differently for different callers: lists are filtered per caller
         self.per_caller = any(r.per_caller for r in self.rules)
+        self.scoped = any(r.scopes for r in self.rules)  # some rule wants OAuth scopes
         self.sensitive: set[str] = set()
         self._pending: set[ServerRequest] = set()
         self._views: dict[Caller, dict[str, list[dict[str, Any]]]] = {}
@@ -208,7 +209,7 @@ class Policy:
         deciding rule would allow it with them), or None: answered 403 ``insufficient_scope``
         on ``/mcp`` before the request runs (a WebSocket gets the -32005 of :meth:`check`)."""
         target = self.TARGETS.get(method)
-        if target is None or not isinstance(params, msgspec.Raw):
+        if not self.scoped or target is None or not isinstance(params, msgspec.Raw):
             return None
         kind, key = target
         try:
