@@ -340,3 +340,10 @@ def memory_stream_pair(buffer: int = 64) -> tuple[MemoryStream, MemoryStream]:
     a_send, b_receive = trio.open_memory_channel[bytes](buffer)
     b_send, a_receive = trio.open_memory_channel[bytes](buffer)
     return MemoryStream(a_send, a_receive), MemoryStream(b_send, b_receive)
+
+
+#: A legacy Streamable HTTP POST's headers and its initialize request (tests of /mcp).
+HTTP_HEADERS = {"accept": "application/json, text/event-stream", "content-type": "application/json"}
+HTTP_INIT = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
+             "params": {"protocolVersion": "2025-11-25", "capabilities": {},
+                        "clientInfo": {"name": "t", "version": "0"}}}

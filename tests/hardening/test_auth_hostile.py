@@ -12,15 +12,13 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from helpers import connect, fixture_backend, make_config, run_gateway
+from helpers import HTTP_HEADERS, HTTP_INIT, connect, fixture_backend, make_config, run_gateway
 
 pytestmark = [pytest.mark.system,
               pytest.mark.filterwarnings("ignore::ResourceWarning",
                                          "ignore::pytest.PytestUnraisableExceptionWarning")]
 
-H = {"accept": "application/json, text/event-stream", "content-type": "application/json"}
-INIT = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
-        "params": {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}}
+H, INIT = HTTP_HEADERS, HTTP_INIT
 
 
 @contextmanager

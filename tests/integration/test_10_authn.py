@@ -26,6 +26,8 @@ import trio
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from helpers import (
+    HTTP_HEADERS,
+    HTTP_INIT,
     ROOT,
     UPGRADE,
     connect,
@@ -45,9 +47,7 @@ pytestmark = [pytest.mark.system,
               pytest.mark.filterwarnings("ignore::ResourceWarning",
                                          "ignore::pytest.PytestUnraisableExceptionWarning")]
 
-H = {"accept": "application/json, text/event-stream", "content-type": "application/json"}
-INIT = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
-        "params": {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}}
+H, INIT = HTTP_HEADERS, HTTP_INIT
 TOKENS = {"alice": "alice-secret-token-1", "bob": "bob-secret-token-2", "carol": "carol-secret-token-3"}
 MODERN = {"accept": "application/json, text/event-stream", "content-type": "application/json",
           "mcp-protocol-version": "2026-07-28"}

@@ -23,16 +23,14 @@ from gateway.events import EventBus
 from gateway.status import GatewayStatus
 from gateway.transports import tls
 from gateway import config
-from helpers import ROOT, Client, fixture_backend, make_config, run_gateway
+from helpers import HTTP_HEADERS, HTTP_INIT, ROOT, Client, fixture_backend, make_config, run_gateway
 from tlsutil import make_certs
 
 pytestmark = [pytest.mark.system,
               pytest.mark.filterwarnings("ignore::ResourceWarning",
                                          "ignore::pytest.PytestUnraisableExceptionWarning")]
 
-H = {"accept": "application/json, text/event-stream", "content-type": "application/json"}
-INIT = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
-        "params": {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}}
+H, INIT = HTTP_HEADERS, HTTP_INIT
 
 
 async def _closed_without_answer(port: int, send: bytes) -> bytes:

@@ -12,7 +12,16 @@ import trio
 from mcp import ClientSession, types
 from mcp.client.streamable_http import streamable_http_client
 
-from helpers import fixture_backend, http_json, make_config, metric, run_gateway, wait_status
+from helpers import (
+    HTTP_HEADERS,
+    HTTP_INIT,
+    fixture_backend,
+    http_json,
+    make_config,
+    metric,
+    run_gateway,
+    wait_status,
+)
 
 # httpx (and the SDK on it) leaves streams it did not read to the end (an SSE stream the client
 # stops reading) to the garbage collector as async generators; under trio that warns. Client
@@ -21,9 +30,7 @@ pytestmark = [pytest.mark.system,
               pytest.mark.filterwarnings("ignore::ResourceWarning",
                                          "ignore::pytest.PytestUnraisableExceptionWarning")]
 
-H = {"accept": "application/json, text/event-stream", "content-type": "application/json"}
-INIT = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
-        "params": {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}}
+H, INIT = HTTP_HEADERS, HTTP_INIT
 
 
 async def _open(c: httpx.AsyncClient, url: str) -> dict[str, str]:
