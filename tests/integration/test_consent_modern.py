@@ -128,6 +128,23 @@ async def test_consent_on_stateless_http(tmp_path: Path) -> None:
     assert echoed(transcript) == ["yes-1", "again"]  # each approved call ran exactly once
 
 
+async def test_silence_on_stateless_http_ends_the_call_at_the_consent_timeout(tmp_path: Path) -> None:
+    transcript = tmp_path / "fx.jsonl"
+    cfg = make_config(fixture_backend("fx", env={"FIXTURE_TRANSCRIPT": str(transcript)}),
+                      extra=ASK.replace("30.0", "0.5"))
+    async with run_gateway(cfg) as gw, httpx.AsyncClient() as c:
+        port = gw.bound.admin_port
+        state = consent_asked(await post(c, gw.http_url, 1, "silent"), "silent")
+        with trio.fail_after(5):  # the parked call and its flow end by themselves
+            await wait_status(port, lambda st: st["client_requests_in_flight"] == 0
+                              and st["connections"].get("http", 0) == 0)
+        assert await metric(port, "mcp_gateway_server_requests_total", backend="_gateway",
+                            method="elicitation/create", outcome="timeout") == 1
+        r = await post(c, gw.http_url, 2, "silent", inputResponses={"consent": ACCEPT}, requestState=state)
+        assert invalid_state(r), r.text  # too late: nothing runs
+    assert echoed(transcript) == []
+
+
 async def test_consent_on_a_modern_websocket_connection(tmp_path: Path) -> None:
     """On a byte stream the retry comes on the same connection; a prompt under ask goes the same
     way; a declined call ends that call only."""
