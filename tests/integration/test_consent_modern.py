@@ -4,8 +4,10 @@ gateway, real fixture child, raw HTTP (httpx) and WebSocket clients, and the Pyt
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +62,12 @@ def invalid_state(r: httpx.Response, kind: str = "") -> bool:
     error = r.json().get("error") or {}
     return (r.status_code == 400 and error.get("code") == -32602
             and error["data"]["reason"] == "invalid_state" and kind in error["message"])
+
+
+def expires_in(state: str) -> float:
+    """Seconds until a gateway state's signed expiry (its payload is readable, only signed)."""
+    payload = state.split(".")[1]
+    return float(json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))["x"]) - time.time()
 
 
 def echoed(transcript: Path) -> list[str]:
@@ -143,6 +151,32 @@ async def test_silence_on_stateless_http_ends_the_call_at_the_consent_timeout(tm
         r = await post(c, gw.http_url, 2, "silent", inputResponses={"consent": ACCEPT}, requestState=state)
         assert invalid_state(r), r.text  # too late: nothing runs
     assert echoed(transcript) == []
+
+
+async def test_after_consent_the_backends_own_elicitation_is_the_next_round() -> None:
+    """The same flow goes on: consent (round 1), then the legacy child's elicitation (round 2,
+    under the child's request id, at state_ttl), then the result."""
+    extra = ASK.replace('match = "fx__echo"', 'match = "fx__elicit"')
+    async with run_gateway(make_config(fixture_backend("fx"), extra=extra)) as gw, httpx.AsyncClient() as c:
+        headers = {"accept": "application/json, text/event-stream", "content-type": "application/json",
+                   "mcp-protocol-version": V, "mcp-method": "tools/call", "mcp-name": "fx__elicit"}
+
+        async def call(id: int, **extra: Any) -> dict[str, Any]:
+            params = {"name": "fx__elicit", "arguments": {"message": "name?"}, **extra, "_meta": meta(FORM)}
+            with trio.fail_after(10):
+                r = await c.post(gw.http_url, headers=headers,
+                                 json={"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": params})
+            return dict(r.json())
+
+        first = (await call(1))["result"]
+        assert list(first["inputRequests"]) == ["consent"]
+        second = (await call(2, inputResponses={"consent": ACCEPT}, requestState=first["requestState"]))["result"]
+        assert second["resultType"] == "input_required" and list(second["inputRequests"]) == ["srv-1"]
+        assert 25 <= expires_in(first["requestState"]) <= 32  # elicitation_timeout = 30
+        assert 295 <= expires_in(second["requestState"]) <= 302  # state_ttl = 300
+        answer = {"srv-1": {"action": "accept", "content": {"answer": "Ada"}}}
+        done = await call(3, inputResponses=answer, requestState=second["requestState"])
+        assert done["id"] == 3 and json.loads(done["result"]["content"][0]["text"])["content"] == {"answer": "Ada"}
 
 
 async def test_consent_on_a_modern_websocket_connection(tmp_path: Path) -> None:
