@@ -17,6 +17,12 @@ The retry then becomes the call's request (its id answers it), each answer goes 
 waiting request, and what was not answered is asked again in a fresh ``InputRequiredResult``.
 Whatever the child does next (more requests, its result, an error) reaches the retry's stream.
 
+The gateway's own consent prompt (policy ``ask``, :meth:`Bridge.ask`) takes the same path: it is
+the round's one input request (key ``consent``), before the call reaches any child; the policy
+ends the call when its prompt times out (the earlier of ``policy.elicitation_timeout`` and
+``state_ttl``), and the state expires then.  A retry whose state the gateway signed continues
+its flow even for a modern backend, whose own states otherwise pass through (:meth:`continues`).
+
 Nothing waits forever: a parked flow not resumed within ``gateway.state_ttl`` seconds, or one
 whose state was presented tampered, is ended like a closed connection (its waiting requests are
 declined or refused toward the child, its call cancelled at the child); a retry for a flow that
@@ -108,18 +114,44 @@ class Bridge:
         self.flows: dict[str, Flow] = {}
         self.bus = EventBus()  # the hub's, once the service sets it
 
-    def flow_of(self, owner: ClientSession) -> Flow:
-        """The owner's flow: the one of its request in flight (ownership bridges a request
-        only while its owner has exactly one)."""
-        served = next(iter(owner.inflight.values()))
-        flow = owner.flow
-        if flow is None or flow.served is not served:
-            flow = owner.flow = Flow(self, owner, served)
+    def flow_of(self, owner: ClientSession, served: Served | None = None) -> Flow:
+        """The flow of ``served``, by default the owner's request in flight (ownership bridges
+        a child's request only while its owner has exactly one)."""
+        if served is None:
+            served = next(iter(owner.inflight.values()))
+        flow = served.flow
+        if flow is None:
+            flow = Flow(self, owner, served)
+        owner.flow = flow
         return flow
 
     def requested(self, owner: ClientSession, key: str, req: ServerRequest) -> None:
         """The routing core gave ``owner`` (a modern flow) the child's request ``key``."""
-        self.flow_of(owner).requested(key, req)
+        flow = self.flow_of(owner)
+        flow.deadline = None  # the round ends at state_ttl
+        flow.requested(key, req)
+
+    def ask(self, owner: ClientSession, served: Served, key: str, req: ServerRequest,
+            deadline: float) -> None:
+        """The gateway's own request ``req`` (a consent prompt) for ``served``, a modern call of
+        ``owner``: asked in its ``InputRequiredResult`` under ``key``.  The asker ends the call
+        at ``deadline`` (trio time) if no retry answered it; the state expires then."""
+        flow = self.flow_of(owner, served)
+        flow.deadline = deadline
+        flow.requested(key, req)
+
+    def continues(self, method: str, params: dict[str, Raw]) -> bool:
+        """Whether a request is the retry of a parked flow of this gateway: it carries a
+        ``requestState`` the gateway signed, or one for a backend that is not modern (whose
+        own states pass through to it)."""
+        if "requestState" not in params or method not in mrtr.METHODS:
+            return False
+        if not self.passthrough(method, params):
+            return True
+        try:  # a modern backend's call under an ask rule: the consent round's state is ours
+            return self.codec.issued(jsonrpc.loads(params["requestState"]))
+        except msgspec.DecodeError:
+            return False
 
     def resume(self, method: str, params: dict[str, Raw], request_id: int | str,
                caps: dict[str, object], *, principal: str | None = None,
@@ -180,16 +212,22 @@ class Flow:
     """One modern call bridged to a legacy child: its rounds, the child's requests it waits
     on, and whether it is parked (answered ``input_required``, waiting for the retry)."""
 
-    __slots__ = ("bridge", "digest", "gathering", "id", "method", "owner", "parked", "pending",
-                 "resumed", "round", "served")
+    __slots__ = ("bridge", "deadline", "digest", "gathering", "id", "method", "owner", "parked",
+                 "pending", "resumed", "round", "served", "waiting")
 
     def __init__(self, bridge: Bridge, owner: ClientSession, served: Served) -> None:
         self.bridge = bridge
         self.owner = owner
         self.served = served  # the call it continues
+        served.flow = self
         self.id = secrets.token_urlsafe(12)
         self.round = 0
         self.parked = False
+        # the call's current id was answered input_required and no retry took it over yet:
+        # nothing else may answer that id (the client is between rounds)
+        self.waiting = False
+        # set by an asker that ends the round itself (a consent prompt): no state_ttl timer
+        self.deadline: float | None = None
         self.gathering = False
         self.pending: dict[str, ServerRequest] = {}
         self.method = ""
@@ -222,18 +260,21 @@ class Flow:
             self.digest = mrtr.params_digest(self.method, served.req.params)
         self.round += 1
         bridge = self.bridge
+        now = trio.current_time()
+        ttl = bridge.ttl if self.deadline is None else max(0.0, self.deadline - now)
         state = bridge.codec.sign(mrtr.Claims(
-            flow=self.id, round=self.round, expires=int(time.time() + bridge.ttl) + 1,
+            flow=self.id, round=self.round, expires=int(time.time() + ttl) + 1,
             backend=served.req.backend, keys=tuple(self.pending), digest=self.digest,
             principal=None if self.owner.principal is None else self.owner.principal.key))
         result = mrtr.input_required({k: (r.method, _raw(r.params)) for k, r in self.pending.items()}, state)
-        self.parked = True
+        self.parked = self.waiting = True
         bridge.flows[self.id] = self  # only parked flows are listed: a retry finds them here
         served.reply(jsonrpc.encode_result(served.id, result), served.id)
         bridge.bus.emit(InputRequired(served.req.backend))
         self.resumed = trio.Event()
-        assert self.owner.nursery is not None
-        self.owner.nursery.start_soon(self._expire, self.resumed, trio.current_time() + bridge.ttl)
+        if self.deadline is None:
+            assert self.owner.nursery is not None
+            self.owner.nursery.start_soon(self._expire, self.resumed, now + bridge.ttl)
 
     async def _expire(self, resumed: trio.Event, deadline: float) -> None:
         try:
@@ -255,7 +296,7 @@ class Flow:
 
     def resume(self, request_id: int | str, answers: dict[str, Raw], caps: dict[str, object]) -> None:
         served = self.served
-        self.parked = False
+        self.parked = self.waiting = False
         self.bridge.flows.pop(self.id, None)
         if self.resumed is not None:
             self.resumed.set()

@@ -419,8 +419,8 @@ def _continues_flow(session: ClientSession, env: jsonrpc.Envelope) -> bool:
     """Whether a request is the retry of this connection's parked bridged call (it carries the
     call's ``requestState``, gateway.bridge): it answers the prompts of a call already running,
     so a drain lets it in like any answer."""
-    flow = session.flow
-    if flow is None or not flow.parked or env.method != flow.method:
+    if not any(s.flow is not None and s.flow.parked and s.flow.method == env.method
+               for s in session.inflight.values()):
         return False
     try:
         return "requestState" in jsonrpc.params_dict(env.params)

@@ -19,6 +19,8 @@ per-principal limit          -32006   ``rate_limited`` (+limit, value, retryAfte
 unroutable server request    -32007   ``unattributable`` ``no_capability``
 backend reply too large      -32008   ``response_too_large`` (+backend, limit)
 backend broke the protocol   -32009   ``backend_protocol_error`` (+backend, detail)
+2026-07-28 caller lacks a    -32021   ``authorization_required`` (consent: no form
+client capability                     elicitation) (+requiredCapabilities)
 ===========================  =======  =========================================
 
 The JSON-RPC 2.0 codes (-32700 … -32603) and the MCP spec's -32002 (resource not found)
@@ -126,6 +128,13 @@ class HeaderMismatch(GatewayError):
     """A 2026-07-28 HTTP request whose routing headers do not match its body."""
 
     code = HEADER_MISMATCH
+
+
+class MissingCapability(GatewayError):
+    """A 2026-07-28 request needs a client capability its ``_meta`` did not declare
+    (``data.requiredCapabilities``)."""
+
+    code = MISSING_CAPABILITY
 
 
 class UnsupportedVersion(GatewayError):

@@ -199,7 +199,7 @@ class AnswerRefused:
 @dataclass(frozen=True, slots=True)
 class InputRequired:
     """A modern caller's call was answered ``input_required`` for a legacy child's requests
-    (era bridging, one per round)."""
+    (era bridging, one per round) or for the gateway's consent prompt (backend "")."""
 
     backend: str
 

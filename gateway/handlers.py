@@ -239,7 +239,7 @@ async def forward(hub: Hub, session: ClientSession, req: Request, target: Target
     instance that must first start or become free.  (The fast path, in :mod:`gateway.connection`,
     forwards without a task when none of that applies.)"""
     if target.consent is not None:
-        await hub.policy.ask(session, *target.consent)
+        await hub.policy.ask(session, *target.consent, request_id=req.id)
     backend = await hub.backend(target.backend)  # looked up after consent: a reload may have removed it
     req.backend = backend.name
     if not req.counted:

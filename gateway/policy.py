@@ -1,7 +1,9 @@
 """The authorizer: applies ``[policy]`` to each ``tools/call``, with real consent prompts.
 
 ``ask`` parks the call and sends the gateway's own ``elicitation/create`` (a form with one
-boolean) to the calling connection, which keeps reading meanwhile.  The parked call is closed
+boolean) to the calling connection, which keeps reading meanwhile; a modern (2026-07-28) caller
+is asked it in its call's ``InputRequiredResult`` instead (:mod:`gateway.bridge`) and answers
+with its retry.  The parked call is closed
 exactly once by: approval (the tool runs), decline / cancel / accept-without-yes, an error
 answer, owner disconnect, timeout, or shutdown.  Every path but approval raises
 :class:`~gateway.errors.Denied` with a ``data.reason``.  Silence is not consent.  If the client
@@ -49,6 +51,8 @@ DENY_REASONS = {
     ServerRequestOutcome.OWNER_GONE: "declined",
     ServerRequestOutcome.SHUTDOWN: "shutdown",
 }
+#: The ``inputRequests`` key of the consent prompt in a modern caller's ``InputRequiredResult``.
+CONSENT_KEY = "consent"
 #: ``ClientSession.transport`` → the ``transport`` a policy rule names.
 TRANSPORTS = {"websocket": "ws", "http": "http", "unix": "unix"}
 #: Distinct per-caller views cached at most (past it the cache starts over).
@@ -228,9 +232,30 @@ class Policy:
         if self.check(tool, caller_of(session)):
             await self.ask(session, tool, arguments)
 
-    async def ask(self, session: ClientSession, tool: str, arguments: Any, kind: Kind = "tool") -> None:
+    async def ask(self, session: ClientSession, tool: str, arguments: Any, kind: Kind = "tool",
+                  request_id: int | str | None = None) -> None:
+        """Return when the user consents to ``session``'s request ``request_id`` using ``tool``.
+
+        A legacy caller is sent the prompt; a modern (2026-07-28) one is asked in its call's
+        ``InputRequiredResult`` (key :data:`CONSENT_KEY`, gateway.bridge) and answers with
+        its retry.  Either way the prompt ends at ``elicitation_timeout`` (a modern one at
+        ``gateway.state_ttl`` if that is shorter).
+
+        Raises:
+            Denied: declined, timed out, the owner left, shutdown; ``authorization_required``
+                when the caller did not declare form elicitation (a modern caller:
+                MissingCapability, -32021).
+        """
         what = {"tool": "tool", "prompt": "prompt", "resource": "uri"}[kind]
-        if not session.caps.elicitation_form:
+        bridge = session.mrtr
+        served = None if bridge is None or request_id is None else session.inflight.get(request_id)
+        modern = served is not None and served.modern
+        if modern and (served.caps is None or not served.caps.elicitation_form):
+            raise errors.MissingCapability(
+                f"{kind} {tool!r} needs the user's consent, but the request did not declare form "
+                "elicitation in its client capabilities", reason="authorization_required",
+                **{what: tool}, requiredCapabilities={"elicitation": {"form": {}}})
+        if not modern and not session.caps.elicitation_form:
             raise errors.Denied(
                 f"{kind} {tool!r} needs the user's consent, but the client did not declare elicitation",
                 reason="authorization_required", **{what: tool},
@@ -241,14 +266,23 @@ class Policy:
         message = {"tool": f"Allow the tool {tool} to run with arguments {shown}?",
                    "prompt": f"Allow the prompt {tool} with arguments {shown}?",
                    "resource": f"Allow reading the resource {tool}?"}[kind]
+        timeout = self.cfg.elicitation_timeout
+        if modern:
+            assert bridge is not None
+            timeout = min(timeout, bridge.ttl)
+        deadline = trio.current_time() + timeout
         req = session.open_request(
             "elicitation/create",
             {"mode": "form", "message": message, "requestedSchema": pure.consent_schema()},
+            send=not modern,
         )
+        if modern:
+            assert bridge is not None
+            bridge.ask(session, served, CONSENT_KEY, req, deadline)
         self._pending.add(req)
         outcome = ServerRequestOutcome.TIMEOUT
         try:
-            with trio.move_on_after(self.cfg.elicitation_timeout):
+            with trio.move_on_at(deadline):
                 await req.done.wait()
             outcome = req.outcome or ServerRequestOutcome.TIMEOUT
         finally:

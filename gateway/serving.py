@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 from msgspec import UNSET, Raw
@@ -28,7 +28,7 @@ from gateway import __version__, errors, handlers, inputs
 from gateway.auth.labels import NO_PRINCIPAL
 from gateway.events import RequestFinished, RequestOutcome, RequestStarted
 from gateway.handlers import HANDLERS, PRE_INIT, Request, Target
-from gateway.protocol import era, jsonrpc, mcp, mrtr
+from gateway.protocol import era, jsonrpc, mcp
 from gateway.protocol.routing import CallState
 from gateway.session import ClientSession
 
@@ -40,6 +40,16 @@ if TYPE_CHECKING:
     from gateway.protocol.routing import Call
 
 LOGGER = logging.getLogger(__name__)
+
+
+class CallFlow(Protocol):
+    """A modern call's round trips, as the call sees them (:class:`gateway.bridge.Flow`)."""
+
+    method: str
+    parked: bool  # answered input_required, waiting for the retry
+    waiting: bool  # the call's current id was answered input_required (no other answer)
+
+    def call_ended(self) -> None: ...
 
 
 def error_response(id: int | str | None, exc: errors.GatewayError) -> bytes:
@@ -56,8 +66,8 @@ class Served:
     connection's nursery (:func:`_run_slow`) when it must wait for something.
     """
 
-    __slots__ = ("backend", "call", "caps", "child", "ended", "forwarded_at", "held", "hub", "id", "inst",
-                 "label",
+    __slots__ = ("backend", "call", "caps", "child", "ended", "flow", "forwarded_at", "held", "hub",
+                 "id", "inst", "label",
                  "modern", "reply", "req", "retried", "scope", "session", "size", "started",
                  "target")
 
@@ -84,6 +94,7 @@ class Served:
         self.modern = False  # a 2026-07-28 request: its result says resultType (see gateway.protocol.era)
         self.caps: mcp.ClientCaps | None = None  # a modern request's declared capabilities
         self.held: str | None = None  # the principal whose [[auth.limits]] slot it holds
+        self.flow: CallFlow | None = None  # a modern call asked for input (gateway.bridge)
 
     def cancel(self) -> None:
         """The client cancelled it, its connection closed, or the drain grace is over (then it
@@ -183,12 +194,14 @@ class Served:
                 exc = era.modern_error(exc)
             code = exc.code
             response = error_response(self.id, exc)
+        flow = self.flow
+        if flow is not None and flow.waiting:  # its id was answered input_required: ended
+            response = None  # between rounds, nobody hears of it (the retry gets invalid_state)
         self.reply(response, self.id)
         session.inflight.pop(self.id, None)
         if self.held is not None:
             hub.limits.release(self.held)
-        flow = session.flow
-        if flow is not None and flow.served is self:
+        if flow is not None:
             flow.call_ended()
         session.buffers.release(self.size)
         if not session.inflight:
@@ -252,8 +265,7 @@ def serve_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, size:
             if level is not None and level != session.log_level:  # its stream gets log messages
                 session.log_level = level
                 hub.log_levels_changed()
-            if "requestState" in req.params and method in mrtr.METHODS and session.transport != "http" \
-                    and not hub.bridge.passthrough(method, req.params):
+            if session.transport != "http" and hub.bridge.continues(method, req.params):
                 # A retry: it continues the call its state names, which takes over its id
                 # (``inflight`` then holds that call under it); this entry is dropped unanswered.
                 principal = session.principal

@@ -73,7 +73,8 @@ class AnswerOutcome(enum.StrEnum):
 class ServerRequest:
     """A request the gateway sent to this client and is waiting on (one owner, one answer)."""
 
-    __slots__ = ("done", "error", "id", "method", "on_end", "outcome", "params", "result", "started")
+    __slots__ = ("done", "error", "id", "method", "on_end", "outcome", "params", "result", "sent",
+                 "started")
 
     def __init__(self, id: str, method: str, params: Any) -> None:
         self.id = id
@@ -85,6 +86,7 @@ class ServerRequest:
         self.error: jsonrpc.ErrorObject | None = None
         self.started = trio.current_time()
         self.on_end: list[Callable[[ServerRequest], None]] = []
+        self.sent = False  # sent to the client (not: asked in a bridged flow's InputRequiredResult)
 
     def finish(self, outcome: ServerRequestOutcome, result: Raw | None = None, error: jsonrpc.ErrorObject | None = None) -> bool:
         """Close the request; only the first call has an effect (exactly-once)."""
@@ -259,6 +261,7 @@ class ClientSession:
             return req
         if not send:
             return req
+        req.sent = True
         payload = params if isinstance(params, Raw) else jsonrpc.encode_dict(params)
         self.send(jsonrpc.encode_request(rid, method, payload))
         return req
@@ -268,8 +271,9 @@ class ClientSession:
         self._ended_ids.append(req.id)
 
     def cancel_request(self, req: ServerRequest, outcome: ServerRequestOutcome, reason: str) -> None:
-        """End ``req`` without an answer and tell the client with ``notifications/cancelled``."""
-        if req.finish(outcome):
+        """End ``req`` without an answer and tell the client with ``notifications/cancelled``
+        (if it was sent one: a modern caller was asked in an ``InputRequiredResult``)."""
+        if req.finish(outcome) and req.sent:
             self.notify("notifications/cancelled", jsonrpc.encode_dict({"requestId": req.id, "reason": reason}))
 
     def on_answer(self, env: jsonrpc.Envelope) -> AnswerOutcome:

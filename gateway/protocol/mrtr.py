@@ -117,9 +117,18 @@ class StateCodec:
         except (ValueError, KeyError, TypeError, binascii.Error):  # signed by us: cannot happen
             raise invalid_state("its payload is malformed") from None
         if claims.expires <= now:
-            raise invalid_state("it has expired (gateway.state_ttl)", "expired")
+            raise invalid_state("it has expired (gateway.state_ttl; a consent prompt: "
+                                "policy.elicitation_timeout)", "expired")
         return claims
 
+    def issued(self, state: object) -> bool:
+        """Whether ``state`` is signed by this replica's key (expired or not)."""
+        if not isinstance(state, str) or len(state) > MAX_STATE or not state.isascii():
+            return False
+        replica, _, rest = state.partition(".")
+        payload, _, mac = rest.partition(".")
+        return (replica == self.replica_id and bool(payload)
+                and hmac.compare_digest(mac, self._mac(f"{replica}.{payload}")))
 
     def peek(self, state: str) -> str | None:
         """The flow id a state names, NOT verified (only to end a flow whose state was tampered)."""

@@ -48,7 +48,7 @@ from gateway.auth.challenge import METADATA_PATHS
 from gateway.config import host_allowed
 from gateway.errors import TransportClosed
 from gateway.limits import ConnectionSlots
-from gateway.protocol import era, jsonrpc, mcp, mrtr
+from gateway.protocol import era, jsonrpc, mcp
 from gateway.transports import replay, tls
 from gateway.transports.http import (
     WRITE_TIMEOUT,
@@ -397,8 +397,7 @@ class Endpoint:
             raise _jsonrpc_error(400, mismatch, env.id)
         sink = Sink(conn, "", env.id)
         sink.token = _progress_token(env.params)
-        if ("requestState" in params and env.method in mrtr.METHODS and self.bridge is not None
-                and not self.bridge.passthrough(env.method, params)):
+        if self.bridge is not None and self.bridge.continues(env.method, params):
             session = self._resume(env, params, caps, sink, principal)  # a drain lets it in
             asked = _rounds(session)
             try:

@@ -39,6 +39,18 @@ def test_a_state_verifies_only_unchanged_unexpired_and_from_its_own_replica() ->
     assert codec.peek(state + "-TAMPERED") == "f1" and codec.peek("r2.x.y") is None
 
 
+def test_issued_tells_the_gateways_own_states_from_a_backends() -> None:
+    """A modern backend's own requestState passes through to it; one the gateway signed (a
+    consent round for that backend's call) continues the gateway's flow, expired or not."""
+    codec = mrtr.StateCodec(b"k" * 32, "r1")
+    state = codec.sign(CLAIMS)
+    assert codec.issued(state)  # expired at any now > 1000: still ours (verify says expired)
+    assert not codec.issued(state + "x") and not codec.issued(f"r1.{state.split('.')[1]}.")
+    assert not mrtr.StateCodec(b"x" * 32, "r1").issued(state)
+    for junk in (None, 3, "", "r1", "r1..", "r1.é.x", "x" * 5000, "eyJzIjoxfQ.abcdef"):
+        assert not codec.issued(junk)
+
+
 def test_the_digest_names_the_call_not_its_round_trip_or_envelope() -> None:
     def params(**kw: object) -> dict[str, Raw]:
         return {k: Raw(msgspec.json.encode(v)) for k, v in kw.items()}
