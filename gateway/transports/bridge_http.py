@@ -5,8 +5,9 @@ The ``initialize`` request is POSTed alone; its answer brings the session id (``
 and the protocol version, sent on every later request.  Each later message read from stdin is
 POSTed on its own connection, concurrently: a JSON answer, or each event of an SSE answer (the
 request's progress, the server's requests about it, then its result), goes to stdout.  A GET
-stream carries the server's other messages.  When the client closes stdin, or the gateway
-closes the GET stream, the bridge DELETEs the session and exits.
+stream carries the server's other messages.  Only JSON-RPC messages go to stdout: an event
+without data (a priming event, a comment, a keep-alive) is not written.  When the client closes
+stdin, or the gateway closes the GET stream, the bridge DELETEs the session and exits.
 
 HTTP/1.1 on h11, one request per connection (no pool: the bridge is for local stdio clients).
 """
@@ -14,6 +15,7 @@ HTTP/1.1 on h11, one request per connection (no pool: the bridge is for local st
 from __future__ import annotations
 
 import json
+import logging
 import ssl
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
@@ -26,6 +28,8 @@ import trio
 
 from gateway.errors import MessageTooLarge, TransportClosed
 from gateway.transports.lines import LineStream
+
+LOGGER = logging.getLogger("gateway.bridge")
 
 _JSON = "application/json"
 _SSE = "text/event-stream"
@@ -51,7 +55,8 @@ class _Response:
         return bytes(data)
 
     async def events(self, limit: int) -> AsyncIterator[bytes]:
-        """The data of each SSE event (``data:`` lines joined), skipping events without data."""
+        """The data of each SSE event (``data:`` lines joined), skipping events without data
+        (a priming event's empty ``data:`` too)."""
         buf = b""
         async for chunk in self._chunks:
             buf += chunk.replace(b"\r\n", b"\n")
@@ -59,7 +64,7 @@ class _Response:
                 event, buf = buf[:end], buf[end + 2:]
                 data = [line[5:].removeprefix(b" ") for line in event.split(b"\n")
                         if line.startswith(b"data:")]
-                if data:
+                if any(line.strip() for line in data):
                     yield b"\n".join(data)
             if len(buf) > limit:
                 raise MessageTooLarge(len(buf), limit)
@@ -169,9 +174,12 @@ class HttpBridge:
         self._done.cancel()
 
     async def _writer(self, everything: trio.CancelScope) -> None:
+        """The one writer of stdout: JSON-RPC messages only, one per line."""
         try:
             async for message in self._out_recv:
-                await self._local.send(message)
+                line = _stdout_line(message)
+                if line is not None:
+                    await self._local.send(line)
         except (TransportClosed, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass
         everything.cancel()
@@ -256,6 +264,23 @@ class HttpBridge:
         except (OSError, h11.ProtocolError):
             pass
         self._done.cancel()
+
+
+def _stdout_line(message: bytes) -> bytes | None:
+    """``message`` as one stdout line, or None when it is not a JSON-RPC message (nothing, or
+    not a JSON object or array); one spread over several lines is re-encoded on one."""
+    message = message.strip()
+    if not message.startswith((b"{", b"[")):
+        if message:
+            LOGGER.warning("not a JSON-RPC message, not written to stdout: %.80r", message)
+        return None
+    if b"\n" in message or b"\r" in message:
+        obj = _parse(message)
+        if not isinstance(obj, dict | list):
+            LOGGER.warning("not a JSON-RPC message, not written to stdout: %.80r", message)
+            return None
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    return message
 
 
 def _parse(message: bytes) -> Any:
