@@ -1,13 +1,23 @@
-"""``mcp-gateway connect http(s)://HOST:PORT/mcp``: the stdio bridge as a Streamable HTTP client,
-legacy shape (2025-03-26 … 2025-11-25; the client on stdin starts with ``initialize``).
+"""``mcp-gateway connect http(s)://HOST:PORT/mcp``: the stdio bridge as a Streamable HTTP client
+of either shape, decided per message.
 
-The ``initialize`` request is POSTed alone; its answer brings the session id (``Mcp-Session-Id``)
-and the protocol version, sent on every later request.  Each later message read from stdin is
-POSTed on its own connection, concurrently: a JSON answer, or each event of an SSE answer (the
-request's progress, the server's requests about it, then its result), goes to stdout.  A GET
-stream carries the server's other messages.  Only JSON-RPC messages go to stdout: an event
-without data (a priming event, a comment, a keep-alive) is not written.  When the client closes
-stdin, or the gateway closes the GET stream, the bridge DELETEs the session and exits.
+Legacy (2025-03-26 … 2025-11-25; the client on stdin starts with ``initialize``): the
+``initialize`` request is POSTed alone; its answer brings the session id (``Mcp-Session-Id``)
+and the protocol version, sent on every later request.  A GET stream carries the server's
+messages that belong to no request.  When the client closes stdin, or the gateway closes the GET
+stream, the bridge DELETEs the session and exits.
+
+Modern (2026-07-28): a request whose ``_meta`` names a protocol version, ``server/discover``, and
+once the client began so, its later messages (without a session): POSTed with no session and
+with ``MCP-Protocol-Version``, ``Mcp-Method`` and ``Mcp-Name``.  A ``notifications/cancelled`` for
+such a request closes its POST (that is the cancellation; nothing else is sent); for a
+``subscriptions/listen`` the client then gets the closing result, as on the gateway's stdio-framed
+listeners.
+
+Every message is POSTed on its own connection, concurrently: a JSON answer, or each event of an
+SSE answer (progress, requests about it, then its result; a listen's notifications as they
+come), goes to stdout.  Only JSON-RPC messages do: an event without data (a priming event, a
+comment, a keep-alive) is not written.
 
 HTTP/1.1 on h11, one request per connection (no pool: the bridge is for local stdio clients).
 """
@@ -27,6 +37,8 @@ import h11
 import trio
 
 from gateway.errors import MessageTooLarge, TransportClosed
+from gateway.protocol import era
+from gateway.protocol.subscriptions import SUBSCRIPTION_ID_KEY
 from gateway.transports.lines import LineStream
 
 LOGGER = logging.getLogger("gateway.bridge")
@@ -134,6 +146,8 @@ class HttpBridge:
         self._limit = 2 * max_message
         self._session: str | None = None
         self._version: str | None = None
+        self._modern: str | None = None  # the client's modern version, once it sent a modern request
+        self._posts: dict[str, trio.CancelScope] = {}  # modern requests in flight, by JSON id
         self._out_send, self._out_recv = trio.open_memory_channel[bytes](64)
         self.failed: list[str] = []
         self._done = trio.CancelScope()
@@ -146,6 +160,18 @@ class HttpBridge:
             headers["mcp-session-id"] = self._session
         if self._version:
             headers["mcp-protocol-version"] = self._version
+        return headers
+
+    def _modern_headers(self, version: str, method: str, params: Any) -> dict[str, str]:
+        """A 2026-07-28 POST's headers: no session, the routing headers from the body."""
+        headers = {"accept": f"{_JSON}, {_SSE}", "content-type": _JSON,
+                   "mcp-protocol-version": era.header_value(version),
+                   "mcp-method": era.header_value(method)}
+        if self._token:
+            headers["authorization"] = f"Bearer {self._token}"
+        name = params.get(era.NAMED[method]) if method in era.NAMED and isinstance(params, dict) else None
+        if isinstance(name, str):
+            headers["mcp-name"] = era.header_value(name)
         return headers
 
     async def run(self) -> None:
@@ -194,12 +220,57 @@ class HttpBridge:
             except MessageTooLarge as exc:
                 self._fail(exc)
                 return
-            if self._session is None and _method(message) == "initialize":
+            obj = _parse(message)
+            method = obj.get("method") if isinstance(obj, dict) else None
+            if self._session is None and method == "initialize":
                 await self._post(message, initialize=True)
                 if self._session:
                     nursery.start_soon(self._get_stream)
-            else:
+            elif not isinstance(method, str) or not self._modern_message(nursery, message, obj, method):
                 nursery.start_soon(self._post, message)
+
+    def _modern_message(self, nursery: trio.Nursery, message: bytes, obj: dict[str, Any],
+                        method: str) -> bool:
+        """Send ``message`` the 2026-07-28 way if it is of that era; False if it is not."""
+        params = obj.get("params")
+        version = _modern_version(params)
+        if version is not None:
+            self._modern = version
+        elif method == "server/discover" and self._modern is None:
+            self._modern = era.LATEST_MODERN
+        unpinned = self._modern is None or self._session is not None
+        if "id" in obj:  # a request
+            if version is None and (unpinned and method != "server/discover"):
+                return False
+            version = version or self._modern or era.LATEST_MODERN
+            nursery.start_soon(self._post_modern, message, _key(obj["id"]), method,
+                               self._modern_headers(version, method, params))
+            return True
+        if method == "notifications/cancelled":
+            scope = self._posts.pop(_key(params.get("requestId")), None) if isinstance(params, dict) else None
+            if scope is not None:  # cancellation is closing the request's stream, nothing else
+                scope.cancel()
+                return True
+        if unpinned:
+            return False
+        if method == "notifications/cancelled":
+            return True  # a request already answered, or unknown: nothing to close
+        assert self._modern is not None
+        nursery.start_soon(self._exchange, message, self._modern_headers(self._modern, method, params))
+        return True
+
+    async def _post_modern(self, message: bytes, key: str, method: str, headers: dict[str, str]) -> None:
+        scope = self._posts[key] = trio.CancelScope()
+        try:
+            with scope:
+                await self._exchange(message, headers)
+        finally:
+            if self._posts.get(key) is scope:
+                del self._posts[key]
+        if scope.cancel_called and method == "subscriptions/listen":
+            sub_id = json.loads(key)
+            await self._out_send.send(json.dumps({"jsonrpc": "2.0", "id": sub_id, "result": {
+                "resultType": "complete", "_meta": {SUBSCRIPTION_ID_KEY: sub_id}}}).encode())
 
     async def _emit(self, message: bytes, initialize: bool) -> None:
         if initialize:
@@ -212,6 +283,10 @@ class HttpBridge:
     async def _post(self, message: bytes, initialize: bool = False) -> None:
         headers = self._headers(f"{_JSON}, {_SSE}")
         headers["content-type"] = _JSON
+        await self._exchange(message, headers, initialize)
+
+    async def _exchange(self, message: bytes, headers: dict[str, str], initialize: bool = False) -> None:
+        """POST ``message``; its answer (JSON, or SSE event by event) goes to stdout."""
         try:
             async with self._http.request("POST", headers, message) as r:
                 if initialize and r.status == 200:
@@ -283,16 +358,23 @@ def _stdout_line(message: bytes) -> bytes | None:
     return message
 
 
+def _modern_version(params: Any) -> str | None:
+    """The protocol version a request's ``_meta`` names (a 2026-07-28 request), or None."""
+    meta = params.get("_meta") if isinstance(params, dict) else None
+    version = meta.get(era.VERSION_KEY) if isinstance(meta, dict) else None
+    return version if isinstance(version, str) else None
+
+
+def _key(request_id: Any) -> str:
+    """A request id as a key that tells ``1`` from ``"1"``."""
+    return json.dumps(request_id)
+
+
 def _parse(message: bytes) -> Any:
     try:
         return json.loads(message)
     except ValueError:
         return None
-
-
-def _method(message: bytes) -> Any:
-    obj = _parse(message)
-    return obj.get("method") if isinstance(obj, dict) else None
 
 
 def _id(message: bytes) -> Any:
