@@ -83,9 +83,10 @@ class _Response:
 
 
 class _HttpClient:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, ssl_context: ssl.SSLContext | None = None) -> None:
         parts = urlsplit(url)
         self._tls = parts.scheme == "https"
+        self._ssl_context = ssl_context
         if not parts.hostname:
             raise OSError(f"no host in {url!r}")
         self._host = parts.hostname
@@ -98,7 +99,8 @@ class _HttpClient:
                       body: bytes = b"") -> AsyncIterator[_Response]:
         stream: trio.abc.Stream = await trio.open_tcp_stream(self._host, self._port)
         if self._tls:
-            tls = trio.SSLStream(stream, ssl.create_default_context(), server_hostname=self._host)
+            context = self._ssl_context or ssl.create_default_context()
+            tls = trio.SSLStream(stream, context, server_hostname=self._host)
             try:
                 await tls.do_handshake()
             except trio.BrokenResourceError as exc:  # e.g. a certificate the system CAs refuse
@@ -139,8 +141,9 @@ class _HttpClient:
 
 
 class HttpBridge:
-    def __init__(self, url: str, local: LineStream, max_message: int, *, token: str | None = None) -> None:
-        self._http = _HttpClient(url)
+    def __init__(self, url: str, local: LineStream, max_message: int, *, token: str | None = None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        self._http = _HttpClient(url, ssl_context)
         self._token = token
         self._local = local
         self._limit = 2 * max_message
