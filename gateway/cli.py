@@ -108,10 +108,12 @@ def cmd_connect(args: argparse.Namespace) -> int:
         try:
             ssl_context = ssl.create_default_context(cafile=args.ca_file)
         except (OSError, ssl.SSLError) as exc:
-            print(f"mcp-gateway connect: --ca-file: {args.ca_file}: {exc.strerror or exc}", file=sys.stderr)
+            print(f"mcp-gateway connect: --ca-file: {args.ca_file}: {exc.strerror or exc}",
+                  file=sys.stderr)
             return 1
     try:
-        trio.run(partial(bridge, args.url, args.max_message_bytes, token=token, ssl_context=ssl_context))
+        trio.run(partial(bridge, args.url, args.max_message_bytes, token=token,
+                         ssl_context=ssl_context))
     except KeyboardInterrupt:
         return 130
     except OSError as exc:

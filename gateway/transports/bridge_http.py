@@ -149,7 +149,7 @@ class HttpBridge:
         self._limit = 2 * max_message
         self._session: str | None = None
         self._version: str | None = None
-        self._modern: str | None = None  # the client's modern version, once it sent a modern request
+        self._modern: str | None = None  # the version of the client's last modern request
         self._posts: dict[str, trio.CancelScope] = {}  # modern requests in flight, by JSON id
         self._out_send, self._out_recv = trio.open_memory_channel[bytes](64)
         self.failed: list[str] = []
@@ -165,14 +165,14 @@ class HttpBridge:
             headers["mcp-protocol-version"] = self._version
         return headers
 
-    def _modern_headers(self, version: str, method: str, params: Any) -> dict[str, str]:
+    def _modern_headers(self, version: str, method: str, params: dict[str, Any]) -> dict[str, str]:
         """A 2026-07-28 POST's headers: no session, the routing headers from the body."""
         headers = {"accept": f"{_JSON}, {_SSE}", "content-type": _JSON,
                    "mcp-protocol-version": era.header_value(version),
                    "mcp-method": era.header_value(method)}
         if self._token:
             headers["authorization"] = f"Bearer {self._token}"
-        name = params.get(era.NAMED[method]) if method in era.NAMED and isinstance(params, dict) else None
+        name = params.get(era.NAMED[method]) if method in era.NAMED else None
         if isinstance(name, str):
             headers["mcp-name"] = era.header_value(name)
         return headers
@@ -229,40 +229,44 @@ class HttpBridge:
                 await self._post(message, initialize=True)
                 if self._session:
                     nursery.start_soon(self._get_stream)
-            elif not isinstance(method, str) or not self._modern_message(nursery, message, obj, method):
+            elif not (isinstance(method, str)
+                      and self._modern_message(nursery, message, obj, method)):
                 nursery.start_soon(self._post, message)
 
     def _modern_message(self, nursery: trio.Nursery, message: bytes, obj: dict[str, Any],
                         method: str) -> bool:
         """Send ``message`` the 2026-07-28 way if it is of that era; False if it is not."""
-        params = obj.get("params")
+        raw = obj.get("params")
+        params: dict[str, Any] = raw if isinstance(raw, dict) else {}
         version = _modern_version(params)
         if version is not None:
             self._modern = version
         elif method == "server/discover" and self._modern is None:
             self._modern = era.LATEST_MODERN
-        unpinned = self._modern is None or self._session is not None
+        pinned = self._modern if self._session is None else None  # the client's era, modern
         if "id" in obj:  # a request
-            if version is None and (unpinned and method != "server/discover"):
+            if method == "server/discover":
+                version = version or pinned or era.LATEST_MODERN
+            version = version or pinned
+            if version is None:
                 return False
-            version = version or self._modern or era.LATEST_MODERN
-            nursery.start_soon(self._post_modern, message, _key(obj["id"]), method,
-                               self._modern_headers(version, method, params))
+            headers = self._modern_headers(version, method, params)
+            nursery.start_soon(self._post_modern, message, _key(obj["id"]), method, headers)
             return True
         if method == "notifications/cancelled":
-            scope = self._posts.pop(_key(params.get("requestId")), None) if isinstance(params, dict) else None
-            if scope is not None:  # cancellation is closing the request's stream, nothing else
+            scope = self._posts.pop(_key(params.get("requestId")), None)
+            if scope is not None:  # the cancellation is closing the request's stream, nothing else
                 scope.cancel()
                 return True
-        if unpinned:
+            if pinned:  # a request already answered, or unknown: nothing to close
+                return True
+        if pinned is None:
             return False
-        if method == "notifications/cancelled":
-            return True  # a request already answered, or unknown: nothing to close
-        assert self._modern is not None
-        nursery.start_soon(self._exchange, message, self._modern_headers(self._modern, method, params))
+        nursery.start_soon(self._exchange, message, self._modern_headers(pinned, method, params))
         return True
 
-    async def _post_modern(self, message: bytes, key: str, method: str, headers: dict[str, str]) -> None:
+    async def _post_modern(self, message: bytes, key: str, method: str,
+                           headers: dict[str, str]) -> None:
         scope = self._posts[key] = trio.CancelScope()
         try:
             with scope:
@@ -288,7 +292,8 @@ class HttpBridge:
         headers["content-type"] = _JSON
         await self._exchange(message, headers, initialize)
 
-    async def _exchange(self, message: bytes, headers: dict[str, str], initialize: bool = False) -> None:
+    async def _exchange(self, message: bytes, headers: dict[str, str],
+                        initialize: bool = False) -> None:
         """POST ``message``; its answer (JSON, or SSE event by event) goes to stdout."""
         try:
             async with self._http.request("POST", headers, message) as r:
@@ -361,9 +366,9 @@ def _stdout_line(message: bytes) -> bytes | None:
     return message
 
 
-def _modern_version(params: Any) -> str | None:
+def _modern_version(params: dict[str, Any]) -> str | None:
     """The protocol version a request's ``_meta`` names (a 2026-07-28 request), or None."""
-    meta = params.get("_meta") if isinstance(params, dict) else None
+    meta = params.get("_meta")
     version = meta.get(era.VERSION_KEY) if isinstance(meta, dict) else None
     return version if isinstance(version, str) else None
 

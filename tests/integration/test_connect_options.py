@@ -33,7 +33,8 @@ def _connect(url: str, *options: str) -> tuple[int, list[Any], str]:
     env["PYTHONPATH"] = ROOT
     lines = b"".join(json.dumps(m).encode() + b"\n" for m in (HTTP_INIT, INITIALIZED))
     proc = subprocess.Popen([sys.executable, "-m", "gateway", "connect", url, *options], cwd=ROOT,
-                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
     out: list[Any] = []
     try:
@@ -61,19 +62,22 @@ async def test_ca_file_trusts_a_private_ca_for_https_and_wss(tmp_path: Path) -> 
 tls_cert = "{certs.cert}"\ntls_key = "{certs.key}"\n[admin]\nlisten = "127.0.0.1:0"\n"""
                       + fixture_backend(), base_dir=ROOT)
     async with run_gateway(cfg) as gw:
-        for url in (f"https://localhost:{gw.bound.http_port}/mcp", f"wss://localhost:{gw.bound.websocket_port}/"):
+        https = f"https://localhost:{gw.bound.http_port}/mcp"
+        for url in (https, f"wss://localhost:{gw.bound.websocket_port}/"):
             code, out, err = await trio.to_thread.run_sync(_connect, url, "--ca-file", str(certs.ca))
-            assert code == 0 and out[-1]["result"]["content"][0]["text"] == "over TLS", (url, out, err)
+            assert code == 0, (url, out, err)
+            assert out[-1]["result"]["content"][0]["text"] == "over TLS", (url, out, err)
             # the system CAs do not know it: refused, saying why
             code, out, err = await trio.to_thread.run_sync(_connect, url)
             assert code == 1 and "CERTIFICATE_VERIFY_FAILED" in err, (url, out, err)
-        code, out, err = await trio.to_thread.run_sync(_connect, f"https://localhost:{gw.bound.http_port}/mcp",
-                                                       "--ca-file", str(tmp_path / "missing.pem"))
+        code, out, err = await trio.to_thread.run_sync(_connect, https, "--ca-file",
+                                                       str(tmp_path / "missing.pem"))
         assert code == 1 and out == [] and err.startswith("mcp-gateway connect: --ca-file: "), err
 
 
 async def test_a_websocket_upgrade_refused_with_401_says_http_401_and_the_option() -> None:
-    bearer = f'[[auth.bearer]]\nprincipal = "alice"\ntoken_sha256 = "{hashlib.sha256(b"secret").hexdigest()}"\n'
+    digest = hashlib.sha256(b"secret").hexdigest()
+    bearer = f'[[auth.bearer]]\nprincipal = "alice"\ntoken_sha256 = "{digest}"\n'
     async with run_gateway(make_config(fixture_backend(), extra=bearer)) as gw:
         code, out, err = await trio.to_thread.run_sync(_connect, gw.url)
     assert code == 1 and out == []

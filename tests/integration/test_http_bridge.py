@@ -43,8 +43,9 @@ async def test_a_2026_client_lists_calls_answers_input_is_cancelled_and_listens(
     assert os.path.exists(PY2), "missing .deps/venv-mcp2: run scripts/setup --test"
     async with run_gateway(make_config(fixture_backend())) as gw:
         port = gw.bound.admin_port
-        proc = await trio.lowlevel.open_process([PY2, PY2_STDIO_CLIENT, *CONNECT, gw.http_url], cwd=ROOT,
-                                                env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        proc = await trio.lowlevel.open_process([PY2, PY2_STDIO_CLIENT, *CONNECT, gw.http_url],
+                                                cwd=ROOT, env=_env(), stdin=subprocess.PIPE,
+                                                stdout=subprocess.PIPE)
         try:
             assert proc.stdin is not None and proc.stdout is not None
             lines = _lines(proc.stdout)
@@ -116,6 +117,7 @@ async def test_raw_2026_lines_a_named_request_in_base64_and_a_listen_ended_from_
         return json.dumps({"jsonrpc": "2.0", **obj}).encode() + b"\n"
 
     async with run_gateway(make_config(fixture_backend())) as gw:
+        port = gw.bound.admin_port
         proc = await trio.lowlevel.open_process([*CONNECT, gw.http_url], cwd=ROOT, env=_env(),
                                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         try:
@@ -126,17 +128,19 @@ async def test_raw_2026_lines_a_named_request_in_base64_and_a_listen_ended_from_
                     "name": "fx__\u00e9cho", "arguments": {}, "_meta": meta}}))
                 answer = json.loads(await lines.__anext__())
                 assert answer["id"] == 1 and answer["error"]["code"] == -32602, answer
-                await proc.stdin.send_all(line({"id": "l", "method": "subscriptions/listen", "params": {
-                    "notifications": {"toolsListChanged": True}, "_meta": meta}}))
+                listen = {"notifications": {"toolsListChanged": True}, "_meta": meta}
+                await proc.stdin.send_all(line({"id": "l", "method": "subscriptions/listen",
+                                                "params": listen}))
                 ack = json.loads(await lines.__anext__())
                 assert ack["method"] == "notifications/subscriptions/acknowledged", ack
-                await wait_status(gw.bound.admin_port, lambda st: st["client_requests_in_flight"] == 1)
+                await wait_status(port, lambda st: st["client_requests_in_flight"] == 1)
                 await proc.stdin.send_all(line({"method": "notifications/cancelled",
                                                 "params": {"requestId": "l"}}))
                 closing = json.loads(await lines.__anext__())
-                assert closing == {"jsonrpc": "2.0", "id": "l", "result": {
-                    "resultType": "complete", "_meta": {"io.modelcontextprotocol/subscriptionId": "l"}}}
-                await wait_status(gw.bound.admin_port, lambda st: st["client_requests_in_flight"] == 0)
+                tag = {"io.modelcontextprotocol/subscriptionId": "l"}
+                assert closing == {"jsonrpc": "2.0", "id": "l",
+                                   "result": {"resultType": "complete", "_meta": tag}}
+                await wait_status(port, lambda st: st["client_requests_in_flight"] == 0)
                 await proc.stdin.aclose()
                 assert [x async for x in lines] == []
                 assert await proc.wait() == 0

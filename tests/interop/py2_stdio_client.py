@@ -27,7 +27,8 @@ def dump(result) -> dict:
 
 
 async def main(command: str, *args: str) -> None:
-    server = StdioServerParameters(command=command, args=list(args), env=dict(os.environ), cwd=os.getcwd())
+    server = StdioServerParameters(command=command, args=list(args), env=dict(os.environ),
+                                   cwd=os.getcwd())
     out = {}
     with anyio.fail_after(60):
         async with Client(server, mode="2026-07-28", elicitation_callback=on_elicit) as client:

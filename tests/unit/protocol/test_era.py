@@ -57,5 +57,6 @@ def test_a_header_value_is_plain_visible_ascii_or_base64_and_reads_back(value: s
                                   and not value.startswith("=?base64?"))
     body = {**params(**{era.VERSION_KEY: "2026-07-28", era.CAPABILITIES_KEY: {}}),
             "name": Raw(json.dumps(value).encode())}
-    headers = {"mcp-protocol-version": "2026-07-28", "mcp-method": "tools/call", "mcp-name": encoded}
+    headers = {"mcp-protocol-version": "2026-07-28", "mcp-method": "tools/call",
+               "mcp-name": encoded}
     assert era.header_mismatch("tools/call", body, headers) is None  # the gateway reads it back
