@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -37,8 +37,7 @@ import h11
 import trio
 
 from gateway.errors import MessageTooLarge, TransportClosed
-from gateway.protocol import era
-from gateway.protocol.subscriptions import SUBSCRIPTION_ID_KEY
+from gateway.protocol import era, jsonrpc, subscriptions
 from gateway.transports.lines import LineStream
 
 LOGGER = logging.getLogger("gateway.bridge")
@@ -262,50 +261,63 @@ class HttpBridge:
                 return True
         if pinned is None:
             return False
-        nursery.start_soon(self._exchange, message, self._modern_headers(pinned, method, params))
+        headers = self._modern_headers(pinned, method, params)
+        nursery.start_soon(self._exchange, message, headers, self._out_send.send)
         return True
 
     async def _post_modern(self, message: bytes, key: str, method: str,
                            headers: dict[str, str]) -> None:
+        """A modern request's POST, closed when the client cancels it; a listen cancelled
+        before its result gets the closing result."""
+        listen = method == "subscriptions/listen"
+        answered = False
+
+        async def emit(data: bytes) -> None:
+            nonlocal answered
+            if listen and not answered:  # its notifications, then its result
+                obj = _parse(data)
+                answered = isinstance(obj, dict) and "method" not in obj
+            await self._out_send.send(data)
+
         scope = self._posts[key] = trio.CancelScope()
         try:
             with scope:
-                await self._exchange(message, headers)
+                await self._exchange(message, headers, emit)
         finally:
             if self._posts.get(key) is scope:
                 del self._posts[key]
-        if scope.cancel_called and method == "subscriptions/listen":
+        if scope.cancel_called and listen and not answered:
             sub_id = json.loads(key)
-            await self._out_send.send(json.dumps({"jsonrpc": "2.0", "id": sub_id, "result": {
-                "resultType": "complete", "_meta": {SUBSCRIPTION_ID_KEY: sub_id}}}).encode())
+            closing = subscriptions.closing_result(sub_id)
+            await self._out_send.send(jsonrpc.encode_result(sub_id, closing))
 
-    async def _emit(self, message: bytes, initialize: bool) -> None:
-        if initialize:
-            try:
-                self._version = json.loads(message)["result"]["protocolVersion"]
-            except (ValueError, KeyError, TypeError):
-                pass
+    async def _emit_initialize(self, message: bytes) -> None:
+        try:
+            self._version = json.loads(message)["result"]["protocolVersion"]
+        except (ValueError, KeyError, TypeError):
+            pass
         await self._out_send.send(message)
 
     async def _post(self, message: bytes, initialize: bool = False) -> None:
         headers = self._headers(f"{_JSON}, {_SSE}")
         headers["content-type"] = _JSON
-        await self._exchange(message, headers, initialize)
+        emit = self._emit_initialize if initialize else self._out_send.send
+        await self._exchange(message, headers, emit, initialize)
 
     async def _exchange(self, message: bytes, headers: dict[str, str],
-                        initialize: bool = False) -> None:
-        """POST ``message``; its answer (JSON, or SSE event by event) goes to stdout."""
+                        emit: Callable[[bytes], Awaitable[None]], initialize: bool = False) -> None:
+        """POST ``message``; its answer (JSON, or SSE event by event) goes to ``emit``."""
         try:
             async with self._http.request("POST", headers, message) as r:
                 if initialize and r.status == 200:
                     self._session = r.headers.get("mcp-session-id")
                 if r.status == 200 and r.content_type == _SSE:
                     async for data in r.events(self._limit):
-                        await self._emit(data, initialize)
+                        await emit(data)
                     return
                 body = await r.body(self._limit)
                 if r.status == 200 and r.content_type == _JSON:
-                    await self._emit(body, initialize)
+                    await emit(body)
                 elif r.status >= 300:
                     await self._http_error(message, r.status, body)
         except MessageTooLarge as exc:
