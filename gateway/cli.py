@@ -101,8 +101,19 @@ def cmd_connect(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as exc:
             print(f"mcp-gateway connect: --token-file: {exc}", file=sys.stderr)
             return 1
+    ssl_context = None
+    if args.ca_file:
+        import ssl
+
+        try:
+            ssl_context = ssl.create_default_context(cafile=args.ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            print(f"mcp-gateway connect: --ca-file: {args.ca_file}: {exc.strerror or exc}",
+                  file=sys.stderr)
+            return 1
     try:
-        trio.run(partial(bridge, args.url, args.max_message_bytes, token=token))
+        trio.run(partial(bridge, args.url, args.max_message_bytes, token=token,
+                         ssl_context=ssl_context))
     except KeyboardInterrupt:
         return 130
     except OSError as exc:
@@ -127,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-message-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--token-file", help="a file holding the bearer token, sent as Authorization: "
                    "Bearer on the WebSocket upgrade or on every HTTP request")
+    p.add_argument("--ca-file", help="verify an https:// or wss:// server with the CA certificates "
+                   "(PEM) in this file instead of the system CAs (default: the system CAs, or "
+                   "the file SSL_CERT_FILE names)")
     p.set_defaults(func=cmd_connect)
     args = parser.parse_args(argv)
     return int(args.func(args))

@@ -168,6 +168,16 @@ def header_mismatch(method: str, params: dict[str, Raw],
     return None
 
 
+def header_value(value: str) -> str:
+    """A value for a 2026-07-28 routing header: as is when it is visible ASCII (spaces inside
+    only) and does not look like the sentinel, else ``=?base64?…?=`` (the inverse of
+    :func:`_header_value`)."""
+    if (value.isascii() and value.isprintable() and value == value.strip()
+            and not (value.startswith("=?base64?") and value.endswith("?="))):
+        return value
+    return f"=?base64?{base64.b64encode(value.encode('utf-8')).decode('ascii')}?="
+
+
 def _header_value(value: str | None) -> str | None:
     if value is None:
         return None

@@ -52,10 +52,12 @@ async def _copy(source: trio.abc.ReceiveStream, sink: trio.abc.SendStream, done:
     done.cancel()
 
 
-async def bridge(url: str, max_message: int, *, token: str | None = None) -> None:
+async def bridge(url: str, max_message: int, *, token: str | None = None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
     """Copy messages between stdio and ``url`` until either side closes; ``token`` is sent as
     ``Authorization: Bearer`` (WebSocket upgrade, every HTTP request; not on a unix socket,
-    whose peer credentials authenticate it)."""
+    whose peer credentials authenticate it); ``ssl_context`` verifies an https/wss server
+    (default: the system CAs, or ``SSL_CERT_FILE``)."""
     stdin = trio.lowlevel.FdStream(sys.stdin.fileno())
     stdout = trio.lowlevel.FdStream(sys.stdout.fileno())
     stdio = trio.StapledStream(stdout, stdin)
@@ -68,7 +70,8 @@ async def bridge(url: str, max_message: int, *, token: str | None = None) -> Non
     if url.startswith(("http://", "https://")):
         from gateway.transports.bridge_http import HttpBridge
 
-        http = HttpBridge(url, LineStream(stdio, max_message), max_message, token=token)
+        http = HttpBridge(url, LineStream(stdio, max_message), max_message, token=token,
+                          ssl_context=ssl_context)
         await http.run()
         if http.failed:
             raise OSError(http.failed[0])
@@ -76,34 +79,45 @@ async def bridge(url: str, max_message: int, *, token: str | None = None) -> Non
     if not url.startswith(("ws://", "wss://")):
         raise OSError(f"unsupported URL {url!r} (use ws://HOST:PORT/, http://HOST:PORT/mcp or unix:/path)")
     if url.startswith("wss://"):
-        await _check_tls(url)
+        ssl_context = ssl_context or ssl.create_default_context()
+        await _check_tls(url, ssl_context)
     local = LineStream(stdio, max_message)
     failed: list[str] = []
     headers = [(b"authorization", f"Bearer {token}".encode())] if token else None
     try:
         async with trio_websocket.open_websocket_url(
-            url, subprotocols=[SUBPROTOCOL], max_message_size=2 * max_message, receive_buffer_size=65536,
-            extra_headers=headers,
+            url, ssl_context, subprotocols=[SUBPROTOCOL], max_message_size=2 * max_message,
+            receive_buffer_size=65536, extra_headers=headers,
         ) as ws:
             remote = _ClientWebSocket(ws, 2 * max_message)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_pump, local, remote, nursery.cancel_scope, failed)
                 nursery.start_soon(_pump, remote, local, nursery.cancel_scope, failed)
+    except trio_websocket.ConnectionRejected as exc:
+        raise OSError(_rejected(exc.status_code, exc.body)) from None
     except trio_websocket.HandshakeError as exc:
         raise OSError(f"WebSocket handshake failed: {exc}") from None
     if failed:
         raise OSError(failed[0])
 
 
-async def _check_tls(url: str) -> None:
-    """A TLS handshake with the system CAs (``SSL_CERT_FILE`` for a private one) before the
-    WebSocket is opened, so a certificate that does not verify is an error naming why at once
-    (trio-websocket's client would wait for its connect timeout and say nothing)."""
+def _rejected(status: int, body: bytes | None) -> str:
+    """What a refused WebSocket upgrade says: its status and body text (one line), and for
+    401 the option that sends a token."""
+    text = " ".join((body or b"").decode("utf-8", "replace").split())[:200]
+    hint = " (use --token-file)" if status == 401 else ""
+    return f"HTTP {status}: {text or 'refused'}{hint}"
+
+
+async def _check_tls(url: str, ssl_context: ssl.SSLContext) -> None:
+    """A TLS handshake with ``ssl_context`` (the system CAs, ``SSL_CERT_FILE``, or --ca-file)
+    before the WebSocket is opened, so a certificate that does not verify is an error naming why
+    at once (trio-websocket's client would wait for its connect timeout and say nothing)."""
     parts = urlsplit(url)
     if not parts.hostname:
         raise OSError(f"no host in {url!r}")
     stream = await trio.open_ssl_over_tcp_stream(parts.hostname, parts.port or 443,
-                                                 ssl_context=ssl.create_default_context())
+                                                 ssl_context=ssl_context)
     try:
         await stream.do_handshake()
     except trio.BrokenResourceError as exc:

@@ -1,12 +1,23 @@
-"""``mcp-gateway connect http(s)://HOST:PORT/mcp``: the stdio bridge as a Streamable HTTP client,
-legacy shape (2025-03-26 … 2025-11-25; the client on stdin starts with ``initialize``).
+"""``mcp-gateway connect http(s)://HOST:PORT/mcp``: the stdio bridge as a Streamable HTTP client
+of either shape, decided per message.
 
-The ``initialize`` request is POSTed alone; its answer brings the session id (``Mcp-Session-Id``)
-and the protocol version, sent on every later request.  Each later message read from stdin is
-POSTed on its own connection, concurrently: a JSON answer, or each event of an SSE answer (the
-request's progress, the server's requests about it, then its result), goes to stdout.  A GET
-stream carries the server's other messages.  When the client closes stdin, or the gateway
-closes the GET stream, the bridge DELETEs the session and exits.
+Legacy (2025-03-26 … 2025-11-25; the client on stdin starts with ``initialize``): the
+``initialize`` request is POSTed alone; its answer brings the session id (``Mcp-Session-Id``)
+and the protocol version, sent on every later request.  A GET stream carries the server's
+messages that belong to no request.  When the client closes stdin, or the gateway closes the GET
+stream, the bridge DELETEs the session and exits.
+
+Modern (2026-07-28): a request whose ``_meta`` names a protocol version, ``server/discover``, and
+once the client began so, its later messages (without a session): POSTed with no session and
+with ``MCP-Protocol-Version``, ``Mcp-Method`` and ``Mcp-Name``.  A ``notifications/cancelled`` for
+such a request closes its POST (that is the cancellation; nothing else is sent); for a
+``subscriptions/listen`` the client then gets the closing result, as on the gateway's stdio-framed
+listeners.
+
+Every message is POSTed on its own connection, concurrently: a JSON answer, or each event of an
+SSE answer (progress, requests about it, then its result; a listen's notifications as they
+come), goes to stdout.  Only JSON-RPC messages do: an event without data (a priming event, a
+comment, a keep-alive) is not written.
 
 HTTP/1.1 on h11, one request per connection (no pool: the bridge is for local stdio clients).
 """
@@ -14,8 +25,9 @@ HTTP/1.1 on h11, one request per connection (no pool: the bridge is for local st
 from __future__ import annotations
 
 import json
+import logging
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +37,10 @@ import h11
 import trio
 
 from gateway.errors import MessageTooLarge, TransportClosed
+from gateway.protocol import era, jsonrpc, subscriptions
 from gateway.transports.lines import LineStream
+
+LOGGER = logging.getLogger("gateway.bridge")
 
 _JSON = "application/json"
 _SSE = "text/event-stream"
@@ -51,7 +66,8 @@ class _Response:
         return bytes(data)
 
     async def events(self, limit: int) -> AsyncIterator[bytes]:
-        """The data of each SSE event (``data:`` lines joined), skipping events without data."""
+        """The data of each SSE event (``data:`` lines joined), skipping events without data
+        (a priming event's empty ``data:`` too)."""
         buf = b""
         async for chunk in self._chunks:
             buf += chunk.replace(b"\r\n", b"\n")
@@ -59,16 +75,17 @@ class _Response:
                 event, buf = buf[:end], buf[end + 2:]
                 data = [line[5:].removeprefix(b" ") for line in event.split(b"\n")
                         if line.startswith(b"data:")]
-                if data:
+                if any(line.strip() for line in data):
                     yield b"\n".join(data)
             if len(buf) > limit:
                 raise MessageTooLarge(len(buf), limit)
 
 
 class _HttpClient:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, ssl_context: ssl.SSLContext | None = None) -> None:
         parts = urlsplit(url)
         self._tls = parts.scheme == "https"
+        self._ssl_context = ssl_context
         if not parts.hostname:
             raise OSError(f"no host in {url!r}")
         self._host = parts.hostname
@@ -81,7 +98,8 @@ class _HttpClient:
                       body: bytes = b"") -> AsyncIterator[_Response]:
         stream: trio.abc.Stream = await trio.open_tcp_stream(self._host, self._port)
         if self._tls:
-            tls = trio.SSLStream(stream, ssl.create_default_context(), server_hostname=self._host)
+            context = self._ssl_context or ssl.create_default_context()
+            tls = trio.SSLStream(stream, context, server_hostname=self._host)
             try:
                 await tls.do_handshake()
             except trio.BrokenResourceError as exc:  # e.g. a certificate the system CAs refuse
@@ -122,13 +140,16 @@ class _HttpClient:
 
 
 class HttpBridge:
-    def __init__(self, url: str, local: LineStream, max_message: int, *, token: str | None = None) -> None:
-        self._http = _HttpClient(url)
+    def __init__(self, url: str, local: LineStream, max_message: int, *, token: str | None = None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        self._http = _HttpClient(url, ssl_context)
         self._token = token
         self._local = local
         self._limit = 2 * max_message
         self._session: str | None = None
         self._version: str | None = None
+        self._modern: str | None = None  # the version of the client's last modern request
+        self._posts: dict[str, trio.CancelScope] = {}  # modern requests in flight, by JSON id
         self._out_send, self._out_recv = trio.open_memory_channel[bytes](64)
         self.failed: list[str] = []
         self._done = trio.CancelScope()
@@ -141,6 +162,18 @@ class HttpBridge:
             headers["mcp-session-id"] = self._session
         if self._version:
             headers["mcp-protocol-version"] = self._version
+        return headers
+
+    def _modern_headers(self, version: str, method: str, params: dict[str, Any]) -> dict[str, str]:
+        """A 2026-07-28 POST's headers: no session, the routing headers from the body."""
+        headers = {"accept": f"{_JSON}, {_SSE}", "content-type": _JSON,
+                   "mcp-protocol-version": era.header_value(version),
+                   "mcp-method": era.header_value(method)}
+        if self._token:
+            headers["authorization"] = f"Bearer {self._token}"
+        name = params.get(era.NAMED[method]) if method in era.NAMED else None
+        if isinstance(name, str):
+            headers["mcp-name"] = era.header_value(name)
         return headers
 
     async def run(self) -> None:
@@ -169,9 +202,12 @@ class HttpBridge:
         self._done.cancel()
 
     async def _writer(self, everything: trio.CancelScope) -> None:
+        """The one writer of stdout: JSON-RPC messages only, one per line."""
         try:
             async for message in self._out_recv:
-                await self._local.send(message)
+                line = _stdout_line(message)
+                if line is not None:
+                    await self._local.send(line)
         except (TransportClosed, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass
         everything.cancel()
@@ -186,35 +222,102 @@ class HttpBridge:
             except MessageTooLarge as exc:
                 self._fail(exc)
                 return
-            if self._session is None and _method(message) == "initialize":
+            obj = _parse(message)
+            method = obj.get("method") if isinstance(obj, dict) else None
+            if self._session is None and method == "initialize":
                 await self._post(message, initialize=True)
                 if self._session:
                     nursery.start_soon(self._get_stream)
-            else:
+            elif not (isinstance(method, str)
+                      and self._modern_message(nursery, message, obj, method)):
                 nursery.start_soon(self._post, message)
 
-    async def _emit(self, message: bytes, initialize: bool) -> None:
-        if initialize:
-            try:
-                self._version = json.loads(message)["result"]["protocolVersion"]
-            except (ValueError, KeyError, TypeError):
-                pass
+    def _modern_message(self, nursery: trio.Nursery, message: bytes, obj: dict[str, Any],
+                        method: str) -> bool:
+        """Send ``message`` the 2026-07-28 way if it is of that era; False if it is not."""
+        raw = obj.get("params")
+        params: dict[str, Any] = raw if isinstance(raw, dict) else {}
+        version = _modern_version(params)
+        if version is not None:
+            self._modern = version
+        elif method == "server/discover" and self._modern is None:
+            self._modern = era.LATEST_MODERN
+        pinned = self._modern if self._session is None else None  # the client's era, modern
+        if "id" in obj:  # a request
+            if method == "server/discover":
+                version = version or pinned or era.LATEST_MODERN
+            version = version or pinned
+            if version is None:
+                return False
+            headers = self._modern_headers(version, method, params)
+            nursery.start_soon(self._post_modern, message, _key(obj["id"]), method, headers)
+            return True
+        if method == "notifications/cancelled":
+            scope = self._posts.pop(_key(params.get("requestId")), None)
+            if scope is not None:  # the cancellation is closing the request's stream, nothing else
+                scope.cancel()
+                return True
+            if pinned:  # a request already answered, or unknown: nothing to close
+                return True
+        if pinned is None:
+            return False
+        headers = self._modern_headers(pinned, method, params)
+        nursery.start_soon(self._exchange, message, headers, self._out_send.send)
+        return True
+
+    async def _post_modern(self, message: bytes, key: str, method: str,
+                           headers: dict[str, str]) -> None:
+        """A modern request's POST, closed when the client cancels it; a listen cancelled
+        before its result gets the closing result."""
+        listen = method == "subscriptions/listen"
+        answered = False
+
+        async def emit(data: bytes) -> None:
+            nonlocal answered
+            if listen and not answered:  # its notifications, then its result
+                obj = _parse(data)
+                answered = isinstance(obj, dict) and "method" not in obj
+            await self._out_send.send(data)
+
+        scope = self._posts[key] = trio.CancelScope()
+        try:
+            with scope:
+                await self._exchange(message, headers, emit)
+        finally:
+            if self._posts.get(key) is scope:
+                del self._posts[key]
+        if scope.cancel_called and listen and not answered:
+            sub_id = json.loads(key)
+            closing = subscriptions.closing_result(sub_id)
+            await self._out_send.send(jsonrpc.encode_result(sub_id, closing))
+
+    async def _emit_initialize(self, message: bytes) -> None:
+        try:
+            self._version = json.loads(message)["result"]["protocolVersion"]
+        except (ValueError, KeyError, TypeError):
+            pass
         await self._out_send.send(message)
 
     async def _post(self, message: bytes, initialize: bool = False) -> None:
         headers = self._headers(f"{_JSON}, {_SSE}")
         headers["content-type"] = _JSON
+        emit = self._emit_initialize if initialize else self._out_send.send
+        await self._exchange(message, headers, emit, initialize)
+
+    async def _exchange(self, message: bytes, headers: dict[str, str],
+                        emit: Callable[[bytes], Awaitable[None]], initialize: bool = False) -> None:
+        """POST ``message``; its answer (JSON, or SSE event by event) goes to ``emit``."""
         try:
             async with self._http.request("POST", headers, message) as r:
                 if initialize and r.status == 200:
                     self._session = r.headers.get("mcp-session-id")
                 if r.status == 200 and r.content_type == _SSE:
                     async for data in r.events(self._limit):
-                        await self._emit(data, initialize)
+                        await emit(data)
                     return
                 body = await r.body(self._limit)
                 if r.status == 200 and r.content_type == _JSON:
-                    await self._emit(body, initialize)
+                    await emit(body)
                 elif r.status >= 300:
                     await self._http_error(message, r.status, body)
         except MessageTooLarge as exc:
@@ -258,16 +361,40 @@ class HttpBridge:
         self._done.cancel()
 
 
+def _stdout_line(message: bytes) -> bytes | None:
+    """``message`` as one stdout line, or None when it is not a JSON-RPC message (nothing, or
+    not a JSON object or array); one spread over several lines is re-encoded on one."""
+    message = message.strip()
+    if not message.startswith((b"{", b"[")):
+        if message:
+            LOGGER.warning("not a JSON-RPC message, not written to stdout: %.80r", message)
+        return None
+    if b"\n" in message or b"\r" in message:
+        obj = _parse(message)
+        if not isinstance(obj, dict | list):
+            LOGGER.warning("not a JSON-RPC message, not written to stdout: %.80r", message)
+            return None
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    return message
+
+
+def _modern_version(params: dict[str, Any]) -> str | None:
+    """The protocol version a request's ``_meta`` names (a 2026-07-28 request), or None."""
+    meta = params.get("_meta")
+    version = meta.get(era.VERSION_KEY) if isinstance(meta, dict) else None
+    return version if isinstance(version, str) else None
+
+
+def _key(request_id: Any) -> str:
+    """A request id as a key that tells ``1`` from ``"1"``."""
+    return json.dumps(request_id)
+
+
 def _parse(message: bytes) -> Any:
     try:
         return json.loads(message)
     except ValueError:
         return None
-
-
-def _method(message: bytes) -> Any:
-    obj = _parse(message)
-    return obj.get("method") if isinstance(obj, dict) else None
 
 
 def _id(message: bytes) -> Any:

@@ -46,3 +46,17 @@ def test_complete_adds_what_the_revision_requires_and_keeps_what_is_there() -> N
     kept = json.loads(bytes(era.complete("tools/call", Raw(b'{"resultType":"input_required"}'))))
     assert kept["resultType"] == "input_required"
     assert bytes(era.complete("tools/call", Raw(b"[1]"))) == b"[1]"  # not an object: untouched
+
+
+@pytest.mark.parametrize("value", ["fx__echo", "a b", "fixture://item/1", "fx__\u00e9", " edge",
+                                   "tab\there", "=?base64?eA==?=", ""])
+def test_a_header_value_is_plain_visible_ascii_or_base64_and_reads_back(value: str) -> None:
+    encoded = era.header_value(value)
+    assert encoded.isascii() and encoded.isprintable() and encoded == encoded.strip()
+    assert (encoded == value) == (value.isascii() and value.isprintable() and value == value.strip()
+                                  and not value.startswith("=?base64?"))
+    body = {**params(**{era.VERSION_KEY: "2026-07-28", era.CAPABILITIES_KEY: {}}),
+            "name": Raw(json.dumps(value).encode())}
+    headers = {"mcp-protocol-version": "2026-07-28", "mcp-method": "tools/call",
+               "mcp-name": encoded}
+    assert era.header_mismatch("tools/call", body, headers) is None  # the gateway reads it back
