@@ -19,7 +19,8 @@ import httpx
 import pytest
 import trio
 
-from helpers import Client, connect, fixture_backend, http_json, make_config, metric, run_gateway, text_of
+from helpers import (Client, connect, fixture_backend, http_json, make_config, metric, run_gateway,
+                     text_of)
 
 pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
@@ -44,7 +45,8 @@ async def cancel_modern(gw: Any, port: int | None) -> None:
     is at the child."""
     headers = {"accept": "application/json, text/event-stream", "content-type": "application/json",
                "mcp-protocol-version": V, "mcp-method": "tools/call", "mcp-name": "fx__sleep"}
-    meta = {"io.modelcontextprotocol/protocolVersion": V, "io.modelcontextprotocol/clientCapabilities": {}}
+    meta = {"io.modelcontextprotocol/protocolVersion": V,
+            "io.modelcontextprotocol/clientCapabilities": {}}
     body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {**SLEEP, "_meta": meta}}
     async with httpx.AsyncClient() as c, trio.open_nursery() as nursery:
         nursery.start_soon(lambda: c.post(gw.http_url, headers=headers, json=body))
@@ -69,14 +71,16 @@ async def elicit(b: Client, id: str) -> dict[str, Any]:
     asked = len(b.requests)
     got = await b.wait_for(lambda: b.responses.get(id) or b.requests[asked:])
     if isinstance(got, list):
-        await b.send({"jsonrpc": "2.0", "id": got[0]["id"], "result": {"action": "accept", "content": {"ok": 1}}})
+        answer = {"action": "accept", "content": {"ok": 1}}
+        await b.send({"jsonrpc": "2.0", "id": got[0]["id"], "result": answer})
         got = await b.response(id)
     return json.loads(text_of(got))
 
 
-@pytest.mark.parametrize("cancel", [cancel_modern, cancel_websocket], ids=["modern_stream_closed", "websocket_cancelled"])
+@pytest.mark.parametrize("cancel", [cancel_modern, cancel_websocket],
+                         ids=["modern_stream_closed", "websocket_cancelled"])
 async def test_a_cancelled_call_the_child_never_answers_recycles_it_after_cancel_grace(
-        tmp_path: Path, cancel: Any) -> None:
+        tmp_path: Path, cancel: Any, caplog: pytest.LogCaptureFixture) -> None:
     transcript = tmp_path / "child.jsonl"
     cfg = make_config(fixture_backend("fx", cancel_grace=GRACE, request_timeout=30.0,
                                       env={"FIXTURE_TRANSCRIPT": str(transcript)}))
@@ -102,6 +106,9 @@ async def test_a_cancelled_call_the_child_never_answers_recycles_it_after_cancel
             assert (inst["pid"], inst["inflight"], inst["recycles"]) == (pid, 1, 0), inst
             assert (await elicit(b, "early"))["action"] == "decline"
             assert not b.requests  # nobody was asked
+            refused = [m for r in caplog.records if "refused" in (m := r.getMessage())]
+            assert len(refused) == 1, refused  # and why: not a second live caller
+            assert "1 of them only for a cancelled call" in refused[0], refused
             assert await metric(port, "mcp_gateway_unroutable_server_requests_total", backend="fx",
                                 method="elicitation/create", reason="unattributable") == 1
 
@@ -113,5 +120,6 @@ async def test_a_cancelled_call_the_child_never_answers_recycles_it_after_cancel
             assert inst["last_exit"].startswith("recycled"), inst
 
             # the next caller's elicitation is delivered and answered
-            assert (await elicit(b, "later")) == {"action": "accept", "content": {"ok": 1}, "message": "later"}
+            later = await elicit(b, "later")
+            assert later == {"action": "accept", "content": {"ok": 1}, "message": "later"}
             assert len(b.requests) == 1
