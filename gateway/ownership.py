@@ -83,10 +83,14 @@ def decide(
     config_roots: list[str],
     owners: set[ClientSession],
     declared: frozenset[str],
+    cancelled: int = 0,
+    cancel_grace: float = 0.0,
 ) -> Answer | Forward:
     """What to do with a child's server→client request (pure).  A modern owner (a bridged
     flow, ``owner.mrtr``) that lacks the capability gets nothing asked: the child is answered
-    -32021 with ``data.requiredCapabilities`` (2026-07-28), and the flow goes on."""
+    -32021 with ``data.requiredCapabilities`` (2026-07-28), and the flow goes on.  ``cancelled``:
+    how many of ``owners`` are there only for calls they cancelled that the child has not
+    answered (the refusal says so: those end at ``cancel_grace`` with a recycle)."""
     if method == "roots/list" and sharing != "per-session":
         return Answer(result=jsonrpc.encode_dict({"roots": [{"uri": r} for r in config_roots]}))
     capability = {"elicitation/create": "elicitation", "sampling/createMessage": "sampling",
@@ -102,9 +106,13 @@ def decide(
         return refusal(method, "no_call_in_flight",
                        f"{method} refused: no client call is in flight on this backend")
     if len(owners) > 1:
+        hint = "use sharing = \"affine\" or \"per-session\""
+        if cancelled:  # the child may still be working on it: recycled, not guessed done
+            hint = (f"{cancelled} of them only for a cancelled call the child has not answered: "
+                    f"it is recycled if that lasts cancel_grace ({cancel_grace:g}s); {hint}")
         return refusal(method, "unattributable",
                        f"{method} refused: calls of {len(owners)} connections are in flight, "
-                       "the requesting one cannot be proven (use sharing = \"affine\" or \"per-session\")")
+                       f"the requesting one cannot be proven ({hint})")
     (owner,) = owners
     if owner.mrtr is not None:  # a modern caller: asked in an InputRequiredResult (gateway.bridge)
         if len(owner.inflight) != 1:
@@ -156,7 +164,9 @@ class Ownership:
             child.respond_error(child_id, errors.INVALID_PARAMS, "params must be an object")
             return
         decision = decide(method, fields, sharing=backend.cfg.sharing, config_roots=backend.cfg.roots,
-                          owners=owners, declared=backend.declared)
+                          owners=owners, declared=backend.declared,
+                          cancelled=len(owners & child.router.cancelled_owners()),
+                          cancel_grace=backend.cfg.cancel_grace)
         if isinstance(decision, Answer):
             if decision.reason:
                 LOGGER.warning("backend %s: %s", inst.name, decision.message,

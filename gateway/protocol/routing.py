@@ -205,6 +205,12 @@ class ChildRouter:
         """The owners with calls at the child (abandoned ones included, internal ones never)."""
         return {c.owner for c in self.pending.values() if not c.internal}
 
+    def cancelled_owners(self) -> set[Hashable]:
+        """The owners in :meth:`attribution` only for calls they gave up on (abandoned, not
+        answered by the child yet), none they still wait for."""
+        waiting = {c.owner for c in self.pending.values() if c.state is CallState.SENT}
+        return self.attribution() - waiting
+
     def calls_of(self, owner: Hashable) -> list[Call]:
         """``owner``'s calls at the child that it still waits for, oldest first."""
         return [c for c in self.pending.values() if c.owner == owner and c.state is CallState.SENT]

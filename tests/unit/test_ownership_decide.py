@@ -121,6 +121,21 @@ def test_two_owners_are_unattributable(method: str) -> None:
         assert answer.result is None and answer.code == errors.UNROUTABLE
 
 
+def test_a_refusal_names_the_owners_there_only_for_a_cancelled_call() -> None:
+    """Not only "use affine": when an owner is in the set only for a call it cancelled, the
+    refusal says so and when that ends (the usual case on a quiet shared child)."""
+    owners = {FakeOwner(FULL), FakeOwner(FULL)}
+    plain = decide("elicitation/create", {}, sharing="shared", config_roots=[], owners=owners,
+                   declared=ALL)
+    assert isinstance(plain, Answer) and "cancel" not in plain.message
+    answer = decide("elicitation/create", {}, sharing="shared", config_roots=[], owners=owners,
+                    declared=ALL, cancelled=1, cancel_grace=10.0)
+    assert isinstance(answer, Answer) and answer.reason == "unattributable"
+    assert msgspec.json.decode(answer.result or b"") == {"action": "decline"}
+    assert ("1 of them only for a cancelled call the child has not answered: it is recycled "
+            "if that lasts cancel_grace (10s)") in answer.message, answer.message
+
+
 # ---- one owner --------------------------------------------------------------------------
 
 

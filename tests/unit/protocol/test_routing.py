@@ -613,6 +613,8 @@ class RouterMachine(RuleBasedStateMachine):
         assert {o: [c.gid for c in q] for o, q in r._queues.items()} == self.queues
         assert set(r._turns) == set(self.queues) and len(r._turns) == len(self.queues)
         assert r.attribution() == self.model_attribution()
+        waiting = {m.owner for m in self.calls.values() if m.state == "sent"}
+        assert r.cancelled_owners() == self.model_attribution() - waiting
         assert set(r._by_token) == {m.call.token for m in self.calls.values()
                                     if m.call.token is not None and m.running}
         assert all(c.state in (CallState.QUEUED, CallState.SENT) for c in r._timed.values())
