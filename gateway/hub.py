@@ -39,6 +39,7 @@ from gateway.protocol.catalog import (
     build_catalog,
 )
 from gateway.protocol.era import Era
+from gateway.protocol.logfanout import LogListener, log_recipients
 from gateway.protocol.policy import climbs
 from gateway.protocol.subscriptions import uri_matches
 from gateway.session import ClientSession
@@ -392,18 +393,25 @@ class Hub:
                 session.send(data)
 
     def on_log_message(self, instance: Instance, params: Raw | UnsetType) -> None:
+        """A child's log line: to the sessions :func:`~gateway.protocol.logfanout.log_recipients`
+        picks (its callers, else those who may see the backend; an owned child: its owner)."""
         level = _str_field(params, "level")
         rank = mcp.LOG_RANK.get(level) if level is not None else None
         if rank is None:
             return
-        data = jsonrpc.encode_notification("notifications/message", params)
+        backend = instance.backend.name
+        listeners = [
+            LogListener(s, mcp.LOG_RANK[s.log_level], s.era is Era.MODERN,
+                        backend in self.policy.backends_seen(self.catalog, caller_of(s)))
+            for s in self.sessions if s.log_level is not None and rank >= mcp.LOG_RANK[s.log_level]]
+        if not listeners:
+            return
         child = instance.child
-        callers = child.router.attribution() if child is not None else set()
-        for session in list(self.sessions):
-            if session.log_level is not None and rank >= mcp.LOG_RANK[session.log_level]:
-                # 2026-07-28: only to a request that asked, while it runs at this child
-                if session.era is not Era.MODERN or session in callers:
-                    session.send(data)
+        attribution = child.router.attribution() if child is not None else set()
+        data = jsonrpc.encode_notification("notifications/message", params)
+        for session in log_recipients(rank, listeners, attribution, instance.backend.cfg.sharing,
+                                      instance.owner):
+            session.send(data)
 
     def on_elicitation_complete(self, instance: Instance, params: Raw | UnsetType) -> None:
         eid = _str_field(params, "elicitationId")
