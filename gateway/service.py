@@ -40,6 +40,7 @@ from gateway.ops.admin import probe as admin_probe
 from gateway.ops.admin import serve_admin
 from gateway.ops.metrics import GatewayMetrics
 from gateway.protocol.catalog import CatalogConflict
+from gateway.protocol.policy import suggested_rules
 from gateway.protocol.supervision import State
 from gateway.session import ClientSession
 from gateway.status import ListenerStatus
@@ -280,8 +281,8 @@ def _boot_checks(hub: Hub) -> None:
     if unruled:
         raise StartupError(
             f"sensitive tool(s) {', '.join(unruled)} (destructiveHint or listed as sensitive) have "
-            "no [policy] rule naming them; add e.g. [[policy.rules]] match = \""
-            f"{unruled[0]}\" action = \"ask\" (or \"allow\"/\"deny\")"
+            "no [policy] rule naming them; add a rule for each to the config, e.g.:\n\n"
+            + suggested_rules(unruled)
         )
 
 
