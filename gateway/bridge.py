@@ -107,6 +107,9 @@ class Bridge:
         self.passthrough: Callable[[str, dict[str, Raw]], bool] = lambda method, params: False
         self.flows: dict[str, Flow] = {}
         self.bus = EventBus()  # the hub's, once the service sets it
+        # Counts a flow about to park toward its owner's principal (raises a GatewayError at
+        # its cap); returns what gives the place back (set by the hub: max_parked_flows).
+        self.count_parked: Callable[[ClientSession], Callable[[], None]] = lambda owner: _nothing
 
     def flow_of(self, owner: ClientSession) -> Flow:
         """The owner's flow: the one of its request in flight (ownership bridges a request
@@ -181,7 +184,7 @@ class Flow:
     on, and whether it is parked (answered ``input_required``, waiting for the retry)."""
 
     __slots__ = ("bridge", "digest", "gathering", "id", "method", "owner", "parked", "pending",
-                 "resumed", "round", "served")
+                 "resumed", "round", "served", "uncount")
 
     def __init__(self, bridge: Bridge, owner: ClientSession, served: Served) -> None:
         self.bridge = bridge
@@ -195,6 +198,13 @@ class Flow:
         self.method = ""
         self.digest = ""
         self.resumed: trio.Event | None = None
+        self.uncount: Callable[[], None] = _nothing  # gives its parked place back
+
+    def _unlist(self) -> None:
+        """Not parked any more: off the bridge's list, its principal's place given back."""
+        self.bridge.flows.pop(self.id, None)
+        uncount, self.uncount = self.uncount, _nothing
+        uncount()
 
     def requested(self, key: str, req: ServerRequest) -> None:
         self.pending[key] = req  # unique: the router refuses a request id still open at its child
@@ -217,11 +227,19 @@ class Flow:
         served = self.served
         if served.ended or not self.pending or self.parked:
             return
+        bridge = self.bridge
+        try:
+            self.uncount = bridge.count_parked(self.owner)
+        except errors.GatewayError as exc:  # its principal's max_parked_flows: not parked
+            for req in list(self.pending.values()):
+                req.finish(ServerRequestOutcome.OWNER_GONE)
+            served.end(exc=exc)
+            served.cancel()  # at the child (answered already)
+            return
         if not self.digest:
             self.method = served.req.method
             self.digest = mrtr.params_digest(self.method, served.req.params)
         self.round += 1
-        bridge = self.bridge
         state = bridge.codec.sign(mrtr.Claims(
             flow=self.id, round=self.round, expires=int(time.time() + bridge.ttl) + 1,
             backend=served.req.backend, keys=tuple(self.pending), digest=self.digest,
@@ -243,12 +261,12 @@ class Flow:
             self.end("not resumed within gateway.state_ttl")
         finally:
             if not resumed.is_set():  # expired, ended, or cancelled
-                self.bridge.flows.pop(self.id, None)
+                self._unlist()
 
     def closed(self) -> None:
         """Its session is over (the call ended, or the flow was ended): a parked flow is gone."""
         self.parked = False
-        self.bridge.flows.pop(self.id, None)
+        self._unlist()
         if self.resumed is not None:
             self.resumed.set()  # its expiry timer stops
             self.resumed = None
@@ -256,7 +274,7 @@ class Flow:
     def resume(self, request_id: int | str, answers: dict[str, Raw], caps: dict[str, object]) -> None:
         served = self.served
         self.parked = False
-        self.bridge.flows.pop(self.id, None)
+        self._unlist()
         if self.resumed is not None:
             self.resumed.set()
             self.resumed = None
@@ -277,7 +295,7 @@ class Flow:
         its call cancelled at the child."""
         LOGGER.info("bridged %s flow %s ended: %s", self.method or "call", self.id, why,
                     extra=self.owner.log_fields)
-        self.bridge.flows.pop(self.id, None)
+        self._unlist()
         self.parked = False
         if self.owner.transport == "http":  # a flow session: it ends with its call
             self.owner.close(CloseReason.CLIENT_CLOSED)
@@ -298,6 +316,10 @@ class Flow:
             self.end("the call ended while waiting for the client's input")
         elif self.owner.transport != "http" and self.owner.flow is self:
             self.owner.flow = None  # the connection's next call may ask for input afresh
+
+
+def _nothing() -> None:
+    pass
 
 
 def _raw(params: object) -> Raw:

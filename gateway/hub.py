@@ -25,7 +25,13 @@ from gateway.backend.instance import Instance
 from gateway.backend.pool import Backend
 from gateway.config import BackendConfig, GatewayConfig, ItemFilter
 from gateway.events import CatalogChanged, ConnectionRefused, EventBus
-from gateway.limits import ByteBudget, ConnectionSlots, PrincipalLimit, PrincipalLimits
+from gateway.limits import (
+    ByteBudget,
+    ConnectionSlots,
+    PrincipalCaps,
+    PrincipalLimit,
+    PrincipalLimits,
+)
 from gateway.listen import Listens
 from gateway.ownership import Ownership
 from gateway.policy import Caller, Policy, caller_of
@@ -64,7 +70,7 @@ def exposed(bcfg: BackendConfig) -> Exposed:
 
 
 def principal_limits(cfg: GatewayConfig) -> list[PrincipalLimit]:
-    return [PrincipalLimit(lim.principal, lim.max_inflight, lim.calls_per_second)
+    return [PrincipalLimit(lim.principal, lim.max_inflight, lim.calls_per_second, lim.caps)
             for lim in cfg.auth.limits]
 
 
@@ -96,8 +102,10 @@ class Hub:
         self.bridge = bridge.from_config(cfg.gateway)  # era bridging for modern callers
         self.bridge.passthrough = self.targets_modern
         self.bridge.bus = bus
+        self.bridge.count_parked = self._count_parked
         self.policy = Policy(cfg.policy, bus, cfg)
         self.limits = PrincipalLimits(principal_limits(cfg))  # [[auth.limits]]
+        self.caps = PrincipalCaps(principal_limits(cfg))  # what each principal holds at once
         self.principal_names = configured_names(cfg)  # the principal label set
         self.authn: Authenticator | None = None  # set by the service (gateway.auth)
         self.listeners_bound = False
@@ -133,6 +141,7 @@ class Hub:
         self.budget.limit = cfg.gateway.buffered_bytes_total
         self.slots.limit = cfg.gateway.max_connections
         self.limits = self.limits.reconfigured(principal_limits(cfg))
+        self.caps.reconfigure(principal_limits(cfg))
         self.principal_names = configured_names(cfg)
         callers = self._callers()
         before = self._views(self.policy, self.catalog, callers, tuple(LIST_KINDS))
@@ -457,6 +466,12 @@ class Hub:
         self.ownership.forget_session(session)
         for backend in list(self.backends.values()):
             backend.drop_session(session)
+
+    def _count_parked(self, owner: ClientSession) -> Callable[[], None]:
+        """A bridged flow parks: one of its principal's ``max_parked_flows`` (CapReached at it)."""
+        principal = owner.principal
+        name = None if principal is None else principal.name
+        return self.caps.acquire("max_parked_flows", name).release
 
     def _connection_refused(self, transport: str) -> None:
         LOGGER.warning("refused a %s connection: %d connections open (max_connections)",

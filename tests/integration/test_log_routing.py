@@ -15,7 +15,8 @@ pytestmark = pytest.mark.system
 
 TOKENS = {"alice": "alice-log-token-1", "bob": "bob-log-token-2"}
 AUTH = "".join(f'[[auth.bearer]]\nprincipal = "{n}"\n'
-               f'token_sha256 = "{hashlib.sha256(t.encode()).hexdigest()}"\n' for n, t in TOKENS.items())
+               f'token_sha256 = "{hashlib.sha256(t.encode()).hexdigest()}"\n'
+               for n, t in TOKENS.items())
 # Bob's view holds nothing of the backend "hid"
 POLICY = """
 [policy]
@@ -50,7 +51,8 @@ async def test_lines_written_while_serving_alice_are_hers_idle_ones_go_to_all_wh
                 assert (await c.request("logging/setLevel", {"level": "debug"}))["result"] == {}
             # while Alice's call is in flight at fx, its lines are hers
             for n in range(3):
-                assert text_of(await alice.call("fx__log", {"level": "info", "data": f"during-{n}"})) == "ok"
+                r = await alice.call("fx__log", {"level": "info", "data": f"during-{n}"})
+                assert text_of(r) == "ok"
             await alice.wait_for(lambda: len(logs(alice)) == 3)
             await settled(bob)
             assert logs(bob) == []
@@ -73,7 +75,8 @@ async def test_a_backend_hidden_from_bob_or_owned_by_alice_never_logs_to_bob() -
             tools = [t["name"] for t in (await bob.request("tools/list"))["result"]["tools"]]
             assert "ps__log" in tools and not [t for t in tools if t.startswith("hid__")]
             # from a backend Bob's policy hides: never to Bob, in flight or not
-            assert text_of(await alice.call("hid__log", {"level": "info", "data": "hid-during"})) == "ok"
+            r = await alice.call("hid__log", {"level": "info", "data": "hid-during"})
+            assert text_of(r) == "ok"
             assert text_of(await alice.call("hid__log", {"level": "info", "data": "hid-after",
                                                          "after": 0.1})) == "ok"
             await alice.wait_for(lambda: "hid-after" in logs(alice))

@@ -3,14 +3,15 @@ child speaks only to its owner; never a session whose view holds nothing of the 
 
 from __future__ import annotations
 
-from gateway.protocol.catalog import BackendLists, build_catalog, backends_of
+from gateway.protocol.catalog import BackendLists, backends_of, build_catalog
 from gateway.protocol.logfanout import LogListener, log_recipients
 from gateway.protocol.mcp import LOG_RANK
 
 INFO, DEBUG, ERROR = LOG_RANK["info"], LOG_RANK["debug"], LOG_RANK["error"]
 
 
-def lis(name: str, level: int = DEBUG, *, modern: bool = False, sees: bool = True) -> LogListener[str]:
+def lis(name: str, level: int = DEBUG, *, modern: bool = False,
+        sees: bool = True) -> LogListener[str]:
     return LogListener(name, level, modern, sees)
 
 
