@@ -15,8 +15,9 @@ error), ``Mcp-Session-Id`` (400 missing, 404 unknown or ended), ``MCP-Protocol-V
 ``insufficient_scope``, via ``scope_check``).  A session is bound to the principal that created
 it: another principal, or none, presenting its id gets the 404 of an unknown session; a
 bridged flow's ``requestState`` is bound the same way (gateway.bridge).  An ``initialize`` POST without a session id creates
-a session (:class:`~gateway.transports.streamable.HttpSession`, at most ``http_max_sessions``:
-503 beyond) whose id comes back in the ``Mcp-Session-Id`` header.  A POSTed request opens a
+a session (:class:`~gateway.transports.streamable.HttpSession`, at most ``http_max_sessions``,
+and a principal's ``max_sessions``: 503 beyond) whose id comes back in the ``Mcp-Session-Id``
+header.  A connection counts toward the ``max_connections`` of its latest request's principal.  A POSTed request opens a
 :class:`~gateway.transports.streamable.Sink` and its task waits, reading the socket only to see
 the peer leave, until the sink is answered; an SSE comment every :data:`KEEPALIVE` seconds keeps
 an idle stream open.  Notifications and responses get 202.  GET opens the session's one
