@@ -233,8 +233,8 @@ class PrincipalLimits:
     def admit(self, name: str, now: float) -> LimitRefusal | None:
         """Admit one request of ``name`` at ``now`` (None: admitted, release it later)."""
         lim = self.limit_for(name)
-        if lim is None:
-            return None
+        if lim is None or (lim.max_inflight is None and lim.calls_per_second is None):
+            return None  # nothing to count (an entry with caps only)
         usage = self._usage.get(name)
         burst = max(1.0, lim.calls_per_second or 0.0)
         if usage is None:
