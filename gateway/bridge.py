@@ -110,6 +110,7 @@ class Bridge:
         # Counts a flow about to park toward its owner's principal (raises a GatewayError at
         # its cap); returns what gives the place back (set by the hub: max_parked_flows).
         self.count_parked: Callable[[ClientSession], Callable[[], None]] = lambda owner: _nothing
+        self.counted: dict[str, Callable[[], None]] = {}  # parked flow id -> gives its place back
 
     def flow_of(self, owner: ClientSession) -> Flow:
         """The owner's flow: the one of its request in flight (ownership bridges a request
@@ -184,7 +185,7 @@ class Flow:
     on, and whether it is parked (answered ``input_required``, waiting for the retry)."""
 
     __slots__ = ("bridge", "digest", "gathering", "id", "method", "owner", "parked", "pending",
-                 "resumed", "round", "served", "uncount")
+                 "resumed", "round", "served")
 
     def __init__(self, bridge: Bridge, owner: ClientSession, served: Served) -> None:
         self.bridge = bridge
@@ -198,13 +199,11 @@ class Flow:
         self.method = ""
         self.digest = ""
         self.resumed: trio.Event | None = None
-        self.uncount: Callable[[], None] = _nothing  # gives its parked place back
 
     def _unlist(self) -> None:
         """Not parked any more: off the bridge's list, its principal's place given back."""
         self.bridge.flows.pop(self.id, None)
-        uncount, self.uncount = self.uncount, _nothing
-        uncount()
+        self.bridge.counted.pop(self.id, _nothing)()
 
     def requested(self, key: str, req: ServerRequest) -> None:
         self.pending[key] = req  # unique: the router refuses a request id still open at its child
@@ -229,7 +228,7 @@ class Flow:
             return
         bridge = self.bridge
         try:
-            self.uncount = bridge.count_parked(self.owner)
+            bridge.counted[self.id] = bridge.count_parked(self.owner)
         except errors.GatewayError as exc:  # its principal's max_parked_flows: not parked
             for req in list(self.pending.values()):
                 req.finish(ServerRequestOutcome.OWNER_GONE)
