@@ -1,5 +1,6 @@
 """Daemon-wide resource limits: one byte budget for queued messages, one cap on connections,
-and the per-principal limits of ``[[auth.limits]]`` (:class:`PrincipalLimits`).
+and the per-principal limits of ``[[auth.limits]]``: calls (:class:`PrincipalLimits`) and what a
+principal holds at once (:class:`PrincipalCaps`).
 
 Pure data (no trio, no I/O): the hub creates one :class:`ByteBudget` and one
 :class:`ConnectionSlots` and hands them to whoever queues bytes or accepts connections.
