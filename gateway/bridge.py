@@ -113,6 +113,10 @@ class Bridge:
         self.passthrough: Callable[[str, dict[str, Raw]], bool] = lambda method, params: False
         self.flows: dict[str, Flow] = {}
         self.bus = EventBus()  # the hub's, once the service sets it
+        # Counts a flow about to park toward its owner's principal (raises a GatewayError at
+        # its cap); returns what gives the place back (set by the hub: max_parked_flows).
+        self.count_parked: Callable[[ClientSession], Callable[[], None]] = lambda owner: _nothing
+        self.counted: dict[str, Callable[[], None]] = {}  # parked flow id -> gives its place back
 
     def flow_of(self, owner: ClientSession, served: Served | None = None) -> Flow:
         """The flow of ``served``, by default the owner's request in flight (ownership bridges
@@ -234,6 +238,11 @@ class Flow:
         self.digest = ""
         self.resumed: trio.Event | None = None
 
+    def _unlist(self) -> None:
+        """Not parked any more: off the bridge's list, its principal's place given back."""
+        self.bridge.flows.pop(self.id, None)
+        self.bridge.counted.pop(self.id, _nothing)()
+
     def requested(self, key: str, req: ServerRequest) -> None:
         self.pending[key] = req  # unique: the router refuses a request id still open at its child
         req.on_end.append(lambda _req: self.pending.pop(key, None))
@@ -255,11 +264,19 @@ class Flow:
         served = self.served
         if served.ended or not self.pending or self.parked:
             return
+        bridge = self.bridge
+        try:
+            bridge.counted[self.id] = bridge.count_parked(self.owner)
+        except errors.GatewayError as exc:  # its principal's max_parked_flows: not parked
+            for req in list(self.pending.values()):
+                req.finish(ServerRequestOutcome.OWNER_GONE)
+            served.end(exc=exc)
+            served.cancel()  # at the child (answered already)
+            return
         if not self.digest:
             self.method = served.req.method
             self.digest = mrtr.params_digest(self.method, served.req.params)
         self.round += 1
-        bridge = self.bridge
         now = trio.current_time()
         ttl = bridge.ttl if self.deadline is None else max(0.0, self.deadline - now)
         state = bridge.codec.sign(mrtr.Claims(
@@ -284,12 +301,12 @@ class Flow:
             self.end("not resumed within gateway.state_ttl")
         finally:
             if not resumed.is_set():  # expired, ended, or cancelled
-                self.bridge.flows.pop(self.id, None)
+                self._unlist()
 
     def closed(self) -> None:
         """Its session is over (the call ended, or the flow was ended): a parked flow is gone."""
         self.parked = False
-        self.bridge.flows.pop(self.id, None)
+        self._unlist()
         if self.resumed is not None:
             self.resumed.set()  # its expiry timer stops
             self.resumed = None
@@ -297,7 +314,7 @@ class Flow:
     def resume(self, request_id: int | str, answers: dict[str, Raw], caps: dict[str, object]) -> None:
         served = self.served
         self.parked = self.waiting = False
-        self.bridge.flows.pop(self.id, None)
+        self._unlist()
         if self.resumed is not None:
             self.resumed.set()
             self.resumed = None
@@ -318,7 +335,7 @@ class Flow:
         its call cancelled at the child."""
         LOGGER.info("bridged %s flow %s ended: %s", self.method or "call", self.id, why,
                     extra=self.owner.log_fields)
-        self.bridge.flows.pop(self.id, None)
+        self._unlist()
         self.parked = False
         if self.owner.transport == "http":  # a flow session: it ends with its call
             self.owner.close(CloseReason.CLIENT_CLOSED)
@@ -339,6 +356,10 @@ class Flow:
             self.end("the call ended while waiting for the client's input")
         elif self.owner.transport != "http" and self.owner.flow is self:
             self.owner.flow = None  # the connection's next call may ask for input afresh
+
+
+def _nothing() -> None:
+    pass
 
 
 def _raw(params: object) -> Raw:

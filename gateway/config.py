@@ -173,6 +173,19 @@ class PrincipalLimit(Base):
     principal: str  # glob on the principal name
     max_inflight: int | None = None
     calls_per_second: float | None = None
+    # held at once by the principal (unset: gateway.limits.DEFAULT_CAPS, 64 / 256 / 64 / 16)
+    max_sessions: int | None = None  # legacy HTTP sessions
+    max_connections: int | None = None  # client connections (WebSocket, HTTP, unix)
+    max_listens: int | None = None  # open subscriptions/listen requests
+    max_parked_flows: int | None = None  # bridged calls waiting for the client's retry
+
+    @property
+    def caps(self) -> tuple[tuple[str, int], ...]:
+        """The caps this entry sets, by name."""
+        return tuple((key, value) for key in CAP_KEYS if (value := getattr(self, key)) is not None)
+
+
+CAP_KEYS = ("max_sessions", "max_connections", "max_listens", "max_parked_flows")
 
 
 class AuthSection(Base):
@@ -479,10 +492,12 @@ def _authz_errors(cfg: GatewayConfig) -> list[str]:
         p = f"auth.limits[{i}]"
         if not lim.principal:
             errors.append(f"{p}.principal: must not be empty")
-        if lim.max_inflight is None and lim.calls_per_second is None:
-            errors.append(f"{p}: set max_inflight, calls_per_second or both")
-        if lim.max_inflight is not None and lim.max_inflight < 1:
-            errors.append(f"{p}.max_inflight: must be at least 1")
+        if lim.max_inflight is None and lim.calls_per_second is None and not lim.caps:
+            errors.append(f"{p}: set max_inflight, calls_per_second or a max_* cap")
+        for key in ("max_inflight", *CAP_KEYS):
+            value = getattr(lim, key)
+            if value is not None and value < 1:
+                errors.append(f"{p}.{key}: must be at least 1")
         if lim.calls_per_second is not None and not lim.calls_per_second > 0:
             errors.append(f"{p}.calls_per_second: must be positive")
     for i, rule in enumerate(cfg.policy.rules):

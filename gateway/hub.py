@@ -25,7 +25,13 @@ from gateway.backend.instance import Instance
 from gateway.backend.pool import Backend
 from gateway.config import BackendConfig, GatewayConfig, ItemFilter
 from gateway.events import CatalogChanged, ConnectionRefused, EventBus
-from gateway.limits import ByteBudget, ConnectionSlots, PrincipalLimit, PrincipalLimits
+from gateway.limits import (
+    ByteBudget,
+    ConnectionSlots,
+    PrincipalCaps,
+    PrincipalLimit,
+    PrincipalLimits,
+)
 from gateway.listen import Listens
 from gateway.ownership import Ownership
 from gateway.policy import Caller, Policy, caller_of
@@ -39,6 +45,7 @@ from gateway.protocol.catalog import (
     build_catalog,
 )
 from gateway.protocol.era import Era
+from gateway.protocol.logfanout import LogListener, log_recipients
 from gateway.protocol.policy import climbs
 from gateway.protocol.subscriptions import uri_matches
 from gateway.session import ClientSession
@@ -63,7 +70,7 @@ def exposed(bcfg: BackendConfig) -> Exposed:
 
 
 def principal_limits(cfg: GatewayConfig) -> list[PrincipalLimit]:
-    return [PrincipalLimit(lim.principal, lim.max_inflight, lim.calls_per_second)
+    return [PrincipalLimit(lim.principal, lim.max_inflight, lim.calls_per_second, lim.caps)
             for lim in cfg.auth.limits]
 
 
@@ -95,8 +102,10 @@ class Hub:
         self.bridge = bridge.from_config(cfg.gateway)  # era bridging for modern callers
         self.bridge.passthrough = self.targets_modern
         self.bridge.bus = bus
+        self.bridge.count_parked = self._count_parked
         self.policy = Policy(cfg.policy, bus, cfg)
         self.limits = PrincipalLimits(principal_limits(cfg))  # [[auth.limits]]
+        self.caps = PrincipalCaps(principal_limits(cfg))  # what each principal holds at once
         self.principal_names = configured_names(cfg)  # the principal label set
         self.authn: Authenticator | None = None  # set by the service (gateway.auth)
         self.listeners_bound = False
@@ -132,6 +141,7 @@ class Hub:
         self.budget.limit = cfg.gateway.buffered_bytes_total
         self.slots.limit = cfg.gateway.max_connections
         self.limits = self.limits.reconfigured(principal_limits(cfg))
+        self.caps.reconfigure(principal_limits(cfg))
         self.principal_names = configured_names(cfg)
         callers = self._callers()
         before = self._views(self.policy, self.catalog, callers, tuple(LIST_KINDS))
@@ -392,18 +402,25 @@ class Hub:
                 session.send(data)
 
     def on_log_message(self, instance: Instance, params: Raw | UnsetType) -> None:
+        """A child's log line: to the sessions :func:`~gateway.protocol.logfanout.log_recipients`
+        picks (its callers, else those who may see the backend; an owned child: its owner)."""
         level = _str_field(params, "level")
         rank = mcp.LOG_RANK.get(level) if level is not None else None
         if rank is None:
             return
-        data = jsonrpc.encode_notification("notifications/message", params)
+        backend = instance.backend.name
+        listeners = [
+            LogListener(s, mcp.LOG_RANK[s.log_level], s.era is Era.MODERN,
+                        backend in self.policy.backends_seen(self.catalog, caller_of(s)))
+            for s in self.sessions if s.log_level is not None and rank >= mcp.LOG_RANK[s.log_level]]
+        if not listeners:
+            return
         child = instance.child
-        callers = child.router.attribution() if child is not None else set()
-        for session in list(self.sessions):
-            if session.log_level is not None and rank >= mcp.LOG_RANK[session.log_level]:
-                # 2026-07-28: only to a request that asked, while it runs at this child
-                if session.era is not Era.MODERN or session in callers:
-                    session.send(data)
+        attribution = child.router.attribution() if child is not None else set()
+        data = jsonrpc.encode_notification("notifications/message", params)
+        for session in log_recipients(rank, listeners, attribution, instance.backend.cfg.sharing,
+                                      instance.owner):
+            session.send(data)
 
     def on_elicitation_complete(self, instance: Instance, params: Raw | UnsetType) -> None:
         eid = _str_field(params, "elicitationId")
@@ -449,6 +466,12 @@ class Hub:
         self.ownership.forget_session(session)
         for backend in list(self.backends.values()):
             backend.drop_session(session)
+
+    def _count_parked(self, owner: ClientSession) -> Callable[[], None]:
+        """A bridged flow parks: one of its principal's ``max_parked_flows`` (CapReached at it)."""
+        principal = owner.principal
+        name = None if principal is None else principal.name
+        return self.caps.acquire("max_parked_flows", name).release
 
     def _connection_refused(self, transport: str) -> None:
         LOGGER.warning("refused a %s connection: %d connections open (max_connections)",

@@ -1,5 +1,6 @@
 """Daemon-wide resource limits: one byte budget for queued messages, one cap on connections,
-and the per-principal limits of ``[[auth.limits]]`` (:class:`PrincipalLimits`).
+and the per-principal limits of ``[[auth.limits]]``: calls (:class:`PrincipalLimits`) and what a
+principal holds at once (:class:`PrincipalCaps`).
 
 Pure data (no trio, no I/O): the hub creates one :class:`ByteBudget` and one
 :class:`ConnectionSlots` and hands them to whoever queues bytes or accepts connections.
@@ -27,6 +28,8 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from gateway import errors
 
 #: Seconds a client message may stay incomplete: from the first bytes of a WebSocket frame or
 #: line until the message is whole.  A connection that lets this pass is answered -32600
@@ -158,13 +161,23 @@ INFLIGHT_RETRY_AFTER = 1.0
 MAX_TRACKED_PRINCIPALS = 4096
 
 
+#: What one authenticated principal may hold at once, unless its ``[[auth.limits]]`` entry says
+#: otherwise: legacy HTTP sessions, client connections, open ``subscriptions/listen`` requests,
+#: bridged calls parked for the client's retry.  Callers without a principal have only the
+#: daemon-wide caps.
+DEFAULT_CAPS = {"max_sessions": 64, "max_connections": 256, "max_listens": 64,
+                "max_parked_flows": 16}
+
+
 @dataclass(frozen=True, slots=True)
 class PrincipalLimit:
-    """One ``[[auth.limits]]`` entry: ``pattern`` is a glob on the principal's name."""
+    """One ``[[auth.limits]]`` entry: ``pattern`` is a glob on the principal's name; ``caps``
+    overrides :data:`DEFAULT_CAPS` (by name)."""
 
     pattern: str
     max_inflight: int | None = None
     calls_per_second: float | None = None
+    caps: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,12 +225,7 @@ class PrincipalLimits:
         return new
 
     def limit_for(self, name: str) -> PrincipalLimit | None:
-        if name not in self._matched:
-            if len(self._matched) >= MAX_TRACKED_PRINCIPALS:
-                self._matched.clear()
-            self._matched[name] = next(
-                (lim for lim in self.limits if fnmatch.fnmatchcase(name, lim.pattern)), None)
-        return self._matched[name]
+        return _first_match(self.limits, self._matched, name)
 
     def inflight(self, name: str) -> int:
         usage = self._usage.get(name)
@@ -226,8 +234,8 @@ class PrincipalLimits:
     def admit(self, name: str, now: float) -> LimitRefusal | None:
         """Admit one request of ``name`` at ``now`` (None: admitted, release it later)."""
         lim = self.limit_for(name)
-        if lim is None:
-            return None
+        if lim is None or (lim.max_inflight is None and lim.calls_per_second is None):
+            return None  # nothing to count (an entry with caps only)
         usage = self._usage.get(name)
         burst = max(1.0, lim.calls_per_second or 0.0)
         if usage is None:
@@ -250,3 +258,101 @@ class PrincipalLimits:
         usage = self._usage.get(name)
         if usage is not None and usage.inflight > 0:
             usage.inflight -= 1
+
+
+def _first_match(limits: tuple[PrincipalLimit, ...], cache: dict[str, PrincipalLimit | None],
+                 name: str) -> PrincipalLimit | None:
+    """The first entry of ``limits`` whose glob matches ``name`` (remembered in ``cache``)."""
+    if name not in cache:
+        if len(cache) >= MAX_TRACKED_PRINCIPALS:
+            cache.clear()
+        cache[name] = next((lim for lim in limits if fnmatch.fnmatchcase(name, lim.pattern)), None)
+    return cache[name]
+
+
+class Held:
+    """One resource a principal holds (see :class:`PrincipalCaps`); :meth:`release` gives it
+    back, once (later calls do nothing)."""
+
+    __slots__ = ("_caps", "cap", "name")
+
+    def __init__(self, caps: PrincipalCaps | None, cap: str, name: str) -> None:
+        self._caps = caps
+        self.cap = cap
+        self.name = name
+
+    def release(self) -> None:
+        caps, self._caps = self._caps, None
+        if caps is not None:
+            caps._release(self.cap, self.name)
+
+
+#: What an anonymous caller holds: nothing is counted.
+NOT_COUNTED = Held(None, "", "")
+
+
+#: What each cap counts, for messages.
+CAP_WHAT = {"max_sessions": "HTTP sessions", "max_connections": "connections",
+            "max_listens": "open listens", "max_parked_flows": "calls waiting for its input"}
+
+
+class CapReached(errors.Overloaded):
+    """A principal is at one of its caps: -32006 ``rate_limited`` with ``data.limit`` (the
+    cap's name) and ``data.value``."""
+
+    def __init__(self, cap: str, value: int) -> None:
+        super().__init__(f"this principal holds too many {CAP_WHAT[cap]} ({cap} = {value}; "
+                         "[[auth.limits]])", reason="rate_limited", limit=cap, value=value)
+        self.cap = cap
+        self.value = value
+
+
+class PrincipalCaps:
+    """How many sessions, connections, listens and parked flows each principal holds, bounded
+    per principal (:data:`DEFAULT_CAPS`, or its first matching ``[[auth.limits]]`` entry).
+
+    Pure.  :meth:`acquire` counts one or raises :class:`CapReached`; the :class:`Held` it
+    returns is the only way to count it down, once.  A caller without a principal (``None``)
+    is not counted.  A reload changes the caps, not the counts.
+    """
+
+    def __init__(self, limits: Sequence[PrincipalLimit] = ()) -> None:
+        self.limits = tuple(limits)
+        self._matched: dict[str, PrincipalLimit | None] = {}
+        self._held: dict[str, dict[str, int]] = {cap: {} for cap in DEFAULT_CAPS}
+
+    def reconfigure(self, limits: Sequence[PrincipalLimit]) -> None:
+        self.limits = tuple(limits)
+        self._matched = {}
+
+    def cap_for(self, cap: str, name: str) -> int:
+        lim = _first_match(self.limits, self._matched, name)
+        value = dict(lim.caps).get(cap) if lim is not None else None
+        return DEFAULT_CAPS[cap] if value is None else value
+
+    def held(self, cap: str, name: str) -> int:
+        return self._held[cap].get(name, 0)
+
+    def acquire(self, cap: str, name: str | None) -> Held:
+        """Count one ``cap`` resource of principal ``name`` (None: anonymous, not counted).
+
+        Raises:
+            CapReached: ``name`` already holds its cap of them.
+        """
+        if name is None:
+            return NOT_COUNTED
+        counts = self._held[cap]
+        value = self.cap_for(cap, name)
+        held = counts.get(name, 0)
+        if held >= value:
+            raise CapReached(cap, value)
+        counts[name] = held + 1
+        return Held(self, cap, name)
+
+    def _release(self, cap: str, name: str) -> None:
+        counts = self._held[cap]
+        left = counts[name] - 1
+        if left:
+            counts[name] = left
+        else:
+            del counts[name]

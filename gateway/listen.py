@@ -21,7 +21,8 @@ answered with the closing result), or the gateway drains (:meth:`Listens.end_all
 result).  Its URIs are released then (the upstream ``resources/unsubscribe`` when it was the
 last interest).  Bounds: a listen is a request in flight on its connection, so a WebSocket or
 unix connection has at most ``max_inflight_per_connection`` of them; on HTTP each holds its own
-TCP connection (``max_connections``).
+TCP connection (``max_connections``); a principal has at most ``max_listens`` open
+(``[[auth.limits]]``, -32006 beyond).
 """
 
 from __future__ import annotations
@@ -120,6 +121,8 @@ async def listen(hub: Hub, session: ClientSession, req: Request) -> Raw:
         raise errors.MethodNotFound("subscriptions/listen exists in protocol version 2026-07-28 "
                                     "only; this connection speaks a legacy revision")
     wanted = subscriptions.parse_filter(req.params)
+    principal = session.principal
+    counted = hub.caps.acquire("max_listens", None if principal is None else principal.name)
     held: list[tuple[Backend, str]] = []
     this = Listen(session, req.id, Filter(wanted.kinds))
     try:
@@ -142,6 +145,7 @@ async def listen(hub: Hub, session: ClientSession, req: Request) -> Raw:
         await this.ended.wait()
         return subscriptions.closing_result(req.id)
     finally:
+        counted.release()
         hub.listens.remove(this)
         for backend, uri in held:
             if not hub.listens.wants_uri(session, uri):

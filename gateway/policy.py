@@ -31,7 +31,7 @@ from gateway.config import GatewayConfig, PolicyRule, PolicySection
 from gateway.events import EventBus, ServerRequestFinished, ServerRequestOutcome
 from gateway.protocol import jsonrpc
 from gateway.protocol import policy as pure
-from gateway.protocol.catalog import Catalog
+from gateway.protocol.catalog import Catalog, backends_of
 
 if TYPE_CHECKING:
     from gateway.auth.principal import Principal
@@ -92,6 +92,7 @@ class Policy:
         self.sensitive: set[str] = set()
         self._pending: set[ServerRequest] = set()
         self._views: dict[Caller, dict[str, list[dict[str, Any]]]] = {}
+        self._seen: dict[Caller, frozenset[str]] = {}  # per view key: the backends it shows
         # per (kind, name): the rules whose kind and glob match it (the same for every caller)
         self._named: dict[tuple[Kind, str], list[pure.Rule]] = {}
 
@@ -110,6 +111,7 @@ class Policy:
                 sensitive.add(name)
         self.sensitive = sensitive
         self._views = {}
+        self._seen = {}
         self._named = {}
 
     def _rules_for(self, kind: Kind, name: str) -> list[pure.Rule]:
@@ -159,6 +161,17 @@ class Policy:
         seen = views.get(kind)
         if seen is None:
             seen = views[kind] = [item for item in items if self._visible(kind, item, key)]
+        return seen
+
+    def backends_seen(self, catalog: Catalog, caller: Caller) -> frozenset[str]:
+        """The backends something of which is in ``caller``'s view of ``catalog``."""
+        key = self.view_key(caller) if self.filtering else pure.ANONYMOUS
+        seen = self._seen.get(key)
+        if seen is None:
+            if len(self._seen) >= MAX_VIEWS:
+                self._seen = {}
+            seen = self._seen[key] = backends_of(catalog, *(self.view(catalog, kind, caller)
+                                                            for kind in LISTS))
         return seen
 
     def _visible(self, kind: str, item: dict[str, Any], caller: Caller) -> bool:

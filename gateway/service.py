@@ -26,7 +26,7 @@ from functools import partial
 
 import trio
 
-from gateway import __version__, config, connection, guards
+from gateway import __version__, config, connection, errors, guards
 from gateway.auth.authenticator import Authenticator, Unauthorized
 from gateway.auth.peer import peer_principal
 from gateway.auth.principal import Principal
@@ -35,11 +35,14 @@ from gateway.config import GatewayConfig
 from gateway.errors import CloseReason, ConfigError
 from gateway.events import EventBus, ReloadFinished, ServerRequestOutcome
 from gateway.hub import Hub
+from gateway.limits import CapReached
 from gateway.ops import systemd
 from gateway.ops.admin import probe as admin_probe
 from gateway.ops.admin import serve_admin
 from gateway.ops.metrics import GatewayMetrics
+from gateway.protocol import jsonrpc
 from gateway.protocol.catalog import CatalogConflict
+from gateway.protocol.policy import suggested_rules
 from gateway.protocol.supervision import State
 from gateway.session import ClientSession
 from gateway.status import ListenerStatus
@@ -280,8 +283,8 @@ def _boot_checks(hub: Hub) -> None:
     if unruled:
         raise StartupError(
             f"sensitive tool(s) {', '.join(unruled)} (destructiveHint or listed as sensitive) have "
-            "no [policy] rule naming them; add e.g. [[policy.rules]] match = \""
-            f"{unruled[0]}\" action = \"ask\" (or \"allow\"/\"deny\")"
+            "no [policy] rule naming them; add a rule for each to the config, e.g.:\n\n"
+            + suggested_rules(unruled)
         )
 
 
@@ -321,7 +324,7 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
             await nursery.start(_closable, accept, lambda task_status: serve_websocket(
                 ws_listeners, on_ws, allowed_origins=origins, allowed_hosts=hosts, max_message=max_msg,
                 handler_nursery=conns, slots=hub.slots, authenticate=partial(_ws_authenticate, hub),
-                tls_context=tls_context, task_status=task_status))
+                admit=partial(_ws_admit, hub), tls_context=tls_context, task_status=task_status))
         if "http" in fds or cfg.listen.http is not None:
             http_listeners = await _tcp_listeners(fds, "http", cfg.listen.http, cfg)
             bound.http_port = ls.bound_port(http_listeners)
@@ -332,7 +335,7 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
 
             sessions = Sessions(serve_session, conns, max_sessions=cfg.listen.http_max_sessions,
                                 idle_timeout=cfg.listen.http_session_idle_timeout,
-                                tag=hub.bridge.codec.replica_id)
+                                tag=hub.bridge.codec.replica_id, caps=hub.caps)
             endpoint = Endpoint(sessions, hosts=ls.allowed_host_names(http_listeners, hosts),
                                 allowed_origins=origins,
                                 max_json_depth=cfg.gateway.max_json_depth,
@@ -365,8 +368,18 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                             await accepted.stream.aclose()  # max_connections: closed at once
                         return
                     principal = await _peer_principal(accepted.stream, hub.principal_names)
-                    await connection.serve(hub, LineStream(accepted.stream, max_msg), "unix",
-                                           bind=partial(_bind_principal, principal))
+                    try:
+                        counted = hub.caps.acquire("max_connections", principal and principal.name)
+                    except CapReached as exc:  # the -32006 on the line, then closed
+                        with trio.move_on_after(1.0):
+                            await accepted.stream.send_all(_error_line(exc))
+                            await accepted.stream.aclose()
+                        return
+                    try:
+                        await connection.serve(hub, LineStream(accepted.stream, max_msg), "unix",
+                                               bind=partial(_bind_principal, principal))
+                    finally:
+                        counted.release()
                 finally:
                     if accepted.admitted:
                         hub.slots.release()
@@ -410,6 +423,22 @@ async def _ws_authenticate(hub: Hub, host: str | None, authorization: str | None
     except Unauthorized as exc:
         authn.refused("websocket", "websocket upgrade", exc.kind)
         raise Refused(401, str(exc), [(b"www-authenticate", authn.challenge(host, exc).encode())]) from None
+
+
+def _ws_admit(hub: Hub, principal: object) -> Callable[[], None]:
+    """Count a WebSocket connection toward its principal's ``max_connections``; at the cap the
+    upgrade is refused 503 with the -32006 error as its body."""
+    assert principal is None or isinstance(principal, Principal)
+    try:
+        return hub.caps.acquire("max_connections", principal and principal.name).release
+    except CapReached as exc:
+        raise Refused(503, _error_line(exc).decode().rstrip("\n"),
+                      content_type=b"application/json") from None
+
+
+def _error_line(exc: errors.GatewayError) -> bytes:
+    """``exc`` as a JSON-RPC error without an id (no request was read), one line."""
+    return jsonrpc.encode_error(None, exc.code, exc.message, exc.error_data()) + b"\n"
 
 
 async def _close_at_expiry(session: ClientSession, expires: float) -> None:

@@ -111,6 +111,23 @@ class Catalog:
         return self.route_resource(template)
 
 
+def backends_of(catalog: Catalog, tools: list[dict[str, Any]], prompts: list[dict[str, Any]],
+                resources: list[dict[str, Any]], templates: list[dict[str, Any]]) -> frozenset[str]:
+    """The backends that serve something of these lists (a caller's view of ``catalog``)."""
+    out: set[str] = set()
+    for items, field_name, route in (
+            (tools, "name", lambda n: getattr(catalog.tool_routes.get(n), "backend", None)),
+            (prompts, "name", lambda n: getattr(catalog.prompt_routes.get(n), "backend", None)),
+            (resources, "uri", catalog.resource_routes.get),
+            (templates, "uriTemplate", catalog.route_template)):
+        for item in items:
+            key = item.get(field_name)
+            backend = route(key) if isinstance(key, str) else None
+            if backend is not None:
+                out.add(backend)
+    return frozenset(out)
+
+
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 

@@ -27,6 +27,7 @@ may call: :func:`visible` is False for a deny (``ask`` is shown: the call asks t
 from __future__ import annotations
 
 import fnmatch
+import json
 from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import unquote
@@ -155,3 +156,17 @@ def consent_granted(answer: Any) -> bool:
         return False
     content = answer.get("content")
     return isinstance(content, dict) and content.get("approve") is True
+
+
+def suggested_rules(tools: list[str]) -> str:
+    """A TOML snippet naming each of ``tools`` in a ``[[policy.rules]]`` table (``ask``): appended
+    to a config, it parses and the gateway starts.  Comment lines show the inline form for a
+    config whose ``[policy]`` already holds ``rules = [...]``."""
+    out: list[str] = []
+    for tool in tools:
+        name = json.dumps(tool)  # a TOML basic string (names are ASCII letters, digits, _ and -)
+        out += ["[[policy.rules]]", f"match = {name}",
+                'action = "ask"  # or "allow" / "deny"', ""]
+    out.append("# or, inside an existing `rules = [...]` array of [policy]:")
+    out += [f'#   {{ match = {json.dumps(tool)}, action = "ask" }},' for tool in tools]
+    return "\n".join(out) + "\n"

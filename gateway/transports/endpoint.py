@@ -15,8 +15,9 @@ error), ``Mcp-Session-Id`` (400 missing, 404 unknown or ended), ``MCP-Protocol-V
 ``insufficient_scope``, via ``scope_check``).  A session is bound to the principal that created
 it: another principal, or none, presenting its id gets the 404 of an unknown session; a
 bridged flow's ``requestState`` is bound the same way (gateway.bridge).  An ``initialize`` POST without a session id creates
-a session (:class:`~gateway.transports.streamable.HttpSession`, at most ``http_max_sessions``:
-503 beyond) whose id comes back in the ``Mcp-Session-Id`` header.  A POSTed request opens a
+a session (:class:`~gateway.transports.streamable.HttpSession`, at most ``http_max_sessions``,
+and a principal's ``max_sessions``: 503 beyond) whose id comes back in the ``Mcp-Session-Id``
+header.  A connection counts toward the ``max_connections`` of its latest request's principal.  A POSTed request opens a
 :class:`~gateway.transports.streamable.Sink` and its task waits, reading the socket only to see
 the peer leave, until the sink is answered; an SSE comment every :data:`KEEPALIVE` seconds keeps
 an idle stream open.  Notifications and responses get 202.  GET opens the session's one
@@ -47,8 +48,8 @@ from gateway.auth.authenticator import Unauthorized
 from gateway.auth.challenge import METADATA_PATHS
 from gateway.config import host_allowed
 from gateway.errors import TransportClosed
-from gateway.limits import ConnectionSlots
-from gateway.protocol import era, jsonrpc, mcp
+from gateway.limits import CapReached, ConnectionSlots, Held, PrincipalCaps
+from gateway.protocol import era, jsonrpc, mcp, mrtr
 from gateway.transports import replay, tls
 from gateway.transports.http import (
     WRITE_TIMEOUT,
@@ -99,29 +100,39 @@ class Sessions:
     """The live HTTP sessions by id; each runs ``serve_session`` in ``nursery`` for its life."""
 
     def __init__(self, serve_session: Callable[[HttpSession], Awaitable[None]], nursery: trio.Nursery,
-                 *, max_sessions: int, idle_timeout: float, tag: str = "") -> None:
+                 *, max_sessions: int, idle_timeout: float, tag: str = "",
+                 caps: PrincipalCaps | None = None) -> None:
         self._serve = serve_session
         self._nursery = nursery
         self.tag = tag  # leads every session id: the replica id
         self.max_sessions = max_sessions
         self.idle_timeout = idle_timeout
+        self.caps = caps if caps is not None else PrincipalCaps()  # a principal's max_sessions
         self.by_id: dict[str, HttpSession] = {}
 
     def __len__(self) -> int:
         return len(self.by_id)
 
-    def create(self) -> HttpSession | None:
+    def create(self, principal: Principal | None = None) -> HttpSession | None:
+        """A new session of ``principal``; None beyond ``max_sessions``.
+
+        Raises:
+            CapReached: ``principal`` holds its ``max_sessions`` already.
+        """
         if len(self.by_id) >= self.max_sessions:
             return None
+        counted = self.caps.acquire("max_sessions", None if principal is None else principal.name)
         session = HttpSession(self.idle_timeout, tag=self.tag)
+        session.principal = principal
         self.by_id[session.id] = session
-        self._nursery.start_soon(self._run, session)
+        self._nursery.start_soon(self._run, session, counted)
         return session
 
-    async def _run(self, session: HttpSession) -> None:
+    async def _run(self, session: HttpSession, counted: Held) -> None:
         try:
             await self._serve(session)
         finally:
+            counted.release()
             session.closed = True
             if session.id:
                 self.by_id.pop(session.id, None)
@@ -148,6 +159,8 @@ class Endpoint:
         self.ports = ports  # the listener's own ports: an Origin naming this server is allowed
         # the gateway drains: a request not yet started gets 503 + Retry-After (set by the service)
         self.draining: Callable[[], bool] = lambda: False
+        # each connection counts toward the max_connections of its latest request's principal
+        self._counted: dict[HttpConnection, Held] = {}
 
     def _origin_allowed(self, req: Request) -> bool:
         """Every ``Origin`` is in ``allowed_origins`` or is this server itself (a loopback name
@@ -206,6 +219,25 @@ class Endpoint:
             refusal.headers = [("www-authenticate", authn.challenge(req.header(b"host"), exc))]
             raise refusal from None
 
+    def _count(self, conn: HttpConnection, principal: Principal | None) -> None:
+        """Count ``conn`` toward ``principal``'s ``max_connections`` (the principal of its latest
+        request; none: not counted); 503 with -32006 at the cap."""
+        name = None if principal is None else principal.name
+        counted = self._counted.get(conn)
+        if counted is not None and counted.name == name:
+            return
+        self.connection_closed(conn)
+        if name is not None:
+            try:
+                self._counted[conn] = self.sessions.caps.acquire("max_connections", name)
+            except CapReached as exc:
+                raise _jsonrpc_error(503, exc) from None
+
+    def connection_closed(self, conn: HttpConnection) -> None:
+        counted = self._counted.pop(conn, None)
+        if counted is not None:
+            counted.release()
+
     def _check_scopes(self, req: Request, principal: Principal | None, env: jsonrpc.Envelope) -> None:
         """403 ``insufficient_scope`` when a policy rule wants scopes the token lacks."""
         if principal is None or self.scope_check is None or not isinstance(env.method, str):
@@ -248,6 +280,7 @@ class Endpoint:
             LOGGER.warning("/mcp: refused Origin %.100r (listen.allowed_origins)", req.header(b"origin"))
             raise HttpError(403, "Origin not allowed")
         principal = await self._authenticate(req)
+        self._count(conn, principal)
         accept = req.header(b"accept") or ""
         if req.method == "POST":
             if not (_accepts(accept, "application/json") and _accepts(accept, "text/event-stream")):
@@ -340,12 +373,14 @@ class Endpoint:
         _refuse_if(kind == "request" and self.draining(), rid)  # an initialize too
         if req.header(b"mcp-session-id") is None and kind == "request" and env.method == "initialize":
             _check_version(req, rid)
-            session = self.sessions.create()
+            try:
+                session = self.sessions.create(principal)
+            except CapReached as exc:
+                raise _jsonrpc_error(503, exc, rid) from None
             if session is None:
                 raise _jsonrpc_error(503, errors.Overloaded(
                     "too many HTTP sessions (listen.http_max_sessions); retry later",
                     limit=self.sessions.max_sessions), rid)
-            session.principal = principal
             LOGGER.debug("http session %.8s… created", session.id)
         else:
             session = self._session(req, principal, rid)
@@ -582,6 +617,7 @@ async def serve_http(
 
     async def handler(accepted: Accepted) -> None:
         stream: trio.abc.Stream = accepted.stream
+        conn: HttpConnection | None = None
         try:
             if tls_context is not None:  # one beyond max_connections could not read a plain 503
                 secured = None
@@ -604,6 +640,8 @@ async def serve_http(
             if isinstance(stream, trio.SSLStream):
                 await tls.close(stream)
         finally:
+            if conn is not None:
+                endpoint.connection_closed(conn)
             if accepted.admitted and slots is not None:
                 slots.release()
 

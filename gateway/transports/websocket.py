@@ -100,13 +100,20 @@ _CLOSE_CODES = {
 Authenticate = Callable[[str | None, str | None], Awaitable[object]]
 
 
+#: Admits an authenticated upgrade's principal (raises Refused, e.g. at a per-principal cap);
+#: returns what gives its place back when the connection ends.
+Admit = Callable[[object], Callable[[], None]]
+
+
 class Refused(Exception):
     """An upgrade turned away with ``status`` and ``headers`` (e.g. 401 + WWW-Authenticate)."""
 
-    def __init__(self, status: int, text: str, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    def __init__(self, status: int, text: str, headers: Sequence[tuple[bytes, bytes]] = (),
+                 content_type: bytes = b"text/plain") -> None:
         super().__init__(text)
         self.status = status
         self.headers = list(headers)
+        self.content_type = content_type
 
 
 class WebSocketStream:
@@ -223,10 +230,11 @@ def origin_allowed(headers: Sequence[tuple[bytes, bytes]], allowed: Sequence[str
 
 
 async def _refuse(stream: trio.abc.Stream, ws: WSConnection, status: int, text: str,
-                  headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+                  headers: Sequence[tuple[bytes, bytes]] = (),
+                  content_type: bytes = b"text/plain") -> None:
     body = f"{text}\n".encode()
     reject = RejectConnection(status_code=status, has_body=True, headers=[
-        (b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode()), *headers])
+        (b"content-type", content_type), (b"content-length", str(len(body)).encode()), *headers])
     await stream.send_all(ws.send(reject) + ws.send(RejectData(data=body)))
 
 
@@ -290,11 +298,26 @@ async def _handshake(stream: trio.abc.Stream, allowed_origins: Sequence[str],
                 try:
                     principal = await authenticate(event.host, ", ".join(values) if values else None)
                 except Refused as exc:
-                    await _refuse(stream, ws, exc.status, str(exc), exc.headers)
+                    await _refuse(stream, ws, exc.status, str(exc), exc.headers, exc.content_type)
                     return _REFUSED
             sub = SUBPROTOCOL if SUBPROTOCOL in event.subprotocols else None
             await stream.send_all(ws.send(AcceptConnection(subprotocol=sub)))
             return principal
+
+
+def _admitting(authenticate: Authenticate | None, admit: Admit | None,
+               admitted: list[Callable[[], None]]) -> Authenticate | None:
+    """``authenticate``, then ``admit`` the principal; what gives its place back goes into
+    ``admitted`` (the connection's, released when it ends)."""
+    if authenticate is None or admit is None:
+        return authenticate
+    authenticated = authenticate
+
+    async def both(host: str | None, authorization: str | None) -> object:
+        principal = await authenticated(host, authorization)
+        admitted.append(admit(principal))
+        return principal
+    return both
 
 
 async def serve_websocket(
@@ -307,6 +330,7 @@ async def serve_websocket(
     handler_nursery: trio.Nursery,
     slots: ConnectionSlots | None = None,
     authenticate: Authenticate | None = None,
+    admit: Admit | None = None,
     tls_context: ssl.SSLContext | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -316,7 +340,8 @@ async def serve_websocket(
     cancel live connections.  ``allowed_hosts``: ``Host`` names accepted besides the loopback
     names and the bound address.  With ``slots``, each connection holds one from its accept
     until it ends.  With ``authenticate``, every upgrade is authenticated (see
-    :data:`Authenticate`); the principal is on the stream handed to ``on_connection``.  With
+    :data:`Authenticate`) and its principal admitted by ``admit`` (:data:`Admit`, given back
+    when the connection ends); the principal is on the stream handed to ``on_connection``.  With
     ``tls_context`` every connection speaks TLS (``wss://``): the TLS handshake comes first
     (:func:`gateway.transports.tls.handshake`), and a connection beyond ``max_connections`` is
     closed at once (a TLS client could not read a plain 503).
@@ -327,6 +352,7 @@ async def serve_websocket(
     async def handler(accepted: Accepted) -> None:
         nonlocal refusing
         stream: trio.abc.Stream = accepted.stream
+        admitted: list[Callable[[], None]] = []  # what gives the principal's place back
         try:
             if not accepted.admitted:  # beyond max_connections (already counted)
                 if refusing < REFUSING_MAX and tls_context is None:
@@ -348,7 +374,8 @@ async def serve_websocket(
             upgraded: object = _REFUSED
             with trio.move_on_after(HANDSHAKE_TIMEOUT):
                 try:
-                    upgraded = await _handshake(stream, allowed_origins, hosts, authenticate)
+                    upgraded = await _handshake(stream, allowed_origins, hosts,
+                                                _admitting(authenticate, admit, admitted))
                 except _BROKEN:
                     pass
                 except Exception:  # a bug in the upgrade must end this connection only
@@ -363,6 +390,8 @@ async def serve_websocket(
             ws_stream.principal = upgraded
             await on_connection(ws_stream)
         finally:
+            for release in admitted:
+                release()
             if accepted.admitted and slots is not None:
                 slots.release()
 

@@ -412,8 +412,11 @@ async def test_log_level_is_per_connection() -> None:
                 while json.loads(text_of(await c.call("fx__client_info")))["logLevel"] != "debug":
                     await trio.sleep(0.05)
 
+            # lines written with no call in flight go to every connection that asked for
+            # their level (one written during a call goes to its caller only: test_log_routing)
             tag = nonce()
-            assert text_of(await c.call("fx__log", {"level": "info", "data": {"n": tag}})) == "ok"
+            assert text_of(await c.call("fx__log", {"level": "info", "data": {"n": tag},
+                                                    "after": 0.05})) == "ok"
             msg = await a.wait_for(lambda: notes(a, "notifications/message"), timeout=5)
             assert msg == [
                 {
@@ -427,7 +430,8 @@ async def test_log_level_is_per_connection() -> None:
             assert notes(c, "notifications/message") == []  # never asked for logs
 
             assert (
-                text_of(await c.call("fx__log", {"level": "critical", "data": f"crit-{tag}"}))
+                text_of(await c.call("fx__log", {"level": "critical", "data": f"crit-{tag}",
+                                                 "after": 0.05}))
                 == "ok"
             )
             await b.wait_for(lambda: notes(b, "notifications/message"), timeout=5)

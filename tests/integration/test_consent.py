@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import tomllib
 from typing import Any
 
 import pytest
 import trio
 
+from gateway import config
 from gateway.service import StartupError
-from helpers import Client, connect, fixture_backend, make_config, metric, run_gateway, text_of
+from helpers import ROOT, Client, connect, fixture_backend, make_config, metric, run_gateway, text_of
 
 pytestmark = pytest.mark.system
 
@@ -116,6 +118,29 @@ async def test_sensitive_tool_refuses_boot_without_rule() -> None:
                                                   flatten_subgroups=True):
         async with run_gateway(cfg):
             pass
+
+
+async def test_the_rule_snippet_printed_at_a_sensitive_tools_refusal_makes_the_gateway_start() -> None:
+    text = f"""
+[listen]
+websocket = "127.0.0.1:0"
+[admin]
+listen = "127.0.0.1:0"
+{fixture_backend("fx", sensitive=["echo", "big"])}"""
+    with trio.fail_after(30), pytest.RaisesGroup(pytest.RaisesExc(StartupError), flatten_subgroups=True) as got:
+        async with run_gateway(config.load(text, base_dir=ROOT)):
+            pass
+    leaf: BaseException = got.value
+    while isinstance(leaf, BaseExceptionGroup):
+        leaf = leaf.exceptions[0]
+    message = str(leaf)
+    snippet = message.split("\n\n", 1)[1]
+    rules = tomllib.loads(snippet)["policy"]["rules"]
+    assert rules == [{"match": "fx__big", "action": "ask"}, {"match": "fx__echo", "action": "ask"}]
+    with trio.fail_after(30):
+        async with run_gateway(config.load(text + "\n" + snippet, base_dir=ROOT)) as gw, connect(gw.url) as c:
+            r = await c.call("fx__echo", {"message": "m"})  # asks; this client cannot be asked
+            assert r["error"]["data"]["reason"] == "authorization_required"
 
 
 async def test_sensitive_tool_with_rule_boots() -> None:

@@ -333,3 +333,15 @@ def test_diff_sees_nested_and_resolved_changes() -> None:
     assert diff_backends(old, load(text, base_dir="/two")) == ([], [], ["a"])  # path moved
     nested = load(text + "restart = { max_restarts = 9 }\n", base_dir="/one")
     assert diff_backends(old, nested) == ([], [], ["a"])
+
+
+def test_auth_limits_hold_per_principal_caps() -> None:
+    cfg = load('[[auth.limits]]\nprincipal = "ci-*"\nmax_sessions = 2\nmax_parked_flows = 1\n')
+    (lim,) = cfg.auth.limits
+    assert lim.caps == (("max_sessions", 2), ("max_parked_flows", 1))  # the others: defaults
+    with pytest.raises(ConfigError) as err:
+        load('[[auth.limits]]\nprincipal = "x"\nmax_listens = 0\nmax_connections = -1\n')
+    assert sorted(err.value.errors) == ["auth.limits[0].max_connections: must be at least 1",
+                                        "auth.limits[0].max_listens: must be at least 1"]
+    with pytest.raises(ConfigError, match=r"auth.limits\[0\]: set max_inflight, calls_per_second"):
+        load('[[auth.limits]]\nprincipal = "x"\n')

@@ -1,8 +1,19 @@
-"""ByteBudget and ConnectionSlots: the daemon-wide limits, as plain data (no trio)."""
+"""ByteBudget, ConnectionSlots and PrincipalCaps: the daemon-wide and per-principal limits, as plain
+data (no trio)."""
 
 from __future__ import annotations
 
-from gateway.limits import ByteBudget, ConnectionSlots
+import pytest
+
+from gateway.limits import (
+    DEFAULT_CAPS,
+    ByteBudget,
+    CapReached,
+    ConnectionSlots,
+    Held,
+    PrincipalCaps,
+    PrincipalLimit,
+)
 
 
 def test_charge_and_release_move_the_total_and_the_account() -> None:
@@ -118,3 +129,63 @@ def test_sse_replay_log_is_bounded_in_bytes_and_knows_what_fell_out() -> None:
     for bad in ("", "12", "-3", "1-²", "1-" + "9" * 50, "a-1"):
         assert parse_id(bad) is None, bad
     assert log.clear() == 80 and not log.entries
+
+
+# ---- per principal: what each holds at once ----------------------------------------------------
+
+
+def test_each_principal_holds_at_most_its_caps_defaults_unless_an_entry_says_otherwise() -> None:
+    caps = PrincipalCaps([PrincipalLimit("ci-*", caps=(("max_sessions", 2),))])
+    assert {cap: caps.cap_for(cap, "alice") for cap in DEFAULT_CAPS} == {
+        "max_sessions": 64, "max_connections": 256, "max_listens": 64, "max_parked_flows": 16}
+    assert caps.cap_for("max_sessions", "ci-7") == 2
+    assert caps.cap_for("max_connections", "ci-7") == 256  # not set by the entry: the default
+    held = [caps.acquire("max_sessions", "ci-7") for _ in range(2)]
+    with pytest.raises(CapReached) as refused:
+        caps.acquire("max_sessions", "ci-7")
+    assert refused.value.code == -32006
+    assert refused.value.error_data() == {"reason": "rate_limited", "limit": "max_sessions",
+                                          "value": 2}
+    assert caps.acquire("max_sessions", "ci-8") is not None  # another principal: its own count
+    assert caps.acquire("max_connections", "ci-7") is not None  # another cap: its own count
+    held[0].release()
+    held[0].release()  # once only
+    assert caps.held("max_sessions", "ci-7") == 1
+    caps.acquire("max_sessions", "ci-7")
+    with pytest.raises(CapReached):
+        caps.acquire("max_sessions", "ci-7")
+
+
+def test_anonymous_callers_are_not_counted() -> None:
+    caps = PrincipalCaps([PrincipalLimit("*", caps=(("max_listens", 1),))])
+    for _ in range(5):
+        caps.acquire("max_listens", None).release()
+        caps.acquire("max_listens", None)
+    assert caps.held("max_listens", "") == 0
+
+
+def test_a_reload_changes_the_caps_not_the_counts() -> None:
+    caps = PrincipalCaps()
+    held = [caps.acquire("max_parked_flows", "bob") for _ in range(3)]
+    caps.reconfigure([PrincipalLimit("bob", caps=(("max_parked_flows", 3),))])
+    with pytest.raises(CapReached):
+        caps.acquire("max_parked_flows", "bob")
+    for h in held:
+        h.release()
+    assert caps.held("max_parked_flows", "bob") == 0
+
+
+def test_the_count_is_exact_under_any_interleaving_of_acquires_and_releases() -> None:
+    import random
+    rng = random.Random(7)
+    caps = PrincipalCaps([PrincipalLimit("p", caps=(("max_connections", 5),))])
+    live: list[Held] = []
+    for _ in range(2000):
+        if live and rng.random() < 0.5:
+            live.pop(rng.randrange(len(live))).release()
+        else:
+            try:
+                live.append(caps.acquire("max_connections", "p"))
+            except CapReached:
+                assert len(live) == 5
+        assert caps.held("max_connections", "p") == len(live) <= 5

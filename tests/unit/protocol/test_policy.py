@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tomllib
+
 import pytest
 
 from gateway.protocol.policy import (
@@ -11,6 +13,7 @@ from gateway.protocol.policy import (
     consent_schema,
     decide,
     is_sensitive,
+    suggested_rules,
 )
 
 RULES = [
@@ -115,3 +118,13 @@ def test_consent_schema_is_one_required_boolean() -> None:
     assert schema["required"] == ["approve"]
     assert schema["properties"]["approve"]["type"] == "boolean"
     assert schema["properties"]["approve"]["default"] is False
+
+
+def test_the_suggested_rules_are_toml_in_both_forms() -> None:
+    snippet = suggested_rules(["fx__wipe", "git__push-force"])
+    assert tomllib.loads(snippet) == {"policy": {"rules": [
+        {"match": "fx__wipe", "action": "ask"}, {"match": "git__push-force", "action": "ask"}]}}
+    inline = [line.removeprefix("#   ") for line in snippet.splitlines() if line.startswith("#   ")]
+    existing = '[policy]\nrules = [\n  { match = "x", action = "deny" },\n' + "\n".join(inline) + "\n]\n"
+    assert tomllib.loads(existing)["policy"]["rules"][1:] == [
+        {"match": "fx__wipe", "action": "ask"}, {"match": "git__push-force", "action": "ask"}]
