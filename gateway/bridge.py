@@ -18,7 +18,7 @@ waiting request, and what was not answered is asked again in a fresh ``InputRequ
 Whatever the child does next (more requests, its result, an error) reaches the retry's stream.
 
 Nothing waits forever: a parked flow not resumed within ``gateway.state_ttl`` seconds, or one
-whose state was presented tampered, is ended like a closed connection (its waiting requests are
+whose state its own principal presented tampered, is ended like a closed connection (its waiting requests are
 declined or refused toward the child, its call cancelled at the child); a retry for a flow that
 is gone gets -32602 with ``data.reason = "invalid_state"``.
 """
@@ -155,7 +155,7 @@ class Bridge:
                 kind = getattr(exc, "kind", "malformed")
                 self.bus.emit(RequestStateRefused(kind))
                 if kind == "tampered":
-                    self._end_tampered(params)
+                    self._end_tampered(params, principal, owner)
             raise
         except msgspec.DecodeError:
             self.bus.emit(RequestStateRefused("malformed"))
@@ -164,16 +164,25 @@ class Bridge:
         flow.resume(request_id, answers, caps)
         return flow.owner
 
-    def _end_tampered(self, params: dict[str, Raw]) -> None:
-        """A state whose signature fails but that names a parked flow of ours: that flow's state
-        is compromised; end it now instead of at its expiry, so its child stops waiting."""
+    def _end_tampered(self, params: dict[str, Raw], principal: str | None,
+                      owner: ClientSession | None) -> None:
+        """A state whose signature fails but that names a parked flow of ours, presented by that
+        flow's own principal (on a WebSocket: on its connection): its state is compromised; end
+        it now instead of at its expiry, so its child stops waiting.  The flow id is readable in
+        any state, so a forgery by anyone else (or by an unauthenticated caller) ends nothing:
+        that flow waits for its own retry, at most ``state_ttl``."""
+        if principal is None:
+            return
         try:
             flow_id = self.codec.peek(jsonrpc.loads(params["requestState"]))
         except Exception:  # noqa: BLE001 - anything unreadable names no flow
             return
         flow = self.flows.get(flow_id) if flow_id else None
-        if flow is not None and flow.parked:
-            flow.end("its requestState was presented tampered")
+        if flow is None or not flow.parked or flow.owner.principal is None:
+            return
+        if flow.owner.principal.key != principal or (owner is not None and flow.owner is not owner):
+            return
+        flow.end("its requestState was presented tampered")
 
 
 class Flow:
