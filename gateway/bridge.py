@@ -30,6 +30,7 @@ import os
 import re
 import secrets
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -43,6 +44,7 @@ from gateway.events import EventBus, InputRequired, RequestStateRefused, ServerR
 from gateway.protocol import jsonrpc, mcp, mrtr
 
 if TYPE_CHECKING:
+    from gateway.backend.child import ChildConnection
     from gateway.config import GatewaySection
     from gateway.serving import Served
     from gateway.session import ClientSession, ServerRequest
@@ -51,6 +53,8 @@ LOGGER = logging.getLogger(__name__)
 
 #: Seconds a flow waits, after the first request of a round, for more before it answers.
 GATHER = 0.02
+#: Preempted flows remembered (until their state expires) so their retry is told ``preempted``.
+MAX_PREEMPTED = 4096
 
 
 def load_key(path: str) -> bytes:
@@ -93,15 +97,20 @@ def from_config(g: GatewaySection) -> Bridge:
         key = load_key(g.state_key_file) if g.state_key_file else secrets.token_bytes(32)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"gateway.state_key_file: {exc}") from None
-    return Bridge(mrtr.StateCodec(key, replica_id(g.replica_id)), g.state_ttl)
+    return Bridge(mrtr.StateCodec(key, replica_id(g.replica_id)), g.state_ttl, g.shared_park_limit)
 
 
 class Bridge:
     """The replica's parked flows, by id, and the codec that signs their states."""
 
-    def __init__(self, codec: mrtr.StateCodec, ttl: float) -> None:
+    def __init__(self, codec: mrtr.StateCodec, ttl: float, park_limit: float = 30.0) -> None:
         self.codec = codec
         self.ttl = ttl
+        self.park_limit = park_limit  # gateway.shared_park_limit
+        # flow id -> unix time its last state expires: preempted, its retry is told so
+        self.preempted: dict[str, float] = {}
+        # owners whose flow was preempted (a call of theirs may still be at the child)
+        self.leaving: weakref.WeakSet[ClientSession] = weakref.WeakSet()
         # Whether a retry goes to a modern child, whose own requestState passes through as is
         # (set by the service: Hub.targets_modern).
         self.passthrough: Callable[[str, dict[str, Raw]], bool] = lambda method, params: False
@@ -137,6 +146,10 @@ class Bridge:
             if claims.principal != principal:
                 raise mrtr.invalid_state("it was issued to another principal", "principal")
             flow = self.flows.get(claims.flow)
+            if flow is None and claims.flow in self.preempted:
+                raise mrtr.invalid_state(
+                    "its call was ended: parked longer than gateway.shared_park_limit while another "
+                    "caller waited for its shared backend", "preempted")
             if flow is None:
                 raise mrtr.invalid_state("its call is over or expired, or was served by another "
                                          "process of this replica", "gone")
@@ -164,6 +177,32 @@ class Bridge:
         flow.resume(request_id, answers, caps)
         return flow.owner
 
+    # ---- parking: what a shared backend asks before a call that may ask for input -------------
+
+    def parked_since(self, owner: ClientSession) -> float | None:
+        """When ``owner``'s flow parked (trio time), if it is parked."""
+        flow = owner.flow
+        return flow.parked_at if flow is not None and flow.parked else None
+
+    def was_preempted(self, owner: ClientSession) -> bool:
+        return owner in self.leaving
+
+    def preempt(self, owner: ClientSession, child: ChildConnection) -> None:
+        """End ``owner``'s parked flow, whose call at ``child`` keeps another caller's input
+        request from being attributed there (see :func:`gateway.protocol.mrtr.park_wait`)."""
+        flow = owner.flow
+        if flow is not None and flow.parked:
+            flow.preempt(child)
+
+    def _remember_preempted(self, flow_id: str) -> None:
+        now = time.time()
+        preempted = self.preempted
+        for old in [f for f, expires in preempted.items() if expires <= now]:
+            del preempted[old]
+        while len(preempted) >= MAX_PREEMPTED:
+            del preempted[next(iter(preempted))]
+        preempted[flow_id] = now + self.ttl + 1
+
     def _end_tampered(self, params: dict[str, Raw], principal: str | None,
                       owner: ClientSession | None) -> None:
         """A state whose signature fails but that names a parked flow of ours, presented by that
@@ -189,8 +228,8 @@ class Flow:
     """One modern call bridged to a legacy child: its rounds, the child's requests it waits
     on, and whether it is parked (answered ``input_required``, waiting for the retry)."""
 
-    __slots__ = ("bridge", "digest", "gathering", "id", "method", "owner", "parked", "pending",
-                 "resumed", "round", "served")
+    __slots__ = ("bridge", "digest", "gathering", "id", "method", "owner", "parked", "parked_at",
+                 "pending", "resumed", "round", "served")
 
     def __init__(self, bridge: Bridge, owner: ClientSession, served: Served) -> None:
         self.bridge = bridge
@@ -199,6 +238,7 @@ class Flow:
         self.id = secrets.token_urlsafe(12)
         self.round = 0
         self.parked = False
+        self.parked_at = 0.0  # trio time of the last park
         self.gathering = False
         self.pending: dict[str, ServerRequest] = {}
         self.method = ""
@@ -237,6 +277,7 @@ class Flow:
             principal=None if self.owner.principal is None else self.owner.principal.key))
         result = mrtr.input_required({k: (r.method, _raw(r.params)) for k, r in self.pending.items()}, state)
         self.parked = True
+        self.parked_at = trio.current_time()
         bridge.flows[self.id] = self  # only parked flows are listed: a retry finds them here
         served.reply(jsonrpc.encode_result(served.id, result), served.id)
         bridge.bus.emit(InputRequired(served.req.backend))
@@ -299,6 +340,26 @@ class Flow:
             req.finish(ServerRequestOutcome.OWNER_GONE)
         self.closed()
         self.served.cancel()
+
+    def preempt(self, child: ChildConnection) -> None:
+        """Parked longer than ``gateway.shared_park_limit`` while another caller's call that
+        may ask for input waits for ``child`` (a shared backend's): its requests are answered
+        as cancelled, its call there given up without ``notifications/cancelled`` (the
+        child's reply to it, once the cancel lets the tool finish, frees the attribution at
+        once; a cancelled request is never answered), then it ends as usual; its retry gets
+        ``invalid_state`` with reason ``preempted``."""
+        bridge = self.bridge
+        bridge._remember_preempted(self.id)
+        bridge.leaving.add(self.owner)
+        why = (f"parked {trio.current_time() - self.parked_at:.1f}s, longer than "
+               "gateway.shared_park_limit, while another caller waited for its shared backend")
+        self.parked = False
+        bridge.flows.pop(self.id, None)
+        for req in list(self.pending.values()):
+            req.finish(ServerRequestOutcome.OWNER_GONE)  # elicitation: cancel; others: -32007
+        child.give_up(self.owner)
+        self.served.end(cancelled=True)  # (in a task: its call raises there, answered by nobody)
+        self.end(why)
 
     def call_ended(self) -> None:
         """The call is over.  While parked nobody hears of it (the client is between rounds): end
