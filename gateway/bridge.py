@@ -360,8 +360,13 @@ class Flow:
         bridge.flows.pop(self.id, None)
         for req in list(self.pending.values()):
             req.finish(ServerRequestOutcome.OWNER_GONE)  # elicitation: cancel; others: -32007
-        child.give_up(self.owner)
-        self.served.end(cancelled=True)  # (in a task: its call raises there, answered by nobody)
+        served = self.served
+        if served.call is not None and served.child is child:
+            child.give_up([served.call])
+        elif self.owner.transport == "http":  # forwarded by a task: the flow's only call there
+            child.give_up(child.calls_of(self.owner))
+        # (a WebSocket connection's call forwarded by a task: cancelled as usual by end())
+        served.end(cancelled=True)  # (in a task: its call raises there, answered by nobody)
         self.end(why)
 
     def call_ended(self) -> None:

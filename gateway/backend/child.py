@@ -334,13 +334,13 @@ class ChildConnection:
         """The caller gives up on ``call`` (answered ``error``, or not at all)."""
         self.perform(self.router.cancel(call, trio.current_time(), error))
 
-    def give_up(self, owner: Hashable) -> None:
-        """``owner``'s calls here end for it now (unanswered) without ``notifications/cancelled``
+    def give_up(self, calls: list[Call]) -> None:
+        """These calls end for their caller now (unanswered) without ``notifications/cancelled``
         to the child: it was told to stop otherwise (its requests answered ``cancel``), and a
         spec-following child never answers a cancelled request, which would hold the call in the
         attribution set until ``cancel_grace``; its reply takes it out instead (then dropped)."""
         now = trio.current_time()
-        for call in self.router.calls_of(owner):
+        for call in calls:
             self.perform(self.router.cancel(call, now, notify=False))
 
     async def request(

@@ -99,3 +99,26 @@ async def test_a_flow_whose_caller_retries_within_the_limit_is_not_preempted() -
                        inputResponses={bob_key: {"action": "accept", "content": {"answer": "B"}}})
         assert answered(r)["content"] == {"answer": "B"}
         assert await metric(port, "mcp_gateway_request_states_refused_total", reason="preempted") == 0
+
+
+async def test_a_websocket_connections_parked_flow_is_preempted_and_the_connection_goes_on() -> None:
+    from helpers import connect
+
+    meta = {"io.modelcontextprotocol/protocolVersion": V,
+            "io.modelcontextprotocol/clientCapabilities": CAPS}
+    with trio.fail_after(20):
+        async with run_gateway(config()) as gw, connect(gw.url, initialize=False) as ws, \
+                httpx.AsyncClient() as c:
+            args = {"name": "fx__elicit", "arguments": {"message": "alice?"}, "_meta": meta}
+            first = (await ws.request("tools/call", args))["result"]
+            assert first["resultType"] == "input_required"
+            bob_key, bob_state = asked(await call(c, gw.http_url, "bob?", id=2), "bob?")
+            late = await ws.request("tools/call", {**args, "requestState": first["requestState"],
+                                                   "inputResponses": {"srv-1": {"action": "decline"}}})
+            assert late["error"]["data"]["reason"] == "invalid_state"
+            echo = await ws.request("tools/call", {"name": "fx__echo", "arguments": {"message": "on"},
+                                                   "_meta": meta})
+            assert echo["result"]["content"][0]["text"] == "on"  # the connection goes on
+            r = await call(c, gw.http_url, "bob?", id=3, requestState=bob_state,
+                           inputResponses={bob_key: {"action": "accept", "content": {"answer": "B"}}})
+            assert answered(r)["content"] == {"answer": "B"}
