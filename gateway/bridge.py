@@ -18,9 +18,9 @@ waiting request, and what was not answered is asked again in a fresh ``InputRequ
 Whatever the child does next (more requests, its result, an error) reaches the retry's stream.
 
 Nothing waits forever: a parked flow not resumed within ``gateway.state_ttl`` seconds, or one
-whose state its own principal presented tampered, is ended like a closed connection (its waiting requests are
-declined or refused toward the child, its call cancelled at the child); a retry for a flow that
-is gone gets -32602 with ``data.reason = "invalid_state"``.  On a ``shared`` backend a parked
+whose state its own principal presented tampered, is ended like a closed connection (its waiting
+requests are declined or refused toward the child, its call cancelled at the child); a retry for
+a flow that is gone gets -32602 with ``data.reason = "invalid_state"``.  On a ``shared`` backend a parked
 flow also keeps other callers' input requests from being attributed there: a call that may ask
 for input waits for it (:mod:`gateway.backend.pool`), and once it has been parked
 ``gateway.shared_park_limit`` seconds it is *preempted* (:meth:`Flow.preempt`).
