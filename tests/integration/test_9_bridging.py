@@ -88,8 +88,7 @@ async def test_tampered_other_params_and_missing_capability() -> None:
         result = r.json()["result"]
         assert result["resultType"] == "complete" and result["isError"]
         assert "-32021" in result["content"][0]["text"]
-        # (fy: fx may still count the cancelled call as in flight until it answers it, and a
-        # child's request is bridged only while one caller's calls are in flight there)
+        # (fy: a child's request is bridged only while one caller's calls are in flight there)
         r = await call(c, gw.http_url, "fy__elicit", {"message": "m"})
         assert "requestState" in r.json()["result"], r.text
         state = r.json()["result"]["requestState"]
