@@ -24,9 +24,12 @@ ends the call when its prompt times out (the earlier of ``policy.elicitation_tim
 its flow even for a modern backend, whose own states otherwise pass through (:meth:`continues`).
 
 Nothing waits forever: a parked flow not resumed within ``gateway.state_ttl`` seconds, or one
-whose state was presented tampered, is ended like a closed connection (its waiting requests are
-declined or refused toward the child, its call cancelled at the child); a retry for a flow that
-is gone gets -32602 with ``data.reason = "invalid_state"``.
+whose state its own principal presented tampered, is ended like a closed connection (its waiting
+requests are declined or refused toward the child, its call cancelled at the child); a retry for
+a flow that is gone gets -32602 with ``data.reason = "invalid_state"``.  On a ``shared`` backend a parked
+flow also keeps other callers' input requests from being attributed there: a call that may ask
+for input waits for it (:mod:`gateway.backend.pool`), and once it has been parked
+``gateway.shared_park_limit`` seconds it is *preempted* (:meth:`Flow.preempt`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import os
 import re
 import secrets
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -49,6 +53,7 @@ from gateway.events import EventBus, InputRequired, RequestStateRefused, ServerR
 from gateway.protocol import jsonrpc, mcp, mrtr
 
 if TYPE_CHECKING:
+    from gateway.backend.child import ChildConnection
     from gateway.config import GatewaySection
     from gateway.serving import Served
     from gateway.session import ClientSession, ServerRequest
@@ -57,6 +62,8 @@ LOGGER = logging.getLogger(__name__)
 
 #: Seconds a flow waits, after the first request of a round, for more before it answers.
 GATHER = 0.02
+#: Preempted flows remembered (until their state expires) so their retry is told ``preempted``.
+MAX_PREEMPTED = 4096
 
 
 def load_key(path: str) -> bytes:
@@ -99,15 +106,20 @@ def from_config(g: GatewaySection) -> Bridge:
         key = load_key(g.state_key_file) if g.state_key_file else secrets.token_bytes(32)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"gateway.state_key_file: {exc}") from None
-    return Bridge(mrtr.StateCodec(key, replica_id(g.replica_id)), g.state_ttl)
+    return Bridge(mrtr.StateCodec(key, replica_id(g.replica_id)), g.state_ttl, g.shared_park_limit)
 
 
 class Bridge:
     """The replica's parked flows, by id, and the codec that signs their states."""
 
-    def __init__(self, codec: mrtr.StateCodec, ttl: float) -> None:
+    def __init__(self, codec: mrtr.StateCodec, ttl: float, park_limit: float = 30.0) -> None:
         self.codec = codec
         self.ttl = ttl
+        self.park_limit = park_limit  # gateway.shared_park_limit
+        # flow id -> unix time its last state expires: preempted, its retry is told so
+        self.preempted: dict[str, float] = {}
+        # owners whose flow was preempted (a call of theirs may still be at the child)
+        self.leaving: weakref.WeakSet[ClientSession] = weakref.WeakSet()
         # Whether a retry goes to a modern child, whose own requestState passes through as is
         # (set by the service: Hub.targets_modern).
         self.passthrough: Callable[[str, dict[str, Raw]], bool] = lambda method, params: False
@@ -173,6 +185,10 @@ class Bridge:
             if claims.principal != principal:
                 raise mrtr.invalid_state("it was issued to another principal", "principal")
             flow = self.flows.get(claims.flow)
+            if flow is None and claims.flow in self.preempted:
+                raise mrtr.invalid_state(
+                    "its call was ended: parked longer than gateway.shared_park_limit while another "
+                    "caller waited for its shared backend", "preempted")
             if flow is None:
                 raise mrtr.invalid_state("its call is over or expired, or was served by another "
                                          "process of this replica", "gone")
@@ -191,7 +207,7 @@ class Bridge:
                 kind = getattr(exc, "kind", "malformed")
                 self.bus.emit(RequestStateRefused(kind))
                 if kind == "tampered":
-                    self._end_tampered(params)
+                    self._end_tampered(params, principal, owner)
             raise
         except msgspec.DecodeError:
             self.bus.emit(RequestStateRefused("malformed"))
@@ -200,16 +216,51 @@ class Bridge:
         flow.resume(request_id, answers, caps)
         return flow.owner
 
-    def _end_tampered(self, params: dict[str, Raw]) -> None:
-        """A state whose signature fails but that names a parked flow of ours: that flow's state
-        is compromised; end it now instead of at its expiry, so its child stops waiting."""
+    # ---- parking: what a shared backend asks before a call that may ask for input -------------
+
+    def parked_since(self, owner: ClientSession) -> float | None:
+        """When ``owner``'s flow parked (trio time), if it is parked."""
+        flow = owner.flow
+        return flow.parked_at if flow is not None and flow.parked else None
+
+    def was_preempted(self, owner: ClientSession) -> bool:
+        return owner in self.leaving
+
+    def preempt(self, owner: ClientSession, child: ChildConnection) -> None:
+        """End ``owner``'s parked flow, whose call at ``child`` keeps another caller's input
+        request from being attributed there (see :func:`gateway.protocol.mrtr.park_wait`)."""
+        flow = owner.flow
+        if flow is not None and flow.parked:
+            flow.preempt(child)
+
+    def _remember_preempted(self, flow_id: str) -> None:
+        now = time.time()
+        preempted = self.preempted
+        for old in [f for f, expires in preempted.items() if expires <= now]:
+            del preempted[old]
+        while len(preempted) >= MAX_PREEMPTED:
+            del preempted[next(iter(preempted))]
+        preempted[flow_id] = now + self.ttl + 1
+
+    def _end_tampered(self, params: dict[str, Raw], principal: str | None,
+                      owner: ClientSession | None) -> None:
+        """A state whose signature fails but that names a parked flow of ours, presented by that
+        flow's own principal (on a WebSocket: on its connection): its state is compromised; end
+        it now instead of at its expiry, so its child stops waiting.  The flow id is readable in
+        any state, so a forgery by anyone else (or by an unauthenticated caller) ends nothing:
+        that flow waits for its own retry, at most ``state_ttl``."""
+        if principal is None:
+            return
         try:
             flow_id = self.codec.peek(jsonrpc.loads(params["requestState"]))
         except Exception:  # noqa: BLE001 - anything unreadable names no flow
             return
         flow = self.flows.get(flow_id) if flow_id else None
-        if flow is not None and flow.parked:
-            flow.end("its requestState was presented tampered")
+        if flow is None or not flow.parked or flow.owner.principal is None:
+            return
+        if flow.owner.principal.key != principal or (owner is not None and flow.owner is not owner):
+            return
+        flow.end("its requestState was presented tampered")
 
 
 class Flow:
@@ -217,7 +268,7 @@ class Flow:
     on, and whether it is parked (answered ``input_required``, waiting for the retry)."""
 
     __slots__ = ("bridge", "deadline", "digest", "gathering", "id", "method", "owner", "parked",
-                 "pending", "resumed", "round", "served", "waiting")
+                 "parked_at", "pending", "resumed", "round", "served", "waiting")
 
     def __init__(self, bridge: Bridge, owner: ClientSession, served: Served) -> None:
         self.bridge = bridge
@@ -232,6 +283,7 @@ class Flow:
         self.waiting = False
         # set by an asker that ends the round itself (a consent prompt): no state_ttl timer
         self.deadline: float | None = None
+        self.parked_at = 0.0  # trio time of the last park
         self.gathering = False
         self.pending: dict[str, ServerRequest] = {}
         self.method = ""
@@ -285,6 +337,7 @@ class Flow:
             principal=None if self.owner.principal is None else self.owner.principal.key))
         result = mrtr.input_required({k: (r.method, _raw(r.params)) for k, r in self.pending.items()}, state)
         self.parked = self.waiting = True
+        self.parked_at = now
         bridge.flows[self.id] = self  # only parked flows are listed: a retry finds them here
         served.reply(jsonrpc.encode_result(served.id, result), served.id)
         bridge.bus.emit(InputRequired(served.req.backend))
@@ -348,6 +401,31 @@ class Flow:
             req.finish(ServerRequestOutcome.OWNER_GONE)
         self.closed()
         self.served.cancel()
+
+    def preempt(self, child: ChildConnection) -> None:
+        """Parked longer than ``gateway.shared_park_limit`` while another caller's call that
+        may ask for input waits for ``child`` (a shared backend's): its requests are answered
+        as cancelled, its call there given up without ``notifications/cancelled`` (the
+        child's reply to it, once the cancel lets the tool finish, frees the attribution at
+        once; a cancelled request is never answered), then it ends as usual; its retry gets
+        ``invalid_state`` with reason ``preempted``."""
+        bridge = self.bridge
+        bridge._remember_preempted(self.id)
+        bridge.leaving.add(self.owner)
+        why = (f"parked {trio.current_time() - self.parked_at:.1f}s, longer than "
+               "gateway.shared_park_limit, while another caller waited for its shared backend")
+        self.parked = False
+        bridge.flows.pop(self.id, None)
+        for req in list(self.pending.values()):
+            req.finish(ServerRequestOutcome.OWNER_GONE)  # elicitation: cancel; others: -32007
+        served = self.served
+        if served.call is not None and served.child is child:
+            child.give_up([served.call])
+        elif self.owner.transport == "http":  # forwarded by a task: the flow's only call there
+            child.give_up(child.calls_of(self.owner))
+        # (a WebSocket connection's call forwarded by a task: cancelled as usual by end())
+        served.end(cancelled=True)  # (in a task: its call raises there, answered by nobody)
+        self.end(why)
 
     def call_ended(self) -> None:
         """The call is over.  While parked nobody hears of it (the client is between rounds): end

@@ -57,6 +57,9 @@ class GatewaySection(Base):
     replica_id: str = ""
     state_key_file: str = ""
     state_ttl: float = 300 * SECONDS
+    # A parked flow on a `shared` backend's child that keeps another caller's input request
+    # from being attributed there is ended once parked this long (README "Era bridging").
+    shared_park_limit: float = 30 * SECONDS
 
 
 class ListenSection(Base):
@@ -408,6 +411,8 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
         errors.append("gateway.replica_id: must be 1-64 characters from [A-Za-z0-9_-]")
     if g.state_ttl <= 0:
         errors.append("gateway.state_ttl: must be positive")
+    if not 0 < g.shared_park_limit <= 3600:
+        errors.append("gateway.shared_park_limit: must be positive and at most 3600 seconds")
     for key in ("drain_delay", "drain_grace"):
         if not 0 <= getattr(g, key) <= 3600:
             errors.append(f"gateway.{key}: must be between 0 and 3600 seconds")

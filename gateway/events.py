@@ -208,7 +208,7 @@ class InputRequired:
 class RequestStateRefused:
     """A retry's ``requestState`` was refused (``invalid_state``)."""
 
-    reason: str  # "tampered" | "foreign" | "expired" | "used" | "gone" | "other_params" | "malformed" | "principal"
+    reason: str  # "tampered" | "foreign" | "expired" | "used" | "gone" | "other_params" | "malformed" | "principal" | "preempted"
 
 
 @dataclass(frozen=True, slots=True)

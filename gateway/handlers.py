@@ -248,8 +248,9 @@ async def forward(hub: Hub, session: ClientSession, req: Request, target: Target
     rewrite = rewriter(target.params, target.meta, envelope_of(hub, session, target))
     client_token = target.progress
     started = trio.current_time()
+    asks = backend.waits_for_parked(asker_key(req))
     for attempt in range(2):
-        inst, child = await backend.acquire(session)
+        inst, child = await backend.acquire(session, asks=asks)
         try:
             return await child.request(req.method, timeout=backend.cfg.request_timeout,
                                        hard_timeout=backend.cfg.max_call_duration, owner=session,
@@ -262,6 +263,12 @@ async def forward(hub: Hub, session: ClientSession, req: Request, target: Target
             req.backend_time = trio.current_time() - started
             backend.release(inst, session)
     raise AssertionError("unreachable")
+
+
+def asker_key(req: Request) -> str:
+    """What a backend remembers of a call that asked its caller for input: the tool's name,
+    else the method."""
+    return req.tool or req.method
 
 
 def call_tool(hub: Hub, session: ClientSession, req: Request) -> Target:

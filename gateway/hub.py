@@ -154,6 +154,7 @@ class Hub:
         its own child has listed)."""
         assert self._nursery is not None
         backend = Backend(name, bcfg, self.cfg.prefix_of(name), self)
+        backend.parking = self.bridge
         previous = self._restarting.pop(name, None)
         if previous is not None:
             backend.lists = previous.lists

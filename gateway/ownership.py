@@ -40,12 +40,14 @@ from gateway.events import (
     ServerRequestRefused,
     ServerRequestRouted,
 )
+from gateway.handlers import asker_key
 from gateway.protocol import jsonrpc
 from gateway.protocol.era import Era
 
 if TYPE_CHECKING:
     from gateway.backend.child import ChildConnection
     from gateway.backend.instance import Instance
+    from gateway.backend.pool import Backend
     from gateway.session import ClientSession, ServerRequest
 
 LOGGER = logging.getLogger(__name__)
@@ -139,6 +141,13 @@ def decide(
     return Forward(owner)
 
 
+def _learn_asker(backend: Backend, owner: ClientSession) -> None:
+    """``owner``'s call at ``backend`` (when it has just one) may ask for input."""
+    calls = [s for s in owner.inflight.values() if s.req.backend == backend.name]
+    if len(calls) == 1:
+        backend.learn_asker(asker_key(calls[0].req))
+
+
 class Ownership:
     """Routes children's server→client requests; remembers the owners of URL-mode elicitations.
 
@@ -167,6 +176,14 @@ class Ownership:
                           owners=owners, declared=backend.declared,
                           cancelled=len(owners & child.router.cancelled_owners()),
                           cancel_grace=backend.cfg.cancel_grace)
+        if method != "roots/list" and (isinstance(decision, Forward)
+                                       or decision.reason == "unattributable"):
+            # Remember which calls ask for input: on a shared backend such a call waits for a
+            # parked flow of another caller to go first (gateway.backend.pool._acquire_unparked).
+            # A hint for scheduling only (a refused request's asker is one of the owners).
+            for owner in (decision.owner,) if isinstance(decision, Forward) else owners:
+                if owner.flow is None or not owner.flow.parked:
+                    _learn_asker(backend, owner)
         if isinstance(decision, Answer):
             if decision.reason:
                 LOGGER.warning("backend %s: %s", inst.name, decision.message,

@@ -114,7 +114,7 @@ class Served:
         backend = hub.backend_now(target.backend)
         if backend is None:
             return False
-        picked = backend.pick_now(session)
+        picked = backend.pick_now(session, asks=backend.waits_for_parked(handlers.asker_key(req)))
         if picked is None:
             return False
         inst, child = picked

@@ -334,6 +334,15 @@ class ChildConnection:
         """The caller gives up on ``call`` (answered ``error``, or not at all)."""
         self.perform(self.router.cancel(call, trio.current_time(), error))
 
+    def give_up(self, calls: list[Call]) -> None:
+        """These calls end for their caller now (unanswered) without ``notifications/cancelled``
+        to the child: it was told to stop otherwise (its requests answered ``cancel``), and a
+        spec-following child never answers a cancelled request, which would hold the call in the
+        attribution set until ``cancel_grace``; its reply takes it out instead (then dropped)."""
+        now = trio.current_time()
+        for call in calls:
+            self.perform(self.router.cancel(call, now, notify=False))
+
     async def request(
         self,
         method: str,
@@ -364,7 +373,8 @@ class ChildConnection:
                 self.cancel(call)
         if waiter.error is not None:
             raise waiter.error
-        assert waiter.result is not None
+        if waiter.result is None:  # given up (give_up): its caller answers nobody
+            raise errors.Denied(f"the gateway gave up on this {method} call", reason="preempted")
         return waiter.result
 
     def attribution(self) -> set[Any]:

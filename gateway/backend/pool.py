@@ -32,6 +32,7 @@ from gateway.backend.instance import Instance
 from gateway.config import BackendConfig
 from gateway.events import EventBus, QueueWaited
 from gateway.limits import ByteBudget
+from gateway.protocol import mrtr
 from gateway.protocol.catalog import BackendLists
 from gateway.protocol.supervision import State
 from gateway.status import BackendStatus, InstanceStatus
@@ -41,6 +42,9 @@ if TYPE_CHECKING:
     from gateway.session import ClientSession
 
 LOGGER = logging.getLogger(__name__)
+
+#: Calls of a backend remembered as ones that asked their caller for input (see ``askers``).
+MAX_ASKERS = 1024
 
 
 def _running(inst: Instance) -> ChildConnection | None:
@@ -55,6 +59,17 @@ class _Waiter:
         self.session = session
         self.granted = trio.Event()
         self.inst: Instance | None = None
+
+
+class Parking(Protocol):
+    """Bridged flows parked at a child (gateway.bridge): what a shared backend asks before it
+    sends a call that may ask its caller for input."""
+
+    park_limit: float
+
+    def parked_since(self, owner: ClientSession) -> float | None: ...
+    def was_preempted(self, owner: ClientSession) -> bool: ...
+    def preempt(self, owner: ClientSession, child: ChildConnection) -> None: ...
 
 
 class BackendHost(Protocol):
@@ -104,6 +119,11 @@ class Backend:
         # per-session child), else it fails to start (never a silent downgrade to legacy).
         self.modern_seen = False
         self._session_index = 0
+        # shared: the bridge's parked flows (set by the hub), and the calls (tool name, else
+        # method) seen asking their caller for input: such a call waits for a parked flow of
+        # another caller to be resumed or preempted before it goes (see _acquire_unparked)
+        self.parking: Parking | None = None
+        self.askers: dict[str, None] = {}
 
     @property
     def attribution_matters(self) -> bool:
@@ -203,15 +223,50 @@ class Backend:
 
     # ---- choosing an instance ---------------------------------------------------------------
 
-    def pick_now(self, session: ClientSession) -> tuple[Instance, ChildConnection] | None:
+    def learn_asker(self, key: str) -> None:
+        """A call known by ``key`` asked its caller for input (bounded: the oldest is forgotten)."""
+        if key not in self.askers:
+            if len(self.askers) >= MAX_ASKERS:
+                del self.askers[next(iter(self.askers))]
+            self.askers[key] = None
+
+    def waits_for_parked(self, key: str) -> bool:
+        """Whether a call known by ``key`` must not go to a shared child where another
+        caller's bridged flow is parked (it asked for input before: so might it now)."""
+        return self.parking is not None and self.cfg.sharing == "shared" and key in self.askers
+
+    def _parked_at(self, child: ChildConnection, session: ClientSession
+                   ) -> tuple[dict[ClientSession, float], bool]:
+        """Other callers' parked flows at ``child`` (when each parked), and whether a preempted
+        one's call is still there (given up, not answered yet)."""
+        parking = self.parking
+        assert parking is not None
+        parked: dict[ClientSession, float] = {}
+        leaving = False
+        for owner in child.attribution():
+            if owner is session:
+                continue
+            since = parking.parked_since(owner)
+            if since is not None:
+                parked[owner] = since
+            elif parking.was_preempted(owner) and not child.calls_of(owner):
+                leaving = True
+        return parked, leaving
+
+    def pick_now(self, session: ClientSession, *, asks: bool = False
+                 ) -> tuple[Instance, ChildConnection] | None:
         """An instance that takes a call of ``session`` right now, per the sharing mode, or None
-        when the call would have to wait (then :meth:`acquire` waits for one)."""
+        when the call would have to wait (then :meth:`acquire` waits for one).  ``asks``: the
+        call may ask for input (:meth:`waits_for_parked`): in ``shared`` mode it takes no
+        instance where another caller's flow is parked."""
         if self._stopping:
             return None
         if self.cfg.sharing == "shared":
             best: tuple[int, Instance, ChildConnection] | None = None
             for inst in self.instances:
                 child = _running(inst)
+                if child is not None and asks and self._parked_at(child, session) != ({}, False):
+                    continue
                 if child is not None:
                     load = child.router.load
                     if best is None or load < best[0]:
@@ -234,8 +289,10 @@ class Backend:
         assert child is not None
         return inst, child
 
-    async def acquire(self, session: ClientSession) -> tuple[Instance, ChildConnection]:
-        """An instance and its running child for a call of ``session``, per the sharing mode.
+    async def acquire(self, session: ClientSession, *, asks: bool = False
+                      ) -> tuple[Instance, ChildConnection]:
+        """An instance and its running child for a call of ``session``, per the sharing mode
+        (``asks``: see :meth:`pick_now`).
 
         Raises:
             BackendUnavailable: not running within ``restart_wait`` (FATAL: at once).
@@ -243,15 +300,58 @@ class Backend:
         """
         if self._stopping:
             raise self._gone()
-        picked = self.pick_now(session)
+        picked = self.pick_now(session, asks=asks)
         if picked is not None:
             return picked
+        if asks and self.cfg.sharing == "shared" and self.parking is not None:
+            return await self._acquire_unparked(session)
         if self.cfg.sharing == "affine":
             return await self._acquire_affine(session)
         if self.cfg.sharing == "per-session":
             return await self._acquire_own(session)
         inst = self.instances[0]
         return inst, await inst.wait_ready(self.host.restart_wait)
+
+    async def _acquire_unparked(self, session: ClientSession) -> tuple[Instance, ChildConnection]:
+        """A shared instance where no other caller's flow is parked, for a call that may ask
+        for input: a flow parked there ``shared_park_limit`` seconds or more is preempted (the
+        call would otherwise be refused its input as unattributable), one parked for less is
+        waited for (its client may retry in time).  Bounded: after the limit plus
+        ``cancel_grace`` (a child that does not answer a given-up call) the call goes anyway,
+        and attribution decides as always."""
+        parking = self.parking
+        assert parking is not None
+        started = trio.current_time()
+        give_up_at = started + parking.park_limit + self.cfg.cancel_grace
+        while True:
+            if self._stopping:
+                raise self._gone()
+            now = trio.current_time()
+            picked = self.pick_now(session, asks=now < give_up_at)
+            if picked is not None:
+                if now > started:
+                    self.host.bus.emit(QueueWaited(self.name, now - started))
+                return picked
+            running = [(inst, child) for inst in self.instances
+                       if (child := _running(inst)) is not None]
+            if not running:  # (not running: as for any call)
+                inst = self.instances[0]
+                await inst.wait_ready(self.host.restart_wait)
+                continue
+            wake = give_up_at
+            for _inst, child in running:
+                parked, leaving = self._parked_at(child, session)
+                decision = mrtr.park_wait(parked, leaving, now, parking.park_limit)
+                if decision is None:
+                    continue
+                for owner in decision.preempt:
+                    parking.preempt(owner, child)  # type: ignore[arg-type]
+                wake = min(wake, decision.until)
+            if self.pick_now(session, asks=True) is not None:
+                continue
+            # woken by a call that ends or an answer that frees the attribution set
+            with trio.move_on_at(wake):
+                await self._released.wait()
 
     def _gone(self) -> errors.BackendUnavailable:
         if self.restarting:  # the reload starts a new one: trying again soon will work
@@ -456,6 +556,7 @@ class Backend:
         self.host.on_lists_changed(self)
 
     def on_settled(self, inst: Instance) -> None:
+        self._released.set()  # (a given-up call answered: wakes _acquire_unparked)
         if self.cfg.sharing == "affine":
             self._settle(inst)
 

@@ -27,6 +27,8 @@ import binascii
 import hashlib
 import hmac
 import json
+import math
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,6 +178,35 @@ def input_responses(params: dict[str, Raw]) -> dict[str, Raw]:
             raise errors.InvalidParams(f"inputResponses[{key[:64]!r}] must be an object (the result of "
                                        "that input request)")
     return fields
+
+
+@dataclass(frozen=True, slots=True)
+class ParkWait:
+    """A call that may ask its caller for input waits before it goes to a shared child."""
+
+    preempt: tuple[Hashable, ...]  # parked flows past the limit: end them now
+    until: float  # when the next parked one reaches the limit (``inf``: none is left to end)
+
+
+def park_wait(parked: Mapping[Hashable, float], leaving: bool, now: float,
+              limit: float) -> ParkWait | None:
+    """Whether a call that may ask for input must wait before it goes to a ``shared`` child.
+
+    A child's request is attributed only while one caller's calls are at that child, and a
+    parked flow's call (answered ``input_required``, its client gone between rounds) stays
+    there until the client retries: another caller's request would be refused as
+    unattributable.  ``parked`` maps the *other* callers' parked flows on the child to when
+    each parked; ``leaving``: a flow ended for this (preempted) still has its call at the
+    child, which has not answered it yet.  None: nothing blocks, the call goes now.  Otherwise
+    the flows parked ``limit`` seconds or more are to be ended now; a flow parked for less is
+    never ended (its client may still retry in time).
+    """
+    if not parked and not leaving:
+        return None
+    due = tuple(owner for owner, since in parked.items() if now - since >= limit)
+    until = min((since + limit for since in parked.values() if now - since < limit),
+                default=math.inf)
+    return ParkWait(due, until)
 
 
 def input_required(requests: dict[str, tuple[str, Raw]], state: str) -> Raw:

@@ -365,10 +365,12 @@ class ChildRouter:
         if was_sent and self._server_requests and not call.internal and self.exited is None:
             self._owner_call_ended(call.owner, actions)
 
-    def cancel(self, call: Call, now: float, error: errors.GatewayError | None = None) -> list[Action]:
+    def cancel(self, call: Call, now: float, error: errors.GatewayError | None = None, *,
+               notify: bool = True) -> list[Action]:
         """The caller gave up on ``call``: it is answered ``error`` (None: not at all) now; a call
-        at the child is abandoned and the child told ``notifications/cancelled``.  A call that
-        is already over is left alone (returns no action)."""
+        at the child is abandoned and the child told ``notifications/cancelled`` (unless not
+        ``notify``: the child was told otherwise to stop, and its reply is what takes the call
+        out of the attribution set).  A call that is already over is left alone (no action)."""
         actions: list[Action] = []
         if call.state is CallState.QUEUED:
             if call.line is None:  # opened but never submitted
@@ -378,16 +380,18 @@ class ChildRouter:
             self._unqueue(call)
             self._finish(call, None, error, actions)
         elif call.state is CallState.SENT:
-            self._abandon(call, now, error, actions)
+            self._abandon(call, now, error, actions, notify)
         return actions
 
     def _abandon(self, call: Call, now: float, error: errors.GatewayError | None,
-                 actions: list[Action]) -> None:
+                 actions: list[Action], notify: bool = True) -> None:
         self._finish(call, None, error, actions)
         call.state = CallState.ABANDONED
         call.abandoned_at = now
-        actions.append(ToChild(jsonrpc.encode_notification("notifications/cancelled", jsonrpc.encode_dict(
-            {"requestId": call.gid, "reason": "cancelled by the gateway"}))))
+        if notify:
+            actions.append(ToChild(jsonrpc.encode_notification("notifications/cancelled",
+                                                               jsonrpc.encode_dict({
+                "requestId": call.gid, "reason": "cancelled by the gateway"}))))
         if not call.internal:
             self._busy -= 1
             if self._queued:

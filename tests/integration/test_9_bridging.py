@@ -74,7 +74,12 @@ async def test_tampered_other_params_and_missing_capability() -> None:
         assert invalid_state(r), r.text
         assert await metric(port, "mcp_gateway_request_states_refused_total", reason="tampered") == 1
         assert await metric(port, "mcp_gateway_input_required_results_total", backend="fx") == 1
-        # the waiting child was told at once (declined) and its call ended: nothing hangs
+        # an unauthenticated caller's tampered state ends nothing (anyone can name a flow): the
+        # genuine retry completes the call, and nothing is left in flight
+        r = await call(c, gw.http_url, "fx__elicit", {"message": "m"}, id=3,
+                       inputResponses={"srv-1": {"action": "accept", "content": {"answer": "x"}}},
+                       requestState=state)
+        assert r.json()["result"]["resultType"] == "complete", r.text
         with trio.fail_after(5):
             await wait_status(port, lambda st: st["client_requests_in_flight"] == 0
                               and st["connections"].get("http", 0) == 0)
@@ -83,8 +88,7 @@ async def test_tampered_other_params_and_missing_capability() -> None:
         result = r.json()["result"]
         assert result["resultType"] == "complete" and result["isError"]
         assert "-32021" in result["content"][0]["text"]
-        # (fy: fx may still count the cancelled call as in flight until it answers it, and a
-        # child's request is bridged only while one caller's calls are in flight there)
+        # (fy: a child's request is bridged only while one caller's calls are in flight there)
         r = await call(c, gw.http_url, "fy__elicit", {"message": "m"})
         assert "requestState" in r.json()["result"], r.text
         state = r.json()["result"]["requestState"]
