@@ -260,6 +260,9 @@ async def test_10_oauth_jwts_from_a_local_issuer(monkeypatch: pytest.MonkeyPatch
                 "none": none_alg,
                 "hs256": hs,
                 "no exp": issuer.token(exp=None),
+                # PyJWT takes a string exp; the principal would have no expiry for its streams
+                "string exp": issuer.token(exp=str(int(time.time()) + 300)),
+                "string iat": issuer.token(iat=str(int(time.time()))),
             }
             for why, token in bad.items():
                 r = await c.post(url, headers=auth(token), json=INIT)
@@ -304,6 +307,8 @@ async def test_10_oauth_jwts_from_a_local_issuer(monkeypatch: pytest.MonkeyPatch
                         pass  # ends when the token expires
             # WebSocket: the JWT on the upgrade; an expired one is refused
             assert (await upgrade(gw.bound.websocket_port, bad["expired"]))[0] == 401
+            status, headers = await upgrade(gw.bound.websocket_port, bad["string exp"])
+            assert status == 401 and "'exp' claim is not a number" in headers["www-authenticate"]
             async with connect(gw.url, token=issuer.token(scope="tools:write")) as ws:
                 assert text_of(await ws.call("fx__echo", {"message": "jwt ws"})) == "jwt ws"
             async with connect(gw.url, token=issuer.token(exp=int(time.time()) + 2)) as ws:
