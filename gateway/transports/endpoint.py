@@ -10,8 +10,8 @@ status: path (404; ``/healthz`` and ``/readyz`` are answered for load balancers,
 (403: DNS rebinding), ``Origin`` (403), the credential when ``[auth]`` is configured (401 with
 ``WWW-Authenticate``, :mod:`gateway.auth.authenticator`), method (405), ``Accept``
 (406), ``Content-Type`` (415), the body as one JSON-RPC message (400 with the -32700/-32600
-error), ``Mcp-Session-Id`` (400 missing, 404 unknown or ended), ``MCP-Protocol-Version``
-(400 unsupported; absent means 2025-03-26), and a policy rule's scopes (403
+error; a batch by the batch rule, its invalid entries answered in its array),
+``Mcp-Session-Id`` (400 missing, 404 unknown or ended), ``MCP-Protocol-Version`` (400 unsupported; absent means 2025-03-26), and a policy rule's scopes (403
 ``insufficient_scope``, via ``scope_check``).  A session is bound to the principal that created
 it: another principal, or none, presenting its id gets the 404 of an unknown session; a
 bridged flow's ``requestState`` is bound the same way (gateway.bridge).  An ``initialize`` POST without a session id creates
@@ -302,28 +302,7 @@ class Endpoint:
     async def _post(self, conn: HttpConnection, req: Request, principal: Principal | None) -> None:
         body = req.body
         if jsonrpc.is_batch(body):
-            session = self._session(req, principal)
-            if session.client is None or session.client.protocol_version != mcp.BATCH_VERSION:
-                raise _jsonrpc_error(400, errors.InvalidRequest(
-                    "JSON-RPC batches are only accepted from clients that negotiated 2025-03-26"))
-            try:
-                items = jsonrpc.split_batch(body, self.max_json_depth)
-                envs = [jsonrpc.decode(bytes(i), self.max_json_depth) for i in items]
-                kinds = [jsonrpc.classify(e) for e in envs]
-            except errors.GatewayError as exc:
-                raise _jsonrpc_error(400, exc) from None
-            if not items:
-                raise _jsonrpc_error(400, errors.InvalidRequest("empty batch"))
-            for e in envs:
-                self._check_scopes(req, principal, e)
-            if "request" in kinds:
-                _refuse_if(self.draining(), None)
-                sink = Sink(conn, session.id, batch=True)
-                sink.ids = frozenset(e.id for e, k in zip(envs, kinds, strict=True)
-                                     if k == "request" and isinstance(e.id, int | str))
-                await self._stream(conn, session, sink, body)
-            else:
-                self._accepted(conn, session, body)
+            await self._batch(conn, req, principal, body)
             return
         try:
             env = jsonrpc.decode(body, self.max_json_depth)
@@ -369,6 +348,33 @@ class Endpoint:
             raise _jsonrpc_error(200, errors.InvalidParams(
                 f"progressToken {sink.token!r} is in use by another request of this session",
                 reason="progress_token_in_use"), env.id)
+        await self._stream(conn, session, sink, body)
+
+    async def _batch(self, conn: HttpConnection, req: Request, principal: Principal | None,
+                     body: bytes) -> None:
+        """A batch POST (2025-03-26 sessions): refused as a whole (400) by the batch rule
+        (:func:`gateway.protocol.jsonrpc.decode_batch`); else answered 200 with one array (the
+        session's connection answers each entry, an invalid one with -32600 ``id: null``), or
+        202 when nothing in it wants an answer."""
+        session = self._session(req, principal)
+        client = session.client
+        try:
+            entries = jsonrpc.decode_batch(body, None if client is None else client.protocol_version,
+                                           0 if client is None else client.max_inflight, self.max_json_depth)
+        except errors.GatewayError as exc:
+            raise _jsonrpc_error(400, exc) from None
+        requests = [e.env for e in entries if e.kind == "request" and e.env is not None]
+        for env in requests:
+            self._check_scopes(req, principal, env)
+        invalid = sum(e.env is None for e in entries)
+        if not requests and not invalid:
+            self._accepted(conn, session, body)
+            return
+        if requests:
+            _refuse_if(self.draining(), None)
+        sink = Sink(conn, session.id, batch=True)
+        sink.ids = frozenset(env.id for env in requests if isinstance(env.id, int | str))
+        sink.invalid = invalid
         await self._stream(conn, session, sink, body)
 
     async def _modern(self, conn: HttpConnection, req: Request, env: jsonrpc.Envelope, kind: str,
