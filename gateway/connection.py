@@ -165,7 +165,7 @@ class Direct:
             self.finish()
 
     def handle(self, data: bytes) -> None:
-        _handle(self.hub, self.session, data, self.nursery, None)
+        _handle(self.hub, self.session, data, self.nursery)
 
     def _start_writer(self) -> None:
         if not self.done:
@@ -270,30 +270,9 @@ async def _reader(hub: Hub, session: ClientSession, stream: MessageStream, nurse
             session.close(exc.close_reason)
             return
         if jsonrpc.is_batch(data):
-            if session.protocol_version != mcp.BATCH_VERSION:
-                session.send(error_response(None, errors.InvalidRequest(
-                    "JSON-RPC batches are only accepted from clients that negotiated 2025-03-26")))
-                continue
-            try:
-                items = jsonrpc.split_batch(data, hub.max_json_depth)
-            except errors.GatewayError as exc:
-                session.send(error_response(None, exc))
-                continue
-            if not items:
-                session.send(error_response(None, errors.InvalidRequest("empty batch")))
-                continue
-            if len(items) > session.max_inflight:  # its answers must fit in one bounded array
-                session.send(error_response(None, errors.InvalidRequest(
-                    f"a batch of {len(items)} messages; at most {session.max_inflight} "
-                    "(max_inflight_per_connection)", reason="batch_too_large",
-                    limit=session.max_inflight)))
-                continue
-            collector = _BatchCollector(session, hub.max_message_bytes)
-            for item in items:
-                _handle(hub, session, bytes(item), nursery, collector)
-            collector.seal()
+            _handle_batch(hub, session, data, nursery)
             continue
-        _handle(hub, session, data, nursery, None)
+        _handle(hub, session, data, nursery)
 
 
 async def _wait_drained(session: ClientSession, stall: float) -> None:
@@ -370,15 +349,12 @@ class _BatchCollector:
             self._parts = []
 
 
-def _handle(hub: Hub, session: ClientSession, data: bytes, nursery: trio.Nursery,
-            batch: _BatchCollector | None) -> None:
-    reply: Callable[[bytes | None, int | str | None], None]
-    if batch is not None:
-        reply = batch.expect()
-    else:
-        def reply(message: bytes | None, id: int | str | None = None) -> None:
-            if message is not None:
-                session.send(message)
+def _handle(hub: Hub, session: ClientSession, data: bytes, nursery: trio.Nursery) -> None:
+    """One message (not a batch)."""
+    def reply(message: bytes | None, id: int | str | None = None) -> None:
+        if message is not None:
+            session.send(message)
+
     try:
         env = jsonrpc.decode(data, hub.max_json_depth)
         kind = jsonrpc.classify(env)
@@ -386,6 +362,36 @@ def _handle(hub: Hub, session: ClientSession, data: bytes, nursery: trio.Nursery
         bad_id = exc.data.pop("id", None)
         reply(error_response(bad_id, exc), bad_id)
         return
+    _dispatch(hub, session, env, kind, len(data), nursery, reply, in_batch=False)
+
+
+def _handle_batch(hub: Hub, session: ClientSession, data: bytes, nursery: trio.Nursery) -> None:
+    """A batch (:func:`gateway.protocol.jsonrpc.decode_batch`): refused as a whole with one
+    error, or each entry handled and the answers sent as one array (an invalid entry's -32600
+    among them)."""
+    try:
+        entries = jsonrpc.decode_batch(data, session.protocol_version, session.max_inflight,
+                                       hub.max_json_depth)
+    except errors.GatewayError as exc:
+        session.send(error_response(None, exc))
+        return
+    collector = _BatchCollector(session, hub.max_message_bytes)
+    for entry in entries:
+        reply = collector.expect()
+        if entry.env is None:
+            assert entry.error is not None
+            reply(error_response(None, entry.error), None)
+        else:
+            assert entry.kind is not None
+            _dispatch(hub, session, entry.env, entry.kind, entry.size, nursery, reply, in_batch=True)
+    collector.seal()
+
+
+def _dispatch(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, kind: jsonrpc.Kind, size: int,
+              nursery: trio.Nursery, reply: Callable[[bytes | None, int | str | None], None], *,
+              in_batch: bool) -> None:
+    """A decoded message: a request is served (or refused), anything else taken in; ``reply``
+    is called once (with None when there is nothing to answer now)."""
     if kind == "request":
         assert isinstance(env.id, int | str) and isinstance(env.method, str)
         if hub.draining and not _continues_flow(session, env):  # never started: safe elsewhere
@@ -393,10 +399,9 @@ def _handle(hub: Hub, session: ClientSession, data: bytes, nursery: trio.Nursery
             reply(error_response(env.id, errors.Denied(
                 "the gateway is shutting down; send this request elsewhere", reason="shutdown", retryable=True)), env.id)
             return
-        if env.method == "initialize" and batch is not None:
+        if env.method == "initialize" and in_batch:
             reply(error_response(env.id, errors.InvalidRequest("initialize must not be part of a batch")), env.id)
             return
-        size = len(data)
         try:
             session.check_new_call(env.id, size)
         except errors.GatewayError as exc:

@@ -328,6 +328,8 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
         if "http" in fds or cfg.listen.http is not None:
             http_listeners = await _tcp_listeners(fds, "http", cfg.listen.http, cfg)
             bound.http_port = ls.bound_port(http_listeners)
+            if hub.authn is not None:  # a WebSocket 401 points at this listener's metadata
+                hub.authn.http_port = bound.http_port
             exposed += _listener_status("http", http_listeners, cfg, tls_context is not None)
 
             async def serve_session(session: HttpSession) -> None:
@@ -422,7 +424,8 @@ async def _ws_authenticate(hub: Hub, host: str | None, authorization: str | None
         return await authn.authenticate(authorization)
     except Unauthorized as exc:
         authn.refused("websocket", "websocket upgrade", exc.kind)
-        raise Refused(401, str(exc), [(b"www-authenticate", authn.challenge(host, exc).encode())]) from None
+        header = authn.challenge(host, exc, websocket=True)
+        raise Refused(401, str(exc), [(b"www-authenticate", header.encode())]) from None
 
 
 def _ws_admit(hub: Hub, principal: object) -> Callable[[], None]:

@@ -97,11 +97,21 @@ def _tokens_path(cfg: GatewayConfig) -> str | None:
     return None if not path else os.path.join(cfg.base_dir, path)
 
 
+def _with_port(host: str, port: int) -> str:
+    """``host`` (a Host header: name, IPv4 or [IPv6], maybe a port) with ``port``."""
+    name, _, old = host.rpartition(":")
+    if not (old.isdigit() and name and not host.endswith("]")):
+        name = host
+    return f"{name}:{port}"
+
+
 class Authenticator:
     """The configured authenticators (see the module docstring)."""
 
     def __init__(self, cfg: GatewayConfig) -> None:
         self.auth = AuthSection()
+        self.name = "mcp-gateway"  # gateway.name: the challenge's realm, the resource_name
+        self.http_port: int | None = None  # the HTTP listener's (set by the service once bound)
         self.public_url: str | None = None
         self.tls = False
         self.bearer = BearerTable([])
@@ -140,6 +150,7 @@ class Authenticator:
 
                 jwks = JwksCache(oauth.jwks_uri, oauth.jwks_refresh_min_interval)
         self.auth = cfg.auth
+        self.name = cfg.gateway.name
         self.public_url = cfg.listen.public_url
         self.tls = bool(cfg.listen.tls_cert)
         self.bearer = BearerTable(entries)
@@ -217,23 +228,27 @@ class Authenticator:
 
     # ---- what clients are told -------------------------------------------------------------
 
-    def resource(self, host: str | None) -> str:
-        return challenge.resource(self.auth, self.public_url, "https" if self.tls else "http", host)
-
     def challenge(self, host: str | None, exc: Unauthorized | None = None,
-                  scope: list[str] | None = None) -> str:
+                  scope: list[str] | None = None, *, websocket: bool = False) -> str:
         """The ``WWW-Authenticate`` value for a 401 (``exc``) or a 403 ``insufficient_scope``
-        (``scope``: the scopes the request needs)."""
-        metadata = challenge.metadata_url(self.resource(host))
+        (``scope``: the scopes the request needs).  ``host``: the request's ``Host``; on the
+        WebSocket listener (``websocket``) the metadata is still the HTTP listener's."""
+        if websocket and host is not None:
+            host = None if self.http_port is None else _with_port(host, self.http_port)
+        metadata = challenge.metadata_location(self.auth, self.public_url,
+                                               "https" if self.tls else "http", host)
         if scope is not None:
-            return challenge.www_authenticate(metadata, error="insufficient_scope", scope=scope,
-                                              description="the request needs more scopes")
+            return challenge.www_authenticate(metadata, realm=self.name, error="insufficient_scope",
+                                              scope=scope, description="the request needs more scopes")
         if exc is None or exc.error is None:
-            return challenge.www_authenticate(metadata)
-        return challenge.www_authenticate(metadata, error=exc.error, description=str(exc))
+            return challenge.www_authenticate(metadata, realm=self.name)
+        return challenge.www_authenticate(metadata, realm=self.name, error=exc.error,
+                                          description=str(exc))
 
-    def metadata(self, host: str | None) -> dict[str, Any]:
-        return challenge.metadata_document(self.resource(host), self.auth)
+    def metadata(self) -> dict[str, Any] | None:
+        """The Protected Resource Metadata; None without an authorization server (404)."""
+        oauth = self.auth.oauth
+        return None if oauth is None else challenge.metadata_document(oauth.audience, oauth, self.name)
 
     # ---- operator view ----------------------------------------------------------------------
 

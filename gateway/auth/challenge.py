@@ -2,12 +2,18 @@
 of a 401 or a 403 ``insufficient_scope`` (RFC 6750 §3), and the Protected Resource Metadata
 document (RFC 9728) it points to.
 
-The resource is this gateway's ``/mcp`` as clients name it: ``[auth.oauth] audience`` when
-OAuth is configured (the RFC 8707 resource its tokens are issued for), else
-``listen.public_url``, else ``<scheme>://<Host of the request>/mcp`` (the Host was checked
-against the allow-list before).  Its metadata lives at the RFC 9728 §3.1 well-known URL: the
-path ``/.well-known/oauth-protected-resource`` inserted between the resource's authority and
-its path; the gateway serves it there and at the bare well-known path.
+The metadata exists only when an authorization server is configured (``[auth.oauth]``): it must
+name one (MCP authorization: ``authorization_servers`` holds at least one), and an OAuth-capable
+client that finds it goes there for a token.  With bearer tokens only there is no authorization
+server to send a client to: the challenge is ``Bearer realm="<gateway.name>"`` and the metadata
+paths answer 404, so such a client reports a missing token instead of trying to register with
+the gateway.
+
+The resource is this gateway's ``/mcp`` as clients name it: ``[auth.oauth] audience`` (the
+RFC 8707 resource its tokens are issued for).  Its metadata lives at the RFC 9728 §3.1
+well-known URL: the path ``/.well-known/oauth-protected-resource`` inserted between the
+resource's authority and its path; the gateway serves it there and at the bare well-known path,
+on the HTTP listener only (:func:`metadata_location` never points at the WebSocket port).
 """
 
 from __future__ import annotations
@@ -16,20 +22,25 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
-    from gateway.config import AuthSection
+    from gateway.config import AuthSection, OAuthSection
 
 WELL_KNOWN = "/.well-known/oauth-protected-resource"
 #: The paths the metadata is served at on the client listener.
 METADATA_PATHS = (WELL_KNOWN, WELL_KNOWN + "/mcp")
 
 
-def resource(auth: AuthSection, public_url: str | None, scheme: str, host: str | None) -> str:
-    """This gateway's resource URI (see the module docstring)."""
-    if auth.oauth is not None:
-        return auth.oauth.audience
-    if public_url:
-        return public_url
-    return f"{scheme}://{host or 'localhost'}/mcp"
+def metadata_location(auth: AuthSection, public_url: str | None, scheme: str,
+                      http_host: str | None) -> str | None:
+    """Where a challenge points (``resource_metadata``): None without an authorization server
+    (no metadata is served).  The well-known URL of the audience when it is an http(s) URL,
+    else of ``public_url``, else of the HTTP listener as ``http_host`` names it (None: no HTTP
+    listener, nowhere to point)."""
+    if auth.oauth is None:
+        return None
+    for uri in (auth.oauth.audience, public_url):
+        if uri and urlsplit(uri).scheme in ("http", "https"):
+            return metadata_url(uri)
+    return None if http_host is None else metadata_url(f"{scheme}://{http_host}/mcp")
 
 
 def metadata_url(resource_uri: str) -> str:
@@ -44,11 +55,11 @@ def _quoted(value: str) -> str:
     return '"' + "".join(c for c in value if c.isprintable() and c not in '"\\') + '"'
 
 
-def www_authenticate(metadata: str, *, error: str | None = None, description: str | None = None,
-                     scope: list[str] | None = None) -> str:
-    """``Bearer resource_metadata="…"`` plus ``error``, ``error_description`` and ``scope``
-    when given."""
-    params = [f"resource_metadata={_quoted(metadata)}"]
+def www_authenticate(metadata: str | None, *, realm: str = "", error: str | None = None,
+                     description: str | None = None, scope: list[str] | None = None) -> str:
+    """``Bearer resource_metadata="…"`` (or ``realm="…"`` when there is no metadata to point
+    at) plus ``error``, ``error_description`` and ``scope`` when given."""
+    params = [f"resource_metadata={_quoted(metadata)}" if metadata else f"realm={_quoted(realm)}"]
     if error:
         params.append(f"error={_quoted(error)}")
     if description:
@@ -58,14 +69,12 @@ def www_authenticate(metadata: str, *, error: str | None = None, description: st
     return "Bearer " + ", ".join(params)
 
 
-def metadata_document(resource_uri: str, auth: AuthSection) -> dict[str, Any]:
-    oauth = auth.oauth
-    doc: dict[str, Any] = {
+def metadata_document(resource_uri: str, oauth: OAuthSection, name: str) -> dict[str, Any]:
+    """The Protected Resource Metadata (served only with an authorization server)."""
+    return {
         "resource": resource_uri,
-        "authorization_servers": [oauth.issuer] if oauth is not None else [],
+        "authorization_servers": [oauth.issuer],
         "bearer_methods_supported": ["header"],
+        "scopes_supported": list(oauth.scopes_supported),
+        "resource_name": name,
     }
-    if oauth is not None:
-        doc["scopes_supported"] = list(oauth.scopes_supported)
-    doc["resource_name"] = "mcp-gateway"
-    return doc

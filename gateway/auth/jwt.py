@@ -6,7 +6,9 @@ ES256 are accepted (never ``none``, never an HMAC algorithm: a shared secret can
 key), and the algorithm must be the one of the key the ``kid`` names (an RSA key verifies RS256
 only, a P-256 key ES256 only), so a token cannot choose how it is checked.  PyJWT then verifies
 the signature, ``iss`` equal to the issuer, ``aud`` containing this gateway's resource URI
-(RFC 8707), ``exp`` (required) and ``nbf`` with ``leeway`` seconds of clock skew.  The
+(RFC 8707), ``exp`` (required) and ``nbf`` with ``leeway`` seconds of clock skew; ``exp``,
+``nbf`` and ``iat`` must be JSON numbers (PyJWT takes ``"exp": "1764590000"``, which would leave
+the principal without an expiry for its long-lived streams).  The
 principal is the ``principal_claim`` (``sub`` by default), groups the ``groups_claim``, scopes
 ``scope`` (space separated) or ``scp`` (a list or a string).  A failure is :class:`TokenRefused`
 with a short ``kind`` for logs and a description safe to send back in ``WWW-Authenticate``.
@@ -15,6 +17,7 @@ with a short ``kind`` for logs and a description safe to send back in ``WWW-Auth
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +34,8 @@ ALGORITHMS = ("RS256", "ES256")
 MAX_KEYS = 32
 #: Claims a token must carry besides the signature.
 REQUIRED = ["exp", "iss", "aud"]
+#: Claims that are times (NumericDate, RFC 7519 §2): a JSON number when present.
+TIMES = ("exp", "nbf", "iat")
 #: Bounds on what a token may hand the gateway: principal name length, groups, scopes.
 MAX_NAME = 256
 MAX_ITEMS = 256
@@ -122,9 +127,9 @@ def verify(token: str, key: Key, alg: str, oauth: OAuthSection) -> dict[str, Any
     if alg != key.algorithm:
         raise TokenRefused("algorithm", "the token's algorithm is not its key's")
     try:
-        return pyjwt.decode(token, key.key, algorithms=[key.algorithm], audience=oauth.audience,
-                            issuer=oauth.issuer, leeway=oauth.leeway,
-                            options={"require": REQUIRED, "verify_signature": True})
+        claims: dict[str, Any] = pyjwt.decode(
+            token, key.key, algorithms=[key.algorithm], audience=oauth.audience, issuer=oauth.issuer,
+            leeway=oauth.leeway, options={"require": REQUIRED, "verify_signature": True})
     except pyjwt.ExpiredSignatureError:
         raise TokenRefused("expired", "the token has expired") from None
     except pyjwt.ImmatureSignatureError:
@@ -139,6 +144,18 @@ def verify(token: str, key: Key, alg: str, oauth: OAuthSection) -> dict[str, Any
         raise TokenRefused("signature", "the token's signature does not verify") from None
     except PyJWTError:
         raise TokenRefused("invalid", "the token does not verify") from None
+    check_times(claims)
+    return claims
+
+
+def check_times(claims: dict[str, Any]) -> None:
+    """``exp``, ``nbf`` and ``iat``, when present, are finite JSON numbers (not strings, not
+    booleans)."""
+    for claim in TIMES:
+        value = claims.get(claim)
+        if claim in claims and (isinstance(value, bool) or not isinstance(value, int | float)
+                                or not math.isfinite(value)):
+            raise TokenRefused("claims", f"the token's {claim!r} claim is not a number (NumericDate)")
 
 
 def _strings(value: object) -> frozenset[str]:
@@ -161,6 +178,6 @@ def principal_of(claims: dict[str, Any], oauth: OAuthSection, labels: frozenset[
         raise TokenRefused("claims", f"the token's {oauth.principal_claim!r} claim is not a usable name")
     groups = _strings(claims.get(oauth.groups_claim)) if oauth.groups_claim else frozenset()
     scopes = _strings(claims["scope"] if "scope" in claims else claims.get("scp"))
-    exp = claims.get("exp")
+    exp = claims.get("exp")  # a number: verify() checked it
     return Principal(name, groups, scopes, "oauth", name if name in labels else "other",
                      credential=credential, expires=float(exp) if isinstance(exp, int | float) else None)

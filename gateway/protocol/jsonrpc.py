@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
-from gateway.errors import InvalidRequest, ParseError
+from gateway.errors import GatewayError, InvalidRequest, ParseError
 from gateway.protocol import wire
 
 #: Default of ``gateway.max_json_depth``.
@@ -203,6 +204,53 @@ def split_batch(data: bytes, max_depth: int = MAX_DEPTH) -> list[Raw]:
         if not isinstance(items, list):
             raise ParseError("parse error: expected an array") from None
         return [_stdlib_raw(item) for item in items]
+
+
+#: The one protocol revision with JSON-RPC batches (added in 2025-03-26, removed in 2025-06-18).
+BATCH_VERSION = "2025-03-26"
+
+
+@dataclass(frozen=True, slots=True)
+class BatchEntry:
+    """One entry of a batch: a message (``env`` and its ``kind``) or, when it is not a valid
+    JSON-RPC message, the ``error`` to answer it with (``id: null``)."""
+
+    size: int
+    env: Envelope | None = None
+    kind: Kind | None = None
+    error: GatewayError | None = None
+
+
+def decode_batch(data: bytes, version: str | None, max_items: int,
+                 max_depth: int = MAX_DEPTH) -> list[BatchEntry]:
+    """The batch rule, the same on every transport: a JSON array from a client that negotiated
+    :data:`BATCH_VERSION`, of 1 to ``max_items`` entries (its answers must fit one bounded
+    array), decoded entry by entry.  An invalid entry does not spoil the others (JSON-RPC 2.0
+    §6): it is answered, in the batch's array, by its own -32600 with ``id: null``.
+
+    Raises:
+        InvalidRequest: the client did not negotiate 2025-03-26, the array is empty, has more
+            than ``max_items`` entries, or nests deeper than ``max_depth``.
+        ParseError: not JSON, not UTF-8.
+    """
+    if version != BATCH_VERSION:
+        raise InvalidRequest("JSON-RPC batches are only accepted from clients that negotiated "
+                             f"{BATCH_VERSION}")
+    items = split_batch(data, max_depth)
+    if not items:
+        raise InvalidRequest("empty batch")
+    if len(items) > max_items:
+        raise InvalidRequest(f"a batch of {len(items)} messages; at most {max_items} "
+                             "(max_inflight_per_connection)", reason="batch_too_large", limit=max_items)
+    entries = []
+    for item in items:
+        try:
+            env = decode(bytes(item), max_depth)
+            entries.append(BatchEntry(len(item), env, classify(env)))
+        except GatewayError as exc:
+            exc.data.pop("id", None)  # JSON-RPC 2.0: an invalid request's error has id null
+            entries.append(BatchEntry(len(item), error=exc))
+    return entries
 
 
 def _safe_id(env: Envelope) -> int | str | None:

@@ -18,8 +18,6 @@ T = TypeVar("T")
 #: Legacy (``initialize``-based) revisions the gateway speaks toward clients, oldest first.
 LEGACY_VERSIONS = ("2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25")
 LATEST_LEGACY = LEGACY_VERSIONS[-1]
-#: The only revision in which JSON-RPC batches are part of the protocol.
-BATCH_VERSION = "2025-03-26"
 
 LOG_LEVELS = ("debug", "info", "notice", "warning", "error", "critical", "alert", "emergency")
 LOG_RANK = {level: rank for rank, level in enumerate(LOG_LEVELS)}

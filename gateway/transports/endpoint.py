@@ -4,15 +4,17 @@ its connections, the checks every request passes, and the table of live sessions
 Theory of operation: each accepted TCP connection holds a ``max_connections`` slot and is one
 task serving requests one after the other (:class:`~gateway.transports.http.HttpConnection`,
 keep-alive).  A request is checked in this order, each failure answered and counted by its
-status: path (404; ``/healthz`` and ``/readyz`` are answered for load balancers, with any
-``Host``, by :func:`gateway.ops.admin.probe`; the Protected Resource Metadata at
-:data:`~gateway.auth.challenge.METADATA_PATHS` when authentication is configured), ``Host``
-(403: DNS rebinding), ``Origin`` (403), the credential when ``[auth]`` is configured (401 with
-``WWW-Authenticate``, :mod:`gateway.auth.authenticator`), method (405), ``Accept``
-(406), ``Content-Type`` (415), the body as one JSON-RPC message (400 with the -32700/-32600
-error), ``Mcp-Session-Id`` (400 missing, 404 unknown or ended), ``MCP-Protocol-Version``
-(400 unsupported; absent means 2025-03-26), and a policy rule's scopes (403
-``insufficient_scope``, via ``scope_check``).  A session is bound to the principal that created
+status: path (404, or 401 with an OAuth error body when authentication is configured and the
+request has no valid credential; ``/healthz`` and ``/readyz`` are answered for load balancers,
+with any ``Host``, by :func:`gateway.ops.admin.probe`; the Protected Resource Metadata at
+:data:`~gateway.auth.challenge.METADATA_PATHS` when an OAuth authorization server is
+configured), ``Host`` (403: DNS rebinding), ``Origin`` (403), the credential when ``[auth]``
+is configured (401 with ``WWW-Authenticate``, :mod:`gateway.auth.authenticator`), method (405),
+``Accept`` (406), ``Content-Type`` (415), the body as one JSON-RPC message (400 with the
+-32700/-32600 error; a batch by the batch rule, its invalid entries answered in its array),
+``Mcp-Session-Id`` (400 missing, 404 unknown or ended), ``MCP-Protocol-Version`` (400
+unsupported; absent means 2025-03-26), and a policy rule's scopes (403 ``insufficient_scope``,
+via ``scope_check``).  A session is bound to the principal that created
 it: another principal, or none, presenting its id gets the 404 of an unknown session; a
 bridged flow's ``requestState`` is bound the same way (gateway.bridge).  An ``initialize`` POST without a session id creates
 a session (:class:`~gateway.transports.streamable.HttpSession`, at most ``http_max_sessions``,
@@ -205,17 +207,21 @@ class Endpoint:
                 session.client.principal = principal
         return session
 
-    async def _authenticate(self, req: Request) -> Principal | None:
+    async def _authenticate(self, req: Request, *, oauth_body: bool = False) -> Principal | None:
         """The request's principal (None: authentication is not configured); a 401 with the
-        ``WWW-Authenticate`` challenge otherwise."""
+        ``WWW-Authenticate`` challenge otherwise (``oauth_body``: its body an OAuth error
+        object, RFC 6749 §5.2, which an OAuth client reports as it is)."""
         authn = self.authn
         if authn is None or not authn.configured:
             return None
         try:
             return await authn.authenticate(req.header(b"authorization"))
         except Unauthorized as exc:
-            authn.refused("http", "/mcp", exc.kind)
+            authn.refused("http", "/mcp" if req.path == PATH else "another path", exc.kind)
             refusal = HttpError(401, str(exc))
+            if oauth_body:
+                refusal = HttpError(401, str(exc), msgspec.json.encode(
+                    {"error": exc.error or "invalid_request", "error_description": str(exc)}), JSON)
             refusal.headers = [("www-authenticate", authn.challenge(req.header(b"host"), exc))]
             raise refusal from None
 
@@ -251,14 +257,17 @@ class Endpoint:
             raise refusal
 
     def _metadata(self, conn: HttpConnection, req: Request) -> None:
-        """The Protected Resource Metadata (RFC 9728), when authentication is configured."""
-        if self.authn is None or not self.authn.configured:
-            raise HttpError(404, "not found (authentication is not configured)")
+        """The Protected Resource Metadata (RFC 9728), when an authorization server is
+        configured ([auth.oauth]): with none there is nowhere to send a client for a token."""
+        doc = None if self.authn is None or not self.authn.configured else self.authn.metadata()
+        if doc is None:
+            raise HttpError(404, "not found (no OAuth authorization server is configured here: "
+                                 "send Authorization: Bearer <token> with a token from the operator)")
         if not req.host_in(self.hosts):
             raise HttpError(403, "Host not allowed")
         if req.method not in ("GET", "HEAD"):
             raise HttpError(405, "method not allowed")
-        body = msgspec.json.encode(self.authn.metadata(req.header(b"host")))
+        body = msgspec.json.encode(doc)
         conn.respond(200, body, JSON, [("cache-control", "max-age=300"),
                                        ("access-control-allow-origin", "*")])
 
@@ -272,6 +281,10 @@ class Endpoint:
                 code, content_type, text, extra = self.probes(req)
                 conn.respond(code, text, content_type, [("cache-control", "no-store"), *extra])
                 return
+            # Every path of a listener that wants a credential wants it: an OAuth client that
+            # fell back to this origin as its authorization server (/.well-known/
+            # oauth-authorization-server, /register, /token) is told it lacks a token, not 404.
+            await self._authenticate(req, oauth_body=True)
             raise HttpError(404, "not found (the MCP endpoint is /mcp)")
         if not req.host_in(self.hosts):
             LOGGER.warning("/mcp: refused Host %.100r (listen.allowed_hosts)", req.header(b"host"))
@@ -335,28 +348,7 @@ class Endpoint:
     async def _post(self, conn: HttpConnection, req: Request, principal: Principal | None) -> None:
         body = req.body
         if jsonrpc.is_batch(body):
-            session = self._session(req, principal)
-            if session.client is None or session.client.protocol_version != mcp.BATCH_VERSION:
-                raise _jsonrpc_error(400, errors.InvalidRequest(
-                    "JSON-RPC batches are only accepted from clients that negotiated 2025-03-26"))
-            try:
-                items = jsonrpc.split_batch(body, self.max_json_depth)
-                envs = [jsonrpc.decode(bytes(i), self.max_json_depth) for i in items]
-                kinds = [jsonrpc.classify(e) for e in envs]
-            except errors.GatewayError as exc:
-                raise _jsonrpc_error(400, exc) from None
-            if not items:
-                raise _jsonrpc_error(400, errors.InvalidRequest("empty batch"))
-            for e in envs:
-                self._check_scopes(req, principal, e)
-            if "request" in kinds:
-                _refuse_if(self.draining(), None)
-                sink = Sink(conn, session.id, batch=True)
-                sink.ids = frozenset(e.id for e, k in zip(envs, kinds, strict=True)
-                                     if k == "request" and isinstance(e.id, int | str))
-                await self._stream(conn, session, sink, body)
-            else:
-                self._accepted(conn, session, body)
+            await self._batch(conn, req, principal, body)
             return
         try:
             env = jsonrpc.decode(body, self.max_json_depth)
@@ -404,6 +396,33 @@ class Endpoint:
             raise _jsonrpc_error(200, errors.InvalidParams(
                 f"progressToken {sink.token!r} is in use by another request of this session",
                 reason="progress_token_in_use"), env.id)
+        await self._stream(conn, session, sink, body)
+
+    async def _batch(self, conn: HttpConnection, req: Request, principal: Principal | None,
+                     body: bytes) -> None:
+        """A batch POST (2025-03-26 sessions): refused as a whole (400) by the batch rule
+        (:func:`gateway.protocol.jsonrpc.decode_batch`); else answered 200 with one array (the
+        session's connection answers each entry, an invalid one with -32600 ``id: null``), or
+        202 when nothing in it wants an answer."""
+        session = self._session(req, principal)
+        client = session.client
+        try:
+            entries = jsonrpc.decode_batch(body, None if client is None else client.protocol_version,
+                                           0 if client is None else client.max_inflight, self.max_json_depth)
+        except errors.GatewayError as exc:
+            raise _jsonrpc_error(400, exc) from None
+        requests = [e.env for e in entries if e.kind == "request" and e.env is not None]
+        for env in requests:
+            self._check_scopes(req, principal, env)
+        invalid = sum(e.env is None for e in entries)
+        if not requests and not invalid:
+            self._accepted(conn, session, body)
+            return
+        if requests:
+            _refuse_if(self.draining(), None)
+        sink = Sink(conn, session.id, batch=True)
+        sink.ids = frozenset(env.id for env in requests if isinstance(env.id, int | str))
+        sink.invalid = invalid
         await self._stream(conn, session, sink, body)
 
     async def _modern(self, conn: HttpConnection, req: Request, env: jsonrpc.Envelope, kind: str,

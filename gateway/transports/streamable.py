@@ -122,8 +122,8 @@ class Sink:
     :meth:`HttpConnection.watch` under ``scope`` until :attr:`done` or until ``conn`` is no
     longer its connection (detached, or resumed on another)."""
 
-    __slots__ = ("answered", "batch", "conn", "done", "ids", "request_id", "scope", "session_id",
-                 "started", "stream", "token")
+    __slots__ = ("answered", "batch", "conn", "done", "ids", "invalid", "request_id", "scope",
+                 "session_id", "started", "stream", "token")
 
     def __init__(self, conn: HttpConnection | None, session_id: str, request_id: RequestId | None = None,
                  *, batch: bool = False, stream: int | None = None) -> None:
@@ -132,6 +132,7 @@ class Sink:
         self.request_id = request_id
         self.batch = batch
         self.ids: frozenset[RequestId] = frozenset()  # a batch POST's request ids
+        self.invalid = 0  # a batch POST's invalid entries (answered in its array, id null)
         self.token: RequestId | None = None
         self.stream = stream  # its number in event ids; None: no ids (a modern flow, a batch)
         self.started = False  # SSE head written
@@ -273,8 +274,8 @@ class HttpSession:
             if sink is None:
                 return
             sink.ids -= {request_id}
-            if sink.ids:
-                return  # its other requests answer it
+            if sink.ids or sink.invalid:
+                return  # its other requests answer it, or its invalid entries' errors do
         sink.finish_soon()
         if sink.conn is not None:
             try:

@@ -92,18 +92,19 @@ async def test_10_bearer_tokens_on_http_and_websocket(tmp_path: Path) -> None:
     tokens_file.chmod(0o600)
     transcript = tmp_path / "child.transcript"
     cfg = make_config(fixture_backend(env={"FIXTURE_TRANSCRIPT": str(transcript)}),
-                      extra=bearer_toml("alice", "bob", tokens_file=tokens_file))
+                      gateway='name = "team-gw"', extra=bearer_toml("alice", "bob", tokens_file=tokens_file))
     async with run_gateway(cfg) as gw, httpx.AsyncClient(timeout=10) as c:
         url, port = gw.http_url, gw.bound.http_port
-        metadata = f"http://127.0.0.1:{port}/.well-known/oauth-protected-resource/mcp"
+        # bearer tokens only: no authorization server to send a client to, so no metadata (an
+        # OAuth client would try to register with the gateway): a realm, and 404 there
         r = await c.post(url, headers=H, json=INIT)
         assert r.status_code == 401
-        assert r.headers["www-authenticate"] == f'Bearer resource_metadata="{metadata}"'
+        assert r.headers["www-authenticate"] == 'Bearer realm="team-gw"'
         r = await c.post(url, headers=auth("wrong"), json=INIT)
-        assert r.status_code == 401 and 'error="invalid_token"' in r.headers["www-authenticate"]
+        assert r.status_code == 401
+        assert r.headers["www-authenticate"].startswith('Bearer realm="team-gw", error="invalid_token"')
         for path in ("/.well-known/oauth-protected-resource", "/.well-known/oauth-protected-resource/mcp"):
-            doc = (await c.get(f"http://127.0.0.1:{port}{path}")).json()
-            assert doc["resource"] == f"http://127.0.0.1:{port}/mcp" and doc["bearer_methods_supported"] == ["header"]
+            assert (await c.get(f"http://127.0.0.1:{port}{path}")).status_code == 404
         sessions = {}
         for name in ("alice", "bob", "carol"):  # carol from the tokens file
             r = await c.post(url, headers=auth(TOKENS[name]), json=INIT)
@@ -129,7 +130,7 @@ async def test_10_bearer_tokens_on_http_and_websocket(tmp_path: Path) -> None:
         # WebSocket: the token on the upgrade
         for token in (None, "wrong"):
             status, headers = await upgrade(gw.bound.websocket_port, token)
-            assert status == 401 and headers["www-authenticate"].startswith('Bearer resource_metadata="')
+            assert status == 401 and headers["www-authenticate"].startswith('Bearer realm="team-gw"')
         assert (await upgrade(gw.bound.websocket_port, TOKENS["alice"]))[0] == 101
         async with connect(gw.url, token=TOKENS["bob"]) as ws:
             r2 = await ws.call("fx__echo", {"message": "over ws"})
@@ -224,14 +225,14 @@ async def test_10_oauth_jwts_from_a_local_issuer(monkeypatch: pytest.MonkeyPatch
     rules = ('[policy]\ndefault = "deny"\n[[policy.rules]]\nmatch = "fx__*"\naction = "allow"\n'
              'scopes = ["tools:write"]\n')
     with Issuer().running() as issuer:
-        cfg = make_config(fixture_backend(), extra=oauth_toml(issuer) + rules)
+        cfg = make_config(fixture_backend(), gateway='name = "oauth-gw"', extra=oauth_toml(issuer) + rules)
         async with run_gateway(cfg) as gw, httpx.AsyncClient(timeout=10) as c:
             url = gw.http_url
             assert issuer.fetches == 1  # fetched at start
             meta = (await c.get(f"http://127.0.0.1:{gw.bound.http_port}/.well-known/oauth-protected-resource/mcp")).json()
             assert meta == {"resource": AUDIENCE, "authorization_servers": [issuer.url + "/"],
                             "bearer_methods_supported": ["header"], "scopes_supported": ["tools:read", "tools:write"],
-                            "resource_name": "mcp-gateway"}
+                            "resource_name": "oauth-gw"}  # gateway.name
             r = await c.post(url, headers=auth(issuer.token()), json=INIT)
             assert r.status_code == 200, r.text
             sid = r.headers["mcp-session-id"]
@@ -260,6 +261,9 @@ async def test_10_oauth_jwts_from_a_local_issuer(monkeypatch: pytest.MonkeyPatch
                 "none": none_alg,
                 "hs256": hs,
                 "no exp": issuer.token(exp=None),
+                # PyJWT takes a string exp; the principal would have no expiry for its streams
+                "string exp": issuer.token(exp=str(int(time.time()) + 300)),
+                "string iat": issuer.token(iat=str(int(time.time()))),
             }
             for why, token in bad.items():
                 r = await c.post(url, headers=auth(token), json=INIT)
@@ -303,7 +307,12 @@ async def test_10_oauth_jwts_from_a_local_issuer(monkeypatch: pytest.MonkeyPatch
                     async for _ in stream.aiter_bytes():
                         pass  # ends when the token expires
             # WebSocket: the JWT on the upgrade; an expired one is refused
-            assert (await upgrade(gw.bound.websocket_port, bad["expired"]))[0] == 401
+            status, headers = await upgrade(gw.bound.websocket_port, bad["expired"])
+            # the metadata is the HTTP listener's (the audience's), never the WebSocket port's
+            assert status == 401 and headers["www-authenticate"].startswith(
+                'Bearer resource_metadata="https://gateway.test/.well-known/oauth-protected-resource/mcp"')
+            status, headers = await upgrade(gw.bound.websocket_port, bad["string exp"])
+            assert status == 401 and "'exp' claim is not a number" in headers["www-authenticate"]
             async with connect(gw.url, token=issuer.token(scope="tools:write")) as ws:
                 assert text_of(await ws.call("fx__echo", {"message": "jwt ws"})) == "jwt ws"
             async with connect(gw.url, token=issuer.token(exp=int(time.time()) + 2)) as ws:

@@ -209,6 +209,29 @@ async def test_stateless_requests_spread_and_bridged_retries_find_their_replica(
             assert r.json()["result"]["resultType"] == "complete", r.text
 
 
+async def cancelled_calls(fleet: Fleet) -> float:
+    """Calls to fx that the replicas (all of them) ended as cancelled, the child told."""
+    return sum([await metric(r.admin, "mcp_gateway_requests_total", backend="fx", method="tools/call",
+                             outcome="cancelled", principal="fleet")
+                for r in fleet.replicas.values() if r.proc is not None and r.proc.poll() is None])
+
+
+async def test_a_modern_client_cancels_by_closing_its_response_stream(fleet: Fleet) -> None:
+    """A 2026-07-28 client cancels a call by closing its response stream: HAProxy must tell the
+    replica (option abortonclose), which cancels the call at its backend within moments, not
+    when the tool ends 30 s later."""
+    before = await cancelled_calls(fleet)
+    async with https(fleet) as http:
+        with trio.move_on_after(0.2):  # the client gives up: its response stream closes
+            await modern_call(http, fleet.http_url, "fx__sleep", {"seconds": 30})
+    closed = trio.current_time()
+    with trio.fail_after(5):
+        while await cancelled_calls(fleet) == before:
+            await trio.sleep(0.02)
+    took = trio.current_time() - closed
+    assert took < 1.0, f"the replica cancelled the call {took:.2f} s after the client closed its stream"
+
+
 async def test_a_replica_killed_with_sigkill(fleet: Fleet) -> None:
     """Its WebSocket clients see their connection drop, its sessions get 404, and both carry on
     on another replica; every other client sees nothing. (Last in this module: it kills r2.)"""

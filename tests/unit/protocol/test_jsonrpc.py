@@ -253,3 +253,32 @@ def test_split_batch_keeps_elements_raw() -> None:
 def test_split_batch_parse_error() -> None:
     with pytest.raises(errors.ParseError):
         jsonrpc.split_batch(b'[{"a": 1},')
+
+
+def test_decode_batch_answers_each_invalid_entry_and_keeps_the_valid_ones() -> None:
+    data = b'[1, "x", null, {"jsonrpc":"1.0","id":5,"method":"p"}, ' + _msg(id=1, method="ping") + \
+        b", " + _msg(method="notifications/initialized") + b"]"
+    entries = jsonrpc.decode_batch(data, jsonrpc.BATCH_VERSION, 64)
+    assert [e.kind for e in entries] == [None, None, None, None, "request", "notification"]
+    for e in entries[:4]:
+        assert e.env is None and isinstance(e.error, errors.InvalidRequest)
+        assert "id" not in e.error.data  # answered with id null, even when one could be salvaged
+    ping = entries[4]
+    assert ping.env is not None and ping.env.id == 1 and ping.size == len(_msg(id=1, method="ping"))
+
+
+@pytest.mark.parametrize(
+    ("data", "version", "error", "reason"),
+    [
+        (b"[1]", "2025-11-25", errors.InvalidRequest, None),  # batches are 2025-03-26 only
+        (b"[1]", None, errors.InvalidRequest, None),
+        (b"[]", jsonrpc.BATCH_VERSION, errors.InvalidRequest, None),
+        (b"[1, 2, 3]", jsonrpc.BATCH_VERSION, errors.InvalidRequest, "batch_too_large"),
+        (b"[1,", jsonrpc.BATCH_VERSION, errors.ParseError, None),
+    ],
+)
+def test_decode_batch_refuses_what_cannot_be_a_batch(
+        data: bytes, version: str | None, error: type[errors.GatewayError], reason: str | None) -> None:
+    with pytest.raises(error) as refused:
+        jsonrpc.decode_batch(data, version, 2)
+    assert refused.value.reason == reason
