@@ -34,6 +34,12 @@ from dataclasses import dataclass
 #: silent cannot hold a slot and a partial buffer of up to ``max_message_bytes`` forever.
 #: Idle connections between messages are not affected.
 INCOMPLETE_MESSAGE_TIMEOUT = 30.0
+#: Seconds a client connection may go without a complete request head: from its accept (TLS
+#: handshake included) to the end of its first request head or WebSocket upgrade, and from the
+#: first byte of each later request on a keep-alive HTTP connection to the end of its head.  A
+#: peer that connects and sends nothing (slow loris) holds its ``max_connections`` slot no longer.
+#: Read when a connection starts (tests lower it).
+HEAD_TIMEOUT = 10.0
 
 
 class Account:

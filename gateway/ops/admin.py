@@ -108,7 +108,7 @@ async def serve_admin(
 
     async def handler(stream: trio.SocketStream) -> None:
         conn = HttpConnection(stream, MAX_BODY_BYTES, max_head=max_head_bytes,
-                              request_timeout=read_timeout)
+                              request_timeout=read_timeout, head_timeout=read_timeout)
         await serve_connection(conn, handle, idle_timeout=read_timeout, name="admin")
 
     await trio.serve_listeners(

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import trio
 
-from gateway import errors
+from gateway import errors, limits
 from gateway.auth.authenticator import Unauthorized
 from gateway.auth.challenge import METADATA_PATHS
 from gateway.config import host_allowed
@@ -583,15 +583,17 @@ async def serve_http(
 
     async def handler(accepted: Accepted) -> None:
         stream: trio.abc.Stream = accepted.stream
+        opened = trio.current_time()  # the first request head is due HEAD_TIMEOUT after this
         try:
             if tls_context is not None:  # one beyond max_connections could not read a plain 503
                 secured = None
                 if accepted.admitted:
-                    secured = await tls.handshake(accepted.stream, tls_context, "/mcp")
+                    secured = await tls.handshake(accepted.stream, tls_context, "/mcp",
+                                                  opened + limits.HEAD_TIMEOUT)
                 if secured is None:
                     return
                 stream = secured
-            conn = HttpConnection(stream, max_message)
+            conn = HttpConnection(stream, max_message, opened=opened)
             if not accepted.admitted:  # beyond max_connections (already counted)
                 with trio.move_on_after(WRITE_TIMEOUT):
                     try:
