@@ -58,7 +58,7 @@ from gateway.transports.http import (
     Request,
     serve_connection,
 )
-from gateway.transports.listeners import Accepted, SlottedListener
+from gateway.transports.listeners import Accepted, SlottedListener, serve_listeners
 from gateway.transports.streamable import SESSION_HEADER, HttpSession, Sink
 
 if TYPE_CHECKING:
@@ -610,5 +610,5 @@ async def serve_http(
             if accepted.admitted and slots is not None:
                 slots.release()
 
-    await trio.serve_listeners(handler, [SlottedListener(lst, slots, "http") for lst in listeners],
-                               handler_nursery=handler_nursery, task_status=task_status)
+    await serve_listeners(handler, [SlottedListener(lst, slots, "http") for lst in listeners],
+                          handler_nursery=handler_nursery, task_status=task_status)

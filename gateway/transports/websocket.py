@@ -21,7 +21,7 @@ slot of ``slots`` (``max_connections``) is taken when the TCP connection is acce
 handshake, and held until the connection ends (a half-open handshake holds one for at most
 :data:`gateway.limits.HEAD_TIMEOUT` from the accept, a TLS handshake included).  The upgrade
 request's head is at most :data:`MAX_HEAD_BYTES` (431), however it arrives.  A connection beyond the cap gets HTTP 503 as soon as its request line
-is readable, within :data:`REFUSE_WAIT`; at most :data:`REFUSING_MAX` such refusals are under way
+is readable, within :data:`REFUSE_WAIT`; at most :data:`gateway.limits.REFUSING_MAX` such refusals are under way
 at once, beyond that the TCP connection is closed at once.  Host check: an
 upgrade whose ``Host`` is not a loopback name, the bound address or in ``allowed_hosts`` gets
 HTTP 421 (DNS rebinding: a page whose name resolves to 127.0.0.1 sends its own name).
@@ -68,7 +68,7 @@ from gateway.errors import (
 from gateway.limits import ConnectionSlots
 from gateway.protocol.wsframing import Fault, ServerFramer, close_frame, text_header
 from gateway.transports import tls
-from gateway.transports.listeners import Accepted, SlottedListener, allowed_host_names
+from gateway.transports.listeners import Accepted, SlottedListener, allowed_host_names, serve_listeners
 from gateway.transports.rawio import stream_io
 
 LOGGER = logging.getLogger(__name__)
@@ -80,8 +80,6 @@ MAX_HEAD_BYTES = 16 * 1024
 CLOSE_WAIT = 2.0
 #: Bound on turning away a connection beyond ``max_connections`` with a 503.
 REFUSE_WAIT = 1.0
-#: Refusals under way at once; a connection beyond the cap past this many is closed at once.
-REFUSING_MAX = 64
 _AT_CAP_BODY = b"too many connections (max_connections)\n"
 _AT_CAP = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\nconnection: close\r\n"
            b"content-length: %d\r\n\r\n%s" % (len(_AT_CAP_BODY), _AT_CAP_BODY))
@@ -347,7 +345,7 @@ async def serve_websocket(
         stream: trio.abc.Stream = accepted.stream
         try:
             if not accepted.admitted:  # beyond max_connections (already counted)
-                if refusing < REFUSING_MAX and tls_context is None:
+                if refusing < limits.REFUSING_MAX and tls_context is None:
                     refusing += 1
                     try:
                         with trio.move_on_after(REFUSE_WAIT):
@@ -385,5 +383,5 @@ async def serve_websocket(
             if accepted.admitted and slots is not None:
                 slots.release()
 
-    await trio.serve_listeners(handler, [SlottedListener(lst, slots, "websocket") for lst in listeners],
-                               handler_nursery=handler_nursery, task_status=task_status)
+    await serve_listeners(handler, [SlottedListener(lst, slots, "websocket") for lst in listeners],
+                          handler_nursery=handler_nursery, task_status=task_status)
