@@ -132,7 +132,8 @@ class HttpConnection:
         whole_by: float | None = None  # head and body due (from the first byte on)
         if fed:
             whole_by = trio.current_time() + self.request_timeout
-            head_by = head_by or trio.current_time() + self.head_timeout
+            if head_by is None:
+                head_by = trio.current_time() + self.head_timeout
         head: h11.Request | None = None
         body: list[bytes] = []
         size = 0
@@ -149,11 +150,12 @@ class HttpConnection:
                             conn.receive_data(data)
                             fed += len(data)
                             whole_by = trio.current_time() + self.request_timeout
-                            head_by = head_by or trio.current_time() + self.head_timeout
+                            if head_by is None:
+                                head_by = trio.current_time() + self.head_timeout
                             continue
                         return None  # idle, or no first byte in time: closed without a word
-                    data = await self.io.read(whole_by if head is not None or head_by is None
-                                              else min(head_by, whole_by))
+                    assert head_by is not None  # set with whole_by
+                    data = await self.io.read(whole_by if head is not None else min(head_by, whole_by))
                     conn.receive_data(data)
                     if head is None:
                         fed += len(data)

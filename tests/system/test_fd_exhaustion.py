@@ -169,6 +169,29 @@ def test_an_explicit_max_connections_that_does_not_fit_refuses_to_start(tmp_path
     assert "limit (RLIMIT_NOFILE, ulimit -n, LimitNOFILE=) is 400" in out and "at most 228" in out, out
 
 
+def test_a_reload_to_an_explicit_max_connections_that_does_not_fit_keeps_the_running_config(
+        tmp_path: Path) -> None:
+    ws, admin = free_port(), free_port()
+    cfg = tmp_path / "gw.toml"
+    write_config(cfg, ws, admin, gateway="max_connections = 200")
+    with daemon(cfg, soft=400, hard=400) as proc:
+        wait_ready(admin, proc)
+        write_config(cfg, ws, admin, gateway="max_connections = 1000")
+        proc.send_signal(signal.SIGHUP)
+        probe = KeepAlive(admin)
+        try:
+            deadline = time.monotonic() + 10
+            while b'mcp_gateway_config_reloads_total{result="failure"} 1.0' not in probe.get("/metrics")[1]:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        finally:
+            probe.close()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 0
+        out = output(proc)
+    assert "reload failed, keeping the running config: gateway.max_connections = 1000 does not fit" in out, out
+
+
 def test_out_of_fds_the_backend_is_never_fatal_and_healthz_answers(tmp_path: Path) -> None:
     ws, admin = free_port(), free_port()
     cfg = tmp_path / "gw.toml"
