@@ -134,9 +134,11 @@ class Supervision:
         memory, processes): not the child's fault.  BACKOFF, never FATAL: it does not count
         toward the crash loop.  The delay starts at ``backoff_initial`` and doubles while the
         spawns keep failing, up to ``backoff_max`` or :data:`STARVED_BACKOFF_MAX`, whichever is
-        less (with the same jitter as :meth:`exited`)."""
+        less (with the same jitter as :meth:`exited`); the start it ends is not counted in
+        :attr:`starts`."""
         self._require("starved", State.STARTING)
         self._starved += 1
+        self.starts -= 1  # no child was started: not a (re)start in /status
         base = min(self.policy.backoff_max, STARVED_BACKOFF_MAX,
                    self.policy.backoff_initial * 2 ** (self._starved - 1))
         return self._go(State.BACKOFF, reason, base * (0.5 + 0.5 * self._rng.random()))

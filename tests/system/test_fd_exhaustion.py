@@ -241,6 +241,7 @@ def starve_then_recover(proc: subprocess.Popen[bytes], probe: KeepAlive, ws: int
         assert time.monotonic() < deadline, probe.instance()
         time.sleep(0.2)
     assert probe.instance()["pid"] != child
+    assert probe.instance()["restarts"] == 1  # the starved attempts spawned nothing: not restarts
     with socket.create_connection(("127.0.0.1", ws), timeout=5) as s:  # accepting again
         s.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
                   b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")

@@ -36,6 +36,7 @@ def test_starved_spawns_back_off_and_never_count_toward_fatal() -> None:
         sup.start("restart")
     assert delays[:6] == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.6, 3.2])
     assert delays[6:] == [STARVED_BACKOFF_MAX] * 6  # capped: the fds may come back any moment
+    assert sup.starts == 1  # the attempts that spawned nothing are not restarts
     sup.ready(0.0)  # it spawned at last
     assert sup.exited(1.0, "crashed").new is State.BACKOFF  # the first counted failure
     sup.start("restart")
