@@ -61,7 +61,8 @@ class SlottedListener(trio.abc.Listener[Accepted]):
 #: accept(2) errors that say the process or system is out of a resource (file descriptors,
 #: memory): not the peer's doing; accepting pauses (:data:`ACCEPT_BACKOFF`) instead of failing.
 ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
-#: The first pause after such an error, doubled on each one in a row up to :data:`ACCEPT_BACKOFF_MAX`.
+#: The first pause after such an error, doubled on each one in a row up to
+#: :data:`ACCEPT_BACKOFF_MAX`.
 ACCEPT_BACKOFF = 0.1
 ACCEPT_BACKOFF_MAX = 1.0
 #: At most one log line per this many seconds about accept errors (the rest are counted in it).
@@ -91,8 +92,11 @@ class _AcceptLog:
 _accept_log = _AcceptLog()
 
 
-async def serve_listeners(handler: Callable[[Any], Awaitable[object]], listeners: Sequence[trio.abc.Listener[Any]],
-                          *, handler_nursery: trio.Nursery | None = None,
+Handler = Callable[[Any], Awaitable[object]]
+
+
+async def serve_listeners(handler: Handler, listeners: Sequence[trio.abc.Listener[Any]], *,
+                          handler_nursery: trio.Nursery | None = None,
                           task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
     """``trio.serve_listeners`` (each accepted stream handled in ``handler_nursery``, closed
     after its handler), but an accept that fails for lack of resources (EMFILE: out of file
@@ -106,7 +110,7 @@ async def serve_listeners(handler: Callable[[Any], Awaitable[object]], listeners
 
 
 async def _serve_one(listener: trio.abc.Listener[Any], handler_nursery: trio.Nursery,
-                     handler: Callable[[Any], Awaitable[object]]) -> None:
+                     handler: Handler) -> None:
     pause = ACCEPT_BACKOFF
     async with listener:
         while True:
@@ -123,7 +127,7 @@ async def _serve_one(listener: trio.abc.Listener[Any], handler_nursery: trio.Nur
             handler_nursery.start_soon(_handle, stream, handler)
 
 
-async def _handle(stream: trio.abc.AsyncResource, handler: Callable[[Any], Awaitable[object]]) -> None:
+async def _handle(stream: trio.abc.AsyncResource, handler: Handler) -> None:
     try:
         await handler(stream)
     finally:

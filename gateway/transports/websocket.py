@@ -20,9 +20,10 @@ local gateway); with several ``Origin`` headers every one must be allowed.  Conn
 slot of ``slots`` (``max_connections``) is taken when the TCP connection is accepted, before the
 handshake, and held until the connection ends (a half-open handshake holds one for at most
 :data:`gateway.limits.HEAD_TIMEOUT` from the accept, a TLS handshake included).  The upgrade
-request's head is at most :data:`MAX_HEAD_BYTES` (431), however it arrives.  A connection beyond the cap gets HTTP 503 as soon as its request line
-is readable, within :data:`REFUSE_WAIT`; at most :data:`gateway.limits.REFUSING_MAX` such refusals are under way
-at once, beyond that the TCP connection is closed at once.  Host check: an
+request's head is at most :data:`~gateway.transports.http.MAX_HEAD_BYTES` (431), however it
+arrives.  A connection beyond the cap gets HTTP 503 as soon as its request line is readable,
+within :data:`REFUSE_WAIT`; at most :data:`gateway.limits.REFUSING_MAX` such refusals are under
+way at once, beyond that the TCP connection is closed at once.  Host check: an
 upgrade whose ``Host`` is not a loopback name, the bound address or in ``allowed_hosts`` gets
 HTTP 421 (DNS rebinding: a page whose name resolves to 127.0.0.1 sends its own name).
 Authentication (``authenticate``, when ``[auth]`` is configured): after Host and Origin, the
@@ -68,14 +69,13 @@ from gateway.errors import (
 from gateway.limits import ConnectionSlots
 from gateway.protocol.wsframing import Fault, ServerFramer, close_frame, text_header
 from gateway.transports import tls
+from gateway.transports.http import MAX_HEAD_BYTES
 from gateway.transports.listeners import Accepted, SlottedListener, allowed_host_names, serve_listeners
 from gateway.transports.rawio import stream_io
 
 LOGGER = logging.getLogger(__name__)
 
 SUBPROTOCOL = "mcp"
-#: The upgrade request's head at most (431 beyond), as on every HTTP listener.
-MAX_HEAD_BYTES = 16 * 1024
 #: Bound on the closing handshake (waiting for the peer's close frame).
 CLOSE_WAIT = 2.0
 #: Bound on turning away a connection beyond ``max_connections`` with a 503.
