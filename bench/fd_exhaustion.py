@@ -36,7 +36,8 @@ def get(port: int, path: str, timeout: float = 3.0) -> tuple[int | None, bytes, 
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
             s.settimeout(timeout)
-            s.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
+            s.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                      "Connection: close\r\n\r\n".encode())
             data = b""
             while chunk := s.recv(65536):
                 data += chunk
@@ -79,13 +80,15 @@ health = {{ interval = 0.0 }}
             proc = subprocess.Popen(
                 [sys.executable, "-m", "gateway", "run", "--config", str(cfg)],
                 env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=out, stderr=subprocess.STDOUT,
-                preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (args.soft, args.hard)))
+                preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE,
+                                                      (args.soft, args.hard)))
         try:
             for _ in range(200):
                 if get(admin, "/readyz", 0.5)[0] == 200:
                     break
                 time.sleep(0.1)
-            limit = next(line for line in open(f"/proc/{proc.pid}/limits") if "open files" in line).split()[3:5]
+            limits = Path(f"/proc/{proc.pid}/limits").read_text().splitlines()
+            limit = next(line for line in limits if "open files" in line).split()[3:5]
             first = instance(admin)
             assert first is not None and first[1] is not None
             print(f"open-files limit in force: soft {limit[0]}, hard {limit[1]}; backend {first[0]}")
@@ -98,7 +101,8 @@ health = {{ interval = 0.0 }}
                     break
             time.sleep(1.0)
             status, _, took = get(admin, "/healthz")
-            print(f"{len(conns)} idle connections held: daemon fds {len(os.listdir(f'/proc/{proc.pid}/fd'))}, "
+            fds = len(os.listdir(f"/proc/{proc.pid}/fd"))
+            print(f"{len(conns)} idle connections held: daemon fds {fds}, "
                   f"/healthz {status} in {took * 1000:.1f} ms, /status {instance(admin)}")
             os.kill(first[1], signal.SIGKILL)
             time.sleep(3.0)
@@ -116,7 +120,8 @@ health = {{ interval = 0.0 }}
                 proc.kill()
                 proc.wait()
         text = log.read_text()
-        lowered = [line[line.find("max_connections"):][:60] for line in text.splitlines() if "lowered" in line]
+        lowered = [line[line.find("max_connections"):][:60]
+                   for line in text.splitlines() if "lowered" in line]
         print(f"log: {text.count('EMFILE')} EMFILE, {text.count('Traceback')} Traceback, "
               f"{text.count('FATAL')} FATAL lines; {lowered or 'max_connections not lowered'}")
 

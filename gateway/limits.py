@@ -159,8 +159,8 @@ def fd_reserve(*, children: int, tcp_listeners: int, unix_listeners: int) -> int
     :data:`FD_PER_CHILD` per backend child it may run, the listeners, :data:`ADMIN_CONNECTIONS`
     and :data:`REFUSING_MAX` connections being turned away (each ``tcp_listeners`` counts
     :data:`FD_PER_TCP_LISTENER`, the admin listener among them)."""
-    return (FD_FIXED + FD_PER_CHILD * children + FD_PER_TCP_LISTENER * tcp_listeners + unix_listeners
-            + ADMIN_CONNECTIONS + REFUSING_MAX)
+    return (FD_FIXED + FD_PER_CHILD * children + FD_PER_TCP_LISTENER * tcp_listeners
+            + unix_listeners + ADMIN_CONNECTIONS + REFUSING_MAX)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,9 +185,9 @@ def fit_connections(configured: int | None, fd_limit: int, reserve: int) -> Conn
     wanted = DEFAULT_MAX_CONNECTIONS if configured is None else configured
     if wanted <= room:
         return ConnectionsFit(wanted)
-    needs = (f"the open-files limit (RLIMIT_NOFILE, ulimit -n, LimitNOFILE=) is {fd_limit} and the "
-             f"daemon needs {reserve} of them besides client connections (backend pipes, listeners, "
-             "admin connections, a margin)")
+    needs = (f"the open-files limit (RLIMIT_NOFILE, ulimit -n, LimitNOFILE=) is {fd_limit} and "
+             f"the daemon needs {reserve} of them besides client connections (backend pipes, "
+             "listeners, admin connections, a margin)")
     if configured is not None or room < 1:
         return ConnectionsFit(wanted, refusal=(
             f"gateway.max_connections = {wanted} does not fit: {needs}; raise the limit to at least "

@@ -44,8 +44,10 @@ def raise_soft_limit() -> int:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
         except (ValueError, OSError) as exc:
-            LOGGER.warning("open-files limit: cannot raise the soft limit from %d to %d: %s", soft, target, exc)
+            LOGGER.warning("open-files limit: cannot raise the soft limit from %d to %d: %s",
+                           soft, target, exc)
             return soft
-        LOGGER.info("open-files limit: soft limit raised from %d to %d (the hard limit)", soft, target)
+        LOGGER.info("open-files limit: soft limit raised from %d to %d (the hard limit)",
+                    soft, target)
         return target
     return _finite(soft)
