@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from gateway import guards
+from gateway import guards, limits
 from gateway.errors import ConfigError
 
 SECONDS = 1.0
@@ -42,7 +42,9 @@ class GatewaySection(Base):
     write_stall_timeout: float = 30 * SECONDS
     buffered_bytes_total: int = 256 * MIB  # all queued client/backend messages, daemon-wide
     max_json_depth: int = 128  # deeper JSON is refused before it is decoded
-    max_connections: int = 4096  # client connections at once (WebSocket + unix)
+    # client connections at once (WebSocket, HTTP, unix); None: 4096, or fewer when the
+    # open-files limit does not leave room for so many (gateway.limits.fit_connections)
+    max_connections: int | None = None
     restart_wait: float = 10 * SECONDS  # how long a call waits for a restarting backend
     # SIGTERM: /readyz answers 503 at once but everything is served as before for drain_delay
     # seconds (a load balancer's health check takes the replica out of rotation meanwhile);
@@ -417,7 +419,7 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
         if not 0 <= getattr(g, key) <= 3600:
             errors.append(f"gateway.{key}: must be between 0 and 3600 seconds")
     for key in ("page_size", "max_inflight_per_connection", "outbound_queue", "max_connections"):
-        if getattr(g, key) < 1:
+        if getattr(g, key) is not None and getattr(g, key) < 1:
             errors.append(f"gateway.{key}: must be at least 1")
     for key, value in (("listen.websocket", cfg.listen.websocket), ("listen.http", cfg.listen.http),
                        ("admin.listen", cfg.admin.listen)):
@@ -549,6 +551,14 @@ def _auth_errors(auth: AuthSection) -> list[str]:
         if o.leeway < 0:
             errors.append("auth.oauth.leeway: must not be negative")
     return errors
+
+
+def fd_reserve(cfg: GatewayConfig) -> int:
+    """fds the daemon needs besides its client connections with this config
+    (:func:`gateway.limits.fd_reserve`: every backend child it may run, its listeners)."""
+    children = sum(limits.max_children(b.sharing, b.instances, b.max_sessions) for b in cfg.backends.values())
+    tcp = sum(1 for address in (cfg.listen.websocket, cfg.listen.http, cfg.admin.listen) if address is not None)
+    return limits.fd_reserve(children=children, tcp_listeners=tcp, unix_listeners=int(cfg.listen.unix is not None))
 
 
 def diff_backends(

@@ -26,6 +26,7 @@ from gateway.backend.pool import Backend
 from gateway.config import BackendConfig, GatewayConfig, ItemFilter
 from gateway.events import CatalogChanged, ConnectionRefused, EventBus
 from gateway.limits import (
+    DEFAULT_MAX_CONNECTIONS,
     ByteBudget,
     ConnectionSlots,
     PrincipalCaps,
@@ -96,7 +97,7 @@ class Hub:
         self.catalog = Catalog()
         self.sessions: set[ClientSession] = set()
         self.budget = ByteBudget(cfg.gateway.buffered_bytes_total)  # every queued message's bytes
-        self.slots = ConnectionSlots(cfg.gateway.max_connections, self._connection_refused)
+        self.slots = ConnectionSlots(cfg.gateway.max_connections or DEFAULT_MAX_CONNECTIONS, self._connection_refused)
         self.ownership = Ownership(bus)
         self.listens = Listens()  # modern clients' subscriptions/listen requests
         self.bridge = bridge.from_config(cfg.gateway)  # era bridging for modern callers
@@ -139,7 +140,7 @@ class Hub:
         self.cfg = cfg
         self.restart_wait = cfg.gateway.restart_wait
         self.budget.limit = cfg.gateway.buffered_bytes_total
-        self.slots.limit = cfg.gateway.max_connections
+        self.slots.limit = cfg.gateway.max_connections or DEFAULT_MAX_CONNECTIONS
         self.limits = self.limits.reconfigured(principal_limits(cfg))
         self.caps.reconfigure(principal_limits(cfg))
         self.principal_names = configured_names(cfg)

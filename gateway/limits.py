@@ -37,6 +37,12 @@ from gateway import errors
 #: silent cannot hold a slot and a partial buffer of up to ``max_message_bytes`` forever.
 #: Idle connections between messages are not affected.
 INCOMPLETE_MESSAGE_TIMEOUT = 30.0
+#: Seconds a client connection may go without a complete request head: from its accept (TLS
+#: handshake included) to the end of its first request head or WebSocket upgrade, and from the
+#: first byte of each later request on a keep-alive HTTP connection to the end of its head.  A
+#: peer that connects and sends nothing (slow loris) holds its ``max_connections`` slot no longer.
+#: Read when a connection starts (tests lower it).
+HEAD_TIMEOUT = 10.0
 
 
 class Account:
@@ -123,6 +129,75 @@ class ByteBudget:
         assert victim.evict is not None
         victim.evict()
         return victim
+
+
+# ---- file descriptors: max_connections and what the daemon needs besides ----------------------
+
+#: ``gateway.max_connections`` when it is not set; fewer when the open-files limit does not
+#: leave room for so many (see :func:`fit_connections`).
+DEFAULT_MAX_CONNECTIONS = 4096
+#: fds the daemon holds whatever its config: stdin/stdout/stderr, trio's epoll, wakeup and signal
+#: fds, the journal socket; and a margin for short-lived ones (a config, key or tokens file being
+#: read, a JWKS fetch, a systemd notify datagram, /proc reads for /metrics and reaping).
+FD_FIXED = 64
+#: fds per backend child: its stdin, stdout and stderr pipes and trio's pidfd while it runs, and
+#: while it is spawned the child's ends of the three pipes and the exec error pipe besides.
+FD_PER_CHILD = 8
+#: fds per configured TCP listener (a host name may bind an IPv4 and an IPv6 socket).
+FD_PER_TCP_LISTENER = 2
+#: Connections on the admin listener at once; more are closed at once.
+ADMIN_CONNECTIONS = 32
+#: WebSocket connections beyond ``max_connections`` being answered 503 at once; more are closed
+#: at once (an HTTP, unix or TLS one beyond the cap is answered or closed without waiting).
+REFUSING_MAX = 64
+
+
+def max_children(sharing: str, instances: int, max_sessions: int) -> int:
+    """Children one backend may run at once: ``max_sessions`` per-session, else ``instances``."""
+    return max_sessions if sharing == "per-session" else instances
+
+
+def fd_reserve(*, children: int, tcp_listeners: int, unix_listeners: int) -> int:
+    """fds the daemon needs besides its client connections: :data:`FD_FIXED`,
+    :data:`FD_PER_CHILD` per backend child it may run, the listeners, :data:`ADMIN_CONNECTIONS`
+    and :data:`REFUSING_MAX` connections being turned away (each ``tcp_listeners`` counts
+    :data:`FD_PER_TCP_LISTENER`, the admin listener among them)."""
+    return (FD_FIXED + FD_PER_CHILD * children + FD_PER_TCP_LISTENER * tcp_listeners
+            + unix_listeners + ADMIN_CONNECTIONS + REFUSING_MAX)
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionsFit:
+    """What :func:`fit_connections` decided: the ``max_connections`` to use, and either a
+    ``warning`` (the default was lowered) or a ``refusal`` (the daemon must not run so)."""
+
+    max_connections: int
+    warning: str | None = None
+    refusal: str | None = None
+
+
+def fit_connections(configured: int | None, fd_limit: int, reserve: int) -> ConnectionsFit:
+    """Fit ``max_connections`` into the open-files (soft) limit ``fd_limit`` beside ``reserve``
+    (:func:`fd_reserve`).
+
+    ``configured`` None (not set): :data:`DEFAULT_MAX_CONNECTIONS`, lowered to what fits with a
+    warning naming both numbers.  Set explicitly and too many: a refusal naming both.  Either way
+    a limit that leaves no room for one connection is a refusal.
+    """
+    room = fd_limit - reserve
+    wanted = DEFAULT_MAX_CONNECTIONS if configured is None else configured
+    if wanted <= room:
+        return ConnectionsFit(wanted)
+    needs = (f"the open-files limit (RLIMIT_NOFILE, ulimit -n, LimitNOFILE=) is {fd_limit} and "
+             f"the daemon needs {reserve} of them besides client connections (backend pipes, "
+             "listeners, admin connections, a margin)")
+    if configured is not None or room < 1:
+        return ConnectionsFit(wanted, refusal=(
+            f"gateway.max_connections = {wanted} does not fit: {needs}; raise the limit to at least "
+            f"{wanted + reserve}" + (f" or set max_connections to at most {room}" if room >= 1 else "")))
+    return ConnectionsFit(room, warning=(
+        f"max_connections lowered from its default {wanted} to {room}: {needs}; raise the limit to "
+        f"at least {wanted + reserve} for the default"))
 
 
 class ConnectionSlots:

@@ -24,9 +24,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 
+import msgspec
 import trio
 
-from gateway import __version__, config, connection, errors, guards
+from gateway import __version__, config, connection, errors, guards, limits
 from gateway.auth.authenticator import Authenticator, Unauthorized
 from gateway.auth.peer import peer_principal
 from gateway.auth.principal import Principal
@@ -36,7 +37,7 @@ from gateway.errors import CloseReason, ConfigError
 from gateway.events import EventBus, ReloadFinished, ServerRequestOutcome
 from gateway.hub import Hub
 from gateway.limits import CapReached
-from gateway.ops import systemd
+from gateway.ops import fdlimit, systemd
 from gateway.ops.admin import probe as admin_probe
 from gateway.ops.admin import serve_admin
 from gateway.ops.metrics import GatewayMetrics
@@ -174,6 +175,7 @@ async def run(
             a sensitive tool without a policy rule.
     """
     control = control or Control()
+    cfg = fit_connections(cfg, fdlimit.raise_soft_limit())
     tls_context = _tls_context(cfg)
     if subreaper:
         process.become_subreaper()
@@ -227,6 +229,19 @@ async def run(
             metrics.close()
             outer.cancel_scope.cancel()
     LOGGER.info("mcp-gateway stopped")
+
+
+def fit_connections(cfg: GatewayConfig, fd_limit: int) -> GatewayConfig:
+    """``cfg`` with the ``max_connections`` that fits the open-files limit ``fd_limit`` beside
+    what the daemon needs for the rest (:func:`gateway.limits.fit_connections`): the default
+    lowered with a warning, or :class:`StartupError` for an explicit value that does not fit."""
+    fit = limits.fit_connections(cfg.gateway.max_connections, fd_limit, config.fd_reserve(cfg))
+    if fit.refusal is not None:
+        raise StartupError(fit.refusal)
+    if fit.warning is not None:
+        LOGGER.warning("%s", fit.warning)
+    return msgspec.structs.replace(cfg, gateway=msgspec.structs.replace(
+        cfg.gateway, max_connections=fit.max_connections))
 
 
 def _tls_context(cfg: GatewayConfig) -> ssl.SSLContext | None:
@@ -386,7 +401,7 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                     if accepted.admitted:
                         hub.slots.release()
 
-            await nursery.start(_closable, accept, lambda task_status: trio.serve_listeners(
+            await nursery.start(_closable, accept, lambda task_status: ls.serve_listeners(
                 on_unix, [ls.SlottedListener(unix_listener, hub.slots, "unix")], handler_nursery=conns,
                 task_status=task_status))
         hub.listeners = tuple(exposed)
@@ -555,6 +570,10 @@ async def reload(hub: Hub, config_path: str | None, tls_context: ssl.SSLContext 
         with open(config_path, "rb") as f:
             data = f.read()
         new = config.load(data, base_dir=os.path.dirname(os.path.abspath(config_path)), check_commands=True)
+        try:
+            new = fit_connections(new, fdlimit.soft_limit())
+        except StartupError as exc:
+            raise ConfigError([str(exc)]) from None
         if hub.authn is not None:
             hub.authn.reconfigure(new)  # reads auth.tokens_file: a bad one fails the reload
     except (OSError, ConfigError) as exc:

@@ -6,7 +6,9 @@ re-subscribes the resources clients still hold, and then serves until the child'
 the health probe fails ``failures`` times, or a stop is requested.  Whatever ends it, every call
 in flight gets :class:`~gateway.errors.BackendExited` at once, and the child is stopped in the
 spec's order.  The :class:`~gateway.protocol.supervision.Supervision` table decides between
-BACKOFF and FATAL; every transition is emitted as an event.
+BACKOFF and FATAL; every transition is emitted as an event.  A spawn that fails for lack of
+resources (out of file descriptors: EMFILE) is not the child's fault: BACKOFF and retried,
+never counted toward FATAL.
 
 A *recycle* is a restart the gateway chooses for a healthy child (a cancelled call it left
 unanswered past ``cancel_grace``, where attribution matters): the instance is first *drained*
@@ -71,6 +73,7 @@ class DownReason(enum.StrEnum):
     STOPPED = "stopped"  # a stop was requested
     START_FAILED = "start failed"  # the hand-shake failed or timed out
     SPAWN_FAILED = "spawn failed"  # the process could not be started
+    STARVED = "spawn failed for lack of resources"  # EMFILE, ENOMEM…: retried, never FATAL
     UNHEALTHY = "unhealthy"  # health pings missed
     RECYCLED = "recycled"  # drained and restarted: a cancelled call left unanswered past cancel_grace
 
@@ -214,7 +217,10 @@ class Instance(ChildHandlers):
                     self._emit(self.sup.recycled(trio.current_time(), "recycled: a cancelled call was "
                                                  f"not answered within cancel_grace ({self.cfg.cancel_grace:g}s)"))
                     continue
-                t = self.sup.exited(trio.current_time(), reason)
+                if reason is DownReason.STARVED:  # the gateway's lack, not the child's fault
+                    t = self.sup.starved(self.last_exit or reason)
+                else:
+                    t = self.sup.exited(trio.current_time(), reason)
                 self._emit(t)
                 if t.new is State.FATAL:
                     self._reset = trio.Event()
@@ -237,6 +243,9 @@ class Instance(ChildHandlers):
         try:
             proc = await process.spawn(self.cfg)
         except OSError as exc:
+            if process.out_of_resources(exc):
+                self.last_exit = f"{DownReason.STARVED}: {exc}"
+                return DownReason.STARVED
             LOGGER.error("backend %s: cannot start %r: %s", self.name, self.cfg.command, exc)
             self.last_exit = f"{DownReason.SPAWN_FAILED}: {exc}"
             return DownReason.SPAWN_FAILED

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import errno
 import logging
 import os
 import signal
@@ -60,6 +61,17 @@ def child_environment(extra: dict[str, str], base: dict[str, str] | None = None)
     env.setdefault("PATH", os.defpath)
     env.update(extra)
     return env
+
+
+#: errnos of a spawn that failed for lack of resources (file descriptors, memory, processes):
+#: not the backend's fault (see :func:`out_of_resources`).
+RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.ENOBUFS})
+
+
+def out_of_resources(exc: OSError) -> bool:
+    """Whether a failed :func:`spawn` ran out of a resource of the gateway's or the system's
+    (retry later) rather than failing for the backend's own reasons (command not found, …)."""
+    return exc.errno in RESOURCE_ERRNOS
 
 
 #: Spawns under way: a child exists before its instance knows its pid, so no reaping meanwhile.

@@ -11,7 +11,11 @@ the gateway's one HTTP layer (:mod:`gateway.transports.http`, h11 driven on trio
 other (keep-alive, pipelining via h11's buffer, ``Connection: close`` honoured).  The keep-alive
 idle wait and the reading of each request are bounded by ``read_timeout`` (408 for a request
 begun and not finished), every write by :data:`~gateway.transports.http.WRITE_TIMEOUT`, the
-request head by ``max_head_bytes`` (431) and the body by :data:`MAX_BODY_BYTES` (413).
+request head by ``max_head_bytes`` (431) and the body by :data:`MAX_BODY_BYTES` (413); at most
+:data:`gateway.limits.ADMIN_CONNECTIONS` connections are served at once (more are closed at
+once: the daemon's file descriptors are budgeted, see :mod:`gateway.ops.fdlimit`), and an accept
+that fails for lack of file descriptors pauses instead of failing
+(:func:`gateway.transports.listeners.serve_listeners`).
 
 DNS rebinding: a browser page whose name resolves to 127.0.0.1 may read same-origin responses,
 so ``/status`` (backend stderr) and ``/metrics`` answer only a ``Host`` that is a loopback name,
@@ -36,7 +40,14 @@ import msgspec
 import trio
 
 from gateway.transports.http import HttpConnection, Reply, Request, serve_connection
-from gateway.transports.listeners import allowed_host_names, bound_off_loopback
+from gateway.limits import ADMIN_CONNECTIONS, ConnectionSlots
+from gateway.transports.listeners import (
+    Accepted,
+    SlottedListener,
+    allowed_host_names,
+    bound_off_loopback,
+    serve_listeners,
+)
 
 if TYPE_CHECKING:
     from gateway.ops.metrics import GatewayMetrics
@@ -106,14 +117,20 @@ async def serve_admin(
         conn.respond(code, body, content_type, [("cache-control", "no-store"), *extra],
                      close=code >= 400 and code not in (404, 405, 503))
 
-    async def handler(stream: trio.SocketStream) -> None:
-        conn = HttpConnection(stream, MAX_BODY_BYTES, max_head=max_head_bytes,
-                              request_timeout=read_timeout)
-        await serve_connection(conn, handle, idle_timeout=read_timeout, name="admin")
+    slots = ConnectionSlots(ADMIN_CONNECTIONS)
 
-    await trio.serve_listeners(
-        handler, listeners, handler_nursery=handler_nursery, task_status=task_status
-    )
+    async def handler(accepted: Accepted) -> None:
+        if not accepted.admitted:
+            return  # beyond ADMIN_CONNECTIONS: closed at once
+        try:
+            conn = HttpConnection(accepted.stream, MAX_BODY_BYTES, max_head=max_head_bytes,
+                                  request_timeout=read_timeout, head_timeout=read_timeout)
+            await serve_connection(conn, handle, idle_timeout=read_timeout, name="admin")
+        finally:
+            slots.release()
+
+    await serve_listeners(handler, [SlottedListener(lst, slots, "admin") for lst in listeners],
+                          handler_nursery=handler_nursery, task_status=task_status)
 
 
 def probe(status: Callable[[], GatewayStatus], req: Request) -> Reply:

@@ -7,6 +7,7 @@ States (after supervisord)::
                           │ exited/failed    │ exited / health restart
                           ▼                  ▼
                  BACKOFF (delay) or FATAL (crash loop) ; BACKOFF ──retry──► STARTING
+    STARTING ──starved──► BACKOFF   (no resources to spawn it: never FATAL, not counted)
     RUNNING/UNHEALTHY ──recycled──► STARTING   (a restart the gateway chose: no failure, no delay)
     any live state ──stop──► STOPPING ──stopped──► STOPPED ;  FATAL ──start──► STARTING
 
@@ -38,6 +39,9 @@ LIVE = frozenset({State.STARTING, State.RUNNING, State.UNHEALTHY, State.BACKOFF,
 
 #: A run at least this long resets the consecutive-failure count (and so the backoff delay).
 STABLE_AFTER = 10.0
+#: A spawn that failed for lack of resources is retried after at most this long (less when
+#: ``backoff_max`` is less): the resources may come back any moment.
+STARVED_BACKOFF_MAX = 5.0
 
 
 class IllegalTransition(Exception):
@@ -67,6 +71,7 @@ class Supervision:
         self._rng = rng or random.Random()
         self._failures: deque[float] = deque()  # times of unexpected exits within the window
         self._consecutive = 0
+        self._starved = 0  # spawns in a row that failed for lack of resources
         self._running_since: float | None = None
         self.starts = 0
         self.recycles = 0  # starts that were recycles (counted in ``starts`` too)
@@ -90,6 +95,7 @@ class Supervision:
 
     def ready(self, now: float) -> Transition:
         self._require("ready", State.STARTING)
+        self._starved = 0
         self._running_since = now
         return self._go(State.RUNNING, "ready")
 
@@ -122,6 +128,20 @@ class Supervision:
         )
         delay = base * (0.5 + 0.5 * self._rng.random())  # jitter in [base/2, base]
         return self._go(State.BACKOFF, reason, delay)
+
+    def starved(self, reason: str) -> Transition:
+        """The child could not even be spawned for lack of resources (out of file descriptors,
+        memory, processes): not the child's fault.  BACKOFF, never FATAL: it does not count
+        toward the crash loop.  The delay starts at ``backoff_initial`` and doubles while the
+        spawns keep failing, up to ``backoff_max`` or :data:`STARVED_BACKOFF_MAX`, whichever is
+        less (with the same jitter as :meth:`exited`); the start it ends is not counted in
+        :attr:`starts`."""
+        self._require("starved", State.STARTING)
+        self._starved += 1
+        self.starts -= 1  # no child was started: not a (re)start in /status
+        base = min(self.policy.backoff_max, STARVED_BACKOFF_MAX,
+                   self.policy.backoff_initial * 2 ** (self._starved - 1))
+        return self._go(State.BACKOFF, reason, base * (0.5 + 0.5 * self._rng.random()))
 
     def recycled(self, now: float, reason: str = "recycled") -> Transition:
         """The gateway restarted a healthy child on purpose (a cancelled call it never answered,

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import trio
 
-from gateway import errors
+from gateway import errors, limits
 from gateway.auth.authenticator import Unauthorized
 from gateway.auth.challenge import METADATA_PATHS
 from gateway.config import host_allowed
@@ -61,7 +61,7 @@ from gateway.transports.http import (
     Request,
     serve_connection,
 )
-from gateway.transports.listeners import Accepted, SlottedListener
+from gateway.transports.listeners import Accepted, SlottedListener, serve_listeners
 from gateway.transports.streamable import SESSION_HEADER, HttpSession, Sink
 
 if TYPE_CHECKING:
@@ -637,15 +637,17 @@ async def serve_http(
     async def handler(accepted: Accepted) -> None:
         stream: trio.abc.Stream = accepted.stream
         conn: HttpConnection | None = None
+        opened = trio.current_time()  # the first request head is due HEAD_TIMEOUT after this
         try:
             if tls_context is not None:  # one beyond max_connections could not read a plain 503
                 secured = None
                 if accepted.admitted:
-                    secured = await tls.handshake(accepted.stream, tls_context, "/mcp")
+                    secured = await tls.handshake(accepted.stream, tls_context, "/mcp",
+                                                  opened + limits.HEAD_TIMEOUT)
                 if secured is None:
                     return
                 stream = secured
-            conn = HttpConnection(stream, max_message)
+            conn = HttpConnection(stream, max_message, opened=opened)
             if not accepted.admitted:  # beyond max_connections (already counted)
                 with trio.move_on_after(WRITE_TIMEOUT):
                     try:
@@ -664,5 +666,5 @@ async def serve_http(
             if accepted.admitted and slots is not None:
                 slots.release()
 
-    await trio.serve_listeners(handler, [SlottedListener(lst, slots, "http") for lst in listeners],
-                               handler_nursery=handler_nursery, task_status=task_status)
+    await serve_listeners(handler, [SlottedListener(lst, slots, "http") for lst in listeners],
+                          handler_nursery=handler_nursery, task_status=task_status)

@@ -5,10 +5,13 @@ endpoint of the gateway: ``/mcp`` and the probes on the client listener
 
 Theory of operation: :class:`HttpConnection` drives an ``h11.Connection`` over a
 :class:`~gateway.transports.rawio.SocketIO`.  :meth:`HttpConnection.next_request` reads one
-whole request: the idle wait before it is bounded by ``idle_timeout``; once its first byte has
-arrived, the head and the body together must arrive within ``request_timeout`` (default
+whole request: the idle wait before it is bounded by ``idle_timeout``; the head of the first
+request must be complete within ``head_timeout`` of the accept (default
+:data:`gateway.limits.HEAD_TIMEOUT`, so a peer that connects and sends nothing is closed then),
+a later one within ``head_timeout`` of its first byte; the head and the body together must
+arrive within ``request_timeout`` of the first byte (default
 :data:`gateway.limits.INCOMPLETE_MESSAGE_TIMEOUT`: slow loris), the head must fit in
-``max_head`` bytes (431) and the body in ``max_body`` bytes — refused by its
+``max_head`` bytes however it arrives (431) and the body in ``max_body`` bytes — refused by its
 ``Content-Length`` before a byte of it is read, or as soon as a chunked body passes it (413).
 A request with both ``Transfer-Encoding`` and ``Content-Length`` is refused (400, RFC 9112
 §6.1: the two framings disagreeing is how requests are smuggled past a proxy).  Every refusal
@@ -95,18 +98,24 @@ class HttpConnection:
     time)."""
 
     def __init__(self, stream: trio.abc.Stream, max_body: int, *, max_head: int = MAX_HEAD_BYTES,
-                 request_timeout: float = limits.INCOMPLETE_MESSAGE_TIMEOUT) -> None:
+                 request_timeout: float = limits.INCOMPLETE_MESSAGE_TIMEOUT,
+                 head_timeout: float | None = None, opened: float | None = None) -> None:
         self.io = stream_io(stream)  # a TLS connection's SSLStream: through the stream
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=max_head)
+        self.max_head = max_head
         self.max_body = max_body
         self.request_timeout = request_timeout
+        self.head_timeout = limits.HEAD_TIMEOUT if head_timeout is None else head_timeout
+        # the first request's head is due head_timeout after this (the accept, by default now)
+        self._first_head_by: float | None = (trio.current_time() if opened is None else opened) + self.head_timeout
         self.closed = False
         self._head = False  # the request being answered is a HEAD: its response has no body
 
     # ---- reading ----------------------------------------------------------------------------
 
     async def next_request(self, idle_timeout: float) -> Request | None:
-        """The next whole request, or None when the peer closed or stayed idle too long.
+        """The next whole request, or None when the peer closed, stayed idle too long, or sent
+        nothing of its first request within ``head_timeout`` of the accept.
 
         Raises:
             HttpError: the request is refused (431, 413, 408, 400); close after answering.
@@ -118,7 +127,13 @@ class HttpConnection:
         elif conn.our_state is not h11.IDLE:
             return None
         self._head = False
-        deadline: float | None = None
+        head_by, self._first_head_by = self._first_head_by, None  # None: from its first byte
+        fed = len(conn.trailing_data[0])  # bytes of this request received so far (pipelined)
+        whole_by: float | None = None  # head and body due (from the first byte on)
+        if fed:
+            whole_by = trio.current_time() + self.request_timeout
+            if head_by is None:
+                head_by = trio.current_time() + self.head_timeout
         head: h11.Request | None = None
         body: list[bytes] = []
         size = 0
@@ -128,24 +143,34 @@ class HttpConnection:
             except h11.RemoteProtocolError as exc:
                 raise HttpError(exc.error_status_hint, http.HTTPStatus(exc.error_status_hint).phrase.lower()) from None
             if event is h11.NEED_DATA:
-                if deadline is None and (head is not None or conn.trailing_data[0]):
-                    deadline = trio.current_time() + self.request_timeout
                 try:
-                    if deadline is None:
-                        with trio.move_on_after(idle_timeout):
+                    if whole_by is None:  # nothing of this request yet: the idle wait
+                        with trio.move_on_at(head_by if head_by is not None else trio.current_time() + idle_timeout):
                             data = await self.io.read()
                             conn.receive_data(data)
-                            deadline = trio.current_time() + self.request_timeout
+                            fed += len(data)
+                            whole_by = trio.current_time() + self.request_timeout
+                            if head_by is None:
+                                head_by = trio.current_time() + self.head_timeout
                             continue
-                        return None  # idle keep-alive connection: closed without a word
-                    conn.receive_data(await self.io.read(deadline))
+                        return None  # idle, or no first byte in time: closed without a word
+                    assert head_by is not None  # set with whole_by
+                    data = await self.io.read(whole_by if head is not None else min(head_by, whole_by))
+                    conn.receive_data(data)
+                    if head is None:
+                        fed += len(data)
                 except IncompleteMessage:
-                    raise HttpError(408, "request not completed in time") from None
+                    raise HttpError(408, "request not completed in time" if head is not None
+                                    else "request head not completed in time") from None
                 except TransportClosed:
                     if head is None and not conn.trailing_data[0]:
                         return None
                     raise
             elif isinstance(event, h11.Request):
+                # h11 bounds a head that arrives in pieces (max_incomplete_event_size); one that
+                # arrives whole in a read is measured here: what it took of the bytes fed
+                if fed > self.max_head and fed - len(conn.trailing_data[0]) > self.max_head:
+                    raise HttpError(431, f"request head over {self.max_head} bytes")
                 head = event
                 self._head = event.method == b"HEAD"
                 names = {name for name, _ in event.headers}

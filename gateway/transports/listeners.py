@@ -8,8 +8,9 @@ import logging
 import os
 import socket
 import stat
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import trio
 
@@ -55,6 +56,82 @@ class SlottedListener(trio.abc.Listener[Accepted]):
 
     async def aclose(self) -> None:
         await self.inner.aclose()
+
+
+#: accept(2) errors that say the process or system is out of a resource (file descriptors,
+#: memory): not the peer's doing; accepting pauses (:data:`ACCEPT_BACKOFF`) instead of failing.
+ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+#: The first pause after such an error, doubled on each one in a row up to
+#: :data:`ACCEPT_BACKOFF_MAX`.
+ACCEPT_BACKOFF = 0.1
+ACCEPT_BACKOFF_MAX = 1.0
+#: At most one log line per this many seconds about accept errors (the rest are counted in it).
+ACCEPT_LOG_INTERVAL = 10.0
+
+
+class _AcceptLog:
+    """One warning per :data:`ACCEPT_LOG_INTERVAL` for all listeners together, no traceback."""
+
+    def __init__(self) -> None:
+        self.next_at = -float("inf")
+        self.unlogged = 0
+
+    def failed(self, exc: OSError, pause: float) -> None:
+        now = trio.current_time()
+        if now < self.next_at:
+            self.unlogged += 1
+            return
+        more = f" ({self.unlogged} more since the last such line)" if self.unlogged else ""
+        LOGGER.warning("accept failed: %s (%s); accepting paused for %gs, then up to %gs while it "
+                       "lasts%s", errno.errorcode.get(exc.errno or 0, exc.errno), exc.strerror, pause,
+                       ACCEPT_BACKOFF_MAX, more)
+        self.next_at = now + ACCEPT_LOG_INTERVAL
+        self.unlogged = 0
+
+
+_accept_log = _AcceptLog()
+
+
+Handler = Callable[[Any], Awaitable[object]]
+
+
+async def serve_listeners(handler: Handler, listeners: Sequence[trio.abc.Listener[Any]], *,
+                          handler_nursery: trio.Nursery | None = None,
+                          task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
+    """``trio.serve_listeners`` (each accepted stream handled in ``handler_nursery``, closed
+    after its handler), but an accept that fails for lack of resources (EMFILE: out of file
+    descriptors) pauses that listener :data:`ACCEPT_BACKOFF` seconds, doubling to
+    :data:`ACCEPT_BACKOFF_MAX` while it lasts, with one rate-limited log line and no traceback
+    (trio's own logs a traceback 10 times a second)."""
+    async with trio.open_nursery() as nursery:
+        for listener in listeners:
+            nursery.start_soon(_serve_one, listener, handler_nursery or nursery, handler)
+        task_status.started(listeners)
+
+
+async def _serve_one(listener: trio.abc.Listener[Any], handler_nursery: trio.Nursery,
+                     handler: Handler) -> None:
+    pause = ACCEPT_BACKOFF
+    async with listener:
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:
+                if exc.errno not in ACCEPT_CAPACITY_ERRNOS:
+                    raise
+                _accept_log.failed(exc, pause)
+                await trio.sleep(pause)
+                pause = min(ACCEPT_BACKOFF_MAX, pause * 2)
+                continue
+            pause = ACCEPT_BACKOFF
+            handler_nursery.start_soon(_handle, stream, handler)
+
+
+async def _handle(stream: trio.abc.AsyncResource, handler: Handler) -> None:
+    try:
+        await handler(stream)
+    finally:
+        await trio.aclose_forcefully(stream)
 
 
 def adopt_listener(fd: int) -> trio.SocketListener:

@@ -65,15 +65,17 @@ def reload_into(ctx: ssl.SSLContext, cert: str, key: str) -> None:
 
 
 async def handshake(stream: trio.SocketStream, ctx: ssl.SSLContext,
-                    what: str) -> trio.SSLStream | None:
-    """The server side of the TLS handshake on ``stream``, bounded by :data:`HANDSHAKE_TIMEOUT`.
+                    what: str, deadline: float | None = None) -> trio.SSLStream | None:
+    """The server side of the TLS handshake on ``stream``, bounded by :data:`HANDSHAKE_TIMEOUT`
+    (and by ``deadline``, when given and sooner).
 
     Returns:
         The encrypted stream, or None when the handshake failed or timed out (``stream`` is
         closed then).
     """
     tls = trio.SSLStream(stream, ctx, server_side=True, https_compatible=True)
-    with trio.move_on_after(HANDSHAKE_TIMEOUT) as scope:
+    limit = trio.current_time() + HANDSHAKE_TIMEOUT
+    with trio.move_on_at(limit if deadline is None else min(limit, deadline)) as scope:
         try:
             await tls.do_handshake()
             return tls

@@ -19,9 +19,11 @@ Origin check: an upgrade with an ``Origin`` header that is not in ``allowed_orig
 local gateway); with several ``Origin`` headers every one must be allowed.  Connection cap: a
 slot of ``slots`` (``max_connections``) is taken when the TCP connection is accepted, before the
 handshake, and held until the connection ends (a half-open handshake holds one for at most
-:data:`HANDSHAKE_TIMEOUT`).  A connection beyond the cap gets HTTP 503 as soon as its request line
-is readable, within :data:`REFUSE_WAIT`; at most :data:`REFUSING_MAX` such refusals are under way
-at once, beyond that the TCP connection is closed at once.  Host check: an
+:data:`gateway.limits.HEAD_TIMEOUT` from the accept, a TLS handshake included).  The upgrade
+request's head is at most :data:`~gateway.transports.http.MAX_HEAD_BYTES` (431), however it
+arrives.  A connection beyond the cap gets HTTP 503 as soon as its request line is readable,
+within :data:`REFUSE_WAIT`; at most :data:`gateway.limits.REFUSING_MAX` such refusals are under
+way at once, beyond that the TCP connection is closed at once.  Host check: an
 upgrade whose ``Host`` is not a loopback name, the bound address or in ``allowed_hosts`` gets
 HTTP 421 (DNS rebinding: a page whose name resolves to 127.0.0.1 sends its own name).
 Authentication (``authenticate``, when ``[auth]`` is configured): after Host and Origin, the
@@ -46,6 +48,7 @@ TCP connection instead; the answer to the peer's own close frame goes behind wha
 from __future__ import annotations
 
 import logging
+import re
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -66,20 +69,17 @@ from gateway.errors import (
 from gateway.limits import ConnectionSlots
 from gateway.protocol.wsframing import Fault, ServerFramer, close_frame, text_header
 from gateway.transports import tls
-from gateway.transports.listeners import Accepted, SlottedListener, allowed_host_names
+from gateway.transports.http import MAX_HEAD_BYTES
+from gateway.transports.listeners import Accepted, SlottedListener, allowed_host_names, serve_listeners
 from gateway.transports.rawio import stream_io
 
 LOGGER = logging.getLogger(__name__)
 
 SUBPROTOCOL = "mcp"
-#: Bound on the opening handshake.
-HANDSHAKE_TIMEOUT = 10.0
 #: Bound on the closing handshake (waiting for the peer's close frame).
 CLOSE_WAIT = 2.0
 #: Bound on turning away a connection beyond ``max_connections`` with a 503.
 REFUSE_WAIT = 1.0
-#: Refusals under way at once; a connection beyond the cap past this many is closed at once.
-REFUSING_MAX = 64
 _AT_CAP_BODY = b"too many connections (max_connections)\n"
 _AT_CAP = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\nconnection: close\r\n"
            b"content-length: %d\r\n\r\n%s" % (len(_AT_CAP_BODY), _AT_CAP_BODY))
@@ -223,6 +223,16 @@ class WebSocketStream:
         await self._io.aclose()
 
 
+def head_size(data: bytes) -> int:
+    """Bytes of the request head at the start of ``data``: up to and including the empty line
+    that ends it (a bare LF ends a line too, as for h11); all of ``data`` when it has none."""
+    end = _HEAD_END.search(data)
+    return len(data) if end is None else end.end()
+
+
+_HEAD_END = re.compile(rb"\n\r?\n")
+
+
 def origin_allowed(headers: Sequence[tuple[bytes, bytes]], allowed: Sequence[str]) -> bool:
     """Every ``Origin`` header is in ``allowed`` (none at all: not a browser, allowed)."""
     return all(value.decode("latin-1") in allowed
@@ -270,10 +280,12 @@ async def _handshake(stream: trio.abc.Stream, allowed_origins: Sequence[str],
     """Run the HTTP upgrade (wsproto's handshake); :data:`_REFUSED` after refusing it, else
     the principal ``authenticate`` found (None without it)."""
     ws = WSConnection(ConnectionType.SERVER)
+    received = b""  # until the request: wsproto bounds a head that arrives in pieces only
     while True:
         data = await stream.receive_some(_RECEIVE)
         if not data:
             return _REFUSED
+        received += data
         try:
             ws.receive_data(data)
             events = list(ws.events())
@@ -284,6 +296,10 @@ async def _handshake(stream: trio.abc.Stream, allowed_origins: Sequence[str],
         for event in events:
             if not isinstance(event, Request):
                 continue
+            if head_size(received) > MAX_HEAD_BYTES:
+                LOGGER.info("websocket upgrade refused: request head over %d bytes", MAX_HEAD_BYTES)
+                await _refuse(stream, ws, 431, f"request head over {MAX_HEAD_BYTES} bytes")
+                return _REFUSED
             if not host_allowed(event.host, allowed_hosts):
                 LOGGER.warning("websocket upgrade refused: Host %r not allowed", event.host)
                 await _refuse(stream, ws, 421, "Host not allowed")
@@ -355,7 +371,7 @@ async def serve_websocket(
         admitted: list[Callable[[], None]] = []  # what gives the principal's place back
         try:
             if not accepted.admitted:  # beyond max_connections (already counted)
-                if refusing < REFUSING_MAX and tls_context is None:
+                if refusing < limits.REFUSING_MAX and tls_context is None:
                     refusing += 1
                     try:
                         with trio.move_on_after(REFUSE_WAIT):
@@ -366,13 +382,14 @@ async def serve_websocket(
                         refusing -= 1
                 await _close_tcp(accepted.stream)
                 return
+            head_by = trio.current_time() + limits.HEAD_TIMEOUT  # TLS and upgrade together
             if tls_context is not None:
-                secured = await tls.handshake(accepted.stream, tls_context, "websocket")
+                secured = await tls.handshake(accepted.stream, tls_context, "websocket", head_by)
                 if secured is None:
                     return
                 stream = secured
             upgraded: object = _REFUSED
-            with trio.move_on_after(HANDSHAKE_TIMEOUT):
+            with trio.move_on_at(head_by):
                 try:
                     upgraded = await _handshake(stream, allowed_origins, hosts,
                                                 _admitting(authenticate, admit, admitted))
@@ -395,5 +412,5 @@ async def serve_websocket(
             if accepted.admitted and slots is not None:
                 slots.release()
 
-    await trio.serve_listeners(handler, [SlottedListener(lst, slots, "websocket") for lst in listeners],
-                               handler_nursery=handler_nursery, task_status=task_status)
+    await serve_listeners(handler, [SlottedListener(lst, slots, "websocket") for lst in listeners],
+                          handler_nursery=handler_nursery, task_status=task_status)

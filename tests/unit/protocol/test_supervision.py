@@ -27,6 +27,7 @@ OPS: dict[str, Op] = {
     "healthy": lambda s: s.healthy(),
     "exited": lambda s: s.exited(0.0, "crashed"),
     "recycled": lambda s: s.recycled(0.0),
+    "starved": lambda s: s.starved("spawn failed for lack of resources"),
     "stop": lambda s: s.stop(),
     "stopped": lambda s: s.stopped(),
 }
@@ -45,6 +46,7 @@ LEGAL: dict[tuple[str, State], State] = {
     ("exited", S.UNHEALTHY): S.BACKOFF,
     ("recycled", S.RUNNING): S.STARTING,
     ("recycled", S.UNHEALTHY): S.STARTING,
+    ("starved", S.STARTING): S.BACKOFF,
     ("stop", S.STARTING): S.STOPPING,
     ("stop", S.RUNNING): S.STOPPING,
     ("stop", S.UNHEALTHY): S.STOPPING,

@@ -1,0 +1,53 @@
+"""The file-descriptor budget: what the daemon needs besides client connections, and how
+``max_connections`` is fitted into the open-files limit (pure arithmetic)."""
+
+from __future__ import annotations
+
+from gateway import config, limits
+from gateway.limits import DEFAULT_MAX_CONNECTIONS, fd_reserve, fit_connections
+
+
+def test_the_reserve_counts_children_listeners_admin_and_refusals() -> None:
+    base = limits.FD_FIXED + limits.ADMIN_CONNECTIONS + limits.REFUSING_MAX
+    assert fd_reserve(children=0, tcp_listeners=0, unix_listeners=0) == base == 64 + 32 + 64
+    assert fd_reserve(children=3, tcp_listeners=3, unix_listeners=1) == base + 3 * 8 + 3 * 2 + 1
+    assert limits.max_children("per-session", 1, 16) == 16
+    assert limits.max_children("affine", 4, 16) == 4
+    assert limits.max_children("shared", 1, 16) == 1
+
+
+def test_the_reserve_of_a_config() -> None:
+    cfg = config.load("""
+[listen]
+websocket = "127.0.0.1:0"
+http = "127.0.0.1:0"
+unix = "/tmp/x.sock"
+[backends.a]
+command = "a"
+sharing = "per-session"
+max_sessions = 10
+[backends.b]
+command = "b"
+sharing = "affine"
+instances = 3
+""")
+    assert config.fd_reserve(cfg) == fd_reserve(children=13, tcp_listeners=3, unix_listeners=1) == 160 + 104 + 7
+    assert cfg.gateway.max_connections is None  # not set: the default, fitted at start
+
+
+def test_the_default_fits_or_is_lowered_with_a_warning_naming_both_numbers() -> None:
+    assert fit_connections(None, 524288, 200) == limits.ConnectionsFit(DEFAULT_MAX_CONNECTIONS)
+    assert fit_connections(None, 4096 + 200, 200).max_connections == 4096
+    fit = fit_connections(None, 1024, 166)
+    assert fit.max_connections == 1024 - 166 and fit.refusal is None
+    assert fit.warning is not None and "4096" in fit.warning and "858" in fit.warning and "1024" in fit.warning
+
+
+def test_an_explicit_value_that_does_not_fit_is_refused_naming_both_numbers() -> None:
+    assert fit_connections(800, 1024, 166) == limits.ConnectionsFit(800)
+    fit = fit_connections(1000, 1024, 166)
+    assert fit.refusal is not None and fit.warning is None
+    assert "max_connections = 1000" in fit.refusal and "1024" in fit.refusal
+    assert "1166" in fit.refusal and "at most 858" in fit.refusal  # what to raise it to, or lower to
+    no_room = fit_connections(None, 100, 166)  # not one connection fits: refused even by default
+    assert no_room.refusal is not None and "100" in no_room.refusal
