@@ -160,6 +160,8 @@ class Bridge:
         session must now carry ``request_id``'s stream.  ``principal`` (its
         :attr:`~gateway.auth.principal.Principal.key`) must be the one the state was issued
         to: another principal's retry is refused (and the flow goes on waiting for its own).
+        ``owner`` is the connection a WebSocket/unix retry came on, which must be the call's;
+        None for a retry on ``/mcp``, which continues only a flow of ``/mcp``.
 
         Raises:
             InvalidParams: ``invalid_state`` (see the module docstring), or malformed ``inputResponses``.
@@ -172,7 +174,9 @@ class Bridge:
             if flow is None:
                 raise mrtr.invalid_state("its call is over or expired, or was served by another "
                                          "process of this replica", "gone")
-            if owner is not None and flow.owner is not owner:
+            if flow.owner is not owner if owner is not None else flow.owner.transport != "http":
+                # (a WebSocket/unix call's state presented on /mcp, or the reverse: the flow goes
+                # on waiting for its own retry; its answer could only reach its own connection)
                 raise mrtr.invalid_state("on a WebSocket or unix connection, the retry must come on "
                                          "the connection of the call", "gone")
             if not flow.parked or claims.round != flow.round:
