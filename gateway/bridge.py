@@ -99,15 +99,16 @@ def from_config(g: GatewaySection) -> Bridge:
         key = load_key(g.state_key_file) if g.state_key_file else secrets.token_bytes(32)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"gateway.state_key_file: {exc}") from None
-    return Bridge(mrtr.StateCodec(key, replica_id(g.replica_id)), g.state_ttl)
+    return Bridge(mrtr.StateCodec(key, replica_id(g.replica_id)), g.state_ttl, g.max_parked_flows)
 
 
 class Bridge:
     """The replica's parked flows, by id, and the codec that signs their states."""
 
-    def __init__(self, codec: mrtr.StateCodec, ttl: float) -> None:
+    def __init__(self, codec: mrtr.StateCodec, ttl: float, max_parked: int = 4096) -> None:
         self.codec = codec
         self.ttl = ttl
+        self.max_parked = max_parked  # gateway.max_parked_flows
         # Whether a retry goes to a modern child, whose own requestState passes through as is
         # (set by the service: Hub.targets_modern).
         self.passthrough: Callable[[str, dict[str, Raw]], bool] = lambda method, params: False
@@ -130,6 +131,19 @@ class Bridge:
         flow = self.flow_of(owner)
         flow.deadline = None  # the round ends at state_ttl
         flow.requested(key, req)
+
+    @property
+    def full(self) -> bool:
+        """Whether ``gateway.max_parked_flows`` calls are parked: no call may park until one
+        ends (each holds its session, its request and a task between two POSTs)."""
+        return len(self.flows) >= self.max_parked
+
+    def admit(self) -> None:
+        """Raise -32006 ``overloaded`` if no more calls may park (asked before a consent prompt)."""
+        if self.full:
+            raise errors.Overloaded(
+                f"{len(self.flows)} calls already wait for their clients' input "
+                "(gateway.max_parked_flows); retry later", limit=self.max_parked)
 
     def ask(self, owner: ClientSession, served: Served, key: str, req: ServerRequest,
             deadline: float) -> None:

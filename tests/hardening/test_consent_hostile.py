@@ -82,3 +82,35 @@ async def test_a_websocket_calls_state_retried_on_mcp_is_invalid_state_and_runs_
             assert done["result"]["content"][0]["text"] == "ws"
     assert echoed(transcript) == ["ws"]
     no_traceback(caplog)
+
+
+async def test_parked_calls_are_bounded_by_max_parked_flows(caplog: pytest.LogCaptureFixture) -> None:
+    """Each modern POST under ``ask`` parked a call (its flow session, request and task, about
+    20 KB) until elicitation_timeout, with no bound but buffered_bytes_total (~300 bytes of
+    request each): anyone could hold gigabytes.  Now past gateway.max_parked_flows a call under
+    ask gets -32006 overloaded (nothing parked, nothing run) and a legacy child's elicitation is
+    declined; a parked call that ends makes room."""
+    caplog.set_level(logging.ERROR)
+    extra = ASK.replace('action = "ask" }]', 'action = "ask" }, { match = "fx__elicit", action = "allow" }]')
+    cfg = make_config(fixture_backend("fx"), extra=extra, gateway="max_parked_flows = 3\ndrain_grace = 0.5")
+    with trio.fail_after(30):
+        async with run_gateway(cfg) as gw, httpx.AsyncClient(timeout=10) as c:
+            states = []
+            for i in range(3):
+                r = await post(c, gw.http_url, i, echo(f"p{i}"))
+                states.append(r.json()["result"]["requestState"])
+            r = await post(c, gw.http_url, 9, echo("over"))
+            error = r.json()["error"]
+            assert error["code"] == -32006 and error["data"]["reason"] == "overloaded", r.text
+            headers = dict(HEADERS, **{"mcp-name": "fx__elicit"})
+            r = await post(c, gw.http_url, 10, {**echo("name?"), "name": "fx__elicit"}, headers)
+            assert r.json()["result"]["resultType"] == "complete", r.text  # not parked: declined
+            assert json.loads(r.json()["result"]["content"][0]["text"])["action"] == "decline"
+            st = await wait_status(gw.bound.admin_port, lambda s: s["client_requests_in_flight"] == 3)
+            r = await post(c, gw.http_url, 11, echo("p0", inputResponses={"consent": {"action": "decline"}},
+                                                    requestState=states[0]))
+            assert r.json()["error"]["data"]["reason"] == "declined"
+            r = await post(c, gw.http_url, 12, echo("room"))  # room again
+            assert r.json()["result"]["resultType"] == "input_required", r.text
+            assert st["client_requests_in_flight"] == 3
+    no_traceback(caplog)
