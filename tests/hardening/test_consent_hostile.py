@@ -114,3 +114,30 @@ async def test_parked_calls_are_bounded_by_max_parked_flows(caplog: pytest.LogCa
             assert r.json()["result"]["resultType"] == "input_required", r.text
             assert st["client_requests_in_flight"] == 3
     no_traceback(caplog)
+
+
+async def test_a_response_to_the_unsent_consent_request_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A modern WebSocket client is never sent the consent request, but it was recorded as a
+    server request under a ``gw-<salt>-<n>`` id: a JSON-RPC response guessing that id (24 bits
+    of salt) was accepted as the answer, so the tool ran without the retry and its state, its
+    result dropped (the call's id was already answered input_required), and the real retry
+    then got invalid_state.  Now that response is refused; the retry decides."""
+    import gateway.session
+
+    monkeypatch.setattr(gateway.session.secrets, "token_hex", lambda n=None: "000000")  # guessed
+    caplog.set_level(logging.ERROR)
+    transcript = tmp_path / "fx.jsonl"
+    cfg = make_config(fixture_backend("fx", env={"FIXTURE_TRANSCRIPT": str(transcript)}), extra=ASK)
+    with trio.fail_after(30):
+        async with run_gateway(cfg) as gw, connect(gw.url, initialize=False) as ws:
+            first = (await ws.request("tools/call", echo("direct")))["result"]
+            await ws.send({"jsonrpc": "2.0", "id": "gw-000000-1", "result": ACCEPT})
+            await trio.sleep(0.3)
+            assert echoed(transcript) == []
+            retry = echo("direct", inputResponses={"consent": {"action": "decline"}},
+                         requestState=first["requestState"])
+            no = await ws.request("tools/call", retry)
+            assert no["error"]["code"] == -32005 and no["error"]["data"]["reason"] == "declined", no
+    assert echoed(transcript) == []
+    no_traceback(caplog)
