@@ -141,3 +141,37 @@ async def test_a_response_to_the_unsent_consent_request_is_refused(
             assert no["error"]["code"] == -32005 and no["error"]["data"]["reason"] == "declined", no
     assert echoed(transcript) == []
     no_traceback(caplog)
+
+
+async def test_a_drain_refuses_a_new_call_dressed_as_a_retry(caplog: pytest.LogCaptureFixture) -> None:
+    """While a WebSocket connection had a consent prompt parked, a drain let in any request of
+    the same method with a ``requestState`` key as the parked call's retry: a new call to a
+    modern backend (whose own states pass through) with a junk state ran during the drain.
+    Now only a state that continues a parked flow passes; the junk one gets -32005 shutdown,
+    and the parked call's real retry still runs."""
+    import os
+    import sys
+
+    from helpers import ROOT
+
+    caplog.set_level(logging.ERROR)
+    modern = os.path.join(ROOT, "tests", "fixtures", "modern_server.py")
+    backend = (f"[backends.mo]\ncommand = {json.dumps(sys.executable)}\n"
+               f"args = [{json.dumps(modern)}]\nprotocol_mode = \"modern_only\"\n")
+    extra = '[policy]\nelicitation_timeout = 10.0\nrules = [{ match = "mo__show_meta", action = "ask" }]\n'
+    cfg = make_config(backend, extra=extra, gateway="drain_delay = 0.0\ndrain_grace = 3.0")
+    with trio.fail_after(30):
+        async with run_gateway(cfg) as gw, connect(gw.url, initialize=False) as ws:
+            parked = {"name": "mo__show_meta", "arguments": {}, "_meta": meta()}
+            asked = (await ws.request("tools/call", parked))["result"]
+            assert asked["resultType"] == "input_required"
+            gw.control.stop()
+            await trio.sleep(0.3)  # draining
+            new = {"name": "mo__echo", "arguments": {"message": "new"}, "_meta": meta()}
+            for params in (new, {**new, "requestState": "junk"}):
+                r = await ws.request("tools/call", params)
+                assert r["error"]["code"] == -32005 and r["error"]["data"]["reason"] == "shutdown", r
+            done = await ws.request("tools/call", {**parked, "inputResponses": {"consent": ACCEPT},
+                                                   "requestState": asked["requestState"]})
+            assert done["result"]["resultType"] == "complete", done
+    no_traceback(caplog)
