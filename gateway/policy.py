@@ -270,7 +270,7 @@ class Policy:
         if modern:
             assert bridge is not None
             timeout = min(timeout, bridge.ttl)
-            bridge.admit()  # bounded (max_parked_flows): a parked prompt holds its call between two POSTs
+            bridge.admit()  # max_parked_flows: a parked prompt holds its call between two POSTs
         deadline = trio.current_time() + timeout
         req = session.open_request(
             "elicitation/create",
