@@ -106,16 +106,19 @@ def from_config(g: GatewaySection) -> Bridge:
         key = load_key(g.state_key_file) if g.state_key_file else secrets.token_bytes(32)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"gateway.state_key_file: {exc}") from None
-    return Bridge(mrtr.StateCodec(key, replica_id(g.replica_id)), g.state_ttl, g.shared_park_limit)
+    return Bridge(mrtr.StateCodec(key, replica_id(g.replica_id)), g.state_ttl, g.shared_park_limit,
+                  g.max_parked_flows)
 
 
 class Bridge:
     """The replica's parked flows, by id, and the codec that signs their states."""
 
-    def __init__(self, codec: mrtr.StateCodec, ttl: float, park_limit: float = 30.0) -> None:
+    def __init__(self, codec: mrtr.StateCodec, ttl: float, park_limit: float = 30.0,
+                 max_parked: int = 4096) -> None:
         self.codec = codec
         self.ttl = ttl
         self.park_limit = park_limit  # gateway.shared_park_limit
+        self.max_parked = max_parked  # gateway.max_parked_flows
         # flow id -> unix time its last state expires: preempted, its retry is told so
         self.preempted: dict[str, float] = {}
         # owners whose flow was preempted (a call of theirs may still be at the child)
@@ -147,6 +150,19 @@ class Bridge:
         flow.deadline = None  # the round ends at state_ttl
         flow.requested(key, req)
 
+    @property
+    def full(self) -> bool:
+        """Whether ``gateway.max_parked_flows`` calls are parked: no call may park until one
+        ends (each holds its session, its request and a task between two POSTs)."""
+        return len(self.flows) >= self.max_parked
+
+    def admit(self) -> None:
+        """Raise -32006 ``overloaded`` if no more calls may park (asked before a consent prompt)."""
+        if self.full:
+            raise errors.Overloaded(
+                f"{len(self.flows)} calls already wait for their clients' input "
+                "(gateway.max_parked_flows); retry later", limit=self.max_parked)
+
     def ask(self, owner: ClientSession, served: Served, key: str, req: ServerRequest,
             deadline: float) -> None:
         """The gateway's own request ``req`` (a consent prompt) for ``served``, a modern call of
@@ -176,6 +192,8 @@ class Bridge:
         session must now carry ``request_id``'s stream.  ``principal`` (its
         :attr:`~gateway.auth.principal.Principal.key`) must be the one the state was issued
         to: another principal's retry is refused (and the flow goes on waiting for its own).
+        ``owner`` is the connection a WebSocket/unix retry came on, which must be the call's;
+        None for a retry on ``/mcp``, which continues only a flow of ``/mcp``.
 
         Raises:
             InvalidParams: ``invalid_state`` (see the module docstring), or malformed ``inputResponses``.
@@ -192,7 +210,9 @@ class Bridge:
             if flow is None:
                 raise mrtr.invalid_state("its call is over or expired, or was served by another "
                                          "process of this replica", "gone")
-            if owner is not None and flow.owner is not owner:
+            if flow.owner is not owner if owner is not None else flow.owner.transport != "http":
+                # (a WebSocket/unix call's state presented on /mcp, or the reverse: the flow goes
+                # on waiting for its own retry; its answer could only reach its own connection)
                 raise mrtr.invalid_state("on a WebSocket or unix connection, the retry must come on "
                                          "the connection of the call", "gone")
             if not flow.parked or claims.round != flow.round:

@@ -62,6 +62,9 @@ class GatewaySection(Base):
     # A parked flow on a `shared` backend's child that keeps another caller's input request
     # from being attributed there is ended once parked this long (README "Era bridging").
     shared_park_limit: float = 30 * SECONDS
+    # calls parked at once waiting for a modern client's retry (a consent prompt, a legacy
+    # child's request): each holds its call's state between two POSTs; beyond it -32006
+    max_parked_flows: int = 4096
 
 
 class ListenSection(Base):
@@ -418,7 +421,8 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
     for key in ("drain_delay", "drain_grace"):
         if not 0 <= getattr(g, key) <= 3600:
             errors.append(f"gateway.{key}: must be between 0 and 3600 seconds")
-    for key in ("page_size", "max_inflight_per_connection", "outbound_queue", "max_connections"):
+    for key in ("page_size", "max_inflight_per_connection", "outbound_queue", "max_connections",
+                "max_parked_flows"):
         if getattr(g, key) is not None and getattr(g, key) < 1:
             errors.append(f"gateway.{key}: must be at least 1")
     for key, value in (("listen.websocket", cfg.listen.websocket), ("listen.http", cfg.listen.http),

@@ -394,7 +394,7 @@ def _dispatch(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, kind: jso
     is called once (with None when there is nothing to answer now)."""
     if kind == "request":
         assert isinstance(env.id, int | str) and isinstance(env.method, str)
-        if hub.draining and not _continues_flow(session, env):  # never started: safe elsewhere
+        if hub.draining and not _continues_flow(hub, session, env):  # never started: safe elsewhere
             session.refused_at = trio.current_time()  # its close waits for it to settle
             reply(error_response(env.id, errors.Denied(
                 "the gateway is shutting down; send this request elsewhere", reason="shutdown", retryable=True)), env.id)
@@ -420,17 +420,20 @@ def _dispatch(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, kind: jso
             hub.bus.emit(AnswerRefused(session.conn_id, "unknown_id"))
 
 
-def _continues_flow(session: ClientSession, env: jsonrpc.Envelope) -> bool:
+def _continues_flow(hub: Hub, session: ClientSession, env: jsonrpc.Envelope) -> bool:
     """Whether a request is the retry of this connection's parked bridged call (it carries the
     call's ``requestState``, gateway.bridge): it answers the prompts of a call already running,
-    so a drain lets it in like any answer."""
+    so a drain lets it in like any answer.  (A new call to a modern backend carrying that
+    backend's own state is not one: :meth:`~gateway.bridge.Bridge.continues`.)"""
     if not any(s.flow is not None and s.flow.parked and s.flow.method == env.method
                for s in session.inflight.values()):
         return False
     try:
-        return "requestState" in jsonrpc.params_dict(env.params)
+        params = jsonrpc.params_dict(env.params)
     except errors.GatewayError:
         return False
+    assert isinstance(env.method, str)
+    return hub.bridge.continues(env.method, params)
 
 
 def _on_notification(hub: Hub, session: ClientSession, method: str, env: jsonrpc.Envelope) -> None:

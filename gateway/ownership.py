@@ -117,6 +117,9 @@ def decide(
                        f"the requesting one cannot be proven ({hint})")
     (owner,) = owners
     if owner.mrtr is not None:  # a modern caller: asked in an InputRequiredResult (gateway.bridge)
+        if owner.mrtr.full:
+            return refusal(method, "overloaded", f"{method} refused: too many calls wait for their "
+                           "clients' input (gateway.max_parked_flows)")
         if len(owner.inflight) != 1:
             return refusal(method, "unattributable",
                            f"{method} refused: {len(owner.inflight)} requests of the calling modern "

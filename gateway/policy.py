@@ -283,6 +283,7 @@ class Policy:
         if modern:
             assert bridge is not None
             timeout = min(timeout, bridge.ttl)
+            bridge.admit()  # max_parked_flows: a parked prompt holds its call between two POSTs
         deadline = trio.current_time() + timeout
         req = session.open_request(
             "elicitation/create",

@@ -280,6 +280,10 @@ class ClientSession:
         """A response from the client: accepted, late or refused."""
         rid = env.id
         req = self.server_requests.get(rid) if isinstance(rid, str) else None
+        if req is not None and not req.sent:
+            # asked in a modern call's InputRequiredResult (gateway.bridge): only the call's
+            # retry, with its signed requestState, answers it; the client never saw this id
+            req = None
         if req is None:
             if isinstance(rid, str) and rid in self._ended_ids:
                 return AnswerOutcome.LATE

@@ -27,6 +27,7 @@ class FakeOwner:
         self.era = None  # not pinned yet: a legacy one's rules
 
 
+BRIDGE = SimpleNamespace(full=False)  # a modern caller's bridge with room for a parked call
 FULL = {"roots": {}, "sampling": {}, "elicitation": {"form": {}, "url": {}}}
 
 
@@ -174,11 +175,13 @@ def test_owner_lacking_the_capability_gets_an_error(method: str, caps: dict[str,
     assert answer.result is None
     assert answer.code == errors.UNROUTABLE
     assert answer.reason == "no_capability"
-    two = run(method, owners={FakeOwner(FULL, mrtr=object(), inflight=2)})  # which one asks?
+    two = run(method, owners={FakeOwner(FULL, mrtr=BRIDGE, inflight=2)})  # which one asks?
     assert isinstance(two, Answer) and two.reason == "unattributable"
-    bridged = run(method, owners={FakeOwner(caps, mrtr=object())})  # a modern caller (2026-07-28)
+    bridged = run(method, owners={FakeOwner(caps, mrtr=BRIDGE)})  # a modern caller (2026-07-28)
     assert isinstance(bridged, Answer) and bridged.code == errors.MISSING_CAPABILITY
     assert bridged.data == {"requiredCapabilities": {bridged.message.split()[-2]: {}}}
+    full = run(method, owners={FakeOwner(FULL, mrtr=SimpleNamespace(full=True))})  # max_parked_flows
+    assert isinstance(full, Answer) and full.reason == "overloaded"
 
 
 def test_form_only_owner_asked_for_url_mode_is_invalid_params() -> None:
