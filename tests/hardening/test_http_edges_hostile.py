@@ -1,0 +1,51 @@
+"""Hostile edges of the HTTP layer on the real daemon, by raw sockets: the admin listener's
+connection cap against idle connections, request heads and bodies framed to slip past a bound,
+batches, the stdio bridge fed what no client sends.  Each answer is specific and bounded in time."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+import trio
+from helpers import fixture_backend
+from invariants import Daemon, DaemonSlot, baseline, check
+from test_http_hostile import ANSWER_BOUND, Conn, HttpSlot
+
+from gateway.limits import ADMIN_CONNECTIONS
+
+pytestmark = pytest.mark.system
+
+PROBE = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nconnection: close\r\n\r\n"
+
+
+@pytest.fixture(scope="module")
+def slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonSlot]:
+    s = HttpSlot(tmp_path_factory.mktemp("edges"), fixture_backend("fx", cancel_grace=1.0))
+    yield s
+    s.close()
+
+
+async def _probe(port: int) -> int:
+    c = await Conn.open(port)
+    try:
+        return (await c.exchange(PROBE)).status
+    finally:
+        await c.aclose()
+
+
+async def test_idle_admin_connections_cannot_starve_healthz(daemon: Daemon) -> None:
+    """The admin listener serves at most ADMIN_CONNECTIONS connections; any local process could
+    hold them all idle (reopening each as it is closed) and every health check was then closed
+    unanswered.  A new connection now closes the oldest one waiting for its request."""
+    base = await baseline(daemon)
+    idle = [await trio.open_tcp_stream("127.0.0.1", daemon.admin_port) for _ in range(ADMIN_CONNECTIONS)]
+    await trio.sleep(0.2)  # all of them accepted and waiting
+    for _ in range(3):
+        assert await _probe(daemon.admin_port) == 200
+    with trio.fail_after(ANSWER_BOUND):  # the oldest idle ones were closed to make room
+        assert await idle[0].receive_some(100) == b""
+    for s in idle:
+        await s.aclose()
+    await check(daemon, base)
