@@ -11,7 +11,7 @@ import pytest
 import trio
 from helpers import fixture_backend
 from invariants import Daemon, DaemonSlot, baseline, check
-from test_http_hostile import ANSWER_BOUND, Conn, HttpSlot
+from test_http_hostile import ANSWER_BOUND, Conn, HttpSlot, open_session, post
 
 from gateway.limits import ADMIN_CONNECTIONS
 
@@ -48,4 +48,32 @@ async def test_idle_admin_connections_cannot_starve_healthz(daemon: Daemon) -> N
         assert await idle[0].receive_some(100) == b""
     for s in idle:
         await s.aclose()
+    await check(daemon, base)
+
+
+async def test_a_batch_reusing_an_id_in_flight_in_another_batch_is_refused(daemon: Daemon) -> None:
+    """Two batch POSTs of one session carrying the same request id: the second one's
+    "already in flight" error was matched to the first POST (the batch with those ids) and
+    answered it at once, while the first call's result went to the second POST."""
+    base = await baseline(daemon)
+    port = daemon.http_port
+    c, session = await open_session(port, "2025-03-26")
+    slow, other = await Conn.open(port), await Conn.open(port)
+    await slow.send(post([{"jsonrpc": "2.0", "id": 9, "method": "tools/call",
+                           "params": {"name": "fx__sleep", "arguments": {"seconds": 1.0}}}], session))
+    await trio.sleep(0.3)  # the slow batch's call is in flight
+    for clash in ([{"jsonrpc": "2.0", "id": 9, "method": "ping"}], {"jsonrpc": "2.0", "id": 9, "method": "ping"}):
+        r = await other.exchange(post(clash, session))
+        assert r.status == 400 and "already in flight" in r.json()["error"]["message"], r.body
+        await other.aclose()  # a refusal closes the connection
+        other = await Conn.open(port)
+    with trio.fail_after(ANSWER_BOUND):
+        r = await slow.response()
+    assert r.json() == [{"jsonrpc": "2.0", "id": 9, "result": {"content": [{"type": "text", "text": "slept"}]}}]
+    r = await other.exchange(post([{"jsonrpc": "2.0", "id": 9, "method": "ping"}], session))
+    assert r.status == 200 and r.json() == [{"jsonrpc": "2.0", "id": 9, "result": {}}], r.body
+    r = await c.exchange(post(b"", session, method=b"DELETE"))
+    assert r.status == 200
+    for conn in (c, slow, other):
+        await conn.aclose()
     await check(daemon, base)
