@@ -348,6 +348,10 @@ class Endpoint:
     async def _post(self, conn: HttpConnection, req: Request, principal: Principal | None) -> None:
         body = req.body
         if jsonrpc.is_batch(body):
+            if req.header(b"mcp-protocol-version") in era.MODERN_VERSIONS:  # not "initialize first"
+                raise _jsonrpc_error(400, errors.InvalidRequest(
+                    f"JSON-RPC batches are only accepted from clients that negotiated "
+                    f"{jsonrpc.BATCH_VERSION}, not in {era.LATEST_MODERN}: POST each request"))
             await self._batch(conn, req, principal, body)
             return
         try:

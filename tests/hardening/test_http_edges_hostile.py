@@ -77,3 +77,17 @@ async def test_a_batch_reusing_an_id_in_flight_in_another_batch_is_refused(daemo
     for conn in (c, slow, other):
         await conn.aclose()
     await check(daemon, base)
+
+
+async def test_a_modern_batch_is_refused_as_a_batch(daemon: Daemon) -> None:
+    """A 2026-07-28 POST whose body is a batch was told "missing Mcp-Session-Id header:
+    initialize first" (sessionless, there is nothing to initialize), or with a session id that
+    2026-07-28 was "unsupported" while error.data.supported listed it."""
+    c, session = await open_session(daemon.http_port, "2025-03-26")
+    modern = b"mcp-protocol-version: 2026-07-28\r\nmcp-method: ping\r\n"
+    for extra in (modern, session.split(b"\r\n")[0] + b"\r\n" + modern):
+        r = await c.exchange(post([{"jsonrpc": "2.0", "id": 1, "method": "ping"}], extra))
+        assert r.status == 400 and "batches" in r.json()["error"]["message"], r.body
+        await c.aclose()
+        c = await Conn.open(daemon.http_port)
+    await c.aclose()
