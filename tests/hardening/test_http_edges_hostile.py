@@ -4,15 +4,21 @@ batches, the stdio bridge fed what no client sends.  Each answer is specific and
 
 from __future__ import annotations
 
+import base64
 import json
+import time
 from collections.abc import Iterator
 
+import jwt as pyjwt
 import pytest
 import trio
+from cryptography.hazmat.primitives.asymmetric import ec
 from helpers import fixture_backend
 from invariants import Daemon, DaemonSlot, baseline, check
 from test_http_hostile import ANSWER_BOUND, Conn, HttpSlot, open_session, post
 
+from gateway.auth import jwt as jwts
+from gateway.config import OAuthSection
 from gateway.limits import ADMIN_CONNECTIONS
 
 pytestmark = pytest.mark.system
@@ -91,3 +97,29 @@ async def test_a_modern_batch_is_refused_as_a_batch(daemon: Daemon) -> None:
         await c.aclose()
         c = await Conn.open(daemon.http_port)
     await c.aclose()
+
+
+def _signed(payload: bytes, key: ec.EllipticCurvePrivateKey) -> str:
+    """A JWT over ``payload`` as it is (JSON no encoder writes: a 400-digit integer)."""
+    def b64(data: bytes) -> bytes:
+        return base64.urlsafe_b64encode(data).rstrip(b"=")
+    signing = b64(b'{"alg":"ES256","kid":"k1","typ":"JWT"}') + b"." + b64(payload)
+    signature = pyjwt.algorithms.ECAlgorithm(pyjwt.algorithms.ECAlgorithm.SHA256).sign(signing, key)
+    return (signing + b"." + b64(signature)).decode()
+
+
+@pytest.mark.parametrize(("claim", "value"), [("exp", "1" + "0" * 400), ("nbf", "-" + "1" * 400),
+                                              ("iat", "-" + "1" * 400)])
+def test_a_time_claim_too_big_for_a_float_is_refused(claim: str, value: str) -> None:
+    """A signed token whose exp is a 400-digit integer in the future (or nbf/iat one far in the
+    past) passed PyJWT, and the NumericDate check raised OverflowError out of verify(): the
+    request's connection was dropped with a traceback instead of a 401."""
+    oauth = OAuthSection(issuer="https://id.example", jwks_uri="https://id.example/jwks",
+                         audience="https://gw.example/mcp")
+    private = ec.generate_private_key(ec.SECP256R1())
+    claims = {"iss": oauth.issuer, "aud": oauth.audience, "sub": "alice", "exp": int(time.time()) + 600}
+    claims.pop(claim, None)
+    payload = json.dumps(claims)[:-1].encode() + f', "{claim}": {value}}}'.encode()
+    with pytest.raises(jwts.TokenRefused) as refused:
+        jwts.verify(_signed(payload, private), jwts.Key("k1", "ES256", private.public_key()), "ES256", oauth)
+    assert refused.value.kind == "claims", refused.value
