@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from functools import partial
 
 import jwt as pyjwt
 import pytest
 import trio
 from cryptography.hazmat.primitives.asymmetric import ec
-from helpers import fixture_backend
+from helpers import ROOT, fixture_backend
 from invariants import Daemon, DaemonSlot, baseline, check
 from test_http_hostile import ANSWER_BOUND, Conn, HttpSlot, open_session, post
 
@@ -46,7 +51,8 @@ async def test_idle_admin_connections_cannot_starve_healthz(daemon: Daemon) -> N
     hold them all idle (reopening each as it is closed) and every health check was then closed
     unanswered.  A new connection now closes the oldest one waiting for its request."""
     base = await baseline(daemon)
-    idle = [await trio.open_tcp_stream("127.0.0.1", daemon.admin_port) for _ in range(ADMIN_CONNECTIONS)]
+    port = daemon.admin_port
+    idle = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(ADMIN_CONNECTIONS)]
     await trio.sleep(0.2)  # all of them accepted and waiting
     for _ in range(3):
         assert await _probe(daemon.admin_port) == 200
@@ -65,18 +71,21 @@ async def test_a_batch_reusing_an_id_in_flight_in_another_batch_is_refused(daemo
     port = daemon.http_port
     c, session = await open_session(port, "2025-03-26")
     slow, other = await Conn.open(port), await Conn.open(port)
-    await slow.send(post([{"jsonrpc": "2.0", "id": 9, "method": "tools/call",
-                           "params": {"name": "fx__sleep", "arguments": {"seconds": 1.0}}}], session))
+    sleep = {"name": "fx__sleep", "arguments": {"seconds": 1.0}}
+    await slow.send(post([{"jsonrpc": "2.0", "id": 9, "method": "tools/call", "params": sleep}],
+                         session))
     await trio.sleep(0.3)  # the slow batch's call is in flight
-    for clash in ([{"jsonrpc": "2.0", "id": 9, "method": "ping"}], {"jsonrpc": "2.0", "id": 9, "method": "ping"}):
+    ping = {"jsonrpc": "2.0", "id": 9, "method": "ping"}
+    for clash in ([ping], ping):
         r = await other.exchange(post(clash, session))
         assert r.status == 400 and "already in flight" in r.json()["error"]["message"], r.body
         await other.aclose()  # a refusal closes the connection
         other = await Conn.open(port)
     with trio.fail_after(ANSWER_BOUND):
         r = await slow.response()
-    assert r.json() == [{"jsonrpc": "2.0", "id": 9, "result": {"content": [{"type": "text", "text": "slept"}]}}]
-    r = await other.exchange(post([{"jsonrpc": "2.0", "id": 9, "method": "ping"}], session))
+    slept = {"content": [{"type": "text", "text": "slept"}]}
+    assert r.json() == [{"jsonrpc": "2.0", "id": 9, "result": slept}]
+    r = await other.exchange(post([ping], session))
     assert r.status == 200 and r.json() == [{"jsonrpc": "2.0", "id": 9, "result": {}}], r.body
     r = await c.exchange(post(b"", session, method=b"DELETE"))
     assert r.status == 200
@@ -117,9 +126,114 @@ def test_a_time_claim_too_big_for_a_float_is_refused(claim: str, value: str) -> 
     oauth = OAuthSection(issuer="https://id.example", jwks_uri="https://id.example/jwks",
                          audience="https://gw.example/mcp")
     private = ec.generate_private_key(ec.SECP256R1())
-    claims = {"iss": oauth.issuer, "aud": oauth.audience, "sub": "alice", "exp": int(time.time()) + 600}
+    claims = {"iss": oauth.issuer, "aud": oauth.audience, "sub": "alice",
+              "exp": int(time.time()) + 600}
     claims.pop(claim, None)
     payload = json.dumps(claims)[:-1].encode() + f', "{claim}": {value}}}'.encode()
     with pytest.raises(jwts.TokenRefused) as refused:
-        jwts.verify(_signed(payload, private), jwts.Key("k1", "ES256", private.public_key()), "ES256", oauth)
+        key = jwts.Key("k1", "ES256", private.public_key())
+        jwts.verify(_signed(payload, private), key, "ES256", oauth)
     assert refused.value.kind == "claims", refused.value
+
+
+# ---- the HTTP stdio bridge (mcp-gateway connect http://…) against a server that misbehaves -----
+
+_SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+
+
+def _result(rid: int, text: str) -> bytes:
+    return json.dumps({"jsonrpc": "2.0", "id": rid, "result": {"text": text}}).encode()
+
+
+async def _misbehave(stream: trio.SocketStream) -> None:
+    """One POST answered as its request id says (see the table in the test)."""
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        if not (data := await stream.receive_some(65536)):
+            return
+        buf += data
+    head, body = buf.split(b"\r\n\r\n", 1)
+    if not head.startswith(b"POST"):
+        await stream.send_all(b"HTTP/1.1 405 Method Not Allowed\r\ncontent-length: 0\r\n\r\n")
+        return
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += await stream.receive_some(65536)
+    message = json.loads(body)
+    rid = message.get("id")
+    if message.get("method") == "initialize":
+        answer = json.dumps({"jsonrpc": "2.0", "id": rid, "result": {
+            "protocolVersion": "2025-06-18", "capabilities": {},
+            "serverInfo": {"name": "x", "version": "0"}}}).encode()
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                              b"mcp-session-id: s\r\ncontent-length: %d\r\n\r\n%s"
+                              % (len(answer), answer))
+    elif rid == 1:  # SSE with bare CR line ends
+        await stream.send_all(_SSE_HEAD + b": c\r\rdata: " + _result(1, "cr") + b"\r\r")
+    elif rid == 2:  # CRLF line ends, the event's last CRLF split between two writes
+        await stream.send_all(_SSE_HEAD + b"data: " + _result(2, "split") + b"\r\n\r")
+        await trio.sleep(0.2)
+        await stream.send_all(b"\ndata: " + _result(99, "next") + b"\r\n\r\n")
+    elif rid == 3:  # a 200 in HTML
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/html\r\n"
+                              b"content-length: 4\r\n\r\n<p/>")
+    elif rid == 4:  # a JSON body that is not JSON
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                              b"content-length: 9\r\n\r\n{not json")
+    elif rid == 5:  # an event stream that ends without the answer
+        await stream.send_all(_SSE_HEAD + b": nothing\n\n")
+    elif rid == 6:  # the connection reset mid-stream
+        await stream.send_all(_SSE_HEAD + b": x\n\n")
+        await trio.sleep(0.1)
+        linger = b"\x01\x00\x00\x00\x00\x00\x00\x00"  # on, 0 s: the close is a reset
+        stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+    else:  # 7: an ordinary answer
+        answer = _result(rid, "ok")
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                              b"content-length: %d\r\n\r\n%s" % (len(answer), answer))
+
+
+async def test_the_http_bridge_answers_every_request_once_whatever_the_server_sends() -> None:
+    """Before: a reset connection (trio.BrokenResourceError, not an OSError) crashed the bridge
+    with a traceback; an SSE stream with CR line ends, or a CRLF split between reads, lost its
+    messages; a 200 in HTML, an event stream that ended without the answer and the like left the
+    request unanswered (the stdio client waited forever); a JSON body that was not JSON went to
+    stdout as it was."""
+    async with trio.open_nursery() as nursery:
+        (listener,) = await nursery.start(partial(trio.serve_tcp, _misbehave, 0, host="127.0.0.1"))
+        port = listener.socket.getsockname()[1]
+        proc = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "gateway", "connect", f"http://127.0.0.1:{port}/mcp"], cwd=ROOT,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env=dict(os.environ, PYTHONPATH=ROOT))
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {},
+            "clientInfo": {"name": "t", "version": "0"}}}
+        lines = [init] + [{"jsonrpc": "2.0", "id": i, "method": "ping"} for i in range(1, 8)]
+        await proc.stdin.send_all(json.dumps(lines[0]).encode() + b"\n")
+        out = b""
+        with trio.fail_after(10):
+            while out.count(b"\n") < 1:
+                out += await proc.stdout.receive_some(65536)
+            await proc.stdin.send_all(b"".join(json.dumps(m).encode() + b"\n" for m in lines[1:]))
+            while out.count(b"\n") < 9:  # the answers to 1-7 and the extra event after 2's
+                out += await proc.stdout.receive_some(65536)
+            await proc.stdin.aclose()
+            err = b""
+            while chunk := await proc.stderr.receive_some(65536):
+                err += chunk
+            assert await proc.wait() == 0, err.decode()
+        nursery.cancel_scope.cancel()
+    messages = [json.loads(line) for line in out.splitlines()]  # every line is JSON
+    by_id: dict[int, list[dict[str, object]]] = {}
+    for m in messages:
+        by_id.setdefault(m["id"], []).append(m)
+    assert sorted(by_id) == [0, 1, 2, 3, 4, 5, 6, 7, 99], out
+    assert all(len(v) == 1 for v in by_id.values()), out
+    assert by_id[1][0]["result"] == {"text": "cr"} and by_id[2][0]["result"] == {"text": "split"}
+    assert by_id[7][0]["result"] == {"text": "ok"}
+    for rid in (3, 4, 5, 6):
+        assert by_id[rid][0]["error"]["code"] == -32603, by_id[rid]
+    assert b"Traceback" not in err, err.decode()
