@@ -424,7 +424,7 @@ class Endpoint:
             return
         if requests:
             _refuse_if(self.draining(), None)
-        for env in requests:  # its answer would be matched to the other POST's batch (or theirs to it)
+        for env in requests:  # its answer would go to the other POST's batch, and theirs here
             if isinstance(env.id, int | str) and session.has_request(env.id):
                 raise _jsonrpc_error(400, errors.InvalidRequest(
                     f"request id {env.id!r} is already in flight on this session"))
