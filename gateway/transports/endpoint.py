@@ -382,11 +382,7 @@ class Endpoint:
             session = self._session(req, principal, rid)
         if kind != "request":
             self._accepted(conn, session, body)
-            if env.method == "notifications/cancelled":
-                try:
-                    session.cancelled(mcp.decode_cancelled(env.params).requestId)
-                except (msgspec.ValidationError, msgspec.DecodeError):
-                    pass  # the connection layer ignores it too
+            _cancellations(session, [env])
             return
         assert isinstance(env.id, int | str)
         if session.has_request(env.id):
@@ -419,8 +415,10 @@ class Endpoint:
         for env in requests:
             self._check_scopes(req, principal, env)
         invalid = sum(e.env is None for e in entries)
+        notices = [e.env for e in entries if e.kind == "notification" and e.env is not None]
         if not requests and not invalid:
             self._accepted(conn, session, body)
+            _cancellations(session, notices)
             return
         if requests:
             _refuse_if(self.draining(), None)
@@ -431,7 +429,7 @@ class Endpoint:
         sink = Sink(conn, session.id, batch=True)
         sink.ids = frozenset(env.id for env in requests if isinstance(env.id, int | str))
         sink.invalid = invalid
-        await self._stream(conn, session, sink, body)
+        await self._stream(conn, session, sink, body, notices)
 
     async def _modern(self, conn: HttpConnection, req: Request, env: jsonrpc.Envelope, kind: str,
                       body: bytes, principal: Principal | None) -> None:
@@ -505,12 +503,25 @@ class Endpoint:
             raise HttpError(503, "this session's inbox is full; retry later")
         conn.respond(202, headers=[(SESSION_HEADER, session.id)])
 
-    async def _stream(self, conn: HttpConnection, session: HttpSession, sink: Sink, body: bytes) -> None:
+    async def _stream(self, conn: HttpConnection, session: HttpSession, sink: Sink, body: bytes,
+                      notices: Sequence[jsonrpc.Envelope] = ()) -> None:
         session.open_post(sink)
         if not session.push(body):
             session.close_sink(sink)
             raise HttpError(503, "this session's inbox is full; retry later")
+        _cancellations(session, notices)
         await _hold(conn, session, sink)
+
+
+def _cancellations(session: HttpSession, notices: Sequence[jsonrpc.Envelope]) -> None:
+    """The POST streams of the requests ``notices`` cancel (``notifications/cancelled``, alone
+    or in a batch) end now: a cancelled request gets no response."""
+    for env in notices:
+        if env.method == "notifications/cancelled":
+            try:
+                session.cancelled(mcp.decode_cancelled(env.params).requestId)
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                pass  # the connection layer ignores it too
 
 
 def _refuse_if(draining: bool, id: int | str | None) -> None:

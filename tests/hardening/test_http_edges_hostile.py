@@ -237,3 +237,38 @@ async def test_the_http_bridge_answers_every_request_once_whatever_the_server_se
     for rid in (3, 4, 5, 6):
         assert by_id[rid][0]["error"]["code"] == -32603, by_id[rid]
     assert b"Traceback" not in err, err.decode()
+
+
+async def test_a_cancellation_inside_a_batch_ends_the_cancelled_post_stream(daemon: Daemon) -> None:
+    """notifications/cancelled alone in a POST ended the cancelled request's POST stream; in a
+    batch (2025-03-26) it reached the backend but the stream stayed open for ever, with keep-
+    alive comments, and its id stayed "in flight" on the session."""
+    base = await baseline(daemon)
+    port = daemon.http_port
+    c, session = await open_session(port, "2025-03-26")
+    sleep = {"name": "fx__sleep", "arguments": {"seconds": 30}}
+    ping = {"jsonrpc": "2.0", "id": 70, "method": "ping"}
+    for rid, with_request in ((50, False), (60, True)):
+        call = await Conn.open(port)
+        await call.send(post({"jsonrpc": "2.0", "id": rid, "method": "tools/call", "params": sleep},
+                             session))
+        with trio.fail_after(ANSWER_BOUND):  # the call reached the backend
+            while not (await daemon.instance("fx"))["inflight"]:
+                await trio.sleep(0.02)
+        cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": rid}}
+        r = await c.exchange(post([cancel, ping] if with_request else [cancel], session))
+        if with_request:
+            assert r.status == 200 and r.json() == [{"jsonrpc": "2.0", "id": 70, "result": {}}]
+        else:
+            assert r.status == 202, r.body
+        with trio.fail_after(ANSWER_BOUND):
+            r = await call.response()
+        assert r.status == 200 and r.json() is None, r.body  # an empty stream: no response
+        await call.aclose()
+        with trio.fail_after(ANSWER_BOUND):  # recycled (the fixture's sleep ignores a cancel)
+            while (await daemon.instance("fx"))["inflight"]:
+                await trio.sleep(0.05)
+    r = await c.exchange(post(b"", session, method=b"DELETE"))
+    assert r.status == 200
+    await c.aclose()
+    await check(daemon, base)
