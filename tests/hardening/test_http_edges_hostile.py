@@ -255,7 +255,8 @@ async def test_a_cancellation_inside_a_batch_ends_the_cancelled_post_stream(daem
         with trio.fail_after(ANSWER_BOUND):  # the call reached the backend
             while not (await daemon.instance("fx"))["inflight"]:
                 await trio.sleep(0.02)
-        cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": rid}}
+        cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled",
+                  "params": {"requestId": rid}}
         r = await c.exchange(post([cancel, ping] if with_request else [cancel], session))
         if with_request:
             assert r.status == 200 and r.json() == [{"jsonrpc": "2.0", "id": 70, "result": {}}]
