@@ -25,6 +25,7 @@ from test_http_hostile import ANSWER_BOUND, Conn, HttpSlot, open_session, post
 from gateway.auth import jwt as jwts
 from gateway.config import OAuthSection
 from gateway.limits import ADMIN_CONNECTIONS
+from gateway.protocol.supervision import STARVED_BACKOFF_MAX, RestartPolicy, State, Supervision
 
 pytestmark = pytest.mark.system
 
@@ -273,3 +274,15 @@ async def test_a_cancellation_inside_a_batch_ends_the_cancelled_post_stream(daem
     assert r.status == 200
     await c.aclose()
     await check(daemon, base)
+
+
+def test_an_hour_out_of_fds_does_not_overflow_the_starved_backoff() -> None:
+    """A spawn that fails for lack of fds backs off up to 5 s and is retried for as long as it
+    lasts; the delay was computed as ``backoff_initial * 2 ** (failures - 1)``, a float overflow
+    at the 1,025th failure in a row (about an hour out of fds): OverflowError out of the
+    backend's supervisor instead of the next retry."""
+    sup = Supervision(RestartPolicy())
+    for _ in range(1100):
+        sup.start()
+        t = sup.starved("spawn failed for lack of resources")
+        assert t.new is State.BACKOFF and t.delay is not None and t.delay <= STARVED_BACKOFF_MAX
