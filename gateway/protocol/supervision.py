@@ -124,7 +124,7 @@ class Supervision:
             )
         base = min(
             self.policy.backoff_max,
-            self.policy.backoff_initial * 2 ** (self._consecutive - 1),
+            self.policy.backoff_initial * 2 ** min(self._consecutive - 1, 64),  # a float
         )
         delay = base * (0.5 + 0.5 * self._rng.random())  # jitter in [base/2, base]
         return self._go(State.BACKOFF, reason, delay)

@@ -286,3 +286,16 @@ def test_an_hour_out_of_fds_does_not_overflow_the_starved_backoff() -> None:
         sup.start()
         t = sup.starved("spawn failed for lack of resources")
         assert t.new is State.BACKOFF and t.delay is not None and t.delay <= STARVED_BACKOFF_MAX
+
+
+def test_a_child_crashing_slowly_for_days_does_not_overflow_the_backoff() -> None:
+    """The same doubling for a child that crashes too seldom for FATAL (fewer than max_restarts
+    within the window) and too soon to count as stable: it overflowed at the 1,025th crash."""
+    sup = Supervision(RestartPolicy())
+    now = 0.0
+    for _ in range(1100):
+        sup.start()
+        sup.ready(now)
+        t = sup.exited(now + 5.0, "crashed")  # up 5 s (not stable), 3 crashes a minute (not FATAL)
+        now += 20.0
+        assert t.new is State.BACKOFF and t.delay is not None and t.delay <= 30.0
