@@ -222,7 +222,10 @@ class Endpoint:
             if oauth_body:
                 refusal = HttpError(401, str(exc), msgspec.json.encode(
                     {"error": exc.error or "invalid_request", "error_description": str(exc)}), JSON)
-            refusal.headers = [("www-authenticate", authn.challenge(req.header(b"host"), exc))]
+            # a path other than /mcp is answered before the Host check: a Host not allowed
+            # must not name where the metadata is (the challenge gives the realm then)
+            host = req.header(b"host") if req.host_in(self.hosts) else None
+            refusal.headers = [("www-authenticate", authn.challenge(host, exc))]
             raise refusal from None
 
     def _count(self, conn: HttpConnection, principal: Principal | None) -> None:

@@ -18,7 +18,7 @@ import jwt as pyjwt
 import pytest
 import trio
 from cryptography.hazmat.primitives.asymmetric import ec
-from helpers import ROOT, fixture_backend
+from helpers import ROOT, fixture_backend, make_config, run_gateway
 from invariants import Daemon, DaemonSlot, baseline, check
 from test_http_hostile import ANSWER_BOUND, Conn, HttpSlot, open_session, post
 
@@ -299,3 +299,22 @@ def test_a_child_crashing_slowly_for_days_does_not_overflow_the_backoff() -> Non
         t = sup.exited(now + 5.0, "crashed")  # up 5 s (not stable), 3 crashes a minute (not FATAL)
         now += 20.0
         assert t.new is State.BACKOFF and t.delay is not None and t.delay <= 30.0
+
+
+async def test_a_401_off_mcp_does_not_point_at_a_host_that_is_not_allowed() -> None:
+    """A path other than /mcp is answered 401 before any Host check; with an audience that is
+    not an http(s) URL and no public_url the challenge's resource_metadata was built from the
+    request's Host, whatever it was: http://evil.example/.well-known/… (on /mcp that Host gets
+    403 first)."""
+    oauth = ('[auth.oauth]\nissuer = "https://id.example/"\njwks_uri = "https://id.example/jwks"\n'
+             'audience = "urn:mcp:gateway"\n')
+    async with run_gateway(make_config(fixture_backend(), extra=oauth)) as gw:
+        port = gw.bound.http_port
+        for host, points in ((b"evil.example", False), (b"127.0.0.1:%d" % port, True)):
+            c = await Conn.open(port)
+            r = await c.exchange(b"POST /register HTTP/1.1\r\nHost: " + host
+                                 + b"\r\ncontent-length: 0\r\n\r\n")
+            await c.aclose()
+            challenge = r.headers[b"www-authenticate"]
+            assert r.status == 401 and (b"resource_metadata" in challenge) is points, challenge
+            assert b"evil" not in challenge
