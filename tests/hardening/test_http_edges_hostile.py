@@ -318,3 +318,22 @@ async def test_a_401_off_mcp_does_not_point_at_a_host_that_is_not_allowed() -> N
             challenge = r.headers[b"www-authenticate"]
             assert r.status == 401 and (b"resource_metadata" in challenge) is points, challenge
             assert b"evil" not in challenge
+
+
+async def test_chunk_extensions_and_trailers_are_bounded_like_a_head(daemon: Daemon) -> None:
+    """h11 bounds a chunk-size line or a trailer section only when it arrives in pieces (past
+    16 KiB unfinished): 20 KiB of either in one read was taken (the head's own bound, 431
+    "however it arrives", did not cover them)."""
+    port = daemon.http_port
+    body = b'{"jsonrpc":"2.0","id":1,"method":"ping"}'
+    head = (b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+            b"accept: application/json, text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+    size = b"%x" % len(body)
+    ext = size + b";x=" + b"e" * 20000 + b"\r\n" + body + b"\r\n0\r\n\r\n"
+    trailers = size + b"\r\n" + body + b"\r\n0\r\n" + b"x-t: t\r\n" * 4000 + b"\r\n"
+    modest = size + b";x=y\r\n" + body + b"\r\n0\r\nx-t: t\r\n\r\n"
+    for framed, status in ((ext, 431), (trailers, 431), (modest, 400)):
+        c = await Conn.open(port)
+        r = await c.exchange(head + framed)  # 400: served, no session (the framing is fine)
+        await c.aclose()
+        assert r.status == status, (status, r.body)
