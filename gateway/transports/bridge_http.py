@@ -153,7 +153,7 @@ class _HttpClient:
 
 async def _receive(stream: trio.abc.Stream) -> bytes:
     try:
-        return await stream.receive_some(65536)
+        return bytes(await stream.receive_some(65536))
     except trio.BrokenResourceError as exc:  # a reset: as any other failed exchange (OSError)
         raise _broken(exc) from None
 
