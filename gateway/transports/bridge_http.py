@@ -72,20 +72,25 @@ class _Response:
     async def events(self, limit: int) -> AsyncIterator[bytes]:
         """The data of each SSE event (``data:`` lines joined), skipping events without data
         (a priming event's empty ``data:`` too).  Lines end with CRLF, LF or CR (the SSE
-        spec), a CRLF split between two reads included."""
-        buf = b""
+        spec), a CRLF split between two reads included.  Linear in the bytes however they are
+        cut: an event arriving in many small reads is not searched nor copied whole each time."""
+        buf = bytearray()
+        scan = 0  # where an event's end may begin in buf: what came before was searched
         after_cr = False  # the last chunk ended with a CR: an LF first in this one is its CRLF's
         async for chunk in self._chunks:
             if after_cr and chunk.startswith(b"\n"):
                 chunk = chunk[1:]
             after_cr = chunk.endswith(b"\r")
             buf += chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-            while (end := buf.find(b"\n\n")) >= 0:
-                event, buf = buf[:end], buf[end + 2:]
+            start = 0
+            while (end := buf.find(b"\n\n", max(start, scan))) >= 0:
+                event, start = bytes(buf[start:end]), end + 2
                 data = [line[5:].removeprefix(b" ") for line in event.split(b"\n")
                         if line.startswith(b"data:")]
                 if any(line.strip() for line in data):
                     yield b"\n".join(data)
+            del buf[:start]
+            scan = max(0, len(buf) - 1)
             if len(buf) > limit:
                 raise MessageTooLarge(len(buf), limit)
 

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from functools import partial
 
 import jwt as pyjwt
@@ -26,6 +26,7 @@ from gateway.auth import jwt as jwts
 from gateway.config import OAuthSection
 from gateway.limits import ADMIN_CONNECTIONS
 from gateway.protocol.supervision import STARVED_BACKOFF_MAX, RestartPolicy, State, Supervision
+from gateway.transports.bridge_http import _Response
 
 pytestmark = pytest.mark.system
 
@@ -337,3 +338,20 @@ async def test_chunk_extensions_and_trailers_are_bounded_like_a_head(daemon: Dae
         r = await c.exchange(head + framed)  # 400: served, no session (the framing is fine)
         await c.aclose()
         assert r.status == status, (status, r.body)
+
+
+async def test_the_bridge_reads_an_event_cut_in_small_pieces_in_linear_time() -> None:
+    """The bridge's SSE reader appended each piece to a bytes buffer and searched it whole for
+    the event's end: quadratic, so a 2 MB event arriving 50 bytes at a time (a slow link, a
+    proxy, a hostile server) took about a minute of CPU."""
+    payload = b'data: {"jsonrpc":"2.0","id":1,"result":"' + b"a" * 2_000_000 + b'"}\r\n\r\n'
+
+    async def pieces() -> AsyncIterator[bytes]:
+        for i in range(0, len(payload), 50):
+            if i % 50_000 == 0:
+                await trio.lowlevel.checkpoint()  # where fail_after can end the test
+            yield payload[i:i + 50]
+
+    with trio.fail_after(5):
+        events = [e async for e in _Response(200, {}, pieces()).events(8 * 2**20)]
+    assert len(events) == 1 and json.loads(events[0])["result"] == "a" * 2_000_000
