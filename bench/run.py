@@ -1884,7 +1884,7 @@ def markdown(args: argparse.Namespace, backend: BackendSpec, results: list[LoadR
             out.append(f"| {i} | {_f(r.alone_p50_us)} | {_f(r.alone_p99_us)} | {_f(r.flood_p50_us)} "
                        f"| {_f(r.flood_p99_us)} | {_f(r.flood_p50_us / r.alone_p50_us, '{:.2f}')} "
                        f"| {r.alone_calls} / {r.flood_calls} | {r.flood_calls_per_s:.0f} | {r.flood_errors} |")
-        med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
+        med = lambda xs: statistics.median(xs) if xs else float("nan")
         out.append(f"| **median** | {_f(med([r.alone_p50_us for r in fair]))} | {_f(med([r.alone_p99_us for r in fair]))} "
                    f"| {_f(med([r.flood_p50_us for r in fair]))} | {_f(med([r.flood_p99_us for r in fair]))} "
                    f"| **{_f(med([r.flood_p50_us / r.alone_p50_us for r in fair]), '{:.2f}')}** | | "
@@ -1916,7 +1916,7 @@ def markdown(args: argparse.Namespace, backend: BackendSpec, results: list[LoadR
             out.append(f"| {i} | {r.gone_ms:.1f} | {_f(r.starting_ms, '{:.1f}')} | {r.running_ms:.1f} "
                        f"| {r.first_call_ms:.1f} | {_f(r.gateway_start_ms, '{:.1f}')} | {r.failed_calls} "
                        f"| {', '.join(r.errors_seen) or '–'} |")
-        med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
+        med = lambda xs: statistics.median(xs) if xs else float("nan")
         starting = [r.starting_ms for r in restarts if r.starting_ms is not None]
         gw_start = [r.gateway_start_ms for r in restarts if r.gateway_start_ms is not None]
         out.append(f"| **median** | {med([r.gone_ms for r in restarts]):.1f} | {_f(med(starting), '{:.1f}')} "
@@ -2011,7 +2011,7 @@ async def amain(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
     report = markdown(args, backend, results, singles, restarts, spawns, peers, notes, extra, targets)
     return {
         "meta": {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
             "args": vars(args), "backend": backend.name, "backend_argv": backend.argv,
             "cpu_calibration_ms": calibration, "complete": not failures,

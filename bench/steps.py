@@ -14,11 +14,8 @@ asks to count.  Reported per call, over the measured calls only (the warm-up is 
 from __future__ import annotations
 
 import argparse
-import base64
 import collections
-import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,8 +27,8 @@ import trio
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from gateway import config as gwconfig  # noqa: E402
-from gateway import service  # noqa: E402
+from gateway import config as gwconfig
+from gateway import service
 
 CLIENT = r'''
 import base64, json, os, socket, sys, time

@@ -242,7 +242,7 @@ async def upgrade_status(port: int | None) -> tuple[int, bytes]:
     async with stream:
         await stream.send_all(UPGRADE)
         data = b""
-        while b"\r\n\r\n" not in data or data.startswith(b"HTTP/1.1 503") and not data.endswith(b"\n"):
+        while b"\r\n\r\n" not in data or (data.startswith(b"HTTP/1.1 503") and not data.endswith(b"\n")):
             chunk = await stream.receive_some(65536)
             if not chunk:
                 break

@@ -30,7 +30,7 @@ def _name(cn: str) -> x509.Name:
 
 def make_certs(folder: Path, names: tuple[str, ...] = ("localhost", "gw.example.com")) -> Certs:
     """A CA and a server certificate for ``names`` and 127.0.0.1, written to ``folder``."""
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (x509.CertificateBuilder().subject_name(_name("test CA")).issuer_name(_name("test CA"))
           .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())

@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING
 import msgspec
 import trio
 
-from gateway.transports.http import HttpConnection, Reply, Request, serve_connection
 from gateway.limits import ADMIN_CONNECTIONS, ConnectionSlots
+from gateway.transports.http import HttpConnection, Reply, Request, serve_connection
 from gateway.transports.listeners import (
     Accepted,
     SlottedListener,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 #: Bytes of an oversize frame kept for diagnosis (e.g. to find the id of a reply).
 HEAD = 256
 

@@ -39,7 +39,7 @@ class Envelope(msgspec.Struct, omit_defaults=True):
     """Any JSON-RPC 2.0 message. Unknown top-level keys are ignored."""
 
     jsonrpc: str = ""
-    id: int | str | None | UnsetType = UNSET
+    id: int | str | UnsetType | None = UNSET
     method: str | UnsetType = UNSET
     params: Raw | UnsetType = UNSET
     result: Raw | UnsetType = UNSET

@@ -51,7 +51,7 @@ from gateway.auth.challenge import METADATA_PATHS
 from gateway.config import host_allowed
 from gateway.errors import TransportClosed
 from gateway.limits import CapReached, ConnectionSlots, Held, PrincipalCaps
-from gateway.protocol import era, jsonrpc, mcp, mrtr
+from gateway.protocol import era, jsonrpc, mcp
 from gateway.transports import replay, tls
 from gateway.transports.http import (
     WRITE_TIMEOUT,

@@ -70,7 +70,12 @@ from gateway.limits import ConnectionSlots
 from gateway.protocol.wsframing import Fault, ServerFramer, close_frame, text_header
 from gateway.transports import tls
 from gateway.transports.http import MAX_HEAD_BYTES
-from gateway.transports.listeners import Accepted, SlottedListener, allowed_host_names, serve_listeners
+from gateway.transports.listeners import (
+    Accepted,
+    SlottedListener,
+    allowed_host_names,
+    serve_listeners,
+)
 from gateway.transports.rawio import stream_io
 
 LOGGER = logging.getLogger(__name__)

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import pytest
 import trio
-
 from conformance.run import gateway_toml, run_suite
-from gateway import config
 from helpers import ROOT, run_gateway
+
+from gateway import config
 
 pytestmark = [pytest.mark.conformance, pytest.mark.system]
 

@@ -14,8 +14,16 @@ from typing import Any
 
 import pytest
 import trio
-
-from helpers import Client, connect, fixture_backend, make_config, metric, run_gateway, text_of, unix_connect
+from helpers import (
+    Client,
+    connect,
+    fixture_backend,
+    make_config,
+    metric,
+    run_gateway,
+    text_of,
+    unix_connect,
+)
 
 pytestmark = pytest.mark.system
 

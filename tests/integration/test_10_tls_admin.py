@@ -13,18 +13,18 @@ import msgspec
 import pytest
 import trio
 import trio_websocket
+from helpers import HTTP_HEADERS, HTTP_INIT, ROOT, Client, fixture_backend, make_config, run_gateway
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
+from tlsutil import make_certs
 
+from gateway import config
+from gateway.events import EventBus
 from gateway.ops import admin
 from gateway.ops.admin import serve_admin
 from gateway.ops.metrics import GatewayMetrics
-from gateway.events import EventBus
 from gateway.status import GatewayStatus
 from gateway.transports import tls
-from gateway import config
-from helpers import HTTP_HEADERS, HTTP_INIT, ROOT, Client, fixture_backend, make_config, run_gateway
-from tlsutil import make_certs
 
 pytestmark = [pytest.mark.system,
               pytest.mark.filterwarnings("ignore::ResourceWarning",

@@ -17,8 +17,15 @@ from typing import Any
 import httpx
 import pytest
 import trio
-
-from helpers import connect, fixture_backend, http_request, make_config, run_gateway, text_of, wait_status
+from helpers import (
+    connect,
+    fixture_backend,
+    http_request,
+    make_config,
+    run_gateway,
+    text_of,
+    wait_status,
+)
 
 pytestmark = [pytest.mark.system,
               pytest.mark.filterwarnings("ignore::ResourceWarning",
@@ -80,7 +87,7 @@ async def test_websocket_drain_answers_every_call_read_refuses_new_ones_and_clos
             assert json.loads(text_of(retried))["content"] == {"answer": "Ada"}
             assert text_of(await b.response("slow")) == "slept"
             for c in (a, b, m):  # then each connection closes: 1012, service restart
-                await c.wait_for(lambda c=c: c.closed or None)  # noqa: B023
+                await c.wait_for(lambda c=c: c.closed or None)
                 assert c.ws.closed is not None and c.ws.closed.code == 1012
 
 

@@ -10,7 +10,6 @@ from typing import Any
 import httpx
 import pytest
 import trio
-
 from helpers import fixture_backend, make_config, metric, run_gateway, wait_status
 
 pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWarning")]

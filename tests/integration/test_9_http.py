@@ -9,9 +9,6 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from mcp import ClientSession, types
-from mcp.client.streamable_http import streamable_http_client
-
 from helpers import (
     HTTP_HEADERS,
     HTTP_INIT,
@@ -22,6 +19,8 @@ from helpers import (
     run_gateway,
     wait_status,
 )
+from mcp import ClientSession, types
+from mcp.client.streamable_http import streamable_http_client
 
 # httpx (and the SDK on it) leaves streams it did not read to the end (an SSE stream the client
 # stops reading) to the garbage collector as async generators; under trio that warns. Client

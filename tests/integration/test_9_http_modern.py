@@ -9,8 +9,15 @@ from typing import Any
 import httpx
 import pytest
 import trio
-
-from helpers import TIME_SERVER, fixture_backend, http_json, make_config, metric, run_gateway, wait_status
+from helpers import (
+    TIME_SERVER,
+    fixture_backend,
+    http_json,
+    make_config,
+    metric,
+    run_gateway,
+    wait_status,
+)
 
 pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 

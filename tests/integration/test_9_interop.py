@@ -92,10 +92,9 @@ async def test_gateway_connect_http_bridge() -> None:
     """``mcp-gateway connect http://…/mcp``: a stdio client (the Python SDK 1.x) through the bridge
     lists, calls, gets progress, answers an elicitation (a request on the call's SSE answer,
     its answer POSTed); a list_changed comes on the GET stream; on exit the session is deleted."""
+    from helpers import http_json, wait_status
     from mcp import ClientSession, StdioServerParameters, types
     from mcp.client.stdio import stdio_client
-
-    from helpers import http_json, wait_status
 
     async with run_gateway(make_config(fixture_backend())) as gw:
         env = {k: os.environ[k] for k in ("PATH", "HOME", "LANG", "PYTHONPATH") if k in os.environ}

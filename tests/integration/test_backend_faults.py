@@ -20,12 +20,12 @@ from typing import Any
 import pytest
 import trio
 from helpers import (
-    http_json,
     FIXTURE,
     ROOT,
     Client,
     connect,
     fixture_backend,
+    http_json,
     make_config,
     run_gateway,
     text_of,

@@ -11,7 +11,15 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from helpers import HTTP_HEADERS, HTTP_INIT, connect, fixture_backend, make_config, run_gateway, text_of
+from helpers import (
+    HTTP_HEADERS,
+    HTTP_INIT,
+    connect,
+    fixture_backend,
+    make_config,
+    run_gateway,
+    text_of,
+)
 
 pytestmark = [pytest.mark.system,
               pytest.mark.filterwarnings("ignore::ResourceWarning",

@@ -18,9 +18,16 @@ from typing import Any
 import httpx
 import pytest
 import trio
-
-from helpers import (Client, connect, fixture_backend, http_json, make_config, metric, run_gateway,
-                     text_of)
+from helpers import (
+    Client,
+    connect,
+    fixture_backend,
+    http_json,
+    make_config,
+    metric,
+    run_gateway,
+    text_of,
+)
 
 pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 

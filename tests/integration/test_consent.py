@@ -8,10 +8,19 @@ from typing import Any
 
 import pytest
 import trio
+from helpers import (
+    ROOT,
+    Client,
+    connect,
+    fixture_backend,
+    make_config,
+    metric,
+    run_gateway,
+    text_of,
+)
 
 from gateway import config
 from gateway.service import StartupError
-from helpers import ROOT, Client, connect, fixture_backend, make_config, metric, run_gateway, text_of
 
 pytestmark = pytest.mark.system
 

@@ -14,8 +14,16 @@ from typing import Any
 import httpx
 import pytest
 import trio
-
-from helpers import DEPS, ROOT, connect, fixture_backend, make_config, metric, run_gateway, wait_status
+from helpers import (
+    DEPS,
+    ROOT,
+    connect,
+    fixture_backend,
+    make_config,
+    metric,
+    run_gateway,
+    wait_status,
+)
 
 pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 

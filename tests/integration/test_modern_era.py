@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 import trio
-
 from helpers import connect, fixture_backend, make_config, run_gateway, text_of
 
 pytestmark = pytest.mark.system

@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import json
 import secrets
+import sys
 from typing import Any
 
 import pytest
 import trio
-
-import sys
-
-from helpers import FIXTURE, Client, connect, fixture_backend, http_json, http_request, make_config, run_gateway, text_of
+from helpers import (
+    FIXTURE,
+    Client,
+    connect,
+    fixture_backend,
+    http_json,
+    http_request,
+    make_config,
+    run_gateway,
+    text_of,
+)
 
 pytestmark = pytest.mark.system
 

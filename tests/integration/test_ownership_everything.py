@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 import trio
-
 from helpers import EVERYTHING, connect, make_config, run_gateway
 
 pytestmark = pytest.mark.system

@@ -16,7 +16,6 @@ from typing import Any
 import httpx
 import pytest
 import trio
-
 from helpers import (
     HTTP_HEADERS,
     HTTP_INIT,

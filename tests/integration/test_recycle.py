@@ -14,7 +14,16 @@ from collections.abc import Callable
 from typing import Any
 
 import trio
-from helpers import Client, connect, fixture_backend, http_json, http_request, make_config, run_gateway, text_of
+from helpers import (
+    Client,
+    connect,
+    fixture_backend,
+    http_json,
+    http_request,
+    make_config,
+    run_gateway,
+    text_of,
+)
 
 ELICIT_CAPS = {"elicitation": {"form": {}}}
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import trio
+from helpers import ROOT, connect, fixture_backend, run_gateway, text_of
 
 from gateway import config
-from helpers import ROOT, connect, fixture_backend, run_gateway, text_of
 
 pytestmark = pytest.mark.system
 

@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 import trio
-
 from helpers import connect, fixture_backend, make_config, run_gateway, text_of
 
 pytestmark = pytest.mark.system
@@ -159,9 +158,9 @@ def gateway_toml(backends: str, extra: str = "") -> str:
 async def test_backend_removed_by_reload_during_a_consent_prompt_is_backend_unavailable(tmp_path: Any) -> None:
     # The tool's backend was removed while its call waited for consent: the approved call gets
     # -32001 backend_unavailable, not an internal error (KeyError on hub.backends).
-    from gateway import config
-
     from helpers import ROOT
+
+    from gateway import config
     policy = '[[policy.rules]]\nmatch = "fx__echo"\naction = "ask"\n'
     path = tmp_path / "gateway.toml"
     path.write_text(gateway_toml(fixture_backend("fx") + fixture_backend("keep"), policy))
@@ -185,9 +184,9 @@ async def test_backend_removed_by_reload_during_a_consent_prompt_is_backend_unav
 async def test_affine_call_queued_when_reload_removes_the_backend_is_backend_unavailable(tmp_path: Any) -> None:
     # A call waiting in the affine queue of a backend that reload removes is told the backend
     # is unavailable (-32001), not that the gateway is overloaded (-32006).
-    from gateway import config
-
     from helpers import ROOT
+
+    from gateway import config
     path = tmp_path / "gateway.toml"
     path.write_text(gateway_toml(fixture_backend("fx", sharing="affine") + fixture_backend("keep")))
     cfg = config.load(path.read_text(), base_dir=ROOT)

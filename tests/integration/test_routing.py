@@ -16,7 +16,16 @@ from typing import Any
 import pytest
 import trio
 import trio_websocket
-from helpers import FIXTURE, Client, connect, fixture_backend, http_request, make_config, run_gateway, text_of
+from helpers import (
+    FIXTURE,
+    Client,
+    connect,
+    fixture_backend,
+    http_request,
+    make_config,
+    run_gateway,
+    text_of,
+)
 
 pytestmark = pytest.mark.system
 

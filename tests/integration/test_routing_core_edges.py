@@ -9,7 +9,15 @@ from typing import Any
 
 import pytest
 import trio
-from helpers import connect, fixture_backend, http_json, make_config, run_gateway, text_of, wait_status
+from helpers import (
+    connect,
+    fixture_backend,
+    http_json,
+    make_config,
+    run_gateway,
+    text_of,
+    wait_status,
+)
 
 pytestmark = pytest.mark.system
 

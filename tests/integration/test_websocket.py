@@ -7,10 +7,9 @@ import json
 import pytest
 import trio
 import trio_websocket
+from helpers import fixture_backend, make_config, run_gateway
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, CloseConnection, Request, TextMessage
-
-from helpers import fixture_backend, make_config, run_gateway
 
 pytestmark = pytest.mark.system
 

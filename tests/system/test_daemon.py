@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import trio
 import trio_websocket
+from helpers import FIXTURE, ROOT, connect, text_of
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.procfs import group_members
-from helpers import FIXTURE, ROOT, connect, text_of
 
 pytestmark = pytest.mark.system
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import trio
+from tlsutil import make_certs
 
 from gateway import cli, config, guards
 from gateway.errors import ConfigError
 from gateway.transports import listeners as ls
-from tlsutil import make_certs
 
 BEARER = '[[auth.bearer]]\nprincipal = "alice"\ntoken_sha256 = "' + "ab" * 32 + '"\n'
 BACKEND = '[backends.fx]\ncommand = "true"\n'

@@ -8,10 +8,9 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from gateway import errors
 from msgspec import Raw
 
+from gateway import errors
 from gateway.protocol import jsonrpc, mcp, wire
 from gateway.protocol.framing import LineFramer, Oversize, OversizeEnd
 
