@@ -132,7 +132,8 @@ async def main(args: argparse.Namespace) -> None:
         bound = await nursery.start(lambda task_status: service.run(cfg, task_status=task_status))
         addr = sock if args.transport == "unix" else f"127.0.0.1:{bound.websocket_port}"
         proc = await trio.lowlevel.open_process(
-            [sys.executable, "-c", CLIENT, args.transport, addr, str(args.calls), str(args.clients)],
+            [sys.executable, "-c", CLIENT, args.transport, addr, str(args.calls),
+             str(args.clients)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         buf = b""
 
@@ -156,7 +157,8 @@ async def main(args: argparse.Namespace) -> None:
         n = args.calls * args.clients
         total = sum(counter.steps.values())
         print(f"{args.transport}, {args.clients} client(s), {n} calls in {elapsed:.2f}s: "
-              f"{total / n:.2f} task steps per call, {counter.spawned / n:.3f} tasks spawned per call")
+              f"{total / n:.2f} task steps per call, {counter.spawned / n:.3f} tasks spawned per "
+              "call")
         for name, count in counter.steps.most_common(12):
             print(f"  {count / n:6.2f}  {name}")
         nursery.cancel_scope.cancel()

@@ -19,7 +19,8 @@ LOGGER = logging.getLogger("gateway")
 def _load(path: str, *, check_commands: bool) -> config.GatewayConfig:
     with open(path, "rb") as f:
         data = f.read()
-    return config.load(data, base_dir=os.path.dirname(os.path.abspath(path)), check_commands=check_commands)
+    return config.load(data, base_dir=os.path.dirname(os.path.abspath(path)),
+                       check_commands=check_commands)
 
 
 def _load_or_report(path: str, prefix: str = "") -> config.GatewayConfig | None:
@@ -63,7 +64,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level or cfg.gateway.log_level, cfg.gateway.log_target)
     failed = False
     try:
-        trio.run(lambda: service.run(cfg, config_path=args.config, handle_signals=True, subreaper=True))
+        trio.run(lambda: service.run(cfg, config_path=args.config, handle_signals=True,
+                                     subreaper=True))
     except* service.StartupError as group:
         for exc in _leaves(group):
             LOGGER.critical("cannot start: %s", exc)
@@ -123,7 +125,8 @@ def cmd_connect(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mcp-gateway", description="Many MCP servers behind one endpoint.")
+    parser = argparse.ArgumentParser(prog="mcp-gateway",
+                                     description="Many MCP servers behind one endpoint.")
     parser.add_argument("--version", action="version", version=f"mcp-gateway {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="serve until SIGTERM/SIGINT (SIGHUP reloads the config)")

@@ -54,7 +54,8 @@ class LineFramer:
             if self._discarding:
                 self._discarding = False
                 if self._report_end:
-                    out.append(OversizeEnd(self._skipped + len(chunk), (self._tail + chunk)[-HEAD:]))
+                    out.append(OversizeEnd(self._skipped + len(chunk),
+                                           (self._tail + chunk)[-HEAD:]))
                 continue
             if self._buf:
                 self._buf += chunk

@@ -39,11 +39,13 @@ class _ClientWebSocket:
     async def send(self, data: bytes) -> None:
         try:
             await self._ws.send_message(data.decode())
-        except (trio_websocket.ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+        except (trio_websocket.ConnectionClosed, trio.BrokenResourceError,
+                trio.ClosedResourceError) as exc:
             raise TransportClosed(str(exc)) from None
 
 
-async def _copy(source: trio.abc.ReceiveStream, sink: trio.abc.SendStream, done: trio.CancelScope) -> None:
+async def _copy(source: trio.abc.ReceiveStream, sink: trio.abc.SendStream,
+                done: trio.CancelScope) -> None:
     try:
         while data := await source.receive_some(65536):
             await sink.send_all(data)

@@ -82,7 +82,8 @@ tls_key = "{certs.key}"\npublic_url = "https://gw.example.com/mcp"\n[admin]\nlis
                     streamable_http_client(f"https://localhost:{http_port}/mcp", http_client=c) as (read, write, _), \
                     ClientSession(read, write) as session:
                 await session.initialize()
-                result = await session.call_tool("fx__progress", {"steps": 3}, progress_callback=on_progress)
+                result = await session.call_tool("fx__progress", {"steps": 3},
+                                                 progress_callback=on_progress)
                 assert not result.isError and progress == [1, 2, 3]
         # wss:// upgrade, a whole MCP exchange over it
         async with trio_websocket.open_websocket_url(f"wss://localhost:{ws_port}/", ssl_context=ctx,
@@ -139,13 +140,15 @@ async def _admin(port: int | None, path: str, token: str | None = None,
     assert port is not None
     auth = f"Authorization: Bearer {token}\r\n" if token is not None else ""
     async with await trio.open_tcp_stream(host, port) as stream:
-        await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Connection: close\r\n\r\n".encode())
+        await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Connection: close\r\n"
+                              "\r\n".encode())
         data = b""
         while chunk := await stream.receive_some(65536):
             data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
     lines = head.decode().split("\r\n")
-    headers = {name.lower(): value for name, _, value in (line.partition(": ") for line in lines[1:])}
+    headers = {name.lower(): value for name, _,
+               value in (line.partition(": ") for line in lines[1:])}
     return int(lines[0].split()[1]), headers, body
 
 

@@ -78,7 +78,8 @@ class Session:
     async def open(self) -> None:
         self.id = ""
         r = await self.post({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
-            "protocolVersion": LEGACY, "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}})
+            "protocolVersion": LEGACY, "capabilities": {},
+            "clientInfo": {"name": "t", "version": "0"}}})
         assert r.status_code == 200, r.text
         self.id = r.headers["mcp-session-id"]
         r = await self.post({"jsonrpc": "2.0", "method": "notifications/initialized"})
@@ -140,7 +141,8 @@ async def test_connections_and_sessions_stay_on_their_replica(fleet: Fleet) -> N
                     assert r.status_code == 200, r.text
 
 
-async def test_stateless_requests_spread_and_bridged_retries_find_their_replica(fleet: Fleet) -> None:
+async def test_stateless_requests_spread_and_bridged_retries_find_their_replica(
+    fleet: Fleet) -> None:
     """2026-07-28 requests are balanced one by one; a retry carrying a requestState reaches the
     replica holding the waiting child (HAProxy reads the state's replica id from the body), with
     other traffic going on; sent straight to another replica it gets -32602 invalid_state."""
@@ -211,7 +213,8 @@ async def test_stateless_requests_spread_and_bridged_retries_find_their_replica(
 
 async def cancelled_calls(fleet: Fleet) -> float:
     """Calls to fx that the replicas (all of them) ended as cancelled, the child told."""
-    return sum([await metric(r.admin, "mcp_gateway_requests_total", backend="fx", method="tools/call",
+    return sum(
+        [await metric(r.admin, "mcp_gateway_requests_total", backend="fx", method="tools/call",
                              outcome="cancelled", principal="fleet")
                 for r in fleet.replicas.values() if r.proc is not None and r.proc.poll() is None])
 
@@ -229,7 +232,8 @@ async def test_a_modern_client_cancels_by_closing_its_response_stream(fleet: Fle
         while await cancelled_calls(fleet) == before:
             await trio.sleep(0.02)
     took = trio.current_time() - closed
-    assert took < 1.0, f"the replica cancelled the call {took:.2f} s after the client closed its stream"
+    assert took < 1.0, (f"the replica cancelled the call {took:.2f} s after the client closed its "
+                        "stream")
 
 
 async def test_a_replica_killed_with_sigkill(fleet: Fleet) -> None:

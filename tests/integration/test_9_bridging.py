@@ -32,7 +32,8 @@ async def call(c: httpx.AsyncClient, url: str, name: str, args: dict[str, Any], 
 
 def invalid_state(r: httpx.Response) -> bool:
     error = r.json().get("error") or {}
-    return r.status_code == 400 and error.get("code") == -32602 and error["data"]["reason"] == "invalid_state"
+    return r.status_code == 400 and error.get("code") == -32602 and error["data"][
+        "reason"] == "invalid_state"
 
 
 async def test_an_elicitation_round_trip_and_a_replayed_state() -> None:
@@ -71,7 +72,8 @@ async def test_tampered_other_params_and_missing_capability() -> None:
                        inputResponses={"srv-1": {"action": "accept", "content": {"answer": "x"}}},
                        requestState=state + "-TAMPERED")
         assert invalid_state(r), r.text
-        assert await metric(port, "mcp_gateway_request_states_refused_total", reason="tampered") == 1
+        assert await metric(port, "mcp_gateway_request_states_refused_total",
+                            reason="tampered") == 1
         assert await metric(port, "mcp_gateway_input_required_results_total", backend="fx") == 1
         # an unauthenticated caller's tampered state ends nothing (anyone can name a flow): the
         # genuine retry completes the call, and nothing is left in flight

@@ -22,10 +22,12 @@ from helpers import (
 pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
 V = "2026-07-28"
-META = {"io.modelcontextprotocol/protocolVersion": V, "io.modelcontextprotocol/clientCapabilities": {}}
+META = {"io.modelcontextprotocol/protocolVersion": V,
+        "io.modelcontextprotocol/clientCapabilities": {}}
 
 
-def post(method: str, params: dict[str, Any], *, id: int | str = 1, **headers: str) -> dict[str, Any]:
+def post(method: str, params: dict[str, Any], *, id: int | str = 1,
+         **headers: str) -> dict[str, Any]:
     h = {"accept": "application/json, text/event-stream", "content-type": "application/json",
          "mcp-protocol-version": V, "mcp-method": method}
     if method == "tools/call":
@@ -56,7 +58,8 @@ async def test_a_stateless_call_with_its_headers_checked_and_no_session() -> Non
         r = await c.post(gw.http_url, **post("ping", {}))  # removed in 2026-07-28
         assert r.status_code == 404 and r.json()["error"]["code"] == -32601
         args = post("tools/list", {})
-        args["json"]["params"]["_meta"] = {**META, "io.modelcontextprotocol/protocolVersion": "2099-01-01"}
+        args["json"]["params"]["_meta"] = {**META,
+                                           "io.modelcontextprotocol/protocolVersion": "2099-01-01"}
         r = await c.post(gw.http_url, headers=dict(args["headers"], **{"mcp-protocol-version": "2099-01-01"}),
                          json=args["json"])
         assert r.status_code == 400 and r.json()["error"]["code"] == -32022
@@ -86,7 +89,8 @@ async def test_a_dual_era_child_gets_no_modern_envelope_from_a_modern_client() -
     the legacy session the gateway opened with it: the client's envelope must not reach it."""
     backend = f"[backends.time]\ncommand = {json.dumps(TIME_SERVER)}\n"
     async with run_gateway(make_config(backend)) as gw, httpx.AsyncClient() as c:
-        args = post("tools/call", {"name": "time__get_current_time", "arguments": {"timezone": "UTC"},
+        args = post("tools/call",
+                    {"name": "time__get_current_time", "arguments": {"timezone": "UTC"},
                                    "_meta": {"progressToken": "p1"}})
         args["json"]["params"]["_meta"] = {**META, "progressToken": "p1"}  # other keys pass on
         with trio.fail_after(20):
@@ -134,7 +138,8 @@ async def test_subscriptions_listen_streams_tagged_notifications_until_the_clien
                                                           "resourceSubscriptions": [uri]}
                 assert ack["params"]["_meta"] == {tag: "L1"}
                 ack = await anext(e2)
-                assert ack["params"] == {"notifications": {"promptsListChanged": True}, "_meta": {tag: 7}}
+                assert ack["params"] == {"notifications": {"promptsListChanged": True},
+                                         "_meta": {tag: 7}}
                 assert await upstream_subscriptions() == [uri]
 
                 await call("fx__notify_list_changed", kind="tools")
@@ -162,15 +167,18 @@ async def test_a_modern_request_gets_log_messages_only_at_the_level_it_asked_for
     stream (the other flow calling the same child gets nothing)."""
     async with run_gateway(make_config(fixture_backend("fx"))) as gw, httpx.AsyncClient() as c:
         async def messages(level: str | None, log: str) -> list[dict[str, Any]]:
-            args = post("tools/call", {"name": "fx__log", "arguments": {"level": log, "data": "hi"}})
+            args = post("tools/call",
+                        {"name": "fx__log", "arguments": {"level": log, "data": "hi"}})
             if level is not None:
-                args["json"]["params"]["_meta"] = {**META, "io.modelcontextprotocol/logLevel": level}
+                args["json"]["params"]["_meta"] = {**META,
+                                                   "io.modelcontextprotocol/logLevel": level}
             with trio.fail_after(10):
                 r = await c.post(gw.http_url, **args)
             assert r.status_code == 200, r.text
             if r.headers["content-type"].startswith("application/json"):
                 return [r.json()]
-            return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+            return [json.loads(line[6:]) for line in r.text.splitlines()
+                    if line.startswith("data: ")]
 
         got = await messages("info", "warning")
         assert [m.get("method") for m in got] == ["notifications/message", None]

@@ -119,14 +119,17 @@ async def test_gateway_connect_http_bridge() -> None:
                     ClientSession(read, write, elicitation_callback=on_elicit,
                                   message_handler=on_message) as s:
                 assert (await s.initialize()).protocolVersion == "2025-11-25"
-                assert {"fx__echo", "fx__progress"} <= {t.name for t in (await s.list_tools()).tools}
+                assert {"fx__echo",
+                        "fx__progress"} <= {t.name for t in (await s.list_tools()).tools}
                 r = await s.call_tool("fx__echo", {"message": "hi"})
-                assert r.model_dump(mode="json", exclude_none=True, include={"content", "structuredContent"}) \
+                assert r.model_dump(mode="json", exclude_none=True,
+                                    include={"content", "structuredContent"}) \
                     == ECHO
                 await s.call_tool("fx__progress", {"steps": 3}, progress_callback=on_progress)
                 assert progress == [1, 2, 3]
                 r = await s.call_tool("fx__elicit", {"message": "proceed?"})
-                assert json.loads(r.content[0].text)["content"] == {"answer": "proceed?"}  # type: ignore[union-attr]
+                # type: ignore[union-attr]
+                assert json.loads(r.content[0].text)["content"] == {"answer": "proceed?"}
                 await s.call_tool("fx__notify_list_changed", {"kind": "tools"})
                 await changed.wait()
                 assert (await http_json(gw.bound.admin_port, "/status"))["connections"].get("http") == 1

@@ -543,20 +543,24 @@ async def test_reply_over_the_limit_fails_the_call_at_once() -> None:
     """A child's reply over max_message_bytes is dropped and its caller told now, not at timeout."""
     from helpers import connect, fixture_backend, make_config, run_gateway
 
-    cfg = make_config(fixture_backend("fx", request_timeout=30.0), gateway="max_message_bytes = 65536")
+    cfg = make_config(fixture_backend("fx", request_timeout=30.0),
+                      gateway="max_message_bytes = 65536")
     with trio.fail_after(20):
         async with run_gateway(cfg) as gw, connect(gw.url) as c:
             started = trio.current_time()
             r = await c.call("fx__big", {"size": 100_000})
             assert trio.current_time() - started < 2.0
             assert r["error"]["code"] == -32008
-            assert r["error"]["data"] == {"reason": "response_too_large", "backend": "fx", "limit": 65536}
-            assert (await c.call("fx__echo", {"message": "next"}))["result"]["content"][0]["text"] == "next"
+            assert r["error"]["data"] == {"reason": "response_too_large", "backend": "fx",
+                                          "limit": 65536}
+            assert (await c.call("fx__echo",
+                                 {"message": "next"}))["result"]["content"][0]["text"] == "next"
 
 
 async def test_unanswered_cancel_restarts_a_shared_child_that_may_elicit() -> None:
     """A cancelled call the child never answers keeps attribution closed; past cancel_grace the
-    child is restarted rather than guessed done.  With nothing to attribute, it is just forgotten."""
+    child is restarted rather than guessed done.  With nothing to attribute, it is just
+    forgotten."""
     from helpers import connect, fixture_backend, make_config, run_gateway
 
     backends = (fixture_backend("el", cancel_grace=0.5)
@@ -565,7 +569,8 @@ async def test_unanswered_cancel_restarts_a_shared_child_that_may_elicit() -> No
         async with run_gateway(make_config(backends)) as gw, connect(gw.url) as c:
             pids = {}
             for name in ("el", "plain"):
-                pids[name] = json.loads((await c.call(f"{name}__client_info"))["result"]["content"][0]["text"])["pid"]
+                pids[name] = json.loads(
+                    (await c.call(f"{name}__client_info"))["result"]["content"][0]["text"])["pid"]
                 await c.send({"jsonrpc": "2.0", "id": f"s-{name}", "method": "tools/call",
                               "params": {"name": f"{name}__sleep", "arguments": {"seconds": 30}}})
             await trio.sleep(0.2)

@@ -51,7 +51,8 @@ async def tool_names(c: Client) -> set[str]:
 
 
 async def complete(c: Any, ref: dict[str, str], argument: str, value: str) -> dict[str, Any]:
-    return await c.request("completion/complete", {"ref": ref, "argument": {"name": argument, "value": value}})
+    return await c.request("completion/complete",
+                           {"ref": ref, "argument": {"name": argument, "value": value}})
 
 
 async def test_two_backends_are_namespaced_and_routed() -> None:

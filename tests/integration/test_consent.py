@@ -33,7 +33,8 @@ rules = [{ match = "fx__echo", action = "ask" }, { match = "fx__big", action = "
 """
 
 
-async def call_with_answer(c: Client, answer: dict[str, Any] | None, args: dict[str, Any]) -> dict[str, Any]:
+async def call_with_answer(c: Client, answer: dict[str, Any] | None,
+                           args: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
 
     async def call() -> None:
@@ -100,10 +101,12 @@ async def test_cancelling_parked_call_withdraws_prompt_without_response() -> Non
                           "params": {"name": "fx__echo", "arguments": {"message": "m"}}})
             prompt = await c.wait_for(lambda: c.requests and c.requests[0])
             await c.notify("notifications/cancelled", {"requestId": 77})
-            note = await c.wait_for(lambda: [n for n in c.notifications if n["method"] == "notifications/cancelled"])
+            note = await c.wait_for(lambda: [n for n in c.notifications
+                                             if n["method"] == "notifications/cancelled"])
             assert note[0]["params"]["requestId"] == prompt["id"]
             # a late answer to the withdrawn prompt is dropped quietly, the call never runs
-            await c.send({"jsonrpc": "2.0", "id": prompt["id"], "result": {"action": "accept", "content": {"approve": True}}})
+            await c.send({"jsonrpc": "2.0", "id": prompt["id"],
+                          "result": {"action": "accept", "content": {"approve": True}}})
             await trio.sleep(0.3)
             assert 77 not in c.responses
             assert (await c.request("ping"))["result"] == {}
@@ -136,7 +139,8 @@ websocket = "127.0.0.1:0"
 [admin]
 listen = "127.0.0.1:0"
 {fixture_backend("fx", sensitive=["echo", "big"])}"""
-    with trio.fail_after(30), pytest.RaisesGroup(pytest.RaisesExc(StartupError), flatten_subgroups=True) as got:
+    with (trio.fail_after(30),
+          pytest.RaisesGroup(pytest.RaisesExc(StartupError), flatten_subgroups=True) as got):
         async with run_gateway(config.load(text, base_dir=ROOT)):
             pass
     leaf: BaseException = got.value
@@ -147,7 +151,8 @@ listen = "127.0.0.1:0"
     rules = tomllib.loads(snippet)["policy"]["rules"]
     assert rules == [{"match": "fx__big", "action": "ask"}, {"match": "fx__echo", "action": "ask"}]
     with trio.fail_after(30):
-        async with run_gateway(config.load(text + "\n" + snippet, base_dir=ROOT)) as gw, connect(gw.url) as c:
+        async with (run_gateway(config.load(text + "\n" + snippet, base_dir=ROOT)) as gw,
+                    connect(gw.url) as c):
             r = await c.call("fx__echo", {"message": "m"})  # asks; this client cannot be asked
             assert r["error"]["data"]["reason"] == "authorization_required"
 
@@ -166,9 +171,11 @@ async def test_late_destructive_tool_is_denied() -> None:
         async with run_gateway(cfg) as gw, connect(gw.url) as c:
             await c.call("fx__add_destructive")
             # the caller's view did not change (wipe is hidden from it): no list_changed
-            while not await metric(gw.bound.admin_port, "mcp_gateway_catalog_changes_total", kind="tools"):
+            while not await metric(gw.bound.admin_port, "mcp_gateway_catalog_changes_total",
+                                   kind="tools"):
                 await trio.sleep(0.05)
-            assert not [n for n in c.notifications if n["method"] == "notifications/tools/list_changed"]
+            assert not [n for n in c.notifications
+                        if n["method"] == "notifications/tools/list_changed"]
             tools = (await c.request("tools/list"))["result"]["tools"]
             assert "fx__wipe" not in [t["name"] for t in tools]  # nobody may call it: not listed
             r = await c.call("fx__wipe")

@@ -40,7 +40,8 @@ PY2_CONSENT = os.path.join(ROOT, "tests", "interop", "py2_consent_client.py")
 
 
 def meta(caps: dict[str, Any]) -> dict[str, Any]:
-    return {"io.modelcontextprotocol/protocolVersion": V, "io.modelcontextprotocol/clientCapabilities": caps}
+    return {"io.modelcontextprotocol/protocolVersion": V,
+            "io.modelcontextprotocol/clientCapabilities": caps}
 
 
 async def post(c: httpx.AsyncClient, url: str, id: int, message: str, *, caps: dict[str, Any] = FORM,
@@ -48,7 +49,8 @@ async def post(c: httpx.AsyncClient, url: str, id: int, message: str, *, caps: d
     headers = {"accept": "application/json, text/event-stream", "content-type": "application/json",
                "mcp-protocol-version": V, "mcp-method": "tools/call", "mcp-name": "fx__echo"}
     body = {"jsonrpc": "2.0", "id": id, "method": "tools/call",
-            "params": {"name": "fx__echo", "arguments": {"message": message}, **extra, "_meta": meta(caps)}}
+            "params": {"name": "fx__echo", "arguments": {"message": message}, **extra,
+                       "_meta": meta(caps)}}
     with trio.fail_after(10):
         return await c.post(url, headers=headers, json=body)
 
@@ -103,13 +105,15 @@ async def test_consent_on_stateless_http(tmp_path: Path) -> None:
         for i, answer in enumerate([{"action": "decline"}, {"action": "cancel"},
                                     {"action": "accept", "content": {"approve": False}}]):
             state = consent_asked(await post(c, url, 10 + i, f"no-{i}"), f"no-{i}")
-            r = await post(c, url, 20 + i, f"no-{i}", inputResponses={"consent": answer}, requestState=state)
+            r = await post(c, url, 20 + i, f"no-{i}", inputResponses={"consent": answer},
+                           requestState=state)
             error = r.json()["error"]
             assert r.json()["id"] == 20 + i and error["code"] == -32005, r.text
             assert error["data"] == {"reason": "declined", "tool": "fx__echo"}
         # a retry without the answer is asked again (a fresh state), the old one is spent
         state = consent_asked(await post(c, url, 30, "again"), "again")
-        again = consent_asked(await post(c, url, 31, "again", inputResponses={}, requestState=state), "again")
+        again = consent_asked(await post(c, url, 31, "again", inputResponses={},
+                                         requestState=state), "again")
         assert again != state
         r = await post(c, url, 32, "again", inputResponses={"consent": ACCEPT}, requestState=state)
         assert invalid_state(r, "already used"), r.text
@@ -118,11 +122,13 @@ async def test_consent_on_stateless_http(tmp_path: Path) -> None:
         # tampered: refused, nothing runs (the call it names may end at once: then its genuine
         # state is refused too; else that state's decline ends it)
         state = consent_asked(await post(c, url, 40, "tampered"), "tampered")
-        r = await post(c, url, 41, "tampered", inputResponses={"consent": ACCEPT}, requestState=state + "x")
+        r = await post(c, url, 41, "tampered", inputResponses={"consent": ACCEPT},
+                       requestState=state + "x")
         assert invalid_state(r, "signature"), r.text
         r = await post(c, url, 42, "tampered", inputResponses={"consent": {"action": "decline"}},
                        requestState=state)
-        assert invalid_state(r, "call is over") or r.json()["error"]["data"]["reason"] == "declined", r.text
+        assert invalid_state(r, "call is over") or r.json()["error"]["data"][
+            "reason"] == "declined", r.text
         # the state is bound to the call's params
         state = consent_asked(await post(c, url, 50, "mine"), "mine")
         r = await post(c, url, 51, "other", inputResponses={"consent": ACCEPT}, requestState=state)
@@ -139,8 +145,10 @@ async def test_consent_on_stateless_http(tmp_path: Path) -> None:
         with trio.fail_after(5):
             await wait_status(port, lambda st: st["client_requests_in_flight"] == 0
                               and st["connections"].get("http", 0) == 0)
-        assert await metric(port, "mcp_gateway_request_states_refused_total", reason="tampered") == 1
-        assert await metric(port, "mcp_gateway_input_required_results_total", backend="_gateway") == 8
+        assert await metric(port, "mcp_gateway_request_states_refused_total",
+                            reason="tampered") == 1
+        assert await metric(port, "mcp_gateway_input_required_results_total",
+                            backend="_gateway") == 8
     assert echoed(transcript) == ["yes-1", "again"]  # each approved call ran exactly once
 
 
@@ -166,19 +174,23 @@ async def test_after_consent_the_backends_own_elicitation_is_the_next_round() ->
     under the child's request id, at state_ttl), then the result."""
     extra = ASK.replace('match = "fx__echo"', 'match = "fx__elicit"')
     async with run_gateway(make_config(fixture_backend("fx"), extra=extra)) as gw, httpx.AsyncClient() as c:
-        headers = {"accept": "application/json, text/event-stream", "content-type": "application/json",
+        headers = {"accept": "application/json, text/event-stream",
+                   "content-type": "application/json",
                    "mcp-protocol-version": V, "mcp-method": "tools/call", "mcp-name": "fx__elicit"}
 
         async def call(id: int, **extra: Any) -> dict[str, Any]:
-            params = {"name": "fx__elicit", "arguments": {"message": "name?"}, **extra, "_meta": meta(FORM)}
+            params = {"name": "fx__elicit", "arguments": {"message": "name?"}, **extra,
+                      "_meta": meta(FORM)}
             with trio.fail_after(10):
                 r = await c.post(gw.http_url, headers=headers,
-                                 json={"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": params})
+                                 json={"jsonrpc": "2.0", "id": id, "method": "tools/call",
+                                       "params": params})
             return dict(r.json())
 
         first = (await call(1))["result"]
         assert list(first["inputRequests"]) == ["consent"]
-        second = (await call(2, inputResponses={"consent": ACCEPT}, requestState=first["requestState"]))["result"]
+        second = (await call(2, inputResponses={"consent": ACCEPT},
+                             requestState=first["requestState"]))["result"]
         assert second["resultType"] == "input_required" and list(second["inputRequests"]) == ["srv-1"]
         assert 25 <= expires_in(first["requestState"]) <= 32  # elicitation_timeout = 30
         assert 295 <= expires_in(second["requestState"]) <= 302  # state_ttl = 300
@@ -207,7 +219,8 @@ async def test_consent_on_a_modern_websocket_connection(tmp_path: Path) -> None:
             asked = (await c.request("prompts/get", prompt))["result"]
             (ask,) = asked["inputRequests"].values()
             assert "Allow the prompt fx__greet" in ask["params"]["message"]
-            no = await c.request("prompts/get", {**prompt, "inputResponses": {"consent": {"action": "decline"}},
+            no = await c.request("prompts/get",
+                                 {**prompt, "inputResponses": {"consent": {"action": "decline"}},
                                                  "requestState": asked["requestState"]})
             assert no["error"]["code"] == -32005 and no["error"]["data"]["reason"] == "declined"
             got = await c.request("prompts/get", prompt)
@@ -225,7 +238,8 @@ async def test_consent_on_a_modern_websocket_connection(tmp_path: Path) -> None:
     assert echoed(transcript) == ["ws-yes"]
 
 
-@pytest.mark.parametrize(("answer", "expected"), [("accept", "ran: sdk"), ("decline", "error -32005 declined")])
+@pytest.mark.parametrize(("answer", "expected"),
+                         [("accept", "ran: sdk"), ("decline", "error -32005 declined")])
 async def test_python_sdk_2_answers_the_consent_prompt(answer: str, expected: str) -> None:
     """``mcp.Client(url)`` of the Python SDK 2.x (2026-07-28 over /mcp) with an elicitation
     callback calls an ``ask`` tool: its callback sees the gateway's prompt, its answer decides."""
@@ -260,11 +274,13 @@ async def test_consent_for_a_modern_backend_that_asks_for_input_itself() -> None
             async def consented(params: dict[str, Any]) -> dict[str, Any]:
                 asked = (await c.request("tools/call", params))["result"]
                 assert list(asked["inputRequests"]) == ["consent"]
-                return await c.request("tools/call", {**params, "inputResponses": {"consent": ACCEPT},
+                return await c.request("tools/call",
+                                       {**params, "inputResponses": {"consent": ACCEPT},
                                                       "requestState": asked["requestState"]})
 
             child = (await consented(args))["result"]  # the backend's own round, passed through
             assert child["resultType"] == "input_required" and list(child["inputRequests"]) == ["user_name"]
             name = {"user_name": {"action": "accept", "content": {"name": "Ada"}}}
-            done = await consented({**args, "inputResponses": name, "requestState": child["requestState"]})
+            done = await consented({**args, "inputResponses": name,
+                                    "requestState": child["requestState"]})
             assert done["result"]["content"][0]["text"] == "Hello, Ada"

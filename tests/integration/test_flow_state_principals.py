@@ -28,7 +28,8 @@ ANSWER = {"srv-1": {"action": "accept", "content": {"answer": "Ada"}}}
 
 def bearer_toml(*names: str) -> str:
     return "".join(f'[[auth.bearer]]\nprincipal = "{n}"\n'
-                   f'token_sha256 = "{hashlib.sha256(TOKENS[n].encode()).hexdigest()}"\n' for n in names)
+                   f'token_sha256 = "{hashlib.sha256(TOKENS[n].encode()).hexdigest()}"\n'
+                   for n in names)
 
 
 async def call(c: httpx.AsyncClient, url: str, who: str | None, *, id: int = 1,
@@ -57,7 +58,8 @@ def forgeries(state: str) -> list[str]:
 
 def refused(r: httpx.Response) -> bool:
     error = r.json().get("error") or {}
-    return r.status_code == 400 and error.get("code") == -32602 and error["data"]["reason"] == "invalid_state"
+    return r.status_code == 400 and error.get("code") == -32602 and error["data"][
+        "reason"] == "invalid_state"
 
 
 async def test_another_principals_forged_state_does_not_end_the_flow_it_names() -> None:
@@ -66,11 +68,13 @@ async def test_another_principals_forged_state_does_not_end_the_flow_it_names() 
         port = gw.bound.admin_port
         r = await call(c, gw.http_url, "alice")
         state = r.json()["result"]["requestState"]
-        for n, forged in enumerate([*forgeries(state), state], 2):  # (bob with alice's genuine one too)
+        # (bob with alice's genuine one too)
+        for n, forged in enumerate([*forgeries(state), state], 2):
             r = await call(c, gw.http_url, "bob", id=n, inputResponses={"srv-1": {"action": "decline"}},
                            requestState=forged)
             assert refused(r), r.text
-        assert await metric(port, "mcp_gateway_request_states_refused_total", reason="tampered") == 2
+        assert await metric(port, "mcp_gateway_request_states_refused_total",
+                            reason="tampered") == 2
         r = await call(c, gw.http_url, "alice", id=9, inputResponses=ANSWER, requestState=state)
         result = r.json()["result"]
         assert result["resultType"] == "complete", r.text

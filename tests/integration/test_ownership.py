@@ -35,10 +35,12 @@ async def answer_own_prompts(client: Client, nonce: str, seen: list[dict[str, An
             answered.add(req["id"])
             seen.append(req)
             await client.send({"jsonrpc": "2.0", "id": req["id"],
-                               "result": {"action": "accept", "content": {"answer": f"answer-{nonce}"}}})
+                               "result": {"action": "accept",
+                                          "content": {"answer": f"answer-{nonce}"}}})
 
 
-async def many_clients_elicit(url: str, n: int) -> list[tuple[str, list[dict[str, Any]], dict[str, Any]]]:
+async def many_clients_elicit(url: str,
+                              n: int) -> list[tuple[str, list[dict[str, Any]], dict[str, Any]]]:
     results: list[tuple[str, list[dict[str, Any]], dict[str, Any]]] = []
 
     async def one(i: int) -> None:
@@ -63,7 +65,8 @@ def check_own(results: list[tuple[str, list[dict[str, Any]], dict[str, Any]]], n
         assert seen[0]["method"] == "elicitation/create"
         assert seen[0]["params"]["message"] == f"question-{nonce}"  # only its own prompt
         body = json.loads(text_of(r))
-        assert body == {"action": "accept", "content": {"answer": f"answer-{nonce}"}, "message": f"question-{nonce}"}
+        assert body == {"action": "accept", "content": {"answer": f"answer-{nonce}"},
+                        "message": f"question-{nonce}"}
 
 
 @pytest.mark.parametrize("mode", ["affine", "per-session"])
@@ -101,7 +104,8 @@ async def test_shared_two_connections_in_flight_is_refused_and_counted() -> None
     cfg = make_config(fixture_backend("fx"))
     with trio.fail_after(30):
         async with run_gateway(cfg) as gw:
-            async with connect(gw.url, capabilities=ELICIT_CAPS) as a, connect(gw.url, capabilities=ELICIT_CAPS) as b:
+            async with (connect(gw.url, capabilities=ELICIT_CAPS) as a,
+                        connect(gw.url, capabilities=ELICIT_CAPS) as b):
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(b.call, "fx__sleep", {"seconds": 1})
                     await trio.sleep(0.3)
@@ -200,12 +204,14 @@ async def test_roots_answered_from_config_in_shared_mode() -> None:
 async def test_sampling_forwarded_with_include_context_none() -> None:
     cfg = make_config(fixture_backend("fx", sharing="per-session"))
     with trio.fail_after(30):
-        async with run_gateway(cfg) as gw, connect(gw.url, capabilities={"sampling": {}, "roots": {}}) as a:
+        async with (run_gateway(cfg) as gw,
+                    connect(gw.url, capabilities={"sampling": {}, "roots": {}}) as a):
             async def answer() -> None:
                 req = await a.wait_for(lambda: a.requests and a.requests[0])
                 assert req["params"]["includeContext"] == "none"
                 await a.send({"jsonrpc": "2.0", "id": req["id"], "result": {
-                    "role": "assistant", "model": "m", "content": {"type": "text", "text": "sampled"}}})
+                    "role": "assistant", "model": "m",
+                    "content": {"type": "text", "text": "sampled"}}})
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(answer)
                 r = await a.call("fx__sample", {"prompt": "p"})
@@ -230,12 +236,16 @@ async def test_per_session_child_stops_when_idle_and_restarts_on_use() -> None:
 async def test_per_session_roots_are_the_clients_own(tmp_path: Any) -> None:
     tap = tmp_path / "tap"
     script = f"tee -a {tap} | {sys.executable} {FIXTURE}"
-    backend = f'[backends.fx]\ncommand = "sh"\nargs = ["-c", {json.dumps(script)}]\nsharing = "per-session"\n'
+    backend = (f'[backends.fx]\ncommand = "sh"\nargs = ["-c", {json.dumps(script)}]\n'
+               'sharing = "per-session"\n')
     with trio.fail_after(30):
-        async with run_gateway(make_config(backend)) as gw, connect(gw.url, capabilities={"roots": {"listChanged": True}}) as a:
+        async with (run_gateway(make_config(backend)) as gw,
+                    connect(gw.url, capabilities={"roots": {"listChanged": True}}) as a):
             async def answer() -> None:
-                req = await a.wait_for(lambda: [r for r in a.requests if r["method"] == "roots/list"])
-                await a.send({"jsonrpc": "2.0", "id": req[0]["id"], "result": {"roots": [{"uri": "file:///home/a"}]}})
+                req = await a.wait_for(lambda: [r for r in a.requests
+                                                if r["method"] == "roots/list"])
+                await a.send({"jsonrpc": "2.0", "id": req[0]["id"],
+                              "result": {"roots": [{"uri": "file:///home/a"}]}})
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(answer)
                 r = await a.call("fx__roots")

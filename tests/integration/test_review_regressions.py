@@ -76,12 +76,14 @@ def script_backend(tmp_path: Any, name: str, source: str, **extra: Any) -> str:
     import sys
     path = tmp_path / f"{name}.py"
     path.write_text(source)
-    lines = [f"[backends.{name}]", f"command = {json.dumps(sys.executable)}", f"args = [{json.dumps(str(path))}]"]
+    lines = [f"[backends.{name}]", f"command = {json.dumps(sys.executable)}",
+             f"args = [{json.dumps(str(path))}]"]
     lines += [f"{k} = {json.dumps(v)}" for k, v in extra.items()]
     return "\n".join(lines) + "\n"
 
 
-async def test_server_request_is_attributed_on_arrival_not_when_its_task_runs(tmp_path: Any) -> None:
+async def test_server_request_is_attributed_on_arrival_not_when_its_task_runs(
+    tmp_path: Any) -> None:
     # When the child's elicitation arrived, calls of two connections were in flight: it must be
     # refused.  It used to be attributed later, after the caller's reply (same read) had already
     # left the set, and so reached the *other* connection, which never made the call.
@@ -137,7 +139,8 @@ async def test_request_attributed_to_a_closed_connection_is_answered_at_once(tmp
     # answered the cancel yet), and the child asks it something: the child must get an
     # answer (elicitation → cancel), not wait forever on a connection that is gone.
     answers = tmp_path / "answers.jsonl"
-    cfg = make_config(script_backend(tmp_path, "lt", LATE_SERVER) + f"env = {{ ANSWERS = {json.dumps(str(answers))} }}\n")
+    cfg = make_config(script_backend(
+        tmp_path, "lt", LATE_SERVER) + f"env = {{ ANSWERS = {json.dumps(str(answers))} }}\n")
     with trio.fail_after(20):
         async with run_gateway(cfg) as gw:
             async with connect(gw.url, capabilities={"elicitation": {"form": {}}}) as x:
@@ -155,7 +158,8 @@ def gateway_toml(backends: str, extra: str = "") -> str:
     return f'[listen]\nwebsocket = "127.0.0.1:0"\nhttp = ""\n[admin]\nlisten = ""\n{extra}\n{backends}'
 
 
-async def test_backend_removed_by_reload_during_a_consent_prompt_is_backend_unavailable(tmp_path: Any) -> None:
+async def test_backend_removed_by_reload_during_a_consent_prompt_is_backend_unavailable(
+    tmp_path: Any) -> None:
     # The tool's backend was removed while its call waited for consent: the approved call gets
     # -32001 backend_unavailable, not an internal error (KeyError on hub.backends).
     from helpers import ROOT
@@ -169,7 +173,8 @@ async def test_backend_removed_by_reload_during_a_consent_prompt_is_backend_unav
         async with run_gateway(cfg, str(path)) as gw, \
                 connect(gw.url, capabilities={"elicitation": {"form": {}}}) as c:
             await c.send(call_msg("call", "fx__echo", {"message": "hi"}))
-            prompt = await c.wait_for(lambda: [q for q in c.requests if q["method"] == "elicitation/create"])
+            prompt = await c.wait_for(lambda: [q for q in c.requests
+                                               if q["method"] == "elicitation/create"])
             path.write_text(gateway_toml(fixture_backend("keep"), policy))
             gw.control.reload()
             await c.wait_for(lambda: any(n["method"] == "notifications/tools/list_changed"
@@ -181,7 +186,8 @@ async def test_backend_removed_by_reload_during_a_consent_prompt_is_backend_unav
             assert r["error"]["data"]["reason"] == "backend_unavailable"
 
 
-async def test_affine_call_queued_when_reload_removes_the_backend_is_backend_unavailable(tmp_path: Any) -> None:
+async def test_affine_call_queued_when_reload_removes_the_backend_is_backend_unavailable(
+    tmp_path: Any) -> None:
     # A call waiting in the affine queue of a backend that reload removes is told the backend
     # is unavailable (-32001), not that the gateway is overloaded (-32006).
     from helpers import ROOT
@@ -226,11 +232,13 @@ for line in sys.stdin.buffer:
 '''
 
 
-async def test_closing_a_subscribed_connection_does_not_wait_for_a_wedged_backend(tmp_path: Any) -> None:
+async def test_closing_a_subscribed_connection_does_not_wait_for_a_wedged_backend(
+    tmp_path: Any) -> None:
     # The upstream unsubscribe of a closing connection ran inside its shielded cleanup, bounded
     # only by request_timeout: a backend that never answers held the connection task (and so
     # the whole drain on SIGTERM) for that long.
-    cfg = make_config(script_backend(tmp_path, "w", WEDGED_UNSUBSCRIBE_SERVER, request_timeout=30.0),
+    cfg = make_config(script_backend(tmp_path, "w", WEDGED_UNSUBSCRIBE_SERVER,
+                                     request_timeout=30.0),
                       gateway="drain_grace = 1.0")
     with trio.fail_after(12):
         async with run_gateway(cfg) as gw:
@@ -284,10 +292,12 @@ for line in sys.stdin.buffer:
 '''
 
 
-async def test_elicitation_complete_goes_to_the_owner_even_when_two_backends_reuse_an_id(tmp_path: Any) -> None:
+async def test_elicitation_complete_goes_to_the_owner_even_when_two_backends_reuse_an_id(
+    tmp_path: Any) -> None:
     # elicitationIds are chosen by each backend: the same id from two backends must not make
     # one backend's completion reach the other backend's prompt owner.
-    cfg = make_config(script_backend(tmp_path, "ua", URL_ELICIT_SERVER) + script_backend(tmp_path, "ub", URL_ELICIT_SERVER))
+    cfg = make_config(script_backend(tmp_path, "ua", URL_ELICIT_SERVER) + script_backend(
+        tmp_path, "ub", URL_ELICIT_SERVER))
     caps = {"elicitation": {"url": {}}}
     with trio.fail_after(20):
         async with run_gateway(cfg) as gw, connect(gw.url, capabilities=caps) as x, \
@@ -300,7 +310,8 @@ async def test_elicitation_complete_goes_to_the_owner_even_when_two_backends_reu
             assert text_of(await x.response("cx")) == "done"
             await trio.sleep(0.3)
             done = "notifications/elicitation/complete"
-            assert [n for n in x.notifications if n["method"] == done], "the owner did not get its completion"
+            assert [n for n in x.notifications
+                    if n["method"] == done], "the owner did not get its completion"
             assert [n for n in y.notifications if n["method"] == done] == []
 
 
@@ -318,8 +329,10 @@ def crash_marker_backend(name: str, marker: Any, restart: str, **extra: Any) -> 
 
 
 @pytest.mark.parametrize("restart, retryable", [
-    ("{ backoff_initial = 0.01, backoff_max = 0.02, max_restarts = 2, window = 60.0 }", False),  # FATAL
-    ("{ backoff_initial = 30.0, backoff_max = 30.0, max_restarts = 5, window = 60.0 }", True),  # BACKOFF
+    # FATAL
+    ("{ backoff_initial = 0.01, backoff_max = 0.02, max_restarts = 2, window = 60.0 }", False),
+    # BACKOFF
+    ("{ backoff_initial = 30.0, backoff_max = 30.0, max_restarts = 5, window = 60.0 }", True),
 ])
 async def test_affine_backend_not_running_is_backend_unavailable_within_the_wait_bound(
         tmp_path: Any, restart: str, retryable: bool) -> None:
@@ -327,7 +340,8 @@ async def test_affine_backend_not_running_is_backend_unavailable_within_the_wait
     # restart_wait.  In affine mode the call used to sit in the instance queue for queue_timeout
     # (30 s) and then got -32006 overloaded.
     marker = tmp_path / "crash"
-    cfg = make_config(crash_marker_backend("af", marker, restart, sharing="affine"), gateway="restart_wait = 1.0")
+    cfg = make_config(crash_marker_backend("af", marker, restart, sharing="affine"),
+                      gateway="restart_wait = 1.0")
     with trio.fail_after(30):
         async with run_gateway(cfg) as gw, connect(gw.url) as c:
             assert text_of(await c.call("af__echo", {"message": "up"})) == "up"

@@ -19,7 +19,8 @@ from gateway.status import GatewayStatus
 pytestmark = pytest.mark.system
 
 
-async def test_not_ready_while_a_failing_daemon_stops_its_backends(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_not_ready_while_a_failing_daemon_stops_its_backends(
+    monkeypatch: pytest.MonkeyPatch) -> None:
     # Issue 7: when run() failed after boot, the client listener closed but /readyz kept
     # answering 200 while the backends were being stopped.
     # the snapshot /readyz serves, taken as the backends' children are being stopped
@@ -67,7 +68,8 @@ async def test_stop_during_a_reload_that_starts_a_backend_stops_it_at_once(tmp_p
     control = service.Control()
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
-            bound = await nursery.start(partial(service.run, cfg, config_path=str(path), control=control))
+            bound = await nursery.start(partial(service.run, cfg, config_path=str(path),
+                                                control=control))
             path.write_text(head + fixture_backend("a") + fixture_backend(
                 "slow", env={"FIXTURE_START_DELAY": "20"}, start_timeout=25.0))
             control.reload()

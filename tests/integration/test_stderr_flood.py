@@ -100,6 +100,7 @@ async def test_stderr_flood_is_summarised_counted_and_spares_bystanders(records:
             assert 0 < counted["true"] <= allowed
             assert logged_lines <= allowed
             doc = await http_json(gw.bound.admin_port, "/status")
-            (tail,) = [b["instances"][0]["stderr_tail"] for b in doc["backends"] if b["name"] == "noisy"]
+            (tail,) = [b["instances"][0]["stderr_tail"] for b in doc["backends"]
+                       if b["name"] == "noisy"]
             assert len(tail) == instance.STDERR_TAIL  # the running child's tail, bounded
             assert all(line.startswith("fixture: flood line ") for line in tail)

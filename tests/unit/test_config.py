@@ -350,7 +350,8 @@ def test_auth_limits_hold_per_principal_caps() -> None:
 def test_shared_park_limit_defaults_to_30_seconds_and_is_bounded() -> None:
     cfg = load("", base_dir=BASE)
     assert cfg.gateway.shared_park_limit == 30.0 and cfg.gateway.state_ttl == 300.0
-    assert load("[gateway]\nshared_park_limit = 5\n", base_dir=BASE).gateway.shared_park_limit == 5.0
+    assert load("[gateway]\nshared_park_limit = 5\n",
+                base_dir=BASE).gateway.shared_park_limit == 5.0
     for bad in ("0", "-1", "3601"):
         assert errors_of(f"[gateway]\nshared_park_limit = {bad}\n") == [
             "gateway.shared_park_limit: must be positive and at most 3600 seconds"]

@@ -39,13 +39,15 @@ def expiry(state: str) -> float:
 
 
 @pytest.mark.parametrize(("ttl", "ends_after"), [(300.0, 60.0), (10.0, 10.0)])
-async def test_silence_ends_the_consent_round_once(autojump_clock: trio.testing.MockClock, ttl: float,
+async def test_silence_ends_the_consent_round_once(autojump_clock: trio.testing.MockClock,
+                                                   ttl: float,
                                                     ends_after: float) -> None:
     bus = EventBus()
     seen: list[tuple[float, object]] = []
     bus.subscribe(lambda e: seen.append((trio.current_time(), e)))
     hub = Hub(config.load(CFG.format(ttl=ttl)), bus)
-    hub.catalog, _ = build_catalog([("x", "x", BackendLists(tools=[{"name": "t", "inputSchema": {}}]))], "__")
+    hub.catalog, _ = build_catalog(
+        [("x", "x", BackendLists(tools=[{"name": "t", "inputSchema": {}}]))], "__")
     client, server = memory_stream_pair()
     received: list[dict[str, Any]] = []
 
@@ -67,8 +69,10 @@ async def test_silence_ends_the_consent_round_once(autojump_clock: trio.testing.
                 await recv()
             assert received == [received[0]]
             # the retry after the timeout finds nothing to continue: the call is over
-            await client.send(json.dumps({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
-                **params, "inputResponses": {"consent": {"action": "accept", "content": {"approve": True}}},
+            await client.send(
+                json.dumps({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
+                **params,
+                "inputResponses": {"consent": {"action": "accept", "content": {"approve": True}}},
                 "requestState": first["requestState"]}}).encode())
             late = await recv()
             assert late["id"] == 2 and late["error"]["data"]["reason"] == "invalid_state"

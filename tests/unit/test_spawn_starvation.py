@@ -26,7 +26,8 @@ class NoJitter(random.Random):
 
 
 def test_starved_spawns_back_off_and_never_count_toward_fatal() -> None:
-    sup = Supervision(RestartPolicy(backoff_initial=0.1, backoff_max=30.0, max_restarts=1, window=60.0), NoJitter())
+    sup = Supervision(RestartPolicy(backoff_initial=0.1, backoff_max=30.0, max_restarts=1,
+                                    window=60.0), NoJitter())
     sup.start()
     delays = []
     for _ in range(12):

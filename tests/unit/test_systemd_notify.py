@@ -250,7 +250,8 @@ def test_listen_fds_adopted_as_trio_listeners(names: str | None, expected: list[
         s.bind(("127.0.0.1", 0))
         s.listen()
         listeners.append(s)
-    env = {k: v for k, v in os.environ.items() if k not in SYSTEMD_ENV_VARS} | {"LISTEN_FDS": "2", "PYTHONPATH": str(REPO)}
+    env = {k: v for k, v in os.environ.items()
+           if k not in SYSTEMD_ENV_VARS} | {"LISTEN_FDS": "2", "PYTHONPATH": str(REPO)}
     if names is not None:
         env["LISTEN_FDNAMES"] = names
     fds = [s.fileno() for s in listeners]
