@@ -49,9 +49,9 @@ import trio_websocket
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from fleetutil import TOKEN, Fleet
+from fleetutil import TOKEN, Fleet  # noqa: E402 - imported once sys.path holds tests/
 
-from gateway.config import GatewaySection
+from gateway.config import GatewaySection  # noqa: E402 - once sys.path holds tests/
 
 MODERN = "2026-07-28"
 AUTH = [(b"authorization", f"Bearer {TOKEN}".encode())]

@@ -29,7 +29,7 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gateway import config, service
+from gateway import config, service  # noqa: E402 - imported once sys.path holds the repo
 
 EVERYTHING = ROOT / ".deps" / "node" / "node_modules" / "@modelcontextprotocol" / "server-everything" / "dist" / "index.js"
 TOOL = "everything__trigger-elicitation-request"

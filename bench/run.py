@@ -1062,8 +1062,7 @@ async def spawn_to_ready(backend: BackendSpec, procs: Procs) -> float:
             elapsed = time.perf_counter() - t0
             nursery.cancel_scope.cancel()
     finally:
-        with trio.CancelScope(shield=True):
-            procs.stop(proc.pid)
+        procs.stop(proc.pid)
     return elapsed * 1000
 
 
@@ -1103,8 +1102,7 @@ async def bench_direct(args: argparse.Namespace, backend: BackendSpec, procs: Pr
             await conn.aclose()
             nursery.cancel_scope.cancel()
     finally:
-        with trio.CancelScope(shield=True):
-            procs.stop(proc.pid)
+        procs.stop(proc.pid)
 
 
 def gateway_config(backend: BackendSpec, ws_port: int, admin_port: int, unix_path: str,
@@ -1337,13 +1335,13 @@ async def fairness(nursery: trio.Nursery, url: str, tool: str, flood_tool: str,
     out: list[FairRound] = []
     for _ in range(args.repeat):
         alone = sorted(await sequential(light, tool, backend, args.calls, phase))
-        stop = False
+        stop = trio.Event()
         ok = errors = 0
-        deadline = trio.current_time() + phase + 30
 
-        async def flood_worker() -> None:
+        async def flood_worker(stop: trio.Event = stop,
+                               deadline: float = trio.current_time() + phase + 30) -> None:
             nonlocal ok, errors
-            while not stop and trio.current_time() < deadline:
+            while not stop.is_set() and trio.current_time() < deadline:
                 try:
                     resp = await heavy.request("tools/call",
                                                {"name": flood_tool, "arguments": flood_args})
@@ -1364,7 +1362,7 @@ async def fairness(nursery: trio.Nursery, url: str, tool: str, flood_tool: str,
             ok0, t0 = ok, time.perf_counter()
             flooded = sorted(await sequential(light, tool, backend, args.calls, phase))
             rate = (ok - ok0) / (time.perf_counter() - t0)
-            stop = True  # the workers end after their current call: no reply is left behind
+            stop.set()  # the workers end after their current call: no reply is left behind
         out.append(FairRound(pct(alone, 0.5), pct(alone, 0.99), pct(flooded, 0.5),
                              pct(flooded, 0.99), len(alone), len(flooded), ok, errors, rate))
         r = out[-1]
@@ -1602,10 +1600,9 @@ async def bench_gateway(args: argparse.Namespace, backend: BackendSpec, procs: P
         notes.append(f"restart backend 'rs': /status counts {restarts_seen} restarts after "
                      f"{args.restarts} kills")
     finally:
-        with trio.CancelScope(shield=True):
-            procs.remember_tree(gw.pid)
-            procs.stop(gw.pid, grace=10.0)
-            shutil.rmtree(tmp, ignore_errors=True)
+        procs.remember_tree(gw.pid)
+        procs.stop(gw.pid, grace=10.0)
+        shutil.rmtree(tmp, ignore_errors=True)
         if gw.returncode not in (0, None, -signal.SIGTERM):
             notes.append(f"mcp-gateway exited with code {gw.returncode} on SIGTERM")
 
@@ -1645,10 +1642,9 @@ async def bench_floor(args: argparse.Namespace, backend: BackendSpec, procs: Pro
                     await c.aclose()
             nursery.cancel_scope.cancel()
     finally:
-        with trio.CancelScope(shield=True):
-            procs.remember_tree(fl.pid)
-            procs.stop(fl.pid)
-            shutil.rmtree(tmp, ignore_errors=True)
+        procs.remember_tree(fl.pid)
+        procs.stop(fl.pid)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 async def bench_supergateway(args: argparse.Namespace, backend: BackendSpec, procs: Procs,
@@ -1685,9 +1681,8 @@ async def bench_supergateway(args: argparse.Namespace, backend: BackendSpec, pro
                 await c.aclose()
             nursery.cancel_scope.cancel()
     finally:
-        with trio.CancelScope(shield=True):
-            procs.remember_tree(sg.pid)
-            procs.stop(sg.pid)
+        procs.remember_tree(sg.pid)
+        procs.stop(sg.pid)
 
 
 async def bench_supergateway_http(args: argparse.Namespace, backend: BackendSpec, procs: Procs,
@@ -1730,9 +1725,8 @@ async def bench_supergateway_http(args: argparse.Namespace, backend: BackendSpec
             for c in conns:
                 await c.aclose()
     finally:
-        with trio.CancelScope(shield=True):
-            procs.remember_tree(sg.pid)
-            procs.stop(sg.pid)
+        procs.remember_tree(sg.pid)
+        procs.stop(sg.pid)
 
 
 async def bench_mcp_proxy(args: argparse.Namespace, backend: BackendSpec, procs: Procs,
@@ -1763,9 +1757,8 @@ async def bench_mcp_proxy(args: argparse.Namespace, backend: BackendSpec, procs:
             for c in conns:
                 await c.aclose()
     finally:
-        with trio.CancelScope(shield=True):
-            procs.remember_tree(mp.pid)
-            procs.stop(mp.pid)
+        procs.remember_tree(mp.pid)
+        procs.stop(mp.pid)
 
 
 # ==== report =====================================================================================
@@ -1935,7 +1928,7 @@ def markdown(args: argparse.Namespace, backend: BackendSpec, results: list[LoadR
     for r in results:
         cpu = r.cpu_us_per_call
 
-        def cpu_cell(label: str) -> str:
+        def cpu_cell(label: str, cpu: dict[str, float] = cpu) -> str:
             return f"{_f(cpu.get(label))} ({_f(cpu.get(label + ' sys'))})"
 
         out.append(
@@ -1983,7 +1976,9 @@ def markdown(args: argparse.Namespace, backend: BackendSpec, results: list[LoadR
                        f"| {_f(r.flood_p99_us)} | {_f(r.flood_p50_us / r.alone_p50_us, '{:.2f}')} "
                        f"| {r.alone_calls} / {r.flood_calls} | {r.flood_calls_per_s:.0f} | "
                        f"{r.flood_errors} |")
-        med = lambda xs: statistics.median(xs) if xs else float("nan")
+        def med(xs: list[float]) -> float:
+            return statistics.median(xs) if xs else float("nan")
+
         out.append(f"| **median** | {_f(med([r.alone_p50_us for r in fair]))} | "
                    f"{_f(med([r.alone_p99_us for r in fair]))} "
                    f"| {_f(med([r.flood_p50_us for r in fair]))} | "
@@ -2027,7 +2022,9 @@ def markdown(args: argparse.Namespace, backend: BackendSpec, results: list[LoadR
                        f"| {r.first_call_ms:.1f} | {_f(r.gateway_start_ms, '{:.1f}')} | "
                        f"{r.failed_calls} "
                        f"| {', '.join(r.errors_seen) or '–'} |")
-        med = lambda xs: statistics.median(xs) if xs else float("nan")
+        def med(xs: list[float]) -> float:
+            return statistics.median(xs) if xs else float("nan")
+
         starting = [r.starting_ms for r in restarts if r.starting_ms is not None]
         gw_start = [r.gateway_start_ms for r in restarts if r.gateway_start_ms is not None]
         out.append(f"| **median** | {med([r.gone_ms for r in restarts]):.1f} | "

@@ -27,8 +27,8 @@ import trio
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from gateway import config as gwconfig
-from gateway import service
+from gateway import config as gwconfig  # noqa: E402 - once sys.path holds the repo
+from gateway import service  # noqa: E402 - imported once sys.path holds the repo
 
 CLIENT = r'''
 import base64, json, os, socket, sys, time
