@@ -115,7 +115,7 @@ command = {json.dumps(sys.executable)}
 args = [{json.dumps(str(FIXTURE))}]
 max_inflight = 64
 """)
-        proc = subprocess.Popen([sys.executable, "-m", "gateway", "run", "--config", str(cfg)],
+        proc = subprocess.Popen([sys.executable, "-m", "gateway", "run", "--config", str(cfg)],  # noqa: ASYNC220 - a long-lived daemon: signalled and reaped by hand
                                 cwd=ROOT,
                                 env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE)
         assert proc.stderr is not None

@@ -289,7 +289,7 @@ class Conn(abc.ABC):
 
     @abc.abstractmethod
     async def request(self, method: str, params: Any = None,
-                      timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]: ...
+                      timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]: ...  # noqa: ASYNC109 - one request's deadline (the implementations' own wait), passed by keyword
 
     @abc.abstractmethod
     async def notify(self, method: str, params: Any = None) -> None: ...
@@ -322,7 +322,7 @@ class StreamConn(Conn):
     async def _send(self, data: bytes) -> None: ...
 
     async def request(self, method: str, params: Any = None,
-                      timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]:
+                      timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]:  # noqa: ASYNC109 - one request's deadline (its own wait), passed by keyword
         if self.closed is not None:
             raise BenchError(f"connection closed: {self.closed}")
         rid = next(self._ids)
@@ -692,7 +692,7 @@ class HttpConn(Conn):
                         link.close()
 
     async def request(self, method: str, params: Any = None,
-                      timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]:
+                      timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]:  # noqa: ASYNC109 - one request's deadline (its own wait), passed by keyword
         msg: dict[str, Any] = {"jsonrpc": "2.0", "id": next(self._ids), "method": method}
         head = self._head
         if self.modern:
@@ -1005,7 +1005,7 @@ def seq_result(path: str, rounds: list[list[int]]) -> SeqResult:
 # ==== small HTTP GET (admin /status) ============================================================
 
 
-async def http_get(port: int, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
+async def http_get(port: int, path: str, timeout: float = 2.0) -> tuple[int, bytes]:  # noqa: ASYNC109 - one request's deadline (trio.fail_after inside), passed by keyword
     with trio.fail_after(timeout):
         stream = await trio.open_tcp_stream("127.0.0.1", port)
         async with stream:
@@ -1019,7 +1019,7 @@ async def http_get(port: int, path: str, timeout: float = 2.0) -> tuple[int, byt
 
 
 async def wait_port(port: int, proc: subprocess.Popen[bytes], what: str,
-                    timeout: float = START_TIMEOUT) -> None:
+                    timeout: float = START_TIMEOUT) -> None:  # noqa: ASYNC109 - a start-up deadline, checked between polls of a child process
     deadline = trio.current_time() + timeout
     while True:
         if proc.poll() is not None:
@@ -1076,7 +1076,7 @@ async def bench_direct(args: argparse.Namespace, backend: BackendSpec, procs: Pr
     if spawns:
         print(f"  spawn -> handshake done, median {statistics.median(spawns):.1f} ms",
               file=sys.stderr, flush=True)
-    stderr_log = open(os.path.join(procs.log_dir, "direct-backend.log"), "wb")
+    stderr_log = open(os.path.join(procs.log_dir, "direct-backend.log"), "wb")  # noqa: ASYNC230 - set-up on a local file, before any measurement
     proc = await trio.lowlevel.open_process(backend.argv, stdin=subprocess.PIPE,
                                             stdout=subprocess.PIPE,
                                             stderr=stderr_log, cwd=ROOT, start_new_session=True)
@@ -1159,7 +1159,7 @@ def instance_of(status: dict[str, Any], backend: str) -> dict[str, Any]:
 
 async def start_duration(admin: int, backend: str) -> tuple[float, float]:
     """(sum, count) of mcp_gateway_backend_start_duration_seconds for ``backend``, from /metrics."""
-    code, body = await http_get(admin, "/metrics")
+    _code, body = await http_get(admin, "/metrics")
     total = count = 0.0
     for line in body.decode().splitlines():
         if f'backend="{backend}"' in line:
@@ -1407,7 +1407,7 @@ async def profile_gateway(args: argparse.Namespace, procs: Procs, pid: int, conn
     """py-spy (GIL-holding samples, by function) on the gateway while ``conns`` make sequential
     calls: an extra load, after the measured rows, so the sampling costs them nothing."""
     spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
-    if not os.path.exists(spy):
+    if not os.path.exists(spy):  # noqa: ASYNC240 - a check on a local path, before any measurement
         raise BenchError("py-spy not found (pip install py-spy into the .venv)")
     secs = max(1, round(args.profile_seconds))
     out_file = args.profile
@@ -1427,7 +1427,7 @@ async def profile_gateway(args: argparse.Namespace, procs: Procs, pid: int, conn
         while proc.poll() is None:
             await trio.sleep(0.1)
     procs.running.pop(proc.pid, None)
-    if proc.returncode != 0 or not os.path.exists(out_file):
+    if proc.returncode != 0 or not os.path.exists(out_file):  # noqa: ASYNC240 - a check on a local path, before any measurement
         raise BenchError(f"py-spy failed (code {proc.returncode}), see {procs.log_dir}/py-spy.log")
     return {"file": out_file, "seconds": secs, "calls_per_s": res.calls_per_s,
             "top": speedscope_top(out_file)}
@@ -1443,13 +1443,13 @@ async def bench_gateway(args: argparse.Namespace, backend: BackendSpec, procs: P
     ws_port, admin = free_port(), free_port()
     http_port = None if args.no_http else free_port()
     cfg_path = os.path.join(procs.log_dir, "gateway-bench.toml")
-    with open(cfg_path, "w") as f:
+    with open(cfg_path, "w") as f:  # noqa: ASYNC230 - set-up on a local file, before any measurement
         f.write(gateway_config(backend, ws_port, admin, unix_path, args.max_inflight, http_port))
     # The gateway under test is the one in this tree (a worktree's, too), whatever is installed:
     # its folder goes first on PYTHONPATH, and the child's import is checked before it starts.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [ROOT, *[x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x]]))
-    where = subprocess.run([sys.executable, "-c", "import gateway; print(gateway.__file__)"],
+    where = subprocess.run([sys.executable, "-c", "import gateway; print(gateway.__file__)"],  # noqa: ASYNC221 - set-up, before any measurement: a quick child
                            cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=30).stdout.strip()
     if not where.startswith(os.path.join(ROOT, "gateway") + os.sep):
@@ -1650,7 +1650,7 @@ async def bench_floor(args: argparse.Namespace, backend: BackendSpec, procs: Pro
 async def bench_supergateway(args: argparse.Namespace, backend: BackendSpec, procs: Procs,
                              results: list[LoadResult], notes: list[str]) -> None:
     print("supergateway 4.0.0 (stdio -> WebSocket)", file=sys.stderr, flush=True)
-    if not os.path.isfile(SUPERGATEWAY):
+    if not os.path.isfile(SUPERGATEWAY):  # noqa: ASYNC240 - a check on a local path, before any measurement
         raise BenchError("not installed (run scripts/setup-bench)")
     node = shutil.which("node")
     if node is None:
@@ -2078,7 +2078,7 @@ async def amain(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
         except (BenchError, OSError, trio.TooSlowError, trio_websocket.HandshakeError) as exc:
             msg = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             failures.append(f"{name}: **not measured**: {msg} (logs: "
-                            f"{os.path.relpath(procs.log_dir, ROOT)})")
+                            f"{os.path.relpath(procs.log_dir, ROOT)})")  # noqa: ASYNC240 - absolute paths: no disk I/O
             print(f"  {name}: FAILED: {msg}", file=sys.stderr, flush=True)
             return False
         return True

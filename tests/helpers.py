@@ -121,7 +121,7 @@ class Client:
     async def send(self, obj: Any) -> None:
         await self.ws.send_message(obj if isinstance(obj, str) else json.dumps(obj))
 
-    async def wait_for(self, predicate: Any, timeout: float = 10.0) -> Any:
+    async def wait_for(self, predicate: Any, timeout: float = 10.0) -> Any:  # noqa: ASYNC109 - a helper's own deadline (trio.fail_after inside), passed by keyword
         with trio.fail_after(timeout):
             while True:
                 got = predicate()
@@ -131,11 +131,11 @@ class Client:
                     raise ConnectionError("connection closed while waiting")
                 await self._changed.wait()
 
-    async def response(self, id: Any, timeout: float = 10.0) -> dict[str, Any]:
+    async def response(self, id: Any, timeout: float = 10.0) -> dict[str, Any]:  # noqa: ASYNC109 - a helper's own deadline (trio.fail_after inside), passed by keyword
         return await self.wait_for(lambda: self.responses.get(id), timeout)
 
     async def request(self, method: str, params: Any = None, *, id: Any = None,
-                      timeout: float = 10.0) -> dict[str, Any]:
+                      timeout: float = 10.0) -> dict[str, Any]:  # noqa: ASYNC109 - a helper's own deadline (trio.fail_after inside), passed by keyword
         if id is None:
             id = next(self._ids)
         msg: dict[str, Any] = {"jsonrpc": "2.0", "id": id, "method": method}

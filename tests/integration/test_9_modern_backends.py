@@ -108,7 +108,7 @@ async def test_a_modern_child_that_comes_back_legacy_after_a_restart_is_a_failed
         async with run_gateway(cfg) as gw:
             port = gw.bound.admin_port
             assert eras(await http_json(port, "/status"))["m"] == [("RUNNING", "modern")]
-            open(marker, "w").close()  # the next child answers initialize, not server/discover
+            open(marker, "w").close()  # the next child answers initialize, not server/discover  # noqa: ASYNC230 - a local marker file, instant
             async with connect(gw.url) as c:
                 r = await c.call("m__exit")  # the child crashes: the gateway restarts it
                 assert r["error"]["data"]["reason"] == "backend_exited"

@@ -243,7 +243,7 @@ async def test_consent_on_a_modern_websocket_connection(tmp_path: Path) -> None:
 async def test_python_sdk_2_answers_the_consent_prompt(answer: str, expected: str) -> None:
     """``mcp.Client(url)`` of the Python SDK 2.x (2026-07-28 over /mcp) with an elicitation
     callback calls an ``ask`` tool: its callback sees the gateway's prompt, its answer decides."""
-    missing = [p for p in (PY2, PY2_CONSENT) if not os.path.exists(p)]
+    missing = [p for p in (PY2, PY2_CONSENT) if not os.path.exists(p)]  # noqa: ASYNC240 - a skip check on a local path
     assert not missing, f"missing {missing}: run scripts/setup --test"
     async with run_gateway(make_config(fixture_backend("fx"), extra=ASK)) as gw:
         with trio.fail_after(60):

@@ -118,7 +118,7 @@ async def test_backend_reply_that_cannot_be_passed_on_fails_its_call_with_32009(
             r = await ux.request("e", "tools/call",
                                  {"name": "fx__echo", "arguments": {"message": "ux"}})
             assert text_of(r) == "ux"
-            status, body = await http_request(gw.bound.admin_port, "/status")
+            _status, body = await http_request(gw.bound.admin_port, "/status")
             instance = json.loads(body)["backends"][0]["instances"][0]
             assert instance["restarts"] == 0 and instance["inflight"] == 0, instance
 
@@ -170,7 +170,7 @@ async def test_oversize_reply_fails_at_once_and_leaves_no_abandoned_call(id_last
             assert trio.current_time() - started < 5.0
             assert r["error"]["code"] == -32008, r
             # nothing is left in the attribution set, so nothing can restart the backend
-            status, body = await http_request(gw.bound.admin_port, "/status")
+            _status, body = await http_request(gw.bound.admin_port, "/status")
             instance = json.loads(body)["backends"][0]["instances"][0]
             assert instance["inflight"] == 0, instance
             assert text_of(await c.call("fx__echo", {"message": "next"})) == "next"
@@ -213,9 +213,9 @@ async def test_progress_token_that_is_not_a_string_or_integer_is_invalid_params(
     with trio.fail_after(20):
         async with run_gateway(cfg) as gw, connect(gw.url) as c:
             for n, token in enumerate(("1e400", "true", "{}", "1.5")):
-                await c.send(
-                    '{"jsonrpc":"2.0","id":%d,"method":"tools/call","params":{"name":"fx__echo",'
-                             '"arguments":{"message":"m"},"_meta":{"progressToken":%s}}}' % (100 + n, token))
+                await c.send('{"jsonrpc":"2.0","id":' + str(100 + n) + ',"method":"tools/call",'
+                             '"params":{"name":"fx__echo","arguments":{"message":"m"},'
+                             '"_meta":{"progressToken":' + token + '}}}')
                 r = await c.response(100 + n)
                 # was -32603 and a traceback for 1e400
                 assert r["error"]["code"] == -32602, (token, r)

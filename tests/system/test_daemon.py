@@ -196,7 +196,7 @@ async def test_socket_activation(tmp_path: Path) -> None:
     cfg = tmp_path / "gw.toml"
     write_config(cfg, free_port(), free_port(), backend_toml("a"))
     env = {**os.environ, "PYTHONPATH": ROOT}
-    proc = subprocess.Popen(
+    proc = subprocess.Popen(  # noqa: ASYNC220 - a long-lived daemon: signalled and reaped by hand
         ["systemd-socket-activate", "-l", f"127.0.0.1:{ws}", "-l", f"127.0.0.1:{admin}",
          "--fdname=websocket:admin", "-E", "PYTHONPATH",
          sys.executable, "-m", "gateway", "run", "--config", str(cfg)],
@@ -211,7 +211,7 @@ async def test_socket_activation(tmp_path: Path) -> None:
                         break
                 except* (OSError, ConnectionError, trio_websocket.HandshakeError):
                     await trio.sleep(0.2)
-            status, body = await trio.to_thread.run_sync(http, admin, "/healthz")
+            status, _body = await trio.to_thread.run_sync(http, admin, "/healthz")
             assert status == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
@@ -245,7 +245,7 @@ async def test_readyz_flips_when_required_backend_goes_fatal(tmp_path: Path) -> 
                 assert r["error"]["data"]["reason"] == "backend_exited"
             while await readyz() != 503:
                 await trio.sleep(0.1)
-            status, body = await trio.to_thread.run_sync(http, admin, "/readyz")
+            _status, body = await trio.to_thread.run_sync(http, admin, "/readyz")
             assert "r" in body
             _, metrics = await trio.to_thread.run_sync(http, admin, "/metrics")
             families = {f.name: f for f in text_string_to_metric_families(metrics)}

@@ -81,7 +81,7 @@ async def serve_timed(server: trio.abc.Stream, ended: list[float]) -> None:
 
 async def test_a_connection_that_sends_nothing_is_closed_after_the_head_timeout(
         autojump_clock: trio.testing.MockClock) -> None:
-    client, server = trio.testing.memory_stream_pair()
+    _client, server = trio.testing.memory_stream_pair()
     ended: list[float] = []
     start = trio.current_time()
     async with trio.open_nursery() as nursery:

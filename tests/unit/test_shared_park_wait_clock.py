@@ -102,7 +102,7 @@ async def test_the_parked_flow_is_preempted_at_the_limit_and_the_call_goes_on_th
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(child_answers_the_given_up_call)
-        inst, got = await b.acquire("bob", asks=True)  # type: ignore[arg-type]
+        _inst, got = await b.acquire("bob", asks=True)  # type: ignore[arg-type]
     assert got is child and parking.preempted == [("alice", LIMIT)]
     assert trio.current_time() == pytest.approx(LIMIT + 0.05, abs=0.02)
 
@@ -128,7 +128,7 @@ async def test_a_flow_resumed_within_the_limit_is_never_preempted(
 
 async def test_a_child_that_never_answers_the_given_up_call_holds_the_call_a_bounded_time(
         autojump_clock: trio.testing.MockClock, setup: Any) -> None:
-    child, parking, b = setup
+    _child, parking, b = setup
     await b.acquire("bob", asks=True)  # type: ignore[arg-type]
     assert parking.preempted == [("alice", LIMIT)]
     assert trio.current_time() == pytest.approx(LIMIT + b.cfg.cancel_grace)

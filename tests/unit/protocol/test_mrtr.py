@@ -29,7 +29,7 @@ def test_a_state_verifies_only_unchanged_unexpired_and_from_its_own_replica() ->
     assert codec.verify(state, 999) == CLAIMS
     assert "expired" in refused(codec, state, now=1_000)
     assert "signature" in refused(codec, state + "-TAMPERED")
-    replica, payload, mac = state.split(".")
+    replica, _payload, mac = state.split(".")
     forged = codec.sign(dataclasses.replace(CLAIMS, round=3))
     # payload swapped
     assert "signature" in refused(codec, f"{replica}.{forged.split('.')[1]}.{mac}")
