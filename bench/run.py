@@ -1690,7 +1690,7 @@ async def bench_supergateway_http(args: argparse.Namespace, backend: BackendSpec
     """supergateway's Streamable HTTP output, stateful: one session per client, and supergateway
     spawns one backend child per session (their CPU and memory are the backend columns)."""
     print("supergateway 4.0.0 (stdio -> Streamable HTTP, stateful)", file=sys.stderr, flush=True)
-    if not os.path.isfile(SUPERGATEWAY):
+    if not os.path.isfile(SUPERGATEWAY):  # noqa: ASYNC240 - a check on a local path, before any measurement
         raise BenchError("not installed (run scripts/setup-bench)")
     node = shutil.which("node")
     if node is None:
@@ -1732,7 +1732,7 @@ async def bench_supergateway_http(args: argparse.Namespace, backend: BackendSpec
 async def bench_mcp_proxy(args: argparse.Namespace, backend: BackendSpec, procs: Procs,
                           results: list[LoadResult], notes: list[str]) -> None:
     print("mcp-proxy 0.13.0 (stdio -> Streamable HTTP)", file=sys.stderr, flush=True)
-    if not os.path.isfile(MCP_PROXY):
+    if not os.path.isfile(MCP_PROXY):  # noqa: ASYNC240 - a check on a local path, before any measurement
         raise BenchError("not installed (run scripts/setup-bench)")
     port = free_port()
     argv = [MCP_PROXY, "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING",

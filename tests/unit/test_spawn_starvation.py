@@ -5,6 +5,7 @@ table, then a Hub on trio's MockClock whose spawn fails with EMFILE a number of 
 from __future__ import annotations
 
 import errno
+import itertools
 import random
 from typing import Any
 
@@ -91,6 +92,6 @@ restart = { backoff_initial = 0.1, backoff_max = 30.0, max_restarts = 0, window 
             nursery.cancel_scope.cancel()
     assert "FATAL" not in states  # max_restarts = 0: one counted failure would have been FATAL
     assert len(attempts) == starved_for + 1
-    gaps = [b - a for a, b in zip(attempts, attempts[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(attempts)]
     assert max(gaps) <= STARVED_BACKOFF_MAX + 1e-9  # retried at least every 5 s
     assert sum(gaps) > 60  # backed off, not a busy loop

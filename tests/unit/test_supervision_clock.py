@@ -4,6 +4,7 @@ and stop seams of gateway.backend.process are replaced), so autojump never touch
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -107,7 +108,7 @@ async def test_crash_loop_backs_off_then_goes_fatal(
             nursery.cancel_scope.cancel()
     # each child lives 0.5 s; the gaps after that are the backoff: base 1, 2, 4, 4 with jitter
     # in [base/2, base]
-    waits = [b - a - 0.5 for a, b in zip(spawned, spawned[1:], strict=False)]
+    waits = [b - a - 0.5 for a, b in itertools.pairwise(spawned)]
     for wait, base in zip(waits, [1.0, 2.0, 4.0, 4.0], strict=True):
         assert base / 2 - 1e-9 <= wait <= base + 1e-9, (waits, base)
     assert fatal_at == pytest.approx(spawned[-1] + 0.5, abs=0.2)
