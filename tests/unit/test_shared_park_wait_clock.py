@@ -51,6 +51,7 @@ class Parking:
     def __init__(self) -> None:
         self.parked: dict[str, float] = {}
         self.preempted: list[tuple[str, float]] = []
+        self.first_preempted = trio.Event()
 
     def parked_since(self, owner: str) -> float | None:
         return self.parked.get(owner)
@@ -62,6 +63,7 @@ class Parking:
         del self.parked[owner]
         child.sent.discard(owner)  # given up: its call stays at the child until it answers
         self.preempted.append((owner, trio.current_time()))
+        self.first_preempted.set()
 
 
 class Host:
@@ -94,8 +96,7 @@ async def test_the_parked_flow_is_preempted_at_the_limit_and_the_call_goes_on_th
     assert b.pick_now("bob") is not None  # type: ignore[arg-type]  # a call that never asked goes
 
     async def child_answers_the_given_up_call() -> None:
-        while not parking.preempted:
-            await trio.sleep(0.01)
+        await parking.first_preempted.wait()
         await trio.sleep(0.05)
         child.owners.discard("alice")
         b.on_settled(b.instances[0])

@@ -71,7 +71,15 @@ async def test_a_backend_whose_spawns_hit_emfile_comes_back_running_never_fatal(
     monkeypatch.setattr(process, "kill_group", lambda pgid: None)
     bus = EventBus()
     states: list[str] = []
-    bus.subscribe(lambda e: states.append(e.new) if isinstance(e, BackendStateChanged) else None)
+    running = trio.Event()
+
+    def on_event(e: object) -> None:
+        if isinstance(e, BackendStateChanged):
+            states.append(e.new)
+            if e.new == "RUNNING":
+                running.set()
+
+    bus.subscribe(on_event)
     cfg = config.load("""
 [listen]
 websocket = "127.0.0.1:0"
@@ -85,8 +93,7 @@ restart = { backoff_initial = 0.1, backoff_max = 30.0, max_restarts = 0, window 
     with trio.fail_after(1000):
         async with trio.open_nursery() as nursery:
             await nursery.start(hub.run)
-            while "RUNNING" not in states:
-                await trio.sleep(0.1)
+            await running.wait()
             inst = hub.backends["fake"].instances[0]
             assert inst.state is State.RUNNING
             nursery.cancel_scope.cancel()

@@ -93,14 +93,20 @@ async def test_crash_loop_backs_off_then_goes_fatal(
     monkeypatch.setattr(process, "kill_group", lambda pgid: None)
     bus = EventBus()
     states: list[tuple[float, str]] = []
-    bus.subscribe(lambda e: states.append((trio.current_time(), e.new))
-                  if isinstance(e, BackendStateChanged) else None)
+    fatal = trio.Event()
+
+    def on_event(e: object) -> None:
+        if isinstance(e, BackendStateChanged):
+            states.append((trio.current_time(), e.new))
+            if e.new == "FATAL":
+                fatal.set()
+
+    bus.subscribe(on_event)
     hub = Hub(config.load(CFG), bus)
     with trio.fail_after(1000):
         async with trio.open_nursery() as nursery:
             await nursery.start(hub.run)
-            while not states or states[-1][1] != "FATAL":
-                await trio.sleep(0.1)
+            await fatal.wait()
             fatal_at = trio.current_time()
             await trio.sleep(50)  # FATAL stays FATAL: no further spawn
             assert len(spawned) == 5  # the first start + max_restarts restarts
