@@ -1424,7 +1424,7 @@ async def profile_gateway(args: argparse.Namespace, procs: Procs, pid: int, conn
 
         nursery.start_soon(load)
     with trio.fail_after(secs + 30):
-        while proc.poll() is None:
+        while proc.poll() is None:  # noqa: ASYNC110 - a Popen child's exit: polled, it has no trio event
             await trio.sleep(0.1)
     procs.running.pop(proc.pid, None)
     if proc.returncode != 0 or not os.path.exists(out_file):  # noqa: ASYNC240 - a check on a local path, before any measurement

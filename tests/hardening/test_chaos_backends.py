@@ -165,7 +165,7 @@ async def test_grandchild_left_behind_is_reaped_when_its_parent_dies(daemon: Dae
             await first_success(c, "cx__echo", {"message": "back"}, bound=10)
         # the daemon is a subreaper: the orphan is killed and reaped, not even a zombie left
         with trio.fail_after(10):
-            while alive(grandchild):
+            while alive(grandchild):  # noqa: ASYNC110 - /proc has no event to wait on
                 await trio.sleep(0.02)
         await check(daemon, base)
 

@@ -229,7 +229,7 @@ async def test_a_modern_client_cancels_by_closing_its_response_stream(fleet: Fle
             await modern_call(http, fleet.http_url, "fx__sleep", {"seconds": 30})
     closed = trio.current_time()
     with trio.fail_after(5):
-        while await cancelled_calls(fleet) == before:
+        while await cancelled_calls(fleet) == before:  # noqa: ASYNC110 - real replicas' /metrics: no event crosses the process boundary
             await trio.sleep(0.02)
     took = trio.current_time() - closed
     assert took < 1.0, (f"the replica cancelled the call {took:.2f} s after the client closed its "

@@ -79,7 +79,7 @@ async def test_closing_the_response_stream_cancels_the_call() -> None:
         with trio.fail_after(10):
             await wait_status(port, lambda st: st["client_requests_in_flight"] == 0
                               and st["connections"].get("http", 0) == 0)
-            while not await metric(port, "mcp_gateway_requests_total", backend="fx",
+            while not await metric(port, "mcp_gateway_requests_total", backend="fx",  # noqa: ASYNC110 - the gateway seen through /metrics over HTTP: no event to wait on
                                    method="tools/call", outcome="cancelled", principal="_none"):
                 await trio.sleep(0.05)
 
@@ -156,7 +156,7 @@ async def test_subscriptions_listen_streams_tagged_notifications_until_the_clien
                 assert got["method"] == "notifications/resources/updated"
                 assert got["params"] == {"uri": uri + "/part", "_meta": {tag: "L1"}}
             # both streams closed by the client: the listens end, the subscription is released
-            while await upstream_subscriptions():
+            while await upstream_subscriptions():  # noqa: ASYNC110 - the backend child's state, asked with a tool call: no event to wait on
                 await trio.sleep(0.05)
             await wait_status(gw.bound.admin_port, lambda st: st["client_requests_in_flight"] == 0
                               and st["connections"].get("http", 0) == 0)

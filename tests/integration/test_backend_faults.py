@@ -254,7 +254,7 @@ async def test_crash_on_start_goes_fatal_other_backend_keeps_working() -> None:
         async with run_gateway(cfg) as gw, connect(gw.url) as c:
             booted = trio.current_time() - start
             with trio.fail_after(5):
-                while (inst := await instance_status(gw.bound.admin_port, "bad"))[
+                while (inst := await instance_status(gw.bound.admin_port, "bad"))[  # noqa: ASYNC110 - the gateway seen through /status over HTTP: no event to wait on
                     "state"
                 ] != "FATAL":
                     await trio.sleep(0.02)
@@ -298,7 +298,7 @@ async def test_crash_loop_goes_fatal_and_calls_fail_fast_not_retryable(tmp_path:
             marker.touch()
             assert_exited_error(await c.call("cl__crash", {}), "cl")
             with trio.fail_after(5):
-                while (inst := await instance_status(gw.bound.admin_port, "cl"))[
+                while (inst := await instance_status(gw.bound.admin_port, "cl"))[  # noqa: ASYNC110 - the gateway seen through /status over HTTP: no event to wait on
                     "state"
                 ] != "FATAL":
                     await trio.sleep(0.02)
@@ -391,7 +391,7 @@ async def test_unanswered_pings_restart_the_instance() -> None:
         async with run_gateway(cfg) as gw, connect(gw.url) as c:
             pid = await child_pid(c)
             with trio.fail_after(5):
-                while (inst := await instance_status(gw.bound.admin_port, "fx"))["restarts"] < 1:
+                while (inst := await instance_status(gw.bound.admin_port, "fx"))["restarts"] < 1:  # noqa: ASYNC110 - the gateway seen through /status over HTTP: no event to wait on
                     await trio.sleep(0.05)
             assert "unhealthy" in inst["last_exit"]
             assert not alive(pid)
@@ -526,7 +526,7 @@ async def test_kill_9_child_its_grandchild_is_reaped_after_restart(tmp_path: Pat
                 assert new_grandchild != old_grandchild
                 # the leaked grandchild was killed and reaped: gone, not even a zombie
                 with trio.fail_after(5):
-                    while proc_state(old_grandchild) is not None:
+                    while proc_state(old_grandchild) is not None:  # noqa: ASYNC110 - /proc has no event to wait on
                         await trio.sleep(0.02)
                 assert not alive(child)
                 (new_child,) = children_of(daemon.proc.pid)

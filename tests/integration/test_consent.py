@@ -171,7 +171,7 @@ async def test_late_destructive_tool_is_denied() -> None:
         async with run_gateway(cfg) as gw, connect(gw.url) as c:
             await c.call("fx__add_destructive")
             # the caller's view did not change (wipe is hidden from it): no list_changed
-            while not await metric(gw.bound.admin_port, "mcp_gateway_catalog_changes_total",
+            while not await metric(gw.bound.admin_port, "mcp_gateway_catalog_changes_total",  # noqa: ASYNC110 - the gateway seen through /metrics over HTTP: no event to wait on
                                    kind="tools"):
                 await trio.sleep(0.05)
             assert not [n for n in c.notifications

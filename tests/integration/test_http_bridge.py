@@ -54,7 +54,7 @@ async def test_a_2026_client_lists_calls_answers_input_is_cancelled_and_listens(
             # the sleep was cancelled at the backend while the client goes on (not left to run
             # its 30 s, nor cancelled only when the bridge exits)
             with trio.fail_after(10):
-                while not await metric(port, "mcp_gateway_requests_total", backend="fx",
+                while not await metric(port, "mcp_gateway_requests_total", backend="fx",  # noqa: ASYNC110 - the gateway seen through /metrics over HTTP: no event to wait on
                                        method="tools/call", outcome="cancelled", principal="_none"):
                     await trio.sleep(0.05)
                 await wait_status(port, lambda st: st["client_requests_in_flight"] == 0)
