@@ -136,7 +136,8 @@ def cli() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "gateway.toml")
         with open(path, "w") as f:
-            f.write(f'[listen]\nwebsocket = ""\nhttp = "127.0.0.1:0"\n[admin]\nlisten = "127.0.0.1:0"\n'
+            f.write('[listen]\nwebsocket = ""\nhttp = "127.0.0.1:0"\n[admin]\n'
+                    'listen = "127.0.0.1:0"\n'
                     f'[backends.fx]\ncommand = {json.dumps(sys.executable)}\n'
                     f'args = [{json.dumps(FIXTURE)}]\n')
         env = dict(os.environ, PYTHONPATH=ROOT)

@@ -1551,14 +1551,16 @@ async def bench_gateway(args: argparse.Namespace, backend: BackendSpec, procs: P
             if http_port is not None:
                 fx_before = fx_instances(await gateway_status(admin))
                 for label, modern in ((GW_HTTP_LEGACY_ROW, False), (GW_HTTP_MODERN_ROW, True)):
-                    http_conns: list[Conn] = [HttpConn(http_port, modern=modern, max_links=args.inflight)
+                    http_conns: list[Conn] = [HttpConn(http_port, modern=modern,
+                                                       max_links=args.inflight)
                                               for _ in range(args.clients)]
                     try:
                         for c in http_conns:
                             with trio.fail_after(10):
                                 await c.initialize()
                         for inflight in (1, args.inflight):
-                            results.append(await measure(label, "mcp-gateway", http_conns, args, inflight=inflight,
+                            results.append(await measure(label, "mcp-gateway", http_conns, args,
+                                                         inflight=inflight,
                                                          tool=fx_tool, backend=backend,
                                                          cpu_pids=cpu))
                     finally:
@@ -2098,8 +2100,8 @@ async def amain(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
                 await section("floor", lambda: bench_floor(args, backend, procs, results, notes))
             for name, fn, wanted, http in (
                     ("supergateway 4.0.0 (stdio → WebSocket)", bench_supergateway, "supergateway", False),
-                    ("supergateway 4.0.0 (stdio → Streamable HTTP, stateful)", bench_supergateway_http,
-                     "supergateway", True),
+                    ("supergateway 4.0.0 (stdio → Streamable HTTP, stateful)",
+                     bench_supergateway_http, "supergateway", True),
                     ("mcp-proxy 0.13.0 (stdio → Streamable HTTP)", bench_mcp_proxy, "mcp-proxy", True)):
                 if wanted not in args.peers or (http and args.no_http):
                     peers[name] = "skipped (--peers)" if wanted not in args.peers else "skipped (--no-http)"

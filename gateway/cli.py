@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("check-config", help="validate a config file; exit 0 if it is valid")
     p.add_argument("config")
     p.set_defaults(func=cmd_check_config)
-    p = sub.add_parser("connect", help="stdio bridge: ws://HOST:PORT/, http://HOST:PORT/mcp or unix:/path/to/mcp.sock")
+    p = sub.add_parser("connect", help="stdio bridge: ws://HOST:PORT/, http://HOST:PORT/mcp or "
+                                       "unix:/path/to/mcp.sock")
     p.add_argument("url")
     p.add_argument("--max-message-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--token-file", help="a file holding the bearer token, sent as Authorization: "

@@ -17,16 +17,16 @@ unsupported; absent means 2025-03-26), and a policy rule's scopes (403 ``insuffi
 via ``scope_check``).  A session is bound to the principal that created
 it: another principal, or none, presenting its id gets the 404 of an unknown session; a
 bridged flow's ``requestState`` is bound the same way (gateway.bridge).  An ``initialize`` POST
-without a session id creates a session (:class:`~gateway.transports.streamable.HttpSession`, at most ``http_max_sessions``,
-and a principal's ``max_sessions``: 503 beyond) whose id comes back in the ``Mcp-Session-Id``
-header.  A connection counts toward the ``max_connections`` of its latest request's principal.  A
-POSTed request opens a :class:`~gateway.transports.streamable.Sink` and its task waits, reading the
-socket only to see the peer leave, until the sink is answered; an SSE comment every
-:data:`KEEPALIVE` seconds keeps an idle stream open.  Notifications and responses get 202.  GET
-opens the session's one standalone stream (409 for a second one); with ``Last-Event-ID`` it resumes
-the stream that id belongs to (:meth:`~gateway.transports.streamable.HttpSession.resume`; 400 when
-nothing of it is left to resume).  DELETE ends the session.  While the gateway drains, a POST that
-would start anything (a request, ``initialize`` included, of either shape) gets 503 with
+without a session id creates a session (:class:`~gateway.transports.streamable.HttpSession`, at most
+``http_max_sessions``, and a principal's ``max_sessions``: 503 beyond) whose id comes back in the
+``Mcp-Session-Id`` header.  A connection counts toward the ``max_connections`` of its latest
+request's principal.  A POSTed request opens a :class:`~gateway.transports.streamable.Sink` and its
+task waits, reading the socket only to see the peer leave, until the sink is answered; an SSE
+comment every :data:`KEEPALIVE` seconds keeps an idle stream open.  Notifications and responses get
+202.  GET opens the session's one standalone stream (409 for a second one); with ``Last-Event-ID``
+it resumes the stream that id belongs to (:meth:`~gateway.transports.streamable.HttpSession.resume`;
+400 when nothing of it is left to resume).  DELETE ends the session.  While the gateway drains, a
+POST that would start anything (a request, ``initialize`` included, of either shape) gets 503 with
 ``Retry-After``; answers, notifications and a bridged call's retry are still taken.
 
 One endpoint decides per request: the modern shape (2026-07-28, no session) will be told apart
@@ -254,7 +254,8 @@ class Endpoint:
         missing = self.scope_check(principal, env.method, env.params)
         if missing:
             assert self.authn is not None
-            self.authn.refused("http", "/mcp", f"insufficient scope for {env.method}", principal.label)
+            self.authn.refused("http", "/mcp", f"insufficient scope for {env.method}",
+                               principal.label)
             refusal = HttpError(403, f"insufficient scope: this request needs {' '.join(missing)}")
             refusal.headers = [("www-authenticate",
                                 self.authn.challenge(req.header(b"host"), scope=missing))]

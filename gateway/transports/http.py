@@ -142,7 +142,8 @@ class HttpConnection:
             try:
                 event = conn.next_event()
             except h11.RemoteProtocolError as exc:
-                raise HttpError(exc.error_status_hint, http.HTTPStatus(exc.error_status_hint).phrase.lower()) from None
+                raise HttpError(exc.error_status_hint,
+                                http.HTTPStatus(exc.error_status_hint).phrase.lower()) from None
             if event is h11.NEED_DATA:
                 try:
                     if whole_by is None:  # nothing of this request yet: the idle wait

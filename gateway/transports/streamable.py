@@ -534,7 +534,8 @@ class HttpSession:
                 self._lost(sink)  # the message is in the log: a resumption gets it
                 return
             if event_id is None:
-                LOGGER.debug("http session %.8s…: a response stream is gone; message dropped", self.id)
+                LOGGER.debug("http session %.8s…: a response stream is gone; message dropped",
+                             self.id)
                 self.dropped += 1
             self.close_sink(sink)
             sink.finish_soon()

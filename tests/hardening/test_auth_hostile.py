@@ -62,7 +62,8 @@ async def test_jwks_nested_too_deeply_does_not_end_the_daemon() -> None:
         async with run_gateway(cfg) as gw, httpx.AsyncClient(timeout=10) as c:
             # {"alg":"RS256","kid":"new"}
             jwt_like = "eyJhbGciOiJSUzI1NiIsImtpZCI6Im5ldyJ9.e30.c2ln"
-            r = await c.post(gw.http_url, headers=dict(H, authorization=f"Bearer {jwt_like}"), json=INIT)
+            r = await c.post(gw.http_url, headers=dict(H, authorization=f"Bearer {jwt_like}"),
+                             json=INIT)
             assert r.status_code == 401 and 'error="invalid_token"' in r.headers["www-authenticate"]
             r = await c.post(gw.http_url, headers=dict(H, authorization="Bearer alice"), json=INIT)
             assert r.status_code == 200, r.text

@@ -114,7 +114,8 @@ async def test_parked_calls_are_bounded_by_max_parked_flows(
             assert json.loads(r.json()["result"]["content"][0]["text"])["action"] == "decline"
             st = await wait_status(gw.bound.admin_port,
                                    lambda s: s["client_requests_in_flight"] == 3)
-            r = await post(c, gw.http_url, 11, echo("p0", inputResponses={"consent": {"action": "decline"}},
+            r = await post(c, gw.http_url, 11,
+                           echo("p0", inputResponses={"consent": {"action": "decline"}},
                                                     requestState=states[0]))
             assert r.json()["error"]["data"]["reason"] == "declined"
             r = await post(c, gw.http_url, 12, echo("room"))  # room again

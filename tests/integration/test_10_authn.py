@@ -245,7 +245,9 @@ async def test_10_oauth_jwts_from_a_local_issuer(monkeypatch: pytest.MonkeyPatch
         async with run_gateway(cfg) as gw, httpx.AsyncClient(timeout=10) as c:
             url = gw.http_url
             assert issuer.fetches == 1  # fetched at start
-            meta = (await c.get(f"http://127.0.0.1:{gw.bound.http_port}/.well-known/oauth-protected-resource/mcp")).json()
+            port = gw.bound.http_port
+            meta = (await c.get(f"http://127.0.0.1:{port}/.well-known/oauth-protected-resource/mcp")
+                    ).json()
             assert meta == {"resource": AUDIENCE, "authorization_servers": [issuer.url + "/"],
                             "bearer_methods_supported": ["header"],
                             "scopes_supported": ["tools:read", "tools:write"],
@@ -346,11 +348,13 @@ async def test_10_oauth_jwts_from_a_local_issuer(monkeypatch: pytest.MonkeyPatch
 
 
 def _gateway_toml(auth_toml: str) -> str:
-    return (f'[listen]\nwebsocket = "127.0.0.1:0"\nhttp = "127.0.0.1:0"\n[admin]\nlisten = "127.0.0.1:0"\n'
+    return ('[listen]\nwebsocket = "127.0.0.1:0"\nhttp = "127.0.0.1:0"\n[admin]\n'
+            'listen = "127.0.0.1:0"\n'
             f'{auth_toml}{fixture_backend()}')
 
 
-async def modern_call(c: httpx.AsyncClient, url: str, token: str, id: int, **extra: Any) -> httpx.Response:
+async def modern_call(c: httpx.AsyncClient, url: str, token: str, id: int,
+                      **extra: Any) -> httpx.Response:
     meta = {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
             "io.modelcontextprotocol/clientCapabilities": {"elicitation": {}}}
     body = {"jsonrpc": "2.0", "id": id, "method": "tools/call",

@@ -48,10 +48,12 @@ async def _closed_without_answer(port: int, send: bytes) -> bytes:
     return got
 
 
-async def test_10_tls_https_and_wss_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_10_tls_https_and_wss_end_to_end(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     certs = make_certs(tmp_path)
     path = tmp_path / "gw.toml"
-    path.write_text(f"""[listen]\nwebsocket = "127.0.0.1:0"\nhttp = "127.0.0.1:0"\ntls_cert = "{certs.cert}"
+    path.write_text(
+        f"""[listen]\nwebsocket = "127.0.0.1:0"\nhttp = "127.0.0.1:0"\ntls_cert = "{certs.cert}"
 tls_key = "{certs.key}"\npublic_url = "https://gw.example.com/mcp"\n[admin]\nlisten = "127.0.0.1:0"\n"""
                     + fixture_backend())
     cfg = config.load(path.read_text(), base_dir=ROOT)
@@ -79,7 +81,8 @@ tls_key = "{certs.key}"\npublic_url = "https://gw.example.com/mcp"\n[admin]\nlis
 
         with trio.fail_after(20):
             async with httpx.AsyncClient(verify=ctx) as c, \
-                    streamable_http_client(f"https://localhost:{http_port}/mcp", http_client=c) as (read, write, _), \
+                    streamable_http_client(f"https://localhost:{http_port}/mcp",
+                                           http_client=c) as (read, write, _), \
                     ClientSession(read, write) as session:
                 await session.initialize()
                 result = await session.call_tool("fx__progress", {"steps": 3},

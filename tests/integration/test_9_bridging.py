@@ -50,12 +50,14 @@ async def test_an_elicitation_round_trip_and_a_replayed_state() -> None:
         state = first["requestState"]
         assert state.startswith("r7.")
         answer = {key: {"action": "accept", "content": {"answer": "Ada"}}}
-        r = await call(c, gw.http_url, "fx__elicit", args, id=2, inputResponses=answer, requestState=state)
+        r = await call(c, gw.http_url, "fx__elicit", args, id=2, inputResponses=answer,
+                       requestState=state)
         assert r.status_code == 200, r.text
         done = r.json()
         assert done["id"] == 2 and done["result"]["resultType"] == "complete"
         assert json.loads(done["result"]["content"][0]["text"])["content"] == {"answer": "Ada"}
-        r = await call(c, gw.http_url, "fx__elicit", args, id=3, inputResponses=answer, requestState=state)
+        r = await call(c, gw.http_url, "fx__elicit", args, id=3, inputResponses=answer,
+                       requestState=state)
         assert invalid_state(r), r.text  # one retry per state
         with trio.fail_after(5):
             await wait_status(gw.bound.admin_port, lambda st: st["client_requests_in_flight"] == 0
@@ -109,8 +111,8 @@ async def test_a_parked_flow_expires_after_state_ttl() -> None:
         with trio.fail_after(5):  # the child's roots/list is refused, its call ends
             await wait_status(gw.bound.admin_port, lambda st: st["client_requests_in_flight"] == 0
                               and st["connections"].get("http", 0) == 0)
-        r = await call(c, gw.http_url, "fx__roots", {}, id=2, inputResponses={"srv-1": {"roots": []}},
-                       requestState=first["requestState"])
+        r = await call(c, gw.http_url, "fx__roots", {}, id=2,
+                       inputResponses={"srv-1": {"roots": []}}, requestState=first["requestState"])
         assert invalid_state(r), r.text
 
 

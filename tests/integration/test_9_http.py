@@ -110,7 +110,8 @@ async def test_bad_requests_get_their_status() -> None:
         r = await c.post(url, headers=dict(headers, origin="http://evil.example"), json=ping)
         assert r.status_code == 403
         port = gw.bound.http_port
-        r = await c.post(url, headers=dict(headers, origin=f"http://localhost:{port + 1}"), json=ping)
+        r = await c.post(url, headers=dict(headers, origin=f"http://localhost:{port + 1}"),
+                         json=ping)
         assert r.status_code == 403  # another server on this machine is another origin
         r = await c.post(url, headers=dict(headers, origin=f"http://127.0.0.1:{port}"), json=ping)
         assert r.status_code == 200  # this server itself (the conformance suite sends it)
@@ -153,7 +154,8 @@ async def test_bad_requests_get_their_status() -> None:
 
 
 async def test_get_stream_carries_list_changed_and_post_carries_related() -> None:
-    async with run_gateway(make_config(fixture_backend())) as gw, httpx.AsyncClient(timeout=10) as c:
+    async with (run_gateway(make_config(fixture_backend())) as gw,
+                httpx.AsyncClient(timeout=10) as c):
         url = gw.http_url
         headers = await _open(c, url)
         got: list[dict[str, Any]] = []
@@ -184,7 +186,8 @@ async def test_get_stream_carries_list_changed_and_post_carries_related() -> Non
 
 
 async def test_delete_ends_session_and_cancels_its_calls() -> None:
-    async with run_gateway(make_config(fixture_backend())) as gw, httpx.AsyncClient(timeout=10) as c:
+    async with (run_gateway(make_config(fixture_backend())) as gw,
+                httpx.AsyncClient(timeout=10) as c):
         url = gw.http_url
         headers = await _open(c, url)
         call = {"jsonrpc": "2.0", "id": 7, "method": "tools/call",
@@ -217,7 +220,8 @@ async def test_idle_session_expires() -> None:
         headers = await _open(c, gw.http_url)
         with trio.fail_after(10):
             await wait_status(gw.bound.admin_port, lambda st: not st["connections"].get("http"))
-        r = await c.post(gw.http_url, headers=headers, json={"jsonrpc": "2.0", "id": 2, "method": "ping"})
+        r = await c.post(gw.http_url, headers=headers,
+                         json={"jsonrpc": "2.0", "id": 2, "method": "ping"})
         assert r.status_code == 404
 
 

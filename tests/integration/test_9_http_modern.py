@@ -39,7 +39,8 @@ def post(method: str, params: dict[str, Any], *, id: int | str = 1,
 
 async def test_a_stateless_call_with_its_headers_checked_and_no_session() -> None:
     async with run_gateway(make_config(fixture_backend("fx"))) as gw, httpx.AsyncClient() as c:
-        r = await c.post(gw.http_url, **post("tools/call", {"name": "fx__echo", "arguments": {"message": "m"}}))
+        r = await c.post(gw.http_url,
+                         **post("tools/call", {"name": "fx__echo", "arguments": {"message": "m"}}))
         assert r.status_code == 200 and "mcp-session-id" not in r.headers
         body = r.json()
         assert body["result"]["resultType"] == "complete"
@@ -50,7 +51,8 @@ async def test_a_stateless_call_with_its_headers_checked_and_no_session() -> Non
         assert r.headers["content-type"] == "text/event-stream" and "id:" not in r.text, r.text
         assert [json.loads(line[6:]).get("method") for line in r.text.splitlines()
                 if line.startswith("data: ")] == ["notifications/progress"] * 2 + [None], r.text
-        r = await c.post(gw.http_url, **post("tools/call", {"name": "fx__echo", "arguments": {"message": "m"}},
+        r = await c.post(gw.http_url,
+                         **post("tools/call", {"name": "fx__echo", "arguments": {"message": "m"}},
                                              **{"mcp-name": "fx__other"}))
         assert r.status_code == 400 and r.json()["error"]["code"] == -32020
         r = await c.post(gw.http_url, **post("tools/list", {}, **{"mcp-method": "prompts/list"}))
@@ -60,10 +62,12 @@ async def test_a_stateless_call_with_its_headers_checked_and_no_session() -> Non
         args = post("tools/list", {})
         args["json"]["params"]["_meta"] = {**META,
                                            "io.modelcontextprotocol/protocolVersion": "2099-01-01"}
-        r = await c.post(gw.http_url, headers=dict(args["headers"], **{"mcp-protocol-version": "2099-01-01"}),
+        r = await c.post(gw.http_url,
+                         headers=dict(args["headers"], **{"mcp-protocol-version": "2099-01-01"}),
                          json=args["json"])
         assert r.status_code == 400 and r.json()["error"]["code"] == -32022
-        r = await c.get(gw.http_url, headers={"accept": "text/event-stream", "mcp-protocol-version": V})
+        r = await c.get(gw.http_url,
+                        headers={"accept": "text/event-stream", "mcp-protocol-version": V})
         assert r.status_code == 405
         st = await http_json(gw.bound.admin_port, "/status")
         assert st["connections"].get("http", 0) == 0  # every flow ended with its request
@@ -74,7 +78,8 @@ async def test_closing_the_response_stream_cancels_the_call() -> None:
         port = gw.bound.admin_port
         async with httpx.AsyncClient() as c:
             with trio.move_on_after(1.0):  # the client gives up: its connection closes
-                await c.post(gw.http_url, **post("tools/call", {"name": "fx__sleep", "arguments": {"seconds": 30}}))
+                await c.post(gw.http_url, **post("tools/call", {"name": "fx__sleep",
+                                                                "arguments": {"seconds": 30}}))
         # the call was cancelled (no answer, the child told), not left to run its 30 s
         with trio.fail_after(10):
             await wait_status(port, lambda st: st["client_requests_in_flight"] == 0
@@ -114,14 +119,17 @@ async def test_subscriptions_listen_streams_tagged_notifications_until_the_clien
     the listen's id; closing the stream ends it and releases its upstream subscription."""
     uri = "fixture://static/a"
     tag = "io.modelcontextprotocol/subscriptionId"
-    async with run_gateway(make_config(fixture_backend("fx"))) as gw, httpx.AsyncClient(timeout=30) as c:
+    async with (run_gateway(make_config(fixture_backend("fx"))) as gw,
+                httpx.AsyncClient(timeout=30) as c):
 
         async def upstream_subscriptions() -> list[str]:
-            r = await c.post(gw.http_url, **post("tools/call", {"name": "fx__client_info", "arguments": {}}))
+            r = await c.post(gw.http_url,
+                             **post("tools/call", {"name": "fx__client_info", "arguments": {}}))
             return json.loads(r.json()["result"]["content"][0]["text"])["subscriptions"]
 
         async def call(tool: str, **arguments: Any) -> None:
-            r = await c.post(gw.http_url, **post("tools/call", {"name": tool, "arguments": arguments}))
+            r = await c.post(gw.http_url,
+                             **post("tools/call", {"name": tool, "arguments": arguments}))
             assert r.json()["result"]["resultType"] == "complete", r.text
 
         tools = post("subscriptions/listen", {"notifications": {

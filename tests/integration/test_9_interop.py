@@ -132,6 +132,7 @@ async def test_gateway_connect_http_bridge() -> None:
                 assert json.loads(r.content[0].text)["content"] == {"answer": "proceed?"}
                 await s.call_tool("fx__notify_list_changed", {"kind": "tools"})
                 await changed.wait()
-                assert (await http_json(gw.bound.admin_port, "/status"))["connections"].get("http") == 1
+                assert (await http_json(gw.bound.admin_port,
+                                        "/status"))["connections"].get("http") == 1
         with trio.fail_after(10):  # the bridge DELETEs its session when stdin closes
             await wait_status(gw.bound.admin_port, lambda st: not st["connections"].get("http"))

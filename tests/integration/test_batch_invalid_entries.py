@@ -48,7 +48,8 @@ def invalid_errors(answers: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 async def test_invalid_entries_of_a_batch_are_answered_in_its_array_on_http() -> None:
-    async with run_gateway(make_config(fixture_backend())) as gw, httpx.AsyncClient(timeout=10) as c:
+    async with (run_gateway(make_config(fixture_backend())) as gw,
+                httpx.AsyncClient(timeout=10) as c):
         url = gw.http_url
         init = dict(HTTP_INIT, params=dict(HTTP_INIT["params"], protocolVersion=V))
         r = await c.post(url, headers=HTTP_HEADERS, json=init)

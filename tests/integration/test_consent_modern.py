@@ -44,8 +44,8 @@ def meta(caps: dict[str, Any]) -> dict[str, Any]:
             "io.modelcontextprotocol/clientCapabilities": caps}
 
 
-async def post(c: httpx.AsyncClient, url: str, id: int, message: str, *, caps: dict[str, Any] = FORM,
-               **extra: Any) -> httpx.Response:
+async def post(c: httpx.AsyncClient, url: str, id: int, message: str, *,
+               caps: dict[str, Any] = FORM, **extra: Any) -> httpx.Response:
     headers = {"accept": "application/json, text/event-stream", "content-type": "application/json",
                "mcp-protocol-version": V, "mcp-method": "tools/call", "mcp-name": "fx__echo"}
     body = {"jsonrpc": "2.0", "id": id, "method": "tools/call",
@@ -77,7 +77,8 @@ def invalid_state(r: httpx.Response, kind: str = "") -> bool:
 def expires_in(state: str) -> float:
     """Seconds until a gateway state's signed expiry (its payload is readable, only signed)."""
     payload = state.split(".")[1]
-    return float(json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))["x"]) - time.time()
+    return float(json.loads(
+        base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))["x"]) - time.time()
 
 
 def echoed(transcript: Path) -> list[str]:
@@ -152,7 +153,8 @@ async def test_consent_on_stateless_http(tmp_path: Path) -> None:
     assert echoed(transcript) == ["yes-1", "again"]  # each approved call ran exactly once
 
 
-async def test_silence_on_stateless_http_ends_the_call_at_the_consent_timeout(tmp_path: Path) -> None:
+async def test_silence_on_stateless_http_ends_the_call_at_the_consent_timeout(
+        tmp_path: Path) -> None:
     transcript = tmp_path / "fx.jsonl"
     cfg = make_config(fixture_backend("fx", env={"FIXTURE_TRANSCRIPT": str(transcript)}),
                       extra=ASK.replace("30.0", "0.5"))
@@ -164,7 +166,8 @@ async def test_silence_on_stateless_http_ends_the_call_at_the_consent_timeout(tm
                               and st["connections"].get("http", 0) == 0)
         assert await metric(port, "mcp_gateway_server_requests_total", backend="_gateway",
                             method="elicitation/create", outcome="timeout") == 1
-        r = await post(c, gw.http_url, 2, "silent", inputResponses={"consent": ACCEPT}, requestState=state)
+        r = await post(c, gw.http_url, 2, "silent", inputResponses={"consent": ACCEPT},
+                       requestState=state)
         assert invalid_state(r), r.text  # too late: nothing runs
     assert echoed(transcript) == []
 
@@ -173,7 +176,8 @@ async def test_after_consent_the_backends_own_elicitation_is_the_next_round() ->
     """The same flow goes on: consent (round 1), then the legacy child's elicitation (round 2,
     under the child's request id, at state_ttl), then the result."""
     extra = ASK.replace('match = "fx__echo"', 'match = "fx__elicit"')
-    async with run_gateway(make_config(fixture_backend("fx"), extra=extra)) as gw, httpx.AsyncClient() as c:
+    async with (run_gateway(make_config(fixture_backend("fx"), extra=extra)) as gw,
+                httpx.AsyncClient() as c):
         headers = {"accept": "application/json, text/event-stream",
                    "content-type": "application/json",
                    "mcp-protocol-version": V, "mcp-method": "tools/call", "mcp-name": "fx__elicit"}
@@ -247,7 +251,8 @@ async def test_python_sdk_2_answers_the_consent_prompt(answer: str, expected: st
     assert not missing, f"missing {missing}: run scripts/setup --test"
     async with run_gateway(make_config(fixture_backend("fx"), extra=ASK)) as gw:
         with trio.fail_after(60):
-            proc = await trio.run_process([PY2, PY2_CONSENT, gw.http_url, "fx__echo", '{"message": "sdk"}', answer],
+            proc = await trio.run_process([PY2, PY2_CONSENT, gw.http_url, "fx__echo",
+                                           '{"message": "sdk"}', answer],
                                           capture_stdout=True, capture_stderr=True, check=False)
     assert proc.returncode == 0, proc.stderr.decode()[-4000:]
     got = json.loads(proc.stdout.decode().strip().splitlines()[-1])

@@ -70,8 +70,8 @@ async def test_another_principals_forged_state_does_not_end_the_flow_it_names() 
         state = r.json()["result"]["requestState"]
         # (bob with alice's genuine one too)
         for n, forged in enumerate([*forgeries(state), state], 2):
-            r = await call(c, gw.http_url, "bob", id=n, inputResponses={"srv-1": {"action": "decline"}},
-                           requestState=forged)
+            r = await call(c, gw.http_url, "bob", id=n,
+                           inputResponses={"srv-1": {"action": "decline"}}, requestState=forged)
             assert refused(r), r.text
         assert await metric(port, "mcp_gateway_request_states_refused_total",
                             reason="tampered") == 2
@@ -86,7 +86,8 @@ async def test_the_flows_own_principal_presenting_a_tampered_state_ends_it_at_on
     async with run_gateway(cfg) as gw, httpx.AsyncClient() as c:
         r = await call(c, gw.http_url, "alice")
         state = r.json()["result"]["requestState"]
-        r = await call(c, gw.http_url, "alice", id=2, inputResponses=ANSWER, requestState=forgeries(state)[0])
+        r = await call(c, gw.http_url, "alice", id=2, inputResponses=ANSWER,
+                       requestState=forgeries(state)[0])
         assert refused(r), r.text
         with trio.fail_after(5):  # the child was answered and the call ended: nothing waits
             await wait_status(gw.bound.admin_port, lambda st: st["client_requests_in_flight"] == 0
@@ -100,8 +101,8 @@ async def test_an_unauthenticated_callers_tampered_state_never_ends_a_flow() -> 
         r = await call(c, gw.http_url, None)
         state = r.json()["result"]["requestState"]
         for n, forged in enumerate(forgeries(state), 2):
-            r = await call(c, gw.http_url, None, id=n, inputResponses={"srv-1": {"action": "decline"}},
-                           requestState=forged)
+            r = await call(c, gw.http_url, None, id=n,
+                           inputResponses={"srv-1": {"action": "decline"}}, requestState=forged)
             assert refused(r), r.text
         r = await call(c, gw.http_url, None, id=9, inputResponses=ANSWER, requestState=state)
         result = r.json()["result"]

@@ -13,7 +13,8 @@ from gateway import config
 
 pytestmark = pytest.mark.system
 
-HEAD = '[gateway]\ndrain_grace = 5.0\n[listen]\nwebsocket = "127.0.0.1:0"\nhttp = ""\n[admin]\nlisten = ""\n'
+HEAD = ('[gateway]\ndrain_grace = 5.0\n[listen]\nwebsocket = "127.0.0.1:0"\nhttp = ""\n[admin]\n'
+        'listen = ""\n')
 
 
 async def test_reload_drains_removed_and_restarts_changed_without_churn(tmp_path: Path) -> None:

@@ -155,7 +155,8 @@ async def test_request_attributed_to_a_closed_connection_is_answered_at_once(tmp
 
 
 def gateway_toml(backends: str, extra: str = "") -> str:
-    return f'[listen]\nwebsocket = "127.0.0.1:0"\nhttp = ""\n[admin]\nlisten = ""\n{extra}\n{backends}'
+    return (f'[listen]\nwebsocket = "127.0.0.1:0"\nhttp = ""\n[admin]\nlisten = ""\n{extra}\n'
+            f'{backends}')
 
 
 async def test_backend_removed_by_reload_during_a_consent_prompt_is_backend_unavailable(

@@ -21,7 +21,8 @@ CAPS = {"elicitation": {}}
 LIMIT = 1.0
 
 
-async def call(c: httpx.AsyncClient, url: str, message: str, *, id: int = 1, **extra: Any) -> httpx.Response:
+async def call(c: httpx.AsyncClient, url: str, message: str, *, id: int = 1,
+               **extra: Any) -> httpx.Response:
     headers = {"accept": "application/json, text/event-stream", "content-type": "application/json",
                "mcp-protocol-version": V, "mcp-method": "tools/call", "mcp-name": "fx__elicit"}
     meta = {"io.modelcontextprotocol/protocolVersion": V,

@@ -74,7 +74,8 @@ async def test_stop_during_a_reload_that_starts_a_backend_stops_it_at_once(tmp_p
                 "slow", env={"FIXTURE_START_DELAY": "20"}, start_timeout=25.0))
             control.reload()
             while True:  # until the reload has spawned the slow backend's child
-                backends = {b["name"]: b for b in (await http_json(bound.admin_port, "/status"))["backends"]}
+                backends = {b["name"]: b
+                            for b in (await http_json(bound.admin_port, "/status"))["backends"]}
                 pid = backends["slow"]["instances"][0]["pid"] if "slow" in backends else None
                 if pid is not None:
                     break

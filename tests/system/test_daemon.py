@@ -40,7 +40,8 @@ def backend_toml(name: str, **env: str) -> str:
 
 def write_config(path: Path, ws: int, admin: int, backends: str,
                  gateway: str = "drain_grace = 10.0") -> None:
-    path.write_text(f'[gateway]\ndrain_delay = 0.0\n{gateway}\n[listen]\nwebsocket = "127.0.0.1:{ws}"\nhttp = ""\n'
+    path.write_text(f'[gateway]\ndrain_delay = 0.0\n{gateway}\n[listen]\n'
+                    f'websocket = "127.0.0.1:{ws}"\nhttp = ""\n'
                     f'[admin]\nlisten = "127.0.0.1:{admin}"\n{backends}')
 
 

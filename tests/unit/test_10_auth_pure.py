@@ -129,8 +129,10 @@ async def test_10_tokens_jwks_challenge_and_state_principal(monkeypatch: pytest.
     # -- the challenge and the metadata URL (RFC 9728 §3.1)
     assert challenge.metadata_url("https://gw.example/mcp") == \
         "https://gw.example/.well-known/oauth-protected-resource/mcp"
-    header = challenge.www_authenticate("https://m", error="insufficient_scope", scope=["a", "b\"c"])
-    assert header == 'Bearer resource_metadata="https://m", error="insufficient_scope", scope="a bc"'
+    header = challenge.www_authenticate("https://m", error="insufficient_scope",
+                                        scope=["a", "b\"c"])
+    assert header == ('Bearer resource_metadata="https://m", error="insufficient_scope", scope="a '
+                      'bc"')
 
     # -- a requestState is bound to its principal: another principal's retry is invalid_state
     #    before anything about the flow is looked at

@@ -88,7 +88,8 @@ async def test_10_boot_guards_refuse_and_name_the_keys(tmp_path: Path,
     sock = trio.socket.from_stdlib_socket(socket.create_server(("0.0.0.0", 0)))
     listener = trio.SocketListener(sock)
     try:
-        with pytest.raises(ls.ListenerError, match=r"http socket from systemd: bound to 0\.0\.0\.0.*tls_cert"):
+        with pytest.raises(ls.ListenerError,
+                           match=r"http socket from systemd: bound to 0\.0\.0\.0.*tls_cert"):
             ls.check_loopback(listener, "http socket from systemd",
                               guards.client_exposure_problems(config.load(BEARER, base_dir="/")))
         ls.check_loopback(listener, "http socket from systemd", [])

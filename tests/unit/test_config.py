@@ -220,7 +220,8 @@ def test_http_listener_keys() -> None:
     (error,) = errors_of('[listen]\nhttp = "0.0.0.0:8766"\n')
     assert error.startswith("listen.http:") and "loopback" in error
     assert errors_of('[listen]\nhttp_session_idle_timeout = 0.0\nhttp_max_sessions = 0\n') == [
-        "listen.http_session_idle_timeout: must be positive", "listen.http_max_sessions: must be at least 1"]
+        "listen.http_session_idle_timeout: must be positive",
+        "listen.http_max_sessions: must be at least 1"]
 
 
 @pytest.mark.parametrize("addr", ["127.0.0.1:0", "127.0.0.2:1", "[::1]:8765", "localhost:8765"])

@@ -35,7 +35,8 @@ META = {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
 def expiry(state: str) -> float:
     """Seconds from now until the state's signed expiry."""
     payload = state.split(".")[1]
-    return json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))["x"] - time.time()
+    return json.loads(
+        base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))["x"] - time.time()
 
 
 @pytest.mark.parametrize(("ttl", "ends_after"), [(300.0, 60.0), (10.0, 10.0)])
