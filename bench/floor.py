@@ -89,7 +89,8 @@ class Sink:
 
 
 class Conn:
-    """A client connection: ``reply(line)`` sends one line from cat back in this transport's framing."""
+    """A client connection: ``reply(line)`` sends one line from cat back in this transport's
+    framing."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock

@@ -1376,7 +1376,8 @@ async def fairness(nursery: trio.Nursery, url: str, tool: str, flood_tool: str,
 
 
 def speedscope_top(path: str, n: int = 15) -> list[tuple[str, float, float]]:
-    """(function, own %, total %) of the top ``n`` functions by own samples in a py-spy speedscope file."""
+    """(function, own %, total %) of the top ``n`` functions by own samples in a py-spy speedscope
+    file."""
     with open(path) as f:
         doc = json.load(f)
     frames = doc["shared"]["frames"]
@@ -1767,7 +1768,8 @@ async def bench_mcp_proxy(args: argparse.Namespace, backend: BackendSpec, procs:
 
 
 def cpu_calibration() -> float:
-    """CPU ms of a fixed pure-Python loop (best of 3): how fast this machine's cores are right now."""
+    """CPU ms of a fixed pure-Python loop (best of 3): how fast this machine's cores are right
+    now."""
     best = float("inf")
     for _ in range(3):
         t0 = time.process_time()

@@ -267,7 +267,8 @@ class ChildRouter:
         return call
 
     def submit(self, call: Call, line: bytes) -> list[Action]:
-        """Send ``call`` (its request ``line``), or queue it while ``max_inflight`` are at the child."""
+        """Send ``call`` (its request ``line``), or queue it while ``max_inflight`` are at the
+        child."""
         if call.state is not CallState.QUEUED or call.line is not None or call.gid in self.pending:
             raise RoutingError(f"{call!r} was submitted already")
         if self.exited is not None:
@@ -604,7 +605,8 @@ class ChildRouter:
         return actions
 
     def child_cancelled(self, child_id: int | str) -> list[Action]:
-        """The child cancelled its request ``child_id``: the owner is told (unknown ids: nothing)."""
+        """The child cancelled its request ``child_id``: the owner is told (unknown ids:
+        nothing)."""
         sreq = self._server_requests.get(child_id)
         if sreq is None:
             return []

@@ -150,7 +150,8 @@ async def test_10_bearer_tokens_on_http_and_websocket(tmp_path: Path) -> None:
         a = st["auth"]
         assert a["configured"] is True and a["bearer"]["count"] == 3 and a["bearer"][
             "tokens_file"] == str(tokens_file)
-        assert a["listeners"]["websocket"]["auth_required"] and a["listeners"]["http"]["auth_required"]
+        assert (a["listeners"]["websocket"]["auth_required"]
+                and a["listeners"]["http"]["auth_required"])
         assert a["refusals"] >= 6
         assert await metric(gw.bound.admin_port, "mcp_gateway_client_connections_refused_total",
                             transport="websocket", reason="unauthorized") == 2
@@ -255,7 +256,8 @@ async def test_10_oauth_jwts_from_a_local_issuer(monkeypatch: pytest.MonkeyPatch
             r = await c.post(url, headers=auth(issuer.token()), json=INIT)
             assert r.status_code == 200, r.text
             sid = r.headers["mcp-session-id"]
-            assert seen[-1].name == "dana" and seen[-1].groups == {"dev"} and seen[-1].scopes == {"tools:read"}
+            assert (seen[-1].name == "dana" and seen[-1].groups == {"dev"}
+                    and seen[-1].scopes == {"tools:read"})
             assert seen[-1].via == "oauth" and seen[-1].label == "other"  # not a configured name
 
             good = issuer.token()
@@ -344,7 +346,8 @@ async def test_10_oauth_jwts_from_a_local_issuer(monkeypatch: pytest.MonkeyPatch
                         await ws._changed.wait()
                 assert ws.ws.closed is not None and ws.ws.closed.code == 1008
             st = await http_json(gw.bound.admin_port, "/status")
-            assert st["auth"]["oauth"]["issuer"] == issuer.url + "/" and st["auth"]["oauth"]["jwks_keys"] == 2
+            assert (st["auth"]["oauth"]["issuer"] == issuer.url + "/"
+                    and st["auth"]["oauth"]["jwks_keys"] == 2)
 
 
 def _gateway_toml(auth_toml: str) -> str:

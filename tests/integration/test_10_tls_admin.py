@@ -117,7 +117,8 @@ tls_key = "{certs.key}"\npublic_url = "https://gw.example.com/mcp"\n[admin]\nlis
         status = await _admin(gw.bound.admin_port, "/status")
         rows = {row["name"]: row for row in json.loads(status[2])["listeners"]}
         assert rows["http"]["tls"] and rows["websocket"]["tls"] and rows["http"]["loopback"]
-        assert rows["http"]["auth_configured"] is False and rows["http"]["public_url"] == "https://gw.example.com/mcp"
+        assert (rows["http"]["auth_configured"] is False
+                and rows["http"]["public_url"] == "https://gw.example.com/mcp")
         # a renewed certificate (another CA here) is picked up by a reload, no restart
         (tmp_path / "renewed").mkdir()
         renewed = make_certs(tmp_path / "renewed")

@@ -128,7 +128,8 @@ async def test_a_modern_websocket_connection_is_bridged_too_and_goes_on_after_a_
         async with run_gateway(cfg) as gw, connect(gw.url, initialize=False) as c:
             args = {"name": "fx__elicit", "arguments": {"message": "name?"}, "_meta": caps}
             first = (await c.request("tools/call", args))["result"]
-            assert first["resultType"] == "input_required" and list(first["inputRequests"]) == ["srv-1"]
+            assert (first["resultType"] == "input_required"
+                    and list(first["inputRequests"]) == ["srv-1"])
             answer = {"srv-1": {"action": "accept", "content": {"answer": "Ada"}}}
             done = await c.request("tools/call", {**args, "inputResponses": answer,
                                                   "requestState": first["requestState"]})

@@ -104,7 +104,8 @@ async def test_a_dual_era_child_gets_no_modern_envelope_from_a_modern_client() -
         body = r.json() if r.headers["content-type"].startswith("application/json") else [
             json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")][-1]
         assert "error" not in body, body
-        assert body["result"]["resultType"] == "complete" and "UTC" in body["result"]["content"][0]["text"]
+        assert (body["result"]["resultType"] == "complete"
+                and "UTC" in body["result"]["content"][0]["text"])
 
 
 async def _events(response: httpx.Response) -> Any:

@@ -63,7 +63,8 @@ def call(id: Any, tool: str, arguments: dict[str, Any]) -> str:
                        "params": {"name": tool, "arguments": arguments}})
 
 
-async def test_client_that_never_reads_is_cut_off_at_outbound_bytes_and_its_bytes_are_released() -> None:
+async def test_client_that_never_reads_is_cut_off_at_outbound_bytes_and_its_bytes_are_released(
+) -> None:
     # 40 answers of 1 MB: far more than the socket buffers hold, far fewer than outbound_queue
     # (512 messages), so only the byte bound can cut this client off.
     cfg = make_config(fixture_backend("fx"),
@@ -92,7 +93,8 @@ async def test_client_that_never_reads_is_cut_off_at_outbound_bytes_and_its_byte
             assert st["buffered_bytes"] == 0
 
 
-async def test_at_buffered_bytes_total_requests_get_overloaded_and_the_biggest_holder_is_closed() -> None:
+async def test_at_buffered_bytes_total_requests_get_overloaded_and_the_biggest_holder_is_closed(
+) -> None:
     cfg = make_config(fixture_backend("fx"), gateway=f"""
 max_message_bytes = {2 * MIB}
 outbound_bytes = {2 * MIB}

@@ -44,7 +44,8 @@ async def call_with_answer(c: Client, answer: dict[str, Any] | None,
         nursery.start_soon(call)
         prompt = await c.wait_for(lambda: c.requests and c.requests[-1])
         assert prompt["method"] == "elicitation/create"
-        assert "fx__echo" in prompt["params"]["message"] and args["message"] in prompt["params"]["message"]
+        assert ("fx__echo" in prompt["params"]["message"]
+                and args["message"] in prompt["params"]["message"])
         assert prompt["params"]["requestedSchema"]["properties"]["approve"]["type"] == "boolean"
         if answer is not None:
             await c.send({"jsonrpc": "2.0", "id": prompt["id"], **answer})
@@ -132,7 +133,8 @@ async def test_sensitive_tool_refuses_boot_without_rule() -> None:
             pass
 
 
-async def test_the_rule_snippet_printed_at_a_sensitive_tools_refusal_makes_the_gateway_start() -> None:
+async def test_the_rule_snippet_printed_at_a_sensitive_tools_refusal_makes_the_gateway_start(
+) -> None:
     text = f"""
 [listen]
 websocket = "127.0.0.1:0"

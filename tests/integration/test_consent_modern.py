@@ -195,12 +195,13 @@ async def test_after_consent_the_backends_own_elicitation_is_the_next_round() ->
         assert list(first["inputRequests"]) == ["consent"]
         second = (await call(2, inputResponses={"consent": ACCEPT},
                              requestState=first["requestState"]))["result"]
-        assert second["resultType"] == "input_required" and list(second["inputRequests"]) == ["srv-1"]
+        assert (second["resultType"] == "input_required"
+                and list(second["inputRequests"]) == ["srv-1"])
         assert 25 <= expires_in(first["requestState"]) <= 32  # elicitation_timeout = 30
         assert 295 <= expires_in(second["requestState"]) <= 302  # state_ttl = 300
         answer = {"srv-1": {"action": "accept", "content": {"answer": "Ada"}}}
         done = await call(3, inputResponses=answer, requestState=second["requestState"])
-        assert done["id"] == 3 and json.loads(done["result"]["content"][0]["text"])["content"] == {"answer": "Ada"}
+        assert (done["id"] == 3 and json.loads(done["result"]["content"][0]["text"])["content"] == {"answer": "Ada"})
 
 
 async def test_consent_on_a_modern_websocket_connection(tmp_path: Path) -> None:
@@ -212,7 +213,8 @@ async def test_consent_on_a_modern_websocket_connection(tmp_path: Path) -> None:
         async with run_gateway(cfg) as gw, connect(gw.url, initialize=False) as c:
             args = {"name": "fx__echo", "arguments": {"message": "ws-yes"}, "_meta": meta(FORM)}
             first = (await c.request("tools/call", args))["result"]
-            assert first["resultType"] == "input_required" and list(first["inputRequests"]) == ["consent"]
+            assert (first["resultType"] == "input_required"
+                    and list(first["inputRequests"]) == ["consent"])
             done = await c.request("tools/call", {**args, "inputResponses": {"consent": ACCEPT},
                                                   "requestState": first["requestState"]})
             assert done["result"]["content"][0]["text"] == "ws-yes"
@@ -284,7 +286,8 @@ async def test_consent_for_a_modern_backend_that_asks_for_input_itself() -> None
                                                       "requestState": asked["requestState"]})
 
             child = (await consented(args))["result"]  # the backend's own round, passed through
-            assert child["resultType"] == "input_required" and list(child["inputRequests"]) == ["user_name"]
+            assert (child["resultType"] == "input_required"
+                    and list(child["inputRequests"]) == ["user_name"])
             name = {"user_name": {"action": "accept", "content": {"name": "Ada"}}}
             done = await consented({**args, "inputResponses": name,
                                     "requestState": child["requestState"]})

@@ -191,7 +191,8 @@ async def test_frames_are_refused_by_their_header_and_messages_must_complete_in_
             assert st["buffered_bytes"] == 0
 
 
-async def test_a_batch_array_fits_in_max_message_bytes_and_the_bridge_reports_what_it_cannot_pass() -> None:
+async def test_a_batch_array_fits_in_max_message_bytes_and_the_bridge_reports_what_it_cannot_pass(
+) -> None:
     # A batch's answers are one message: held to max_message_bytes (1 MiB here) as well as to
     # outbound_bytes (16 MiB); the stdio bridge, whose limit is its own --max-message-bytes,
     # said nothing and exited 0 when a message was too big for it (a hostile tester's find).

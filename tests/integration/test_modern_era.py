@@ -19,7 +19,8 @@ def meta(version: str = "2026-07-28", **extra: Any) -> dict[str, Any]:
     return {"_meta": {V: version, CAPS: {}, **extra}}
 
 
-async def test_a_modern_connection_discovers_lists_and_calls_a_legacy_child_without_a_handshake() -> None:
+async def test_a_modern_connection_discovers_lists_and_calls_a_legacy_child_without_a_handshake(
+) -> None:
     cfg = make_config(fixture_backend("fx"))
     with trio.fail_after(20):
         async with run_gateway(cfg) as gw, connect(gw.url, initialize=False) as c:
@@ -65,7 +66,8 @@ async def test_modern_requests_are_checked_and_the_era_is_pinned_per_connection(
                 assert "resultType" not in r["result"]  # legacy results are unchanged
 
 
-async def test_subscriptions_listen_on_a_websocket_ends_with_its_result_on_cancel_and_on_drain() -> None:
+async def test_subscriptions_listen_on_a_websocket_ends_with_its_result_on_cancel_and_on_drain(
+) -> None:
     """On a byte stream the client ends a listen with notifications/cancelled, and the gateway
     ends every listen when it drains: both answered with the closing result."""
     tag = "io.modelcontextprotocol/subscriptionId"

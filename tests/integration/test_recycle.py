@@ -30,7 +30,8 @@ ELICIT_CAPS = {"elicitation": {"form": {}}}
 
 async def wait_status(port: int | None, pred: Callable[[dict[str, Any]], bool],
                       timeout: float = 10.0) -> dict[str, Any]:  # noqa: ASYNC109 - a helper's own deadline (trio.fail_after inside), passed by keyword
-    """The first ``/status`` instance (of the first backend) for which ``pred`` holds, within ``timeout``."""
+    """The first ``/status`` instance (of the first backend) for which ``pred`` holds, within
+    ``timeout``."""
     with trio.fail_after(timeout):
         while True:
             inst = (await http_json(port, "/status"))["backends"][0]["instances"][0]

@@ -57,7 +57,8 @@ async def test_reload_drains_removed_and_restarts_changed_without_churn(tmp_path
 
 
 class _LogLine(logging.Handler):
-    """Sets ``seen`` when a log message contains ``text`` (records are emitted in the trio thread)."""
+    """Sets ``seen`` when a log message contains ``text`` (records are emitted in the trio
+    thread)."""
 
     def __init__(self, text: str) -> None:
         super().__init__()

@@ -106,7 +106,8 @@ async def test_a_flow_whose_caller_retries_within_the_limit_is_not_preempted() -
                             reason="preempted") == 0
 
 
-async def test_a_websocket_connections_parked_flow_is_preempted_and_the_connection_goes_on() -> None:
+async def test_a_websocket_connections_parked_flow_is_preempted_and_the_connection_goes_on(
+) -> None:
     from helpers import connect
 
     meta = {"io.modelcontextprotocol/protocolVersion": V,

@@ -167,7 +167,8 @@ def test_an_explicit_max_connections_that_does_not_fit_refuses_to_start(tmp_path
         assert proc.wait(timeout=20) == 1
         out = output(proc)
     assert "cannot start: gateway.max_connections = 1000 does not fit" in out, out
-    assert "limit (RLIMIT_NOFILE, ulimit -n, LimitNOFILE=) is 400" in out and "at most 228" in out, out
+    assert ("limit (RLIMIT_NOFILE, ulimit -n, LimitNOFILE=) is 400" in out
+            and "at most 228" in out), out
 
 
 def test_a_reload_to_an_explicit_max_connections_that_does_not_fit_keeps_the_running_config(

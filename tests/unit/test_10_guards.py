@@ -39,7 +39,8 @@ async def test_10_boot_guards_refuse_and_name_the_keys(tmp_path: Path,
     # 2. authentication, but the token would travel in clear
     (err,) = errors_of(off.replace("websocket", "#") + BEARER)
     assert err.startswith("listen.http: '0.0.0.0' is not a loopback address")
-    assert "listen.tls_cert" in err and "listen.behind_proxy = true" in err and "[[auth.bearer]]" not in err
+    assert ("listen.tls_cert" in err and "listen.behind_proxy = true" in err
+            and "[[auth.bearer]]" not in err)
     # 3. behind_proxy without public_url, and a public_url that is not https
     (err,) = errors_of(off.replace("websocket", "#") + "behind_proxy = true\n" + BEARER)
     assert err.startswith("listen.behind_proxy: needs listen.public_url")

@@ -64,7 +64,8 @@ async def test_silence_ends_the_consent_round_once(autojump_clock: trio.testing.
             await client.send(json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
                                           "params": params}).encode())
             first = (await recv())["result"]
-            assert first["resultType"] == "input_required" and list(first["inputRequests"]) == ["consent"]
+            assert (first["resultType"] == "input_required"
+                    and list(first["inputRequests"]) == ["consent"])
             assert abs(expiry(first["requestState"]) - ends_after) <= 2
             with trio.move_on_after(ends_after + 100):  # silence: nothing more comes for id 1
                 await recv()

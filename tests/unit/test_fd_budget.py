@@ -41,7 +41,8 @@ def test_the_default_fits_or_is_lowered_with_a_warning_naming_both_numbers() -> 
     assert fit_connections(None, 4096 + 200, 200).max_connections == 4096
     fit = fit_connections(None, 1024, 166)
     assert fit.max_connections == 1024 - 166 and fit.refusal is None
-    assert fit.warning is not None and "4096" in fit.warning and "858" in fit.warning and "1024" in fit.warning
+    assert (fit.warning is not None and "4096" in fit.warning and "858" in fit.warning
+            and "1024" in fit.warning)
 
 
 def test_an_explicit_value_that_does_not_fit_is_refused_naming_both_numbers() -> None:

@@ -52,7 +52,8 @@ async def test_a_head_of_two_thousand_small_headers_in_one_write_gets_431() -> N
     assert answer.startswith(b"HTTP/1.1 431 "), answer[:100]
 
 
-async def test_a_head_just_under_the_limit_in_one_write_is_served_and_its_body_does_not_count() -> None:
+async def test_a_head_just_under_the_limit_in_one_write_is_served_and_its_body_does_not_count(
+) -> None:
     head = b"POST" + GET[3:] + b"content-length: 1000\r\nx-pad: "
     head += b"a" * (MAX_HEAD_BYTES - len(head) - 4) + b"\r\n\r\n"
     assert len(head) == MAX_HEAD_BYTES
