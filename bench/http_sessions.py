@@ -31,7 +31,8 @@ INIT = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": 
     "protocolVersion": "2025-11-25", "capabilities": {},
     "clientInfo": {"name": "bench", "version": "0"}}}).encode()
 INITIALIZED = b'{"jsonrpc":"2.0","method":"notifications/initialized"}'
-CALL = b'{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"fx__echo","arguments":{"message":"m"}}}'
+CALL = (b'{"jsonrpc":"2.0","id":2,"method":"tools/call",'
+        b'"params":{"name":"fx__echo","arguments":{"message":"m"}}}')
 
 
 class Conn:

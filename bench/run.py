@@ -739,7 +739,8 @@ class HttpConn(Conn):
         with trio.move_on_after(2):
             if self.session is not None:  # end the session (supergateway: stops its child)
                 head = (f"DELETE {self.path} HTTP/1.1\r\nhost: 127.0.0.1:{self.port}\r\n"
-                        f"mcp-session-id: {self.session}\r\nmcp-protocol-version: {PROTOCOL}\r\n").encode()
+                        f"mcp-session-id: {self.session}\r\n"
+                        f"mcp-protocol-version: {PROTOCOL}\r\n").encode()
                 try:
                     link = await self._link()
                     self._idle.append(link)
@@ -872,7 +873,8 @@ async def run_load(conns: list[Conn], *, inflight: int, calls: int, cap: float, 
     res.calls_per_s = res.ok / res.elapsed if res.elapsed > 0 else 0.0
     lat.sort()
     if lat:
-        res.p50_us, res.p99_us, res.mean_us = pct(lat, 0.50), pct(lat, 0.99), statistics.fmean(lat) / 1000
+        res.p50_us, res.p99_us = pct(lat, 0.50), pct(lat, 0.99)
+        res.mean_us = statistics.fmean(lat) / 1000
     ours = sum(after[k] - before[k] for k in after if k != "_system" and not k.endswith(" sys"))
     if res.elapsed > 0:
         res.other_load = max(0.0, (after["_system"] - before["_system"] - ours) / res.elapsed)
@@ -920,8 +922,9 @@ def median_of_rounds(runs: list[LoadResult]) -> LoadResult:
     loads = [r.other_load for r in runs if r.other_load is not None]
     res.other_load = statistics.median(loads) if loads else None
     keys = {k for r in runs for k in r.cpu_us_per_call}
-    res.cpu_us_per_call = {k: round(_median([r.cpu_us_per_call.get(k, float("nan")) for r in runs]), 1)
-                           for k in sorted(keys)}
+    res.cpu_us_per_call = {
+        k: round(_median([r.cpu_us_per_call.get(k, float("nan")) for r in runs]), 1)
+        for k in sorted(keys)}
     res.call_bound_hit = any(r.call_bound_hit for r in runs)
     res.rss_mib = {k: max(r.rss_mib.get(k, 0) for r in runs)
                    for k in sorted({k for r in runs for k in r.rss_mib})}
@@ -1110,6 +1113,9 @@ def gateway_config(backend: BackendSpec, ws_port: int, admin_port: int, unix_pat
     argv = backend.argv
     bound = "" if max_inflight is None else f"max_inflight = {max_inflight}\n"
 
+    restart = ("restart = { backoff_initial = 0.005, backoff_max = 0.005, max_restarts = 1000, "
+               "window = 60.0 }")
+
     def table(name: str, extra: str = "") -> str:
         return (f"[backends.{name}]\ncommand = {json.dumps(argv[0])}\n"
                 f"args = {json.dumps(argv[1:])}\n"
@@ -1118,7 +1124,8 @@ def gateway_config(backend: BackendSpec, ws_port: int, admin_port: int, unix_pat
     return f"""# written by bench/run.py
 [gateway]
 name = "mcp-gateway-bench"
-max_inflight_per_connection = {FLOOD_INFLIGHT * 2}  # the fairness flood keeps {FLOOD_INFLIGHT} in flight
+# the fairness flood keeps {FLOOD_INFLIGHT} in flight
+max_inflight_per_connection = {FLOOD_INFLIGHT * 2}
 
 [listen]
 websocket = "127.0.0.1:{ws_port}"
@@ -1131,7 +1138,7 @@ listen = "127.0.0.1:{admin_port}"
 
 {table("fx")}
 {table("fxa", 'sharing = "affine"')}
-{table("rs", "restart = { backoff_initial = 0.005, backoff_max = 0.005, max_restarts = 1000, window = 60.0 }")}
+{table("rs", restart)}
 """
 
 
@@ -1200,7 +1207,8 @@ async def restart_run(admin: int, conn: Conn, tool: str, backend: BackendSpec) -
             now = time.perf_counter()
             if "gone" not in marks and not (inst["state"] == "RUNNING" and inst["pid"] == old_pid):
                 marks["gone"] = now
-            if "starting" not in marks and inst["state"] == "STARTING" and inst["pid"] not in (None, old_pid):
+            if ("starting" not in marks and inst["state"] == "STARTING"
+                and inst["pid"] not in (None, old_pid)):
                 marks["starting"] = now
             if inst["state"] == "RUNNING" and inst["pid"] not in (None, old_pid):
                 marks["running"] = now
@@ -1416,7 +1424,8 @@ async def profile_gateway(args: argparse.Namespace, procs: Procs, pid: int, conn
           file=sys.stderr, flush=True)
     proc = procs.popen("py-spy",
                        [spy, "record", "--pid", str(pid), "--duration", str(secs), "--rate", "250",
-                                  "--gil", "--function", "--nonblocking", "--format", "speedscope", "-o", out_file])
+                        "--gil", "--function", "--nonblocking", "--format", "speedscope",
+                        "-o", out_file])
     res = LoadResult("profile", "mcp-gateway", len(conns), 1, args.calls)
     async with trio.open_nursery() as nursery:
         async def load() -> None:
@@ -1527,9 +1536,9 @@ async def bench_gateway(args: argparse.Namespace, backend: BackendSpec, procs: P
             for c in ws_conns:
                 await c.initialize()
             for inflight in (1, args.inflight):
-                results.append(await measure("mcp-gateway, WebSocket", "mcp-gateway", ws_conns, args,
-                                             inflight=inflight, tool=fx_tool, backend=backend,
-                                             cpu_pids=cpu))
+                results.append(await measure("mcp-gateway, WebSocket", "mcp-gateway", ws_conns,
+                                             args, inflight=inflight, tool=fx_tool,
+                                             backend=backend, cpu_pids=cpu))
             if args.profile:
                 extra["profile"] = await profile_gateway(args, procs, gw.pid, ws_conns, fx_tool,
                                                          backend)
@@ -1542,9 +1551,9 @@ async def bench_gateway(args: argparse.Namespace, backend: BackendSpec, procs: P
             for c in unix_conns:
                 await c.initialize()
             for inflight in (1, args.inflight):
-                results.append(await measure("mcp-gateway, unix socket", "mcp-gateway", unix_conns, args,
-                                             inflight=inflight, tool=fx_tool, backend=backend,
-                                             cpu_pids=cpu))
+                results.append(await measure("mcp-gateway, unix socket", "mcp-gateway", unix_conns,
+                                             args, inflight=inflight, tool=fx_tool,
+                                             backend=backend, cpu_pids=cpu))
             for c in unix_conns:
                 await c.aclose()
 
@@ -1660,8 +1669,8 @@ async def bench_supergateway(args: argparse.Namespace, backend: BackendSpec, pro
         raise BenchError("node not found")
     port = free_port()
     stdio_cmd = shlex.join(backend.argv)
-    argv = [node, "--require", PRELOAD, SUPERGATEWAY, "--stdio", stdio_cmd, "--outputTransport", "ws",
-            "--port", str(port), "--logLevel", "none"]
+    argv = [node, "--require", PRELOAD, SUPERGATEWAY, "--stdio", stdio_cmd,
+            "--outputTransport", "ws", "--port", str(port), "--logLevel", "none"]
     sg = procs.popen("supergateway", argv)
     try:
         await wait_port(port, sg, "supergateway")
@@ -1868,7 +1877,8 @@ def evaluate_targets(results: list[LoadResult], singles: list[SeqResult], extra:
     fair = extra.get("fairness") or []
     ratios = [r.flood_p50_us / r.alone_p50_us for r in fair if r.alone_p50_us > 0
               and not math.isnan(r.flood_p50_us)]
-    add(f"fairness: light connection's p50 under a {FLOOD_INFLIGHT}-in-flight flood ÷ its p50 alone",
+    add(f"fairness: light connection's p50 under a {FLOOD_INFLIGHT}-in-flight flood "
+        "÷ its p50 alone",
         statistics.median(ratios) if ratios else None, "≤", 2, "×", "{:.2f}")
     idle = extra.get("idle")
     add(f"{args.idle_connections} idle WebSocket connections: added gateway RSS",
@@ -1889,7 +1899,8 @@ def evaluate_targets(results: list[LoadResult], singles: list[SeqResult], extra:
         gw_cpu = gw.cpu_us_per_call.get("proxy") if gw else None
         add(f"gateway CPU per call, HTTP {shape}, {n} × 1, ÷ mcp-proxy's "
             f"({_f(gw_cpu)} µs ÷ {_f(mp_cpu)} µs)",
-            gw_cpu / mp_cpu if gw_cpu is not None and mp_cpu else None, "≤", 1 / 3, "×", "{:.2f}", "⅓")
+            gw_cpu / mp_cpu if gw_cpu is not None and mp_cpu else None, "≤", 1 / 3, "×", "{:.2f}",
+            "⅓")
     gw_rss = [r.rss_mib["proxy"] for r in results if r.group == "mcp-gateway"
               and "proxy" in r.rss_mib]
     add("gateway resident memory (the largest VmRSS seen at the end of any round of its rows)",
@@ -1913,8 +1924,8 @@ def markdown(args: argparse.Namespace, backend: BackendSpec, results: list[LoadR
              restarts: list[RestartRun], spawns: list[float], peers: dict[str, str],
              notes: list[str], extra: dict[str, Any], targets: list[Target]) -> str:
     out = [
-        f"### Targets (issues 8 and 9; medians of {args.repeat} rounds; backend: {backend.name})", "",
-           "| target | measured | limit | measured ÷ limit | result |", "|---|---:|---:|---:|---|"]
+        f"### Targets (issues 8 and 9; medians of {args.repeat} rounds; backend: {backend.name})",
+        "", "| target | measured | limit | measured ÷ limit | result |", "|---|---:|---:|---:|---|"]
     for t in targets:
         res = "n/a" if t.passed is None else ("PASS" if t.passed else "**FAIL**")
         out.append(f"| {t.what} | {t.measured} | {t.limit} | {_f(t.ratio, '{:.2f}')} | {res} |")
@@ -2097,7 +2108,7 @@ async def amain(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
                           lambda: bench_direct(args, backend, procs, results, singles, spawns))
             await section("mcp-gateway",
                           lambda: bench_gateway(args, backend, procs, results, singles, restarts,
-                                                               notes, extra))
+                                                notes, extra))
             if not args.no_floor:
                 await section("floor", lambda: bench_floor(args, backend, procs, results, notes))
             for name, fn, wanted, http in (

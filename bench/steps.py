@@ -49,7 +49,8 @@ class Conn:
             host, port = addr.rsplit(":", 1)
             self.s = socket.create_connection((host, int(port)))
             key = base64.b64encode(os.urandom(16)).decode()
-            self.s.sendall((f"GET / HTTP/1.1\r\nHost: {addr}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            self.s.sendall((f"GET / HTTP/1.1\r\nHost: {addr}\r\n"
+                            "Upgrade: websocket\r\nConnection: Upgrade\r\n"
                             f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
                             "Sec-WebSocket-Protocol: mcp\r\n\r\n").encode())
             buf = b""
@@ -70,7 +71,8 @@ class Conn:
                 if n == 126: n = int.from_bytes(self.buf[2:4], "big"); off = 4
                 elif n == 127: n = int.from_bytes(self.buf[2:10], "big"); off = 10
                 if len(self.buf) >= off + n:
-                    data = self.buf[off:off + n]; self.buf = self.buf[off + n:]; return json.loads(data)
+                    data = self.buf[off:off + n]; self.buf = self.buf[off + n:]
+                    return json.loads(data)
             self.buf += self.s.recv(65536)
     def call(self, i, method, params):
         self.send({"jsonrpc": "2.0", "id": i, "method": method, "params": params})
@@ -80,7 +82,8 @@ class Conn:
 
 conns = [Conn() for _ in range(clients)]
 for c in conns:
-    c.call(0, "initialize", {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "steps", "version": "0"}})
+    c.call(0, "initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
+                             "clientInfo": {"name": "steps", "version": "0"}})
     c.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
 for i in range(1, 51):
     for c in conns: c.call(i, "tools/call", {"name": "fx__echo", "arguments": {"message": "warm"}})

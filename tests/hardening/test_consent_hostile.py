@@ -116,7 +116,7 @@ async def test_parked_calls_are_bounded_by_max_parked_flows(
                                    lambda s: s["client_requests_in_flight"] == 3)
             r = await post(c, gw.http_url, 11,
                            echo("p0", inputResponses={"consent": {"action": "decline"}},
-                                                    requestState=states[0]))
+                                requestState=states[0]))
             assert r.json()["error"]["data"]["reason"] == "declined"
             r = await post(c, gw.http_url, 12, echo("room"))  # room again
             assert r.json()["result"]["resultType"] == "input_required", r.text

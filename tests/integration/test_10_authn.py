@@ -175,7 +175,8 @@ class Issuer:
                 issuer.fetches += 1
                 body = json.dumps(
                     {"keys": [dict(json.loads(RSAAlgorithm.to_jwk(issuer.keys[k].public_key())),
-                                                 kid=k, use="sig", alg="RS256") for k in issuer.published]}).encode()
+                                   kid=k, use="sig", alg="RS256")
+                              for k in issuer.published]}).encode()
                 self.send_response(200)
                 self.send_header("content-type", "application/json")
                 self.send_header("content-length", str(len(body)))

@@ -215,8 +215,8 @@ async def cancelled_calls(fleet: Fleet) -> float:
     """Calls to fx that the replicas (all of them) ended as cancelled, the child told."""
     return sum(
         [await metric(r.admin, "mcp_gateway_requests_total", backend="fx", method="tools/call",
-                             outcome="cancelled", principal="fleet")
-                for r in fleet.replicas.values() if r.proc is not None and r.proc.poll() is None])
+                      outcome="cancelled", principal="fleet")
+         for r in fleet.replicas.values() if r.proc is not None and r.proc.poll() is None])
 
 
 async def test_a_modern_client_cancels_by_closing_its_response_stream(fleet: Fleet) -> None:

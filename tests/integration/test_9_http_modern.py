@@ -53,7 +53,7 @@ async def test_a_stateless_call_with_its_headers_checked_and_no_session() -> Non
                 if line.startswith("data: ")] == ["notifications/progress"] * 2 + [None], r.text
         r = await c.post(gw.http_url,
                          **post("tools/call", {"name": "fx__echo", "arguments": {"message": "m"}},
-                                             **{"mcp-name": "fx__other"}))
+                                **{"mcp-name": "fx__other"}))
         assert r.status_code == 400 and r.json()["error"]["code"] == -32020
         r = await c.post(gw.http_url, **post("tools/list", {}, **{"mcp-method": "prompts/list"}))
         assert r.status_code == 400 and r.json()["error"]["code"] == -32020

@@ -65,8 +65,10 @@ for line in sys.stdin.buffer:
         send({"jsonrpc": "2.0", "id": mid, "result": {}})
     elif method == "tools/call" and m["params"]["name"] == "trick":
         send({"jsonrpc": "2.0", "id": "srv-1", "method": "elicitation/create",
-              "params": {"message": "asked by trick", "requestedSchema": {"type": "object", "properties": {}}}},
-             {"jsonrpc": "2.0", "id": mid, "result": {"content": [{"type": "text", "text": "tricked"}]}})
+              "params": {"message": "asked by trick",
+                         "requestedSchema": {"type": "object", "properties": {}}}},
+             {"jsonrpc": "2.0", "id": mid,
+              "result": {"content": [{"type": "text", "text": "tricked"}]}})
     elif mid is not None and method is not None and method != "tools/call":
         send({"jsonrpc": "2.0", "id": mid, "error": {"code": -32601, "message": "no"}})
 '''
@@ -113,7 +115,8 @@ def send(m):
 def late(mid):
     time.sleep(0.5)
     send({"jsonrpc": "2.0", "id": "srv-1", "method": "elicitation/create",
-          "params": {"message": "late question", "requestedSchema": {"type": "object", "properties": {}}}})
+          "params": {"message": "late question",
+                     "requestedSchema": {"type": "object", "properties": {}}}})
 for line in sys.stdin.buffer:
     m = json.loads(line)
     method, mid = m.get("method"), m.get("id")
@@ -121,7 +124,8 @@ for line in sys.stdin.buffer:
         send({"jsonrpc": "2.0", "id": mid, "result": {"protocolVersion": "2025-11-25",
               "capabilities": {"tools": {}}, "serverInfo": {"name": "late", "version": "0"}}})
     elif method == "tools/list":
-        send({"jsonrpc": "2.0", "id": mid, "result": {"tools": [{"name": "late", "inputSchema": {"type": "object"}}]}})
+        send({"jsonrpc": "2.0", "id": mid,
+              "result": {"tools": [{"name": "late", "inputSchema": {"type": "object"}}]}})
     elif method == "ping":
         send({"jsonrpc": "2.0", "id": mid, "result": {}})
     elif method == "tools/call":
@@ -221,9 +225,11 @@ for line in sys.stdin.buffer:
     method, mid = m.get("method"), m.get("id")
     if method == "initialize":
         send({"jsonrpc": "2.0", "id": mid, "result": {"protocolVersion": "2025-11-25",
-              "capabilities": {"resources": {"subscribe": True}}, "serverInfo": {"name": "w", "version": "0"}}})
+              "capabilities": {"resources": {"subscribe": True}},
+              "serverInfo": {"name": "w", "version": "0"}}})
     elif method == "resources/list":
-        send({"jsonrpc": "2.0", "id": mid, "result": {"resources": [{"uri": "w://a", "name": "a"}]}})
+        send({"jsonrpc": "2.0", "id": mid,
+              "result": {"resources": [{"uri": "w://a", "name": "a"}]}})
     elif method == "resources/templates/list":
         send({"jsonrpc": "2.0", "id": mid, "result": {"resourceTemplates": []}})
     elif method == "resources/unsubscribe":
@@ -279,15 +285,19 @@ for line in sys.stdin.buffer:
         send({"jsonrpc": "2.0", "id": mid, "result": {"protocolVersion": "2025-11-25",
               "capabilities": {"tools": {}}, "serverInfo": {"name": "u", "version": "0"}}})
     elif method == "tools/list":
-        send({"jsonrpc": "2.0", "id": mid, "result": {"tools": [{"name": "url", "inputSchema": {"type": "object"}}]}})
+        send({"jsonrpc": "2.0", "id": mid,
+              "result": {"tools": [{"name": "url", "inputSchema": {"type": "object"}}]}})
     elif method == "tools/call":
         n += 1
         waiting[f"srv-{n}"] = mid
         send({"jsonrpc": "2.0", "id": f"srv-{n}", "method": "elicitation/create",
-              "params": {"mode": "url", "message": "open it", "url": "https://example.com/x", "elicitationId": "e1"}})
+              "params": {"mode": "url", "message": "open it", "url": "https://example.com/x",
+                         "elicitationId": "e1"}})
     elif method is None and mid in waiting:
-        send({"jsonrpc": "2.0", "method": "notifications/elicitation/complete", "params": {"elicitationId": "e1"}})
-        send({"jsonrpc": "2.0", "id": waiting.pop(mid), "result": {"content": [{"type": "text", "text": "done"}]}})
+        send({"jsonrpc": "2.0", "method": "notifications/elicitation/complete",
+              "params": {"elicitationId": "e1"}})
+        send({"jsonrpc": "2.0", "id": waiting.pop(mid),
+              "result": {"content": [{"type": "text", "text": "done"}]}})
     elif mid is not None and method is not None:
         send({"jsonrpc": "2.0", "id": mid, "result": {}})
 '''

@@ -67,18 +67,23 @@ for line in sys.stdin.buffer:
     msg = json.loads(line)
     m, i = msg.get("method"), msg.get("id")
     if m == "initialize":
-        send({"jsonrpc": "2.0", "id": i, "result": {"protocolVersion": msg["params"]["protocolVersion"],
-              "capabilities": {"tools": {}}, "serverInfo": {"name": "closer", "version": "0"}}})
+        send({"jsonrpc": "2.0", "id": i,
+              "result": {"protocolVersion": msg["params"]["protocolVersion"],
+                         "capabilities": {"tools": {}},
+                         "serverInfo": {"name": "closer", "version": "0"}}})
     elif m == "tools/list":
-        send({"jsonrpc": "2.0", "id": i, "result": {"tools": [{"name": "t", "inputSchema": {"type": "object"}}]}})
+        send({"jsonrpc": "2.0", "id": i,
+              "result": {"tools": [{"name": "t", "inputSchema": {"type": "object"}}]}})
     elif m == "tools/call" and os.path.exists(os.environ["MARK"]):
-        send({"jsonrpc": "2.0", "id": i, "result": {"content": [{"type": "text", "text": "later"}]}})
+        send({"jsonrpc": "2.0", "id": i,
+              "result": {"content": [{"type": "text", "text": "later"}]}})
     elif m == "tools/call":
         open(os.environ["MARK"], "w").close()
         while not os.path.exists(os.environ["GO"]):
             time.sleep(0.01)
         os.close(0)
-        send({"jsonrpc": "2.0", "id": i, "result": {"content": [{"type": "text", "text": "first"}]}})
+        send({"jsonrpc": "2.0", "id": i,
+              "result": {"content": [{"type": "text", "text": "first"}]}})
         time.sleep(5)
         os._exit(0)
     elif i is not None:
