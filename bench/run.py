@@ -2112,12 +2112,15 @@ async def amain(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
             if not args.no_floor:
                 await section("floor", lambda: bench_floor(args, backend, procs, results, notes))
             for name, fn, wanted, http in (
-                    ("supergateway 4.0.0 (stdio → WebSocket)", bench_supergateway, "supergateway", False),
+                    ("supergateway 4.0.0 (stdio → WebSocket)", bench_supergateway,
+                     "supergateway", False),
                     ("supergateway 4.0.0 (stdio → Streamable HTTP, stateful)",
                      bench_supergateway_http, "supergateway", True),
-                    ("mcp-proxy 0.13.0 (stdio → Streamable HTTP)", bench_mcp_proxy, "mcp-proxy", True)):
+                    ("mcp-proxy 0.13.0 (stdio → Streamable HTTP)", bench_mcp_proxy,
+                     "mcp-proxy", True)):
                 if wanted not in args.peers or (http and args.no_http):
-                    peers[name] = "skipped (--peers)" if wanted not in args.peers else "skipped (--no-http)"
+                    peers[name] = ("skipped (--peers)" if wanted not in args.peers
+                                   else "skipped (--no-http)")
                     continue
                 before = len(results)
                 if not await section(name, lambda fn=fn: fn(args, backend, procs, results, notes)):

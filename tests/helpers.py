@@ -34,8 +34,8 @@ def fixture_backend(name: str = "fx", **extra: Any) -> str:
     if env:
         lines.append("env = {" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in env.items()) + "}")
     for key, value in extra.items():
-        lines.append(
-            f"{key} = {value if isinstance(value, str) and value.startswith('{') else json.dumps(value)}")
+        inline = isinstance(value, str) and value.startswith("{")
+        lines.append(f"{key} = {value if inline else json.dumps(value)}")
     return "\n".join(lines) + "\n"
 
 

@@ -189,7 +189,8 @@ def _respond(
         return 421, TEXT, b"Host not allowed\n", []
     origin = req.header(b"origin")
     if origin is not None:
-        LOGGER.warning("admin: %s refused: a browser page (Origin %.100r) asked for it", path, origin)
+        LOGGER.warning("admin: %s refused: a browser page (Origin %.100r) asked for it",
+                       path, origin)
         return 403, TEXT, b"Origin not allowed\n", []
     if path == "/metrics":
         body, content_type = metrics.exposition(req.header(b"accept"))

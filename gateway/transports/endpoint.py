@@ -448,7 +448,8 @@ class Endpoint:
         try:
             params = jsonrpc.params_dict(env.params)
             if env.method not in era.MODERN_METHODS:
-                raise _jsonrpc_error(404, errors.MethodNotFound(f"method {env.method!r} not found"), env.id)
+                raise _jsonrpc_error(
+                    404, errors.MethodNotFound(f"method {env.method!r} not found"), env.id)
             headers = {"mcp-protocol-version": req.header(b"mcp-protocol-version"),
                        "mcp-method": req.header(b"mcp-method"), "mcp-name": req.header(b"mcp-name")}
             mismatch = era.version_mismatch(params, headers)  # before the version is judged

@@ -266,7 +266,8 @@ class HttpConnection:
     @property
     def reusable(self) -> bool:
         """The exchange is over on both sides and the connection may carry another request."""
-        return not self.closed and self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE
+        return (not self.closed and self.h11.our_state is h11.DONE
+                and self.h11.their_state is h11.DONE)
 
     async def aclose(self) -> None:
         self.closed = True

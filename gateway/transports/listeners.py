@@ -84,8 +84,8 @@ class _AcceptLog:
             return
         more = f" ({self.unlogged} more since the last such line)" if self.unlogged else ""
         LOGGER.warning("accept failed: %s (%s); accepting paused for %gs, then up to %gs while it "
-                       "lasts%s", errno.errorcode.get(exc.errno or 0, exc.errno), exc.strerror, pause,
-                       ACCEPT_BACKOFF_MAX, more)
+                       "lasts%s", errno.errorcode.get(exc.errno or 0, exc.errno), exc.strerror,
+                       pause, ACCEPT_BACKOFF_MAX, more)
         self.next_at = now + ACCEPT_LOG_INTERVAL
         self.unlogged = 0
 

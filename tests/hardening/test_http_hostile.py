@@ -390,8 +390,8 @@ async def test_a_broken_post_stream_is_resumed_by_get_with_last_event_id(daemon:
         "content": [{"type": "text", "text": "done"}]}}, r.body
     assert re.search(rb"id: %s-\d+\n" % ids[1][0], r.body), r.body  # the same stream's ids
     for bad in (b"x", b"999-1", last.split(b"-")[0] + b"-999999"):
-        r = await get.exchange(
-            b"GET /mcp HTTP/1.1\r\n" + accept_sse + session + b"last-event-id: " + bad + b"\r\n\r\n")
+        r = await get.exchange(b"GET /mcp HTTP/1.1\r\n" + accept_sse + session
+                               + b"last-event-id: " + bad + b"\r\n\r\n")
         assert r.status == 400, (bad, r.body)
     r = await c.exchange(post(b"", session, method=b"DELETE"))
     assert r.status == 200

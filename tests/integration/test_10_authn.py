@@ -292,8 +292,8 @@ async def test_10_oauth_jwts_from_a_local_issuer(monkeypatch: pytest.MonkeyPatch
                 r = await c.post(url, headers=auth(token), json=INIT)
                 assert r.status_code == 401, why
                 assert 'error="invalid_token"' in r.headers["www-authenticate"], why
-                assert 'resource_metadata="https://gateway.test/.well-known/oauth-protected-resource/mcp"' in \
-                    r.headers["www-authenticate"]
+                assert ('resource_metadata="https://gateway.test/.well-known/'
+                        'oauth-protected-resource/mcp"') in r.headers["www-authenticate"]
             # an unknown kid: refused (one refetch at most per interval), then the issuer
             # rotates its keys and the new kid is picked up by the next refetch
             fetches = issuer.fetches

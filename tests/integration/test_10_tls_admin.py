@@ -54,7 +54,8 @@ async def test_10_tls_https_and_wss_end_to_end(tmp_path: Path,
     path = tmp_path / "gw.toml"
     path.write_text(
         f"""[listen]\nwebsocket = "127.0.0.1:0"\nhttp = "127.0.0.1:0"\ntls_cert = "{certs.cert}"
-tls_key = "{certs.key}"\npublic_url = "https://gw.example.com/mcp"\n[admin]\nlisten = "127.0.0.1:0"\n"""
+tls_key = "{certs.key}"\npublic_url = "https://gw.example.com/mcp"
+[admin]\nlisten = "127.0.0.1:0"\n"""
                     + fixture_backend())
     cfg = config.load(path.read_text(), base_dir=ROOT)
     monkeypatch.setattr(tls, "HANDSHAKE_TIMEOUT", 0.5)

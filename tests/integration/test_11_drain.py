@@ -146,7 +146,8 @@ async def test_http_drain_503_with_retry_after_for_what_did_not_start() -> None:
                         "fx__elicit", margs, 2, inputResponses=answer,
                         requestState=first["requestState"]))
                 assert r.status_code == 200, r.text
-                assert json.loads(r.json()["result"]["content"][0]["text"])["content"] == {"answer": "Ada"}
+                text = r.json()["result"]["content"][0]["text"]
+                assert json.loads(text)["content"] == {"answer": "Ada"}
             r = slow["r"]  # the call read before the drain: answered
             assert r.status_code == 200
             (msg,) = [json.loads(line[6:]) for line in r.text.splitlines()

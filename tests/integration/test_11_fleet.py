@@ -198,8 +198,9 @@ async def test_stateless_requests_spread_and_bridged_retries_find_their_replica(
             (key, _), = first["inputRequests"].items()
             answer = {key: {"action": "accept", "content": {"answer": "late"}}}
             async with httpx.AsyncClient(timeout=10) as plain:
-                r = await modern_call(plain, f"http://127.0.0.1:{other.http}/mcp", "fe__elicit", args,
-                                      inputResponses=answer, requestState=first["requestState"])
+                r = await modern_call(plain, f"http://127.0.0.1:{other.http}/mcp", "fe__elicit",
+                                      args, inputResponses=answer,
+                                      requestState=first["requestState"])
             error = r.json()["error"]
             assert r.status_code == 400 and error["code"] == -32602, r.text
             assert error["data"]["reason"] == "invalid_state" and holder.name in error["message"]

@@ -103,8 +103,8 @@ async def test_tampered_other_params_and_missing_capability() -> None:
 async def test_a_parked_flow_expires_after_state_ttl() -> None:
     """roots/list reaches a caller only from a per-session child (a shared one is answered the
     configured roots: it could keep one client's roots for the next)."""
-    async with run_gateway(make_config(fixture_backend("fx", sharing="per-session"), gateway="state_ttl = 0.5")) as gw, \
-            httpx.AsyncClient() as c:
+    cfg = make_config(fixture_backend("fx", sharing="per-session"), gateway="state_ttl = 0.5")
+    async with run_gateway(cfg) as gw, httpx.AsyncClient() as c:
         r = await call(c, gw.http_url, "fx__roots", {})
         first = r.json()["result"]
         assert [a["method"] for a in first["inputRequests"].values()] == ["roots/list"]

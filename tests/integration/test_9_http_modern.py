@@ -135,7 +135,8 @@ async def test_subscriptions_listen_streams_tagged_notifications_until_the_clien
 
         tools = post("subscriptions/listen", {"notifications": {
             "toolsListChanged": True, "resourceSubscriptions": [uri]}}, id="L1")
-        prompts = post("subscriptions/listen", {"notifications": {"promptsListChanged": True}}, id=7)
+        prompts = post("subscriptions/listen", {"notifications": {"promptsListChanged": True}},
+                       id=7)
         with trio.fail_after(20):
             async with c.stream("POST", gw.http_url, **tools) as r1, \
                     c.stream("POST", gw.http_url, **prompts) as r2:

@@ -77,8 +77,9 @@ async def test_each_protocol_mode_opens_its_child_in_the_era_it_speaks() -> None
                                                    "_meta": {"progressToken": "p"}})
                 meta = json.loads(text_of(r))
                 assert meta["io.modelcontextprotocol/protocolVersion"] == V
-                assert meta["io.modelcontextprotocol/clientCapabilities"]["elicitation"] == {"form": {}}
-                assert "sampling" not in meta["io.modelcontextprotocol/clientCapabilities"]
+                caps = meta["io.modelcontextprotocol/clientCapabilities"]
+                assert caps["elicitation"] == {"form": {}}
+                assert "sampling" not in caps
                 assert meta["io.modelcontextprotocol/logLevel"] == "debug"
                 assert meta["progressToken"] != "p"  # rewritten to the gateway's own token
                 r = await c.request("tools/call", {"name": "mo__progress", "arguments": {},

@@ -109,7 +109,8 @@ async def test_invalid_entries_of_a_batch_are_answered_in_its_array_on_websocket
     async with run_gateway(make_config(fixture_backend())) as gw:
         async with connect(gw.url, version=V) as ws:
             await ws.send([*INVALID, call("e", "fx__echo", message="ran")])
-            answers = await ws.wait_for(lambda: next((m for m in [ws.responses.get("e")] if m), None))
+            answers = await ws.wait_for(
+                lambda: next((m for m in [ws.responses.get("e")] if m), None))
             assert text_of(answers) == "ran"
             errors = await ws.wait_for(lambda: [m for m in ws.received if m.get("id", 0) is None]
                                        or None)

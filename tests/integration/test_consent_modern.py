@@ -32,7 +32,8 @@ FORM = {"elicitation": {"form": {}}}
 ASK = """
 [policy]
 elicitation_timeout = 30.0
-rules = [{ match = "fx__echo", action = "ask" }, { match = "fx__greet", kind = "prompt", action = "ask" }]
+rules = [{ match = "fx__echo", action = "ask" },
+         { match = "fx__greet", kind = "prompt", action = "ask" }]
 """
 ACCEPT = {"action": "accept", "content": {"approve": True}}
 PY2 = os.path.join(DEPS, "venv-mcp2", "bin", "python")
@@ -201,7 +202,8 @@ async def test_after_consent_the_backends_own_elicitation_is_the_next_round() ->
         assert 295 <= expires_in(second["requestState"]) <= 302  # state_ttl = 300
         answer = {"srv-1": {"action": "accept", "content": {"answer": "Ada"}}}
         done = await call(3, inputResponses=answer, requestState=second["requestState"])
-        assert (done["id"] == 3 and json.loads(done["result"]["content"][0]["text"])["content"] == {"answer": "Ada"})
+        assert done["id"] == 3
+        assert json.loads(done["result"]["content"][0]["text"])["content"] == {"answer": "Ada"}
 
 
 async def test_consent_on_a_modern_websocket_connection(tmp_path: Path) -> None:

@@ -51,7 +51,8 @@ def forgeries(state: str) -> list[str]:
     wrong mac, and a payload rewritten to another principal with the genuine mac."""
     replica, payload, mac = state.split(".")
     claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
-    rewritten = base64.urlsafe_b64encode(json.dumps({**claims, "p": "bob"}).encode()).rstrip(b"=").decode()
+    rewritten = base64.urlsafe_b64encode(
+        json.dumps({**claims, "p": "bob"}).encode()).rstrip(b"=").decode()
     wrong_mac = ("A" if mac[0] != "A" else "B") + mac[1:]
     return [f"{replica}.{payload}.{wrong_mac}", f"{replica}.{rewritten}.{mac}"]
 

@@ -152,7 +152,8 @@ async def until_close(stream: trio.SocketStream,
 
 def frame_header(length: int) -> bytes:
     """A masked text frame header (FIN set) declaring ``length`` (> 125) bytes, mask key zero."""
-    size = b"\xfe" + struct.pack("!H", length) if length < 1 << 16 else b"\xff" + struct.pack("!Q", length)
+    size = (b"\xfe" + struct.pack("!H", length) if length < 1 << 16
+            else b"\xff" + struct.pack("!Q", length))
     return b"\x81" + size + b"\0\0\0\0"
 
 

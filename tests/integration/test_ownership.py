@@ -123,7 +123,8 @@ async def test_shared_two_connections_in_flight_is_refused_and_counted() -> None
                 assert json.loads(text_of(r))["content"] == {"answer": "answer-solo"}
                 assert len(seen) == 1 and b.requests == []
             metrics = (await http_request(gw.bound.admin_port, "/metrics"))[1].decode()
-            assert 'mcp_gateway_unroutable_server_requests_total{backend="fx",method="elicitation/create",reason="unattributable"} 1.0' in metrics
+            assert ('mcp_gateway_unroutable_server_requests_total{backend="fx",'
+                    'method="elicitation/create",reason="unattributable"} 1.0') in metrics
 
 
 async def test_answer_from_another_connection_is_refused() -> None:

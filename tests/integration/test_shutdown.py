@@ -62,7 +62,8 @@ async def test_stop_during_a_reload_that_starts_a_backend_stops_it_at_once(tmp_p
     # Issue 7: a stop waited for the running reload (here: for a slow backend it started to
     # become ready).  Now the reload is abandoned and the backend it started is stopped and reaped.
     path = tmp_path / "gw.toml"
-    head = '[gateway]\ndrain_grace = 5.0\n[listen]\nwebsocket = "127.0.0.1:0"\nhttp = ""\n[admin]\nlisten = "127.0.0.1:0"\n'
+    head = ('[gateway]\ndrain_grace = 5.0\n[listen]\nwebsocket = "127.0.0.1:0"\nhttp = ""\n'
+            '[admin]\nlisten = "127.0.0.1:0"\n')
     path.write_text(head + fixture_backend("a"))
     cfg = config.load(path.read_bytes(), base_dir=ROOT)
     control = service.Control()

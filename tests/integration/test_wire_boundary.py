@@ -201,8 +201,8 @@ async def test_client_json_too_deep_or_not_utf8_gets_an_error_and_the_connection
             assert r["id"] == "slow" and text_of(r) == "kept"
             # the same over WebSocket (a text frame cannot carry invalid UTF-8, so: depth only)
             async with connect(gw.url) as ws:
-                await ws.send(
-                    '{"jsonrpc":"2.0","id":7,"method":"ping","params":{"x":' + "[" * DEEP + "]" * DEEP + "}}")
+                await ws.send('{"jsonrpc":"2.0","id":7,"method":"ping","params":{"x":'
+                              + "[" * DEEP + "]" * DEEP + "}}")
                 r = await ws.wait_for(lambda: [m for m in ws.received if "error" in m])
                 assert r[0]["error"]["data"]["reason"] == "too_deep"
                 assert text_of(await ws.call("fx__echo", {"message": "ws"})) == "ws"

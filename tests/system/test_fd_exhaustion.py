@@ -183,7 +183,8 @@ def test_a_reload_to_an_explicit_max_connections_that_does_not_fit_keeps_the_run
         probe = KeepAlive(admin)
         try:
             deadline = time.monotonic() + 10
-            while b'mcp_gateway_config_reloads_total{result="failure"} 1.0' not in probe.get("/metrics")[1]:
+            failed = b'mcp_gateway_config_reloads_total{result="failure"} 1.0'
+            while failed not in probe.get("/metrics")[1]:
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
         finally:
@@ -191,7 +192,8 @@ def test_a_reload_to_an_explicit_max_connections_that_does_not_fit_keeps_the_run
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=20) == 0
         out = output(proc)
-    assert "reload failed, keeping the running config: gateway.max_connections = 1000 does not fit" in out, out
+    assert ("reload failed, keeping the running config: "
+            "gateway.max_connections = 1000 does not fit") in out, out
 
 
 def test_out_of_fds_the_backend_is_never_fatal_and_healthz_answers(tmp_path: Path) -> None:

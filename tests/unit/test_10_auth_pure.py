@@ -27,9 +27,9 @@ def _jwk(key: object, kid: str, **extra: str) -> dict[str, str]:
     return {**json.loads(algo.to_jwk(key)), "kid": kid, **extra}
 
 
-async def test_10_tokens_jwks_challenge_and_state_principal(monkeypatch: pytest.MonkeyPatch,
-                                                            tmp_path: Path,
-                                                            autojump_clock: trio.testing.MockClock) -> None:
+async def test_10_tokens_jwks_challenge_and_state_principal(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        autojump_clock: trio.testing.MockClock) -> None:
     # -- constant-time comparison: hmac.compare_digest compares the fingerprint with EVERY entry
     entries = [tokens.BearerEntry(f"p{i}", tokens.sha256_hex(f"token-{i}")) for i in range(4)]
     table = tokens.BearerTable(entries)

@@ -47,7 +47,8 @@ def test_era_detection_envelopes_and_the_input_required_round_trip() -> None:
     retry = retry_params({"name": Raw(b'"t"'), "inputResponses": Raw(b"{}")},
                          {"user_name": Raw(b'{"action":"accept"}')}, got_state)
     assert bytes(jsonrpc.encode_dict(retry)) == (
-        b'{"name":"t","inputResponses":{"user_name":{"action":"accept"}},"requestState":' + state + b"}")
+        b'{"name":"t","inputResponses":{"user_name":{"action":"accept"}},"requestState":'
+        + state + b"}")
     for bad in (b'{"resultType":"input_required"}',
                 b'{"resultType":"input_required","inputRequests":[]}',
                 b'{"resultType":"input_required","inputRequests":{"k":{"params":{}}}}'):
