@@ -154,7 +154,7 @@ class Client:
                          version: str = "2025-11-25") -> dict[str, Any]:
         resp = await self.request("initialize",
                                   {"protocolVersion": version, "capabilities": capabilities or {},
-                                                 "clientInfo": {"name": "test", "version": "0"}})
+                                   "clientInfo": {"name": "test", "version": "0"}})
         await self.notify("notifications/initialized")
         return resp
 
@@ -236,8 +236,8 @@ async def metric(port: int | None, name: str, **labels: str) -> float:
     want = sorted(f'{k}="{v}"' for k, v in labels.items())
     for line in body.decode().splitlines():
         sample, _, value = line.rpartition(" ")
-        if sample.split("{")[0] == name and sorted(
-            sample.partition("{")[2].rstrip("}").split(",")) == want:
+        if (sample.split("{")[0] == name
+            and sorted(sample.partition("{")[2].rstrip("}").split(",")) == want):
             return float(value)
     return 0.0
 

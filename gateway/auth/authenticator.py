@@ -252,8 +252,8 @@ class Authenticator:
     def metadata(self) -> dict[str, Any] | None:
         """The Protected Resource Metadata; None without an authorization server (404)."""
         oauth = self.auth.oauth
-        return None if oauth is None else challenge.metadata_document(
-            oauth.audience, oauth, self.name)
+        return (None if oauth is None
+                else challenge.metadata_document(oauth.audience, oauth, self.name))
 
     # ---- operator view ----------------------------------------------------------------------
 

@@ -161,8 +161,8 @@ def status_refusal(authorization: str | None, token_sha256: str | None,
         return None
     scheme, _, presented = (authorization or "").strip().partition(" ")
     digest = hashlib.sha256(presented.strip().encode("latin-1")).hexdigest()
-    if scheme.lower() == "bearer" and presented.strip() and hmac.compare_digest(
-        digest, token_sha256.lower()):
+    if (scheme.lower() == "bearer" and presented.strip()
+        and hmac.compare_digest(digest, token_sha256.lower())):
         return None
     return 401, TEXT, b"a bearer token is required (admin.token_sha256)\n", [
         ("www-authenticate", 'Bearer realm="mcp-gateway admin"')]

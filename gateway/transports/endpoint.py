@@ -309,8 +309,8 @@ class Endpoint:
             if ctype != JSON:
                 raise HttpError(415, "Content-Type must be application/json")
             await self._post(conn, req, principal)
-        elif req.method in ("GET", "DELETE") and req.header(
-            b"mcp-protocol-version") in era.MODERN_VERSIONS:
+        elif (req.method in ("GET", "DELETE")
+              and req.header(b"mcp-protocol-version") in era.MODERN_VERSIONS):
             raise HttpError(405, "no sessions and no standalone stream in protocol version "
                                  f"{era.LATEST_MODERN}: POST each request")
         elif req.method == "GET":
@@ -338,8 +338,8 @@ class Endpoint:
             # A stream opened with a JWT ends when the token does: the client reopens it with a
             # fresh one (every request is checked; a long-lived stream must not outlive it).
             expires = principal.expires if principal is not None else None
-            deadline = math.inf if expires is None else trio.current_time() + max(
-                0.0, expires - time.time())
+            deadline = (math.inf if expires is None
+                        else trio.current_time() + max(0.0, expires - time.time()))
             with trio.move_on_at(deadline) as expiry:
                 await _hold(conn, session, sink)
             if expiry.cancelled_caught:  # expired: end the stream cleanly (the session goes on)
@@ -372,8 +372,8 @@ class Endpoint:
             return
         rid = env.id if isinstance(env.id, int | str) else None
         _refuse_if(kind == "request" and self.draining(), rid)  # an initialize too
-        if req.header(
-            b"mcp-session-id") is None and kind == "request" and env.method == "initialize":
+        if (req.header(b"mcp-session-id") is None and kind == "request"
+            and env.method == "initialize"):
             _check_version(req, rid)
             try:
                 session = self.sessions.create(principal)

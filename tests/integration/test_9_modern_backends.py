@@ -68,8 +68,8 @@ async def test_each_protocol_mode_opens_its_child_in_the_era_it_speaks() -> None
                 # the catalog item carries no page-level caching hints of the modern child
                 listed = (await c.request("tools/list"))["result"]
                 assert "ttlMs" not in listed and "resultType" not in listed
-                assert "leg__echo" in tools and text_of(
-                    await c.call("leg__echo", {"message": "old"})) == "old"
+                assert ("leg__echo" in tools
+                        and text_of(await c.call("leg__echo", {"message": "old"})) == "old")
                 # every request to a modern child carries the modern envelope: the gateway's
                 # capabilities the caller also has, its log level; its progress token still works
                 await c.request("logging/setLevel", {"level": "debug"})

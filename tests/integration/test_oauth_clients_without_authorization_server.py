@@ -87,8 +87,8 @@ async def test_the_401_names_a_realm_and_no_metadata_and_other_paths_want_the_to
             r = await c.post(base + path,
                              json={}) if path != "/.well-known/oauth-authorization-server" \
                 else await c.get(base + path)
-            assert r.status_code == 401 and r.headers[
-                "www-authenticate"] == 'Bearer realm="team-gw"', path
+            assert (r.status_code == 401
+                    and r.headers["www-authenticate"] == 'Bearer realm="team-gw"'), path
             assert r.json() == {"error": "invalid_request", "error_description": MISSING}
         r = await c.get(base + "/register", headers={"authorization": "Bearer wrong"})
         assert r.status_code == 401 and r.json()["error"] == "invalid_token"

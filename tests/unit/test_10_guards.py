@@ -65,8 +65,8 @@ async def test_10_boot_guards_refuse_and_name_the_keys(tmp_path: Path,
     certs = make_certs(tmp_path)
     tls = f'tls_cert = "{certs.cert}"\ntls_key = "{certs.key}"\n'
     errs = errors_of(f'[listen]\ntls_cert = "{certs.cert}"\n[admin]\ntoken_sha256 = "xyz"\n')
-    assert errs[0].startswith("listen.tls_cert, listen.tls_key: set both") and errs[1].startswith(
-        "admin.token_sha256:")
+    assert (errs[0].startswith("listen.tls_cert, listen.tls_key: set both")
+            and errs[1].startswith("admin.token_sha256:"))
     (err,) = errors_of(f'[listen]\ntls_cert = "{tmp_path}/none.pem"\ntls_key = "{certs.key}"\n',
                        check_commands=True)
     assert err == f"listen.tls_cert: '{tmp_path}/none.pem' is not a readable file"
