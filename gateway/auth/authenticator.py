@@ -61,8 +61,9 @@ def load_tokens_file(path: str, gateway_uid: int | None = None) -> list[BearerEn
         ConfigError: ``auth.tokens_file: …`` (unreadable, bad mode or owner, bad lines).
     """
     uid = os.geteuid() if gateway_uid is None else gateway_uid
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:  # O_NONBLOCK: a FIFO put there opens at once (and is refused below), not when a
+        # writer comes: the daemon reads this on its event loop (start, SIGHUP)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
         raise ConfigError([f"auth.tokens_file: {path}: {exc.strerror or exc}"]) from None
     try:
@@ -77,8 +78,13 @@ def load_tokens_file(path: str, gateway_uid: int | None = None) -> list[BearerEn
     if len(data) > MAX_TOKENS_FILE:
         raise ConfigError([f"auth.tokens_file: {path}: larger than {MAX_TOKENS_FILE} bytes"])
     try:
-        return parse_tokens_file(data.decode("utf-8"), path)
-    except (ValueError, UnicodeDecodeError) as exc:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:  # named by line, as parse_tokens_file names bad lines
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ConfigError([f"auth.tokens_file: {path}:{line}: not UTF-8 text"]) from None
+    try:
+        return parse_tokens_file(text, path)
+    except ValueError as exc:
         raise ConfigError([f"auth.tokens_file: {exc}"]) from None
 
 
