@@ -178,9 +178,10 @@ listen = "127.0.0.1:0"
     def url(self) -> str:
         return f"{'wss' if self.ssl_context else 'ws'}://127.0.0.1:{self.ws_port}/"
 
-    def failures(self) -> list[str]:
-        """Log lines that say the daemon itself failed: a traceback, an ERROR or CRITICAL."""
-        return [line for line in self.lines
+    def failures(self, since: int = 0) -> list[str]:
+        """Log lines (from the ``since``-th on) that say the daemon itself failed: a traceback,
+        an ERROR or CRITICAL."""
+        return [line for line in self.lines[since:]
                 if "Traceback" in line or " ERROR " in line or " CRITICAL " in line]
 
     @asynccontextmanager
