@@ -131,8 +131,8 @@ async def upgrade_status(port: int, token: str) -> int:
     """The status of a WebSocket upgrade carrying ``token``."""
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     async with stream:
-        await stream.send_all(UPGRADE.replace(b"\r\n\r\n",
-                                              f"\r\nAuthorization: Bearer {token}\r\n\r\n".encode()))
+        header = f"\r\nAuthorization: Bearer {token}\r\n\r\n".encode()
+        await stream.send_all(UPGRADE.replace(b"\r\n\r\n", header))
         data = b""
         while b"\r\n" not in data and (chunk := await stream.receive_some(65536)):
             data += chunk
@@ -168,7 +168,8 @@ def malformations(d: IdentityDaemon) -> dict[str, Callable[[], None]]:
     }
 
 
-async def test_a_malformed_tokens_file_fails_the_reload_and_the_old_tokens_stay(daemon: Daemon) -> None:
+async def test_a_malformed_tokens_file_fails_the_reload_and_the_old_tokens_stay(
+        daemon: Daemon) -> None:
     """Each malformed replacement, then SIGHUP: ``reload failed, keeping the running config:
     auth.tokens_file: …`` within RELOAD_BOUND (no token in it), alice's open connection goes
     on, a new one with her token is accepted, bob's token is refused.  A good file then drops
