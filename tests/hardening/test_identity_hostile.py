@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import pwd
+import shutil
 import signal
 import subprocess
 import sys
@@ -71,9 +72,9 @@ class IdentityDaemon(Daemon):
         self.tokens_path = self.workdir / "tokens"
         if not self.tokens_path.exists():
             self.write_tokens(line("alice"))
-            shared = tempfile.mkdtemp(prefix="gw-peer-")
-            os.chmod(shared, 0o755)
-            self.unix_path = os.path.join(shared, "gw.sock")
+            self.shared = tempfile.mkdtemp(prefix="gw-peer-")  # the workdir's parents are 0700
+            os.chmod(self.shared, 0o755)
+            self.unix_path = os.path.join(self.shared, "gw.sock")
         rules = "".join(f'[[policy.rules]]\n{key} = "{value}"\nmatch = "{tool}"\naction = "deny"\n'
                         for key, value, tool in RULES)
         super().write_config(f'[auth]\ntokens_file = "{self.tokens_path}"\n{rules}{backends}')
@@ -111,12 +112,17 @@ class IdentityDaemon(Daemon):
 
 
 class IdentitySlot(DaemonSlot):
+    def __init__(self, workdir: Path, backends: str) -> None:
+        super().__init__(workdir, backends)
+        self.shared: list[str] = []  # the daemons' socket directories, removed at the end
+
     def get(self) -> Daemon:
         if self.current is None or self.current.proc.poll() is not None:
             self.spawned += 1
             workdir = self.workdir / f"d{self.spawned}"
             workdir.mkdir()
             self.current = IdentityDaemon(workdir, self.backends, self.gateway)
+            self.shared.append(self.current.shared)
         return self.current
 
 
@@ -125,6 +131,8 @@ def slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonSlot]:
     s = IdentitySlot(tmp_path_factory.mktemp("identity"), fixture_backend("fx"))
     yield s
     s.close()
+    for path in s.shared:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 async def upgrade_status(port: int, token: str) -> int:
