@@ -108,3 +108,34 @@ async def test_several_requests_in_flight_refuse_bridging_cleanly(daemon: Daemon
                                reason="unattributable") == refusals + 3
     await check(daemon, base)
     assert not daemon.failures(mark), daemon.failures(mark)
+
+
+@pytest.mark.parametrize("transport", ["websocket", "unix"])
+async def test_an_open_listen_does_not_count_as_a_call_in_flight(daemon: Daemon,
+                                                                 transport: str) -> None:
+    """A modern client keeps ``subscriptions/listen`` open for its connection's life; the
+    gateway serves it, no child ever sees it.  It counted as a request in flight, so with a
+    listen open every child's elicitation was declined and every sampling refused -32007
+    ("2 requests ... in flight"): bridging never happened on such a connection.  Now a lone
+    call is bridged beside a listen, and a sleep plus a sampling call are two, not three."""
+    base, mark = await baseline(daemon), len(daemon.lines)
+    async with daemon.client(transport, initialize=False) as c:
+        with trio.fail_after(BOUND):
+            await c.send({"jsonrpc": "2.0", "id": "listen", "method": "subscriptions/listen",
+                          "params": {"notifications": {"toolsListChanged": True}, "_meta": META}})
+            await c.wait_for(lambda: c.notifications)  # acknowledged: the listen is open
+            parked = (await call(c, "fx__elicit", {"message": "who?"}))["result"]
+            assert parked["resultType"] == "input_required", parked
+            (key,) = parked["inputRequests"]
+            accept = {"action": "accept", "content": {"answer": "Ada"}}
+            done = await call(c, "fx__elicit", {"message": "who?"},
+                              requestState=parked["requestState"], inputResponses={key: accept})
+            assert json.loads(text_of(done))["content"] == {"answer": "Ada"}, done
+            slept, sampled = await together(c, ("fx__sleep", {"seconds": SLEEP}),
+                                            ("fx__sample", {"prompt": "p"}))
+            assert text_of(slept) == "slept"
+            refused_sampling(sampled, 2)
+            await c.notify("notifications/cancelled", {"requestId": "listen"})
+            await c.response("listen")  # the listen's closing result
+    await check(daemon, base)
+    assert not daemon.failures(mark), daemon.failures(mark)
