@@ -81,7 +81,7 @@ async def test_several_requests_in_flight_refuse_bridging_cleanly(daemon: Daemon
                                             ("fx__sample", {"prompt": "p"}))
             assert text_of(slept) == "slept" and "isError" not in slept["result"], slept
             refused_sampling(sampled, 2)
-            assert trio.current_time() - start < SLEEP + 1.0
+            assert trio.current_time() - start < SLEEP + 2.0  # the sample did not wait for it
 
             *sleeps, elicited = await together(c, ("fx__sleep", {"seconds": SLEEP}),
                                                ("fx__sleep", {"seconds": SLEEP}),
