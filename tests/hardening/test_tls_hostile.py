@@ -340,11 +340,45 @@ def client_certificate(folder: Path) -> tuple[Path, Path]:
     return cert, key
 
 
+def unsolicited_certificate(cert: Path) -> bytes:
+    """A TLS 1.2 handshake record holding a Certificate message with ``cert``."""
+    der = ssl.PEM_cert_to_DER_cert(cert.read_text())
+    chain = len(der).to_bytes(3, "big") + der
+    message = b"\x0b" + (len(chain) + 3).to_bytes(3, "big") + len(chain).to_bytes(3, "big") + chain
+    return b"\x16\x03\x03" + len(message).to_bytes(2, "big") + message
+
+
+async def certificate_unasked(daemon: TlsDaemon, cert: Path) -> float:
+    """A TLS 1.2 ClientHello, the server's flight up to ServerHelloDone, then a Certificate
+    message the server did not ask for; seconds from it until the daemon closes."""
+    ctx = ssl.create_default_context(cafile=str(daemon.ca))
+    ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+    outgoing = ssl.MemoryBIO()
+    obj = ctx.wrap_bio(ssl.MemoryBIO(), outgoing, server_hostname="127.0.0.1")
+    with pytest.raises(ssl.SSLWantReadError):
+        obj.do_handshake()
+    stream = await trio.open_tcp_stream("127.0.0.1", daemon.http_port)
+    async with stream:
+        await stream.send_all(outgoing.read())
+        flight = b""
+        while not flight.endswith(b"\x0e\x00\x00\x00"):  # ServerHelloDone
+            flight += await stream.receive_some(65536)
+        start = trio.current_time()
+        await stream.send_all(unsolicited_certificate(cert))
+        try:
+            while await stream.receive_some(65536):
+                pass
+        except trio.BrokenResourceError:
+            pass
+    return trio.current_time() - start
+
+
 async def test_a_client_certificate_nobody_asked_for_is_not_used(
         daemon: Daemon, tmp_path: Path) -> None:
     """s_client with ``-cert`` (and ``-enable_pha``: TLS 1.3 post-handshake authentication
     offered) on TLS 1.2 and 1.3: the server asks for no certificate, the handshake succeeds,
-    the request is answered as any other; the certificate changes nothing."""
+    the request is answered as any other; the certificate changes nothing.  A Certificate
+    message sent unasked (TLS 1.2, before the key exchange) ends that handshake at once."""
     assert isinstance(daemon, TlsDaemon)
     base = await baseline(daemon)
     cert, key = client_certificate(tmp_path)
@@ -357,6 +391,8 @@ async def test_a_client_certificate_nobody_asked_for_is_not_used(
                 await client.send(post(ECHO))
                 assert await client.wait_for(b'"over s_client"'), client.output[-600:]
                 assert b"HTTP/1.1 200 OK" in client.output
+    with trio.fail_after(HANDSHAKE):
+        assert await certificate_unasked(daemon, cert) < FAST
     await check(daemon, base)
     assert not daemon.failures(), daemon.failures()
 
