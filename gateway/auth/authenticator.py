@@ -98,7 +98,8 @@ def configured_names(cfg: GatewayConfig, entries: list[BearerEntry]) -> frozense
     return frozenset(names)
 
 
-def _tokens_path(cfg: GatewayConfig) -> str | None:
+def tokens_path(cfg: GatewayConfig) -> str | None:
+    """``auth.tokens_file`` relative to the config's directory; None when not set."""
     path = cfg.auth.tokens_file
     return None if not path else os.path.join(cfg.base_dir, path)
 
@@ -141,7 +142,7 @@ class Authenticator:
         """
         entries = [BearerEntry(b.principal, b.token_sha256.lower(), frozenset(b.groups))
                    for b in cfg.auth.bearer]
-        path = _tokens_path(cfg)
+        path = tokens_path(cfg)
         if path is not None:
             entries += load_tokens_file(path)
         oauth = cfg.auth.oauth
