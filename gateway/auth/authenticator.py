@@ -61,8 +61,9 @@ def load_tokens_file(path: str, gateway_uid: int | None = None) -> list[BearerEn
         ConfigError: ``auth.tokens_file: …`` (unreadable, bad mode or owner, bad lines).
     """
     uid = os.geteuid() if gateway_uid is None else gateway_uid
-    try:  # O_NONBLOCK: a FIFO put there opens at once (and is refused below), not when a
-        # writer comes: the daemon reads this on its event loop (start, SIGHUP)
+    # O_NONBLOCK: a FIFO put there opens at once (and is refused below), not when a writer
+    # comes; the daemon reads this file on its event loop (start, SIGHUP)
+    try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
         raise ConfigError([f"auth.tokens_file: {path}: {exc.strerror or exc}"]) from None
