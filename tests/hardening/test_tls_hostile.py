@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import ssl
 import subprocess
 from collections.abc import AsyncIterator, Iterator
@@ -53,7 +54,7 @@ tls_cert = "{certs.cert}"
 tls_key = "{certs.key}"
 """)
         self.config_path.write_text(text)
-        self.ca = certs.ca
+        self.ca, self.cert = certs.ca, certs.cert
 
     @property
     def http_port(self) -> int:
@@ -158,7 +159,7 @@ async def test_handshake_garbage_and_slow_handshakes_are_closed_in_bounded_time(
     handshake + 10 s on wss://, + 60 s on https://); no TLS alert or HTTP answer leaks plain
     text; meanwhile and afterwards a wss:// client is served."""
     assert isinstance(daemon, TlsDaemon)
-    base = await baseline(daemon)
+    base, mark = await baseline(daemon), len(daemon.lines)
     hello = client_hello()
     fast = {
         "random bytes": os.urandom(4096),
@@ -208,7 +209,7 @@ async def test_handshake_garbage_and_slow_handshakes_are_closed_in_bounded_time(
             assert HANDSHAKE - 0.5 < seconds < HANDSHAKE + SLACK, (name, port, seconds)
     assert bystander and bystander[0] < 3.0, bystander
     await check(daemon, base)
-    assert not daemon.failures(), daemon.failures()
+    assert not daemon.failures(mark), daemon.failures(mark)
 
 
 class SClient:
@@ -289,13 +290,13 @@ async def test_every_answer_over_tls_arrives(daemon: Daemon) -> None:
     session's writer, cancelled as its request ended, had taken the answer out of the TLS
     stream's buffer and dropped it: most such calls got nothing until the idle timeout."""
     assert isinstance(daemon, TlsDaemon)
-    base = await baseline(daemon)
+    base, mark = await baseline(daemon), len(daemon.lines)
     for i in range(20):
         with trio.fail_after(2.0):
             got = await tls_exchange(daemon, post(ECHO), b'"over s_client"')
         assert got.startswith(b"HTTP/1.1 200 OK"), (i, got[:200])
     await check(daemon, base)
-    assert not daemon.failures(), daemon.failures()
+    assert not daemon.failures(mark), daemon.failures(mark)
 
 
 UPGRADE = (b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
@@ -309,7 +310,7 @@ async def test_renegotiation_is_refused(daemon: Daemon) -> None:
     ``no renegotiation`` alert; s_client then gives up and its connection ends), within 2 s;
     the daemon closes its side and goes on."""
     assert isinstance(daemon, TlsDaemon)
-    base = await baseline(daemon)
+    base, mark = await baseline(daemon), len(daemon.lines)
     for port, opening, answered in ((daemon.http_port, post(ECHO), b'"over s_client"'),
                                     (daemon.ws_port, UPGRADE, b"101 Switching Protocols")):
         with trio.fail_after(15):
@@ -327,7 +328,7 @@ async def test_renegotiation_is_refused(daemon: Daemon) -> None:
                 assert trio.current_time() - start < 2.0
                 assert b"Secure Renegotiation IS supported" in client.output
     await check(daemon, base)
-    assert not daemon.failures(), daemon.failures()
+    assert not daemon.failures(mark), daemon.failures(mark)
 
 
 def client_certificate(folder: Path) -> tuple[Path, Path]:
@@ -380,7 +381,7 @@ async def test_a_client_certificate_nobody_asked_for_is_not_used(
     the request is answered as any other; the certificate changes nothing.  A Certificate
     message sent unasked (TLS 1.2, before the key exchange) ends that handshake at once."""
     assert isinstance(daemon, TlsDaemon)
-    base = await baseline(daemon)
+    base, mark = await baseline(daemon), len(daemon.lines)
     cert, key = client_certificate(tmp_path)
     for version in ("-tls1_2", "-tls1_3"):
         with trio.fail_after(15):
@@ -394,6 +395,46 @@ async def test_a_client_certificate_nobody_asked_for_is_not_used(
     with trio.fail_after(HANDSHAKE):
         assert await certificate_unasked(daemon, cert) < FAST
     await check(daemon, base)
-    assert not daemon.failures(), daemon.failures()
+    assert not daemon.failures(mark), daemon.failures(mark)
 
 
+
+
+async def reload_outcome(daemon: Daemon) -> list[str]:
+    """SIGHUP; the lines logged up to the reload's outcome (bounded)."""
+    seen = len(daemon.lines)
+    daemon.proc.send_signal(signal.SIGHUP)
+    with trio.fail_after(5):
+        while not any("reload done" in x or "reload failed" in x for x in daemon.lines[seen:]):
+            await trio.sleep(0.02)
+    return daemon.lines[seen:]
+
+
+async def test_a_bad_certificate_on_reload_keeps_the_one_loaded(daemon: Daemon) -> None:
+    """The certificate file replaced by garbage, then by a FIFO, and SIGHUP: the first is
+    logged and the certificate loaded before stays in use, the second fails the reload (not a
+    readable file) instead of blocking the daemon on its open; TLS clients are served all along."""
+    assert isinstance(daemon, TlsDaemon)
+    base, mark, good = await baseline(daemon), len(daemon.lines), daemon.cert.read_bytes()
+    try:
+        daemon.cert.write_text("garbage\n")
+        lines = await reload_outcome(daemon)
+        assert any("the certificate loaded before stays in use" in x for x in lines), lines
+        with trio.fail_after(2.0):
+            answer = await tls_exchange(daemon, post(ECHO), b'"over s_client"')
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        daemon.cert.unlink()
+        os.mkfifo(daemon.cert, 0o600)
+        lines = await reload_outcome(daemon)
+        assert any("reload failed" in x and "listen.tls_cert" in x for x in lines), lines
+        with trio.fail_after(2.0):
+            answer = await tls_exchange(daemon, post(ECHO), b'"over s_client"')
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    finally:
+        daemon.cert.unlink(missing_ok=True)
+        daemon.cert.write_bytes(good)
+    lines = await reload_outcome(daemon)
+    assert any("TLS certificate loaded again" in x for x in lines), lines
+    await check(daemon, base)
+    failures = [x for x in daemon.failures(mark) if "reload" not in x]
+    assert not failures, failures
