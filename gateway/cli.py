@@ -37,8 +37,8 @@ def _load_or_report(path: str, prefix: str = "") -> config.GatewayConfig | None:
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     """Validate like ``run`` does before it binds anything: every key, the boot guards for
-    listeners off loopback (:mod:`gateway.guards`), backend commands, and the TLS certificate
-    and key loaded as the listeners would load them."""
+    listeners off loopback (:mod:`gateway.guards`), backend commands, the TLS certificate
+    and key loaded as the listeners would load them, and ``auth.tokens_file``."""
     cfg = _load_or_report(args.config)
     if cfg is None:
         return 1
@@ -50,8 +50,35 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         except tls.TlsError as exc:
             print(f"{args.config}: {exc}", file=sys.stderr)
             return 1
+    problems = _tokens_file_problems(cfg)
+    for problem in problems:
+        print(f"{args.config}: {problem}", file=sys.stderr)
+    if problems:
+        return 1
     print(f"{args.config}: ok ({len(cfg.backends)} backends: {', '.join(cfg.backends) or 'none'})")
     return 0
+
+
+def _tokens_file_problems(cfg: config.GatewayConfig) -> list[str]:
+    """``auth.tokens_file`` read as start and reload read it (``ExecReload`` runs check-config
+    before the SIGHUP: a file the reload would refuse fails ``systemctl reload`` itself).  Run
+    as root, its owner is not checked: the service's user is not known here."""
+    from gateway.auth.authenticator import load_tokens_file, tokens_path
+
+    path = tokens_path(cfg)
+    if path is None:
+        return []
+    owner = None
+    if os.geteuid() == 0:
+        try:
+            owner = os.lstat(path).st_uid
+        except OSError:
+            pass  # reported by the load
+    try:
+        load_tokens_file(path, owner)
+    except ConfigError as exc:
+        return exc.errors
+    return []
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -62,8 +62,10 @@ def load_tokens_file(path: str, gateway_uid: int | None = None) -> list[BearerEn
         ConfigError: ``auth.tokens_file: …`` (unreadable, bad mode or owner, bad lines).
     """
     uid = os.geteuid() if gateway_uid is None else gateway_uid
+    # O_NONBLOCK: a FIFO put there opens at once (and is refused below), not when a writer
+    # comes; the daemon reads this file on its event loop (start, SIGHUP)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
         raise ConfigError([f"auth.tokens_file: {path}: {exc.strerror or exc}"]) from None
     try:
@@ -78,8 +80,13 @@ def load_tokens_file(path: str, gateway_uid: int | None = None) -> list[BearerEn
     if len(data) > MAX_TOKENS_FILE:
         raise ConfigError([f"auth.tokens_file: {path}: larger than {MAX_TOKENS_FILE} bytes"])
     try:
-        return parse_tokens_file(data.decode("utf-8"), path)
-    except (ValueError, UnicodeDecodeError) as exc:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:  # named by line, as parse_tokens_file names bad lines
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ConfigError([f"auth.tokens_file: {path}:{line}: not UTF-8 text"]) from None
+    try:
+        return parse_tokens_file(text, path)
+    except ValueError as exc:
         raise ConfigError([f"auth.tokens_file: {exc}"]) from None
 
 
@@ -94,7 +101,8 @@ def configured_names(cfg: GatewayConfig, entries: list[BearerEntry]) -> frozense
     return frozenset(names)
 
 
-def _tokens_path(cfg: GatewayConfig) -> str | None:
+def tokens_path(cfg: GatewayConfig) -> str | None:
+    """``auth.tokens_file`` relative to the config's directory; None when not set."""
     path = cfg.auth.tokens_file
     return None if not path else os.path.join(cfg.base_dir, path)
 
@@ -137,7 +145,7 @@ class Authenticator:
         """
         entries = [BearerEntry(b.principal, b.token_sha256.lower(), frozenset(b.groups))
                    for b in cfg.auth.bearer]
-        path = _tokens_path(cfg)
+        path = tokens_path(cfg)
         if path is not None:
             entries += load_tokens_file(path)
         oauth = cfg.auth.oauth

@@ -149,3 +149,30 @@ async def test_10_tokens_jwks_challenge_and_state_principal(
             br.resume("tools/call", params, 2, {}, principal=who)
     with pytest.raises(InvalidParams, match="call is over"):  # the owner gets past that check
         br.resume("tools/call", params, 2, {}, principal="bearer:alice")
+
+
+def test_check_config_reads_the_tokens_file_as_a_reload_would(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``ExecReload`` runs check-config before the SIGHUP: a tokens file the reload would refuse
+    must fail check-config (it passed, so ``systemctl reload`` said done while the daemon kept
+    its old tokens and logged the failure); the problem is named, never the line's text."""
+    from gateway import cli
+
+    tokens = tmp_path / "tokens"
+    cfg = tmp_path / "gateway.toml"
+    cfg.write_text('[auth]\ntokens_file = "tokens"\n')
+    tokens.write_text("alice:" + "ab" * 32 + "\n")
+    tokens.chmod(0o600)
+    assert cli.main(["check-config", str(cfg)]) == 0
+    cases = (("alice:pasted-secret-token\n", 0o600, "tokens:1: the second field"),
+             ("alice:" + "ab" * 32 + "\n", 0o644, "mode 0644"),
+             (None, 0o600, "No such file"))
+    for text, mode, problem in cases:
+        tokens.unlink(missing_ok=True)
+        if text is not None:
+            tokens.write_text(text)
+            tokens.chmod(mode)
+        capsys.readouterr()
+        assert cli.main(["check-config", str(cfg)]) == 1, problem
+        err = capsys.readouterr().err
+        assert f"{cfg}: auth.tokens_file: " in err and problem in err and "pasted" not in err, err

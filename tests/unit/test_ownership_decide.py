@@ -18,13 +18,16 @@ ROOTS = ["file:///srv/data", "file:///home/shared"]
 
 class FakeOwner:
     """Stands in for a ClientSession: decide() only reads ``caps``, ``mrtr``, ``era`` and, for
-    a modern caller, its requests in flight (their ``caps``)."""
+    a modern caller, its calls in flight (their ``caps``)."""
 
     def __init__(self, caps: dict[str, Any], mrtr: object = None, inflight: int = 1) -> None:
         self.caps = ClientCaps(caps)
         self.mrtr = mrtr  # a modern caller's bridge
         self.inflight = {n: SimpleNamespace(caps=self.caps) for n in range(inflight)}
         self.era = None  # not pinned yet: a legacy one's rules
+
+    def calls(self) -> list[Any]:
+        return list(self.inflight.values())
 
 
 BRIDGE = SimpleNamespace(full=False)  # a modern caller's bridge with room for a parked call
