@@ -19,7 +19,8 @@ LOGGER = logging.getLogger("gateway")
 def _load(path: str, *, check_commands: bool) -> config.GatewayConfig:
     with open(path, "rb") as f:
         data = f.read()
-    return config.load(data, base_dir=os.path.dirname(os.path.abspath(path)), check_commands=check_commands)
+    return config.load(data, base_dir=os.path.dirname(os.path.abspath(path)),
+                       check_commands=check_commands)
 
 
 def _load_or_report(path: str, prefix: str = "") -> config.GatewayConfig | None:
@@ -90,7 +91,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level or cfg.gateway.log_level, cfg.gateway.log_target)
     failed = False
     try:
-        trio.run(lambda: service.run(cfg, config_path=args.config, handle_signals=True, subreaper=True))
+        trio.run(lambda: service.run(cfg, config_path=args.config, handle_signals=True,
+                                     subreaper=True))
     except* service.StartupError as group:
         for exc in _leaves(group):
             LOGGER.critical("cannot start: %s", exc)
@@ -150,7 +152,8 @@ def cmd_connect(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mcp-gateway", description="Many MCP servers behind one endpoint.")
+    parser = argparse.ArgumentParser(prog="mcp-gateway",
+                                     description="Many MCP servers behind one endpoint.")
     parser.add_argument("--version", action="version", version=f"mcp-gateway {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="serve until SIGTERM/SIGINT (SIGHUP reloads the config)")
@@ -160,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("check-config", help="validate a config file; exit 0 if it is valid")
     p.add_argument("config")
     p.set_defaults(func=cmd_check_config)
-    p = sub.add_parser("connect", help="stdio bridge: ws://HOST:PORT/, http://HOST:PORT/mcp or unix:/path/to/mcp.sock")
+    p = sub.add_parser("connect", help="stdio bridge: ws://HOST:PORT/, http://HOST:PORT/mcp or "
+                                       "unix:/path/to/mcp.sock")
     p.add_argument("url")
     p.add_argument("--max-message-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--token-file", help="a file holding the bearer token, sent as Authorization: "

@@ -48,7 +48,8 @@ class Unauthorized(Exception):
     """No usable credential: 401.  ``error`` is ``"invalid_token"`` when a token was presented
     (None when there was none), ``kind`` a short word for logs."""
 
-    def __init__(self, description: str, *, error: str | None = "invalid_token", kind: str = "invalid") -> None:
+    def __init__(self, description: str, *, error: str | None = "invalid_token",
+                 kind: str = "invalid") -> None:
         super().__init__(description)
         self.error = error
         self.kind = kind
@@ -93,7 +94,8 @@ def configured_names(cfg: GatewayConfig, entries: list[BearerEntry]) -> frozense
     """Principal names an operator wrote down (bearer entries; rules and limits naming one
     principal, not a glob): the only names metrics and logs may carry."""
     names = {e.principal for e in entries}
-    for pattern in [r.principal for r in cfg.policy.rules] + [lim.principal for lim in cfg.auth.limits]:
+    for pattern in [r.principal for r in cfg.policy.rules] + [lim.principal
+                                                              for lim in cfg.auth.limits]:
         if pattern and not _GLOB & set(pattern):
             names.add(pattern)
     return frozenset(names)
@@ -214,7 +216,8 @@ class Authenticator:
             kid, alg = jwts.header(token)
             key = await self.jwks.key_for(kid)
             if key is None:
-                raise jwts.TokenRefused("unknown_kid", "the token's key (kid) is not one of the issuer's")
+                raise jwts.TokenRefused("unknown_kid",
+                                        "the token's key (kid) is not one of the issuer's")
             claims = jwts.verify(token, key, alg, oauth)
             return jwts.principal_of(claims, oauth, self.labels, self._oauth_credential())
         except jwts.TokenRefused as exc:
@@ -247,7 +250,8 @@ class Authenticator:
                                                "https" if self.tls else "http", host)
         if scope is not None:
             return challenge.www_authenticate(metadata, realm=self.name, error="insufficient_scope",
-                                              scope=scope, description="the request needs more scopes")
+                                              scope=scope,
+                                              description="the request needs more scopes")
         if exc is None or exc.error is None:
             return challenge.www_authenticate(metadata, realm=self.name)
         return challenge.www_authenticate(metadata, realm=self.name, error=exc.error,
@@ -256,7 +260,8 @@ class Authenticator:
     def metadata(self) -> dict[str, Any] | None:
         """The Protected Resource Metadata; None without an authorization server (404)."""
         oauth = self.auth.oauth
-        return None if oauth is None else challenge.metadata_document(oauth.audience, oauth, self.name)
+        return (None if oauth is None
+                else challenge.metadata_document(oauth.audience, oauth, self.name))
 
     # ---- operator view ----------------------------------------------------------------------
 
@@ -269,8 +274,8 @@ class Authenticator:
         now = trio.current_time()
         if now - self._window >= LOG_WINDOW:
             if self._suppressed:
-                LOGGER.warning("auth: %d more refusals in the last %.0fs not logged", self._suppressed,
-                               LOG_WINDOW)
+                LOGGER.warning("auth: %d more refusals in the last %.0fs not logged",
+                               self._suppressed, LOG_WINDOW)
             self._window, self._logged, self._suppressed = now, 0, 0
         if self._logged >= LOG_BURST:
             self._suppressed += 1

@@ -17,7 +17,6 @@ import os
 import pwd
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator

@@ -405,7 +405,7 @@ async def reload_outcome(daemon: Daemon) -> list[str]:
     seen = len(daemon.lines)
     daemon.proc.send_signal(signal.SIGHUP)
     with trio.fail_after(5):
-        while not any("reload done" in x or "reload failed" in x for x in daemon.lines[seen:]):
+        while not any("reload done" in x or "reload failed" in x for x in daemon.lines[seen:]):  # noqa: ASYNC110 - a real daemon's stderr lines, appended by a reader thread: no trio event
             await trio.sleep(0.02)
     return daemon.lines[seen:]
 

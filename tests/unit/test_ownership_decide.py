@@ -183,7 +183,8 @@ def test_owner_lacking_the_capability_gets_an_error(method: str, caps: dict[str,
     bridged = run(method, owners={FakeOwner(caps, mrtr=BRIDGE)})  # a modern caller (2026-07-28)
     assert isinstance(bridged, Answer) and bridged.code == errors.MISSING_CAPABILITY
     assert bridged.data == {"requiredCapabilities": {bridged.message.split()[-2]: {}}}
-    full = run(method, owners={FakeOwner(FULL, mrtr=SimpleNamespace(full=True))})  # max_parked_flows
+    # max_parked_flows
+    full = run(method, owners={FakeOwner(FULL, mrtr=SimpleNamespace(full=True))})
     assert isinstance(full, Answer) and full.reason == "overloaded"
 
 
