@@ -134,10 +134,10 @@ class Bridge:
         self.counted: dict[str, Callable[[], None]] = {}  # parked flow id -> gives its place back
 
     def flow_of(self, owner: ClientSession, served: Served | None = None) -> Flow:
-        """The flow of ``served``, by default the owner's request in flight (ownership bridges
-        a child's request only while its owner has exactly one)."""
+        """The flow of ``served``, by default the owner's call in flight (ownership bridges a
+        child's request only while its owner has exactly one, open listens aside)."""
         if served is None:
-            served = next(iter(owner.inflight.values()))
+            served = owner.calls()[0]
         flow = served.flow
         if flow is None:
             flow = Flow(self, owner, served)
