@@ -146,7 +146,7 @@ FD_FIXED = 64
 FD_PER_CHILD = 8
 #: fds per configured TCP listener (a host name may bind an IPv4 and an IPv6 socket).
 FD_PER_TCP_LISTENER = 2
-#: Connections on the admin listener at once; more are closed at once.
+#: Connections on the admin listener at once; one more closes the oldest not writing a response.
 ADMIN_CONNECTIONS = 32
 #: WebSocket connections beyond ``max_connections`` being answered 503 at once; more are closed
 #: at once (an HTTP, unix or TLS one beyond the cap is answered or closed without waiting).

@@ -152,13 +152,21 @@ def verify(token: str, key: Key, alg: str, oauth: OAuthSection) -> dict[str, Any
 
 def check_times(claims: dict[str, Any]) -> None:
     """``exp``, ``nbf`` and ``iat``, when present, are finite JSON numbers (not strings, not
-    booleans)."""
+    booleans) that fit a float (an integer of 400 digits passes PyJWT, and ``math.isfinite``
+    of it raises OverflowError)."""
     for claim in TIMES:
         value = claims.get(claim)
         if claim in claims and (isinstance(value, bool) or not isinstance(value, int | float)
-                                or not math.isfinite(value)):
+                                or not _finite(value)):
             raise TokenRefused("claims",
                                f"the token's {claim!r} claim is not a number (NumericDate)")
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _strings(value: object) -> frozenset[str]:

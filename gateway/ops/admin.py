@@ -12,8 +12,9 @@ other (keep-alive, pipelining via h11's buffer, ``Connection: close`` honoured).
 idle wait and the reading of each request are bounded by ``read_timeout`` (408 for a request
 begun and not finished), every write by :data:`~gateway.transports.http.WRITE_TIMEOUT`, the
 request head by ``max_head_bytes`` (431) and the body by :data:`MAX_BODY_BYTES` (413); at most
-:data:`gateway.limits.ADMIN_CONNECTIONS` connections are served at once (more are closed at
-once: the daemon's file descriptors are budgeted, see :mod:`gateway.ops.fdlimit`), and an accept
+:data:`gateway.limits.ADMIN_CONNECTIONS` connections are served at once (the daemon's file
+descriptors are budgeted, see :mod:`gateway.ops.fdlimit`): one more closes the oldest that is
+not writing a response, so idle connections cannot starve ``/healthz``, and an accept
 that fails for lack of file descriptors pauses instead of failing
 (:func:`gateway.transports.listeners.serve_listeners`).
 
@@ -39,15 +40,9 @@ from typing import TYPE_CHECKING
 import msgspec
 import trio
 
-from gateway.limits import ADMIN_CONNECTIONS, ConnectionSlots
+from gateway.limits import ADMIN_CONNECTIONS
 from gateway.transports.http import HttpConnection, Reply, Request, serve_connection
-from gateway.transports.listeners import (
-    Accepted,
-    SlottedListener,
-    allowed_host_names,
-    bound_off_loopback,
-    serve_listeners,
-)
+from gateway.transports.listeners import allowed_host_names, bound_off_loopback, serve_listeners
 
 if TYPE_CHECKING:
     from gateway.ops.metrics import GatewayMetrics
@@ -118,20 +113,37 @@ async def serve_admin(
         conn.respond(code, body, content_type, [("cache-control", "no-store"), *extra],
                      close=code >= 400 and code not in (404, 405, 503))
 
-    slots = ConnectionSlots(ADMIN_CONNECTIONS)
+    # the connections served, oldest first: each one's connection and cancel scope
+    served: dict[object, tuple[HttpConnection, trio.CancelScope]] = {}
 
-    async def handler(accepted: Accepted) -> None:
-        if not accepted.admitted:
-            return  # beyond ADMIN_CONNECTIONS: closed at once
-        try:
-            conn = HttpConnection(accepted.stream, MAX_BODY_BYTES, max_head=max_head_bytes,
-                                  request_timeout=read_timeout, head_timeout=read_timeout)
-            await serve_connection(conn, handle, idle_timeout=read_timeout, name="admin")
-        finally:
-            slots.release()
+    async def handler(stream: trio.SocketStream) -> None:
+        if len(served) >= ADMIN_CONNECTIONS and not _evict_oldest(served):
+            return  # all of them are writing a response: closed at once
+        key = object()
+        with trio.CancelScope() as scope:
+            try:
+                conn = HttpConnection(stream, MAX_BODY_BYTES, max_head=max_head_bytes,
+                                      request_timeout=read_timeout, head_timeout=read_timeout)
+                served[key] = (conn, scope)
+                await serve_connection(conn, handle, idle_timeout=read_timeout, name="admin")
+            finally:
+                served.pop(key, None)
 
-    await serve_listeners(handler, [SlottedListener(lst, slots, "admin") for lst in listeners],
-                          handler_nursery=handler_nursery, task_status=task_status)
+    await serve_listeners(handler, listeners, handler_nursery=handler_nursery,
+                          task_status=task_status)
+
+
+def _evict_oldest(served: dict[object, tuple[HttpConnection, trio.CancelScope]]) -> bool:
+    """Make room for a new admin connection beyond :data:`ADMIN_CONNECTIONS`: close the oldest
+    one that is not writing a response (an idle keep-alive, or one whose request has not
+    arrived).  Idle connections (any local process may open them) then cannot keep a health
+    check from being answered; the fds stay bounded.  False: every one is writing."""
+    for key, (conn, scope) in served.items():
+        if conn.io.held == 0:
+            del served[key]
+            scope.cancel()
+            return True
+    return False
 
 
 def probe(status: Callable[[], GatewayStatus], req: Request) -> Reply:

@@ -124,7 +124,7 @@ class Supervision:
             )
         base = min(
             self.policy.backoff_max,
-            self.policy.backoff_initial * 2 ** (self._consecutive - 1),
+            self.policy.backoff_initial * 2 ** min(self._consecutive - 1, 64),  # a float
         )
         delay = base * (0.5 + 0.5 * self._rng.random())  # jitter in [base/2, base]
         return self._go(State.BACKOFF, reason, delay)
@@ -139,8 +139,8 @@ class Supervision:
         self._require("starved", State.STARTING)
         self._starved += 1
         self.starts -= 1  # no child was started: not a (re)start in /status
-        base = min(self.policy.backoff_max, STARVED_BACKOFF_MAX,
-                   self.policy.backoff_initial * 2 ** (self._starved - 1))
+        base = min(self.policy.backoff_max, STARVED_BACKOFF_MAX,  # 2**1024 is no float
+                   self.policy.backoff_initial * 2 ** min(self._starved - 1, 64))
         return self._go(State.BACKOFF, reason, base * (0.5 + 0.5 * self._rng.random()))
 
     def recycled(self, now: float, reason: str = "recycled") -> Transition:

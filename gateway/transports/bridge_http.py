@@ -17,7 +17,10 @@ listeners.
 Every message is POSTed on its own connection, concurrently: a JSON answer, or each event of an
 SSE answer (progress, requests about it, then its result; a listen's notifications as they
 come), goes to stdout.  Only JSON-RPC messages do: an event without data (a priming event, a
-comment, a keep-alive) is not written.
+comment, a keep-alive) is not written, nor anything that is not JSON in UTF-8.  A request
+whose POST ends without its answer (an error status, a body that is neither JSON nor SSE, an
+event stream that ended or broke first) is answered -32603 with the reason, unless the client
+cancelled it: a stdio client waits for every answer it is due.
 
 HTTP/1.1 on h11, one request per connection (no pool: the bridge is for local stdio clients).
 """
@@ -34,6 +37,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import h11
+import msgspec
 import trio
 
 from gateway.errors import MessageTooLarge, TransportClosed
@@ -67,16 +71,26 @@ class _Response:
 
     async def events(self, limit: int) -> AsyncIterator[bytes]:
         """The data of each SSE event (``data:`` lines joined), skipping events without data
-        (a priming event's empty ``data:`` too)."""
-        buf = b""
+        (a priming event's empty ``data:`` too).  Lines end with CRLF, LF or CR (the SSE
+        spec), a CRLF split between two reads included.  Linear in the bytes however they are
+        cut: an event arriving in many small reads is not searched nor copied whole each time."""
+        buf = bytearray()
+        scan = 0  # where an event's end may begin in buf: what came before was searched
+        after_cr = False  # the last chunk ended with a CR: an LF first in this one is its CRLF's
         async for chunk in self._chunks:
-            buf += chunk.replace(b"\r\n", b"\n")
-            while (end := buf.find(b"\n\n")) >= 0:
-                event, buf = buf[:end], buf[end + 2:]
+            if after_cr and chunk.startswith(b"\n"):
+                chunk = chunk[1:]
+            after_cr = chunk.endswith(b"\r")
+            buf += chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+            start = 0
+            while (end := buf.find(b"\n\n", max(start, scan))) >= 0:
+                event, start = bytes(buf[start:end]), end + 2
                 data = [line[5:].removeprefix(b" ") for line in event.split(b"\n")
                         if line.startswith(b"data:")]
                 if any(line.strip() for line in data):
                     yield b"\n".join(data)
+            del buf[:start]
+            scan = max(0, len(buf) - 1)
             if len(buf) > limit:
                 raise MessageTooLarge(len(buf), limit)
 
@@ -115,14 +129,17 @@ class _HttpClient:
             if body:
                 out += conn.send(h11.Data(data=body))
             out += conn.send(h11.EndOfMessage())
-            await stream.send_all(out)
+            try:
+                await stream.send_all(out)
+            except trio.BrokenResourceError as exc:
+                raise _broken(exc) from None
 
             async def next_event() -> Any:
                 while True:
                     event = conn.next_event()
                     if event is not h11.NEED_DATA:
                         return event
-                    conn.receive_data(await stream.receive_some(65536))
+                    conn.receive_data(await _receive(stream))
 
             while isinstance(event := await next_event(), h11.InformationalResponse):
                 pass
@@ -139,6 +156,17 @@ class _HttpClient:
                                 body)
 
 
+async def _receive(stream: trio.abc.Stream) -> bytes:
+    try:
+        return bytes(await stream.receive_some(65536))
+    except trio.BrokenResourceError as exc:  # a reset: as any other failed exchange (OSError)
+        raise _broken(exc) from None
+
+
+def _broken(exc: trio.BrokenResourceError) -> OSError:
+    return ConnectionError(f"the connection broke: {exc.__cause__ or exc}")
+
+
 class HttpBridge:
     def __init__(self, url: str, local: LineStream, max_message: int, *, token: str | None = None,
                  ssl_context: ssl.SSLContext | None = None) -> None:
@@ -150,6 +178,8 @@ class HttpBridge:
         self._version: str | None = None
         self._modern: str | None = None  # the version of the client's last modern request
         self._posts: dict[str, trio.CancelScope] = {}  # modern requests in flight, by JSON id
+        self._requests: set[str] = set()  # requests POSTed and not answered yet (by JSON id)
+        self._cancelled: set[str] = set()  # … of them the client cancelled: no answer is due
         self._out_send, self._out_recv = trio.open_memory_channel[bytes](64)
         self.failed: list[str] = []
         self._done = trio.CancelScope()
@@ -224,6 +254,10 @@ class HttpBridge:
                 return
             obj = _parse(message)
             method = obj.get("method") if isinstance(obj, dict) else None
+            if method == "notifications/cancelled" and isinstance(obj.get("params"), dict):
+                key = _key(obj["params"].get("requestId"))
+                if key in self._requests:  # its POST may end without an answer now
+                    self._cancelled.add(key)
             if self._session is None and method == "initialize":
                 await self._post(message, initialize=True)
                 if self._session:
@@ -306,38 +340,59 @@ class HttpBridge:
 
     async def _exchange(self, message: bytes, headers: dict[str, str],
                         emit: Callable[[bytes], Awaitable[None]], initialize: bool = False) -> None:
-        """POST ``message``; its answer (JSON, or SSE event by event) goes to ``emit``."""
+        """POST ``message``; its answer (JSON, or SSE event by event) goes to ``emit``.  A
+        request whose exchange ends without its answer (an error status, a body that is not
+        one, a stream that ended or broke first) is answered with an error, unless the client
+        cancelled it: a stdio client waits for every answer it is due."""
+        request_id = _id(message)
+        key = _key(request_id)
+        answered = request_id is None  # a notification or a response: nothing is due
+        if not answered:
+            self._requests.add(key)
+
+        async def deliver(data: bytes) -> None:
+            nonlocal answered
+            answered = answered or _answers(data, request_id)
+            await emit(data)
+
         try:
             async with self._http.request("POST", headers, message) as r:
                 if initialize and r.status == 200:
                     self._session = r.headers.get("mcp-session-id")
+                status = r.status
                 if r.status == 200 and r.content_type == _SSE:
                     async for data in r.events(self._limit):
-                        await emit(data)
-                    return
-                body = await r.body(self._limit)
-                if r.status == 200 and r.content_type == _JSON:
-                    await emit(body)
-                elif r.status >= 300:
-                    await self._http_error(message, r.status, body)
+                        await deliver(data)
+                    body = b"the event stream ended without an answer"
+                else:
+                    body = await r.body(self._limit)
+                    if r.status == 200 and r.content_type == _JSON:
+                        await deliver(body)
+                    elif r.status == 200:
+                        body = f"{r.content_type or 'no content type'}, not JSON or SSE".encode()
         except MessageTooLarge as exc:
             self._fail(exc)
+            return
         except (OSError, h11.ProtocolError) as exc:
             if initialize:  # the gateway is not there: the bridge ends with the error
                 self.failed.append(f"initialize: {exc or type(exc).__name__}")
                 self._done.cancel()
                 return
-            await self._http_error(message, 0, str(exc).encode())
+            status, body = 0, str(exc).encode()
+        finally:
+            self._requests.discard(key)
+            cancelled = key in self._cancelled
+            self._cancelled.discard(key)
+        if not cancelled and (not answered or status >= 300):  # a notification's: the error
+            await self._http_error(message, status, body)
 
     async def _http_error(self, message: bytes, status: int, body: bytes) -> None:
-        """The gateway's JSON-RPC error when the body is one; else one made for the request."""
-        try:
-            answer = json.loads(body)
-            if isinstance(answer, dict) and answer.get("jsonrpc") == "2.0" and "error" in answer:
-                await self._out_send.send(body)
-                return
-        except ValueError:
-            pass
+        """The gateway's JSON-RPC error when an error status's body is one; else one made for
+        the request (none for a notification)."""
+        answer = _parse(body) if status >= 300 else None
+        if isinstance(answer, dict) and answer.get("jsonrpc") == "2.0" and "error" in answer:
+            await self._out_send.send(body)
+            return
         request_id = _id(message)
         if request_id is not None:
             text = body.decode("utf-8", "replace")[:200]
@@ -363,9 +418,9 @@ class HttpBridge:
 
 def _stdout_line(message: bytes) -> bytes | None:
     """``message`` as one stdout line, or None when it is not a JSON-RPC message (nothing, or
-    not a JSON object or array); one spread over several lines is re-encoded on one."""
+    not a JSON object or array in UTF-8); one spread over several lines is re-encoded on one."""
     message = message.strip()
-    if not message.startswith((b"{", b"[")):
+    if not message.startswith((b"{", b"[")) or not _valid_json(message):
         if message:
             LOGGER.warning("not a JSON-RPC message, not written to stdout: %.80r", message)
         return None
@@ -376,6 +431,22 @@ def _stdout_line(message: bytes) -> bytes | None:
             return None
         return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
     return message
+
+
+def _valid_json(message: bytes) -> bool:
+    try:
+        msgspec.json.decode(message, type=msgspec.Raw)  # the syntax, without building it
+        message.decode("utf-8")  # which that does not check
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        return False
+    return True
+
+
+def _answers(message: bytes, request_id: Any) -> bool:
+    """Whether ``message`` is the response (result or error) to request ``request_id``."""
+    obj = _parse(message)
+    return (isinstance(obj, dict) and "method" not in obj and ("result" in obj or "error" in obj)
+            and type(obj.get("id")) is type(request_id) and obj.get("id") == request_id)
 
 
 def _modern_version(params: dict[str, Any]) -> str | None:

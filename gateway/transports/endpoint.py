@@ -224,7 +224,10 @@ class Endpoint:
             if oauth_body:
                 refusal = HttpError(401, str(exc), msgspec.json.encode(
                     {"error": exc.error or "invalid_request", "error_description": str(exc)}), JSON)
-            refusal.headers = [("www-authenticate", authn.challenge(req.header(b"host"), exc))]
+            # a path other than /mcp is answered before the Host check: a Host not allowed
+            # must not name where the metadata is (the challenge gives the realm then)
+            host = req.header(b"host") if req.host_in(self.hosts) else None
+            refusal.headers = [("www-authenticate", authn.challenge(host, exc))]
             raise refusal from None
 
     def _count(self, conn: HttpConnection, principal: Principal | None) -> None:
@@ -357,6 +360,10 @@ class Endpoint:
     async def _post(self, conn: HttpConnection, req: Request, principal: Principal | None) -> None:
         body = req.body
         if jsonrpc.is_batch(body):
+            if req.header(b"mcp-protocol-version") in era.MODERN_VERSIONS:  # not "initialize first"
+                raise _jsonrpc_error(400, errors.InvalidRequest(
+                    f"JSON-RPC batches are only accepted from clients that negotiated "
+                    f"{jsonrpc.BATCH_VERSION}, not in {era.LATEST_MODERN}: POST each request"))
             await self._batch(conn, req, principal, body)
             return
         try:
@@ -388,11 +395,7 @@ class Endpoint:
             session = self._session(req, principal, rid)
         if kind != "request":
             self._accepted(conn, session, body)
-            if env.method == "notifications/cancelled":
-                try:
-                    session.cancelled(mcp.decode_cancelled(env.params).requestId)
-                except (msgspec.ValidationError, msgspec.DecodeError):
-                    pass  # the connection layer ignores it too
+            _cancellations(session, [env])
             return
         assert isinstance(env.id, int | str)
         if session.has_request(env.id):
@@ -427,15 +430,21 @@ class Endpoint:
         for env in requests:
             self._check_scopes(req, principal, env)
         invalid = sum(e.env is None for e in entries)
+        notices = [e.env for e in entries if e.kind == "notification" and e.env is not None]
         if not requests and not invalid:
             self._accepted(conn, session, body)
+            _cancellations(session, notices)
             return
         if requests:
             _refuse_if(self.draining(), None)
+        for env in requests:  # its answer would go to the other POST's batch, and theirs here
+            if isinstance(env.id, int | str) and session.has_request(env.id):
+                raise _jsonrpc_error(400, errors.InvalidRequest(
+                    f"request id {env.id!r} is already in flight on this session"))
         sink = Sink(conn, session.id, batch=True)
         sink.ids = frozenset(env.id for env in requests if isinstance(env.id, int | str))
         sink.invalid = invalid
-        await self._stream(conn, session, sink, body)
+        await self._stream(conn, session, sink, body, notices)
 
     async def _modern(self, conn: HttpConnection, req: Request, env: jsonrpc.Envelope, kind: str,
                       body: bytes, principal: Principal | None) -> None:
@@ -512,12 +521,24 @@ class Endpoint:
         conn.respond(202, headers=[(SESSION_HEADER, session.id)])
 
     async def _stream(self, conn: HttpConnection, session: HttpSession, sink: Sink,
-                      body: bytes) -> None:
+                      body: bytes, notices: Sequence[jsonrpc.Envelope] = ()) -> None:
         session.open_post(sink)
         if not session.push(body):
             session.close_sink(sink)
             raise HttpError(503, "this session's inbox is full; retry later")
+        _cancellations(session, notices)
         await _hold(conn, session, sink)
+
+
+def _cancellations(session: HttpSession, notices: Sequence[jsonrpc.Envelope]) -> None:
+    """The POST streams of the requests ``notices`` cancel (``notifications/cancelled``, alone
+    or in a batch) end now: a cancelled request gets no response."""
+    for env in notices:
+        if env.method == "notifications/cancelled":
+            try:
+                session.cancelled(mcp.decode_cancelled(env.params).requestId)
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                pass  # the connection layer ignores it too
 
 
 def _refuse_if(draining: bool, id: int | str | None) -> None:

@@ -11,7 +11,8 @@ request must be complete within ``head_timeout`` of the accept (default
 a later one within ``head_timeout`` of its first byte; the head and the body together must
 arrive within ``request_timeout`` of the first byte (default
 :data:`gateway.limits.INCOMPLETE_MESSAGE_TIMEOUT`: slow loris), the head must fit in
-``max_head`` bytes however it arrives (431) and the body in ``max_body`` bytes — refused by its
+``max_head`` bytes however it arrives (431; so must a chunked body's chunk extensions and
+trailer fields together) and the body in ``max_body`` bytes — refused by its
 ``Content-Length`` before a byte of it is read, or as soon as a chunked body passes it (413).
 A request with both ``Transfer-Encoding`` and ``Content-Length`` is refused (400, RFC 9112
 §6.1: the two framings disagreeing is how requests are smuggled past a proxy).  Every refusal
@@ -43,6 +44,8 @@ LOGGER = logging.getLogger(__name__)
 
 #: Request line and headers; the SDK clients and curl send well under 2 KiB.
 MAX_HEAD_BYTES = 16 * 1024
+#: Bytes a chunk-size line and the CRLF after its data take without extensions (16 hex digits).
+_CHUNK_LINE = 24
 #: Data received while a response is being streamed (a pipelined request) kept at most.
 MAX_PIPELINED = MAX_HEAD_BYTES
 #: The header every SSE response carries besides the content type (no proxy buffering).
@@ -130,6 +133,9 @@ class HttpConnection:
         self._head = False
         head_by, self._first_head_by = self._first_head_by, None  # None: from its first byte
         fed = len(conn.trailing_data[0])  # bytes of this request received so far (pipelined)
+        total = fed  # … of the whole request, body and framing too (fed stops at the head)
+        head_bytes = 0
+        chunks = 0
         whole_by: float | None = None  # head and body due (from the first byte on)
         if fed:
             whole_by = trio.current_time() + self.request_timeout
@@ -152,6 +158,7 @@ class HttpConnection:
                             data = await self.io.read()
                             conn.receive_data(data)
                             fed += len(data)
+                            total += len(data)
                             whole_by = trio.current_time() + self.request_timeout
                             if head_by is None:
                                 head_by = trio.current_time() + self.head_timeout
@@ -161,6 +168,7 @@ class HttpConnection:
                     data = await self.io.read(whole_by if head is not None
                                               else min(head_by, whole_by))
                     conn.receive_data(data)
+                    total += len(data)
                     if head is None:
                         fed += len(data)
                 except IncompleteMessage:
@@ -173,7 +181,8 @@ class HttpConnection:
             elif isinstance(event, h11.Request):
                 # h11 bounds a head that arrives in pieces (max_incomplete_event_size); one that
                 # arrives whole in a read is measured here: what it took of the bytes fed
-                if fed > self.max_head and fed - len(conn.trailing_data[0]) > self.max_head:
+                head_bytes = fed - len(conn.trailing_data[0])
+                if head_bytes > self.max_head:
                     raise HttpError(431, f"request head over {self.max_head} bytes")
                 head = event
                 self._head = event.method == b"HEAD"
@@ -187,6 +196,7 @@ class HttpConnection:
                 if conn.they_are_waiting_for_100_continue:
                     self._write(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
             elif isinstance(event, h11.Data):
+                chunks += event.chunk_start
                 size += len(event.data)
                 if size > self.max_body:
                     raise HttpError(413, f"request body over {self.max_body} bytes "
@@ -194,6 +204,12 @@ class HttpConnection:
                 body.append(bytes(event.data))
             elif isinstance(event, h11.EndOfMessage):
                 assert head is not None
+                # a chunked body's framing: chunk-size lines (their extensions) and trailer
+                # fields, bounded like the head however they arrive (h11 bounds them in pieces)
+                framing = total - len(conn.trailing_data[0]) - head_bytes - size
+                if framing > self.max_head + _CHUNK_LINE * chunks:
+                    raise HttpError(431, "chunk extensions and trailer fields over "
+                                         f"{self.max_head} bytes")
                 return Request(head, b"".join(body))
             elif isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
                 return None

@@ -242,7 +242,9 @@ class HttpSession:
         return True
 
     def has_request(self, request_id: RequestId) -> bool:
-        return request_id in self._posts
+        """Whether a POST of this session still open carries request ``request_id`` (alone or
+        in a batch): another with that id would have its answer routed to the wrong POST."""
+        return request_id in self._posts or any(request_id in s.ids for s in self._batches)
 
     def token_in_use(self, token: RequestId) -> bool:
         """Whether a request of this session still open carries progress token ``token``."""
