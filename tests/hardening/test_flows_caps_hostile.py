@@ -1,0 +1,61 @@
+"""Hostile review of parked flows, log routing and per-principal caps (review2)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from helpers import HTTP_HEADERS, HTTP_INIT, connect, fixture_backend, make_config, run_gateway
+
+pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWarning")]
+
+TOKENS = {"alice": "alice-review2-token-1", "bob": "bob-review2-token-2"}
+AUTH = "".join(f'[[auth.bearer]]\nprincipal = "{n}"\n'
+               f'token_sha256 = "{hashlib.sha256(t.encode()).hexdigest()}"\n'
+               for n, t in TOKENS.items())
+V = "2026-07-28"
+
+
+def alice_caps(**caps: int) -> str:
+    return ('[[auth.limits]]\nprincipal = "alice"\n'
+            + "".join(f"{k} = {v}\n" for k, v in caps.items()))
+
+
+def bearer(name: str) -> dict[str, str]:
+    return dict(HTTP_HEADERS, authorization=f"Bearer {TOKENS[name]}")
+
+
+async def until_ok(send: Any, seconds: float = 5.0) -> httpx.Response:
+    """``send()`` until it is not refused 503 (a place given back by a task), at most ``seconds``."""
+    with trio.fail_after(seconds):
+        while (r := await send()).status_code == 503:
+            await trio.sleep(0.02)
+    return r
+
+
+async def test_a_failed_initialize_holds_no_session_place() -> None:
+    # before: an initialize answered with an error still made a session (its id in the
+    # Mcp-Session-Id header) that held one of the principal's max_sessions (and of
+    # http_max_sessions) for http_session_idle_timeout (600 s): two typos locked Alice out
+    cfg = make_config(fixture_backend("fx"), extra=AUTH + alice_caps(max_sessions=2))
+    with trio.fail_after(30):
+        async with run_gateway(cfg) as gw, httpx.AsyncClient(timeout=10) as c:
+            bad = dict(HTTP_INIT, params={"protocolVersion": 5})
+            sids = []
+            for _ in range(3):
+                r = await until_ok(lambda: c.post(gw.http_url, headers=bearer("alice"), json=bad))
+                assert r.json()["error"]["code"] == -32602, r.text
+                sids.append(r.headers.get("mcp-session-id"))
+            r = await until_ok(lambda: c.post(gw.http_url, headers=bearer("alice"), json=HTTP_INIT))
+            assert r.status_code == 200 and "result" in r.json(), r.text
+            for sid in sids:  # no session was made: its id is unknown
+                if sid is not None:
+                    ping = {"jsonrpc": "2.0", "id": 2, "method": "ping"}
+                    r = await c.post(gw.http_url, json=ping,
+                                     headers=dict(bearer("alice"), **{"mcp-session-id": sid}))
+                    assert r.status_code == 404, r.text
