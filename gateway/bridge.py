@@ -132,6 +132,8 @@ class Bridge:
         # its cap); returns what gives the place back (set by the hub: max_parked_flows).
         self.count_parked: Callable[[ClientSession], Callable[[], None]] = lambda owner: _nothing
         self.counted: dict[str, Callable[[], None]] = {}  # parked flow id -> gives its place back
+        # a call of this backend parked (set by the hub: wakes the calls waiting behind it)
+        self.on_park: Callable[[str], None] = lambda backend: None
 
     def flow_of(self, owner: ClientSession, served: Served | None = None) -> Flow:
         """The flow of ``served``, by default the owner's request in flight (ownership bridges
@@ -361,6 +363,7 @@ class Flow:
         bridge.flows[self.id] = self  # only parked flows are listed: a retry finds them here
         served.reply(jsonrpc.encode_result(served.id, result), served.id)
         bridge.bus.emit(InputRequired(served.req.backend))
+        bridge.on_park(served.req.backend)
         self.resumed = trio.Event()
         if self.deadline is None:
             assert self.owner.nursery is not None

@@ -59,3 +59,51 @@ async def test_a_failed_initialize_holds_no_session_place() -> None:
                     r = await c.post(gw.http_url, json=ping,
                                      headers=dict(bearer("alice"), **{"mcp-session-id": sid}))
                     assert r.status_code == 404, r.text
+
+
+META = {"io.modelcontextprotocol/protocolVersion": V,
+        "io.modelcontextprotocol/clientCapabilities": {"elicitation": {}}}
+
+
+async def modern(c: httpx.AsyncClient, url: str, who: str, id: int, tool: str,
+                 arguments: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    headers = dict(bearer(who), **{"mcp-protocol-version": V, "mcp-method": "tools/call",
+                                   "mcp-name": tool})
+    body = {"jsonrpc": "2.0", "id": id, "method": "tools/call",
+            "params": {"name": tool, "arguments": arguments, **extra, "_meta": META}}
+    r = await c.post(url, headers=headers, json=body)
+    return r.json()
+
+
+def asked(r: dict[str, Any]) -> tuple[str, str]:
+    result = r["result"]
+    assert result["resultType"] == "input_required", r
+    (key, _ask), = result["inputRequests"].items()
+    return key, result["requestState"]
+
+
+async def test_several_callers_waiting_behind_a_parked_flow_go_one_at_a_time() -> None:
+    # before: at the preemption every waiter went to the child at once: each one's elicitation
+    # was refused (declined) as unattributable, the preempted flow ended for nothing
+    limit = 0.5
+    cfg = make_config(fixture_backend("fx", sharing="shared"), extra=AUTH,
+                      gateway=f"shared_park_limit = {limit}\ndrain_grace = 0.5")
+    with trio.fail_after(20):
+        async with run_gateway(cfg) as gw, httpx.AsyncClient(timeout=10) as c:
+            asked(await modern(c, gw.http_url, "alice", 1, "fx__elicit", {"message": "a?"}))
+            t0 = trio.current_time()
+            got: dict[str, tuple[float, dict[str, Any]]] = {}
+            async with trio.open_nursery() as nursery:
+                async def waiter(who: str, id: int) -> None:
+                    r = await modern(c, gw.http_url, who, id, "fx__elicit", {"message": f"{who}?"})
+                    got[who] = (trio.current_time() - t0, r)
+                nursery.start_soon(waiter, "bob", 2)
+                nursery.start_soon(waiter, "alice", 3)
+            (first, (t1, r1)), (second, (t2, r2)) = sorted(got.items(), key=lambda kv: kv[1][0])
+            asked(r1)  # the first prompt after the limit, the other after the first one's limit
+            key, state = asked(r2)
+            assert limit <= t1 < 2 * limit <= t2 < 3 * limit + 0.5, (t1, t2)
+            r = await modern(c, gw.http_url, second, 4, "fx__elicit", {"message": f"{second}?"},
+                             requestState=state,
+                             inputResponses={key: {"action": "accept", "content": {"answer": "x"}}})
+            assert json.loads(r["result"]["content"][0]["text"])["action"] == "accept", r
