@@ -144,6 +144,9 @@ class Hub:
         self.slots.limit = cfg.gateway.max_connections or DEFAULT_MAX_CONNECTIONS
         self.limits = self.limits.reconfigured(principal_limits(cfg))
         self.caps.reconfigure(principal_limits(cfg))
+        g = cfg.gateway  # the bridge's bounds (its key and replica id only at a restart)
+        self.bridge.ttl, self.bridge.park_limit, self.bridge.max_parked = (
+            g.state_ttl, g.shared_park_limit, g.max_parked_flows)
         self.principal_names = configured_names(cfg)
         callers = self._callers()
         before = self._views(self.policy, self.catalog, callers, tuple(LIST_KINDS))

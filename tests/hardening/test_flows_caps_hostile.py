@@ -9,8 +9,9 @@ from typing import Any
 import httpx
 import pytest
 import trio
+from helpers import HTTP_HEADERS, HTTP_INIT, ROOT, fixture_backend, make_config, metric, run_gateway
 
-from helpers import HTTP_HEADERS, HTTP_INIT, connect, fixture_backend, make_config, run_gateway
+from gateway import config as gconfig
 
 pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
@@ -31,7 +32,8 @@ def bearer(name: str) -> dict[str, str]:
 
 
 async def until_ok(send: Any, seconds: float = 5.0) -> httpx.Response:
-    """``send()`` until it is not refused 503 (a place given back by a task), at most ``seconds``."""
+    """``send()`` until it is not refused 503 (a place given back by a task), at most
+    ``seconds``."""
     with trio.fail_after(seconds):
         while (r := await send()).status_code == 503:
             await trio.sleep(0.02)
@@ -99,7 +101,7 @@ async def test_several_callers_waiting_behind_a_parked_flow_go_one_at_a_time() -
                     got[who] = (trio.current_time() - t0, r)
                 nursery.start_soon(waiter, "bob", 2)
                 nursery.start_soon(waiter, "alice", 3)
-            (first, (t1, r1)), (second, (t2, r2)) = sorted(got.items(), key=lambda kv: kv[1][0])
+            (_first, (t1, r1)), (second, (t2, r2)) = sorted(got.items(), key=lambda kv: kv[1][0])
             asked(r1)  # the first prompt after the limit, the other after the first one's limit
             key, state = asked(r2)
             assert limit <= t1 < 2 * limit <= t2 < 3 * limit + 0.5, (t1, t2)
@@ -107,3 +109,34 @@ async def test_several_callers_waiting_behind_a_parked_flow_go_one_at_a_time() -
                              requestState=state,
                              inputResponses={key: {"action": "accept", "content": {"answer": "x"}}})
             assert json.loads(r["result"]["content"][0]["text"])["action"] == "accept", r
+
+
+async def test_a_reload_applies_shared_park_limit_and_max_parked_flows(tmp_path: Any) -> None:
+    # before: the bridge kept the values it was started with (no warning either): a reload
+    # lowering shared_park_limit left callers waiting 30 s, one lowering max_parked_flows
+    # bounded nothing
+    ASK_ECHO = '[policy]\nrules = [{ match = "fx__echo", action = "ask" }]\n'
+
+    def text(gateway: str) -> str:
+        return (f"[gateway]\ndrain_grace = 0.5\n{gateway}\n[listen]\nhttp = \"127.0.0.1:0\"\n"
+                f"[admin]\nlisten = \"127.0.0.1:0\"\n{AUTH}{ASK_ECHO}"
+                + fixture_backend("fx", sharing="shared"))
+    path = tmp_path / "gw.toml"
+    path.write_text(text(""))
+    with trio.fail_after(20):
+        async with (run_gateway(gconfig.load(path.read_bytes(), base_dir=ROOT),
+                                config_path=str(path)) as gw,
+                    httpx.AsyncClient(timeout=10) as c):
+            path.write_text(text("shared_park_limit = 0.3\nmax_parked_flows = 1"))
+            gw.control.reload()
+            with trio.fail_after(5):
+                while not await metric(gw.bound.admin_port, "mcp_gateway_config_reloads_total",
+                                       result="success"):
+                    await trio.sleep(0.05)
+            asked(await modern(c, gw.http_url, "alice", 1, "fx__elicit", {"message": "a?"}))
+            t0 = trio.current_time()
+            asked(await modern(c, gw.http_url, "bob", 2, "fx__elicit", {"message": "b?"}))
+            assert trio.current_time() - t0 < 2  # preempted at 0.3 s, not 30 s
+            # bob's flow is parked: max_parked_flows = 1 refuses a consent prompt
+            r = await modern(c, gw.http_url, "alice", 3, "fx__echo", {"message": "x"})
+            assert r["error"]["code"] == -32006 and r["error"]["data"]["limit"] == 1, r
