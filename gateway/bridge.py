@@ -340,8 +340,11 @@ class Flow:
             return
         bridge = self.bridge
         try:
+            # gateway.max_parked_flows, asked before the prompt too: calls asking at once all
+            # passed that check (none parked yet); then its principal's max_parked_flows
+            bridge.admit()
             bridge.counted[self.id] = bridge.count_parked(self.owner)
-        except errors.GatewayError as exc:  # its principal's max_parked_flows: not parked
+        except errors.GatewayError as exc:  # not parked
             for req in list(self.pending.values()):
                 req.finish(ServerRequestOutcome.OWNER_GONE)
             served.end(exc=exc)

@@ -140,3 +140,25 @@ async def test_a_reload_applies_shared_park_limit_and_max_parked_flows(tmp_path:
             # bob's flow is parked: max_parked_flows = 1 refuses a consent prompt
             r = await modern(c, gw.http_url, "alice", 3, "fx__echo", {"message": "x"})
             assert r["error"]["code"] == -32006 and r["error"]["data"]["limit"] == 1, r
+
+
+async def test_calls_asking_at_once_do_not_park_beyond_max_parked_flows() -> None:
+    # before: gateway.max_parked_flows was checked before the prompt only, and a flow parks
+    # 20 ms later (the gather): four calls asking at once all parked with max_parked_flows = 1
+    cfg = make_config(fixture_backend("fx"), gateway="max_parked_flows = 1\ndrain_grace = 0.3",
+                      extra=AUTH + '[policy]\nrules = [{ match = "fx__echo", action = "ask" }]\n')
+    with trio.fail_after(20):
+        async with run_gateway(cfg) as gw, httpx.AsyncClient(timeout=10) as c:
+            out: list[dict[str, Any]] = []
+
+            async def ask(id: int) -> None:
+                who = ("alice", "bob")[id % 2]
+                out.append(await modern(c, gw.http_url, who, id, "fx__echo", {"message": "x"}))
+
+            async with trio.open_nursery() as nursery:
+                for id in range(4):
+                    nursery.start_soon(ask, id)
+            parked = [r for r in out if r.get("result", {}).get("resultType") == "input_required"]
+            refused = [r for r in out if r.get("error", {}).get("code") == -32006]
+            assert len(parked) == 1 and len(refused) == 3, out
+            assert all(r["error"]["data"] == {"limit": 1, "reason": "overloaded"} for r in refused)
