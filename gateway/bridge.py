@@ -24,11 +24,11 @@ ends the call when its prompt times out (the earlier of ``policy.elicitation_tim
 its flow even for a modern backend, whose own states otherwise pass through (:meth:`continues`).
 
 Nothing waits forever: a parked flow not resumed within ``gateway.state_ttl`` seconds, or one
-whose state its own principal presented tampered, is ended like a closed connection (its waiting
-requests are declined or refused toward the child, its call cancelled at the child); a retry for
-a flow that is gone gets -32602 with ``data.reason = "invalid_state"``.  On a ``shared`` backend a parked
-flow also keeps other callers' input requests from being attributed there: a call that may ask
-for input waits for it (:mod:`gateway.backend.pool`), and once it has been parked
+whose state its own principal presented tampered, is ended (its waiting requests are declined or
+refused toward the child, its call given up there without ``notifications/cancelled``, as at a
+preemption: :meth:`Flow._let_go`); a retry for a flow that is gone gets -32602 with
+``data.reason = "invalid_state"``.  On a ``shared`` backend a parked flow also keeps other
+callers' input requests from being attributed there: a call that may ask for input waits for it (:mod:`gateway.backend.pool`), and once it has been parked
 ``gateway.shared_park_limit`` seconds it is *preempted* (:meth:`Flow.preempt`).
 """
 
@@ -134,6 +134,8 @@ class Bridge:
         self.counted: dict[str, Callable[[], None]] = {}  # parked flow id -> gives its place back
         # a call of this backend parked (set by the hub: wakes the calls waiting behind it)
         self.on_park: Callable[[str], None] = lambda backend: None
+        # gives up an HTTP flow session's calls at a backend's children (set by the hub)
+        self.give_up: Callable[[str, ClientSession], None] = lambda backend, owner: None
 
     def flow_of(self, owner: ClientSession, served: Served | None = None) -> Flow:
         """The flow of ``served``, by default the owner's request in flight (ownership bridges
@@ -410,10 +412,13 @@ class Flow:
             self._gather()
 
     def end(self, why: str) -> None:
-        """End the flow like a closed connection: the child's requests are declined or refused,
-        its call cancelled at the child."""
+        """End the flow: the child's requests are declined or refused, its call cancelled at
+        the child (given up without ``notifications/cancelled`` when it was parked asking:
+        :meth:`_let_go`)."""
         LOGGER.info("bridged %s flow %s ended: %s", self.method or "call", self.id, why,
                     extra=self.owner.log_fields)
+        if self.parked and self.pending:
+            self._let_go()
         self._unlist()
         self.parked = False
         if self.owner.transport == "http":  # a flow session: it ends with its call
@@ -427,6 +432,25 @@ class Flow:
             req.finish(ServerRequestOutcome.OWNER_GONE)
         self.closed()
         self.served.cancel()
+
+    def _let_go(self) -> None:
+        """A parked flow ends (expired, its state tampered, a retry with other params): as at a
+        preemption, the child's requests are answered (an elicitation ``cancel``, others
+        -32007) and its call given up without ``notifications/cancelled``: the tool finishes
+        and its reply (dropped) frees the child's attribution set.  (Cancelled, a
+        spec-following child never answers: the set stayed held for ``cancel_grace``, other
+        callers' input requests there refused, then the shared child was recycled.)  Calls
+        that may ask for input wait for that reply (``leaving``)."""
+        bridge = self.bridge
+        bridge.leaving.add(self.owner)
+        for req in list(self.pending.values()):
+            req.finish(ServerRequestOutcome.OWNER_GONE)
+        served = self.served
+        if served.call is not None and served.child is not None:
+            served.child.give_up([served.call])
+        elif self.owner.transport == "http":  # forwarded by a task: the flow's only call there
+            bridge.give_up(served.req.backend, self.owner)
+        # (a WebSocket connection's call forwarded by a task: cancelled as usual by end())
 
     def preempt(self, child: ChildConnection) -> None:
         """Parked longer than ``gateway.shared_park_limit`` while another caller's call that

@@ -9,7 +9,16 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from helpers import HTTP_HEADERS, HTTP_INIT, ROOT, fixture_backend, make_config, metric, run_gateway
+from helpers import (
+    HTTP_HEADERS,
+    HTTP_INIT,
+    ROOT,
+    fixture_backend,
+    http_json,
+    make_config,
+    metric,
+    run_gateway,
+)
 
 from gateway import config as gconfig
 
@@ -162,3 +171,29 @@ async def test_calls_asking_at_once_do_not_park_beyond_max_parked_flows() -> Non
             refused = [r for r in out if r.get("error", {}).get("code") == -32006]
             assert len(parked) == 1 and len(refused) == 3, out
             assert all(r["error"]["data"] == {"limit": 1, "reason": "overloaded"} for r in refused)
+
+
+async def test_an_expired_flow_on_a_shared_child_frees_it_without_a_recycle(tmp_path: Any) -> None:
+    # before: the flow ended by state_ttl had its call cancelled (notifications/cancelled), which
+    # a spec-following child never answers: for cancel_grace every other caller's prompt there
+    # was declined as unattributable, then the healthy shared child was recycled.  (The fixture
+    # answers when its tool sees the elicitation's cancel before the notification: a race.)
+    told = tmp_path / "transcript"
+    cfg = make_config(fixture_backend("fx", sharing="shared", cancel_grace=0.5,
+                                      env={"FIXTURE_TRANSCRIPT": str(told)}),
+                      extra=AUTH, gateway="state_ttl = 0.3\ndrain_grace = 0.3")
+    with trio.fail_after(20):
+        async with run_gateway(cfg) as gw, httpx.AsyncClient(timeout=10) as c:
+            asked(await modern(c, gw.http_url, "alice", 1, "fx__elicit", {"message": "a?"}))
+            await trio.sleep(0.5)  # alice never retries: her flow expires
+            key, state = asked(await modern(c, gw.http_url, "bob", 2, "fx__elicit",
+                                            {"message": "b?"}))
+            r = await modern(c, gw.http_url, "bob", 3, "fx__elicit", {"message": "b?"},
+                             requestState=state,
+                             inputResponses={key: {"action": "accept", "content": {"answer": "B"}}})
+            assert json.loads(r["result"]["content"][0]["text"])["content"] == {"answer": "B"}, r
+            await trio.sleep(0.7)  # past cancel_grace
+            st = await http_json(gw.bound.admin_port, "/status")
+            (inst,) = st["backends"][0]["instances"]
+            assert inst["recycles"] == 0 and inst["restarts"] == 0, inst
+            assert b"notifications/cancelled" not in told.read_bytes()
