@@ -417,10 +417,10 @@ class Flow:
         :meth:`_let_go`)."""
         LOGGER.info("bridged %s flow %s ended: %s", self.method or "call", self.id, why,
                     extra=self.owner.log_fields)
-        if self.parked and self.pending:
+        was_parked, self.parked = self.parked, False  # (giving up ends its call: not again)
+        if was_parked and self.pending:
             self._let_go()
         self._unlist()
-        self.parked = False
         if self.owner.transport == "http":  # a flow session: it ends with its call
             self.owner.close(CloseReason.CLIENT_CLOSED)
             return

@@ -173,7 +173,8 @@ async def test_calls_asking_at_once_do_not_park_beyond_max_parked_flows() -> Non
             assert all(r["error"]["data"] == {"limit": 1, "reason": "overloaded"} for r in refused)
 
 
-async def test_an_expired_flow_on_a_shared_child_frees_it_without_a_recycle(tmp_path: Any) -> None:
+async def test_an_expired_flow_on_a_shared_child_frees_it_without_a_recycle(
+        tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
     # before: the flow ended by state_ttl had its call cancelled (notifications/cancelled), which
     # a spec-following child never answers: for cancel_grace every other caller's prompt there
     # was declined as unattributable, then the healthy shared child was recycled.  (The fixture
@@ -182,6 +183,7 @@ async def test_an_expired_flow_on_a_shared_child_frees_it_without_a_recycle(tmp_
     cfg = make_config(fixture_backend("fx", sharing="shared", cancel_grace=0.5,
                                       env={"FIXTURE_TRANSCRIPT": str(told)}),
                       extra=AUTH, gateway="state_ttl = 0.3\ndrain_grace = 0.3")
+    caplog.set_level("INFO", "gateway.bridge")
     with trio.fail_after(20):
         async with run_gateway(cfg) as gw, httpx.AsyncClient(timeout=10) as c:
             asked(await modern(c, gw.http_url, "alice", 1, "fx__elicit", {"message": "a?"}))
@@ -197,3 +199,5 @@ async def test_an_expired_flow_on_a_shared_child_frees_it_without_a_recycle(tmp_
             (inst,) = st["backends"][0]["instances"]
             assert inst["recycles"] == 0 and inst["restarts"] == 0, inst
             assert b"notifications/cancelled" not in told.read_bytes()
+            ended = [r.getMessage() for r in caplog.records if " ended: " in r.getMessage()]
+            assert len(ended) == 1 and "state_ttl" in ended[0], ended  # once
