@@ -347,10 +347,9 @@ class Flow:
             bridge.admit()
             bridge.counted[self.id] = bridge.count_parked(self.owner)
         except errors.GatewayError as exc:  # not parked
-            for req in list(self.pending.values()):
-                req.finish(ServerRequestOutcome.OWNER_GONE)
             served.end(exc=exc)
-            served.cancel()  # at the child (answered already)
+            self._let_go()  # (cancelled, a shared child was recycled after cancel_grace)
+            served.cancel()  # (a WebSocket call forwarded by a task: cancelled as usual)
             return
         if not self.digest:
             self.method = served.req.method
@@ -434,8 +433,8 @@ class Flow:
         self.served.cancel()
 
     def _let_go(self) -> None:
-        """A parked flow ends (expired, its state tampered, a retry with other params): as at a
-        preemption, the child's requests are answered (an elicitation ``cancel``, others
+        """A parked flow ends (expired, its state tampered, a retry with other params), or one
+        about to park is refused (``max_parked_flows``): as at a preemption, the child's requests are answered (an elicitation ``cancel``, others
         -32007) and its call given up without ``notifications/cancelled``: the tool finishes
         and its reply (dropped) frees the child's attribution set.  (Cancelled, a
         spec-following child never answers: the set stayed held for ``cancel_grace``, other

@@ -201,3 +201,23 @@ async def test_an_expired_flow_on_a_shared_child_frees_it_without_a_recycle(
             assert b"notifications/cancelled" not in told.read_bytes()
             ended = [r.getMessage() for r in caplog.records if " ended: " in r.getMessage()]
             assert len(ended) == 1 and "state_ttl" in ended[0], ended  # once
+
+
+async def test_a_flow_refused_at_its_principals_cap_frees_a_shared_child(tmp_path: Any) -> None:
+    # before: the refused flow's call was cancelled (notifications/cancelled) after its
+    # elicitation was answered cancel: the child never answered, and after cancel_grace the
+    # shared child, which other principals' calls use, was recycled
+    told = tmp_path / "transcript"
+    cfg = make_config(fixture_backend("fx", sharing="shared", instances=2, cancel_grace=0.5,
+                                      env={"FIXTURE_TRANSCRIPT": str(told)}),
+                      extra=AUTH + alice_caps(max_parked_flows=1), gateway="drain_grace = 0.3")
+    with trio.fail_after(20):
+        async with run_gateway(cfg) as gw, httpx.AsyncClient(timeout=10) as c:
+            asked(await modern(c, gw.http_url, "alice", 1, "fx__elicit", {"message": "a?"}))
+            r = await modern(c, gw.http_url, "alice", 2, "fx__elicit", {"message": "a2?"})
+            assert r["error"]["data"]["limit"] == "max_parked_flows", r
+            await trio.sleep(0.8)  # past cancel_grace
+            st = await http_json(gw.bound.admin_port, "/status")
+            assert [i["recycles"] for i in st["backends"][0]["instances"]] == [0, 0], st
+            assert b"notifications/cancelled" not in told.read_bytes()
+            asked(await modern(c, gw.http_url, "bob", 3, "fx__elicit", {"message": "b?"}))
