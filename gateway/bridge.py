@@ -28,8 +28,9 @@ whose state its own principal presented tampered, is ended (its waiting requests
 refused toward the child, its call given up there without ``notifications/cancelled``, as at a
 preemption: :meth:`Flow._let_go`); a retry for a flow that is gone gets -32602 with
 ``data.reason = "invalid_state"``.  On a ``shared`` backend a parked flow also keeps other
-callers' input requests from being attributed there: a call that may ask for input waits for it (:mod:`gateway.backend.pool`), and once it has been parked
-``gateway.shared_park_limit`` seconds it is *preempted* (:meth:`Flow.preempt`).
+callers' input requests from being attributed there: a call that may ask for input waits for
+it (:mod:`gateway.backend.pool`), and once it has been parked ``gateway.shared_park_limit``
+seconds it is *preempted* (:meth:`Flow.preempt`).
 """
 
 from __future__ import annotations
@@ -434,9 +435,10 @@ class Flow:
 
     def _let_go(self) -> None:
         """A parked flow ends (expired, its state tampered, a retry with other params), or one
-        about to park is refused (``max_parked_flows``): as at a preemption, the child's requests are answered (an elicitation ``cancel``, others
-        -32007) and its call given up without ``notifications/cancelled``: the tool finishes
-        and its reply (dropped) frees the child's attribution set.  (Cancelled, a
+        about to park is refused (``max_parked_flows``): as at a preemption, the child's
+        requests are answered (an elicitation ``cancel``, others -32007) and its call given up
+        without ``notifications/cancelled``: the tool finishes and its reply (dropped) frees
+        the child's attribution set.  (Cancelled, a
         spec-following child never answers: the set stayed held for ``cancel_grace``, other
         callers' input requests there refused, then the shared child was recycled.)  Calls
         that may ask for input wait for that reply (``leaving``)."""
