@@ -135,8 +135,6 @@ class Bridge:
         self.counted: dict[str, Callable[[], None]] = {}  # parked flow id -> gives its place back
         # a call of this backend parked (set by the hub: wakes the calls waiting behind it)
         self.on_park: Callable[[str], None] = lambda backend: None
-        # gives up an HTTP flow session's calls at a backend's children (set by the hub)
-        self.give_up: Callable[[str, ClientSession], None] = lambda backend, owner: None
 
     def flow_of(self, owner: ClientSession, served: Served | None = None) -> Flow:
         """The flow of ``served``, by default the owner's request in flight (ownership bridges
@@ -350,7 +348,7 @@ class Flow:
         except errors.GatewayError as exc:  # not parked
             served.end(exc=exc)
             self._let_go()  # (cancelled, a shared child was recycled after cancel_grace)
-            served.cancel()  # (a WebSocket call forwarded by a task: cancelled as usual)
+            served.cancel()  # (the task forwarding it, if any, ends)
             return
         if not self.digest:
             self.method = served.req.method
@@ -449,9 +447,9 @@ class Flow:
         served = self.served
         if served.call is not None and served.child is not None:
             served.child.give_up([served.call])
-        elif self.owner.transport == "http":  # forwarded by a task: the flow's only call there
-            bridge.give_up(served.req.backend, self.owner)
-        # (a WebSocket connection's call forwarded by a task: cancelled as usual by end())
+        elif served.req.at is not None:  # forwarded by a task
+            child, call = served.req.at
+            child.give_up([call])
 
     def preempt(self, child: ChildConnection) -> None:
         """Parked longer than ``gateway.shared_park_limit`` while another caller's call that
@@ -472,9 +470,8 @@ class Flow:
         served = self.served
         if served.call is not None and served.child is child:
             child.give_up([served.call])
-        elif self.owner.transport == "http":  # forwarded by a task: the flow's only call there
-            child.give_up(child.calls_of(self.owner))
-        # (a WebSocket connection's call forwarded by a task: cancelled as usual by end())
+        elif served.req.at is not None and served.req.at[0] is child:  # forwarded by a task
+            child.give_up([served.req.at[1]])
         served.end(cancelled=True)  # (in a task: its call raises there, answered by nobody)
         self.end(why)
 

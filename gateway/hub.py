@@ -105,7 +105,6 @@ class Hub:
         self.bridge.bus = bus
         self.bridge.count_parked = self._count_parked
         self.bridge.on_park = self._flow_parked
-        self.bridge.give_up = self._give_up_flow
         self.policy = Policy(cfg.policy, bus, cfg)
         self.limits = PrincipalLimits(principal_limits(cfg))  # [[auth.limits]]
         self.caps = PrincipalCaps(principal_limits(cfg))  # what each principal holds at once
@@ -478,16 +477,6 @@ class Hub:
         backend = self.backends.get(name)
         if backend is not None:
             backend.flow_parked()
-
-    def _give_up_flow(self, name: str, owner: ClientSession) -> None:
-        """An ended HTTP flow's call at backend ``name``, forwarded by a task: given up
-        without ``notifications/cancelled`` (see gateway.bridge.Flow._let_go)."""
-        backend = self.backends.get(name)
-        for inst in backend.instances if backend is not None else ():
-            child = inst.child
-            calls = child.calls_of(owner) if child is not None else []
-            if calls:
-                child.give_up(calls)  # type: ignore[union-attr]
 
     def _count_parked(self, owner: ClientSession) -> Callable[[], None]:
         """A bridged flow parks: one of its principal's ``max_parked_flows`` (CapReached at it)."""

@@ -13,6 +13,7 @@ from helpers import (
     HTTP_HEADERS,
     HTTP_INIT,
     ROOT,
+    connect,
     fixture_backend,
     http_json,
     make_config,
@@ -221,3 +222,31 @@ async def test_a_flow_refused_at_its_principals_cap_frees_a_shared_child(tmp_pat
             assert [i["recycles"] for i in st["backends"][0]["instances"]] == [0, 0], st
             assert b"notifications/cancelled" not in told.read_bytes()
             asked(await modern(c, gw.http_url, "bob", 3, "fx__elicit", {"message": "b?"}))
+
+
+async def test_a_websocket_flow_forwarded_by_a_task_is_given_up_when_it_expires(
+        tmp_path: Any) -> None:
+    # before: a WebSocket call forwarded by a task (here: after its consent round) that parked
+    # on the child's elicitation and expired was cancelled with notifications/cancelled (the
+    # gateway did not know its call at the child): the shared child was recycled
+    told = tmp_path / "transcript"
+    cfg = make_config(fixture_backend("fx", sharing="shared", cancel_grace=0.5,
+                                      env={"FIXTURE_TRANSCRIPT": str(told)}),
+                      extra=AUTH + '[policy]\nrules = [{ match = "fx__elicit", action = "ask" }]\n',
+                      gateway="drain_grace = 0.3\nstate_ttl = 0.3")
+    with trio.fail_after(20):
+        async with (run_gateway(cfg) as gw,
+                    connect(gw.url, token=TOKENS["alice"], initialize=False) as ws):
+            args = {"name": "fx__elicit", "arguments": {"message": "a?"}, "_meta": META}
+            consent = (await ws.request("tools/call", args))["result"]
+            r = await ws.request("tools/call", {
+                **args, "requestState": consent["requestState"],
+                "inputResponses": {"consent": {"action": "accept", "content": {"approve": True}}}})
+            assert list(r["result"]["inputRequests"]) == ["srv-1"], r  # the child asks: parked
+            await trio.sleep(1.0)  # alice never retries: expired, then past cancel_grace
+            st = await http_json(gw.bound.admin_port, "/status")
+            assert [i["recycles"] for i in st["backends"][0]["instances"]] == [0], st
+            assert b"notifications/cancelled" not in told.read_bytes()
+            echo = await ws.request("tools/call", {"name": "fx__echo", "_meta": META,
+                                                   "arguments": {"message": "on"}})
+            assert echo["result"]["content"][0]["text"] == "on"  # the connection goes on
