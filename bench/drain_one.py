@@ -8,7 +8,8 @@ to another replica), cut off (-32005 ``retryable: false``), another error, or un
 connection closed first).  Reports the counts, the close codes, the time from SIGTERM to the
 drain's start (``drain_delay``), to the last connection closed, and to the daemon's exit.
 
-    .venv/bin/python bench/drain_one.py [--clients 16] [--load 3] [--drain-delay 2] [--drain-grace 10]
+    .venv/bin/python bench/drain_one.py [--clients 16] [--load 3] [--drain-delay 2] [--drain-grace
+    10]
 """
 
 from __future__ import annotations
@@ -49,8 +50,10 @@ class Tally:
 
 async def client(url: str, n: int, tally: Tally) -> None:
     async with trio_websocket.open_websocket_url(url, subprotocols=["mcp"]) as ws:
-        await ws.send_message(json.dumps({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
-            "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "b", "version": "0"}}}))
+        await ws.send_message(
+            json.dumps({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": "2025-11-25", "capabilities": {},
+            "clientInfo": {"name": "b", "version": "0"}}}))
         await ws.get_message()
         await ws.send_message(json.dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}))
         i = 0
@@ -63,7 +66,8 @@ async def client(url: str, n: int, tally: Tally) -> None:
                     name, args = "fx__echo", {"message": "e"}
                 tally.made += 1
                 try:
-                    await ws.send_message(json.dumps({"jsonrpc": "2.0", "id": i, "method": "tools/call",
+                    await ws.send_message(
+                        json.dumps({"jsonrpc": "2.0", "id": i, "method": "tools/call",
                                                       "params": {"name": name, "arguments": args}}))
                     msg = json.loads(await ws.get_message())
                 except trio_websocket.ConnectionClosed:
@@ -111,7 +115,8 @@ command = {json.dumps(sys.executable)}
 args = [{json.dumps(str(FIXTURE))}]
 max_inflight = 64
 """)
-        proc = subprocess.Popen([sys.executable, "-m", "gateway", "run", "--config", str(cfg)], cwd=ROOT,
+        proc = subprocess.Popen([sys.executable, "-m", "gateway", "run", "--config", str(cfg)],  # noqa: ASYNC220 - a long-lived daemon: signalled and reaped by hand
+                                cwd=ROOT,
                                 env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE)
         assert proc.stderr is not None
         try:
@@ -139,12 +144,14 @@ max_inflight = 64
                 proc.kill()
             err = proc.stderr.read().decode(errors="replace")
     accounted = sum(tally.outcomes.values())
-    print(f"clients {opts.clients}, drain_delay {opts.drain_delay}s, drain_grace {opts.drain_grace}s")
+    print(f"clients {opts.clients}, drain_delay {opts.drain_delay}s, drain_grace "
+          f"{opts.drain_grace}s")
     print(f"calls made {tally.made}, accounted {accounted}: " + ", ".join(
         f"{k} {v}" for k, v in sorted(tally.outcomes.items())))
     print("close codes: " + ", ".join(f"{k} x{v}" for k, v in sorted(tally.close_codes.items())))
     if tally.first_refusal is not None:
-        print(f"SIGTERM -> first retryable refusal (drain begins): {tally.first_refusal - term:.2f}s")
+        print("SIGTERM -> first retryable refusal (drain begins): "
+              f"{tally.first_refusal - term:.2f}s")
     print(f"SIGTERM -> last connection closed: {tally.last_close - term:.2f}s; "
           f"-> daemon exit {exited}: {end - term:.2f}s")
     if err.strip():

@@ -91,7 +91,8 @@ health = {{ interval = 0.0 }}
             limit = next(line for line in limits if "open files" in line).split()[3:5]
             first = instance(admin)
             assert first is not None and first[1] is not None
-            print(f"open-files limit in force: soft {limit[0]}, hard {limit[1]}; backend {first[0]}")
+            print(
+                f"open-files limit in force: soft {limit[0]}, hard {limit[1]}; backend {first[0]}")
             conns = []
             for _ in range(args.connections):
                 try:
@@ -111,7 +112,8 @@ health = {{ interval = 0.0 }}
                 conn.close()
             time.sleep(4.0)
             status, _, took = get(admin, "/healthz")
-            print(f"4 s after releasing them: {instance(admin)}, /healthz {status} in {took * 1000:.1f} ms")
+            print(f"4 s after releasing them: {instance(admin)}, /healthz {status} in "
+                  f"{took * 1000:.1f} ms")
         finally:
             proc.send_signal(signal.SIGINT)
             try:

@@ -49,16 +49,17 @@ import trio_websocket
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from fleetutil import TOKEN, Fleet  # noqa: E402
+from fleetutil import TOKEN, Fleet  # noqa: E402 - imported once sys.path holds tests/
 
-from gateway.config import GatewaySection  # noqa: E402
+from gateway.config import GatewaySection  # noqa: E402 - once sys.path holds tests/
 
 MODERN = "2026-07-28"
 AUTH = [(b"authorization", f"Bearer {TOKEN}".encode())]
 #: A call without an answer for this long is counted lost (and its connection dropped).
 CALL_TIMEOUT = 30.0
 INIT = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
-    "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "bench", "version": "0"}}}
+    "protocolVersion": "2025-11-25", "capabilities": {},
+    "clientInfo": {"name": "bench", "version": "0"}}}
 
 
 @dataclass
@@ -205,7 +206,8 @@ async def http_client(fleet: Fleet, c: Counts, stop: trio.Event) -> None:
                     c.retried_ok += 1
                     retry = False
                 continue
-            kind = classify_error(msg.get("error") or {}) if "error" in msg else f"HTTP {r.status_code}"
+            kind = classify_error(msg.get("error")
+                                  or {}) if "error" in msg else f"HTTP {r.status_code}"
             if r.status_code == 503 or kind == "retryable":
                 c.refused_retryable += 1
                 c.other_detail[f"refused: HTTP {r.status_code} retry-after "
@@ -265,7 +267,8 @@ def haproxy_retries(fleet: Fleet) -> dict[str, dict[str, int]]:
     for line in out.splitlines()[1:]:
         row = dict(zip(header, line.split(","), strict=False))
         if row.get("svname") == "BACKEND":
-            got[row["pxname"]] = {k: int(row[k] or 0) for k in ("wretr", "wredis", "hrsp_5xx", "eresp", "econ")}
+            got[row["pxname"]] = {k: int(row[k] or 0)
+                                  for k in ("wretr", "wredis", "hrsp_5xx", "eresp", "econ")}
     return got
 
 
@@ -300,26 +303,33 @@ async def one_run(kind: str, args: argparse.Namespace, folder: Path) -> dict[str
 
 def report(run: dict[str, Any], args: argparse.Namespace) -> str:
     c = run["counts"]
-    lines = [f"### {run['kind']}: {args.clients} clients, {run['seconds']:.0f} s, each of 3 replicas "
+    lines = [f"### {run['kind']}: {args.clients} clients, {run['seconds']:.0f} s, each of 3 "
+             "replicas "
              "restarted in turn", "",
-             "| calls made | answered | refused retryable | retried ok | lost | cut off | other errors |",
+             "| calls made | answered | refused retryable | retried ok | lost | cut off | other "
+             "errors |",
              "|---|---|---|---|---|---|---|",
              f"| {c['made']} | {c['answered']} | {c['refused_retryable']} | {c['retried_ok']} | "
              f"{c['lost']} | {c['cut_off']} | {c['other_errors']} |", ""]
     if c["close_codes"]:
-        lines.append("WebSocket close codes: " + ", ".join(f"{k} x {v}" for k, v in sorted(c["close_codes"].items())))
+        lines.append("WebSocket close codes: " + ", ".join(f"{k} x {v}" for k,
+                                                           v in sorted(c["close_codes"].items())))
     for key in ("lost_detail", "other_detail"):
         if c[key]:
-            lines.append(f"{key.replace('_', ' ')}: " + "; ".join(f"{k} x {v}" for k, v in c[key].items()))
+            lines.append(
+                f"{key.replace('_', ' ')}: " + "; ".join(f"{k} x {v}" for k, v in c[key].items()))
     lines.append(f"connections opened {c['connects']}, connect failures {c['connect_failures']}")
     lines.append("HAProxy: " + "; ".join(f"{b} retries {v['wretr']} redispatches {v['wredis']} "
-                                          f"5xx {v['hrsp_5xx']}" for b, v in run["haproxy"].items()))
-    lines += ["", "| replica | SIGTERM → out of rotation | SIGTERM → exit (drain) | exit code | start → ready "
+                                          f"5xx {v['hrsp_5xx']}" for b, v in run[
+                                              "haproxy"].items()))
+    lines += ["", "| replica | SIGTERM → out of rotation | SIGTERM → exit (drain) | exit code | "
+                  "start → ready "
               "| start → in rotation |", "|---|---|---|---|---|---|"]
     for r in run["restarts"]:
         def s(v: float | None) -> str:
             return "-" if v is None else f"{v:.2f} s"
-        lines.append(f"| {r['replica']} | {s(r['out_of_rotation'])} | {s(r['drained'])} | {r['exit_code']} "
+        lines.append(f"| {r['replica']} | {s(r['out_of_rotation'])} | {s(r['drained'])} | "
+                     f"{r['exit_code']} "
                      f"| {s(r['ready'])} | {s(r['in_rotation'])} |")
     return "\n".join(lines) + "\n"
 
@@ -334,7 +344,8 @@ async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def cli() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", default="websocket,http", help="websocket, http, or both")
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--settle", type=float, default=5.0,

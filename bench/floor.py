@@ -89,7 +89,8 @@ class Sink:
 
 
 class Conn:
-    """A client connection: ``reply(line)`` sends one line from cat back in this transport's framing."""
+    """A client connection: ``reply(line)`` sends one line from cat back in this transport's
+    framing."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -111,14 +112,16 @@ class WsConn(Conn):
 
 class Floor:
     def __init__(self) -> None:
-        self.cat = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+        self.cat = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    bufsize=0)
         assert self.cat.stdin is not None and self.cat.stdout is not None
         self.cat_in_fd = self.cat.stdin.fileno()
         self.cat_out_fd = self.cat.stdout.fileno()
         os.set_blocking(self.cat_in_fd, False)
         os.set_blocking(self.cat_out_fd, False)
         self.to_cat = Sink(self.cat_in_fd)
-        self.owners: collections.deque[Conn] = collections.deque()  # one entry per line given to cat
+        # one entry per line given to cat
+        self.owners: collections.deque[Conn] = collections.deque()
 
     def forward(self, conn: Conn, lines: bytes, count: int) -> None:
         """``lines``: ``count`` complete newline-terminated messages from ``conn``."""
@@ -161,7 +164,7 @@ class Floor:
             for conn, parts in batch.items():
                 conn.out.write(parts[0] if len(parts) == 1 else b"".join(parts))
 
-    # ---- unix socket: lines in --------------------------------------------------------------------
+    # ---- unix socket: lines in -------------------------------------------------------------------
 
     async def serve_lines(self, sock: socket.socket) -> None:
         conn = Conn(sock)
@@ -191,7 +194,7 @@ class Floor:
                 conn.out.wake.set()
                 sock.close()
 
-    # ---- WebSocket: upgrade, then frames in ---------------------------------------------------------
+    # ---- WebSocket: upgrade, then frames in ------------------------------------------------------
 
     async def serve_ws(self, sock: socket.socket) -> None:
         conn = WsConn(sock)
@@ -215,9 +218,11 @@ class Floor:
                     sock.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
                     return
                 accept = base64.b64encode(hashlib.sha1(key + WS_GUID).digest())
-                resp = (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                resp = (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+                        b"Connection: Upgrade\r\n"
                         b"Sec-WebSocket-Accept: " + accept + b"\r\n")
-                offered = [p.strip() for p in headers.get(b"sec-websocket-protocol", b"").split(b",")]
+                offered = [p.strip()
+                           for p in headers.get(b"sec-websocket-protocol", b"").split(b",")]
                 if b"mcp" in offered:
                     resp += b"Sec-WebSocket-Protocol: mcp\r\n"
                 conn.out.write(resp + b"\r\n")
@@ -260,7 +265,8 @@ class Floor:
                 if masked and length:
                     mask = buf[pos + hdr - 4:pos + hdr]
                     full = mask * (length // 4 + 1)
-                    payload = (int.from_bytes(payload, "little") ^ int.from_bytes(full[:length], "little")
+                    payload = (int.from_bytes(payload,
+                                              "little") ^ int.from_bytes(full[:length], "little")
                                ).to_bytes(length, "little")
                 pos += hdr + length
                 opcode = b0 & 0x0F

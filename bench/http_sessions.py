@@ -28,9 +28,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "fixture_server.py")
 READY = re.compile(rb"admin port (\d+), http port (\d+)")
 INIT = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-    "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "bench", "version": "0"}}}).encode()
+    "protocolVersion": "2025-11-25", "capabilities": {},
+    "clientInfo": {"name": "bench", "version": "0"}}}).encode()
 INITIALIZED = b'{"jsonrpc":"2.0","method":"notifications/initialized"}'
-CALL = b'{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"fx__echo","arguments":{"message":"m"}}}'
+CALL = (b'{"jsonrpc":"2.0","id":2,"method":"tools/call",'
+        b'"params":{"name":"fx__echo","arguments":{"message":"m"}}}')
 
 
 class Conn:
@@ -39,7 +41,8 @@ class Conn:
         self.port = port
         self.buf = b""
 
-    async def request(self, method: str, body: bytes = b"", sid: str | None = None) -> tuple[int, dict[str, str], bytes]:
+    async def request(self, method: str, body: bytes = b"",
+                      sid: str | None = None) -> tuple[int, dict[str, str], bytes]:
         head = [f"{method} /mcp HTTP/1.1", f"host: 127.0.0.1:{self.port}",
                 "accept: application/json, text/event-stream", "content-type: application/json",
                 f"content-length: {len(body)}"]
@@ -100,7 +103,8 @@ def rss(pid: int) -> int:
 async def status(admin: int) -> dict:
     stream = await trio.open_tcp_stream("127.0.0.1", admin)
     async with stream:
-        await stream.send_all(f"GET /status HTTP/1.1\r\nhost: 127.0.0.1:{admin}\r\nconnection: close\r\n\r\n".encode())
+        await stream.send_all(f"GET /status HTTP/1.1\r\nhost: 127.0.0.1:{admin}\r\n"
+                              "connection: close\r\n\r\n".encode())
         data = b""
         while chunk := await stream.receive_some(65536):
             data += chunk
@@ -125,18 +129,22 @@ async def main(args: argparse.Namespace, pid: int, admin: int, port: int) -> Non
 
 
 def cli() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sessions", type=int, default=10_000)
     parser.add_argument("--clients", type=int, default=16)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "gateway.toml")
         with open(path, "w") as f:
-            f.write(f'[listen]\nwebsocket = ""\nhttp = "127.0.0.1:0"\n[admin]\nlisten = "127.0.0.1:0"\n'
-                    f'[backends.fx]\ncommand = {json.dumps(sys.executable)}\nargs = [{json.dumps(FIXTURE)}]\n')
+            f.write('[listen]\nwebsocket = ""\nhttp = "127.0.0.1:0"\n[admin]\n'
+                    'listen = "127.0.0.1:0"\n'
+                    f'[backends.fx]\ncommand = {json.dumps(sys.executable)}\n'
+                    f'args = [{json.dumps(FIXTURE)}]\n')
         env = dict(os.environ, PYTHONPATH=ROOT)
         proc = subprocess.Popen([sys.executable, "-m", "gateway", "run", "--config", path],
-                                cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+                                cwd=ROOT, env=env, stderr=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL)
         try:
             assert proc.stderr is not None
             for line in proc.stderr:
@@ -146,7 +154,8 @@ def cli() -> None:
                     break
             else:
                 raise SystemExit("the gateway did not start")
-            threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # drain logs
+            # drain logs
+            threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
             trio.run(main, args, proc.pid, admin, port)
         finally:
             proc.terminate()

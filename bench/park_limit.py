@@ -29,9 +29,10 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gateway import config, service  # noqa: E402
+from gateway import config, service  # noqa: E402 - imported once sys.path holds the repo
 
-EVERYTHING = ROOT / ".deps" / "node" / "node_modules" / "@modelcontextprotocol" / "server-everything" / "dist" / "index.js"
+EVERYTHING = (ROOT / ".deps" / "node" / "node_modules" / "@modelcontextprotocol"
+              / "server-everything" / "dist" / "index.js")
 TOOL = "everything__trigger-elicitation-request"
 V = "2026-07-28"
 
@@ -112,7 +113,8 @@ def main() -> None:
     parser.add_argument("--setup", choices=["shared", "example", "both"], default="both")
     parser.add_argument("--after", type=float, default=5.0)
     parser.add_argument("--limit", type=float, default=None,
-                        help="gateway.shared_park_limit for the shared setup (default: the default)")
+                        help="gateway.shared_park_limit for the shared setup "
+                             "(default: the default)")
     args = parser.parse_args()
     if args.setup in ("shared", "both"):
         trio.run(measure, "shared, 1 instance", shared_config(args.limit), args.after)

@@ -185,14 +185,16 @@ def listening_sockets(pids: list[int]) -> list[str]:
 
 def is_loopback_addr(addr: str) -> bool:
     host = addr.rsplit(":", 1)[0].strip("[]")
-    return host.startswith("127.") or host in ("::1", "::ffff:127.0.0.1") or host.startswith("::ffff:127.")
+    return host.startswith("127.") or host in ("::1",
+                                               "::ffff:127.0.0.1") or host.startswith("::ffff:127.")
 
 
 def assert_loopback_only(root: int, what: str) -> list[str]:
     addrs = listening_sockets([root, *descendants(root)])
     bad = [a for a in addrs if not is_loopback_addr(a)]
     if bad:
-        raise BenchError(f"{what} listens beyond loopback ({', '.join(bad)}): stopped, not measured")
+        raise BenchError(
+            f"{what} listens beyond loopback ({', '.join(bad)}): stopped, not measured")
     return addrs
 
 
@@ -210,10 +212,12 @@ class Procs:
         self.running: dict[int, str] = {}  # pid -> name (each is a process-group leader)
         self.seen: dict[int, dict[int, int]] = {}  # leader -> {descendant pid: its start time}
 
-    def popen(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    def popen(self, name: str, argv: list[str],
+              env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log = open(os.path.join(self.log_dir, f"{name}.log"), "wb")
         try:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT,
                                     cwd=ROOT, env=env, start_new_session=True)
         finally:
             log.close()
@@ -284,7 +288,8 @@ class Conn(abc.ABC):
         self.closed: str | None = None  # why the connection ended, once it has
 
     @abc.abstractmethod
-    async def request(self, method: str, params: Any = None, timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]: ...
+    async def request(self, method: str, params: Any = None,
+                      timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]: ...  # noqa: ASYNC109 - one request's deadline (the implementations' own wait), passed by keyword
 
     @abc.abstractmethod
     async def notify(self, method: str, params: Any = None) -> None: ...
@@ -294,7 +299,8 @@ class Conn(abc.ABC):
 
     async def initialize(self) -> dict[str, Any]:
         resp = await self.request("initialize", {"protocolVersion": PROTOCOL, "capabilities": {},
-                                                 "clientInfo": {"name": "mcp-gateway-bench", "version": "1"}})
+                                                 "clientInfo": {"name": "mcp-gateway-bench",
+                                                                "version": "1"}})
         if "result" not in resp:
             raise BenchError(f"initialize failed: {resp.get('error')}")
         await self.notify("notifications/initialized")
@@ -315,7 +321,8 @@ class StreamConn(Conn):
     @abc.abstractmethod
     async def _send(self, data: bytes) -> None: ...
 
-    async def request(self, method: str, params: Any = None, timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]:
+    async def request(self, method: str, params: Any = None,
+                      timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]:  # noqa: ASYNC109 - one request's deadline (its own wait), passed by keyword
         if self.closed is not None:
             raise BenchError(f"connection closed: {self.closed}")
         rid = next(self._ids)
@@ -348,7 +355,8 @@ class StreamConn(Conn):
         except msgspec.DecodeError:
             return
         for m in msg if isinstance(msg, list) else [msg]:
-            if isinstance(m, dict) and ("method" not in m or self.echo_mode):  # a response (requests/notifications ignored)
+            # a response (requests/notifications ignored)
+            if isinstance(m, dict) and ("method" not in m or self.echo_mode):
                 slot = self._pending.get(m.get("id"))  # type: ignore[arg-type]
                 if slot is not None:
                     slot[1] = m
@@ -368,7 +376,8 @@ class WsConn(StreamConn):
     @classmethod
     async def open(cls, nursery: trio.Nursery, url: str, subprotocols: list[str] | None) -> WsConn:
         ws = await trio_websocket.connect_websocket_url(
-            nursery, url, subprotocols=subprotocols, max_message_size=16 * 2**20, receive_buffer_size=65536)
+            nursery, url, subprotocols=subprotocols, max_message_size=16 * 2**20,
+            receive_buffer_size=65536)
         conn = cls(ws)
         nursery.start_soon(conn._reader)
         return conn
@@ -401,7 +410,8 @@ class LineConn(StreamConn):
         self.receive_stream = receive
 
     @classmethod
-    def start(cls, nursery: trio.Nursery, send: trio.abc.SendStream, receive: trio.abc.ReceiveStream) -> LineConn:
+    def start(cls, nursery: trio.Nursery, send: trio.abc.SendStream,
+              receive: trio.abc.ReceiveStream) -> LineConn:
         conn = cls(send, receive)
         nursery.start_soon(conn._reader)
         return conn
@@ -428,13 +438,15 @@ class LineConn(StreamConn):
             raise BenchError(self.closed) from None
 
     async def aclose(self) -> None:
-        for s in {id(self.send_stream): self.send_stream, id(self.receive_stream): self.receive_stream}.values():
+        for s in {id(self.send_stream): self.send_stream,
+                  id(self.receive_stream): self.receive_stream}.values():
             with trio.move_on_after(2):
                 await s.aclose()
 
 
 MODERN = "2026-07-28"  # the stateless Streamable HTTP shape: no initialize, no session
-MODERN_META = {"io.modelcontextprotocol/protocolVersion": MODERN, "io.modelcontextprotocol/clientCapabilities": {}}
+MODERN_META = {"io.modelcontextprotocol/protocolVersion": MODERN,
+               "io.modelcontextprotocol/clientCapabilities": {}}
 NAME_PARAM = {"tools/call": "name", "prompts/get": "name", "resources/read": "uri"}  # -> Mcp-Name
 
 
@@ -577,7 +589,8 @@ class HttpConn(Conn):
     One client holds up to ``max_links`` keep-alive connections, opened as needed (one per call in
     flight: the ``N × 1`` rows use one per client, the ``N × 4`` rows four per client)."""
 
-    def __init__(self, port: int, path: str = "/mcp", *, modern: bool = False, max_links: int = 1) -> None:
+    def __init__(self, port: int, path: str = "/mcp", *, modern: bool = False,
+                 max_links: int = 1) -> None:
         super().__init__()
         self.port = port
         self.path = path
@@ -587,7 +600,8 @@ class HttpConn(Conn):
         self._slots = trio.Semaphore(max_links)
         self._head = b""
         self._set_head()
-        self.links_opened = 0  # keep-alive check: one per call in flight, unless the server closes them
+        # keep-alive check: one per call in flight, unless the server closes them
+        self.links_opened = 0
         self.answers = {"json": 0, "sse": 0}  # how the responses came
         self.stale_retries = 0  # requests sent again: an idle keep-alive connection had been closed
 
@@ -613,7 +627,8 @@ class HttpConn(Conn):
         self.links_opened += 1
         return _HttpLink(sock)
 
-    async def _exchange(self, link: _HttpLink, head: bytes, body: bytes, rid: Any) -> dict[str, Any] | None:
+    async def _exchange(self, link: _HttpLink, head: bytes, body: bytes,
+                        rid: Any) -> dict[str, Any] | None:
         if link.mode is not None:  # the rest of the previous answer's body
             await link.read_body()
         await link.send(head + b"content-length: %d\r\n\r\n" % len(body) + body)
@@ -665,7 +680,8 @@ class HttpConn(Conn):
                     self.stale_retries += 1
                     continue
                 except OSError as exc:
-                    if link.answers and isinstance(exc, (ConnectionResetError, BrokenPipeError)) and not link.buf:
+                    if link.answers and isinstance(exc, (ConnectionResetError,
+                                                         BrokenPipeError)) and not link.buf:
                         self.stale_retries += 1  # the same: reset while idle, before our request
                         continue
                     raise BenchError(f"HTTP connection failed: {exc}") from None
@@ -675,7 +691,8 @@ class HttpConn(Conn):
                     else:  # an error, a timeout in the middle of an answer, or the server closes it
                         link.close()
 
-    async def request(self, method: str, params: Any = None, timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]:
+    async def request(self, method: str, params: Any = None,
+                      timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]:  # noqa: ASYNC109 - one request's deadline (its own wait), passed by keyword
         msg: dict[str, Any] = {"jsonrpc": "2.0", "id": next(self._ids), "method": method}
         head = self._head
         if self.modern:
@@ -711,16 +728,19 @@ class HttpConn(Conn):
     def summary(label: str, conns: list[Conn]) -> str:
         """A note: connections opened and how the answers came, over all of ``conns``."""
         hc = [c for c in conns if isinstance(c, HttpConn)]
-        return (f"{label}: {len(hc)} clients opened {sum(c.links_opened for c in hc)} HTTP connections in all "
+        return (f"{label}: {len(hc)} clients opened {sum(c.links_opened for c in hc)} HTTP "
+                "connections in all "
                 f"(keep-alive); answers: {sum(c.answers['json'] for c in hc)} JSON, "
-                f"{sum(c.answers['sse'] for c in hc)} SSE; {sum(c.stale_retries for c in hc)} requests sent again "
+                f"{sum(c.answers['sse'] for c in hc)} SSE; {sum(c.stale_retries for c in hc)} "
+                "requests sent again "
                 f"on a fresh connection because the server had closed an idle one")
 
     async def aclose(self) -> None:
         with trio.move_on_after(2):
             if self.session is not None:  # end the session (supergateway: stops its child)
                 head = (f"DELETE {self.path} HTTP/1.1\r\nhost: 127.0.0.1:{self.port}\r\n"
-                        f"mcp-session-id: {self.session}\r\nmcp-protocol-version: {PROTOCOL}\r\n").encode()
+                        f"mcp-session-id: {self.session}\r\n"
+                        f"mcp-protocol-version: {PROTOCOL}\r\n").encode()
                 try:
                     link = await self._link()
                     self._idle.append(link)
@@ -824,7 +844,8 @@ async def run_load(conns: list[Conn], *, inflight: int, calls: int, cap: float, 
             message = f"bench {wid} {issued}"
             t0 = perf()
             try:
-                resp = await conn.request("tools/call", {"name": tool, "arguments": {"message": message}})
+                resp = await conn.request("tools/call",
+                                          {"name": tool, "arguments": {"message": message}})
             except (BenchError, trio.TooSlowError) as exc:
                 res.errors += 1
                 res.first_error = res.first_error or f"{type(exc).__name__}: {exc}"
@@ -852,12 +873,14 @@ async def run_load(conns: list[Conn], *, inflight: int, calls: int, cap: float, 
     res.calls_per_s = res.ok / res.elapsed if res.elapsed > 0 else 0.0
     lat.sort()
     if lat:
-        res.p50_us, res.p99_us, res.mean_us = pct(lat, 0.50), pct(lat, 0.99), statistics.fmean(lat) / 1000
+        res.p50_us, res.p99_us = pct(lat, 0.50), pct(lat, 0.99)
+        res.mean_us = statistics.fmean(lat) / 1000
     ours = sum(after[k] - before[k] for k in after if k != "_system" and not k.endswith(" sys"))
     if res.elapsed > 0:
         res.other_load = max(0.0, (after["_system"] - before["_system"] - ours) / res.elapsed)
     if res.ok:
-        res.cpu_us_per_call = {k: round((after[k] - before[k]) / res.ok * 1e6, 1) for k in after if k != "_system"}
+        res.cpu_us_per_call = {k: round((after[k] - before[k]) / res.ok * 1e6, 1) for k in after
+                               if k != "_system"}
     for label, get in (cpu_pids or {}).items():
         sizes = [rss_of(p) for p in get()]
         sizes = [x for x in sizes if x is not None]
@@ -899,29 +922,36 @@ def median_of_rounds(runs: list[LoadResult]) -> LoadResult:
     loads = [r.other_load for r in runs if r.other_load is not None]
     res.other_load = statistics.median(loads) if loads else None
     keys = {k for r in runs for k in r.cpu_us_per_call}
-    res.cpu_us_per_call = {k: round(_median([r.cpu_us_per_call.get(k, float("nan")) for r in runs]), 1)
-                           for k in sorted(keys)}
+    res.cpu_us_per_call = {
+        k: round(_median([r.cpu_us_per_call.get(k, float("nan")) for r in runs]), 1)
+        for k in sorted(keys)}
     res.call_bound_hit = any(r.call_bound_hit for r in runs)
-    res.rss_mib = {k: max(r.rss_mib.get(k, 0) for r in runs) for k in sorted({k for r in runs for k in r.rss_mib})}
-    res.rounds = [{"ok": r.ok, "errors": r.errors, "elapsed": round(r.elapsed, 3), "calls_per_s": round(r.calls_per_s, 1),
+    res.rss_mib = {k: max(r.rss_mib.get(k, 0) for r in runs)
+                   for k in sorted({k for r in runs for k in r.rss_mib})}
+    res.rounds = [{"ok": r.ok, "errors": r.errors, "elapsed": round(r.elapsed, 3),
+                   "calls_per_s": round(r.calls_per_s, 1),
                    "p50_us": r.p50_us, "p99_us": r.p99_us, "cpu_us_per_call": r.cpu_us_per_call,
-                   "other_load": r.other_load, "call_bound_hit": r.call_bound_hit, "rss_mib": r.rss_mib}
+                   "other_load": r.other_load, "call_bound_hit": r.call_bound_hit,
+                   "rss_mib": r.rss_mib}
                   for r in runs]
     return res
 
 
-async def measure(label: str, group: str, conns: list[Conn], args: argparse.Namespace, *, inflight: int,
-                  tool: str, backend: BackendSpec, cpu_pids: dict[str, Callable[[], list[int]]]) -> LoadResult:
+async def measure(label: str, group: str, conns: list[Conn], args: argparse.Namespace, *,
+                  inflight: int,
+                  tool: str, backend: BackendSpec,
+                  cpu_pids: dict[str, Callable[[], list[int]]]) -> LoadResult:
     """A throughput row: a short warm-up, then --repeat rounds of --seconds each (bounded by
     --calls), reported as the median of each figure over the rounds."""
     n = args.calls
     warm = max(len(conns) * inflight, min(n // 5, 5000))
-    await run_load(conns, inflight=inflight, calls=warm, cap=min(0.5, args.seconds), tool=tool, backend=backend)
+    await run_load(conns, inflight=inflight, calls=warm, cap=min(0.5, args.seconds), tool=tool,
+                   backend=backend)
     runs = []
     for _ in range(args.repeat):
         res = LoadResult(label, group, len(conns), inflight, n)
-        await run_load(conns, inflight=inflight, calls=n, cap=args.seconds, tool=tool, backend=backend,
-                       cpu_pids=cpu_pids, result=res)
+        await run_load(conns, inflight=inflight, calls=n, cap=args.seconds, tool=tool,
+                       backend=backend, cpu_pids=cpu_pids, result=res)
         runs.append(res)
     res = median_of_rounds(runs)
     proxy_cpu = res.cpu_us_per_call.get("proxy")
@@ -934,7 +964,8 @@ async def measure(label: str, group: str, conns: list[Conn], args: argparse.Name
     return res
 
 
-async def sequential(conn: Conn, tool: str, backend: BackendSpec, calls: int, cap: float) -> list[int]:
+async def sequential(conn: Conn, tool: str, backend: BackendSpec, calls: int,
+                     cap: float) -> list[int]:
     """One client, one call at a time: the latencies (ns) of the successful calls."""
     out: list[int] = []
     deadline = trio.current_time() + cap
@@ -944,7 +975,8 @@ async def sequential(conn: Conn, tool: str, backend: BackendSpec, calls: int, ca
         message = f"seq {i}"
         t0 = time.perf_counter_ns()
         try:
-            resp = await conn.request("tools/call", {"name": tool, "arguments": {"message": message}})
+            resp = await conn.request("tools/call",
+                                      {"name": tool, "arguments": {"message": message}})
         except (BenchError, trio.TooSlowError):
             continue
         t1 = time.perf_counter_ns()
@@ -967,18 +999,21 @@ def seq_result(path: str, rounds: list[list[int]]) -> SeqResult:
     """``rounds``: the latencies (ns) of each round; every figure is the median over the rounds."""
     rounds = [sorted(r) for r in rounds if r]
     p50s = [pct(r, 0.5) for r in rounds]
-    return SeqResult(path, sum(len(r) for r in rounds), _median(p50s), _median([pct(r, 0.99) for r in rounds]),
-                     _median([statistics.fmean(r) / 1000 for r in rounds]), [round(x, 1) for x in p50s])
+    return SeqResult(path, sum(len(r) for r in rounds), _median(p50s),
+                     _median([pct(r, 0.99) for r in rounds]),
+                     _median([statistics.fmean(r) / 1000 for r in rounds]),
+                     [round(x, 1) for x in p50s])
 
 
 # ==== small HTTP GET (admin /status) ============================================================
 
 
-async def http_get(port: int, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
+async def http_get(port: int, path: str, timeout: float = 2.0) -> tuple[int, bytes]:  # noqa: ASYNC109 - one request's deadline (trio.fail_after inside), passed by keyword
     with trio.fail_after(timeout):
         stream = await trio.open_tcp_stream("127.0.0.1", port)
         async with stream:
-            await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
+            await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+                                  "\r\n".encode())
             data = b""
             while chunk := await stream.receive_some(65536):
                 data += chunk
@@ -986,7 +1021,8 @@ async def http_get(port: int, path: str, timeout: float = 2.0) -> tuple[int, byt
     return int(head.split(b" ", 2)[1]), body
 
 
-async def wait_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout: float = START_TIMEOUT) -> None:
+async def wait_port(port: int, proc: subprocess.Popen[bytes], what: str,
+                    timeout: float = START_TIMEOUT) -> None:  # noqa: ASYNC109 - a start-up deadline, checked between polls of a child process
     deadline = trio.current_time() + timeout
     while True:
         if proc.poll() is not None:
@@ -995,7 +1031,8 @@ async def wait_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout
             stream = await trio.open_tcp_stream("127.0.0.1", port)
         except OSError:
             if trio.current_time() > deadline:
-                raise BenchError(f"{what} did not listen on 127.0.0.1:{port} within {timeout:g}s") from None
+                raise BenchError(
+                    f"{what} did not listen on 127.0.0.1:{port} within {timeout:g}s") from None
             await trio.sleep(0.05)
         else:
             await stream.aclose()
@@ -1012,8 +1049,10 @@ async def spawn_to_ready(backend: BackendSpec, procs: Procs) -> float:
     """ms from spawning the backend to the answer of the last list request of the handshake the
     gateway does (initialize, initialized, the four lists): the floor of any restart."""
     t0 = time.perf_counter()
-    proc = await trio.lowlevel.open_process(backend.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                            stderr=subprocess.DEVNULL, cwd=ROOT, start_new_session=True)
+    proc = await trio.lowlevel.open_process(backend.argv, stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE,
+                                            stderr=subprocess.DEVNULL, cwd=ROOT,
+                                            start_new_session=True)
     procs.adopt(proc.pid, "direct-spawn")
     try:
         async with trio.open_nursery() as nursery:
@@ -1026,21 +1065,23 @@ async def spawn_to_ready(backend: BackendSpec, procs: Procs) -> float:
             elapsed = time.perf_counter() - t0
             nursery.cancel_scope.cancel()
     finally:
-        with trio.CancelScope(shield=True):
-            procs.stop(proc.pid)
+        procs.stop(proc.pid)
     return elapsed * 1000
 
 
 async def bench_direct(args: argparse.Namespace, backend: BackendSpec, procs: Procs,
-                       results: list[LoadResult], singles: list[SeqResult], spawns: list[float]) -> None:
+                       results: list[LoadResult], singles: list[SeqResult],
+                       spawns: list[float]) -> None:
     """The limit: the backend's own stdio pipe, one process, logical clients pipelining on it."""
     print("direct stdio", file=sys.stderr, flush=True)
     for _ in range(args.restarts):
         spawns.append(await spawn_to_ready(backend, procs))
     if spawns:
-        print(f"  spawn -> handshake done, median {statistics.median(spawns):.1f} ms", file=sys.stderr, flush=True)
-    stderr_log = open(os.path.join(procs.log_dir, "direct-backend.log"), "wb")
-    proc = await trio.lowlevel.open_process(backend.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        print(f"  spawn -> handshake done, median {statistics.median(spawns):.1f} ms",
+              file=sys.stderr, flush=True)
+    stderr_log = open(os.path.join(procs.log_dir, "direct-backend.log"), "wb")  # noqa: ASYNC230 - set-up on a local file, before any measurement
+    proc = await trio.lowlevel.open_process(backend.argv, stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE,
                                             stderr=stderr_log, cwd=ROOT, start_new_session=True)
     stderr_log.close()
     procs.adopt(proc.pid, "direct-backend")
@@ -1059,12 +1100,12 @@ async def bench_direct(args: argparse.Namespace, backend: BackendSpec, procs: Pr
             clients = [conn] * args.clients
             for inflight in (1, args.inflight):
                 results.append(await measure("direct stdio (one pipe)", "direct", clients, args,
-                                             inflight=inflight, tool=backend.tool, backend=backend, cpu_pids=cpu))
+                                             inflight=inflight, tool=backend.tool, backend=backend,
+                                             cpu_pids=cpu))
             await conn.aclose()
             nursery.cancel_scope.cancel()
     finally:
-        with trio.CancelScope(shield=True):
-            procs.stop(proc.pid)
+        procs.stop(proc.pid)
 
 
 def gateway_config(backend: BackendSpec, ws_port: int, admin_port: int, unix_path: str,
@@ -1072,14 +1113,19 @@ def gateway_config(backend: BackendSpec, ws_port: int, admin_port: int, unix_pat
     argv = backend.argv
     bound = "" if max_inflight is None else f"max_inflight = {max_inflight}\n"
 
+    restart = ("restart = { backoff_initial = 0.005, backoff_max = 0.005, max_restarts = 1000, "
+               "window = 60.0 }")
+
     def table(name: str, extra: str = "") -> str:
-        return (f"[backends.{name}]\ncommand = {json.dumps(argv[0])}\nargs = {json.dumps(argv[1:])}\n"
+        return (f"[backends.{name}]\ncommand = {json.dumps(argv[0])}\n"
+                f"args = {json.dumps(argv[1:])}\n"
                 f"required = true\n{bound}{extra}\n")
 
     return f"""# written by bench/run.py
 [gateway]
 name = "mcp-gateway-bench"
-max_inflight_per_connection = {FLOOD_INFLIGHT * 2}  # the fairness flood keeps {FLOOD_INFLIGHT} in flight
+# the fairness flood keeps {FLOOD_INFLIGHT} in flight
+max_inflight_per_connection = {FLOOD_INFLIGHT * 2}
 
 [listen]
 websocket = "127.0.0.1:{ws_port}"
@@ -1092,7 +1138,7 @@ listen = "127.0.0.1:{admin_port}"
 
 {table("fx")}
 {table("fxa", 'sharing = "affine"')}
-{table("rs", "restart = { backoff_initial = 0.005, backoff_max = 0.005, max_restarts = 1000, window = 60.0 }")}
+{table("rs", restart)}
 """
 
 
@@ -1120,7 +1166,7 @@ def instance_of(status: dict[str, Any], backend: str) -> dict[str, Any]:
 
 async def start_duration(admin: int, backend: str) -> tuple[float, float]:
     """(sum, count) of mcp_gateway_backend_start_duration_seconds for ``backend``, from /metrics."""
-    code, body = await http_get(admin, "/metrics")
+    _code, body = await http_get(admin, "/metrics")
     total = count = 0.0
     for line in body.decode().splitlines():
         if f'backend="{backend}"' in line:
@@ -1161,7 +1207,8 @@ async def restart_run(admin: int, conn: Conn, tool: str, backend: BackendSpec) -
             now = time.perf_counter()
             if "gone" not in marks and not (inst["state"] == "RUNNING" and inst["pid"] == old_pid):
                 marks["gone"] = now
-            if "starting" not in marks and inst["state"] == "STARTING" and inst["pid"] not in (None, old_pid):
+            if ("starting" not in marks and inst["state"] == "STARTING"
+                and inst["pid"] not in (None, old_pid)):
                 marks["starting"] = now
             if inst["state"] == "RUNNING" and inst["pid"] not in (None, old_pid):
                 marks["running"] = now
@@ -1175,7 +1222,8 @@ async def restart_run(admin: int, conn: Conn, tool: str, backend: BackendSpec) -
             i += 1
             message = f"restart {i}"
             try:
-                resp = await conn.request("tools/call", {"name": tool, "arguments": {"message": message}})
+                resp = await conn.request("tools/call",
+                                          {"name": tool, "arguments": {"message": message}})
             except (BenchError, trio.TooSlowError) as exc:
                 raise BenchError(f"restart: client connection failed: {exc}") from None
             try:
@@ -1185,7 +1233,8 @@ async def restart_run(admin: int, conn: Conn, tool: str, backend: BackendSpec) -
             except (KeyError, IndexError, TypeError):
                 pass
             failed += 1
-            reason = (resp.get("error") or {}).get("data", {}).get("reason") or str(resp.get("error"))[:80]
+            reason = (resp.get("error") or {}).get("data",
+                                                   {}).get("reason") or str(resp.get("error"))[:80]
             if reason not in errors_seen:
                 errors_seen.append(reason)
             await trio.sleep(0.001)
@@ -1279,8 +1328,10 @@ class FairRound:
     flood_calls_per_s: float
 
 
-async def fairness(nursery: trio.Nursery, url: str, tool: str, flood_tool: str, flood_args: dict[str, Any],
-                   backend: BackendSpec, args: argparse.Namespace, inflight: int) -> list[FairRound]:
+async def fairness(nursery: trio.Nursery, url: str, tool: str, flood_tool: str,
+                   flood_args: dict[str, Any],
+                   backend: BackendSpec, args: argparse.Namespace,
+                   inflight: int) -> list[FairRound]:
     """A light connection's sequential echo calls alone, then while a second connection keeps
     ``inflight`` calls in flight on the same shared backend; --repeat rounds, interleaved."""
     light = await WsConn.open(nursery, url, ["mcp"])
@@ -1292,15 +1343,16 @@ async def fairness(nursery: trio.Nursery, url: str, tool: str, flood_tool: str, 
     out: list[FairRound] = []
     for _ in range(args.repeat):
         alone = sorted(await sequential(light, tool, backend, args.calls, phase))
-        stop = False
+        stop = trio.Event()
         ok = errors = 0
-        deadline = trio.current_time() + phase + 30
 
-        async def flood_worker() -> None:
+        async def flood_worker(stop: trio.Event = stop,
+                               deadline: float = trio.current_time() + phase + 30) -> None:
             nonlocal ok, errors
-            while not stop and trio.current_time() < deadline:
+            while not stop.is_set() and trio.current_time() < deadline:
                 try:
-                    resp = await heavy.request("tools/call", {"name": flood_tool, "arguments": flood_args})
+                    resp = await heavy.request("tools/call",
+                                               {"name": flood_tool, "arguments": flood_args})
                 except (BenchError, trio.TooSlowError):
                     errors += 1
                     if heavy.closed is not None:
@@ -1318,19 +1370,22 @@ async def fairness(nursery: trio.Nursery, url: str, tool: str, flood_tool: str, 
             ok0, t0 = ok, time.perf_counter()
             flooded = sorted(await sequential(light, tool, backend, args.calls, phase))
             rate = (ok - ok0) / (time.perf_counter() - t0)
-            stop = True  # the workers end after their current call: no reply is left behind
-        out.append(FairRound(pct(alone, 0.5), pct(alone, 0.99), pct(flooded, 0.5), pct(flooded, 0.99),
-                             len(alone), len(flooded), ok, errors, rate))
+            stop.set()  # the workers end after their current call: no reply is left behind
+        out.append(FairRound(pct(alone, 0.5), pct(alone, 0.99), pct(flooded, 0.5),
+                             pct(flooded, 0.99), len(alone), len(flooded), ok, errors, rate))
         r = out[-1]
-        print(f"  fairness: light p50 {r.alone_p50_us:6.0f} us alone, {r.flood_p50_us:6.0f} us under the flood "
-              f"({r.flood_calls_per_s:.0f} flood calls/s, {errors} errors)", file=sys.stderr, flush=True)
+        print(f"  fairness: light p50 {r.alone_p50_us:6.0f} us alone, {r.flood_p50_us:6.0f} us "
+              "under the flood "
+              f"({r.flood_calls_per_s:.0f} flood calls/s, {errors} errors)", file=sys.stderr,
+              flush=True)
     await light.aclose()
     await heavy.aclose()
     return out
 
 
 def speedscope_top(path: str, n: int = 15) -> list[tuple[str, float, float]]:
-    """(function, own %, total %) of the top ``n`` functions by own samples in a py-spy speedscope file."""
+    """(function, own %, total %) of the top ``n`` functions by own samples in a py-spy speedscope
+    file."""
     with open(path) as f:
         doc = json.load(f)
     frames = doc["shared"]["frames"]
@@ -1345,7 +1400,8 @@ def speedscope_top(path: str, n: int = 15) -> list[tuple[str, float, float]]:
             names = []
             for i in stack:
                 fr = frames[i]
-                names.append(f"{fr.get('name')} ({os.path.basename(fr.get('file') or '?')}:{fr.get('line', '?')})")
+                names.append(f"{fr.get('name')} "
+                             f"({os.path.basename(fr.get('file') or '?')}:{fr.get('line', '?')})")
             own[names[-1]] = own.get(names[-1], 0.0) + w
             for name in set(names):
                 total[name] = total.get(name, 0.0) + w
@@ -1355,36 +1411,41 @@ def speedscope_top(path: str, n: int = 15) -> list[tuple[str, float, float]]:
     return [(name, 100 * w / all_weight, 100 * total[name] / all_weight) for name, w in top]
 
 
-async def profile_gateway(args: argparse.Namespace, procs: Procs, pid: int, conns: list[Conn], tool: str,
-                          backend: BackendSpec) -> dict[str, Any]:
+async def profile_gateway(args: argparse.Namespace, procs: Procs, pid: int, conns: list[Conn],
+                          tool: str, backend: BackendSpec) -> dict[str, Any]:
     """py-spy (GIL-holding samples, by function) on the gateway while ``conns`` make sequential
     calls: an extra load, after the measured rows, so the sampling costs them nothing."""
     spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
-    if not os.path.exists(spy):
+    if not os.path.exists(spy):  # noqa: ASYNC240 - a check on a local path, before any measurement
         raise BenchError("py-spy not found (pip install py-spy into the .venv)")
     secs = max(1, round(args.profile_seconds))
     out_file = args.profile
-    print(f"  profiling the gateway with py-spy for {secs} s ({len(conns)} x 1 over WebSocket)", file=sys.stderr,
-          flush=True)
-    proc = procs.popen("py-spy", [spy, "record", "--pid", str(pid), "--duration", str(secs), "--rate", "250",
-                                  "--gil", "--function", "--nonblocking", "--format", "speedscope", "-o", out_file])
+    print(f"  profiling the gateway with py-spy for {secs} s ({len(conns)} x 1 over WebSocket)",
+          file=sys.stderr, flush=True)
+    proc = procs.popen("py-spy",
+                       [spy, "record", "--pid", str(pid), "--duration", str(secs), "--rate", "250",
+                        "--gil", "--function", "--nonblocking", "--format", "speedscope",
+                        "-o", out_file])
     res = LoadResult("profile", "mcp-gateway", len(conns), 1, args.calls)
     async with trio.open_nursery() as nursery:
         async def load() -> None:
-            await run_load(conns, inflight=1, calls=10**9, cap=secs + 1.0, tool=tool, backend=backend, result=res)
+            await run_load(conns, inflight=1, calls=10**9, cap=secs + 1.0, tool=tool,
+                           backend=backend, result=res)
 
         nursery.start_soon(load)
     with trio.fail_after(secs + 30):
-        while proc.poll() is None:
+        while proc.poll() is None:  # noqa: ASYNC110 - a Popen child's exit: polled, it has no trio event
             await trio.sleep(0.1)
     procs.running.pop(proc.pid, None)
-    if proc.returncode != 0 or not os.path.exists(out_file):
+    if proc.returncode != 0 or not os.path.exists(out_file):  # noqa: ASYNC240 - a check on a local path, before any measurement
         raise BenchError(f"py-spy failed (code {proc.returncode}), see {procs.log_dir}/py-spy.log")
-    return {"file": out_file, "seconds": secs, "calls_per_s": res.calls_per_s, "top": speedscope_top(out_file)}
+    return {"file": out_file, "seconds": secs, "calls_per_s": res.calls_per_s,
+            "top": speedscope_top(out_file)}
 
 
 async def bench_gateway(args: argparse.Namespace, backend: BackendSpec, procs: Procs,
-                        results: list[LoadResult], singles: list[SeqResult], restarts: list[RestartRun],
+                        results: list[LoadResult], singles: list[SeqResult],
+                        restarts: list[RestartRun],
                         notes: list[str], extra: dict[str, Any]) -> None:
     print("mcp-gateway", file=sys.stderr, flush=True)
     tmp = tempfile.mkdtemp(prefix="mcpgw-bench-")
@@ -1392,23 +1453,26 @@ async def bench_gateway(args: argparse.Namespace, backend: BackendSpec, procs: P
     ws_port, admin = free_port(), free_port()
     http_port = None if args.no_http else free_port()
     cfg_path = os.path.join(procs.log_dir, "gateway-bench.toml")
-    with open(cfg_path, "w") as f:
+    with open(cfg_path, "w") as f:  # noqa: ASYNC230 - set-up on a local file, before any measurement
         f.write(gateway_config(backend, ws_port, admin, unix_path, args.max_inflight, http_port))
     # The gateway under test is the one in this tree (a worktree's, too), whatever is installed:
     # its folder goes first on PYTHONPATH, and the child's import is checked before it starts.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [ROOT, *[x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x]]))
-    where = subprocess.run([sys.executable, "-c", "import gateway; print(gateway.__file__)"], cwd=ROOT, env=env,
+    where = subprocess.run([sys.executable, "-c", "import gateway; print(gateway.__file__)"],  # noqa: ASYNC221 - set-up, before any measurement: a quick child
+                           cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=30).stdout.strip()
     if not where.startswith(os.path.join(ROOT, "gateway") + os.sep):
         raise BenchError(f"python -m gateway would import {where or 'nothing'}, not {ROOT}/gateway")
     notes.append(f"mcp-gateway under test: {os.path.dirname(where)}")
-    gw = procs.popen("gateway", [sys.executable, "-m", "gateway", "run", "--config", cfg_path], env=env)
+    gw = procs.popen("gateway", [sys.executable, "-m", "gateway", "run", "--config", cfg_path],
+                     env=env)
     try:
         deadline = trio.current_time() + START_TIMEOUT
         while True:
             if gw.poll() is not None:
-                raise BenchError(f"gateway exited during start-up (code {gw.returncode}); see {procs.log_dir}/gateway.log")
+                raise BenchError(f"gateway exited during start-up (code {gw.returncode}); see "
+                                 f"{procs.log_dir}/gateway.log")
             try:
                 code, _ = await http_get(admin, "/readyz")
                 if code == 200:
@@ -1430,8 +1494,10 @@ async def bench_gateway(args: argparse.Namespace, backend: BackendSpec, procs: P
             if args.idle_connections:
                 idle = await idle_connections(url, gw.pid, args.idle_connections)
                 extra["idle"] = idle
-                print(f"  {idle.opened} idle WebSocket connections: RSS {idle.rss_before / 2**20:.1f} -> "
-                      f"{idle.rss_open / 2**20:.1f} MiB (+{idle.added_mib:.1f}), {idle.rss_closed / 2**20:.1f} MiB "
+                print(f"  {idle.opened} idle WebSocket connections: RSS "
+                      f"{idle.rss_before / 2**20:.1f} -> "
+                      f"{idle.rss_open / 2**20:.1f} MiB (+{idle.added_mib:.1f}), "
+                      f"{idle.rss_closed / 2**20:.1f} MiB "
                       f"after closing them" + (f"; {idle.first_error}" if idle.first_error else ""),
                       file=sys.stderr, flush=True)
 
@@ -1443,33 +1509,39 @@ async def bench_gateway(args: argparse.Namespace, backend: BackendSpec, procs: P
             await one_unix.initialize()
             for c, t in ((one, fx_tool), (one, f"fxa__{backend.tool}"), (one_unix, fx_tool)):
                 await sequential(c, t, backend, 200, args.max_seconds)  # warm-up
-            rounds: dict[str, list[list[int]]] = {"ws shared": [], "ws affine": [], "unix shared": []}
+            rounds: dict[str, list[list[int]]] = {"ws shared": [], "ws affine": [],
+                                                  "unix shared": []}
             blocks = 5  # interleaved, so drift hits all three alike
             per = max(1, args.single_calls // blocks)
             for _ in range(args.repeat):
                 lat: dict[str, list[int]] = {k: [] for k in rounds}
                 for _ in range(blocks):
-                    lat["ws shared"] += await sequential(one, fx_tool, backend, per, args.max_seconds / blocks)
+                    lat["ws shared"] += await sequential(one, fx_tool, backend, per,
+                                                         args.max_seconds / blocks)
                     lat["ws affine"] += await sequential(one, f"fxa__{backend.tool}", backend, per,
                                                          args.max_seconds / blocks)
-                    lat["unix shared"] += await sequential(one_unix, fx_tool, backend, per, args.max_seconds / blocks)
+                    lat["unix shared"] += await sequential(one_unix, fx_tool, backend, per,
+                                                           args.max_seconds / blocks)
                 for k in rounds:
                     rounds[k].append(lat[k])
             for key, label in (("ws shared", "mcp-gateway WS, shared backend"),
                                ("ws affine", "mcp-gateway WS, affine backend"),
                                ("unix shared", "mcp-gateway unix, shared backend")):
                 singles.append(seq_result(label, rounds[key]))
-                print(f"  single client {label:<36} p50 {singles[-1].p50_us:6.0f} us", file=sys.stderr, flush=True)
+                print(f"  single client {label:<36} p50 {singles[-1].p50_us:6.0f} us",
+                      file=sys.stderr, flush=True)
 
             # ---- N connections --------------------------------------------------------------
             ws_conns = [await WsConn.open(nursery, url, ["mcp"]) for _ in range(args.clients)]
             for c in ws_conns:
                 await c.initialize()
             for inflight in (1, args.inflight):
-                results.append(await measure("mcp-gateway, WebSocket", "mcp-gateway", ws_conns, args,
-                                             inflight=inflight, tool=fx_tool, backend=backend, cpu_pids=cpu))
+                results.append(await measure("mcp-gateway, WebSocket", "mcp-gateway", ws_conns,
+                                             args, inflight=inflight, tool=fx_tool,
+                                             backend=backend, cpu_pids=cpu))
             if args.profile:
-                extra["profile"] = await profile_gateway(args, procs, gw.pid, ws_conns, fx_tool, backend)
+                extra["profile"] = await profile_gateway(args, procs, gw.pid, ws_conns, fx_tool,
+                                                         backend)
             for c in ws_conns:
                 await c.aclose()
             unix_conns: list[Conn] = []
@@ -1479,8 +1551,9 @@ async def bench_gateway(args: argparse.Namespace, backend: BackendSpec, procs: P
             for c in unix_conns:
                 await c.initialize()
             for inflight in (1, args.inflight):
-                results.append(await measure("mcp-gateway, unix socket", "mcp-gateway", unix_conns, args,
-                                             inflight=inflight, tool=fx_tool, backend=backend, cpu_pids=cpu))
+                results.append(await measure("mcp-gateway, unix socket", "mcp-gateway", unix_conns,
+                                             args, inflight=inflight, tool=fx_tool,
+                                             backend=backend, cpu_pids=cpu))
             for c in unix_conns:
                 await c.aclose()
 
@@ -1488,22 +1561,26 @@ async def bench_gateway(args: argparse.Namespace, backend: BackendSpec, procs: P
             if http_port is not None:
                 fx_before = fx_instances(await gateway_status(admin))
                 for label, modern in ((GW_HTTP_LEGACY_ROW, False), (GW_HTTP_MODERN_ROW, True)):
-                    http_conns: list[Conn] = [HttpConn(http_port, modern=modern, max_links=args.inflight)
+                    http_conns: list[Conn] = [HttpConn(http_port, modern=modern,
+                                                       max_links=args.inflight)
                                               for _ in range(args.clients)]
                     try:
                         for c in http_conns:
                             with trio.fail_after(10):
                                 await c.initialize()
                         for inflight in (1, args.inflight):
-                            results.append(await measure(label, "mcp-gateway", http_conns, args, inflight=inflight,
-                                                         tool=fx_tool, backend=backend, cpu_pids=cpu))
+                            results.append(await measure(label, "mcp-gateway", http_conns, args,
+                                                         inflight=inflight,
+                                                         tool=fx_tool, backend=backend,
+                                                         cpu_pids=cpu))
                     finally:
                         notes.append(HttpConn.summary(label, http_conns))
                         for c in http_conns:
                             await c.aclose()
                 fx_after = fx_instances(await gateway_status(admin))
                 extra["shared_child"] = {"before": fx_before, "after": fx_after}
-                print(f"  backend fx instances (pid, state): before the HTTP rows {fx_before}, after {fx_after}",
+                print(f"  backend fx instances (pid, state): before the HTTP rows {fx_before}, "
+                      f"after {fx_after}",
                       file=sys.stderr, flush=True)
 
             # ---- fairness: a flood on one connection, sequential calls on another --------------
@@ -1511,8 +1588,8 @@ async def bench_gateway(args: argparse.Namespace, backend: BackendSpec, procs: P
                 flood_tool, flood_args = "fx__sleep", {"seconds": 0.002, "message": "flood"}
             else:
                 flood_tool, flood_args = fx_tool, {"message": "flood"}
-            extra["fairness"] = await fairness(nursery, url, fx_tool, flood_tool, flood_args, backend, args,
-                                               FLOOD_INFLIGHT)
+            extra["fairness"] = await fairness(nursery, url, fx_tool, flood_tool, flood_args,
+                                               backend, args, FLOOD_INFLIGHT)
             extra["fairness_tool"] = f"{flood_tool} {json.dumps(flood_args)}"
 
             # ---- restart-to-ready -----------------------------------------------------------
@@ -1532,12 +1609,12 @@ async def bench_gateway(args: argparse.Namespace, backend: BackendSpec, procs: P
             nursery.cancel_scope.cancel()
         status = await gateway_status(admin)
         restarts_seen = instance_of(status, "rs")["restarts"]
-        notes.append(f"restart backend 'rs': /status counts {restarts_seen} restarts after {args.restarts} kills")
+        notes.append(f"restart backend 'rs': /status counts {restarts_seen} restarts after "
+                     f"{args.restarts} kills")
     finally:
-        with trio.CancelScope(shield=True):
-            procs.remember_tree(gw.pid)
-            procs.stop(gw.pid, grace=10.0)
-            shutil.rmtree(tmp, ignore_errors=True)
+        procs.remember_tree(gw.pid)
+        procs.stop(gw.pid, grace=10.0)
+        shutil.rmtree(tmp, ignore_errors=True)
         if gw.returncode not in (0, None, -signal.SIGTERM):
             notes.append(f"mcp-gateway exited with code {gw.returncode} on SIGTERM")
 
@@ -1550,7 +1627,8 @@ async def bench_floor(args: argparse.Namespace, backend: BackendSpec, procs: Pro
     tmp = tempfile.mkdtemp(prefix="mcpgw-bench-")
     unix_path = os.path.join(tmp, "floor.sock")
     port = free_port()
-    fl = procs.popen("floor", [sys.executable, FLOOR, "--ws", f"127.0.0.1:{port}", "--unix", unix_path])
+    fl = procs.popen("floor",
+                     [sys.executable, FLOOR, "--ws", f"127.0.0.1:{port}", "--unix", unix_path])
     try:
         await wait_port(port, fl, "floor")
         addrs = assert_loopback_only(fl.pid, "floor")
@@ -1576,29 +1654,29 @@ async def bench_floor(args: argparse.Namespace, backend: BackendSpec, procs: Pro
                     await c.aclose()
             nursery.cancel_scope.cancel()
     finally:
-        with trio.CancelScope(shield=True):
-            procs.remember_tree(fl.pid)
-            procs.stop(fl.pid)
-            shutil.rmtree(tmp, ignore_errors=True)
+        procs.remember_tree(fl.pid)
+        procs.stop(fl.pid)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 async def bench_supergateway(args: argparse.Namespace, backend: BackendSpec, procs: Procs,
                              results: list[LoadResult], notes: list[str]) -> None:
     print("supergateway 4.0.0 (stdio -> WebSocket)", file=sys.stderr, flush=True)
-    if not os.path.isfile(SUPERGATEWAY):
+    if not os.path.isfile(SUPERGATEWAY):  # noqa: ASYNC240 - a check on a local path, before any measurement
         raise BenchError("not installed (run scripts/setup-bench)")
     node = shutil.which("node")
     if node is None:
         raise BenchError("node not found")
     port = free_port()
     stdio_cmd = shlex.join(backend.argv)
-    argv = [node, "--require", PRELOAD, SUPERGATEWAY, "--stdio", stdio_cmd, "--outputTransport", "ws",
-            "--port", str(port), "--logLevel", "none"]
+    argv = [node, "--require", PRELOAD, SUPERGATEWAY, "--stdio", stdio_cmd,
+            "--outputTransport", "ws", "--port", str(port), "--logLevel", "none"]
     sg = procs.popen("supergateway", argv)
     try:
         await wait_port(port, sg, "supergateway")
         addrs = assert_loopback_only(sg.pid, "supergateway")
-        notes.append(f"supergateway listens on {', '.join(sorted(addrs))} (forced by bench/loopback-preload.cjs)")
+        notes.append(f"supergateway listens on {', '.join(sorted(addrs))} (forced by "
+                     "bench/loopback-preload.cjs)")
         procs.remember_tree(sg.pid)
         url = f"ws://127.0.0.1:{port}/message"
         cpu = {"proxy": lambda: [sg.pid], "backend": lambda: descendants(sg.pid)}
@@ -1609,14 +1687,14 @@ async def bench_supergateway(args: argparse.Namespace, backend: BackendSpec, pro
                     await c.initialize()
             for inflight in (1, args.inflight):
                 results.append(await measure("supergateway 4.0.0, WebSocket", "peer", conns, args,
-                                             inflight=inflight, tool=backend.tool, backend=backend, cpu_pids=cpu))
+                                             inflight=inflight, tool=backend.tool, backend=backend,
+                                             cpu_pids=cpu))
             for c in conns:
                 await c.aclose()
             nursery.cancel_scope.cancel()
     finally:
-        with trio.CancelScope(shield=True):
-            procs.remember_tree(sg.pid)
-            procs.stop(sg.pid)
+        procs.remember_tree(sg.pid)
+        procs.stop(sg.pid)
 
 
 async def bench_supergateway_http(args: argparse.Namespace, backend: BackendSpec, procs: Procs,
@@ -1624,7 +1702,7 @@ async def bench_supergateway_http(args: argparse.Namespace, backend: BackendSpec
     """supergateway's Streamable HTTP output, stateful: one session per client, and supergateway
     spawns one backend child per session (their CPU and memory are the backend columns)."""
     print("supergateway 4.0.0 (stdio -> Streamable HTTP, stateful)", file=sys.stderr, flush=True)
-    if not os.path.isfile(SUPERGATEWAY):
+    if not os.path.isfile(SUPERGATEWAY):  # noqa: ASYNC240 - a check on a local path, before any measurement
         raise BenchError("not installed (run scripts/setup-bench)")
     node = shutil.which("node")
     if node is None:
@@ -1645,8 +1723,10 @@ async def bench_supergateway_http(args: argparse.Namespace, backend: BackendSpec
                     await c.initialize()
                 procs.remember_tree(sg.pid)
             addrs = assert_loopback_only(sg.pid, "supergateway")
-            notes.append(f"supergateway (Streamable HTTP) listens on {', '.join(sorted(addrs))} (forced by "
-                         f"bench/loopback-preload.cjs); {len(descendants(sg.pid))} processes below it with "
+            notes.append(f"supergateway (Streamable HTTP) listens on {', '.join(sorted(addrs))} "
+                         "(forced by "
+                         f"bench/loopback-preload.cjs); {len(descendants(sg.pid))} processes below "
+                         "it with "
                          f"{args.clients} sessions open")
             for inflight in (1, args.inflight):
                 results.append(await measure(SG_HTTP_ROW, "peer", conns, args, inflight=inflight,
@@ -1657,18 +1737,18 @@ async def bench_supergateway_http(args: argparse.Namespace, backend: BackendSpec
             for c in conns:
                 await c.aclose()
     finally:
-        with trio.CancelScope(shield=True):
-            procs.remember_tree(sg.pid)
-            procs.stop(sg.pid)
+        procs.remember_tree(sg.pid)
+        procs.stop(sg.pid)
 
 
 async def bench_mcp_proxy(args: argparse.Namespace, backend: BackendSpec, procs: Procs,
                           results: list[LoadResult], notes: list[str]) -> None:
     print("mcp-proxy 0.13.0 (stdio -> Streamable HTTP)", file=sys.stderr, flush=True)
-    if not os.path.isfile(MCP_PROXY):
+    if not os.path.isfile(MCP_PROXY):  # noqa: ASYNC240 - a check on a local path, before any measurement
         raise BenchError("not installed (run scripts/setup-bench)")
     port = free_port()
-    argv = [MCP_PROXY, "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING", *backend.argv]
+    argv = [MCP_PROXY, "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING",
+            *backend.argv]
     mp = procs.popen("mcp-proxy", argv)
     try:
         await wait_port(port, mp, "mcp-proxy")
@@ -1689,16 +1769,16 @@ async def bench_mcp_proxy(args: argparse.Namespace, backend: BackendSpec, procs:
             for c in conns:
                 await c.aclose()
     finally:
-        with trio.CancelScope(shield=True):
-            procs.remember_tree(mp.pid)
-            procs.stop(mp.pid)
+        procs.remember_tree(mp.pid)
+        procs.stop(mp.pid)
 
 
 # ==== report =====================================================================================
 
 
 def cpu_calibration() -> float:
-    """CPU ms of a fixed pure-Python loop (best of 3): how fast this machine's cores are right now."""
+    """CPU ms of a fixed pure-Python loop (best of 3): how fast this machine's cores are right
+    now."""
     best = float("inf")
     for _ in range(3):
         t0 = time.process_time()
@@ -1724,7 +1804,8 @@ def attach_ratios(results: list[LoadResult]) -> None:
 
 
 WS_ROW, UNIX_ROW = "mcp-gateway, WebSocket", "mcp-gateway, unix socket"
-FLOOR_WS_ROW, FLOOR_UNIX_ROW = "floor (no logic, cat), WebSocket", "floor (no logic, cat), unix socket"
+FLOOR_WS_ROW, FLOOR_UNIX_ROW = "floor (no logic, cat), WebSocket", ("floor (no logic, cat), unix "
+                                                                    "socket")
 SG_ROW, DIRECT_ROW = "supergateway 4.0.0, WebSocket", "direct stdio (one pipe)"
 GW_HTTP_LEGACY_ROW = "mcp-gateway, HTTP legacy session"
 GW_HTTP_MODERN_ROW = "mcp-gateway, HTTP stateless 2026-07-28"
@@ -1773,14 +1854,15 @@ def evaluate_targets(results: list[LoadResult], singles: list[SeqResult], extra:
     gw_ws, gw_unix = find_row(results, WS_ROW, 1), find_row(results, UNIX_ROW, 1)
     sg, direct = find_row(results, SG_ROW, 1), find_row(results, DIRECT_ROW, 1)
     add(f"WebSocket, {n} connections: calls/s ÷ supergateway's WebSocket calls/s",
-        gw_ws.calls_per_s / sg.calls_per_s if gw_ws and sg and sg.calls_per_s else None, "≥", 1.2, "×", "{:.2f}")
+        gw_ws.calls_per_s / sg.calls_per_s if gw_ws and sg and sg.calls_per_s else None, "≥", 1.2,
+        "×", "{:.2f}")
     add(f"unix socket, {n} connections: calls/s ÷ direct stdio calls/s",
-        gw_unix.calls_per_s / direct.calls_per_s if gw_unix and direct and direct.calls_per_s else None,
-        "≥", 0.6, "×", "{:.2f}")
-    add(f"gateway CPU per call, WebSocket, {n} × 1", gw_ws.cpu_us_per_call.get("proxy") if gw_ws else None,
-        "≤", 90, " µs")
-    add(f"gateway CPU per call, unix socket, {n} × 1", gw_unix.cpu_us_per_call.get("proxy") if gw_unix else None,
-        "≤", 70, " µs")
+        gw_unix.calls_per_s / direct.calls_per_s if gw_unix and direct and direct.calls_per_s
+        else None, "≥", 0.6, "×", "{:.2f}")
+    add(f"gateway CPU per call, WebSocket, {n} × 1",
+        gw_ws.cpu_us_per_call.get("proxy") if gw_ws else None, "≤", 90, " µs")
+    add(f"gateway CPU per call, unix socket, {n} × 1",
+        gw_unix.cpu_us_per_call.get("proxy") if gw_unix else None, "≤", 70, " µs")
     add(f"gateway CPU per call minus the floor's, WebSocket, {n} × 1",
         over_floor(results, gw_ws) if gw_ws else None, "≤", 40, " µs")
     add(f"gateway CPU per call minus the floor's, unix socket, {n} × 1",
@@ -1790,14 +1872,18 @@ def evaluate_targets(results: list[LoadResult], singles: list[SeqResult], extra:
                                ("unix socket", "mcp-gateway unix, shared backend", 0.15)):
         seq = next((x for x in singles if x.path == path), None)
         add(f"sequential added latency p50 (gateway − direct), {label}",
-            (seq.p50_us - direct_seq.p50_us) / 1000 if seq and direct_seq else None, "≤", limit, " ms", "{:.3f}")
+            (seq.p50_us - direct_seq.p50_us) / 1000 if seq and direct_seq else None, "≤", limit,
+            " ms", "{:.3f}")
     fair = extra.get("fairness") or []
-    ratios = [r.flood_p50_us / r.alone_p50_us for r in fair if r.alone_p50_us > 0 and not math.isnan(r.flood_p50_us)]
-    add(f"fairness: light connection's p50 under a {FLOOD_INFLIGHT}-in-flight flood ÷ its p50 alone",
+    ratios = [r.flood_p50_us / r.alone_p50_us for r in fair if r.alone_p50_us > 0
+              and not math.isnan(r.flood_p50_us)]
+    add(f"fairness: light connection's p50 under a {FLOOD_INFLIGHT}-in-flight flood "
+        "÷ its p50 alone",
         statistics.median(ratios) if ratios else None, "≤", 2, "×", "{:.2f}")
     idle = extra.get("idle")
     add(f"{args.idle_connections} idle WebSocket connections: added gateway RSS",
-        idle.added_mib if idle is not None and idle.opened == idle.wanted else None, "≤", 32, " MiB", "{:.1f}")
+        idle.added_mib if idle is not None and idle.opened == idle.wanted else None, "≤", 32,
+        " MiB", "{:.1f}")
 
     # issue 9: Streamable HTTP, against supergateway's (stateful) and mcp-proxy's
     sg_http, mp = find_row(results, SG_HTTP_ROW, 1), find_row(results, MP_ROW, 1)
@@ -1806,125 +1892,166 @@ def evaluate_targets(results: list[LoadResult], singles: list[SeqResult], extra:
     for shape, gw in shapes:
         for peer_name, peer in (("supergateway's (stateful)", sg_http), ("mcp-proxy's", mp)):
             add(f"HTTP {shape}, {n} clients: calls/s ÷ {peer_name} Streamable HTTP calls/s",
-                gw.calls_per_s / peer.calls_per_s if gw and peer and peer.calls_per_s else None, "≥", 2, "×", "{:.2f}")
+                gw.calls_per_s / peer.calls_per_s if gw and peer and peer.calls_per_s else None,
+                "≥", 2, "×", "{:.2f}")
     mp_cpu = mp.cpu_us_per_call.get("proxy") if mp else None
     for shape, gw in shapes:
         gw_cpu = gw.cpu_us_per_call.get("proxy") if gw else None
         add(f"gateway CPU per call, HTTP {shape}, {n} × 1, ÷ mcp-proxy's "
             f"({_f(gw_cpu)} µs ÷ {_f(mp_cpu)} µs)",
-            gw_cpu / mp_cpu if gw_cpu is not None and mp_cpu else None, "≤", 1 / 3, "×", "{:.2f}", "⅓")
-    gw_rss = [r.rss_mib["proxy"] for r in results if r.group == "mcp-gateway" and "proxy" in r.rss_mib]
+            gw_cpu / mp_cpu if gw_cpu is not None and mp_cpu else None, "≤", 1 / 3, "×", "{:.2f}",
+            "⅓")
+    gw_rss = [r.rss_mib["proxy"] for r in results if r.group == "mcp-gateway"
+              and "proxy" in r.rss_mib]
     add("gateway resident memory (the largest VmRSS seen at the end of any round of its rows)",
         max(gw_rss) * 2**20 / 1e6 if gw_rss else None, "<", 64, " MB", "{:.1f}")
     shared = extra.get("shared_child")
     if shared is None:
-        out.append(Target("one shared child: backend fx instances after the HTTP rows", "not measured", "= 1, same pid",
-                          None, None))
+        out.append(Target("one shared child: backend fx instances after the HTTP rows",
+                          "not measured", "= 1, same pid", None, None))
     else:
         before, after = shared["before"], shared["after"]
         same = len(before) == 1 and len(after) == 1 and before[0][0] == after[0][0]
-        out.append(Target("one shared child: backend fx instances after the HTTP rows (same pid as before them)",
-                          f"{len(after)} ({'same pid' if same else f'pids {before} → {after}'})", "= 1, same pid",
-                          None, same))
+        out.append(Target("one shared child: backend fx instances after the HTTP rows (same pid as "
+                          "before them)",
+                          f"{len(after)} ({'same pid' if same else f'pids {before} → {after}'})",
+                          "= 1, same pid", None, same))
     return out
 
 
-def markdown(args: argparse.Namespace, backend: BackendSpec, results: list[LoadResult], singles: list[SeqResult],
-             restarts: list[RestartRun], spawns: list[float], peers: dict[str, str], notes: list[str],
-             extra: dict[str, Any], targets: list[Target]) -> str:
-    out = [f"### Targets (issues 8 and 9; medians of {args.repeat} rounds; backend: {backend.name})", "",
-           "| target | measured | limit | measured ÷ limit | result |", "|---|---:|---:|---:|---|"]
+def markdown(args: argparse.Namespace, backend: BackendSpec, results: list[LoadResult],
+             singles: list[SeqResult],
+             restarts: list[RestartRun], spawns: list[float], peers: dict[str, str],
+             notes: list[str], extra: dict[str, Any], targets: list[Target]) -> str:
+    out = [
+        f"### Targets (issues 8 and 9; medians of {args.repeat} rounds; backend: {backend.name})",
+        "", "| target | measured | limit | measured ÷ limit | result |", "|---|---:|---:|---:|---|"]
     for t in targets:
         res = "n/a" if t.passed is None else ("PASS" if t.passed else "**FAIL**")
         out.append(f"| {t.what} | {t.measured} | {t.limit} | {_f(t.ratio, '{:.2f}')} | {res} |")
-    out += ["", f"### Throughput: {args.clients} clients, {args.seconds:g} s per round (at most {args.calls} calls), "
-            f"median of {args.repeat} rounds (backend: {backend.name}, {os.cpu_count()} CPUs shared by client "
+    out += ["", f"### Throughput: {args.clients} clients, {args.seconds:g} s per round (at most "
+                f"{args.calls} calls), "
+            f"median of {args.repeat} rounds (backend: {backend.name}, {os.cpu_count()} CPUs "
+            "shared by client "
             "and servers)", "",
-            "| path | clients × in flight | ok / err | calls/s | × direct | p50 ms | p99 ms | p50 × direct "
+            "| path | clients × in flight | ok / err | calls/s | × direct | p50 ms | p99 ms | p50 "
+            "× direct "
             "| proxy CPU µs/call (sys) | proxy CPU − floor µs/call | backend CPU µs/call "
-            "| bench client CPU µs/call (sys) | other load (cores) | proxy RSS MiB | backend RSS MiB (processes) |",
+            "| bench client CPU µs/call (sys) | other load (cores) | proxy RSS MiB | backend RSS "
+            "MiB (processes) |",
             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         cpu = r.cpu_us_per_call
 
-        def cpu_cell(label: str) -> str:
+        def cpu_cell(label: str, cpu: dict[str, float] = cpu) -> str:
             return f"{_f(cpu.get(label))} ({_f(cpu.get(label + ' sys'))})"
 
         out.append(
-            f"| {r.path}{' (call bound hit)' if r.call_bound_hit else ''} | {r.clients} × {r.inflight} "
+            f"| {r.path}{' (call bound hit)' if r.call_bound_hit else ''} | {r.clients} × "
+            f"{r.inflight} "
             f"| {r.ok} / {r.errors} "
-            f"| {r.calls_per_s:.0f} | {_f(r.ratio_vs_direct, '{:.2f}')} | {_f(r.p50_us / 1000, '{:.2f}')} "
+            f"| {r.calls_per_s:.0f} | {_f(r.ratio_vs_direct, '{:.2f}')} | "
+            f"{_f(r.p50_us / 1000, '{:.2f}')} "
             f"| {_f(r.p99_us / 1000, '{:.2f}')} | {_f(r.p50_vs_direct, '{:.2f}')} "
             f"| {cpu_cell('proxy') if r.group != 'direct' else '–'} "
             f"| {_f(over_floor(results, r), '{:+.0f}') if r.path in FLOOR_OF else '–'} "
             f"| {_f(cpu.get('backend'))} "
             f"| {cpu_cell('bench client')} | {_f(r.other_load, '{:.1f}')} "
             f"| {_f(r.rss_mib.get('proxy'), '{:.1f}') if r.group != 'direct' else '–'} "
-            f"| {_f(r.rss_mib.get('backend'), '{:.1f}')} ({r.rss_mib.get('backend procs', 0):.0f}) |")
-    out += ["", f"### Single client, sequential calls ({args.single_calls} per row and round; median of "
+            f"| {_f(r.rss_mib.get('backend'), '{:.1f}')} ({r.rss_mib.get('backend procs', 0):.0f}) "
+            "|")
+    out += ["", f"### Single client, sequential calls ({args.single_calls} per row and round; "
+                "median of "
             f"{args.repeat} rounds' p50/p99)", "",
-            "| path | calls | p50 µs | p99 µs | mean µs | p50 added vs direct µs | p50 added vs shared µs |",
+            "| path | calls | p50 µs | p99 µs | mean µs | p50 added vs direct µs | p50 added vs "
+            "shared µs |",
             "|---|---:|---:|---:|---:|---:|---:|"]
     direct = next((s for s in singles if s.path == "direct stdio"), None)
     shared = next((s for s in singles if s.path == "mcp-gateway WS, shared backend"), None)
     for s in singles:
         add_direct = s.p50_us - direct.p50_us if direct and s is not direct else None
-        add_shared = s.p50_us - shared.p50_us if shared and s.path == "mcp-gateway WS, affine backend" else None
+        add_shared = s.p50_us - shared.p50_us if shared and s.path == ("mcp-gateway WS, affine "
+                                                                       "backend") else None
         out.append(f"| {s.path} | {s.calls} | {_f(s.p50_us)} | {_f(s.p99_us)} | {_f(s.mean_us)} "
                    f"| {_f(add_direct, '{:+.0f}')} | {_f(add_shared, '{:+.0f}')} |")
     fair = extra.get("fairness") or []
     if fair:
-        out += ["", f"### Fairness (WebSocket, shared backend): a light connection's sequential `echo` calls, "
+        out += ["", "### Fairness (WebSocket, shared backend): a light connection's sequential "
+                    "`echo` calls, "
                 f"alone and while another connection keeps {FLOOD_INFLIGHT} calls in flight "
                 f"(`{extra.get('fairness_tool')}`); {max(1.0, args.seconds / 2):g} s per phase", "",
-                "| round | light p50 alone µs | light p99 alone µs | light p50 flooded µs | light p99 flooded µs "
-                "| p50 flooded ÷ alone | light calls alone / flooded | flood calls/s | flood errors |",
+                "| round | light p50 alone µs | light p99 alone µs | light p50 flooded µs | light "
+                "p99 flooded µs "
+                "| p50 flooded ÷ alone | light calls alone / flooded | flood calls/s | flood "
+                "errors |",
                 "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
         for i, r in enumerate(fair, 1):
-            out.append(f"| {i} | {_f(r.alone_p50_us)} | {_f(r.alone_p99_us)} | {_f(r.flood_p50_us)} "
+            out.append(f"| {i} | {_f(r.alone_p50_us)} | {_f(r.alone_p99_us)} | "
+                       f"{_f(r.flood_p50_us)} "
                        f"| {_f(r.flood_p99_us)} | {_f(r.flood_p50_us / r.alone_p50_us, '{:.2f}')} "
-                       f"| {r.alone_calls} / {r.flood_calls} | {r.flood_calls_per_s:.0f} | {r.flood_errors} |")
-        med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
-        out.append(f"| **median** | {_f(med([r.alone_p50_us for r in fair]))} | {_f(med([r.alone_p99_us for r in fair]))} "
-                   f"| {_f(med([r.flood_p50_us for r in fair]))} | {_f(med([r.flood_p99_us for r in fair]))} "
-                   f"| **{_f(med([r.flood_p50_us / r.alone_p50_us for r in fair]), '{:.2f}')}** | | "
+                       f"| {r.alone_calls} / {r.flood_calls} | {r.flood_calls_per_s:.0f} | "
+                       f"{r.flood_errors} |")
+        def med(xs: list[float]) -> float:
+            return statistics.median(xs) if xs else float("nan")
+
+        out.append(f"| **median** | {_f(med([r.alone_p50_us for r in fair]))} | "
+                   f"{_f(med([r.alone_p99_us for r in fair]))} "
+                   f"| {_f(med([r.flood_p50_us for r in fair]))} | "
+                   f"{_f(med([r.flood_p99_us for r in fair]))} "
+                   f"| **{_f(med([r.flood_p50_us / r.alone_p50_us for r in fair]), '{:.2f}')}** | "
+                   "| "
                    f"{_f(med([r.flood_calls_per_s for r in fair]))} | |")
     idle = extra.get("idle")
     if idle is not None:
-        out += ["", "### Idle WebSocket connections (opened first, on the gateway's fresh heap; each initialised)",
-                "", "| connections opened | gateway RSS before MiB | with them open MiB | added MiB | added KiB per "
+        out += ["", "### Idle WebSocket connections (opened first, on the gateway's fresh heap; "
+                    "each initialised)",
+                "", "| connections opened | gateway RSS before MiB | with them open MiB | added "
+                    "MiB | added KiB per "
                 "connection | 1 s after closing them MiB |", "|---:|---:|---:|---:|---:|---:|",
-                f"| {idle.opened} / {idle.wanted} | {idle.rss_before / 2**20:.1f} | {idle.rss_open / 2**20:.1f} "
-                f"| {idle.added_mib:.1f} | {_f(idle.added_mib * 1024 / idle.opened if idle.opened else None, '{:.1f}')} "
+                f"| {idle.opened} / {idle.wanted} | {idle.rss_before / 2**20:.1f} | "
+                f"{idle.rss_open / 2**20:.1f} "
+                f"| {idle.added_mib:.1f} | "
+                f"{_f(idle.added_mib * 1024 / idle.opened if idle.opened else None, '{:.1f}')} "
                 f"| {idle.rss_closed / 2**20:.1f} |"]
         if idle.first_error:
             out.append(f"\nFirst error while opening: {idle.first_error}")
     prof = extra.get("profile")
     if prof:
         out += ["", f"### Profile: the gateway process under {args.clients} × 1 WebSocket load "
-                f"(py-spy, GIL-holding samples, {prof['seconds']} s, {prof['calls_per_s']:.0f} calls/s while sampled)",
+                f"(py-spy, GIL-holding samples, {prof['seconds']} s, {prof['calls_per_s']:.0f} "
+                "calls/s while sampled)",
                 "", "| # | function (file:first line) | own % | total % |", "|---:|---|---:|---:|"]
         for i, (name, own, total) in enumerate(prof["top"], 1):
             out.append(f"| {i} | `{name}` | {own:.1f} | {total:.1f} |")
     if restarts:
-        out += ["", "### Restart-to-ready (kill -9 of the backend child; /status polled every 5 ms; "
+        out += ["",
+                "### Restart-to-ready (kill -9 of the backend child; /status polled every 5 ms; "
                 "restart backoff configured to 5 ms; times from the kill)", "",
-                "| run | not RUNNING seen ms | STARTING (new pid) seen ms | RUNNING seen ms | first ok call ms "
+                "| run | not RUNNING seen ms | STARTING (new pid) seen ms | RUNNING seen ms | "
+                "first ok call ms "
                 "| gateway's spawn→handshake ms | failed attempts | errors seen |",
                 "|---|---:|---:|---:|---:|---:|---:|---|"]
         for i, r in enumerate(restarts, 1):
-            out.append(f"| {i} | {r.gone_ms:.1f} | {_f(r.starting_ms, '{:.1f}')} | {r.running_ms:.1f} "
-                       f"| {r.first_call_ms:.1f} | {_f(r.gateway_start_ms, '{:.1f}')} | {r.failed_calls} "
+            out.append(f"| {i} | {r.gone_ms:.1f} | {_f(r.starting_ms, '{:.1f}')} | "
+                       f"{r.running_ms:.1f} "
+                       f"| {r.first_call_ms:.1f} | {_f(r.gateway_start_ms, '{:.1f}')} | "
+                       f"{r.failed_calls} "
                        f"| {', '.join(r.errors_seen) or '–'} |")
-        med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
+        def med(xs: list[float]) -> float:
+            return statistics.median(xs) if xs else float("nan")
+
         starting = [r.starting_ms for r in restarts if r.starting_ms is not None]
         gw_start = [r.gateway_start_ms for r in restarts if r.gateway_start_ms is not None]
-        out.append(f"| **median** | {med([r.gone_ms for r in restarts]):.1f} | {_f(med(starting), '{:.1f}')} "
+        out.append(f"| **median** | {med([r.gone_ms for r in restarts]):.1f} | "
+                   f"{_f(med(starting), '{:.1f}')} "
                    f"| **{med([r.running_ms for r in restarts]):.1f}** "
-                   f"| **{med([r.first_call_ms for r in restarts]):.1f}** | {_f(med(gw_start), '{:.1f}')} | | |")
+                   f"| **{med([r.first_call_ms for r in restarts]):.1f}** | "
+                   f"{_f(med(gw_start), '{:.1f}')} | | |")
         if spawns:
-            out += ["", f"Floor for comparison: spawning the backend directly and doing the same handshake "
-                    f"(initialize + the four lists) took {statistics.median(spawns):.1f} ms (median of "
+            out += ["", "Floor for comparison: spawning the backend directly and doing the same "
+                        "handshake "
+                    f"(initialize + the four lists) took {statistics.median(spawns):.1f} ms "
+                    "(median of "
                     f"{len(spawns)}: {', '.join(f'{x:.0f}' for x in spawns)} ms)."]
     out += ["", "### Peers", ""]
     for name, state in peers.items():
@@ -1965,7 +2092,8 @@ async def amain(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
             await fn()
         except (BenchError, OSError, trio.TooSlowError, trio_websocket.HandshakeError) as exc:
             msg = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            failures.append(f"{name}: **not measured**: {msg} (logs: {os.path.relpath(procs.log_dir, ROOT)})")
+            failures.append(f"{name}: **not measured**: {msg} (logs: "
+                            f"{os.path.relpath(procs.log_dir, ROOT)})")  # noqa: ASYNC240 - absolute paths: no disk I/O
             print(f"  {name}: FAILED: {msg}", file=sys.stderr, flush=True)
             return False
         return True
@@ -1976,18 +2104,23 @@ async def amain(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
     async with trio.open_nursery() as outer:
         outer.start_soon(on_signal, outer.cancel_scope)
         with trio.move_on_after(args.total_timeout) as total:
-            await section("direct stdio", lambda: bench_direct(args, backend, procs, results, singles, spawns))
-            await section("mcp-gateway", lambda: bench_gateway(args, backend, procs, results, singles, restarts,
-                                                               notes, extra))
+            await section("direct stdio",
+                          lambda: bench_direct(args, backend, procs, results, singles, spawns))
+            await section("mcp-gateway",
+                          lambda: bench_gateway(args, backend, procs, results, singles, restarts,
+                                                notes, extra))
             if not args.no_floor:
                 await section("floor", lambda: bench_floor(args, backend, procs, results, notes))
             for name, fn, wanted, http in (
-                    ("supergateway 4.0.0 (stdio → WebSocket)", bench_supergateway, "supergateway", False),
-                    ("supergateway 4.0.0 (stdio → Streamable HTTP, stateful)", bench_supergateway_http,
-                     "supergateway", True),
-                    ("mcp-proxy 0.13.0 (stdio → Streamable HTTP)", bench_mcp_proxy, "mcp-proxy", True)):
+                    ("supergateway 4.0.0 (stdio → WebSocket)", bench_supergateway,
+                     "supergateway", False),
+                    ("supergateway 4.0.0 (stdio → Streamable HTTP, stateful)",
+                     bench_supergateway_http, "supergateway", True),
+                    ("mcp-proxy 0.13.0 (stdio → Streamable HTTP)", bench_mcp_proxy,
+                     "mcp-proxy", True)):
                 if wanted not in args.peers or (http and args.no_http):
-                    peers[name] = "skipped (--peers)" if wanted not in args.peers else "skipped (--no-http)"
+                    peers[name] = ("skipped (--peers)" if wanted not in args.peers
+                                   else "skipped (--no-http)")
                     continue
                 before = len(results)
                 if not await section(name, lambda fn=fn: fn(args, backend, procs, results, notes)):
@@ -2005,14 +2138,17 @@ async def amain(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
     notes[:0] = failures
     attach_ratios(results)
     notes.append(f"whole run took {time.perf_counter() - started:.1f} s; load average (1 min) "
-                 f"{load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after, on {os.cpu_count()} CPUs; "
+                 f"{load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after, on "
+                 f"{os.cpu_count()} CPUs; "
                  f"CPU calibration: a 1M-iteration Python loop took {calibration:.0f} ms of CPU")
     targets = evaluate_targets(results, singles, extra, args)
-    report = markdown(args, backend, results, singles, restarts, spawns, peers, notes, extra, targets)
+    report = markdown(args, backend, results, singles, restarts, spawns, peers, notes, extra,
+                      targets)
     return {
         "meta": {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "host": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                     "platform": platform.platform()},
             "args": vars(args), "backend": backend.name, "backend_argv": backend.argv,
             "cpu_calibration_ms": calibration, "complete": not failures,
         },
@@ -2020,13 +2156,17 @@ async def amain(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
         "single_client": [asdict(s) for s in singles],
         "restart": {"runs": [asdict(r) for r in restarts],
                     "direct_spawn_to_ready_ms": spawns,
-                    "median_running_ms": statistics.median([r.running_ms for r in restarts]) if restarts else None,
-                    "median_first_call_ms": statistics.median([r.first_call_ms for r in restarts]) if restarts else None},
-        "fairness": {"tool": extra.get("fairness_tool"), "rounds": [asdict(r) for r in extra.get("fairness", [])]},
+                    "median_running_ms": statistics.median([r.running_ms for r in restarts])
+                    if restarts else None,
+                    "median_first_call_ms": statistics.median([r.first_call_ms for r in restarts])
+                    if restarts else None},
+        "fairness": {"tool": extra.get("fairness_tool"),
+                     "rounds": [asdict(r) for r in extra.get("fairness", [])]},
         "idle_connections": ({**asdict(extra["idle"]), "added_mib": extra["idle"].added_mib}
                              if "idle" in extra else None),
         "profile": extra.get("profile"),
-        "shared_child": extra.get("shared_child"),  # /status fx instances [pid, state] around the HTTP rows
+        # /status fx instances [pid, state] around the HTTP rows
+        "shared_child": extra.get("shared_child"),
         "targets": [asdict(t) for t in targets],
         "peers": peers,
         "notes": notes,
@@ -2035,38 +2175,53 @@ async def amain(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=5.0,
                    help="measured time of each throughput row, per round (default 5)")
     p.add_argument("--calls", type=int, default=200_000,
-                   help="bound on the calls of one throughput round (and of each sequential phase of the "
+                   help="bound on the calls of one throughput round (and of each sequential phase "
+                        "of the "
                         "fairness scenario) (default 200000)")
-    p.add_argument("--clients", type=int, default=16, help="concurrent clients / connections (default 16)")
-    p.add_argument("--inflight", type=int, default=4, help="calls in flight per connection in the pipelined rows (default 4)")
-    p.add_argument("--single-calls", type=int, default=1000, help="calls per single-client latency row (default 1000)")
+    p.add_argument("--clients", type=int, default=16,
+                   help="concurrent clients / connections (default 16)")
+    p.add_argument("--inflight", type=int, default=4,
+                   help="calls in flight per connection in the pipelined rows (default 4)")
+    p.add_argument("--single-calls", type=int, default=1000,
+                   help="calls per single-client latency row (default 1000)")
     p.add_argument("--restarts", type=int, default=5, help="kill -9 / restart runs (default 5)")
     p.add_argument("--repeat", type=int, default=3,
-                   help="rounds of each throughput, latency and fairness figure; the median is reported (default 3)")
+                   help="rounds of each throughput, latency and fairness figure; the median is "
+                        "reported (default 3)")
     p.add_argument("--max-seconds", type=float, default=20.0,
                    help="wall-clock cap of each single-client latency row (default 20)")
     p.add_argument("--idle-connections", type=int, default=1000,
-                   help="idle WebSocket connections for the gateway's added-RSS figure (0: skip; default 1000)")
+                   help="idle WebSocket connections for the gateway's added-RSS figure (0: skip; "
+                        "default 1000)")
     p.add_argument("--profile", metavar="FILE",
-                   help="after the gateway's WebSocket rows, profile it with py-spy (speedscope FILE)")
-    p.add_argument("--profile-seconds", type=float, default=10.0, help="py-spy sampling time (default 10)")
-    p.add_argument("--total-timeout", type=float, default=600.0, help="hard cap on the whole run (default 600 s)")
+                   help="after the gateway's WebSocket rows, profile it with py-spy (speedscope "
+                        "FILE)")
+    p.add_argument("--profile-seconds", type=float, default=10.0,
+                   help="py-spy sampling time (default 10)")
+    p.add_argument("--total-timeout", type=float, default=600.0,
+                   help="hard cap on the whole run (default 600 s)")
     p.add_argument("--backend", choices=("fixture", "everything"), default="fixture",
-                   help="stdio backend: tests/fixtures/fixture_server.py (default) or server-everything")
-    p.add_argument("--peers", default="supergateway,mcp-proxy", help="comma list of peers to run ('' for none)")
+                   help="stdio backend: tests/fixtures/fixture_server.py (default) or "
+                        "server-everything")
+    p.add_argument("--peers", default="supergateway,mcp-proxy",
+                   help="comma list of peers to run ('' for none)")
     p.add_argument("--no-floor", action="store_true", help="skip the floor rows (bench/floor.py)")
     p.add_argument("--no-http", action="store_true",
-                   help="skip every Streamable HTTP row (the gateway's /mcp, supergateway's and mcp-proxy's)")
+                   help="skip every Streamable HTTP row (the gateway's /mcp, supergateway's and "
+                        "mcp-proxy's)")
     p.add_argument("--max-inflight", type=int, default=None,
-                   help="backends.NAME.max_inflight for the gateway's backends (default: the gateway's)")
+                   help="backends.NAME.max_inflight for the gateway's backends (default: the "
+                        "gateway's)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = p.parse_args(argv)
     args.peers = [x for x in args.peers.split(",") if x]
-    if min(args.calls, args.clients, args.inflight, args.repeat, args.single_calls) < 1 or args.restarts < 0:
+    if min(args.calls, args.clients, args.inflight, args.repeat,
+           args.single_calls) < 1 or args.restarts < 0:
         p.error("--calls, --clients, --inflight, --repeat and --single-calls must be positive")
     if args.seconds <= 0 or args.idle_connections < 0:
         p.error("--seconds must be positive, --idle-connections not negative")

@@ -14,11 +14,8 @@ asks to count.  Reported per call, over the measured calls only (the warm-up is 
 from __future__ import annotations
 
 import argparse
-import base64
 import collections
-import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,8 +27,8 @@ import trio
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from gateway import config as gwconfig  # noqa: E402
-from gateway import service  # noqa: E402
+from gateway import config as gwconfig  # noqa: E402 - once sys.path holds the repo
+from gateway import service  # noqa: E402 - imported once sys.path holds the repo
 
 CLIENT = r'''
 import base64, json, os, socket, sys, time
@@ -52,7 +49,8 @@ class Conn:
             host, port = addr.rsplit(":", 1)
             self.s = socket.create_connection((host, int(port)))
             key = base64.b64encode(os.urandom(16)).decode()
-            self.s.sendall((f"GET / HTTP/1.1\r\nHost: {addr}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            self.s.sendall((f"GET / HTTP/1.1\r\nHost: {addr}\r\n"
+                            "Upgrade: websocket\r\nConnection: Upgrade\r\n"
                             f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
                             "Sec-WebSocket-Protocol: mcp\r\n\r\n").encode())
             buf = b""
@@ -73,7 +71,8 @@ class Conn:
                 if n == 126: n = int.from_bytes(self.buf[2:4], "big"); off = 4
                 elif n == 127: n = int.from_bytes(self.buf[2:10], "big"); off = 10
                 if len(self.buf) >= off + n:
-                    data = self.buf[off:off + n]; self.buf = self.buf[off + n:]; return json.loads(data)
+                    data = self.buf[off:off + n]; self.buf = self.buf[off + n:]
+                    return json.loads(data)
             self.buf += self.s.recv(65536)
     def call(self, i, method, params):
         self.send({"jsonrpc": "2.0", "id": i, "method": method, "params": params})
@@ -83,7 +82,8 @@ class Conn:
 
 conns = [Conn() for _ in range(clients)]
 for c in conns:
-    c.call(0, "initialize", {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "steps", "version": "0"}})
+    c.call(0, "initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
+                             "clientInfo": {"name": "steps", "version": "0"}})
     c.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
 for i in range(1, 51):
     for c in conns: c.call(i, "tools/call", {"name": "fx__echo", "arguments": {"message": "warm"}})
@@ -135,7 +135,8 @@ async def main(args: argparse.Namespace) -> None:
         bound = await nursery.start(lambda task_status: service.run(cfg, task_status=task_status))
         addr = sock if args.transport == "unix" else f"127.0.0.1:{bound.websocket_port}"
         proc = await trio.lowlevel.open_process(
-            [sys.executable, "-c", CLIENT, args.transport, addr, str(args.calls), str(args.clients)],
+            [sys.executable, "-c", CLIENT, args.transport, addr, str(args.calls),
+             str(args.clients)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         buf = b""
 
@@ -159,7 +160,8 @@ async def main(args: argparse.Namespace) -> None:
         n = args.calls * args.clients
         total = sum(counter.steps.values())
         print(f"{args.transport}, {args.clients} client(s), {n} calls in {elapsed:.2f}s: "
-              f"{total / n:.2f} task steps per call, {counter.spawned / n:.3f} tasks spawned per call")
+              f"{total / n:.2f} task steps per call, {counter.spawned / n:.3f} tasks spawned per "
+              "call")
         for name, count in counter.steps.most_common(12):
             print(f"  {count / n:6.2f}  {name}")
         nursery.cancel_scope.cancel()

@@ -137,10 +137,10 @@ class Bridge:
         self.on_park: Callable[[str], None] = lambda backend: None
 
     def flow_of(self, owner: ClientSession, served: Served | None = None) -> Flow:
-        """The flow of ``served``, by default the owner's request in flight (ownership bridges
-        a child's request only while its owner has exactly one)."""
+        """The flow of ``served``, by default the owner's call in flight (ownership bridges a
+        child's request only while its owner has exactly one, open listens aside)."""
         if served is None:
-            served = next(iter(owner.inflight.values()))
+            served = owner.calls()[0]
         flow = served.flow
         if flow is None:
             flow = Flow(self, owner, served)

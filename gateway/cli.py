@@ -19,7 +19,8 @@ LOGGER = logging.getLogger("gateway")
 def _load(path: str, *, check_commands: bool) -> config.GatewayConfig:
     with open(path, "rb") as f:
         data = f.read()
-    return config.load(data, base_dir=os.path.dirname(os.path.abspath(path)), check_commands=check_commands)
+    return config.load(data, base_dir=os.path.dirname(os.path.abspath(path)),
+                       check_commands=check_commands)
 
 
 def _load_or_report(path: str, prefix: str = "") -> config.GatewayConfig | None:
@@ -36,8 +37,8 @@ def _load_or_report(path: str, prefix: str = "") -> config.GatewayConfig | None:
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     """Validate like ``run`` does before it binds anything: every key, the boot guards for
-    listeners off loopback (:mod:`gateway.guards`), backend commands, and the TLS certificate
-    and key loaded as the listeners would load them."""
+    listeners off loopback (:mod:`gateway.guards`), backend commands, the TLS certificate
+    and key loaded as the listeners would load them, and ``auth.tokens_file``."""
     cfg = _load_or_report(args.config)
     if cfg is None:
         return 1
@@ -49,8 +50,35 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         except tls.TlsError as exc:
             print(f"{args.config}: {exc}", file=sys.stderr)
             return 1
+    problems = _tokens_file_problems(cfg)
+    for problem in problems:
+        print(f"{args.config}: {problem}", file=sys.stderr)
+    if problems:
+        return 1
     print(f"{args.config}: ok ({len(cfg.backends)} backends: {', '.join(cfg.backends) or 'none'})")
     return 0
+
+
+def _tokens_file_problems(cfg: config.GatewayConfig) -> list[str]:
+    """``auth.tokens_file`` read as start and reload read it (``ExecReload`` runs check-config
+    before the SIGHUP: a file the reload would refuse fails ``systemctl reload`` itself).  Run
+    as root, its owner is not checked: the service's user is not known here."""
+    from gateway.auth.authenticator import load_tokens_file, tokens_path
+
+    path = tokens_path(cfg)
+    if path is None:
+        return []
+    owner = None
+    if os.geteuid() == 0:
+        try:
+            owner = os.lstat(path).st_uid
+        except OSError:
+            pass  # reported by the load
+    try:
+        load_tokens_file(path, owner)
+    except ConfigError as exc:
+        return exc.errors
+    return []
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -63,7 +91,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level or cfg.gateway.log_level, cfg.gateway.log_target)
     failed = False
     try:
-        trio.run(lambda: service.run(cfg, config_path=args.config, handle_signals=True, subreaper=True))
+        trio.run(lambda: service.run(cfg, config_path=args.config, handle_signals=True,
+                                     subreaper=True))
     except* service.StartupError as group:
         for exc in _leaves(group):
             LOGGER.critical("cannot start: %s", exc)
@@ -123,7 +152,8 @@ def cmd_connect(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mcp-gateway", description="Many MCP servers behind one endpoint.")
+    parser = argparse.ArgumentParser(prog="mcp-gateway",
+                                     description="Many MCP servers behind one endpoint.")
     parser.add_argument("--version", action="version", version=f"mcp-gateway {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="serve until SIGTERM/SIGINT (SIGHUP reloads the config)")
@@ -133,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("check-config", help="validate a config file; exit 0 if it is valid")
     p.add_argument("config")
     p.set_defaults(func=cmd_check_config)
-    p = sub.add_parser("connect", help="stdio bridge: ws://HOST:PORT/, http://HOST:PORT/mcp or unix:/path/to/mcp.sock")
+    p = sub.add_parser("connect", help="stdio bridge: ws://HOST:PORT/, http://HOST:PORT/mcp or "
+                                       "unix:/path/to/mcp.sock")
     p.add_argument("url")
     p.add_argument("--max-message-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--token-file", help="a file holding the bearer token, sent as Authorization: "

@@ -15,7 +15,8 @@ TOOLS = [
     {
         "name": "echo",
         "description": "Return the message unchanged.",
-        "inputSchema": {"type": "object", "properties": {"message": {"type": "string"}}, "required": ["message"]},
+        "inputSchema": {"type": "object", "properties": {"message": {"type": "string"}},
+                        "required": ["message"]},
         "annotations": {"readOnlyHint": True},
     },
     {
@@ -70,7 +71,8 @@ def main() -> None:
         try:
             msg = json.loads(line)
         except ValueError:
-            print(json.dumps({"jsonrpc": "2.0", "id": None, "error": {"code": -32700, "message": "parse error"}}),
+            print(json.dumps({"jsonrpc": "2.0", "id": None,
+                              "error": {"code": -32700, "message": "parse error"}}),
                   flush=True)
             continue
         if not isinstance(msg, dict) or "id" not in msg or "method" not in msg:

@@ -54,7 +54,8 @@ class ExitKind(enum.StrEnum):
     CRASHED = "crashed"  # on its own, non-zero exit code or a signal
     STOPPED = "stopped"  # the gateway stopped it
     UNHEALTHY = "unhealthy"  # restarted by the gateway for health (pings missed)
-    RECYCLED = "recycled"  # restarted by the gateway after a drain (a cancelled call unanswered): not a failure
+    # restarted by the gateway after a drain (a cancelled call unanswered): not a failure
+    RECYCLED = "recycled"
     START_FAILED = "start_failed"  # the hand-shake failed or timed out
 
 
@@ -208,7 +209,9 @@ class InputRequired:
 class RequestStateRefused:
     """A retry's ``requestState`` was refused (``invalid_state``)."""
 
-    reason: str  # "tampered" | "foreign" | "expired" | "used" | "gone" | "other_params" | "malformed" | "principal" | "preempted"
+    # "tampered" | "foreign" | "expired" | "used" | "gone" | "other_params" | "malformed" |
+    # "principal" | "preempted"
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)

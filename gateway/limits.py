@@ -120,7 +120,8 @@ class ByteBudget:
             return None
         victim: Account | None = None
         for account in self.accounts:
-            if account.evict is not None and account.held > 0 and (victim is None or account.held > victim.held):
+            if account.evict is not None and account.held > 0 and (
+                victim is None or account.held > victim.held):
                 victim = account
         if victim is None:
             return None
@@ -193,8 +194,10 @@ def fit_connections(configured: int | None, fd_limit: int, reserve: int) -> Conn
              "listeners, admin connections, a margin)")
     if configured is not None or room < 1:
         return ConnectionsFit(wanted, refusal=(
-            f"gateway.max_connections = {wanted} does not fit: {needs}; raise the limit to at least "
-            f"{wanted + reserve}" + (f" or set max_connections to at most {room}" if room >= 1 else "")))
+            f"gateway.max_connections = {wanted} does not fit: {needs}; raise the limit to at "
+            "least "
+            f"{wanted + reserve}" + (f" or set max_connections to at most {room}" if room >= 1
+                                     else "")))
     return ConnectionsFit(room, warning=(
         f"max_connections lowered from its default {wanted} to {room}: {needs}; raise the limit to "
         f"at least {wanted + reserve} for the default"))

@@ -120,11 +120,12 @@ def decide(
         if owner.mrtr.full:
             return refusal(method, "overloaded", f"{method} refused: too many calls wait for their "
                            "clients' input (gateway.max_parked_flows)")
-        if len(owner.inflight) != 1:
+        calls = owner.calls()  # an open listen is at no child: it cannot be the one asking
+        if len(calls) != 1:
             return refusal(method, "unattributable",
-                           f"{method} refused: {len(owner.inflight)} requests of the calling modern "
+                           f"{method} refused: {len(calls)} requests of the calling modern "
                            "connection are in flight, the asking one cannot be proven")
-        caps = next(iter(owner.inflight.values())).caps
+        caps = calls[0].caps
         if caps is None or not caps.allows(method, params):
             return Answer(code=errors.MISSING_CAPABILITY, reason="no_capability",
                           message=f"the calling client did not declare the {capability} capability",

@@ -52,7 +52,8 @@ def pids(proc: str = PROC) -> list[int]:
 
 
 def stats(proc: str = PROC) -> Iterator[Stat]:
-    """The stat of every process (a full scan: not for hot paths; empty if ``proc`` is unreadable)."""
+    """The stat of every process (a full scan: not for hot paths; empty if ``proc`` is
+    unreadable)."""
     try:
         everyone = pids(proc)
     except OSError:

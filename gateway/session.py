@@ -145,6 +145,11 @@ class ClientSession:
         self.on_close: Callable[[], None] | None = None
         self._principal: Principal | None = None
 
+    def calls(self) -> list[Any]:
+        """The requests in flight that may be at a backend: all but open listens
+        (``subscriptions/listen`` is served by the gateway itself, never by a child)."""
+        return [s for s in self.inflight.values() if s.req.method != "subscriptions/listen"]
+
     @property
     def principal(self) -> Principal | None:
         """Who is calling (gateway.auth), when known; None: not authenticated."""

@@ -18,7 +18,8 @@ class InstanceStatus:
     restarts: int  # starts after the first one
     uptime: float | None  # seconds since RUNNING, None when not running
     last_exit: str | None  # e.g. "crashed (exit code 1)"
-    stderr_tail: tuple[str, ...]  # last stderr lines: of the running child, else of the last one that ended
+    # last stderr lines: of the running child, else of the last one that ended
+    stderr_tail: tuple[str, ...]
     inflight: int  # calls waiting on this child (attribution set size)
     owner: str | None = None  # per-session / affine: the conn id it serves
     recycles: int = 0  # of ``restarts``, those that were recycles (not failures)
@@ -67,8 +68,10 @@ class GatewayStatus:
     buffered_bytes: int = 0  # queued client/backend message bytes (gateway.buffered_bytes_total)
     client_requests_in_flight: int = 0  # client requests read and not yet answered, all sessions
     outbound_messages_queued: int = 0  # messages waiting in the sessions' outbound queues
-    connection_slots: int = 0  # max_connections slots taken: accepted connections, handshakes included
-    auth: dict[str, Any] = field(default_factory=dict)  # authenticators and listeners (gateway.auth)
+    # max_connections slots taken: accepted connections, handshakes included
+    connection_slots: int = 0
+    # authenticators and listeners (gateway.auth)
+    auth: dict[str, Any] = field(default_factory=dict)
     listeners: tuple[ListenerStatus, ...] = ()  # the client listeners bound, and their guards
 
     def not_ready_because(self) -> list[str]:

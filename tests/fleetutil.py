@@ -136,7 +136,8 @@ class Fleet:
         self.folder = folder
         ports = free_ports(2 * replicas + 1)
         self.lb = ports.pop()
-        self.replicas = {name: Replica(name, ports[2 * i], ports[2 * i + 1], folder, extra, backends)
+        self.replicas = {name: Replica(name, ports[2 * i], ports[2 * i + 1], folder, extra,
+                                       backends)
                          for i, name in enumerate(list(SHIPPED_PORTS)[:replicas])}
         self.certs: Certs = make_certs(folder, ("localhost",))
         self.stats_socket = folder / "haproxy.sock"
@@ -158,7 +159,8 @@ class Fleet:
         assert SHIPPED_BIND in text and SHIPPED_CERT in text, "the shipped config changed shape"
         pem = self.folder / "haproxy.pem"
         pem.write_bytes(self.certs.cert.read_bytes() + self.certs.key.read_bytes())
-        text = text.replace(SHIPPED_BIND, f"bind 127.0.0.1:{self.lb} ").replace(SHIPPED_CERT, str(pem))
+        text = text.replace(SHIPPED_BIND,
+                            f"bind 127.0.0.1:{self.lb} ").replace(SHIPPED_CERT, str(pem))
         for name, (ws, http) in SHIPPED_PORTS.items():
             r = self.replicas.get(name)
             if r is None:  # not run here: its server lines go
@@ -249,4 +251,5 @@ class Fleet:
 
     def replica_up(self, name: str, up: bool = True, timeout: float = START_TIMEOUT) -> None:
         want = "UP" if up else "DOWN"
-        self.wait_servers(lambda st: all(v == want for (_, sv), v in st.items() if sv == name), timeout)
+        self.wait_servers(lambda st: all(v == want for (_, sv), v in st.items() if sv == name),
+                          timeout)

@@ -22,7 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "fixture_server.py")
 DEPS = os.path.join(ROOT, ".deps")
 TIME_SERVER = os.path.join(DEPS, "venv-time", "bin", "mcp-server-time")
-EVERYTHING = os.path.join(DEPS, "node", "node_modules", "@modelcontextprotocol", "server-everything", "dist", "index.js")
+EVERYTHING = os.path.join(DEPS, "node", "node_modules", "@modelcontextprotocol",
+                          "server-everything", "dist", "index.js")
 
 
 def fixture_backend(name: str = "fx", **extra: Any) -> str:
@@ -33,7 +34,8 @@ def fixture_backend(name: str = "fx", **extra: Any) -> str:
     if env:
         lines.append("env = {" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in env.items()) + "}")
     for key, value in extra.items():
-        lines.append(f"{key} = {value if isinstance(value, str) and value.startswith('{') else json.dumps(value)}")
+        inline = isinstance(value, str) and value.startswith("{")
+        lines.append(f"{key} = {value if inline else json.dumps(value)}")
     return "\n".join(lines) + "\n"
 
 
@@ -119,7 +121,7 @@ class Client:
     async def send(self, obj: Any) -> None:
         await self.ws.send_message(obj if isinstance(obj, str) else json.dumps(obj))
 
-    async def wait_for(self, predicate: Any, timeout: float = 10.0) -> Any:
+    async def wait_for(self, predicate: Any, timeout: float = 10.0) -> Any:  # noqa: ASYNC109 - a helper's own deadline (trio.fail_after inside), passed by keyword
         with trio.fail_after(timeout):
             while True:
                 got = predicate()
@@ -129,10 +131,11 @@ class Client:
                     raise ConnectionError("connection closed while waiting")
                 await self._changed.wait()
 
-    async def response(self, id: Any, timeout: float = 10.0) -> dict[str, Any]:
+    async def response(self, id: Any, timeout: float = 10.0) -> dict[str, Any]:  # noqa: ASYNC109 - a helper's own deadline (trio.fail_after inside), passed by keyword
         return await self.wait_for(lambda: self.responses.get(id), timeout)
 
-    async def request(self, method: str, params: Any = None, *, id: Any = None, timeout: float = 10.0) -> dict[str, Any]:
+    async def request(self, method: str, params: Any = None, *, id: Any = None,
+                      timeout: float = 10.0) -> dict[str, Any]:  # noqa: ASYNC109 - a helper's own deadline (trio.fail_after inside), passed by keyword
         if id is None:
             id = next(self._ids)
         msg: dict[str, Any] = {"jsonrpc": "2.0", "id": id, "method": method}
@@ -147,13 +150,16 @@ class Client:
             msg["params"] = params
         await self.send(msg)
 
-    async def initialize(self, capabilities: dict[str, Any] | None = None, version: str = "2025-11-25") -> dict[str, Any]:
-        resp = await self.request("initialize", {"protocolVersion": version, "capabilities": capabilities or {},
-                                                 "clientInfo": {"name": "test", "version": "0"}})
+    async def initialize(self, capabilities: dict[str, Any] | None = None,
+                         version: str = "2025-11-25") -> dict[str, Any]:
+        resp = await self.request("initialize",
+                                  {"protocolVersion": version, "capabilities": capabilities or {},
+                                   "clientInfo": {"name": "test", "version": "0"}})
         await self.notify("notifications/initialized")
         return resp
 
-    async def call(self, tool: str, arguments: dict[str, Any] | None = None, **kw: Any) -> dict[str, Any]:
+    async def call(self, tool: str, arguments: dict[str, Any] | None = None,
+                   **kw: Any) -> dict[str, Any]:
         return await self.request("tools/call", {"name": tool, "arguments": arguments or {}}, **kw)
 
 
@@ -162,8 +168,10 @@ async def connect(url: str, *, initialize: bool = True, capabilities: dict[str, 
                   version: str = "2025-11-25", token: str | None = None,
                   ssl_context: ssl.SSLContext | None = None) -> AsyncIterator[Client]:
     headers = [(b"authorization", f"Bearer {token}".encode())] if token else None
-    async with trio_websocket.open_websocket_url(url, subprotocols=["mcp"], max_message_size=64 * 2**20,
-                                                 extra_headers=headers, ssl_context=ssl_context) as ws:
+    async with trio_websocket.open_websocket_url(url, subprotocols=["mcp"],
+                                                 max_message_size=64 * 2**20,
+                                                 extra_headers=headers,
+                                                 ssl_context=ssl_context) as ws:
         try:
             client = Client(ws)
             async with trio.open_nursery() as nursery:
@@ -192,7 +200,8 @@ async def http_request(port: int | None, path: str) -> tuple[int, bytes]:
     assert port is not None
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     async with stream:
-        await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n".encode())
+        await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                              "Connection: close\r\n\r\n".encode())
         data = b""
         while chunk := await stream.receive_some(65536):
             data += chunk
@@ -210,7 +219,8 @@ async def http_json(port: int | None, path: str) -> Any:
 POLL = 0.02
 
 
-async def wait_status(port: int | None, predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+async def wait_status(port: int | None,
+                      predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
     """Poll /status until ``predicate`` holds (the caller bounds the wait)."""
     while True:
         st = await http_json(port, "/status")
@@ -226,7 +236,8 @@ async def metric(port: int | None, name: str, **labels: str) -> float:
     want = sorted(f'{k}="{v}"' for k, v in labels.items())
     for line in body.decode().splitlines():
         sample, _, value = line.rpartition(" ")
-        if sample.split("{")[0] == name and sorted(sample.partition("{")[2].rstrip("}").split(",")) == want:
+        if (sample.split("{")[0] == name
+            and sorted(sample.partition("{")[2].rstrip("}").split(",")) == want):
             return float(value)
     return 0.0
 
@@ -242,7 +253,8 @@ async def upgrade_status(port: int | None) -> tuple[int, bytes]:
     async with stream:
         await stream.send_all(UPGRADE)
         data = b""
-        while b"\r\n\r\n" not in data or data.startswith(b"HTTP/1.1 503") and not data.endswith(b"\n"):
+        while b"\r\n\r\n" not in data or (data.startswith(b"HTTP/1.1 503")
+                                          and not data.endswith(b"\n")):
             chunk = await stream.receive_some(65536)
             if not chunk:
                 break
@@ -295,7 +307,8 @@ async def unix_connect(path: str, *, initialize: bool = True) -> AsyncIterator[C
 
 
 class MemoryStream:
-    def __init__(self, send: trio.MemorySendChannel[bytes], receive: trio.MemoryReceiveChannel[bytes]) -> None:
+    def __init__(self, send: trio.MemorySendChannel[bytes],
+                 receive: trio.MemoryReceiveChannel[bytes]) -> None:
         self._send = send
         self._receive = receive
         self._held: list[bytes] = []  # what the channel did not take (write_nowait)

@@ -26,6 +26,7 @@ import os
 import re
 import secrets
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -115,7 +116,13 @@ def alive(pid: int) -> bool:
 
 
 class Daemon:
-    """``python -m gateway run --config PATH`` with WebSocket, unix socket and admin listeners."""
+    """``python -m gateway run --config PATH`` with WebSocket, unix socket and admin listeners.
+
+    A subclass whose config puts TLS or authentication on the WebSocket listener sets
+    ``ssl_context`` (then ``url`` is ``wss://``) and ``token``: the bystander connects with them."""
+
+    ssl_context: ssl.SSLContext | None = None
+    token: str | None = None
 
     def __init__(self, workdir: Path, backends: str, gateway: str = "") -> None:
         self.workdir = workdir
@@ -169,12 +176,19 @@ listen = "127.0.0.1:0"
 
     @property
     def url(self) -> str:
-        return f"ws://127.0.0.1:{self.ws_port}/"
+        return f"{'wss' if self.ssl_context else 'ws'}://127.0.0.1:{self.ws_port}/"
+
+    def failures(self, since: int = 0) -> list[str]:
+        """Log lines (from the ``since``-th on) that say the daemon itself failed: a traceback,
+        an ERROR or CRITICAL."""
+        return [line for line in self.lines[since:]
+                if "Traceback" in line or " ERROR " in line or " CRITICAL " in line]
 
     @asynccontextmanager
     async def client(self, transport: str, *, initialize: bool = True) -> AsyncIterator[Client]:
         """A connection to this daemon over ``"websocket"`` or ``"unix"``."""
-        opener = connect(self.url, initialize=initialize) if transport == "websocket" \
+        opener = connect(self.url, initialize=initialize, token=self.token,
+                         ssl_context=self.ssl_context) if transport == "websocket" \
             else unix_connect(self.unix_path, initialize=initialize)
         async with opener as c:
             yield c
@@ -257,7 +271,7 @@ async def bystander_echo(daemon: Daemon, tool: str = "fx__echo") -> None:
     """A fresh WebSocket connection's echo call succeeds, and it receives only its own answers."""
     tag = secrets.token_hex(6)
     with trio.fail_after(15):
-        async with connect(daemon.url) as c:
+        async with connect(daemon.url, token=daemon.token, ssl_context=daemon.ssl_context) as c:
             r = await c.call(tool, {"message": tag}, id=f"bystander-{tag}")
             assert "result" in r, r
             assert text_of(r) == tag

@@ -30,7 +30,7 @@ def _name(cn: str) -> x509.Name:
 
 def make_certs(folder: Path, names: tuple[str, ...] = ("localhost", "gw.example.com")) -> Certs:
     """A CA and a server certificate for ``names`` and 127.0.0.1, written to ``folder``."""
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (x509.CertificateBuilder().subject_name(_name("test CA")).issuer_name(_name("test CA"))
           .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
@@ -41,7 +41,8 @@ def make_certs(folder: Path, names: tuple[str, ...] = ("localhost", "gw.example.
                                        content_commitment=False, key_encipherment=False,
                                        data_encipherment=False, key_agreement=False,
                                        encipher_only=False, decipher_only=False), critical=True)
-          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()),
+                         critical=False)
           .sign(ca_key, hashes.SHA256()))
     key = ec.generate_private_key(ec.SECP256R1())
     sans: list[x509.GeneralName] = [x509.DNSName(n) for n in names]
@@ -52,7 +53,8 @@ def make_certs(folder: Path, names: tuple[str, ...] = ("localhost", "gw.example.
             .not_valid_after(now + datetime.timedelta(days=1))
             .add_extension(x509.SubjectAlternativeName(sans), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([x509.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([x509.ExtendedKeyUsageOID.SERVER_AUTH]),
+                           critical=False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
                            critical=False)
             .sign(ca_key, hashes.SHA256()))

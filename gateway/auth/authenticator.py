@@ -48,7 +48,8 @@ class Unauthorized(Exception):
     """No usable credential: 401.  ``error`` is ``"invalid_token"`` when a token was presented
     (None when there was none), ``kind`` a short word for logs."""
 
-    def __init__(self, description: str, *, error: str | None = "invalid_token", kind: str = "invalid") -> None:
+    def __init__(self, description: str, *, error: str | None = "invalid_token",
+                 kind: str = "invalid") -> None:
         super().__init__(description)
         self.error = error
         self.kind = kind
@@ -61,8 +62,10 @@ def load_tokens_file(path: str, gateway_uid: int | None = None) -> list[BearerEn
         ConfigError: ``auth.tokens_file: …`` (unreadable, bad mode or owner, bad lines).
     """
     uid = os.geteuid() if gateway_uid is None else gateway_uid
+    # O_NONBLOCK: a FIFO put there opens at once (and is refused below), not when a writer
+    # comes; the daemon reads this file on its event loop (start, SIGHUP)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
         raise ConfigError([f"auth.tokens_file: {path}: {exc.strerror or exc}"]) from None
     try:
@@ -77,8 +80,13 @@ def load_tokens_file(path: str, gateway_uid: int | None = None) -> list[BearerEn
     if len(data) > MAX_TOKENS_FILE:
         raise ConfigError([f"auth.tokens_file: {path}: larger than {MAX_TOKENS_FILE} bytes"])
     try:
-        return parse_tokens_file(data.decode("utf-8"), path)
-    except (ValueError, UnicodeDecodeError) as exc:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:  # named by line, as parse_tokens_file names bad lines
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ConfigError([f"auth.tokens_file: {path}:{line}: not UTF-8 text"]) from None
+    try:
+        return parse_tokens_file(text, path)
+    except ValueError as exc:
         raise ConfigError([f"auth.tokens_file: {exc}"]) from None
 
 
@@ -86,13 +94,15 @@ def configured_names(cfg: GatewayConfig, entries: list[BearerEntry]) -> frozense
     """Principal names an operator wrote down (bearer entries; rules and limits naming one
     principal, not a glob): the only names metrics and logs may carry."""
     names = {e.principal for e in entries}
-    for pattern in [r.principal for r in cfg.policy.rules] + [lim.principal for lim in cfg.auth.limits]:
+    for pattern in [r.principal for r in cfg.policy.rules] + [lim.principal
+                                                              for lim in cfg.auth.limits]:
         if pattern and not _GLOB & set(pattern):
             names.add(pattern)
     return frozenset(names)
 
 
-def _tokens_path(cfg: GatewayConfig) -> str | None:
+def tokens_path(cfg: GatewayConfig) -> str | None:
+    """``auth.tokens_file`` relative to the config's directory; None when not set."""
     path = cfg.auth.tokens_file
     return None if not path else os.path.join(cfg.base_dir, path)
 
@@ -135,7 +145,7 @@ class Authenticator:
         """
         entries = [BearerEntry(b.principal, b.token_sha256.lower(), frozenset(b.groups))
                    for b in cfg.auth.bearer]
-        path = _tokens_path(cfg)
+        path = tokens_path(cfg)
         if path is not None:
             entries += load_tokens_file(path)
         oauth = cfg.auth.oauth
@@ -206,7 +216,8 @@ class Authenticator:
             kid, alg = jwts.header(token)
             key = await self.jwks.key_for(kid)
             if key is None:
-                raise jwts.TokenRefused("unknown_kid", "the token's key (kid) is not one of the issuer's")
+                raise jwts.TokenRefused("unknown_kid",
+                                        "the token's key (kid) is not one of the issuer's")
             claims = jwts.verify(token, key, alg, oauth)
             return jwts.principal_of(claims, oauth, self.labels, self._oauth_credential())
         except jwts.TokenRefused as exc:
@@ -239,7 +250,8 @@ class Authenticator:
                                                "https" if self.tls else "http", host)
         if scope is not None:
             return challenge.www_authenticate(metadata, realm=self.name, error="insufficient_scope",
-                                              scope=scope, description="the request needs more scopes")
+                                              scope=scope,
+                                              description="the request needs more scopes")
         if exc is None or exc.error is None:
             return challenge.www_authenticate(metadata, realm=self.name)
         return challenge.www_authenticate(metadata, realm=self.name, error=exc.error,
@@ -248,7 +260,8 @@ class Authenticator:
     def metadata(self) -> dict[str, Any] | None:
         """The Protected Resource Metadata; None without an authorization server (404)."""
         oauth = self.auth.oauth
-        return None if oauth is None else challenge.metadata_document(oauth.audience, oauth, self.name)
+        return (None if oauth is None
+                else challenge.metadata_document(oauth.audience, oauth, self.name))
 
     # ---- operator view ----------------------------------------------------------------------
 
@@ -261,8 +274,8 @@ class Authenticator:
         now = trio.current_time()
         if now - self._window >= LOG_WINDOW:
             if self._suppressed:
-                LOGGER.warning("auth: %d more refusals in the last %.0fs not logged", self._suppressed,
-                               LOG_WINDOW)
+                LOGGER.warning("auth: %d more refusals in the last %.0fs not logged",
+                               self._suppressed, LOG_WINDOW)
             self._window, self._logged, self._suppressed = now, 0, 0
         if self._logged >= LOG_BURST:
             self._suppressed += 1

@@ -50,7 +50,8 @@ class JwksCache:
         for why in skipped[:MAX_SKIPPED_LOGGED]:  # bounded: a document may hold 100k junk keys
             LOGGER.info("auth: JWKS %s: skipped %s", self.uri, why)
         if len(skipped) > MAX_SKIPPED_LOGGED:
-            LOGGER.info("auth: JWKS %s: skipped %d more entries", self.uri, len(skipped) - MAX_SKIPPED_LOGGED)
+            LOGGER.info("auth: JWKS %s: skipped %d more entries", self.uri,
+                        len(skipped) - MAX_SKIPPED_LOGGED)
         if not keys:
             self.last_error = "no usable signing key in the document"
             LOGGER.warning("auth: the JWKS from %s holds no usable key (RS256/ES256 with a kid); "

@@ -99,7 +99,8 @@ def parse_jwks(data: bytes, max_keys: int = MAX_KEYS) -> tuple[dict[str, Key], l
             skipped.append(f"key {kid!r}: key type not RSA or EC P-256")
             continue
         if jwk.get("alg", algorithm) != algorithm:
-            skipped.append(f"key {kid!r}: alg {str(jwk.get('alg'))[:16]!r} not accepted (RS256, ES256 only)")
+            skipped.append(f"key {kid!r}: alg {str(jwk.get('alg'))[:16]!r} not accepted (RS256, "
+                           "ES256 only)")
             continue
         try:
             keys[kid] = Key(kid, algorithm, pyjwt.PyJWK(jwk, algorithm).key)
@@ -128,7 +129,8 @@ def verify(token: str, key: Key, alg: str, oauth: OAuthSection) -> dict[str, Any
         raise TokenRefused("algorithm", "the token's algorithm is not its key's")
     try:
         claims: dict[str, Any] = pyjwt.decode(
-            token, key.key, algorithms=[key.algorithm], audience=oauth.audience, issuer=oauth.issuer,
+            token, key.key, algorithms=[key.algorithm], audience=oauth.audience,
+            issuer=oauth.issuer,
             leeway=oauth.leeway, options={"require": REQUIRED, "verify_signature": True})
     except pyjwt.ExpiredSignatureError:
         raise TokenRefused("expired", "the token has expired") from None
@@ -155,7 +157,8 @@ def check_times(claims: dict[str, Any]) -> None:
         value = claims.get(claim)
         if claim in claims and (isinstance(value, bool) or not isinstance(value, int | float)
                                 or not math.isfinite(value)):
-            raise TokenRefused("claims", f"the token's {claim!r} claim is not a number (NumericDate)")
+            raise TokenRefused("claims",
+                               f"the token's {claim!r} claim is not a number (NumericDate)")
 
 
 def _strings(value: object) -> frozenset[str]:
@@ -175,9 +178,11 @@ def principal_of(claims: dict[str, Any], oauth: OAuthSection, labels: frozenset[
     configured, the only ones metrics and logs may carry)."""
     name = claims.get(oauth.principal_claim)
     if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME or not name.isprintable():
-        raise TokenRefused("claims", f"the token's {oauth.principal_claim!r} claim is not a usable name")
+        raise TokenRefused("claims",
+                           f"the token's {oauth.principal_claim!r} claim is not a usable name")
     groups = _strings(claims.get(oauth.groups_claim)) if oauth.groups_claim else frozenset()
     scopes = _strings(claims["scope"] if "scope" in claims else claims.get("scp"))
     exp = claims.get("exp")  # a number: verify() checked it
     return Principal(name, groups, scopes, "oauth", name if name in labels else "other",
-                     credential=credential, expires=float(exp) if isinstance(exp, int | float) else None)
+                     credential=credential,
+                     expires=float(exp) if isinstance(exp, int | float) else None)

@@ -25,7 +25,8 @@ def _plain(name: str | None) -> bool:
 def configured_names(cfg: GatewayConfig, extra: Iterable[str] = ()) -> frozenset[str]:
     """The principal names the operator configured (the label set, besides ``other``)."""
     names = {b.principal for b in cfg.auth.bearer}
-    names.update(r.principal for r in cfg.policy.rules if r.principal is not None and _plain(r.principal))
+    names.update(r.principal for r in cfg.policy.rules if r.principal is not None
+                 and _plain(r.principal))
     names.update(lim.principal for lim in cfg.auth.limits if _plain(lim.principal))
     names.update(extra)
     names.discard(NO_PRINCIPAL)

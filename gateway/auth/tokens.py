@@ -109,7 +109,8 @@ def file_problem(mode: int, owner: int, gateway_uid: int) -> str | None:
     if not stat.S_ISREG(mode):
         return "not a regular file"
     if owner not in (0, gateway_uid):
-        return f"owned by uid {owner}; it must be owned by root or by the gateway's user (uid {gateway_uid})"
+        return (f"owned by uid {owner}; it must be owned by root or by the gateway's user (uid "
+                f"{gateway_uid})")
     if mode & FORBIDDEN_MODE:
         return (f"mode {stat.S_IMODE(mode):04o} lets others read or change it; "
                 "chmod 0600 (or 0400) it")

@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING
 import msgspec
 import trio
 
-from gateway.transports.http import HttpConnection, Reply, Request, serve_connection
 from gateway.limits import ADMIN_CONNECTIONS, ConnectionSlots
+from gateway.transports.http import HttpConnection, Reply, Request, serve_connection
 from gateway.transports.listeners import (
     Accepted,
     SlottedListener,
@@ -100,7 +100,8 @@ async def serve_admin(
     """
     off_loopback = bound_off_loopback(listeners)
     if off_loopback and token_sha256 is None:
-        LOGGER.warning("admin: listening off loopback without admin.token_sha256: /status is refused "
+        LOGGER.warning("admin: listening off loopback without admin.token_sha256: /status is "
+                       "refused "
                        "(403) until it is set; /metrics, /healthz, /readyz are served")
     respond = partial(_respond, metrics, status, allowed_host_names(listeners, allowed_hosts),
                       token_sha256, off_loopback)
@@ -147,7 +148,8 @@ def probe(status: Callable[[], GatewayStatus], req: Request) -> Reply:
     return 503, TEXT, f"{why}\n".encode(), []
 
 
-def status_refusal(authorization: str | None, token_sha256: str | None, off_loopback: bool) -> Reply | None:
+def status_refusal(authorization: str | None, token_sha256: str | None,
+                   off_loopback: bool) -> Reply | None:
     """Whether ``/status`` is refused to a request with this ``Authorization`` header: None
     (served), 401 (the token is required and missing or wrong; the SHA-256 of the presented
     token is compared with ``token_sha256`` in constant time), or 403 (off loopback and no
@@ -159,7 +161,8 @@ def status_refusal(authorization: str | None, token_sha256: str | None, off_loop
         return None
     scheme, _, presented = (authorization or "").strip().partition(" ")
     digest = hashlib.sha256(presented.strip().encode("latin-1")).hexdigest()
-    if scheme.lower() == "bearer" and presented.strip() and hmac.compare_digest(digest, token_sha256.lower()):
+    if (scheme.lower() == "bearer" and presented.strip()
+        and hmac.compare_digest(digest, token_sha256.lower())):
         return None
     return 401, TEXT, b"a bearer token is required (admin.token_sha256)\n", [
         ("www-authenticate", 'Bearer realm="mcp-gateway admin"')]
@@ -181,11 +184,13 @@ def _respond(
     if req.method not in ALLOWED_METHODS:
         return 405, TEXT, b"method not allowed\n", [("allow", ", ".join(ALLOWED_METHODS))]
     if not req.host_in(hosts):
-        LOGGER.warning("admin: %s refused: Host %r not allowed (admin.allowed_hosts)", path, req.header(b"host"))
+        LOGGER.warning("admin: %s refused: Host %r not allowed (admin.allowed_hosts)", path,
+                       req.header(b"host"))
         return 421, TEXT, b"Host not allowed\n", []
     origin = req.header(b"origin")
     if origin is not None:
-        LOGGER.warning("admin: %s refused: a browser page (Origin %.100r) asked for it", path, origin)
+        LOGGER.warning("admin: %s refused: a browser page (Origin %.100r) asked for it",
+                       path, origin)
         return 403, TEXT, b"Origin not allowed\n", []
     if path == "/metrics":
         body, content_type = metrics.exposition(req.header(b"accept"))
@@ -193,7 +198,8 @@ def _respond(
     refused = status_refusal(req.header(b"authorization"), token_sha256, off_loopback)
     if refused is not None:
         LOGGER.warning("admin: /status refused (%d): %s", refused[0],
-                       "no admin.token_sha256 off loopback" if refused[0] == 403 else "no valid bearer token")
+                       "no admin.token_sha256 off loopback" if refused[0] == 403
+                       else "no valid bearer token")
         return refused
     snap = status()
     doc = dataclasses.asdict(snap)

@@ -148,10 +148,10 @@ def setup_logging(level: str = "info", target: str = "auto") -> None:
 
     ``target="auto"``: stderr, with ``<N>`` priority prefixes when stderr is the journal stream,
     timestamps and level names otherwise. ``target="stderr"``: stderr with timestamps and level
-    names always (e.g. when stderr goes to a file or a collector that parses the plain format). ``target="journal"``: the native journal protocol
-    (structured ``MCP_*`` fields), falling back to ``auto`` with a warning if systemd-python is
-    not installed. Also enables :mod:`faulthandler`, so a watchdog SIGABRT or a crash leaves a
-    Python traceback on stderr.
+    names always (e.g. when stderr goes to a file or a collector that parses the plain format).
+    ``target="journal"``: the native journal protocol (structured ``MCP_*`` fields), falling back to
+    ``auto`` with a warning if systemd-python is not installed. Also enables :mod:`faulthandler`, so
+    a watchdog SIGABRT or a crash leaves a Python traceback on stderr.
     """
     numeric = logging.getLevelName(level.upper())
     if not isinstance(numeric, int):

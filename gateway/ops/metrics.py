@@ -321,7 +321,8 @@ class GatewayMetrics:
                 "unroutable_server_requests_total", e.backend, e.method, e.reason
             ),
             events.AnswerRefused: lambda e: inc("refused_answers_total", e.reason),
-            events.InputRequired: lambda e: inc("input_required_results_total", _backend(e.backend)),
+            events.InputRequired: lambda e: inc("input_required_results_total",
+                                                _backend(e.backend)),
             events.RequestStateRefused: lambda e: inc("request_states_refused_total", e.reason),
             events.ReloadFinished: self._on_reload,
         }

@@ -156,7 +156,8 @@ def _merge_named(
         for item in sorted(items, key=lambda i: str(i.get("name", ""))):
             name = item.get("name")
             if not isinstance(name, str) or not name or name in seen_here:
-                warnings.append(f"backend {backend!r}: skipped {kind} with a missing or duplicate name")
+                warnings.append(f"backend {backend!r}: skipped {kind} with a missing or duplicate "
+                                "name")
                 continue
             seen_here.add(name)
             public = expose_name(prefix, separator, name)

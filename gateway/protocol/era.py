@@ -120,10 +120,12 @@ def modern_meta(method: str, params: dict[str, Raw]) -> Modern:
                                    "or open the connection with initialize")
     version = jsonrpc.loads(meta[VERSION_KEY])
     if version not in MODERN_VERSIONS:
-        raise errors.UnsupportedVersion(f"protocol version {version!r} is not supported on a modern request",
+        raise errors.UnsupportedVersion(f"protocol version {version!r} is not supported on a "
+                                        "modern request",
                                  supported=list(SUPPORTED_VERSIONS), requested=version)
     if CAPABILITIES_KEY not in meta:
-        raise errors.InvalidParams(f"{method}: _meta[{CAPABILITIES_KEY!r}] is required (2026-07-28)")
+        raise errors.InvalidParams(
+            f"{method}: _meta[{CAPABILITIES_KEY!r}] is required (2026-07-28)")
     caps = jsonrpc.loads(meta[CAPABILITIES_KEY])
     if not isinstance(caps, dict):
         raise errors.InvalidParams(f"{method}: _meta[{CAPABILITIES_KEY!r}] must be an object")
@@ -138,13 +140,15 @@ def _is_level(value: object) -> bool:
     return isinstance(value, str) and value in mcp.LOG_RANK
 
 
-def version_mismatch(params: dict[str, Raw], headers: dict[str, str | None]) -> errors.GatewayError | None:
+def version_mismatch(params: dict[str, Raw],
+                     headers: dict[str, str | None]) -> errors.GatewayError | None:
     """-32020 when the ``MCP-Protocol-Version`` header and the body's ``_meta`` name different
     versions (both present); checked before either version is judged."""
     got = _header_value(headers.get("mcp-protocol-version"))
     want = modern_version(params)
     if got is not None and want is not None and got != want:
-        return errors.HeaderMismatch(f"the mcp-protocol-version header ({got!r}) does not match the "
+        return errors.HeaderMismatch(f"the mcp-protocol-version header ({got!r}) does not match "
+                                     "the "
                                      f"request's _meta ({want!r})", header="mcp-protocol-version")
     return None
 

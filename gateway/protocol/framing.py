@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 #: Bytes of an oversize frame kept for diagnosis (e.g. to find the id of a reply).
 HEAD = 256
 
@@ -55,7 +54,8 @@ class LineFramer:
             if self._discarding:
                 self._discarding = False
                 if self._report_end:
-                    out.append(OversizeEnd(self._skipped + len(chunk), (self._tail + chunk)[-HEAD:]))
+                    out.append(OversizeEnd(self._skipped + len(chunk),
+                                           (self._tail + chunk)[-HEAD:]))
                 continue
             if self._buf:
                 self._buf += chunk

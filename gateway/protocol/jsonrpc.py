@@ -39,7 +39,7 @@ class Envelope(msgspec.Struct, omit_defaults=True):
     """Any JSON-RPC 2.0 message. Unknown top-level keys are ignored."""
 
     jsonrpc: str = ""
-    id: int | str | None | UnsetType = UNSET
+    id: int | str | UnsetType | None = UNSET
     method: str | UnsetType = UNSET
     params: Raw | UnsetType = UNSET
     result: Raw | UnsetType = UNSET
@@ -241,7 +241,8 @@ def decode_batch(data: bytes, version: str | None, max_items: int,
         raise InvalidRequest("empty batch")
     if len(items) > max_items:
         raise InvalidRequest(f"a batch of {len(items)} messages; at most {max_items} "
-                             "(max_inflight_per_connection)", reason="batch_too_large", limit=max_items)
+                             "(max_inflight_per_connection)", reason="batch_too_large",
+                             limit=max_items)
     entries = []
     for item in items:
         try:

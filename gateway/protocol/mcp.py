@@ -83,7 +83,7 @@ class CancelledParams(msgspec.Struct, omit_defaults=True):
 class ListPage(msgspec.Struct, omit_defaults=True):
     """One page of ``tools/list``-style results with the items decoded as plain dicts."""
 
-    nextCursor: str | None | UnsetType = UNSET
+    nextCursor: str | UnsetType | None = UNSET
     tools: list[dict[str, Any]] | UnsetType = UNSET
     prompts: list[dict[str, Any]] | UnsetType = UNSET
     resources: list[dict[str, Any]] | UnsetType = UNSET

@@ -107,14 +107,17 @@ class StateCodec:
         replica, _, rest = state.partition(".")
         payload, _, mac = rest.partition(".")
         if replica != self.replica_id:
-            raise invalid_state(f"it was issued by replica {replica[:64]!r}, this is {self.replica_id!r}",
+            raise invalid_state(f"it was issued by replica {replica[:64]!r}, this is "
+                                f"{self.replica_id!r}",
                                 "foreign")
         if not payload or not hmac.compare_digest(mac, self._mac(f"{replica}.{payload}")):
-            raise invalid_state("its signature does not verify (tampered, or signed with another key)",
+            raise invalid_state("its signature does not verify (tampered, or signed with another "
+                                "key)",
                                 "tampered")
         try:
             fields = json.loads(_unb64(payload))
-            claims = Claims(flow=fields["f"], round=fields["n"], expires=fields["x"], backend=fields["b"],
+            claims = Claims(flow=fields["f"], round=fields["n"], expires=fields["x"],
+                            backend=fields["b"],
                             keys=tuple(fields["k"]), digest=fields["d"], principal=fields["p"])
         except (ValueError, KeyError, TypeError, binascii.Error):  # signed by us: cannot happen
             raise invalid_state("its payload is malformed") from None
@@ -147,7 +150,8 @@ class StateCodec:
 def params_digest(method: str, params: dict[str, Raw]) -> str:
     """A digest of a call's own params (not ``_meta``, not the round-trip keys): a retry must
     repeat the call it continues."""
-    body = {k: _canonical(v) for k, v in params.items() if k != "_meta" and k not in ROUND_TRIP_KEYS}
+    body = {k: _canonical(v) for k,
+            v in params.items() if k != "_meta" and k not in ROUND_TRIP_KEYS}
     text = json.dumps([method, body], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return _b64(hashlib.sha256(text.encode()).digest()[:18])
 
@@ -172,10 +176,12 @@ def input_responses(params: dict[str, Raw]) -> dict[str, Raw]:
     try:
         fields = jsonrpc.raw_dict(raw)
     except (msgspec.DecodeError, msgspec.ValidationError):
-        raise errors.InvalidParams("inputResponses must be an object keyed by inputRequests keys") from None
+        raise errors.InvalidParams(
+            "inputResponses must be an object keyed by inputRequests keys") from None
     for key, value in fields.items():
         if bytes(value).lstrip()[:1] != b"{":
-            raise errors.InvalidParams(f"inputResponses[{key[:64]!r}] must be an object (the result of "
+            raise errors.InvalidParams(f"inputResponses[{key[:64]!r}] must be an object (the "
+                                       "result of "
                                        "that input request)")
     return fields
 

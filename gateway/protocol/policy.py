@@ -137,7 +137,8 @@ def names(name: str, rules: list[Rule], kind: Kind = "tool") -> bool:
 def visible(name: str, rules: list[Rule], default: Action, *, sensitive: bool,
             caller: Caller, kind: Kind) -> bool:
     """Whether ``caller`` sees ``name`` in its lists: it may call it (allow, or ask)."""
-    return decide(name, rules, default, sensitive=sensitive, caller=caller, kind=kind).action != "deny"
+    return decide(name, rules, default, sensitive=sensitive, caller=caller,
+                  kind=kind).action != "deny"
 
 
 def consent_schema() -> dict[str, Any]:

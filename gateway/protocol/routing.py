@@ -17,9 +17,9 @@ Gateway-internal calls (handshake, list refresh, ping) have no owner and never c
 Fairness: at most ``max_inflight`` clients' calls whose callers wait are at the child at once
 (an abandoned call frees its slot: the spec has a server stop work on a cancelled request, and
 one that does not is recycled or purged after ``cancel_grace`` — counting them would let one
-client hold a shared child for every other client by cancelling its own calls); beyond that a call waits in its owner's queue, and a
-freed slot goes to the owners round-robin, so a client that floods a shared child cannot starve
-the others.  Internal calls never wait.
+client hold a shared child for every other client by cancelling its own calls); beyond that a call
+waits in its owner's queue, and a freed slot goes to the owners round-robin, so a client that floods
+a shared child cannot starve the others.  Internal calls never wait.
 
 Timeouts: a call's deadline is ``now + timeout`` (never past its hard deadline).  Calls with the
 router's default timeout sit in one insertion-ordered table, which is deadline order; the rest
@@ -90,7 +90,8 @@ class Call:
         self.internal = internal
         self.state = CallState.QUEUED
         self.line: bytes | None = None  # the request, while it waits in a queue
-        self.token: str | None = None  # the gateway's progress token, if the caller asked for progress
+        # the gateway's progress token, if the caller asked for progress
+        self.token: str | None = None
         self.client_token: Any = None
         self.started = now
         self.timeout = timeout
@@ -176,7 +177,8 @@ class ChildRouter:
         self._turns: deque[Hashable] = deque()  # owners with queued calls, next first
         self._queued = 0
         self._by_token: dict[str, Call] = {}
-        self._timed: dict[int, Call] = {}  # default-timeout calls running their clock: deadline order
+        # default-timeout calls running their clock: deadline order
+        self._timed: dict[int, Call] = {}
         # (deadline, gid, call) for the others; an entry whose call ended or moved is stale, skipped
         self._heap: list[tuple[float, int, Call]] = []
         self._announced = math.inf  # the deadline last given out with ArmTimer
@@ -256,7 +258,8 @@ class ChildRouter:
         if self.exited is not None:
             raise errors.NotDelivered(self.exited.message, **self.exited.data)
         self._gid += 1
-        call = Call(self._gid, method, owner, handle, now, self.timeout if timeout is None else timeout,
+        call = Call(self._gid, method, owner, handle, now,
+                    self.timeout if timeout is None else timeout,
                     hard_deadline, internal or owner is None)
         if progress is not None:
             call.token = f"gw-{call.gid}"
@@ -264,7 +267,8 @@ class ChildRouter:
         return call
 
     def submit(self, call: Call, line: bytes) -> list[Action]:
-        """Send ``call`` (its request ``line``), or queue it while ``max_inflight`` are at the child."""
+        """Send ``call`` (its request ``line``), or queue it while ``max_inflight`` are at the
+        child."""
         if call.state is not CallState.QUEUED or call.line is not None or call.gid in self.pending:
             raise RoutingError(f"{call!r} was submitted already")
         if self.exited is not None:
@@ -317,7 +321,8 @@ class ChildRouter:
             self._turns.remove(call.owner)
         call.line = None
 
-    def reply(self, gid: Any, result: Raw | None, error: jsonrpc.ErrorObject | None) -> list[Action]:
+    def reply(self, gid: Any, result: Raw | None,
+              error: jsonrpc.ErrorObject | None) -> list[Action]:
         """The child answered request ``gid`` with ``result`` or ``error``.
 
         Raises:
@@ -339,7 +344,8 @@ class ChildRouter:
             return []
         return self._reply(call, None, error)
 
-    def _reply(self, call: Call, result: Raw | None, error: errors.GatewayError | None) -> list[Action]:
+    def _reply(self, call: Call, result: Raw | None,
+               error: errors.GatewayError | None) -> list[Action]:
         actions: list[Action] = []
         del self.pending[call.gid]
         if call.state is CallState.SENT and not call.internal:
@@ -416,7 +422,8 @@ class ChildRouter:
             self._unqueue(call)
             self._finish(call, None, None, actions)
             queue = self._queues.get(owner)
-        for call in [c for c in self.pending.values() if c.owner == owner and c.state is CallState.SENT]:
+        for call in [c for c in self.pending.values() if c.owner == owner
+                     and c.state is CallState.SENT]:
             self._abandon(call, now, None, actions)
         return actions
 
@@ -439,7 +446,8 @@ class ChildRouter:
         for gid in gids:
             call = self.pending.get(gid)
             if call is not None:
-                actions.extend(self._reply(call, None, errors.NotDelivered(error.message, **error.data)))
+                actions.extend(self._reply(call, None,
+                                           errors.NotDelivered(error.message, **error.data)))
         return actions
 
     def withdraw_queued(self, error: errors.GatewayError) -> list[Action]:
@@ -471,7 +479,8 @@ class ChildRouter:
         if settled:
             actions.append(_SETTLED)
         for sreq in self._server_requests.values():
-            actions.append(EndServerRequest(sreq.owner, sreq.handle, ServerRequestOutcome.CHILD_RESTARTED))
+            actions.append(EndServerRequest(sreq.owner, sreq.handle,
+                                            ServerRequestOutcome.CHILD_RESTARTED))
         self._by_token.clear()
         self._timed.clear()
         self._heap.clear()
@@ -543,7 +552,8 @@ class ChildRouter:
             RoutingError: a request of the child with that id is already open.
         """
         if child_id in self._server_requests:
-            raise RoutingError(f"backend {self.backend!r} reused the id {child_id!r} of an open request")
+            raise RoutingError(f"backend {self.backend!r} reused the id {child_id!r} of an open "
+                               "request")
         paused = self.calls_of(owner)
         for call in paused:
             call.paused += 1
@@ -583,7 +593,8 @@ class ChildRouter:
             actions.append(ToChild(jsonrpc.encode_result(child_id, result)))
         elif outcome is ServerRequestOutcome.ERROR and error is not None:
             actions.append(ToChild(jsonrpc.encode_error(child_id, error.code, error.message,
-                                                        None if error.data is UNSET else error.data)))
+                                                        None if error.data is UNSET
+                                                        else error.data)))
         elif outcome in _CLIENT_WENT_AWAY:
             if sreq.method == "elicitation/create":
                 actions.append(ToChild(jsonrpc.encode_result(child_id, CANCEL_ELICITATION)))
@@ -594,7 +605,8 @@ class ChildRouter:
         return actions
 
     def child_cancelled(self, child_id: int | str) -> list[Action]:
-        """The child cancelled its request ``child_id``: the owner is told (unknown ids: nothing)."""
+        """The child cancelled its request ``child_id``: the owner is told (unknown ids:
+        nothing)."""
         sreq = self._server_requests.get(child_id)
         if sreq is None:
             return []
@@ -606,4 +618,5 @@ class ChildRouter:
             return
         for sreq in self._server_requests.values():
             if sreq.owner == owner:
-                actions.append(EndServerRequest(owner, sreq.handle, ServerRequestOutcome.CALL_FINISHED))
+                actions.append(EndServerRequest(owner, sreq.handle,
+                                                ServerRequestOutcome.CALL_FINISHED))

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 
-class State(str, Enum):
+class State(str, Enum):  # noqa: UP042 - StrEnum would change str() of a member
     STOPPED = "STOPPED"
     STARTING = "STARTING"
     RUNNING = "RUNNING"

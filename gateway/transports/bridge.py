@@ -2,8 +2,8 @@
 
 stdin lines go to the gateway, the gateway's messages come out on stdout, one per line.  A unix
 socket target speaks the same framing, so bytes are copied through untouched; an http(s)://
-target is reached as a Streamable HTTP client (:mod:`gateway.transports.bridge_http`).  The bridge exits
-when either side closes.
+target is reached as a Streamable HTTP client (:mod:`gateway.transports.bridge_http`).  The bridge
+exits when either side closes.
 """
 
 from __future__ import annotations
@@ -39,11 +39,13 @@ class _ClientWebSocket:
     async def send(self, data: bytes) -> None:
         try:
             await self._ws.send_message(data.decode())
-        except (trio_websocket.ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+        except (trio_websocket.ConnectionClosed, trio.BrokenResourceError,
+                trio.ClosedResourceError) as exc:
             raise TransportClosed(str(exc)) from None
 
 
-async def _copy(source: trio.abc.ReceiveStream, sink: trio.abc.SendStream, done: trio.CancelScope) -> None:
+async def _copy(source: trio.abc.ReceiveStream, sink: trio.abc.SendStream,
+                done: trio.CancelScope) -> None:
     try:
         while data := await source.receive_some(65536):
             await sink.send_all(data)
@@ -77,7 +79,8 @@ async def bridge(url: str, max_message: int, *, token: str | None = None,
             raise OSError(http.failed[0])
         return
     if not url.startswith(("ws://", "wss://")):
-        raise OSError(f"unsupported URL {url!r} (use ws://HOST:PORT/, http://HOST:PORT/mcp or unix:/path)")
+        raise OSError(f"unsupported URL {url!r} (use ws://HOST:PORT/, http://HOST:PORT/mcp or "
+                      "unix:/path)")
     if url.startswith("wss://"):
         ssl_context = ssl_context or ssl.create_default_context()
         await _check_tls(url, ssl_context)

@@ -16,17 +16,17 @@ is configured (401 with ``WWW-Authenticate``, :mod:`gateway.auth.authenticator`)
 unsupported; absent means 2025-03-26), and a policy rule's scopes (403 ``insufficient_scope``,
 via ``scope_check``).  A session is bound to the principal that created
 it: another principal, or none, presenting its id gets the 404 of an unknown session; a
-bridged flow's ``requestState`` is bound the same way (gateway.bridge).  An ``initialize`` POST without a session id creates
-a session (:class:`~gateway.transports.streamable.HttpSession`, at most ``http_max_sessions``,
-and a principal's ``max_sessions``: 503 beyond) whose id comes back in the ``Mcp-Session-Id``
-header.  A connection counts toward the ``max_connections`` of its latest request's principal.  A POSTed request opens a
-:class:`~gateway.transports.streamable.Sink` and its task waits, reading the socket only to see
-the peer leave, until the sink is answered; an SSE comment every :data:`KEEPALIVE` seconds keeps
-an idle stream open.  Notifications and responses get 202.  GET opens the session's one
-standalone stream (409 for a second one); with ``Last-Event-ID`` it resumes the stream that id
-belongs to (:meth:`~gateway.transports.streamable.HttpSession.resume`; 400 when nothing of it
-is left to resume).  DELETE ends the session.  While the gateway drains, a POST that would
-start anything (a request, ``initialize`` included, of either shape) gets 503 with
+bridged flow's ``requestState`` is bound the same way (gateway.bridge).  An ``initialize`` POST
+without a session id creates a session (:class:`~gateway.transports.streamable.HttpSession`, at most
+``http_max_sessions``, and a principal's ``max_sessions``: 503 beyond) whose id comes back in the
+``Mcp-Session-Id`` header.  A connection counts toward the ``max_connections`` of its latest
+request's principal.  A POSTed request opens a :class:`~gateway.transports.streamable.Sink` and its
+task waits, reading the socket only to see the peer leave, until the sink is answered; an SSE
+comment every :data:`KEEPALIVE` seconds keeps an idle stream open.  Notifications and responses get
+202.  GET opens the session's one standalone stream (409 for a second one); with ``Last-Event-ID``
+it resumes the stream that id belongs to (:meth:`~gateway.transports.streamable.HttpSession.resume`;
+400 when nothing of it is left to resume).  DELETE ends the session.  While the gateway drains, a
+POST that would start anything (a request, ``initialize`` included, of either shape) gets 503 with
 ``Retry-After``; answers, notifications and a bridged call's retry are still taken.
 
 One endpoint decides per request: the modern shape (2026-07-28, no session) will be told apart
@@ -51,7 +51,7 @@ from gateway.auth.challenge import METADATA_PATHS
 from gateway.config import host_allowed
 from gateway.errors import TransportClosed
 from gateway.limits import CapReached, ConnectionSlots, Held, PrincipalCaps
-from gateway.protocol import era, jsonrpc, mcp, mrtr
+from gateway.protocol import era, jsonrpc, mcp
 from gateway.transports import replay, tls
 from gateway.transports.http import (
     WRITE_TIMEOUT,
@@ -101,8 +101,8 @@ def _jsonrpc_error(status: int, exc: errors.GatewayError, id: int | str | None =
 class Sessions:
     """The live HTTP sessions by id; each runs ``serve_session`` in ``nursery`` for its life."""
 
-    def __init__(self, serve_session: Callable[[HttpSession], Awaitable[None]], nursery: trio.Nursery,
-                 *, max_sessions: int, idle_timeout: float, tag: str = "",
+    def __init__(self, serve_session: Callable[[HttpSession], Awaitable[None]],
+                 nursery: trio.Nursery, *, max_sessions: int, idle_timeout: float, tag: str = "",
                  caps: PrincipalCaps | None = None) -> None:
         self._serve = serve_session
         self._nursery = nursery
@@ -190,7 +190,8 @@ class Endpoint:
         revealed)."""
         sid = req.header(b"mcp-session-id")
         if sid is None:
-            raise _jsonrpc_error(400, errors.InvalidRequest("missing Mcp-Session-Id header: initialize first"), id)
+            raise _jsonrpc_error(
+                400, errors.InvalidRequest("missing Mcp-Session-Id header: initialize first"), id)
         session = self.sessions.by_id.get(sid)
         if session is not None and _key(session.principal) != _key(principal):
             if self.authn is not None:
@@ -198,7 +199,8 @@ class Endpoint:
                                    principal.label if principal else None)
             session = None
         if session is None or session.closed:
-            raise _jsonrpc_error(404, errors.InvalidRequest("unknown or ended session: initialize again"), id)
+            raise _jsonrpc_error(
+                404, errors.InvalidRequest("unknown or ended session: initialize again"), id)
         _check_version(req, id)
         if principal is not None and principal is not session.principal:
             # the same principal, its latest token: its scopes (a step-up) and expiry apply
@@ -244,16 +246,19 @@ class Endpoint:
         if counted is not None:
             counted.release()
 
-    def _check_scopes(self, req: Request, principal: Principal | None, env: jsonrpc.Envelope) -> None:
+    def _check_scopes(self, req: Request, principal: Principal | None,
+                      env: jsonrpc.Envelope) -> None:
         """403 ``insufficient_scope`` when a policy rule wants scopes the token lacks."""
         if principal is None or self.scope_check is None or not isinstance(env.method, str):
             return
         missing = self.scope_check(principal, env.method, env.params)
         if missing:
             assert self.authn is not None
-            self.authn.refused("http", "/mcp", f"insufficient scope for {env.method}", principal.label)
+            self.authn.refused("http", "/mcp", f"insufficient scope for {env.method}",
+                               principal.label)
             refusal = HttpError(403, f"insufficient scope: this request needs {' '.join(missing)}")
-            refusal.headers = [("www-authenticate", self.authn.challenge(req.header(b"host"), scope=missing))]
+            refusal.headers = [("www-authenticate",
+                                self.authn.challenge(req.header(b"host"), scope=missing))]
             raise refusal
 
     def _metadata(self, conn: HttpConnection, req: Request) -> None:
@@ -262,7 +267,8 @@ class Endpoint:
         doc = None if self.authn is None or not self.authn.configured else self.authn.metadata()
         if doc is None:
             raise HttpError(404, "not found (no OAuth authorization server is configured here: "
-                                 "send Authorization: Bearer <token> with a token from the operator)")
+                                 "send Authorization: Bearer <token> with a token from the "
+                                 "operator)")
         if not req.host_in(self.hosts):
             raise HttpError(403, "Host not allowed")
         if req.method not in ("GET", "HEAD"):
@@ -290,7 +296,8 @@ class Endpoint:
             LOGGER.warning("/mcp: refused Host %.100r (listen.allowed_hosts)", req.header(b"host"))
             raise HttpError(403, "Host not allowed")
         if not self._origin_allowed(req):
-            LOGGER.warning("/mcp: refused Origin %.100r (listen.allowed_origins)", req.header(b"origin"))
+            LOGGER.warning("/mcp: refused Origin %.100r (listen.allowed_origins)",
+                           req.header(b"origin"))
             raise HttpError(403, "Origin not allowed")
         principal = await self._authenticate(req)
         self._count(conn, principal)
@@ -302,7 +309,8 @@ class Endpoint:
             if ctype != JSON:
                 raise HttpError(415, "Content-Type must be application/json")
             await self._post(conn, req, principal)
-        elif req.method in ("GET", "DELETE") and req.header(b"mcp-protocol-version") in era.MODERN_VERSIONS:
+        elif (req.method in ("GET", "DELETE")
+              and req.header(b"mcp-protocol-version") in era.MODERN_VERSIONS):
             raise HttpError(405, "no sessions and no standalone stream in protocol version "
                                  f"{era.LATEST_MODERN}: POST each request")
         elif req.method == "GET":
@@ -330,7 +338,8 @@ class Endpoint:
             # A stream opened with a JWT ends when the token does: the client reopens it with a
             # fresh one (every request is checked; a long-lived stream must not outlive it).
             expires = principal.expires if principal is not None else None
-            deadline = math.inf if expires is None else trio.current_time() + max(0.0, expires - time.time())
+            deadline = (math.inf if expires is None
+                        else trio.current_time() + max(0.0, expires - time.time()))
             with trio.move_on_at(deadline) as expiry:
                 await _hold(conn, session, sink)
             if expiry.cancelled_caught:  # expired: end the stream cleanly (the session goes on)
@@ -416,8 +425,10 @@ class Endpoint:
         session = self._session(req, principal)
         client = session.client
         try:
-            entries = jsonrpc.decode_batch(body, None if client is None else client.protocol_version,
-                                           0 if client is None else client.max_inflight, self.max_json_depth)
+            entries = jsonrpc.decode_batch(body,
+                                           None if client is None else client.protocol_version,
+                                           0 if client is None else client.max_inflight,
+                                           self.max_json_depth)
         except errors.GatewayError as exc:
             raise _jsonrpc_error(400, exc) from None
         requests = [e.env for e in entries if e.kind == "request" and e.env is not None]
@@ -445,7 +456,8 @@ class Endpoint:
         try:
             params = jsonrpc.params_dict(env.params)
             if env.method not in era.MODERN_METHODS:
-                raise _jsonrpc_error(404, errors.MethodNotFound(f"method {env.method!r} not found"), env.id)
+                raise _jsonrpc_error(
+                    404, errors.MethodNotFound(f"method {env.method!r} not found"), env.id)
             headers = {"mcp-protocol-version": req.header(b"mcp-protocol-version"),
                        "mcp-method": req.header(b"mcp-method"), "mcp-name": req.header(b"mcp-name")}
             mismatch = era.version_mismatch(params, headers)  # before the version is judged
@@ -486,11 +498,12 @@ class Endpoint:
             if _rounds(session) == 0:
                 flow.finish()
 
-    def _resume(self, env: jsonrpc.Envelope, params: dict[str, jsonrpc.Raw], caps: dict[str, object],
-                sink: Sink, principal: Principal | None) -> HttpSession:
+    def _resume(self, env: jsonrpc.Envelope, params: dict[str, jsonrpc.Raw],
+                caps: dict[str, object], sink: Sink, principal: Principal | None) -> HttpSession:
         """A retry carrying ``requestState``: the parked flow it continues (gateway.bridge),
         with ``sink`` open for the retry's id (only for the principal the flow is bound to)."""
-        assert isinstance(env.method, str) and isinstance(env.id, int | str) and self.bridge is not None
+        assert isinstance(env.method, str) and isinstance(env.id,
+                                                          int | str) and self.bridge is not None
         try:
             owner = self.bridge.resume(env.method, params, env.id, caps,
                                        principal=None if principal is None else principal.key)
@@ -506,7 +519,8 @@ class Endpoint:
             raise HttpError(503, "this session's inbox is full; retry later")
         conn.respond(202, headers=[(SESSION_HEADER, session.id)])
 
-    async def _stream(self, conn: HttpConnection, session: HttpSession, sink: Sink, body: bytes) -> None:
+    async def _stream(self, conn: HttpConnection, session: HttpSession, sink: Sink,
+                      body: bytes) -> None:
         session.open_post(sink)
         if not session.push(body):
             session.close_sink(sink)
@@ -551,7 +565,8 @@ def _check_version(req: Request, id: int | str | None) -> None:
     version = req.header(b"mcp-protocol-version")
     if version is not None and version not in mcp.LEGACY_VERSIONS:
         raise _jsonrpc_error(400, errors.InvalidRequest(
-            f"unsupported MCP-Protocol-Version {version[:40]!r}", supported=list(era.SUPPORTED_VERSIONS)), id)
+            f"unsupported MCP-Protocol-Version {version[:40]!r}",
+            supported=list(era.SUPPORTED_VERSIONS)), id)
 
 
 def _is_modern(req: Request, env: jsonrpc.Envelope) -> bool:
@@ -660,7 +675,8 @@ async def serve_http(
             if not accepted.admitted:  # beyond max_connections (already counted)
                 with trio.move_on_after(WRITE_TIMEOUT):
                     try:
-                        conn.respond(503, b"too many connections (max_connections)\n", TEXT, close=True)
+                        conn.respond(503, b"too many connections (max_connections)\n", TEXT,
+                                     close=True)
                         await conn.flush()
                     except TransportClosed:
                         pass

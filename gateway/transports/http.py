@@ -107,7 +107,8 @@ class HttpConnection:
         self.request_timeout = request_timeout
         self.head_timeout = limits.HEAD_TIMEOUT if head_timeout is None else head_timeout
         # the first request's head is due head_timeout after this (the accept, by default now)
-        self._first_head_by: float | None = (trio.current_time() if opened is None else opened) + self.head_timeout
+        self._first_head_by: float | None = (trio.current_time() if opened is None
+                                             else opened) + self.head_timeout
         self.closed = False
         self._head = False  # the request being answered is a HEAD: its response has no body
 
@@ -141,11 +142,13 @@ class HttpConnection:
             try:
                 event = conn.next_event()
             except h11.RemoteProtocolError as exc:
-                raise HttpError(exc.error_status_hint, http.HTTPStatus(exc.error_status_hint).phrase.lower()) from None
+                raise HttpError(exc.error_status_hint,
+                                http.HTTPStatus(exc.error_status_hint).phrase.lower()) from None
             if event is h11.NEED_DATA:
                 try:
                     if whole_by is None:  # nothing of this request yet: the idle wait
-                        with trio.move_on_at(head_by if head_by is not None else trio.current_time() + idle_timeout):
+                        with trio.move_on_at(head_by if head_by is not None
+                                             else trio.current_time() + idle_timeout):
                             data = await self.io.read()
                             conn.receive_data(data)
                             fed += len(data)
@@ -155,7 +158,8 @@ class HttpConnection:
                             continue
                         return None  # idle, or no first byte in time: closed without a word
                     assert head_by is not None  # set with whole_by
-                    data = await self.io.read(whole_by if head is not None else min(head_by, whole_by))
+                    data = await self.io.read(whole_by if head is not None
+                                              else min(head_by, whole_by))
                     conn.receive_data(data)
                     if head is None:
                         fed += len(data)
@@ -185,7 +189,8 @@ class HttpConnection:
             elif isinstance(event, h11.Data):
                 size += len(event.data)
                 if size > self.max_body:
-                    raise HttpError(413, f"request body over {self.max_body} bytes (gateway.max_message_bytes)")
+                    raise HttpError(413, f"request body over {self.max_body} bytes "
+                                         "(gateway.max_message_bytes)")
                 body.append(bytes(event.data))
             elif isinstance(event, h11.EndOfMessage):
                 assert head is not None
@@ -237,7 +242,8 @@ class HttpConnection:
         only be whitespace between tokens: each becomes a new ``data:`` line, still valid JSON),
         with id ``event_id`` when given (visible ASCII, no newline)."""
         if b"\n" in message or b"\r" in message:
-            message = b"\ndata: ".join(message.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n"))
+            message = b"\ndata: ".join(message.replace(b"\r\n",
+                                                       b"\n").replace(b"\r", b"\n").split(b"\n"))
         if event_id is None:
             return self._send(h11.Data(data=_EVENT + message + b"\n\n"))
         return self._send(h11.Data(data=b"id: " + event_id + b"\n" + _EVENT + message + b"\n\n"))
@@ -260,7 +266,8 @@ class HttpConnection:
     @property
     def reusable(self) -> bool:
         """The exchange is over on both sides and the connection may carry another request."""
-        return not self.closed and self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE
+        return (not self.closed and self.h11.our_state is h11.DONE
+                and self.h11.their_state is h11.DONE)
 
     async def aclose(self) -> None:
         self.closed = True
@@ -301,8 +308,8 @@ async def serve_connection(
                 await handle(conn, req)
             except HttpError as exc:
                 LOGGER.debug("%s: %d %s", name, exc.status, exc)
-                conn.respond(exc.status, exc.body, exc.content_type, [*error_headers(exc), *exc.headers],
-                             close=exc.close)
+                conn.respond(exc.status, exc.body, exc.content_type,
+                             [*error_headers(exc), *exc.headers], close=exc.close)
             with trio.move_on_after(write_timeout) as scope:
                 await conn.flush()
             if scope.cancelled_caught or not conn.reusable:

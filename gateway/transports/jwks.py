@@ -22,7 +22,8 @@ def _fetch_sync(uri: str, timeout: float, max_bytes: int) -> bytes:
     request = urllib.request.Request(uri, headers={"accept": "application/json",
                                                    "user-agent": "mcp-gateway"})
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:  # the scheme is checked by config
+        # the scheme is checked by config
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             if response.status != 200:
                 raise JwksFetchError(f"HTTP {response.status}")
             data: bytes = response.read(max_bytes + 1)

@@ -44,7 +44,8 @@ class SlottedListener(trio.abc.Listener[Accepted]):
     cap).  A connection beyond the cap comes back with ``admitted=False`` (already counted as
     refused) for its handler to turn away at once."""
 
-    def __init__(self, inner: trio.SocketListener, slots: ConnectionSlots | None, transport: str) -> None:
+    def __init__(self, inner: trio.SocketListener, slots: ConnectionSlots | None,
+                 transport: str) -> None:
         self.inner = inner
         self.socket = inner.socket
         self._slots = slots
@@ -83,8 +84,8 @@ class _AcceptLog:
             return
         more = f" ({self.unlogged} more since the last such line)" if self.unlogged else ""
         LOGGER.warning("accept failed: %s (%s); accepting paused for %gs, then up to %gs while it "
-                       "lasts%s", errno.errorcode.get(exc.errno or 0, exc.errno), exc.strerror, pause,
-                       ACCEPT_BACKOFF_MAX, more)
+                       "lasts%s", errno.errorcode.get(exc.errno or 0, exc.errno), exc.strerror,
+                       pause, ACCEPT_BACKOFF_MAX, more)
         self.next_at = now + ACCEPT_LOG_INTERVAL
         self.unlogged = 0
 
@@ -164,11 +165,13 @@ def check_loopback(listener: trio.SocketListener, what: str,
 
 def bound_off_loopback(listeners: Sequence[trio.SocketListener]) -> bool:
     """Whether any of ``listeners`` is a TCP socket bound to an address that is not loopback."""
-    return any(lst.socket.family != socket.AF_UNIX and not is_loopback(str(lst.socket.getsockname()[0]))
+    return any(lst.socket.family != socket.AF_UNIX
+               and not is_loopback(str(lst.socket.getsockname()[0]))
                for lst in listeners)
 
 
-def allowed_host_names(listeners: Sequence[trio.SocketListener], extra: Sequence[str]) -> frozenset[str]:
+def allowed_host_names(listeners: Sequence[trio.SocketListener],
+                       extra: Sequence[str]) -> frozenset[str]:
     """The ``Host`` names a TCP listener answers to besides the loopback names (see
     :func:`gateway.config.host_allowed`): its bound address unless a wildcard, and ``extra``
     (the operator's ``allowed_hosts``)."""
@@ -184,7 +187,8 @@ async def open_tcp(host: str, port: int, what: str,
     try:
         listeners = await trio.open_tcp_listeners(port, host=host)
     except OSError as exc:
-        raise ListenerError(f"{what}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        raise ListenerError(
+            f"{what}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     for listener in listeners:
         try:
             check_loopback(listener, what, problems)

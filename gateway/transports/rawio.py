@@ -164,8 +164,10 @@ class StreamIO:
     """The interface of :class:`SocketIO` over any trio stream (a TLS connection's
     ``trio.SSLStream``, the stdio bridge's pipes): writes are held until :meth:`flush`, which
     sends them under a lock (one ``send_all`` at a time, in call order).  ``held`` counts what
-    was written and is not yet sent, a ``send_all`` under way included.  A cancelled flush may
-    have sent part of what it took (a TLS stream is broken by it: every later write fails)."""
+    was written and is not yet sent, a ``send_all`` under way included.  A flush cancelled
+    before its ``send_all`` began leaves what it would have sent held, for the next flush; one
+    cancelled during it may have sent part (a TLS stream is broken by it: every later write
+    fails)."""
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
@@ -194,6 +196,10 @@ class StreamIO:
             while self._held:
                 if self._writes_closed:
                     raise TransportClosed("closed")
+                # Cancelled already (the lock was taken without a cancel point), raise before
+                # taking the bytes: send_all would raise at once, and they would be lost (a
+                # TLS answer's writer cancelled as its request ends: the client waited forever)
+                await trio.lowlevel.checkpoint_if_cancelled()
                 data, self._held = b"".join(self._held), []
                 self._sending = len(data)
                 try:

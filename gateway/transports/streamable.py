@@ -3,9 +3,10 @@
 
 Theory of operation: an HTTP session is served like any connection, by
 ``connection.serve(hub, session, "http")`` for the session's whole life: one
-:class:`~gateway.session.ClientSession`, one owner for the routing core.  :meth:`HttpSession.receive`
-hands out the messages POSTed to it (a bounded inbox); :meth:`HttpSession.write_nowait` routes
-every outgoing message to one open response stream (a :class:`Sink`), never to two:
+:class:`~gateway.session.ClientSession`, one owner for the routing core.
+:meth:`HttpSession.receive` hands out the messages POSTed to it (a bounded inbox);
+:meth:`HttpSession.write_nowait` routes every outgoing message to one open response stream (a
+:class:`Sink`), never to two:
 
 - a response goes to the POST that carries its request id (a batch's array answer to the batch
   POST whose request ids it answers); when that POST's stream is gone the response is dropped
@@ -35,12 +36,12 @@ stream's own ids, opens the GET stream.  A session that negotiated 2025-11-25 ge
 priming event (an id, empty data) first on each POST stream, so a stream broken before its first
 message can be resumed too.  The gateway never closes a stream's connection early on purpose
 (so it sends no ``retry`` field); keep-alive comments keep idle streams open.  Modern
-(2026-07-28) flows have no resumability: no ids.  Writes are synchronous; what a socket does not take is held
-by that socket's :class:`~gateway.transports.rawio.SocketIO`, and :meth:`HttpSession.flush`
-waits for all of them, so the session's outbound accounting (``outbound_bytes``, the
-ByteBudget) covers every stream.  A stream whose peer is gone is dropped from the session; the
-session goes on.  The session ends on DELETE (its calls are cancelled, as for a closed
-connection) or when it has been idle (nothing in flight, no stream open) for
+(2026-07-28) flows have no resumability: no ids.  Writes are synchronous; what a socket does not
+take is held by that socket's :class:`~gateway.transports.rawio.SocketIO`, and
+:meth:`HttpSession.flush` waits for all of them, so the session's outbound accounting
+(``outbound_bytes``, the ByteBudget) covers every stream.  A stream whose peer is gone is dropped
+from the session; the session goes on.  The session ends on DELETE (its calls are cancelled, as for
+a closed connection) or when it has been idle (nothing in flight, no stream open) for
 ``http_session_idle_timeout``: :meth:`receive` then raises TransportClosed.
 """
 
@@ -109,7 +110,8 @@ class _Error(msgspec.Struct):
 
 
 #: Modern errors answered with HTTP 400 (2026-07-28 Streamable HTTP).
-_HTTP_400 = frozenset({errors.HEADER_MISMATCH, errors.MISSING_CAPABILITY, errors.UNSUPPORTED_VERSION})
+_HTTP_400 = frozenset({errors.HEADER_MISMATCH, errors.MISSING_CAPABILITY,
+                       errors.UNSUPPORTED_VERSION})
 _error = msgspec.json.Decoder(_Error)
 _out = msgspec.json.Decoder(_Out)
 _outs = msgspec.json.Decoder(list[_Out])
@@ -125,7 +127,8 @@ class Sink:
     __slots__ = ("answered", "batch", "conn", "done", "ids", "invalid", "request_id", "scope",
                  "session_id", "started", "stream", "token")
 
-    def __init__(self, conn: HttpConnection | None, session_id: str, request_id: RequestId | None = None,
+    def __init__(self, conn: HttpConnection | None, session_id: str,
+                 request_id: RequestId | None = None,
                  *, batch: bool = False, stream: int | None = None) -> None:
         self.conn = conn  # None: detached (its connection broke; it may be resumed)
         self.session_id = session_id
@@ -148,7 +151,8 @@ class Sink:
         if final:
             self.finish_soon()
             if not self.started:  # answered before anything else: a plain JSON response
-                return conn.respond(self._status(message), message, "application/json", self._headers())
+                return conn.respond(self._status(message), message, "application/json",
+                                    self._headers())
             conn.event(message, event_id)
             return conn.end_events()
         return conn.event(message, event_id)
@@ -530,14 +534,16 @@ class HttpSession:
                 self._lost(sink)  # the message is in the log: a resumption gets it
                 return
             if event_id is None:
-                LOGGER.debug("http session %.8s…: a response stream is gone; message dropped", self.id)
+                LOGGER.debug("http session %.8s…: a response stream is gone; message dropped",
+                             self.id)
                 self.dropped += 1
             self.close_sink(sink)
             sink.finish_soon()
 
     def _park(self, message: bytes) -> None:
         n = len(message)
-        while self._parked and (len(self._parked) >= PARK_MAX or self._parked_bytes + n > PARK_MAX_BYTES):
+        while self._parked and (len(self._parked) >= PARK_MAX
+                                or self._parked_bytes + n > PARK_MAX_BYTES):
             old = self._parked.popleft()
             self._parked_bytes -= len(old)
             if self.client is not None:

@@ -70,7 +70,12 @@ from gateway.limits import ConnectionSlots
 from gateway.protocol.wsframing import Fault, ServerFramer, close_frame, text_header
 from gateway.transports import tls
 from gateway.transports.http import MAX_HEAD_BYTES
-from gateway.transports.listeners import Accepted, SlottedListener, allowed_host_names, serve_listeners
+from gateway.transports.listeners import (
+    Accepted,
+    SlottedListener,
+    allowed_host_names,
+    serve_listeners,
+)
 from gateway.transports.rawio import stream_io
 
 LOGGER = logging.getLogger(__name__)
@@ -159,7 +164,8 @@ class WebSocketStream:
         """The exception that ends the reading, from the framer's fault or the peer's close."""
         framer = self._framer
         fault = framer.fault
-        if fault is Fault.MESSAGE_TOO_BIG:  # refused by its header (the close, 1009, follows the -32600 answer)
+        # refused by its header (the close, 1009, follows the -32600 answer)
+        if fault is Fault.MESSAGE_TOO_BIG:
             return MessageTooLarge(framer.declared, self._max)
         if fault is Fault.UNSUPPORTED_DATA:
             return UnsupportedMessage("binary WebSocket frames are not supported: send each "
@@ -276,7 +282,8 @@ _REFUSED = object()
 
 
 async def _handshake(stream: trio.abc.Stream, allowed_origins: Sequence[str],
-                     allowed_hosts: frozenset[str], authenticate: Authenticate | None = None) -> object:
+                     allowed_hosts: frozenset[str],
+                     authenticate: Authenticate | None = None) -> object:
     """Run the HTTP upgrade (wsproto's handshake); :data:`_REFUSED` after refusing it, else
     the principal ``authenticate`` found (None without it)."""
     ws = WSConnection(ConnectionType.SERVER)
@@ -310,9 +317,11 @@ async def _handshake(stream: trio.abc.Stream, allowed_origins: Sequence[str],
                 return _REFUSED
             principal = None
             if authenticate is not None:
-                values = [v.decode("latin-1") for k, v in event.extra_headers if k.lower() == b"authorization"]
+                values = [v.decode("latin-1") for k,
+                          v in event.extra_headers if k.lower() == b"authorization"]
                 try:
-                    principal = await authenticate(event.host, ", ".join(values) if values else None)
+                    principal = await authenticate(event.host,
+                                                   ", ".join(values) if values else None)
                 except Refused as exc:
                     await _refuse(stream, ws, exc.status, str(exc), exc.headers, exc.content_type)
                     return _REFUSED

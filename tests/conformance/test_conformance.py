@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import pytest
 import trio
-
 from conformance.run import gateway_toml, run_suite
-from gateway import config
 from helpers import ROOT, run_gateway
+
+from gateway import config
 
 pytestmark = [pytest.mark.conformance, pytest.mark.system]
 
@@ -30,4 +30,5 @@ async def test_the_suite_through_the_gateway(requirements: str) -> None:
         report = await trio.to_thread.run_sync(run_suite, url, requirements)
     print(report.summary_line())
     assert not report.scored_failures, report.explain()
-    assert sum(s.scored for s in report.scenarios.values()) == {"2025-11-25": 30, "2026-07-28": 37}[requirements]
+    assert sum(s.scored for s in report.scenarios.values()) == {"2025-11-25": 30,
+                                                                "2026-07-28": 37}[requirements]

@@ -56,11 +56,14 @@ async def test_jwks_nested_too_deeply_does_not_end_the_daemon() -> None:
         oauth = (f'[auth.oauth]\nissuer = "{url}/"\njwks_uri = "{url}/jwks.json"\n'
                  'audience = "https://gateway.test/mcp"\njwks_refresh_min_interval = 0.01\n')
         bearer = ('[[auth.bearer]]\nprincipal = "alice"\n'
-                  'token_sha256 = "2bd806c97f0e00af1a1fc3328fa763a9269723c8db8fac4f93af71db186d6e90"\n')  # "alice"
+                  'token_sha256 = '
+                  '"2bd806c97f0e00af1a1fc3328fa763a9269723c8db8fac4f93af71db186d6e90"\n')  # "alice"
         cfg = make_config(fixture_backend(), extra=bearer + oauth)
         async with run_gateway(cfg) as gw, httpx.AsyncClient(timeout=10) as c:
-            jwt_like = "eyJhbGciOiJSUzI1NiIsImtpZCI6Im5ldyJ9.e30.c2ln"  # {"alg":"RS256","kid":"new"}
-            r = await c.post(gw.http_url, headers=dict(H, authorization=f"Bearer {jwt_like}"), json=INIT)
+            # {"alg":"RS256","kid":"new"}
+            jwt_like = "eyJhbGciOiJSUzI1NiIsImtpZCI6Im5ldyJ9.e30.c2ln"
+            r = await c.post(gw.http_url, headers=dict(H, authorization=f"Bearer {jwt_like}"),
+                             json=INIT)
             assert r.status_code == 401 and 'error="invalid_token"' in r.headers["www-authenticate"]
             r = await c.post(gw.http_url, headers=dict(H, authorization="Bearer alice"), json=INIT)
             assert r.status_code == 200, r.text

@@ -30,7 +30,8 @@ HEADERS = {"accept": "application/json, text/event-stream", "content-type": "app
 
 
 def meta(caps: dict[str, Any] = FORM) -> dict[str, Any]:
-    return {"io.modelcontextprotocol/protocolVersion": V, "io.modelcontextprotocol/clientCapabilities": caps}
+    return {"io.modelcontextprotocol/protocolVersion": V,
+            "io.modelcontextprotocol/clientCapabilities": caps}
 
 
 def echo(message: str, **extra: Any) -> dict[str, Any]:
@@ -41,7 +42,8 @@ async def post(c: httpx.AsyncClient, url: str, id: int, params: dict[str, Any],
                headers: dict[str, str] | None = None) -> httpx.Response:
     with trio.fail_after(10):
         return await c.post(url, headers=headers or HEADERS,
-                            json={"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": params})
+                            json={"jsonrpc": "2.0", "id": id, "method": "tools/call",
+                                  "params": params})
 
 
 def echoed(transcript: Path) -> list[str]:
@@ -71,7 +73,8 @@ async def test_a_websocket_calls_state_retried_on_mcp_is_invalid_state_and_runs_
                 connect(gw.url, initialize=False) as ws:
             first = (await ws.request("tools/call", echo("ws")))["result"]
             assert first["resultType"] == "input_required"
-            retry = echo("ws", inputResponses={"consent": ACCEPT}, requestState=first["requestState"])
+            retry = echo("ws", inputResponses={"consent": ACCEPT},
+                         requestState=first["requestState"])
             r = await post(c, gw.http_url, 99, retry)
             error = r.json()["error"]
             assert r.status_code == 400 and error["code"] == -32602, r.text
@@ -84,15 +87,18 @@ async def test_a_websocket_calls_state_retried_on_mcp_is_invalid_state_and_runs_
     no_traceback(caplog)
 
 
-async def test_parked_calls_are_bounded_by_max_parked_flows(caplog: pytest.LogCaptureFixture) -> None:
+async def test_parked_calls_are_bounded_by_max_parked_flows(
+    caplog: pytest.LogCaptureFixture) -> None:
     """Each modern POST under ``ask`` parked a call (its flow session, request and task, about
     20 KB) until elicitation_timeout, with no bound but buffered_bytes_total (~300 bytes of
     request each): anyone could hold gigabytes.  Now past gateway.max_parked_flows a call under
     ask gets -32006 overloaded (nothing parked, nothing run) and a legacy child's elicitation is
     declined; a parked call that ends makes room."""
     caplog.set_level(logging.ERROR)
-    extra = ASK.replace('action = "ask" }]', 'action = "ask" }, { match = "fx__elicit", action = "allow" }]')
-    cfg = make_config(fixture_backend("fx"), extra=extra, gateway="max_parked_flows = 3\ndrain_grace = 0.5")
+    extra = ASK.replace('action = "ask" }]',
+                        'action = "ask" }, { match = "fx__elicit", action = "allow" }]')
+    cfg = make_config(fixture_backend("fx"), extra=extra,
+                      gateway="max_parked_flows = 3\ndrain_grace = 0.5")
     with trio.fail_after(30):
         async with run_gateway(cfg) as gw, httpx.AsyncClient(timeout=10) as c:
             states = []
@@ -106,9 +112,11 @@ async def test_parked_calls_are_bounded_by_max_parked_flows(caplog: pytest.LogCa
             r = await post(c, gw.http_url, 10, {**echo("name?"), "name": "fx__elicit"}, headers)
             assert r.json()["result"]["resultType"] == "complete", r.text  # not parked: declined
             assert json.loads(r.json()["result"]["content"][0]["text"])["action"] == "decline"
-            st = await wait_status(gw.bound.admin_port, lambda s: s["client_requests_in_flight"] == 3)
-            r = await post(c, gw.http_url, 11, echo("p0", inputResponses={"consent": {"action": "decline"}},
-                                                    requestState=states[0]))
+            st = await wait_status(gw.bound.admin_port,
+                                   lambda s: s["client_requests_in_flight"] == 3)
+            r = await post(c, gw.http_url, 11,
+                           echo("p0", inputResponses={"consent": {"action": "decline"}},
+                                requestState=states[0]))
             assert r.json()["error"]["data"]["reason"] == "declined"
             r = await post(c, gw.http_url, 12, echo("room"))  # room again
             assert r.json()["result"]["resultType"] == "input_required", r.text
@@ -143,7 +151,8 @@ async def test_a_response_to_the_unsent_consent_request_is_refused(
     no_traceback(caplog)
 
 
-async def test_a_drain_refuses_a_new_call_dressed_as_a_retry(caplog: pytest.LogCaptureFixture) -> None:
+async def test_a_drain_refuses_a_new_call_dressed_as_a_retry(
+    caplog: pytest.LogCaptureFixture) -> None:
     """While a WebSocket connection had a consent prompt parked, a drain let in any request of
     the same method with a ``requestState`` key as the parked call's retry: a new call to a
     modern backend (whose own states pass through) with a junk state ran during the drain.
@@ -158,7 +167,8 @@ async def test_a_drain_refuses_a_new_call_dressed_as_a_retry(caplog: pytest.LogC
     modern = os.path.join(ROOT, "tests", "fixtures", "modern_server.py")
     backend = (f"[backends.mo]\ncommand = {json.dumps(sys.executable)}\n"
                f"args = [{json.dumps(modern)}]\nprotocol_mode = \"modern_only\"\n")
-    extra = '[policy]\nelicitation_timeout = 10.0\nrules = [{ match = "mo__show_meta", action = "ask" }]\n'
+    extra = ('[policy]\nelicitation_timeout = 10.0\nrules = [{ match = "mo__show_meta", action = '
+             '"ask" }]\n')
     cfg = make_config(backend, extra=extra, gateway="drain_delay = 0.0\ndrain_grace = 3.0")
     with trio.fail_after(30):
         async with run_gateway(cfg) as gw, connect(gw.url, initialize=False) as ws:
@@ -170,7 +180,8 @@ async def test_a_drain_refuses_a_new_call_dressed_as_a_retry(caplog: pytest.LogC
             new = {"name": "mo__echo", "arguments": {"message": "new"}, "_meta": meta()}
             for params in (new, {**new, "requestState": "junk"}):
                 r = await ws.request("tools/call", params)
-                assert r["error"]["code"] == -32005 and r["error"]["data"]["reason"] == "shutdown", r
+                assert r["error"]["code"] == -32005 and r["error"]["data"][
+                    "reason"] == "shutdown", r
             done = await ws.request("tools/call", {**parked, "inputResponses": {"consent": ACCEPT},
                                                    "requestState": asked["requestState"]})
             assert done["result"]["resultType"] == "complete", done

@@ -34,7 +34,8 @@ pytestmark = pytest.mark.system
 
 MAX_MESSAGE = 256 * 1024
 MAX_DEPTH = 128  # gateway.max_json_depth (default)
-GATEWAY = (f"max_message_bytes = {MAX_MESSAGE}\noutbound_queue = 4\noutbound_bytes = {MAX_MESSAGE}\n"
+GATEWAY = (f"max_message_bytes = {MAX_MESSAGE}\noutbound_queue = 4\n"
+           f"outbound_bytes = {MAX_MESSAGE}\n"
            "write_stall_timeout = 2.0")
 TRANSPORTS = ["websocket", "unix"]
 ANSWER_BOUND = 3.0  # seconds for an answer to a generated message (echo or an error at once)
@@ -418,7 +419,8 @@ async def test_websocket_fragments_and_invalid_utf8_text_frames(daemon: Daemon) 
             # a message in binary fragments: refused (MCP is one message per text frame)
             await ws.send_fragmented(call_bytes("frag-bin", "binary"), 100, opcode=2)
             r = await ws.message()
-            assert r["error"]["code"] == -32600 and r["error"]["data"]["reason"] == "binary_frame", r
+            assert r["error"]["code"] == -32600 and r["error"]["data"][
+                "reason"] == "binary_frame", r
             r = await ws.message()
             assert isinstance(r, CloseConnection) and r.code == 1003, r
         async with RawWs.open(daemon.ws_port) as ws:

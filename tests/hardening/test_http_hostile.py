@@ -320,13 +320,15 @@ async def test_refusals_name_the_request_and_smuggling_is_refused(daemon: Daemon
         r = await c.exchange(post(ping, headers))
         assert (r.status, r.json()["id"]) == (status, "p-1"), (headers, r.status, r.body)  # (a)
     init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
-        "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}}
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "t", "version": "0"}}}
     r = await c.exchange(post(init, b"mcp-protocol-version: 1999-01-01\r\n"))
     assert r.status == 400 and "2025-11-25" in r.json()["error"]["data"]["supported"], r.body  # (b)
     data = json.dumps(ping).encode()
     smuggled = await Conn.open(port)
     await smuggled.send(b"POST /mcp HTTP/1.1\r\n" + HEADERS + session + b"content-length: %d\r\n"
-                        b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(data), len(data), data))
+                        b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (
+                            len(data), len(data), data))
     with trio.fail_after(ANSWER_BOUND):
         r = await smuggled.response()
         assert r.status == 400 and r.headers[b"connection"] == b"close", r.body  # (c)
@@ -382,12 +384,14 @@ async def test_a_broken_post_stream_is_resumed_by_get_with_last_event_id(daemon:
     accept_sse = HEADERS.replace(b"application/json, ", b"")
     get = await Conn.open(port)
     last = b"%s-%s" % ids[1]
-    r = await get.exchange(b"GET /mcp HTTP/1.1\r\n" + accept_sse + session + b"last-event-id: " + last + b"\r\n\r\n")
+    r = await get.exchange(
+        b"GET /mcp HTTP/1.1\r\n" + accept_sse + session + b"last-event-id: " + last + b"\r\n\r\n")
     assert r.status == 200 and r.json() == {"jsonrpc": "2.0", "id": 9, "result": {
         "content": [{"type": "text", "text": "done"}]}}, r.body
     assert re.search(rb"id: %s-\d+\n" % ids[1][0], r.body), r.body  # the same stream's ids
     for bad in (b"x", b"999-1", last.split(b"-")[0] + b"-999999"):
-        r = await get.exchange(b"GET /mcp HTTP/1.1\r\n" + accept_sse + session + b"last-event-id: " + bad + b"\r\n\r\n")
+        r = await get.exchange(b"GET /mcp HTTP/1.1\r\n" + accept_sse + session
+                               + b"last-event-id: " + bad + b"\r\n\r\n")
         assert r.status == 400, (bad, r.body)
     r = await c.exchange(post(b"", session, method=b"DELETE"))
     assert r.status == 200

@@ -48,7 +48,8 @@ pytestmark = [pytest.mark.system,
                                          "ignore::pytest.PytestUnraisableExceptionWarning")]
 
 H, INIT = HTTP_HEADERS, HTTP_INIT
-TOKENS = {"alice": "alice-secret-token-1", "bob": "bob-secret-token-2", "carol": "carol-secret-token-3"}
+TOKENS = {"alice": "alice-secret-token-1", "bob": "bob-secret-token-2",
+          "carol": "carol-secret-token-3"}
 MODERN = {"accept": "application/json, text/event-stream", "content-type": "application/json",
           "mcp-protocol-version": "2026-07-28"}
 
@@ -58,7 +59,8 @@ def sha(token: str) -> str:
 
 
 def bearer_toml(*names: str, tokens_file: Path | None = None) -> str:
-    out = "".join(f'[[auth.bearer]]\nprincipal = "{n}"\ntoken_sha256 = "{sha(TOKENS[n])}"\ngroups = ["dev"]\n'
+    out = "".join(f'[[auth.bearer]]\nprincipal = "{n}"\ntoken_sha256 = "{sha(TOKENS[n])}"\n'
+                  'groups = ["dev"]\n'
                   for n in names)
     if tokens_file is not None:
         out = f'[auth]\ntokens_file = "{tokens_file}"\n' + out
@@ -80,7 +82,8 @@ async def upgrade(port: int | None, token: str | None) -> tuple[int, dict[str, s
         while b"\r\n\r\n" not in data and (chunk := await stream.receive_some(65536)):
             data += chunk
     head = data.partition(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")
-    return int(head[0].split()[1]), {k.lower(): v.strip() for k, _, v in (h.partition(":") for h in head[1:])}
+    return int(head[0].split()[1]), {k.lower(): v.strip() for k, _,
+                                     v in (h.partition(":") for h in head[1:])}
 
 
 async def test_10_bearer_tokens_on_http_and_websocket(tmp_path: Path) -> None:
@@ -92,7 +95,8 @@ async def test_10_bearer_tokens_on_http_and_websocket(tmp_path: Path) -> None:
     tokens_file.chmod(0o600)
     transcript = tmp_path / "child.transcript"
     cfg = make_config(fixture_backend(env={"FIXTURE_TRANSCRIPT": str(transcript)}),
-                      gateway='name = "team-gw"', extra=bearer_toml("alice", "bob", tokens_file=tokens_file))
+                      gateway='name = "team-gw"',
+                      extra=bearer_toml("alice", "bob", tokens_file=tokens_file))
     async with run_gateway(cfg) as gw, httpx.AsyncClient(timeout=10) as c:
         url, port = gw.http_url, gw.bound.http_port
         # bearer tokens only: no authorization server to send a client to, so no metadata (an
@@ -102,8 +106,10 @@ async def test_10_bearer_tokens_on_http_and_websocket(tmp_path: Path) -> None:
         assert r.headers["www-authenticate"] == 'Bearer realm="team-gw"'
         r = await c.post(url, headers=auth("wrong"), json=INIT)
         assert r.status_code == 401
-        assert r.headers["www-authenticate"].startswith('Bearer realm="team-gw", error="invalid_token"')
-        for path in ("/.well-known/oauth-protected-resource", "/.well-known/oauth-protected-resource/mcp"):
+        assert r.headers["www-authenticate"].startswith('Bearer realm="team-gw", '
+                                                        'error="invalid_token"')
+        for path in ("/.well-known/oauth-protected-resource",
+                     "/.well-known/oauth-protected-resource/mcp"):
             assert (await c.get(f"http://127.0.0.1:{port}{path}")).status_code == 404
         sessions = {}
         for name in ("alice", "bob", "carol"):  # carol from the tokens file
@@ -112,7 +118,8 @@ async def test_10_bearer_tokens_on_http_and_websocket(tmp_path: Path) -> None:
             sessions[name] = r.headers["mcp-session-id"]
         call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
                 "params": {"name": "fx__echo", "arguments": {"message": "hi"}}}
-        h = dict(auth(TOKENS["alice"]), **{"mcp-session-id": sessions["alice"], "mcp-protocol-version": "2025-11-25"})
+        h = dict(auth(TOKENS["alice"]),
+                 **{"mcp-session-id": sessions["alice"], "mcp-protocol-version": "2025-11-25"})
         r = await c.post(url, headers=h, json=call)
         assert r.status_code == 200 and r.json()["result"]["content"][0]["text"] == "hi"
         # alice's session presented by bob, by nobody, by a bad token: as if it did not exist
@@ -120,25 +127,31 @@ async def test_10_bearer_tokens_on_http_and_websocket(tmp_path: Path) -> None:
         assert r.status_code == 404 and "unknown or ended session" in r.text
         unknown = await c.post(url, headers=dict(h, **{"mcp-session-id": "nope"}), json=call)
         assert unknown.status_code == 404 and unknown.text == r.text  # indistinguishable
-        assert (await c.get(url, headers={k: v for k, v in h.items() if k != "authorization"})).status_code == 401
-        assert (await c.delete(url, headers=dict(h, authorization=f"Bearer {TOKENS['bob']}"))).status_code == 404
+        assert (await c.get(url, headers={k: v for k, v in h.items()
+                                          if k != "authorization"})).status_code == 401
+        assert (await c.delete(
+            url, headers=dict(h, authorization=f"Bearer {TOKENS['bob']}"))).status_code == 404
         # a modern (stateless) request needs the token too
         ping = {"jsonrpc": "2.0", "id": 7, "method": "tools/list",
                 "params": {"_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28"}}}
-        assert (await c.post(url, headers=dict(MODERN, **{"mcp-method": "tools/list"}), json=ping)).status_code == 401
+        assert (await c.post(url, headers=dict(MODERN, **{"mcp-method": "tools/list"}),
+                             json=ping)).status_code == 401
 
         # WebSocket: the token on the upgrade
         for token in (None, "wrong"):
             status, headers = await upgrade(gw.bound.websocket_port, token)
-            assert status == 401 and headers["www-authenticate"].startswith('Bearer realm="team-gw"')
+            assert status == 401 and headers["www-authenticate"].startswith(
+                'Bearer realm="team-gw"')
         assert (await upgrade(gw.bound.websocket_port, TOKENS["alice"]))[0] == 101
         async with connect(gw.url, token=TOKENS["bob"]) as ws:
             r2 = await ws.call("fx__echo", {"message": "over ws"})
             assert text_of(r2) == "over ws"
             st = await http_json(gw.bound.admin_port, "/status")
         a = st["auth"]
-        assert a["configured"] is True and a["bearer"]["count"] == 3 and a["bearer"]["tokens_file"] == str(tokens_file)
-        assert a["listeners"]["websocket"]["auth_required"] and a["listeners"]["http"]["auth_required"]
+        assert a["configured"] is True and a["bearer"]["count"] == 3 and a["bearer"][
+            "tokens_file"] == str(tokens_file)
+        assert (a["listeners"]["websocket"]["auth_required"]
+                and a["listeners"]["http"]["auth_required"])
         assert a["refusals"] >= 6
         assert await metric(gw.bound.admin_port, "mcp_gateway_client_connections_refused_total",
                             transport="websocket", reason="unauthorized") == 2
@@ -160,8 +173,10 @@ class Issuer:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 issuer.fetches += 1
-                body = json.dumps({"keys": [dict(json.loads(RSAAlgorithm.to_jwk(issuer.keys[k].public_key())),
-                                                 kid=k, use="sig", alg="RS256") for k in issuer.published]}).encode()
+                body = json.dumps(
+                    {"keys": [dict(json.loads(RSAAlgorithm.to_jwk(issuer.keys[k].public_key())),
+                                   kid=k, use="sig", alg="RS256")
+                              for k in issuer.published]}).encode()
                 self.send_response(200)
                 self.send_header("content-type", "application/json")
                 self.send_header("content-length", str(len(body)))
@@ -187,11 +202,12 @@ class Issuer:
 
     def token(self, kid: str = "k1", **claims: Any) -> str:
         now = int(time.time())
-        base = {"iss": self.url + "/", "aud": AUDIENCE, "sub": "dana", "exp": now + 300, "nbf": now - 5,
-                "groups": ["dev"], "scope": "tools:read"}
+        base = {"iss": self.url + "/", "aud": AUDIENCE, "sub": "dana", "exp": now + 300,
+                "nbf": now - 5, "groups": ["dev"], "scope": "tools:read"}
         base.update(claims)
         base = {k: v for k, v in base.items() if v is not None}
-        key = self.keys.setdefault(kid, rsa.generate_private_key(public_exponent=65537, key_size=2048))
+        key = self.keys.setdefault(kid,
+                                   rsa.generate_private_key(public_exponent=65537, key_size=2048))
         return jwt.encode(base, key, algorithm="RS256", headers={"kid": kid})
 
 
@@ -204,7 +220,8 @@ def _b64(data: bytes) -> str:
 
 def oauth_toml(issuer: Issuer) -> str:
     return (f'[auth.oauth]\nissuer = "{issuer.url}/"\njwks_uri = "{issuer.url}/jwks.json"\n'
-            f'audience = "{AUDIENCE}"\ngroups_claim = "groups"\nscopes_supported = ["tools:read", "tools:write"]\n'
+            f'audience = "{AUDIENCE}"\ngroups_claim = "groups"\nscopes_supported = ["tools:read", '
+            '"tools:write"]\n'
             'jwks_refresh_min_interval = 0.2\nleeway = 5\n')
 
 
@@ -225,18 +242,23 @@ async def test_10_oauth_jwts_from_a_local_issuer(monkeypatch: pytest.MonkeyPatch
     rules = ('[policy]\ndefault = "deny"\n[[policy.rules]]\nmatch = "fx__*"\naction = "allow"\n'
              'scopes = ["tools:write"]\n')
     with Issuer().running() as issuer:
-        cfg = make_config(fixture_backend(), gateway='name = "oauth-gw"', extra=oauth_toml(issuer) + rules)
+        cfg = make_config(fixture_backend(), gateway='name = "oauth-gw"',
+                          extra=oauth_toml(issuer) + rules)
         async with run_gateway(cfg) as gw, httpx.AsyncClient(timeout=10) as c:
             url = gw.http_url
             assert issuer.fetches == 1  # fetched at start
-            meta = (await c.get(f"http://127.0.0.1:{gw.bound.http_port}/.well-known/oauth-protected-resource/mcp")).json()
+            port = gw.bound.http_port
+            meta = (await c.get(f"http://127.0.0.1:{port}/.well-known/oauth-protected-resource/mcp")
+                    ).json()
             assert meta == {"resource": AUDIENCE, "authorization_servers": [issuer.url + "/"],
-                            "bearer_methods_supported": ["header"], "scopes_supported": ["tools:read", "tools:write"],
+                            "bearer_methods_supported": ["header"],
+                            "scopes_supported": ["tools:read", "tools:write"],
                             "resource_name": "oauth-gw"}  # gateway.name
             r = await c.post(url, headers=auth(issuer.token()), json=INIT)
             assert r.status_code == 200, r.text
             sid = r.headers["mcp-session-id"]
-            assert seen[-1].name == "dana" and seen[-1].groups == {"dev"} and seen[-1].scopes == {"tools:read"}
+            assert (seen[-1].name == "dana" and seen[-1].groups == {"dev"}
+                    and seen[-1].scopes == {"tools:read"})
             assert seen[-1].via == "oauth" and seen[-1].label == "other"  # not a configured name
 
             good = issuer.token()
@@ -250,7 +272,8 @@ async def test_10_oauth_jwts_from_a_local_issuer(monkeypatch: pytest.MonkeyPatch
             hs_head = _b64(json.dumps({"alg": "HS256", "kid": "k1", "typ": "JWT"}).encode())
             hs_body = _b64(json.dumps({"iss": issuer.url + "/", "aud": AUDIENCE, "sub": "dana",
                                        "exp": int(time.time()) + 60}).encode())
-            hs = f"{hs_head}.{hs_body}." + _b64(hmac.new(pem, f"{hs_head}.{hs_body}".encode(), hashlib.sha256).digest())
+            hs = f"{hs_head}.{hs_body}." + _b64(hmac.new(pem, f"{hs_head}.{hs_body}".encode(),
+                                                         hashlib.sha256).digest())
             bad = {
                 "expired": issuer.token(exp=int(time.time()) - 60),
                 "audience": issuer.token(aud="https://other.test/mcp"),
@@ -269,8 +292,8 @@ async def test_10_oauth_jwts_from_a_local_issuer(monkeypatch: pytest.MonkeyPatch
                 r = await c.post(url, headers=auth(token), json=INIT)
                 assert r.status_code == 401, why
                 assert 'error="invalid_token"' in r.headers["www-authenticate"], why
-                assert 'resource_metadata="https://gateway.test/.well-known/oauth-protected-resource/mcp"' in \
-                    r.headers["www-authenticate"]
+                assert ('resource_metadata="https://gateway.test/.well-known/'
+                        'oauth-protected-resource/mcp"') in r.headers["www-authenticate"]
             # an unknown kid: refused (one refetch at most per interval), then the issuer
             # rotates its keys and the new kid is picked up by the next refetch
             fetches = issuer.fetches
@@ -285,21 +308,24 @@ async def test_10_oauth_jwts_from_a_local_issuer(monkeypatch: pytest.MonkeyPatch
                     await trio.sleep(0.05)
 
             # 403 insufficient_scope: the scope rule wants tools:write; a stepped-up token passes
-            h = dict(auth(issuer.token()), **{"mcp-session-id": sid, "mcp-protocol-version": "2025-11-25"})
+            h = dict(auth(issuer.token()),
+                     **{"mcp-session-id": sid, "mcp-protocol-version": "2025-11-25"})
             call = {"jsonrpc": "2.0", "id": 3, "method": "tools/call",
                     "params": {"name": "fx__echo", "arguments": {"message": "up"}}}
             r = await c.post(url, headers=h, json=call)
             assert r.status_code == 403
             assert 'error="insufficient_scope"' in r.headers["www-authenticate"]
             assert 'scope="tools:write"' in r.headers["www-authenticate"]
-            r = await c.post(url, headers=dict(h, authorization=f"Bearer {issuer.token(scope='tools:read tools:write')}"),
+            r = await c.post(url, headers=dict(
+                h, authorization=f"Bearer {issuer.token(scope='tools:read tools:write')}"),
                              json=call)
             assert r.status_code == 200 and r.json()["result"]["content"][0]["text"] == "up", r.text
             # a GET stream opened with a JWT ends with the token (the session goes on)
             short = issuer.token(exp=int(time.time()) + 2)
             r = await c.post(url, headers=auth(short), json=INIT)
             sid2 = r.headers["mcp-session-id"]
-            get_h = dict(auth(short), **{"mcp-session-id": sid2, "mcp-protocol-version": "2025-11-25",
+            get_h = dict(auth(short),
+                         **{"mcp-session-id": sid2, "mcp-protocol-version": "2025-11-25",
                                          "accept": "text/event-stream"})
             with trio.fail_after(8):
                 async with c.stream("GET", url, headers=get_h) as stream:
@@ -321,20 +347,25 @@ async def test_10_oauth_jwts_from_a_local_issuer(monkeypatch: pytest.MonkeyPatch
                         await ws._changed.wait()
                 assert ws.ws.closed is not None and ws.ws.closed.code == 1008
             st = await http_json(gw.bound.admin_port, "/status")
-            assert st["auth"]["oauth"]["issuer"] == issuer.url + "/" and st["auth"]["oauth"]["jwks_keys"] == 2
+            assert (st["auth"]["oauth"]["issuer"] == issuer.url + "/"
+                    and st["auth"]["oauth"]["jwks_keys"] == 2)
 
 
 def _gateway_toml(auth_toml: str) -> str:
-    return (f'[listen]\nwebsocket = "127.0.0.1:0"\nhttp = "127.0.0.1:0"\n[admin]\nlisten = "127.0.0.1:0"\n'
+    return ('[listen]\nwebsocket = "127.0.0.1:0"\nhttp = "127.0.0.1:0"\n[admin]\n'
+            'listen = "127.0.0.1:0"\n'
             f'{auth_toml}{fixture_backend()}')
 
 
-async def modern_call(c: httpx.AsyncClient, url: str, token: str, id: int, **extra: Any) -> httpx.Response:
+async def modern_call(c: httpx.AsyncClient, url: str, token: str, id: int,
+                      **extra: Any) -> httpx.Response:
     meta = {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
             "io.modelcontextprotocol/clientCapabilities": {"elicitation": {}}}
     body = {"jsonrpc": "2.0", "id": id, "method": "tools/call",
-            "params": {"name": "fx__elicit", "arguments": {"message": "go?"}, **extra, "_meta": meta}}
-    headers = dict(MODERN, authorization=f"Bearer {token}", **{"mcp-method": "tools/call", "mcp-name": "fx__elicit"})
+            "params": {"name": "fx__elicit", "arguments": {"message": "go?"}, **extra,
+                       "_meta": meta}}
+    headers = dict(MODERN, authorization=f"Bearer {token}",
+                   **{"mcp-method": "tools/call", "mcp-name": "fx__elicit"})
     with trio.fail_after(10):
         return await c.post(url, headers=headers, json=body)
 
@@ -353,16 +384,19 @@ async def test_10_bridged_state_bound_and_reload_revokes(tmp_path: Path) -> None
         answer = {"srv-1": {"action": "accept", "content": {"answer": "yes"}}}
         r = await modern_call(c, url, TOKENS["bob"], 2, inputResponses=answer, requestState=state)
         error = r.json()["error"]
-        assert r.status_code == 400 and error["code"] == -32602 and error["data"]["reason"] == "invalid_state"
+        assert r.status_code == 400 and error["code"] == -32602 and error["data"][
+            "reason"] == "invalid_state"
         assert "another principal" in error["message"]
         r = await modern_call(c, url, TOKENS["alice"], 3, inputResponses=answer, requestState=state)
         assert r.status_code == 200 and r.json()["result"]["resultType"] == "complete", r.text
-        assert await metric(gw.bound.admin_port, "mcp_gateway_request_states_refused_total", reason="principal") == 1
+        assert await metric(gw.bound.admin_port, "mcp_gateway_request_states_refused_total",
+                            reason="principal") == 1
 
         r = await c.post(url, headers=auth(TOKENS["alice"]), json=INIT)
         h = dict(auth(TOKENS["alice"]), **{"mcp-session-id": r.headers["mcp-session-id"],
                                            "mcp-protocol-version": "2025-11-25"})
-        async with connect(gw.url, token=TOKENS["alice"]) as alice, connect(gw.url, token=TOKENS["bob"]) as bob:
+        async with (connect(gw.url, token=TOKENS["alice"]) as alice,
+                    connect(gw.url, token=TOKENS["bob"]) as bob):
             path.write_text(_gateway_toml(bearer_toml("bob")))
             gw.control.reload()
             with trio.fail_after(10):
@@ -383,14 +417,17 @@ async def test_10_connect_with_token_file(tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text(TOKENS["alice"] + "\n")
     cfg = make_config(fixture_backend(), extra=bearer_toml("alice"))
-    lines = [json.dumps(INIT), json.dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}),
+    lines = [json.dumps(INIT),
+             json.dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}),
              json.dumps({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
                          "params": {"name": "fx__echo", "arguments": {"message": "bridged"}}})]
     env = dict(os.environ, PYTHONPATH=ROOT)
 
     def bridge(url: str, *extra: str) -> list[dict[str, Any]]:
-        proc = subprocess.Popen([sys.executable, "-m", "gateway", "connect", url, *extra], cwd=ROOT, env=env,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc = subprocess.Popen([sys.executable, "-m", "gateway", "connect", url, *extra], cwd=ROOT,
+                                env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
         assert proc.stdin is not None and proc.stdout is not None
         out: list[dict[str, Any]] = []
         for line in lines:

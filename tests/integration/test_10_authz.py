@@ -14,8 +14,16 @@ from typing import Any
 
 import pytest
 import trio
-
-from helpers import Client, connect, fixture_backend, make_config, metric, run_gateway, text_of, unix_connect
+from helpers import (
+    Client,
+    connect,
+    fixture_backend,
+    make_config,
+    metric,
+    run_gateway,
+    text_of,
+    unix_connect,
+)
 
 pytestmark = pytest.mark.system
 
@@ -43,7 +51,8 @@ max_inflight = 1
 """
 
 
-async def listed(c: Client, method: str, field: str, extra: dict[str, Any] | None = None) -> list[str]:
+async def listed(c: Client, method: str, field: str,
+                 extra: dict[str, Any] | None = None) -> list[str]:
     """Every name (URI) of a list, page by page (page_size = 4)."""
     names: list[str] = []
     params: dict[str, Any] = dict(extra or {})
@@ -55,7 +64,8 @@ async def listed(c: Client, method: str, field: str, extra: dict[str, Any] | Non
         params = {**(extra or {}), "cursor": r["nextCursor"]}
 
 
-async def test_10_each_caller_sees_and_calls_its_own_catalog_unix_peer_vs_websocket(tmp_path: Path) -> None:
+async def test_10_each_caller_sees_and_calls_its_own_catalog_unix_peer_vs_websocket(
+    tmp_path: Path) -> None:
     sock = tmp_path / "gw.sock"
     cfg = make_config(fixture_backend("fx"), gateway="page_size = 4", unix=str(sock), extra=POLICY)
     with trio.fail_after(40):
@@ -78,7 +88,8 @@ async def test_10_each_caller_sees_and_calls_its_own_catalog_unix_peer_vs_websoc
             assert r["error"]["code"] == -32005
             assert r["error"]["data"] == {"reason": "insufficient_scope", "scopes": ["echo:run"],
                                           "tool": "fx__echo"}
-            assert (await u.request("prompts/get", {"name": "fx__plain"}))["error"]["code"] == -32005
+            assert (await u.request("prompts/get",
+                                    {"name": "fx__plain"}))["error"]["code"] == -32005
             r = await w.request("resources/read", {"uri": "fixture://static/b"})
             assert r["error"]["data"] == {"reason": "denied", "uri": "fixture://static/b"}
             assert text_of(await w.call("fx__echo", {"message": "hi"})) == "hi"
@@ -91,7 +102,8 @@ async def test_10_each_caller_sees_and_calls_its_own_catalog_unix_peer_vs_websoc
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(sleep)
-                await metric_until(gw.bound.admin_port, "mcp_gateway_inflight_requests", backend="fx")
+                await metric_until(gw.bound.admin_port, "mcp_gateway_inflight_requests",
+                                   backend="fx")
                 r = await u.request("tools/list")
                 assert r["error"]["code"] == -32006
                 assert r["error"]["data"] == {"reason": "rate_limited", "limit": "max_inflight",
@@ -99,8 +111,8 @@ async def test_10_each_caller_sees_and_calls_its_own_catalog_unix_peer_vs_websoc
                 assert "result" in await u.request("ping")  # not counted
                 assert "result" in await w.request("tools/list")  # not this principal
                 await u.notify("notifications/cancelled", {"requestId": "long"})
-                await metric_until(gw.bound.admin_port, "mcp_gateway_inflight_requests", backend="fx",
-                                   want=0)
+                await metric_until(gw.bound.admin_port, "mcp_gateway_inflight_requests",
+                                   backend="fx", want=0)
                 nursery.cancel_scope.cancel()
             assert "result" in await u.request("tools/list")
             # list_changed only where the view changed: extra_tool is denied on the socket
@@ -118,16 +130,16 @@ async def test_10_each_caller_sees_and_calls_its_own_catalog_unix_peer_vs_websoc
                 assert r["cacheScope"] == "public"
             # the operator view: the principal label (configured name) and "_none"
             port = gw.bound.admin_port
-            assert await metric(port, "mcp_gateway_requests_total", method="tools/list", backend="_gateway",
-                                outcome="ok", principal=ME) >= 3
-            assert await metric(port, "mcp_gateway_requests_total", method="tools/list", backend="_gateway",
-                                outcome="error", principal=ME) == 1
-            assert await metric(port, "mcp_gateway_requests_total", method="tools/list", backend="_gateway",
-                                outcome="ok", principal="_none") >= 3
+            assert await metric(port, "mcp_gateway_requests_total", method="tools/list",
+                                backend="_gateway", outcome="ok", principal=ME) >= 3
+            assert await metric(port, "mcp_gateway_requests_total", method="tools/list",
+                                backend="_gateway", outcome="error", principal=ME) == 1
+            assert await metric(port, "mcp_gateway_requests_total", method="tools/list",
+                                backend="_gateway", outcome="ok", principal="_none") >= 3
 
 
 async def metric_until(port: int | None, name: str, want: float = 1, **labels: str) -> None:
-    while await metric(port, name, **labels) != want:
+    while await metric(port, name, **labels) != want:  # noqa: ASYNC110 - the gateway seen through /metrics over HTTP: no event to wait on
         await trio.sleep(0.02)
 
 
@@ -151,12 +163,14 @@ async def test_10_backend_include_exclude_filters_hide_and_refuse() -> None:
             assert r["error"]["code"] == -32602
             assert await listed(c, "resources/list", "resources") == ["fixture://static/a",
                                                                       "fixture://static/b"]
-            assert (await c.request("resources/templates/list"))["result"]["resourceTemplates"] == []
+            assert (await c.request("resources/templates/list"))["result"][
+                "resourceTemplates"] == []
             r = await c.request("resources/read", {"uri": "fixture://item/1"})
             assert r["error"]["code"] == -32002  # as if absent
             r = await c.request("resources/read", {"uri": "fixture://static/a"})
             assert r["result"]["contents"][0]["uri"] == "fixture://static/a"
-            r = await c.request("completion/complete", {"ref": {"type": "ref/resource", "uri": "fixture://item/{id}"},
+            r = await c.request("completion/complete",
+                                {"ref": {"type": "ref/resource", "uri": "fixture://item/{id}"},
                                                         "argument": {"name": "id", "value": ""}})
             assert r["error"]["code"] == -32602
             assert text_of(await c.call("fx__echo", {"message": "ok"})) == "ok"

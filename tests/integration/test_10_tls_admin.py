@@ -13,18 +13,18 @@ import msgspec
 import pytest
 import trio
 import trio_websocket
+from helpers import HTTP_HEADERS, HTTP_INIT, ROOT, Client, fixture_backend, make_config, run_gateway
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
+from tlsutil import make_certs
 
+from gateway import config
+from gateway.events import EventBus
 from gateway.ops import admin
 from gateway.ops.admin import serve_admin
 from gateway.ops.metrics import GatewayMetrics
-from gateway.events import EventBus
 from gateway.status import GatewayStatus
 from gateway.transports import tls
-from gateway import config
-from helpers import HTTP_HEADERS, HTTP_INIT, ROOT, Client, fixture_backend, make_config, run_gateway
-from tlsutil import make_certs
 
 pytestmark = [pytest.mark.system,
               pytest.mark.filterwarnings("ignore::ResourceWarning",
@@ -48,11 +48,14 @@ async def _closed_without_answer(port: int, send: bytes) -> bytes:
     return got
 
 
-async def test_10_tls_https_and_wss_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_10_tls_https_and_wss_end_to_end(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     certs = make_certs(tmp_path)
     path = tmp_path / "gw.toml"
-    path.write_text(f"""[listen]\nwebsocket = "127.0.0.1:0"\nhttp = "127.0.0.1:0"\ntls_cert = "{certs.cert}"
-tls_key = "{certs.key}"\npublic_url = "https://gw.example.com/mcp"\n[admin]\nlisten = "127.0.0.1:0"\n"""
+    path.write_text(
+        f"""[listen]\nwebsocket = "127.0.0.1:0"\nhttp = "127.0.0.1:0"\ntls_cert = "{certs.cert}"
+tls_key = "{certs.key}"\npublic_url = "https://gw.example.com/mcp"
+[admin]\nlisten = "127.0.0.1:0"\n"""
                     + fixture_backend())
     cfg = config.load(path.read_text(), base_dir=ROOT)
     monkeypatch.setattr(tls, "HANDSHAKE_TIMEOUT", 0.5)
@@ -79,10 +82,12 @@ tls_key = "{certs.key}"\npublic_url = "https://gw.example.com/mcp"\n[admin]\nlis
 
         with trio.fail_after(20):
             async with httpx.AsyncClient(verify=ctx) as c, \
-                    streamable_http_client(f"https://localhost:{http_port}/mcp", http_client=c) as (read, write, _), \
+                    streamable_http_client(f"https://localhost:{http_port}/mcp",
+                                           http_client=c) as (read, write, _), \
                     ClientSession(read, write) as session:
                 await session.initialize()
-                result = await session.call_tool("fx__progress", {"steps": 3}, progress_callback=on_progress)
+                result = await session.call_tool("fx__progress", {"steps": 3},
+                                                 progress_callback=on_progress)
                 assert not result.isError and progress == [1, 2, 3]
         # wss:// upgrade, a whole MCP exchange over it
         async with trio_websocket.open_websocket_url(f"wss://localhost:{ws_port}/", ssl_context=ctx,
@@ -113,7 +118,8 @@ tls_key = "{certs.key}"\npublic_url = "https://gw.example.com/mcp"\n[admin]\nlis
         status = await _admin(gw.bound.admin_port, "/status")
         rows = {row["name"]: row for row in json.loads(status[2])["listeners"]}
         assert rows["http"]["tls"] and rows["websocket"]["tls"] and rows["http"]["loopback"]
-        assert rows["http"]["auth_configured"] is False and rows["http"]["public_url"] == "https://gw.example.com/mcp"
+        assert (rows["http"]["auth_configured"] is False
+                and rows["http"]["public_url"] == "https://gw.example.com/mcp")
         # a renewed certificate (another CA here) is picked up by a reload, no restart
         (tmp_path / "renewed").mkdir()
         renewed = make_certs(tmp_path / "renewed")
@@ -139,13 +145,15 @@ async def _admin(port: int | None, path: str, token: str | None = None,
     assert port is not None
     auth = f"Authorization: Bearer {token}\r\n" if token is not None else ""
     async with await trio.open_tcp_stream(host, port) as stream:
-        await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Connection: close\r\n\r\n".encode())
+        await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Connection: close\r\n"
+                              "\r\n".encode())
         data = b""
         while chunk := await stream.receive_some(65536):
             data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
     lines = head.decode().split("\r\n")
-    headers = {name.lower(): value for name, _, value in (line.partition(": ") for line in lines[1:])}
+    headers = {name.lower(): value for name, _,
+               value in (line.partition(": ") for line in lines[1:])}
     return int(lines[0].split()[1]), headers, body
 
 

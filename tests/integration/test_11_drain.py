@@ -17,8 +17,15 @@ from typing import Any
 import httpx
 import pytest
 import trio
-
-from helpers import connect, fixture_backend, http_request, make_config, run_gateway, text_of, wait_status
+from helpers import (
+    connect,
+    fixture_backend,
+    http_request,
+    make_config,
+    run_gateway,
+    text_of,
+    wait_status,
+)
 
 pytestmark = [pytest.mark.system,
               pytest.mark.filterwarnings("ignore::ResourceWarning",
@@ -57,7 +64,8 @@ async def test_websocket_drain_answers_every_call_read_refuses_new_ones_and_clos
                           "params": {"name": "fx__elicit", "arguments": {"message": "sure?"}}})
             (prompt,) = await a.wait_for(lambda: a.requests)
             await b.send({"jsonrpc": "2.0", "id": "slow", "method": "tools/call",
-                          "params": {"name": "fy__sleep", "arguments": {"seconds": 2, "message": "slept"}}})
+                          "params": {"name": "fy__sleep",
+                                     "arguments": {"seconds": 2, "message": "slept"}}})
             await wait_status(admin, lambda st: st["client_requests_in_flight"] == 3)
             gw.control.stop()
             await wait_status(admin, lambda st: st["draining"])
@@ -80,7 +88,7 @@ async def test_websocket_drain_answers_every_call_read_refuses_new_ones_and_clos
             assert json.loads(text_of(retried))["content"] == {"answer": "Ada"}
             assert text_of(await b.response("slow")) == "slept"
             for c in (a, b, m):  # then each connection closes: 1012, service restart
-                await c.wait_for(lambda c=c: c.closed or None)  # noqa: B023
+                await c.wait_for(lambda c=c: c.closed or None)
                 assert c.ws.closed is not None and c.ws.closed.code == 1012
 
 
@@ -90,14 +98,17 @@ async def test_http_drain_503_with_retry_after_for_what_did_not_start() -> None:
         async with run_gateway(cfg) as gw, httpx.AsyncClient(timeout=10) as c:
             url, admin = gw.http_url, gw.bound.admin_port
             init = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-                "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}}
+                "protocolVersion": "2025-11-25", "capabilities": {},
+                "clientInfo": {"name": "t", "version": "0"}}}
             r = await c.post(url, headers=H, json=init)
             session = dict(H, **{"mcp-session-id": r.headers["mcp-session-id"],
                                  "mcp-protocol-version": "2025-11-25"})
-            await c.post(url, headers=session, json={"jsonrpc": "2.0", "method": "notifications/initialized"})
+            await c.post(url, headers=session,
+                         json={"jsonrpc": "2.0", "method": "notifications/initialized"})
             # a modern bridged call, parked
             margs = {"message": "name?"}
-            r = await c.post(url, headers=_modern_headers("fx__elicit"), json=_modern_call("fx__elicit", margs, 1))
+            r = await c.post(url, headers=_modern_headers("fx__elicit"),
+                             json=_modern_call("fx__elicit", margs, 1))
             first = r.json()["result"]
             assert first["resultType"] == "input_required"
             slow: dict[str, httpx.Response] = {}
@@ -105,7 +116,8 @@ async def test_http_drain_503_with_retry_after_for_what_did_not_start() -> None:
             async def slow_call() -> None:  # a legacy session's call in flight across the drain
                 slow["r"] = await c.post(url, headers=session, json={
                     "jsonrpc": "2.0", "id": 7, "method": "tools/call",
-                    "params": {"name": "fy__sleep", "arguments": {"seconds": 2, "message": "slept"}}})
+                    "params": {"name": "fy__sleep",
+                               "arguments": {"seconds": 2, "message": "slept"}}})
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(slow_call)
@@ -129,12 +141,16 @@ async def test_http_drain_503_with_retry_after_for_what_did_not_start() -> None:
                 # the bridged call's retry, on a new connection: taken, and its call completes
                 answer = {"srv-1": {"action": "accept", "content": {"answer": "Ada"}}}
                 async with httpx.AsyncClient(timeout=10) as other:
-                    r = await other.post(url, headers=_modern_headers("fx__elicit"), json=_modern_call(
-                        "fx__elicit", margs, 2, inputResponses=answer, requestState=first["requestState"]))
+                    r = await other.post(url, headers=_modern_headers("fx__elicit"),
+                                         json=_modern_call(
+                        "fx__elicit", margs, 2, inputResponses=answer,
+                        requestState=first["requestState"]))
                 assert r.status_code == 200, r.text
-                assert json.loads(r.json()["result"]["content"][0]["text"])["content"] == {"answer": "Ada"}
+                text = r.json()["result"]["content"][0]["text"]
+                assert json.loads(text)["content"] == {"answer": "Ada"}
             r = slow["r"]  # the call read before the drain: answered
             assert r.status_code == 200
-            (msg,) = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")] \
+            (msg,) = [json.loads(line[6:]) for line in r.text.splitlines()
+                      if line.startswith("data: ")] \
                 if r.headers["content-type"].startswith("text/event-stream") else [r.json()]
             assert msg["id"] == 7 and text_of(msg) == "slept"

@@ -10,7 +10,6 @@ from typing import Any
 import httpx
 import pytest
 import trio
-
 from helpers import fixture_backend, make_config, metric, run_gateway, wait_status
 
 pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWarning")]
@@ -33,7 +32,8 @@ async def call(c: httpx.AsyncClient, url: str, name: str, args: dict[str, Any], 
 
 def invalid_state(r: httpx.Response) -> bool:
     error = r.json().get("error") or {}
-    return r.status_code == 400 and error.get("code") == -32602 and error["data"]["reason"] == "invalid_state"
+    return r.status_code == 400 and error.get("code") == -32602 and error["data"][
+        "reason"] == "invalid_state"
 
 
 async def test_an_elicitation_round_trip_and_a_replayed_state() -> None:
@@ -50,12 +50,14 @@ async def test_an_elicitation_round_trip_and_a_replayed_state() -> None:
         state = first["requestState"]
         assert state.startswith("r7.")
         answer = {key: {"action": "accept", "content": {"answer": "Ada"}}}
-        r = await call(c, gw.http_url, "fx__elicit", args, id=2, inputResponses=answer, requestState=state)
+        r = await call(c, gw.http_url, "fx__elicit", args, id=2, inputResponses=answer,
+                       requestState=state)
         assert r.status_code == 200, r.text
         done = r.json()
         assert done["id"] == 2 and done["result"]["resultType"] == "complete"
         assert json.loads(done["result"]["content"][0]["text"])["content"] == {"answer": "Ada"}
-        r = await call(c, gw.http_url, "fx__elicit", args, id=3, inputResponses=answer, requestState=state)
+        r = await call(c, gw.http_url, "fx__elicit", args, id=3, inputResponses=answer,
+                       requestState=state)
         assert invalid_state(r), r.text  # one retry per state
         with trio.fail_after(5):
             await wait_status(gw.bound.admin_port, lambda st: st["client_requests_in_flight"] == 0
@@ -72,7 +74,8 @@ async def test_tampered_other_params_and_missing_capability() -> None:
                        inputResponses={"srv-1": {"action": "accept", "content": {"answer": "x"}}},
                        requestState=state + "-TAMPERED")
         assert invalid_state(r), r.text
-        assert await metric(port, "mcp_gateway_request_states_refused_total", reason="tampered") == 1
+        assert await metric(port, "mcp_gateway_request_states_refused_total",
+                            reason="tampered") == 1
         assert await metric(port, "mcp_gateway_input_required_results_total", backend="fx") == 1
         # an unauthenticated caller's tampered state ends nothing (anyone can name a flow): the
         # genuine retry completes the call, and nothing is left in flight
@@ -100,16 +103,16 @@ async def test_tampered_other_params_and_missing_capability() -> None:
 async def test_a_parked_flow_expires_after_state_ttl() -> None:
     """roots/list reaches a caller only from a per-session child (a shared one is answered the
     configured roots: it could keep one client's roots for the next)."""
-    async with run_gateway(make_config(fixture_backend("fx", sharing="per-session"), gateway="state_ttl = 0.5")) as gw, \
-            httpx.AsyncClient() as c:
+    cfg = make_config(fixture_backend("fx", sharing="per-session"), gateway="state_ttl = 0.5")
+    async with run_gateway(cfg) as gw, httpx.AsyncClient() as c:
         r = await call(c, gw.http_url, "fx__roots", {})
         first = r.json()["result"]
         assert [a["method"] for a in first["inputRequests"].values()] == ["roots/list"]
         with trio.fail_after(5):  # the child's roots/list is refused, its call ends
             await wait_status(gw.bound.admin_port, lambda st: st["client_requests_in_flight"] == 0
                               and st["connections"].get("http", 0) == 0)
-        r = await call(c, gw.http_url, "fx__roots", {}, id=2, inputResponses={"srv-1": {"roots": []}},
-                       requestState=first["requestState"])
+        r = await call(c, gw.http_url, "fx__roots", {}, id=2,
+                       inputResponses={"srv-1": {"roots": []}}, requestState=first["requestState"])
         assert invalid_state(r), r.text
 
 
@@ -125,7 +128,8 @@ async def test_a_modern_websocket_connection_is_bridged_too_and_goes_on_after_a_
         async with run_gateway(cfg) as gw, connect(gw.url, initialize=False) as c:
             args = {"name": "fx__elicit", "arguments": {"message": "name?"}, "_meta": caps}
             first = (await c.request("tools/call", args))["result"]
-            assert first["resultType"] == "input_required" and list(first["inputRequests"]) == ["srv-1"]
+            assert (first["resultType"] == "input_required"
+                    and list(first["inputRequests"]) == ["srv-1"])
             answer = {"srv-1": {"action": "accept", "content": {"answer": "Ada"}}}
             done = await c.request("tools/call", {**args, "inputResponses": answer,
                                                   "requestState": first["requestState"]})

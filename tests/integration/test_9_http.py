@@ -9,9 +9,6 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from mcp import ClientSession, types
-from mcp.client.streamable_http import streamable_http_client
-
 from helpers import (
     HTTP_HEADERS,
     HTTP_INIT,
@@ -22,6 +19,8 @@ from helpers import (
     run_gateway,
     wait_status,
 )
+from mcp import ClientSession, types
+from mcp.client.streamable_http import streamable_http_client
 
 # httpx (and the SDK on it) leaves streams it did not read to the end (an SSE stream the client
 # stops reading) to the garbage collector as async generators; under trio that warns. Client
@@ -37,8 +36,10 @@ async def _open(c: httpx.AsyncClient, url: str) -> dict[str, str]:
     """Initialize a session by hand; the headers every later request carries."""
     r = await c.post(url, headers=H, json=INIT)
     assert r.status_code == 200, r.text
-    headers = dict(H, **{"mcp-session-id": r.headers["mcp-session-id"], "mcp-protocol-version": "2025-11-25"})
-    r = await c.post(url, headers=headers, json={"jsonrpc": "2.0", "method": "notifications/initialized"})
+    headers = dict(H, **{"mcp-session-id": r.headers["mcp-session-id"],
+                         "mcp-protocol-version": "2025-11-25"})
+    r = await c.post(url, headers=headers,
+                     json={"jsonrpc": "2.0", "method": "notifications/initialized"})
     assert r.status_code == 202 and r.content == b""
     return headers
 
@@ -75,10 +76,12 @@ async def test_sdk_client_tools_progress_and_elicitation() -> None:
                 assert {"fx__echo", "fx__progress", "fx__elicit"} <= names
                 r = await session.call_tool("fx__echo", {"message": "hi"})
                 assert r.content[0].text == "hi"  # type: ignore[union-attr]
-                r = await session.call_tool("fx__progress", {"steps": 3}, progress_callback=on_progress)
+                r = await session.call_tool("fx__progress", {"steps": 3},
+                                            progress_callback=on_progress)
                 assert progress == [1, 2, 3]
                 r = await session.call_tool("fx__elicit", {"message": "proceed?"})
-                assert json.loads(r.content[0].text)["content"] == {"answer": "yes"}  # type: ignore[union-attr]
+                # type: ignore[union-attr]
+                assert json.loads(r.content[0].text)["content"] == {"answer": "yes"}
                 assert prompts == ["proceed?"]
                 status = await http_json(gw.bound.admin_port, "/status")
                 assert status["connections"].get("http") == 1
@@ -96,16 +99,19 @@ async def test_bad_requests_get_their_status() -> None:
         assert r.status_code == 415
         r = await c.post(url, headers=dict(headers, accept="application/json"), json=ping)
         assert r.status_code == 406
-        r = await c.post(url, headers={k: v for k, v in headers.items() if k != "mcp-session-id"}, json=ping)
+        r = await c.post(url, headers={k: v for k, v in headers.items() if k != "mcp-session-id"},
+                         json=ping)
         assert r.status_code == 400
         r = await c.post(url, headers=dict(headers, **{"mcp-session-id": "nope"}), json=ping)
         assert r.status_code == 404
-        r = await c.post(url, headers=dict(headers, **{"mcp-protocol-version": "1999-01-01"}), json=ping)
+        r = await c.post(url, headers=dict(headers, **{"mcp-protocol-version": "1999-01-01"}),
+                         json=ping)
         assert r.status_code == 400
         r = await c.post(url, headers=dict(headers, origin="http://evil.example"), json=ping)
         assert r.status_code == 403
         port = gw.bound.http_port
-        r = await c.post(url, headers=dict(headers, origin=f"http://localhost:{port + 1}"), json=ping)
+        r = await c.post(url, headers=dict(headers, origin=f"http://localhost:{port + 1}"),
+                         json=ping)
         assert r.status_code == 403  # another server on this machine is another origin
         r = await c.post(url, headers=dict(headers, origin=f"http://127.0.0.1:{port}"), json=ping)
         assert r.status_code == 200  # this server itself (the conformance suite sends it)
@@ -113,7 +119,8 @@ async def test_bad_requests_get_their_status() -> None:
         assert r.status_code == 403
         r = await c.post(url, headers=headers, content=b"{not json")
         assert r.status_code == 400 and r.json()["error"]["code"] == -32700
-        r = await c.post(url, headers=headers, content=b'[{"jsonrpc":"2.0","id":9,"method":"ping"}]')
+        r = await c.post(url, headers=headers,
+                         content=b'[{"jsonrpc":"2.0","id":9,"method":"ping"}]')
         assert r.status_code == 400 and r.json()["error"]["code"] == -32600  # batch on 2025-11-25
         r = await c.put(url, headers=headers)
         assert r.status_code == 405
@@ -126,13 +133,16 @@ async def test_bad_requests_get_their_status() -> None:
         for path in ("/status", "/metrics"):
             assert (await c.get(url.replace("/mcp", path))).status_code == 404
         # the session still works; absent MCP-Protocol-Version is accepted (2025-03-26 assumed)
-        r = await c.post(url, headers={k: v for k, v in headers.items() if k != "mcp-protocol-version"}, json=ping)
+        r = await c.post(url, headers={k: v for k, v in headers.items()
+                                       if k != "mcp-protocol-version"}, json=ping)
         assert r.status_code == 200 and r.json() == {"jsonrpc": "2.0", "id": 5, "result": {}}
         # oversize body: refused by its Content-Length, before the body is read
         stream = await trio.open_tcp_stream("127.0.0.1", gw.bound.http_port)
         async with stream:
-            await stream.send_all(b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-                                  b"accept: application/json, text/event-stream\r\ncontent-length: 5000\r\n\r\n{")
+            await stream.send_all(b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                  b"content-type: application/json\r\n"
+                                  b"accept: application/json, text/event-stream\r\n"
+                                  b"content-length: 5000\r\n\r\n{")
             with trio.fail_after(5):
                 reply = await stream.receive_some(4096)
             assert reply.startswith(b"HTTP/1.1 413 ")
@@ -144,20 +154,24 @@ async def test_bad_requests_get_their_status() -> None:
 
 
 async def test_get_stream_carries_list_changed_and_post_carries_related() -> None:
-    async with run_gateway(make_config(fixture_backend())) as gw, httpx.AsyncClient(timeout=10) as c:
+    async with (run_gateway(make_config(fixture_backend())) as gw,
+                httpx.AsyncClient(timeout=10) as c):
         url = gw.http_url
         headers = await _open(c, url)
         got: list[dict[str, Any]] = []
-        async with c.stream("GET", url, headers=dict(headers, accept="text/event-stream")) as stream:
+        async with c.stream("GET", url,
+                            headers=dict(headers, accept="text/event-stream")) as stream:
             assert stream.headers["content-type"] == "text/event-stream"
             r = await c.post(url, headers=headers, json={
-                "jsonrpc": "2.0", "id": 1, "method": "logging/setLevel", "params": {"level": "info"}})
+                "jsonrpc": "2.0", "id": 1, "method": "logging/setLevel",
+                "params": {"level": "info"}})
             assert r.json()["result"] == {}
             r = await c.post(url, headers=headers, json={
                 "jsonrpc": "2.0", "id": 2, "method": "tools/call",
                 "params": {"name": "fx__log", "arguments": {"level": "error", "data": "on-post"}}})
             on_post = _sse_messages(r.text)
-            assert [m.get("method") for m in on_post] == ["notifications/message", None]  # log, then result
+            # log, then result
+            assert [m.get("method") for m in on_post] == ["notifications/message", None]
             r = await c.post(url, headers=headers, json={
                 "jsonrpc": "2.0", "id": 3, "method": "tools/call",
                 "params": {"name": "fx__notify_list_changed", "arguments": {"kind": "tools"}}})
@@ -172,7 +186,8 @@ async def test_get_stream_carries_list_changed_and_post_carries_related() -> Non
 
 
 async def test_delete_ends_session_and_cancels_its_calls() -> None:
-    async with run_gateway(make_config(fixture_backend())) as gw, httpx.AsyncClient(timeout=10) as c:
+    async with (run_gateway(make_config(fixture_backend())) as gw,
+                httpx.AsyncClient(timeout=10) as c):
         url = gw.http_url
         headers = await _open(c, url)
         call = {"jsonrpc": "2.0", "id": 7, "method": "tools/call",
@@ -185,7 +200,8 @@ async def test_delete_ends_session_and_cancels_its_calls() -> None:
 
             nursery.start_soon(post)
             with trio.fail_after(10):
-                await wait_status(gw.bound.admin_port, lambda st: st["client_requests_in_flight"] == 1)
+                await wait_status(gw.bound.admin_port,
+                                  lambda st: st["client_requests_in_flight"] == 1)
             r = await c.delete(url, headers=headers)
             assert r.status_code == 200
         with trio.fail_after(10):  # the session is gone, its call cancelled
@@ -204,7 +220,8 @@ async def test_idle_session_expires() -> None:
         headers = await _open(c, gw.http_url)
         with trio.fail_after(10):
             await wait_status(gw.bound.admin_port, lambda st: not st["connections"].get("http"))
-        r = await c.post(gw.http_url, headers=headers, json={"jsonrpc": "2.0", "id": 2, "method": "ping"})
+        r = await c.post(gw.http_url, headers=headers,
+                         json={"jsonrpc": "2.0", "id": 2, "method": "ping"})
         assert r.status_code == 404
 
 

@@ -9,16 +9,25 @@ from typing import Any
 import httpx
 import pytest
 import trio
-
-from helpers import TIME_SERVER, fixture_backend, http_json, make_config, metric, run_gateway, wait_status
+from helpers import (
+    TIME_SERVER,
+    fixture_backend,
+    http_json,
+    make_config,
+    metric,
+    run_gateway,
+    wait_status,
+)
 
 pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
 V = "2026-07-28"
-META = {"io.modelcontextprotocol/protocolVersion": V, "io.modelcontextprotocol/clientCapabilities": {}}
+META = {"io.modelcontextprotocol/protocolVersion": V,
+        "io.modelcontextprotocol/clientCapabilities": {}}
 
 
-def post(method: str, params: dict[str, Any], *, id: int | str = 1, **headers: str) -> dict[str, Any]:
+def post(method: str, params: dict[str, Any], *, id: int | str = 1,
+         **headers: str) -> dict[str, Any]:
     h = {"accept": "application/json, text/event-stream", "content-type": "application/json",
          "mcp-protocol-version": V, "mcp-method": method}
     if method == "tools/call":
@@ -30,7 +39,8 @@ def post(method: str, params: dict[str, Any], *, id: int | str = 1, **headers: s
 
 async def test_a_stateless_call_with_its_headers_checked_and_no_session() -> None:
     async with run_gateway(make_config(fixture_backend("fx"))) as gw, httpx.AsyncClient() as c:
-        r = await c.post(gw.http_url, **post("tools/call", {"name": "fx__echo", "arguments": {"message": "m"}}))
+        r = await c.post(gw.http_url,
+                         **post("tools/call", {"name": "fx__echo", "arguments": {"message": "m"}}))
         assert r.status_code == 200 and "mcp-session-id" not in r.headers
         body = r.json()
         assert body["result"]["resultType"] == "complete"
@@ -41,19 +51,23 @@ async def test_a_stateless_call_with_its_headers_checked_and_no_session() -> Non
         assert r.headers["content-type"] == "text/event-stream" and "id:" not in r.text, r.text
         assert [json.loads(line[6:]).get("method") for line in r.text.splitlines()
                 if line.startswith("data: ")] == ["notifications/progress"] * 2 + [None], r.text
-        r = await c.post(gw.http_url, **post("tools/call", {"name": "fx__echo", "arguments": {"message": "m"}},
-                                             **{"mcp-name": "fx__other"}))
+        r = await c.post(gw.http_url,
+                         **post("tools/call", {"name": "fx__echo", "arguments": {"message": "m"}},
+                                **{"mcp-name": "fx__other"}))
         assert r.status_code == 400 and r.json()["error"]["code"] == -32020
         r = await c.post(gw.http_url, **post("tools/list", {}, **{"mcp-method": "prompts/list"}))
         assert r.status_code == 400 and r.json()["error"]["code"] == -32020
         r = await c.post(gw.http_url, **post("ping", {}))  # removed in 2026-07-28
         assert r.status_code == 404 and r.json()["error"]["code"] == -32601
         args = post("tools/list", {})
-        args["json"]["params"]["_meta"] = {**META, "io.modelcontextprotocol/protocolVersion": "2099-01-01"}
-        r = await c.post(gw.http_url, headers=dict(args["headers"], **{"mcp-protocol-version": "2099-01-01"}),
+        args["json"]["params"]["_meta"] = {**META,
+                                           "io.modelcontextprotocol/protocolVersion": "2099-01-01"}
+        r = await c.post(gw.http_url,
+                         headers=dict(args["headers"], **{"mcp-protocol-version": "2099-01-01"}),
                          json=args["json"])
         assert r.status_code == 400 and r.json()["error"]["code"] == -32022
-        r = await c.get(gw.http_url, headers={"accept": "text/event-stream", "mcp-protocol-version": V})
+        r = await c.get(gw.http_url,
+                        headers={"accept": "text/event-stream", "mcp-protocol-version": V})
         assert r.status_code == 405
         st = await http_json(gw.bound.admin_port, "/status")
         assert st["connections"].get("http", 0) == 0  # every flow ended with its request
@@ -64,12 +78,13 @@ async def test_closing_the_response_stream_cancels_the_call() -> None:
         port = gw.bound.admin_port
         async with httpx.AsyncClient() as c:
             with trio.move_on_after(1.0):  # the client gives up: its connection closes
-                await c.post(gw.http_url, **post("tools/call", {"name": "fx__sleep", "arguments": {"seconds": 30}}))
+                await c.post(gw.http_url, **post("tools/call", {"name": "fx__sleep",
+                                                                "arguments": {"seconds": 30}}))
         # the call was cancelled (no answer, the child told), not left to run its 30 s
         with trio.fail_after(10):
             await wait_status(port, lambda st: st["client_requests_in_flight"] == 0
                               and st["connections"].get("http", 0) == 0)
-            while not await metric(port, "mcp_gateway_requests_total", backend="fx",
+            while not await metric(port, "mcp_gateway_requests_total", backend="fx",  # noqa: ASYNC110 - the gateway seen through /metrics over HTTP: no event to wait on
                                    method="tools/call", outcome="cancelled", principal="_none"):
                 await trio.sleep(0.05)
 
@@ -79,7 +94,8 @@ async def test_a_dual_era_child_gets_no_modern_envelope_from_a_modern_client() -
     the legacy session the gateway opened with it: the client's envelope must not reach it."""
     backend = f"[backends.time]\ncommand = {json.dumps(TIME_SERVER)}\n"
     async with run_gateway(make_config(backend)) as gw, httpx.AsyncClient() as c:
-        args = post("tools/call", {"name": "time__get_current_time", "arguments": {"timezone": "UTC"},
+        args = post("tools/call",
+                    {"name": "time__get_current_time", "arguments": {"timezone": "UTC"},
                                    "_meta": {"progressToken": "p1"}})
         args["json"]["params"]["_meta"] = {**META, "progressToken": "p1"}  # other keys pass on
         with trio.fail_after(20):
@@ -88,7 +104,8 @@ async def test_a_dual_era_child_gets_no_modern_envelope_from_a_modern_client() -
         body = r.json() if r.headers["content-type"].startswith("application/json") else [
             json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")][-1]
         assert "error" not in body, body
-        assert body["result"]["resultType"] == "complete" and "UTC" in body["result"]["content"][0]["text"]
+        assert (body["result"]["resultType"] == "complete"
+                and "UTC" in body["result"]["content"][0]["text"])
 
 
 async def _events(response: httpx.Response) -> Any:
@@ -103,19 +120,23 @@ async def test_subscriptions_listen_streams_tagged_notifications_until_the_clien
     the listen's id; closing the stream ends it and releases its upstream subscription."""
     uri = "fixture://static/a"
     tag = "io.modelcontextprotocol/subscriptionId"
-    async with run_gateway(make_config(fixture_backend("fx"))) as gw, httpx.AsyncClient(timeout=30) as c:
+    async with (run_gateway(make_config(fixture_backend("fx"))) as gw,
+                httpx.AsyncClient(timeout=30) as c):
 
         async def upstream_subscriptions() -> list[str]:
-            r = await c.post(gw.http_url, **post("tools/call", {"name": "fx__client_info", "arguments": {}}))
+            r = await c.post(gw.http_url,
+                             **post("tools/call", {"name": "fx__client_info", "arguments": {}}))
             return json.loads(r.json()["result"]["content"][0]["text"])["subscriptions"]
 
         async def call(tool: str, **arguments: Any) -> None:
-            r = await c.post(gw.http_url, **post("tools/call", {"name": tool, "arguments": arguments}))
+            r = await c.post(gw.http_url,
+                             **post("tools/call", {"name": tool, "arguments": arguments}))
             assert r.json()["result"]["resultType"] == "complete", r.text
 
         tools = post("subscriptions/listen", {"notifications": {
             "toolsListChanged": True, "resourceSubscriptions": [uri]}}, id="L1")
-        prompts = post("subscriptions/listen", {"notifications": {"promptsListChanged": True}}, id=7)
+        prompts = post("subscriptions/listen", {"notifications": {"promptsListChanged": True}},
+                       id=7)
         with trio.fail_after(20):
             async with c.stream("POST", gw.http_url, **tools) as r1, \
                     c.stream("POST", gw.http_url, **prompts) as r2:
@@ -127,7 +148,8 @@ async def test_subscriptions_listen_streams_tagged_notifications_until_the_clien
                                                           "resourceSubscriptions": [uri]}
                 assert ack["params"]["_meta"] == {tag: "L1"}
                 ack = await anext(e2)
-                assert ack["params"] == {"notifications": {"promptsListChanged": True}, "_meta": {tag: 7}}
+                assert ack["params"] == {"notifications": {"promptsListChanged": True},
+                                         "_meta": {tag: 7}}
                 assert await upstream_subscriptions() == [uri]
 
                 await call("fx__notify_list_changed", kind="tools")
@@ -144,7 +166,7 @@ async def test_subscriptions_listen_streams_tagged_notifications_until_the_clien
                 assert got["method"] == "notifications/resources/updated"
                 assert got["params"] == {"uri": uri + "/part", "_meta": {tag: "L1"}}
             # both streams closed by the client: the listens end, the subscription is released
-            while await upstream_subscriptions():
+            while await upstream_subscriptions():  # noqa: ASYNC110 - the backend child's state, asked with a tool call: no event to wait on
                 await trio.sleep(0.05)
             await wait_status(gw.bound.admin_port, lambda st: st["client_requests_in_flight"] == 0
                               and st["connections"].get("http", 0) == 0)
@@ -155,15 +177,18 @@ async def test_a_modern_request_gets_log_messages_only_at_the_level_it_asked_for
     stream (the other flow calling the same child gets nothing)."""
     async with run_gateway(make_config(fixture_backend("fx"))) as gw, httpx.AsyncClient() as c:
         async def messages(level: str | None, log: str) -> list[dict[str, Any]]:
-            args = post("tools/call", {"name": "fx__log", "arguments": {"level": log, "data": "hi"}})
+            args = post("tools/call",
+                        {"name": "fx__log", "arguments": {"level": log, "data": "hi"}})
             if level is not None:
-                args["json"]["params"]["_meta"] = {**META, "io.modelcontextprotocol/logLevel": level}
+                args["json"]["params"]["_meta"] = {**META,
+                                                   "io.modelcontextprotocol/logLevel": level}
             with trio.fail_after(10):
                 r = await c.post(gw.http_url, **args)
             assert r.status_code == 200, r.text
             if r.headers["content-type"].startswith("application/json"):
                 return [r.json()]
-            return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+            return [json.loads(line[6:]) for line in r.text.splitlines()
+                    if line.startswith("data: ")]
 
         got = await messages("info", "warning")
         assert [m.get("method") for m in got] == ["notifications/message", None]

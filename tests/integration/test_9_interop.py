@@ -92,10 +92,9 @@ async def test_gateway_connect_http_bridge() -> None:
     """``mcp-gateway connect http://…/mcp``: a stdio client (the Python SDK 1.x) through the bridge
     lists, calls, gets progress, answers an elicitation (a request on the call's SSE answer,
     its answer POSTed); a list_changed comes on the GET stream; on exit the session is deleted."""
+    from helpers import http_json, wait_status
     from mcp import ClientSession, StdioServerParameters, types
     from mcp.client.stdio import stdio_client
-
-    from helpers import http_json, wait_status
 
     async with run_gateway(make_config(fixture_backend())) as gw:
         env = {k: os.environ[k] for k in ("PATH", "HOME", "LANG", "PYTHONPATH") if k in os.environ}
@@ -120,16 +119,20 @@ async def test_gateway_connect_http_bridge() -> None:
                     ClientSession(read, write, elicitation_callback=on_elicit,
                                   message_handler=on_message) as s:
                 assert (await s.initialize()).protocolVersion == "2025-11-25"
-                assert {"fx__echo", "fx__progress"} <= {t.name for t in (await s.list_tools()).tools}
+                assert {"fx__echo",
+                        "fx__progress"} <= {t.name for t in (await s.list_tools()).tools}
                 r = await s.call_tool("fx__echo", {"message": "hi"})
-                assert r.model_dump(mode="json", exclude_none=True, include={"content", "structuredContent"}) \
+                assert r.model_dump(mode="json", exclude_none=True,
+                                    include={"content", "structuredContent"}) \
                     == ECHO
                 await s.call_tool("fx__progress", {"steps": 3}, progress_callback=on_progress)
                 assert progress == [1, 2, 3]
                 r = await s.call_tool("fx__elicit", {"message": "proceed?"})
-                assert json.loads(r.content[0].text)["content"] == {"answer": "proceed?"}  # type: ignore[union-attr]
+                # type: ignore[union-attr]
+                assert json.loads(r.content[0].text)["content"] == {"answer": "proceed?"}
                 await s.call_tool("fx__notify_list_changed", {"kind": "tools"})
                 await changed.wait()
-                assert (await http_json(gw.bound.admin_port, "/status"))["connections"].get("http") == 1
+                assert (await http_json(gw.bound.admin_port,
+                                        "/status"))["connections"].get("http") == 1
         with trio.fail_after(10):  # the bridge DELETEs its session when stdin closes
             await wait_status(gw.bound.admin_port, lambda st: not st["connections"].get("http"))

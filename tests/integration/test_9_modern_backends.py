@@ -57,8 +57,10 @@ async def test_each_protocol_mode_opens_its_child_in_the_era_it_speaks() -> None
                                 "dual": [("RUNNING", "modern")], "leg": [("RUNNING", "legacy")],
                                 "lo": [("FATAL", None)]}  # legacy_only: initialize is -32601
             assert {b["name"]: b["protocol_mode"] for b in st["backends"]}["pl"] == "prefer_legacy"
-            assert await metric(port, "mcp_gateway_backend_era_instances", backend="mo", era="modern") == 1
-            assert await metric(port, "mcp_gateway_backend_era_instances", backend="leg", era="legacy") == 1
+            assert await metric(port, "mcp_gateway_backend_era_instances", backend="mo",
+                                era="modern") == 1
+            assert await metric(port, "mcp_gateway_backend_era_instances", backend="leg",
+                                era="legacy") == 1
             async with connect(gw.url, capabilities={"elicitation": {}}) as c:
                 tools = [t["name"] for t in (await c.request("tools/list"))["result"]["tools"]]
                 assert {"mo__echo", "pl__ask_name", "dual__echo", "leg__echo"} <= set(tools)
@@ -66,7 +68,8 @@ async def test_each_protocol_mode_opens_its_child_in_the_era_it_speaks() -> None
                 # the catalog item carries no page-level caching hints of the modern child
                 listed = (await c.request("tools/list"))["result"]
                 assert "ttlMs" not in listed and "resultType" not in listed
-                assert "leg__echo" in tools and text_of(await c.call("leg__echo", {"message": "old"})) == "old"
+                assert ("leg__echo" in tools
+                        and text_of(await c.call("leg__echo", {"message": "old"})) == "old")
                 # every request to a modern child carries the modern envelope: the gateway's
                 # capabilities the caller also has, its log level; its progress token still works
                 await c.request("logging/setLevel", {"level": "debug"})
@@ -74,15 +77,18 @@ async def test_each_protocol_mode_opens_its_child_in_the_era_it_speaks() -> None
                                                    "_meta": {"progressToken": "p"}})
                 meta = json.loads(text_of(r))
                 assert meta["io.modelcontextprotocol/protocolVersion"] == V
-                assert meta["io.modelcontextprotocol/clientCapabilities"]["elicitation"] == {"form": {}}
-                assert "sampling" not in meta["io.modelcontextprotocol/clientCapabilities"]
+                caps = meta["io.modelcontextprotocol/clientCapabilities"]
+                assert caps["elicitation"] == {"form": {}}
+                assert "sampling" not in caps
                 assert meta["io.modelcontextprotocol/logLevel"] == "debug"
                 assert meta["progressToken"] != "p"  # rewritten to the gateway's own token
                 r = await c.request("tools/call", {"name": "mo__progress", "arguments": {},
                                                    "_meta": {"progressToken": "p"}})
                 assert "error" not in r
-                progress = [n["params"] for n in c.notifications if n["method"] == "notifications/progress"]
-                assert [(p["progressToken"], p["progress"]) for p in progress] == [("p", 1), ("p", 2)]
+                progress = [n["params"] for n in c.notifications
+                            if n["method"] == "notifications/progress"]
+                assert [(p["progressToken"], p["progress"])
+                        for p in progress] == [("p", 1), ("p", 2)]
                 # a modern child's complete result passes to a legacy client with resultType kept
                 r = await c.call("mo__echo", {"message": "hi"})
                 assert text_of(r) == "hi" and r["result"]["resultType"] == "complete"
@@ -94,7 +100,8 @@ async def test_each_protocol_mode_opens_its_child_in_the_era_it_speaks() -> None
                 assert "mo__added" in tools
 
 
-async def test_a_modern_child_that_comes_back_legacy_after_a_restart_is_a_failed_start(tmp_path: Any) -> None:
+async def test_a_modern_child_that_comes_back_legacy_after_a_restart_is_a_failed_start(
+    tmp_path: Any) -> None:
     marker = str(tmp_path / "legacy-now")
     cfg = make_config(backend("m", "prefer_modern", "--legacy-if-exists", marker,
                               restart="{ max_restarts = 1, backoff_initial = 0.05 }"))
@@ -102,7 +109,7 @@ async def test_a_modern_child_that_comes_back_legacy_after_a_restart_is_a_failed
         async with run_gateway(cfg) as gw:
             port = gw.bound.admin_port
             assert eras(await http_json(port, "/status"))["m"] == [("RUNNING", "modern")]
-            open(marker, "w").close()  # the next child answers initialize, not server/discover
+            open(marker, "w").close()  # the next child answers initialize, not server/discover  # noqa: ASYNC230 - a local marker file, instant
             async with connect(gw.url) as c:
                 r = await c.call("m__exit")  # the child crashes: the gateway restarts it
                 assert r["error"]["data"]["reason"] == "backend_exited"
@@ -118,19 +125,22 @@ async def test_a_legacy_client_is_asked_the_modern_childs_input_requests_the_leg
     cfg = make_config(backend("m", "modern_only"))
     with trio.fail_after(30):
         async with run_gateway(cfg) as gw:
-            async with connect(gw.url, capabilities={"elicitation": {}}) as c, trio.open_nursery() as n:
+            async with (connect(gw.url, capabilities={"elicitation": {}}) as c,
+                        trio.open_nursery() as n):
                 answered: list[str] = []
 
                 async def answer() -> None:
                     while True:
-                        asked = await c.wait_for(lambda: [q for q in c.requests if q["id"] not in answered])
+                        asked = await c.wait_for(lambda: [q for q in c.requests
+                                                          if q["id"] not in answered])
                         for q in asked:
                             assert q["method"] == "elicitation/create"
                             answered.append(q["id"])
                             word = q["params"]["message"].split()[-1].rstrip("?")
                             name = "Ada" if word == "user_name" else word
                             await c.send({"jsonrpc": "2.0", "id": q["id"],
-                                          "result": {"action": "accept", "content": {"name": name}}})
+                                          "result": {"action": "accept",
+                                                     "content": {"name": name}}})
 
                 n.start_soon(answer)
                 r = await c.call("m__ask_name")
@@ -152,7 +162,8 @@ async def test_a_legacy_client_is_asked_the_modern_childs_input_requests_the_leg
                 cancelled = await c.wait_for(lambda: [x for x in c.notifications
                                                       if x["method"] == "notifications/cancelled"])
                 assert cancelled[0]["params"]["requestId"] == q["id"] and 9 not in c.responses
-                st = await wait_status(gw.bound.admin_port, lambda st: st["pending_server_requests"] == 0)
+                st = await wait_status(gw.bound.admin_port,
+                                       lambda st: st["pending_server_requests"] == 0)
                 assert st["client_requests_in_flight"] == 0
 
 
@@ -176,12 +187,14 @@ async def test_a_modern_http_client_gets_the_input_required_result_and_completes
                 "jsonrpc": "2.0", "id": 2, "method": "tools/call",
                 "params": {"name": "m__ask_name", "arguments": {}, "_meta": meta,
                            "requestState": first["requestState"],
-                           "inputResponses": {"user_name": {"action": "accept", "content": {"name": "Grace"}}}}})
+                           "inputResponses": {"user_name": {"action": "accept",
+                                                            "content": {"name": "Grace"}}}}})
             done = r.json()["result"]
             assert done["resultType"] == "complete" and done["content"][0]["text"] == "Hello, Grace"
             r = await http.post(gw.http_url, headers=headers, json={
                 "jsonrpc": "2.0", "id": 3, "method": "tools/call",
                 "params": {"name": "m__ask_name", "arguments": {}, "_meta": meta,
                            "requestState": first["requestState"][:-2] + "00",
-                           "inputResponses": {"user_name": {"action": "accept", "content": {"name": "G"}}}}})
+                           "inputResponses": {"user_name": {"action": "accept",
+                                                            "content": {"name": "G"}}}}})
             assert r.json()["error"]["code"] == -32602  # the child's own check of its state

@@ -325,7 +325,8 @@ async def test_slow_reader_is_disconnected_for_outbound_overflow_others_keep_wor
 async def closed_for_overflow(port: int) -> float:
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     async with stream:
-        await stream.send_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        await stream.send_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
+                              b"\r\n")
         data = b""
         while chunk := await stream.receive_some(65536):
             data += chunk
@@ -435,7 +436,8 @@ async def test_default_config_refuses_any_origin_and_the_client_library_sees_403
                             extra_headers=[("Origin", "http://evil.example")],
                         )
                 except* trio_websocket.ConnectionRejected as group:
-                    rejected += [e.status_code for e in group.exceptions]  # type: ignore[attr-defined]
+                    # type: ignore[attr-defined]
+                    rejected += [e.status_code for e in group.exceptions]
             assert rejected == [403]
             status, _ = await upgrade_status(port, None)
             assert status == 101

@@ -11,7 +11,15 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from helpers import HTTP_HEADERS, HTTP_INIT, connect, fixture_backend, make_config, run_gateway, text_of
+from helpers import (
+    HTTP_HEADERS,
+    HTTP_INIT,
+    connect,
+    fixture_backend,
+    make_config,
+    run_gateway,
+    text_of,
+)
 
 pytestmark = [pytest.mark.system,
               pytest.mark.filterwarnings("ignore::ResourceWarning",
@@ -40,16 +48,19 @@ def invalid_errors(answers: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 async def test_invalid_entries_of_a_batch_are_answered_in_its_array_on_http() -> None:
-    async with run_gateway(make_config(fixture_backend())) as gw, httpx.AsyncClient(timeout=10) as c:
+    async with (run_gateway(make_config(fixture_backend())) as gw,
+                httpx.AsyncClient(timeout=10) as c):
         url = gw.http_url
         init = dict(HTTP_INIT, params=dict(HTTP_INIT["params"], protocolVersion=V))
         r = await c.post(url, headers=HTTP_HEADERS, json=init)
         assert r.status_code == 200, r.text
-        h = dict(HTTP_HEADERS, **{"mcp-session-id": r.headers["mcp-session-id"], "mcp-protocol-version": V})
+        h = dict(HTTP_HEADERS,
+                 **{"mcp-session-id": r.headers["mcp-session-id"], "mcp-protocol-version": V})
         initialized = {"jsonrpc": "2.0", "method": "notifications/initialized"}
         assert (await c.post(url, headers=h, json=initialized)).status_code == 202
 
-        # the batch: three invalid entries and one call; a fourth invalid entry carries an id
+        # the batch: three invalid entries and one call; a fourth invalid entry carries an
+        # id
         r = await c.post(url, headers=h, json=[*INVALID, call("e", "fx__echo", message="ran")])
         assert r.status_code == 200, r.text
         answers = body_of(r)
@@ -69,17 +80,20 @@ async def test_invalid_entries_of_a_batch_are_answered_in_its_array_on_http() ->
             got: list[httpx.Response] = []
 
             async def slow_batch() -> None:
-                got.append(await c.post(url, headers=h, json=[call("s", "fx__sleep", seconds=30), "bad"]))
+                got.append(await c.post(url, headers=h,
+                                        json=[call("s", "fx__sleep", seconds=30), "bad"]))
 
             nursery.start_soon(slow_batch)
             await trio.sleep(0.5)
-            cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": "s"}}
+            cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled",
+                      "params": {"requestId": "s"}}
             r = await c.post(url, headers=h, json=cancel)
             assert r.status_code == 202
         (r,) = got
         assert r.status_code == 200 and [a["id"] for a in body_of(r)] == [None], r.text
 
-        # what refuses a batch as a whole is unchanged: empty, not JSON (400), nothing to answer (202)
+        # what refuses a batch as a whole is unchanged: empty, not JSON (400), nothing to answer
+        # (202)
         r = await c.post(url, headers=h, content=b"[]")
         assert r.status_code == 400 and r.json()["error"]["code"] == -32600
         r = await c.post(url, headers=h, content=b"[1,")
@@ -95,7 +109,9 @@ async def test_invalid_entries_of_a_batch_are_answered_in_its_array_on_websocket
     async with run_gateway(make_config(fixture_backend())) as gw:
         async with connect(gw.url, version=V) as ws:
             await ws.send([*INVALID, call("e", "fx__echo", message="ran")])
-            answers = await ws.wait_for(lambda: next((m for m in [ws.responses.get("e")] if m), None))
+            answers = await ws.wait_for(
+                lambda: next((m for m in [ws.responses.get("e")] if m), None))
             assert text_of(answers) == "ran"
-            errors = await ws.wait_for(lambda: [m for m in ws.received if m.get("id", 0) is None] or None)
+            errors = await ws.wait_for(lambda: [m for m in ws.received if m.get("id", 0) is None]
+                                       or None)
             assert len(errors) == 4 and all(e["error"]["code"] == -32600 for e in errors), errors

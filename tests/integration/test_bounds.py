@@ -30,12 +30,13 @@ MIB = 1 << 20
 
 
 async def wait_metric(port: int | None, name: str, value: float, **labels: str) -> None:
-    while await metric(port, name, **labels) != value:
+    while await metric(port, name, **labels) != value:  # noqa: ASYNC110 - the gateway seen through /metrics over HTTP: no event to wait on
         await trio.sleep(POLL)
 
 
 @asynccontextmanager
-async def own_ws(port: int | None, queue: int = 1) -> AsyncIterator[trio_websocket.WebSocketConnection]:
+async def own_ws(port: int | None,
+                 queue: int = 1) -> AsyncIterator[trio_websocket.WebSocketConnection]:
     """An initialized WebSocket on a TCP stream this test owns and closes (trio-websocket's
     client leaves its socket open when the server starts the close).  With ``queue = 1`` and
     nobody calling ``get_message``, it is a client that never reads."""
@@ -45,8 +46,10 @@ async def own_ws(port: int | None, queue: int = 1) -> AsyncIterator[trio_websock
         ws = await trio_websocket.wrap_client_stream(
             nursery, stream, "127.0.0.1", "/", subprotocols=["mcp"], max_message_size=8 * MIB,
             message_queue_size=queue)
-        await ws.send_message(json.dumps({"jsonrpc": "2.0", "id": "init", "method": "initialize", "params": {
-            "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}}))
+        await ws.send_message(
+            json.dumps({"jsonrpc": "2.0", "id": "init", "method": "initialize", "params": {
+            "protocolVersion": "2025-11-25", "capabilities": {},
+            "clientInfo": {"name": "t", "version": "0"}}}))
         assert json.loads(await ws.get_message())["id"] == "init"
         await ws.send_message(json.dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}))
         try:
@@ -60,10 +63,12 @@ def call(id: Any, tool: str, arguments: dict[str, Any]) -> str:
                        "params": {"name": tool, "arguments": arguments}})
 
 
-async def test_client_that_never_reads_is_cut_off_at_outbound_bytes_and_its_bytes_are_released() -> None:
+async def test_client_that_never_reads_is_cut_off_at_outbound_bytes_and_its_bytes_are_released(
+) -> None:
     # 40 answers of 1 MB: far more than the socket buffers hold, far fewer than outbound_queue
     # (512 messages), so only the byte bound can cut this client off.
-    cfg = make_config(fixture_backend("fx"), gateway=f"max_message_bytes = {2 * MIB}\noutbound_bytes = {2 * MIB}")
+    cfg = make_config(fixture_backend("fx"),
+                      gateway=f"max_message_bytes = {2 * MIB}\noutbound_bytes = {2 * MIB}")
     calls, size = 40, 1_000_000
     with trio.fail_after(60):
         async with run_gateway(cfg) as gw, connect(gw.url) as bystander:
@@ -73,7 +78,8 @@ async def test_client_that_never_reads_is_cut_off_at_outbound_bytes_and_its_byte
                     await ws.send_message(call(i, "fx__big", {"size": size}))
                 await wait_metric(port, "mcp_gateway_client_connections_closed_total", 1,
                                   transport="websocket", reason="overflow")
-                assert text_of(await bystander.call("fx__echo", {"message": "still served"})) == "still served"
+                assert text_of(await bystander.call("fx__echo",
+                                                    {"message": "still served"})) == "still served"
                 await wait_status(port, lambda st: st["buffered_bytes"] == 0)
                 # reading now: what the socket buffers held, then the end (never all 40)
                 got = 0
@@ -87,7 +93,8 @@ async def test_client_that_never_reads_is_cut_off_at_outbound_bytes_and_its_byte
             assert st["buffered_bytes"] == 0
 
 
-async def test_at_buffered_bytes_total_requests_get_overloaded_and_the_biggest_holder_is_closed() -> None:
+async def test_at_buffered_bytes_total_requests_get_overloaded_and_the_biggest_holder_is_closed(
+) -> None:
     cfg = make_config(fixture_backend("fx"), gateway=f"""
 max_message_bytes = {2 * MIB}
 outbound_bytes = {2 * MIB}
@@ -137,7 +144,8 @@ async def test_max_connections_refuses_websocket_with_503_and_unix_at_once(tmp_p
                 unix = await trio.open_unix_socket(str(sock))
                 async with unix:
                     assert await unix.receive_some(65536) == b""  # closed at once
-                assert await metric(port, refused, transport="websocket", reason="max_connections") == 1
+                assert await metric(port, refused, transport="websocket",
+                                    reason="max_connections") == 1
                 assert await metric(port, refused, transport="unix", reason="max_connections") == 1
                 assert text_of(await first.call("fx__echo", {"message": "served"})) == "served"
             # the closed event is emitted in the same step that frees the slot

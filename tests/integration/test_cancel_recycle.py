@@ -18,9 +18,16 @@ from typing import Any
 import httpx
 import pytest
 import trio
-
-from helpers import (Client, connect, fixture_backend, http_json, make_config, metric, run_gateway,
-                     text_of)
+from helpers import (
+    Client,
+    connect,
+    fixture_backend,
+    http_json,
+    make_config,
+    metric,
+    run_gateway,
+    text_of,
+)
 
 pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
@@ -35,7 +42,7 @@ async def instance(port: int | None) -> dict[str, Any]:
 
 
 async def until(port: int | None, pred: Any) -> dict[str, Any]:
-    while not pred(inst := await instance(port)):
+    while not pred(inst := await instance(port)):  # noqa: ASYNC110 - the gateway seen through /status over HTTP: no event to wait on
         await trio.sleep(0.02)
     return inst
 

@@ -51,7 +51,8 @@ async def tool_names(c: Client) -> set[str]:
 
 
 async def complete(c: Any, ref: dict[str, str], argument: str, value: str) -> dict[str, Any]:
-    return await c.request("completion/complete", {"ref": ref, "argument": {"name": argument, "value": value}})
+    return await c.request("completion/complete",
+                           {"ref": ref, "argument": {"name": argument, "value": value}})
 
 
 async def test_two_backends_are_namespaced_and_routed() -> None:
@@ -370,7 +371,7 @@ async def test_subscription_dropped_when_its_connection_closes() -> None:
                     uri
                 ]
             with trio.fail_after(5):
-                while json.loads(text_of(await c.call("fx__client_info")))["subscriptions"] != []:
+                while json.loads(text_of(await c.call("fx__client_info")))["subscriptions"] != []:  # noqa: ASYNC110 - the backend child's state, asked with a tool call: no event to wait on
                     await trio.sleep(0.05)
 
 
@@ -384,7 +385,7 @@ async def test_subscriptions_are_restored_after_a_restart() -> None:
             assert (await a.request("resources/subscribe", {"uri": uri}))["result"] == {}
             assert (await a.call("fx__crash", {}))["error"]["code"] == -32004
             with trio.fail_after(10):
-                while "result" not in (r := await a.call("fx__client_info")):
+                while "result" not in (r := await a.call("fx__client_info")):  # noqa: ASYNC110 - the backend child's state, asked with a tool call: no event to wait on
                     await trio.sleep(0.02)
             assert json.loads(text_of(r))["subscriptions"] == [uri]
             await a.call("fx__update_resource", {"uri": uri})
@@ -409,7 +410,7 @@ async def test_log_level_is_per_connection() -> None:
             assert r["error"]["code"] == -32602
             # the child is asked for the most verbose level any connection wants
             with trio.fail_after(5):
-                while json.loads(text_of(await c.call("fx__client_info")))["logLevel"] != "debug":
+                while json.loads(text_of(await c.call("fx__client_info")))["logLevel"] != "debug":  # noqa: ASYNC110 - the backend child's state, asked with a tool call: no event to wait on
                     await trio.sleep(0.05)
 
             # lines written with no call in flight go to every connection that asked for

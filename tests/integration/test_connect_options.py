@@ -64,7 +64,8 @@ tls_cert = "{certs.cert}"\ntls_key = "{certs.key}"\n[admin]\nlisten = "127.0.0.1
     async with run_gateway(cfg) as gw:
         https = f"https://localhost:{gw.bound.http_port}/mcp"
         for url in (https, f"wss://localhost:{gw.bound.websocket_port}/"):
-            code, out, err = await trio.to_thread.run_sync(_connect, url, "--ca-file", str(certs.ca))
+            code, out, err = await trio.to_thread.run_sync(_connect, url, "--ca-file",
+                                                           str(certs.ca))
             assert code == 0, (url, out, err)
             assert out[-1]["result"]["content"][0]["text"] == "over TLS", (url, out, err)
             # the system CAs do not know it: refused, saying why

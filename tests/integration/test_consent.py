@@ -8,10 +8,19 @@ from typing import Any
 
 import pytest
 import trio
+from helpers import (
+    ROOT,
+    Client,
+    connect,
+    fixture_backend,
+    make_config,
+    metric,
+    run_gateway,
+    text_of,
+)
 
 from gateway import config
 from gateway.service import StartupError
-from helpers import ROOT, Client, connect, fixture_backend, make_config, metric, run_gateway, text_of
 
 pytestmark = pytest.mark.system
 
@@ -24,7 +33,8 @@ rules = [{ match = "fx__echo", action = "ask" }, { match = "fx__big", action = "
 """
 
 
-async def call_with_answer(c: Client, answer: dict[str, Any] | None, args: dict[str, Any]) -> dict[str, Any]:
+async def call_with_answer(c: Client, answer: dict[str, Any] | None,
+                           args: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
 
     async def call() -> None:
@@ -34,7 +44,8 @@ async def call_with_answer(c: Client, answer: dict[str, Any] | None, args: dict[
         nursery.start_soon(call)
         prompt = await c.wait_for(lambda: c.requests and c.requests[-1])
         assert prompt["method"] == "elicitation/create"
-        assert "fx__echo" in prompt["params"]["message"] and args["message"] in prompt["params"]["message"]
+        assert ("fx__echo" in prompt["params"]["message"]
+                and args["message"] in prompt["params"]["message"])
         assert prompt["params"]["requestedSchema"]["properties"]["approve"]["type"] == "boolean"
         if answer is not None:
             await c.send({"jsonrpc": "2.0", "id": prompt["id"], **answer})
@@ -91,10 +102,12 @@ async def test_cancelling_parked_call_withdraws_prompt_without_response() -> Non
                           "params": {"name": "fx__echo", "arguments": {"message": "m"}}})
             prompt = await c.wait_for(lambda: c.requests and c.requests[0])
             await c.notify("notifications/cancelled", {"requestId": 77})
-            note = await c.wait_for(lambda: [n for n in c.notifications if n["method"] == "notifications/cancelled"])
+            note = await c.wait_for(lambda: [n for n in c.notifications
+                                             if n["method"] == "notifications/cancelled"])
             assert note[0]["params"]["requestId"] == prompt["id"]
             # a late answer to the withdrawn prompt is dropped quietly, the call never runs
-            await c.send({"jsonrpc": "2.0", "id": prompt["id"], "result": {"action": "accept", "content": {"approve": True}}})
+            await c.send({"jsonrpc": "2.0", "id": prompt["id"],
+                          "result": {"action": "accept", "content": {"approve": True}}})
             await trio.sleep(0.3)
             assert 77 not in c.responses
             assert (await c.request("ping"))["result"] == {}
@@ -120,14 +133,16 @@ async def test_sensitive_tool_refuses_boot_without_rule() -> None:
             pass
 
 
-async def test_the_rule_snippet_printed_at_a_sensitive_tools_refusal_makes_the_gateway_start() -> None:
+async def test_the_rule_snippet_printed_at_a_sensitive_tools_refusal_makes_the_gateway_start(
+) -> None:
     text = f"""
 [listen]
 websocket = "127.0.0.1:0"
 [admin]
 listen = "127.0.0.1:0"
 {fixture_backend("fx", sensitive=["echo", "big"])}"""
-    with trio.fail_after(30), pytest.RaisesGroup(pytest.RaisesExc(StartupError), flatten_subgroups=True) as got:
+    with (trio.fail_after(30),
+          pytest.RaisesGroup(pytest.RaisesExc(StartupError), flatten_subgroups=True) as got):
         async with run_gateway(config.load(text, base_dir=ROOT)):
             pass
     leaf: BaseException = got.value
@@ -138,7 +153,8 @@ listen = "127.0.0.1:0"
     rules = tomllib.loads(snippet)["policy"]["rules"]
     assert rules == [{"match": "fx__big", "action": "ask"}, {"match": "fx__echo", "action": "ask"}]
     with trio.fail_after(30):
-        async with run_gateway(config.load(text + "\n" + snippet, base_dir=ROOT)) as gw, connect(gw.url) as c:
+        async with (run_gateway(config.load(text + "\n" + snippet, base_dir=ROOT)) as gw,
+                    connect(gw.url) as c):
             r = await c.call("fx__echo", {"message": "m"})  # asks; this client cannot be asked
             assert r["error"]["data"]["reason"] == "authorization_required"
 
@@ -157,9 +173,11 @@ async def test_late_destructive_tool_is_denied() -> None:
         async with run_gateway(cfg) as gw, connect(gw.url) as c:
             await c.call("fx__add_destructive")
             # the caller's view did not change (wipe is hidden from it): no list_changed
-            while not await metric(gw.bound.admin_port, "mcp_gateway_catalog_changes_total", kind="tools"):
+            while not await metric(gw.bound.admin_port, "mcp_gateway_catalog_changes_total",  # noqa: ASYNC110 - the gateway seen through /metrics over HTTP: no event to wait on
+                                   kind="tools"):
                 await trio.sleep(0.05)
-            assert not [n for n in c.notifications if n["method"] == "notifications/tools/list_changed"]
+            assert not [n for n in c.notifications
+                        if n["method"] == "notifications/tools/list_changed"]
             tools = (await c.request("tools/list"))["result"]["tools"]
             assert "fx__wipe" not in [t["name"] for t in tools]  # nobody may call it: not listed
             r = await c.call("fx__wipe")

@@ -14,8 +14,16 @@ from typing import Any
 import httpx
 import pytest
 import trio
-
-from helpers import DEPS, ROOT, connect, fixture_backend, make_config, metric, run_gateway, wait_status
+from helpers import (
+    DEPS,
+    ROOT,
+    connect,
+    fixture_backend,
+    make_config,
+    metric,
+    run_gateway,
+    wait_status,
+)
 
 pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
@@ -24,7 +32,8 @@ FORM = {"elicitation": {"form": {}}}
 ASK = """
 [policy]
 elicitation_timeout = 30.0
-rules = [{ match = "fx__echo", action = "ask" }, { match = "fx__greet", kind = "prompt", action = "ask" }]
+rules = [{ match = "fx__echo", action = "ask" },
+         { match = "fx__greet", kind = "prompt", action = "ask" }]
 """
 ACCEPT = {"action": "accept", "content": {"approve": True}}
 PY2 = os.path.join(DEPS, "venv-mcp2", "bin", "python")
@@ -32,15 +41,17 @@ PY2_CONSENT = os.path.join(ROOT, "tests", "interop", "py2_consent_client.py")
 
 
 def meta(caps: dict[str, Any]) -> dict[str, Any]:
-    return {"io.modelcontextprotocol/protocolVersion": V, "io.modelcontextprotocol/clientCapabilities": caps}
+    return {"io.modelcontextprotocol/protocolVersion": V,
+            "io.modelcontextprotocol/clientCapabilities": caps}
 
 
-async def post(c: httpx.AsyncClient, url: str, id: int, message: str, *, caps: dict[str, Any] = FORM,
-               **extra: Any) -> httpx.Response:
+async def post(c: httpx.AsyncClient, url: str, id: int, message: str, *,
+               caps: dict[str, Any] = FORM, **extra: Any) -> httpx.Response:
     headers = {"accept": "application/json, text/event-stream", "content-type": "application/json",
                "mcp-protocol-version": V, "mcp-method": "tools/call", "mcp-name": "fx__echo"}
     body = {"jsonrpc": "2.0", "id": id, "method": "tools/call",
-            "params": {"name": "fx__echo", "arguments": {"message": message}, **extra, "_meta": meta(caps)}}
+            "params": {"name": "fx__echo", "arguments": {"message": message}, **extra,
+                       "_meta": meta(caps)}}
     with trio.fail_after(10):
         return await c.post(url, headers=headers, json=body)
 
@@ -67,7 +78,8 @@ def invalid_state(r: httpx.Response, kind: str = "") -> bool:
 def expires_in(state: str) -> float:
     """Seconds until a gateway state's signed expiry (its payload is readable, only signed)."""
     payload = state.split(".")[1]
-    return float(json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))["x"]) - time.time()
+    return float(json.loads(
+        base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))["x"]) - time.time()
 
 
 def echoed(transcript: Path) -> list[str]:
@@ -95,13 +107,15 @@ async def test_consent_on_stateless_http(tmp_path: Path) -> None:
         for i, answer in enumerate([{"action": "decline"}, {"action": "cancel"},
                                     {"action": "accept", "content": {"approve": False}}]):
             state = consent_asked(await post(c, url, 10 + i, f"no-{i}"), f"no-{i}")
-            r = await post(c, url, 20 + i, f"no-{i}", inputResponses={"consent": answer}, requestState=state)
+            r = await post(c, url, 20 + i, f"no-{i}", inputResponses={"consent": answer},
+                           requestState=state)
             error = r.json()["error"]
             assert r.json()["id"] == 20 + i and error["code"] == -32005, r.text
             assert error["data"] == {"reason": "declined", "tool": "fx__echo"}
         # a retry without the answer is asked again (a fresh state), the old one is spent
         state = consent_asked(await post(c, url, 30, "again"), "again")
-        again = consent_asked(await post(c, url, 31, "again", inputResponses={}, requestState=state), "again")
+        again = consent_asked(await post(c, url, 31, "again", inputResponses={},
+                                         requestState=state), "again")
         assert again != state
         r = await post(c, url, 32, "again", inputResponses={"consent": ACCEPT}, requestState=state)
         assert invalid_state(r, "already used"), r.text
@@ -110,11 +124,13 @@ async def test_consent_on_stateless_http(tmp_path: Path) -> None:
         # tampered: refused, nothing runs (the call it names may end at once: then its genuine
         # state is refused too; else that state's decline ends it)
         state = consent_asked(await post(c, url, 40, "tampered"), "tampered")
-        r = await post(c, url, 41, "tampered", inputResponses={"consent": ACCEPT}, requestState=state + "x")
+        r = await post(c, url, 41, "tampered", inputResponses={"consent": ACCEPT},
+                       requestState=state + "x")
         assert invalid_state(r, "signature"), r.text
         r = await post(c, url, 42, "tampered", inputResponses={"consent": {"action": "decline"}},
                        requestState=state)
-        assert invalid_state(r, "call is over") or r.json()["error"]["data"]["reason"] == "declined", r.text
+        assert invalid_state(r, "call is over") or r.json()["error"]["data"][
+            "reason"] == "declined", r.text
         # the state is bound to the call's params
         state = consent_asked(await post(c, url, 50, "mine"), "mine")
         r = await post(c, url, 51, "other", inputResponses={"consent": ACCEPT}, requestState=state)
@@ -131,12 +147,15 @@ async def test_consent_on_stateless_http(tmp_path: Path) -> None:
         with trio.fail_after(5):
             await wait_status(port, lambda st: st["client_requests_in_flight"] == 0
                               and st["connections"].get("http", 0) == 0)
-        assert await metric(port, "mcp_gateway_request_states_refused_total", reason="tampered") == 1
-        assert await metric(port, "mcp_gateway_input_required_results_total", backend="_gateway") == 8
+        assert await metric(port, "mcp_gateway_request_states_refused_total",
+                            reason="tampered") == 1
+        assert await metric(port, "mcp_gateway_input_required_results_total",
+                            backend="_gateway") == 8
     assert echoed(transcript) == ["yes-1", "again"]  # each approved call ran exactly once
 
 
-async def test_silence_on_stateless_http_ends_the_call_at_the_consent_timeout(tmp_path: Path) -> None:
+async def test_silence_on_stateless_http_ends_the_call_at_the_consent_timeout(
+        tmp_path: Path) -> None:
     transcript = tmp_path / "fx.jsonl"
     cfg = make_config(fixture_backend("fx", env={"FIXTURE_TRANSCRIPT": str(transcript)}),
                       extra=ASK.replace("30.0", "0.5"))
@@ -148,7 +167,8 @@ async def test_silence_on_stateless_http_ends_the_call_at_the_consent_timeout(tm
                               and st["connections"].get("http", 0) == 0)
         assert await metric(port, "mcp_gateway_server_requests_total", backend="_gateway",
                             method="elicitation/create", outcome="timeout") == 1
-        r = await post(c, gw.http_url, 2, "silent", inputResponses={"consent": ACCEPT}, requestState=state)
+        r = await post(c, gw.http_url, 2, "silent", inputResponses={"consent": ACCEPT},
+                       requestState=state)
         assert invalid_state(r), r.text  # too late: nothing runs
     assert echoed(transcript) == []
 
@@ -157,26 +177,33 @@ async def test_after_consent_the_backends_own_elicitation_is_the_next_round() ->
     """The same flow goes on: consent (round 1), then the legacy child's elicitation (round 2,
     under the child's request id, at state_ttl), then the result."""
     extra = ASK.replace('match = "fx__echo"', 'match = "fx__elicit"')
-    async with run_gateway(make_config(fixture_backend("fx"), extra=extra)) as gw, httpx.AsyncClient() as c:
-        headers = {"accept": "application/json, text/event-stream", "content-type": "application/json",
+    async with (run_gateway(make_config(fixture_backend("fx"), extra=extra)) as gw,
+                httpx.AsyncClient() as c):
+        headers = {"accept": "application/json, text/event-stream",
+                   "content-type": "application/json",
                    "mcp-protocol-version": V, "mcp-method": "tools/call", "mcp-name": "fx__elicit"}
 
         async def call(id: int, **extra: Any) -> dict[str, Any]:
-            params = {"name": "fx__elicit", "arguments": {"message": "name?"}, **extra, "_meta": meta(FORM)}
+            params = {"name": "fx__elicit", "arguments": {"message": "name?"}, **extra,
+                      "_meta": meta(FORM)}
             with trio.fail_after(10):
                 r = await c.post(gw.http_url, headers=headers,
-                                 json={"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": params})
+                                 json={"jsonrpc": "2.0", "id": id, "method": "tools/call",
+                                       "params": params})
             return dict(r.json())
 
         first = (await call(1))["result"]
         assert list(first["inputRequests"]) == ["consent"]
-        second = (await call(2, inputResponses={"consent": ACCEPT}, requestState=first["requestState"]))["result"]
-        assert second["resultType"] == "input_required" and list(second["inputRequests"]) == ["srv-1"]
+        second = (await call(2, inputResponses={"consent": ACCEPT},
+                             requestState=first["requestState"]))["result"]
+        assert (second["resultType"] == "input_required"
+                and list(second["inputRequests"]) == ["srv-1"])
         assert 25 <= expires_in(first["requestState"]) <= 32  # elicitation_timeout = 30
         assert 295 <= expires_in(second["requestState"]) <= 302  # state_ttl = 300
         answer = {"srv-1": {"action": "accept", "content": {"answer": "Ada"}}}
         done = await call(3, inputResponses=answer, requestState=second["requestState"])
-        assert done["id"] == 3 and json.loads(done["result"]["content"][0]["text"])["content"] == {"answer": "Ada"}
+        assert done["id"] == 3
+        assert json.loads(done["result"]["content"][0]["text"])["content"] == {"answer": "Ada"}
 
 
 async def test_consent_on_a_modern_websocket_connection(tmp_path: Path) -> None:
@@ -188,7 +215,8 @@ async def test_consent_on_a_modern_websocket_connection(tmp_path: Path) -> None:
         async with run_gateway(cfg) as gw, connect(gw.url, initialize=False) as c:
             args = {"name": "fx__echo", "arguments": {"message": "ws-yes"}, "_meta": meta(FORM)}
             first = (await c.request("tools/call", args))["result"]
-            assert first["resultType"] == "input_required" and list(first["inputRequests"]) == ["consent"]
+            assert (first["resultType"] == "input_required"
+                    and list(first["inputRequests"]) == ["consent"])
             done = await c.request("tools/call", {**args, "inputResponses": {"consent": ACCEPT},
                                                   "requestState": first["requestState"]})
             assert done["result"]["content"][0]["text"] == "ws-yes"
@@ -199,7 +227,8 @@ async def test_consent_on_a_modern_websocket_connection(tmp_path: Path) -> None:
             asked = (await c.request("prompts/get", prompt))["result"]
             (ask,) = asked["inputRequests"].values()
             assert "Allow the prompt fx__greet" in ask["params"]["message"]
-            no = await c.request("prompts/get", {**prompt, "inputResponses": {"consent": {"action": "decline"}},
+            no = await c.request("prompts/get",
+                                 {**prompt, "inputResponses": {"consent": {"action": "decline"}},
                                                  "requestState": asked["requestState"]})
             assert no["error"]["code"] == -32005 and no["error"]["data"]["reason"] == "declined"
             got = await c.request("prompts/get", prompt)
@@ -217,15 +246,17 @@ async def test_consent_on_a_modern_websocket_connection(tmp_path: Path) -> None:
     assert echoed(transcript) == ["ws-yes"]
 
 
-@pytest.mark.parametrize(("answer", "expected"), [("accept", "ran: sdk"), ("decline", "error -32005 declined")])
+@pytest.mark.parametrize(("answer", "expected"),
+                         [("accept", "ran: sdk"), ("decline", "error -32005 declined")])
 async def test_python_sdk_2_answers_the_consent_prompt(answer: str, expected: str) -> None:
     """``mcp.Client(url)`` of the Python SDK 2.x (2026-07-28 over /mcp) with an elicitation
     callback calls an ``ask`` tool: its callback sees the gateway's prompt, its answer decides."""
-    missing = [p for p in (PY2, PY2_CONSENT) if not os.path.exists(p)]
+    missing = [p for p in (PY2, PY2_CONSENT) if not os.path.exists(p)]  # noqa: ASYNC240 - a skip check on a local path
     assert not missing, f"missing {missing}: run scripts/setup --test"
     async with run_gateway(make_config(fixture_backend("fx"), extra=ASK)) as gw:
         with trio.fail_after(60):
-            proc = await trio.run_process([PY2, PY2_CONSENT, gw.http_url, "fx__echo", '{"message": "sdk"}', answer],
+            proc = await trio.run_process([PY2, PY2_CONSENT, gw.http_url, "fx__echo",
+                                           '{"message": "sdk"}', answer],
                                           capture_stdout=True, capture_stderr=True, check=False)
     assert proc.returncode == 0, proc.stderr.decode()[-4000:]
     got = json.loads(proc.stdout.decode().strip().splitlines()[-1])
@@ -252,11 +283,14 @@ async def test_consent_for_a_modern_backend_that_asks_for_input_itself() -> None
             async def consented(params: dict[str, Any]) -> dict[str, Any]:
                 asked = (await c.request("tools/call", params))["result"]
                 assert list(asked["inputRequests"]) == ["consent"]
-                return await c.request("tools/call", {**params, "inputResponses": {"consent": ACCEPT},
+                return await c.request("tools/call",
+                                       {**params, "inputResponses": {"consent": ACCEPT},
                                                       "requestState": asked["requestState"]})
 
             child = (await consented(args))["result"]  # the backend's own round, passed through
-            assert child["resultType"] == "input_required" and list(child["inputRequests"]) == ["user_name"]
+            assert (child["resultType"] == "input_required"
+                    and list(child["inputRequests"]) == ["user_name"])
             name = {"user_name": {"action": "accept", "content": {"name": "Ada"}}}
-            done = await consented({**args, "inputResponses": name, "requestState": child["requestState"]})
+            done = await consented({**args, "inputResponses": name,
+                                    "requestState": child["requestState"]})
             assert done["result"]["content"][0]["text"] == "Hello, Ada"

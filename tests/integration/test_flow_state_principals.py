@@ -28,7 +28,8 @@ ANSWER = {"srv-1": {"action": "accept", "content": {"answer": "Ada"}}}
 
 def bearer_toml(*names: str) -> str:
     return "".join(f'[[auth.bearer]]\nprincipal = "{n}"\n'
-                   f'token_sha256 = "{hashlib.sha256(TOKENS[n].encode()).hexdigest()}"\n' for n in names)
+                   f'token_sha256 = "{hashlib.sha256(TOKENS[n].encode()).hexdigest()}"\n'
+                   for n in names)
 
 
 async def call(c: httpx.AsyncClient, url: str, who: str | None, *, id: int = 1,
@@ -50,14 +51,16 @@ def forgeries(state: str) -> list[str]:
     wrong mac, and a payload rewritten to another principal with the genuine mac."""
     replica, payload, mac = state.split(".")
     claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
-    rewritten = base64.urlsafe_b64encode(json.dumps({**claims, "p": "bob"}).encode()).rstrip(b"=").decode()
+    rewritten = base64.urlsafe_b64encode(
+        json.dumps({**claims, "p": "bob"}).encode()).rstrip(b"=").decode()
     wrong_mac = ("A" if mac[0] != "A" else "B") + mac[1:]
     return [f"{replica}.{payload}.{wrong_mac}", f"{replica}.{rewritten}.{mac}"]
 
 
 def refused(r: httpx.Response) -> bool:
     error = r.json().get("error") or {}
-    return r.status_code == 400 and error.get("code") == -32602 and error["data"]["reason"] == "invalid_state"
+    return r.status_code == 400 and error.get("code") == -32602 and error["data"][
+        "reason"] == "invalid_state"
 
 
 async def test_another_principals_forged_state_does_not_end_the_flow_it_names() -> None:
@@ -66,11 +69,13 @@ async def test_another_principals_forged_state_does_not_end_the_flow_it_names() 
         port = gw.bound.admin_port
         r = await call(c, gw.http_url, "alice")
         state = r.json()["result"]["requestState"]
-        for n, forged in enumerate([*forgeries(state), state], 2):  # (bob with alice's genuine one too)
-            r = await call(c, gw.http_url, "bob", id=n, inputResponses={"srv-1": {"action": "decline"}},
-                           requestState=forged)
+        # (bob with alice's genuine one too)
+        for n, forged in enumerate([*forgeries(state), state], 2):
+            r = await call(c, gw.http_url, "bob", id=n,
+                           inputResponses={"srv-1": {"action": "decline"}}, requestState=forged)
             assert refused(r), r.text
-        assert await metric(port, "mcp_gateway_request_states_refused_total", reason="tampered") == 2
+        assert await metric(port, "mcp_gateway_request_states_refused_total",
+                            reason="tampered") == 2
         r = await call(c, gw.http_url, "alice", id=9, inputResponses=ANSWER, requestState=state)
         result = r.json()["result"]
         assert result["resultType"] == "complete", r.text
@@ -82,7 +87,8 @@ async def test_the_flows_own_principal_presenting_a_tampered_state_ends_it_at_on
     async with run_gateway(cfg) as gw, httpx.AsyncClient() as c:
         r = await call(c, gw.http_url, "alice")
         state = r.json()["result"]["requestState"]
-        r = await call(c, gw.http_url, "alice", id=2, inputResponses=ANSWER, requestState=forgeries(state)[0])
+        r = await call(c, gw.http_url, "alice", id=2, inputResponses=ANSWER,
+                       requestState=forgeries(state)[0])
         assert refused(r), r.text
         with trio.fail_after(5):  # the child was answered and the call ended: nothing waits
             await wait_status(gw.bound.admin_port, lambda st: st["client_requests_in_flight"] == 0
@@ -96,8 +102,8 @@ async def test_an_unauthenticated_callers_tampered_state_never_ends_a_flow() -> 
         r = await call(c, gw.http_url, None)
         state = r.json()["result"]["requestState"]
         for n, forged in enumerate(forgeries(state), 2):
-            r = await call(c, gw.http_url, None, id=n, inputResponses={"srv-1": {"action": "decline"}},
-                           requestState=forged)
+            r = await call(c, gw.http_url, None, id=n,
+                           inputResponses={"srv-1": {"action": "decline"}}, requestState=forged)
             assert refused(r), r.text
         r = await call(c, gw.http_url, None, id=9, inputResponses=ANSWER, requestState=state)
         result = r.json()["result"]

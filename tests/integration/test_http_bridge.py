@@ -40,7 +40,7 @@ async def test_a_2026_client_lists_calls_answers_input_is_cancelled_and_listens(
     POSTed stateless with its headers; the elicitation comes as an input-required round the SDK
     answers; giving up on a call (``notifications/cancelled``) closes its POST stream, which
     cancels it at the backend; a listen stream is relayed message by message."""
-    assert os.path.exists(PY2), "missing .deps/venv-mcp2: run scripts/setup --test"
+    assert os.path.exists(PY2), "missing .deps/venv-mcp2: run scripts/setup --test"  # noqa: ASYNC240 - a skip check on a local path
     async with run_gateway(make_config(fixture_backend())) as gw:
         port = gw.bound.admin_port
         proc = await trio.lowlevel.open_process([PY2, PY2_STDIO_CLIENT, *CONNECT, gw.http_url],
@@ -54,7 +54,7 @@ async def test_a_2026_client_lists_calls_answers_input_is_cancelled_and_listens(
             # the sleep was cancelled at the backend while the client goes on (not left to run
             # its 30 s, nor cancelled only when the bridge exits)
             with trio.fail_after(10):
-                while not await metric(port, "mcp_gateway_requests_total", backend="fx",
+                while not await metric(port, "mcp_gateway_requests_total", backend="fx",  # noqa: ASYNC110 - the gateway seen through /metrics over HTTP: no event to wait on
                                        method="tools/call", outcome="cancelled", principal="_none"):
                     await trio.sleep(0.05)
                 await wait_status(port, lambda st: st["client_requests_in_flight"] == 0)

@@ -69,7 +69,8 @@ async def test_a_burst_of_pipelined_requests_is_answered_in_full(tmp_path: Path)
 async def test_batch_answers_are_charged_and_those_past_outbound_bytes_become_overloaded() -> None:
     # four answers of 700 kB and a slow call: the finished answers wait for the slow one, charged
     # to the connection; only two fit in outbound_bytes (2 MiB), the other two are -32006
-    cfg = make_config(fixture_backend("fx"), gateway=f"max_message_bytes = {2 * MIB}\noutbound_bytes = {2 * MIB}")
+    cfg = make_config(fixture_backend("fx"),
+                      gateway=f"max_message_bytes = {2 * MIB}\noutbound_bytes = {2 * MIB}")
     size = 700_000
     with trio.fail_after(30):
         async with run_gateway(cfg) as gw, connect(gw.url, version="2025-03-26") as client:
@@ -82,18 +83,21 @@ async def test_batch_answers_are_charged_and_those_past_outbound_bytes_become_ov
             # all four answered and held, charged (two results, two small errors)
             await wait_status(port, lambda st: st["buffered_bytes"] > 2 * size
                               and st["backends"][0]["instances"][0]["inflight"] == 1)
-            await client.notify("notifications/cancelled", {"requestId": "slow"})  # no answer for it
+            # no answer for it
+            await client.notify("notifications/cancelled", {"requestId": "slow"})
             await client.wait_for(lambda: all(f"b{i}" in client.responses for i in range(4)))
             answers = [client.responses[f"b{i}"] for i in range(4)]
             assert sorted(len(text_of(a)) for a in answers if "result" in a) == [size, size]
             errors = [a["error"] for a in answers if "error" in a]
-            assert [(e["code"], e["data"]) for e in errors] == [(-32006, {"reason": "overloaded", "limit": 2 * MIB})] * 2
+            assert [(e["code"], e["data"])
+                    for e in errors] == [(-32006, {"reason": "overloaded", "limit": 2 * MIB})] * 2
             assert "slow" not in client.responses and not client.closed
             await wait_status(port, lambda st: st["buffered_bytes"] == 0)
             assert text_of(await client.call("fx__echo", {"message": "still here"})) == "still here"
 
 
-async def test_half_open_websocket_handshakes_hold_a_slot_and_the_cap_refuses_at_once(tmp_path: Path) -> None:
+async def test_half_open_websocket_handshakes_hold_a_slot_and_the_cap_refuses_at_once(
+    tmp_path: Path) -> None:
     sock = tmp_path / "gw.sock"
     cfg = make_config(fixture_backend("fx"), gateway="max_connections = 2", unix=str(sock))
     refused = "mcp_gateway_client_connections_refused_total"
@@ -105,7 +109,8 @@ async def test_half_open_websocket_handshakes_hold_a_slot_and_the_cap_refuses_at
             for stream in half_open:  # a request line, and nothing more
                 await stream.send_all(b"GET / HTTP/1.1\r\n")
             # both hold a slot from their accept, before any handshake
-            await wait_status(port, lambda st: st["connection_slots"] == 2 and st["connections"] == {})
+            await wait_status(port,
+                              lambda st: st["connection_slots"] == 2 and st["connections"] == {})
             status, body = await upgrade_status(ws_port)  # a complete upgrade: no slot left
             assert status == 503 and b"max_connections" in body
             unix = await trio.open_unix_socket(str(sock))
@@ -132,7 +137,8 @@ async def raw_ws(port: int | None) -> tuple[trio.SocketStream, WSConnection]:
             return stream, ws
 
 
-async def until_close(stream: trio.SocketStream, ws: WSConnection) -> tuple[list[dict[str, Any]], int]:
+async def until_close(stream: trio.SocketStream,
+                      ws: WSConnection) -> tuple[list[dict[str, Any]], int]:
     """The messages received until the server's close frame, and its code."""
     got: list[dict[str, Any]] = []
     while True:
@@ -146,7 +152,8 @@ async def until_close(stream: trio.SocketStream, ws: WSConnection) -> tuple[list
 
 def frame_header(length: int) -> bytes:
     """A masked text frame header (FIN set) declaring ``length`` (> 125) bytes, mask key zero."""
-    size = b"\xfe" + struct.pack("!H", length) if length < 1 << 16 else b"\xff" + struct.pack("!Q", length)
+    size = (b"\xfe" + struct.pack("!H", length) if length < 1 << 16
+            else b"\xff" + struct.pack("!Q", length))
     return b"\x81" + size + b"\0\0\0\0"
 
 
@@ -185,7 +192,8 @@ async def test_frames_are_refused_by_their_header_and_messages_must_complete_in_
             assert st["buffered_bytes"] == 0
 
 
-async def test_a_batch_array_fits_in_max_message_bytes_and_the_bridge_reports_what_it_cannot_pass() -> None:
+async def test_a_batch_array_fits_in_max_message_bytes_and_the_bridge_reports_what_it_cannot_pass(
+) -> None:
     # A batch's answers are one message: held to max_message_bytes (1 MiB here) as well as to
     # outbound_bytes (16 MiB); the stdio bridge, whose limit is its own --max-message-bytes,
     # said nothing and exited 0 when a message was too big for it (a hostile tester's find).
@@ -202,11 +210,13 @@ async def test_a_batch_array_fits_in_max_message_bytes_and_the_bridge_reports_wh
                 assert all(m["error"]["data"] == {"reason": "overloaded", "limit": MIB}
                            for m in got if "error" in m)
             init = json.dumps({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
-                "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "b", "version": "0"}}})
+                "protocolVersion": "2025-06-18", "capabilities": {},
+                "clientInfo": {"name": "b", "version": "0"}}})
             call = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
                                "params": {"name": "fx__big", "arguments": {"size": 300_000}}})
             proc = await trio.lowlevel.open_process(
-                [sys.executable, "-m", "gateway", "connect", gw.url, "--max-message-bytes", "65536"],
+                [sys.executable, "-m", "gateway", "connect", gw.url, "--max-message-bytes",
+                 "65536"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             out: list[bytes] = []
             err: list[bytes] = []

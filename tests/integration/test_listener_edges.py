@@ -36,7 +36,8 @@ class RawClient:
         self.events: list[Event] = []
         self.eof = False
 
-    async def upgrade(self, host: str = "127.0.0.1", headers: list[tuple[bytes, bytes]] | None = None) -> Event:
+    async def upgrade(self, host: str = "127.0.0.1",
+                      headers: list[tuple[bytes, bytes]] | None = None) -> Event:
         await self.stream.send_all(self.ws.send(Request(host=host, target="/", subprotocols=["mcp"],
                                                         extra_headers=headers or [])))
         return await self.next(AcceptConnection, RejectConnection)
@@ -82,7 +83,8 @@ async def open_raw(port: int | None) -> RawClient:
 
 
 INIT = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
-        "params": {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}}
+        "params": {"protocolVersion": "2025-11-25", "capabilities": {},
+                   "clientInfo": {"name": "t", "version": "0"}}}
 
 
 async def test_binary_frame_gets_an_error_then_close_1003() -> None:
@@ -110,7 +112,8 @@ async def test_invalid_utf8_text_frame_closes_with_1007() -> None:
             client = await open_raw(gw.bound.websocket_port)
             async with client.stream:
                 assert isinstance(await client.upgrade(), AcceptConnection)
-                await client.send_raw_frame(Opcode.TEXT, b'{"jsonrpc": "2.0", "id": 1, "method": "\xff\xfe"}')
+                await client.send_raw_frame(Opcode.TEXT,
+                                            b'{"jsonrpc": "2.0", "id": 1, "method": "\xff\xfe"}')
                 close = await client.next(CloseConnection)
                 assert close.code == 1007
                 assert not [e for e in client.events if isinstance(e, TextMessage)]  # no answer
@@ -143,7 +146,8 @@ async def test_upgrade_host_must_be_loopback_bound_or_allowed() -> None:
             for host, accepted in ((f"127.0.0.1:{port}", True), ("localhost", True),
                                    (f"[::1]:{port}", True), (f"LOCALHOST:{port}", True),
                                    ("gw.example.internal:1", True),
-                                   (f"rebind.attacker.example:{port}", False), ("127.0.0.2", False)):
+                                   (f"rebind.attacker.example:{port}", False),
+                                   ("127.0.0.2", False)):
                 client = await open_raw(port)
                 async with client.stream:
                     event = await client.upgrade(host=host)

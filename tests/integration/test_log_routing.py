@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 import trio
-
 from helpers import Client, connect, fixture_backend, make_config, run_gateway, text_of
 
 pytestmark = pytest.mark.system

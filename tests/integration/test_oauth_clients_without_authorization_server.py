@@ -52,7 +52,8 @@ def quiet_env(tmp_path: Path) -> dict[str, str]:
     opener.chmod(0o755)
     home = tmp_path / "home"
     home.mkdir()
-    return dict(os.environ, HOME=str(home), BROWSER=str(opener), PATH=f"{stub}:{os.environ['PATH']}",
+    return dict(os.environ, HOME=str(home), BROWSER=str(opener),
+                PATH=f"{stub}:{os.environ['PATH']}",
                 NO_COLOR="1", MCP_AUTO_OPEN_ENABLED="true", MCP_INSPECTOR_SECRET_STORE="memory")
 
 
@@ -60,8 +61,10 @@ async def _run(argv: list[str], env: dict[str, str]) -> tuple[int, dict[str, obj
     """Run a client (60 s at most): its exit status and the JSON line it printed last (the
     Inspector prints its error on stderr)."""
     with trio.fail_after(60):
-        proc = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False, env=env)
-    lines = [line for line in (proc.stdout + proc.stderr).decode().splitlines() if line.startswith("{")]
+        proc = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False,
+                                      env=env)
+    lines = [line for line in (proc.stdout + proc.stderr).decode().splitlines()
+             if line.startswith("{")]
     assert lines, (argv, proc.returncode, proc.stderr.decode()[-4000:])
     return proc.returncode, json.loads(lines[-1])
 
@@ -77,12 +80,15 @@ async def test_the_401_names_a_realm_and_no_metadata_and_other_paths_want_the_to
         base = gw.http_url.removesuffix("/mcp")
         r = await c.post(gw.http_url, headers=HTTP_HEADERS, json=HTTP_INIT)
         assert r.status_code == 401 and r.headers["www-authenticate"] == 'Bearer realm="team-gw"'
-        for path in ("/.well-known/oauth-protected-resource", "/.well-known/oauth-protected-resource/mcp"):
+        for path in ("/.well-known/oauth-protected-resource",
+                     "/.well-known/oauth-protected-resource/mcp"):
             assert (await c.get(base + path)).status_code == 404
         for path in ("/.well-known/oauth-authorization-server", "/register", "/token"):
-            r = await c.post(base + path, json={}) if path != "/.well-known/oauth-authorization-server" \
+            r = await c.post(base + path,
+                             json={}) if path != "/.well-known/oauth-authorization-server" \
                 else await c.get(base + path)
-            assert r.status_code == 401 and r.headers["www-authenticate"] == 'Bearer realm="team-gw"', path
+            assert (r.status_code == 401
+                    and r.headers["www-authenticate"] == 'Bearer realm="team-gw"'), path
             assert r.json() == {"error": "invalid_request", "error_description": MISSING}
         r = await c.get(base + "/register", headers={"authorization": "Bearer wrong"})
         assert r.status_code == 401 and r.json()["error"] == "invalid_token"
@@ -92,7 +98,8 @@ async def test_the_401_names_a_realm_and_no_metadata_and_other_paths_want_the_to
             assert (await c.get(base + probe)).status_code == 200
 
 
-async def test_real_oauth_clients_report_a_missing_token(quiet_env: dict[str, str], tmp_path: Path) -> None:
+async def test_real_oauth_clients_report_a_missing_token(quiet_env: dict[str, str],
+                                                         tmp_path: Path) -> None:
     _need(NODE22, INSPECTOR, TS_CLIENT, FASTMCP, FASTMCP_CLIENT)
     cfg = make_config(fixture_backend(), gateway='name = "team-gw"', extra=bearer_only())
     reports: dict[str, str] = {}
@@ -103,7 +110,8 @@ async def test_real_oauth_clients_report_a_missing_token(quiet_env: dict[str, st
         assert rc != 0 and isinstance(got["error"], dict), got
         reports["inspector"] = str(got["error"]["message"])
         for token in (None, "wrong"):
-            rc, got = await _run(["node", TS_CLIENT, INTEROP, url, *([token] if token else [])], quiet_env)
+            rc, got = await _run(["node", TS_CLIENT, INTEROP, url, *([token] if token else [])],
+                                 quiet_env)
             assert not got["connected"] and not got["registered"] and got["redirect"] is None, got
             reports[f"typescript token={token}"] = str(got["error"])
         rc, got = await _run([FASTMCP, FASTMCP_CLIENT, url], quiet_env)

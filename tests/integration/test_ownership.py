@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import json
 import secrets
+import sys
 from typing import Any
 
 import pytest
 import trio
-
-import sys
-
-from helpers import FIXTURE, Client, connect, fixture_backend, http_json, http_request, make_config, run_gateway, text_of
+from helpers import (
+    FIXTURE,
+    Client,
+    connect,
+    fixture_backend,
+    http_json,
+    http_request,
+    make_config,
+    run_gateway,
+    text_of,
+)
 
 pytestmark = pytest.mark.system
 
@@ -27,10 +35,12 @@ async def answer_own_prompts(client: Client, nonce: str, seen: list[dict[str, An
             answered.add(req["id"])
             seen.append(req)
             await client.send({"jsonrpc": "2.0", "id": req["id"],
-                               "result": {"action": "accept", "content": {"answer": f"answer-{nonce}"}}})
+                               "result": {"action": "accept",
+                                          "content": {"answer": f"answer-{nonce}"}}})
 
 
-async def many_clients_elicit(url: str, n: int) -> list[tuple[str, list[dict[str, Any]], dict[str, Any]]]:
+async def many_clients_elicit(url: str,
+                              n: int) -> list[tuple[str, list[dict[str, Any]], dict[str, Any]]]:
     results: list[tuple[str, list[dict[str, Any]], dict[str, Any]]] = []
 
     async def one(i: int) -> None:
@@ -55,7 +65,8 @@ def check_own(results: list[tuple[str, list[dict[str, Any]], dict[str, Any]]], n
         assert seen[0]["method"] == "elicitation/create"
         assert seen[0]["params"]["message"] == f"question-{nonce}"  # only its own prompt
         body = json.loads(text_of(r))
-        assert body == {"action": "accept", "content": {"answer": f"answer-{nonce}"}, "message": f"question-{nonce}"}
+        assert body == {"action": "accept", "content": {"answer": f"answer-{nonce}"},
+                        "message": f"question-{nonce}"}
 
 
 @pytest.mark.parametrize("mode", ["affine", "per-session"])
@@ -93,7 +104,8 @@ async def test_shared_two_connections_in_flight_is_refused_and_counted() -> None
     cfg = make_config(fixture_backend("fx"))
     with trio.fail_after(30):
         async with run_gateway(cfg) as gw:
-            async with connect(gw.url, capabilities=ELICIT_CAPS) as a, connect(gw.url, capabilities=ELICIT_CAPS) as b:
+            async with (connect(gw.url, capabilities=ELICIT_CAPS) as a,
+                        connect(gw.url, capabilities=ELICIT_CAPS) as b):
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(b.call, "fx__sleep", {"seconds": 1})
                     await trio.sleep(0.3)
@@ -111,7 +123,8 @@ async def test_shared_two_connections_in_flight_is_refused_and_counted() -> None
                 assert json.loads(text_of(r))["content"] == {"answer": "answer-solo"}
                 assert len(seen) == 1 and b.requests == []
             metrics = (await http_request(gw.bound.admin_port, "/metrics"))[1].decode()
-            assert 'mcp_gateway_unroutable_server_requests_total{backend="fx",method="elicitation/create",reason="unattributable"} 1.0' in metrics
+            assert ('mcp_gateway_unroutable_server_requests_total{backend="fx",'
+                    'method="elicitation/create",reason="unattributable"} 1.0') in metrics
 
 
 async def test_answer_from_another_connection_is_refused() -> None:
@@ -192,12 +205,14 @@ async def test_roots_answered_from_config_in_shared_mode() -> None:
 async def test_sampling_forwarded_with_include_context_none() -> None:
     cfg = make_config(fixture_backend("fx", sharing="per-session"))
     with trio.fail_after(30):
-        async with run_gateway(cfg) as gw, connect(gw.url, capabilities={"sampling": {}, "roots": {}}) as a:
+        async with (run_gateway(cfg) as gw,
+                    connect(gw.url, capabilities={"sampling": {}, "roots": {}}) as a):
             async def answer() -> None:
                 req = await a.wait_for(lambda: a.requests and a.requests[0])
                 assert req["params"]["includeContext"] == "none"
                 await a.send({"jsonrpc": "2.0", "id": req["id"], "result": {
-                    "role": "assistant", "model": "m", "content": {"type": "text", "text": "sampled"}}})
+                    "role": "assistant", "model": "m",
+                    "content": {"type": "text", "text": "sampled"}}})
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(answer)
                 r = await a.call("fx__sample", {"prompt": "p"})
@@ -222,17 +237,21 @@ async def test_per_session_child_stops_when_idle_and_restarts_on_use() -> None:
 async def test_per_session_roots_are_the_clients_own(tmp_path: Any) -> None:
     tap = tmp_path / "tap"
     script = f"tee -a {tap} | {sys.executable} {FIXTURE}"
-    backend = f'[backends.fx]\ncommand = "sh"\nargs = ["-c", {json.dumps(script)}]\nsharing = "per-session"\n'
+    backend = (f'[backends.fx]\ncommand = "sh"\nargs = ["-c", {json.dumps(script)}]\n'
+               'sharing = "per-session"\n')
     with trio.fail_after(30):
-        async with run_gateway(make_config(backend)) as gw, connect(gw.url, capabilities={"roots": {"listChanged": True}}) as a:
+        async with (run_gateway(make_config(backend)) as gw,
+                    connect(gw.url, capabilities={"roots": {"listChanged": True}}) as a):
             async def answer() -> None:
-                req = await a.wait_for(lambda: [r for r in a.requests if r["method"] == "roots/list"])
-                await a.send({"jsonrpc": "2.0", "id": req[0]["id"], "result": {"roots": [{"uri": "file:///home/a"}]}})
+                req = await a.wait_for(lambda: [r for r in a.requests
+                                                if r["method"] == "roots/list"])
+                await a.send({"jsonrpc": "2.0", "id": req[0]["id"],
+                              "result": {"roots": [{"uri": "file:///home/a"}]}})
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(answer)
                 r = await a.call("fx__roots")
             assert json.loads(text_of(r)) == {"roots": [{"uri": "file:///home/a"}]}
             await a.notify("notifications/roots/list_changed")
             with trio.fail_after(5):
-                while b"notifications/roots/list_changed" not in tap.read_bytes():
+                while b"notifications/roots/list_changed" not in tap.read_bytes():  # noqa: ASYNC110 - a file a child process writes: no event to wait on
                     await trio.sleep(0.05)

@@ -8,15 +8,14 @@ from typing import Any
 
 import pytest
 import trio
-
 from helpers import EVERYTHING, connect, make_config, run_gateway
 
 pytestmark = pytest.mark.system
 
 
 def everything_backend(**extra: Any) -> str:
-    lines = ["[backends.everything]", 'command = "node"', f"args = [{json.dumps(EVERYTHING)}, \"stdio\"]",
-             "start_timeout = 30.0"]
+    lines = ["[backends.everything]", 'command = "node"',
+             f"args = [{json.dumps(EVERYTHING)}, \"stdio\"]", "start_timeout = 30.0"]
     lines += [f"{k} = {json.dumps(v)}" for k, v in extra.items()]
     return "\n".join(lines) + "\n"
 

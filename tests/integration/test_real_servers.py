@@ -88,7 +88,8 @@ async def test_sdk_websocket_client_against_time_and_everything() -> None:
 
     async def on_roots(ctx: Any) -> types.ListRootsResult:
         seen["roots"] += 1
-        return types.ListRootsResult(roots=[types.Root(uri=f"file:///client/{tag}")])  # type: ignore[arg-type]
+        # type: ignore[arg-type]
+        return types.ListRootsResult(roots=[types.Root(uri=f"file:///client/{tag}")])
 
     async def on_progress(progress: float, total: float | None, message: str | None) -> None:
         seen["progress"].append((progress, total))
@@ -212,7 +213,7 @@ async def test_stdio_bridge_over_websocket_and_unix_socket(tmp_path: Path) -> No
     sock = tmp_path / "gw.sock"
     cfg = make_config(TIME_BACKEND, unix=str(sock))
     # the SDK's stdio client wants a real file for the bridge's stderr
-    with trio.fail_after(60), open(tmp_path / "bridge.log", "w+") as errlog:  # noqa: ASYNC230
+    with trio.fail_after(60), open(tmp_path / "bridge.log", "w+") as errlog:  # noqa: ASYNC230 - the bridge's stderr log: a local file, opened once
         async with run_gateway(cfg) as gw:
             assert gw.bound.unix_path == str(sock)
             over_ws = await in_asyncio(lambda: bridge_session(gw.url, errlog))

@@ -14,13 +14,24 @@ from collections.abc import Callable
 from typing import Any
 
 import trio
-from helpers import Client, connect, fixture_backend, http_json, http_request, make_config, run_gateway, text_of
+from helpers import (
+    Client,
+    connect,
+    fixture_backend,
+    http_json,
+    http_request,
+    make_config,
+    run_gateway,
+    text_of,
+)
 
 ELICIT_CAPS = {"elicitation": {"form": {}}}
 
 
-async def wait_status(port: int | None, pred: Callable[[dict[str, Any]], bool], timeout: float = 10.0) -> dict[str, Any]:
-    """The first ``/status`` instance (of the first backend) for which ``pred`` holds, within ``timeout``."""
+async def wait_status(port: int | None, pred: Callable[[dict[str, Any]], bool],
+                      timeout: float = 10.0) -> dict[str, Any]:  # noqa: ASYNC109 - a helper's own deadline (trio.fail_after inside), passed by keyword
+    """The first ``/status`` instance (of the first backend) for which ``pred`` holds, within
+    ``timeout``."""
     with trio.fail_after(timeout):
         while True:
             inst = (await http_json(port, "/status"))["backends"][0]["instances"][0]
@@ -40,7 +51,8 @@ async def metric(port: int | None, name: str, **labels: str) -> float:
 
 async def start_sleep(c: Client, id: str, seconds: float) -> None:
     await c.send({"jsonrpc": "2.0", "id": id, "method": "tools/call",
-                  "params": {"name": "fx__sleep", "arguments": {"seconds": seconds, "message": id}}})
+                  "params": {"name": "fx__sleep",
+                             "arguments": {"seconds": seconds, "message": id}}})
 
 
 async def test_unanswered_cancels_recycle_without_hurting_bystanders_or_going_fatal() -> None:
@@ -68,13 +80,15 @@ async def test_unanswered_cancels_recycle_without_hurting_bystanders_or_going_fa
                 assert text_of(r) == f"b{i}", r  # the bystander's call ended normally
                 new = await a.response(f"n{i}")
                 assert json.loads(text_of(new))["pid"] != pid, new  # served by the next child
-                inst = await wait_status(port, lambda s, n=i + 1: s["recycles"] == n and s["state"] == "RUNNING")
+                inst = await wait_status(port, lambda s,
+                                         n=i + 1: s["recycles"] == n and s["state"] == "RUNNING")
                 assert not inst["draining"]
             assert f"a{rounds - 1}" not in a.responses  # a cancelled call gets no response
             inst = await wait_status(port, lambda s: s["state"] == "RUNNING")
             assert (inst["restarts"], inst["recycles"]) == (rounds, rounds), inst
             assert inst["last_exit"].startswith("recycled"), inst
-            assert await metric(port, "backend_exits_total", backend="fx", reason="recycled") == rounds
+            assert await metric(port, "backend_exits_total", backend="fx",
+                                reason="recycled") == rounds
             assert await metric(port, "backend_exits_total", backend="fx", reason="unhealthy") == 0
             assert text_of(await b.call("fx__echo", {"message": "still up"})) == "still up"
 
@@ -94,7 +108,8 @@ async def test_a_call_during_a_long_drain_gets_a_retryable_backend_unavailable()
             await wait_status(port, lambda s: s["draining"])
             r = await a.call("fx__echo", {"message": "x"})
             assert r["error"]["code"] == -32001, r
-            assert r["error"]["data"]["reason"] == "backend_unavailable" and r["error"]["data"]["retryable"] is True, r
+            assert r["error"]["data"]["reason"] == "backend_unavailable" and r["error"]["data"][
+                "retryable"] is True, r
             assert "b" not in b.responses
             assert text_of(await b.response("b")) == "b"
             await wait_status(port, lambda s: s["recycles"] == 1 and s["state"] == "RUNNING")
@@ -112,7 +127,8 @@ async def test_a_childs_request_while_draining_is_still_refused() -> None:
             port = gw.bound.admin_port
             await start_sleep(a, "a", 30)
             await b.send({"jsonrpc": "2.0", "id": "b", "method": "tools/call",
-                          "params": {"name": "fx__elicit", "arguments": {"message": "who?", "delay": 2.0}}})
+                          "params": {"name": "fx__elicit",
+                                     "arguments": {"message": "who?", "delay": 2.0}}})
             await wait_status(port, lambda s: s["inflight"] == 2)
             await a.notify("notifications/cancelled", {"requestId": "a"})
             await wait_status(port, lambda s: s["draining"])

@@ -7,18 +7,20 @@ from pathlib import Path
 
 import pytest
 import trio
+from helpers import ROOT, connect, fixture_backend, run_gateway, text_of
 
 from gateway import config
-from helpers import ROOT, connect, fixture_backend, run_gateway, text_of
 
 pytestmark = pytest.mark.system
 
-HEAD = '[gateway]\ndrain_grace = 5.0\n[listen]\nwebsocket = "127.0.0.1:0"\nhttp = ""\n[admin]\nlisten = ""\n'
+HEAD = ('[gateway]\ndrain_grace = 5.0\n[listen]\nwebsocket = "127.0.0.1:0"\nhttp = ""\n[admin]\n'
+        'listen = ""\n')
 
 
 async def test_reload_drains_removed_and_restarts_changed_without_churn(tmp_path: Path) -> None:
     path = tmp_path / "gw.toml"
-    path.write_text(HEAD + fixture_backend("gone") + fixture_backend("kept") + fixture_backend("changed"))
+    path.write_text(
+        HEAD + fixture_backend("gone") + fixture_backend("kept") + fixture_backend("changed"))
     cfg = config.load(path.read_bytes(), base_dir=ROOT)
     with trio.fail_after(40):
         async with run_gateway(cfg, config_path=str(path)) as gw, connect(gw.url) as c:
@@ -47,13 +49,16 @@ async def test_reload_drains_removed_and_restarts_changed_without_churn(tmp_path
             assert text_of(r) == "again"
             after = (await c.request("tools/list"))["result"]["tools"]
             assert after == [t for t in before if not t["name"].startswith("gone__")]
-            # exactly one list_changed: for the removed backend; the restart of "changed" caused none
-            changes = [n for n in c.notifications if n["method"] == "notifications/tools/list_changed"]
+            # exactly one list_changed: for the removed backend; the restart of "changed" caused
+            # none
+            changes = [n for n in c.notifications
+                       if n["method"] == "notifications/tools/list_changed"]
             assert len(changes) == 1
 
 
 class _LogLine(logging.Handler):
-    """Sets ``seen`` when a log message contains ``text`` (records are emitted in the trio thread)."""
+    """Sets ``seen`` when a log message contains ``text`` (records are emitted in the trio
+    thread)."""
 
     def __init__(self, text: str) -> None:
         super().__init__()
@@ -81,12 +86,15 @@ async def test_a_call_during_a_reload_restart_waits_for_the_new_backend(
         with trio.fail_after(30):
             async with run_gateway(cfg, config_path=str(path)) as gw, connect(gw.url) as c:
                 for name in ("changed", "gone"):  # a call in flight on each (proved by progress)
-                    await c.send({"jsonrpc": "2.0", "id": f"slow-{name}", "method": "tools/call", "params": {
+                    await c.send({"jsonrpc": "2.0", "id": f"slow-{name}", "method": "tools/call",
+                                  "params": {
                         "name": f"{name}__progress", "arguments": {"steps": 100, "delay": 0.01},
                         "_meta": {"progressToken": name}}})
                     await c.wait_for(lambda name=name: [n for n in c.notifications
-                                                        if n["params"].get("progressToken") == name])
-                path.write_text(head + fixture_backend("changed", env={"FIXTURE_START_DELAY": "0.2"}))
+                                                        if n["params"].get(
+                                                            "progressToken") == name])
+                path.write_text(head + fixture_backend("changed",
+                                                       env={"FIXTURE_START_DELAY": "0.2"}))
                 gw.control.reload()
                 await draining.seen.wait()
                 gone = await c.call("gone__echo", {"message": "x"})  # answered at once

@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 import trio
-
 from helpers import connect, fixture_backend, make_config, run_gateway, text_of
 
 pytestmark = pytest.mark.system
@@ -66,8 +65,10 @@ for line in sys.stdin.buffer:
         send({"jsonrpc": "2.0", "id": mid, "result": {}})
     elif method == "tools/call" and m["params"]["name"] == "trick":
         send({"jsonrpc": "2.0", "id": "srv-1", "method": "elicitation/create",
-              "params": {"message": "asked by trick", "requestedSchema": {"type": "object", "properties": {}}}},
-             {"jsonrpc": "2.0", "id": mid, "result": {"content": [{"type": "text", "text": "tricked"}]}})
+              "params": {"message": "asked by trick",
+                         "requestedSchema": {"type": "object", "properties": {}}}},
+             {"jsonrpc": "2.0", "id": mid,
+              "result": {"content": [{"type": "text", "text": "tricked"}]}})
     elif mid is not None and method is not None and method != "tools/call":
         send({"jsonrpc": "2.0", "id": mid, "error": {"code": -32601, "message": "no"}})
 '''
@@ -77,12 +78,14 @@ def script_backend(tmp_path: Any, name: str, source: str, **extra: Any) -> str:
     import sys
     path = tmp_path / f"{name}.py"
     path.write_text(source)
-    lines = [f"[backends.{name}]", f"command = {json.dumps(sys.executable)}", f"args = [{json.dumps(str(path))}]"]
+    lines = [f"[backends.{name}]", f"command = {json.dumps(sys.executable)}",
+             f"args = [{json.dumps(str(path))}]"]
     lines += [f"{k} = {json.dumps(v)}" for k, v in extra.items()]
     return "\n".join(lines) + "\n"
 
 
-async def test_server_request_is_attributed_on_arrival_not_when_its_task_runs(tmp_path: Any) -> None:
+async def test_server_request_is_attributed_on_arrival_not_when_its_task_runs(
+    tmp_path: Any) -> None:
     # When the child's elicitation arrived, calls of two connections were in flight: it must be
     # refused.  It used to be attributed later, after the caller's reply (same read) had already
     # left the set, and so reached the *other* connection, which never made the call.
@@ -112,7 +115,8 @@ def send(m):
 def late(mid):
     time.sleep(0.5)
     send({"jsonrpc": "2.0", "id": "srv-1", "method": "elicitation/create",
-          "params": {"message": "late question", "requestedSchema": {"type": "object", "properties": {}}}})
+          "params": {"message": "late question",
+                     "requestedSchema": {"type": "object", "properties": {}}}})
 for line in sys.stdin.buffer:
     m = json.loads(line)
     method, mid = m.get("method"), m.get("id")
@@ -120,7 +124,8 @@ for line in sys.stdin.buffer:
         send({"jsonrpc": "2.0", "id": mid, "result": {"protocolVersion": "2025-11-25",
               "capabilities": {"tools": {}}, "serverInfo": {"name": "late", "version": "0"}}})
     elif method == "tools/list":
-        send({"jsonrpc": "2.0", "id": mid, "result": {"tools": [{"name": "late", "inputSchema": {"type": "object"}}]}})
+        send({"jsonrpc": "2.0", "id": mid,
+              "result": {"tools": [{"name": "late", "inputSchema": {"type": "object"}}]}})
     elif method == "ping":
         send({"jsonrpc": "2.0", "id": mid, "result": {}})
     elif method == "tools/call":
@@ -138,14 +143,15 @@ async def test_request_attributed_to_a_closed_connection_is_answered_at_once(tmp
     # answered the cancel yet), and the child asks it something: the child must get an
     # answer (elicitation → cancel), not wait forever on a connection that is gone.
     answers = tmp_path / "answers.jsonl"
-    cfg = make_config(script_backend(tmp_path, "lt", LATE_SERVER) + f"env = {{ ANSWERS = {json.dumps(str(answers))} }}\n")
+    cfg = make_config(script_backend(
+        tmp_path, "lt", LATE_SERVER) + f"env = {{ ANSWERS = {json.dumps(str(answers))} }}\n")
     with trio.fail_after(20):
         async with run_gateway(cfg) as gw:
             async with connect(gw.url, capabilities={"elicitation": {"form": {}}}) as x:
                 await x.send(call_msg(1, "lt__late"))
                 await trio.sleep(0.1)
             with trio.move_on_after(3):
-                while not answers.exists():
+                while not answers.exists():  # noqa: ASYNC110 - a file a child process writes: no event to wait on
                     await trio.sleep(0.05)
             assert answers.exists(), "the child's elicitation/create was never answered"
             got = json.loads(answers.read_text().splitlines()[0])
@@ -153,15 +159,17 @@ async def test_request_attributed_to_a_closed_connection_is_answered_at_once(tmp
 
 
 def gateway_toml(backends: str, extra: str = "") -> str:
-    return f'[listen]\nwebsocket = "127.0.0.1:0"\nhttp = ""\n[admin]\nlisten = ""\n{extra}\n{backends}'
+    return (f'[listen]\nwebsocket = "127.0.0.1:0"\nhttp = ""\n[admin]\nlisten = ""\n{extra}\n'
+            f'{backends}')
 
 
-async def test_backend_removed_by_reload_during_a_consent_prompt_is_backend_unavailable(tmp_path: Any) -> None:
+async def test_backend_removed_by_reload_during_a_consent_prompt_is_backend_unavailable(
+    tmp_path: Any) -> None:
     # The tool's backend was removed while its call waited for consent: the approved call gets
     # -32001 backend_unavailable, not an internal error (KeyError on hub.backends).
-    from gateway import config
-
     from helpers import ROOT
+
+    from gateway import config
     policy = '[[policy.rules]]\nmatch = "fx__echo"\naction = "ask"\n'
     path = tmp_path / "gateway.toml"
     path.write_text(gateway_toml(fixture_backend("fx") + fixture_backend("keep"), policy))
@@ -170,7 +178,8 @@ async def test_backend_removed_by_reload_during_a_consent_prompt_is_backend_unav
         async with run_gateway(cfg, str(path)) as gw, \
                 connect(gw.url, capabilities={"elicitation": {"form": {}}}) as c:
             await c.send(call_msg("call", "fx__echo", {"message": "hi"}))
-            prompt = await c.wait_for(lambda: [q for q in c.requests if q["method"] == "elicitation/create"])
+            prompt = await c.wait_for(lambda: [q for q in c.requests
+                                               if q["method"] == "elicitation/create"])
             path.write_text(gateway_toml(fixture_backend("keep"), policy))
             gw.control.reload()
             await c.wait_for(lambda: any(n["method"] == "notifications/tools/list_changed"
@@ -182,12 +191,13 @@ async def test_backend_removed_by_reload_during_a_consent_prompt_is_backend_unav
             assert r["error"]["data"]["reason"] == "backend_unavailable"
 
 
-async def test_affine_call_queued_when_reload_removes_the_backend_is_backend_unavailable(tmp_path: Any) -> None:
+async def test_affine_call_queued_when_reload_removes_the_backend_is_backend_unavailable(
+    tmp_path: Any) -> None:
     # A call waiting in the affine queue of a backend that reload removes is told the backend
     # is unavailable (-32001), not that the gateway is overloaded (-32006).
-    from gateway import config
-
     from helpers import ROOT
+
+    from gateway import config
     path = tmp_path / "gateway.toml"
     path.write_text(gateway_toml(fixture_backend("fx", sharing="affine") + fixture_backend("keep")))
     cfg = config.load(path.read_text(), base_dir=ROOT)
@@ -215,9 +225,11 @@ for line in sys.stdin.buffer:
     method, mid = m.get("method"), m.get("id")
     if method == "initialize":
         send({"jsonrpc": "2.0", "id": mid, "result": {"protocolVersion": "2025-11-25",
-              "capabilities": {"resources": {"subscribe": True}}, "serverInfo": {"name": "w", "version": "0"}}})
+              "capabilities": {"resources": {"subscribe": True}},
+              "serverInfo": {"name": "w", "version": "0"}}})
     elif method == "resources/list":
-        send({"jsonrpc": "2.0", "id": mid, "result": {"resources": [{"uri": "w://a", "name": "a"}]}})
+        send({"jsonrpc": "2.0", "id": mid,
+              "result": {"resources": [{"uri": "w://a", "name": "a"}]}})
     elif method == "resources/templates/list":
         send({"jsonrpc": "2.0", "id": mid, "result": {"resourceTemplates": []}})
     elif method == "resources/unsubscribe":
@@ -227,11 +239,13 @@ for line in sys.stdin.buffer:
 '''
 
 
-async def test_closing_a_subscribed_connection_does_not_wait_for_a_wedged_backend(tmp_path: Any) -> None:
+async def test_closing_a_subscribed_connection_does_not_wait_for_a_wedged_backend(
+    tmp_path: Any) -> None:
     # The upstream unsubscribe of a closing connection ran inside its shielded cleanup, bounded
     # only by request_timeout: a backend that never answers held the connection task (and so
     # the whole drain on SIGTERM) for that long.
-    cfg = make_config(script_backend(tmp_path, "w", WEDGED_UNSUBSCRIBE_SERVER, request_timeout=30.0),
+    cfg = make_config(script_backend(tmp_path, "w", WEDGED_UNSUBSCRIBE_SERVER,
+                                     request_timeout=30.0),
                       gateway="drain_grace = 1.0")
     with trio.fail_after(12):
         async with run_gateway(cfg) as gw:
@@ -271,24 +285,30 @@ for line in sys.stdin.buffer:
         send({"jsonrpc": "2.0", "id": mid, "result": {"protocolVersion": "2025-11-25",
               "capabilities": {"tools": {}}, "serverInfo": {"name": "u", "version": "0"}}})
     elif method == "tools/list":
-        send({"jsonrpc": "2.0", "id": mid, "result": {"tools": [{"name": "url", "inputSchema": {"type": "object"}}]}})
+        send({"jsonrpc": "2.0", "id": mid,
+              "result": {"tools": [{"name": "url", "inputSchema": {"type": "object"}}]}})
     elif method == "tools/call":
         n += 1
         waiting[f"srv-{n}"] = mid
         send({"jsonrpc": "2.0", "id": f"srv-{n}", "method": "elicitation/create",
-              "params": {"mode": "url", "message": "open it", "url": "https://example.com/x", "elicitationId": "e1"}})
+              "params": {"mode": "url", "message": "open it", "url": "https://example.com/x",
+                         "elicitationId": "e1"}})
     elif method is None and mid in waiting:
-        send({"jsonrpc": "2.0", "method": "notifications/elicitation/complete", "params": {"elicitationId": "e1"}})
-        send({"jsonrpc": "2.0", "id": waiting.pop(mid), "result": {"content": [{"type": "text", "text": "done"}]}})
+        send({"jsonrpc": "2.0", "method": "notifications/elicitation/complete",
+              "params": {"elicitationId": "e1"}})
+        send({"jsonrpc": "2.0", "id": waiting.pop(mid),
+              "result": {"content": [{"type": "text", "text": "done"}]}})
     elif mid is not None and method is not None:
         send({"jsonrpc": "2.0", "id": mid, "result": {}})
 '''
 
 
-async def test_elicitation_complete_goes_to_the_owner_even_when_two_backends_reuse_an_id(tmp_path: Any) -> None:
+async def test_elicitation_complete_goes_to_the_owner_even_when_two_backends_reuse_an_id(
+    tmp_path: Any) -> None:
     # elicitationIds are chosen by each backend: the same id from two backends must not make
     # one backend's completion reach the other backend's prompt owner.
-    cfg = make_config(script_backend(tmp_path, "ua", URL_ELICIT_SERVER) + script_backend(tmp_path, "ub", URL_ELICIT_SERVER))
+    cfg = make_config(script_backend(tmp_path, "ua", URL_ELICIT_SERVER) + script_backend(
+        tmp_path, "ub", URL_ELICIT_SERVER))
     caps = {"elicitation": {"url": {}}}
     with trio.fail_after(20):
         async with run_gateway(cfg) as gw, connect(gw.url, capabilities=caps) as x, \
@@ -301,7 +321,8 @@ async def test_elicitation_complete_goes_to_the_owner_even_when_two_backends_reu
             assert text_of(await x.response("cx")) == "done"
             await trio.sleep(0.3)
             done = "notifications/elicitation/complete"
-            assert [n for n in x.notifications if n["method"] == done], "the owner did not get its completion"
+            assert [n for n in x.notifications
+                    if n["method"] == done], "the owner did not get its completion"
             assert [n for n in y.notifications if n["method"] == done] == []
 
 
@@ -319,8 +340,10 @@ def crash_marker_backend(name: str, marker: Any, restart: str, **extra: Any) -> 
 
 
 @pytest.mark.parametrize("restart, retryable", [
-    ("{ backoff_initial = 0.01, backoff_max = 0.02, max_restarts = 2, window = 60.0 }", False),  # FATAL
-    ("{ backoff_initial = 30.0, backoff_max = 30.0, max_restarts = 5, window = 60.0 }", True),  # BACKOFF
+    # FATAL
+    ("{ backoff_initial = 0.01, backoff_max = 0.02, max_restarts = 2, window = 60.0 }", False),
+    # BACKOFF
+    ("{ backoff_initial = 30.0, backoff_max = 30.0, max_restarts = 5, window = 60.0 }", True),
 ])
 async def test_affine_backend_not_running_is_backend_unavailable_within_the_wait_bound(
         tmp_path: Any, restart: str, retryable: bool) -> None:
@@ -328,7 +351,8 @@ async def test_affine_backend_not_running_is_backend_unavailable_within_the_wait
     # restart_wait.  In affine mode the call used to sit in the instance queue for queue_timeout
     # (30 s) and then got -32006 overloaded.
     marker = tmp_path / "crash"
-    cfg = make_config(crash_marker_backend("af", marker, restart, sharing="affine"), gateway="restart_wait = 1.0")
+    cfg = make_config(crash_marker_backend("af", marker, restart, sharing="affine"),
+                      gateway="restart_wait = 1.0")
     with trio.fail_after(30):
         async with run_gateway(cfg) as gw, connect(gw.url) as c:
             assert text_of(await c.call("af__echo", {"message": "up"})) == "up"

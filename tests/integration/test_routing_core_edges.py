@@ -9,13 +9,22 @@ from typing import Any
 
 import pytest
 import trio
-from helpers import connect, fixture_backend, http_json, make_config, run_gateway, text_of, wait_status
+from helpers import (
+    connect,
+    fixture_backend,
+    http_json,
+    make_config,
+    run_gateway,
+    text_of,
+    wait_status,
+)
 
 pytestmark = pytest.mark.system
 
 
 def call_msg(id: Any, tool: str, arguments: dict[str, Any]) -> dict[str, Any]:
-    return {"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": {"name": tool, "arguments": arguments}}
+    return {"jsonrpc": "2.0", "id": id, "method": "tools/call",
+            "params": {"name": tool, "arguments": arguments}}
 
 
 def load(st: dict[str, Any]) -> int:
@@ -58,18 +67,23 @@ for line in sys.stdin.buffer:
     msg = json.loads(line)
     m, i = msg.get("method"), msg.get("id")
     if m == "initialize":
-        send({"jsonrpc": "2.0", "id": i, "result": {"protocolVersion": msg["params"]["protocolVersion"],
-              "capabilities": {"tools": {}}, "serverInfo": {"name": "closer", "version": "0"}}})
+        send({"jsonrpc": "2.0", "id": i,
+              "result": {"protocolVersion": msg["params"]["protocolVersion"],
+                         "capabilities": {"tools": {}},
+                         "serverInfo": {"name": "closer", "version": "0"}}})
     elif m == "tools/list":
-        send({"jsonrpc": "2.0", "id": i, "result": {"tools": [{"name": "t", "inputSchema": {"type": "object"}}]}})
+        send({"jsonrpc": "2.0", "id": i,
+              "result": {"tools": [{"name": "t", "inputSchema": {"type": "object"}}]}})
     elif m == "tools/call" and os.path.exists(os.environ["MARK"]):
-        send({"jsonrpc": "2.0", "id": i, "result": {"content": [{"type": "text", "text": "later"}]}})
+        send({"jsonrpc": "2.0", "id": i,
+              "result": {"content": [{"type": "text", "text": "later"}]}})
     elif m == "tools/call":
         open(os.environ["MARK"], "w").close()
         while not os.path.exists(os.environ["GO"]):
             time.sleep(0.01)
         os.close(0)
-        send({"jsonrpc": "2.0", "id": i, "result": {"content": [{"type": "text", "text": "first"}]}})
+        send({"jsonrpc": "2.0", "id": i,
+              "result": {"content": [{"type": "text", "text": "first"}]}})
         time.sleep(5)
         os._exit(0)
     elif i is not None:
@@ -85,9 +99,11 @@ async def test_a_thousand_queued_calls_when_the_childs_stdin_breaks(tmp_path: An
     script = tmp_path / "closer.py"
     script.write_text(CLOSER)
     n = 1100
-    backend = (f'[backends.c]\ncommand = {json.dumps(sys.executable)}\nargs = [{json.dumps(str(script))}]\n'
+    backend = (f'[backends.c]\ncommand = {json.dumps(sys.executable)}\n'
+               f'args = [{json.dumps(str(script))}]\n'
                f'max_inflight = 1\ndeclare = ["roots"]\nrestart = {{ backoff_initial = 0.05 }}\n'
-               f'env = {{ MARK = {json.dumps(str(tmp_path / "mark"))}, GO = {json.dumps(str(tmp_path / "go"))} }}\n')
+               f'env = {{ MARK = {json.dumps(str(tmp_path / "mark"))}, GO = '
+               f'{json.dumps(str(tmp_path / "go"))} }}\n')
     cfg = make_config(backend, gateway=f"max_inflight_per_connection = {n + 10}")
     with trio.fail_after(60):
         async with run_gateway(cfg) as gw, connect(gw.url) as a:
@@ -98,5 +114,6 @@ async def test_a_thousand_queued_calls_when_the_childs_stdin_breaks(tmp_path: An
             await a.wait_for(lambda: all(f"c{i}" in a.responses for i in range(n)), timeout=50)
             texts = [text_of(a.responses[f"c{i}"]) for i in range(n)]
             assert texts == ["first"] + ["later"] * (n - 1)
-            st = await wait_status(gw.bound.admin_port, lambda st: st["client_requests_in_flight"] == 0)
+            st = await wait_status(gw.bound.admin_port,
+                                   lambda st: st["client_requests_in_flight"] == 0)
             assert st["buffered_bytes"] == 0

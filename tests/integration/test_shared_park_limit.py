@@ -21,13 +21,15 @@ CAPS = {"elicitation": {}}
 LIMIT = 1.0
 
 
-async def call(c: httpx.AsyncClient, url: str, message: str, *, id: int = 1, **extra: Any) -> httpx.Response:
+async def call(c: httpx.AsyncClient, url: str, message: str, *, id: int = 1,
+               **extra: Any) -> httpx.Response:
     headers = {"accept": "application/json, text/event-stream", "content-type": "application/json",
                "mcp-protocol-version": V, "mcp-method": "tools/call", "mcp-name": "fx__elicit"}
     meta = {"io.modelcontextprotocol/protocolVersion": V,
             "io.modelcontextprotocol/clientCapabilities": CAPS}
     body = {"jsonrpc": "2.0", "id": id, "method": "tools/call",
-            "params": {"name": "fx__elicit", "arguments": {"message": message}, **extra, "_meta": meta}}
+            "params": {"name": "fx__elicit", "arguments": {"message": message}, **extra,
+                       "_meta": meta}}
     with trio.fail_after(10):
         return await c.post(url, headers=headers, json=body)
 
@@ -71,7 +73,8 @@ async def test_an_abandoned_flow_is_preempted_for_another_callers_prompt() -> No
         error = r.json()["error"]
         assert r.status_code == 400 and error["data"]["reason"] == "invalid_state", r.text
         assert "shared_park_limit" in error["message"]
-        assert await metric(port, "mcp_gateway_request_states_refused_total", reason="preempted") == 1
+        assert await metric(port, "mcp_gateway_request_states_refused_total",
+                            reason="preempted") == 1
         assert await metric(port, "mcp_gateway_unroutable_server_requests_total", backend="fx",
                             method="elicitation/create", reason="unattributable") == 0
         with trio.fail_after(5):
@@ -92,16 +95,19 @@ async def test_a_flow_whose_caller_retries_within_the_limit_is_not_preempted() -
             nursery.start_soon(bob_calls)
             await trio.sleep(LIMIT / 2)  # bob waits for alice's parked flow meanwhile
             r = await call(c, gw.http_url, "alice?", id=3, requestState=alice_state,
-                           inputResponses={alice_key: {"action": "accept", "content": {"answer": "A"}}})
+                           inputResponses={alice_key: {"action": "accept",
+                                                       "content": {"answer": "A"}}})
             assert answered(r)["content"] == {"answer": "A"}
         bob_key, bob_state = asked(bob[0], "bob?")
         r = await call(c, gw.http_url, "bob?", id=4, requestState=bob_state,
                        inputResponses={bob_key: {"action": "accept", "content": {"answer": "B"}}})
         assert answered(r)["content"] == {"answer": "B"}
-        assert await metric(port, "mcp_gateway_request_states_refused_total", reason="preempted") == 0
+        assert await metric(port, "mcp_gateway_request_states_refused_total",
+                            reason="preempted") == 0
 
 
-async def test_a_websocket_connections_parked_flow_is_preempted_and_the_connection_goes_on() -> None:
+async def test_a_websocket_connections_parked_flow_is_preempted_and_the_connection_goes_on(
+) -> None:
     from helpers import connect
 
     meta = {"io.modelcontextprotocol/protocolVersion": V,
@@ -114,11 +120,14 @@ async def test_a_websocket_connections_parked_flow_is_preempted_and_the_connecti
             assert first["resultType"] == "input_required"
             bob_key, bob_state = asked(await call(c, gw.http_url, "bob?", id=2), "bob?")
             late = await ws.request("tools/call", {**args, "requestState": first["requestState"],
-                                                   "inputResponses": {"srv-1": {"action": "decline"}}})
+                                                   "inputResponses": {
+                                                       "srv-1": {"action": "decline"}}})
             assert late["error"]["data"]["reason"] == "invalid_state"
-            echo = await ws.request("tools/call", {"name": "fx__echo", "arguments": {"message": "on"},
+            echo = await ws.request("tools/call",
+                                    {"name": "fx__echo", "arguments": {"message": "on"},
                                                    "_meta": meta})
             assert echo["result"]["content"][0]["text"] == "on"  # the connection goes on
             r = await call(c, gw.http_url, "bob?", id=3, requestState=bob_state,
-                           inputResponses={bob_key: {"action": "accept", "content": {"answer": "B"}}})
+                           inputResponses={bob_key: {"action": "accept",
+                                                     "content": {"answer": "B"}}})
             assert answered(r)["content"] == {"answer": "B"}

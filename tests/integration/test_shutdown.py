@@ -19,7 +19,8 @@ from gateway.status import GatewayStatus
 pytestmark = pytest.mark.system
 
 
-async def test_not_ready_while_a_failing_daemon_stops_its_backends(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_not_ready_while_a_failing_daemon_stops_its_backends(
+    monkeypatch: pytest.MonkeyPatch) -> None:
     # Issue 7: when run() failed after boot, the client listener closed but /readyz kept
     # answering 200 while the backends were being stopped.
     # the snapshot /readyz serves, taken as the backends' children are being stopped
@@ -61,18 +62,21 @@ async def test_stop_during_a_reload_that_starts_a_backend_stops_it_at_once(tmp_p
     # Issue 7: a stop waited for the running reload (here: for a slow backend it started to
     # become ready).  Now the reload is abandoned and the backend it started is stopped and reaped.
     path = tmp_path / "gw.toml"
-    head = '[gateway]\ndrain_grace = 5.0\n[listen]\nwebsocket = "127.0.0.1:0"\nhttp = ""\n[admin]\nlisten = "127.0.0.1:0"\n'
+    head = ('[gateway]\ndrain_grace = 5.0\n[listen]\nwebsocket = "127.0.0.1:0"\nhttp = ""\n'
+            '[admin]\nlisten = "127.0.0.1:0"\n')
     path.write_text(head + fixture_backend("a"))
     cfg = config.load(path.read_bytes(), base_dir=ROOT)
     control = service.Control()
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
-            bound = await nursery.start(partial(service.run, cfg, config_path=str(path), control=control))
+            bound = await nursery.start(partial(service.run, cfg, config_path=str(path),
+                                                control=control))
             path.write_text(head + fixture_backend("a") + fixture_backend(
                 "slow", env={"FIXTURE_START_DELAY": "20"}, start_timeout=25.0))
             control.reload()
             while True:  # until the reload has spawned the slow backend's child
-                backends = {b["name"]: b for b in (await http_json(bound.admin_port, "/status"))["backends"]}
+                backends = {b["name"]: b
+                            for b in (await http_json(bound.admin_port, "/status"))["backends"]}
                 pid = backends["slow"]["instances"][0]["pid"] if "slow" in backends else None
                 if pid is not None:
                     break

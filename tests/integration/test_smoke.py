@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import pytest
 import trio
-
 from helpers import connect, fixture_backend, make_config, run_gateway, text_of
 
 pytestmark = pytest.mark.system

@@ -43,7 +43,7 @@ class Records(logging.Handler):
         self.changed.set()
         self.changed = trio.Event()
 
-    async def wait_for(self, pattern: re.Pattern[str], timeout: float) -> re.Match[str]:
+    async def wait_for(self, pattern: re.Pattern[str], timeout: float) -> re.Match[str]:  # noqa: ASYNC109 - a helper's own deadline (trio.fail_after inside), passed by keyword
         with trio.fail_after(timeout):
             while True:
                 for message in self.messages:
@@ -100,6 +100,7 @@ async def test_stderr_flood_is_summarised_counted_and_spares_bystanders(records:
             assert 0 < counted["true"] <= allowed
             assert logged_lines <= allowed
             doc = await http_json(gw.bound.admin_port, "/status")
-            (tail,) = [b["instances"][0]["stderr_tail"] for b in doc["backends"] if b["name"] == "noisy"]
+            (tail,) = [b["instances"][0]["stderr_tail"] for b in doc["backends"]
+                       if b["name"] == "noisy"]
             assert len(tail) == instance.STDERR_TAIL  # the running child's tail, bounded
             assert all(line.startswith("fixture: flood line ") for line in tail)

@@ -7,10 +7,9 @@ import json
 import pytest
 import trio
 import trio_websocket
+from helpers import fixture_backend, make_config, run_gateway
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, CloseConnection, Request, TextMessage
-
-from helpers import fixture_backend, make_config, run_gateway
 
 pytestmark = pytest.mark.system
 
@@ -30,7 +29,8 @@ async def test_ping_fragments_subprotocol_and_close() -> None:
             stream = await trio.open_tcp_stream("127.0.0.1", port)
             async with stream:
                 client = WSConnection(ConnectionType.CLIENT)
-                await stream.send_all(client.send(Request(host="127.0.0.1", target="/", subprotocols=["mcp"])))
+                await stream.send_all(
+                    client.send(Request(host="127.0.0.1", target="/", subprotocols=["mcp"])))
                 events: list[object] = []
 
                 async def pump() -> None:
@@ -51,9 +51,11 @@ async def test_ping_fragments_subprotocol_and_close() -> None:
                 assert isinstance(events[0], AcceptConnection) and events[0].subprotocol == "mcp"
                 msg = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
                     "protocolVersion": "2025-11-25", "capabilities": {}}})
-                thirds = [msg[: len(msg) // 3], msg[len(msg) // 3 : 2 * len(msg) // 3], msg[2 * len(msg) // 3 :]]
+                thirds = [msg[: len(msg) // 3], msg[len(msg) // 3 : 2 * len(msg) // 3],
+                          msg[2 * len(msg) // 3 :]]
                 for i, part in enumerate(thirds):
-                    await stream.send_all(client.send(TextMessage(data=part, message_finished=i == 2)))
+                    await stream.send_all(
+                        client.send(TextMessage(data=part, message_finished=i == 2)))
                 sent = True
                 events.clear()
                 await pump()

@@ -55,7 +55,8 @@ class LineClient:
         return json.loads(line)
 
     async def request(self, id: Any, method: str, params: Any) -> dict[str, Any]:
-        await self.send(json.dumps({"jsonrpc": "2.0", "id": id, "method": method, "params": params}).encode())
+        await self.send(
+            json.dumps({"jsonrpc": "2.0", "id": id, "method": method, "params": params}).encode())
         return await self.receive()
 
 
@@ -64,7 +65,8 @@ async def unix_client(path: str) -> AsyncIterator[LineClient]:
     stream = await trio.open_unix_socket(path)
     async with stream:
         c = LineClient(stream)
-        r = await c.request("init", "initialize", {"protocolVersion": "2025-11-25", "capabilities": {},
+        r = await c.request("init", "initialize",
+                            {"protocolVersion": "2025-11-25", "capabilities": {},
                                                    "clientInfo": {"name": "t", "version": "0"}})
         assert r["result"]["protocolVersion"] == "2025-11-25"
         await c.send(b'{"jsonrpc":"2.0","method":"notifications/initialized"}')
@@ -75,20 +77,23 @@ async def protocol_errors(port: int | None, kind: str) -> float:
     status, body = await http_request(port, "/metrics")
     assert status == 200
     for line in body.decode().splitlines():
-        if line.startswith("mcp_gateway_backend_protocol_errors_total{") and f'kind="{kind}"' in line:
+        if line.startswith(
+            "mcp_gateway_backend_protocol_errors_total{") and f'kind="{kind}"' in line:
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 
 
 BAD_REPLIES = {
     "invalid_utf8": reply(text_result(b"caf\xc3 \xff\xfe")),
-    "invalid_utf8_id_last": reply(text_result(b"\xed\xa0\xbd"), id_last=True),  # an encoded surrogate
+    # an encoded surrogate
+    "invalid_utf8_id_last": reply(text_result(b"\xed\xa0\xbd"), id_last=True),
     "too_deep": reply(b"[" * DEEP + b"]" * DEEP),
     "too_deep_id_last": reply(b'{"a":' * DEEP + b"1" + b"}" * DEEP, id_last=True),
 }
 
 
-async def test_backend_reply_that_cannot_be_passed_on_fails_its_call_with_32009(tmp_path: Path) -> None:
+async def test_backend_reply_that_cannot_be_passed_on_fails_its_call_with_32009(
+    tmp_path: Path) -> None:
     sock = str(tmp_path / "gw.sock")
     cfg = make_config(fixture_backend("fx", request_timeout=30.0), unix=sock)
     with trio.fail_after(40):
@@ -98,26 +103,30 @@ async def test_backend_reply_that_cannot_be_passed_on_fails_its_call_with_32009(
                 before = await protocol_errors(gw.bound.admin_port, kind)
                 started = trio.current_time()
                 if n % 2:
-                    r = await ux.request(n, "tools/call", {"name": "fx__raw", "arguments": {"lines": hexes(line)}})
+                    r = await ux.request(n, "tools/call",
+                                         {"name": "fx__raw", "arguments": {"lines": hexes(line)}})
                 else:
                     r = await ws.call("fx__raw", {"lines": hexes(line)})
-                assert trio.current_time() - started < 5.0, name  # at once, not after request_timeout
+                # at once, not after request_timeout
+                assert trio.current_time() - started < 5.0, name
                 assert r["error"]["code"] == -32009, (name, r)
                 assert r["error"]["data"] == {"reason": "backend_protocol_error", "backend": "fx",
                                               "detail": kind}, name
                 assert await protocol_errors(gw.bound.admin_port, kind) == before + 1
             # the backend was not restarted, and both connections still work
             assert text_of(await ws.call("fx__echo", {"message": "ws"})) == "ws"
-            r = await ux.request("e", "tools/call", {"name": "fx__echo", "arguments": {"message": "ux"}})
+            r = await ux.request("e", "tools/call",
+                                 {"name": "fx__echo", "arguments": {"message": "ux"}})
             assert text_of(r) == "ux"
-            status, body = await http_request(gw.bound.admin_port, "/status")
+            _status, body = await http_request(gw.bound.admin_port, "/status")
             instance = json.loads(body)["backends"][0]["instances"][0]
             assert instance["restarts"] == 0 and instance["inflight"] == 0, instance
 
 
 async def test_deep_notification_is_dropped_and_counted_the_call_goes_on() -> None:
     cfg = make_config(fixture_backend("fx"))
-    deep_log = (b'{"jsonrpc":"2.0","method":"notifications/message","params":{"level":"error","data":'
+    deep_log = (
+        b'{"jsonrpc":"2.0","method":"notifications/message","params":{"level":"error","data":'
                 + b"[" * DEEP + b"]" * DEEP + b"}}")
     with trio.fail_after(20):
         async with run_gateway(cfg) as gw, connect(gw.url) as c:
@@ -161,13 +170,14 @@ async def test_oversize_reply_fails_at_once_and_leaves_no_abandoned_call(id_last
             assert trio.current_time() - started < 5.0
             assert r["error"]["code"] == -32008, r
             # nothing is left in the attribution set, so nothing can restart the backend
-            status, body = await http_request(gw.bound.admin_port, "/status")
+            _status, body = await http_request(gw.bound.admin_port, "/status")
             instance = json.loads(body)["backends"][0]["instances"][0]
             assert instance["inflight"] == 0, instance
             assert text_of(await c.call("fx__echo", {"message": "next"})) == "next"
 
 
-async def test_client_json_too_deep_or_not_utf8_gets_an_error_and_the_connection_stays(tmp_path: Path) -> None:
+async def test_client_json_too_deep_or_not_utf8_gets_an_error_and_the_connection_stays(
+    tmp_path: Path) -> None:
     sock = str(tmp_path / "gw.sock")
     cfg = make_config(fixture_backend("fx"), unix=sock)
     with trio.fail_after(20):
@@ -175,7 +185,8 @@ async def test_client_json_too_deep_or_not_utf8_gets_an_error_and_the_connection
             # a slow call in flight must survive the bad messages that follow it
             await ux.send(b'{"jsonrpc":"2.0","id":"slow","method":"tools/call",'
                           b'"params":{"name":"fx__sleep","arguments":{"seconds":0.5,"message":"kept"}}}')
-            deep = (b'{"jsonrpc":"2.0","id":"deep","method":"tools/call","params":{"name":"fx__echo",'
+            deep = (
+                b'{"jsonrpc":"2.0","id":"deep","method":"tools/call","params":{"name":"fx__echo",'
                     b'"arguments":{"message":"x","extra":' + b"[" * DEEP + b"]" * DEEP + b"}}}")
             await ux.send(deep)
             r = await ux.receive()
@@ -183,13 +194,15 @@ async def test_client_json_too_deep_or_not_utf8_gets_an_error_and_the_connection
             await ux.send(b'{"jsonrpc":"2.0","id":"bad","method":"tools/call",'
                           b'"params":{"name":"fx__echo","arguments":{"message":"\xff\xfe"}}}')
             r = await ux.receive()
-            assert r["error"]["code"] == -32700 and r["error"]["data"]["reason"] == "invalid_utf8", r
+            assert r["error"]["code"] == -32700 and r["error"]["data"][
+                "reason"] == "invalid_utf8", r
             assert r["id"] is None  # refused before decoding: the id was not read
             r = await ux.receive()
             assert r["id"] == "slow" and text_of(r) == "kept"
             # the same over WebSocket (a text frame cannot carry invalid UTF-8, so: depth only)
             async with connect(gw.url) as ws:
-                await ws.send('{"jsonrpc":"2.0","id":7,"method":"ping","params":{"x":' + "[" * DEEP + "]" * DEEP + "}}")
+                await ws.send('{"jsonrpc":"2.0","id":7,"method":"ping","params":{"x":'
+                              + "[" * DEEP + "]" * DEEP + "}}")
                 r = await ws.wait_for(lambda: [m for m in ws.received if "error" in m])
                 assert r[0]["error"]["data"]["reason"] == "too_deep"
                 assert text_of(await ws.call("fx__echo", {"message": "ws"})) == "ws"
@@ -200,9 +213,11 @@ async def test_progress_token_that_is_not_a_string_or_integer_is_invalid_params(
     with trio.fail_after(20):
         async with run_gateway(cfg) as gw, connect(gw.url) as c:
             for n, token in enumerate(("1e400", "true", "{}", "1.5")):
-                await c.send('{"jsonrpc":"2.0","id":%d,"method":"tools/call","params":{"name":"fx__echo",'
-                             '"arguments":{"message":"m"},"_meta":{"progressToken":%s}}}' % (100 + n, token))
+                await c.send('{"jsonrpc":"2.0","id":' + str(100 + n) + ',"method":"tools/call",'
+                             '"params":{"name":"fx__echo","arguments":{"message":"m"},'
+                             '"_meta":{"progressToken":' + token + '}}}')
                 r = await c.response(100 + n)
-                assert r["error"]["code"] == -32602, (token, r)  # was -32603 and a traceback for 1e400
+                # was -32603 and a traceback for 1e400
+                assert r["error"]["code"] == -32602, (token, r)
             r = await c.call("fx__echo", {"message": "m"}, id=200)
             assert text_of(r) == "m"

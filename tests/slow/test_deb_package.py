@@ -163,7 +163,8 @@ def test_files_in_place(installed: Installed) -> None:
     assert os.readlink(r / "usr/bin/mcp-gateway") == f"{VENV}/bin/mcp-gateway"
     assert (r / VENV.lstrip("/") / "bin/mcp-gateway").read_text().startswith(f"#!{VENV}/bin/python")
     assert os.access(r / VENV.lstrip("/") / "bin/mcp-server-time", os.X_OK)
-    for unit in ("mcp-gateway.service", "mcp-gateway-ws.socket", "mcp-gateway-http.socket", "mcp-gateway-admin.socket"):
+    for unit in ("mcp-gateway.service", "mcp-gateway-ws.socket", "mcp-gateway-http.socket",
+                 "mcp-gateway-admin.socket"):
         assert (r / "lib/systemd/system" / unit).read_text() == (
             REPO / "systemd" / unit
         ).read_text()

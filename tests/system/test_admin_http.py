@@ -209,7 +209,8 @@ async def test_status_and_metrics_answer_only_loopback_or_bound_host_names(serve
                  "[::1]", f"[::1]:{server.port}"):
         for path in ("/status", "/metrics"):
             assert (await get(server.port, path, host=host))[0] == 200, (host, path)
-    for host in ("attacker.example", f"attacker.example:{server.port}", "127.0.0.2", "localhost.attacker.example"):
+    for host in ("attacker.example", f"attacker.example:{server.port}", "127.0.0.2",
+                 "localhost.attacker.example"):
         for path in ("/status", "/metrics", "/status?x"):
             status, _, body = await get(server.port, path, host=host)
             assert (status, body) == (421, b"Host not allowed\n"), (host, path)
@@ -217,7 +218,8 @@ async def test_status_and_metrics_answer_only_loopback_or_bound_host_names(serve
         assert (await get(server.port, "/healthz", host=host))[0] == 200
         assert (await get(server.port, "/readyz", host=host))[0] == 200
     async with await trio.open_tcp_stream("127.0.0.1", server.port) as stream:  # two Host headers
-        await stream.send_all(b"GET /status HTTP/1.0\r\nHost: 127.0.0.1\r\nHost: attacker.example\r\n\r\n")
+        await stream.send_all(b"GET /status HTTP/1.0\r\nHost: 127.0.0.1\r\n"
+                              b"Host: attacker.example\r\n\r\n")
         assert (await read_until_eof(stream)).startswith(b"HTTP/1.1 400 ")  # h11 refuses it
     for origin in ("http://attacker.example", "null", f"http://127.0.0.1:{server.port}"):
         async with await trio.open_tcp_stream("127.0.0.1", server.port) as stream:  # from a page

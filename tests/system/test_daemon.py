@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import trio
 import trio_websocket
+from helpers import FIXTURE, ROOT, connect, text_of
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.procfs import group_members
-from helpers import FIXTURE, ROOT, connect, text_of
 
 pytestmark = pytest.mark.system
 
@@ -33,12 +33,15 @@ def free_port() -> int:
 
 def backend_toml(name: str, **env: str) -> str:
     env_s = ", ".join(f'{k} = "{v}"' for k, v in env.items())
-    return (f"[backends.{name}]\ncommand = {json.dumps(sys.executable)}\nargs = [{json.dumps(FIXTURE)}]\n"
+    return (f"[backends.{name}]\ncommand = {json.dumps(sys.executable)}\n"
+            f"args = [{json.dumps(FIXTURE)}]\n"
             f"env = {{{env_s}}}\n")
 
 
-def write_config(path: Path, ws: int, admin: int, backends: str, gateway: str = "drain_grace = 10.0") -> None:
-    path.write_text(f'[gateway]\ndrain_delay = 0.0\n{gateway}\n[listen]\nwebsocket = "127.0.0.1:{ws}"\nhttp = ""\n'
+def write_config(path: Path, ws: int, admin: int, backends: str,
+                 gateway: str = "drain_grace = 10.0") -> None:
+    path.write_text(f'[gateway]\ndrain_delay = 0.0\n{gateway}\n[listen]\n'
+                    f'websocket = "127.0.0.1:{ws}"\nhttp = ""\n'
                     f'[admin]\nlisten = "127.0.0.1:{admin}"\n{backends}')
 
 
@@ -92,7 +95,8 @@ def http(port: int, path: str) -> tuple[int, str]:
         return e.code, e.read().decode()
 
 
-async def test_notify_sequence_reload_and_drain(tmp_path: Path, notify_socket: tuple[socket.socket, str]) -> None:
+async def test_notify_sequence_reload_and_drain(tmp_path: Path,
+                                                notify_socket: tuple[socket.socket, str]) -> None:
     sock, addr = notify_socket
     ws, admin = free_port(), free_port()
     cfg = tmp_path / "gw.toml"
@@ -136,7 +140,8 @@ async def test_notify_sequence_reload_and_drain(tmp_path: Path, notify_socket: t
                     result: dict = {}
 
                     async def slow() -> None:
-                        result.update(await c.call("b__sleep", {"seconds": 1.5, "message": "drained"}, timeout=20))
+                        result.update(await c.call("b__sleep", {"seconds": 1.5,
+                                                                "message": "drained"}, timeout=20))
 
                     nursery.start_soon(slow)
                     await trio.sleep(0.3)
@@ -157,7 +162,8 @@ async def test_sigterm_leaves_no_npx_style_grandchild(tmp_path: Path) -> None:
     ws, admin = free_port(), free_port()
     cfg = tmp_path / "gw.toml"
     # an npx-style wrapper: sh starts python, which starts a setsid'd grandchild
-    backends = (f"[backends.w]\ncommand = \"sh\"\nargs = [\"-c\", {json.dumps(f'{sys.executable} {FIXTURE}')}]\n"
+    backends = ("[backends.w]\ncommand = \"sh\"\n"
+                f"args = [\"-c\", {json.dumps(f'{sys.executable} {FIXTURE}')}]\n"
                 'env = { FIXTURE_SPAWN_GRANDCHILD = "1" }\n')
     write_config(cfg, ws, admin, backends)
     proc = start_daemon(cfg)
@@ -168,7 +174,8 @@ async def test_sigterm_leaves_no_npx_style_grandchild(tmp_path: Path) -> None:
                     status, body = await trio.to_thread.run_sync(http, admin, "/status")
                 except OSError:
                     status = 0
-                if status == 200 and json.loads(body)["backends"][0]["instances"][0]["state"] == "RUNNING":
+                if status == 200 and json.loads(body)["backends"][0]["instances"][0][
+                    "state"] == "RUNNING":
                     break
                 await trio.sleep(0.1)
         wrapper = json.loads(body)["backends"][0]["instances"][0]["pid"]
@@ -190,7 +197,7 @@ async def test_socket_activation(tmp_path: Path) -> None:
     cfg = tmp_path / "gw.toml"
     write_config(cfg, free_port(), free_port(), backend_toml("a"))
     env = {**os.environ, "PYTHONPATH": ROOT}
-    proc = subprocess.Popen(
+    proc = subprocess.Popen(  # noqa: ASYNC220 - a long-lived daemon: signalled and reaped by hand
         ["systemd-socket-activate", "-l", f"127.0.0.1:{ws}", "-l", f"127.0.0.1:{admin}",
          "--fdname=websocket:admin", "-E", "PYTHONPATH",
          sys.executable, "-m", "gateway", "run", "--config", str(cfg)],
@@ -200,11 +207,12 @@ async def test_socket_activation(tmp_path: Path) -> None:
             while True:  # activation happens on the first connection: poll, don't sleep
                 try:
                     async with connect(f"ws://127.0.0.1:{ws}/") as c:
-                        assert text_of(await c.call("a__echo", {"message": "activated"})) == "activated"
+                        assert text_of(await c.call("a__echo",
+                                                    {"message": "activated"})) == "activated"
                         break
                 except* (OSError, ConnectionError, trio_websocket.HandshakeError):
                     await trio.sleep(0.2)
-            status, body = await trio.to_thread.run_sync(http, admin, "/healthz")
+            status, _body = await trio.to_thread.run_sync(http, admin, "/healthz")
             assert status == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
@@ -218,8 +226,10 @@ async def test_readyz_flips_when_required_backend_goes_fatal(tmp_path: Path) -> 
     script = f'if [ -f {mark} ]; then exit 3; fi; touch {mark}; exec {sys.executable} {FIXTURE}'
     ws, admin = free_port(), free_port()
     cfg = tmp_path / "gw.toml"
-    backends = (f"[backends.r]\ncommand = \"sh\"\nargs = [\"-c\", {json.dumps(script)}]\nrequired = true\n"
-                "restart = { backoff_initial = 0.05, backoff_max = 0.1, max_restarts = 1, window = 60.0 }\n")
+    backends = (f"[backends.r]\ncommand = \"sh\"\nargs = [\"-c\", {json.dumps(script)}]\n"
+                "required = true\n"
+                "restart = { backoff_initial = 0.05, backoff_max = 0.1, max_restarts = 1, window = "
+                "60.0 }\n")
     write_config(cfg, ws, admin, backends)
     proc = start_daemon(cfg)
     try:
@@ -229,18 +239,19 @@ async def test_readyz_flips_when_required_backend_goes_fatal(tmp_path: Path) -> 
                     return (await trio.to_thread.run_sync(http, admin, "/readyz"))[0]
                 except OSError:
                     return 0
-            while await readyz() != 200:
+            while await readyz() != 200:  # noqa: ASYNC110 - a real daemon's /readyz: no event crosses the process boundary
                 await trio.sleep(0.1)
             async with connect(f"ws://127.0.0.1:{ws}/") as c:
                 r = await c.call("r__crash")
                 assert r["error"]["data"]["reason"] == "backend_exited"
-            while await readyz() != 503:
+            while await readyz() != 503:  # noqa: ASYNC110 - a real daemon's /readyz: no event crosses the process boundary
                 await trio.sleep(0.1)
-            status, body = await trio.to_thread.run_sync(http, admin, "/readyz")
+            _status, body = await trio.to_thread.run_sync(http, admin, "/readyz")
             assert "r" in body
             _, metrics = await trio.to_thread.run_sync(http, admin, "/metrics")
             families = {f.name: f for f in text_string_to_metric_families(metrics)}
-            up = [s for s in families["mcp_gateway_backend_up"].samples if s.labels["backend"] == "r"]
+            up = [s for s in families["mcp_gateway_backend_up"].samples
+                  if s.labels["backend"] == "r"]
             assert up[0].value == 0
             assert "mcp_gateway_requests" in families
         proc.send_signal(signal.SIGTERM)
@@ -252,7 +263,8 @@ async def test_readyz_flips_when_required_backend_goes_fatal(tmp_path: Path) -> 
 def test_required_backend_failing_at_boot_fails_start(tmp_path: Path) -> None:
     cfg = tmp_path / "gw.toml"
     backends = ("[backends.r]\ncommand = \"false\"\nrequired = true\n"
-                "restart = { backoff_initial = 0.01, backoff_max = 0.02, max_restarts = 1, window = 60.0 }\n")
+                "restart = { backoff_initial = 0.01, backoff_max = 0.02, max_restarts = 1, window "
+                "= 60.0 }\n")
     write_config(cfg, free_port(), free_port(), backends)
     proc = start_daemon(cfg)
     proc.wait(timeout=30)
@@ -273,7 +285,8 @@ def test_log_target_stderr_starts(tmp_path: Path, notify_socket: tuple[socket.so
         assert proc.wait(timeout=20) == 0
     finally:
         out = finish(proc)
-    assert re.search(r"^\S+ \S+ INFO gateway.service: mcp-gateway \S+ ready", out, re.M), out[-2000:]
+    assert re.search(r"^\S+ \S+ INFO gateway.service: mcp-gateway \S+ ready", out,
+                     re.M), out[-2000:]
 
 
 def metric(admin: int, line_start: str) -> float:
@@ -284,7 +297,7 @@ def metric(admin: int, line_start: str) -> float:
 
 async def call_in_flight(admin: int, backend: str) -> None:
     """Return once the daemon's metrics show a call in flight on ``backend`` (caller bounds it)."""
-    while await trio.to_thread.run_sync(
+    while await trio.to_thread.run_sync(  # noqa: ASYNC110 - a real daemon's /metrics: no event crosses the process boundary
             metric, admin, f'mcp_gateway_inflight_requests{{backend="{backend}"}}') < 1:
         await trio.sleep(0.02)
 
@@ -306,7 +319,8 @@ async def test_sighup_burst_while_a_reload_drains_coalesces(
                 result: dict = {}
 
                 async def slow() -> None:
-                    result.update(await c.call("a__sleep", {"seconds": 2.0, "message": "drained"}, timeout=20))
+                    result.update(await c.call("a__sleep", {"seconds": 2.0, "message": "drained"},
+                                               timeout=20))
 
                 nursery.start_soon(slow)
                 await call_in_flight(admin, "a")
@@ -409,8 +423,10 @@ async def test_11_lame_duck_serves_through_drain_delay_until_a_second_sigterm(
                 async with connect(url) as late:  # the listener still accepts and serves
                     assert text_of(await late.call("a__echo", {"message": "new"})) == "new"
                 assert proc.poll() is None
-                await c.send({"jsonrpc": "2.0", "id": "slow", "method": "tools/call",  # holds the drain open
-                              "params": {"name": "a__sleep", "arguments": {"seconds": 1.5, "message": "slept"}}})
+                # holds the drain open
+                await c.send({"jsonrpc": "2.0", "id": "slow", "method": "tools/call",
+                              "params": {"name": "a__sleep",
+                                         "arguments": {"seconds": 1.5, "message": "slept"}}})
                 await call_in_flight(admin, "a")
                 proc.send_signal(signal.SIGTERM)  # asked again: the drain begins now
                 while True:  # the drain refuses a new request (retryable) once it has begun
@@ -428,6 +444,7 @@ async def test_11_lame_duck_serves_through_drain_delay_until_a_second_sigterm(
         sock.settimeout(0.2)
         with pytest.raises((TimeoutError, AssertionError)):  # after STOPPING=1: no reload, no READY
             recv_until(sock, "RELOADING=1", seen, 0.5)
-        assert not [m for m in seen if "RELOADING=1" in m.split("\n") or "READY=1" in m.split("\n")][1:]
+        assert not [m for m in seen if "RELOADING=1" in m.split("\n")
+                    or "READY=1" in m.split("\n")][1:]
     finally:
         print(finish(proc)[-3000:])

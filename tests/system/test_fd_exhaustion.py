@@ -91,7 +91,8 @@ class KeepAlive:
         while b"\r\n\r\n" not in self.buf:
             self._more()
         head, _, self.buf = self.buf.partition(b"\r\n\r\n")
-        length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))  # type: ignore[union-attr]
+        # type: ignore[union-attr]
+        length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
         while len(self.buf) < length:
             self._more()
         body, self.buf = self.buf[:length], self.buf[length:]
@@ -166,7 +167,8 @@ def test_an_explicit_max_connections_that_does_not_fit_refuses_to_start(tmp_path
         assert proc.wait(timeout=20) == 1
         out = output(proc)
     assert "cannot start: gateway.max_connections = 1000 does not fit" in out, out
-    assert "limit (RLIMIT_NOFILE, ulimit -n, LimitNOFILE=) is 400" in out and "at most 228" in out, out
+    assert ("limit (RLIMIT_NOFILE, ulimit -n, LimitNOFILE=) is 400" in out
+            and "at most 228" in out), out
 
 
 def test_a_reload_to_an_explicit_max_connections_that_does_not_fit_keeps_the_running_config(
@@ -181,7 +183,8 @@ def test_a_reload_to_an_explicit_max_connections_that_does_not_fit_keeps_the_run
         probe = KeepAlive(admin)
         try:
             deadline = time.monotonic() + 10
-            while b'mcp_gateway_config_reloads_total{result="failure"} 1.0' not in probe.get("/metrics")[1]:
+            failed = b'mcp_gateway_config_reloads_total{result="failure"} 1.0'
+            while failed not in probe.get("/metrics")[1]:
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
         finally:
@@ -189,7 +192,8 @@ def test_a_reload_to_an_explicit_max_connections_that_does_not_fit_keeps_the_run
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=20) == 0
         out = output(proc)
-    assert "reload failed, keeping the running config: gateway.max_connections = 1000 does not fit" in out, out
+    assert ("reload failed, keeping the running config: "
+            "gateway.max_connections = 1000 does not fit") in out, out
 
 
 def test_out_of_fds_the_backend_is_never_fatal_and_healthz_answers(tmp_path: Path) -> None:
@@ -197,7 +201,8 @@ def test_out_of_fds_the_backend_is_never_fatal_and_healthz_answers(tmp_path: Pat
     cfg = tmp_path / "gw.toml"
     # one counted failure (the kill below) is allowed, a second would be FATAL
     write_config(cfg, ws, admin, gateway="max_connections = 50",
-                 backend="restart = { backoff_initial = 0.2, backoff_max = 1.0, max_restarts = 1, window = 600.0 }")
+                 backend="restart = { backoff_initial = 0.2, backoff_max = 1.0, max_restarts = 1, "
+                         "window = 600.0 }")
     with daemon(cfg, soft=600, hard=600) as proc:
         wait_ready(admin, proc)
         probe = KeepAlive(admin)
@@ -243,8 +248,10 @@ def starve_then_recover(proc: subprocess.Popen[bytes], probe: KeepAlive, ws: int
     assert probe.instance()["pid"] != child
     assert probe.instance()["restarts"] == 1  # the starved attempts spawned nothing: not restarts
     with socket.create_connection(("127.0.0.1", ws), timeout=5) as s:  # accepting again
-        s.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                  b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+        s.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
+                  b"Connection: Upgrade\r\n"
+                  b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+                  b"\r\n")
         assert s.recv(100).startswith(b"HTTP/1.1 101 ")
     assert probe.get("/readyz")[0] == 200
     return output(proc)

@@ -27,8 +27,9 @@ def _jwk(key: object, kid: str, **extra: str) -> dict[str, str]:
     return {**json.loads(algo.to_jwk(key)), "kid": kid, **extra}
 
 
-async def test_10_tokens_jwks_challenge_and_state_principal(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                                            autojump_clock: trio.testing.MockClock) -> None:
+async def test_10_tokens_jwks_challenge_and_state_principal(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        autojump_clock: trio.testing.MockClock) -> None:
     # -- constant-time comparison: hmac.compare_digest compares the fingerprint with EVERY entry
     entries = [tokens.BearerEntry(f"p{i}", tokens.sha256_hex(f"token-{i}")) for i in range(4)]
     table = tokens.BearerTable(entries)
@@ -43,7 +44,8 @@ async def test_10_tokens_jwks_challenge_and_state_principal(monkeypatch: pytest.
     found = table.match("token-1")
     assert found is not None and found.principal == "p1"
     assert [b for _, b in calls] == [e.token_sha256 for e in entries]  # no early exit
-    assert {a for a, _ in calls} == {tokens.sha256_hex("token-1")}  # the token itself is never compared
+    # the token itself is never compared
+    assert {a for a, _ in calls} == {tokens.sha256_hex("token-1")}
     calls.clear()
     assert table.match("nope") is None and len(calls) == 4
     assert table.match("x" * (tokens.MAX_TOKEN + 1)) is None
@@ -81,13 +83,16 @@ async def test_10_tokens_jwks_challenge_and_state_principal(monkeypatch: pytest.
     # -- JWKS parsing: RSA -> RS256, P-256 -> ES256; no symmetric, private or kid-less keys
     rsa_pub = rsa.generate_private_key(public_exponent=65537, key_size=2048).public_key()
     ec_pub = ec.generate_private_key(ec.SECP256R1()).public_key()
-    doc = {"keys": [_jwk(rsa_pub, "r"), _jwk(ec_pub, "e"), {"kty": "oct", "k": "c2VjcmV0", "kid": "h"},
-                    {**_jwk(rsa_pub, "x"), "alg": "HS256"}, {k: v for k, v in _jwk(rsa_pub, "").items() if k != "kid"},
+    doc = {"keys": [_jwk(rsa_pub, "r"), _jwk(ec_pub, "e"),
+                    {"kty": "oct", "k": "c2VjcmV0", "kid": "h"},
+                    {**_jwk(rsa_pub, "x"), "alg": "HS256"},
+                    {k: v for k, v in _jwk(rsa_pub, "").items() if k != "kid"},
                     {**_jwk(rsa_pub, "enc"), "use": "enc"}]}
     keys, skipped = parse_jwks(json.dumps(doc).encode())
     assert {k: v.algorithm for k, v in keys.items()} == {"r": "RS256", "e": "ES256"}
     assert len(skipped) == 4
-    keys, skipped = parse_jwks(json.dumps({"keys": [_jwk(rsa_pub, f"k{i}") for i in range(40)]}).encode())
+    keys, skipped = parse_jwks(
+        json.dumps({"keys": [_jwk(rsa_pub, f"k{i}") for i in range(40)]}).encode())
     assert len(keys) == 32 and "8 keys beyond" in skipped[-1]
 
     # -- JWKS cache: unknown kids refetch at most once per min interval; a failed fetch keeps
@@ -124,19 +129,50 @@ async def test_10_tokens_jwks_challenge_and_state_principal(monkeypatch: pytest.
     # -- the challenge and the metadata URL (RFC 9728 §3.1)
     assert challenge.metadata_url("https://gw.example/mcp") == \
         "https://gw.example/.well-known/oauth-protected-resource/mcp"
-    header = challenge.www_authenticate("https://m", error="insufficient_scope", scope=["a", "b\"c"])
-    assert header == 'Bearer resource_metadata="https://m", error="insufficient_scope", scope="a bc"'
+    header = challenge.www_authenticate("https://m", error="insufficient_scope",
+                                        scope=["a", "b\"c"])
+    assert header == ('Bearer resource_metadata="https://m", error="insufficient_scope", scope="a '
+                      'bc"')
 
     # -- a requestState is bound to its principal: another principal's retry is invalid_state
     #    before anything about the flow is looked at
     codec = mrtr.StateCodec(b"k" * 32, "r1")
     br = bridge_mod.Bridge(codec, 60.0)
     params = {"name": jsonrpc.encode_dict("t")}  # type: ignore[arg-type]
-    state = codec.sign(mrtr.Claims(flow="f1", round=1, expires=int(time.time()) + 60, backend="b", keys=("k",),
-                                   digest=mrtr.params_digest("tools/call", params), principal="bearer:alice"))
+    state = codec.sign(mrtr.Claims(flow="f1", round=1, expires=int(time.time()) + 60, backend="b",
+                                   keys=("k",),
+                                   digest=mrtr.params_digest("tools/call", params),
+                                   principal="bearer:alice"))
     params["requestState"] = jsonrpc.encode_dict(state)  # type: ignore[arg-type]
     for who in ("bearer:bob", "oauth:alice", None):
         with pytest.raises(InvalidParams, match="another principal"):
             br.resume("tools/call", params, 2, {}, principal=who)
     with pytest.raises(InvalidParams, match="call is over"):  # the owner gets past that check
         br.resume("tools/call", params, 2, {}, principal="bearer:alice")
+
+
+def test_check_config_reads_the_tokens_file_as_a_reload_would(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``ExecReload`` runs check-config before the SIGHUP: a tokens file the reload would refuse
+    must fail check-config (it passed, so ``systemctl reload`` said done while the daemon kept
+    its old tokens and logged the failure); the problem is named, never the line's text."""
+    from gateway import cli
+
+    tokens = tmp_path / "tokens"
+    cfg = tmp_path / "gateway.toml"
+    cfg.write_text('[auth]\ntokens_file = "tokens"\n')
+    tokens.write_text("alice:" + "ab" * 32 + "\n")
+    tokens.chmod(0o600)
+    assert cli.main(["check-config", str(cfg)]) == 0
+    cases = (("alice:pasted-secret-token\n", 0o600, "tokens:1: the second field"),
+             ("alice:" + "ab" * 32 + "\n", 0o644, "mode 0644"),
+             (None, 0o600, "No such file"))
+    for text, mode, problem in cases:
+        tokens.unlink(missing_ok=True)
+        if text is not None:
+            tokens.write_text(text)
+            tokens.chmod(mode)
+        capsys.readouterr()
+        assert cli.main(["check-config", str(cfg)]) == 1, problem
+        err = capsys.readouterr().err
+        assert f"{cfg}: auth.tokens_file: " in err and problem in err and "pasted" not in err, err

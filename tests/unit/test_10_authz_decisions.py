@@ -26,7 +26,8 @@ RULES = [
 def test_10_rules_match_principal_group_transport_kind_and_scopes_first_match_wins() -> None:
     def d(name: str, caller: Caller, kind: str = "tool", default: str = "deny",
           sensitive: bool = False) -> Decision:
-        return decide(name, RULES, default, sensitive=sensitive, caller=caller, kind=kind)  # type: ignore[arg-type]
+        # type: ignore[arg-type]
+        return decide(name, RULES, default, sensitive=sensitive, caller=caller, kind=kind)
 
     # principal glob; first match wins over the later, broader rules
     assert d("git__push", CI_UNIX) == Decision("allow", "git__push")
@@ -49,7 +50,8 @@ def test_10_rules_match_principal_group_transport_kind_and_scopes_first_match_wi
     assert decide("git__push", strict, "allow", sensitive=False, caller=NOBODY_WS).scopes == ()
     # kinds: a prompt or resource rule never decides a tool, and the reverse
     assert d("fx__greet", NOBODY_WS, "prompt") == Decision("deny", "fx__greet")
-    assert d("fx__greet", Caller("unix"), "prompt") == Decision("allow", None)  # not the tool default
+    # not the tool default
+    assert d("fx__greet", Caller("unix"), "prompt") == Decision("allow", None)
     assert d("fx__greet", NOBODY_WS, "tool", default="ask") == Decision("ask", None)
     assert d("file:///etc/passwd", CI_UNIX, "resource") == Decision("deny", "file:///etc/*")
     assert d("file:///tmp/x", CI_UNIX, "resource") == Decision("allow", None)
@@ -65,7 +67,8 @@ def test_10_rules_match_principal_group_transport_kind_and_scopes_first_match_wi
     assert not visible("git__log", RULES, "allow", sensitive=False, caller=CI_UNIX, kind="tool")
 
 
-async def test_10_principal_limits_token_bucket_and_inflight(autojump_clock: trio.testing.MockClock) -> None:
+async def test_10_principal_limits_token_bucket_and_inflight(
+    autojump_clock: trio.testing.MockClock) -> None:
     limits = PrincipalLimits([
         PrincipalLimit("ci-*", max_inflight=2),
         PrincipalLimit("alice", calls_per_second=2.0),

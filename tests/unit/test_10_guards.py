@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import trio
+from tlsutil import make_certs
 
 from gateway import cli, config, guards
 from gateway.errors import ConfigError
 from gateway.transports import listeners as ls
-from tlsutil import make_certs
 
 BEARER = '[[auth.bearer]]\nprincipal = "alice"\ntoken_sha256 = "' + "ab" * 32 + '"\n'
 BACKEND = '[backends.fx]\ncommand = "true"\n'
@@ -27,7 +27,8 @@ def errors_of(text: str, **kw: object) -> list[str]:
     return info.value.errors
 
 
-async def test_10_boot_guards_refuse_and_name_the_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+async def test_10_boot_guards_refuse_and_name_the_keys(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
     off = '[listen]\nhttp = "0.0.0.0:8766"\nwebsocket = "192.0.2.7:8765"\n'
     # 1. no authentication configured (and nothing else): both listeners, every key named
     errs = errors_of(off)
@@ -38,7 +39,8 @@ async def test_10_boot_guards_refuse_and_name_the_keys(tmp_path: Path, capsys: p
     # 2. authentication, but the token would travel in clear
     (err,) = errors_of(off.replace("websocket", "#") + BEARER)
     assert err.startswith("listen.http: '0.0.0.0' is not a loopback address")
-    assert "listen.tls_cert" in err and "listen.behind_proxy = true" in err and "[[auth.bearer]]" not in err
+    assert ("listen.tls_cert" in err and "listen.behind_proxy = true" in err
+            and "[[auth.bearer]]" not in err)
     # 3. behind_proxy without public_url, and a public_url that is not https
     (err,) = errors_of(off.replace("websocket", "#") + "behind_proxy = true\n" + BEARER)
     assert err.startswith("listen.behind_proxy: needs listen.public_url")
@@ -51,7 +53,8 @@ async def test_10_boot_guards_refuse_and_name_the_keys(tmp_path: Path, capsys: p
     assert err.startswith("listen.http:") and '[[policy.rules]] with kind = "resource"' in err \
         and 'action = "allow"' in err
     cfg = config.load(proxied + READ_RULE + BACKEND, base_dir="/")
-    config.load(proxied + BACKEND + 'resources = { exclude = ["*"] }\n', base_dir="/")  # serves none
+    # serves none
+    config.load(proxied + BACKEND + 'resources = { exclude = ["*"] }\n', base_dir="/")
     assert config.resource_url(cfg) == "https://GW.example.com/mcp"
     assert config.client_allowed_hosts(cfg) == ["gw.example.com"]
     assert config.client_allowed_origins(cfg) == ["https://gw.example.com"]
@@ -62,8 +65,10 @@ async def test_10_boot_guards_refuse_and_name_the_keys(tmp_path: Path, capsys: p
     certs = make_certs(tmp_path)
     tls = f'tls_cert = "{certs.cert}"\ntls_key = "{certs.key}"\n'
     errs = errors_of(f'[listen]\ntls_cert = "{certs.cert}"\n[admin]\ntoken_sha256 = "xyz"\n')
-    assert errs[0].startswith("listen.tls_cert, listen.tls_key: set both") and errs[1].startswith("admin.token_sha256:")
-    (err,) = errors_of(f'[listen]\ntls_cert = "{tmp_path}/none.pem"\ntls_key = "{certs.key}"\n', check_commands=True)
+    assert (errs[0].startswith("listen.tls_cert, listen.tls_key: set both")
+            and errs[1].startswith("admin.token_sha256:"))
+    (err,) = errors_of(f'[listen]\ntls_cert = "{tmp_path}/none.pem"\ntls_key = "{certs.key}"\n',
+                       check_commands=True)
     assert err == f"listen.tls_cert: '{tmp_path}/none.pem' is not a readable file"
     good = tmp_path / "good.toml"
     good.write_text(off.replace("websocket", "#") + tls + BEARER + READ_RULE)
@@ -84,7 +89,8 @@ async def test_10_boot_guards_refuse_and_name_the_keys(tmp_path: Path, capsys: p
     sock = trio.socket.from_stdlib_socket(socket.create_server(("0.0.0.0", 0)))
     listener = trio.SocketListener(sock)
     try:
-        with pytest.raises(ls.ListenerError, match=r"http socket from systemd: bound to 0\.0\.0\.0.*tls_cert"):
+        with pytest.raises(ls.ListenerError,
+                           match=r"http socket from systemd: bound to 0\.0\.0\.0.*tls_cert"):
             ls.check_loopback(listener, "http socket from systemd",
                               guards.client_exposure_problems(config.load(BEARER, base_dir="/")))
         ls.check_loopback(listener, "http socket from systemd", [])

@@ -38,21 +38,24 @@ async def test_accept_backs_off_on_emfile_with_one_log_line(
         monkeypatch: pytest.MonkeyPatch) -> None:
     listener = Starved(failures=30)
     handled: list[float] = []
+    two_handled = trio.Event()
 
     async def handler(stream: trio.abc.AsyncResource) -> None:
         handled.append(trio.current_time())
+        if len(handled) == 2:
+            two_handled.set()
 
     monkeypatch.setattr(listeners, "_accept_log", listeners._AcceptLog())  # nothing logged before
     with caplog.at_level(logging.WARNING, logger=listeners.__name__):
         async with trio.open_nursery() as nursery:
             await nursery.start(listeners.serve_listeners, handler, [listener])
-            while len(handled) < 2:
-                await trio.sleep(0.5)
+            await two_handled.wait()
             nursery.cancel_scope.cancel()
     gaps = [round(b - a, 6) for a, b in zip(listener.calls, listener.calls[1:], strict=False)]
     assert gaps[:6] == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
     assert all(gap <= 1.0 for gap in gaps)
-    assert len(handled) == 2 and handled[1] - handled[0] == pytest.approx(1.0)  # no pause once it works
+    # no pause once it works
+    assert len(handled) == 2 and handled[1] - handled[0] == pytest.approx(1.0)
     lines = [r for r in caplog.records if "accept failed" in r.getMessage()]
     # 30 failures over ~26 s: a line at the first and one per 10 s after, none with a traceback
     assert 2 <= len(lines) <= 3 and all(r.exc_info is None for r in lines)

@@ -22,7 +22,8 @@ def test_bearer_only_has_a_realm_and_no_metadata() -> None:
     assert authn.challenge("127.0.0.1:8765", websocket=True) == 'Bearer realm="team-gw"'
     bad = Unauthorized("the token is not valid here")
     assert authn.challenge("h", bad) == \
-        'Bearer realm="team-gw", error="invalid_token", error_description="the token is not valid here"'
+        ('Bearer realm="team-gw", error="invalid_token", error_description="the token is not valid '
+         'here"')
     assert authn.metadata() is None
 
 
@@ -32,8 +33,8 @@ def test_with_an_authorization_server_the_metadata_names_it_and_follows_gateway_
     assert authn.challenge("127.0.0.1:8766") == meta
     assert authn.challenge("127.0.0.1:8765", websocket=True) == meta
     assert authn.metadata() == {"resource": "https://gw.example/mcp", "authorization_servers": ["https://id.example/"],
-                                "bearer_methods_supported": ["header"], "scopes_supported": ["tools:read"],
-                                "resource_name": "team-gw"}
+                                "bearer_methods_supported": ["header"],
+                                "scopes_supported": ["tools:read"], "resource_name": "team-gw"}
 
 
 def test_a_websocket_401_points_at_the_http_listener() -> None:

@@ -324,7 +324,8 @@ async def test_progress_reaches_the_owner_with_the_clients_token(
         await progress(wire_token, 3)
         await trio.testing.wait_all_tasks_blocked()
         assert [m["method"] for m in got] == ["notifications/progress"] * 2
-        assert [(m["params"]["progressToken"], m["params"]["progress"]) for m in got] == [(42, 1), (42, 3)]
+        assert [(m["params"]["progressToken"], m["params"]["progress"])
+                for m in got] == [(42, 1), (42, 3)]
         assert got[0]["params"]["total"] == 3
         await h.child.reply(req["id"], {})
         await c.done.wait()
@@ -341,7 +342,8 @@ async def test_progress_tokens_are_unique_across_calls(autojump_clock: MockClock
 
     async with connected() as h:
         for _ in range(3):
-            start_call(h, "tools/call", timeout=30, owner=Owner("a"), progress="same", rewrite=rewrite)
+            start_call(h, "tools/call", timeout=30, owner=Owner("a"), progress="same",
+                       rewrite=rewrite)
         tokens = {(await h.child.receive())["params"]["_meta"]["progressToken"] for _ in range(3)}
         assert len(tokens) == 3
 
@@ -404,7 +406,8 @@ async def test_read_loop_returns_at_eof(autojump_clock: MockClock) -> None:
         await h.child.close_stdout()
         await trio.testing.wait_all_tasks_blocked()
         # read_loop ended; the writer (which lives until its stream breaks) and the timer are left.
-        assert sorted(t.name.rsplit(".", 1)[-1] for t in h.nursery.child_tasks) == ["timer_loop", "write_loop"]
+        assert sorted(t.name.rsplit(".", 1)[-1]
+                      for t in h.nursery.child_tasks) == ["timer_loop", "write_loop"]
 
 
 # ---- what the child sends besides replies ------------------------------------------------
@@ -614,9 +617,11 @@ async def test_a_child_that_stops_reading_cannot_hold_more_than_max_queued(
         nursery.start_soon(conn.write_loop)
         nursery.start_soon(conn.timer_loop)
         h = Harness(conn, None, None, [], nursery)  # type: ignore[arg-type]
-        first = start_call(h, "tools/call", jsonrpc.encode_dict({"m": "x" * 100}), timeout=5, owner=owner)
+        first = start_call(h, "tools/call", jsonrpc.encode_dict({"m": "x" * 100}), timeout=5,
+                           owner=owner)
         await trio.testing.wait_all_tasks_blocked()
-        second = start_call(h, "tools/call", jsonrpc.encode_dict({"m": "y" * 250}), timeout=5, owner=owner)
+        second = start_call(h, "tools/call", jsonrpc.encode_dict({"m": "y" * 250}), timeout=5,
+                            owner=owner)
         await second.done.wait()
         assert isinstance(second.error, errors.Overloaded) and second.at == 0  # at once, unsent
         assert conn.buffers.held < 300 and len(conn.pending) == 1

@@ -220,7 +220,8 @@ def test_http_listener_keys() -> None:
     (error,) = errors_of('[listen]\nhttp = "0.0.0.0:8766"\n')
     assert error.startswith("listen.http:") and "loopback" in error
     assert errors_of('[listen]\nhttp_session_idle_timeout = 0.0\nhttp_max_sessions = 0\n') == [
-        "listen.http_session_idle_timeout: must be positive", "listen.http_max_sessions: must be at least 1"]
+        "listen.http_session_idle_timeout: must be positive",
+        "listen.http_max_sessions: must be at least 1"]
 
 
 @pytest.mark.parametrize("addr", ["127.0.0.1:0", "127.0.0.2:1", "[::1]:8765", "localhost:8765"])
@@ -350,7 +351,8 @@ def test_auth_limits_hold_per_principal_caps() -> None:
 def test_shared_park_limit_defaults_to_30_seconds_and_is_bounded() -> None:
     cfg = load("", base_dir=BASE)
     assert cfg.gateway.shared_park_limit == 30.0 and cfg.gateway.state_ttl == 300.0
-    assert load("[gateway]\nshared_park_limit = 5\n", base_dir=BASE).gateway.shared_park_limit == 5.0
+    assert load("[gateway]\nshared_park_limit = 5\n",
+                base_dir=BASE).gateway.shared_park_limit == 5.0
     for bad in ("0", "-1", "3601"):
         assert errors_of(f"[gateway]\nshared_park_limit = {bad}\n") == [
             "gateway.shared_park_limit: must be positive and at most 3600 seconds"]

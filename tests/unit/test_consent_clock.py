@@ -22,12 +22,14 @@ rules = [{ match = "x__t", action = "ask" }]
 """
 
 
-async def test_consent_prompt_times_out_exactly_once(autojump_clock: trio.testing.MockClock) -> None:
+async def test_consent_prompt_times_out_exactly_once(
+    autojump_clock: trio.testing.MockClock) -> None:
     bus = EventBus()
     seen: list[object] = []
     bus.subscribe(seen.append)
     hub = Hub(config.load(CFG), bus)
-    hub.catalog, _ = build_catalog([("x", "x", BackendLists(tools=[{"name": "t", "inputSchema": {}}]))], "__")
+    hub.catalog, _ = build_catalog(
+        [("x", "x", BackendLists(tools=[{"name": "t", "inputSchema": {}}]))], "__")
     client, server = memory_stream_pair()
 
     async def recv() -> dict:
@@ -36,23 +38,27 @@ async def test_consent_prompt_times_out_exactly_once(autojump_clock: trio.testin
     with trio.fail_after(600):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(connection.serve, hub, server, "memory")
-            await client.send(json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            await client.send(
+                json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
                 "protocolVersion": "2025-11-25", "capabilities": {"elicitation": {}}}}).encode())
             assert (await recv())["id"] == 1
             t0 = trio.current_time()
             await client.send(json.dumps({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
-                                          "params": {"name": "x__t", "arguments": {"k": "v"}}}).encode())
+                                          "params": {"name": "x__t",
+                                                     "arguments": {"k": "v"}}}).encode())
             prompt = await recv()
             assert prompt["method"] == "elicitation/create"
             withdrawn = await recv()
             assert withdrawn == {"jsonrpc": "2.0", "method": "notifications/cancelled",
-                                 "params": {"requestId": prompt["id"], "reason": "the consent prompt was withdrawn"}}
+                                 "params": {"requestId": prompt["id"],
+                                            "reason": "the consent prompt was withdrawn"}}
             reply = await recv()
             assert trio.current_time() - t0 == 60.0
             assert reply["id"] == 2 and reply["error"]["code"] == -32005
             assert reply["error"]["data"]["reason"] == "timeout"
             # a late answer is dropped quietly (not refused as spoofing)
-            await client.send(json.dumps({"jsonrpc": "2.0", "id": prompt["id"], "result": {"action": "accept"}}).encode())
+            await client.send(json.dumps({"jsonrpc": "2.0", "id": prompt["id"],
+                                          "result": {"action": "accept"}}).encode())
             await client.send(json.dumps({"jsonrpc": "2.0", "id": 3, "method": "ping"}).encode())
             assert (await recv())["id"] == 3
             await client.aclose()

@@ -21,7 +21,8 @@ from gateway.protocol import jsonrpc, mcp
 from gateway.session import ClientSession
 
 TIMEOUT = 60.0
-CFG = config.load(f'[policy]\nelicitation_timeout = {TIMEOUT}\nrules = [{{ match = "t", action = "ask" }}]\n')
+CFG = config.load(f'[policy]\nelicitation_timeout = {TIMEOUT}\nrules = [{{ match = "t", action = '
+                  f'"ask" }}]\n')
 
 ANSWERS = {
     "approve": {"result": {"action": "accept", "content": {"approve": True}}},
@@ -82,7 +83,8 @@ async def scenario(events: list[object]) -> tuple[str, list[ServerRequestFinishe
             if isinstance(e, tuple):
                 await trio.sleep(e[1])
             elif e in ANSWERS:
-                session.on_answer(jsonrpc.decode(msgspec.json.encode({"jsonrpc": "2.0", "id": prompt["id"], **ANSWERS[e]})))
+                session.on_answer(jsonrpc.decode(
+                    msgspec.json.encode({"jsonrpc": "2.0", "id": prompt["id"], **ANSWERS[e]})))
             elif e == "spoof":
                 other = ClientSession("memory", outbound_capacity=4, max_inflight=1)
                 assert other.on_answer(jsonrpc.decode(msgspec.json.encode(

@@ -35,17 +35,20 @@ META = {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
 def expiry(state: str) -> float:
     """Seconds from now until the state's signed expiry."""
     payload = state.split(".")[1]
-    return json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))["x"] - time.time()
+    return json.loads(
+        base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))["x"] - time.time()
 
 
 @pytest.mark.parametrize(("ttl", "ends_after"), [(300.0, 60.0), (10.0, 10.0)])
-async def test_silence_ends_the_consent_round_once(autojump_clock: trio.testing.MockClock, ttl: float,
+async def test_silence_ends_the_consent_round_once(autojump_clock: trio.testing.MockClock,
+                                                   ttl: float,
                                                     ends_after: float) -> None:
     bus = EventBus()
     seen: list[tuple[float, object]] = []
     bus.subscribe(lambda e: seen.append((trio.current_time(), e)))
     hub = Hub(config.load(CFG.format(ttl=ttl)), bus)
-    hub.catalog, _ = build_catalog([("x", "x", BackendLists(tools=[{"name": "t", "inputSchema": {}}]))], "__")
+    hub.catalog, _ = build_catalog(
+        [("x", "x", BackendLists(tools=[{"name": "t", "inputSchema": {}}]))], "__")
     client, server = memory_stream_pair()
     received: list[dict[str, Any]] = []
 
@@ -61,14 +64,17 @@ async def test_silence_ends_the_consent_round_once(autojump_clock: trio.testing.
             await client.send(json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
                                           "params": params}).encode())
             first = (await recv())["result"]
-            assert first["resultType"] == "input_required" and list(first["inputRequests"]) == ["consent"]
+            assert (first["resultType"] == "input_required"
+                    and list(first["inputRequests"]) == ["consent"])
             assert abs(expiry(first["requestState"]) - ends_after) <= 2
             with trio.move_on_after(ends_after + 100):  # silence: nothing more comes for id 1
                 await recv()
             assert received == [received[0]]
             # the retry after the timeout finds nothing to continue: the call is over
-            await client.send(json.dumps({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
-                **params, "inputResponses": {"consent": {"action": "accept", "content": {"approve": True}}},
+            await client.send(
+                json.dumps({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
+                **params,
+                "inputResponses": {"consent": {"action": "accept", "content": {"approve": True}}},
                 "requestState": first["requestState"]}}).encode())
             late = await recv()
             assert late["id"] == 2 and late["error"]["data"]["reason"] == "invalid_state"

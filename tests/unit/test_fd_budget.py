@@ -31,7 +31,8 @@ command = "b"
 sharing = "affine"
 instances = 3
 """)
-    assert config.fd_reserve(cfg) == fd_reserve(children=13, tcp_listeners=3, unix_listeners=1) == 160 + 104 + 7
+    assert config.fd_reserve(cfg) == fd_reserve(children=13, tcp_listeners=3,
+                                                unix_listeners=1) == 160 + 104 + 7
     assert cfg.gateway.max_connections is None  # not set: the default, fitted at start
 
 
@@ -40,7 +41,8 @@ def test_the_default_fits_or_is_lowered_with_a_warning_naming_both_numbers() -> 
     assert fit_connections(None, 4096 + 200, 200).max_connections == 4096
     fit = fit_connections(None, 1024, 166)
     assert fit.max_connections == 1024 - 166 and fit.refusal is None
-    assert fit.warning is not None and "4096" in fit.warning and "858" in fit.warning and "1024" in fit.warning
+    assert (fit.warning is not None and "4096" in fit.warning and "858" in fit.warning
+            and "1024" in fit.warning)
 
 
 def test_an_explicit_value_that_does_not_fit_is_refused_naming_both_numbers() -> None:
@@ -48,6 +50,7 @@ def test_an_explicit_value_that_does_not_fit_is_refused_naming_both_numbers() ->
     fit = fit_connections(1000, 1024, 166)
     assert fit.refusal is not None and fit.warning is None
     assert "max_connections = 1000" in fit.refusal and "1024" in fit.refusal
-    assert "1166" in fit.refusal and "at most 858" in fit.refusal  # what to raise it to, or lower to
+    # what to raise it to, or lower to
+    assert "1166" in fit.refusal and "at most 858" in fit.refusal
     no_room = fit_connections(None, 100, 166)  # not one connection fits: refused even by default
     assert no_room.refusal is not None and "100" in no_room.refusal

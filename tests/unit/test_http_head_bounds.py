@@ -52,7 +52,8 @@ async def test_a_head_of_two_thousand_small_headers_in_one_write_gets_431() -> N
     assert answer.startswith(b"HTTP/1.1 431 "), answer[:100]
 
 
-async def test_a_head_just_under_the_limit_in_one_write_is_served_and_its_body_does_not_count() -> None:
+async def test_a_head_just_under_the_limit_in_one_write_is_served_and_its_body_does_not_count(
+) -> None:
     head = b"POST" + GET[3:] + b"content-length: 1000\r\nx-pad: "
     head += b"a" * (MAX_HEAD_BYTES - len(head) - 4) + b"\r\n\r\n"
     assert len(head) == MAX_HEAD_BYTES
@@ -81,7 +82,7 @@ async def serve_timed(server: trio.abc.Stream, ended: list[float]) -> None:
 
 async def test_a_connection_that_sends_nothing_is_closed_after_the_head_timeout(
         autojump_clock: trio.testing.MockClock) -> None:
-    client, server = trio.testing.memory_stream_pair()
+    _client, server = trio.testing.memory_stream_pair()
     ended: list[float] = []
     start = trio.current_time()
     async with trio.open_nursery() as nursery:

@@ -29,7 +29,8 @@ PURE = ["gateway.config", "gateway.errors", "gateway.events", "gateway.limits", 
         "gateway.status"]
 PACKAGE = Path(ROOT) / "gateway"
 #: Modules the sans-IO layer must not import (nor any submodule of them).
-PROTOCOL_BANNED_MODULES = frozenset({"trio", "socket", "subprocess", "asyncio", "select", "selectors"})
+PROTOCOL_BANNED_MODULES = frozenset({"trio", "socket", "subprocess", "asyncio", "select",
+                                     "selectors"})
 #: ``os`` functions that do I/O on file descriptors, banned in the sans-IO layer with ``open()``.
 PROTOCOL_BANNED_OS_CALLS = frozenset({"open", "read", "write"})
 TRANSPORTS = PACKAGE / "transports"

@@ -18,13 +18,16 @@ ROOTS = ["file:///srv/data", "file:///home/shared"]
 
 class FakeOwner:
     """Stands in for a ClientSession: decide() only reads ``caps``, ``mrtr``, ``era`` and, for
-    a modern caller, its requests in flight (their ``caps``)."""
+    a modern caller, its calls in flight (their ``caps``)."""
 
     def __init__(self, caps: dict[str, Any], mrtr: object = None, inflight: int = 1) -> None:
         self.caps = ClientCaps(caps)
         self.mrtr = mrtr  # a modern caller's bridge
         self.inflight = {n: SimpleNamespace(caps=self.caps) for n in range(inflight)}
         self.era = None  # not pinned yet: a legacy one's rules
+
+    def calls(self) -> list[Any]:
+        return list(self.inflight.values())
 
 
 BRIDGE = SimpleNamespace(full=False)  # a modern caller's bridge with room for a parked call
@@ -180,7 +183,8 @@ def test_owner_lacking_the_capability_gets_an_error(method: str, caps: dict[str,
     bridged = run(method, owners={FakeOwner(caps, mrtr=BRIDGE)})  # a modern caller (2026-07-28)
     assert isinstance(bridged, Answer) and bridged.code == errors.MISSING_CAPABILITY
     assert bridged.data == {"requiredCapabilities": {bridged.message.split()[-2]: {}}}
-    full = run(method, owners={FakeOwner(FULL, mrtr=SimpleNamespace(full=True))})  # max_parked_flows
+    # max_parked_flows
+    full = run(method, owners={FakeOwner(FULL, mrtr=SimpleNamespace(full=True))})
     assert isinstance(full, Answer) and full.reason == "overloaded"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -257,3 +258,13 @@ async def test_sessions_charge_the_shared_budget_and_release_on_drop() -> None:
     a.drop_outbound()
     b.drop_outbound()
     assert budget.total == 0
+
+
+async def test_an_open_listen_is_not_a_call_that_may_ask_for_input() -> None:
+    """``calls()``: what a child's server request may come from (ownership, bridge) — every
+    request in flight but an open ``subscriptions/listen``, which no child ever sees."""
+    s = session()
+    listen, call = (SimpleNamespace(req=SimpleNamespace(method=m))
+                    for m in ("subscriptions/listen", "tools/call"))
+    s.inflight.update({"l": listen, 1: call})
+    assert s.calls() == [call]

@@ -51,6 +51,7 @@ class Parking:
     def __init__(self) -> None:
         self.parked: dict[str, float] = {}
         self.preempted: list[tuple[str, float]] = []
+        self.first_preempted = trio.Event()
 
     def parked_since(self, owner: str) -> float | None:
         return self.parked.get(owner)
@@ -62,6 +63,7 @@ class Parking:
         del self.parked[owner]
         child.sent.discard(owner)  # given up: its call stays at the child until it answers
         self.preempted.append((owner, trio.current_time()))
+        self.first_preempted.set()
 
 
 class Host:
@@ -94,15 +96,14 @@ async def test_the_parked_flow_is_preempted_at_the_limit_and_the_call_goes_on_th
     assert b.pick_now("bob") is not None  # type: ignore[arg-type]  # a call that never asked goes
 
     async def child_answers_the_given_up_call() -> None:
-        while not parking.preempted:
-            await trio.sleep(0.01)
+        await parking.first_preempted.wait()
         await trio.sleep(0.05)
         child.owners.discard("alice")
         b.on_settled(b.instances[0])
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(child_answers_the_given_up_call)
-        inst, got = await b.acquire("bob", asks=True)  # type: ignore[arg-type]
+        _inst, got = await b.acquire("bob", asks=True)  # type: ignore[arg-type]
     assert got is child and parking.preempted == [("alice", LIMIT)]
     assert trio.current_time() == pytest.approx(LIMIT + 0.05, abs=0.02)
 
@@ -128,7 +129,7 @@ async def test_a_flow_resumed_within_the_limit_is_never_preempted(
 
 async def test_a_child_that_never_answers_the_given_up_call_holds_the_call_a_bounded_time(
         autojump_clock: trio.testing.MockClock, setup: Any) -> None:
-    child, parking, b = setup
+    _child, parking, b = setup
     await b.acquire("bob", asks=True)  # type: ignore[arg-type]
     assert parking.preempted == [("alice", LIMIT)]
     assert trio.current_time() == pytest.approx(LIMIT + b.cfg.cancel_grace)
@@ -151,8 +152,7 @@ async def test_callers_waiting_behind_one_flow_go_one_at_a_time(
             b.release(b.instances[0], name)  # type: ignore[arg-type]
 
     async def child_answers_the_given_up_call() -> None:
-        while not parking.preempted:
-            await trio.sleep(0.01)
+        await parking.first_preempted.wait()
         child.owners.discard("alice")
         b.on_settled(b.instances[0])
 

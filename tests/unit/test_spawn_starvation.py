@@ -5,6 +5,7 @@ table, then a Hub on trio's MockClock whose spawn fails with EMFILE a number of 
 from __future__ import annotations
 
 import errno
+import itertools
 import random
 from typing import Any
 
@@ -26,7 +27,8 @@ class NoJitter(random.Random):
 
 
 def test_starved_spawns_back_off_and_never_count_toward_fatal() -> None:
-    sup = Supervision(RestartPolicy(backoff_initial=0.1, backoff_max=30.0, max_restarts=1, window=60.0), NoJitter())
+    sup = Supervision(RestartPolicy(backoff_initial=0.1, backoff_max=30.0, max_restarts=1,
+                                    window=60.0), NoJitter())
     sup.start()
     delays = []
     for _ in range(12):
@@ -69,7 +71,15 @@ async def test_a_backend_whose_spawns_hit_emfile_comes_back_running_never_fatal(
     monkeypatch.setattr(process, "kill_group", lambda pgid: None)
     bus = EventBus()
     states: list[str] = []
-    bus.subscribe(lambda e: states.append(e.new) if isinstance(e, BackendStateChanged) else None)
+    running = trio.Event()
+
+    def on_event(e: object) -> None:
+        if isinstance(e, BackendStateChanged):
+            states.append(e.new)
+            if e.new == "RUNNING":
+                running.set()
+
+    bus.subscribe(on_event)
     cfg = config.load("""
 [listen]
 websocket = "127.0.0.1:0"
@@ -83,13 +93,12 @@ restart = { backoff_initial = 0.1, backoff_max = 30.0, max_restarts = 0, window 
     with trio.fail_after(1000):
         async with trio.open_nursery() as nursery:
             await nursery.start(hub.run)
-            while "RUNNING" not in states:
-                await trio.sleep(0.1)
+            await running.wait()
             inst = hub.backends["fake"].instances[0]
             assert inst.state is State.RUNNING
             nursery.cancel_scope.cancel()
     assert "FATAL" not in states  # max_restarts = 0: one counted failure would have been FATAL
     assert len(attempts) == starved_for + 1
-    gaps = [b - a for a, b in zip(attempts, attempts[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(attempts)]
     assert max(gaps) <= STARVED_BACKOFF_MAX + 1e-9  # retried at least every 5 s
     assert sum(gaps) > 60  # backed off, not a busy loop

@@ -4,6 +4,7 @@ and stop seams of gateway.backend.process are replaced), so autojump never touch
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -92,14 +93,20 @@ async def test_crash_loop_backs_off_then_goes_fatal(
     monkeypatch.setattr(process, "kill_group", lambda pgid: None)
     bus = EventBus()
     states: list[tuple[float, str]] = []
-    bus.subscribe(lambda e: states.append((trio.current_time(), e.new))
-                  if isinstance(e, BackendStateChanged) else None)
+    fatal = trio.Event()
+
+    def on_event(e: object) -> None:
+        if isinstance(e, BackendStateChanged):
+            states.append((trio.current_time(), e.new))
+            if e.new == "FATAL":
+                fatal.set()
+
+    bus.subscribe(on_event)
     hub = Hub(config.load(CFG), bus)
     with trio.fail_after(1000):
         async with trio.open_nursery() as nursery:
             await nursery.start(hub.run)
-            while not states or states[-1][1] != "FATAL":
-                await trio.sleep(0.1)
+            await fatal.wait()
             fatal_at = trio.current_time()
             await trio.sleep(50)  # FATAL stays FATAL: no further spawn
             assert len(spawned) == 5  # the first start + max_restarts restarts
@@ -107,7 +114,7 @@ async def test_crash_loop_backs_off_then_goes_fatal(
             nursery.cancel_scope.cancel()
     # each child lives 0.5 s; the gaps after that are the backoff: base 1, 2, 4, 4 with jitter
     # in [base/2, base]
-    waits = [b - a - 0.5 for a, b in zip(spawned, spawned[1:], strict=False)]
+    waits = [b - a - 0.5 for a, b in itertools.pairwise(spawned)]
     for wait, base in zip(waits, [1.0, 2.0, 4.0, 4.0], strict=True):
         assert base / 2 - 1e-9 <= wait <= base + 1e-9, (waits, base)
     assert fatal_at == pytest.approx(spawned[-1] + 0.5, abs=0.2)

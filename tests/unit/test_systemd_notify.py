@@ -149,7 +149,7 @@ async def test_watchdog_stops_pinging_while_the_loop_is_blocked(
         await nursery.start(systemd.run_watchdog)
         await trio.sleep(0.15)
         assert len(drain(notify_socket)) >= 3
-        time.sleep(0.2)  # a stuck event loop: systemd would now see no pings  # noqa: ASYNC251
+        time.sleep(0.2)  # a stuck event loop: systemd would now see no pings  # noqa: ASYNC251 - the stuck event loop is what the test makes
         assert drain(notify_socket) == []
         await trio.sleep(0.1)
         assert drain(notify_socket) != []
@@ -250,7 +250,8 @@ def test_listen_fds_adopted_as_trio_listeners(names: str | None, expected: list[
         s.bind(("127.0.0.1", 0))
         s.listen()
         listeners.append(s)
-    env = {k: v for k, v in os.environ.items() if k not in SYSTEMD_ENV_VARS} | {"LISTEN_FDS": "2", "PYTHONPATH": str(REPO)}
+    env = {k: v for k, v in os.environ.items()
+           if k not in SYSTEMD_ENV_VARS} | {"LISTEN_FDS": "2", "PYTHONPATH": str(REPO)}
     if names is not None:
         env["LISTEN_FDNAMES"] = names
     fds = [s.fileno() for s in listeners]

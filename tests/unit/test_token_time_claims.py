@@ -22,7 +22,8 @@ KEY = jwts.Key("k1", "ES256", PRIVATE.public_key())
 
 def _token(**claims: Any) -> str:
     now = int(time.time())
-    payload = {"iss": OAUTH.issuer, "aud": OAUTH.audience, "sub": "alice", "exp": now + 600, **claims}
+    payload = {"iss": OAUTH.issuer, "aud": OAUTH.audience, "sub": "alice", "exp": now + 600,
+               **claims}
     return pyjwt.encode(payload, PRIVATE, algorithm="ES256", headers={"kid": "k1"})
 
 
@@ -43,7 +44,8 @@ def test_a_time_claim_that_is_not_a_number_is_refused(claim: str, value: Any) ->
         value = str(now - 600) if claim == "exp" else str(now - 900)
     with pytest.raises(jwts.TokenRefused) as refused:
         jwts.verify(_token(**{claim: value}), KEY, "ES256", OAUTH)
-    assert refused.value.kind in ("claims", "invalid", "expired", "not_yet_valid"), refused.value.kind
+    assert refused.value.kind in ("claims", "invalid", "expired",
+                                  "not_yet_valid"), refused.value.kind
 
 
 def test_a_string_exp_in_the_future_is_refused_as_not_a_number() -> None:

@@ -278,7 +278,8 @@ def test_decode_batch_answers_each_invalid_entry_and_keeps_the_valid_ones() -> N
     ],
 )
 def test_decode_batch_refuses_what_cannot_be_a_batch(
-        data: bytes, version: str | None, error: type[errors.GatewayError], reason: str | None) -> None:
+        data: bytes, version: str | None, error: type[errors.GatewayError],
+        reason: str | None) -> None:
     with pytest.raises(error) as refused:
         jsonrpc.decode_batch(data, version, 2)
     assert refused.value.reason == reason

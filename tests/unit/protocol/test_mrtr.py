@@ -29,9 +29,10 @@ def test_a_state_verifies_only_unchanged_unexpired_and_from_its_own_replica() ->
     assert codec.verify(state, 999) == CLAIMS
     assert "expired" in refused(codec, state, now=1_000)
     assert "signature" in refused(codec, state + "-TAMPERED")
-    replica, payload, mac = state.split(".")
+    replica, _payload, mac = state.split(".")
     forged = codec.sign(dataclasses.replace(CLAIMS, round=3))
-    assert "signature" in refused(codec, f"{replica}.{forged.split('.')[1]}.{mac}")  # payload swapped
+    # payload swapped
+    assert "signature" in refused(codec, f"{replica}.{forged.split('.')[1]}.{mac}")
     assert "signature" in refused(mrtr.StateCodec(b"x" * 32, "r1"), state)  # another key
     assert "replica 'r1'" in refused(mrtr.StateCodec(b"k" * 32, "r2"), state)
     for junk in (None, 3, "", "r1", "r1..", "x" * 5000):
@@ -60,8 +61,10 @@ def test_the_digest_names_the_call_not_its_round_trip_or_envelope() -> None:
                                                    _meta={"x": 1}, requestState="s",
                                                    inputResponses={"k": {}}))
     assert base == same
-    assert base != mrtr.params_digest("tools/call", params(name="t", arguments={"a": 2, "b": [1, 2]}))
-    assert base != mrtr.params_digest("prompts/get", params(name="t", arguments={"a": 1, "b": [1, 2]}))
+    assert base != mrtr.params_digest("tools/call",
+                                      params(name="t", arguments={"a": 2, "b": [1, 2]}))
+    assert base != mrtr.params_digest("prompts/get",
+                                      params(name="t", arguments={"a": 1, "b": [1, 2]}))
     assert mrtr.input_responses(params(inputResponses={"k": {"action": "accept"}})) == {
         "k": Raw(b'{"action":"accept"}')}
     for bad in ({"k": 12345}, None, [1], {"k": "x"}):

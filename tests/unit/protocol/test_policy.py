@@ -125,6 +125,7 @@ def test_the_suggested_rules_are_toml_in_both_forms() -> None:
     assert tomllib.loads(snippet) == {"policy": {"rules": [
         {"match": "fx__wipe", "action": "ask"}, {"match": "git__push-force", "action": "ask"}]}}
     inline = [line.removeprefix("#   ") for line in snippet.splitlines() if line.startswith("#   ")]
-    existing = '[policy]\nrules = [\n  { match = "x", action = "deny" },\n' + "\n".join(inline) + "\n]\n"
+    existing = ('[policy]\nrules = [\n  { match = "x", action = "deny" },\n'
+                + "\n".join(inline) + "\n]\n")
     assert tomllib.loads(existing)["policy"]["rules"][1:] == [
         {"match": "fx__wipe", "action": "ask"}, {"match": "git__push-force", "action": "ask"}]

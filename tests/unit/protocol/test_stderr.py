@@ -67,4 +67,5 @@ def test_feed_counted_agrees_with_feed_in_any_chunking() -> None:
 def test_printable_replaces_control_characters_and_invalid_utf8() -> None:
     from gateway.protocol.stderr import printable
 
-    assert printable(b"\x1b[31mred\x1b[0m\tok\x00 caf\xc3\xa9 \xff  \r") == "\ufffd[31mred\ufffd[0m\tok\ufffd café \ufffd"
+    assert (printable(b"\x1b[31mred\x1b[0m\tok\x00 caf\xc3\xa9 \xff  \r")
+            == "\ufffd[31mred\ufffd[0m\tok\ufffd café \ufffd")

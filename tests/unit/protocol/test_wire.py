@@ -8,10 +8,9 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from gateway import errors
 from msgspec import Raw
 
+from gateway import errors
 from gateway.protocol import jsonrpc, mcp, wire
 from gateway.protocol.framing import LineFramer, Oversize, OversizeEnd
 
@@ -50,7 +49,8 @@ def test_unterminated_nesting_is_too_deep_not_a_crash() -> None:
     assert info.value.reason == "too_deep"
 
 
-@pytest.mark.parametrize("bad", [b"\xff", b"\xc3", b"\xed\xa0\xbd", b"\xf4\x90\x80\x80", b"\xc0\xaf"])
+@pytest.mark.parametrize("bad",
+                         [b"\xff", b"\xc3", b"\xed\xa0\xbd", b"\xf4\x90\x80\x80", b"\xc0\xaf"])
 def test_invalid_utf8_is_a_parse_error(bad: bytes) -> None:
     with pytest.raises(errors.ParseError) as info:
         jsonrpc.decode(b'{"jsonrpc":"2.0","id":1,"result":{"t":"' + bad + b'"}}')
@@ -58,11 +58,13 @@ def test_invalid_utf8_is_a_parse_error(bad: bytes) -> None:
 
 
 def test_unpaired_surrogate_escapes_pass_through_as_escapes() -> None:
-    env = jsonrpc.decode(b'{"jsonrpc":"2.0","id":1,"result":{"t":"\\ud83d","u":"\\ud83d\\ude00 \\u00e9"}}')
+    env = jsonrpc.decode(b'{"jsonrpc":"2.0","id":1,"result":{"t":"\\ud83d","u":"\\ud83d\\ude00 '
+                         b'\\u00e9"}}')
     assert env.id == 1
     assert json.loads(bytes(env.result)) == {"t": "\ud83d", "u": "\U0001f600 \u00e9"}
     bytes(env.result).decode("ascii")  # re-encoded with escapes: still plain UTF-8 on the wire
-    env = jsonrpc.decode(b'{"jsonrpc":"2.0","id":2,"error":{"code":-1,"message":"a\\udc00","data":["\\udc00"]}}')
+    env = jsonrpc.decode(
+        b'{"jsonrpc":"2.0","id":2,"error":{"code":-1,"message":"a\\udc00","data":["\\udc00"]}}')
     assert env.error.code == -1 and env.error.message == "a\ufffd"
     assert json.loads(bytes(env.error.data)) == ["\udc00"]
     with pytest.raises(errors.InvalidRequest):  # an id the gateway could not echo back
@@ -76,7 +78,8 @@ def test_unpaired_surrogates_in_what_the_gateway_splits_or_reads() -> None:
     (item,) = jsonrpc.split_batch(b'[{"jsonrpc":"2.0","id":1,"method":"x","params":"\\udc00"}]')
     assert jsonrpc.decode(bytes(item)).params == Raw(b'"\\udc00"')
     # what the gateway reads for itself gets U+FFFD (a pair stays a pair)
-    assert jsonrpc.loads(b'["a\\ud83d", "\\ud83d\\ude00", "\\ude00b"]') == ["a\ufffd", "\U0001f600", "\ufffdb"]
+    assert jsonrpc.loads(b'["a\\ud83d", "\\ud83d\\ude00", "\\ude00b"]') == [
+        "a\ufffd", "\U0001f600", "\ufffdb"]
     page = mcp.decode_list_page(Raw(b'{"tools":[{"name":"t","description":"x\\ud800"}]}'))
     assert page.tools == [{"name": "t", "description": "x\ufffd"}]
 
@@ -123,7 +126,8 @@ def test_the_surrogate_slow_path_accepts_only_what_msgspec_would() -> None:
         jsonrpc.decode(text.encode("utf-16-le"))
     for bad in (b"NaN", b"Infinity", b"-Infinity", b"1e400"):  # not JSON, or not a float
         with pytest.raises(errors.ParseError):
-            jsonrpc.decode(b'{"jsonrpc":"2.0","id":1,"params":{"a":"\\ud800","b":' + bad + b'},"method":"m"}')
+            jsonrpc.decode(
+                b'{"jsonrpc":"2.0","id":1,"params":{"a":"\\ud800","b":' + bad + b'},"method":"m"}')
         with pytest.raises(errors.ParseError):
             jsonrpc.split_batch(b'[{"a":"\\ud800","b":' + bad + b"}]")
     with pytest.raises(errors.ParseError):  # a cut-off batch is a parse error, not an escape
