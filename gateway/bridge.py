@@ -24,12 +24,13 @@ ends the call when its prompt times out (the earlier of ``policy.elicitation_tim
 its flow even for a modern backend, whose own states otherwise pass through (:meth:`continues`).
 
 Nothing waits forever: a parked flow not resumed within ``gateway.state_ttl`` seconds, or one
-whose state its own principal presented tampered, is ended like a closed connection (its waiting
-requests are declined or refused toward the child, its call cancelled at the child); a retry for
-a flow that is gone gets -32602 with ``data.reason = "invalid_state"``.  On a ``shared`` backend a parked
-flow also keeps other callers' input requests from being attributed there: a call that may ask
-for input waits for it (:mod:`gateway.backend.pool`), and once it has been parked
-``gateway.shared_park_limit`` seconds it is *preempted* (:meth:`Flow.preempt`).
+whose state its own principal presented tampered, is ended (its waiting requests are declined or
+refused toward the child, its call given up there without ``notifications/cancelled``, as at a
+preemption: :meth:`Flow._let_go`); a retry for a flow that is gone gets -32602 with
+``data.reason = "invalid_state"``.  On a ``shared`` backend a parked flow also keeps other
+callers' input requests from being attributed there: a call that may ask for input waits for
+it (:mod:`gateway.backend.pool`), and once it has been parked ``gateway.shared_park_limit``
+seconds it is *preempted* (:meth:`Flow.preempt`).
 """
 
 from __future__ import annotations
@@ -132,6 +133,8 @@ class Bridge:
         # its cap); returns what gives the place back (set by the hub: max_parked_flows).
         self.count_parked: Callable[[ClientSession], Callable[[], None]] = lambda owner: _nothing
         self.counted: dict[str, Callable[[], None]] = {}  # parked flow id -> gives its place back
+        # a call of this backend parked (set by the hub: wakes the calls waiting behind it)
+        self.on_park: Callable[[str], None] = lambda backend: None
 
     def flow_of(self, owner: ClientSession, served: Served | None = None) -> Flow:
         """The flow of ``served``, by default the owner's call in flight (ownership bridges a
@@ -338,12 +341,14 @@ class Flow:
             return
         bridge = self.bridge
         try:
+            # gateway.max_parked_flows, asked before the prompt too: calls asking at once all
+            # passed that check (none parked yet); then its principal's max_parked_flows
+            bridge.admit()
             bridge.counted[self.id] = bridge.count_parked(self.owner)
-        except errors.GatewayError as exc:  # its principal's max_parked_flows: not parked
-            for req in list(self.pending.values()):
-                req.finish(ServerRequestOutcome.OWNER_GONE)
+        except errors.GatewayError as exc:  # not parked
             served.end(exc=exc)
-            served.cancel()  # at the child (answered already)
+            self._let_go()  # (cancelled, a shared child was recycled after cancel_grace)
+            served.cancel()  # (the task forwarding it, if any, ends)
             return
         if not self.digest:
             self.method = served.req.method
@@ -361,6 +366,7 @@ class Flow:
         bridge.flows[self.id] = self  # only parked flows are listed: a retry finds them here
         served.reply(jsonrpc.encode_result(served.id, result), served.id)
         bridge.bus.emit(InputRequired(served.req.backend))
+        bridge.on_park(served.req.backend)
         self.resumed = trio.Event()
         if self.deadline is None:
             assert self.owner.nursery is not None
@@ -404,12 +410,15 @@ class Flow:
             self._gather()
 
     def end(self, why: str) -> None:
-        """End the flow like a closed connection: the child's requests are declined or refused,
-        its call cancelled at the child."""
+        """End the flow: the child's requests are declined or refused, its call cancelled at
+        the child (given up without ``notifications/cancelled`` when it was parked asking:
+        :meth:`_let_go`)."""
         LOGGER.info("bridged %s flow %s ended: %s", self.method or "call", self.id, why,
                     extra=self.owner.log_fields)
+        was_parked, self.parked = self.parked, False  # (giving up ends its call: not again)
+        if was_parked and self.pending:
+            self._let_go()
         self._unlist()
-        self.parked = False
         if self.owner.transport == "http":  # a flow session: it ends with its call
             self.owner.close(CloseReason.CLIENT_CLOSED)
             return
@@ -421,6 +430,26 @@ class Flow:
             req.finish(ServerRequestOutcome.OWNER_GONE)
         self.closed()
         self.served.cancel()
+
+    def _let_go(self) -> None:
+        """A parked flow ends (expired, its state tampered, a retry with other params), or one
+        about to park is refused (``max_parked_flows``): as at a preemption, the child's
+        requests are answered (an elicitation ``cancel``, others -32007) and its call given up
+        without ``notifications/cancelled``: the tool finishes and its reply (dropped) frees
+        the child's attribution set.  (Cancelled, a
+        spec-following child never answers: the set stayed held for ``cancel_grace``, other
+        callers' input requests there refused, then the shared child was recycled.)  Calls
+        that may ask for input wait for that reply (``leaving``)."""
+        bridge = self.bridge
+        bridge.leaving.add(self.owner)
+        for req in list(self.pending.values()):
+            req.finish(ServerRequestOutcome.OWNER_GONE)
+        served = self.served
+        if served.call is not None and served.child is not None:
+            served.child.give_up([served.call])
+        elif served.req.at is not None:  # forwarded by a task
+            child, call = served.req.at
+            child.give_up([call])
 
     def preempt(self, child: ChildConnection) -> None:
         """Parked longer than ``gateway.shared_park_limit`` while another caller's call that
@@ -441,9 +470,8 @@ class Flow:
         served = self.served
         if served.call is not None and served.child is child:
             child.give_up([served.call])
-        elif self.owner.transport == "http":  # forwarded by a task: the flow's only call there
-            child.give_up(child.calls_of(self.owner))
-        # (a WebSocket connection's call forwarded by a task: cancelled as usual by end())
+        elif served.req.at is not None and served.req.at[0] is child:  # forwarded by a task
+            child.give_up([served.req.at[1]])
         served.end(cancelled=True)  # (in a task: its call raises there, answered by nobody)
         self.end(why)
 

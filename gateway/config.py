@@ -582,7 +582,8 @@ def restart_only_changes(old: GatewayConfig, new: GatewayConfig) -> list[str]:
         out.append("listen")
     if old.admin != new.admin:
         out.append("admin")
-    for key in ("max_message_bytes", "max_json_depth", "log_target"):
+    for key in ("max_message_bytes", "max_json_depth", "log_target", "state_key_file",
+                "replica_id"):
         if getattr(old.gateway, key) != getattr(new.gateway, key):
             out.append(f"gateway.{key}")
     return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -45,6 +46,8 @@ class Request:
     backend_time: float | None = None
     tool: str | None = None
     counted: bool = False  # RequestStarted was emitted (a backend was chosen)
+    # forwarded by a task (:func:`forward`): its child and its call there, while it runs
+    at: tuple[Any, Any] | None = None
 
 
 Handler = Callable[["Hub", "ClientSession", Request], Raw]
@@ -254,15 +257,21 @@ async def forward(hub: Hub, session: ClientSession, req: Request, target: Target
         try:
             return await child.request(req.method, timeout=backend.cfg.request_timeout,
                                        hard_timeout=backend.cfg.max_call_duration, owner=session,
-                                       progress=client_token, rewrite=rewrite)
+                                       progress=client_token, rewrite=rewrite,
+                                       started=partial(_forwarded, req, child))
         except errors.NotDelivered:
             if attempt:  # the child died before reading it twice in a row: give up
                 raise
             LOGGER.info("backend %s died before %s reached it; retrying once", inst.name, req.method)
         finally:
+            req.at = None
             req.backend_time = trio.current_time() - started
             backend.release(inst, session)
     raise AssertionError("unreachable")
+
+
+def _forwarded(req: Request, child: Any, call: Any) -> None:
+    req.at = (child, call)  # a bridged flow gives it up at its child (gateway.bridge)
 
 
 def asker_key(req: Request) -> str:

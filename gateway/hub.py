@@ -104,6 +104,7 @@ class Hub:
         self.bridge.passthrough = self.targets_modern
         self.bridge.bus = bus
         self.bridge.count_parked = self._count_parked
+        self.bridge.on_park = self._flow_parked
         self.policy = Policy(cfg.policy, bus, cfg)
         self.limits = PrincipalLimits(principal_limits(cfg))  # [[auth.limits]]
         self.caps = PrincipalCaps(principal_limits(cfg))  # what each principal holds at once
@@ -143,6 +144,9 @@ class Hub:
         self.slots.limit = cfg.gateway.max_connections or DEFAULT_MAX_CONNECTIONS
         self.limits = self.limits.reconfigured(principal_limits(cfg))
         self.caps.reconfigure(principal_limits(cfg))
+        g = cfg.gateway  # the bridge's bounds (its key and replica id only at a restart)
+        self.bridge.ttl, self.bridge.park_limit, self.bridge.max_parked = (
+            g.state_ttl, g.shared_park_limit, g.max_parked_flows)
         self.principal_names = configured_names(cfg)
         callers = self._callers()
         before = self._views(self.policy, self.catalog, callers, tuple(LIST_KINDS))
@@ -468,6 +472,11 @@ class Hub:
         self.ownership.forget_session(session)
         for backend in list(self.backends.values()):
             backend.drop_session(session)
+
+    def _flow_parked(self, name: str) -> None:
+        backend = self.backends.get(name)
+        if backend is not None:
+            backend.flow_parked()
 
     def _count_parked(self, owner: ClientSession) -> Callable[[], None]:
         """A bridged flow parks: one of its principal's ``max_parked_flows`` (CapReached at it)."""

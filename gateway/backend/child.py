@@ -354,9 +354,10 @@ class ChildConnection:
         internal: bool = False,
         progress: Any = None,
         rewrite: Callable[..., Raw | UnsetType] | None = None,
+        started: Callable[[Call], None] | None = None,
     ) -> Raw:
         """Send a request to the child and wait for its reply (the slow path and the gateway's
-        own requests; see :meth:`start`).
+        own requests; see :meth:`start`).  ``started`` is told its call, once started.
 
         Raises:
             CallTimeout, BackendExited, NotDelivered, Overloaded, RemoteError.  On cancellation
@@ -366,6 +367,8 @@ class ChildConnection:
         call = self.start(method, params, handle=waiter, now=trio.current_time(), owner=owner,
                           internal=internal, timeout=timeout, hard_timeout=hard_timeout,
                           progress=progress, rewrite=rewrite)
+        if started is not None:
+            started(call)
         try:
             await waiter.done.wait()
         finally:

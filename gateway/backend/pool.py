@@ -124,6 +124,10 @@ class Backend:
         # another caller to be resumed or preempted before it goes (see _acquire_unparked)
         self.parking: Parking | None = None
         self.askers: dict[str, None] = {}
+        # shared: the calls that waited in _acquire_unparked and went, by caller, until they
+        # end: the other waiters let one go at a time (released together, their requests
+        # would all be refused as unattributable, the preemption they waited for wasted)
+        self._ushered: dict[ClientSession, ChildConnection] = {}
 
     @property
     def attribution_matters(self) -> bool:
@@ -238,17 +242,21 @@ class Backend:
     def _parked_at(self, child: ChildConnection, session: ClientSession
                    ) -> tuple[dict[ClientSession, float], bool]:
         """Other callers' parked flows at ``child`` (when each parked), and whether a preempted
-        one's call is still there (given up, not answered yet)."""
+        one's call is still there (given up, not answered yet) or another waiter's call went
+        there ahead of this one (until it ends or parks)."""
         parking = self.parking
         assert parking is not None
         parked: dict[ClientSession, float] = {}
-        leaving = False
+        # another waiter's call went there first: it ends or parks before the next one goes
+        leaving = any(c is child and s is not session for s, c in self._ushered.items())
         for owner in child.attribution():
             if owner is session:
                 continue
             since = parking.parked_since(owner)
             if since is not None:
                 parked[owner] = since
+            elif self._ushered.get(owner) is child:
+                continue  # (going ahead: counted above)
             elif parking.was_preempted(owner) and not child.calls_of(owner):
                 leaving = True
         return parked, leaving
@@ -316,7 +324,8 @@ class Backend:
         """A shared instance where no other caller's flow is parked, for a call that may ask
         for input: a flow parked there ``shared_park_limit`` seconds or more is preempted (the
         call would otherwise be refused its input as unattributable), one parked for less is
-        waited for (its client may retry in time).  Bounded: after the limit plus
+        waited for (its client may retry in time).  Waiters go one at a time: the next when
+        the one before ends or parks (``_ushered``).  Bounded: after the limit plus
         ``cancel_grace`` (a child that does not answer a given-up call) the call goes anyway,
         and attribution decides as always."""
         parking = self.parking
@@ -331,6 +340,7 @@ class Backend:
             if picked is not None:
                 if now > started:
                     self.host.bus.emit(QueueWaited(self.name, now - started))
+                self._ushered[session] = picked[1]  # until release(): see _parked_at
                 return picked
             running = [(inst, child) for inst in self.instances
                        if (child := _running(inst)) is not None]
@@ -373,6 +383,11 @@ class Backend:
             self._settle(inst)
         elif self.cfg.sharing == "per-session":
             inst.last_used = trio.current_time()
+        self._ushered.pop(session, None)
+        self._released.set()
+
+    def flow_parked(self) -> None:
+        """A bridged call of this backend parked: a waiter behind it re-reads when it parked."""
         self._released.set()
 
     # affine: an instance serves one connection while that connection has calls in its

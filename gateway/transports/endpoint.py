@@ -379,8 +379,9 @@ class Endpoint:
             return
         rid = env.id if isinstance(env.id, int | str) else None
         _refuse_if(kind == "request" and self.draining(), rid)  # an initialize too
-        if (req.header(b"mcp-session-id") is None and kind == "request"
-            and env.method == "initialize"):
+        created = (req.header(b"mcp-session-id") is None and kind == "request"
+                   and env.method == "initialize")
+        if created:
             _check_version(req, rid)
             try:
                 session = self.sessions.create(principal)
@@ -409,7 +410,14 @@ class Endpoint:
             raise _jsonrpc_error(200, errors.InvalidParams(
                 f"progressToken {sink.token!r} is in use by another request of this session",
                 reason="progress_token_in_use"), env.id)
-        await self._stream(conn, session, sink, body)
+        try:
+            await self._stream(conn, session, sink, body)
+        finally:
+            if created and not (session.client is not None and session.client.initialized):
+                # its initialize failed (or its POST ended unanswered): no session was made;
+                # it must not hold a place (http_max_sessions, the principal's max_sessions)
+                # until http_session_idle_timeout
+                session.terminate()
 
     async def _batch(self, conn: HttpConnection, req: Request, principal: Principal | None,
                      body: bytes) -> None:

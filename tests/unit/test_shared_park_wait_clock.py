@@ -133,3 +133,34 @@ async def test_a_child_that_never_answers_the_given_up_call_holds_the_call_a_bou
     await b.acquire("bob", asks=True)  # type: ignore[arg-type]
     assert parking.preempted == [("alice", LIMIT)]
     assert trio.current_time() == pytest.approx(LIMIT + b.cfg.cancel_grace)
+
+
+async def test_callers_waiting_behind_one_flow_go_one_at_a_time(
+        autojump_clock: trio.testing.MockClock, setup: Any) -> None:
+    child, parking, b = setup
+    went: dict[str, float] = {}
+
+    async def waiter(name: str) -> None:
+        await b.acquire(name, asks=True)  # type: ignore[arg-type]
+        went[name] = trio.current_time()
+        child.owners.add(name)  # its call reaches the child
+        child.sent.add(name)
+        if len(went) == 1:  # the first one's call ends 3 s later
+            await trio.sleep(3)
+            child.owners.discard(name)
+            child.sent.discard(name)
+            b.release(b.instances[0], name)  # type: ignore[arg-type]
+
+    async def child_answers_the_given_up_call() -> None:
+        await parking.first_preempted.wait()
+        child.owners.discard("alice")
+        b.on_settled(b.instances[0])
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(child_answers_the_given_up_call)
+        nursery.start_soon(waiter, "bob")
+        nursery.start_soon(waiter, "carol")
+    first, second = sorted(went.values())
+    assert parking.preempted == [("alice", LIMIT)]
+    assert first == pytest.approx(LIMIT, abs=0.02)
+    assert second == pytest.approx(first + 3)  # not with the first: its request is its own
