@@ -27,7 +27,7 @@ from functools import partial
 import msgspec
 import trio
 
-from gateway import __version__, config, connection, errors, guards, limits
+from gateway import __version__, config, connection, errors, limits
 from gateway.auth.authenticator import Authenticator, Unauthorized
 from gateway.auth.peer import peer_principal
 from gateway.auth.principal import Principal
@@ -501,7 +501,7 @@ async def _tcp_listeners(fds: dict[str, int], name: str, address: str | None,
     """The listeners of client listener ``name``: adopted from systemd (fd name ``name``) or
     bound to ``address``; off loopback only as the boot guards allow (checked on the address
     really bound, see :mod:`gateway.guards`)."""
-    problems = guards.client_exposure_problems(cfg)
+    problems = config.client_exposure_problems(cfg)
     try:
         if name in fds:
             listeners = [ls.adopt_listener(fds[name])]

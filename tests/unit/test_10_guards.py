@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from gateway import cli, config, guards
+from gateway import cli, config
 from gateway.errors import ConfigError
 from gateway.transports import listeners as ls
 from tlsutil import make_certs
@@ -86,7 +86,7 @@ async def test_10_boot_guards_refuse_and_name_the_keys(tmp_path: Path, capsys: p
     try:
         with pytest.raises(ls.ListenerError, match=r"http socket from systemd: bound to 0\.0\.0\.0.*tls_cert"):
             ls.check_loopback(listener, "http socket from systemd",
-                              guards.client_exposure_problems(config.load(BEARER, base_dir="/")))
+                              config.client_exposure_problems(config.load(BEARER, base_dir="/")))
         ls.check_loopback(listener, "http socket from systemd", [])
     finally:
         sock.close()
