@@ -53,7 +53,7 @@ class GatewaySection(Base):
     drain_grace: float = 20 * SECONDS  # SIGTERM: how long in-flight calls may finish
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_target: Literal["auto", "stderr", "journal"] = "auto"
-    # Era bridging (gateway.bridge): the replica id leads every requestState ("" = the host
+    # Era bridging (gateway.core.bridge): the replica id leads every requestState ("" = the host
     # name's first label), signed with the key in state_key_file ("" = a random key per start;
     # generated when the file is absent); a parked flow not resumed in state_ttl seconds ends.
     replica_id: str = ""

@@ -4,7 +4,7 @@ The hub owns the backends (one :class:`~gateway.backend.pool.Backend` per config
 the merged catalog when a backend's lists change (telling clients ``list_changed`` only when a
 list really changed), routes child notifications to the sessions that should see them
 (resource updates to subscribers, log messages by level, elicitation completion to its owner),
-and hands server→client requests to :mod:`gateway.ownership`.
+and hands server→client requests to :mod:`gateway.core.ownership`.
 """
 
 from __future__ import annotations
@@ -17,13 +17,18 @@ import msgspec
 import trio
 from msgspec import Raw, UnsetType
 
-from gateway import __version__, bridge, errors
+from gateway import __version__, errors
 from gateway.auth.labels import configured_names
 from gateway.backend import process
 from gateway.backend.child import ChildConnection
 from gateway.backend.instance import Instance
 from gateway.backend.pool import Backend
 from gateway.config import BackendConfig, GatewayConfig, ItemFilter
+from gateway.core import bridge
+from gateway.core.listen import Listens
+from gateway.core.ownership import Ownership
+from gateway.core.policy import Caller, Policy, caller_of
+from gateway.core.session import ClientSession
 from gateway.events import CatalogChanged, ConnectionRefused, EventBus
 from gateway.limits import (
     DEFAULT_MAX_CONNECTIONS,
@@ -33,9 +38,6 @@ from gateway.limits import (
     PrincipalLimit,
     PrincipalLimits,
 )
-from gateway.listen import Listens
-from gateway.ownership import Ownership
-from gateway.policy import Caller, Policy, caller_of
 from gateway.protocol import jsonrpc, mcp
 from gateway.protocol.catalog import (
     BackendLists,
@@ -49,7 +51,6 @@ from gateway.protocol.era import Era
 from gateway.protocol.logfanout import LogListener, log_recipients
 from gateway.protocol.policy import climbs
 from gateway.protocol.subscriptions import uri_matches
-from gateway.session import ClientSession
 from gateway.status import GatewayStatus, ListenerStatus
 from gateway.wakeup import Wakeup
 
@@ -346,7 +347,7 @@ class Hub:
     def targets_modern(self, method: str, params: dict[str, Raw]) -> bool:
         """Whether a ``tools/call`` / ``prompts/get`` / ``resources/read`` goes to a backend that
         speaks 2026-07-28: its ``requestState`` is then the child's own, passed through (else it
-        is one the gateway signed, see gateway.bridge)."""
+        is one the gateway signed, see gateway.core.bridge)."""
         try:
             key = jsonrpc.loads(params.get("uri" if method == "resources/read" else "name", b"null"))
             if method == "tools/call":

@@ -39,7 +39,7 @@ from gateway.status import BackendStatus, InstanceStatus
 from gateway.wakeup import Wakeup
 
 if TYPE_CHECKING:
-    from gateway.session import ClientSession
+    from gateway.core.session import ClientSession
 
 LOGGER = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class _Waiter:
 
 
 class Parking(Protocol):
-    """Bridged flows parked at a child (gateway.bridge): what a shared backend asks before it
+    """Bridged flows parked at a child (gateway.core.bridge): what a shared backend asks before it
     sends a call that may ask its caller for input."""
 
     park_limit: float
@@ -361,7 +361,7 @@ class Backend:
                                          backend=self.name, retryable=False)
 
     def owners(self, inst: Instance, child: ChildConnection) -> set[ClientSession]:
-        """Who may receive a server→client request from ``child`` (see gateway.ownership)."""
+        """Who may receive a server→client request from ``child`` (see gateway.core.ownership)."""
         if self.cfg.sharing == "per-session":
             return {inst.owner} if inst.owner is not None and not inst.owner.closed.is_set() else set()
         return child.attribution()

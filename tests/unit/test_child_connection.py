@@ -150,7 +150,7 @@ class Owner:
 
 
 def open_prompt(h: Harness, owner: Owner, child_id: int | str) -> None:
-    """What gateway.ownership does when it forwards a child's request to ``owner``."""
+    """What gateway.core.ownership does when it forwards a child's request to ``owner``."""
     h.conn.perform(h.conn.router.server_request(child_id, owner, "elicitation/create", object(),
                                                 trio.current_time()))
 

@@ -5,12 +5,12 @@ out, its own exceptions already mapped to :class:`~gateway.errors.TransportClose
 :class:`~gateway.errors.MessageTooLarge`).  :func:`serve` gives the connection a nursery with a
 reader loop and a flusher task; answers are written straight to the transport by
 :meth:`ClientSession.send` and the flusher only writes what did not fit (see
-:mod:`gateway.outbox`).  The reader decodes each message, refuses what it must (batches outside
+:mod:`gateway.core.outbox`).  The reader decodes each message, refuses what it must (batches outside
 2025-03-26, a request beyond the connection's limits, anything while draining) and hands each
-admitted request to :func:`gateway.serving.serve_request`, which answers it, forwards it without
+admitted request to :func:`gateway.core.serving.serve_request`, which answers it, forwards it without
 a task, or runs it in a task of this connection's nursery.  A client's
 ``notifications/cancelled`` cancels either kind; a cancelled request gets no response, per the
-spec.  JSON-RPC errors are made by :func:`gateway.serving.error_response` only.
+spec.  JSON-RPC errors are made by :func:`gateway.core.serving.error_response` only.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import msgspec
 import trio
 
 from gateway import errors
+from gateway.core.outbox import MessageWriter
+from gateway.core.serving import error_response, serve_request
+from gateway.core.session import AnswerOutcome, ClientSession
 from gateway.errors import CloseReason
 from gateway.events import AnswerRefused, ConnectionClosed, ConnectionOpened, ServerRequestOutcome
-from gateway.outbox import MessageWriter
 from gateway.protocol import jsonrpc, mcp
-from gateway.serving import error_response, serve_request
-from gateway.session import AnswerOutcome, ClientSession
 
 if TYPE_CHECKING:
     from gateway.hub import Hub
@@ -51,7 +51,7 @@ FLUSH_TIMEOUT = 2.0
 
 class MessageStream(MessageWriter, Protocol):
     """A bidirectional stream of whole JSON-RPC messages (one per WebSocket frame or line);
-    its write side is a :class:`~gateway.outbox.MessageWriter`."""
+    its write side is a :class:`~gateway.core.outbox.MessageWriter`."""
 
     async def receive(self) -> bytes:
         """The next message.  Raises TransportClosed or MessageRefused."""
@@ -218,7 +218,7 @@ async def _flush(session: ClientSession, stream: MessageStream) -> None:
 async def _writer(session: ClientSession, stream: MessageStream) -> None:
     """The flusher: writes what :meth:`ClientSession.send` could not write at once.
 
-    Woken only when something is queued or held (see :mod:`gateway.outbox`); hands the
+    Woken only when something is queued or held (see :mod:`gateway.core.outbox`); hands the
     transport what piled up meanwhile in batches, and waits for it to take them.
     """
     outbound = session.outbound
@@ -422,9 +422,9 @@ def _dispatch(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, kind: jso
 
 def _continues_flow(hub: Hub, session: ClientSession, env: jsonrpc.Envelope) -> bool:
     """Whether a request is the retry of this connection's parked bridged call (it carries the
-    call's ``requestState``, gateway.bridge): it answers the prompts of a call already running,
+    call's ``requestState``, gateway.core.bridge): it answers the prompts of a call already running,
     so a drain lets it in like any answer.  (A new call to a modern backend carrying that
-    backend's own state is not one: :meth:`~gateway.bridge.Bridge.continues`.)"""
+    backend's own state is not one: :meth:`~gateway.core.bridge.Bridge.continues`.)"""
     if not any(s.flow is not None and s.flow.parked and s.flow.method == env.method
                for s in session.inflight.values()):
         return False

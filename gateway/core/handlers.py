@@ -2,11 +2,11 @@
 
 Three kinds: :data:`HANDLERS` answer from the gateway's own state, synchronously (no task);
 :data:`FORWARDED` decide synchronously where a request goes (a :class:`Target`), and
-``gateway.connection`` forwards it without a task when it can, else runs :func:`forward` (the
+``gateway.core.connection`` forwards it without a task when it can, else runs :func:`forward` (the
 slow path: consent, waiting for an instance); :data:`ASYNC_HANDLERS` need a backend's answer
 before they can answer.  Each takes the hub, the session and a :class:`Request`, and returns the
 ``result`` (Raw) or a Target, or raises a :class:`~gateway.errors.GatewayError`.  Handlers never
-build error responses themselves: ``gateway.connection`` is the one place that does.
+build error responses themselves: ``gateway.core.connection`` is the one place that does.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import trio
 from msgspec import Raw
 
 from gateway import __version__, errors
+from gateway.core.listen import listen
+from gateway.core.policy import caller_of
 from gateway.events import RequestStarted
-from gateway.listen import listen
-from gateway.policy import caller_of
 from gateway.protocol import catalog as cat
 from gateway.protocol import era, jsonrpc, mcp, mrtr
 from gateway.protocol.mcp import declared_capabilities
@@ -32,8 +32,8 @@ from gateway.protocol.policy import Kind
 LOGGER = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    from gateway.core.session import ClientSession
     from gateway.hub import Hub
-    from gateway.session import ClientSession
 
 
 @dataclass(slots=True)
@@ -236,7 +236,7 @@ def envelope_of(hub: Hub, session: ClientSession, target: Target) -> Callable[[]
 
 async def forward(hub: Hub, session: ClientSession, req: Request, target: Target) -> Raw:
     """The slow path of a forwarded request: consent, a backend being replaced by a reload, an
-    instance that must first start or become free.  (The fast path, in :mod:`gateway.connection`,
+    instance that must first start or become free.  (The fast path, in :mod:`gateway.core.connection`,
     forwards without a task when none of that applies.)"""
     if target.consent is not None:
         await hub.policy.ask(session, *target.consent, request_id=req.id)
@@ -372,7 +372,7 @@ FORWARDED: dict[str, Targeter] = {
 ASYNC_HANDLERS: dict[str, AsyncHandler] = {
     "resources/subscribe": subscribe,
     "resources/unsubscribe": subscribe,
-    "subscriptions/listen": listen,  # modern connections only (see gateway.listen)
+    "subscriptions/listen": listen,  # modern connections only (see gateway.core.listen)
 }
 
 #: Methods a client may call before ``initialize``.

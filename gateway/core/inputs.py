@@ -4,7 +4,7 @@ Theory of operation (mcp-spec-digest §5.3, §10.10; ARCHITECTURE §8).  A moder
 child never sends requests: when a call needs input it answers ``resultType: "input_required"``
 with ``inputRequests`` (``{key: {method, params}}``) and maybe an opaque ``requestState``, and the
 caller is to re-issue the call with ``inputResponses`` (and that ``requestState``, byte for byte).
-A modern client gets that result as it is (:mod:`gateway.serving`).  A legacy client (WebSocket,
+A modern client gets that result as it is (:mod:`gateway.core.serving`).  A legacy client (WebSocket,
 unix socket, a legacy HTTP session) cannot read it, so the gateway asks it the legacy way:
 :func:`resolve` pushes each input request to the call's owner (the client whose call it is: the
 correlation is in the reply itself, no attribution needed) as a server→client request under an id
@@ -12,11 +12,11 @@ minted for that connection, waits for every answer, and re-issues the call to th
 ``inputResponses`` (+ ``requestState``), as often as the child asks again (at most
 :data:`MAX_ROUNDS` rounds), until a complete result answers the client's original request.
 
-Each input request is decided by :func:`gateway.ownership.decide`, as a legacy child's request of
+Each input request is decided by :func:`gateway.core.ownership.decide`, as a legacy child's request of
 the same kind would be: ``roots/list`` is answered from config outside ``per-session`` mode; a kind
 the gateway does not declare to this backend, or that the owner did not declare, is not asked:
 its key is left out of ``inputResponses`` and the child decides (the envelope the child got
-already said what the caller can answer, see :func:`gateway.handlers.envelope_of`); a client's
+already said what the caller can answer, see :func:`gateway.core.handlers.envelope_of`); a client's
 error answer is left out the same way.  Forwarded sampling gets ``includeContext: "none"``.
 
 Bounds: the whole flow ends at the backend's ``max_call_duration`` after the client's request
@@ -33,15 +33,16 @@ import msgspec
 import trio
 from msgspec import Raw
 
-from gateway import errors, handlers
+from gateway import errors
+from gateway.core import handlers
+from gateway.core.ownership import Answer, decide
 from gateway.events import ServerRequestFinished, ServerRequestOutcome, ServerRequestRouted
-from gateway.ownership import Answer, decide
 from gateway.protocol import era, jsonrpc
 
 if TYPE_CHECKING:
-    from gateway.handlers import Request, Target
+    from gateway.core.handlers import Request, Target
+    from gateway.core.session import ClientSession, ServerRequest
     from gateway.hub import Hub
-    from gateway.session import ClientSession, ServerRequest
 
 LOGGER = logging.getLogger(__name__)
 

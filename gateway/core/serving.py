@@ -2,9 +2,9 @@
 run in a task when it must wait — and the one place where exceptions become JSON-RPC errors.
 
 Theory of operation: :func:`serve_request` is called by a connection's reader for each admitted
-request (see :mod:`gateway.connection`).  It makes a :class:`Served`, the request's entry in
+request (see :mod:`gateway.core.connection`).  It makes a :class:`Served`, the request's entry in
 ``session.inflight``: the gateway's own methods are answered synchronously; a forwarded request
-(:data:`gateway.handlers.FORWARDED`) goes to the routing core of the child that takes it right
+(:data:`gateway.core.handlers.FORWARDED`) goes to the routing core of the child that takes it right
 now (:meth:`Served.forward_now`; the answer comes back through :meth:`Served.finished`, in the
 child's reader); only a request that must wait (consent, an instance starting or busy, a
 resource subscription) runs in a task of the connection's nursery (:func:`_run_slow`).  A modern
@@ -24,13 +24,14 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 from msgspec import UNSET, Raw
 
-from gateway import __version__, errors, handlers, inputs
+from gateway import __version__, errors
 from gateway.auth.labels import NO_PRINCIPAL
+from gateway.core import handlers, inputs
+from gateway.core.handlers import HANDLERS, PRE_INIT, Request, Target
+from gateway.core.session import ClientSession
 from gateway.events import RequestFinished, RequestOutcome, RequestStarted
-from gateway.handlers import HANDLERS, PRE_INIT, Request, Target
 from gateway.protocol import era, jsonrpc, mcp
 from gateway.protocol.routing import CallState
-from gateway.session import ClientSession
 
 if TYPE_CHECKING:
     from gateway.backend.child import ChildConnection
@@ -43,7 +44,7 @@ LOGGER = logging.getLogger(__name__)
 
 
 class CallFlow(Protocol):
-    """A modern call's round trips, as the call sees them (:class:`gateway.bridge.Flow`)."""
+    """A modern call's round trips, as the call sees them (:class:`gateway.core.bridge.Flow`)."""
 
     method: str
     parked: bool  # answered input_required, waiting for the retry
@@ -94,7 +95,7 @@ class Served:
         self.modern = False  # a 2026-07-28 request: its result says resultType (see gateway.protocol.era)
         self.caps: mcp.ClientCaps | None = None  # a modern request's declared capabilities
         self.held: str | None = None  # the principal whose [[auth.limits]] slot it holds
-        self.flow: CallFlow | None = None  # a modern call asked for input (gateway.bridge)
+        self.flow: CallFlow | None = None  # a modern call asked for input (gateway.core.bridge)
 
     def cancel(self) -> None:
         """The client cancelled it, its connection closed, or the drain grace is over (then it

@@ -4,7 +4,7 @@
 Theory of operation (mcp-spec-digest §5.3; the pure half is :mod:`gateway.protocol.mrtr`).  A
 modern (2026-07-28) POST to ``/mcp`` is served by its own short-lived owner (an HTTP *flow*
 session whose ``ClientSession.mrtr`` is the :class:`Bridge`).  When the routing core forwards
-one of the child's requests to such an owner (``gateway.ownership``), the request is not sent:
+one of the child's requests to such an owner (``gateway.core.ownership``), the request is not sent:
 it is recorded in the owner's :class:`Flow` under the child's own request id.  After
 :data:`GATHER` seconds (a child often asks several things at once) the flow answers the round's
 POST with the ``InputRequiredResult`` and a signed ``requestState``, and *parks*: the call stays
@@ -55,8 +55,8 @@ from gateway.protocol import jsonrpc, mcp, mrtr
 if TYPE_CHECKING:
     from gateway.backend.child import ChildConnection
     from gateway.config import GatewaySection
-    from gateway.serving import Served
-    from gateway.session import ClientSession, ServerRequest
+    from gateway.core.serving import Served
+    from gateway.core.session import ClientSession, ServerRequest
 
 LOGGER = logging.getLogger(__name__)
 

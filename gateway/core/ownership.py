@@ -33,6 +33,7 @@ import trio
 from msgspec import UNSET, Raw, UnsetType
 
 from gateway import errors
+from gateway.core.handlers import asker_key
 from gateway.events import (
     EventBus,
     ServerRequestFinished,
@@ -40,7 +41,6 @@ from gateway.events import (
     ServerRequestRefused,
     ServerRequestRouted,
 )
-from gateway.handlers import asker_key
 from gateway.protocol import jsonrpc
 from gateway.protocol.era import Era
 
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from gateway.backend.child import ChildConnection
     from gateway.backend.instance import Instance
     from gateway.backend.pool import Backend
-    from gateway.session import ClientSession, ServerRequest
+    from gateway.core.session import ClientSession, ServerRequest
 
 LOGGER = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def decide(
                        f"{method} refused: calls of {len(owners)} connections are in flight, "
                        f"the requesting one cannot be proven ({hint})")
     (owner,) = owners
-    if owner.mrtr is not None:  # a modern caller: asked in an InputRequiredResult (gateway.bridge)
+    if owner.mrtr is not None:  # a modern caller: asked in an InputRequiredResult (gateway.core.bridge)
         if owner.mrtr.full:
             return refusal(method, "overloaded", f"{method} refused: too many calls wait for their "
                            "clients' input (gateway.max_parked_flows)")

@@ -3,8 +3,8 @@
 A :class:`ClientSession` is created by the hub for every accepted connection.  Its ``conn_id``
 is minted by the gateway (clients never choose it).  Everything sent to the client goes through
 :meth:`ClientSession.send`, which never blocks: the message is written straight to the transport
-when nothing is queued toward the client, else queued in a bounded :class:`~gateway.outbox.Outbox`
-that the connection's flusher task drains (see :mod:`gateway.outbox`).  A client that lets the
+when nothing is queued toward the client, else queued in a bounded :class:`~gateway.core.outbox.Outbox`
+that the connection's flusher task drains (see :mod:`gateway.core.outbox`).  A client that lets the
 queue overflow (``outbound_queue`` messages not yet handed to the transport, or
 ``outbound_bytes`` bytes, counting what the transport holds and has not written) is disconnected
 (reason ``overflow``) instead of stalling a backend's reader.  The same bytes, and those of the
@@ -42,16 +42,16 @@ import trio
 from msgspec import UNSET, Raw, UnsetType
 
 from gateway import errors
+from gateway.core.outbox import MessageWriter, Outbox
 from gateway.errors import CloseReason
 from gateway.events import ServerRequestOutcome
 from gateway.limits import ByteBudget
-from gateway.outbox import MessageWriter, Outbox
 from gateway.protocol import jsonrpc, mcp
 from gateway.protocol.era import Era
 
 if TYPE_CHECKING:
     from gateway.auth.principal import Principal
-    from gateway.bridge import Bridge, Flow
+    from gateway.core.bridge import Bridge, Flow
 
 LOGGER = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class ClientSession:
         self.caps = mcp.ClientCaps({})
         self.log_level: str | None = None
         self.max_inflight = max_inflight
-        self.inflight: dict[int | str, Any] = {}  # client id -> gateway.serving.Served
+        self.inflight: dict[int | str, Any] = {}  # client id -> gateway.core.serving.Served
         self.server_requests: dict[str, ServerRequest] = {}
         self._ended_ids: deque[str] = deque(maxlen=1024)
         self._ids = itertools.count(1)
@@ -138,7 +138,7 @@ class ClientSession:
         self.close_reason = CloseReason.CLIENT_CLOSED
         self.cancel_scope: trio.CancelScope | None = None
         self.nursery: trio.Nursery | None = None  # where requests that must wait run
-        # A modern HTTP flow: the child's requests to it are bridged (gateway.bridge), not sent
+        # A modern HTTP flow: the child's requests to it are bridged (gateway.core.bridge), not sent
         self.mrtr: Bridge | None = None
         self.flow: Flow | None = None  # its bridged call, once the child asked for input
         # A connection without a task of its own (connection.Direct): its end, once closed
@@ -166,7 +166,7 @@ class ClientSession:
     def send(self, data: bytes) -> bool:
         """Write one message to the client, or queue it.  Never blocks; on overflow the
         connection is closed.  Straight to the transport when nothing is queued (see
-        :mod:`gateway.outbox`)."""
+        :mod:`gateway.core.outbox`)."""
         if self.closed.is_set():
             return False
         n = len(data)
@@ -281,7 +281,7 @@ class ClientSession:
         rid = env.id
         req = self.server_requests.get(rid) if isinstance(rid, str) else None
         if req is not None and not req.sent:
-            # asked in a modern call's InputRequiredResult (gateway.bridge): only the call's
+            # asked in a modern call's InputRequiredResult (gateway.core.bridge): only the call's
             # retry, with its signed requestState, answers it; the client never saw this id
             req = None
         if req is None:

@@ -34,16 +34,16 @@ import trio
 from msgspec import Raw, UnsetType
 
 from gateway import errors
-from gateway.policy import caller_of
+from gateway.core.policy import caller_of
 from gateway.protocol import subscriptions
 from gateway.protocol.era import Era
 from gateway.protocol.subscriptions import Filter, RequestId
 
 if TYPE_CHECKING:
     from gateway.backend.pool import Backend
-    from gateway.handlers import Request
+    from gateway.core.handlers import Request
+    from gateway.core.session import ClientSession
     from gateway.hub import Hub
-    from gateway.session import ClientSession
 
 LOGGER = logging.getLogger(__name__)
 UPDATED = "notifications/resources/updated"
