@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 import trio
@@ -20,9 +20,9 @@ from msgspec import Raw, UnsetType
 from gateway import __version__, errors
 from gateway.auth.labels import configured_names
 from gateway.backend import process
-from gateway.backend.child import ChildConnection
+from gateway.backend.child import ChildConnection, Owner
 from gateway.backend.instance import Instance
-from gateway.backend.pool import Backend
+from gateway.backend.pool import Backend, Parking
 from gateway.config import BackendConfig, GatewayConfig, ItemFilter
 from gateway.core import bridge
 from gateway.core.listen import Listens
@@ -156,7 +156,8 @@ class Hub:
         its own child has listed)."""
         assert self._nursery is not None
         backend = Backend(name, bcfg, self.cfg.prefix_of(name), self)
-        backend.parking = self.bridge
+        # the owners the pool asks the bridge about are the core's sessions
+        backend.parking = cast("Parking", self.bridge)
         previous = self._restarting.pop(name, None)
         if previous is not None:
             backend.lists = previous.lists
@@ -397,7 +398,7 @@ class Hub:
         targets: set[ClientSession] = set()
         for sub, holders in instance.backend.subscriptions.items():
             if uri_matches(sub, uri):
-                targets |= holders
+                targets |= cast("set[ClientSession]", holders)  # the core's sessions
         for session in targets:
             if session.era is Era.MODERN:  # held by its listens: to each, tagged
                 self.listens.resource_updated(session, uri, params)
@@ -447,8 +448,9 @@ class Hub:
     # ---- server→client requests ---------------------------------------------------------------
 
     def on_server_request(self, instance: Instance, child: ChildConnection, id: int | str,
-                          method: str, params: Raw | UnsetType, owners: set[ClientSession]) -> None:
-        self.ownership.route(instance, child, id, method, params, owners)
+                          method: str, params: Raw | UnsetType, owners: set[Owner]) -> None:
+        # the owners a backend names are the sessions the core gave it
+        self.ownership.route(instance, child, id, method, params, cast("set[ClientSession]", owners))
 
     def on_server_request_cancelled(self, instance: Instance, child: ChildConnection,
                                     request_id: int | str) -> None:

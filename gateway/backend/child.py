@@ -68,7 +68,12 @@ _WITHDRAWN = {
 
 
 class Owner(Protocol):
-    """What the shell needs of a call's owner (a client session)."""
+    """A call's owner, opaque to the backend layer (a client session of the core): what a
+    child's shell and the pool need of it."""
+
+    closed: trio.Event  # set once the owner is gone
+
+    def __hash__(self) -> int: ...
 
     def send(self, data: bytes) -> bool: ...
     def cancel_request(self, req: Any, outcome: ServerRequestOutcome, reason: str) -> None: ...

@@ -23,7 +23,7 @@ import enum
 import logging
 import math
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Protocol
 
 import msgspec
 import trio
@@ -31,14 +31,17 @@ from msgspec import Raw, UnsetType
 
 from gateway import errors
 from gateway.backend import client, process
-from gateway.backend.child import ChildConnection, ChildHandlers
+from gateway.backend.child import ChildConnection, ChildHandlers, Owner
+from gateway.config import BackendConfig
 from gateway.events import (
     BackendExited,
     BackendStarted,
     BackendStateChanged,
     BackendStderr,
+    EventBus,
     ExitKind,
 )
+from gateway.limits import ByteBudget
 from gateway.protocol import era, jsonrpc
 from gateway.protocol.catalog import BackendLists
 from gateway.protocol.era import Era
@@ -46,9 +49,6 @@ from gateway.protocol.stderr import LineSplitter, LineThrottle, printable
 from gateway.protocol.supervision import RestartPolicy, State, Supervision, Transition
 from gateway.status import InstanceStatus
 from gateway.wakeup import Wakeup
-
-if TYPE_CHECKING:
-    from gateway.backend.pool import Backend
 
 LOGGER = logging.getLogger(__name__)
 
@@ -88,8 +88,58 @@ EXIT_KINDS = {
 }
 
 
+class InstanceHost(Protocol):
+    """What an instance needs from the composition object above the backend layer (the hub):
+    limits, the bus, and the news of its child that the core acts on."""
+
+    bus: EventBus
+    budget: ByteBudget  # the child write queues' bytes are charged here
+    server_name: str
+    max_message_bytes: int
+    max_json_depth: int
+    outbound_bytes: int
+
+    def wanted_log_level(self) -> str | None: ...
+    def on_resource_updated(self, instance: Instance, params: Raw | UnsetType) -> None: ...
+    def on_log_message(self, instance: Instance, params: Raw | UnsetType) -> None: ...
+    def on_elicitation_complete(self, instance: Instance, params: Raw | UnsetType) -> None: ...
+    def on_server_request(self, instance: Instance, child: ChildConnection, id: int | str,
+                          method: str, params: Raw | UnsetType, owners: set[Owner]) -> None: ...
+    def on_server_request_cancelled(self, instance: Instance, child: ChildConnection,
+                                    request_id: int | str) -> None: ...
+    def reap(self) -> None: ...
+
+
+class Pool(Protocol):
+    """What an instance needs of its backend (:class:`gateway.backend.pool.Backend`)."""
+
+    modern_seen: bool  # a child of it spoke the modern era (set by the instance)
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def cfg(self) -> BackendConfig: ...
+    @property
+    def host(self) -> InstanceHost: ...
+    @property
+    def declared(self) -> frozenset[str]: ...
+    @property
+    def subscriptions(self) -> dict[str, set[Owner]]: ...
+    @property
+    def attribution_matters(self) -> bool: ...
+    def learn_asker(self, key: str) -> None: ...
+    def owners(self, inst: Instance, child: ChildConnection) -> set[Owner]: ...
+    def subscribed_uris(self) -> list[str]: ...
+    def on_state_changed(self, inst: Instance) -> None: ...
+    def on_settled(self, inst: Instance) -> None: ...
+    def on_instance_ready(self, inst: Instance) -> None: ...
+    def on_instance_down(self, inst: Instance, child: ChildConnection) -> None: ...
+    def on_draining_changed(self, inst: Instance) -> None: ...
+    def on_lists_changed(self, inst: Instance) -> None: ...
+
+
 class Instance(ChildHandlers):
-    def __init__(self, backend: Backend, index: int, *, label: str | None = None) -> None:
+    def __init__(self, backend: Pool, index: int, *, label: str | None = None) -> None:
         self.backend = backend
         self.cfg = backend.cfg
         self.name = f"{backend.name}/{label if label is not None else index}"
@@ -103,7 +153,7 @@ class Instance(ChildHandlers):
         self.last_exit: str | None = None
         self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL)
         self.crash_stderr: tuple[str, ...] = ()
-        self.owner: Any = None  # per-session / affine holder (a ClientSession)
+        self.owner: Owner | None = None  # per-session / affine holder
         self._state_changed = trio.Event()
         self._stop = trio.Event()
         self._reset = trio.Event()

@@ -41,7 +41,7 @@ import secrets
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import msgspec
 import trio
@@ -138,7 +138,7 @@ class Bridge:
         a child's request only while its owner has exactly one)."""
         if served is None:
             served = next(iter(owner.inflight.values()))
-        flow = served.flow
+        flow = cast("Flow | None", served.flow)
         if flow is None:
             flow = Flow(self, owner, served)
         owner.flow = flow
@@ -240,7 +240,7 @@ class Bridge:
 
     def parked_since(self, owner: ClientSession) -> float | None:
         """When ``owner``'s flow parked (trio time), if it is parked."""
-        flow = owner.flow
+        flow = _flow(owner)
         return flow.parked_at if flow is not None and flow.parked else None
 
     def was_preempted(self, owner: ClientSession) -> bool:
@@ -249,7 +249,7 @@ class Bridge:
     def preempt(self, owner: ClientSession, child: ChildConnection) -> None:
         """End ``owner``'s parked flow, whose call at ``child`` keeps another caller's input
         request from being attributed there (see :func:`gateway.protocol.mrtr.park_wait`)."""
-        flow = owner.flow
+        flow = _flow(owner)
         if flow is not None and flow.parked:
             flow.preempt(child)
 
@@ -281,6 +281,11 @@ class Bridge:
         if flow.owner.principal.key != principal or (owner is not None and flow.owner is not owner):
             return
         flow.end("its requestState was presented tampered")
+
+
+def _flow(owner: ClientSession) -> Flow | None:
+    """``owner``'s bridged call: a :class:`Flow` of this module, the only kind there is."""
+    return cast("Flow | None", owner.flow)
 
 
 class Flow:

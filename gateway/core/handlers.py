@@ -4,7 +4,7 @@ Three kinds: :data:`HANDLERS` answer from the gateway's own state, synchronously
 :data:`FORWARDED` decide synchronously where a request goes (a :class:`Target`), and
 ``gateway.core.connection`` forwards it without a task when it can, else runs :func:`forward` (the
 slow path: consent, waiting for an instance); :data:`ASYNC_HANDLERS` need a backend's answer
-before they can answer.  Each takes the hub, the session and a :class:`Request`, and returns the
+before they can answer.  Each takes the ports, the session and a :class:`Request`, and returns the
 ``result`` (Raw) or a Target, or raises a :class:`~gateway.errors.GatewayError`.  Handlers never
 build error responses themselves: ``gateway.core.connection`` is the one place that does.
 """
@@ -13,42 +13,38 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import trio
 from msgspec import Raw
 
 from gateway import __version__, errors
-from gateway.core.listen import listen
+from gateway.core.listen import ListenPorts, listen
 from gateway.core.policy import caller_of
-from gateway.events import RequestStarted
+from gateway.core.ports import BackendDirectory, CatalogView
+from gateway.core.request import Request, Target, asker_key
+from gateway.events import EventBus, RequestStarted
 from gateway.protocol import catalog as cat
 from gateway.protocol import era, jsonrpc, mcp, mrtr
 from gateway.protocol.mcp import declared_capabilities
-from gateway.protocol.policy import Kind
 
 LOGGER = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from gateway.core.session import ClientSession
-    from gateway.hub import Hub
 
 
-@dataclass(slots=True)
-class Request:
-    id: int | str
-    method: str
-    params: dict[str, Raw]
-    backend: str = ""
-    backend_time: float | None = None
-    tool: str | None = None
-    counted: bool = False  # RequestStarted was emitted (a backend was chosen)
+class HandlerPorts(ListenPorts, Protocol):
+    """What the handlers need, all told (each handler is typed with the narrowest port it
+    uses): the catalog view, the backend directory, the lifecycle, the listens, the bus."""
+
+    @property
+    def bus(self) -> EventBus: ...
 
 
-Handler = Callable[["Hub", "ClientSession", Request], Raw]
-AsyncHandler = Callable[["Hub", "ClientSession", Request], Awaitable[Raw]]
+Handler = Callable[["HandlerPorts", "ClientSession", Request], Raw]
+AsyncHandler = Callable[["HandlerPorts", "ClientSession", Request], Awaitable[Raw]]
 
 
 def _str_param(req: Request, key: str) -> str:
@@ -75,7 +71,7 @@ def _reject_tasks(req: Request) -> None:
 # ---- answered by the gateway itself ----------------------------------------------------------------
 
 
-def initialize(hub: Hub, session: ClientSession, req: Request) -> Raw:
+def initialize(ports: CatalogView, session: ClientSession, req: Request) -> Raw:
     if session.protocol_version is not None:  # set synchronously below: two racing ones cannot both pass
         raise errors.InvalidRequest(
             f"initialize: this connection is already initialized (protocol {session.protocol_version}); "
@@ -92,23 +88,23 @@ def initialize(hub: Hub, session: ClientSession, req: Request) -> Raw:
     return jsonrpc.encode_dict(
         {
             "protocolVersion": session.protocol_version,
-            "capabilities": hub.advertised_capabilities(),
-            "serverInfo": {"name": hub.server_name, "version": __version__},
+            "capabilities": ports.advertised_capabilities(),
+            "serverInfo": {"name": ports.server_name, "version": __version__},
         }
     )
 
 
-def ping(hub: Hub, session: ClientSession, req: Request) -> Raw:
+def ping(ports: HandlerPorts, session: ClientSession, req: Request) -> Raw:
     return jsonrpc.EMPTY_RESULT
 
 
 def _lister(kind: str, field: str) -> Handler:
     """A list handler: the caller's view of the merged list (what policy lets it call), paged
     over that view (a cursor is an offset into it)."""
-    def handler(hub: Hub, session: ClientSession, req: Request) -> Raw:
+    def handler(ports: CatalogView, session: ClientSession, req: Request) -> Raw:
         cursor = _str_param(req, "cursor") if "cursor" in req.params else None
-        items = hub.policy.view(hub.catalog, kind, caller_of(session))
-        got = cat.page(kind, items, cursor, hub.cfg.gateway.page_size)
+        items = ports.policy.view(ports.catalog, kind, caller_of(session))
+        got = cat.page(kind, items, cursor, ports.cfg.gateway.page_size)
         if got is None:
             raise errors.InvalidParams(f"{req.method}: invalid cursor")
         chunk, nxt = got
@@ -120,20 +116,20 @@ def _lister(kind: str, field: str) -> Handler:
     return handler
 
 
-def set_level(hub: Hub, session: ClientSession, req: Request) -> Raw:
+def set_level(ports: BackendDirectory, session: ClientSession, req: Request) -> Raw:
     level = _str_param(req, "level")
     if level not in mcp.LOG_RANK:
         raise errors.InvalidParams(f"logging/setLevel: unknown level {level!r}")
     session.log_level = level
-    hub.log_levels_changed()
+    ports.log_levels_changed()
     return jsonrpc.EMPTY_RESULT
 
 
-async def subscribe(hub: Hub, session: ClientSession, req: Request) -> Raw:
+async def subscribe(ports: HandlerPorts, session: ClientSession, req: Request) -> Raw:
     uri = _str_param(req, "uri")
-    if hub.policy.active and req.method == "resources/subscribe":
-        hub.policy.check(uri, caller_of(session), "resource")  # ask: updates carry no content
-    backend = await hub.backend(hub.backend_name_for_uri(uri))
+    if ports.policy.active and req.method == "resources/subscribe":
+        ports.policy.check(uri, caller_of(session), "resource")  # ask: updates carry no content
+    backend = await ports.backend(ports.backend_name_for_uri(uri))
     if req.method == "resources/subscribe":
         await backend.subscribe(session, uri)
     else:
@@ -141,7 +137,7 @@ async def subscribe(hub: Hub, session: ClientSession, req: Request) -> Raw:
     return jsonrpc.EMPTY_RESULT
 
 
-def tasks_unsupported(hub: Hub, session: ClientSession, req: Request) -> Raw:
+def tasks_unsupported(ports: HandlerPorts, session: ClientSession, req: Request) -> Raw:
     raise errors.MethodNotFound(
         f"{req.method}: tasks are not supported by this gateway", reason="tasks_unsupported"
     )
@@ -150,19 +146,7 @@ def tasks_unsupported(hub: Hub, session: ClientSession, req: Request) -> Raw:
 # ---- forwarded to a backend ----------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class Target:
-    """Where a forwarded request goes, decided synchronously from the request alone."""
-
-    backend: str
-    params: dict[str, Raw]  # the params for the backend (names mapped back)
-    consent: tuple[str, Any, Kind] | None = None  # (name, arguments, kind): policy asks the user first
-    progress: Any = None  # the caller's progress token, if any (see :func:`progress_token`)
-    meta: dict[str, Raw] | None = None  # the request's ``_meta``, decoded one level, if any
-    envelope: dict[str, Raw] | None = None  # a modern caller's envelope (for a modern child)
-
-
-Targeter = Callable[["Hub", "ClientSession", Request], Target]
+Targeter = Callable[["HandlerPorts", "ClientSession", Request], Target]
 
 
 def progress_token(req: Request, params: dict[str, Raw]) -> tuple[Any, dict[str, Raw] | None]:
@@ -205,7 +189,7 @@ def rewriter(params: dict[str, Raw], meta: dict[str, Raw] | None,
     return rewrite
 
 
-def envelope_of(hub: Hub, session: ClientSession, target: Target) -> Callable[[], dict[str, Raw]]:
+def envelope_of(ports: CatalogView, session: ClientSession, target: Target) -> Callable[[], dict[str, Raw]]:
     """The modern envelope a request of ``session`` carries to a modern child of ``target``'s
     backend (made only when the child is modern).  A modern caller's own envelope, without the
     input kinds the backend may not ask for (``declare``); for a legacy caller the gateway's:
@@ -214,7 +198,7 @@ def envelope_of(hub: Hub, session: ClientSession, target: Target) -> Callable[[]
     per-session mode), and the level it set with ``logging/setLevel``."""
 
     def build() -> dict[str, Raw]:
-        cfg = hub.cfg.backends.get(target.backend)
+        cfg = ports.cfg.backends.get(target.backend)
         declare = frozenset(cfg.declare) if cfg is not None else frozenset()
         if target.envelope is not None:
             return era.restrict_envelope(target.envelope, declare)
@@ -229,23 +213,23 @@ def envelope_of(hub: Hub, session: ClientSession, target: Target) -> Callable[[]
             declared["elicitation"] = {k: {} for k, ok in (("form", caps.elicitation_form),
                                                            ("url", caps.elicitation_url)) if ok}
         return era.envelope(declared, log_level=session.log_level,
-                            client_info={"name": hub.server_name, "version": __version__})
+                            client_info={"name": ports.server_name, "version": __version__})
 
     return build
 
 
-async def forward(hub: Hub, session: ClientSession, req: Request, target: Target) -> Raw:
+async def forward(ports: HandlerPorts, session: ClientSession, req: Request, target: Target) -> Raw:
     """The slow path of a forwarded request: consent, a backend being replaced by a reload, an
     instance that must first start or become free.  (The fast path, in :mod:`gateway.core.connection`,
     forwards without a task when none of that applies.)"""
     if target.consent is not None:
-        await hub.policy.ask(session, *target.consent, request_id=req.id)
-    backend = await hub.backend(target.backend)  # looked up after consent: a reload may have removed it
+        await ports.policy.ask(session, *target.consent, request_id=req.id)
+    backend = await ports.backend(target.backend)  # looked up after consent: a reload may have removed it
     req.backend = backend.name
     if not req.counted:
         req.counted = True
-        hub.bus.emit(RequestStarted(session.conn_id, mcp.method_label(req.method), backend.name))
-    rewrite = rewriter(target.params, target.meta, envelope_of(hub, session, target))
+        ports.bus.emit(RequestStarted(session.conn_id, mcp.method_label(req.method), backend.name))
+    rewrite = rewriter(target.params, target.meta, envelope_of(ports, session, target))
     client_token = target.progress
     started = trio.current_time()
     asks = backend.waits_for_parked(asker_key(req))
@@ -265,21 +249,15 @@ async def forward(hub: Hub, session: ClientSession, req: Request, target: Target
     raise AssertionError("unreachable")
 
 
-def asker_key(req: Request) -> str:
-    """What a backend remembers of a call that asked its caller for input: the tool's name,
-    else the method."""
-    return req.tool or req.method
-
-
-def call_tool(hub: Hub, session: ClientSession, req: Request) -> Target:
+def call_tool(ports: CatalogView, session: ClientSession, req: Request) -> Target:
     _reject_tasks(req)
     name = _str_param(req, "name")
-    route = hub.catalog.tool_routes.get(name)
+    route = ports.catalog.tool_routes.get(name)
     if route is None:
         raise errors.InvalidParams(f"unknown tool {name!r}")
     req.tool = name
     consent = None
-    if hub.policy.active and hub.policy.check(name, caller_of(session)):
+    if ports.policy.active and ports.policy.check(name, caller_of(session)):
         consent = (name, _arguments(req), "tool")
     params = dict(req.params)
     params["name"] = Raw(msgspec.json.encode(route.name))
@@ -294,29 +272,29 @@ def _arguments(req: Request) -> Any:
         return None
 
 
-def get_prompt(hub: Hub, session: ClientSession, req: Request) -> Target:
+def get_prompt(ports: CatalogView, session: ClientSession, req: Request) -> Target:
     name = _str_param(req, "name")
-    route = hub.catalog.prompt_routes.get(name)
+    route = ports.catalog.prompt_routes.get(name)
     if route is None:
         raise errors.InvalidParams(f"unknown prompt {name!r}")
     consent = None
-    if hub.policy.active and hub.policy.check(name, caller_of(session), "prompt"):
+    if ports.policy.active and ports.policy.check(name, caller_of(session), "prompt"):
         consent = (name, _arguments(req), "prompt")
     params = dict(req.params)
     params["name"] = Raw(msgspec.json.encode(route.name))
     return Target(route.backend, params, consent)
 
 
-def read_resource(hub: Hub, session: ClientSession, req: Request) -> Target:
+def read_resource(ports: CatalogView, session: ClientSession, req: Request) -> Target:
     _reject_tasks(req)
     uri = _str_param(req, "uri")
     consent = None
-    if hub.policy.active and hub.policy.check(uri, caller_of(session), "resource"):
+    if ports.policy.active and ports.policy.check(uri, caller_of(session), "resource"):
         consent = (uri, None, "resource")
-    return Target(hub.backend_name_for_uri(uri), dict(req.params), consent)
+    return Target(ports.backend_name_for_uri(uri), dict(req.params), consent)
 
 
-def complete(hub: Hub, session: ClientSession, req: Request) -> Target:
+def complete(ports: CatalogView, session: ClientSession, req: Request) -> Target:
     raw_ref = req.params.get("ref")
     try:
         ref = jsonrpc.loads(raw_ref) if raw_ref is not None else None
@@ -325,22 +303,22 @@ def complete(hub: Hub, session: ClientSession, req: Request) -> Target:
     if not isinstance(ref, dict):
         raise errors.InvalidParams("completion/complete: missing or invalid 'ref'")
     params = dict(req.params)
-    caller = caller_of(session) if hub.policy.active else None
+    caller = caller_of(session) if ports.policy.active else None
     if ref.get("type") == "ref/prompt":
-        route = hub.catalog.prompt_routes.get(str(ref.get("name")))
+        route = ports.catalog.prompt_routes.get(str(ref.get("name")))
         if route is None:
             raise errors.InvalidParams(f"unknown prompt {ref.get('name')!r}")
         if caller is not None:  # completing a prompt the caller may not get: refused alike
-            hub.policy.check(str(ref.get("name")), caller, "prompt")
+            ports.policy.check(str(ref.get("name")), caller, "prompt")
         params["ref"] = jsonrpc.encode_dict({**ref, "name": route.name})
         return Target(route.backend, params)
     if ref.get("type") == "ref/resource":
         uri = str(ref.get("uri"))
-        name = hub.catalog.route_template(uri)
+        name = ports.catalog.route_template(uri)
         if name is None:
             raise errors.InvalidParams(f"unknown resource or template {uri!r}")
         if caller is not None:
-            hub.policy.check(uri, caller, "resource")
+            ports.policy.check(uri, caller, "resource")
         return Target(name, params)
     raise errors.InvalidParams("completion/complete: ref.type must be ref/prompt or ref/resource")
 

@@ -27,7 +27,7 @@ pushed requests still open are withdrawn with ``notifications/cancelled`` (the c
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import trio
@@ -35,16 +35,25 @@ from msgspec import Raw
 
 from gateway import errors
 from gateway.core import handlers
-from gateway.core.ownership import Answer, decide
+from gateway.core.handlers import HandlerPorts
+from gateway.core.ownership import Answer, Ownership, decide
+from gateway.core.request import Target
 from gateway.events import ServerRequestFinished, ServerRequestOutcome, ServerRequestRouted
 from gateway.protocol import era, jsonrpc
 
 if TYPE_CHECKING:
-    from gateway.core.handlers import Request, Target
+    from gateway.core.request import Request
     from gateway.core.session import ClientSession, ServerRequest
-    from gateway.hub import Hub
 
 LOGGER = logging.getLogger(__name__)
+
+
+class InputPorts(HandlerPorts, Protocol):
+    """What asking a legacy client a modern backend's input requests needs: the handlers' ports
+    and the ownership of server→client requests (counted there)."""
+
+    @property
+    def ownership(self) -> Ownership: ...
 
 #: Rounds of input requests one call may take before the gateway gives up (-32009).
 MAX_ROUNDS = 16
@@ -92,7 +101,7 @@ def retry_params(params: dict[str, Raw], responses: dict[str, Raw], state: Raw |
     return out
 
 
-async def resolve(hub: Hub, session: ClientSession, req: Request, target: Target, result: Raw,
+async def resolve(ports: InputPorts, session: ClientSession, req: Request, target: Target, result: Raw,
                   started: float) -> Raw:
     """Answer a modern child's ``input_required`` ``result`` for the legacy ``session`` (see the
     module's docstring); returns the complete result.
@@ -101,7 +110,7 @@ async def resolve(hub: Hub, session: ClientSession, req: Request, target: Target
         CallTimeout (max_call_duration), BackendProtocolError (too many rounds, a malformed
         result), and whatever the re-issued call raises.
     """
-    backend_cfg = hub.cfg.backends[target.backend]
+    backend_cfg = ports.cfg.backends[target.backend]
     deadline = started + backend_cfg.max_call_duration
     rounds = 0
     with trio.move_on_at(deadline) as scope:
@@ -112,21 +121,21 @@ async def resolve(hub: Hub, session: ClientSession, req: Request, target: Target
                     f"backend {target.backend!r} asked for input more than {MAX_ROUNDS} times in one "
                     f"{req.method}", backend=target.backend)
             asks, state = input_requests(result)
-            responses = await _ask(hub, session, target.backend, asks)
-            retry = handlers.Target(target.backend, retry_params(target.params, responses, state),
+            responses = await _ask(ports, session, target.backend, asks)
+            retry = Target(target.backend, retry_params(target.params, responses, state),
                                     progress=target.progress, meta=target.meta)
-            result = await handlers.forward(hub, session, req, retry)
+            result = await handlers.forward(ports, session, req, retry)
         return result
     assert scope.cancelled_caught
     raise errors.CallTimeout(f"{req.method} waited for input longer than max_call_duration "
                              f"({backend_cfg.max_call_duration:g}s)", backend=target.backend)
 
 
-async def _ask(hub: Hub, session: ClientSession, backend: str,
+async def _ask(ports: InputPorts, session: ClientSession, backend: str,
                asks: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, Raw]:
     """One round: push what the owner can answer, answer what the gateway answers itself, wait
     for every answer; returns ``inputResponses`` (keys without an answer left out)."""
-    cfg = hub.cfg.backends[backend]
+    cfg = ports.cfg.backends[backend]
     responses: dict[str, Raw] = {}
     pushed: list[tuple[str, ServerRequest]] = []
     try:
@@ -142,12 +151,12 @@ async def _ask(hub: Hub, session: ClientSession, backend: str,
                 continue
             if method == "sampling/createMessage":
                 params = {**params, "includeContext": "none"}  # one client's context must not leak
-            hub.bus.emit(ServerRequestRouted(backend, method, session.conn_id))
-            hub.ownership.open += 1
+            ports.bus.emit(ServerRequestRouted(backend, method, session.conn_id))
+            ports.ownership.open += 1
             sreq = session.open_request(method, params)
-            sreq.on_end.append(_finished_event(hub, backend))
+            sreq.on_end.append(_finished_event(ports, backend))
             if sreq.outcome is not None:  # the owner was already gone
-                _finished_event(hub, backend)(sreq)
+                _finished_event(ports, backend)(sreq)
             pushed.append((key, sreq))
         for key, sreq in pushed:
             await sreq.done.wait()
@@ -161,10 +170,10 @@ async def _ask(hub: Hub, session: ClientSession, backend: str,
     return responses
 
 
-def _finished_event(hub: Hub, backend: str) -> Any:
+def _finished_event(ports: InputPorts, backend: str) -> Any:
     def ended(sreq: ServerRequest) -> None:
-        hub.ownership.open -= 1
+        ports.ownership.open -= 1
         outcome = sreq.outcome or ServerRequestOutcome.SHUTDOWN
-        hub.bus.emit(ServerRequestFinished(backend, sreq.method, outcome, trio.current_time() - sreq.started))
+        ports.bus.emit(ServerRequestFinished(backend, sreq.method, outcome, trio.current_time() - sreq.started))
 
     return ended

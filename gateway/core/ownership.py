@@ -33,7 +33,7 @@ import trio
 from msgspec import UNSET, Raw, UnsetType
 
 from gateway import errors
-from gateway.core.handlers import asker_key
+from gateway.core.request import asker_key
 from gateway.events import (
     EventBus,
     ServerRequestFinished,
@@ -46,8 +46,7 @@ from gateway.protocol.era import Era
 
 if TYPE_CHECKING:
     from gateway.backend.child import ChildConnection
-    from gateway.backend.instance import Instance
-    from gateway.backend.pool import Backend
+    from gateway.backend.instance import Instance, Pool
     from gateway.core.session import ClientSession, ServerRequest
 
 LOGGER = logging.getLogger(__name__)
@@ -144,7 +143,7 @@ def decide(
     return Forward(owner)
 
 
-def _learn_asker(backend: Backend, owner: ClientSession) -> None:
+def _learn_asker(backend: Pool, owner: ClientSession) -> None:
     """``owner``'s call at ``backend`` (when it has just one) may ask for input."""
     calls = [s for s in owner.inflight.values() if s.req.backend == backend.name]
     if len(calls) == 1:

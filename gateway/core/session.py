@@ -35,7 +35,7 @@ import secrets
 import sys
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import trio
@@ -51,7 +51,6 @@ from gateway.protocol.era import Era
 
 if TYPE_CHECKING:
     from gateway.auth.principal import Principal
-    from gateway.core.bridge import Bridge, Flow
 
 LOGGER = logging.getLogger(__name__)
 
@@ -99,6 +98,37 @@ class ServerRequest:
         return True
 
 
+class Bridging(Protocol):
+    """Era bridging (:class:`gateway.core.bridge.Bridge`) as the modules holding a session see
+    it: a modern caller's input requests are asked in its call's ``InputRequiredResult``."""
+
+    ttl: float
+
+    @property
+    def full(self) -> bool: ...
+    def admit(self) -> None: ...
+    def continues(self, method: str, params: dict[str, Raw]) -> bool: ...
+    def resume(self, method: str, params: dict[str, Raw], request_id: int | str,
+               caps: dict[str, object], *, principal: str | None = None,
+               owner: ClientSession | None = None) -> ClientSession: ...
+    def requested(self, owner: ClientSession, key: str, req: ServerRequest) -> None: ...
+    # ``served``: the session's entry in ``inflight`` for the call (gateway.core.serving.Served)
+    def ask(self, owner: ClientSession, served: Any, key: str, req: ServerRequest,
+            deadline: float) -> None: ...
+
+
+class BridgedCall(Protocol):
+    """A session's bridged call (:class:`gateway.core.bridge.Flow`) as others read it."""
+
+    method: str
+    parked: bool  # answered input_required, waiting for the retry
+    round: int
+
+    def closed(self) -> None:
+        """Its session closed."""
+        ...
+
+
 class ClientSession:
     def __init__(self, transport: str, *, outbound_capacity: int, max_inflight: int,
                  outbound_bytes: int = sys.maxsize, budget: ByteBudget | None = None) -> None:
@@ -139,8 +169,8 @@ class ClientSession:
         self.cancel_scope: trio.CancelScope | None = None
         self.nursery: trio.Nursery | None = None  # where requests that must wait run
         # A modern HTTP flow: the child's requests to it are bridged (gateway.core.bridge), not sent
-        self.mrtr: Bridge | None = None
-        self.flow: Flow | None = None  # its bridged call, once the child asked for input
+        self.mrtr: Bridging | None = None
+        self.flow: BridgedCall | None = None  # its bridged call, once the child asked for input
         # A connection without a task of its own (connection.Direct): its end, once closed
         self.on_close: Callable[[], None] | None = None
         self._principal: Principal | None = None
