@@ -168,54 +168,51 @@ def progress_token(req: Request, params: dict[str, Raw]) -> tuple[Any, dict[str,
     return client_token, meta
 
 
-def rewriter(params: dict[str, Raw], meta: dict[str, Raw] | None,
-             envelope: Callable[[], dict[str, Raw]] | None = None) -> Callable[[str | None, bool], Raw]:
-    """Builds the params sent to the child, given the gateway's progress token and whether the
-    child is modern: only the token changes, the rest passes as is; a modern child also gets the
-    modern envelope (``envelope()``: the modern caller's own, or the gateway's for a legacy one)."""
+def outgoing(ports: CatalogView, session: ClientSession, target: Target,
+             modern: bool) -> tuple[dict[str, Raw], dict[str, Raw] | None]:
+    """What a forwarded request carries to the child that takes it, decided before the child is
+    called: ``(params, meta)``, ``meta`` the ``_meta`` the child's router puts its progress token
+    into (None: the caller asked for no progress; see
+    :func:`gateway.protocol.routing.request_params`).  Only the token changes, the rest passes
+    as is; a ``modern`` child also gets the modern envelope (:func:`envelope_of`), a legacy one
+    no round trips."""
+    params = target.params
+    meta = target.meta if target.progress is not None else None
+    if modern:
+        env = envelope_of(ports, session, target)
+        if meta is not None:  # the token goes into _meta with the envelope
+            return params, {**meta, **env}
+        sent = dict(params)
+        era.add_envelope(sent, env)
+        return sent, None
+    if "inputResponses" in params or "requestState" in params:  # a legacy child's call has
+        params = {k: v for k, v in params.items() if k not in mrtr.ROUND_TRIP_KEYS}  # no round trips
+    return params, meta
 
-    def rewrite(token: str | None, modern: bool = False) -> Raw:
-        if meta is not None and token is not None:
-            params["_meta"] = jsonrpc.encode_dict({**meta, "progressToken": Raw(msgspec.json.encode(token))})
-        if modern and envelope is not None:
-            sent = dict(params)
-            era.add_envelope(sent, envelope())
-            return jsonrpc.encode_dict(sent)
-        if "inputResponses" in params or "requestState" in params:  # a legacy child's call has
-            return jsonrpc.encode_dict({k: v for k, v in params.items()  # no round trips
-                                        if k not in mrtr.ROUND_TRIP_KEYS})
-        return jsonrpc.encode_dict(params)
 
-    return rewrite
-
-
-def envelope_of(ports: CatalogView, session: ClientSession, target: Target) -> Callable[[], dict[str, Raw]]:
+def envelope_of(ports: CatalogView, session: ClientSession, target: Target) -> dict[str, Raw]:
     """The modern envelope a request of ``session`` carries to a modern child of ``target``'s
-    backend (made only when the child is modern).  A modern caller's own envelope, without the
-    input kinds the backend may not ask for (``declare``); for a legacy caller the gateway's:
-    the capabilities declared to the backend that the caller declared too (input requests are
-    pushed to it: it must be able to answer them; roots are answered from config outside
-    per-session mode), and the level it set with ``logging/setLevel``."""
-
-    def build() -> dict[str, Raw]:
-        cfg = ports.cfg.backends.get(target.backend)
-        declare = frozenset(cfg.declare) if cfg is not None else frozenset()
-        if target.envelope is not None:
-            return era.restrict_envelope(target.envelope, declare)
-        caps = session.caps
-        per_session = cfg is not None and cfg.sharing == "per-session"
-        allowed = {kind for kind in declare
-                   if (kind == "roots" and (caps.roots or not per_session))
-                   or (kind == "sampling" and caps.sampling)
-                   or (kind == "elicitation" and (caps.elicitation_form or caps.elicitation_url))}
-        declared = declared_capabilities(allowed)
-        if "elicitation" in declared:
-            declared["elicitation"] = {k: {} for k, ok in (("form", caps.elicitation_form),
-                                                           ("url", caps.elicitation_url)) if ok}
-        return era.envelope(declared, log_level=session.log_level,
-                            client_info={"name": ports.server_name, "version": __version__})
-
-    return build
+    backend.  A modern caller's own envelope, without the input kinds the backend may not ask
+    for (``declare``); for a legacy caller the gateway's: the capabilities declared to the
+    backend that the caller declared too (input requests are pushed to it: it must be able to
+    answer them; roots are answered from config outside per-session mode), and the level it set
+    with ``logging/setLevel``."""
+    cfg = ports.cfg.backends.get(target.backend)
+    declare = frozenset(cfg.declare) if cfg is not None else frozenset()
+    if target.envelope is not None:
+        return era.restrict_envelope(target.envelope, declare)
+    caps = session.caps
+    per_session = cfg is not None and cfg.sharing == "per-session"
+    allowed = {kind for kind in declare
+               if (kind == "roots" and (caps.roots or not per_session))
+               or (kind == "sampling" and caps.sampling)
+               or (kind == "elicitation" and (caps.elicitation_form or caps.elicitation_url))}
+    declared = declared_capabilities(allowed)
+    if "elicitation" in declared:
+        declared["elicitation"] = {k: {} for k, ok in (("form", caps.elicitation_form),
+                                                       ("url", caps.elicitation_url)) if ok}
+    return era.envelope(declared, log_level=session.log_level,
+                        client_info={"name": ports.server_name, "version": __version__})
 
 
 async def forward(ports: HandlerPorts, session: ClientSession, req: Request, target: Target) -> Raw:
@@ -229,16 +226,16 @@ async def forward(ports: HandlerPorts, session: ClientSession, req: Request, tar
     if not req.counted:
         req.counted = True
         ports.bus.emit(RequestStarted(session.conn_id, mcp.method_label(req.method), backend.name))
-    rewrite = rewriter(target.params, target.meta, envelope_of(ports, session, target))
     client_token = target.progress
     started = trio.current_time()
     asks = backend.waits_for_parked(asker_key(req))
     for attempt in range(2):
         inst, child = await backend.acquire(session, asks=asks)
+        fields, meta = outgoing(ports, session, target, child.era is era.Era.MODERN)
         try:
             return await child.request(req.method, timeout=backend.cfg.request_timeout,
                                        hard_timeout=backend.cfg.max_call_duration, owner=session,
-                                       progress=client_token, rewrite=rewrite)
+                                       progress=client_token, fields=fields, meta=meta)
         except errors.NotDelivered:
             if attempt:  # the child died before reading it twice in a row: give up
                 raise

@@ -123,7 +123,7 @@ async def resolve(ports: InputPorts, session: ClientSession, req: Request, targe
             asks, state = input_requests(result)
             responses = await _ask(ports, session, target.backend, asks)
             retry = Target(target.backend, retry_params(target.params, responses, state),
-                                    progress=target.progress, meta=target.meta)
+                       progress=target.progress, meta=target.meta)
             result = await handlers.forward(ports, session, req, retry)
         return result
     assert scope.cancelled_caught

@@ -158,10 +158,10 @@ class Served:
         self.backend, self.inst, self.child = backend, inst, child
         self.forwarded_at = trio.current_time()
         try:
+            fields, meta = handlers.outgoing(ports, session, target, child.era is era.Era.MODERN)
             self.call = child.start(req.method, UNSET, handle=self, now=self.forwarded_at, owner=session,
                                     hard_timeout=backend.cfg.max_call_duration, progress=target.progress,
-                                    rewrite=handlers.rewriter(target.params, target.meta,
-                                                              handlers.envelope_of(ports, session, target)))
+                                    fields=fields, meta=meta)
         except errors.NotDelivered:  # the child just died: the slow path waits for the next one
             backend.release(inst, session)
             self.child = None

@@ -73,6 +73,15 @@ class CallState(enum.Enum):
     DONE = "done"  # over: answered, failed, or an abandoned call the child settled
 
 
+def request_params(params: dict[str, Raw], meta: dict[str, Raw] | None, token: str | None) -> Raw:
+    """A forwarded request's params for the child, as the core decided them (its era's shape),
+    with the gateway's progress ``token`` in ``_meta.progressToken`` when the caller asked for
+    progress (``meta``: the ``_meta`` it goes into)."""
+    if meta is not None and token is not None:
+        params = {**params, "_meta": jsonrpc.encode_dict({**meta, "progressToken": Raw(msgspec.json.encode(token))})}
+    return jsonrpc.encode_dict(params)
+
+
 class Call:
     """One request to the child.  ``handle`` is the shell's, opaque here."""
 
