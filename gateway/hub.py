@@ -20,8 +20,7 @@ from msgspec import Raw, UnsetType
 from gateway import __version__, errors
 from gateway.auth.labels import configured_names
 from gateway.backend import process
-from gateway.backend.child import ChildConnection, Owner
-from gateway.backend.instance import Instance
+from gateway.backend.instance import ChildNotified, Instance
 from gateway.backend.pool import Backend, Parking
 from gateway.config import BackendConfig, GatewayConfig, ItemFilter
 from gateway.core import bridge
@@ -29,7 +28,7 @@ from gateway.core.listen import Listens
 from gateway.core.ownership import Ownership
 from gateway.core.policy import Caller, Policy, caller_of
 from gateway.core.session import ClientSession
-from gateway.events import CatalogChanged, ConnectionRefused, EventBus
+from gateway.events import BackendExited, CatalogChanged, ConnectionRefused, EventBus, ListsChanged
 from gateway.limits import (
     DEFAULT_MAX_CONNECTIONS,
     ByteBudget,
@@ -124,6 +123,10 @@ class Hub:
         # a reload is restarting these: set once the new backend has started (or the restart
         # was given up); calls wait on it instead of failing
         self._replacing: dict[str, trio.Event] = {}
+        # the backends' news (gateway.backend): a child's notifications, lists, exits
+        bus.subscribe(self._child_notified, ChildNotified)
+        bus.subscribe(self._lists_changed_at, ListsChanged)
+        bus.subscribe(lambda _: self.reap(), BackendExited)
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -158,6 +161,7 @@ class Hub:
         backend = Backend(name, bcfg, self.cfg.prefix_of(name), self)
         # the owners the pool asks the bridge about are the core's sessions
         backend.parking = cast("Parking", self.bridge)
+        backend.log_level = self.wanted_log_level()
         previous = self._restarting.pop(name, None)
         if previous is not None:
             backend.lists = previous.lists
@@ -305,8 +309,8 @@ class Hub:
                     session.send(data)
             self.listens.list_changed(kind, told)
 
-    def on_lists_changed(self, backend: Backend) -> None:
-        if backend.name in self.backends:
+    def _lists_changed_at(self, news: ListsChanged) -> None:
+        if news.backend in self.backends:
             self.rebuild_catalog()
 
     def advertised_capabilities(self) -> dict[str, Any]:
@@ -390,7 +394,15 @@ class Hub:
 
     # ---- fan-out ----------------------------------------------------------------------------
 
-    def on_resource_updated(self, instance: Instance, params: Raw | UnsetType) -> None:
+    def _child_notified(self, news: ChildNotified) -> None:
+        if news.method == "notifications/message":
+            self._log_message(news.instance, news.params)
+        elif news.method == "notifications/resources/updated":
+            self._resource_updated(news.instance, news.params)
+        else:  # notifications/elicitation/complete
+            self._elicitation_complete(news.instance, news.params)
+
+    def _resource_updated(self, instance: Instance, params: Raw | UnsetType) -> None:
         uri = _str_field(params, "uri")
         if uri is None:
             return
@@ -405,7 +417,7 @@ class Hub:
             else:
                 session.send(data)
 
-    def on_log_message(self, instance: Instance, params: Raw | UnsetType) -> None:
+    def _log_message(self, instance: Instance, params: Raw | UnsetType) -> None:
         """A child's log line: to the sessions :func:`~gateway.protocol.logfanout.log_recipients`
         picks (its callers, else those who may see the backend; an owned child: its owner)."""
         level = _str_field(params, "level")
@@ -426,7 +438,7 @@ class Hub:
                                       instance.owner):
             session.send(data)
 
-    def on_elicitation_complete(self, instance: Instance, params: Raw | UnsetType) -> None:
+    def _elicitation_complete(self, instance: Instance, params: Raw | UnsetType) -> None:
         eid = _str_field(params, "elicitationId")
         owner = self.ownership.elicitation_owner(instance.backend.name, eid) if eid is not None else None
         if owner is not None:
@@ -438,6 +450,8 @@ class Hub:
 
     def log_levels_changed(self) -> None:
         level = self.wanted_log_level()
+        for backend in self.backends.values():
+            backend.log_level = level  # a new child starts at it
         if self._nursery is None:
             return
         for backend in self.backends.values():
@@ -445,16 +459,7 @@ class Hub:
                 self._levels[backend.name] = level
                 self._nursery.start_soon(backend.set_level, level)
 
-    # ---- server→client requests ---------------------------------------------------------------
-
-    def on_server_request(self, instance: Instance, child: ChildConnection, id: int | str,
-                          method: str, params: Raw | UnsetType, owners: set[Owner]) -> None:
-        # the owners a backend names are the sessions the core gave it
-        self.ownership.route(instance, child, id, method, params, cast("set[ClientSession]", owners))
-
-    def on_server_request_cancelled(self, instance: Instance, child: ChildConnection,
-                                    request_id: int | str) -> None:
-        self.ownership.child_cancelled(child, request_id)
+    # ---- sessions ---------------------------------------------------------------------------
 
     def roots_changed(self, session: ClientSession) -> None:
         """A client's roots changed: tell its own per-session children (elsewhere roots come
@@ -469,6 +474,10 @@ class Hub:
 
     def session_closed(self, session: ClientSession) -> None:
         self.ownership.forget_session(session)
+        if session.log_level is not None:  # a new child starts at the level still wanted
+            level = self.wanted_log_level()
+            for backend in self.backends.values():
+                backend.log_level = level
         for backend in list(self.backends.values()):
             backend.drop_session(session)
 

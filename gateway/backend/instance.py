@@ -23,6 +23,7 @@ import enum
 import logging
 import math
 from collections import deque
+from dataclasses import dataclass
 from typing import Protocol
 
 import msgspec
@@ -40,6 +41,7 @@ from gateway.events import (
     BackendStderr,
     EventBus,
     ExitKind,
+    News,
 )
 from gateway.limits import ByteBudget
 from gateway.protocol import era, jsonrpc
@@ -88,9 +90,32 @@ EXIT_KINDS = {
 }
 
 
+#: A child's notifications the core fans out to clients (as :class:`ChildNotified` on the bus).
+FANNED_OUT = frozenset({"notifications/resources/updated", "notifications/message",
+                        "notifications/elicitation/complete"})
+
+
+@dataclass(frozen=True, slots=True)
+class ChildNotified(News):
+    """A child sent one of the notifications in :data:`FANNED_OUT`."""
+
+    instance: Instance
+    method: str
+    params: Raw | UnsetType
+
+
+class ServerRequests(Protocol):
+    """Who decides a child's server→client request at once: the core's ownership (the hub
+    wires it in).  ``owners``: the attribution set as it was when the request arrived."""
+
+    def route(self, inst: Instance, child: ChildConnection, child_id: int | str, method: str,
+              params: Raw | UnsetType, owners: set[Owner]) -> None: ...
+    def child_cancelled(self, child: ChildConnection, child_id: int | str) -> None: ...
+
+
 class InstanceHost(Protocol):
-    """What an instance needs from the composition object above the backend layer (the hub):
-    limits, the bus, and the news of its child that the core acts on."""
+    """What an instance is given from above the backend layer (by the hub): the bus its news go
+    out on, the byte budget and limits, and who decides its child's requests to clients."""
 
     bus: EventBus
     budget: ByteBudget  # the child write queues' bytes are charged here
@@ -99,21 +124,15 @@ class InstanceHost(Protocol):
     max_json_depth: int
     outbound_bytes: int
 
-    def wanted_log_level(self) -> str | None: ...
-    def on_resource_updated(self, instance: Instance, params: Raw | UnsetType) -> None: ...
-    def on_log_message(self, instance: Instance, params: Raw | UnsetType) -> None: ...
-    def on_elicitation_complete(self, instance: Instance, params: Raw | UnsetType) -> None: ...
-    def on_server_request(self, instance: Instance, child: ChildConnection, id: int | str,
-                          method: str, params: Raw | UnsetType, owners: set[Owner]) -> None: ...
-    def on_server_request_cancelled(self, instance: Instance, child: ChildConnection,
-                                    request_id: int | str) -> None: ...
-    def reap(self) -> None: ...
+    @property
+    def ownership(self) -> ServerRequests: ...
 
 
 class Pool(Protocol):
     """What an instance needs of its backend (:class:`gateway.backend.pool.Backend`)."""
 
     modern_seen: bool  # a child of it spoke the modern era (set by the instance)
+    log_level: str | None  # the lowest level a client wants (set by the hub), for a new child
 
     @property
     def name(self) -> str: ...
@@ -388,7 +407,6 @@ class Instance(ChildHandlers):
             self.crash_stderr = tuple(self.stderr_tail)
             LOGGER.warning("backend %s: child pid %d ended: %s", self.name, proc.pid, self.last_exit)
         self.backend.host.bus.emit(BackendExited(self.backend.name, self.name, proc.pid, kind, rc))
-        self.backend.host.reap()
         return exit_reason
 
     async def _read_stdout(self, child: ChildConnection, down: trio.Event) -> None:
@@ -584,7 +602,7 @@ class Instance(ChildHandlers):
         wanted = client.listen_filter(child)
         if wanted and self._nursery is not None:
             self._nursery.start_soon(self._listen, child, wanted)
-        level = host.wanted_log_level()
+        level = self.backend.log_level
         if level is not None:
             await client.set_level(child, level, timeout=self.cfg.start_timeout)
         for uri in self.backend.subscribed_uris():
@@ -625,18 +643,13 @@ class Instance(ChildHandlers):
     # ---- traffic from the child that is not a reply -------------------------------------------
 
     def on_notification(self, child: ChildConnection, method: str, params: Raw | UnsetType) -> None:
-        host = self.backend.host
         if method.endswith("/list_changed") and self._nursery is not None and child is self.child:
             kind = method.split("/")[1]
             kinds = ("resources", "templates") if kind == "resources" else (kind,)
             if kind in ("tools", "prompts", "resources"):
                 self._nursery.start_soon(self._refresh, child, kinds)
-        elif method == "notifications/resources/updated":
-            host.on_resource_updated(self, params)
-        elif method == "notifications/message":
-            host.on_log_message(self, params)
-        elif method == "notifications/elicitation/complete":
-            host.on_elicitation_complete(self, params)
+        elif method in FANNED_OUT:
+            self.backend.host.bus.emit(ChildNotified(self, method, params))
         else:
             LOGGER.debug("backend %s: ignored notification %s", self.name, method)
 
@@ -644,7 +657,7 @@ class Instance(ChildHandlers):
         if method == "ping":
             child.respond(id, jsonrpc.EMPTY_RESULT)
             return
-        self.backend.host.on_server_request(self, child, id, method, params, self.backend.owners(self, child))
+        self.backend.host.ownership.route(self, child, id, method, params, self.backend.owners(self, child))
 
     def on_cancelled(self, child: ChildConnection, request_id: int | str) -> None:
-        self.backend.host.on_server_request_cancelled(self, child, request_id)
+        self.backend.host.ownership.child_cancelled(child, request_id)

@@ -29,7 +29,7 @@ from gateway.backend import client
 from gateway.backend.child import ChildConnection, Owner
 from gateway.backend.instance import Instance, InstanceHost
 from gateway.config import BackendConfig
-from gateway.events import QueueWaited
+from gateway.events import ListsChanged, QueueWaited
 from gateway.protocol import mrtr
 from gateway.protocol.catalog import BackendLists
 from gateway.protocol.supervision import State
@@ -68,11 +68,9 @@ class Parking(Protocol):
 
 
 class BackendHost(InstanceHost, Protocol):
-    """What a backend needs from the composition object above it (the hub)."""
+    """What a backend is given from above (by the hub); its news go out on ``bus``."""
 
     restart_wait: float
-
-    def on_lists_changed(self, backend: Backend) -> None: ...
 
 
 class Backend:
@@ -88,6 +86,7 @@ class Backend:
         self.subscriptions: dict[str, set[Owner]] = {}
         self._nursery: trio.Nursery | None = None
         self._stopping = False
+        self.log_level: str | None = None  # what a new child is set to (the hub keeps it current)
         self.restarting = False  # stopped by a reload that starts it again with a changed config
         self._released = Wakeup()  # a client call ended (wakes drain)
         # an instance changed state, or an affine waiter was granted or let go (wakes the
@@ -533,7 +532,7 @@ class Backend:
             templates=list(inst.lists.templates),
         )
         self.lists_ready.set()
-        self.host.on_lists_changed(self)
+        self.host.bus.emit(ListsChanged(self.name))
 
     def on_settled(self, inst: Instance) -> None:
         self._released.set()  # (a given-up call answered: wakes _acquire_unparked)

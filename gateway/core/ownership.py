@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 import trio
@@ -45,7 +45,7 @@ from gateway.protocol import jsonrpc
 from gateway.protocol.era import Era
 
 if TYPE_CHECKING:
-    from gateway.backend.child import ChildConnection
+    from gateway.backend.child import ChildConnection, Owner
     from gateway.backend.instance import Instance, Pool
     from gateway.core.session import ClientSession, ServerRequest
 
@@ -164,8 +164,10 @@ class Ownership:
         self.elicitations: dict[tuple[str, str], ClientSession] = {}
 
     def route(self, inst: Instance, child: ChildConnection, child_id: int | str,
-              method: str, params: Raw | UnsetType, owners: set[ClientSession]) -> None:
-        """``owners``: the attribution set as it was when the request arrived."""
+              method: str, params: Raw | UnsetType, owners: set[Owner]) -> None:
+        """``owners``: the attribution set as it was when the request arrived (the sessions whose
+        calls the child has: owners are the core's sessions)."""
+        sessions = cast("set[ClientSession]", owners)
         backend = inst.backend
         try:
             fields: dict[str, Any] = jsonrpc.loads(params) if params is not UNSET else {}
@@ -175,7 +177,7 @@ class Ownership:
             child.respond_error(child_id, errors.INVALID_PARAMS, "params must be an object")
             return
         decision = decide(method, fields, sharing=backend.cfg.sharing, config_roots=backend.cfg.roots,
-                          owners=owners, declared=backend.declared,
+                          owners=sessions, declared=backend.declared,
                           cancelled=len(owners & child.router.cancelled_owners()),
                           cancel_grace=backend.cfg.cancel_grace)
         if method != "roots/list" and (isinstance(decision, Forward)
@@ -183,7 +185,7 @@ class Ownership:
             # Remember which calls ask for input: on a shared backend such a call waits for a
             # parked flow of another caller to go first (gateway.backend.pool._acquire_unparked).
             # A hint for scheduling only (a refused request's asker is one of the owners).
-            for owner in (decision.owner,) if isinstance(decision, Forward) else owners:
+            for owner in (decision.owner,) if isinstance(decision, Forward) else sessions:
                 if owner.flow is None or not owner.flow.parked:
                     _learn_asker(backend, owner)
         if isinstance(decision, Answer):
