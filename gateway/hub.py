@@ -1,10 +1,12 @@
 """The hub: backends, the merged catalog, client sessions, and everything that crosses them.
 
-The hub owns the backends (one :class:`~gateway.backend.pool.Backend` per config entry), rebuilds
-the merged catalog when a backend's lists change (telling clients ``list_changed`` only when a
-list really changed), routes child notifications to the sessions that should see them
-(resource updates to subscribers, log messages by level, elicitation completion to its owner),
-and hands server→client requests to :mod:`gateway.core.ownership`.
+The hub owns the backends (one :class:`~gateway.backend.pool.Backend` per config entry) and the
+core's services, and implements the core's ports (:mod:`gateway.core.ports`).  It subscribes to
+the backends' news on the bus: it rebuilds the merged catalog when a backend's lists change
+(telling clients ``list_changed`` only when a list really changed) and routes child
+notifications to the sessions that should see them (resource updates to subscribers, log
+messages by level, elicitation completion to its owner).  A child's server→client requests go
+straight to :mod:`gateway.core.ownership` (the backends' ``InstanceHost.ownership``).
 """
 
 from __future__ import annotations
