@@ -474,6 +474,12 @@ class Hub:
                 except errors.NotDelivered:
                     pass
 
+    def session_opened(self, session: ClientSession) -> None:
+        self.sessions.add(session)
+
+    def session_left(self, session: ClientSession) -> None:
+        self.sessions.discard(session)
+
     def session_closed(self, session: ClientSession) -> None:
         self.ownership.forget_session(session)
         if session.log_level is not None:  # a new child starts at the level still wanted

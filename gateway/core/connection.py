@@ -61,11 +61,15 @@ class MessageStream(MessageWriter, Protocol):
 
 
 class ConnectionPorts(ServingPorts, Protocol):
-    """What a connection needs: serving's ports, the set of open sessions (it registers in it),
-    the daemon-wide byte budget and the message limits."""
+    """What a connection needs: serving's ports, the daemon-wide byte budget, the message limits,
+    and where its session registers while it is open."""
 
-    @property
-    def sessions(self) -> set[ClientSession]: ...
+    def session_opened(self, session: ClientSession) -> None: ...
+
+    def session_left(self, session: ClientSession) -> None:
+        """The connection closed (its calls are cancelled next, then :meth:`session_closed`)."""
+        ...
+
     @property
     def budget(self) -> ByteBudget: ...
     @property
@@ -84,17 +88,17 @@ def _open(ports: ConnectionPorts, stream: MessageStream, transport: str,
     if bind is not None:
         bind(session)
     session.writer = stream
-    ports.sessions.add(session)
+    ports.session_opened(session)
     ports.bus.emit(ConnectionOpened(session.conn_id, transport))
     LOGGER.debug("connection %s opened (%s)", session.conn_id, transport, extra=session.log_fields)
     return session
 
 
 def _release(ports: ConnectionPorts, session: ClientSession) -> None:
-    """What a closed connection holds goes: it leaves the ports, the requests it was sent end,
+    """What a closed connection holds goes: it leaves the hub, the requests it was sent end,
     its calls are cancelled, the backends forget it."""
     session.writer = None  # what is sent from now on is queued: flushed, or dropped
-    ports.sessions.discard(session)
+    ports.session_left(session)
     ports.connections_changed()
     session.end_all_requests(ServerRequestOutcome.OWNER_GONE)
     for served in list(session.inflight.values()):  # calls forwarded without a task

@@ -4,9 +4,10 @@ Three kinds: :data:`HANDLERS` answer from the gateway's own state, synchronously
 :data:`FORWARDED` decide synchronously where a request goes (a :class:`Target`), and
 ``gateway.core.connection`` forwards it without a task when it can, else runs :func:`forward` (the
 slow path: consent, waiting for an instance); :data:`ASYNC_HANDLERS` need a backend's answer
-before they can answer.  Each takes the ports, the session and a :class:`Request`, and returns the
-``result`` (Raw) or a Target, or raises a :class:`~gateway.errors.GatewayError`.  Handlers never
-build error responses themselves: ``gateway.core.connection`` is the one place that does.
+before they can answer.  Each takes the narrowest port it reads (:mod:`gateway.core.ports`),
+the session and a :class:`Request`, and returns the ``result`` (Raw) or a Target, or raises a
+:class:`~gateway.errors.GatewayError`.  Handlers never build error responses themselves:
+:mod:`gateway.core.serving` is the one place that does.
 """
 
 from __future__ import annotations
