@@ -657,7 +657,8 @@ class Instance(ChildHandlers):
         if method == "ping":
             child.respond(id, jsonrpc.EMPTY_RESULT)
             return
-        self.backend.host.ownership.route(self, child, id, method, params, self.backend.owners(self, child))
+        owners = self.backend.owners(self, child)
+        self.backend.host.ownership.route(self, child, id, method, params, owners)
 
     def on_cancelled(self, child: ChildConnection, request_id: int | str) -> None:
         self.backend.host.ownership.child_cancelled(child, request_id)

@@ -163,8 +163,8 @@ class Direct:
 
     __slots__ = ("done", "nursery", "ports", "session", "stream", "transport", "writer_scope")
 
-    def __init__(self, ports: ConnectionPorts, stream: DirectStream, nursery: trio.Nursery, transport: str,
-                 bind: Callable[[ClientSession], None] | None = None) -> None:
+    def __init__(self, ports: ConnectionPorts, stream: DirectStream, nursery: trio.Nursery,
+                 transport: str, bind: Callable[[ClientSession], None] | None = None) -> None:
         self.ports = ports
         self.stream = stream
         self.nursery = nursery

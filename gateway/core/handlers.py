@@ -186,8 +186,8 @@ def outgoing(ports: CatalogView, session: ClientSession, target: Target,
         sent = dict(params)
         era.add_envelope(sent, env)
         return sent, None
-    if "inputResponses" in params or "requestState" in params:  # a legacy child's call has
-        params = {k: v for k, v in params.items() if k not in mrtr.ROUND_TRIP_KEYS}  # no round trips
+    if "inputResponses" in params or "requestState" in params:  # a legacy child's call has no
+        params = {k: v for k, v in params.items() if k not in mrtr.ROUND_TRIP_KEYS}  # round trips
     return params, meta
 
 

@@ -101,8 +101,8 @@ def retry_params(params: dict[str, Raw], responses: dict[str, Raw], state: Raw |
     return out
 
 
-async def resolve(ports: InputPorts, session: ClientSession, req: Request, target: Target, result: Raw,
-                  started: float) -> Raw:
+async def resolve(ports: InputPorts, session: ClientSession, req: Request, target: Target,
+                  result: Raw, started: float) -> Raw:
     """Answer a modern child's ``input_required`` ``result`` for the legacy ``session`` (see the
     module's docstring); returns the complete result.
 

@@ -104,8 +104,8 @@ class Served:
         "target",
     )
 
-    def __init__(self, ports: ServingPorts, session: ClientSession, env: jsonrpc.Envelope, size: int,
-                 reply: Callable[[bytes | None, int | str | None], None]) -> None:
+    def __init__(self, ports: ServingPorts, session: ClientSession, env: jsonrpc.Envelope,
+                 size: int, reply: Callable[[bytes | None, int | str | None], None]) -> None:
         assert isinstance(env.id, int | str) and isinstance(env.method, str)
         self.ports = ports
         self.session = session

@@ -78,7 +78,8 @@ def request_params(params: dict[str, Raw], meta: dict[str, Raw] | None, token: s
     with the gateway's progress ``token`` in ``_meta.progressToken`` when the caller asked for
     progress (``meta``: the ``_meta`` it goes into)."""
     if meta is not None and token is not None:
-        params = {**params, "_meta": jsonrpc.encode_dict({**meta, "progressToken": Raw(msgspec.json.encode(token))})}
+        token_raw = Raw(msgspec.json.encode(token))
+        params = {**params, "_meta": jsonrpc.encode_dict({**meta, "progressToken": token_raw})}
     return jsonrpc.encode_dict(params)
 
 

@@ -309,7 +309,8 @@ async def test_progress_reaches_the_owner_with_the_clients_token(
     meta = {"progressToken": Raw(b"42")}  # the core decided the params; the token goes in here
 
     async with connected() as h:
-        c = start_call(h, "tools/call", timeout=30, owner=owner, progress=42, fields=fields, meta=meta)
+        c = start_call(h, "tools/call", timeout=30, owner=owner, progress=42, fields=fields,
+                       meta=meta)
         req = await h.child.receive()
         wire_token = req["params"]["_meta"]["progressToken"]
         assert isinstance(wire_token, str) and wire_token != 42  # gateway-unique, not the client's
