@@ -53,7 +53,7 @@ class GatewaySection(Base):
     drain_grace: float = 20 * SECONDS  # SIGTERM: how long in-flight calls may finish
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_target: Literal["auto", "stderr", "journal"] = "auto"
-    # Era bridging (gateway.bridge): the replica id leads every requestState ("" = the host
+    # Era bridging (gateway.core.bridge): the replica id leads every requestState ("" = the host
     # name's first label), signed with the key in state_key_file ("" = a random key per start;
     # generated when the file is absent); a parked flow not resumed in state_ttl seconds ends.
     replica_id: str = ""
@@ -323,6 +323,17 @@ def client_allowed_origins(cfg: GatewayConfig) -> list[str]:
     return [*cfg.listen.allowed_origins, *([public[1]] if public else [])]
 
 
+def client_exposure_problems(cfg: GatewayConfig) -> list[str]:
+    """What a client listener (websocket, http) off loopback still lacks under ``cfg``
+    (:func:`gateway.guards.client_exposure_problems`); empty: allowed."""
+    listen = cfg.listen
+    return guards.client_exposure_problems(
+        auth_configured=cfg.auth.configured,
+        tls=(listen.tls_cert is not None and listen.tls_key is not None) or listen.behind_proxy,
+        serves_resources=any("*" not in b.resources.exclude for b in cfg.backends.values()),
+        read_rule=any(r.kind == "resource" and r.action == "allow" for r in cfg.policy.rules))
+
+
 def load(data: bytes | str, *, base_dir: str = ".", check_commands: bool = False) -> GatewayConfig:
     """Decode and validate a TOML config.
 
@@ -435,7 +446,7 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
             errors.append(f"{key}: {exc}")
             continue
         if key in ("listen.websocket", "listen.http") and not is_loopback(host):
-            problems = guards.client_exposure_problems(cfg)
+            problems = client_exposure_problems(cfg)
             if problems:
                 errors.append(f"{key}: {host!r} is not a loopback address, and a client listener "
                               "off loopback needs " + "; ".join(problems))
@@ -445,7 +456,10 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
                 "set admin.allow_non_loopback = true to bind it anyway (and admin.token_sha256 "
                 "for /status)"
             )
-    errors.extend(guards.key_errors(cfg, check_files=check_commands))
+    errors.extend(guards.key_errors(
+        tls_cert=cfg.listen.tls_cert, tls_key=cfg.listen.tls_key,
+        behind_proxy=cfg.listen.behind_proxy, public_url=cfg.listen.public_url,
+        admin_token_sha256=cfg.admin.token_sha256, check_files=check_commands))
     for key, hosts in (("listen.allowed_hosts", cfg.listen.allowed_hosts),
                        ("admin.allowed_hosts", cfg.admin.allowed_hosts)):
         for entry in hosts:

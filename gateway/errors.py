@@ -1,9 +1,9 @@
 """The gateway's exception taxonomy and the one JSON-RPC error-code table.
 
 Every condition the gateway reports to a client is a :class:`GatewayError` with a code from
-the table below and a machine-readable ``data.reason``.  ``gateway.connection`` is the only
+the table below and a machine-readable ``data.reason``.  ``gateway.core.connection`` is the only
 place that turns exceptions into JSON-RPC error responses
-(:func:`gateway.serving.error_response`).
+(:func:`gateway.core.serving.error_response`).
 
 ===========================  =======  =========================================
 condition                    code     ``data.reason``

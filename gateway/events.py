@@ -223,6 +223,20 @@ class ReloadFinished:
     changed: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class ListsChanged:
+    """A backend's lists changed (its first instance listed them anew): the catalog is rebuilt."""
+
+    backend: str
+
+
+class News:
+    """Base of the news a layer below the core reports on the bus with that layer's own objects
+    (``gateway.backend.instance.ChildNotified``); the hub subscribes and hands it to the core."""
+
+    __slots__ = ()
+
+
 Event = (
     ConnectionOpened
     | ConnectionClosed
@@ -243,6 +257,8 @@ Event = (
     | InputRequired
     | RequestStateRefused
     | ReloadFinished
+    | ListsChanged
+    | News
 )
 
 

@@ -1,7 +1,8 @@
-"""Boot guards: what it takes to expose a listener beyond loopback (fail closed).  Pure: config
-in, problems out (each a sentence naming the keys to set); :mod:`gateway.config` reports them at
-load (and so ``check-config`` and a reload), :mod:`gateway.transports.listeners` on the address a
-socket is really bound to (``getsockname()``: systemd's sockets too).
+"""Boot guards: what it takes to expose a listener beyond loopback (fail closed).  Pure: plain
+values in, problems out (each a sentence naming the keys to set); :mod:`gateway.config` feeds
+them its keys (:func:`gateway.config.client_exposure_problems`) and reports them at load (and
+so ``check-config`` and a reload), the service on the address a socket is really bound to
+(``getsockname()``: systemd's sockets too).  Nothing here imports the config.
 
 The rules:
 
@@ -25,11 +26,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
-
-if TYPE_CHECKING:
-    from gateway.config import GatewayConfig, ListenSection
 
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 
@@ -43,27 +40,22 @@ READ_RULE_NEEDED = ("a read rule for resources/read and resources/subscribe: add
                     "exclude every backend's resources: resources = { exclude = [\"*\"] })")
 
 
-def tls_configured(listen: ListenSection) -> bool:
-    return listen.tls_cert is not None and listen.tls_key is not None
+def client_exposure_problems(*, auth_configured: bool, tls: bool, serves_resources: bool,
+                             read_rule: bool) -> list[str]:
+    """What a client listener (websocket, http) off loopback still lacks; empty: allowed.
 
-
-def has_read_rule(cfg: GatewayConfig) -> bool:
-    return any(r.kind == "resource" and r.action == "allow" for r in cfg.policy.rules)
-
-
-def serves_resources(cfg: GatewayConfig) -> bool:
-    """Some backend may expose resources (not every one of them excludes ``*``)."""
-    return any("*" not in b.resources.exclude for b in cfg.backends.values())
-
-
-def client_exposure_problems(cfg: GatewayConfig) -> list[str]:
-    """What a client listener (websocket, http) off loopback still lacks; empty: allowed."""
+    Args:
+        auth_configured: the operator configured authentication (``AuthSection.configured``).
+        tls: TLS on the wire (``listen.tls_cert`` and ``listen.tls_key``, or ``behind_proxy``).
+        serves_resources: some backend may expose resources.
+        read_rule: a ``[[policy.rules]]`` allows ``resource`` reads.
+    """
     problems = []
-    if not cfg.auth.configured:
+    if not auth_configured:
         problems.append(AUTH_NEEDED)
-    if not (tls_configured(cfg.listen) or cfg.listen.behind_proxy):
+    if not tls:
         problems.append(TLS_NEEDED)
-    if serves_resources(cfg) and not has_read_rule(cfg):
+    if serves_resources and not read_rule:
         problems.append(READ_RULE_NEEDED)
     return problems
 
@@ -78,33 +70,33 @@ def public_origin(public_url: str | None) -> tuple[str, str] | None:
     return host, f"{parts.scheme.lower()}://{parts.netloc.lower().rpartition('@')[2]}"
 
 
-def key_errors(cfg: GatewayConfig, *, check_files: bool) -> list[str]:
-    """Errors in the keys themselves, wherever the listeners are bound: both TLS files or
-    neither (readable, with ``check_files``), ``behind_proxy`` only with ``public_url``, an
-    https ``public_url`` (http only for a loopback host), a hex ``admin.token_sha256``."""
+def key_errors(*, tls_cert: str | None, tls_key: str | None, behind_proxy: bool,
+               public_url: str | None, admin_token_sha256: str | None,
+               check_files: bool) -> list[str]:
+    """Errors in the keys themselves, wherever the listeners are bound: both TLS files
+    (``listen.tls_cert``, ``listen.tls_key``) or neither (readable, with ``check_files``),
+    ``listen.behind_proxy`` only with ``listen.public_url``, an https ``public_url`` (http only
+    for a loopback host), a hex ``admin.token_sha256``."""
     errors: list[str] = []
-    listen = cfg.listen
-    if (listen.tls_cert is None) != (listen.tls_key is None):
+    if (tls_cert is None) != (tls_key is None):
         errors.append("listen.tls_cert, listen.tls_key: set both (the certificate chain and its "
                       "private key, PEM) or neither")
     if check_files:
-        for key in ("tls_cert", "tls_key"):
-            path = getattr(listen, key)
+        for key, path in (("tls_cert", tls_cert), ("tls_key", tls_key)):
             if path is not None and not (os.path.isfile(path) and os.access(path, os.R_OK)):
                 errors.append(f"listen.{key}: {path!r} is not a readable file")
-    if listen.behind_proxy and not listen.public_url:
+    if behind_proxy and not public_url:
         errors.append("listen.behind_proxy: needs listen.public_url, the https URL clients use "
                       "(e.g. \"https://gateway.example.com/mcp\"); it names this gateway in "
                       "the Host/Origin allow-lists and as the OAuth resource")
-    if listen.public_url is not None:
-        parts = urlsplit(listen.public_url)
+    if public_url is not None:
+        parts = urlsplit(public_url)
         loopback_http = parts.scheme == "http" and (parts.hostname or "") in ("localhost", "127.0.0.1", "::1")
         if not parts.hostname or not (parts.scheme == "https" or loopback_http) \
                 or parts.query or parts.fragment or parts.username is not None:
-            errors.append(f"listen.public_url: {listen.public_url!r} is not an https URL "
+            errors.append(f"listen.public_url: {public_url!r} is not an https URL "
                           "(https://HOST[:PORT]/PATH, no query; http only for a loopback host)")
-    token = cfg.admin.token_sha256
-    if token is not None and not _HEX64.fullmatch(token):
+    if admin_token_sha256 is not None and not _HEX64.fullmatch(admin_token_sha256):
         errors.append("admin.token_sha256: expected the 64 hex digits of a SHA-256 "
                       "(e.g. printf %s TOKEN | sha256sum)")
     return errors

@@ -1,30 +1,36 @@
 """The hub: backends, the merged catalog, client sessions, and everything that crosses them.
 
-The hub owns the backends (one :class:`~gateway.backend.pool.Backend` per config entry), rebuilds
-the merged catalog when a backend's lists change (telling clients ``list_changed`` only when a
-list really changed), routes child notifications to the sessions that should see them
-(resource updates to subscribers, log messages by level, elicitation completion to its owner),
-and hands server→client requests to :mod:`gateway.ownership`.
+The hub owns the backends (one :class:`~gateway.backend.pool.Backend` per config entry) and the
+core's services, and implements the core's ports (:mod:`gateway.core.ports`).  It subscribes to
+the backends' news on the bus: it rebuilds the merged catalog when a backend's lists change
+(telling clients ``list_changed`` only when a list really changed) and routes child
+notifications to the sessions that should see them (resource updates to subscribers, log
+messages by level, elicitation completion to its owner).  A child's server→client requests go
+straight to :mod:`gateway.core.ownership` (the backends' ``InstanceHost.ownership``).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 import trio
 from msgspec import Raw, UnsetType
 
-from gateway import __version__, bridge, errors
+from gateway import __version__, errors
 from gateway.auth.labels import configured_names
 from gateway.backend import process
-from gateway.backend.child import ChildConnection
-from gateway.backend.instance import Instance
-from gateway.backend.pool import Backend
+from gateway.backend.instance import ChildNotified, Instance
+from gateway.backend.pool import Backend, Parking
 from gateway.config import BackendConfig, GatewayConfig, ItemFilter
-from gateway.events import CatalogChanged, ConnectionRefused, EventBus
+from gateway.core import bridge
+from gateway.core.listen import Listens
+from gateway.core.ownership import Ownership
+from gateway.core.policy import Caller, Policy, caller_of
+from gateway.core.session import ClientSession
+from gateway.events import BackendExited, CatalogChanged, ConnectionRefused, EventBus, ListsChanged
 from gateway.limits import (
     DEFAULT_MAX_CONNECTIONS,
     ByteBudget,
@@ -33,9 +39,6 @@ from gateway.limits import (
     PrincipalLimit,
     PrincipalLimits,
 )
-from gateway.listen import Listens
-from gateway.ownership import Ownership
-from gateway.policy import Caller, Policy, caller_of
 from gateway.protocol import jsonrpc, mcp
 from gateway.protocol.catalog import (
     BackendLists,
@@ -49,7 +52,6 @@ from gateway.protocol.era import Era
 from gateway.protocol.logfanout import LogListener, log_recipients
 from gateway.protocol.policy import climbs
 from gateway.protocol.subscriptions import uri_matches
-from gateway.session import ClientSession
 from gateway.status import GatewayStatus, ListenerStatus
 from gateway.wakeup import Wakeup
 
@@ -124,6 +126,10 @@ class Hub:
         # a reload is restarting these: set once the new backend has started (or the restart
         # was given up); calls wait on it instead of failing
         self._replacing: dict[str, trio.Event] = {}
+        # the backends' news (gateway.backend): a child's notifications, lists, exits
+        bus.subscribe(self._child_notified, ChildNotified)
+        bus.subscribe(self._lists_changed_at, ListsChanged)
+        bus.subscribe(lambda _: self.reap(), BackendExited)
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -159,7 +165,9 @@ class Hub:
         its own child has listed)."""
         assert self._nursery is not None
         backend = Backend(name, bcfg, self.cfg.prefix_of(name), self)
-        backend.parking = self.bridge
+        # the owners the pool asks the bridge about are the core's sessions
+        backend.parking = cast("Parking", self.bridge)
+        backend.log_level = self.wanted_log_level()
         previous = self._restarting.pop(name, None)
         if previous is not None:
             backend.lists = previous.lists
@@ -307,8 +315,8 @@ class Hub:
                     session.send(data)
             self.listens.list_changed(kind, told)
 
-    def on_lists_changed(self, backend: Backend) -> None:
-        if backend.name in self.backends:
+    def _lists_changed_at(self, news: ListsChanged) -> None:
+        if news.backend in self.backends:
             self.rebuild_catalog()
 
     def advertised_capabilities(self) -> dict[str, Any]:
@@ -350,7 +358,7 @@ class Hub:
     def targets_modern(self, method: str, params: dict[str, Raw]) -> bool:
         """Whether a ``tools/call`` / ``prompts/get`` / ``resources/read`` goes to a backend that
         speaks 2026-07-28: its ``requestState`` is then the child's own, passed through (else it
-        is one the gateway signed, see gateway.bridge)."""
+        is one the gateway signed, see gateway.core.bridge)."""
         try:
             key = jsonrpc.loads(params.get("uri" if method == "resources/read" else "name", b"null"))
             if method == "tools/call":
@@ -392,7 +400,15 @@ class Hub:
 
     # ---- fan-out ----------------------------------------------------------------------------
 
-    def on_resource_updated(self, instance: Instance, params: Raw | UnsetType) -> None:
+    def _child_notified(self, news: ChildNotified) -> None:
+        if news.method == "notifications/message":
+            self._log_message(news.instance, news.params)
+        elif news.method == "notifications/resources/updated":
+            self._resource_updated(news.instance, news.params)
+        else:  # notifications/elicitation/complete
+            self._elicitation_complete(news.instance, news.params)
+
+    def _resource_updated(self, instance: Instance, params: Raw | UnsetType) -> None:
         uri = _str_field(params, "uri")
         if uri is None:
             return
@@ -400,14 +416,14 @@ class Hub:
         targets: set[ClientSession] = set()
         for sub, holders in instance.backend.subscriptions.items():
             if uri_matches(sub, uri):
-                targets |= holders
+                targets |= cast("set[ClientSession]", holders)  # the core's sessions
         for session in targets:
             if session.era is Era.MODERN:  # held by its listens: to each, tagged
                 self.listens.resource_updated(session, uri, params)
             else:
                 session.send(data)
 
-    def on_log_message(self, instance: Instance, params: Raw | UnsetType) -> None:
+    def _log_message(self, instance: Instance, params: Raw | UnsetType) -> None:
         """A child's log line: to the sessions :func:`~gateway.protocol.logfanout.log_recipients`
         picks (its callers, else those who may see the backend; an owned child: its owner)."""
         level = _str_field(params, "level")
@@ -428,7 +444,7 @@ class Hub:
                                       instance.owner):
             session.send(data)
 
-    def on_elicitation_complete(self, instance: Instance, params: Raw | UnsetType) -> None:
+    def _elicitation_complete(self, instance: Instance, params: Raw | UnsetType) -> None:
         eid = _str_field(params, "elicitationId")
         owner = self.ownership.elicitation_owner(instance.backend.name, eid) if eid is not None else None
         if owner is not None:
@@ -440,6 +456,8 @@ class Hub:
 
     def log_levels_changed(self) -> None:
         level = self.wanted_log_level()
+        for backend in self.backends.values():
+            backend.log_level = level  # a new child starts at it
         if self._nursery is None:
             return
         for backend in self.backends.values():
@@ -447,15 +465,7 @@ class Hub:
                 self._levels[backend.name] = level
                 self._nursery.start_soon(backend.set_level, level)
 
-    # ---- server→client requests ---------------------------------------------------------------
-
-    def on_server_request(self, instance: Instance, child: ChildConnection, id: int | str,
-                          method: str, params: Raw | UnsetType, owners: set[ClientSession]) -> None:
-        self.ownership.route(instance, child, id, method, params, owners)
-
-    def on_server_request_cancelled(self, instance: Instance, child: ChildConnection,
-                                    request_id: int | str) -> None:
-        self.ownership.child_cancelled(child, request_id)
+    # ---- sessions ---------------------------------------------------------------------------
 
     def roots_changed(self, session: ClientSession) -> None:
         """A client's roots changed: tell its own per-session children (elsewhere roots come
@@ -468,8 +478,18 @@ class Hub:
                 except errors.NotDelivered:
                     pass
 
+    def session_opened(self, session: ClientSession) -> None:
+        self.sessions.add(session)
+
+    def session_left(self, session: ClientSession) -> None:
+        self.sessions.discard(session)
+
     def session_closed(self, session: ClientSession) -> None:
         self.ownership.forget_session(session)
+        if session.log_level is not None:  # a new child starts at the level still wanted
+            level = self.wanted_log_level()
+            for backend in self.backends.values():
+                backend.log_level = level
         for backend in list(self.backends.values()):
             backend.drop_session(session)
 

@@ -27,12 +27,14 @@ from functools import partial
 import msgspec
 import trio
 
-from gateway import __version__, config, connection, errors, guards, limits
+from gateway import __version__, config, errors, limits
 from gateway.auth.authenticator import Authenticator, Unauthorized
 from gateway.auth.peer import peer_principal
 from gateway.auth.principal import Principal
 from gateway.backend import process
 from gateway.config import GatewayConfig
+from gateway.core import connection
+from gateway.core.session import ClientSession
 from gateway.errors import CloseReason, ConfigError
 from gateway.events import EventBus, ReloadFinished, ServerRequestOutcome
 from gateway.hub import Hub
@@ -45,7 +47,6 @@ from gateway.protocol import jsonrpc
 from gateway.protocol.catalog import CatalogConflict
 from gateway.protocol.policy import suggested_rules
 from gateway.protocol.supervision import State
-from gateway.session import ClientSession
 from gateway.status import ListenerStatus
 from gateway.transports import listeners as ls
 from gateway.transports import tls
@@ -501,7 +502,7 @@ async def _tcp_listeners(fds: dict[str, int], name: str, address: str | None,
     """The listeners of client listener ``name``: adopted from systemd (fd name ``name``) or
     bound to ``address``; off loopback only as the boot guards allow (checked on the address
     really bound, see :mod:`gateway.guards`)."""
-    problems = guards.client_exposure_problems(cfg)
+    problems = config.client_exposure_problems(cfg)
     try:
         if name in fds:
             listeners = [ls.adopt_listener(fds[name])]

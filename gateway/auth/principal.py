@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """Who is calling: set on a :class:`~gateway.session.ClientSession` when it is authenticated
+    """Who is calling: set on a :class:`~gateway.core.session.ClientSession` when it is authenticated
     (``None`` there: authentication is not configured and the listener is loopback).
 
     ``name`` is what policy rules match (a configured bearer principal, the OAuth

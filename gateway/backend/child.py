@@ -49,6 +49,7 @@ from gateway.protocol.routing import (
     ToChild,
     ToOwner,
     UnknownReply,
+    request_params,
 )
 
 LOGGER = logging.getLogger(__name__)
@@ -68,7 +69,12 @@ _WITHDRAWN = {
 
 
 class Owner(Protocol):
-    """What the shell needs of a call's owner (a client session)."""
+    """A call's owner, opaque to the backend layer (a client session of the core): what a
+    child's shell and the pool need of it."""
+
+    closed: trio.Event  # set once the owner is gone
+
+    def __hash__(self) -> int: ...
 
     def send(self, data: bytes) -> bool: ...
     def cancel_request(self, req: Any, outcome: ServerRequestOutcome, reason: str) -> None: ...
@@ -302,7 +308,7 @@ class ChildConnection:
     def start(self, method: str, params: Raw | UnsetType, *, handle: CallHandle, now: float,
               owner: Hashable | None = None, internal: bool = False, timeout: float | None = None,
               hard_timeout: float | None = None, progress: Any = None,
-              rewrite: Callable[..., Raw | UnsetType] | None = None) -> Call:
+              fields: dict[str, Raw] | None = None, meta: dict[str, Raw] | None = None) -> Call:
         """Start a call without waiting: ``handle.finished`` is told how it ended.
 
         Args:
@@ -310,8 +316,9 @@ class ChildConnection:
                 ``request_timeout``; paused while a prompt of the owner is pending).
             hard_timeout: the most the call may take even with pauses.
             progress: the caller's progress token, when it asked for progress.
-            rewrite: builds the final params given the gateway's progress token (or None) and
-                whether this child is modern (then they carry the modern envelope).
+            fields: the params (decoded one level) as the core decided them for this child's
+                era; sent instead of ``params``, with the gateway's progress token put into
+                ``meta`` (the ``_meta`` it goes into, when the caller asked for progress).
 
         Raises:
             NotDelivered: the child is gone.  Overloaded: its write queue is full.
@@ -321,9 +328,8 @@ class ChildConnection:
         hard = math.inf if hard_timeout is None else now + hard_timeout
         call = self.router.open_call(method, owner=owner, handle=handle, now=now, timeout=timeout,
                                      hard_deadline=hard, progress=progress, internal=internal)
-        if rewrite is not None:
-            # (a legacy child's rewrite is called with the token alone)
-            params = rewrite(call.token, True) if self.era is Era.MODERN else rewrite(call.token)
+        if fields is not None:
+            params = request_params(fields, meta, call.token)
         line = jsonrpc.encode_request(call.gid, method, params)
         if not internal and not self._fits(len(line) + 1):
             raise self._queue_full()  # an opened call that is never submitted leaves no trace
@@ -353,7 +359,8 @@ class ChildConnection:
         owner: Hashable | None = None,
         internal: bool = False,
         progress: Any = None,
-        rewrite: Callable[..., Raw | UnsetType] | None = None,
+        fields: dict[str, Raw] | None = None,
+        meta: dict[str, Raw] | None = None,
         started: Callable[[Call], None] | None = None,
     ) -> Raw:
         """Send a request to the child and wait for its reply (the slow path and the gateway's
@@ -366,7 +373,7 @@ class ChildConnection:
         waiter = _Waiter()
         call = self.start(method, params, handle=waiter, now=trio.current_time(), owner=owner,
                           internal=internal, timeout=timeout, hard_timeout=hard_timeout,
-                          progress=progress, rewrite=rewrite)
+                          progress=progress, fields=fields, meta=meta)
         if started is not None:
             started(call)
         try:

@@ -23,7 +23,8 @@ import enum
 import logging
 import math
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
 import trio
@@ -31,14 +32,18 @@ from msgspec import Raw, UnsetType
 
 from gateway import errors
 from gateway.backend import client, process
-from gateway.backend.child import ChildConnection, ChildHandlers
+from gateway.backend.child import ChildConnection, ChildHandlers, Owner
+from gateway.config import BackendConfig
 from gateway.events import (
     BackendExited,
     BackendStarted,
     BackendStateChanged,
     BackendStderr,
+    EventBus,
     ExitKind,
+    News,
 )
+from gateway.limits import ByteBudget
 from gateway.protocol import era, jsonrpc
 from gateway.protocol.catalog import BackendLists
 from gateway.protocol.era import Era
@@ -46,9 +51,6 @@ from gateway.protocol.stderr import LineSplitter, LineThrottle, printable
 from gateway.protocol.supervision import RestartPolicy, State, Supervision, Transition
 from gateway.status import InstanceStatus
 from gateway.wakeup import Wakeup
-
-if TYPE_CHECKING:
-    from gateway.backend.pool import Backend
 
 LOGGER = logging.getLogger(__name__)
 
@@ -88,8 +90,75 @@ EXIT_KINDS = {
 }
 
 
+#: A child's notifications the core fans out to clients (as :class:`ChildNotified` on the bus).
+FANNED_OUT = frozenset({"notifications/resources/updated", "notifications/message",
+                        "notifications/elicitation/complete"})
+
+
+@dataclass(frozen=True, slots=True)
+class ChildNotified(News):
+    """A child sent one of the notifications in :data:`FANNED_OUT`."""
+
+    instance: Instance
+    method: str
+    params: Raw | UnsetType
+
+
+class ServerRequests(Protocol):
+    """Who decides a child's server→client request at once: the core's ownership (the hub
+    wires it in).  ``owners``: the attribution set as it was when the request arrived."""
+
+    def route(self, inst: Instance, child: ChildConnection, child_id: int | str, method: str,
+              params: Raw | UnsetType, owners: set[Owner]) -> None: ...
+    def child_cancelled(self, child: ChildConnection, child_id: int | str) -> None: ...
+
+
+class InstanceHost(Protocol):
+    """What an instance is given from above the backend layer (by the hub): the bus its news go
+    out on, the byte budget and limits, and who decides its child's requests to clients."""
+
+    bus: EventBus
+    budget: ByteBudget  # the child write queues' bytes are charged here
+    server_name: str
+    max_message_bytes: int
+    max_json_depth: int
+    outbound_bytes: int
+
+    @property
+    def ownership(self) -> ServerRequests: ...
+
+
+class Pool(Protocol):
+    """What an instance needs of its backend (:class:`gateway.backend.pool.Backend`)."""
+
+    modern_seen: bool  # a child of it spoke the modern era (set by the instance)
+    log_level: str | None  # the lowest level a client wants (set by the hub), for a new child
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def cfg(self) -> BackendConfig: ...
+    @property
+    def host(self) -> InstanceHost: ...
+    @property
+    def declared(self) -> frozenset[str]: ...
+    @property
+    def subscriptions(self) -> dict[str, set[Owner]]: ...
+    @property
+    def attribution_matters(self) -> bool: ...
+    def learn_asker(self, key: str) -> None: ...
+    def owners(self, inst: Instance, child: ChildConnection) -> set[Owner]: ...
+    def subscribed_uris(self) -> list[str]: ...
+    def on_state_changed(self, inst: Instance) -> None: ...
+    def on_settled(self, inst: Instance) -> None: ...
+    def on_instance_ready(self, inst: Instance) -> None: ...
+    def on_instance_down(self, inst: Instance, child: ChildConnection) -> None: ...
+    def on_draining_changed(self, inst: Instance) -> None: ...
+    def on_lists_changed(self, inst: Instance) -> None: ...
+
+
 class Instance(ChildHandlers):
-    def __init__(self, backend: Backend, index: int, *, label: str | None = None) -> None:
+    def __init__(self, backend: Pool, index: int, *, label: str | None = None) -> None:
         self.backend = backend
         self.cfg = backend.cfg
         self.name = f"{backend.name}/{label if label is not None else index}"
@@ -103,7 +172,7 @@ class Instance(ChildHandlers):
         self.last_exit: str | None = None
         self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL)
         self.crash_stderr: tuple[str, ...] = ()
-        self.owner: Any = None  # per-session / affine holder (a ClientSession)
+        self.owner: Owner | None = None  # per-session / affine holder
         self._state_changed = trio.Event()
         self._stop = trio.Event()
         self._reset = trio.Event()
@@ -338,7 +407,6 @@ class Instance(ChildHandlers):
             self.crash_stderr = tuple(self.stderr_tail)
             LOGGER.warning("backend %s: child pid %d ended: %s", self.name, proc.pid, self.last_exit)
         self.backend.host.bus.emit(BackendExited(self.backend.name, self.name, proc.pid, kind, rc))
-        self.backend.host.reap()
         return exit_reason
 
     async def _read_stdout(self, child: ChildConnection, down: trio.Event) -> None:
@@ -534,7 +602,7 @@ class Instance(ChildHandlers):
         wanted = client.listen_filter(child)
         if wanted and self._nursery is not None:
             self._nursery.start_soon(self._listen, child, wanted)
-        level = host.wanted_log_level()
+        level = self.backend.log_level
         if level is not None:
             await client.set_level(child, level, timeout=self.cfg.start_timeout)
         for uri in self.backend.subscribed_uris():
@@ -575,18 +643,13 @@ class Instance(ChildHandlers):
     # ---- traffic from the child that is not a reply -------------------------------------------
 
     def on_notification(self, child: ChildConnection, method: str, params: Raw | UnsetType) -> None:
-        host = self.backend.host
         if method.endswith("/list_changed") and self._nursery is not None and child is self.child:
             kind = method.split("/")[1]
             kinds = ("resources", "templates") if kind == "resources" else (kind,)
             if kind in ("tools", "prompts", "resources"):
                 self._nursery.start_soon(self._refresh, child, kinds)
-        elif method == "notifications/resources/updated":
-            host.on_resource_updated(self, params)
-        elif method == "notifications/message":
-            host.on_log_message(self, params)
-        elif method == "notifications/elicitation/complete":
-            host.on_elicitation_complete(self, params)
+        elif method in FANNED_OUT:
+            self.backend.host.bus.emit(ChildNotified(self, method, params))
         else:
             LOGGER.debug("backend %s: ignored notification %s", self.name, method)
 
@@ -594,7 +657,8 @@ class Instance(ChildHandlers):
         if method == "ping":
             child.respond(id, jsonrpc.EMPTY_RESULT)
             return
-        self.backend.host.on_server_request(self, child, id, method, params, self.backend.owners(self, child))
+        owners = self.backend.owners(self, child)
+        self.backend.host.ownership.route(self, child, id, method, params, owners)
 
     def on_cancelled(self, child: ChildConnection, request_id: int | str) -> None:
-        self.backend.host.on_server_request_cancelled(self, child, request_id)
+        self.backend.host.ownership.child_cancelled(child, request_id)

@@ -20,26 +20,21 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import trio
-from msgspec import Raw, UnsetType
 
 from gateway import errors
 from gateway.backend import client
-from gateway.backend.child import ChildConnection
-from gateway.backend.instance import Instance
+from gateway.backend.child import ChildConnection, Owner
+from gateway.backend.instance import Instance, InstanceHost
 from gateway.config import BackendConfig
-from gateway.events import EventBus, QueueWaited
-from gateway.limits import ByteBudget
+from gateway.events import ListsChanged, QueueWaited
 from gateway.protocol import mrtr
 from gateway.protocol.catalog import BackendLists
 from gateway.protocol.supervision import State
 from gateway.status import BackendStatus, InstanceStatus
 from gateway.wakeup import Wakeup
-
-if TYPE_CHECKING:
-    from gateway.session import ClientSession
 
 LOGGER = logging.getLogger(__name__)
 
@@ -55,44 +50,27 @@ def _running(inst: Instance) -> ChildConnection | None:
 class _Waiter:
     __slots__ = ("granted", "inst", "session")
 
-    def __init__(self, session: ClientSession) -> None:
+    def __init__(self, session: Owner) -> None:
         self.session = session
         self.granted = trio.Event()
         self.inst: Instance | None = None
 
 
 class Parking(Protocol):
-    """Bridged flows parked at a child (gateway.bridge): what a shared backend asks before it
+    """Bridged flows parked at a child (gateway.core.bridge): what a shared backend asks before it
     sends a call that may ask its caller for input."""
 
     park_limit: float
 
-    def parked_since(self, owner: ClientSession) -> float | None: ...
-    def was_preempted(self, owner: ClientSession) -> bool: ...
-    def preempt(self, owner: ClientSession, child: ChildConnection) -> None: ...
+    def parked_since(self, owner: Owner) -> float | None: ...
+    def was_preempted(self, owner: Owner) -> bool: ...
+    def preempt(self, owner: Owner, child: ChildConnection) -> None: ...
 
 
-class BackendHost(Protocol):
-    """What a backend needs from the hub."""
+class BackendHost(InstanceHost, Protocol):
+    """What a backend is given from above (by the hub); its news go out on ``bus``."""
 
-    bus: EventBus
-    budget: ByteBudget  # the child write queues' bytes are charged here
-    server_name: str
-    max_message_bytes: int
-    max_json_depth: int
-    outbound_bytes: int
     restart_wait: float
-
-    def wanted_log_level(self) -> str | None: ...
-    def on_lists_changed(self, backend: Backend) -> None: ...
-    def on_resource_updated(self, instance: Instance, params: Raw | UnsetType) -> None: ...
-    def on_log_message(self, instance: Instance, params: Raw | UnsetType) -> None: ...
-    def on_elicitation_complete(self, instance: Instance, params: Raw | UnsetType) -> None: ...
-    def on_server_request(self, instance: Instance, child: ChildConnection, id: int | str,
-                          method: str, params: Raw | UnsetType, owners: set[ClientSession]) -> None: ...
-    def on_server_request_cancelled(self, instance: Instance, child: ChildConnection,
-                                    request_id: int | str) -> None: ...
-    def reap(self) -> None: ...
 
 
 class Backend:
@@ -105,16 +83,17 @@ class Backend:
         self.lists = BackendLists()
         self.lists_ready = trio.Event()
         self.instances: list[Instance] = []
-        self.subscriptions: dict[str, set[ClientSession]] = {}
+        self.subscriptions: dict[str, set[Owner]] = {}
         self._nursery: trio.Nursery | None = None
         self._stopping = False
+        self.log_level: str | None = None  # what a new child is set to (the hub keeps it current)
         self.restarting = False  # stopped by a reload that starts it again with a changed config
         self._released = Wakeup()  # a client call ended (wakes drain)
         # an instance changed state, or an affine waiter was granted or let go (wakes the
         # affine waiters); replaced each time
         self._changed = trio.Event()
         self._waiters: deque[_Waiter] = deque()
-        self._own: dict[ClientSession, Instance] = {}
+        self._own: dict[Owner, Instance] = {}
         # A child of this backend spoke the modern era: every later one must too (a restart, a
         # per-session child), else it fails to start (never a silent downgrade to legacy).
         self.modern_seen = False
@@ -127,7 +106,7 @@ class Backend:
         # shared: the calls that waited in _acquire_unparked and went, by caller, until they
         # end: the other waiters let one go at a time (released together, their requests
         # would all be refused as unattributable, the preemption they waited for wasted)
-        self._ushered: dict[ClientSession, ChildConnection] = {}
+        self._ushered: dict[Owner, ChildConnection] = {}
 
     @property
     def attribution_matters(self) -> bool:
@@ -239,14 +218,14 @@ class Backend:
         caller's bridged flow is parked (it asked for input before: so might it now)."""
         return self.parking is not None and self.cfg.sharing == "shared" and key in self.askers
 
-    def _parked_at(self, child: ChildConnection, session: ClientSession
-                   ) -> tuple[dict[ClientSession, float], bool]:
+    def _parked_at(self, child: ChildConnection, session: Owner
+                   ) -> tuple[dict[Owner, float], bool]:
         """Other callers' parked flows at ``child`` (when each parked), and whether a preempted
         one's call is still there (given up, not answered yet) or another waiter's call went
         there ahead of this one (until it ends or parks)."""
         parking = self.parking
         assert parking is not None
-        parked: dict[ClientSession, float] = {}
+        parked: dict[Owner, float] = {}
         # another waiter's call went there first: it ends or parks before the next one goes
         leaving = any(c is child and s is not session for s, c in self._ushered.items())
         for owner in child.attribution():
@@ -261,7 +240,7 @@ class Backend:
                 leaving = True
         return parked, leaving
 
-    def pick_now(self, session: ClientSession, *, asks: bool = False
+    def pick_now(self, session: Owner, *, asks: bool = False
                  ) -> tuple[Instance, ChildConnection] | None:
         """An instance that takes a call of ``session`` right now, per the sharing mode, or None
         when the call would have to wait (then :meth:`acquire` waits for one).  ``asks``: the
@@ -297,7 +276,7 @@ class Backend:
         assert child is not None
         return inst, child
 
-    async def acquire(self, session: ClientSession, *, asks: bool = False
+    async def acquire(self, session: Owner, *, asks: bool = False
                       ) -> tuple[Instance, ChildConnection]:
         """An instance and its running child for a call of ``session``, per the sharing mode
         (``asks``: see :meth:`pick_now`).
@@ -320,7 +299,7 @@ class Backend:
         inst = self.instances[0]
         return inst, await inst.wait_ready(self.host.restart_wait)
 
-    async def _acquire_unparked(self, session: ClientSession) -> tuple[Instance, ChildConnection]:
+    async def _acquire_unparked(self, session: Owner) -> tuple[Instance, ChildConnection]:
         """A shared instance where no other caller's flow is parked, for a call that may ask
         for input: a flow parked there ``shared_park_limit`` seconds or more is preempted (the
         call would otherwise be refused its input as unattributable), one parked for less is
@@ -370,13 +349,13 @@ class Backend:
         return errors.BackendUnavailable(f"backend {self.name!r} is being removed",
                                          backend=self.name, retryable=False)
 
-    def owners(self, inst: Instance, child: ChildConnection) -> set[ClientSession]:
-        """Who may receive a server→client request from ``child`` (see gateway.ownership)."""
+    def owners(self, inst: Instance, child: ChildConnection) -> set[Owner]:
+        """Who may receive a server→client request from ``child`` (see gateway.core.ownership)."""
         if self.cfg.sharing == "per-session":
             return {inst.owner} if inst.owner is not None and not inst.owner.closed.is_set() else set()
         return child.attribution()
 
-    def release(self, inst: Instance, session: ClientSession) -> None:
+    def release(self, inst: Instance, session: Owner) -> None:
         """A call of ``session`` on ``inst`` ended (affine: maybe hand the instance over)."""
         inst.calls_changed()
         if self.cfg.sharing == "affine":
@@ -411,7 +390,7 @@ class Backend:
             waiter.granted.set()
             self._wake_waiters()
 
-    def _free_for(self, session: ClientSession) -> Instance | None:
+    def _free_for(self, session: Owner) -> Instance | None:
         for inst in self.instances:
             if _running(inst) is not None and inst.owner is session:
                 return inst
@@ -421,7 +400,7 @@ class Backend:
                 return inst
         return None
 
-    async def _acquire_affine(self, session: ClientSession) -> tuple[Instance, ChildConnection]:
+    async def _acquire_affine(self, session: Owner) -> tuple[Instance, ChildConnection]:
         """Wait for an instance (:meth:`pick_now` found none free for ``session``)."""
         if all(i.state is State.FATAL for i in self.instances):
             raise errors.BackendUnavailable(f"backend {self.name!r} is failing (crash loop)",
@@ -485,12 +464,12 @@ class Backend:
 
     # per-session: a dedicated child per connection, started on first use, capped.
 
-    def own_child(self, session: ClientSession) -> ChildConnection | None:
+    def own_child(self, session: Owner) -> ChildConnection | None:
         """The running per-session child of ``session``, if it has one."""
         inst = self._own.get(session)
         return _running(inst) if inst is not None else None
 
-    async def _acquire_own(self, session: ClientSession) -> tuple[Instance, ChildConnection]:
+    async def _acquire_own(self, session: Owner) -> tuple[Instance, ChildConnection]:
         inst = self._own.get(session)
         if inst is None:
             if session.closed.is_set():
@@ -568,7 +547,7 @@ class Backend:
             templates=list(inst.lists.templates),
         )
         self.lists_ready.set()
-        self.host.on_lists_changed(self)
+        self.host.bus.emit(ListsChanged(self.name))
 
     def on_settled(self, inst: Instance) -> None:
         self._released.set()  # (a given-up call answered: wakes _acquire_unparked)
@@ -584,18 +563,18 @@ class Backend:
     def subscribed_uris(self) -> list[str]:
         return sorted(self.subscriptions)
 
-    async def subscribe(self, session: ClientSession, uri: str) -> None:
+    async def subscribe(self, session: Owner, uri: str) -> None:
         holders = self.subscriptions.setdefault(uri, set())
         first = not holders
         holders.add(session)
         if first:
             await self._upstream(uri, "resources/subscribe")
 
-    async def unsubscribe(self, session: ClientSession, uri: str) -> None:
+    async def unsubscribe(self, session: Owner, uri: str) -> None:
         if self._release_subscription(session, uri):
             await self._upstream(uri, "resources/unsubscribe")
 
-    def drop_session(self, session: ClientSession) -> None:
+    def drop_session(self, session: Owner) -> None:
         for waiter in [w for w in self._waiters if w.session is session]:
             self._waiters.remove(waiter)
         for inst in self.instances:
@@ -604,7 +583,7 @@ class Backend:
         for uri in [u for u, s in self.subscriptions.items() if session in s]:
             self.drop_subscription(session, uri)
 
-    def drop_subscription(self, session: ClientSession, uri: str) -> None:
+    def drop_subscription(self, session: Owner, uri: str) -> None:
         """``session`` no longer holds ``uri`` (without waiting: the upstream unsubscribe, when
         it was the last holder, runs in the background)."""
         if self._release_subscription(session, uri):
@@ -613,7 +592,7 @@ class Backend:
                 # connection's (shielded) cleanup, and with it a drain, for request_timeout.
                 self._nursery.start_soon(self._unsubscribe_unless_wanted, uri)
 
-    def _release_subscription(self, session: ClientSession, uri: str) -> bool:
+    def _release_subscription(self, session: Owner, uri: str) -> bool:
         """``session`` lets go of ``uri``; True when it was the last holder (unsubscribe upstream)."""
         holders = self.subscriptions.get(uri)
         if holders is None or session not in holders:

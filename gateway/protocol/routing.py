@@ -28,7 +28,7 @@ router's default timeout sit in one insertion-ordered table, which is deadline o
 times out whatever is due.  A call is *paused* while a server→client request of its owner from
 this child is open (its clock stops; only the hard deadline runs).
 
-Server→client requests the shell forwarded to an owner (see :mod:`gateway.ownership` for who may
+Server→client requests the shell forwarded to an owner (see :mod:`gateway.core.ownership` for who may
 get one) are recorded under the child's id until :meth:`server_request_done`; the core decides
 what the child is told for each way one can end, and ends them itself when the child cancels one,
 when the owner's last call on this child ends, or when the child exits.
@@ -71,6 +71,16 @@ class CallState(enum.Enum):
     SENT = "sent"  # at the child, its caller waits
     ABANDONED = "abandoned"  # at the child, its caller gave up
     DONE = "done"  # over: answered, failed, or an abandoned call the child settled
+
+
+def request_params(params: dict[str, Raw], meta: dict[str, Raw] | None, token: str | None) -> Raw:
+    """A forwarded request's params for the child, as the core decided them (its era's shape),
+    with the gateway's progress ``token`` in ``_meta.progressToken`` when the caller asked for
+    progress (``meta``: the ``_meta`` it goes into)."""
+    if meta is not None and token is not None:
+        token_raw = Raw(msgspec.json.encode(token))
+        params = {**params, "_meta": jsonrpc.encode_dict({**meta, "progressToken": token_raw})}
+    return jsonrpc.encode_dict(params)
 
 
 class Call:

@@ -16,7 +16,7 @@ is configured (401 with ``WWW-Authenticate``, :mod:`gateway.auth.authenticator`)
 unsupported; absent means 2025-03-26), and a policy rule's scopes (403 ``insufficient_scope``,
 via ``scope_check``).  A session is bound to the principal that created
 it: another principal, or none, presenting its id gets the 404 of an unknown session; a
-bridged flow's ``requestState`` is bound the same way (gateway.bridge).  An ``initialize`` POST
+bridged flow's ``requestState`` is bound the same way (gateway.core.bridge).  An ``initialize`` POST
 without a session id creates a session (:class:`~gateway.transports.streamable.HttpSession`, at most
 ``http_max_sessions``, and a principal's ``max_sessions``: 503 beyond) whose id comes back in the
 ``Mcp-Session-Id`` header.  A connection counts toward the ``max_connections`` of its latest
@@ -67,11 +67,11 @@ from gateway.transports.streamable import SESSION_HEADER, HttpSession, Sink
 if TYPE_CHECKING:
     from gateway.auth.authenticator import Authenticator
     from gateway.auth.principal import Principal
-    from gateway.bridge import Bridge
-    from gateway.connection import Direct
+    from gateway.core.bridge import Bridge
+    from gateway.core.connection import Direct
 
 #: Which scopes a request needs that its principal's token lacks (None: none missing); the
-#: policy's scope rules (gateway.policy) answer it.  Args: principal, method, params.
+#: policy's scope rules (gateway.core.policy) answer it.  Args: principal, method, params.
 ScopeCheck = Callable[["Principal", str, "jsonrpc.Raw | msgspec.UnsetType"], "list[str] | None"]
 
 LOGGER = logging.getLogger(__name__)
@@ -509,7 +509,7 @@ class Endpoint:
 
     def _resume(self, env: jsonrpc.Envelope, params: dict[str, jsonrpc.Raw],
                 caps: dict[str, object], sink: Sink, principal: Principal | None) -> HttpSession:
-        """A retry carrying ``requestState``: the parked flow it continues (gateway.bridge),
+        """A retry carrying ``requestState``: the parked flow it continues (gateway.core.bridge),
         with ``sink`` open for the retry's id (only for the principal the flow is bound to)."""
         assert isinstance(env.method, str) and isinstance(env.id,
                                                           int | str) and self.bridge is not None

@@ -1,4 +1,4 @@
-"""A :class:`~gateway.connection.MessageStream` over any byte stream, one message per line
+"""A :class:`~gateway.core.connection.MessageStream` over any byte stream, one message per line
 (the MCP stdio framing), used by the unix socket listener and the stdio bridge.
 
 A line must be complete (its newline read) within

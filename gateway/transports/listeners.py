@@ -151,7 +151,7 @@ def check_loopback(listener: trio.SocketListener, what: str,
                    problems: Sequence[str] = ("authentication, which is not configured",)) -> None:
     """Refuse a TCP listener bound to anything but loopback (checked with getsockname()) while
     ``problems`` is not empty: what exposing it still lacks (see
-    :func:`gateway.guards.client_exposure_problems`); a unix socket always passes."""
+    :func:`gateway.config.client_exposure_problems`); a unix socket always passes."""
     sock = listener.socket
     if sock.family == socket.AF_UNIX or not problems:
         return

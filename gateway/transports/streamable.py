@@ -1,12 +1,11 @@
 """An HTTP session of the legacy Streamable HTTP shape (2025-03-26 … 2025-11-25): one
-:class:`~gateway.connection.MessageStream` fed by POSTs and written to their response streams.
+:class:`~gateway.core.connection.MessageStream` fed by POSTs and written to their response streams.
 
 Theory of operation: an HTTP session is served like any connection, by
 ``connection.serve(hub, session, "http")`` for the session's whole life: one
-:class:`~gateway.session.ClientSession`, one owner for the routing core.
-:meth:`HttpSession.receive` hands out the messages POSTed to it (a bounded inbox);
-:meth:`HttpSession.write_nowait` routes every outgoing message to one open response stream (a
-:class:`Sink`), never to two:
+:class:`~gateway.core.session.ClientSession`, one owner for the routing core.  :meth:`HttpSession.receive`
+hands out the messages POSTed to it (a bounded inbox); :meth:`HttpSession.write_nowait` routes
+every outgoing message to one open response stream (a :class:`Sink`), never to two:
 
 - a response goes to the POST that carries its request id (a batch's array answer to the batch
   POST whose request ids it answers); when that POST's stream is gone the response is dropped
@@ -63,9 +62,9 @@ from gateway.wakeup import Wakeup
 
 if TYPE_CHECKING:
     from gateway.auth.principal import Principal
-    from gateway.bridge import Bridge
-    from gateway.connection import Direct
-    from gateway.session import ClientSession
+    from gateway.core.bridge import Bridge
+    from gateway.core.connection import Direct
+    from gateway.core.session import ClientSession
     from gateway.transports.http import HttpConnection
 
 LOGGER = logging.getLogger(__name__)
@@ -195,7 +194,7 @@ class Sink:
 
 
 class HttpSession:
-    """A legacy Streamable HTTP session as a :class:`~gateway.connection.MessageStream`."""
+    """A legacy Streamable HTTP session as a :class:`~gateway.core.connection.MessageStream`."""
 
     def __init__(self, idle_timeout: float, *, id: str | None = None, tag: str = "") -> None:
         # visible ASCII, 192 random bits, led by ``<tag>.`` (the replica id: a load balancer

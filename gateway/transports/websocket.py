@@ -122,7 +122,7 @@ class Refused(Exception):
 
 
 class WebSocketStream:
-    """An accepted WebSocket connection as a :class:`~gateway.connection.MessageStream`."""
+    """An accepted WebSocket connection as a :class:`~gateway.core.connection.MessageStream`."""
 
     def __init__(self, stream: trio.abc.Stream, max_message: int) -> None:
         self._io = stream_io(stream)  # a TLS connection's SSLStream: through the stream

@@ -4,7 +4,7 @@ one backend, unprefixed (see tests/conformance/run.py).
 
 Every scored scenario of both requirement sets passes.  In 2026-07-28 the fixture is a legacy
 child reached by modern clients: the input-required-result scenarios go through era bridging
-(gateway.bridge), ``server-stateless`` through the fixture's diagnostic tools and
+(gateway.core.bridge), ``server-stateless`` through the fixture's diagnostic tools and
 ``subscriptions/listen``.  The not-scored ones (the tasks extension, pending scenarios) are
 reported, not asserted.
 """

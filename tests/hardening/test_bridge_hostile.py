@@ -1,4 +1,4 @@
-"""Hostile clients of era bridging (gateway.bridge, gateway.protocol.mrtr) on an in-process
+"""Hostile clients of era bridging (gateway.core.bridge, gateway.protocol.mrtr) on an in-process
 gateway with real sockets and children: forged ``requestState`` values, and what a flow leaves
 behind.  Each hostile request gets a specific answer, no traceback is logged, and the gateway goes
 on serving."""

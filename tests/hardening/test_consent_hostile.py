@@ -1,5 +1,5 @@
 """Hostile modern (2026-07-28) callers of the gateway's own consent prompt (policy ``ask`` answered
-as an ``InputRequiredResult``, gateway.bridge / gateway.policy) on an in-process gateway with real
+as an ``InputRequiredResult``, gateway.core.bridge / gateway.core.policy) on an in-process gateway with real
 sockets and a real fixture child: each hostile retry gets a specific answer, nothing runs without
 its consent, no traceback is logged, and the gateway goes on serving."""
 
@@ -131,9 +131,9 @@ async def test_a_response_to_the_unsent_consent_request_is_refused(
     of salt) was accepted as the answer, so the tool ran without the retry and its state, its
     result dropped (the call's id was already answered input_required), and the real retry
     then got invalid_state.  Now that response is refused; the retry decides."""
-    import gateway.session
+    import gateway.core.session
 
-    monkeypatch.setattr(gateway.session.secrets, "token_hex", lambda n=None: "000000")  # guessed
+    monkeypatch.setattr(gateway.core.session.secrets, "token_hex", lambda n=None: "000000")  # guessed
     caplog.set_level(logging.ERROR)
     transcript = tmp_path / "fx.jsonl"
     cfg = make_config(fixture_backend("fx", env={"FIXTURE_TRANSCRIPT": str(transcript)}), extra=ASK)

@@ -184,7 +184,7 @@ async def test_an_expired_flow_on_a_shared_child_frees_it_without_a_recycle(
     cfg = make_config(fixture_backend("fx", sharing="shared", cancel_grace=0.5,
                                       env={"FIXTURE_TRANSCRIPT": str(told)}),
                       extra=AUTH, gateway="state_ttl = 0.3\ndrain_grace = 0.3")
-    caplog.set_level("INFO", "gateway.bridge")
+    caplog.set_level("INFO", "gateway.core.bridge")
     with trio.fail_after(20):
         async with run_gateway(cfg) as gw, httpx.AsyncClient(timeout=10) as c:
             asked(await modern(c, gw.http_url, "alice", 1, "fx__elicit", {"message": "a?"}))

@@ -41,7 +41,7 @@ from helpers import (
 from jwt.algorithms import RSAAlgorithm
 
 from gateway import config
-from gateway.policy import Policy
+from gateway.core.policy import Policy
 
 pytestmark = [pytest.mark.system,
               pytest.mark.filterwarnings("ignore::ResourceWarning",

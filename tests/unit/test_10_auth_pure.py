@@ -13,11 +13,11 @@ import trio
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from jwt.algorithms import ECAlgorithm, RSAAlgorithm
 
-from gateway import bridge as bridge_mod
 from gateway.auth import challenge, jwks, tokens
 from gateway.auth.authenticator import load_tokens_file
 from gateway.auth.jwt import parse_jwks
 from gateway.config import load
+from gateway.core import bridge as bridge_mod
 from gateway.errors import ConfigError, InvalidParams
 from gateway.protocol import jsonrpc, mrtr
 

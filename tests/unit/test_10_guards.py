@@ -12,7 +12,7 @@ import pytest
 import trio
 from tlsutil import make_certs
 
-from gateway import cli, config, guards
+from gateway import cli, config
 from gateway.errors import ConfigError
 from gateway.transports import listeners as ls
 
@@ -92,7 +92,7 @@ async def test_10_boot_guards_refuse_and_name_the_keys(tmp_path: Path,
         with pytest.raises(ls.ListenerError,
                            match=r"http socket from systemd: bound to 0\.0\.0\.0.*tls_cert"):
             ls.check_loopback(listener, "http socket from systemd",
-                              guards.client_exposure_problems(config.load(BEARER, base_dir="/")))
+                              config.client_exposure_problems(config.load(BEARER, base_dir="/")))
         ls.check_loopback(listener, "http socket from systemd", [])
     finally:
         sock.close()

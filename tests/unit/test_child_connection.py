@@ -150,7 +150,7 @@ class Owner:
 
 
 def open_prompt(h: Harness, owner: Owner, child_id: int | str) -> None:
-    """What gateway.ownership does when it forwards a child's request to ``owner``."""
+    """What gateway.core.ownership does when it forwards a child's request to ``owner``."""
     h.conn.perform(h.conn.router.server_request(child_id, owner, "elicitation/create", object(),
                                                 trio.current_time()))
 
@@ -305,11 +305,12 @@ async def test_progress_reaches_the_owner_with_the_clients_token(
     owner = Owner("a")
     got = owner.sent
 
-    def rewrite(token: str | None) -> Raw:
-        return Raw(json.dumps({"name": "slow", "_meta": {"progressToken": token}}).encode())
+    fields = {"name": Raw(b'"slow"'), "_meta": Raw(b'{"progressToken":42}')}
+    meta = {"progressToken": Raw(b"42")}  # the core decided the params; the token goes in here
 
     async with connected() as h:
-        c = start_call(h, "tools/call", timeout=30, owner=owner, progress=42, rewrite=rewrite)
+        c = start_call(h, "tools/call", timeout=30, owner=owner, progress=42, fields=fields,
+                       meta=meta)
         req = await h.child.receive()
         wire_token = req["params"]["_meta"]["progressToken"]
         assert isinstance(wire_token, str) and wire_token != 42  # gateway-unique, not the client's
@@ -337,13 +338,10 @@ async def test_progress_reaches_the_owner_with_the_clients_token(
 
 
 async def test_progress_tokens_are_unique_across_calls(autojump_clock: MockClock) -> None:
-    def rewrite(token: str | None) -> Raw:
-        return Raw(json.dumps({"_meta": {"progressToken": token}}).encode())
-
     async with connected() as h:
         for _ in range(3):
             start_call(h, "tools/call", timeout=30, owner=Owner("a"), progress="same",
-                       rewrite=rewrite)
+                       fields={"_meta": Raw(b"{}")}, meta={})
         tokens = {(await h.child.receive())["params"]["_meta"]["progressToken"] for _ in range(3)}
         assert len(tokens) == 3
 
@@ -628,3 +626,16 @@ async def test_a_child_that_stops_reading_cannot_hold_more_than_max_queued(
         await first.done.wait()
         assert isinstance(first.error, errors.CallTimeout)
         nursery.cancel_scope.cancel()
+
+
+def test_request_params_put_the_gateways_token_where_the_callers_was() -> None:
+    """The core decides the params for the child's era; the router only puts its token in."""
+    from gateway.protocol.routing import request_params
+
+    meta = {"a": Raw(b"1"), "progressToken": Raw(b"7"), "io.x/v": Raw(b'"2026"')}
+    params = {"name": Raw(b'"t"'), "_meta": Raw(b'{"a":1,"progressToken":7}')}
+    sent = json.loads(bytes(request_params(params, meta, "gw-3")))
+    assert list(sent["_meta"].items()) == [("a", 1), ("progressToken", "gw-3"), ("io.x/v", "2026")]
+    assert json.loads(bytes(request_params(params, None, "gw-3"))) == {
+        "name": "t", "_meta": {"a": 1, "progressToken": 7}}  # no progress asked: as decided
+    assert params["_meta"] == Raw(b'{"a":1,"progressToken":7}')  # the core's params unchanged

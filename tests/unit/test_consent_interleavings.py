@@ -15,10 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway import config, errors
+from gateway.core.policy import Policy
+from gateway.core.session import ClientSession
 from gateway.events import EventBus, ServerRequestFinished
-from gateway.policy import Policy
 from gateway.protocol import jsonrpc, mcp
-from gateway.session import ClientSession
 
 TIMEOUT = 60.0
 CFG = config.load(f'[policy]\nelicitation_timeout = {TIMEOUT}\nrules = [{{ match = "t", action = '

@@ -13,7 +13,8 @@ import pytest
 import trio
 from helpers import memory_stream_pair
 
-from gateway import config, connection
+from gateway import config
+from gateway.core import connection
 from gateway.events import EventBus, RequestFinished, ServerRequestFinished
 from gateway.hub import Hub
 from gateway.protocol.catalog import BackendLists, build_catalog

@@ -7,6 +7,10 @@
   ``os.open``, ``os.read``, ``os.write`` (checked on the source).
 * ``gateway/transports/`` is the only code touching sockets: no module elsewhere imports
   ``socket`` or uses ``trio.socket`` (checked on the source; no exceptions).
+* No import cycle anywhere in ``gateway/``, imports under ``if TYPE_CHECKING:`` and inside
+  functions included, and imports point down the layers: transports → core → backend →
+  protocol (the hub and the service compose them from above).  Checked on the source with
+  ``ast``; run ``python -m tests.unit.test_layering`` to print the import graph's cycles.
 """
 
 from __future__ import annotations
@@ -158,3 +162,143 @@ def test_the_socket_check_catches(source: str) -> None:
 def test_the_checks_pass_plain_code() -> None:
     source = "import os, re\nfrom msgspec import Raw\nos.path.join('a', 'b')\nx = trio_like = 1\n"
     assert io_violations(source) == [] and socket_violations(source) == []
+
+
+# ---- the import graph ---------------------------------------------------------------------
+
+
+def module_name(path: Path, root: Path = PACKAGE) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_names(module: str, is_package: bool, tree: ast.AST) -> Iterator[str]:
+    """Every dotted name an import statement anywhere in ``tree`` names (relative ones resolved),
+    and for ``from X import a`` both ``X`` and ``X.a``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            head = node.module or ""
+            if node.level:
+                parts = module.split(".") if is_package else module.split(".")[:-1]
+                parts = parts[: len(parts) - (node.level - 1)]
+                head = ".".join([*parts, *([node.module] if node.module else [])])
+            yield head
+            yield from (f"{head}.{alias.name}" for alias in node.names)
+
+
+def import_graph(sources: dict[str, str],
+                 packages: frozenset[str] = frozenset()) -> dict[str, set[str]]:
+    """``module -> modules of the same tree it imports`` from their source text."""
+    graph: dict[str, set[str]] = {m: set() for m in sources}
+    for module, source in sources.items():
+        for name in imported_names(module, module in packages, ast.parse(source)):
+            while name and name not in sources:
+                name = name.rpartition(".")[0]
+            # a package's ``__init__`` is loaded by importing any module under it: not an edge
+            if name and name != module and not module.startswith(name + "."):
+                graph[module].add(name)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return sorted(found)
+
+
+def gateway_graph() -> dict[str, set[str]]:
+    paths = _sources(PACKAGE)
+    sources = {module_name(p): p.read_text() for p in paths}
+    packages = frozenset(module_name(p) for p in paths if p.name == "__init__.py")
+    return import_graph(sources, packages)
+
+
+def test_no_import_cycle() -> None:
+    found = cycles(gateway_graph())
+    assert found == [], "import cycles (TYPE_CHECKING imports included):\n" + "\n".join(
+        f"  cycle of {len(c)}: {', '.join(c)}" for c in found)
+
+
+#: ``(importer prefix, imported prefix)``: a layer that must not import another (imports point
+#: down: transports → core → backend → protocol; the hub and the service sit above them all).
+FORBIDDEN = [
+    *((f"gateway.{low}", f"gateway.{high}") for low in ("protocol", "backend", "core")
+      for high in ("hub", "service", "cli", "transports")),
+    *(("gateway.protocol", f"gateway.{high}") for high in ("core", "backend", "auth", "ops")),
+    ("gateway.backend", "gateway.core"),
+]
+
+
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{module} imports {target}" for module, targets in graph.items()
+                  for target in targets for low, high in FORBIDDEN
+                  if _within(module, low) and _within(target, high))
+
+
+def test_imports_point_down() -> None:
+    assert layer_violations(gateway_graph()) == []
+
+
+def test_the_cycle_check_catches() -> None:
+    sources = {
+        "g": "", "g.a": "from g import b", "g.b": "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from g.c import C", "g.c": "def f():\n    import g.a",
+        "g.d": "from . import a", "g.sub": "", "g.sub.e": "from ..d import x",
+    }
+    graph = import_graph(sources, frozenset({"g", "g.sub"}))
+    assert graph["g.d"] == {"g.a"} and graph["g.sub.e"] == {"g.d"}
+    assert cycles(graph) == [["g.a", "g.b", "g.c"]]
+    assert cycles(import_graph({"g.x": "import g.y", "g.y": "import g.z", "g.z": ""})) == []
+
+
+def test_the_layer_check_catches() -> None:
+    graph = {"gateway.backend.pool": {"gateway.core.session"},
+             "gateway.core.handlers": {"gateway.hub"},
+             "gateway.core.serving": {"gateway.backend.pool"}}
+    assert layer_violations(graph) == ["gateway.backend.pool imports gateway.core.session",
+                                       "gateway.core.handlers imports gateway.hub"]
+
+
+if __name__ == "__main__":  # the import graph's cycles, as the test sees them
+    graph = gateway_graph()
+    for component in cycles(graph):
+        print(f"cycle of {len(component)}: {', '.join(component)}")
+    for violation in layer_violations(graph):
+        print(violation)
+    print(f"{len(graph)} modules, {sum(map(len, graph.values()))} imports, "
+          f"{len(cycles(graph))} cycles, {len(layer_violations(graph))} upward imports")

@@ -9,7 +9,7 @@ import pytest
 from msgspec import Raw
 
 from gateway import errors
-from gateway.inputs import input_requests, retry_params
+from gateway.core.inputs import input_requests, retry_params
 from gateway.protocol import era, jsonrpc
 
 

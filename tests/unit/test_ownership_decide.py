@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from gateway import errors
-from gateway.ownership import DECLINE, Answer, Forward, decide
+from gateway.core.ownership import DECLINE, Answer, Forward, decide
 from gateway.protocol.mcp import ClientCaps
 
 ALL = frozenset({"roots", "sampling", "elicitation"})

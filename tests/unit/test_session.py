@@ -13,9 +13,9 @@ import trio.testing
 from msgspec import Raw
 
 from gateway import errors
+from gateway.core.session import ClientSession, ServerRequest
 from gateway.limits import ByteBudget
 from gateway.protocol import jsonrpc
-from gateway.session import ClientSession, ServerRequest
 
 
 def session(capacity: int = 16, max_inflight: int = 4) -> ClientSession:

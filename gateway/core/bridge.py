@@ -4,7 +4,7 @@
 Theory of operation (mcp-spec-digest §5.3; the pure half is :mod:`gateway.protocol.mrtr`).  A
 modern (2026-07-28) POST to ``/mcp`` is served by its own short-lived owner (an HTTP *flow*
 session whose ``ClientSession.mrtr`` is the :class:`Bridge`).  When the routing core forwards
-one of the child's requests to such an owner (``gateway.ownership``), the request is not sent:
+one of the child's requests to such an owner (``gateway.core.ownership``), the request is not sent:
 it is recorded in the owner's :class:`Flow` under the child's own request id.  After
 :data:`GATHER` seconds (a child often asks several things at once) the flow answers the round's
 POST with the ``InputRequiredResult`` and a signed ``requestState``, and *parks*: the call stays
@@ -42,7 +42,7 @@ import secrets
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import msgspec
 import trio
@@ -56,8 +56,8 @@ from gateway.protocol import jsonrpc, mcp, mrtr
 if TYPE_CHECKING:
     from gateway.backend.child import ChildConnection
     from gateway.config import GatewaySection
-    from gateway.serving import Served
-    from gateway.session import ClientSession, ServerRequest
+    from gateway.core.serving import Served
+    from gateway.core.session import ClientSession, ServerRequest
 
 LOGGER = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class Bridge:
         child's request only while its owner has exactly one, open listens aside)."""
         if served is None:
             served = owner.calls()[0]
-        flow = served.flow
+        flow = cast("Flow | None", served.flow)
         if flow is None:
             flow = Flow(self, owner, served)
         owner.flow = flow
@@ -243,7 +243,7 @@ class Bridge:
 
     def parked_since(self, owner: ClientSession) -> float | None:
         """When ``owner``'s flow parked (trio time), if it is parked."""
-        flow = owner.flow
+        flow = _flow(owner)
         return flow.parked_at if flow is not None and flow.parked else None
 
     def was_preempted(self, owner: ClientSession) -> bool:
@@ -252,7 +252,7 @@ class Bridge:
     def preempt(self, owner: ClientSession, child: ChildConnection) -> None:
         """End ``owner``'s parked flow, whose call at ``child`` keeps another caller's input
         request from being attributed there (see :func:`gateway.protocol.mrtr.park_wait`)."""
-        flow = owner.flow
+        flow = _flow(owner)
         if flow is not None and flow.parked:
             flow.preempt(child)
 
@@ -284,6 +284,11 @@ class Bridge:
         if flow.owner.principal.key != principal or (owner is not None and flow.owner is not owner):
             return
         flow.end("its requestState was presented tampered")
+
+
+def _flow(owner: ClientSession) -> Flow | None:
+    """``owner``'s bridged call: a :class:`Flow` of this module, the only kind there is."""
+    return cast("Flow | None", owner.flow)
 
 
 class Flow:

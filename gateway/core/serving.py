@@ -2,9 +2,9 @@
 run in a task when it must wait — and the one place where exceptions become JSON-RPC errors.
 
 Theory of operation: :func:`serve_request` is called by a connection's reader for each admitted
-request (see :mod:`gateway.connection`).  It makes a :class:`Served`, the request's entry in
+request (see :mod:`gateway.core.connection`).  It makes a :class:`Served`, the request's entry in
 ``session.inflight``: the gateway's own methods are answered synchronously; a forwarded request
-(:data:`gateway.handlers.FORWARDED`) goes to the routing core of the child that takes it right
+(:data:`gateway.core.handlers.FORWARDED`) goes to the routing core of the child that takes it right
 now (:meth:`Served.forward_now`; the answer comes back through :meth:`Served.finished`, in the
 child's reader); only a request that must wait (consent, an instance starting or busy, a
 resource subscription) runs in a task of the connection's nursery (:func:`_run_slow`).  A modern
@@ -24,26 +24,40 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 from msgspec import UNSET, Raw
 
-from gateway import __version__, errors, handlers, inputs
+from gateway import __version__, errors
 from gateway.auth.labels import NO_PRINCIPAL
+from gateway.core import handlers, inputs
+from gateway.core.handlers import HANDLERS, PRE_INIT
+from gateway.core.inputs import InputPorts
+from gateway.core.ports import Lifecycle
+from gateway.core.request import Request, Target, asker_key
+from gateway.core.session import Bridging, ClientSession
 from gateway.events import RequestFinished, RequestOutcome, RequestStarted
-from gateway.handlers import HANDLERS, PRE_INIT, Request, Target
 from gateway.protocol import era, jsonrpc, mcp
 from gateway.protocol.routing import CallState
-from gateway.session import ClientSession
 
 if TYPE_CHECKING:
     from gateway.backend.child import ChildConnection
     from gateway.backend.instance import Instance
     from gateway.backend.pool import Backend
-    from gateway.hub import Hub
+    from gateway.limits import PrincipalLimits
     from gateway.protocol.routing import Call
 
 LOGGER = logging.getLogger(__name__)
 
 
+class ServingPorts(InputPorts, Lifecycle, Protocol):
+    """What serving a request needs: the handlers' ports, the lifecycle, the principals'
+    ``[[auth.limits]]`` and era bridging."""
+
+    @property
+    def limits(self) -> PrincipalLimits: ...
+    @property
+    def bridge(self) -> Bridging: ...
+
+
 class CallFlow(Protocol):
-    """A modern call's round trips, as the call sees them (:class:`gateway.bridge.Flow`)."""
+    """A modern call's round trips, as the call sees them (:class:`gateway.core.bridge.Flow`)."""
 
     method: str
     parked: bool  # answered input_required, waiting for the retry
@@ -66,15 +80,34 @@ class Served:
     connection's nursery (:func:`_run_slow`) when it must wait for something.
     """
 
-    __slots__ = ("backend", "call", "caps", "child", "ended", "flow", "forwarded_at", "held", "hub",
-                 "id", "inst", "label",
-                 "modern", "reply", "req", "retried", "scope", "session", "size", "started",
-                 "target")
+    __slots__ = (
+        "backend",
+        "call",
+        "caps",
+        "child",
+        "ended",
+        "flow",
+        "forwarded_at",
+        "held",
+        "id",
+        "inst",
+        "label",
+        "modern",
+        "ports",
+        "reply",
+        "req",
+        "retried",
+        "scope",
+        "session",
+        "size",
+        "started",
+        "target",
+    )
 
-    def __init__(self, hub: Hub, session: ClientSession, env: jsonrpc.Envelope, size: int,
-                 reply: Callable[[bytes | None, int | str | None], None]) -> None:
+    def __init__(self, ports: ServingPorts, session: ClientSession, env: jsonrpc.Envelope,
+                 size: int, reply: Callable[[bytes | None, int | str | None], None]) -> None:
         assert isinstance(env.id, int | str) and isinstance(env.method, str)
-        self.hub = hub
+        self.ports = ports
         self.session = session
         self.id: int | str = env.id
         self.req = Request(env.id, env.method, {})
@@ -94,14 +127,14 @@ class Served:
         self.modern = False  # a 2026-07-28 request: its result says resultType (see gateway.protocol.era)
         self.caps: mcp.ClientCaps | None = None  # a modern request's declared capabilities
         self.held: str | None = None  # the principal whose [[auth.limits]] slot it holds
-        self.flow: CallFlow | None = None  # a modern call asked for input (gateway.bridge)
+        self.flow: CallFlow | None = None  # a modern call asked for input (gateway.core.bridge)
 
     def cancel(self) -> None:
         """The client cancelled it, its connection closed, or the drain grace is over (then it
         is answered -32005 ``shutdown``, ``retryable: false``: it may have had effects)."""
         if self.call is not None and self.child is not None:
             error = None
-            if self.hub.calls_cut_off:  # a call still queued never reached the child: retryable
+            if self.ports.calls_cut_off:  # a call still queued never reached the child: retryable
                 error = _cut_off(retryable=self.call.state is CallState.QUEUED)
             self.child.cancel(self.call, error)
         elif self.scope is not None:
@@ -109,26 +142,26 @@ class Served:
 
     def forward_now(self) -> bool:
         """Forward to the target's backend without a task, if an instance takes it right now."""
-        hub, session, req, target = self.hub, self.session, self.req, self.target
+        ports, session, req, target = self.ports, self.session, self.req, self.target
         assert target is not None
-        backend = hub.backend_now(target.backend)
+        backend = ports.backend_now(target.backend)
         if backend is None:
             return False
-        picked = backend.pick_now(session, asks=backend.waits_for_parked(handlers.asker_key(req)))
+        picked = backend.pick_now(session, asks=backend.waits_for_parked(asker_key(req)))
         if picked is None:
             return False
         inst, child = picked
         req.backend = backend.name
         if not req.counted:
             req.counted = True
-            hub.bus.emit(RequestStarted(session.conn_id, self.label, backend.name))
+            ports.bus.emit(RequestStarted(session.conn_id, self.label, backend.name))
         self.backend, self.inst, self.child = backend, inst, child
         self.forwarded_at = trio.current_time()
         try:
+            fields, meta = handlers.outgoing(ports, session, target, child.era is era.Era.MODERN)
             self.call = child.start(req.method, UNSET, handle=self, now=self.forwarded_at, owner=session,
                                     hard_timeout=backend.cfg.max_call_duration, progress=target.progress,
-                                    rewrite=handlers.rewriter(target.params, target.meta,
-                                                              handlers.envelope_of(hub, session, target)))
+                                    fields=fields, meta=meta)
         except errors.NotDelivered:  # the child just died: the slow path waits for the next one
             backend.release(inst, session)
             self.child = None
@@ -171,10 +204,10 @@ class Served:
         if self.ended:
             return
         self.ended = True
-        hub, session, req = self.hub, self.session, self.req
+        ports, session, req = self.ports, self.session, self.req
         code: int | None = None
         response: bytes | None = None
-        if cancelled and hub.calls_cut_off:  # drain grace over: say so, not silence
+        if cancelled and ports.calls_cut_off:  # drain grace over: say so, not silence
             exc = _cut_off()
         if cancelled and exc is None:
             outcome = RequestOutcome.CANCELLED  # a cancelled request gets no response
@@ -182,7 +215,7 @@ class Served:
             assert result is not None
             outcome = RequestOutcome.OK
             if self.modern:
-                result = era.complete(req.method, result, per_caller=hub.policy.per_caller)
+                result = era.complete(req.method, result, per_caller=ports.policy.per_caller)
             response = jsonrpc.encode_result(self.id, result)
         else:
             outcome = RequestOutcome.ERROR
@@ -200,14 +233,14 @@ class Served:
         self.reply(response, self.id)
         session.inflight.pop(self.id, None)
         if self.held is not None:
-            hub.limits.release(self.held)
+            ports.limits.release(self.held)
         if flow is not None:
             flow.call_ended()
         session.buffers.release(self.size)
         if not session.inflight:
-            hub.connections_changed()
+            ports.connections_changed()
         principal = session.principal
-        hub.bus.emit(RequestFinished(session.conn_id, self.label, req.backend, outcome, code,
+        ports.bus.emit(RequestFinished(session.conn_id, self.label, req.backend, outcome, code,
                                      trio.current_time() - self.started, req.backend_time, req.tool,
                                      principal.label if principal is not None else NO_PRINCIPAL))
 
@@ -225,9 +258,9 @@ def _cut_off(*, retryable: bool = False) -> errors.GatewayError:
 UNLIMITED = frozenset({"initialize", "ping", "subscriptions/listen"})
 
 
-def _admit(hub: Hub, served: Served, principal: str) -> None:
+def _admit(ports: ServingPorts, served: Served, principal: str) -> None:
     """Take a slot of ``principal``'s ``[[auth.limits]]`` for ``served``, or raise -32006."""
-    refused = hub.limits.admit(principal, trio.current_time())
+    refused = ports.limits.admit(principal, trio.current_time())
     if refused is not None:
         raise errors.Overloaded(
             f"too many requests from this principal ({refused.limit} = {refused.value:g}); "
@@ -236,11 +269,11 @@ def _admit(hub: Hub, served: Served, principal: str) -> None:
     served.held = principal
 
 
-def serve_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, size: int,
+def serve_request(ports: ServingPorts, session: ClientSession, env: jsonrpc.Envelope, size: int,
                    reply: Callable[[bytes | None, int | str | None], None]) -> None:
     """Serve one admitted request: at once when the gateway answers it or a backend instance
     takes it now (no task), else in a task."""
-    served = Served(hub, session, env, size, reply)
+    served = Served(ports, session, env, size, reply)
     session.inflight[served.id] = served
     session.buffers.charge(size)  # the request's bytes live until it is answered
     req = served.req
@@ -251,8 +284,8 @@ def serve_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, size:
         if (handler is None and targeter is None and method not in handlers.ASYNC_HANDLERS
                 and method != "server/discover"):
             raise errors.MethodNotFound(f"method {method!r} not found")
-        if session.principal is not None and hub.limits and method not in UNLIMITED:
-            _admit(hub, served, session.principal.name)
+        if session.principal is not None and ports.limits and method not in UNLIMITED:
+            _admit(ports, served, session.principal.name)
         req.params = jsonrpc.params_dict(env.params)
         if session.era is None:  # the first request chooses the connection's era
             session.era = era.era_of(method, req.params)
@@ -260,24 +293,24 @@ def serve_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, size:
             served.modern = True
             caps, level = era.modern_meta(method, req.params)
             if session.mrtr is None:  # a modern WebSocket/unix connection: bridged like a flow
-                session.mrtr = hub.bridge
+                session.mrtr = ports.bridge
             served.caps = mcp.ClientCaps(caps)  # what a child may ask this request's caller
             if level is not None and level != session.log_level:  # its stream gets log messages
                 session.log_level = level
-                hub.log_levels_changed()
-            if session.transport != "http" and hub.bridge.continues(method, req.params):
+                ports.log_levels_changed()
+            if session.transport != "http" and ports.bridge.continues(method, req.params):
                 # A retry: it continues the call its state names, which takes over its id
                 # (``inflight`` then holds that call under it); this entry is dropped unanswered.
                 principal = session.principal
-                hub.bridge.resume(method, req.params, served.id, caps, owner=session,
+                ports.bridge.resume(method, req.params, served.id, caps, owner=session,
                                   principal=None if principal is None else principal.key)
                 served.ended = True
                 session.buffers.release(size)
                 if served.held is not None:  # the call it continues holds its own slot
-                    hub.limits.release(served.held)
+                    ports.limits.release(served.held)
                 return
             if method == "server/discover":
-                served.end(era.discover(hub.advertised_capabilities(), hub.server_name, __version__))
+                served.end(era.discover(ports.advertised_capabilities(), ports.server_name, __version__))
                 return
         elif method == "server/discover":
             raise errors.MethodNotFound(f"method {method!r} not found: this connection speaks "
@@ -285,10 +318,10 @@ def serve_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, size:
         elif not session.initialized and method not in PRE_INIT:
             raise errors.InvalidRequest(f"{method}: the connection is not initialized yet")
         if handler is not None:
-            served.end(handler(hub, session, req))
+            served.end(handler(ports, session, req))
             return
         if targeter is not None:
-            served.target = targeter(hub, session, req)
+            served.target = targeter(ports, session, req)
             if served.modern:  # kept aside: only a modern child gets it (handlers.envelope_of)
                 served.target.envelope = era.strip_envelope(served.target.params)
             # decoded once, here: a bad token fails the request at once
@@ -307,7 +340,7 @@ def serve_request(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, size:
 async def _run_slow(served: Served, first: Raw | None = None) -> None:
     """Serve a request that must wait (consent, an instance starting or busy, a backend's answer,
     a modern backend's input requests to a legacy client: ``first`` is its ``input_required``)."""
-    hub, session, req = served.hub, served.session, served.req
+    ports, session, req = served.ports, served.session, served.req
     assert served.scope is not None
     result: Raw | None = None
     exc: BaseException | None = None
@@ -315,13 +348,13 @@ async def _run_slow(served: Served, first: Raw | None = None) -> None:
         with served.scope:
             try:
                 if served.target is not None:
-                    got = first or await handlers.forward(hub, session, req, served.target)
+                    got = first or await handlers.forward(ports, session, req, served.target)
                     if (not served.modern and req.method in inputs.MRTR_METHODS
                             and era.is_input_required(got)):  # cancelled meanwhile: no answer
-                        got = await inputs.resolve(hub, session, req, served.target, got, served.started)
+                        got = await inputs.resolve(ports, session, req, served.target, got, served.started)
                     result = got
                 else:
-                    result = await handlers.ASYNC_HANDLERS[req.method](hub, session, req)
+                    result = await handlers.ASYNC_HANDLERS[req.method](ports, session, req)
             except Exception as e:
                 exc = e
     finally:

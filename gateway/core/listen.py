@@ -28,25 +28,36 @@ TCP connection (``max_connections``); a principal has at most ``max_listens`` op
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 from msgspec import Raw, UnsetType
 
 from gateway import errors
-from gateway.policy import caller_of
+from gateway.core.policy import caller_of
+from gateway.core.ports import BackendDirectory, CatalogView, Lifecycle
 from gateway.protocol import subscriptions
 from gateway.protocol.era import Era
 from gateway.protocol.subscriptions import Filter, RequestId
 
 if TYPE_CHECKING:
     from gateway.backend.pool import Backend
-    from gateway.handlers import Request
-    from gateway.hub import Hub
-    from gateway.session import ClientSession
+    from gateway.core.request import Request
+    from gateway.core.session import ClientSession
+    from gateway.limits import PrincipalCaps
 
 LOGGER = logging.getLogger(__name__)
 UPDATED = "notifications/resources/updated"
+
+
+class ListenPorts(CatalogView, BackendDirectory, Lifecycle, Protocol):
+    """What a listen needs: the caller's catalog view, the backends of the resources it names,
+    whether the daemon drains, the open listens and the principals' caps."""
+
+    @property
+    def listens(self) -> Listens: ...
+    @property
+    def caps(self) -> PrincipalCaps: ...
 
 
 class Listen:
@@ -115,22 +126,22 @@ class Listens:
                 listen.ended.set()
 
 
-async def listen(hub: Hub, session: ClientSession, req: Request) -> Raw:
+async def listen(ports: ListenPorts, session: ClientSession, req: Request) -> Raw:
     """Serve one ``subscriptions/listen`` until it ends (see the module docstring)."""
     if session.era is not Era.MODERN:
         raise errors.MethodNotFound("subscriptions/listen exists in protocol version 2026-07-28 "
                                     "only; this connection speaks a legacy revision")
     wanted = subscriptions.parse_filter(req.params)
     principal = session.principal
-    counted = hub.caps.acquire("max_listens", None if principal is None else principal.name)
+    counted = ports.caps.acquire("max_listens", None if principal is None else principal.name)
     held: list[tuple[Backend, str]] = []
     this = Listen(session, req.id, Filter(wanted.kinds))
     try:
         for uri in wanted.uris:
             try:
-                if hub.policy.active:
-                    hub.policy.check(uri, caller_of(session), "resource")
-                backend = await hub.backend(hub.backend_name_for_uri(uri))
+                if ports.policy.active:
+                    ports.policy.check(uri, caller_of(session), "resource")
+                backend = await ports.backend(ports.backend_name_for_uri(uri))
             except errors.GatewayError as exc:  # not honoured: left out of the acknowledgement
                 LOGGER.debug("connection %s: listen %r: %s", session.conn_id, req.id, exc,
                              extra=session.log_fields)
@@ -138,15 +149,15 @@ async def listen(hub: Hub, session: ClientSession, req: Request) -> Raw:
             held.append((backend, uri))
             await backend.subscribe(session, uri)
         this.filter = Filter(wanted.kinds, tuple(uri for _, uri in held))
-        hub.listens.add(this)
+        ports.listens.add(this)
         session.send(subscriptions.acknowledged(this.filter, req.id))
-        if hub.draining:  # began while it subscribed: end_all has run already
+        if ports.draining:  # began while it subscribed: end_all has run already
             this.ended.set()
         await this.ended.wait()
         return subscriptions.closing_result(req.id)
     finally:
         counted.release()
-        hub.listens.remove(this)
+        ports.listens.remove(this)
         for backend, uri in held:
-            if not hub.listens.wants_uri(session, uri):
+            if not ports.listens.wants_uri(session, uri):
                 backend.drop_subscription(session, uri)

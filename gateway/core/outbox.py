@@ -1,4 +1,4 @@
-"""The write side of a client connection: what a :class:`~gateway.session.ClientSession` writes
+"""The write side of a client connection: what a :class:`~gateway.core.session.ClientSession` writes
 through, and the bounded queue of what its transport could not take at once.
 
 Theory of operation: a message for a client is written straight to its transport
@@ -6,7 +6,7 @@ Theory of operation: a message for a client is written straight to its transport
 task, no channel, no task switch.  Only when something is already queued, or the transport did
 not take it all, does it wait: in the session's :class:`Outbox` (messages not yet handed to the
 transport) or held by the transport itself (the rest of messages it was handed).  The
-connection's flusher task (``gateway.connection._writer``) is woken only then; it waits for the
+connection's flusher task (``gateway.core.connection._writer``) is woken only then; it waits for the
 transport with :meth:`MessageWriter.flush` and hands it the queued messages in batches, until
 nothing is queued and the next message goes straight out again.  Order is kept because a message
 is written directly only when nothing at all is queued or held before it.

@@ -5,12 +5,12 @@ out, its own exceptions already mapped to :class:`~gateway.errors.TransportClose
 :class:`~gateway.errors.MessageTooLarge`).  :func:`serve` gives the connection a nursery with a
 reader loop and a flusher task; answers are written straight to the transport by
 :meth:`ClientSession.send` and the flusher only writes what did not fit (see
-:mod:`gateway.outbox`).  The reader decodes each message, refuses what it must (batches outside
+:mod:`gateway.core.outbox`).  The reader decodes each message, refuses what it must (batches outside
 2025-03-26, a request beyond the connection's limits, anything while draining) and hands each
-admitted request to :func:`gateway.serving.serve_request`, which answers it, forwards it without
+admitted request to :func:`gateway.core.serving.serve_request`, which answers it, forwards it without
 a task, or runs it in a task of this connection's nursery.  A client's
 ``notifications/cancelled`` cancels either kind; a cancelled request gets no response, per the
-spec.  JSON-RPC errors are made by :func:`gateway.serving.error_response` only.
+spec.  JSON-RPC errors are made by :func:`gateway.core.serving.error_response` only.
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ import msgspec
 import trio
 
 from gateway import errors
+from gateway.core.outbox import MessageWriter
+from gateway.core.serving import ServingPorts, error_response, serve_request
+from gateway.core.session import AnswerOutcome, ClientSession
 from gateway.errors import CloseReason
 from gateway.events import AnswerRefused, ConnectionClosed, ConnectionOpened, ServerRequestOutcome
-from gateway.outbox import MessageWriter
 from gateway.protocol import jsonrpc, mcp
-from gateway.serving import error_response, serve_request
-from gateway.session import AnswerOutcome, ClientSession
 
 if TYPE_CHECKING:
-    from gateway.hub import Hub
+    from gateway.limits import ByteBudget
 
 LOGGER = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ FLUSH_TIMEOUT = 2.0
 
 class MessageStream(MessageWriter, Protocol):
     """A bidirectional stream of whole JSON-RPC messages (one per WebSocket frame or line);
-    its write side is a :class:`~gateway.outbox.MessageWriter`."""
+    its write side is a :class:`~gateway.core.outbox.MessageWriter`."""
 
     async def receive(self) -> bytes:
         """The next message.  Raises TransportClosed or MessageRefused."""
@@ -60,56 +60,74 @@ class MessageStream(MessageWriter, Protocol):
     async def aclose(self, reason: str) -> None: ...
 
 
-def _open(hub: Hub, stream: MessageStream, transport: str,
+class ConnectionPorts(ServingPorts, Protocol):
+    """What a connection needs: serving's ports, the daemon-wide byte budget, the message limits,
+    and where its session registers while it is open."""
+
+    def session_opened(self, session: ClientSession) -> None: ...
+
+    def session_left(self, session: ClientSession) -> None:
+        """The connection closed (its calls are cancelled next, then :meth:`session_closed`)."""
+        ...
+
+    @property
+    def budget(self) -> ByteBudget: ...
+    @property
+    def max_message_bytes(self) -> int: ...
+    @property
+    def max_json_depth(self) -> int: ...
+
+
+def _open(ports: ConnectionPorts, stream: MessageStream, transport: str,
           bind: Callable[[ClientSession], None] | None) -> ClientSession:
     """A connection's session, registered with the hub."""
-    cfg = hub.cfg.gateway
+    cfg = ports.cfg.gateway
     session = ClientSession(transport, outbound_capacity=cfg.outbound_queue,
                             max_inflight=cfg.max_inflight_per_connection,
-                            outbound_bytes=cfg.outbound_bytes, budget=hub.budget)
+                            outbound_bytes=cfg.outbound_bytes, budget=ports.budget)
     if bind is not None:
         bind(session)
     session.writer = stream
-    hub.sessions.add(session)
-    hub.bus.emit(ConnectionOpened(session.conn_id, transport))
+    ports.session_opened(session)
+    ports.bus.emit(ConnectionOpened(session.conn_id, transport))
     LOGGER.debug("connection %s opened (%s)", session.conn_id, transport, extra=session.log_fields)
     return session
 
 
-def _release(hub: Hub, session: ClientSession) -> None:
+def _release(ports: ConnectionPorts, session: ClientSession) -> None:
     """What a closed connection holds goes: it leaves the hub, the requests it was sent end,
     its calls are cancelled, the backends forget it."""
     session.writer = None  # what is sent from now on is queued: flushed, or dropped
-    hub.sessions.discard(session)
-    hub.connections_changed()
+    ports.session_left(session)
+    ports.connections_changed()
     session.end_all_requests(ServerRequestOutcome.OWNER_GONE)
     for served in list(session.inflight.values()):  # calls forwarded without a task
         served.cancel()
-    hub.session_closed(session)
+    ports.session_closed(session)
     if session.flow is not None:
         session.flow.closed()
 
 
-def _closed(hub: Hub, session: ClientSession, transport: str) -> None:
+def _closed(ports: ConnectionPorts, session: ClientSession, transport: str) -> None:
     session.drop_outbound()  # every byte it still had charged is released here
-    hub.bus.emit(ConnectionClosed(session.conn_id, transport, session.close_reason,
+    ports.bus.emit(ConnectionClosed(session.conn_id, transport, session.close_reason,
                                   trio.current_time() - session.opened))
     LOGGER.debug("connection %s closed: %s", session.conn_id, session.close_reason, extra=session.log_fields)
 
 
-async def serve(hub: Hub, stream: MessageStream, transport: str,
+async def serve(ports: ConnectionPorts, stream: MessageStream, transport: str,
                 bind: Callable[[ClientSession], None] | None = None) -> None:
     """Serve one client connection until it closes; never raises for client misbehaviour.
 
     ``bind`` is told the connection's :class:`ClientSession` before anything is read (an HTTP
     session's stream asks it whether calls are in flight)."""
-    session = _open(hub, stream, transport, bind)
+    session = _open(ports, stream, transport, bind)
     try:
         async with trio.open_nursery() as nursery:
             session.cancel_scope = nursery.cancel_scope
             session.nursery = nursery
             nursery.start_soon(_writer, session, stream)
-            await _reader(hub, session, stream, nursery)
+            await _reader(ports, session, stream, nursery)
             session.close(CloseReason.CLIENT_CLOSED)
     except Exception:
         LOGGER.exception("connection %s: unexpected error", session.conn_id, extra=session.log_fields)
@@ -117,13 +135,13 @@ async def serve(hub: Hub, stream: MessageStream, transport: str,
     finally:
         with trio.CancelScope(shield=True):
             try:
-                _release(hub, session)
+                _release(ports, session)
                 await _flush(session, stream)
                 with trio.move_on_after(FLUSH_TIMEOUT):
                     await stream.aclose(session.close_reason)
             except Exception:  # a bug must end this connection only, never the daemon
                 LOGGER.exception("connection %s: error while closing", session.conn_id, extra=session.log_fields)
-            _closed(hub, session, transport)
+            _closed(ports, session, transport)
 
 
 class DirectStream(MessageStream, Protocol):
@@ -143,17 +161,17 @@ class Direct:
     and the inbox a served connection costs per request.
     """
 
-    __slots__ = ("done", "hub", "nursery", "session", "stream", "transport", "writer_scope")
+    __slots__ = ("done", "nursery", "ports", "session", "stream", "transport", "writer_scope")
 
-    def __init__(self, hub: Hub, stream: DirectStream, nursery: trio.Nursery, transport: str,
-                 bind: Callable[[ClientSession], None] | None = None) -> None:
-        self.hub = hub
+    def __init__(self, ports: ConnectionPorts, stream: DirectStream, nursery: trio.Nursery,
+                 transport: str, bind: Callable[[ClientSession], None] | None = None) -> None:
+        self.ports = ports
         self.stream = stream
         self.nursery = nursery
         self.transport = transport
         self.done = False
         self.writer_scope: trio.CancelScope | None = None
-        session = self.session = _open(hub, stream, transport, bind)
+        session = self.session = _open(ports, stream, transport, bind)
         session.nursery = nursery
         session.outbound.on_wake = self._start_writer
         session.on_close = self._finish_soon
@@ -165,7 +183,7 @@ class Direct:
             self.finish()
 
     def handle(self, data: bytes) -> None:
-        _handle(self.hub, self.session, data, self.nursery)
+        _handle(self.ports, self.session, data, self.nursery)
 
     def _start_writer(self) -> None:
         if not self.done:
@@ -191,11 +209,11 @@ class Direct:
         if self.writer_scope is not None:
             self.writer_scope.cancel()
         try:
-            _release(self.hub, session)
+            _release(self.ports, session)
             self.stream.abort()
         except Exception:  # a bug must end this connection only, never the daemon
             LOGGER.exception("connection %s: error while closing", session.conn_id, extra=session.log_fields)
-        _closed(self.hub, session, self.transport)
+        _closed(self.ports, session, self.transport)
 
 
 async def _flush(session: ClientSession, stream: MessageStream) -> None:
@@ -218,7 +236,7 @@ async def _flush(session: ClientSession, stream: MessageStream) -> None:
 async def _writer(session: ClientSession, stream: MessageStream) -> None:
     """The flusher: writes what :meth:`ClientSession.send` could not write at once.
 
-    Woken only when something is queued or held (see :mod:`gateway.outbox`); hands the
+    Woken only when something is queued or held (see :mod:`gateway.core.outbox`); hands the
     transport what piled up meanwhile in batches, and waits for it to take them.
     """
     outbound = session.outbound
@@ -241,7 +259,7 @@ async def _writer(session: ClientSession, stream: MessageStream) -> None:
         session.close(CloseReason.CLIENT_CLOSED)
 
 
-async def _reader(hub: Hub, session: ClientSession, stream: MessageStream, nursery: trio.Nursery) -> None:
+async def _reader(ports: ConnectionPorts, session: ClientSession, stream: MessageStream, nursery: trio.Nursery) -> None:
     """Read and dispatch messages until the client closes.
 
     Backpressure: a transport hands out the messages it already holds without a checkpoint, so
@@ -253,7 +271,7 @@ async def _reader(hub: Hub, session: ClientSession, stream: MessageStream, nurse
     handled = 0
     while not session.closed.is_set():
         if session.queued > session.high_water or session.queued_bytes > session.high_water_bytes:
-            await _wait_drained(session, hub.cfg.gateway.write_stall_timeout)
+            await _wait_drained(session, ports.cfg.gateway.write_stall_timeout)
             continue
         handled += 1
         if handled == SLICE:  # a long run of pipelined messages: let the other tasks run
@@ -270,9 +288,9 @@ async def _reader(hub: Hub, session: ClientSession, stream: MessageStream, nurse
             session.close(exc.close_reason)
             return
         if jsonrpc.is_batch(data):
-            _handle_batch(hub, session, data, nursery)
+            _handle_batch(ports, session, data, nursery)
             continue
-        _handle(hub, session, data, nursery)
+        _handle(ports, session, data, nursery)
 
 
 async def _wait_drained(session: ClientSession, stall: float) -> None:
@@ -349,33 +367,33 @@ class _BatchCollector:
             self._parts = []
 
 
-def _handle(hub: Hub, session: ClientSession, data: bytes, nursery: trio.Nursery) -> None:
+def _handle(ports: ConnectionPorts, session: ClientSession, data: bytes, nursery: trio.Nursery) -> None:
     """One message (not a batch)."""
     def reply(message: bytes | None, id: int | str | None = None) -> None:
         if message is not None:
             session.send(message)
 
     try:
-        env = jsonrpc.decode(data, hub.max_json_depth)
+        env = jsonrpc.decode(data, ports.max_json_depth)
         kind = jsonrpc.classify(env)
     except errors.GatewayError as exc:
         bad_id = exc.data.pop("id", None)
         reply(error_response(bad_id, exc), bad_id)
         return
-    _dispatch(hub, session, env, kind, len(data), nursery, reply, in_batch=False)
+    _dispatch(ports, session, env, kind, len(data), nursery, reply, in_batch=False)
 
 
-def _handle_batch(hub: Hub, session: ClientSession, data: bytes, nursery: trio.Nursery) -> None:
+def _handle_batch(ports: ConnectionPorts, session: ClientSession, data: bytes, nursery: trio.Nursery) -> None:
     """A batch (:func:`gateway.protocol.jsonrpc.decode_batch`): refused as a whole with one
     error, or each entry handled and the answers sent as one array (an invalid entry's -32600
     among them)."""
     try:
         entries = jsonrpc.decode_batch(data, session.protocol_version, session.max_inflight,
-                                       hub.max_json_depth)
+                                       ports.max_json_depth)
     except errors.GatewayError as exc:
         session.send(error_response(None, exc))
         return
-    collector = _BatchCollector(session, hub.max_message_bytes)
+    collector = _BatchCollector(session, ports.max_message_bytes)
     for entry in entries:
         reply = collector.expect()
         if entry.env is None:
@@ -383,18 +401,18 @@ def _handle_batch(hub: Hub, session: ClientSession, data: bytes, nursery: trio.N
             reply(error_response(None, entry.error), None)
         else:
             assert entry.kind is not None
-            _dispatch(hub, session, entry.env, entry.kind, entry.size, nursery, reply, in_batch=True)
+            _dispatch(ports, session, entry.env, entry.kind, entry.size, nursery, reply, in_batch=True)
     collector.seal()
 
 
-def _dispatch(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, kind: jsonrpc.Kind, size: int,
+def _dispatch(ports: ConnectionPorts, session: ClientSession, env: jsonrpc.Envelope, kind: jsonrpc.Kind, size: int,
               nursery: trio.Nursery, reply: Callable[[bytes | None, int | str | None], None], *,
               in_batch: bool) -> None:
     """A decoded message: a request is served (or refused), anything else taken in; ``reply``
     is called once (with None when there is nothing to answer now)."""
     if kind == "request":
         assert isinstance(env.id, int | str) and isinstance(env.method, str)
-        if hub.draining and not _continues_flow(hub, session, env):  # never started: safe elsewhere
+        if ports.draining and not _continues_flow(ports, session, env):  # never started: safe elsewhere
             session.refused_at = trio.current_time()  # its close waits for it to settle
             reply(error_response(env.id, errors.Denied(
                 "the gateway is shutting down; send this request elsewhere", reason="shutdown", retryable=True)), env.id)
@@ -407,24 +425,24 @@ def _dispatch(hub: Hub, session: ClientSession, env: jsonrpc.Envelope, kind: jso
         except errors.GatewayError as exc:
             reply(error_response(env.id, exc), env.id)
             return
-        serve_request(hub, session, env, size, reply)
+        serve_request(ports, session, env, size, reply)
         return
     reply(None, None)
     if kind == "notification":
         assert isinstance(env.method, str)
-        _on_notification(hub, session, env.method, env)
+        _on_notification(ports, session, env.method, env)
     else:
         outcome = session.on_answer(env)
         if outcome is AnswerOutcome.REFUSED:
             LOGGER.warning("connection %s answered unknown request id %.100r: refused", session.conn_id, env.id, extra=session.log_fields)
-            hub.bus.emit(AnswerRefused(session.conn_id, "unknown_id"))
+            ports.bus.emit(AnswerRefused(session.conn_id, "unknown_id"))
 
 
-def _continues_flow(hub: Hub, session: ClientSession, env: jsonrpc.Envelope) -> bool:
+def _continues_flow(ports: ConnectionPorts, session: ClientSession, env: jsonrpc.Envelope) -> bool:
     """Whether a request is the retry of this connection's parked bridged call (it carries the
-    call's ``requestState``, gateway.bridge): it answers the prompts of a call already running,
+    call's ``requestState``, gateway.core.bridge): it answers the prompts of a call already running,
     so a drain lets it in like any answer.  (A new call to a modern backend carrying that
-    backend's own state is not one: :meth:`~gateway.bridge.Bridge.continues`.)"""
+    backend's own state is not one: :meth:`~gateway.core.bridge.Bridge.continues`.)"""
     if not any(s.flow is not None and s.flow.parked and s.flow.method == env.method
                for s in session.inflight.values()):
         return False
@@ -433,16 +451,16 @@ def _continues_flow(hub: Hub, session: ClientSession, env: jsonrpc.Envelope) -> 
     except errors.GatewayError:
         return False
     assert isinstance(env.method, str)
-    return hub.bridge.continues(env.method, params)
+    return ports.bridge.continues(env.method, params)
 
 
-def _on_notification(hub: Hub, session: ClientSession, method: str, env: jsonrpc.Envelope) -> None:
+def _on_notification(ports: ConnectionPorts, session: ClientSession, method: str, env: jsonrpc.Envelope) -> None:
     if method == "notifications/cancelled":
         try:
             request_id = mcp.decode_cancelled(env.params).requestId
         except (msgspec.ValidationError, msgspec.DecodeError):
             return
-        if hub.listens.end(session, request_id):  # a listen ends with its result (2026-07-28)
+        if ports.listens.end(session, request_id):  # a listen ends with its result (2026-07-28)
             return
         served = session.inflight.get(request_id)
         if served is not None:
@@ -450,7 +468,7 @@ def _on_notification(hub: Hub, session: ClientSession, method: str, env: jsonrpc
     elif method == "notifications/initialized":
         pass
     elif method == "notifications/roots/list_changed":
-        hub.roots_changed(session)
+        ports.roots_changed(session)
     else:
         LOGGER.debug("connection %s: ignored notification %s", session.conn_id, method, extra=session.log_fields)
 

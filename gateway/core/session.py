@@ -3,8 +3,8 @@
 A :class:`ClientSession` is created by the hub for every accepted connection.  Its ``conn_id``
 is minted by the gateway (clients never choose it).  Everything sent to the client goes through
 :meth:`ClientSession.send`, which never blocks: the message is written straight to the transport
-when nothing is queued toward the client, else queued in a bounded :class:`~gateway.outbox.Outbox`
-that the connection's flusher task drains (see :mod:`gateway.outbox`).  A client that lets the
+when nothing is queued toward the client, else queued in a bounded :class:`~gateway.core.outbox.Outbox`
+that the connection's flusher task drains (see :mod:`gateway.core.outbox`).  A client that lets the
 queue overflow (``outbound_queue`` messages not yet handed to the transport, or
 ``outbound_bytes`` bytes, counting what the transport holds and has not written) is disconnected
 (reason ``overflow``) instead of stalling a backend's reader.  The same bytes, and those of the
@@ -35,23 +35,22 @@ import secrets
 import sys
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import trio
 from msgspec import UNSET, Raw, UnsetType
 
 from gateway import errors
+from gateway.core.outbox import MessageWriter, Outbox
 from gateway.errors import CloseReason
 from gateway.events import ServerRequestOutcome
 from gateway.limits import ByteBudget
-from gateway.outbox import MessageWriter, Outbox
 from gateway.protocol import jsonrpc, mcp
 from gateway.protocol.era import Era
 
 if TYPE_CHECKING:
     from gateway.auth.principal import Principal
-    from gateway.bridge import Bridge, Flow
 
 LOGGER = logging.getLogger(__name__)
 
@@ -99,6 +98,37 @@ class ServerRequest:
         return True
 
 
+class Bridging(Protocol):
+    """Era bridging (:class:`gateway.core.bridge.Bridge`) as the modules holding a session see
+    it: a modern caller's input requests are asked in its call's ``InputRequiredResult``."""
+
+    ttl: float
+
+    @property
+    def full(self) -> bool: ...
+    def admit(self) -> None: ...
+    def continues(self, method: str, params: dict[str, Raw]) -> bool: ...
+    def resume(self, method: str, params: dict[str, Raw], request_id: int | str,
+               caps: dict[str, object], *, principal: str | None = None,
+               owner: ClientSession | None = None) -> ClientSession: ...
+    def requested(self, owner: ClientSession, key: str, req: ServerRequest) -> None: ...
+    # ``served``: the session's entry in ``inflight`` for the call (gateway.core.serving.Served)
+    def ask(self, owner: ClientSession, served: Any, key: str, req: ServerRequest,
+            deadline: float) -> None: ...
+
+
+class BridgedCall(Protocol):
+    """A session's bridged call (:class:`gateway.core.bridge.Flow`) as others read it."""
+
+    method: str
+    parked: bool  # answered input_required, waiting for the retry
+    round: int
+
+    def closed(self) -> None:
+        """Its session closed."""
+        ...
+
+
 class ClientSession:
     def __init__(self, transport: str, *, outbound_capacity: int, max_inflight: int,
                  outbound_bytes: int = sys.maxsize, budget: ByteBudget | None = None) -> None:
@@ -112,7 +142,7 @@ class ClientSession:
         self.caps = mcp.ClientCaps({})
         self.log_level: str | None = None
         self.max_inflight = max_inflight
-        self.inflight: dict[int | str, Any] = {}  # client id -> gateway.serving.Served
+        self.inflight: dict[int | str, Any] = {}  # client id -> gateway.core.serving.Served
         self.server_requests: dict[str, ServerRequest] = {}
         self._ended_ids: deque[str] = deque(maxlen=1024)
         self._ids = itertools.count(1)
@@ -138,9 +168,9 @@ class ClientSession:
         self.close_reason = CloseReason.CLIENT_CLOSED
         self.cancel_scope: trio.CancelScope | None = None
         self.nursery: trio.Nursery | None = None  # where requests that must wait run
-        # A modern HTTP flow: the child's requests to it are bridged (gateway.bridge), not sent
-        self.mrtr: Bridge | None = None
-        self.flow: Flow | None = None  # its bridged call, once the child asked for input
+        # A modern HTTP flow: the child's requests to it are bridged (gateway.core.bridge), not sent
+        self.mrtr: Bridging | None = None
+        self.flow: BridgedCall | None = None  # its bridged call, once the child asked for input
         # A connection without a task of its own (connection.Direct): its end, once closed
         self.on_close: Callable[[], None] | None = None
         self._principal: Principal | None = None
@@ -171,7 +201,7 @@ class ClientSession:
     def send(self, data: bytes) -> bool:
         """Write one message to the client, or queue it.  Never blocks; on overflow the
         connection is closed.  Straight to the transport when nothing is queued (see
-        :mod:`gateway.outbox`)."""
+        :mod:`gateway.core.outbox`)."""
         if self.closed.is_set():
             return False
         n = len(data)
@@ -286,7 +316,7 @@ class ClientSession:
         rid = env.id
         req = self.server_requests.get(rid) if isinstance(rid, str) else None
         if req is not None and not req.sent:
-            # asked in a modern call's InputRequiredResult (gateway.bridge): only the call's
+            # asked in a modern call's InputRequiredResult (gateway.core.bridge): only the call's
             # retry, with its signed requestState, answers it; the client never saw this id
             req = None
         if req is None:

@@ -2,56 +2,51 @@
 
 Three kinds: :data:`HANDLERS` answer from the gateway's own state, synchronously (no task);
 :data:`FORWARDED` decide synchronously where a request goes (a :class:`Target`), and
-``gateway.connection`` forwards it without a task when it can, else runs :func:`forward` (the
+``gateway.core.connection`` forwards it without a task when it can, else runs :func:`forward` (the
 slow path: consent, waiting for an instance); :data:`ASYNC_HANDLERS` need a backend's answer
-before they can answer.  Each takes the hub, the session and a :class:`Request`, and returns the
-``result`` (Raw) or a Target, or raises a :class:`~gateway.errors.GatewayError`.  Handlers never
-build error responses themselves: ``gateway.connection`` is the one place that does.
+before they can answer.  Each takes the narrowest port it reads (:mod:`gateway.core.ports`),
+the session and a :class:`Request`, and returns the ``result`` (Raw) or a Target, or raises a
+:class:`~gateway.errors.GatewayError`.  Handlers never build error responses themselves:
+:mod:`gateway.core.serving` is the one place that does.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import trio
 from msgspec import Raw
 
 from gateway import __version__, errors
-from gateway.events import RequestStarted
-from gateway.listen import listen
-from gateway.policy import caller_of
+from gateway.core.listen import ListenPorts, listen
+from gateway.core.policy import caller_of
+from gateway.core.ports import BackendDirectory, CatalogView
+from gateway.core.request import Request, Target, asker_key
+from gateway.events import EventBus, RequestStarted
 from gateway.protocol import catalog as cat
 from gateway.protocol import era, jsonrpc, mcp, mrtr
 from gateway.protocol.mcp import declared_capabilities
-from gateway.protocol.policy import Kind
 
 LOGGER = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from gateway.hub import Hub
-    from gateway.session import ClientSession
+    from gateway.core.session import ClientSession
 
 
-@dataclass(slots=True)
-class Request:
-    id: int | str
-    method: str
-    params: dict[str, Raw]
-    backend: str = ""
-    backend_time: float | None = None
-    tool: str | None = None
-    counted: bool = False  # RequestStarted was emitted (a backend was chosen)
-    # forwarded by a task (:func:`forward`): its child and its call there, while it runs
-    at: tuple[Any, Any] | None = None
+class HandlerPorts(ListenPorts, Protocol):
+    """What the handlers need, all told (each handler is typed with the narrowest port it
+    uses): the catalog view, the backend directory, the lifecycle, the listens, the bus."""
+
+    @property
+    def bus(self) -> EventBus: ...
 
 
-Handler = Callable[["Hub", "ClientSession", Request], Raw]
-AsyncHandler = Callable[["Hub", "ClientSession", Request], Awaitable[Raw]]
+Handler = Callable[["HandlerPorts", "ClientSession", Request], Raw]
+AsyncHandler = Callable[["HandlerPorts", "ClientSession", Request], Awaitable[Raw]]
 
 
 def _str_param(req: Request, key: str) -> str:
@@ -78,7 +73,7 @@ def _reject_tasks(req: Request) -> None:
 # ---- answered by the gateway itself ----------------------------------------------------------------
 
 
-def initialize(hub: Hub, session: ClientSession, req: Request) -> Raw:
+def initialize(ports: CatalogView, session: ClientSession, req: Request) -> Raw:
     if session.protocol_version is not None:  # set synchronously below: two racing ones cannot both pass
         raise errors.InvalidRequest(
             f"initialize: this connection is already initialized (protocol {session.protocol_version}); "
@@ -95,23 +90,23 @@ def initialize(hub: Hub, session: ClientSession, req: Request) -> Raw:
     return jsonrpc.encode_dict(
         {
             "protocolVersion": session.protocol_version,
-            "capabilities": hub.advertised_capabilities(),
-            "serverInfo": {"name": hub.server_name, "version": __version__},
+            "capabilities": ports.advertised_capabilities(),
+            "serverInfo": {"name": ports.server_name, "version": __version__},
         }
     )
 
 
-def ping(hub: Hub, session: ClientSession, req: Request) -> Raw:
+def ping(ports: HandlerPorts, session: ClientSession, req: Request) -> Raw:
     return jsonrpc.EMPTY_RESULT
 
 
 def _lister(kind: str, field: str) -> Handler:
     """A list handler: the caller's view of the merged list (what policy lets it call), paged
     over that view (a cursor is an offset into it)."""
-    def handler(hub: Hub, session: ClientSession, req: Request) -> Raw:
+    def handler(ports: CatalogView, session: ClientSession, req: Request) -> Raw:
         cursor = _str_param(req, "cursor") if "cursor" in req.params else None
-        items = hub.policy.view(hub.catalog, kind, caller_of(session))
-        got = cat.page(kind, items, cursor, hub.cfg.gateway.page_size)
+        items = ports.policy.view(ports.catalog, kind, caller_of(session))
+        got = cat.page(kind, items, cursor, ports.cfg.gateway.page_size)
         if got is None:
             raise errors.InvalidParams(f"{req.method}: invalid cursor")
         chunk, nxt = got
@@ -123,20 +118,20 @@ def _lister(kind: str, field: str) -> Handler:
     return handler
 
 
-def set_level(hub: Hub, session: ClientSession, req: Request) -> Raw:
+def set_level(ports: BackendDirectory, session: ClientSession, req: Request) -> Raw:
     level = _str_param(req, "level")
     if level not in mcp.LOG_RANK:
         raise errors.InvalidParams(f"logging/setLevel: unknown level {level!r}")
     session.log_level = level
-    hub.log_levels_changed()
+    ports.log_levels_changed()
     return jsonrpc.EMPTY_RESULT
 
 
-async def subscribe(hub: Hub, session: ClientSession, req: Request) -> Raw:
+async def subscribe(ports: HandlerPorts, session: ClientSession, req: Request) -> Raw:
     uri = _str_param(req, "uri")
-    if hub.policy.active and req.method == "resources/subscribe":
-        hub.policy.check(uri, caller_of(session), "resource")  # ask: updates carry no content
-    backend = await hub.backend(hub.backend_name_for_uri(uri))
+    if ports.policy.active and req.method == "resources/subscribe":
+        ports.policy.check(uri, caller_of(session), "resource")  # ask: updates carry no content
+    backend = await ports.backend(ports.backend_name_for_uri(uri))
     if req.method == "resources/subscribe":
         await backend.subscribe(session, uri)
     else:
@@ -144,7 +139,7 @@ async def subscribe(hub: Hub, session: ClientSession, req: Request) -> Raw:
     return jsonrpc.EMPTY_RESULT
 
 
-def tasks_unsupported(hub: Hub, session: ClientSession, req: Request) -> Raw:
+def tasks_unsupported(ports: HandlerPorts, session: ClientSession, req: Request) -> Raw:
     raise errors.MethodNotFound(
         f"{req.method}: tasks are not supported by this gateway", reason="tasks_unsupported"
     )
@@ -153,19 +148,7 @@ def tasks_unsupported(hub: Hub, session: ClientSession, req: Request) -> Raw:
 # ---- forwarded to a backend ----------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class Target:
-    """Where a forwarded request goes, decided synchronously from the request alone."""
-
-    backend: str
-    params: dict[str, Raw]  # the params for the backend (names mapped back)
-    consent: tuple[str, Any, Kind] | None = None  # (name, arguments, kind): policy asks the user first
-    progress: Any = None  # the caller's progress token, if any (see :func:`progress_token`)
-    meta: dict[str, Raw] | None = None  # the request's ``_meta``, decoded one level, if any
-    envelope: dict[str, Raw] | None = None  # a modern caller's envelope (for a modern child)
-
-
-Targeter = Callable[["Hub", "ClientSession", Request], Target]
+Targeter = Callable[["HandlerPorts", "ClientSession", Request], Target]
 
 
 def progress_token(req: Request, params: dict[str, Raw]) -> tuple[Any, dict[str, Raw] | None]:
@@ -187,77 +170,74 @@ def progress_token(req: Request, params: dict[str, Raw]) -> tuple[Any, dict[str,
     return client_token, meta
 
 
-def rewriter(params: dict[str, Raw], meta: dict[str, Raw] | None,
-             envelope: Callable[[], dict[str, Raw]] | None = None) -> Callable[[str | None, bool], Raw]:
-    """Builds the params sent to the child, given the gateway's progress token and whether the
-    child is modern: only the token changes, the rest passes as is; a modern child also gets the
-    modern envelope (``envelope()``: the modern caller's own, or the gateway's for a legacy one)."""
+def outgoing(ports: CatalogView, session: ClientSession, target: Target,
+             modern: bool) -> tuple[dict[str, Raw], dict[str, Raw] | None]:
+    """What a forwarded request carries to the child that takes it, decided before the child is
+    called: ``(params, meta)``, ``meta`` the ``_meta`` the child's router puts its progress token
+    into (None: the caller asked for no progress; see
+    :func:`gateway.protocol.routing.request_params`).  Only the token changes, the rest passes
+    as is; a ``modern`` child also gets the modern envelope (:func:`envelope_of`), a legacy one
+    no round trips."""
+    params = target.params
+    meta = target.meta if target.progress is not None else None
+    if modern:
+        env = envelope_of(ports, session, target)
+        if meta is not None:  # the token goes into _meta with the envelope
+            return params, {**meta, **env}
+        sent = dict(params)
+        era.add_envelope(sent, env)
+        return sent, None
+    if "inputResponses" in params or "requestState" in params:  # a legacy child's call has no
+        params = {k: v for k, v in params.items() if k not in mrtr.ROUND_TRIP_KEYS}  # round trips
+    return params, meta
 
-    def rewrite(token: str | None, modern: bool = False) -> Raw:
-        if meta is not None and token is not None:
-            params["_meta"] = jsonrpc.encode_dict({**meta, "progressToken": Raw(msgspec.json.encode(token))})
-        if modern and envelope is not None:
-            sent = dict(params)
-            era.add_envelope(sent, envelope())
-            return jsonrpc.encode_dict(sent)
-        if "inputResponses" in params or "requestState" in params:  # a legacy child's call has
-            return jsonrpc.encode_dict({k: v for k, v in params.items()  # no round trips
-                                        if k not in mrtr.ROUND_TRIP_KEYS})
-        return jsonrpc.encode_dict(params)
 
-    return rewrite
-
-
-def envelope_of(hub: Hub, session: ClientSession, target: Target) -> Callable[[], dict[str, Raw]]:
+def envelope_of(ports: CatalogView, session: ClientSession, target: Target) -> dict[str, Raw]:
     """The modern envelope a request of ``session`` carries to a modern child of ``target``'s
-    backend (made only when the child is modern).  A modern caller's own envelope, without the
-    input kinds the backend may not ask for (``declare``); for a legacy caller the gateway's:
-    the capabilities declared to the backend that the caller declared too (input requests are
-    pushed to it: it must be able to answer them; roots are answered from config outside
-    per-session mode), and the level it set with ``logging/setLevel``."""
-
-    def build() -> dict[str, Raw]:
-        cfg = hub.cfg.backends.get(target.backend)
-        declare = frozenset(cfg.declare) if cfg is not None else frozenset()
-        if target.envelope is not None:
-            return era.restrict_envelope(target.envelope, declare)
-        caps = session.caps
-        per_session = cfg is not None and cfg.sharing == "per-session"
-        allowed = {kind for kind in declare
-                   if (kind == "roots" and (caps.roots or not per_session))
-                   or (kind == "sampling" and caps.sampling)
-                   or (kind == "elicitation" and (caps.elicitation_form or caps.elicitation_url))}
-        declared = declared_capabilities(allowed)
-        if "elicitation" in declared:
-            declared["elicitation"] = {k: {} for k, ok in (("form", caps.elicitation_form),
-                                                           ("url", caps.elicitation_url)) if ok}
-        return era.envelope(declared, log_level=session.log_level,
-                            client_info={"name": hub.server_name, "version": __version__})
-
-    return build
+    backend.  A modern caller's own envelope, without the input kinds the backend may not ask
+    for (``declare``); for a legacy caller the gateway's: the capabilities declared to the
+    backend that the caller declared too (input requests are pushed to it: it must be able to
+    answer them; roots are answered from config outside per-session mode), and the level it set
+    with ``logging/setLevel``."""
+    cfg = ports.cfg.backends.get(target.backend)
+    declare = frozenset(cfg.declare) if cfg is not None else frozenset()
+    if target.envelope is not None:
+        return era.restrict_envelope(target.envelope, declare)
+    caps = session.caps
+    per_session = cfg is not None and cfg.sharing == "per-session"
+    allowed = {kind for kind in declare
+               if (kind == "roots" and (caps.roots or not per_session))
+               or (kind == "sampling" and caps.sampling)
+               or (kind == "elicitation" and (caps.elicitation_form or caps.elicitation_url))}
+    declared = declared_capabilities(allowed)
+    if "elicitation" in declared:
+        declared["elicitation"] = {k: {} for k, ok in (("form", caps.elicitation_form),
+                                                       ("url", caps.elicitation_url)) if ok}
+    return era.envelope(declared, log_level=session.log_level,
+                        client_info={"name": ports.server_name, "version": __version__})
 
 
-async def forward(hub: Hub, session: ClientSession, req: Request, target: Target) -> Raw:
+async def forward(ports: HandlerPorts, session: ClientSession, req: Request, target: Target) -> Raw:
     """The slow path of a forwarded request: consent, a backend being replaced by a reload, an
-    instance that must first start or become free.  (The fast path, in :mod:`gateway.connection`,
+    instance that must first start or become free.  (The fast path, in :mod:`gateway.core.connection`,
     forwards without a task when none of that applies.)"""
     if target.consent is not None:
-        await hub.policy.ask(session, *target.consent, request_id=req.id)
-    backend = await hub.backend(target.backend)  # looked up after consent: a reload may have removed it
+        await ports.policy.ask(session, *target.consent, request_id=req.id)
+    backend = await ports.backend(target.backend)  # looked up after consent: a reload may have removed it
     req.backend = backend.name
     if not req.counted:
         req.counted = True
-        hub.bus.emit(RequestStarted(session.conn_id, mcp.method_label(req.method), backend.name))
-    rewrite = rewriter(target.params, target.meta, envelope_of(hub, session, target))
+        ports.bus.emit(RequestStarted(session.conn_id, mcp.method_label(req.method), backend.name))
     client_token = target.progress
     started = trio.current_time()
     asks = backend.waits_for_parked(asker_key(req))
     for attempt in range(2):
         inst, child = await backend.acquire(session, asks=asks)
+        fields, meta = outgoing(ports, session, target, child.era is era.Era.MODERN)
         try:
             return await child.request(req.method, timeout=backend.cfg.request_timeout,
                                        hard_timeout=backend.cfg.max_call_duration, owner=session,
-                                       progress=client_token, rewrite=rewrite,
+                                       progress=client_token, fields=fields, meta=meta,
                                        started=partial(_forwarded, req, child))
         except errors.NotDelivered:
             if attempt:  # the child died before reading it twice in a row: give up
@@ -271,24 +251,18 @@ async def forward(hub: Hub, session: ClientSession, req: Request, target: Target
 
 
 def _forwarded(req: Request, child: Any, call: Any) -> None:
-    req.at = (child, call)  # a bridged flow gives it up at its child (gateway.bridge)
+    req.at = (child, call)  # a bridged flow gives it up at its child (gateway.core.bridge)
 
 
-def asker_key(req: Request) -> str:
-    """What a backend remembers of a call that asked its caller for input: the tool's name,
-    else the method."""
-    return req.tool or req.method
-
-
-def call_tool(hub: Hub, session: ClientSession, req: Request) -> Target:
+def call_tool(ports: CatalogView, session: ClientSession, req: Request) -> Target:
     _reject_tasks(req)
     name = _str_param(req, "name")
-    route = hub.catalog.tool_routes.get(name)
+    route = ports.catalog.tool_routes.get(name)
     if route is None:
         raise errors.InvalidParams(f"unknown tool {name!r}")
     req.tool = name
     consent = None
-    if hub.policy.active and hub.policy.check(name, caller_of(session)):
+    if ports.policy.active and ports.policy.check(name, caller_of(session)):
         consent = (name, _arguments(req), "tool")
     params = dict(req.params)
     params["name"] = Raw(msgspec.json.encode(route.name))
@@ -303,29 +277,29 @@ def _arguments(req: Request) -> Any:
         return None
 
 
-def get_prompt(hub: Hub, session: ClientSession, req: Request) -> Target:
+def get_prompt(ports: CatalogView, session: ClientSession, req: Request) -> Target:
     name = _str_param(req, "name")
-    route = hub.catalog.prompt_routes.get(name)
+    route = ports.catalog.prompt_routes.get(name)
     if route is None:
         raise errors.InvalidParams(f"unknown prompt {name!r}")
     consent = None
-    if hub.policy.active and hub.policy.check(name, caller_of(session), "prompt"):
+    if ports.policy.active and ports.policy.check(name, caller_of(session), "prompt"):
         consent = (name, _arguments(req), "prompt")
     params = dict(req.params)
     params["name"] = Raw(msgspec.json.encode(route.name))
     return Target(route.backend, params, consent)
 
 
-def read_resource(hub: Hub, session: ClientSession, req: Request) -> Target:
+def read_resource(ports: CatalogView, session: ClientSession, req: Request) -> Target:
     _reject_tasks(req)
     uri = _str_param(req, "uri")
     consent = None
-    if hub.policy.active and hub.policy.check(uri, caller_of(session), "resource"):
+    if ports.policy.active and ports.policy.check(uri, caller_of(session), "resource"):
         consent = (uri, None, "resource")
-    return Target(hub.backend_name_for_uri(uri), dict(req.params), consent)
+    return Target(ports.backend_name_for_uri(uri), dict(req.params), consent)
 
 
-def complete(hub: Hub, session: ClientSession, req: Request) -> Target:
+def complete(ports: CatalogView, session: ClientSession, req: Request) -> Target:
     raw_ref = req.params.get("ref")
     try:
         ref = jsonrpc.loads(raw_ref) if raw_ref is not None else None
@@ -334,22 +308,22 @@ def complete(hub: Hub, session: ClientSession, req: Request) -> Target:
     if not isinstance(ref, dict):
         raise errors.InvalidParams("completion/complete: missing or invalid 'ref'")
     params = dict(req.params)
-    caller = caller_of(session) if hub.policy.active else None
+    caller = caller_of(session) if ports.policy.active else None
     if ref.get("type") == "ref/prompt":
-        route = hub.catalog.prompt_routes.get(str(ref.get("name")))
+        route = ports.catalog.prompt_routes.get(str(ref.get("name")))
         if route is None:
             raise errors.InvalidParams(f"unknown prompt {ref.get('name')!r}")
         if caller is not None:  # completing a prompt the caller may not get: refused alike
-            hub.policy.check(str(ref.get("name")), caller, "prompt")
+            ports.policy.check(str(ref.get("name")), caller, "prompt")
         params["ref"] = jsonrpc.encode_dict({**ref, "name": route.name})
         return Target(route.backend, params)
     if ref.get("type") == "ref/resource":
         uri = str(ref.get("uri"))
-        name = hub.catalog.route_template(uri)
+        name = ports.catalog.route_template(uri)
         if name is None:
             raise errors.InvalidParams(f"unknown resource or template {uri!r}")
         if caller is not None:
-            hub.policy.check(uri, caller, "resource")
+            ports.policy.check(uri, caller, "resource")
         return Target(name, params)
     raise errors.InvalidParams("completion/complete: ref.type must be ref/prompt or ref/resource")
 
@@ -381,7 +355,7 @@ FORWARDED: dict[str, Targeter] = {
 ASYNC_HANDLERS: dict[str, AsyncHandler] = {
     "resources/subscribe": subscribe,
     "resources/unsubscribe": subscribe,
-    "subscriptions/listen": listen,  # modern connections only (see gateway.listen)
+    "subscriptions/listen": listen,  # modern connections only (see gateway.core.listen)
 }
 
 #: Methods a client may call before ``initialize``.

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 import trio
 from msgspec import UNSET, Raw, UnsetType
 
 from gateway import errors
+from gateway.core.request import asker_key
 from gateway.events import (
     EventBus,
     ServerRequestFinished,
@@ -40,15 +41,13 @@ from gateway.events import (
     ServerRequestRefused,
     ServerRequestRouted,
 )
-from gateway.handlers import asker_key
 from gateway.protocol import jsonrpc
 from gateway.protocol.era import Era
 
 if TYPE_CHECKING:
-    from gateway.backend.child import ChildConnection
-    from gateway.backend.instance import Instance
-    from gateway.backend.pool import Backend
-    from gateway.session import ClientSession, ServerRequest
+    from gateway.backend.child import ChildConnection, Owner
+    from gateway.backend.instance import Instance, Pool
+    from gateway.core.session import ClientSession, ServerRequest
 
 LOGGER = logging.getLogger(__name__)
 
@@ -116,7 +115,7 @@ def decide(
                        f"{method} refused: calls of {len(owners)} connections are in flight, "
                        f"the requesting one cannot be proven ({hint})")
     (owner,) = owners
-    if owner.mrtr is not None:  # a modern caller: asked in an InputRequiredResult (gateway.bridge)
+    if owner.mrtr is not None:  # a modern caller: asked in an InputRequiredResult (gateway.core.bridge)
         if owner.mrtr.full:
             return refusal(method, "overloaded", f"{method} refused: too many calls wait for their "
                            "clients' input (gateway.max_parked_flows)")
@@ -145,7 +144,7 @@ def decide(
     return Forward(owner)
 
 
-def _learn_asker(backend: Backend, owner: ClientSession) -> None:
+def _learn_asker(backend: Pool, owner: ClientSession) -> None:
     """``owner``'s call at ``backend`` (when it has just one) may ask for input."""
     calls = [s for s in owner.inflight.values() if s.req.backend == backend.name]
     if len(calls) == 1:
@@ -166,8 +165,10 @@ class Ownership:
         self.elicitations: dict[tuple[str, str], ClientSession] = {}
 
     def route(self, inst: Instance, child: ChildConnection, child_id: int | str,
-              method: str, params: Raw | UnsetType, owners: set[ClientSession]) -> None:
-        """``owners``: the attribution set as it was when the request arrived."""
+              method: str, params: Raw | UnsetType, owners: set[Owner]) -> None:
+        """``owners``: the attribution set as it was when the request arrived (the sessions whose
+        calls the child has: owners are the core's sessions)."""
+        sessions = cast("set[ClientSession]", owners)
         backend = inst.backend
         try:
             fields: dict[str, Any] = jsonrpc.loads(params) if params is not UNSET else {}
@@ -177,7 +178,7 @@ class Ownership:
             child.respond_error(child_id, errors.INVALID_PARAMS, "params must be an object")
             return
         decision = decide(method, fields, sharing=backend.cfg.sharing, config_roots=backend.cfg.roots,
-                          owners=owners, declared=backend.declared,
+                          owners=sessions, declared=backend.declared,
                           cancelled=len(owners & child.router.cancelled_owners()),
                           cancel_grace=backend.cfg.cancel_grace)
         if method != "roots/list" and (isinstance(decision, Forward)
@@ -185,7 +186,7 @@ class Ownership:
             # Remember which calls ask for input: on a shared backend such a call waits for a
             # parked flow of another caller to go first (gateway.backend.pool._acquire_unparked).
             # A hint for scheduling only (a refused request's asker is one of the owners).
-            for owner in (decision.owner,) if isinstance(decision, Forward) else owners:
+            for owner in (decision.owner,) if isinstance(decision, Forward) else sessions:
                 if owner.flow is None or not owner.flow.parked:
                     _learn_asker(backend, owner)
         if isinstance(decision, Answer):

@@ -4,7 +4,7 @@ Theory of operation (mcp-spec-digest §5.3, §10.10; ARCHITECTURE §8).  A moder
 child never sends requests: when a call needs input it answers ``resultType: "input_required"``
 with ``inputRequests`` (``{key: {method, params}}``) and maybe an opaque ``requestState``, and the
 caller is to re-issue the call with ``inputResponses`` (and that ``requestState``, byte for byte).
-A modern client gets that result as it is (:mod:`gateway.serving`).  A legacy client (WebSocket,
+A modern client gets that result as it is (:mod:`gateway.core.serving`).  A legacy client (WebSocket,
 unix socket, a legacy HTTP session) cannot read it, so the gateway asks it the legacy way:
 :func:`resolve` pushes each input request to the call's owner (the client whose call it is: the
 correlation is in the reply itself, no attribution needed) as a server→client request under an id
@@ -12,11 +12,11 @@ minted for that connection, waits for every answer, and re-issues the call to th
 ``inputResponses`` (+ ``requestState``), as often as the child asks again (at most
 :data:`MAX_ROUNDS` rounds), until a complete result answers the client's original request.
 
-Each input request is decided by :func:`gateway.ownership.decide`, as a legacy child's request of
+Each input request is decided by :func:`gateway.core.ownership.decide`, as a legacy child's request of
 the same kind would be: ``roots/list`` is answered from config outside ``per-session`` mode; a kind
 the gateway does not declare to this backend, or that the owner did not declare, is not asked:
 its key is left out of ``inputResponses`` and the child decides (the envelope the child got
-already said what the caller can answer, see :func:`gateway.handlers.envelope_of`); a client's
+already said what the caller can answer, see :func:`gateway.core.handlers.envelope_of`); a client's
 error answer is left out the same way.  Forwarded sampling gets ``includeContext: "none"``.
 
 Bounds: the whole flow ends at the backend's ``max_call_duration`` after the client's request
@@ -27,23 +27,33 @@ pushed requests still open are withdrawn with ``notifications/cancelled`` (the c
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import trio
 from msgspec import Raw
 
-from gateway import errors, handlers
+from gateway import errors
+from gateway.core import handlers
+from gateway.core.handlers import HandlerPorts
+from gateway.core.ownership import Answer, Ownership, decide
+from gateway.core.request import Target
 from gateway.events import ServerRequestFinished, ServerRequestOutcome, ServerRequestRouted
-from gateway.ownership import Answer, decide
 from gateway.protocol import era, jsonrpc
 
 if TYPE_CHECKING:
-    from gateway.handlers import Request, Target
-    from gateway.hub import Hub
-    from gateway.session import ClientSession, ServerRequest
+    from gateway.core.request import Request
+    from gateway.core.session import ClientSession, ServerRequest
 
 LOGGER = logging.getLogger(__name__)
+
+
+class InputPorts(HandlerPorts, Protocol):
+    """What asking a legacy client a modern backend's input requests needs: the handlers' ports
+    and the ownership of server→client requests (counted there)."""
+
+    @property
+    def ownership(self) -> Ownership: ...
 
 #: Rounds of input requests one call may take before the gateway gives up (-32009).
 MAX_ROUNDS = 16
@@ -91,8 +101,8 @@ def retry_params(params: dict[str, Raw], responses: dict[str, Raw], state: Raw |
     return out
 
 
-async def resolve(hub: Hub, session: ClientSession, req: Request, target: Target, result: Raw,
-                  started: float) -> Raw:
+async def resolve(ports: InputPorts, session: ClientSession, req: Request, target: Target,
+                  result: Raw, started: float) -> Raw:
     """Answer a modern child's ``input_required`` ``result`` for the legacy ``session`` (see the
     module's docstring); returns the complete result.
 
@@ -100,7 +110,7 @@ async def resolve(hub: Hub, session: ClientSession, req: Request, target: Target
         CallTimeout (max_call_duration), BackendProtocolError (too many rounds, a malformed
         result), and whatever the re-issued call raises.
     """
-    backend_cfg = hub.cfg.backends[target.backend]
+    backend_cfg = ports.cfg.backends[target.backend]
     deadline = started + backend_cfg.max_call_duration
     rounds = 0
     with trio.move_on_at(deadline) as scope:
@@ -111,21 +121,21 @@ async def resolve(hub: Hub, session: ClientSession, req: Request, target: Target
                     f"backend {target.backend!r} asked for input more than {MAX_ROUNDS} times in one "
                     f"{req.method}", backend=target.backend)
             asks, state = input_requests(result)
-            responses = await _ask(hub, session, target.backend, asks)
-            retry = handlers.Target(target.backend, retry_params(target.params, responses, state),
-                                    progress=target.progress, meta=target.meta)
-            result = await handlers.forward(hub, session, req, retry)
+            responses = await _ask(ports, session, target.backend, asks)
+            retry = Target(target.backend, retry_params(target.params, responses, state),
+                       progress=target.progress, meta=target.meta)
+            result = await handlers.forward(ports, session, req, retry)
         return result
     assert scope.cancelled_caught
     raise errors.CallTimeout(f"{req.method} waited for input longer than max_call_duration "
                              f"({backend_cfg.max_call_duration:g}s)", backend=target.backend)
 
 
-async def _ask(hub: Hub, session: ClientSession, backend: str,
+async def _ask(ports: InputPorts, session: ClientSession, backend: str,
                asks: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, Raw]:
     """One round: push what the owner can answer, answer what the gateway answers itself, wait
     for every answer; returns ``inputResponses`` (keys without an answer left out)."""
-    cfg = hub.cfg.backends[backend]
+    cfg = ports.cfg.backends[backend]
     responses: dict[str, Raw] = {}
     pushed: list[tuple[str, ServerRequest]] = []
     try:
@@ -141,12 +151,12 @@ async def _ask(hub: Hub, session: ClientSession, backend: str,
                 continue
             if method == "sampling/createMessage":
                 params = {**params, "includeContext": "none"}  # one client's context must not leak
-            hub.bus.emit(ServerRequestRouted(backend, method, session.conn_id))
-            hub.ownership.open += 1
+            ports.bus.emit(ServerRequestRouted(backend, method, session.conn_id))
+            ports.ownership.open += 1
             sreq = session.open_request(method, params)
-            sreq.on_end.append(_finished_event(hub, backend))
+            sreq.on_end.append(_finished_event(ports, backend))
             if sreq.outcome is not None:  # the owner was already gone
-                _finished_event(hub, backend)(sreq)
+                _finished_event(ports, backend)(sreq)
             pushed.append((key, sreq))
         for key, sreq in pushed:
             await sreq.done.wait()
@@ -160,10 +170,10 @@ async def _ask(hub: Hub, session: ClientSession, backend: str,
     return responses
 
 
-def _finished_event(hub: Hub, backend: str) -> Any:
+def _finished_event(ports: InputPorts, backend: str) -> Any:
     def ended(sreq: ServerRequest) -> None:
-        hub.ownership.open -= 1
+        ports.ownership.open -= 1
         outcome = sreq.outcome or ServerRequestOutcome.SHUTDOWN
-        hub.bus.emit(ServerRequestFinished(backend, sreq.method, outcome, trio.current_time() - sreq.started))
+        ports.bus.emit(ServerRequestFinished(backend, sreq.method, outcome, trio.current_time() - sreq.started))
 
     return ended

@@ -2,7 +2,7 @@
 
 ``ask`` parks the call and sends the gateway's own ``elicitation/create`` (a form with one
 boolean) to the calling connection, which keeps reading meanwhile; a modern (2026-07-28) caller
-is asked it in its call's ``InputRequiredResult`` instead (:mod:`gateway.bridge`) and answers
+is asked it in its call's ``InputRequiredResult`` instead (:mod:`gateway.core.bridge`) and answers
 with its retry.  The parked call is closed
 exactly once by: approval (the tool runs), decline / cancel / accept-without-yes, an error
 answer, owner disconnect, timeout, or shutdown.  Every path but approval raises
@@ -35,7 +35,7 @@ from gateway.protocol.catalog import Catalog, backends_of
 
 if TYPE_CHECKING:
     from gateway.auth.principal import Principal
-    from gateway.session import ClientSession, ServerRequest
+    from gateway.core.session import ClientSession, ServerRequest
 
 Caller = pure.Caller
 Kind = pure.Kind
@@ -250,7 +250,7 @@ class Policy:
         """Return when the user consents to ``session``'s request ``request_id`` using ``tool``.
 
         A legacy caller is sent the prompt; a modern (2026-07-28) one is asked in its call's
-        ``InputRequiredResult`` (key :data:`CONSENT_KEY`, gateway.bridge) and answers with
+        ``InputRequiredResult`` (key :data:`CONSENT_KEY`, gateway.core.bridge) and answers with
         its retry.  Either way the prompt ends at ``elicitation_timeout`` (a modern one at
         ``gateway.state_ttl`` if that is shorter).
 

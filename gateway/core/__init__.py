@@ -1,0 +1,1 @@
+"""The dispatcher: client sessions, serving, handlers, ownership, bridging, listens, consent."""

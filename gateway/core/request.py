@@ -1,0 +1,41 @@
+"""A client request as the handlers see it, and where a forwarded one goes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from msgspec import Raw
+
+from gateway.protocol.policy import Kind
+
+
+@dataclass(slots=True)
+class Request:
+    id: int | str
+    method: str
+    params: dict[str, Raw]
+    backend: str = ""
+    backend_time: float | None = None
+    tool: str | None = None
+    counted: bool = False  # RequestStarted was emitted (a backend was chosen)
+    # forwarded by a task (:func:`gateway.core.handlers.forward`): its child and its call there
+    at: tuple[Any, Any] | None = None
+
+
+@dataclass(slots=True)
+class Target:
+    """Where a forwarded request goes, decided synchronously from the request alone."""
+
+    backend: str
+    params: dict[str, Raw]  # the params for the backend (names mapped back)
+    consent: tuple[str, Any, Kind] | None = None  # (name, arguments, kind): policy asks the user first
+    progress: Any = None  # the caller's progress token, if any (see :func:`progress_token`)
+    meta: dict[str, Raw] | None = None  # the request's ``_meta``, decoded one level, if any
+    envelope: dict[str, Raw] | None = None  # a modern caller's envelope (for a modern child)
+
+
+def asker_key(req: Request) -> str:
+    """What a backend remembers of a call that asked its caller for input: the tool's name,
+    else the method."""
+    return req.tool or req.method
