@@ -106,7 +106,7 @@ def from_config(g: GatewaySection) -> Bridge:
     try:
         key = load_key(g.state_key_file) if g.state_key_file else secrets.token_bytes(32)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"gateway.state_key_file: {exc}") from None
+        raise ConfigError([f"gateway.state_key_file: {exc}"]) from None
     return Bridge(mrtr.StateCodec(key, replica_id(g.replica_id)), g.state_ttl, g.shared_park_limit,
                   g.max_parked_flows)
 
@@ -276,7 +276,7 @@ class Bridge:
             return
         try:
             flow_id = self.codec.peek(jsonrpc.loads(params["requestState"]))
-        except Exception:  # noqa: BLE001 - anything unreadable names no flow
+        except Exception:  # anything unreadable names no flow
             return
         flow = self.flows.get(flow_id) if flow_id else None
         if flow is None or not flow.parked or flow.owner.principal is None:
@@ -325,7 +325,11 @@ class Flow:
 
     def requested(self, key: str, req: ServerRequest) -> None:
         self.pending[key] = req  # unique: the router refuses a request id still open at its child
-        req.on_end.append(lambda _req: self.pending.pop(key, None))
+
+        def forget(_req: ServerRequest) -> None:
+            self.pending.pop(key, None)
+
+        req.on_end.append(forget)
         self._gather()
 
     def _gather(self) -> None:
