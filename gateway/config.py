@@ -25,11 +25,12 @@ SECONDS = 1.0
 MIB = 1024 * 1024
 
 
+# Each section repeats ``frozen=True``: msgspec inherits it, mypy's dataclass_transform does not.
 class Base(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     pass
 
 
-class GatewaySection(Base):
+class GatewaySection(Base, frozen=True):
     name: str = "mcp-gateway"
     separator: str = "__"
     max_message_bytes: int = 4 * MIB
@@ -67,7 +68,7 @@ class GatewaySection(Base):
     max_parked_flows: int = 4096
 
 
-class ListenSection(Base):
+class ListenSection(Base, frozen=True):
     websocket: str | None = "127.0.0.1:8765"  # "" switches it off
     allowed_origins: list[str] = []
     allowed_hosts: list[str] = []  # Host names (WebSocket upgrade, /mcp) besides loopback + the bound address
@@ -84,21 +85,21 @@ class ListenSection(Base):
     public_url: str | None = None
 
 
-class AdminSection(Base):
+class AdminSection(Base, frozen=True):
     listen: str | None = "127.0.0.1:9477"  # "" switches it off
     allow_non_loopback: bool = False  # /status shows child stderr: loopback unless explicit
     allowed_hosts: list[str] = []  # Host names for /status, /metrics besides loopback + bound address
     token_sha256: str | None = None  # hex SHA-256 of the bearer token /status needs off loopback
 
 
-class RestartSection(Base):
+class RestartSection(Base, frozen=True):
     backoff_initial: float = 0.1
     backoff_max: float = 30.0
     max_restarts: int = 5
     window: float = 60.0
 
 
-class HealthSection(Base):
+class HealthSection(Base, frozen=True):
     interval: float = 15.0  # 0 disables the ping probe
     timeout: float = 5.0
     failures: int = 3
@@ -107,7 +108,7 @@ class HealthSection(Base):
 Capability = Literal["roots", "sampling", "elicitation"]
 
 
-class ItemFilter(Base):
+class ItemFilter(Base, frozen=True):
     """Globs on a backend's own item names (URIs for resources): listed and callable only when
     ``include`` matches (empty: everything) and ``exclude`` does not."""
 
@@ -115,7 +116,7 @@ class ItemFilter(Base):
     exclude: list[str] = []
 
 
-class BackendConfig(Base):
+class BackendConfig(Base, frozen=True):
     command: str
     args: list[str] = []
     env: dict[str, str] = {}
@@ -150,7 +151,7 @@ class BackendConfig(Base):
     stderr_burst: int = 500  # lines logged at once before the rate applies
 
 
-class PolicyRule(Base):
+class PolicyRule(Base, frozen=True):
     match: str  # glob on the namespaced tool / prompt name, or on the resource URI
     action: Literal["allow", "ask", "deny"]
     kind: Literal["tool", "prompt", "resource"] = "tool"
@@ -160,13 +161,13 @@ class PolicyRule(Base):
     scopes: list[str] = []  # OAuth scopes the caller's token must carry (else 403 insufficient_scope)
 
 
-class BearerToken(Base):
+class BearerToken(Base, frozen=True):
     principal: str
     token_sha256: str  # hex SHA-256 of the token
     groups: list[str] = []
 
 
-class OAuthSection(Base):
+class OAuthSection(Base, frozen=True):
     issuer: str
     jwks_uri: str
     audience: str  # this gateway's resource URI (RFC 8707), e.g. https://gateway.example.com/mcp
@@ -177,7 +178,7 @@ class OAuthSection(Base):
     leeway: float = 30.0  # clock skew allowed on exp / nbf
 
 
-class PrincipalLimit(Base):
+class PrincipalLimit(Base, frozen=True):
     principal: str  # glob on the principal name
     max_inflight: int | None = None
     calls_per_second: float | None = None
@@ -196,7 +197,7 @@ class PrincipalLimit(Base):
 CAP_KEYS = ("max_sessions", "max_connections", "max_listens", "max_parked_flows")
 
 
-class AuthSection(Base):
+class AuthSection(Base, frozen=True):
     """Authentication is *configured* when at least one authenticator is given (bearer tokens,
     a tokens file, or OAuth): then every client listener but the unix socket requires it."""
 
@@ -210,13 +211,13 @@ class AuthSection(Base):
         return bool(self.bearer or self.tokens_file or self.oauth is not None)
 
 
-class PolicySection(Base):
+class PolicySection(Base, frozen=True):
     default: Literal["allow", "ask", "deny"] = "allow"
     rules: list[PolicyRule] = []
     elicitation_timeout: float = 60.0
 
 
-class GatewayConfig(Base):
+class GatewayConfig(Base, frozen=True):
     gateway: GatewaySection = GatewaySection()
     listen: ListenSection = ListenSection()
     admin: AdminSection = AdminSection()
