@@ -456,10 +456,10 @@ class Instance(ChildHandlers):
         try:
             while True:
                 due = throttle.due()
-                data = None
+                data: bytes | None = None
                 with trio.move_on_at(due if due is not None else math.inf):
                     try:
-                        data = await stream.receive_some(STDERR_CHUNK)
+                        data = bytes(await stream.receive_some(STDERR_CHUNK))
                     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                         data = b""
                 if data is None:  # the summary window ended while the child was quiet
@@ -625,7 +625,8 @@ class Instance(ChildHandlers):
     async def _fetch(self, child: ChildConnection, kind: str) -> bool:
         """Fetch every page of one list into ``self.lists``; returns whether it changed."""
         items = await client.fetch_list(child, kind, timeout=self.cfg.request_timeout)
-        changed = items != getattr(self.lists, kind)
+        current: object = getattr(self.lists, kind)
+        changed = items != current
         setattr(self.lists, kind, items)
         return changed
 
