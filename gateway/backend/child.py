@@ -25,7 +25,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Hashable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import msgspec
 import trio
@@ -169,32 +169,33 @@ class ChildConnection:
 
     def perform(self, actions: list[Action]) -> None:
         """Do what the router said, in order (never blocks, never raises for a dead child)."""
+        # ``type(action) is``: exact classes (NamedTuples), cheaper than isinstance; mypy narrows
+        # it.  The router knows owners as hashable keys: this shell gives it Owners (casts).
         for action in actions:
-            kind = type(action)
-            if kind is ToChild:
+            if type(action) is ToChild:
                 try:
-                    self.post(action.data, action.gid)  # type: ignore[union-attr]
+                    self.post(action.data, action.gid)
                 except errors.NotDelivered as exc:
-                    if action.gid is not None:  # type: ignore[union-attr]
+                    if action.gid is not None:
                         # stdin is gone for good: the queued calls cannot reach the child either.
                         # All of them at once: one by one, each freed slot would dispatch the next
                         # and fail it in a nested perform (a RecursionError with ~1000 queued).
                         undelivered = self.router.withdraw_queued(exc)
-                        undelivered += self.router.undelivered([action.gid], exc)  # type: ignore[union-attr]
+                        undelivered += self.router.undelivered([action.gid], exc)
                         self.perform(undelivered)
-            elif kind is Finished:
-                action.call.handle.finished(action.result, action.error)  # type: ignore[union-attr]
-            elif kind is ToOwner:
-                action.owner.send(action.data)  # type: ignore[union-attr]
-            elif kind is ArmTimer:
-                self._timer_at = action.at  # type: ignore[union-attr]
-                if self._timer is not None and action.at < self._timer.deadline:  # type: ignore[union-attr]
-                    self._timer.deadline = action.at  # type: ignore[union-attr]
-            elif kind is EndServerRequest:
-                assert isinstance(action, EndServerRequest)
-                action.owner.cancel_request(action.handle, action.outcome,  # type: ignore[attr-defined]
-                                            _WITHDRAWN.get(action.outcome, str(action.outcome)))
-            elif kind is Settled:
+            elif type(action) is Finished:
+                action.call.handle.finished(action.result, action.error)
+            elif type(action) is ToOwner:
+                cast(Owner, action.owner).send(action.data)
+            elif type(action) is ArmTimer:
+                self._timer_at = action.at
+                if self._timer is not None and action.at < self._timer.deadline:
+                    self._timer.deadline = action.at
+            elif type(action) is EndServerRequest:
+                cast(Owner, action.owner).cancel_request(
+                    action.handle, action.outcome,
+                    _WITHDRAWN.get(action.outcome, str(action.outcome)))
+            elif type(action) is Settled:
                 if self.on_settled is not None:
                     self.on_settled()
 
@@ -424,7 +425,7 @@ class ChildConnection:
         FdStream adds a checkpoint to every read, a second step per reply)."""
         stream = self._receive_stream
         if not isinstance(stream, trio.lowlevel.FdStream):
-            return await stream.receive_some(READ_CHUNK)
+            return bytes(await stream.receive_some(READ_CHUNK))
         fd = stream.fileno()
         while True:
             try:
@@ -529,7 +530,7 @@ class ChildConnection:
 
     def _on_reply(self, env: jsonrpc.Envelope) -> None:
         try:
-            actions = self.router.reply(env.id, env.result if env.result is not UNSET else None,  # type: ignore[arg-type]
+            actions = self.router.reply(env.id, env.result if env.result is not UNSET else None,
                                         env.error if env.error is not UNSET else None)
         except UnknownReply:
             LOGGER.warning("backend %s answered unknown request id %.100r", self.instance, env.id)

@@ -250,14 +250,14 @@ class Backend:
             return None
         if self.cfg.sharing == "shared":
             best: tuple[int, Instance, ChildConnection] | None = None
-            for inst in self.instances:
-                child = _running(inst)
+            for candidate in self.instances:
+                child = _running(candidate)
                 if child is not None and asks and self._parked_at(child, session) != ({}, False):
                     continue
                 if child is not None:
                     load = child.router.load
                     if best is None or load < best[0]:
-                        best = (load, inst, child)
+                        best = (load, candidate, child)
             return (best[1], best[2]) if best is not None else None
         if self.cfg.sharing == "per-session":
             inst = self._own.get(session)
@@ -334,7 +334,7 @@ class Backend:
                 if decision is None:
                     continue
                 for owner in decision.preempt:
-                    parking.preempt(owner, child)  # type: ignore[arg-type]
+                    parking.preempt(owner, child)
                 wake = min(wake, decision.until)
             if self.pick_now(session, asks=True) is not None:
                 continue
