@@ -387,7 +387,8 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                         return
                     principal = await _peer_principal(accepted.stream, hub.principal_names)
                     try:
-                        counted = hub.caps.acquire("max_connections", principal and principal.name)
+                        counted = hub.caps.acquire("max_connections",
+                                                   None if principal is None else principal.name)
                     except CapReached as exc:  # the -32006 on the line, then closed
                         with trio.move_on_after(1.0):
                             await accepted.stream.send_all(_error_line(exc))
@@ -449,7 +450,8 @@ def _ws_admit(hub: Hub, principal: object) -> Callable[[], None]:
     upgrade is refused 503 with the -32006 error as its body."""
     assert principal is None or isinstance(principal, Principal)
     try:
-        return hub.caps.acquire("max_connections", principal and principal.name).release
+        name = None if principal is None else principal.name
+        return hub.caps.acquire("max_connections", name).release
     except CapReached as exc:
         raise Refused(503, _error_line(exc).decode().rstrip("\n"),
                       content_type=b"application/json") from None
@@ -471,10 +473,9 @@ async def _close_at_expiry(session: ClientSession, expires: float) -> None:
 
 
 def _missing_scopes(hub: Hub, principal: Principal, method: str, params: object) -> list[str] | None:
-    """The scopes policy rules want for a request that its principal's token lacks (the
-    policy's ``missing_scopes``, when it has one)."""
-    check = getattr(hub.policy, "missing_scopes", None)
-    return None if check is None else check(principal, method, params)  # type: ignore[no-any-return]
+    """The scopes policy rules want for a request that its principal's token lacks (asked of
+    the policy in force: a reload replaces it)."""
+    return hub.policy.missing_scopes(principal, method, params)
 
 
 def close_revoked(hub: Hub) -> int:
@@ -551,7 +552,7 @@ async def _control_loop(hub: Hub, control: Control, config_path: str | None,
 
 
 async def _cancel_when_stopping(hub: Hub, control: Control, scope: trio.CancelScope,
-                                accept: list[trio.CancelScope]) -> None:
+                                accept: list[trio.CancelScope] | None) -> None:
     """A stop while a reload runs: the lame duck begins at once (``/readyz`` 503) and the
     reload may finish within ``drain_delay``; when the drain must begin it is abandoned."""
     await control.stopping.wait()

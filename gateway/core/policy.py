@@ -231,7 +231,7 @@ class Policy:
         kind, key = target
         try:
             name = jsonrpc.loads(jsonrpc.params_dict(params)[key])
-        except Exception:  # noqa: BLE001 - malformed params are the request's to answer
+        except Exception:  # malformed params are the request's to answer
             return None
         if not isinstance(name, str):
             return None
@@ -263,7 +263,8 @@ class Policy:
         bridge = session.mrtr
         served = None if bridge is None or request_id is None else session.inflight.get(request_id)
         modern = served is not None and served.modern
-        if modern and (served.caps is None or not served.caps.elicitation_form):
+        if served is not None and modern and (
+                served.caps is None or not served.caps.elicitation_form):
             raise errors.MissingCapability(
                 f"{kind} {tool!r} needs the user's consent, but the request did not declare form "
                 "elicitation in its client capabilities", reason="authorization_required",
