@@ -216,11 +216,11 @@ class Hub:
             await backend.stopped()
         self.reap()
 
-    async def wait_started(self, timeout: float) -> None:
-        """Wait until each backend has its lists or has failed its first start (bounded)."""
-        with trio.move_on_after(timeout):
-            for backend in list(self.backends.values()):
-                await backend.first_start()
+    async def wait_started(self) -> None:
+        """Wait until each backend has its lists or has failed its first start (the caller
+        bounds the wait)."""
+        for backend in list(self.backends.values()):
+            await backend.first_start()
 
     def reap(self) -> None:
         if self._subreaper:

@@ -278,7 +278,8 @@ async def _admin_listeners(cfg: GatewayConfig, fds: dict[str, int]) -> list[trio
 async def _wait_for_backends(hub: Hub, cfg: GatewayConfig) -> None:
     """Wait for the first start of every backend; a required one that cannot start fails boot."""
     longest = max((b.start_timeout for b in cfg.backends.values()), default=1.0)
-    await hub.wait_started(longest + 1.0)
+    with trio.move_on_after(longest + 1.0):
+        await hub.wait_started()
     for name, b in cfg.backends.items():
         if not b.required:
             continue
@@ -562,6 +563,13 @@ async def _cancel_when_stopping(hub: Hub, control: Control, scope: trio.CancelSc
     scope.cancel()
 
 
+def _read_config(path: str) -> GatewayConfig:
+    """The config file at ``path``, read and validated (backend commands looked up)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    return config.load(data, base_dir=os.path.dirname(os.path.abspath(path)), check_commands=True)
+
+
 async def reload(hub: Hub, config_path: str | None, tls_context: ssl.SSLContext | None = None) -> bool:
     """SIGHUP: re-read and validate, keep the old config on error, else apply the diff (and
     load the TLS certificate and key again: a renewed certificate needs no restart)."""
@@ -569,9 +577,7 @@ async def reload(hub: Hub, config_path: str | None, tls_context: ssl.SSLContext 
     try:
         if config_path is None:
             raise ConfigError(["no config file to reload from"])
-        with open(config_path, "rb") as f:
-            data = f.read()
-        new = config.load(data, base_dir=os.path.dirname(os.path.abspath(config_path)), check_commands=True)
+        new = await trio.to_thread.run_sync(_read_config, config_path)  # disk: off the loop
         try:
             new = fit_connections(new, fdlimit.soft_limit())
         except StartupError as exc:
@@ -616,7 +622,8 @@ async def reload(hub: Hub, config_path: str | None, tls_context: ssl.SSLContext 
             hub.backends[name].reset()  # unchanged but FATAL: try again
     longest = max((new.backends[n].start_timeout for n in added + changed), default=0.0)
     if added or changed:
-        await hub.wait_started(longest + 1.0)
+        with trio.move_on_after(longest + 1.0):
+            await hub.wait_started()
     hub.rebuild_catalog()
     hub.bus.emit(ReloadFinished(True, None, tuple(added), tuple(removed), tuple(changed)))
     LOGGER.info("reload done: added %s, removed %s, changed %s", added or "-", removed or "-", changed or "-")

@@ -355,7 +355,7 @@ class ChildConnection:
         method: str,
         params: Raw | UnsetType = UNSET,
         *,
-        timeout: float,
+        timeout: float,  # noqa: ASYNC109 - the call's deadline in the child's router (paused while the child asks the client, a CallTimeout), not a cancel scope
         hard_timeout: float | None = None,
         owner: Hashable | None = None,
         internal: bool = False,

@@ -234,7 +234,7 @@ class Instance(ChildHandlers):
             return child
         return None
 
-    async def wait_ready(self, timeout: float) -> ChildConnection:
+    async def wait_ready(self, timeout: float) -> ChildConnection:  # noqa: ASYNC109 - it ends in BackendUnavailable naming the wait, not a cancel
         """The running child, waiting up to ``timeout`` while it (re)starts or drains for a recycle.
 
         Raises:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 import trio
@@ -216,7 +216,7 @@ class Policy:
         raise errors.Denied(f"{kind} {name!r} is denied by policy", **{what: name})
 
     #: The requests whose target policy rules govern: method -> (kind, param naming it).
-    TARGETS: dict[str, tuple[Kind, str]] = {
+    TARGETS: ClassVar[dict[str, tuple[Kind, str]]] = {
         "tools/call": ("tool", "name"), "prompts/get": ("prompt", "name"),
         "resources/read": ("resource", "uri"), "resources/subscribe": ("resource", "uri"),
     }
