@@ -303,7 +303,7 @@ async def unix_connect(path: str, *, initialize: bool = True) -> AsyncIterator[C
             nursery.cancel_scope.cancel()
 
 
-# ---- an in-memory MessageStream pair (gateway.core.connection.serve without a transport) ----------
+# ---- an in-memory MessageStream pair (gateway.core.connection.serve without a transport) ----
 
 
 class MemoryStream:

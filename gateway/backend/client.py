@@ -54,7 +54,8 @@ async def initialize(child: ChildConnection, *, declare: Iterable[str], client_n
     raw = await child.request("initialize", params, timeout=timeout, internal=True)
     result = mcp.decode_initialize_result(raw)
     if result.protocolVersion not in mcp.LEGACY_VERSIONS:
-        LOGGER.warning("backend %s answered protocol %r; continuing", child.instance, result.protocolVersion)
+        LOGGER.warning("backend %s answered protocol %r; continuing", child.instance,
+                       result.protocolVersion)
     child.protocol_version = result.protocolVersion
     child.server_capabilities = result.capabilities
     child.era = Era.LEGACY
@@ -83,8 +84,9 @@ async def discover(child: ChildConnection, *, declare: Iterable[str], client_nam
     result = jsonrpc.loads(raw)
     supported = result.get("supportedVersions") if isinstance(result, dict) else None
     if not era.speaks_modern(supported):
-        raise NotModern(f"backend {child.backend!r} answered server/discover without a revision the "
-                        f"gateway speaks (supportedVersions {supported!r}, wanted {era.LATEST_MODERN})")
+        raise NotModern(f"backend {child.backend!r} answered server/discover without a revision "
+                        f"the gateway speaks (supportedVersions {supported!r}, "
+                        f"wanted {era.LATEST_MODERN})")
     caps = result.get("capabilities")
     child.protocol_version = era.LATEST_MODERN
     child.server_capabilities = caps if isinstance(caps, dict) else {}
@@ -117,7 +119,8 @@ async def open_child(child: ChildConnection, *, mode: str, declare: Iterable[str
         await discover(child, declare=declare, client_name=client_name, timeout=timeout)
     elif mode == "prefer_modern":
         try:
-            await discover(child, declare=declare, client_name=client_name, timeout=timeout * PROBE_SHARE)
+            await discover(child, declare=declare, client_name=client_name,
+                           timeout=timeout * PROBE_SHARE)
         except (errors.RemoteError, NotModern, errors.CallTimeout) as exc:
             if isinstance(exc, errors.RemoteError) and not _modern_refusal(exc):
                 raise  # a modern error (-32022 naming a modern version we lack): no fallback
@@ -176,7 +179,8 @@ async def subscribe(child: ChildConnection, uri: str, *, timeout: float,  # noqa
                     "backends are not implemented)", child.instance, method, uri)
         return
     try:
-        await child.request(method, jsonrpc.encode_dict({"uri": uri}), timeout=timeout, internal=True)
+        await child.request(method, jsonrpc.encode_dict({"uri": uri}), timeout=timeout,
+                            internal=True)
     except errors.RemoteError as exc:
         LOGGER.warning("backend %s refused %s %s: %s", child.instance, method, uri, exc)
 

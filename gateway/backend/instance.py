@@ -77,7 +77,8 @@ class DownReason(enum.StrEnum):
     SPAWN_FAILED = "spawn failed"  # the process could not be started
     STARVED = "spawn failed for lack of resources"  # EMFILE, ENOMEM…: retried, never FATAL
     UNHEALTHY = "unhealthy"  # health pings missed
-    RECYCLED = "recycled"  # drained and restarted: a cancelled call left unanswered past cancel_grace
+    # drained and restarted: a cancelled call left unanswered past cancel_grace
+    RECYCLED = "recycled"
 
 
 #: The exit kind (``BackendExited.reason``) of a generation the gateway ended; one that ended
@@ -164,7 +165,8 @@ class Instance(ChildHandlers):
         self.name = f"{backend.name}/{label if label is not None else index}"
         self.last_used = trio.current_time()
         r = self.cfg.restart
-        self.sup = Supervision(RestartPolicy(r.backoff_initial, r.backoff_max, r.max_restarts, r.window))
+        self.sup = Supervision(RestartPolicy(r.backoff_initial, r.backoff_max, r.max_restarts,
+                                             r.window))
         self.child: ChildConnection | None = None
         self.proc: trio.Process | None = None
         self.generation = 0
@@ -193,11 +195,13 @@ class Instance(ChildHandlers):
 
     def _emit(self, t: Transition) -> None:
         pid = self.proc.pid if self.proc is not None else None
-        level = logging.WARNING if t.new in (State.FATAL, State.BACKOFF, State.UNHEALTHY) else logging.INFO
-        LOGGER.log(level, "backend %s: %s -> %s (%s)", self.name, t.old.value, t.new.value, t.reason,
+        alarming = t.new in (State.FATAL, State.BACKOFF, State.UNHEALTHY)
+        LOGGER.log(logging.WARNING if alarming else logging.INFO, "backend %s: %s -> %s (%s)",
+                   self.name, t.old.value, t.new.value, t.reason,
                    extra={"MCP_BACKEND": self.backend.name})
         self.backend.host.bus.emit(
-            BackendStateChanged(self.backend.name, self.name, t.old.value, t.new.value, pid, t.reason)
+            BackendStateChanged(self.backend.name, self.name, t.old.value, t.new.value, pid,
+                                t.reason)
         )
         self._state_changed.set()
         self._state_changed = trio.Event()
@@ -229,8 +233,8 @@ class Instance(ChildHandlers):
     def serving(self) -> ChildConnection | None:
         """The child that takes new calls now: running, and not being drained for a recycle."""
         child = self.child
-        if (self.state in (State.RUNNING, State.UNHEALTHY) and child is not None and child.closed is None
-                and not self.draining):
+        if (self.state in (State.RUNNING, State.UNHEALTHY) and child is not None
+                and child.closed is None and not self.draining):
             return child
         return None
 
@@ -283,8 +287,9 @@ class Instance(ChildHandlers):
                     break
                 if reason is DownReason.RECYCLED and self.state in (State.RUNNING, State.UNHEALTHY):
                     # Not a failure: no crash-loop count, no backoff; the next child starts now.
-                    self._emit(self.sup.recycled(trio.current_time(), "recycled: a cancelled call was "
-                                                 f"not answered within cancel_grace ({self.cfg.cancel_grace:g}s)"))
+                    self._emit(self.sup.recycled(
+                        trio.current_time(), "recycled: a cancelled call was not answered within "
+                        f"cancel_grace ({self.cfg.cancel_grace:g}s)"))
                     continue
                 if reason is DownReason.STARVED:  # the gateway's lack, not the child's fault
                     t = self.sup.starved(self.last_exit or reason)
@@ -353,11 +358,13 @@ class Instance(ChildHandlers):
                 nursery.start_soon(child.write_loop)
                 nursery.start_soon(child.timer_loop)
                 try:
-                    with trio.CancelScope() as self._starting, trio.fail_after(self.cfg.start_timeout):
+                    with (trio.CancelScope() as self._starting,
+                          trio.fail_after(self.cfg.start_timeout)):
                         if self._stop.is_set():
                             self._starting.cancel()
                         await self._handshake(child)
-                except (errors.GatewayError, trio.TooSlowError, msgspec.ValidationError, msgspec.DecodeError) as exc:
+                except (errors.GatewayError, trio.TooSlowError, msgspec.ValidationError,
+                        msgspec.DecodeError) as exc:
                     if not down.is_set():
                         detail = "timed out" if isinstance(exc, trio.TooSlowError) else str(exc)
                         LOGGER.error("backend %s: handshake failed: %s", self.name, detail)
@@ -372,7 +379,8 @@ class Instance(ChildHandlers):
                     self.child = child
                     self._emit(self.sup.ready(trio.current_time()))
                     self.backend.host.bus.emit(
-                        BackendStarted(self.backend.name, self.name, proc.pid, trio.current_time() - spawned)
+                        BackendStarted(self.backend.name, self.name, proc.pid,
+                                       trio.current_time() - spawned)
                     )
                     self.backend.on_instance_ready(self)
                     if self.cfg.health.interval > 0:
@@ -397,15 +405,19 @@ class Instance(ChildHandlers):
             process.kill_group(proc.pid)
             child.fail_all(child.exited_error(exit_reason))
         rc = proc.returncode
-        kind = EXIT_KINDS.get(exit_reason) or (ExitKind.CRASHED if rc not in (0, None) else ExitKind.EXITED)
-        detail = f"exit code {rc}" if rc is not None and rc >= 0 else f"signal {-rc}" if rc else "unknown"
-        self.last_exit = f"{exit_reason} ({detail})" if how is process.Ended.EXITED else f"{exit_reason} ({detail}; ended by {how})"
+        kind = EXIT_KINDS.get(exit_reason) or (ExitKind.CRASHED if rc not in (0, None)
+                                               else ExitKind.EXITED)
+        detail = (f"exit code {rc}" if rc is not None and rc >= 0
+                  else f"signal {-rc}" if rc else "unknown")
+        self.last_exit = (f"{exit_reason} ({detail})" if how is process.Ended.EXITED
+                          else f"{exit_reason} ({detail}; ended by {how})")
         if kind is ExitKind.RECYCLED:
             LOGGER.info("backend %s: child pid %d ended: %s", self.name, proc.pid, self.last_exit,
                         extra={"MCP_BACKEND": self.backend.name})
         elif kind is not ExitKind.STOPPED:
             self.crash_stderr = tuple(self.stderr_tail)
-            LOGGER.warning("backend %s: child pid %d ended: %s", self.name, proc.pid, self.last_exit)
+            LOGGER.warning("backend %s: child pid %d ended: %s", self.name, proc.pid,
+                           self.last_exit)
         self.backend.host.bus.emit(BackendExited(self.backend.name, self.name, proc.pid, kind, rc))
         return exit_reason
 
@@ -516,15 +528,16 @@ class Instance(ChildHandlers):
                 continue
             if child.purge_abandoned(trio.current_time() - grace, internal_only=True):
                 continue  # internal requests never count for attribution: no recycle for them
-            LOGGER.warning("backend %s: a cancelled call was not answered within %gs; recycling the "
-                           "child so requests it may still send cannot be misattributed: no new calls, "
-                           "waiting for the %d in flight first", self.name, grace, child.calls_in_flight(),
-                           extra={"MCP_BACKEND": self.backend.name})
+            LOGGER.warning("backend %s: a cancelled call was not answered within %gs; recycling "
+                           "the child so requests it may still send cannot be misattributed: no "
+                           "new calls, waiting for the %d in flight first", self.name, grace,
+                           child.calls_in_flight(), extra={"MCP_BACKEND": self.backend.name})
             self._set_draining(True)
             # Calls queued behind the stale ones (which may hold every max_inflight slot) can
             # never reach this child: they go to the next one instead of waiting out their timeout.
             child.perform(child.router.withdraw_queued(errors.NotDelivered(
-                f"backend {self.backend.name!r} is being recycled", backend=self.backend.name, retryable=True)))
+                f"backend {self.backend.name!r} is being recycled", backend=self.backend.name,
+                retryable=True)))
             while not down.is_set():
                 stale = child.oldest_abandoned(clients_only=True)
                 if stale is None or trio.current_time() < stale + grace:
@@ -549,7 +562,8 @@ class Instance(ChildHandlers):
             await trio.sleep(h.interval)
             try:
                 if child.envelope is not None:  # ping is gone in 2026-07-28: discover is as cheap
-                    await child.request("server/discover", jsonrpc.encode_dict({"_meta": child.envelope}),
+                    await child.request("server/discover",
+                                        jsonrpc.encode_dict({"_meta": child.envelope}),
                                         timeout=h.timeout, internal=True)
                 else:
                     await child.request("ping", timeout=h.timeout, internal=True)
@@ -588,15 +602,16 @@ class Instance(ChildHandlers):
         except (errors.GatewayError, trio.TooSlowError) as exc:
             if mode != self.cfg.protocol_mode:
                 raise errors.BackendProtocolError(
-                    f"backend {self.backend.name!r} spoke {era.LATEST_MODERN} before this restart and "
-                    f"its server/discover probe failed now ({exc or 'timed out'}); not falling back to "
-                    "initialize (a silent downgrade): fix the backend, or reload with protocol_mode = "
-                    '"legacy_only" if the change is intended', backend=self.backend.name) from exc
+                    f"backend {self.backend.name!r} spoke {era.LATEST_MODERN} before this restart "
+                    f"and its server/discover probe failed now ({exc or 'timed out'}); not falling "
+                    "back to initialize (a silent downgrade): fix the backend, or reload with "
+                    'protocol_mode = "legacy_only" if the change is intended',
+                    backend=self.backend.name) from exc
             raise
         if child.era is Era.MODERN:
             self.backend.modern_seen = True
-        LOGGER.info("backend %s: opened as %s (%s)", self.name, child.era.value, child.protocol_version,
-                    extra={"MCP_BACKEND": self.backend.name})
+        LOGGER.info("backend %s: opened as %s (%s)", self.name, child.era.value,
+                    child.protocol_version, extra={"MCP_BACKEND": self.backend.name})
         for kind in ("tools", "prompts", "resources", "templates"):
             await self._fetch(child, kind)
         wanted = client.listen_filter(child)
@@ -619,7 +634,8 @@ class Instance(ChildHandlers):
                                "child are not seen until it restarts", self.name, exc,
                                extra={"MCP_BACKEND": self.backend.name})
 
-    async def subscribe(self, child: ChildConnection, uri: str, method: str = "resources/subscribe") -> None:
+    async def subscribe(self, child: ChildConnection, uri: str,
+                        method: str = "resources/subscribe") -> None:
         await client.subscribe(child, uri, timeout=self.cfg.request_timeout, method=method)
 
     async def _fetch(self, child: ChildConnection, kind: str) -> bool:
@@ -654,7 +670,8 @@ class Instance(ChildHandlers):
         else:
             LOGGER.debug("backend %s: ignored notification %s", self.name, method)
 
-    def on_request(self, child: ChildConnection, id: int | str, method: str, params: Raw | UnsetType) -> None:
+    def on_request(self, child: ChildConnection, id: int | str, method: str,
+                   params: Raw | UnsetType) -> None:
         if method == "ping":
             child.respond(id, jsonrpc.EMPTY_RESULT)
             return

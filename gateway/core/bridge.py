@@ -199,7 +199,8 @@ class Bridge:
         None for a retry on ``/mcp``, which continues only a flow of ``/mcp``.
 
         Raises:
-            InvalidParams: ``invalid_state`` (see the module docstring), or malformed ``inputResponses``.
+            InvalidParams: ``invalid_state`` (see the module docstring), or malformed
+                ``inputResponses``.
         """
         try:
             claims = self.codec.verify(jsonrpc.loads(params["requestState"]), time.time())
@@ -208,19 +209,19 @@ class Bridge:
             flow = self.flows.get(claims.flow)
             if flow is None and claims.flow in self.preempted:
                 raise mrtr.invalid_state(
-                    "its call was ended: parked longer than gateway.shared_park_limit while another "
-                    "caller waited for its shared backend", "preempted")
+                    "its call was ended: parked longer than gateway.shared_park_limit while "
+                    "another caller waited for its shared backend", "preempted")
             if flow is None:
                 raise mrtr.invalid_state("its call is over or expired, or was served by another "
                                          "process of this replica", "gone")
             if flow.owner is not owner if owner is not None else flow.owner.transport != "http":
                 # (a WebSocket/unix call's state presented on /mcp, or the reverse: the flow goes
                 # on waiting for its own retry; its answer could only reach its own connection)
-                raise mrtr.invalid_state("on a WebSocket or unix connection, the retry must come on "
-                                         "the connection of the call", "gone")
+                raise mrtr.invalid_state("on a WebSocket or unix connection, the retry must come "
+                                         "on the connection of the call", "gone")
             if not flow.parked or claims.round != flow.round:
-                raise mrtr.invalid_state("it was already used (a requestState is good for one retry)",
-                                         "used")
+                raise mrtr.invalid_state(
+                    "it was already used (a requestState is good for one retry)", "used")
             if claims.digest != mrtr.params_digest(method, params) or method != flow.method:
                 flow.end("a retry presented its state with other params")
                 raise mrtr.invalid_state("the retry's params differ from the call it continues",
@@ -369,7 +370,8 @@ class Flow:
             flow=self.id, round=self.round, expires=int(time.time() + ttl) + 1,
             backend=served.req.backend, keys=tuple(self.pending), digest=self.digest,
             principal=None if self.owner.principal is None else self.owner.principal.key))
-        result = mrtr.input_required({k: (r.method, _raw(r.params)) for k, r in self.pending.items()}, state)
+        result = mrtr.input_required(
+            {k: (r.method, _raw(r.params)) for k, r in self.pending.items()}, state)
         self.parked = self.waiting = True
         self.parked_at = now
         bridge.flows[self.id] = self  # only parked flows are listed: a retry finds them here
@@ -399,7 +401,8 @@ class Flow:
             self.resumed.set()  # its expiry timer stops
             self.resumed = None
 
-    def resume(self, request_id: int | str, answers: dict[str, Raw], caps: dict[str, object]) -> None:
+    def resume(self, request_id: int | str, answers: dict[str, Raw],
+               caps: dict[str, object]) -> None:
         served = self.served
         self.parked = self.waiting = False
         self._unlist()

@@ -4,17 +4,17 @@ Theory of operation (mcp-spec-digest §5.3, §10.10; ARCHITECTURE §8).  A moder
 child never sends requests: when a call needs input it answers ``resultType: "input_required"``
 with ``inputRequests`` (``{key: {method, params}}``) and maybe an opaque ``requestState``, and the
 caller is to re-issue the call with ``inputResponses`` (and that ``requestState``, byte for byte).
-A modern client gets that result as it is (:mod:`gateway.core.serving`).  A legacy client (WebSocket,
-unix socket, a legacy HTTP session) cannot read it, so the gateway asks it the legacy way:
-:func:`resolve` pushes each input request to the call's owner (the client whose call it is: the
+A modern client gets that result as it is (:mod:`gateway.core.serving`).  A legacy client
+(WebSocket, unix socket, a legacy HTTP session) cannot read it, so the gateway asks it the legacy
+way: :func:`resolve` pushes each input request to the call's owner (the client whose call it is: the
 correlation is in the reply itself, no attribution needed) as a server→client request under an id
 minted for that connection, waits for every answer, and re-issues the call to the backend with
 ``inputResponses`` (+ ``requestState``), as often as the child asks again (at most
 :data:`MAX_ROUNDS` rounds), until a complete result answers the client's original request.
 
-Each input request is decided by :func:`gateway.core.ownership.decide`, as a legacy child's request of
-the same kind would be: ``roots/list`` is answered from config outside ``per-session`` mode; a kind
-the gateway does not declare to this backend, or that the owner did not declare, is not asked:
+Each input request is decided by :func:`gateway.core.ownership.decide`, as a legacy child's request
+of the same kind would be: ``roots/list`` is answered from config outside ``per-session`` mode; a
+kind the gateway does not declare to this backend, or that the owner did not declare, is not asked:
 its key is left out of ``inputResponses`` and the child decides (the envelope the child got
 already said what the caller can answer, see :func:`gateway.core.handlers.envelope_of`); a client's
 error answer is left out the same way.  Forwarded sampling gets ``includeContext: "none"``.
@@ -86,12 +86,14 @@ def input_requests(result: Raw) -> tuple[dict[str, tuple[str, dict[str, Any]]], 
         method = ask.get("method") if isinstance(ask, dict) else None
         params = ask.get("params", {}) if isinstance(ask, dict) else None
         if not isinstance(method, str) or not isinstance(params, dict):
-            raise errors.BackendProtocolError(f"the backend's input request {key!r} has no method or params")
+            raise errors.BackendProtocolError(
+                f"the backend's input request {key!r} has no method or params")
         out[key] = (method, params)
     return out, state
 
 
-def retry_params(params: dict[str, Raw], responses: dict[str, Raw], state: Raw | None) -> dict[str, Raw]:
+def retry_params(params: dict[str, Raw], responses: dict[str, Raw],
+                 state: Raw | None) -> dict[str, Raw]:
     """The params of the re-issued call: the original ones plus ``inputResponses`` and the
     child's ``requestState`` (pure; an earlier round's keys are replaced)."""
     out = {k: v for k, v in params.items() if k not in ("inputResponses", "requestState")}
@@ -118,8 +120,8 @@ async def resolve(ports: InputPorts, session: ClientSession, req: Request, targe
             rounds += 1
             if rounds > MAX_ROUNDS:
                 raise errors.BackendProtocolError(
-                    f"backend {target.backend!r} asked for input more than {MAX_ROUNDS} times in one "
-                    f"{req.method}", backend=target.backend)
+                    f"backend {target.backend!r} asked for input more than {MAX_ROUNDS} times in "
+                    f"one {req.method}", backend=target.backend)
             asks, state = input_requests(result)
             responses = await _ask(ports, session, target.backend, asks)
             retry = Target(target.backend, retry_params(target.params, responses, state),
@@ -174,6 +176,7 @@ def _finished_event(ports: InputPorts, backend: str) -> Any:
     def ended(sreq: ServerRequest) -> None:
         ports.ownership.open -= 1
         outcome = sreq.outcome or ServerRequestOutcome.SHUTDOWN
-        ports.bus.emit(ServerRequestFinished(backend, sreq.method, outcome, trio.current_time() - sreq.started))
+        ports.bus.emit(ServerRequestFinished(backend, sreq.method, outcome,
+                                             trio.current_time() - sreq.started))
 
     return ended

@@ -16,9 +16,9 @@ child's answers tell its era (:func:`refuses_legacy`, :func:`speaks_modern`), an
 ``InputRequiredResult`` is recognised (:func:`is_input_required`).
 
 ``subscriptions/listen`` is served by :mod:`gateway.core.listen`; era bridging of a legacy child's
-server→client requests into ``InputRequiredResult`` by :mod:`gateway.core.bridge` (HTTP flows only: on
-a modern WebSocket or unix connection such a request is refused), of a modern child's input
-requests into pushed requests to a legacy client by :mod:`gateway.core.inputs`.
+server→client requests into ``InputRequiredResult`` by :mod:`gateway.core.bridge` (HTTP flows
+only: on a modern WebSocket or unix connection such a request is refused), of a modern child's
+input requests into pushed requests to a legacy client by :mod:`gateway.core.inputs`.
 """
 
 from __future__ import annotations

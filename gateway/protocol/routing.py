@@ -28,8 +28,8 @@ router's default timeout sit in one insertion-ordered table, which is deadline o
 times out whatever is due.  A call is *paused* while a server→client request of its owner from
 this child is open (its clock stops; only the hard deadline runs).
 
-Server→client requests the shell forwarded to an owner (see :mod:`gateway.core.ownership` for who may
-get one) are recorded under the child's id until :meth:`server_request_done`; the core decides
+Server→client requests the shell forwarded to an owner (see :mod:`gateway.core.ownership` for who
+may get one) are recorded under the child's id until :meth:`server_request_done`; the core decides
 what the child is told for each way one can end, and ends them itself when the child cancels one,
 when the owner's last call on this child ends, or when the child exits.
 """
