@@ -42,7 +42,7 @@ import secrets
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 import trio
@@ -141,7 +141,7 @@ class Bridge:
         child's request only while its owner has exactly one, open listens aside)."""
         if served is None:
             served = owner.calls()[0]
-        flow = cast("Flow | None", served.flow)
+        flow = cast("Flow | None", served.flow)  # a BridgedCall: this module's Flow, see _flow
         if flow is None:
             flow = Flow(self, owner, served)
         owner.flow = flow
@@ -500,5 +500,5 @@ def _nothing() -> None:
     pass
 
 
-def _raw(params: object) -> Raw:
-    return params if isinstance(params, Raw) else jsonrpc.encode_dict(params)  # type: ignore[arg-type]
+def _raw(params: Raw | dict[str, Any]) -> Raw:
+    return params if isinstance(params, Raw) else jsonrpc.encode_dict(params)

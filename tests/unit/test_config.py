@@ -33,7 +33,7 @@ def tmp_dir() -> Iterator[Path]:
 
 def errors_of(text: str, **kwargs: object) -> list[str]:
     with pytest.raises(ConfigError) as info:
-        load(text, base_dir=kwargs.pop("base_dir", BASE), **kwargs)  # type: ignore[arg-type]
+        load(text, base_dir=kwargs.pop("base_dir", BASE), **kwargs)  # type: ignore[arg-type]  # load's keywords, untyped here
     assert str(info.value) == "; ".join(info.value.errors)
     return info.value.errors
 
