@@ -357,7 +357,7 @@ class ChildConnection:
         method: str,
         params: Raw | UnsetType = UNSET,
         *,
-        timeout: float,  # noqa: ASYNC109 - the call's deadline in the child's router (paused while the child asks the client, a CallTimeout), not a cancel scope
+        timeout: float,  # noqa: ASYNC109 - the router's call deadline (paused while the child asks the client; CallTimeout), not a cancel scope
         hard_timeout: float | None = None,
         owner: Hashable | None = None,
         internal: bool = False,

@@ -44,7 +44,7 @@ LIST_KINDS = {
 
 
 async def initialize(child: ChildConnection, *, declare: Iterable[str], client_name: str,
-                     timeout: float) -> None:  # noqa: ASYNC109 - passed to child.request: the router's per-call deadline (CallTimeout), not a cancel scope
+                     timeout: float) -> None:  # noqa: ASYNC109 - the router's call deadline (CallTimeout), not a cancel scope
     """``initialize`` (offering the newest legacy revision) and ``notifications/initialized``."""
     params = jsonrpc.encode_dict({
         "protocolVersion": mcp.LATEST_LEGACY,
@@ -69,7 +69,7 @@ class NotModern(errors.GatewayError):
 
 
 async def discover(child: ChildConnection, *, declare: Iterable[str], client_name: str,
-                   timeout: float) -> None:  # noqa: ASYNC109 - passed to child.request: the router's per-call deadline (CallTimeout), not a cancel scope
+                   timeout: float) -> None:  # noqa: ASYNC109 - the router's call deadline (CallTimeout), not a cancel scope
     """``server/discover`` with the modern envelope; pins the child modern when it supports
     2026-07-28.
 
@@ -103,7 +103,7 @@ def _modern_refusal(exc: errors.GatewayError) -> bool:
 
 
 async def open_child(child: ChildConnection, *, mode: str, declare: Iterable[str], client_name: str,
-                     timeout: float) -> None:  # noqa: ASYNC109 - passed to child.request: the router's per-call deadline (CallTimeout), not a cancel scope
+                     timeout: float) -> None:  # noqa: ASYNC109 - the router's call deadline (CallTimeout), not a cancel scope
     """Open the child in the era its backend's ``protocol_mode`` asks for (see the module's
     docstring); the other era is tried only in a ``prefer_*`` mode and only when the child's
     answer says it does not speak the first (a probe that times out in ``prefer_modern`` counts
@@ -162,7 +162,7 @@ def _params(child: ChildConnection, fields: dict[str, Any] | None = None) -> Raw
     return UNSET if fields is None else jsonrpc.encode_dict(fields)
 
 
-async def set_level(child: ChildConnection, level: str, *, timeout: float) -> None:  # noqa: ASYNC109 - passed to child.request: the router's per-call deadline (CallTimeout), not a cancel scope
+async def set_level(child: ChildConnection, level: str, *, timeout: float) -> None:  # noqa: ASYNC109 - the router's call deadline (CallTimeout), not a cancel scope
     if "logging" not in child.server_capabilities or child.era is Era.MODERN:
         return  # a modern child gets the level per request (logLevel in the envelope)
     try:
@@ -172,7 +172,7 @@ async def set_level(child: ChildConnection, level: str, *, timeout: float) -> No
         LOGGER.info("backend %s refused logging/setLevel: %s", child.instance, exc)
 
 
-async def subscribe(child: ChildConnection, uri: str, *, timeout: float,  # noqa: ASYNC109 - passed to child.request: the router's per-call deadline (CallTimeout), not a cancel scope
+async def subscribe(child: ChildConnection, uri: str, *, timeout: float,  # noqa: ASYNC109 - the router's call deadline (CallTimeout), not a cancel scope
                     method: str = "resources/subscribe") -> None:
     if child.era is Era.MODERN:  # resources/subscribe does not exist there (subscriptions/listen)
         LOGGER.info("backend %s is modern: %s %s not sent (resource subscriptions toward modern "
@@ -185,7 +185,7 @@ async def subscribe(child: ChildConnection, uri: str, *, timeout: float,  # noqa
         LOGGER.warning("backend %s refused %s %s: %s", child.instance, method, uri, exc)
 
 
-async def fetch_list(child: ChildConnection, kind: str, *, timeout: float) -> list[dict[str, Any]]:  # noqa: ASYNC109 - passed to child.request: the router's per-call deadline (CallTimeout), not a cancel scope
+async def fetch_list(child: ChildConnection, kind: str, *, timeout: float) -> list[dict[str, Any]]:  # noqa: ASYNC109 - the router's call deadline (CallTimeout), not a cancel scope
     """Every page of one list (empty when the child lacks the capability or the method)."""
     method, field = LIST_KINDS[kind]
     cap = "resources" if kind == "templates" else kind
