@@ -8,8 +8,8 @@ up, the child may still work on it) stays in the attribution set until the child
 shell purges it, and frees its slot.  At most ``max_inflight`` client calls whose callers wait
 are at the child; the rest queue per owner and freed slots go round-robin, so one flooding
 client cannot starve the others.  Internal calls (handshake, list refresh, ping) never wait.
-A call's clock is paused while a server→client request of its owner from this child is open
-(only its hard deadline runs); :class:`ArmTimer` and :meth:`ChildRouter.timer_due` time it out.
+Deadlines are announced by :class:`ArmTimer` and enforced by :meth:`ChildRouter.timer_due`; a
+call's clock pauses while a server→client request of its owner from this child is open.
 """
 
 from __future__ import annotations
