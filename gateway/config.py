@@ -78,7 +78,7 @@ class ListenSection(Base, frozen=True):
     http: str | None = "127.0.0.1:8766"  # Streamable HTTP at /mcp; "" switches it off
     http_session_idle_timeout: float = 600 * SECONDS  # an HTTP session with nothing in flight ends
     http_max_sessions: int = 1024  # HTTP sessions at once; initialize beyond it gets 503
-    # Off loopback (issue "authentication"): TLS on the client listeners, or a TLS-terminating
+    # Off loopback: TLS on the client listeners, or a TLS-terminating
     # proxy in front (behind_proxy) reached by clients at public_url (https://…/mcp).
     tls_cert: str | None = None
     tls_key: str | None = None

@@ -1,30 +1,11 @@
 """The gateway's exception taxonomy and the one JSON-RPC error-code table.
 
-Every condition the gateway reports to a client is a :class:`GatewayError` with a code from
-the table below and a machine-readable ``data.reason``.  ``gateway.core.connection`` is the only
-place that turns exceptions into JSON-RPC error responses
-(:func:`gateway.core.serving.error_response`).
-
-===========================  =======  =========================================
-condition                    code     ``data.reason``
-===========================  =======  =========================================
-backend not running          -32001   ``backend_unavailable`` (+backend, retryable)
-call timed out at gateway    -32003   ``timeout``
-child died with call open    -32004   ``backend_exited``
-policy / consent             -32005   ``denied`` ``declined`` ``timeout``
-                                      ``authorization_required`` ``shutdown``
-                                      ``insufficient_scope`` (+scopes)
-per-connection limit         -32006   ``overloaded``
-per-principal limit          -32006   ``rate_limited`` (+limit, value, retryAfter)
-unroutable server request    -32007   ``unattributable`` ``no_capability``
-backend reply too large      -32008   ``response_too_large`` (+backend, limit)
-backend broke the protocol   -32009   ``backend_protocol_error`` (+backend, detail)
-2026-07-28 caller lacks a    -32021   ``authorization_required`` (consent: no form
-client capability                     elicitation) (+requiredCapabilities)
-===========================  =======  =========================================
-
-The JSON-RPC 2.0 codes (-32700 … -32603) and the MCP spec's -32002 (resource not found)
-keep their standard meaning.
+Every condition the gateway reports to a client is a :class:`GatewayError` with a code defined
+below and a machine-readable ``data.reason`` (the codes by condition are listed on
+:class:`GatewayError` and in README).  ``gateway.core.connection`` is the only place that turns
+exceptions into JSON-RPC error responses (:func:`gateway.core.serving.error_response`).  The
+JSON-RPC 2.0 codes (-32700 … -32603) and the MCP spec's -32002 (resource not found) keep their
+standard meaning.
 """
 
 from __future__ import annotations
@@ -82,7 +63,25 @@ def code_name(code: int) -> str:
 
 
 class GatewayError(Exception):
-    """A condition reported to a client as a JSON-RPC error."""
+    """A condition reported to a client as a JSON-RPC error.
+
+    ===========================  =======  =========================================
+    condition                    code     ``data.reason``
+    ===========================  =======  =========================================
+    backend not running          -32001   ``backend_unavailable`` (+backend, retryable)
+    call timed out at gateway    -32003   ``timeout``
+    child died with call open    -32004   ``backend_exited``
+    policy / consent             -32005   ``denied`` ``declined`` ``timeout``
+                                          ``authorization_required`` ``shutdown``
+                                          ``insufficient_scope`` (+scopes)
+    per-connection limit         -32006   ``overloaded``
+    per-principal limit          -32006   ``rate_limited`` (+limit, value, retryAfter)
+    unroutable server request    -32007   ``unattributable`` ``no_capability``
+    backend reply too large      -32008   ``response_too_large`` (+backend, limit)
+    backend broke the protocol   -32009   ``backend_protocol_error`` (+backend, detail)
+    caller lacks a capability    -32021   ``authorization_required`` (+requiredCapabilities)
+    ===========================  =======  =========================================
+    """
 
     code: int = INTERNAL_ERROR
     reason: str | None = None

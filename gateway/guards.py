@@ -1,25 +1,14 @@
-"""Boot guards: what it takes to expose a listener beyond loopback (fail closed).  Pure: plain
-values in, problems out (each a sentence naming the keys to set); :mod:`gateway.config` feeds
-them its keys (:func:`gateway.config.client_exposure_problems`) and reports them at load (and
-so ``check-config`` and a reload), the service on the address a socket is really bound to
-(``getsockname()``: systemd's sockets too).  Nothing here imports the config.
+"""Boot guards: what it takes to expose a listener beyond loopback (fail closed).
 
-The rules:
-
-* A *client* listener (``listen.websocket``, ``listen.http``) bound to anything but loopback
-  needs (1) authentication the operator configured (``[auth]``: ``AuthSection.configured``; a
-  built-in default never counts), (2) TLS on the wire: ``listen.tls_cert`` + ``listen.tls_key``
-  (the gateway speaks TLS itself) or ``listen.behind_proxy = true`` with ``listen.public_url``
-  (a TLS-terminating proxy in front; clients use that https URL), so a bearer token never
-  crosses a network in clear, and (3) a read rule — a ``[[policy.rules]]`` with
-  ``kind = "resource"`` and ``action = "allow"`` — because ``resources/read``,
-  ``resources/subscribe`` (and a ``subscriptions/listen`` naming resources) can hand out files
-  and secrets.  A backend whose resources are excluded altogether
-  (``resources = { exclude = ["*"] }``) serves none, so it needs no rule.  The unix socket
-  (file mode, ``SO_PEERCRED``) and stdio are never "off loopback".
-* The *admin* listener keeps its own rule: off loopback only with ``admin.allow_non_loopback``,
-  and there ``/status`` (backend stderr) is answered only to ``Authorization: Bearer`` with a
-  token whose SHA-256 is ``admin.token_sha256`` (see :func:`gateway.ops.admin.status_refusal`).
+Pure: plain values in, problems out (each a sentence naming the keys to set); nothing here
+imports the config.  :mod:`gateway.config` reports them at load (so ``check-config`` and a
+reload too), the service on the address a socket is really bound to (systemd's sockets too).
+A *client* listener off loopback needs authentication the operator configured (a built-in
+default never counts), TLS on the wire (the gateway's own, or a TLS-terminating proxy at
+``listen.public_url``) and, when some backend serves resources, a rule allowing resource reads
+(reads and subscriptions can hand out files and secrets).  The unix socket and stdio are never
+off loopback.  The *admin* listener goes off loopback only with ``admin.allow_non_loopback``,
+and there answers ``/status`` only to the bearer token of ``admin.token_sha256``.
 """
 
 from __future__ import annotations

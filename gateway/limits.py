@@ -1,26 +1,15 @@
 """Daemon-wide resource limits: one byte budget for queued messages, one cap on connections,
 and the per-principal limits of ``[[auth.limits]]``: calls (:class:`PrincipalLimits`) and what a
-principal holds at once (:class:`PrincipalCaps`).
+principal holds at once (:class:`PrincipalCaps`).  Pure data: the hub creates one
+:class:`ByteBudget` and one :class:`ConnectionSlots` and hands them to their users.
 
-Pure data (no trio, no I/O): the hub creates one :class:`ByteBudget` and one
-:class:`ConnectionSlots` and hands them to whoever queues bytes or accepts connections.
-
-Theory of operation (``gateway.buffered_bytes_total``): every queue that holds client or backend
-messages charges its bytes to an :class:`Account` it opened on the budget: a client connection's
-account covers its outbound queue (queued + taken by the writer, not yet sent) and the requests
-it sent that are still being served; a child's account covers its write queue.  A charge and a
-release are an int add each.  Each account is closed exactly once, when its queue is dropped
-(connection closed, child gone): closing releases whatever it still holds, and releases after
-that are no-ops, so every charged byte leaves the total exactly once.
-
-The budget is enforced in two ways, decided here and acted on by the caller:
-
-* :meth:`ByteBudget.admits` — a new client request is admitted only if its bytes fit under the
-  limit (otherwise the caller answers -32006 ``overloaded``);
-* a charge that cannot be refused (a reply, a notification, a line for a child) and takes the
-  total over the limit evicts the client account holding the most bytes: its ``evict``
-  callback closes that connection (reason ``overflow``).  One eviction at a time: until the
-  evicted account is closed (its bytes released), further overruns evict nobody else.
+Every queue of client or backend messages charges its bytes to an :class:`Account` on the
+budget (a client connection's covers its outbound queue and its requests being served; a
+child's, its write queue), closed exactly once when the queue is dropped, so every charged byte
+leaves the total exactly once.  A new client request is admitted only if it fits
+(:meth:`ByteBudget.admits`, else -32006 ``overloaded``); a charge that cannot be refused and
+goes over the limit evicts the client account holding the most bytes (its connection closes,
+``overflow``), one eviction at a time.
 """
 
 from __future__ import annotations

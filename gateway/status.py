@@ -44,8 +44,8 @@ class BackendStatus:
 
 @dataclass(frozen=True, slots=True)
 class ListenerStatus:
-    """A bound client listener and how it is guarded (issue 10: ``auth_configured`` is what the
-    operator configured in ``[auth]``; there is no default authenticator to confuse with it)."""
+    """A bound client listener and how it is guarded (``auth_configured``: what the operator
+    configured in ``[auth]``; there is no default authenticator to confuse with it)."""
 
     name: str  # websocket / http / unix
     address: str  # "127.0.0.1:8765", "[::]:8766", or the unix socket's path

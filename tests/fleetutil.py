@@ -2,7 +2,7 @@
 a real HAProxy running ``packaging/haproxy/mcp-gateway.cfg`` as shipped, its ports and
 certificate path swapped by text substitution (README "Replicas behind HAProxy").
 
-Used by tests/integration/test_11_fleet.py and bench/fleet.py.  Synchronous on purpose (plain
+Used by tests/integration/test_fleet_haproxy.py and bench/fleet.py.  Synchronous on purpose (plain
 ``subprocess``, threads reading the logs): a module-scoped pytest fixture and a benchmark both
 start it outside any trio run.
 """

@@ -1,19 +1,14 @@
 """Who the caller is, from the ``Authorization`` header of an HTTP request or a WebSocket
 upgrade: the daemon's one :class:`Authenticator`, built from ``[auth]`` and rebuilt by a reload.
 
-Theory of operation: authentication is *configured* when ``[auth]`` holds an authenticator
-(``auth.configured``); then every request to ``/mcp`` and every WebSocket upgrade must carry
-``Authorization: Bearer <token>`` (the unix socket is authenticated by its peer's uid instead,
-elsewhere).  A token is first looked up among the static bearer tokens
-(:mod:`gateway.auth.tokens`, constant time); if OAuth is configured and the token is a JWT it
-is then verified against the issuer's keys (:mod:`gateway.auth.jwt`, keys from
-:class:`~gateway.auth.jwks.JwksCache`).  Anything else is :class:`Unauthorized`: the caller
-answers 401 with a ``WWW-Authenticate`` challenge (``error="invalid_token"`` when a token was
-given).  The token itself is never logged, stored or passed on: only the principal it names.
-
-Reload (:meth:`Authenticator.reconfigure`) swaps the tables at once; :meth:`still_valid` tells
-which principals lost their credential (their connections are closed by the service).
-Refusals are logged at most :data:`LOG_BURST` per :data:`LOG_WINDOW` seconds, then summarised.
+When ``[auth]`` holds an authenticator, every ``/mcp`` request and WebSocket upgrade must carry
+``Authorization: Bearer <token>`` (the unix socket is authenticated by its peer's uid instead).
+A token is looked up among the static tokens (:mod:`gateway.auth.tokens`, constant time), then,
+with OAuth configured, verified as a JWT against the issuer's keys (:mod:`gateway.auth.jwt`).
+Anything else is :class:`Unauthorized` (401 with a ``WWW-Authenticate`` challenge).  The token
+is never logged, stored or passed on, only the principal it names.  A reload swaps the tables
+(:meth:`Authenticator.reconfigure`) and :meth:`still_valid` names the principals that lost
+their credential; refusals are logged at most :data:`LOG_BURST` per :data:`LOG_WINDOW`.
 """
 
 from __future__ import annotations

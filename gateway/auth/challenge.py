@@ -2,18 +2,12 @@
 of a 401 or a 403 ``insufficient_scope`` (RFC 6750 §3), and the Protected Resource Metadata
 document (RFC 9728) it points to.
 
-The metadata exists only when an authorization server is configured (``[auth.oauth]``): it must
-name one (MCP authorization: ``authorization_servers`` holds at least one), and an OAuth-capable
-client that finds it goes there for a token.  With bearer tokens only there is no authorization
-server to send a client to: the challenge is ``Bearer realm="<gateway.name>"`` and the metadata
-paths answer 404, so such a client reports a missing token instead of trying to register with
-the gateway.
-
-The resource is this gateway's ``/mcp`` as clients name it: ``[auth.oauth] audience`` (the
-RFC 8707 resource its tokens are issued for).  Its metadata lives at the RFC 9728 §3.1
-well-known URL: the path ``/.well-known/oauth-protected-resource`` inserted between the
-resource's authority and its path; the gateway serves it there and at the bare well-known path,
-on the HTTP listener only (:func:`metadata_location` never points at the WebSocket port).
+The metadata exists only when ``[auth.oauth]`` names an authorization server, where an
+OAuth-capable client goes for a token.  With bearer tokens only, the challenge is
+``Bearer realm="<gateway.name>"`` and the metadata paths answer 404, so a client reports a
+missing token instead of trying to register with the gateway.  The resource is
+``[auth.oauth] audience`` (RFC 8707); its metadata is served at the RFC 9728 §3.1 well-known URL
+and at the bare well-known path, on the HTTP listener only (:func:`metadata_location`).
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """OAuth 2.1 access tokens as JWTs (pure; PyJWT does the JOSE work): the JWKS document parsed
 into verification keys, and a token checked against them.
 
-Theory of operation: a token's header names its key (``kid``) and algorithm; only RS256 and
-ES256 are accepted (never ``none``, never an HMAC algorithm: a shared secret cannot be a public
-key), and the algorithm must be the one of the key the ``kid`` names (an RSA key verifies RS256
-only, a P-256 key ES256 only), so a token cannot choose how it is checked.  PyJWT then verifies
-the signature, ``iss`` equal to the issuer, ``aud`` containing this gateway's resource URI
-(RFC 8707), ``exp`` (required) and ``nbf`` with ``leeway`` seconds of clock skew; ``exp``,
-``nbf`` and ``iat`` must be JSON numbers (PyJWT takes ``"exp": "1764590000"``, which would leave
-the principal without an expiry for its long-lived streams).  The
-principal is the ``principal_claim`` (``sub`` by default), groups the ``groups_claim``, scopes
-``scope`` (space separated) or ``scp`` (a list or a string).  A failure is :class:`TokenRefused`
-with a short ``kind`` for logs and a description safe to send back in ``WWW-Authenticate``.
+A token's header names its key (``kid``); only RS256 and ES256 are accepted, and only the one
+that key's type verifies, so a token cannot choose how it is checked.  PyJWT then verifies the
+signature, ``iss``, ``aud`` (this gateway's resource URI, RFC 8707), ``exp`` (required) and
+``nbf`` with ``leeway`` seconds of skew; the time claims must be JSON numbers (a string ``exp``
+would leave the principal's long-lived streams without an expiry).  The principal, groups and
+scopes come from the configured claims.  A failure is :class:`TokenRefused` with a short
+``kind`` for logs and a description safe to send back in ``WWW-Authenticate``.
 """
 
 from __future__ import annotations
@@ -182,8 +178,10 @@ def _strings(value: object) -> frozenset[str]:
 
 def principal_of(claims: dict[str, Any], oauth: OAuthSection, labels: frozenset[str],
                  credential: str) -> Principal:
-    """The caller a verified token names (``labels``: the principal names an operator
-    configured, the only ones metrics and logs may carry)."""
+    """The caller a verified token names: ``principal_claim`` (``sub`` by default), groups
+    from ``groups_claim``, scopes from ``scope`` (space separated) or ``scp`` (a list or a
+    string).  ``labels``: the principal names an operator configured, the only ones metrics
+    and logs may carry."""
     name = claims.get(oauth.principal_claim)
     if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME or not name.isprintable():
         raise TokenRefused("claims",

@@ -1,21 +1,14 @@
 """The gateway's MCP client session with one running child (one process generation): the I/O
 shell around its :class:`~gateway.protocol.routing.ChildRouter`.
 
-Theory of operation: the router holds every call and server→client request of this child as
-data and returns what to do; this shell performs it (:meth:`ChildConnection.perform`): lines for
-the child go straight into an idle pipe (else into the write queue :meth:`write_loop` drains),
-messages for a client go into its session's outbound queue, a finished call is handed to the
-handle its caller gave (a forwarded call's connection answers it at once; an awaiting caller of
-:meth:`request` is woken).  No task per call: the child's reader feeds replies to the router in
-its own task, and one timer task (:meth:`timer_loop`) wakes at the router's earliest deadline.
-
-The gateway never sends a client's request id to a child: ids are minted by the router, progress
-tokens rewritten and mapped back.  The router's pending table is the *attribution set*: a call
-stays in it until the child's reply arrives, also after the caller gave up (abandoned), so a
-server→client request is attributed only while provably one connection's calls are open.
-Abandoned entries are never dropped by guessing: the instance either *recycles* a child that
-leaves one unanswered past ``cancel_grace`` or purges them (:meth:`purge_abandoned`) where
-attribution does not matter.  When the child dies, :meth:`fail_all` fails every call at once.
+The router holds every call and server→client request of this child as data and returns what to
+do; :meth:`ChildConnection.perform` does it: lines go to the child's pipe (or the write queue
+:meth:`write_loop` drains), messages to a client's outbound queue, a finished call to its
+caller's handle.  No task per call: the reader feeds replies to the router, and one timer task
+(:meth:`timer_loop`) wakes at the earliest deadline.  A client's request id never reaches a
+child: the router mints ids, progress tokens are mapped back.  A call stays in the attribution
+set until the child answers it, also once abandoned; the instance recycles a child that leaves
+one unanswered past ``cancel_grace``, or purges them where attribution does not matter.
 """
 
 from __future__ import annotations

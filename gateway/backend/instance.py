@@ -1,20 +1,14 @@
 """One supervised backend instance: spawn, handshake, serve, restart with backoff, stop.
 
-Theory of operation: :meth:`Instance.run` loops over child *generations*.  Each generation
-spawns the process, runs the MCP handshake (bounded by ``start_timeout``), fetches the lists,
-re-subscribes the resources clients still hold, and then serves until the child's stdout closes,
-the health probe fails ``failures`` times, or a stop is requested.  Whatever ends it, every call
-in flight gets :class:`~gateway.errors.BackendExited` at once, and the child is stopped in the
-spec's order.  The :class:`~gateway.protocol.supervision.Supervision` table decides between
-BACKOFF and FATAL; every transition is emitted as an event.  A spawn that fails for lack of
-resources (out of file descriptors: EMFILE) is not the child's fault: BACKOFF and retried,
-never counted toward FATAL.
-
-A *recycle* is a restart the gateway chooses for a healthy child (a cancelled call it left
-unanswered past ``cancel_grace``, where attribution matters): the instance is first *drained*
-(``draining``: no new calls are routed to it, the calls in flight end on their own, bounded by
-their own timeouts), then restarted at once.  It is not a failure: it never counts toward the
-crash loop, and it is reported as its own exit kind (``recycled``).
+:meth:`Instance.run` loops over child generations: spawn, MCP handshake (``start_timeout``),
+fetch the lists, re-subscribe held resources, serve until stdout closes, health probes fail or
+a stop is requested.  Then every call in flight fails with
+:class:`~gateway.errors.BackendExited`, the child is stopped in the spec's order, and the
+:class:`~gateway.protocol.supervision.Supervision` table decides between BACKOFF and FATAL
+(each transition an event).  A spawn that fails for lack of resources (EMFILE) backs off
+without counting toward FATAL.  A *recycle* restarts a healthy child the gateway chose to
+replace (a cancelled call left unanswered past ``cancel_grace``): drained first (no new calls),
+then restarted at once, never counted as a failure.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """A configured backend: its instances, its lists, its resource subscriptions.
 
-Sharing modes decide which instance serves a call:
-
-* ``shared`` — every connection's calls are multiplexed onto the instance(s); server→client
-  requests are routed only when the attribution set proves the owner.
-* ``affine`` — an instance serves one connection at a time while that connection has calls in
-  its attribution set (FIFO hand-over; see :meth:`Backend._acquire_affine`).
-* ``per-session`` — each connection gets its own child, started on first use.
-
-The backend's catalog lists come from instance 0 (the *probe* in per-session mode) and survive
-restarts: a backend that is restarting keeps its tools listed, its calls wait up to
-``restart_wait`` and then fail with a retryable ``backend_unavailable``.  An instance being
-drained for a recycle (see :mod:`gateway.backend.instance`) takes no new calls either: they go to
-another instance, or wait for it as for a restart.
+The sharing mode decides which instance serves a call: ``shared`` multiplexes every
+connection's calls (server→client requests routed only when the attribution set proves the
+owner); ``affine`` gives an instance to one connection at a time while it has calls there
+(FIFO hand-over); ``per-session`` starts a child per connection.  The lists come from instance
+0 (the probe in per-session mode) and survive restarts: calls to a restarting or draining
+instance go elsewhere or wait up to ``restart_wait``, then fail ``backend_unavailable``.
 """
 
 from __future__ import annotations

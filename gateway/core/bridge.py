@@ -1,36 +1,15 @@
 """Era bridging: a legacy child's server→client requests during a modern client's call become an
 ``InputRequiredResult``, and the client's retry carries the answers back to the waiting child.
 
-Theory of operation (mcp-spec-digest §5.3; the pure half is :mod:`gateway.protocol.mrtr`).  A
-modern (2026-07-28) POST to ``/mcp`` is served by its own short-lived owner (an HTTP *flow*
-session whose ``ClientSession.mrtr`` is the :class:`Bridge`).  When the routing core forwards
-one of the child's requests to such an owner (``gateway.core.ownership``), the request is not sent:
-it is recorded in the owner's :class:`Flow` under the child's own request id.  After
-:data:`GATHER` seconds (a child often asks several things at once) the flow answers the round's
-POST with the ``InputRequiredResult`` and a signed ``requestState``, and *parks*: the call stays
-in flight at the child, its timeouts paused by the open requests, its flow session alive.
-
-The client's retry (a new POST, new id, the same params plus ``inputResponses`` and the state)
-is checked by :meth:`Bridge.resume`: the state must verify, name a parked flow of this replica at
-its current round (one-time: each retry consumes the round) and the same call (params digest).
-The retry then becomes the call's request (its id answers it), each answer goes to the child's
-waiting request, and what was not answered is asked again in a fresh ``InputRequiredResult``.
-Whatever the child does next (more requests, its result, an error) reaches the retry's stream.
-
-The gateway's own consent prompt (policy ``ask``, :meth:`Bridge.ask`) takes the same path: it is
-the round's one input request (key ``consent``), before the call reaches any child; the policy
-ends the call when its prompt times out (the earlier of ``policy.elicitation_timeout`` and
-``state_ttl``), and the state expires then.  A retry whose state the gateway signed continues
-its flow even for a modern backend, whose own states otherwise pass through (:meth:`continues`).
-
-Nothing waits forever: a parked flow not resumed within ``gateway.state_ttl`` seconds, or one
-whose state its own principal presented tampered, is ended (its waiting requests are declined or
-refused toward the child, its call given up there without ``notifications/cancelled``, as at a
-preemption: :meth:`Flow._let_go`); a retry for a flow that is gone gets -32602 with
-``data.reason = "invalid_state"``.  On a ``shared`` backend a parked flow also keeps other
-callers' input requests from being attributed there: a call that may ask for input waits for
-it (:mod:`gateway.backend.pool`), and once it has been parked ``gateway.shared_park_limit``
-seconds it is *preempted* (:meth:`Flow.preempt`).
+A modern POST is served by its own flow session; its :class:`Flow` records the child's requests
+under their ids instead of sending them, and after :data:`GATHER` seconds answers the POST
+``input_required`` with a signed ``requestState`` (:mod:`gateway.protocol.mrtr`) and *parks*:
+the call stays in flight at the child, its timeouts paused.  :meth:`Bridge.resume` checks the
+retry (the state verifies and names a parked flow of this replica, its current round, the same
+call), hands each answer to the child and asks again for the rest.  The gateway's own consent
+prompt (:meth:`Bridge.ask`) takes the same path.  A flow not resumed within ``state_ttl``,
+presented tampered, or preempted on a shared backend is ended (its requests declined, its call
+given up at the child without ``notifications/cancelled``); its retry gets ``invalid_state``.
 """
 
 from __future__ import annotations
@@ -199,8 +178,8 @@ class Bridge:
         None for a retry on ``/mcp``, which continues only a flow of ``/mcp``.
 
         Raises:
-            InvalidParams: ``invalid_state`` (see the module docstring), or malformed
-                ``inputResponses``.
+            InvalidParams: ``invalid_state`` (a forged, expired, replayed or foreign state, or
+                a flow that is gone), or malformed ``inputResponses``.
         """
         try:
             claims = self.codec.verify(jsonrpc.loads(params["requestState"]), time.time())

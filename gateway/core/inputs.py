@@ -1,27 +1,13 @@
 """A modern child's ``InputRequiredResult`` for a legacy client: pushed requests, then a retry.
 
-Theory of operation (mcp-spec-digest §5.3, §10.10; ARCHITECTURE §8).  A modern (2026-07-28)
-child never sends requests: when a call needs input it answers ``resultType: "input_required"``
-with ``inputRequests`` (``{key: {method, params}}``) and maybe an opaque ``requestState``, and the
-caller is to re-issue the call with ``inputResponses`` (and that ``requestState``, byte for byte).
-A modern client gets that result as it is (:mod:`gateway.core.serving`).  A legacy client
-(WebSocket, unix socket, a legacy HTTP session) cannot read it, so the gateway asks it the legacy
-way: :func:`resolve` pushes each input request to the call's owner (the client whose call it is: the
-correlation is in the reply itself, no attribution needed) as a server→client request under an id
-minted for that connection, waits for every answer, and re-issues the call to the backend with
-``inputResponses`` (+ ``requestState``), as often as the child asks again (at most
-:data:`MAX_ROUNDS` rounds), until a complete result answers the client's original request.
-
-Each input request is decided by :func:`gateway.core.ownership.decide`, as a legacy child's request
-of the same kind would be: ``roots/list`` is answered from config outside ``per-session`` mode; a
-kind the gateway does not declare to this backend, or that the owner did not declare, is not asked:
-its key is left out of ``inputResponses`` and the child decides (the envelope the child got
-already said what the caller can answer, see :func:`gateway.core.handlers.envelope_of`); a client's
-error answer is left out the same way.  Forwarded sampling gets ``includeContext: "none"``.
-
-Bounds: the whole flow ends at the backend's ``max_call_duration`` after the client's request
-(-32003); the client cancelling its request (or closing its connection) cancels the flow, and the
-pushed requests still open are withdrawn with ``notifications/cancelled`` (the call ended).
+A legacy client (WebSocket, unix socket, legacy HTTP session) cannot read ``input_required``,
+so :func:`resolve` asks it the legacy way: each input request is pushed to the call's owner as a
+server→client request under an id minted for that connection (the reply correlates itself: no
+attribution needed); once every answer is in, the call is re-issued to the backend with
+``inputResponses`` and the child's ``requestState``, for at most :data:`MAX_ROUNDS` rounds.
+Each input request is decided as a legacy child's would be
+(:func:`gateway.core.ownership.decide`); one not asked, or answered with an error, is left out
+of ``inputResponses`` for the child to decide.
 """
 
 from __future__ import annotations
@@ -105,8 +91,10 @@ def retry_params(params: dict[str, Raw], responses: dict[str, Raw],
 
 async def resolve(ports: InputPorts, session: ClientSession, req: Request, target: Target,
                   result: Raw, started: float) -> Raw:
-    """Answer a modern child's ``input_required`` ``result`` for the legacy ``session`` (see the
-    module's docstring); returns the complete result.
+    """Answer a modern child's ``input_required`` ``result`` for the legacy ``session``; returns
+    the complete result.  The whole flow ends at the backend's ``max_call_duration`` after the
+    request; the client cancelling it cancels the flow, and the pushed requests still open are
+    withdrawn with ``notifications/cancelled``.
 
     Raises:
         CallTimeout (max_call_duration), BackendProtocolError (too many rounds, a malformed

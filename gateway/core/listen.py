@@ -1,28 +1,13 @@
 """``subscriptions/listen`` on a modern (2026-07-28) connection: the open listens and what they
-are sent.
+are sent (the wire shapes are in :mod:`gateway.protocol.subscriptions`).
 
-Theory of operation (mcp-spec-digest §6.1, §10.13-14; the wire shapes are in
-:mod:`gateway.protocol.subscriptions`).  A listen is a request that stays in flight: :func:`listen`
-runs in a task of its connection's nursery (``handlers.ASYNC_HANDLERS``).  It reads the filter,
-subscribes each resource URI it can route through the backend's reference-counted subscriptions
-(:meth:`~gateway.backend.pool.Backend.subscribe`: the upstream ``resources/subscribe`` goes out
-on the first interest, shared with legacy sessions), registers a :class:`Listen` with the hub's
-:class:`Listens`, sends the acknowledgement (the honoured subset: every list kind, the URIs that
-route to a backend) and waits.  Meanwhile the hub hands :class:`Listens` each catalog change
-(``list_changed``, only when a merged list really changed) and each resource update of a URI a
-modern session holds; each goes, tagged with the listen's id, to the listens that asked for it
-(a ``list_changed`` only to the connections whose own view of the list changed, see
-:meth:`gateway.hub.Hub.rebuild_catalog`; a URI the caller may not read is not honoured).
-
-A listen ends in one of three ways: the client closes its HTTP response stream (its flow
-session ends, which cancels the task; no answer, nobody reads it), the client sends
-``notifications/cancelled`` for it on a byte stream (WebSocket, unix socket: :meth:`Listens.end`,
-answered with the closing result), or the gateway drains (:meth:`Listens.end_all`, the same
-result).  Its URIs are released then (the upstream ``resources/unsubscribe`` when it was the
-last interest).  Bounds: a listen is a request in flight on its connection, so a WebSocket or
-unix connection has at most ``max_inflight_per_connection`` of them; on HTTP each holds its own
-TCP connection (``max_connections``); a principal has at most ``max_listens`` open
-(``[[auth.limits]]``, -32006 beyond).
+A listen is a request that stays in flight in a task of its connection: :func:`listen`
+subscribes the URIs it can route (through the backend's reference-counted subscriptions),
+registers a :class:`Listen`, acknowledges the honoured subset and waits.  The hub hands
+:class:`Listens` each catalog change and each resource update, and each goes, tagged with the
+listen's id, to the listens that asked for it and may see it.  A listen ends when its HTTP
+stream closes (no answer), when it is cancelled on a byte stream (:meth:`Listens.end`), or when
+the gateway drains (:meth:`Listens.end_all`); its URIs are released then.
 """
 
 from __future__ import annotations
@@ -127,7 +112,9 @@ class Listens:
 
 
 async def listen(ports: ListenPorts, session: ClientSession, req: Request) -> Raw:
-    """Serve one ``subscriptions/listen`` until it ends (see the module docstring)."""
+    """Serve one ``subscriptions/listen`` until it ends.  A listen counts as a request in flight
+    on its connection (``max_inflight_per_connection``), and a principal has at most
+    ``max_listens`` open (-32006 beyond)."""
     if session.era is not Era.MODERN:
         raise errors.MethodNotFound("subscriptions/listen exists in protocol version 2026-07-28 "
                                     "only; this connection speaks a legacy revision")

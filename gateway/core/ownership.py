@@ -1,25 +1,11 @@
 """Server→client requests from backends reach only their owner.
 
-Theory of operation (ARCHITECTURE §4, §10): legacy stdio carries no field saying which call
-caused a child's ``elicitation/create`` / ``sampling/createMessage`` / ``roots/list``.  The
-gateway attributes the request only when every call in the child's attribution set belongs to
-one connection; otherwise it fails closed — answers the child itself, logs and counts it.
-
-``decide()`` is pure: it takes the facts and returns what to do.  ``route()`` acts on it:
-forwards to the owner under an id minted for that connection, pauses the owner's call timeouts
-meanwhile, and ends the request exactly once on whichever comes first: the owner's answer, the
-child cancelling it, the causing call finishing, the owner disconnecting, the child restarting,
-or the gateway draining.  What the child is told on each path:
-
-===================  ======================================  ==========================
-path                 toward the child                         toward the owner
-===================  ======================================  ==========================
-answered / error     the owner's result / error               —
-owner gone, drain    elicitation ``cancel``; others -32007     —
-child cancelled it   nothing                                   ``notifications/cancelled``
-call finished first  nothing                                   ``notifications/cancelled``
-child restarted      nothing (the child is gone)               ``notifications/cancelled``
-===================  ======================================  ==========================
+Legacy stdio carries no field saying which call caused a child's ``elicitation/create``,
+``sampling/createMessage`` or ``roots/list``.  The gateway attributes such a request only when
+every call in the child's attribution set belongs to one connection; otherwise it fails closed:
+it answers the child itself, logs and counts it.  :func:`decide` is pure and returns what to do;
+:meth:`Ownership.route` forwards the request to its owner under an id minted for that
+connection, pausing the owner's call timeouts, and ends it exactly once.
 """
 
 from __future__ import annotations
@@ -157,7 +143,17 @@ class Ownership:
     """Routes children's server→client requests; remembers the owners of URL-mode elicitations.
 
     Everything here is synchronous: a forwarded request is state in the child's router and in
-    the owner's session, ended by whichever event comes first (see the table above).
+    the owner's session, ended by whichever event comes first:
+
+    ===================  ======================================  ==========================
+    path                 toward the child                         toward the owner
+    ===================  ======================================  ==========================
+    answered / error     the owner's result / error               —
+    owner gone, drain    elicitation ``cancel``; others -32007     —
+    child cancelled it   nothing                                   ``notifications/cancelled``
+    call finished first  nothing                                   ``notifications/cancelled``
+    child restarted      nothing (the child is gone)               ``notifications/cancelled``
+    ===================  ======================================  ==========================
     """
 
     def __init__(self, bus: EventBus) -> None:

@@ -1,20 +1,11 @@
 """The authorizer: applies ``[policy]`` to each ``tools/call``, with real consent prompts.
 
-``ask`` parks the call and sends the gateway's own ``elicitation/create`` (a form with one
-boolean) to the calling connection, which keeps reading meanwhile; a modern (2026-07-28) caller
-is asked it in its call's ``InputRequiredResult`` instead (:mod:`gateway.core.bridge`) and answers
-with its retry.  The parked call is closed
-exactly once by: approval (the tool runs), decline / cancel / accept-without-yes, an error
-answer, owner disconnect, timeout, or shutdown.  Every path but approval raises
-:class:`~gateway.errors.Denied` with a ``data.reason``.  Silence is not consent.  If the client
-cancels the parked call, the prompt is withdrawn with ``notifications/cancelled``.
-
-Rules match the caller too (principal, group, transport, scopes: see
-:mod:`gateway.protocol.policy`).  Each caller sees only what it may call: :meth:`Policy.view`
-is the caller's part of a merged list, cached per distinct view key (the caller's principal,
-groups, scopes and transport; one shared key when no rule can tell callers apart) until the
-catalog changes or the policy is reloaded (a reload makes a new :class:`Policy`).  Without any
-rule, sensitive tool or ``default = "deny"``, the merged lists are served as they are.
+``ask`` parks the call and sends the gateway's own ``elicitation/create`` (one boolean) to the
+calling connection, which keeps reading meanwhile; a modern caller is asked in its call's
+``InputRequiredResult`` instead (:mod:`gateway.core.bridge`).  The parked call ends exactly
+once; every path but approval raises :class:`~gateway.errors.Denied` with a ``data.reason``
+(silence is not consent).  Each caller sees only what it may call: :meth:`Policy.view` is the
+caller's part of a merged list, cached per view key until the catalog or the policy changes.
 """
 
 from __future__ import annotations
@@ -256,7 +247,8 @@ class Policy:
         A legacy caller is sent the prompt; a modern (2026-07-28) one is asked in its call's
         ``InputRequiredResult`` (key :data:`CONSENT_KEY`, gateway.core.bridge) and answers with
         its retry.  Either way the prompt ends at ``elicitation_timeout`` (a modern one at
-        ``gateway.state_ttl`` if that is shorter).
+        ``gateway.state_ttl`` if that is shorter); a cancelled call withdraws its prompt
+        (``notifications/cancelled``).
 
         Raises:
             Denied: declined, timed out, the owner left, shutdown; ``authorization_required``

@@ -1,30 +1,14 @@
 """The admin HTTP listener: ``/metrics``, ``/healthz``, ``/readyz`` and ``/status``.
 
-Meant for loopback or a management interface: no TLS, GET/HEAD only.  ``/status`` shows backend
-stderr, so with ``admin.token_sha256`` set it answers only ``Authorization: Bearer <token>``
-whose SHA-256 is that (compared in constant time; else 401), and off loopback (an
-``admin.allow_non_loopback`` listener) it is refused (403) until that key is set
-(:func:`status_refusal`).  ``/metrics``, ``/healthz`` and ``/readyz`` stay open to Prometheus
-and load balancers.  HTTP itself is
-the gateway's one HTTP layer (:mod:`gateway.transports.http`, h11 driven on trio, as for
-``/mcp``): each connection is one task in the handler nursery, serving requests one after the
-other (keep-alive, pipelining via h11's buffer, ``Connection: close`` honoured).  The keep-alive
-idle wait and the reading of each request are bounded by ``read_timeout`` (408 for a request
-begun and not finished), every write by :data:`~gateway.transports.http.WRITE_TIMEOUT`, the
-request head by ``max_head_bytes`` (431) and the body by :data:`MAX_BODY_BYTES` (413); at most
-:data:`gateway.limits.ADMIN_CONNECTIONS` connections are served at once (the daemon's file
-descriptors are budgeted, see :mod:`gateway.ops.fdlimit`): one more closes the oldest that is
-not writing a response, so idle connections cannot starve ``/healthz``, and an accept
-that fails for lack of file descriptors pauses instead of failing
-(:func:`gateway.transports.listeners.serve_listeners`).
-
-DNS rebinding: a browser page whose name resolves to 127.0.0.1 may read same-origin responses,
-so ``/status`` (backend stderr) and ``/metrics`` answer only a ``Host`` that is a loopback name,
-the bound address or in ``allowed_hosts`` (else 421).  ``/healthz`` and ``/readyz`` answer any
-``Host`` (load balancers probe by address or by their own name) and reveal nothing; they are
-also served on the client listener beside ``/mcp`` (:func:`probe`).  A request for ``/status``
-or ``/metrics`` that carries an ``Origin`` header comes from a browser page (scrapers and curl
-send none): 403.
+Meant for loopback or a management interface: no TLS, GET/HEAD only, served by the gateway's one
+HTTP layer (:mod:`gateway.transports.http`) with every read and write bounded and at most
+:data:`gateway.limits.ADMIN_CONNECTIONS` connections (one more closes the oldest not writing a
+response, so ``/healthz`` is never starved).  ``/healthz`` and ``/readyz`` answer anyone and
+reveal nothing; they are also served beside ``/mcp`` (:func:`probe`).  ``/status`` (backend
+stderr) and ``/metrics`` answer only a loopback, bound or allowed ``Host`` (else 421: DNS
+rebinding) and no ``Origin`` (403: a browser page).  ``/status`` also needs the
+``admin.token_sha256`` bearer token when one is set, and off loopback is refused until one is
+(:func:`status_refusal`).
 """
 
 from __future__ import annotations
@@ -71,10 +55,8 @@ async def serve_admin(
     max_head_bytes: int = MAX_HEAD_BYTES,
     task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the admin endpoints on ``listeners`` until cancelled.
-
-    Start it with ``await nursery.start(serve_admin, ...)``; the listeners are returned once
-    accepting (read the bound port from ``listeners[0].socket.getsockname()``).
+    """Serve the admin endpoints on ``listeners`` until cancelled; ``await
+    nursery.start(serve_admin, ...)`` returns the listeners once accepting.
 
     Args:
         listeners: bound listeners; this function closes them when it returns.

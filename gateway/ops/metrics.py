@@ -1,22 +1,14 @@
 """Prometheus metrics for the gateway: event-fed counters and histograms, snapshot-fed gauges.
 
-Theory of operation:
-
-* Counters and histograms move only through :class:`gateway.events.EventBus` events (handlers
-  run synchronously in the emitting task and are cheap); business logic never touches a metric.
-* Every forwarded call emits ``RequestStarted`` and ``RequestFinished``, so the event-fed series
-  are plain numbers in dicts keyed by label-value tuples (:class:`_EventSeries`), not
-  prometheus_client metric objects, whose every ``inc``/``observe`` takes a threading lock that a
-  one-thread trio process does not need.  A series exists from its first update, as a labelled
-  child does, and the families are built at scrape time in the order, names, types and buckets
-  prometheus_client's own objects render (``tests/unit/golden`` pins that scrape).
-* State gauges (connections, backend up/state/RSS, pending server requests, readiness) are
-  computed at scrape time from one :class:`GatewayStatus` snapshot, so they cannot drift.  The
-  in-flight gauge is the exception: it follows ``RequestStarted``/``RequestFinished`` pairs.
-* Label values come from bounded sets: enums in the events, backend names from config, error
-  codes via :func:`errors.code_name`, tool names (untrusted) capped at ``max_tool_series``.
-* The registry is private, ``_created`` series are off (a process-wide prometheus_client
-  switch), and there is no multiprocess mode.
+* Counters and histograms move only through :class:`gateway.events.EventBus` events; business
+  logic never touches a metric.  The event-fed series are plain numbers keyed by label-value
+  tuples (:class:`_EventSeries`), not prometheus_client objects (whose every update takes a
+  lock a one-thread trio process does not need), rendered at scrape time exactly as
+  prometheus_client would (``tests/unit/golden`` pins that scrape).
+* State gauges are computed at scrape time from one :class:`GatewayStatus` snapshot, so they
+  cannot drift; the in-flight gauge follows ``RequestStarted``/``RequestFinished``.
+* Label values come from bounded sets; untrusted tool names are capped at ``max_tool_series``.
+* The registry is private, ``_created`` series are off, and there is no multiprocess mode.
 """
 
 from __future__ import annotations
@@ -53,7 +45,7 @@ from gateway.status import GatewayStatus
 LOGGER = logging.getLogger(__name__)
 
 PREFIX = "mcp_gateway_"
-#: 100 µs (proxy overhead) … 60 s (slow tools/call); 18 buckets plus +Inf.
+#: 0.1 ms (proxy overhead) … 60 s (slow tools/call); 18 buckets plus +Inf.
 # fmt: off
 BUCKETS = (.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5,
            10, 30, 60)

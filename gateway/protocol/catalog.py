@@ -1,21 +1,13 @@
 """The merged catalog: every backend's tools, prompts and resources under one namespace.
 
-Theory of operation: each backend contributes its lists as fetched (plain dicts).  Tools and
-prompts are exposed as ``<prefix><separator><name>`` (just ``<name>`` when the prefix is empty),
-made valid for strict clients (``^[a-zA-Z0-9_-]{1,64}$``): invalid characters become ``_`` and a
-name that is too long or was altered is shortened and suffixed with a hash of the original.
-The mapping back to ``(backend, original name)`` is a table lookup, never a split on the
-separator.  Collisions are resolved deterministically (backends in config order, then names
-sorted; the first keeps the name, later ones get a hash suffix) and reported in ``warnings``;
-:func:`build_catalog` with ``strict=True`` (boot) raises :class:`CatalogConflict` instead.
-
-Resources keep their URIs; a routing table maps each URI and each URI template to its backend.
-Lists are paginated by the gateway with its own opaque cursors.
-
-A backend's :class:`Exposed` filters (``[backends.NAME] tools/prompts/resources = { include,
-exclude }``, globs on the backend's own names, on URIs and URI templates for resources) are
-applied before the merge: what they filter out is not in the catalog at all, so it is neither
-listed nor routed (a call of it is an unknown tool/prompt).
+Tools and prompts are exposed as ``<prefix><separator><name>``, made valid for strict clients
+(``^[a-zA-Z0-9_-]{1,64}$``): invalid characters become ``_``, and a name too long or altered is
+shortened and suffixed with a hash of the original.  The way back to ``(backend, name)`` is a
+table lookup, never a split.  Collisions are resolved deterministically (config order, then
+sorted names; later ones get a hash suffix) and reported in ``warnings``, or raise
+:class:`CatalogConflict` under ``strict=True``.  Resources keep their URIs, routed by table.
+A backend's :class:`Exposed` filters apply before the merge: what they drop is neither listed
+nor routed.  Lists are paginated with the gateway's own opaque cursors.
 """
 
 from __future__ import annotations

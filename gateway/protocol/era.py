@@ -1,24 +1,13 @@
 """The modern protocol era (2026-07-28) on a client connection: what a request must carry, and
 what a result must say (pure).
 
-Theory of operation (mcp-spec-digest §3.2, §7.1, §10.2-3).  A modern request has no handshake:
-every request carries its protocol version and the client's capabilities in ``params._meta``
-(:data:`VERSION_KEY`, :data:`CAPABILITIES_KEY`).  A WebSocket or unix-socket connection is pinned
-to an era by its first request (:func:`era_of`): ``initialize`` (or any request without the
-modern ``_meta``) makes it legacy, a request with it (or ``server/discover``) makes it modern;
-a request of the other era afterwards is refused.  Every modern result carries ``resultType``
-(``"complete"`` here: a legacy child's result passes through with it added), and the cacheable
-ones (lists, ``resources/read``, ``server/discover``) ``ttlMs`` and ``cacheScope``.
-
-The gateway as the client of a modern *child* (``protocol_mode``, gateway.backend.client): the
-envelope it sends (:func:`envelope`, :func:`add_envelope`, :func:`restrict_envelope`), how a
-child's answers tell its era (:func:`refuses_legacy`, :func:`speaks_modern`), and how an
-``InputRequiredResult`` is recognised (:func:`is_input_required`).
-
-``subscriptions/listen`` is served by :mod:`gateway.core.listen`; era bridging of a legacy child's
-server→client requests into ``InputRequiredResult`` by :mod:`gateway.core.bridge` (HTTP flows
-only: on a modern WebSocket or unix connection such a request is refused), of a modern child's
-input requests into pushed requests to a legacy client by :mod:`gateway.core.inputs`.
+A modern request has no handshake: it carries its protocol version and the client's
+capabilities in ``params._meta``.  A WebSocket or unix-socket connection is pinned to an era by
+its first request (:func:`era_of`) and refuses requests of the other era afterwards.  Every
+modern result carries ``resultType``, the cacheable ones ``ttlMs`` and ``cacheScope``.  The
+gateway as the client of a modern child uses :func:`envelope`, :func:`refuses_legacy`,
+:func:`speaks_modern` and :func:`is_input_required`.  Era bridging lives in
+:mod:`gateway.core.bridge` and :mod:`gateway.core.inputs`.
 """
 
 from __future__ import annotations

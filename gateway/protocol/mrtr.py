@@ -1,23 +1,14 @@
-"""Multi-round-trip requests (2026-07-28, "MRTR"): the signed ``requestState`` the gateway hands a
-modern client when it bridges a legacy child's server→client requests, and the pieces of an
+"""Multi-round-trip requests (MRTR): the signed ``requestState`` the gateway hands a modern client
+when it bridges a legacy child's server→client requests, and the pieces of an
 ``InputRequiredResult`` (pure).
 
-Theory of operation (mcp-spec-digest §5.3).  A legacy child asks for input by sending requests
-(``elicitation/create``, ``sampling/createMessage``, ``roots/list``) while it serves a call; a
-modern client cannot be sent requests.  The gateway keeps the child waiting and answers the
-client's call with ``{"resultType": "input_required", "inputRequests": {key: {method, params}},
-"requestState": state}``, the keys being the child's own request ids.  The client retries the
-call (new JSON-RPC id, same params) with ``inputResponses`` and the state byte-exact; the gateway
-checks the state and hands the answers to the waiting child.
-
-The state is attacker-controlled input, so it is signed: ``<replica_id>.<payload>.<mac>``, the
-payload base64url JSON of the claims (flow id, round, expiry, backend, the keys asked, a digest
-of the original params, the principal), the mac HMAC-SHA256 over ``<replica_id>.<payload>`` with
-the replica's key.  The replica id stays readable so a load balancer can route a retry to the
-replica that holds the waiting child (issue "fleet").  :meth:`StateCodec.verify` refuses
-anything not signed by this replica's key, expired, or malformed, with
-:class:`~gateway.errors.InvalidParams` carrying ``data.reason = "invalid_state"``; one-time use
-(a replayed round) is the flow table's to refuse, since only it knows the current round.
+The gateway keeps the child waiting and answers the client's call ``input_required`` with the
+child's requests under their ids as keys; the client retries with ``inputResponses`` and the
+state byte-exact.  The state is attacker-controlled, so it is signed:
+``<replica_id>.<payload>.<mac>`` (HMAC-SHA256), the replica id readable so a load balancer can
+route the retry to the replica holding the child.  :meth:`StateCodec.verify` refuses a state
+that is forged, expired or malformed (``invalid_state``); refusing a replayed round is the flow
+table's job.
 """
 
 from __future__ import annotations

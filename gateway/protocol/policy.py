@@ -1,27 +1,11 @@
 """Policy decisions (pure): allow / ask / deny per caller, and the sensitive-tool rule.
 
-Theory of operation.  A :class:`Rule` applies to one kind of item (``tool``: the namespaced
-name; ``prompt``: the namespaced name; ``resource``: the URI, or a template's ``uriTemplate``
-in listings) and may be narrowed to callers: ``principal`` (a glob on the principal's name),
-``group`` (the principal is in it), ``transport`` (``http``, ``ws`` or ``unix``) and ``scopes``
-(the principal's token carries all of them).  Rules are read in order and the first one that
-matches decides.  A caller without a principal (authentication not configured, loopback) never
-matches a rule that names a principal, a group or scopes; rules without them behave as they
-always did.  When no rule matches, ``[policy] default`` decides for tools; prompts and
-resources are allowed (an operator denies them with an explicit last rule, e.g.
-``{ kind = "resource", match = "*", action = "deny" }``).
-
-Scopes (OAuth step-up): a rule whose other conditions match but whose ``scopes`` the caller
-lacks does not match; the next rules are read.  If the call then ends up denied (by a later
-rule, the default, or the sensitive-tool rule), the decision carries that rule's scopes
-(``insufficient_scope``): the caller could have been let in with a token carrying them.
-
-A tool is *sensitive* when it declares ``annotations.destructiveHint: true`` explicitly or its
-backend lists it under ``sensitive``.  A sensitive tool is served only when a rule that *names*
-it (a tool rule whose glob matches it) matched for this caller; the default does not count.
-
-A caller sees (``tools/list``, ``prompts/list``, ``resources/list``, templates) exactly what it
-may call: :func:`visible` is False for a deny (``ask`` is shown: the call asks the user).
+A :class:`Rule` applies to one kind of item (a tool or prompt by namespaced name, a resource by
+URI or template) and may be narrowed to callers by principal, group, transport and scopes; the
+first rule that matches decides (:func:`decide`).  A caller lacking a rule's scopes skips it,
+and a denial that follows names those scopes (``insufficient_scope``: step-up).  A *sensitive*
+tool (``destructiveHint: true``, or listed under the backend's ``sensitive``) is served only
+when a rule naming it matched.  A caller's lists show exactly what it may call (:func:`visible`).
 """
 
 from __future__ import annotations
@@ -104,7 +88,13 @@ def _caller_matches(rule: Rule, caller: Caller) -> bool:
 
 def decide(name: str, rules: list[Rule], default: Action, *, sensitive: bool,
            caller: Caller = ANONYMOUS, kind: Kind = "tool") -> Decision:
-    """The decision for ``caller`` on the item ``name`` of ``kind`` (see the module docstring)."""
+    """The decision for ``caller`` on the item ``name`` of ``kind``.
+
+    Rules are read in order and the first that matches decides.  A caller without a principal
+    never matches a rule naming a principal, a group or scopes.  A rule whose other conditions
+    match but whose scopes the caller lacks is skipped; a denial after it carries its scopes.
+    When no rule matches, ``default`` decides for tools (a sensitive tool is denied) and
+    prompts and resources are allowed."""
     step_up: tuple[str, ...] = ()
     decided: Decision | None = None
     for rule in rules:

@@ -1,37 +1,15 @@
 """The routing core of one child: every call and server→client request it carries, as data.
 
-Theory of operation (ARCHITECTURE §3-4).  One :class:`ChildRouter` per child process generation.
-It is sans-IO in the manner of h11: the state is plain data, every event is a method that takes
-the time as an argument and returns the *actions* the shell must perform, in order.  It never
-reads a clock, never sleeps, never touches a pipe or a socket, and knows its owners only as
-hashable keys (a client connection today; an HTTP session or a modern request flow tomorrow).
-
-A call goes ``QUEUED`` (waiting for a slot) → ``SENT`` (its line went to the child) → over, or
-``SENT`` → ``ABANDONED`` → over.  Its caller learns the end exactly once, from a
-:class:`Finished` action: a result, an error to answer with, or neither (cancelled: no answer).
-An *abandoned* call is one its caller gave up on (cancel, timeout, owner gone, gateway cut-off)
-while the child may still be working on it: it stays in the *attribution set* until the child
-answers it (the late reply is dropped) or the shell purges it (:meth:`purge_abandoned`).
-Gateway-internal calls (handshake, list refresh, ping) have no owner and never count.
-
-Fairness: at most ``max_inflight`` clients' calls whose callers wait are at the child at once
-(an abandoned call frees its slot: the spec has a server stop work on a cancelled request, and
-one that does not is recycled or purged after ``cancel_grace`` — counting them would let one
-client hold a shared child for every other client by cancelling its own calls); beyond that a call
-waits in its owner's queue, and a freed slot goes to the owners round-robin, so a client that floods
-a shared child cannot starve the others.  Internal calls never wait.
-
-Timeouts: a call's deadline is ``now + timeout`` (never past its hard deadline).  Calls with the
-router's default timeout sit in one insertion-ordered table, which is deadline order; the rest
-(other timeouts, calls resumed after a pause) in a heap.  :attr:`next_deadline` is the earliest;
-:class:`ArmTimer` says when it moved earlier than the last one announced, and :meth:`timer_due`
-times out whatever is due.  A call is *paused* while a server→client request of its owner from
-this child is open (its clock stops; only the hard deadline runs).
-
-Server→client requests the shell forwarded to an owner (see :mod:`gateway.core.ownership` for who
-may get one) are recorded under the child's id until :meth:`server_request_done`; the core decides
-what the child is told for each way one can end, and ends them itself when the child cancels one,
-when the owner's last call on this child ends, or when the child exits.
+One :class:`ChildRouter` per child process generation, sans-IO like h11: each event is a method
+that takes the time and returns the actions the shell performs, in order; owners are hashable
+keys.  A call goes ``QUEUED`` → ``SENT`` → over, or ``SENT`` → ``ABANDONED`` → over; its caller
+learns the end exactly once, from a :class:`Finished` action.  An abandoned call (its caller gave
+up, the child may still work on it) stays in the attribution set until the child answers or the
+shell purges it, and frees its slot.  At most ``max_inflight`` client calls whose callers wait
+are at the child; the rest queue per owner and freed slots go round-robin, so one flooding
+client cannot starve the others.  Internal calls (handshake, list refresh, ping) never wait.
+Deadlines are announced by :class:`ArmTimer` and enforced by :meth:`ChildRouter.timer_due`; a
+call's clock pauses while a server→client request of its owner from this child is open.
 """
 
 from __future__ import annotations

@@ -1,6 +1,4 @@
-"""Backend instance lifecycle as a pure state machine (no clock, no I/O).
-
-States (after supervisord)::
+"""Backend instance lifecycle as a pure state machine (no clock, no I/O), after supervisord::
 
     STOPPED ──start──► STARTING ──ready──► RUNNING ◄──healthy── UNHEALTHY
                           │                  │  └──missed ping──►──┘
@@ -11,10 +9,8 @@ States (after supervisord)::
     RUNNING/UNHEALTHY ──recycled──► STARTING   (a restart the gateway chose: no failure, no delay)
     any live state ──stop──► STOPPING ──stopped──► STOPPED ;  FATAL ──start──► STARTING
 
-Every operation is guarded by the states it allows; an illegal one raises
-:class:`IllegalTransition` (a bug, never a runtime condition).  The caller passes ``now`` (from
-``trio.current_time()``) and the random jitter source, so the policy is tested with plain numbers
-and with trio's ``MockClock``.
+Each operation is guarded by the states it allows; an illegal one raises
+:class:`IllegalTransition` (a bug).  The caller passes ``now`` and the jitter source.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """What the gateway checks of JSON bytes before it decodes them, and what it can still read of a
 line it will not decode.
 
-Theory of operation: payloads pass through the gateway as bytes (``msgspec.Raw``), so the decoder
-never looks inside them.  Two properties must still hold for every message that crosses the
-gateway, because the next hop depends on them: the bytes are UTF-8 (a WebSocket text frame must
-be, and a backend must not receive what a client could not legally send), and the nesting depth
-is bounded (a decoder that recurses per level, in the gateway or behind it, must not be handed
-a value that exhausts its stack).  :func:`check` tests both in C-speed passes over the bytes:
-``isascii`` (most messages), then a strict UTF-8 decode; a bracket count as an upper bound on the
-depth (most messages), then an exact depth over the brackets outside strings.
-
-:func:`reply_id_hint` finds the gateway id of a reply the gateway will not decode (too large,
-too deep, not UTF-8) from the line's first and last bytes, so that its caller can be failed at
-once instead of waiting for a timeout.  Gateway ids are integers, and the SDKs write ``id`` either
-first (``{"jsonrpc":"2.0","id":7,…``) or last (``…,"id":7}``).
+Payloads cross the gateway as bytes (``msgspec.Raw``), yet the next hop needs them to be UTF-8
+and bounded in nesting depth (a recursive decoder must not exhaust its stack): :func:`check`
+tests both with fast passes over the bytes, exact only when the cheap bound fails.
+:func:`reply_id_hint` reads the gateway id of a reply that will not be decoded (too large, too
+deep, not UTF-8) from the line's ends, so its caller fails at once instead of timing out.
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """RFC 6455 framing, server side, sans-IO: bytes in, whole text messages out; messages in,
 bytes out.
 
-Theory of operation: :class:`ServerFramer` is fed what the socket gave and returns the text
-messages it completed, in order.  Everything else it finds is left on the framer for the shell
-to act on: ``replies`` (pongs to write), ``peer_close`` (the peer's close frame: code, reason),
-``fault`` (why the connection must fail, with its close code).  A fault ends the data: messages
-completed before it in the same ``feed`` are still returned, nothing after it is.
-
-Strict, as a server must be (RFC 6455 §5): every client frame is masked; RSV bits, unknown
-opcodes, fragmented or oversized (> 125 bytes) control frames, a continuation with no message
-open, a new data frame inside a fragmented message, a 64-bit length with its top bit set, and
-invalid close codes are protocol errors (1002).  A binary frame is refused (1003, MCP is one
-JSON-RPC message per text frame); a text message that is not UTF-8 fails with 1007 (checked once
-the message is whole); a data frame whose *header* takes its message past ``max_message`` bytes
-is refused at once (1009), before its payload arrives, with the declared size in ``declared``.
-
-After a 1003, 1007 or 1009 fault (or once the shell calls :meth:`closing`) the framer keeps
-parsing frame boundaries but drops data frames unread, so the shell can still find the peer's
-close frame during the closing handshake; after a 1002 it parses nothing more (``dead``).
-
-A frame's payload that arrives over several reads is kept as a list of chunks and joined once:
-no quadratic re-buffering of big messages.  Unmasking uses ``websockets.speedups.apply_mask``
-(C) when importable, else one big-int XOR.
+:class:`ServerFramer` is fed what the socket gave and returns the text messages it completed, in
+order; everything else it finds is left on the framer for the shell to act on: ``replies``
+(pongs to write), ``peer_close`` (the peer's close frame) and ``fault`` (why the connection must
+fail, with its close code).  Messages completed before a fault in the same ``feed`` are still
+returned, nothing after it is.  A payload that arrives over several reads is kept as chunks
+and joined once; unmasking uses ``websockets.speedups.apply_mask`` when importable.
 """
 
 from __future__ import annotations
@@ -88,7 +73,15 @@ def close_frame(code: int | None, reason: str = "") -> bytes:
 
 
 class ServerFramer:
-    """Parses the frames a client sends (see the module docstring)."""
+    """Parses the frames a client sends, strictly, as a server must (RFC 6455 §5).
+
+    Unmasked frames, RSV bits, unknown opcodes, fragmented or oversized control frames, a stray
+    continuation, a data frame inside a fragmented message, a 64-bit length with its top bit
+    set and invalid close codes fail with 1002; a binary frame with 1003; a text message that
+    is not UTF-8 with 1007; a frame whose header takes its message past ``max_message`` with 1009
+    at once (the size in ``declared``).  After a 1003, 1007 or 1009 fault, or :meth:`closing`,
+    data frames are dropped unread so the peer's close frame is still found; after a 1002
+    nothing more is parsed (``dead``)."""
 
     __slots__ = (
         "_closing",

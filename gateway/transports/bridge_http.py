@@ -1,28 +1,15 @@
 """``mcp-gateway connect http(s)://HOST:PORT/mcp``: the stdio bridge as a Streamable HTTP client
 of either shape, decided per message.
 
-Legacy (2025-03-26 … 2025-11-25; the client on stdin starts with ``initialize``): the
-``initialize`` request is POSTed alone; its answer brings the session id (``Mcp-Session-Id``)
-and the protocol version, sent on every later request.  A GET stream carries the server's
-messages that belong to no request.  When the client closes stdin, or the gateway closes the GET
-stream, the bridge DELETEs the session and exits.
-
-Modern (2026-07-28): a request whose ``_meta`` names a protocol version, ``server/discover``, and
-once the client began so, its later messages (without a session): POSTed with no session and
-with ``MCP-Protocol-Version``, ``Mcp-Method`` and ``Mcp-Name``.  A ``notifications/cancelled`` for
-such a request closes its POST (that is the cancellation; nothing else is sent); for a
-``subscriptions/listen`` the client then gets the closing result, as on the gateway's stdio-framed
-listeners.
-
-Every message is POSTed on its own connection, concurrently: a JSON answer, or each event of an
-SSE answer (progress, requests about it, then its result; a listen's notifications as they
-come), goes to stdout.  Only JSON-RPC messages do: an event without data (a priming event, a
-comment, a keep-alive) is not written, nor anything that is not JSON in UTF-8.  A request
-whose POST ends without its answer (an error status, a body that is neither JSON nor SSE, an
-event stream that ended or broke first) is answered -32603 with the reason, unless the client
-cancelled it: a stdio client waits for every answer it is due.
-
-HTTP/1.1 on h11, one request per connection (no pool: the bridge is for local stdio clients).
+Legacy (the client starts with ``initialize``): ``initialize`` is POSTed alone, its answer
+brings the session id and protocol version sent on every later request, a GET stream carries
+the server's messages that belong to no request, and the session is DELETEd when stdin or that
+stream closes.  Modern (a request whose ``_meta`` names a version, ``server/discover``, and what
+follows): POSTed without a session, with ``MCP-Protocol-Version``, ``Mcp-Method`` and
+``Mcp-Name``; cancelling such a request closes its POST.  Every message is POSTed on its own
+connection (h11, no pool), concurrently; only the JSON-RPC messages of a JSON or SSE answer go
+to stdout.  A request whose POST ends without its answer is answered -32603 with the reason,
+unless the client cancelled it: a stdio client waits for every answer it is due.
 """
 
 from __future__ import annotations

@@ -1,29 +1,15 @@
-"""A small HTTP/1.1 server connection on h11: request head and body read with limits, plain
-responses, Server-Sent Events framing and the connection loop, written once for every HTTP
-endpoint of the gateway: ``/mcp`` and the probes on the client listener
-(:mod:`gateway.transports.endpoint`) and the admin listener (:mod:`gateway.ops.admin`).
+"""A small HTTP/1.1 server connection on h11, written once for every HTTP endpoint of the gateway
+(``/mcp`` and the probes on the client listener, the admin listener): request head and body read
+with limits, plain responses, Server-Sent Events framing and the connection loop.
 
-Theory of operation: :class:`HttpConnection` drives an ``h11.Connection`` over a
+:class:`HttpConnection` drives an ``h11.Connection`` over a
 :class:`~gateway.transports.rawio.SocketIO`.  :meth:`HttpConnection.next_request` reads one
-whole request: the idle wait before it is bounded by ``idle_timeout``; the head of the first
-request must be complete within ``head_timeout`` of the accept (default
-:data:`gateway.limits.HEAD_TIMEOUT`, so a peer that connects and sends nothing is closed then),
-a later one within ``head_timeout`` of its first byte; the head and the body together must
-arrive within ``request_timeout`` of the first byte (default
-:data:`gateway.limits.INCOMPLETE_MESSAGE_TIMEOUT`: slow loris), the head must fit in
-``max_head`` bytes however it arrives (431; so must a chunked body's chunk extensions and
-trailer fields together) and the body in ``max_body`` bytes — refused by its
-``Content-Length`` before a byte of it is read, or as soon as a chunked body passes it (413).
-A request with both ``Transfer-Encoding`` and ``Content-Length`` is refused (400, RFC 9112
-§6.1: the two framings disagreeing is how requests are smuggled past a proxy).  Every refusal
-is an :class:`HttpError` the caller answers and then closes on: :func:`serve_connection` does,
-the one loop (and the one catch-all) of every HTTP connection.
-
-Writing is synchronous (:meth:`respond`, :meth:`start_events`, :meth:`event`, :meth:`end_events`):
-h11 frames the bytes and :class:`SocketIO` writes them straight to the socket, holding what the
-socket does not take; :meth:`flush` waits for it.  So an SSE event can be written from whatever
-task produced the message (see :mod:`gateway.transports.streamable`), with no task switch.
-Every library error is :class:`~gateway.errors.TransportClosed`.
+whole request within its time and size bounds; every refusal is an :class:`HttpError` that
+:func:`serve_connection`, the one loop and the one catch-all of every HTTP connection, answers
+and then closes on.  Writing is synchronous: h11 frames the bytes and :class:`SocketIO` writes
+them at once, holding what the socket does not take until :meth:`HttpConnection.flush`, so an
+SSE event is written from whatever task produced it.  Every library error is
+:class:`~gateway.errors.TransportClosed`.
 """
 
 from __future__ import annotations
@@ -120,6 +106,13 @@ class HttpConnection:
     async def next_request(self, idle_timeout: float) -> Request | None:
         """The next whole request, or None when the peer closed, stayed idle too long, or sent
         nothing of its first request within ``head_timeout`` of the accept.
+
+        A later request's head is due ``head_timeout`` after its first byte, head and body
+        together ``request_timeout`` after it (slow loris: 408).  The head must fit in
+        ``max_head`` bytes however it arrives, and so must a chunked body's extensions and
+        trailers (431); the body must fit in ``max_body`` bytes, refused by ``Content-Length``
+        before it is read or as soon as a chunked body passes it (413).  ``Transfer-Encoding``
+        with ``Content-Length`` is refused (400, RFC 9112 §6.1: request smuggling).
 
         Raises:
             HttpError: the request is refused (431, 413, 408, 400); close after answering.

@@ -1,24 +1,15 @@
 """Byte I/O under a message transport: a non-blocking write that never waits, a backlog for what
 the peer's socket did not take, and reads of at most 64 KiB.
 
-Theory of operation: :meth:`SocketIO.write` is synchronous.  When nothing is held it writes
-straight to the socket (``os.writev`` on its fd: no task switch, no checkpoint) and holds only
-what the socket did not take; when something is held the bytes go behind it, so the order on
-the wire is always the order of the calls.  :meth:`SocketIO.flush` (async, one caller at a
-time) waits for the socket with ``trio.lowlevel.wait_writable`` until nothing is held.  What is
-held is exact at every moment (a cancelled flush wrote what it wrote, nothing more), so a
-transport can tell whether the wire is at a frame boundary: it is when nothing is held.
-:meth:`SocketIO.read` waits with ``wait_readable`` and reads once (64 KiB at most: a bigger
-buffer would be an mmap per read in glibc).
-
-Both bypass trio's socket methods, which checkpoint (a scheduler round trip) on every call
-even when the socket is ready.  :class:`StreamIO` offers the same interface over any trio
-stream (a TLS connection, the stdio bridge's pipes), holding every write until
-:meth:`StreamIO.flush`; :func:`stream_io` picks one for a stream.
-
-Every library error, and the end of the stream, is :class:`~gateway.errors.TransportClosed`.
-After :meth:`close_writes` every write raises it: a closed fd must never be written (its number
-may already belong to another connection).
+:meth:`SocketIO.write` is synchronous: with nothing held it writes straight to the fd
+(``os.writev``: no task switch, no checkpoint), else the bytes go behind what is held, so the
+wire order is the call order.  :meth:`SocketIO.flush` waits until nothing is held; what is held
+is exact at every moment, so a transport knows it is at a frame boundary when nothing is.  Both
+bypass trio's socket methods, which checkpoint on every call.  :class:`StreamIO` offers the same
+interface over any trio stream (TLS, pipes), holding every write until its flush.  Every
+library error, and the end of the stream, is :class:`~gateway.errors.TransportClosed`; after
+:meth:`close_writes` every write raises it (a closed fd's number may belong to another
+connection).
 """
 
 from __future__ import annotations
@@ -30,7 +21,7 @@ import trio
 from gateway import limits
 from gateway.errors import IncompleteMessage, TransportClosed
 
-#: Bytes asked of one read (see the module docstring).
+#: Bytes asked of one read (a bigger buffer would be an mmap per read in glibc).
 READ_SIZE = 65536
 _BROKEN = (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError, OSError)
 

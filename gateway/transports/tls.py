@@ -1,16 +1,12 @@
 """TLS on the client listeners (``listen.tls_cert`` + ``listen.tls_key``): the server context,
-loaded at start (and again on reload: :func:`reload_into`, for renewed certificates), and the
+loaded at start and again on reload (:func:`reload_into`, for renewed certificates), and the
 handshake of each accepted connection.
 
-Theory of operation: the listener accepts TCP as always (a ``max_connections`` slot is taken at
-accept); the connection's own task then runs the TLS handshake (:func:`handshake`), bounded by
-:data:`HANDSHAKE_TIMEOUT`, and serves HTTP or the WebSocket upgrade over the resulting
-``trio.SSLStream`` — through :class:`~gateway.transports.rawio.StreamIO`, since the direct fd I/O
-of :class:`~gateway.transports.rawio.SocketIO` cannot encrypt.  A peer that fails the handshake
-(plain HTTP sent to the TLS port, a wrong protocol, a certificate it refuses) or does not finish
-it in time is closed; that is logged at debug level: it is the peer's business, not the
-daemon's.  ``https_compatible`` streams: an EOF without ``close_notify`` is an ordinary end of
-stream (HTTP frames its own messages), as with every HTTPS server.
+The listener accepts TCP as always (a ``max_connections`` slot is taken at accept); the
+connection's own task runs :func:`handshake`, bounded by :data:`HANDSHAKE_TIMEOUT`, then serves
+over the ``trio.SSLStream`` through :class:`~gateway.transports.rawio.StreamIO` (direct fd I/O
+cannot encrypt).  A peer that fails or stalls the handshake is closed and logged at debug level.
+Streams are ``https_compatible``: an EOF without ``close_notify`` is an ordinary end.
 """
 
 from __future__ import annotations

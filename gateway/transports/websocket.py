@@ -1,48 +1,14 @@
 """The WebSocket listener (subprotocol ``mcp``, one JSON-RPC message per text frame).
 
-Theory of operation: wsproto runs the HTTP upgrade only; after it, the connection is a
-:class:`~gateway.protocol.wsframing.ServerFramer` (hand-written RFC 6455 server framing,
-sans-IO) over a :class:`~gateway.transports.rawio.SocketIO`.  Reading is the connection's reader
-task: 64 KiB reads, the framer's messages handed out one by one without a checkpoint, pings
-answered from :meth:`WebSocketStream.receive`.  Writing is synchronous
-(:meth:`WebSocketStream.write_nowait`: a text frame per message, straight to the socket when
-nothing is held); what the socket does not take is held and written by
-:meth:`WebSocketStream.flush`.  Why hand-written: per call through the whole gateway (issue
-8), wsproto cost about 40 µs more CPU, the ``websockets`` package's sans-IO protocol about 8 µs,
-trio-websocket (a reader task and a channel between socket and caller) about 100 µs; in
-isolation (parse one masked client frame, frame one answer) wsproto takes 14 µs, websockets
-1.6 µs, this framer 1.2 µs.  It also decides exactly when a refusal happens (by the header,
-after the messages before it) without a library's own close getting in first.
-
-Origin check: an upgrade with an ``Origin`` header that is not in ``allowed_origins`` gets HTTP
-403 (browsers open cross-origin WebSockets without CORS, so loopback alone does not protect a
-local gateway); with several ``Origin`` headers every one must be allowed.  Connection cap: a
-slot of ``slots`` (``max_connections``) is taken when the TCP connection is accepted, before the
-handshake, and held until the connection ends (a half-open handshake holds one for at most
-:data:`gateway.limits.HEAD_TIMEOUT` from the accept, a TLS handshake included).  The upgrade
-request's head is at most :data:`~gateway.transports.http.MAX_HEAD_BYTES` (431), however it
-arrives.  A connection beyond the cap gets HTTP 503 as soon as its request line is readable,
-within :data:`REFUSE_WAIT`; at most :data:`gateway.limits.REFUSING_MAX` such refusals are under
-way at once, beyond that the TCP connection is closed at once.  Host check: an
-upgrade whose ``Host`` is not a loopback name, the bound address or in ``allowed_hosts`` gets
-HTTP 421 (DNS rebinding: a page whose name resolves to 127.0.0.1 sends its own name).
-Authentication (``authenticate``, when ``[auth]`` is configured): after Host and Origin, the
-upgrade's ``Authorization`` header must name a principal, else :class:`Refused` (401 with
-``WWW-Authenticate``); the principal rides on the :class:`WebSocketStream` for the connection's
-life.  A connection whose credential a reload removed is closed with 1008.
-
-Frames: MCP over WebSocket is one JSON-RPC message per *text* frame.  A message over
-``max_message_bytes`` raises :class:`~gateway.errors.MessageTooLarge` (the connection answers
--32600 and closes with 1009); it is refused as soon as the header of the frame that takes it
-past the limit is read, without waiting for (or buffering) its payload.  A binary frame raises
-:class:`~gateway.errors.UnsupportedMessage` (-32600, then close 1003); a text message that is not
-UTF-8 raises :class:`~gateway.errors.InvalidFramePayload` (close 1007, no answer); other
-frame-level protocol errors close with 1002.  Messages that arrived before the faulty frame are
-handed out first.  A message must be complete within
-:data:`gateway.limits.INCOMPLETE_MESSAGE_TIMEOUT` seconds of the read that started it (-32600
-``incomplete_message``, then close 1008).  Our close frame is written only at a frame boundary:
-when bytes of a frame are still held (the client stopped reading mid-frame), closing drops the
-TCP connection instead; the answer to the peer's own close frame goes behind what is held.
+wsproto runs the HTTP upgrade only (:func:`_handshake`); after it the connection is a
+:class:`~gateway.protocol.wsframing.ServerFramer` over a
+:class:`~gateway.transports.rawio.SocketIO`.  The framer is hand-written: cheaper per message
+than the libraries, and it decides exactly when a refusal happens.  Reading is the connection's
+reader task (pings answered in :meth:`WebSocketStream.receive`); writing is synchronous
+(:meth:`WebSocketStream.write_nowait`), what the socket does not take held for
+:meth:`WebSocketStream.flush`.  Before an upgrade is accepted come a connection slot (503 beyond
+the cap), a bounded head (431), the ``Host`` (421: DNS rebinding), the ``Origin`` (403:
+browsers open cross-origin WebSockets without CORS) and, with ``[auth]``, a principal (401).
 """
 
 from __future__ import annotations
@@ -122,7 +88,16 @@ class Refused(Exception):
 
 
 class WebSocketStream:
-    """An accepted WebSocket connection as a :class:`~gateway.core.connection.MessageStream`."""
+    """An accepted WebSocket connection as a :class:`~gateway.core.connection.MessageStream`.
+
+    :meth:`receive` raises :class:`~gateway.errors.MessageTooLarge` as soon as a frame header
+    takes a message past ``max_message`` (-32600, close 1009),
+    :class:`~gateway.errors.UnsupportedMessage` for a binary frame (-32600, close 1003) and
+    :class:`~gateway.errors.InvalidFramePayload` for text that is not UTF-8 (close 1007); other
+    protocol errors close with 1002.  Messages before the faulty frame are handed out first.  A
+    message must be complete within :data:`gateway.limits.INCOMPLETE_MESSAGE_TIMEOUT` of the read
+    that started it (``incomplete_message``, close 1008).
+    """
 
     def __init__(self, stream: trio.abc.Stream, max_message: int) -> None:
         self._io = stream_io(stream)  # a TLS connection's SSLStream: through the stream
@@ -209,7 +184,8 @@ class WebSocketStream:
             framer.replies.clear()
 
     async def aclose(self, reason: str) -> None:
-        """Close: our close frame only at a frame boundary (nothing held), else drop TCP."""
+        """Close: our close frame only at a frame boundary (nothing held), else drop TCP; the
+        answer to the peer's own close frame goes behind what is held."""
         if not self._closed:
             self._closed = True
             frame = None
@@ -369,7 +345,10 @@ async def serve_websocket(
     when the connection ends); the principal is on the stream handed to ``on_connection``.  With
     ``tls_context`` every connection speaks TLS (``wss://``): the TLS handshake comes first
     (:func:`gateway.transports.tls.handshake`), and a connection beyond ``max_connections`` is
-    closed at once (a TLS client could not read a plain 503).
+    closed at once (a TLS client could not read a plain 503).  Otherwise a connection beyond
+    the cap gets 503 as soon as its request line is readable, within :data:`REFUSE_WAIT`, at
+    most :data:`gateway.limits.REFUSING_MAX` at once (beyond that, TCP is closed at once).  A
+    half-open handshake holds its slot for at most :data:`gateway.limits.HEAD_TIMEOUT`.
     """
     hosts = allowed_host_names(listeners, allowed_hosts)
     refusing = 0

@@ -44,7 +44,7 @@ def promtool(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProc
 
 
 @pytest.mark.system
-def test_11_promtool_checks_and_unit_tests_the_shipped_rules() -> None:
+def test_promtool_checks_and_unit_tests_the_shipped_rules() -> None:
     checked = promtool("check", "rules", RULES.name)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "SUCCESS: 15 rules found" in checked.stdout
@@ -172,7 +172,7 @@ ERROR_LINE = b'{"jsonrpc":"2.0","id":{ID},"error":{"code":-32000,"message":"boom
 
 
 @pytest.mark.fleet
-async def test_11_prometheus_scrapes_two_replicas_and_evaluates_the_rules(
+async def test_prometheus_scrapes_two_replicas_and_evaluates_the_rules(
     replicas: list[Replica], prometheus: int
 ) -> None:
     for r in replicas:

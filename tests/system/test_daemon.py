@@ -395,7 +395,7 @@ async def test_sigterm_during_a_reload_drain_stops_at_once_and_answers_cut_off_c
         print(finish(proc)[-3000:])
 
 
-async def test_11_lame_duck_serves_through_drain_delay_until_a_second_sigterm(
+async def test_lame_duck_serves_through_drain_delay_until_a_second_sigterm(
         tmp_path: Path, notify_socket: tuple[socket.socket, str]) -> None:
     """Issue 11: SIGTERM turns ``/readyz`` 503 at once (admin and http listener) while every
     listener keeps serving for ``drain_delay`` (a load balancer takes the replica out of

@@ -37,7 +37,7 @@ async def test_stop_is_a_level_and_wins_over_a_pending_reload() -> None:
     assert control.stopping.is_set()
 
 
-async def test_11_lame_duck_waits_drain_delay_from_the_first_stop_unless_asked_again(
+async def test_lame_duck_waits_drain_delay_from_the_first_stop_unless_asked_again(
         autojump_clock: trio.testing.MockClock) -> None:
     """SIGTERM (``lame_duck``) waits ``drain_delay`` counted from the first stop; a second stop
     ends the wait; a stop without it (SIGINT, tests) never waits."""

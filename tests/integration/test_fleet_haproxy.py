@@ -1,4 +1,4 @@
-"""Issue 11: three replicas behind HAProxy, all real processes on 127.0.0.1 (tests/fleetutil.py):
+"""Three replicas behind HAProxy, all real processes on 127.0.0.1 (tests/fleetutil.py):
 HAProxy runs packaging/haproxy/mcp-gateway.cfg as shipped (ports and certificate swapped),
 terminates TLS, and the replicas authenticate every request ([[auth.bearer]]).
 

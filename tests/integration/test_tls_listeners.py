@@ -1,4 +1,4 @@
-"""Issue 10: TLS on the client listeners (HTTPS /mcp and wss://, end to end), and the admin
+"""TLS on the client listeners (HTTPS /mcp and wss://, end to end), and the admin
 token that ``/status`` needs (off loopback, or wherever it is configured)."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ async def _closed_without_answer(port: int, send: bytes) -> bytes:
     return got
 
 
-async def test_10_tls_https_and_wss_end_to_end(tmp_path: Path,
+async def test_tls_https_and_wss_end_to_end(tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     certs = make_certs(tmp_path)
     path = tmp_path / "gw.toml"
@@ -168,7 +168,7 @@ def _non_loopback_address() -> str | None:
     return None if address.startswith("127.") or address == "0.0.0.0" else address
 
 
-async def test_10_status_needs_the_admin_token() -> None:
+async def test_status_needs_the_admin_token() -> None:
     token = "s3cret-admin-token"
     digest = hashlib.sha256(token.encode()).hexdigest()
     # the decision: configured token → always required; off loopback without one → refused

@@ -1,4 +1,4 @@
-"""Issue 9: modern (2026-07-28) backends.  ``protocol_mode`` decides how a child is opened
+"""Modern (2026-07-28) backends.  ``protocol_mode`` decides how a child is opened
 (``server/discover`` or ``initialize``), the era found is pinned and never silently downgraded
 after a restart, every request to a modern child carries the modern ``_meta``, and a modern
 child's ``InputRequiredResult`` reaches a legacy client as pushed requests (gateway.core.inputs)

@@ -1,4 +1,4 @@
-"""Issue 11: the drain contract, so a client always knows what to retry.
+"""The drain contract, so a client always knows what to retry.
 
 While the gateway drains, a connection keeps reading (the answers to its calls' prompts still
 arrive), a request that would start something is refused at once as retryable (-32005

@@ -1,4 +1,4 @@
-"""Issue 10, authorization end to end: each caller sees and may call its own catalog.
+"""Authorization end to end: each caller sees and may call its own catalog.
 
 The unix socket's caller is the peer's user (``SO_PEERCRED``; the tests run as root, so the
 principal is ``root``), the WebSocket's has no principal (authentication not configured).
@@ -64,7 +64,7 @@ async def listed(c: Client, method: str, field: str,
         params = {**(extra or {}), "cursor": r["nextCursor"]}
 
 
-async def test_10_each_caller_sees_and_calls_its_own_catalog_unix_peer_vs_websocket(
+async def test_each_caller_sees_and_calls_its_own_catalog_unix_peer_vs_websocket(
     tmp_path: Path) -> None:
     sock = tmp_path / "gw.sock"
     cfg = make_config(fixture_backend("fx"), gateway="page_size = 4", unix=str(sock), extra=POLICY)
@@ -151,7 +151,7 @@ FILTERED = fixture_backend(
 )
 
 
-async def test_10_backend_include_exclude_filters_hide_and_refuse() -> None:
+async def test_backend_include_exclude_filters_hide_and_refuse() -> None:
     cfg = make_config(FILTERED)
     with trio.fail_after(30):
         async with run_gateway(cfg) as gw, connect(gw.url) as c:

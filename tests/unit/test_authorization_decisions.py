@@ -1,4 +1,4 @@
-"""Issue 10, authorization as pure decisions: policy rules per caller, the per-principal limiter."""
+"""Authorization as pure decisions: policy rules per caller, the per-principal limiter."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ RULES = [
 ]
 
 
-def test_10_rules_match_principal_group_transport_kind_and_scopes_first_match_wins() -> None:
+def test_rules_match_principal_group_transport_kind_and_scopes_first_match_wins() -> None:
     def d(name: str, caller: Caller, kind: str = "tool", default: str = "deny",
           sensitive: bool = False) -> Decision:
         return decide(name, RULES, default, sensitive=sensitive, caller=caller, kind=kind)  # type: ignore[arg-type]  # str for the Literals
@@ -66,7 +66,7 @@ def test_10_rules_match_principal_group_transport_kind_and_scopes_first_match_wi
     assert not visible("git__log", RULES, "allow", sensitive=False, caller=CI_UNIX, kind="tool")
 
 
-async def test_10_principal_limits_token_bucket_and_inflight(
+async def test_principal_limits_token_bucket_and_inflight(
     autojump_clock: trio.testing.MockClock) -> None:
     limits = PrincipalLimits([
         PrincipalLimit("ci-*", max_inflight=2),

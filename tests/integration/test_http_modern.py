@@ -1,4 +1,4 @@
-"""Issue 9: Streamable HTTP at /mcp, modern shape (2026-07-28): stateless POSTs checked at the
+"""Streamable HTTP at /mcp, modern shape (2026-07-28): stateless POSTs checked at the
 edge, served by a flow of their own, cancelled by closing the response stream."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 10, authentication: the pure parts and the JWKS cache on trio's MockClock."""
+"""Authentication: the pure parts and the JWKS cache on trio's MockClock."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _jwk(key: object, kid: str, **extra: str) -> dict[str, str]:
     return {**json.loads(algo.to_jwk(key)), "kid": kid, **extra}
 
 
-async def test_10_tokens_jwks_challenge_and_state_principal(
+async def test_tokens_jwks_challenge_and_state_principal(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
         autojump_clock: trio.testing.MockClock) -> None:
     # -- constant-time comparison: hmac.compare_digest compares the fingerprint with EVERY entry

@@ -1,4 +1,4 @@
-"""Issue 10, boot guards: a client listener off loopback refuses to start unless authentication
+"""Boot guards: a client listener off loopback refuses to start unless authentication
 is configured, the wire is encrypted (TLS here or at a proxy) and resource reads have a rule;
 every refusal names the keys to set, at load, in ``check-config`` and on the address a socket
 is really bound to."""
@@ -27,7 +27,7 @@ def errors_of(text: str, **kw: object) -> list[str]:
     return info.value.errors
 
 
-async def test_10_boot_guards_refuse_and_name_the_keys(tmp_path: Path,
+async def test_boot_guards_refuse_and_name_the_keys(tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     off = '[listen]\nhttp = "0.0.0.0:8766"\nwebsocket = "192.0.2.7:8765"\n'
     # 1. no authentication configured (and nothing else): both listeners, every key named

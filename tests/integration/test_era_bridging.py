@@ -1,4 +1,4 @@
-"""Issue 9: era bridging.  A legacy child's elicitation / sampling / roots request during a
+"""Era bridging.  A legacy child's elicitation / sampling / roots request during a
 modern (2026-07-28) client's call becomes an InputRequiredResult with a signed requestState;
 the client's retry carries the answers back to the waiting child (gateway.core.bridge)."""
 

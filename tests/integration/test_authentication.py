@@ -1,4 +1,4 @@
-"""Issue 10, authentication on real sockets: bearer tokens and OAuth JWTs on /mcp and on the
+"""Authentication on real sockets: bearer tokens and OAuth JWTs on /mcp and on the
 WebSocket upgrade, the principal bound to what it opens, reload, ``connect --token-file``, and
 the token never reaching a child."""
 
@@ -86,7 +86,7 @@ async def upgrade(port: int | None, token: str | None) -> tuple[int, dict[str, s
                                      v in (h.partition(":") for h in head[1:])}
 
 
-async def test_10_bearer_tokens_on_http_and_websocket(tmp_path: Path) -> None:
+async def test_bearer_tokens_on_http_and_websocket(tmp_path: Path) -> None:
     """401 without / with a bad token on both transports (WWW-Authenticate pointing at the
     metadata), each principal's token works, a session is bound to its creator, /status shows
     the auth section, and no token ever reaches the child (its environment and stdin)."""
@@ -225,7 +225,7 @@ def oauth_toml(issuer: Issuer) -> str:
             'jwks_refresh_min_interval = 0.2\nleeway = 5\n')
 
 
-async def test_10_oauth_jwts_from_a_local_issuer(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_oauth_jwts_from_a_local_issuer(monkeypatch: pytest.MonkeyPatch) -> None:
     """A valid JWT authenticates (principal, groups, scopes); expired, wrong audience, wrong
     issuer, unknown key, tampered, alg none and HS256-with-the-public-key are refused with
     invalid_token; a rotated key is picked up by the refetch; a policy scope rule gives 403
@@ -370,7 +370,7 @@ async def modern_call(c: httpx.AsyncClient, url: str, token: str, id: int,
         return await c.post(url, headers=headers, json=body)
 
 
-async def test_10_bridged_state_bound_and_reload_revokes(tmp_path: Path) -> None:
+async def test_bridged_state_bound_and_reload_revokes(tmp_path: Path) -> None:
     """A bridged flow's requestState is bound to its principal (another's retry: -32602
     invalid_state; the owner's goes through); a reload that removes alice's token closes her
     WebSocket with 1008 and her HTTP session's next request gets 401, bob is untouched."""
@@ -411,7 +411,7 @@ async def test_10_bridged_state_bound_and_reload_revokes(tmp_path: Path) -> None
             assert st["auth"]["bearer"]["count"] == 1 and st["connections"] == {"websocket": 1}
 
 
-async def test_10_connect_with_token_file(tmp_path: Path) -> None:
+async def test_connect_with_token_file(tmp_path: Path) -> None:
     """``mcp-gateway connect URL --token-file FILE`` authenticates over WebSocket and HTTP; without
     the token the gateway refuses it."""
     token_file = tmp_path / "token"

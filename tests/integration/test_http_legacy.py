@@ -1,4 +1,4 @@
-"""Issue 9: Streamable HTTP at /mcp, legacy shape (2025-03-26 … 2025-11-25)."""
+"""Streamable HTTP at /mcp, legacy shape (2025-03-26 … 2025-11-25)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""Issue 9: real MCP clients, each in its own process, list the tools and call ``fx__echo`` through
+"""Real MCP clients, each in its own process, list the tools and call ``fx__echo`` through
 the gateway's Streamable HTTP ``/mcp``.
 
 The clients are pinned and installed by ``scripts/setup --test``: the TypeScript SDK and the MCP
 Inspector in ``.deps/interop`` (the Inspector needs node >= 22.19: the node 22 of
 ``.deps/conformance``), the Python SDK 2.x in ``.deps/venv-mcp2``.  The 1.x Python SDK is tested
-in-process in test_9_http.py.
+in-process in test_http_legacy.py.
 """
 
 from __future__ import annotations
