@@ -361,7 +361,7 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                                 probes=partial(admin_probe, hub.status), bridge=hub.bridge,
                                 authn=hub.authn, scope_check=partial(_missing_scopes, hub))
             endpoint.direct = lambda stream: connection.Direct(hub, stream, conns, "http", stream.bind)
-            endpoint.draining = lambda: hub.draining
+            endpoint.core = hub
             await nursery.start(lambda task_status: serve_http(
                 http_listeners, endpoint, max_message=max_msg, handler_nursery=conns, slots=hub.slots,
                 tls_context=tls_context, task_status=task_status))

@@ -49,12 +49,18 @@ SLICE = 8
 FLUSH_TIMEOUT = 2.0
 
 
+#: A message its transport decoded already (an HTTP POST's body): one envelope with its kind
+#: and size, or a batch's entries (:func:`gateway.protocol.jsonrpc.decode_batch`).
+Decoded = tuple[jsonrpc.Envelope, jsonrpc.Kind, int] | list[jsonrpc.BatchEntry]
+
+
 class MessageStream(MessageWriter, Protocol):
     """A bidirectional stream of whole JSON-RPC messages (one per WebSocket frame or line);
     its write side is a :class:`~gateway.core.outbox.MessageWriter`."""
 
-    async def receive(self) -> bytes:
-        """The next message.  Raises TransportClosed or MessageRefused."""
+    async def receive(self) -> bytes | Decoded:
+        """The next message, as bytes or already decoded.  Raises TransportClosed or
+        MessageRefused."""
         ...
 
     async def aclose(self, reason: str) -> None: ...
@@ -182,8 +188,10 @@ class Direct:
         except RuntimeError:  # the listener's nursery is closed (the service is unwinding)
             self.finish()
 
-    def handle(self, data: bytes) -> None:
-        _handle(self.ports, self.session, data, self.nursery)
+    def handle(self, env: jsonrpc.Envelope, kind: jsonrpc.Kind, size: int) -> None:
+        """Its one message, decoded by the transport (the refusals of :func:`refusal` apply)."""
+        _dispatch(self.ports, self.session, env, kind, size, self.nursery, _replier(self.session),
+                  in_batch=False)
 
     def _start_writer(self) -> None:
         if not self.done:
@@ -287,10 +295,17 @@ async def _reader(ports: ConnectionPorts, session: ClientSession, stream: Messag
                     str(exc), reason=exc.reason, **exc.data)))
             session.close(exc.close_reason)
             return
-        if jsonrpc.is_batch(data):
-            _handle_batch(ports, session, data, nursery)
-            continue
-        _handle(ports, session, data, nursery)
+        if type(data) is bytes:
+            if jsonrpc.is_batch(data):
+                _handle_batch(ports, session, data, nursery)
+            else:
+                _handle(ports, session, data, nursery)
+        elif type(data) is tuple:
+            env, kind, size = data
+            _dispatch(ports, session, env, kind, size, nursery, _replier(session), in_batch=False)
+        else:
+            assert isinstance(data, list)
+            _serve_batch(ports, session, data, nursery)
 
 
 async def _wait_drained(session: ClientSession, stall: float) -> None:
@@ -367,20 +382,28 @@ class _BatchCollector:
             self._parts = []
 
 
-def _handle(ports: ConnectionPorts, session: ClientSession, data: bytes, nursery: trio.Nursery) -> None:
-    """One message (not a batch)."""
+Reply = Callable[[bytes | None, int | str | None], None]
+
+
+def _replier(session: ClientSession) -> Reply:
+    """How a message's answer reaches ``session`` (sent at once: one array collects a batch's)."""
     def reply(message: bytes | None, id: int | str | None = None) -> None:
         if message is not None:
             session.send(message)
 
+    return reply
+
+
+def _handle(ports: ConnectionPorts, session: ClientSession, data: bytes, nursery: trio.Nursery) -> None:
+    """One message (not a batch)."""
     try:
         env = jsonrpc.decode(data, ports.max_json_depth)
         kind = jsonrpc.classify(env)
     except errors.GatewayError as exc:
         bad_id = exc.data.pop("id", None)
-        reply(error_response(bad_id, exc), bad_id)
+        session.send(error_response(bad_id, exc))
         return
-    _dispatch(ports, session, env, kind, len(data), nursery, reply, in_batch=False)
+    _dispatch(ports, session, env, kind, len(data), nursery, _replier(session), in_batch=False)
 
 
 def _handle_batch(ports: ConnectionPorts, session: ClientSession, data: bytes, nursery: trio.Nursery) -> None:
@@ -393,6 +416,12 @@ def _handle_batch(ports: ConnectionPorts, session: ClientSession, data: bytes, n
     except errors.GatewayError as exc:
         session.send(error_response(None, exc))
         return
+    _serve_batch(ports, session, entries, nursery)
+
+
+def _serve_batch(ports: ConnectionPorts, session: ClientSession, entries: list[jsonrpc.BatchEntry],
+                 nursery: trio.Nursery) -> None:
+    """A decoded batch's entries, answered as one array."""
     collector = _BatchCollector(session, ports.max_message_bytes)
     for entry in entries:
         reply = collector.expect()
@@ -412,10 +441,10 @@ def _dispatch(ports: ConnectionPorts, session: ClientSession, env: jsonrpc.Envel
     is called once (with None when there is nothing to answer now)."""
     if kind == "request":
         assert isinstance(env.id, int | str) and isinstance(env.method, str)
-        if ports.draining and not _continues_flow(ports, session, env):  # never started: safe elsewhere
+        refused = refusal(ports, session, env)
+        if refused is not None:
             session.refused_at = trio.current_time()  # its close waits for it to settle
-            reply(error_response(env.id, errors.Denied(
-                "the gateway is shutting down; send this request elsewhere", reason="shutdown", retryable=True)), env.id)
+            reply(error_response(env.id, refused), env.id)
             return
         if env.method == "initialize" and in_batch:
             reply(error_response(env.id, errors.InvalidRequest("initialize must not be part of a batch")), env.id)
@@ -436,6 +465,18 @@ def _dispatch(ports: ConnectionPorts, session: ClientSession, env: jsonrpc.Envel
         if outcome is AnswerOutcome.REFUSED:
             LOGGER.warning("connection %s answered unknown request id %.100r: refused", session.conn_id, env.id, extra=session.log_fields)
             ports.bus.emit(AnswerRefused(session.conn_id, "unknown_id"))
+
+
+def refusal(ports: ConnectionPorts, session: ClientSession | None,
+            env: jsonrpc.Envelope) -> errors.GatewayError | None:
+    """Why request ``env`` of ``session`` (None: a session it would create) is refused before it
+    starts, on every transport; None: it is served.  While the gateway drains, a request never
+    started is safe elsewhere: -32005 ``shutdown``, ``retryable`` (an HTTP POST gets it with 503
+    and ``Retry-After``), unless it continues a parked bridged call (an answer, in effect)."""
+    if ports.draining and (session is None or not _continues_flow(ports, session, env)):
+        return errors.Denied("the gateway is shutting down; send this request elsewhere",
+                             reason="shutdown", retryable=True)
+    return None
 
 
 def _continues_flow(ports: ConnectionPorts, session: ClientSession, env: jsonrpc.Envelope) -> bool:

@@ -49,6 +49,9 @@ from gateway import errors, limits
 from gateway.auth.authenticator import Unauthorized
 from gateway.auth.challenge import METADATA_PATHS
 from gateway.config import host_allowed
+from gateway.core import connection
+from gateway.core.connection import ConnectionPorts, Decoded
+from gateway.core.serving import error_response
 from gateway.errors import TransportClosed
 from gateway.limits import CapReached, ConnectionSlots, Held, PrincipalCaps
 from gateway.protocol import era, jsonrpc, mcp
@@ -69,6 +72,7 @@ if TYPE_CHECKING:
     from gateway.auth.principal import Principal
     from gateway.core.bridge import Bridge
     from gateway.core.connection import Direct
+    from gateway.core.session import ClientSession
 
 #: Which scopes a request needs that its principal's token lacks (None: none missing); the
 #: policy's scope rules (gateway.core.policy) answer it.  Args: principal, method, params.
@@ -94,8 +98,12 @@ ALLOW = [("allow", "GET, POST, DELETE")]
 
 
 def _jsonrpc_error(status: int, exc: errors.GatewayError, id: int | str | None = None) -> HttpError:
-    body = jsonrpc.encode_error(id, exc.code, exc.message, exc.error_data())
-    return HttpError(status, exc.message, body, JSON)
+    """A refusal with HTTP ``status``, its body the JSON-RPC error the core makes of ``exc``."""
+    refusal = HttpError(status, exc.message, error_response(id, exc), JSON)
+    if exc.reason == "shutdown":  # the core's drain refusal: retry elsewhere
+        refusal.status = 503
+        refusal.headers = [("retry-after", str(RETRY_AFTER))]
+    return refusal
 
 
 class Sessions:
@@ -159,8 +167,8 @@ class Endpoint:
         self.allowed_origins = allowed_origins
         self.max_json_depth = max_json_depth
         self.ports = ports  # the listener's own ports: an Origin naming this server is allowed
-        # the gateway drains: a request not yet started gets 503 + Retry-After (set by the service)
-        self.draining: Callable[[], bool] = lambda: False
+        # the core: its refusals of a request before it starts (drain), set by the service
+        self.core: ConnectionPorts | None = None
         # each connection counts toward the max_connections of its latest request's principal
         self._counted: dict[HttpConnection, Held] = {}
 
@@ -378,7 +386,8 @@ class Endpoint:
             await self._modern(conn, req, env, kind, body, principal)
             return
         rid = env.id if isinstance(env.id, int | str) else None
-        _refuse_if(kind == "request" and self.draining(), rid)  # an initialize too
+        if kind == "request":  # an initialize too
+            self._refuse(None, env)
         created = (req.header(b"mcp-session-id") is None and kind == "request"
                    and env.method == "initialize")
         if created:
@@ -395,7 +404,7 @@ class Endpoint:
         else:
             session = self._session(req, principal, rid)
         if kind != "request":
-            self._accepted(conn, session, body)
+            self._accepted(conn, session, (env, kind, len(body)))
             _cancellations(session, [env])
             return
         assert isinstance(env.id, int | str)
@@ -411,7 +420,7 @@ class Endpoint:
                 f"progressToken {sink.token!r} is in use by another request of this session",
                 reason="progress_token_in_use"), env.id)
         try:
-            await self._stream(conn, session, sink, body)
+            await self._stream(conn, session, sink, (env, kind, len(body)))
         finally:
             if created and not (session.client is not None and session.client.initialized):
                 # its initialize failed (or its POST ended unanswered): no session was made;
@@ -440,11 +449,11 @@ class Endpoint:
         invalid = sum(e.env is None for e in entries)
         notices = [e.env for e in entries if e.kind == "notification" and e.env is not None]
         if not requests and not invalid:
-            self._accepted(conn, session, body)
+            self._accepted(conn, session, entries)
             _cancellations(session, notices)
             return
         if requests:
-            _refuse_if(self.draining(), None)
+            self._refuse(None, requests[0], None)
         for env in requests:  # its answer would go to the other POST's batch, and theirs here
             if isinstance(env.id, int | str) and session.has_request(env.id):
                 raise _jsonrpc_error(400, errors.InvalidRequest(
@@ -452,9 +461,20 @@ class Endpoint:
         sink = Sink(conn, session.id, batch=True)
         sink.ids = frozenset(env.id for env in requests if isinstance(env.id, int | str))
         sink.invalid = invalid
-        await self._stream(conn, session, sink, body, notices)
+        await self._stream(conn, session, sink, entries, notices)
 
-    async def _modern(self, conn: HttpConnection, req: Request, env: jsonrpc.Envelope, kind: str,
+    def _refuse(self, session: ClientSession | None, env: jsonrpc.Envelope,
+                id: int | str | None = -1) -> None:
+        """The core's refusal of request ``env`` before it starts (:func:`connection.refusal`),
+        as an HTTP refusal (``id``: the one its error names; -1: ``env``'s)."""
+        assert self.core is not None
+        refused = connection.refusal(self.core, session, env)
+        if refused is not None:
+            rid = env.id if id == -1 else id
+            raise _jsonrpc_error(400, refused, rid if isinstance(rid, int | str) else None)
+
+    async def _modern(self, conn: HttpConnection, req: Request, env: jsonrpc.Envelope,
+                      kind: jsonrpc.Kind,
                       body: bytes, principal: Principal | None) -> None:
         """A 2026-07-28 POST: stateless, checked at the edge (headers against the body, the
         request's ``_meta``), served by its own flow; closing the response stream cancels it."""
@@ -490,7 +510,7 @@ class Endpoint:
                 if _rounds(session) == asked:
                     _end(session)
             return
-        _refuse_if(self.draining(), env.id)
+        self._refuse(None, env)
         session = HttpSession(self.sessions.idle_timeout, id="")
         session.mrtr = self.bridge
         session.principal = principal
@@ -498,7 +518,7 @@ class Endpoint:
         assert self.direct is not None
         flow = session.direct = self.direct(session)
         try:
-            flow.handle(body)
+            flow.handle(env, kind, len(body))
             if not sink.done:
                 await _hold(conn, session, sink)
         finally:
@@ -523,15 +543,15 @@ class Endpoint:
         session.open_post(sink)
         return session
 
-    def _accepted(self, conn: HttpConnection, session: HttpSession, body: bytes) -> None:
-        if not session.push(body):
+    def _accepted(self, conn: HttpConnection, session: HttpSession, message: Decoded) -> None:
+        if not session.push(message):
             raise HttpError(503, "this session's inbox is full; retry later")
         conn.respond(202, headers=[(SESSION_HEADER, session.id)])
 
     async def _stream(self, conn: HttpConnection, session: HttpSession, sink: Sink,
-                      body: bytes, notices: Sequence[jsonrpc.Envelope] = ()) -> None:
+                      message: Decoded, notices: Sequence[jsonrpc.Envelope] = ()) -> None:
         session.open_post(sink)
-        if not session.push(body):
+        if not session.push(message):
             session.close_sink(sink)
             raise HttpError(503, "this session's inbox is full; retry later")
         _cancellations(session, notices)
@@ -547,18 +567,6 @@ def _cancellations(session: HttpSession, notices: Sequence[jsonrpc.Envelope]) ->
                 session.cancelled(mcp.decode_cancelled(env.params).requestId)
             except (msgspec.ValidationError, msgspec.DecodeError):
                 pass  # the connection layer ignores it too
-
-
-def _refuse_if(draining: bool, id: int | str | None) -> None:
-    """While the gateway drains, a request not yet started is refused with 503 and
-    ``Retry-After`` (its body the -32005 ``shutdown`` error, ``retryable: true``): a load
-    balancer retries it on another replica (HAProxy ``retry-on 503``), a client may too."""
-    if draining:
-        refusal = _jsonrpc_error(503, errors.Denied(
-            "the gateway is shutting down; send this request elsewhere", reason="shutdown",
-            retryable=True), id)
-        refusal.headers = [("retry-after", str(RETRY_AFTER))]
-        raise refusal
 
 
 def _end(session: HttpSession) -> None:

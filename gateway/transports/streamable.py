@@ -63,7 +63,7 @@ from gateway.wakeup import Wakeup
 if TYPE_CHECKING:
     from gateway.auth.principal import Principal
     from gateway.core.bridge import Bridge
-    from gateway.core.connection import Direct
+    from gateway.core.connection import Decoded, Direct
     from gateway.core.session import ClientSession
     from gateway.transports.http import HttpConnection
 
@@ -211,7 +211,7 @@ class HttpSession:
         self.closed = False
         self.last_active = trio.current_time()
         self.dropped = 0  # messages no stream could take (logged once per session)
-        self._inbox: deque[bytes] = deque()
+        self._inbox: deque[Decoded] = deque()
         self._wakeup = Wakeup()
         self._posts: dict[RequestId, Sink] = {}
         self._batches: deque[Sink] = deque()
@@ -231,8 +231,8 @@ class HttpSession:
         client.mrtr = self.mrtr
         client.principal = self.principal
 
-    def push(self, message: bytes) -> bool:
-        """A POSTed message for the reader; False when the inbox is full."""
+    def push(self, message: Decoded) -> bool:
+        """A POSTed message, decoded, for the reader; False when the inbox is full."""
         if self.closed or len(self._inbox) >= INBOX_MAX:
             return False
         self._inbox.append(message)
@@ -422,7 +422,7 @@ class HttpSession:
 
     # ---- MessageStream ----------------------------------------------------------------------
 
-    async def receive(self) -> bytes:
+    async def receive(self) -> Decoded:
         while not self._inbox:
             if self.closed:
                 raise TransportClosed("session ended")
