@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from functools import partial
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
 import trio
@@ -64,6 +65,15 @@ class MessageStream(MessageWriter, Protocol):
         ...
 
     async def aclose(self, reason: str) -> None: ...
+
+
+@runtime_checkable
+class InlineStream(MessageStream, Protocol):
+    """A stream whose messages arrive in other tasks (an HTTP session's POSTs): it hands one
+    to ``inline`` to have it served at once in that task (True), saving the reader's wake-up;
+    False: queue it for the reader (it must wait behind others, or the session is backlogged)."""
+
+    inline: Callable[[Decoded], bool] | None
 
 
 class ConnectionPorts(ServingPorts, Protocol):
@@ -133,7 +143,13 @@ async def serve(ports: ConnectionPorts, stream: MessageStream, transport: str,
             session.cancel_scope = nursery.cancel_scope
             session.nursery = nursery
             nursery.start_soon(_writer, session, stream)
-            await _reader(ports, session, stream, nursery)
+            if isinstance(stream, InlineStream):
+                stream.inline = partial(_inline, ports, session, nursery)
+            try:
+                await _reader(ports, session, stream, nursery)
+            finally:
+                if isinstance(stream, InlineStream):
+                    stream.inline = None
             session.close(CloseReason.CLIENT_CLOSED)
     except Exception:
         LOGGER.exception("connection %s: unexpected error", session.conn_id, extra=session.log_fields)
@@ -295,17 +311,40 @@ async def _reader(ports: ConnectionPorts, session: ClientSession, stream: Messag
                     str(exc), reason=exc.reason, **exc.data)))
             session.close(exc.close_reason)
             return
-        if type(data) is bytes:
+        if isinstance(data, bytes):
             if jsonrpc.is_batch(data):
                 _handle_batch(ports, session, data, nursery)
             else:
                 _handle(ports, session, data, nursery)
-        elif type(data) is tuple:
-            env, kind, size = data
-            _dispatch(ports, session, env, kind, size, nursery, _replier(session), in_batch=False)
         else:
-            assert isinstance(data, list)
-            _serve_batch(ports, session, data, nursery)
+            _take(ports, session, data, nursery)
+
+
+def _inline(ports: ConnectionPorts, session: ClientSession, nursery: trio.Nursery,
+            message: Decoded) -> bool:
+    """Serve ``message`` in the caller's task, as the reader would at once (see
+    :class:`InlineStream`); False when it must go through the reader (backlogged, closed)."""
+    if (session.closed.is_set() or session.queued > session.high_water
+            or session.queued_bytes > session.high_water_bytes):
+        return False
+    try:
+        _take(ports, session, message, nursery)
+    except Exception:  # a bug must end this connection only, as in its reader
+        LOGGER.exception("connection %s: unexpected error", session.conn_id,
+                         extra=session.log_fields)
+        session.close(CloseReason.ERROR)
+    return True
+
+
+def _take(ports: ConnectionPorts, session: ClientSession, message: Decoded,
+          nursery: trio.Nursery) -> None:
+    """A message its transport decoded."""
+    if type(message) is tuple:
+        env, kind, size = message
+        _dispatch(ports, session, env, kind, size, nursery, _replier(session), in_batch=False)
+    else:
+        assert isinstance(message, list)
+        _serve_batch(ports, session, message, nursery)
 
 
 async def _wait_drained(session: ClientSession, stall: float) -> None:
@@ -386,10 +425,11 @@ Reply = Callable[[bytes | None, int | str | None], None]
 
 
 def _replier(session: ClientSession) -> Reply:
-    """How a message's answer reaches ``session`` (sent at once: one array collects a batch's)."""
+    """How a message's answer reaches ``session`` (sent at once, with its routing hint: one
+    array collects a batch's)."""
     def reply(message: bytes | None, id: int | str | None = None) -> None:
         if message is not None:
-            session.send(message)
+            session.send(message, (jsonrpc.Goes.ANSWER, id))
 
     return reply
 

@@ -76,7 +76,7 @@ if TYPE_CHECKING:
 
 #: Which scopes a request needs that its principal's token lacks (None: none missing); the
 #: policy's scope rules (gateway.core.policy) answer it.  Args: principal, method, params.
-ScopeCheck = Callable[["Principal", str, "jsonrpc.Raw | msgspec.UnsetType"], "list[str] | None"]
+ScopeCheck = Callable[["Principal", str, "msgspec.Raw | msgspec.UnsetType"], "list[str] | None"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -334,6 +334,7 @@ class Endpoint:
                 raise _jsonrpc_error(400, errors.InvalidRequest(
                     f"Last-Event-ID {last[:40]!r} is not an event id of this server"))
             if resume is not None and resume[0] != 0:  # a POST stream
+                assert last is not None
                 sink = session.resume(conn, *resume)
                 if sink is None:
                     raise _jsonrpc_error(400, errors.InvalidRequest(
@@ -527,7 +528,7 @@ class Endpoint:
             if _rounds(session) == 0:
                 flow.finish()
 
-    def _resume(self, env: jsonrpc.Envelope, params: dict[str, jsonrpc.Raw],
+    def _resume(self, env: jsonrpc.Envelope, params: dict[str, msgspec.Raw],
                 caps: dict[str, object], sink: Sink, principal: Principal | None) -> HttpSession:
         """A retry carrying ``requestState``: the parked flow it continues (gateway.core.bridge),
         with ``sink`` open for the retry's id (only for the principal the flow is bound to)."""
@@ -608,7 +609,7 @@ def _is_modern(req: Request, env: jsonrpc.Envelope) -> bool:
         return version in era.MODERN_VERSIONS or (
             version not in mcp.LEGACY_VERSIONS and req.header(b"mcp-session-id") is None
             and env.method != "initialize")
-    if req.header(b"mcp-session-id") is not None or not isinstance(env.params, jsonrpc.Raw):
+    if req.header(b"mcp-session-id") is not None or not isinstance(env.params, msgspec.Raw):
         return False
     try:
         return era.modern_version(jsonrpc.params_dict(env.params)) is not None
@@ -626,7 +627,7 @@ def _accepts(accept: str, media: str) -> bool:
 
 
 def _progress_token(params: object) -> int | str | None:
-    if not isinstance(params, jsonrpc.Raw):
+    if not isinstance(params, msgspec.Raw):
         return None
     try:
         meta = jsonrpc.params_dict(params).get("_meta")

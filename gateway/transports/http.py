@@ -77,18 +77,24 @@ class HttpError(Exception):
 class Request:
     """One received request: method, path, lowercased header names, the whole body."""
 
-    __slots__ = ("body", "headers", "method", "path")
+    __slots__ = ("_by_name", "body", "headers", "method", "path")
 
     def __init__(self, event: h11.Request, body: bytes) -> None:
         self.method = event.method.decode("ascii", "replace")
         self.path = event.target.decode("ascii", "replace").split("?", 1)[0]
         self.headers: list[tuple[bytes, bytes]] = list(event.headers)
         self.body = body
+        self._by_name: dict[bytes, str] | None = None
 
     def header(self, name: bytes) -> str | None:
         """The value of header ``name`` (lowercase); several are joined with ``", "``."""
-        values = [v.decode("latin-1") for k, v in self.headers if k == name]
-        return ", ".join(values) if values else None
+        by_name = self._by_name
+        if by_name is None:  # indexed at the first look: a request is asked for ten or so
+            by_name = self._by_name = {}
+            for key, value in self.headers:
+                text = value.decode("latin-1")
+                by_name[key] = f"{by_name[key]}, {text}" if key in by_name else text
+        return by_name.get(name)
 
     def host_in(self, hosts: frozenset[str]) -> bool:
         """Whether the ``Host`` header names this server (a loopback name or one of ``hosts``;
@@ -326,9 +332,12 @@ async def serve_connection(
                 LOGGER.debug("%s: %d %s", name, exc.status, exc)
                 conn.respond(exc.status, exc.body, exc.content_type,
                              [*error_headers(exc), *exc.headers], close=exc.close)
-            with trio.move_on_after(write_timeout) as scope:
-                await conn.flush()
-            if scope.cancelled_caught or not conn.reusable:
+            if conn.io.held:  # what the socket did not take at once
+                with trio.move_on_after(write_timeout) as scope:
+                    await conn.flush()
+                if scope.cancelled_caught:
+                    return
+            if not conn.reusable:
                 return
     except TransportClosed:
         return

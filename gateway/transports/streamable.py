@@ -49,6 +49,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -57,6 +58,7 @@ from msgspec import UNSET, Raw, UnsetType
 
 from gateway import errors
 from gateway.errors import CloseReason, TransportClosed
+from gateway.protocol.jsonrpc import Goes
 from gateway.transports.replay import ReplayLog, format_id
 from gateway.wakeup import Wakeup
 
@@ -65,6 +67,7 @@ if TYPE_CHECKING:
     from gateway.core.bridge import Bridge
     from gateway.core.connection import Decoded, Direct
     from gateway.core.session import ClientSession
+    from gateway.protocol.jsonrpc import Route
     from gateway.transports.http import HttpConnection
 
 LOGGER = logging.getLogger(__name__)
@@ -212,6 +215,8 @@ class HttpSession:
         self.last_active = trio.current_time()
         self.dropped = 0  # messages no stream could take (logged once per session)
         self._inbox: deque[Decoded] = deque()
+        # serves a POSTed message in the POST's task (set by gateway.core.connection.serve)
+        self.inline: Callable[[Decoded], bool] | None = None
         self._wakeup = Wakeup()
         self._posts: dict[RequestId, Sink] = {}
         self._batches: deque[Sink] = deque()
@@ -235,8 +240,10 @@ class HttpSession:
         """A POSTed message, decoded, for the reader; False when the inbox is full."""
         if self.closed or len(self._inbox) >= INBOX_MAX:
             return False
-        self._inbox.append(message)
         self.last_active = trio.current_time()
+        if not self._inbox and self.inline is not None and self.inline(message):
+            return True
+        self._inbox.append(message)
         self._wakeup.set()
         return True
 
@@ -384,6 +391,7 @@ class HttpSession:
         sink.conn = None
         if sink.token is not None and self._tokens.get(sink.token) is sink:
             del self._tokens[sink.token]  # its progress goes elsewhere meanwhile
+        assert sink.stream is not None  # resumable
         self._detached[sink.stream] = sink
         sink.wake()
         self.last_active = trio.current_time()
@@ -438,14 +446,23 @@ class HttpSession:
                 await self._wakeup.wait()
         return self._inbox.popleft()
 
-    def write_nowait(self, messages: list[bytes]) -> bool:
+    def write_nowait(self, messages: list[bytes], route: Route | None = None) -> bool:
         if self.closed:
             raise TransportClosed("session ended")
-        for message in messages:
-            self._route(message)
+        if route is not None and len(messages) == 1:
+            goes, key = route
+            if goes is Goes.ANSWER:
+                self._answer(messages[0], key)
+            else:
+                self._notify(messages[0], goes, key)
+        else:
+            for message in messages:
+                self._route(message)
         return not self._dirty
 
     def _route(self, message: bytes) -> None:
+        """A message the core sent without a routing hint (one it queued, a batch's array,
+        what the routing core passes on): its hint read from its JSON."""
         if message[:1] == b"[":  # a batch's answers
             batch = self._batch_for(message)
             if batch is not None:
@@ -459,26 +476,39 @@ class HttpSession:
             out = _Out()
         method = out.method
         if method is UNSET:  # a response
-            sink = self._posts.pop(out.id, None) if isinstance(out.id, int | str) else None
-            if sink is None and self._batches and out.id is None:
-                sink = self._batches.popleft()
-            if sink is None:
-                self._drop(message)
-                return
-            if sink.token is not None and self._tokens.get(sink.token) is sink:
-                del self._tokens[sink.token]
-            self._write(sink, message, final=True)
+            self._answer(message, out.id if isinstance(out.id, int | str) else None)
             return
-        sink = None
+        token: RequestId | None = None
         if method == "notifications/progress" and out.params is not UNSET:
             try:
                 token = _progress.decode(out.params).progressToken
             except (msgspec.ValidationError, msgspec.DecodeError):
                 token = None
-            if token is not None:
-                sink = self._tokens.get(token)
+        if token is not None:
+            self._notify(message, Goes.PROGRESS, token)
+        else:
+            self._notify(message, Goes.UNRELATED if method in UNRELATED else Goes.OTHER, None)
+
+    def _answer(self, message: bytes, id: RequestId | None) -> None:
+        """The response to request ``id``: to its POST (an id-less one to the oldest batch)."""
+        sink = self._posts.pop(id, None) if id is not None else None
+        if sink is None and self._batches and id is None:
+            sink = self._batches.popleft()
         if sink is None:
-            if method in UNRELATED and self.id:  # a modern flow has no GET: its listen's POST
+            self._drop(message)
+            return
+        if sink.token is not None and self._tokens.get(sink.token) is sink:
+            del self._tokens[sink.token]
+        self._write(sink, message, final=True)
+
+    def _notify(self, message: bytes, goes: Goes, key: RequestId | None) -> None:
+        """Anything but a response: progress to its request's POST, an unrelated message to
+        the GET stream, anything else where one of its calls' streams is (see above)."""
+        sink = None
+        if goes is Goes.PROGRESS and key is not None:
+            sink = self._tokens.get(key)
+        if sink is None:
+            if goes is Goes.UNRELATED and self.id:  # a modern flow has no GET: its listen's POST
                 sink = self.get
             elif len(self._posts) - len(self._detached) == 1 and not self._batches:
                 sink = next(s for s in self._posts.values() if s.conn is not None)
