@@ -2,15 +2,19 @@
 
 Theory of operation: the transport hands over a :class:`MessageStream` (whole messages in and
 out, its own exceptions already mapped to :class:`~gateway.errors.TransportClosed` /
-:class:`~gateway.errors.MessageTooLarge`).  :func:`serve` gives the connection a nursery with a
-reader loop and a flusher task; answers are written straight to the transport by
-:meth:`ClientSession.send` and the flusher only writes what did not fit (see
-:mod:`gateway.core.outbox`).  The reader decodes each message, refuses what it must (batches outside
-2025-03-26, a request beyond the connection's limits, anything while draining) and hands each
-admitted request to :func:`gateway.core.serving.serve_request`, which answers it, forwards it without
-a task, or runs it in a task of this connection's nursery.  A client's
-``notifications/cancelled`` cancels either kind; a cancelled request gets no response, per the
-spec.  JSON-RPC errors are made by :func:`gateway.core.serving.error_response` only.
+:class:`~gateway.errors.MessageTooLarge`); a message comes as bytes (WebSocket, unix) or already
+decoded (:data:`Decoded`: an HTTP POST's body, decoded once by the endpoint).  :func:`serve`
+gives the connection a nursery with a reader loop and a flusher task; answers are written
+straight to the transport by :meth:`ClientSession.send`, with a routing hint, and the flusher
+only writes what did not fit (see :mod:`gateway.core.outbox`).  The reader decodes what is not
+decoded yet (the batch rule: :func:`gateway.protocol.jsonrpc.decode_batch`), refuses what it
+must (:func:`refusal`: anything while draining; a request beyond the connection's limits) and
+hands each admitted request to :func:`gateway.core.serving.serve_request`, which answers it,
+forwards it without a task, or runs it in a task of this connection's nursery.  An
+:class:`InlineStream` (an HTTP session) has a message served in the task that received it when
+nothing waits before it; a :class:`Direct` (a stateless HTTP request) has no reader at all.  A
+client's ``notifications/cancelled`` cancels either kind; a cancelled request gets no response,
+per the spec.  JSON-RPC errors are made by :func:`gateway.core.serving.error_response` only.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from gateway.events import AnswerRefused, ConnectionClosed, ConnectionOpened, Se
 from gateway.protocol import jsonrpc, mcp
 
 if TYPE_CHECKING:
+    from gateway.auth.principal import Principal
     from gateway.limits import ByteBudget
 
 LOGGER = logging.getLogger(__name__)
@@ -50,9 +55,11 @@ SLICE = 8
 FLUSH_TIMEOUT = 2.0
 
 
-#: A message its transport decoded already (an HTTP POST's body): one envelope with its kind
-#: and size, or a batch's entries (:func:`gateway.protocol.jsonrpc.decode_batch`).
-Decoded = tuple[jsonrpc.Envelope, jsonrpc.Kind, int] | list[jsonrpc.BatchEntry]
+#: A message its transport decoded already (an HTTP POST's body): one envelope with its kind,
+#: size and, when decoded too, its params' top level; or a batch's entries
+#: (:func:`gateway.protocol.jsonrpc.decode_batch`).
+Decoded = (tuple[jsonrpc.Envelope, jsonrpc.Kind, int, "dict[str, msgspec.Raw] | None"]
+           | list[jsonrpc.BatchEntry])
 
 
 class MessageStream(MessageWriter, Protocol):
@@ -128,7 +135,8 @@ def _closed(ports: ConnectionPorts, session: ClientSession, transport: str) -> N
     session.drop_outbound()  # every byte it still had charged is released here
     ports.bus.emit(ConnectionClosed(session.conn_id, transport, session.close_reason,
                                   trio.current_time() - session.opened))
-    LOGGER.debug("connection %s closed: %s", session.conn_id, session.close_reason, extra=session.log_fields)
+    LOGGER.debug("connection %s closed: %s", session.conn_id, session.close_reason,
+                 extra=session.log_fields)
 
 
 async def serve(ports: ConnectionPorts, stream: MessageStream, transport: str,
@@ -152,7 +160,8 @@ async def serve(ports: ConnectionPorts, stream: MessageStream, transport: str,
                     stream.inline = None
             session.close(CloseReason.CLIENT_CLOSED)
     except Exception:
-        LOGGER.exception("connection %s: unexpected error", session.conn_id, extra=session.log_fields)
+        LOGGER.exception("connection %s: unexpected error", session.conn_id,
+                         extra=session.log_fields)
         session.close(CloseReason.ERROR)
     finally:
         with trio.CancelScope(shield=True):
@@ -162,7 +171,8 @@ async def serve(ports: ConnectionPorts, stream: MessageStream, transport: str,
                 with trio.move_on_after(FLUSH_TIMEOUT):
                     await stream.aclose(session.close_reason)
             except Exception:  # a bug must end this connection only, never the daemon
-                LOGGER.exception("connection %s: error while closing", session.conn_id, extra=session.log_fields)
+                LOGGER.exception("connection %s: error while closing", session.conn_id,
+                                 extra=session.log_fields)
             _closed(ports, session, transport)
 
 
@@ -204,10 +214,11 @@ class Direct:
         except RuntimeError:  # the listener's nursery is closed (the service is unwinding)
             self.finish()
 
-    def handle(self, env: jsonrpc.Envelope, kind: jsonrpc.Kind, size: int) -> None:
+    def handle(self, env: jsonrpc.Envelope, kind: jsonrpc.Kind, size: int,
+               params: dict[str, msgspec.Raw] | None = None) -> None:
         """Its one message, decoded by the transport (the refusals of :func:`refusal` apply)."""
         _dispatch(self.ports, self.session, env, kind, size, self.nursery, _replier(self.session),
-                  in_batch=False)
+                  in_batch=False, params=params)
 
     def _start_writer(self) -> None:
         if not self.done:
@@ -236,7 +247,8 @@ class Direct:
             _release(self.ports, session)
             self.stream.abort()
         except Exception:  # a bug must end this connection only, never the daemon
-            LOGGER.exception("connection %s: error while closing", session.conn_id, extra=session.log_fields)
+            LOGGER.exception("connection %s: error while closing", session.conn_id,
+                             extra=session.log_fields)
         _closed(self.ports, session, self.transport)
 
 
@@ -283,7 +295,8 @@ async def _writer(session: ClientSession, stream: MessageStream) -> None:
         session.close(CloseReason.CLIENT_CLOSED)
 
 
-async def _reader(ports: ConnectionPorts, session: ClientSession, stream: MessageStream, nursery: trio.Nursery) -> None:
+async def _reader(ports: ConnectionPorts, session: ClientSession, stream: MessageStream,
+                  nursery: trio.Nursery) -> None:
     """Read and dispatch messages until the client closes.
 
     Backpressure: a transport hands out the messages it already holds without a checkpoint, so
@@ -340,8 +353,9 @@ def _take(ports: ConnectionPorts, session: ClientSession, message: Decoded,
           nursery: trio.Nursery) -> None:
     """A message its transport decoded."""
     if type(message) is tuple:
-        env, kind, size = message
-        _dispatch(ports, session, env, kind, size, nursery, _replier(session), in_batch=False)
+        env, kind, size, params = message
+        _dispatch(ports, session, env, kind, size, nursery, _replier(session), in_batch=False,
+                  params=params)
     else:
         assert isinstance(message, list)
         _serve_batch(ports, session, message, nursery)
@@ -358,9 +372,9 @@ async def _wait_drained(session: ClientSession, stall: float) -> None:
             await session.wait_drained()
             return
         if trio.current_time() >= max(session.last_sent, stopped) + stall:
-            LOGGER.warning("connection %s: took none of its %d queued answers (%d bytes) for %gs "
-                           "(write_stall_timeout); disconnecting it", session.conn_id, session.queued,
-                           session.queued_bytes, stall, extra=session.log_fields)
+            LOGGER.warning("connection %s: took none of its %d queued answers (%d bytes) for "
+                           "%gs (write_stall_timeout); disconnecting it", session.conn_id,
+                           session.queued, session.queued_bytes, stall, extra=session.log_fields)
             session.close(CloseReason.OVERFLOW)
             return
 
@@ -413,9 +427,10 @@ class _BatchCollector:
         if self._sealed and self._open == 0 and self._parts:
             session = self._session
             if self._dropped:
-                LOGGER.warning("connection %s: a batch's answers would pass %d bytes (max_message_bytes, "
-                               "outbound_bytes); %d bytes of results replaced by -32006 errors",
-                               session.conn_id, self._bound, self._dropped, extra=session.log_fields)
+                LOGGER.warning("connection %s: a batch's answers would pass %d bytes "
+                               "(max_message_bytes, outbound_bytes); %d bytes of results "
+                               "replaced by -32006 errors", session.conn_id, self._bound,
+                               self._dropped, extra=session.log_fields)
             session.buffers.release(self._size - 1 - len(self._parts))  # charged again by send()
             session.send(b"[" + b",".join(self._parts) + b"]")
             self._parts = []
@@ -434,7 +449,8 @@ def _replier(session: ClientSession) -> Reply:
     return reply
 
 
-def _handle(ports: ConnectionPorts, session: ClientSession, data: bytes, nursery: trio.Nursery) -> None:
+def _handle(ports: ConnectionPorts, session: ClientSession, data: bytes,
+            nursery: trio.Nursery) -> None:
     """One message (not a batch)."""
     try:
         env = jsonrpc.decode(data, ports.max_json_depth)
@@ -446,7 +462,8 @@ def _handle(ports: ConnectionPorts, session: ClientSession, data: bytes, nursery
     _dispatch(ports, session, env, kind, len(data), nursery, _replier(session), in_batch=False)
 
 
-def _handle_batch(ports: ConnectionPorts, session: ClientSession, data: bytes, nursery: trio.Nursery) -> None:
+def _handle_batch(ports: ConnectionPorts, session: ClientSession, data: bytes,
+                  nursery: trio.Nursery) -> None:
     """A batch (:func:`gateway.protocol.jsonrpc.decode_batch`): refused as a whole with one
     error, or each entry handled and the answers sent as one array (an invalid entry's -32600
     among them)."""
@@ -470,13 +487,14 @@ def _serve_batch(ports: ConnectionPorts, session: ClientSession, entries: list[j
             reply(error_response(None, entry.error), None)
         else:
             assert entry.kind is not None
-            _dispatch(ports, session, entry.env, entry.kind, entry.size, nursery, reply, in_batch=True)
+            _dispatch(ports, session, entry.env, entry.kind, entry.size, nursery, reply,
+                      in_batch=True)
     collector.seal()
 
 
-def _dispatch(ports: ConnectionPorts, session: ClientSession, env: jsonrpc.Envelope, kind: jsonrpc.Kind, size: int,
-              nursery: trio.Nursery, reply: Callable[[bytes | None, int | str | None], None], *,
-              in_batch: bool) -> None:
+def _dispatch(ports: ConnectionPorts, session: ClientSession, env: jsonrpc.Envelope,
+              kind: jsonrpc.Kind, size: int, nursery: trio.Nursery, reply: Reply, *,
+              in_batch: bool, params: dict[str, msgspec.Raw] | None = None) -> None:
     """A decoded message: a request is served (or refused), anything else taken in; ``reply``
     is called once (with None when there is nothing to answer now)."""
     if kind == "request":
@@ -487,14 +505,15 @@ def _dispatch(ports: ConnectionPorts, session: ClientSession, env: jsonrpc.Envel
             reply(error_response(env.id, refused), env.id)
             return
         if env.method == "initialize" and in_batch:
-            reply(error_response(env.id, errors.InvalidRequest("initialize must not be part of a batch")), env.id)
+            reply(error_response(env.id, errors.InvalidRequest(
+                "initialize must not be part of a batch")), env.id)
             return
         try:
             session.check_new_call(env.id, size)
         except errors.GatewayError as exc:
             reply(error_response(env.id, exc), env.id)
             return
-        serve_request(ports, session, env, size, reply)
+        serve_request(ports, session, env, size, reply, params)
         return
     reply(None, None)
     if kind == "notification":
@@ -503,7 +522,8 @@ def _dispatch(ports: ConnectionPorts, session: ClientSession, env: jsonrpc.Envel
     else:
         outcome = session.on_answer(env)
         if outcome is AnswerOutcome.REFUSED:
-            LOGGER.warning("connection %s answered unknown request id %.100r: refused", session.conn_id, env.id, extra=session.log_fields)
+            LOGGER.warning("connection %s answered unknown request id %.100r: refused",
+                           session.conn_id, env.id, extra=session.log_fields)
             ports.bus.emit(AnswerRefused(session.conn_id, "unknown_id"))
 
 
@@ -517,6 +537,21 @@ def refusal(ports: ConnectionPorts, session: ClientSession | None,
         return errors.Denied("the gateway is shutting down; send this request elsewhere",
                              reason="shutdown", retryable=True)
     return None
+
+
+def scope_refusal(ports: ConnectionPorts, principal: Principal | None,
+                  env: jsonrpc.Envelope) -> errors.GatewayError | None:
+    """Why request ``env`` is refused before anything else when ``principal``'s token lacks
+    scopes a policy rule wants for it (``insufficient_scope`` with those ``scopes``: an HTTP
+    client is told to step up, 403); None: not for that.  A connection of another transport
+    is refused the same by the policy when its call is served."""
+    if principal is None or not isinstance(env.method, str):
+        return None
+    missing = ports.policy.missing_scopes(principal, env.method, env.params)
+    if not missing:
+        return None
+    return errors.Denied(f"insufficient scope: this request needs {' '.join(missing)}",
+                         reason="insufficient_scope", scopes=missing)
 
 
 def _continues_flow(ports: ConnectionPorts, session: ClientSession, env: jsonrpc.Envelope) -> bool:
@@ -535,7 +570,8 @@ def _continues_flow(ports: ConnectionPorts, session: ClientSession, env: jsonrpc
     return ports.bridge.continues(env.method, params)
 
 
-def _on_notification(ports: ConnectionPorts, session: ClientSession, method: str, env: jsonrpc.Envelope) -> None:
+def _on_notification(ports: ConnectionPorts, session: ClientSession, method: str,
+                     env: jsonrpc.Envelope) -> None:
     if method == "notifications/cancelled":
         try:
             request_id = mcp.decode_cancelled(env.params).requestId
@@ -551,6 +587,7 @@ def _on_notification(ports: ConnectionPorts, session: ClientSession, method: str
     elif method == "notifications/roots/list_changed":
         ports.roots_changed(session)
     else:
-        LOGGER.debug("connection %s: ignored notification %s", session.conn_id, method, extra=session.log_fields)
+        LOGGER.debug("connection %s: ignored notification %s", session.conn_id, method,
+                     extra=session.log_fields)
 
 

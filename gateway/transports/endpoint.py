@@ -1,36 +1,19 @@
-"""The Streamable HTTP endpoint ``/mcp`` (legacy shape, 2025-03-26 … 2025-11-25): the listener,
-its connections, the checks every request passes, and the table of live sessions.
+"""The Streamable HTTP endpoint ``/mcp``: HTTP only, each POST decoded once and handed to the
+core.
 
-Theory of operation: each accepted TCP connection holds a ``max_connections`` slot and is one
-task serving requests one after the other (:class:`~gateway.transports.http.HttpConnection`,
-keep-alive).  A request is checked in this order, each failure answered and counted by its
-status: path (404, or 401 with an OAuth error body when authentication is configured and the
-request has no valid credential; ``/healthz`` and ``/readyz`` are answered for load balancers,
-with any ``Host``, by :func:`gateway.ops.admin.probe`; the Protected Resource Metadata at
-:data:`~gateway.auth.challenge.METADATA_PATHS` when an OAuth authorization server is
-configured), ``Host`` (403: DNS rebinding), ``Origin`` (403), the credential when ``[auth]``
-is configured (401 with ``WWW-Authenticate``, :mod:`gateway.auth.authenticator`), method (405),
-``Accept`` (406), ``Content-Type`` (415), the body as one JSON-RPC message (400 with the
--32700/-32600 error; a batch by the batch rule, its invalid entries answered in its array),
-``Mcp-Session-Id`` (400 missing, 404 unknown or ended), ``MCP-Protocol-Version`` (400
-unsupported; absent means 2025-03-26), and a policy rule's scopes (403 ``insufficient_scope``,
-via ``scope_check``).  A session is bound to the principal that created
-it: another principal, or none, presenting its id gets the 404 of an unknown session; a
-bridged flow's ``requestState`` is bound the same way (gateway.core.bridge).  An ``initialize`` POST
-without a session id creates a session (:class:`~gateway.transports.streamable.HttpSession`, at most
-``http_max_sessions``, and a principal's ``max_sessions``: 503 beyond) whose id comes back in the
-``Mcp-Session-Id`` header.  A connection counts toward the ``max_connections`` of its latest
-request's principal.  A POSTed request opens a :class:`~gateway.transports.streamable.Sink` and its
-task waits, reading the socket only to see the peer leave, until the sink is answered; an SSE
-comment every :data:`KEEPALIVE` seconds keeps an idle stream open.  Notifications and responses get
-202.  GET opens the session's one standalone stream (409 for a second one); with ``Last-Event-ID``
-it resumes the stream that id belongs to (:meth:`~gateway.transports.streamable.HttpSession.resume`;
-400 when nothing of it is left to resume).  DELETE ends the session.  While the gateway drains, a
-POST that would start anything (a request, ``initialize`` included, of either shape) gets 503 with
-``Retry-After``; answers, notifications and a bridged call's retry are still taken.
-
-One endpoint decides per request: the modern shape (2026-07-28, no session) will be told apart
-here by its ``MCP-Protocol-Version`` header before any session lookup.
+Each accepted connection holds a ``max_connections`` slot and serves its requests one after the
+other (:mod:`gateway.transports.http`).  A request is checked in order: path (``/healthz``,
+``/readyz`` and the OAuth metadata are answered beside ``/mcp``), ``Host`` and ``Origin`` (403),
+the credential (401, :mod:`gateway.auth`), method, ``Accept`` and ``Content-Type``, the body
+(one JSON-RPC message or a batch, decoded here only), then the session (``Mcp-Session-Id``,
+bound to the principal that made it: 404 for anyone else) or, for the 2026-07-28 shape, no
+session.  The decoded envelope goes to the core: a legacy session's to its
+:class:`~gateway.transports.streamable.HttpSession`, a stateless request's to its own
+:class:`~gateway.core.connection.Direct`.  The core decides the refusals
+(:func:`~gateway.core.connection.refusal`, :func:`~gateway.core.connection.scope_refusal`);
+this module only maps them to a status (503 + ``Retry-After``, 403 + challenge, 400), their
+body the core's JSON-RPC error.  A POST's task then holds its response stream until answered;
+GET opens (or, with ``Last-Event-ID``, resumes) the session's standalone stream; DELETE ends it.
 """
 
 from __future__ import annotations
@@ -74,10 +57,6 @@ if TYPE_CHECKING:
     from gateway.core.connection import Direct
     from gateway.core.session import ClientSession
 
-#: Which scopes a request needs that its principal's token lacks (None: none missing); the
-#: policy's scope rules (gateway.core.policy) answer it.  Args: principal, method, params.
-ScopeCheck = Callable[["Principal", str, "msgspec.Raw | msgspec.UnsetType"], "list[str] | None"]
-
 LOGGER = logging.getLogger(__name__)
 
 PATH = "/mcp"
@@ -99,11 +78,7 @@ ALLOW = [("allow", "GET, POST, DELETE")]
 
 def _jsonrpc_error(status: int, exc: errors.GatewayError, id: int | str | None = None) -> HttpError:
     """A refusal with HTTP ``status``, its body the JSON-RPC error the core makes of ``exc``."""
-    refusal = HttpError(status, exc.message, error_response(id, exc), JSON)
-    if exc.reason == "shutdown":  # the core's drain refusal: retry elsewhere
-        refusal.status = 503
-        refusal.headers = [("retry-after", str(RETRY_AFTER))]
-    return refusal
+    return HttpError(status, exc.message, error_response(id, exc), JSON)
 
 
 class Sessions:
@@ -154,11 +129,9 @@ class Endpoint:
     def __init__(self, sessions: Sessions, *, hosts: frozenset[str], allowed_origins: Sequence[str],
                  max_json_depth: int, ports: frozenset[int] = frozenset(),
                  probes: Callable[[Request], Reply] | None = None,
-                 bridge: Bridge | None = None, authn: Authenticator | None = None,
-                 scope_check: ScopeCheck | None = None) -> None:
+                 bridge: Bridge | None = None, authn: Authenticator | None = None) -> None:
         self.sessions = sessions
         self.authn = authn  # None or not configured: no authentication (loopback only)
-        self.scope_check = scope_check
         self.probes = probes  # /healthz and /readyz (gateway.ops.admin.probe), any Host
         self.bridge = bridge  # None: a legacy child's requests to a modern caller are refused
         # serves a modern request's flow without a task of its own (set by the service)
@@ -260,16 +233,15 @@ class Endpoint:
     def _check_scopes(self, req: Request, principal: Principal | None,
                       env: jsonrpc.Envelope) -> None:
         """403 ``insufficient_scope`` when a policy rule wants scopes the token lacks."""
-        if principal is None or self.scope_check is None or not isinstance(env.method, str):
-            return
-        missing = self.scope_check(principal, env.method, env.params)
-        if missing:
-            assert self.authn is not None
+        assert self.core is not None
+        refused = connection.scope_refusal(self.core, principal, env)
+        if refused is not None:
+            assert self.authn is not None and principal is not None
             self.authn.refused("http", "/mcp", f"insufficient scope for {env.method}",
                                principal.label)
-            refusal = HttpError(403, f"insufficient scope: this request needs {' '.join(missing)}")
-            refusal.headers = [("www-authenticate",
-                                self.authn.challenge(req.header(b"host"), scope=missing))]
+            refusal = HttpError(403, refused.message)
+            refusal.headers = [("www-authenticate", self.authn.challenge(
+                req.header(b"host"), scope=refused.data["scopes"]))]
             raise refusal
 
     def _metadata(self, conn: HttpConnection, req: Request) -> None:
@@ -405,7 +377,7 @@ class Endpoint:
         else:
             session = self._session(req, principal, rid)
         if kind != "request":
-            self._accepted(conn, session, (env, kind, len(body)))
+            self._accepted(conn, session, (env, kind, len(body), None))
             _cancellations(session, [env])
             return
         assert isinstance(env.id, int | str)
@@ -413,7 +385,8 @@ class Endpoint:
             raise _jsonrpc_error(400, errors.InvalidRequest(
                 f"request id {env.id!r} is already in flight on this session"), env.id)
         sink = Sink(conn, session.id, env.id)
-        sink.token = _progress_token(env.params)
+        params = _params(env)
+        sink.token = _progress_token(params)
         if sink.token is not None and session.token_in_use(sink.token):
             # the spec: a progress token is unique across active requests; two would mix their
             # progress on one stream.  A JSON-RPC error for this request (HTTP 200, like any)
@@ -421,7 +394,7 @@ class Endpoint:
                 f"progressToken {sink.token!r} is in use by another request of this session",
                 reason="progress_token_in_use"), env.id)
         try:
-            await self._stream(conn, session, sink, (env, kind, len(body)))
+            await self._stream(conn, session, sink, (env, kind, len(body), params))
         finally:
             if created and not (session.client is not None and session.client.initialized):
                 # its initialize failed (or its POST ended unanswered): no session was made;
@@ -470,9 +443,15 @@ class Endpoint:
         as an HTTP refusal (``id``: the one its error names; -1: ``env``'s)."""
         assert self.core is not None
         refused = connection.refusal(self.core, session, env)
-        if refused is not None:
-            rid = env.id if id == -1 else id
+        if refused is None:
+            return
+        rid = env.id if id == -1 else id
+        if refused.reason != "shutdown":
             raise _jsonrpc_error(400, refused, rid if isinstance(rid, int | str) else None)
+        # draining: a load balancer retries it on another replica (HAProxy retry-on 503)
+        refusal = _jsonrpc_error(503, refused, rid if isinstance(rid, int | str) else None)
+        refusal.headers = [("retry-after", str(RETRY_AFTER))]
+        raise refusal
 
     async def _modern(self, conn: HttpConnection, req: Request, env: jsonrpc.Envelope,
                       kind: jsonrpc.Kind,
@@ -501,7 +480,7 @@ class Endpoint:
         if mismatch is not None:
             raise _jsonrpc_error(400, mismatch, env.id)
         sink = Sink(conn, "", env.id)
-        sink.token = _progress_token(env.params)
+        sink.token = _progress_token(params)
         if self.bridge is not None and self.bridge.continues(env.method, params):
             session = self._resume(env, params, caps, sink, principal)  # a drain lets it in
             asked = _rounds(session)
@@ -519,7 +498,7 @@ class Endpoint:
         assert self.direct is not None
         flow = session.direct = self.direct(session)
         try:
-            flow.handle(env, kind, len(body))
+            flow.handle(env, kind, len(body), params)
             if not sink.done:
                 await _hold(conn, session, sink)
         finally:
@@ -626,11 +605,20 @@ def _accepts(accept: str, media: str) -> bool:
     return media in kinds or "*/*" in kinds or f"{media.split('/')[0]}/*" in kinds
 
 
-def _progress_token(params: object) -> int | str | None:
-    if not isinstance(params, msgspec.Raw):
+def _params(env: jsonrpc.Envelope) -> dict[str, msgspec.Raw] | None:
+    """A request's params' top level, decoded once for the edge and the core (None: not an
+    object, the core's to answer)."""
+    try:
+        return jsonrpc.params_dict(env.params)
+    except errors.GatewayError:
+        return None
+
+
+def _progress_token(params: dict[str, msgspec.Raw] | None) -> int | str | None:
+    if params is None:
         return None
     try:
-        meta = jsonrpc.params_dict(params).get("_meta")
+        meta = params.get("_meta")
         if meta is None:
             return None
         token = jsonrpc.loads(meta).get("progressToken")

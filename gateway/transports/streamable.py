@@ -1,47 +1,33 @@
 """An HTTP session of the legacy Streamable HTTP shape (2025-03-26 … 2025-11-25): one
-:class:`~gateway.core.connection.MessageStream` fed by POSTs and written to their response streams.
+:class:`~gateway.core.connection.MessageStream` fed by POSTs and written to their response
+streams.
 
 Theory of operation: an HTTP session is served like any connection, by
-``connection.serve(hub, session, "http")`` for the session's whole life: one
-:class:`~gateway.core.session.ClientSession`, one owner for the routing core.  :meth:`HttpSession.receive`
-hands out the messages POSTed to it (a bounded inbox); :meth:`HttpSession.write_nowait` routes
-every outgoing message to one open response stream (a :class:`Sink`), never to two:
+``connection.serve(hub, session, "http")`` for its whole life (one
+:class:`~gateway.core.session.ClientSession`, one owner for the routing core).  A POSTed message
+arrives decoded (:meth:`HttpSession.push`) and is served in the POST's task, or queued for the
+session's reader when others wait before it (a bounded inbox).  :meth:`HttpSession.write_nowait`
+puts every outgoing message on one open response stream (a :class:`Sink`), chosen by the routing
+hint the core sends with it (a message without one is parsed for it):
 
-- a response goes to the POST that carries its request id (a batch's array answer to the batch
-  POST whose request ids it answers); when that POST's stream is gone the response is dropped
-  (the call is not cancelled by a closed stream: the spec says so);
+- a response goes to the POST that carries its request id (a batch's array to the batch POST
+  whose ids it answers); with that POST's stream gone it is dropped (the call goes on);
 - ``notifications/progress`` goes to the POST whose request carried that ``progressToken``;
 - list and resource-update notifications (unrelated to any request) go to the GET stream (a
   modern flow, which has none, gets them only for its ``subscriptions/listen``: to its POST);
-- anything else (log messages, elicitation/sampling/roots requests, their cancellations) goes to
-  the only open POST stream when there is exactly one (the routing core delivered it to this
-  owner because one of its calls caused it), else to the GET stream, else to the oldest open POST;
-- with no stream open at all it is parked, at most :data:`PARK_MAX` messages and
-  :data:`PARK_MAX_BYTES` bytes (charged to the session's byte account), and written when the
-  GET stream opens; beyond that the oldest is dropped and counted.
+- anything else (log messages, server→client requests) goes to the only open POST stream when
+  there is exactly one, else to the GET stream, else to the oldest open POST;
+- with no stream open it is parked (at most :data:`PARK_MAX` messages, :data:`PARK_MAX_BYTES`
+  bytes) until the GET stream opens; beyond that the oldest is dropped and counted.
 
-A POST's response is JSON when the response is the first thing for it (the usual case), else an
-SSE stream that the response ends; a modern flow's -32021 error is sent with status 400.
-
-Resumption (:mod:`gateway.transports.replay`): every SSE event of a session's streams carries an
-id naming its stream, and is kept in the session's replay log (at most :data:`REPLAY_MAX_BYTES`,
-charged to the session's byte account; what falls out is lost, and a resumption that needed it
-is logged).  A POST stream whose connection breaks after the client got an id from it is kept
-*detached*: its response, when it comes, goes into the log only; its progress and anything
-else go where they would go with the stream gone.  A ``GET`` with ``Last-Event-ID``
-(:meth:`HttpSession.resume`) replays what the log holds of that stream after that id, then
-re-attaches a detached POST stream (it goes on live until its response) or, for the GET
-stream's own ids, opens the GET stream.  A session that negotiated 2025-11-25 gets the spec's
-priming event (an id, empty data) first on each POST stream, so a stream broken before its first
-message can be resumed too.  The gateway never closes a stream's connection early on purpose
-(so it sends no ``retry`` field); keep-alive comments keep idle streams open.  Modern
-(2026-07-28) flows have no resumability: no ids.  Writes are synchronous; what a socket does not
-take is held by that socket's :class:`~gateway.transports.rawio.SocketIO`, and
-:meth:`HttpSession.flush` waits for all of them, so the session's outbound accounting
-(``outbound_bytes``, the ByteBudget) covers every stream.  A stream whose peer is gone is dropped
-from the session; the session goes on.  The session ends on DELETE (its calls are cancelled, as for
-a closed connection) or when it has been idle (nothing in flight, no stream open) for
-``http_session_idle_timeout``: :meth:`receive` then raises TransportClosed.
+A POST's response is JSON when the response is the first thing for it, else an SSE stream that
+the response ends; a modern flow's -32020/-32021/-32022 errors get status 400.  Resumption
+(:mod:`gateway.transports.replay`): a legacy session's SSE events carry ids and are kept in its
+replay log (:data:`REPLAY_MAX_BYTES`); a POST stream whose connection breaks is kept detached
+until its response, and ``GET`` with ``Last-Event-ID`` (:meth:`HttpSession.resume`) replays and
+re-attaches it.  Writes are synchronous; what a socket does not take is held by it and
+:meth:`HttpSession.flush` waits for all of them.  The session ends on DELETE or after
+``http_session_idle_timeout`` idle (:meth:`receive` then raises TransportClosed).
 """
 
 from __future__ import annotations
