@@ -22,6 +22,7 @@ import logging
 import math
 import ssl
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -69,6 +70,8 @@ KEEPALIVE = 15.0
 QUICK_ANSWER = 0.05
 #: Seconds a request refused while the gateway drains is told to wait (``Retry-After``).
 RETRY_AFTER = 1
+#: The timer of :class:`_QuickWaits` wakes at most this often.
+QUICK_TICK = 0.01
 #: A keep-alive connection with no request for this long is closed.
 IDLE_TIMEOUT = 60.0
 JSON = "application/json"
@@ -79,6 +82,47 @@ ALLOW = [("allow", "GET, POST, DELETE")]
 def _jsonrpc_error(status: int, exc: errors.GatewayError, id: int | str | None = None) -> HttpError:
     """A refusal with HTTP ``status``, its body the JSON-RPC error the core makes of ``exc``."""
     return HttpError(status, exc.message, error_response(id, exc), JSON)
+
+
+class _QuickWaits:
+    """The POSTs waiting for their answer's first :data:`QUICK_ANSWER` seconds, woken by one timer
+    task (run while any waits): most answers come within moments, and a cancel scope (or the
+    socket registered with epoll) per POST costs more than the call."""
+
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+        self._due: deque[tuple[float, Sink]] = deque()  # by deadline: all wait as long
+        self._ticking = False
+
+    async def wait(self, sink: Sink) -> None:
+        """Until ``sink`` is answered (or woken), at most about :data:`QUICK_ANSWER` seconds."""
+        sink.answered = event = trio.Event()
+        try:
+            if not self._ticking:
+                try:
+                    self._nursery.start_soon(self._tick)
+                except RuntimeError:  # the service is unwinding: a timer of its own
+                    with trio.move_on_after(QUICK_ANSWER):
+                        await event.wait()
+                    return
+                self._ticking = True
+            self._due.append((trio.current_time() + QUICK_ANSWER, sink))
+            await event.wait()
+        finally:
+            sink.answered = None
+
+    async def _tick(self) -> None:
+        due = self._due
+        try:
+            while due:
+                await trio.sleep_until(max(due[0][0], trio.current_time() + QUICK_TICK))
+                now = trio.current_time()
+                while due and due[0][0] <= now:
+                    answered = due.popleft()[1].answered
+                    if answered is not None:
+                        answered.set()
+        finally:
+            self._ticking = False
 
 
 class Sessions:
@@ -94,6 +138,7 @@ class Sessions:
         self.idle_timeout = idle_timeout
         self.caps = caps if caps is not None else PrincipalCaps()  # a principal's max_sessions
         self.by_id: dict[str, HttpSession] = {}
+        self.quick = _QuickWaits(nursery)
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -313,7 +358,7 @@ class Endpoint:
                         f"nothing to resume after event {last[:40]!r}: the stream ended, or its "
                         "events fell out of the replay buffer"))
                 if not sink.done:
-                    await _hold(conn, session, sink)
+                    await self._hold(conn, session, sink)
                 return
             if session.get is not None:
                 raise HttpError(409, "this session already has a GET stream open")
@@ -325,7 +370,7 @@ class Endpoint:
             deadline = (math.inf if expires is None
                         else trio.current_time() + max(0.0, expires - time.time()))
             with trio.move_on_at(deadline) as expiry:
-                await _hold(conn, session, sink)
+                await self._hold(conn, session, sink)
             if expiry.cancelled_caught:  # expired: end the stream cleanly (the session goes on)
                 try:
                     conn.end_events()
@@ -485,7 +530,7 @@ class Endpoint:
             session = self._resume(env, params, caps, sink, principal)  # a drain lets it in
             asked = _rounds(session)
             try:
-                await _hold(conn, session, sink)
+                await self._hold(conn, session, sink)
             finally:
                 if _rounds(session) == asked:
                     _end(session)
@@ -500,12 +545,15 @@ class Endpoint:
         try:
             flow.handle(env, kind, len(body), params)
             if not sink.done:
-                await _hold(conn, session, sink)
+                await self._hold(conn, session, sink)
         finally:
             # answered, or the client closed the stream: that cancels the call, unless this POST
             # was answered input_required (the flow waits for the retry, which may already run)
             if _rounds(session) == 0:
                 flow.finish()
+
+    async def _hold(self, conn: HttpConnection, session: HttpSession, sink: Sink) -> None:
+        await _hold(conn, session, sink, self.sessions.quick)
 
     def _resume(self, env: jsonrpc.Envelope, params: dict[str, msgspec.Raw],
                 caps: dict[str, object], sink: Sink, principal: Principal | None) -> HttpSession:
@@ -535,7 +583,7 @@ class Endpoint:
             session.close_sink(sink)
             raise HttpError(503, "this session's inbox is full; retry later")
         _cancellations(session, notices)
-        await _hold(conn, session, sink)
+        await self._hold(conn, session, sink)
 
 
 def _cancellations(session: HttpSession, notices: Sequence[jsonrpc.Envelope]) -> None:
@@ -627,7 +675,8 @@ def _progress_token(params: dict[str, msgspec.Raw] | None) -> int | str | None:
     return token if isinstance(token, int | str) and not isinstance(token, bool) else None
 
 
-async def _hold(conn: HttpConnection, session: HttpSession, sink: Sink) -> None:
+async def _hold(conn: HttpConnection, session: HttpSession, sink: Sink,
+                quick: _QuickWaits) -> None:
     """Wait until ``sink`` is answered (or its session ends), watching the peer; an SSE comment
     every :data:`KEEPALIVE` seconds of silence.  Raises TransportClosed when the peer left."""
     try:
@@ -637,10 +686,7 @@ async def _hold(conn: HttpConnection, session: HttpSession, sink: Sink) -> None:
         if not sink.done and sink.request_id is not None:
             # Most answers come within moments: wait for them without watching the socket
             # (registering it with epoll and cancelling that wait costs more than the call).
-            sink.answered = trio.Event()
-            with trio.move_on_after(QUICK_ANSWER):
-                await sink.answered.wait()
-            sink.answered = None
+            await quick.wait(sink)
         while not sink.done and sink.conn is conn:
             with trio.move_on_after(KEEPALIVE) as scope:
                 sink.scope = scope
