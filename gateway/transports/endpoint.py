@@ -18,6 +18,7 @@ GET opens (or, with ``Last-Event-ID``, resumes) the session's standalone stream;
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import ssl
@@ -194,6 +195,8 @@ class Endpoint:
         """Every ``Origin`` is in ``allowed_origins`` or is this server itself (a loopback name
         or an allowed host, with the listener's port): a page served from elsewhere, such as
         a DNS-rebinding attacker's, is refused."""
+        if req.header(b"origin") is None:  # not from a browser
+            return True
         for name, value in req.headers:
             if name.lower() != b"origin":
                 continue
@@ -649,8 +652,14 @@ def _allow(exc: HttpError) -> list[tuple[str, str]]:
 
 
 def _accepts(accept: str, media: str) -> bool:
-    kinds = {part.split(";", 1)[0].strip().lower() for part in accept.split(",")}
+    kinds = _media_kinds(accept) if len(accept) <= 256 else _media_kinds.__wrapped__(accept)
     return media in kinds or "*/*" in kinds or f"{media.split('/')[0]}/*" in kinds
+
+
+@functools.lru_cache(maxsize=64)
+def _media_kinds(accept: str) -> frozenset[str]:
+    """The media types an ``Accept`` value lists (a client sends the same one every time)."""
+    return frozenset(part.split(";", 1)[0].strip().lower() for part in accept.split(","))
 
 
 def _params(env: jsonrpc.Envelope) -> dict[str, msgspec.Raw] | None:
