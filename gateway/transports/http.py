@@ -53,6 +53,7 @@ SSE_HEADERS = [("content-type", "text/event-stream"), ("cache-control", "no-cach
                ("x-accel-buffering", "no")]
 _EVENT = b"event: message\ndata: "
 _KEEPALIVE = b": keep-alive\n\n"
+_REASONS: dict[int, bytes] = {}  # status -> reason phrase
 
 Headers = Sequence[tuple[str, str]]
 #: A whole response: status, content type, body, extra headers.
@@ -254,6 +255,23 @@ class HttpConnection:
         if body and not self._head:
             return self._send(head, h11.Data(data=body), h11.EndOfMessage())
         return self._send(head, h11.EndOfMessage())
+
+    def respond_json(self, status: int, body: bytes, session_id: str = "") -> bool:
+        """:meth:`respond` with a JSON ``body`` (and ``Mcp-Session-Id``: ``session_id``, when
+        given), the answer to nearly every POST: its few headers are made valid here, so h11
+        is not asked to check them again."""
+        if self._head or not (session_id.isascii() and session_id.isprintable()):
+            headers = [("mcp-session-id", session_id)] if session_id else []
+            return self.respond(status, body, "application/json", headers)
+        fields = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        if session_id:
+            fields.insert(0, (b"mcp-session-id", session_id.encode("ascii")))
+        reason = _REASONS.get(status)
+        if reason is None:
+            reason = _REASONS[status] = http.HTTPStatus(status).phrase.encode("ascii")
+        head = h11.Response(status_code=status, headers=fields, reason=reason,
+                            _parsed=True)  # h11's own shortcut for valid headers
+        return self._send(head, h11.Data(data=body), h11.EndOfMessage())
 
     def start_events(self, headers: Headers = ()) -> bool:
         """A 200 ``text/event-stream`` response head (chunked: it ends with :meth:`end_events`)."""

@@ -139,8 +139,7 @@ class Sink:
         if final:
             self.finish_soon()
             if not self.started:  # answered before anything else: a plain JSON response
-                return conn.respond(self._status(message), message, "application/json",
-                                    self._headers())
+                return conn.respond_json(self._status(message), message, self.session_id)
             conn.event(message, event_id)
             return conn.end_events()
         return conn.event(message, event_id)

@@ -19,6 +19,9 @@ class Conn:
         self.wrote.append(("respond", body))
         return True
 
+    def respond_json(self, status: int, body: bytes, session_id: str = "") -> bool:
+        return self.respond(status, body)
+
     def start_events(self, headers: Any = ()) -> bool:
         self.wrote.append(("start", None))
         return True
