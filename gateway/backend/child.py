@@ -69,7 +69,7 @@ class Owner(Protocol):
 
     def __hash__(self) -> int: ...
 
-    def send(self, data: bytes) -> bool: ...
+    def send(self, data: bytes, route: jsonrpc.Route | None = None) -> bool: ...
     def cancel_request(self, req: Any, outcome: ServerRequestOutcome, reason: str) -> None: ...
 
 
@@ -181,7 +181,9 @@ class ChildConnection:
             elif type(action) is Finished:
                 action.call.handle.finished(action.result, action.error)
             elif type(action) is ToOwner:
-                cast(Owner, action.owner).send(action.data)
+                # the only message the router passes to an owner: progress under its token
+                cast(Owner, action.owner).send(
+                    action.data, (jsonrpc.Goes.PROGRESS, action.call.client_token))
             elif type(action) is ArmTimer:
                 self._timer_at = action.at
                 if self._timer is not None and action.at < self._timer.deadline:
