@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from gateway.backend.child import ChildConnection
     from gateway.config import GatewaySection
     from gateway.core.serving import Served
-    from gateway.core.session import ClientSession, ServerRequest
+    from gateway.core.session import Call, ClientSession, ServerRequest
 
 LOGGER = logging.getLogger(__name__)
 
@@ -115,15 +115,15 @@ class Bridge:
         # a call of this backend parked (set by the hub: wakes the calls waiting behind it)
         self.on_park: Callable[[str], None] = lambda backend: None
 
-    def flow_of(self, owner: ClientSession, served: Served | None = None) -> Flow:
-        """The flow of ``served``, by default the owner's call in flight (ownership bridges a
+    def flow_of(self, owner: ClientSession, call: Call | None = None) -> Flow:
+        """The flow of ``call``, by default the owner's call in flight (ownership bridges a
         child's request only while its owner has exactly one, open listens aside)."""
-        if served is None:
-            served = owner.calls()[0]
+        # a session's calls are gateway.core.serving.Served, the only kind there is
+        served = cast("Served", owner.calls()[0] if call is None else call)
         flow = cast("Flow | None", served.flow)
         if flow is None:
             flow = Flow(self, owner, served)
-        owner.flow = flow
+        owner.set_flow(flow)
         return flow
 
     def requested(self, owner: ClientSession, key: str, req: ServerRequest) -> None:
@@ -145,7 +145,7 @@ class Bridge:
                 f"{len(self.flows)} calls already wait for their clients' input "
                 "(gateway.max_parked_flows); retry later", limit=self.max_parked)
 
-    def ask(self, owner: ClientSession, served: Served, key: str, req: ServerRequest,
+    def ask(self, owner: ClientSession, served: Call, key: str, req: ServerRequest,
             deadline: float) -> None:
         """The gateway's own request ``req`` (a consent prompt) for ``served``, a modern call of
         ``owner``: asked in its ``InputRequiredResult`` under ``key``.  The asker ends the call
@@ -382,10 +382,8 @@ class Flow:
         if self.resumed is not None:
             self.resumed.set()
             self.resumed = None
-        inflight = self.owner.inflight
-        inflight.pop(served.id, None)
+        self.owner.move_call(served.id, request_id, served)
         served.id = served.req.id = request_id
-        inflight[request_id] = served
         served.caps = mcp.ClientCaps(caps)
         for key, result in answers.items():
             req = self.pending.get(key)
@@ -409,8 +407,7 @@ class Flow:
             return
         # A WebSocket/unix connection goes on: only this call ends (without an answer: it was
         # answered input_required), its child's waiting requests declined or refused.
-        if self.owner.flow is self:
-            self.owner.flow = None
+        self.owner.end_flow(self)
         for req in list(self.pending.values()):
             req.finish(ServerRequestOutcome.OWNER_GONE)
         self.closed()
@@ -465,8 +462,8 @@ class Flow:
         the flow now; its retry gets ``invalid_state``."""
         if self.parked:
             self.end("the call ended while waiting for the client's input")
-        elif self.owner.transport != "http" and self.owner.flow is self:
-            self.owner.flow = None  # the connection's next call may ask for input afresh
+        elif self.owner.transport != "http":
+            self.owner.end_flow(self)  # the connection's next call may ask for input afresh
 
 
 def _nothing() -> None:

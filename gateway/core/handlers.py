@@ -74,22 +74,17 @@ def _reject_tasks(req: Request) -> None:
 
 
 def initialize(ports: CatalogView, session: ClientSession, req: Request) -> Raw:
-    if session.protocol_version is not None:  # set synchronously below: two racing ones cannot both pass
-        raise errors.InvalidRequest(
-            f"initialize: this connection is already initialized (protocol {session.protocol_version}); "
-            "a second initialize is refused, the negotiated revision stays",
-            reason="already_initialized",
-        )
+    session.check_initialize()  # a second one is refused before its params are looked at
     try:
         params = mcp.decode_initialize_params(jsonrpc.encode_dict(req.params))
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise errors.InvalidParams(f"initialize: {exc}") from None
-    session.protocol_version = mcp.negotiate_version(params.protocolVersion)
-    session.caps = mcp.ClientCaps(params.capabilities)
-    session.initialized = True
+    # synchronous: two racing ones cannot both pass
+    version = mcp.negotiate_version(params.protocolVersion)
+    session.initialize(version, mcp.ClientCaps(params.capabilities))
     return jsonrpc.encode_dict(
         {
-            "protocolVersion": session.protocol_version,
+            "protocolVersion": version,
             "capabilities": ports.advertised_capabilities(),
             "serverInfo": {"name": ports.server_name, "version": __version__},
         }
@@ -122,7 +117,7 @@ def set_level(ports: BackendDirectory, session: ClientSession, req: Request) -> 
     level = _str_param(req, "level")
     if level not in mcp.LOG_RANK:
         raise errors.InvalidParams(f"logging/setLevel: unknown level {level!r}")
-    session.log_level = level
+    session.set_log_level(level)
     ports.log_levels_changed()
     return jsonrpc.EMPTY_RESULT
 

@@ -31,7 +31,7 @@ from gateway.core.handlers import HANDLERS, PRE_INIT
 from gateway.core.inputs import InputPorts
 from gateway.core.ports import Lifecycle
 from gateway.core.request import Request, Target, asker_key
-from gateway.core.session import Bridging, ClientSession
+from gateway.core.session import BridgedCall, Bridging, ClientSession
 from gateway.events import RequestFinished, RequestOutcome, RequestStarted
 from gateway.protocol import era, jsonrpc, mcp
 from gateway.protocol.routing import CallState
@@ -54,16 +54,6 @@ class ServingPorts(InputPorts, Lifecycle, Protocol):
     def limits(self) -> PrincipalLimits: ...
     @property
     def bridge(self) -> Bridging: ...
-
-
-class CallFlow(Protocol):
-    """A modern call's round trips, as the call sees them (:class:`gateway.core.bridge.Flow`)."""
-
-    method: str
-    parked: bool  # answered input_required, waiting for the retry
-    waiting: bool  # the call's current id was answered input_required (no other answer)
-
-    def call_ended(self) -> None: ...
 
 
 def error_response(id: int | str | None, exc: errors.GatewayError) -> bytes:
@@ -127,7 +117,7 @@ class Served:
         self.modern = False  # a 2026-07-28 request: its result says resultType (see gateway.protocol.era)
         self.caps: mcp.ClientCaps | None = None  # a modern request's declared capabilities
         self.held: str | None = None  # the principal whose [[auth.limits]] slot it holds
-        self.flow: CallFlow | None = None  # a modern call asked for input (gateway.core.bridge)
+        self.flow: BridgedCall | None = None  # a modern call asked for input (gateway.core.bridge)
 
     def cancel(self) -> None:
         """The client cancelled it, its connection closed, or the drain grace is over (then it
@@ -288,15 +278,14 @@ def serve_request(ports: ServingPorts, session: ClientSession, env: jsonrpc.Enve
             _admit(ports, served, session.principal.name)
         req.params = jsonrpc.params_dict(env.params)
         if session.era is None:  # the first request chooses the connection's era
-            session.era = era.era_of(method, req.params)
+            session.choose_era(era.era_of(method, req.params))
         if session.era is era.Era.MODERN:
             served.modern = True
             caps, level = era.modern_meta(method, req.params)
-            if session.mrtr is None:  # a modern WebSocket/unix connection: bridged like a flow
-                session.mrtr = ports.bridge
+            session.bridge_with(ports.bridge)  # a modern WebSocket/unix connection: like a flow
             served.caps = mcp.ClientCaps(caps)  # what a child may ask this request's caller
-            if level is not None and level != session.log_level:  # its stream gets log messages
-                session.log_level = level
+            # its stream gets log messages
+            if level is not None and session.set_log_level(level):
                 ports.log_levels_changed()
             if session.transport != "http" and ports.bridge.continues(method, req.params):
                 # A retry: it continues the call its state names, which takes over its id

@@ -228,7 +228,7 @@ class HttpSession:
 
     def bind(self, client: ClientSession) -> None:
         self.client = client
-        client.mrtr = self.mrtr
+        client.bridge_with(self.mrtr)
         client.principal = self.principal
 
     def push(self, message: bytes) -> bool:
