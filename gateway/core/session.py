@@ -37,7 +37,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
-import msgspec
 import trio
 from msgspec import UNSET, Raw, UnsetType
 
