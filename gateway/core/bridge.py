@@ -28,6 +28,7 @@ import trio
 from msgspec import Raw
 
 from gateway import errors
+from gateway.core.session import Transport
 from gateway.errors import CloseReason, ConfigError
 from gateway.events import EventBus, InputRequired, RequestStateRefused, ServerRequestOutcome
 from gateway.protocol import jsonrpc, mcp, mrtr
@@ -85,7 +86,7 @@ def from_config(g: GatewaySection) -> Bridge:
     try:
         key = load_key(g.state_key_file) if g.state_key_file else secrets.token_bytes(32)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"gateway.state_key_file: {exc}") from None
+        raise ConfigError([f"gateway.state_key_file: {exc}"]) from None
     return Bridge(mrtr.StateCodec(key, replica_id(g.replica_id)), g.state_ttl, g.shared_park_limit,
                   g.max_parked_flows)
 
@@ -193,7 +194,8 @@ class Bridge:
             if flow is None:
                 raise mrtr.invalid_state("its call is over or expired, or was served by another "
                                          "process of this replica", "gone")
-            if flow.owner is not owner if owner is not None else flow.owner.transport != "http":
+            if (flow.owner is not owner if owner is not None
+                    else flow.owner.transport is not Transport.HTTP):
                 # (a WebSocket/unix call's state presented on /mcp, or the reverse: the flow goes
                 # on waiting for its own retry; its answer could only reach its own connection)
                 raise mrtr.invalid_state("on a WebSocket or unix connection, the retry must come on "
@@ -305,7 +307,11 @@ class Flow:
 
     def requested(self, key: str, req: ServerRequest) -> None:
         self.pending[key] = req  # unique: the router refuses a request id still open at its child
-        req.on_end.append(lambda _req: self.pending.pop(key, None))
+
+        def forget(_req: ServerRequest) -> None:
+            self.pending.pop(key, None)
+
+        req.on_end.append(forget)
         self._gather()
 
     def _gather(self) -> None:
@@ -402,7 +408,7 @@ class Flow:
         if was_parked and self.pending:
             self._let_go()
         self._unlist()
-        if self.owner.transport == "http":  # a flow session: it ends with its call
+        if self.owner.transport is Transport.HTTP:  # a flow session: it ends with its call
             self.owner.close(CloseReason.CLIENT_CLOSED)
             return
         # A WebSocket/unix connection goes on: only this call ends (without an answer: it was
@@ -462,7 +468,7 @@ class Flow:
         the flow now; its retry gets ``invalid_state``."""
         if self.parked:
             self.end("the call ended while waiting for the client's input")
-        elif self.owner.transport != "http":
+        elif self.owner.transport is not Transport.HTTP:
             self.owner.end_flow(self)  # the connection's next call may ask for input afresh
 
 

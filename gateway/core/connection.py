@@ -156,8 +156,8 @@ class Direct:
     path, a bridged flow's timers) runs in ``nursery``, a long-lived one, and a flusher task is
     started there only when a write did not fit.  :meth:`finish` ends it (idempotent): called
     inline when its request is answered, or from a task when it is closed by anything else
-    (``ClientSession.on_close``: overflow, a bridged flow ending, drain).  Saves the two tasks
-    and the inbox a served connection costs per request.
+    (the ``on_close`` of ``ClientSession.run_in``: overflow, a bridged flow ending, drain).
+    Saves the two tasks and the inbox a served connection costs per request.
     """
 
     __slots__ = ("done", "nursery", "ports", "session", "stream", "transport", "writer_scope")

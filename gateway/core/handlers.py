@@ -30,6 +30,7 @@ from gateway.events import EventBus, RequestStarted
 from gateway.protocol import catalog as cat
 from gateway.protocol import era, jsonrpc, mcp, mrtr
 from gateway.protocol.mcp import declared_capabilities
+from gateway.protocol.policy import Kind
 
 LOGGER = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ class HandlerPorts(ListenPorts, Protocol):
     def bus(self) -> EventBus: ...
 
 
+#: What the policy asks the user before a call: (name, arguments, kind).
+Consent = tuple[str, Any, Kind]
 Handler = Callable[["HandlerPorts", "ClientSession", Request], Raw]
 AsyncHandler = Callable[["HandlerPorts", "ClientSession", Request], Awaitable[Raw]]
 
@@ -256,7 +259,7 @@ def call_tool(ports: CatalogView, session: ClientSession, req: Request) -> Targe
     if route is None:
         raise errors.InvalidParams(f"unknown tool {name!r}")
     req.tool = name
-    consent = None
+    consent: Consent | None = None
     if ports.policy.active and ports.policy.check(name, caller_of(session)):
         consent = (name, _arguments(req), "tool")
     params = dict(req.params)
@@ -277,7 +280,7 @@ def get_prompt(ports: CatalogView, session: ClientSession, req: Request) -> Targ
     route = ports.catalog.prompt_routes.get(name)
     if route is None:
         raise errors.InvalidParams(f"unknown prompt {name!r}")
-    consent = None
+    consent: Consent | None = None
     if ports.policy.active and ports.policy.check(name, caller_of(session), "prompt"):
         consent = (name, _arguments(req), "prompt")
     params = dict(req.params)
@@ -288,7 +291,7 @@ def get_prompt(ports: CatalogView, session: ClientSession, req: Request) -> Targ
 def read_resource(ports: CatalogView, session: ClientSession, req: Request) -> Target:
     _reject_tasks(req)
     uri = _str_param(req, "uri")
-    consent = None
+    consent: Consent | None = None
     if ports.policy.active and ports.policy.check(uri, caller_of(session), "resource"):
         consent = (uri, None, "resource")
     return Target(ports.backend_name_for_uri(uri), dict(req.params), consent)

@@ -62,6 +62,18 @@ def mint_conn_id() -> str:
     return f"c{next(_conn_counter)}-{secrets.token_hex(4)}"
 
 
+class Transport(enum.StrEnum):
+    """What a connection came over (its value is the metrics' and policy rules' label)."""
+
+    WEBSOCKET = "websocket"
+    UNIX = "unix"
+    HTTP = "http"  # a legacy HTTP session or a modern HTTP flow
+    MEMORY = "memory"  # tests
+
+
+_TRANSPORTS: dict[str, Transport] = {t.value: t for t in Transport}
+
+
 class AnswerOutcome(enum.StrEnum):
     """What :meth:`ClientSession.on_answer` made of a client's response."""
 
@@ -164,7 +176,7 @@ class ClientSession:
                  outbound_bytes: int = sys.maxsize, budget: ByteBudget | None = None) -> None:
         self.conn_id: Final = mint_conn_id()
         self.log_fields = {"MCP_CONN": self.conn_id}  # structured log field (journald)
-        self.transport: Final = transport
+        self.transport: Final = _TRANSPORTS.get(transport) or Transport(transport)
         self.opened: Final = trio.current_time()
         self._state = SessionState.AWAITING_INIT
         self._protocol_version: str | None = None  # what initialize negotiated

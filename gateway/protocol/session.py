@@ -2,9 +2,10 @@
 
 A connection starts ``AWAITING_INIT``.  Its first request pins its era: a modern (2026-07-28)
 one makes it ``READY_MODERN`` at once (no ``initialize`` in that era); a legacy one leaves it
-waiting for ``initialize``, whose success makes it ``READY_LEGACY``.  The daemon's drain reaching
-it makes it ``DRAINING`` (new requests refused; answers and a parked call's retry still taken),
-and ``close`` ends it in ``CLOSED``, which absorbs everything after.  An event with no entry in
+waiting for ``initialize``, whose success makes it ``READY_LEGACY``.  The daemon's drain makes it
+``DRAINING`` when it first refuses one of its requests (new requests refused; answers and a
+parked call's retry still taken; its close waits for it to settle), and ``close`` ends it in
+``CLOSED``, which absorbs everything after.  An event with no entry in
 :data:`TRANSITIONS` is refused (:class:`InvalidTransition`); the core turns the ones a client can
 cause into JSON-RPC errors.
 """
