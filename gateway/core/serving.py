@@ -292,12 +292,15 @@ def serve_request(ports: ServingPorts, session: ClientSession, env: jsonrpc.Enve
         if session.principal is not None and ports.limits and method not in UNLIMITED:
             _admit(ports, served, session.principal.name)
         req.params = jsonrpc.params_dict(env.params)
-        if session.era is None:  # the first request chooses the connection's era
-            session.choose_era(era.era_of(method, req.params))
-        if session.era is era.Era.MODERN:
+        chosen = session.era
+        if chosen is None:  # the first request chooses the connection's era
+            chosen = era.era_of(method, req.params)
+            session.choose_era(chosen)
+        if chosen is era.Era.MODERN:
             served.modern = True
             caps, level = era.modern_meta(method, req.params)
-            session.bridge_with(ports.bridge)  # a modern WebSocket/unix connection: like a flow
+            if session.mrtr is None:  # a modern WebSocket/unix connection: bridged like a flow
+                session.bridge_with(ports.bridge)
             served.caps = mcp.ClientCaps(caps)  # what a child may ask this request's caller
             # its stream gets log messages
             if level is not None and session.set_log_level(level):
