@@ -121,7 +121,7 @@ class Bridge:
         child's request only while its owner has exactly one, open listens aside)."""
         # a session's calls are gateway.core.serving.Served, the only kind there is
         served = cast("Served", owner.calls()[0] if call is None else call)
-        flow = cast("Flow | None", served.flow)
+        flow = cast("Flow | None", served.flow)  # a BridgedCall: this module's Flow, see _flow
         if flow is None:
             flow = Flow(self, owner, served)
         owner.set_flow(flow)
