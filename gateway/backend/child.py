@@ -7,10 +7,10 @@ do; :meth:`ChildConnection.perform` does it: requests go to the link (written at
 queued), messages to a client's outbound queue, a finished call to its caller's handle.  No task
 per call: the link hands each incoming message to the session (it is the link's
 :class:`~gateway.backend.connector.Receiver`), and one timer task (:meth:`timer_loop`) wakes at
-the earliest deadline.  A client's request id never reaches a
-child: the router mints ids, progress tokens are mapped back.  A call stays in the attribution
-set until the child answers it, also once abandoned; the instance recycles a child that leaves
-one unanswered past ``cancel_grace``, or purges them where attribution does not matter.
+the earliest deadline.  A client's request id never reaches a child: the router mints ids,
+progress tokens are mapped back.  A call stays in the attribution set until the child answers
+it, also once abandoned; the instance recycles a child that leaves one unanswered past
+``cancel_grace``, or purges them where attribution does not matter.
 """
 
 from __future__ import annotations
@@ -257,8 +257,9 @@ class ChildConnection:
         Raises:
             NotDelivered: the child is gone.  Overloaded: its write queue is full.
         """
-        if self.closed is not None:
-            raise errors.NotDelivered(self.closed.message, **self.closed.data)
+        closed = self.link.closed
+        if closed is not None:
+            raise errors.NotDelivered(closed.message, **closed.data)
         hard = math.inf if hard_timeout is None else now + hard_timeout
         call = self.router.open_call(method, owner=owner, handle=handle, now=now, timeout=timeout,
                                      hard_deadline=hard, progress=progress, internal=internal)
