@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import cast
 
 import trio
 
@@ -189,7 +188,7 @@ class LineLink:
         FdStream adds a checkpoint to every read, a second step per reply)."""
         stream = self._receive_stream
         if not isinstance(stream, trio.lowlevel.FdStream):
-            return cast(bytes, await stream.receive_some(READ_CHUNK))  # memory streams: bytes
+            return bytes(await stream.receive_some(READ_CHUNK))  # no copy of bytes
         fd = stream.fileno()
         while True:
             try:
@@ -261,7 +260,7 @@ class LineLink:
                 data: bytes | None = None
                 with trio.move_on_at(due if due is not None else math.inf):
                     try:
-                        data = cast(bytes, await stream.receive_some(STDERR_CHUNK))
+                        data = bytes(await stream.receive_some(STDERR_CHUNK))
                     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                         data = b""
                 if data is None:  # the summary window ended while the child was quiet
