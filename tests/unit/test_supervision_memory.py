@@ -285,3 +285,25 @@ async def test_drain_waits_for_the_calls_in_flight_within_its_grace(
         with pytest.raises(errors.BackendUnavailable):  # draining: no new calls
             await fake.call("slow", seconds=1.0)
         assert fake.backend.inflight() == 1
+
+
+async def test_a_handshake_slower_than_start_timeout_fails_the_start_and_backs_off(
+        autojump_clock: trio.testing.MockClock) -> None:
+    connector = MemoryConnector(Script(start_delay=5.0))
+    bus = EventBus()
+    hub = Hub(make_config(start_timeout="2.0", **NO_HEALTH,
+                          restart="{ backoff_initial = 1.0, backoff_max = 1.0 }"),
+              bus, connectors=lambda name, cfg: connector)
+    with trio.fail_after(CAP):
+        async with trio.open_nursery() as nursery:
+            fake = Fake(hub, connector, nursery)
+            bus.subscribe(fake.on_event)
+            await nursery.start(hub.run)
+            await fake.until("BACKOFF")
+            assert trio.current_time() == pytest.approx(2.0)
+            assert fake.states() == ["STARTING", "BACKOFF"]
+            assert fake.backend.instances[0].last_exit == "start failed (exit code 0)"
+            connector.script.start_delay = 0.0  # the next generation answers at once
+            await fake.until("RUNNING")
+            assert len(connector.links) == 2
+            nursery.cancel_scope.cancel()
