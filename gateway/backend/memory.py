@@ -116,6 +116,8 @@ class MemoryLink:
     async def run(self, receiver: Receiver) -> None:
         """Serve as the fake upstream until it crashes (``receiver.ended()``) or is cancelled."""
         self._receiver = receiver
+        if self.returncode is not None:  # crashed before it ran
+            receiver.ended()
         with self._scope:
             async with trio.open_nursery() as nursery:
                 with trio.move_on_after(self.script.lifetime):
