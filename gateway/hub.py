@@ -60,6 +60,9 @@ if TYPE_CHECKING:
 
 LOGGER = logging.getLogger(__name__)
 
+#: The routing hint of a notification that relates to no request.
+UNRELATED: jsonrpc.Route = (jsonrpc.Goes.UNRELATED, None)
+
 
 #: The merged lists a ``notifications/<kind>/list_changed`` is about.
 LIST_KINDS = {"tools": ("tools",), "prompts": ("prompts",), "resources": ("resources", "templates")}
@@ -315,7 +318,7 @@ class Hub:
             data = jsonrpc.encode_notification(f"notifications/{kind}/list_changed")
             for session in told:
                 if session.initialized:
-                    session.send(data)
+                    session.send(data, UNRELATED)
             self.listens.list_changed(kind, told)
 
     def _lists_changed_at(self, news: ListsChanged) -> None:
@@ -424,7 +427,7 @@ class Hub:
             if session.era is Era.MODERN:  # held by its listens: to each, tagged
                 self.listens.resource_updated(session, uri, params)
             else:
-                session.send(data)
+                session.send(data, UNRELATED)
 
     def _log_message(self, instance: Instance, params: Raw | UnsetType) -> None:
         """A child's log line: to the sessions :func:`~gateway.protocol.logfanout.log_recipients`
@@ -445,7 +448,7 @@ class Hub:
         data = jsonrpc.encode_notification("notifications/message", params)
         for session in log_recipients(rank, listeners, attribution, instance.backend.cfg.sharing,
                                       instance.owner):
-            session.send(data)
+            session.send(data, (jsonrpc.Goes.OTHER, None))
 
     def _elicitation_complete(self, instance: Instance, params: Raw | UnsetType) -> None:
         eid = _str_field(params, "elicitationId")

@@ -359,9 +359,9 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                                 max_json_depth=cfg.gateway.max_json_depth,
                                 ports=frozenset(ls.bound_port([lst]) for lst in http_listeners),
                                 probes=partial(admin_probe, hub.status), bridge=hub.bridge,
-                                authn=hub.authn, scope_check=partial(_missing_scopes, hub))
+                                authn=hub.authn)
             endpoint.direct = lambda stream: connection.Direct(hub, stream, conns, "http", stream.bind)
-            endpoint.draining = lambda: hub.draining
+            endpoint.core = hub
             await nursery.start(lambda task_status: serve_http(
                 http_listeners, endpoint, max_message=max_msg, handler_nursery=conns, slots=hub.slots,
                 tls_context=tls_context, task_status=task_status))
@@ -468,13 +468,6 @@ async def _close_at_expiry(session: ClientSession, expires: float) -> None:
         return
     LOGGER.info("connection %s: its token expired; closing it", session.conn_id, extra=session.log_fields)
     session.close(CloseReason.UNAUTHORIZED)
-
-
-def _missing_scopes(hub: Hub, principal: Principal, method: str, params: object) -> list[str] | None:
-    """The scopes policy rules want for a request that its principal's token lacks (the
-    policy's ``missing_scopes``, when it has one)."""
-    check = getattr(hub.policy, "missing_scopes", None)
-    return None if check is None else check(principal, method, params)  # type: ignore[no-any-return]
 
 
 def close_revoked(hub: Hub) -> int:

@@ -325,7 +325,7 @@ class MemoryStream:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             raise TransportClosed("closed") from None
 
-    def write_nowait(self, messages: list[bytes]) -> bool:
+    def write_nowait(self, messages: list[bytes], route: object = None) -> bool:
         for i, data in enumerate(messages):
             if self._held:
                 self._held.extend(messages[i:])

@@ -65,7 +65,7 @@ class Owner(Protocol):
 
     def __hash__(self) -> int: ...
 
-    def send(self, data: bytes) -> bool: ...
+    def send(self, data: bytes, route: jsonrpc.Route | None = None) -> bool: ...
     def cancel_request(self, req: Any, outcome: ServerRequestOutcome, reason: str) -> None: ...
 
 
@@ -174,7 +174,9 @@ class ChildConnection:
             elif kind is Finished:
                 action.call.handle.finished(action.result, action.error)  # type: ignore[union-attr]
             elif kind is ToOwner:
-                action.owner.send(action.data)  # type: ignore[union-attr]
+                # the only message the router passes to an owner: progress under its token
+                action.owner.send(action.data,  # type: ignore[union-attr]
+                                  (jsonrpc.Goes.PROGRESS, action.call.client_token))  # type: ignore[union-attr]
             elif kind is ArmTimer:
                 self._timer_at = action.at  # type: ignore[union-attr]
                 if self._timer is not None and action.at < self._timer.deadline:  # type: ignore[union-attr]

@@ -2,22 +2,27 @@
 
 Theory of operation: the transport hands over a :class:`MessageStream` (whole messages in and
 out, its own exceptions already mapped to :class:`~gateway.errors.TransportClosed` /
-:class:`~gateway.errors.MessageTooLarge`).  :func:`serve` gives the connection a nursery with a
-reader loop and a flusher task; answers are written straight to the transport by
-:meth:`ClientSession.send` and the flusher only writes what did not fit (see
-:mod:`gateway.core.outbox`).  The reader decodes each message, refuses what it must (batches outside
-2025-03-26, a request beyond the connection's limits, anything while draining) and hands each
-admitted request to :func:`gateway.core.serving.serve_request`, which answers it, forwards it without
-a task, or runs it in a task of this connection's nursery.  A client's
-``notifications/cancelled`` cancels either kind; a cancelled request gets no response, per the
-spec.  JSON-RPC errors are made by :func:`gateway.core.serving.error_response` only.
+:class:`~gateway.errors.MessageTooLarge`); a message comes as bytes (WebSocket, unix) or already
+decoded (:data:`Decoded`: an HTTP POST's body, decoded once by the endpoint).  :func:`serve`
+gives the connection a nursery with a reader loop and a flusher task; answers are written
+straight to the transport by :meth:`ClientSession.send`, with a routing hint, and the flusher
+only writes what did not fit (see :mod:`gateway.core.outbox`).  The reader decodes what is not
+decoded yet (the batch rule: :func:`gateway.protocol.jsonrpc.decode_batch`), refuses what it
+must (:func:`refusal`: anything while draining; a request beyond the connection's limits) and
+hands each admitted request to :func:`gateway.core.serving.serve_request`, which answers it,
+forwards it without a task, or runs it in a task of this connection's nursery.  An
+:class:`InlineStream` (an HTTP session) has a message served in the task that received it when
+nothing waits before it; a :class:`Direct` (a stateless HTTP request) has no reader at all.  A
+client's ``notifications/cancelled`` cancels either kind; a cancelled request gets no response,
+per the spec.  JSON-RPC errors are made by :func:`gateway.core.serving.error_response` only.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from functools import partial
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
 import trio
@@ -31,6 +36,7 @@ from gateway.events import AnswerRefused, ConnectionClosed, ConnectionOpened, Se
 from gateway.protocol import jsonrpc, mcp
 
 if TYPE_CHECKING:
+    from gateway.auth.principal import Principal
     from gateway.limits import ByteBudget
 
 LOGGER = logging.getLogger(__name__)
@@ -49,15 +55,32 @@ SLICE = 8
 FLUSH_TIMEOUT = 2.0
 
 
+#: A message its transport decoded already (an HTTP POST's body): one envelope with its kind,
+#: size and, when decoded too, its params' top level; or a batch's entries
+#: (:func:`gateway.protocol.jsonrpc.decode_batch`).
+Decoded = (tuple[jsonrpc.Envelope, jsonrpc.Kind, int, "dict[str, msgspec.Raw] | None"]
+           | list[jsonrpc.BatchEntry])
+
+
 class MessageStream(MessageWriter, Protocol):
     """A bidirectional stream of whole JSON-RPC messages (one per WebSocket frame or line);
     its write side is a :class:`~gateway.core.outbox.MessageWriter`."""
 
-    async def receive(self) -> bytes:
-        """The next message.  Raises TransportClosed or MessageRefused."""
+    async def receive(self) -> bytes | Decoded:
+        """The next message, as bytes or already decoded.  Raises TransportClosed or
+        MessageRefused."""
         ...
 
     async def aclose(self, reason: str) -> None: ...
+
+
+@runtime_checkable
+class InlineStream(MessageStream, Protocol):
+    """A stream whose messages arrive in other tasks (an HTTP session's POSTs): it hands one
+    to ``inline`` to have it served at once in that task (True), saving the reader's wake-up;
+    False: queue it for the reader (it must wait behind others, or the session is backlogged)."""
+
+    inline: Callable[[Decoded], bool] | None
 
 
 class ConnectionPorts(ServingPorts, Protocol):
@@ -112,7 +135,8 @@ def _closed(ports: ConnectionPorts, session: ClientSession, transport: str) -> N
     session.drop_outbound()  # every byte it still had charged is released here
     ports.bus.emit(ConnectionClosed(session.conn_id, transport, session.close_reason,
                                   trio.current_time() - session.opened))
-    LOGGER.debug("connection %s closed: %s", session.conn_id, session.close_reason, extra=session.log_fields)
+    LOGGER.debug("connection %s closed: %s", session.conn_id, session.close_reason,
+                 extra=session.log_fields)
 
 
 async def serve(ports: ConnectionPorts, stream: MessageStream, transport: str,
@@ -127,10 +151,17 @@ async def serve(ports: ConnectionPorts, stream: MessageStream, transport: str,
             session.cancel_scope = nursery.cancel_scope
             session.nursery = nursery
             nursery.start_soon(_writer, session, stream)
-            await _reader(ports, session, stream, nursery)
+            if isinstance(stream, InlineStream):
+                stream.inline = partial(_inline, ports, session, nursery)
+            try:
+                await _reader(ports, session, stream, nursery)
+            finally:
+                if isinstance(stream, InlineStream):
+                    stream.inline = None
             session.close(CloseReason.CLIENT_CLOSED)
     except Exception:
-        LOGGER.exception("connection %s: unexpected error", session.conn_id, extra=session.log_fields)
+        LOGGER.exception("connection %s: unexpected error", session.conn_id,
+                         extra=session.log_fields)
         session.close(CloseReason.ERROR)
     finally:
         with trio.CancelScope(shield=True):
@@ -140,7 +171,8 @@ async def serve(ports: ConnectionPorts, stream: MessageStream, transport: str,
                 with trio.move_on_after(FLUSH_TIMEOUT):
                     await stream.aclose(session.close_reason)
             except Exception:  # a bug must end this connection only, never the daemon
-                LOGGER.exception("connection %s: error while closing", session.conn_id, extra=session.log_fields)
+                LOGGER.exception("connection %s: error while closing", session.conn_id,
+                                 extra=session.log_fields)
             _closed(ports, session, transport)
 
 
@@ -182,8 +214,11 @@ class Direct:
         except RuntimeError:  # the listener's nursery is closed (the service is unwinding)
             self.finish()
 
-    def handle(self, data: bytes) -> None:
-        _handle(self.ports, self.session, data, self.nursery)
+    def handle(self, env: jsonrpc.Envelope, kind: jsonrpc.Kind, size: int,
+               params: dict[str, msgspec.Raw] | None = None) -> None:
+        """Its one message, decoded by the transport (the refusals of :func:`refusal` apply)."""
+        _dispatch(self.ports, self.session, env, kind, size, self.nursery, _replier(self.session),
+                  in_batch=False, params=params)
 
     def _start_writer(self) -> None:
         if not self.done:
@@ -212,7 +247,8 @@ class Direct:
             _release(self.ports, session)
             self.stream.abort()
         except Exception:  # a bug must end this connection only, never the daemon
-            LOGGER.exception("connection %s: error while closing", session.conn_id, extra=session.log_fields)
+            LOGGER.exception("connection %s: error while closing", session.conn_id,
+                             extra=session.log_fields)
         _closed(self.ports, session, self.transport)
 
 
@@ -259,7 +295,8 @@ async def _writer(session: ClientSession, stream: MessageStream) -> None:
         session.close(CloseReason.CLIENT_CLOSED)
 
 
-async def _reader(ports: ConnectionPorts, session: ClientSession, stream: MessageStream, nursery: trio.Nursery) -> None:
+async def _reader(ports: ConnectionPorts, session: ClientSession, stream: MessageStream,
+                  nursery: trio.Nursery) -> None:
     """Read and dispatch messages until the client closes.
 
     Backpressure: a transport hands out the messages it already holds without a checkpoint, so
@@ -287,10 +324,41 @@ async def _reader(ports: ConnectionPorts, session: ClientSession, stream: Messag
                     str(exc), reason=exc.reason, **exc.data)))
             session.close(exc.close_reason)
             return
-        if jsonrpc.is_batch(data):
-            _handle_batch(ports, session, data, nursery)
-            continue
-        _handle(ports, session, data, nursery)
+        if isinstance(data, bytes):
+            if jsonrpc.is_batch(data):
+                _handle_batch(ports, session, data, nursery)
+            else:
+                _handle(ports, session, data, nursery)
+        else:
+            _take(ports, session, data, nursery)
+
+
+def _inline(ports: ConnectionPorts, session: ClientSession, nursery: trio.Nursery,
+            message: Decoded) -> bool:
+    """Serve ``message`` in the caller's task, as the reader would at once (see
+    :class:`InlineStream`); False when it must go through the reader (backlogged, closed)."""
+    if (session.closed.is_set() or session.queued > session.high_water
+            or session.queued_bytes > session.high_water_bytes):
+        return False
+    try:
+        _take(ports, session, message, nursery)
+    except Exception:  # a bug must end this connection only, as in its reader
+        LOGGER.exception("connection %s: unexpected error", session.conn_id,
+                         extra=session.log_fields)
+        session.close(CloseReason.ERROR)
+    return True
+
+
+def _take(ports: ConnectionPorts, session: ClientSession, message: Decoded,
+          nursery: trio.Nursery) -> None:
+    """A message its transport decoded."""
+    if type(message) is tuple:
+        env, kind, size, params = message
+        _dispatch(ports, session, env, kind, size, nursery, _replier(session), in_batch=False,
+                  params=params)
+    else:
+        assert isinstance(message, list)
+        _serve_batch(ports, session, message, nursery)
 
 
 async def _wait_drained(session: ClientSession, stall: float) -> None:
@@ -304,9 +372,9 @@ async def _wait_drained(session: ClientSession, stall: float) -> None:
             await session.wait_drained()
             return
         if trio.current_time() >= max(session.last_sent, stopped) + stall:
-            LOGGER.warning("connection %s: took none of its %d queued answers (%d bytes) for %gs "
-                           "(write_stall_timeout); disconnecting it", session.conn_id, session.queued,
-                           session.queued_bytes, stall, extra=session.log_fields)
+            LOGGER.warning("connection %s: took none of its %d queued answers (%d bytes) for "
+                           "%gs (write_stall_timeout); disconnecting it", session.conn_id,
+                           session.queued, session.queued_bytes, stall, extra=session.log_fields)
             session.close(CloseReason.OVERFLOW)
             return
 
@@ -359,31 +427,43 @@ class _BatchCollector:
         if self._sealed and self._open == 0 and self._parts:
             session = self._session
             if self._dropped:
-                LOGGER.warning("connection %s: a batch's answers would pass %d bytes (max_message_bytes, "
-                               "outbound_bytes); %d bytes of results replaced by -32006 errors",
-                               session.conn_id, self._bound, self._dropped, extra=session.log_fields)
+                LOGGER.warning("connection %s: a batch's answers would pass %d bytes "
+                               "(max_message_bytes, outbound_bytes); %d bytes of results "
+                               "replaced by -32006 errors", session.conn_id, self._bound,
+                               self._dropped, extra=session.log_fields)
             session.buffers.release(self._size - 1 - len(self._parts))  # charged again by send()
             session.send(b"[" + b",".join(self._parts) + b"]")
             self._parts = []
 
 
-def _handle(ports: ConnectionPorts, session: ClientSession, data: bytes, nursery: trio.Nursery) -> None:
-    """One message (not a batch)."""
+Reply = Callable[[bytes | None, int | str | None], None]
+
+
+def _replier(session: ClientSession) -> Reply:
+    """How a message's answer reaches ``session`` (sent at once, with its routing hint: one
+    array collects a batch's)."""
     def reply(message: bytes | None, id: int | str | None = None) -> None:
         if message is not None:
-            session.send(message)
+            session.send(message, (jsonrpc.Goes.ANSWER, id))
 
+    return reply
+
+
+def _handle(ports: ConnectionPorts, session: ClientSession, data: bytes,
+            nursery: trio.Nursery) -> None:
+    """One message (not a batch)."""
     try:
         env = jsonrpc.decode(data, ports.max_json_depth)
         kind = jsonrpc.classify(env)
     except errors.GatewayError as exc:
         bad_id = exc.data.pop("id", None)
-        reply(error_response(bad_id, exc), bad_id)
+        session.send(error_response(bad_id, exc))
         return
-    _dispatch(ports, session, env, kind, len(data), nursery, reply, in_batch=False)
+    _dispatch(ports, session, env, kind, len(data), nursery, _replier(session), in_batch=False)
 
 
-def _handle_batch(ports: ConnectionPorts, session: ClientSession, data: bytes, nursery: trio.Nursery) -> None:
+def _handle_batch(ports: ConnectionPorts, session: ClientSession, data: bytes,
+                  nursery: trio.Nursery) -> None:
     """A batch (:func:`gateway.protocol.jsonrpc.decode_batch`): refused as a whole with one
     error, or each entry handled and the answers sent as one array (an invalid entry's -32600
     among them)."""
@@ -393,6 +473,12 @@ def _handle_batch(ports: ConnectionPorts, session: ClientSession, data: bytes, n
     except errors.GatewayError as exc:
         session.send(error_response(None, exc))
         return
+    _serve_batch(ports, session, entries, nursery)
+
+
+def _serve_batch(ports: ConnectionPorts, session: ClientSession, entries: list[jsonrpc.BatchEntry],
+                 nursery: trio.Nursery) -> None:
+    """A decoded batch's entries, answered as one array."""
     collector = _BatchCollector(session, ports.max_message_bytes)
     for entry in entries:
         reply = collector.expect()
@@ -401,31 +487,33 @@ def _handle_batch(ports: ConnectionPorts, session: ClientSession, data: bytes, n
             reply(error_response(None, entry.error), None)
         else:
             assert entry.kind is not None
-            _dispatch(ports, session, entry.env, entry.kind, entry.size, nursery, reply, in_batch=True)
+            _dispatch(ports, session, entry.env, entry.kind, entry.size, nursery, reply,
+                      in_batch=True)
     collector.seal()
 
 
-def _dispatch(ports: ConnectionPorts, session: ClientSession, env: jsonrpc.Envelope, kind: jsonrpc.Kind, size: int,
-              nursery: trio.Nursery, reply: Callable[[bytes | None, int | str | None], None], *,
-              in_batch: bool) -> None:
+def _dispatch(ports: ConnectionPorts, session: ClientSession, env: jsonrpc.Envelope,
+              kind: jsonrpc.Kind, size: int, nursery: trio.Nursery, reply: Reply, *,
+              in_batch: bool, params: dict[str, msgspec.Raw] | None = None) -> None:
     """A decoded message: a request is served (or refused), anything else taken in; ``reply``
     is called once (with None when there is nothing to answer now)."""
     if kind == "request":
         assert isinstance(env.id, int | str) and isinstance(env.method, str)
-        if ports.draining and not _continues_flow(ports, session, env):  # never started: safe elsewhere
+        refused = refusal(ports, session, env)
+        if refused is not None:
             session.refused_at = trio.current_time()  # its close waits for it to settle
-            reply(error_response(env.id, errors.Denied(
-                "the gateway is shutting down; send this request elsewhere", reason="shutdown", retryable=True)), env.id)
+            reply(error_response(env.id, refused), env.id)
             return
         if env.method == "initialize" and in_batch:
-            reply(error_response(env.id, errors.InvalidRequest("initialize must not be part of a batch")), env.id)
+            reply(error_response(env.id, errors.InvalidRequest(
+                "initialize must not be part of a batch")), env.id)
             return
         try:
             session.check_new_call(env.id, size)
         except errors.GatewayError as exc:
             reply(error_response(env.id, exc), env.id)
             return
-        serve_request(ports, session, env, size, reply)
+        serve_request(ports, session, env, size, reply, params)
         return
     reply(None, None)
     if kind == "notification":
@@ -434,8 +522,36 @@ def _dispatch(ports: ConnectionPorts, session: ClientSession, env: jsonrpc.Envel
     else:
         outcome = session.on_answer(env)
         if outcome is AnswerOutcome.REFUSED:
-            LOGGER.warning("connection %s answered unknown request id %.100r: refused", session.conn_id, env.id, extra=session.log_fields)
+            LOGGER.warning("connection %s answered unknown request id %.100r: refused",
+                           session.conn_id, env.id, extra=session.log_fields)
             ports.bus.emit(AnswerRefused(session.conn_id, "unknown_id"))
+
+
+def refusal(ports: ConnectionPorts, session: ClientSession | None,
+            env: jsonrpc.Envelope) -> errors.GatewayError | None:
+    """Why request ``env`` of ``session`` (None: a session it would create) is refused before it
+    starts, on every transport; None: it is served.  While the gateway drains, a request never
+    started is safe elsewhere: -32005 ``shutdown``, ``retryable`` (an HTTP POST gets it with 503
+    and ``Retry-After``), unless it continues a parked bridged call (an answer, in effect)."""
+    if ports.draining and (session is None or not _continues_flow(ports, session, env)):
+        return errors.Denied("the gateway is shutting down; send this request elsewhere",
+                             reason="shutdown", retryable=True)
+    return None
+
+
+def scope_refusal(ports: ConnectionPorts, principal: Principal | None,
+                  env: jsonrpc.Envelope) -> errors.GatewayError | None:
+    """Why request ``env`` is refused before anything else when ``principal``'s token lacks
+    scopes a policy rule wants for it (``insufficient_scope`` with those ``scopes``: an HTTP
+    client is told to step up, 403); None: not for that.  A connection of another transport
+    is refused the same by the policy when its call is served."""
+    if principal is None or not isinstance(env.method, str):
+        return None
+    missing = ports.policy.missing_scopes(principal, env.method, env.params)
+    if not missing:
+        return None
+    return errors.Denied(f"insufficient scope: this request needs {' '.join(missing)}",
+                         reason="insufficient_scope", scopes=missing)
 
 
 def _continues_flow(ports: ConnectionPorts, session: ClientSession, env: jsonrpc.Envelope) -> bool:
@@ -454,7 +570,8 @@ def _continues_flow(ports: ConnectionPorts, session: ClientSession, env: jsonrpc
     return ports.bridge.continues(env.method, params)
 
 
-def _on_notification(ports: ConnectionPorts, session: ClientSession, method: str, env: jsonrpc.Envelope) -> None:
+def _on_notification(ports: ConnectionPorts, session: ClientSession, method: str,
+                     env: jsonrpc.Envelope) -> None:
     if method == "notifications/cancelled":
         try:
             request_id = mcp.decode_cancelled(env.params).requestId
@@ -470,6 +587,7 @@ def _on_notification(ports: ConnectionPorts, session: ClientSession, method: str
     elif method == "notifications/roots/list_changed":
         ports.roots_changed(session)
     else:
-        LOGGER.debug("connection %s: ignored notification %s", session.conn_id, method, extra=session.log_fields)
+        LOGGER.debug("connection %s: ignored notification %s", session.conn_id, method,
+                     extra=session.log_fields)
 
 

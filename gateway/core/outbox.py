@@ -20,15 +20,19 @@ from typing import Protocol
 
 import trio
 
+from gateway.protocol.jsonrpc import Goes, Route
 from gateway.wakeup import Wakeup
+
+__all__ = ["Goes", "MessageWriter", "Outbox", "Route"]
 
 
 class MessageWriter(Protocol):
     """The write side of a message transport."""
 
-    def write_nowait(self, messages: list[bytes]) -> bool:
+    def write_nowait(self, messages: list[bytes], route: Route | None = None) -> bool:
         """Frame ``messages`` and write them, in order after anything held, as far as the
-        transport takes them now; hold the rest.  Never blocks.
+        transport takes them now; hold the rest.  Never blocks.  ``route``: the routing hint
+        of the one message, when the core knows it (a transport of one stream ignores it).
 
         Returns:
             True when nothing is held afterwards (all written).

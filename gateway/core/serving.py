@@ -270,9 +270,11 @@ def _admit(ports: ServingPorts, served: Served, principal: str) -> None:
 
 
 def serve_request(ports: ServingPorts, session: ClientSession, env: jsonrpc.Envelope, size: int,
-                   reply: Callable[[bytes | None, int | str | None], None]) -> None:
+                  reply: Callable[[bytes | None, int | str | None], None],
+                  params: dict[str, Raw] | None = None) -> None:
     """Serve one admitted request: at once when the gateway answers it or a backend instance
-    takes it now (no task), else in a task."""
+    takes it now (no task), else in a task.  ``params``: its params' top level, when its
+    transport decoded them already (None: decoded here)."""
     served = Served(ports, session, env, size, reply)
     session.inflight[served.id] = served
     session.buffers.charge(size)  # the request's bytes live until it is answered
@@ -286,7 +288,7 @@ def serve_request(ports: ServingPorts, session: ClientSession, env: jsonrpc.Enve
             raise errors.MethodNotFound(f"method {method!r} not found")
         if session.principal is not None and ports.limits and method not in UNLIMITED:
             _admit(ports, served, session.principal.name)
-        req.params = jsonrpc.params_dict(env.params)
+        req.params = jsonrpc.params_dict(env.params) if params is None else params
         if session.era is None:  # the first request chooses the connection's era
             session.era = era.era_of(method, req.params)
         if session.era is era.Era.MODERN:

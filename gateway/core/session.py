@@ -42,7 +42,7 @@ import trio
 from msgspec import UNSET, Raw, UnsetType
 
 from gateway import errors
-from gateway.core.outbox import MessageWriter, Outbox
+from gateway.core.outbox import MessageWriter, Outbox, Route
 from gateway.errors import CloseReason
 from gateway.events import ServerRequestOutcome
 from gateway.limits import ByteBudget
@@ -198,10 +198,10 @@ class ClientSession:
 
     # ---- outbound ---------------------------------------------------------------------------
 
-    def send(self, data: bytes) -> bool:
+    def send(self, data: bytes, route: Route | None = None) -> bool:
         """Write one message to the client, or queue it.  Never blocks; on overflow the
         connection is closed.  Straight to the transport when nothing is queued (see
-        :mod:`gateway.core.outbox`)."""
+        :mod:`gateway.core.outbox`), with its routing hint ``route``."""
         if self.closed.is_set():
             return False
         n = len(data)
@@ -215,7 +215,7 @@ class ClientSession:
         writer = self.writer
         if self.queued == 0 and writer is not None:
             try:
-                if writer.write_nowait([data]):
+                if writer.write_nowait([data], route):
                     return True
             except errors.TransportClosed:
                 self.close(CloseReason.CLIENT_CLOSED)

@@ -10,6 +10,7 @@ params further (``gateway.protocol.mcp``).
 
 from __future__ import annotations
 
+import enum
 import json
 import re
 from dataclasses import dataclass
@@ -77,6 +78,20 @@ _encoder = msgspec.json.Encoder()
 _dict_decoder = msgspec.json.Decoder(dict[str, Raw])
 
 Kind = Literal["request", "notification", "response", "error"]
+
+
+class Goes(enum.Enum):
+    """What an outgoing message relates to, as its sender knows (it is never parsed for it)."""
+
+    ANSWER = "answer"  # the response to request ``key`` (None: to an unreadable message)
+    PROGRESS = "progress"  # ``notifications/progress`` under the caller's progress token ``key``
+    UNRELATED = "unrelated"  # relates to no request (a list change, a resource update)
+    OTHER = "other"  # caused by a call of its receiver (a log message, a server request)
+
+
+#: A routing hint sent with an outgoing message: a transport of several streams (HTTP)
+#: picks one by it.
+Route = tuple[Goes, int | str | None]
 
 
 def is_batch(data: bytes) -> bool:

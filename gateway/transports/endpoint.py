@@ -1,44 +1,29 @@
-"""The Streamable HTTP endpoint ``/mcp`` (legacy shape, 2025-03-26 … 2025-11-25): the listener,
-its connections, the checks every request passes, and the table of live sessions.
+"""The Streamable HTTP endpoint ``/mcp``: HTTP only, each POST decoded once and handed to the
+core.
 
-Theory of operation: each accepted TCP connection holds a ``max_connections`` slot and is one
-task serving requests one after the other (:class:`~gateway.transports.http.HttpConnection`,
-keep-alive).  A request is checked in this order, each failure answered and counted by its
-status: path (404, or 401 with an OAuth error body when authentication is configured and the
-request has no valid credential; ``/healthz`` and ``/readyz`` are answered for load balancers,
-with any ``Host``, by :func:`gateway.ops.admin.probe`; the Protected Resource Metadata at
-:data:`~gateway.auth.challenge.METADATA_PATHS` when an OAuth authorization server is
-configured), ``Host`` (403: DNS rebinding), ``Origin`` (403), the credential when ``[auth]``
-is configured (401 with ``WWW-Authenticate``, :mod:`gateway.auth.authenticator`), method (405),
-``Accept`` (406), ``Content-Type`` (415), the body as one JSON-RPC message (400 with the
--32700/-32600 error; a batch by the batch rule, its invalid entries answered in its array),
-``Mcp-Session-Id`` (400 missing, 404 unknown or ended), ``MCP-Protocol-Version`` (400
-unsupported; absent means 2025-03-26), and a policy rule's scopes (403 ``insufficient_scope``,
-via ``scope_check``).  A session is bound to the principal that created
-it: another principal, or none, presenting its id gets the 404 of an unknown session; a
-bridged flow's ``requestState`` is bound the same way (gateway.core.bridge).  An ``initialize`` POST
-without a session id creates a session (:class:`~gateway.transports.streamable.HttpSession`, at most
-``http_max_sessions``, and a principal's ``max_sessions``: 503 beyond) whose id comes back in the
-``Mcp-Session-Id`` header.  A connection counts toward the ``max_connections`` of its latest
-request's principal.  A POSTed request opens a :class:`~gateway.transports.streamable.Sink` and its
-task waits, reading the socket only to see the peer leave, until the sink is answered; an SSE
-comment every :data:`KEEPALIVE` seconds keeps an idle stream open.  Notifications and responses get
-202.  GET opens the session's one standalone stream (409 for a second one); with ``Last-Event-ID``
-it resumes the stream that id belongs to (:meth:`~gateway.transports.streamable.HttpSession.resume`;
-400 when nothing of it is left to resume).  DELETE ends the session.  While the gateway drains, a
-POST that would start anything (a request, ``initialize`` included, of either shape) gets 503 with
-``Retry-After``; answers, notifications and a bridged call's retry are still taken.
-
-One endpoint decides per request: the modern shape (2026-07-28, no session) will be told apart
-here by its ``MCP-Protocol-Version`` header before any session lookup.
+Each accepted connection holds a ``max_connections`` slot and serves its requests one after the
+other (:mod:`gateway.transports.http`).  A request is checked in order: path (``/healthz``,
+``/readyz`` and the OAuth metadata are answered beside ``/mcp``), ``Host`` and ``Origin`` (403),
+the credential (401, :mod:`gateway.auth`), method, ``Accept`` and ``Content-Type``, the body
+(one JSON-RPC message or a batch, decoded here only), then the session (``Mcp-Session-Id``,
+bound to the principal that made it: 404 for anyone else) or, for the 2026-07-28 shape, no
+session.  The decoded envelope goes to the core: a legacy session's to its
+:class:`~gateway.transports.streamable.HttpSession`, a stateless request's to its own
+:class:`~gateway.core.connection.Direct`.  The core decides the refusals
+(:func:`~gateway.core.connection.refusal`, :func:`~gateway.core.connection.scope_refusal`);
+this module only maps them to a status (503 + ``Retry-After``, 403 + challenge, 400), their
+body the core's JSON-RPC error.  A POST's task then holds its response stream until answered;
+GET opens (or, with ``Last-Event-ID``, resumes) the session's standalone stream; DELETE ends it.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import ssl
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -49,6 +34,9 @@ from gateway import errors, limits
 from gateway.auth.authenticator import Unauthorized
 from gateway.auth.challenge import METADATA_PATHS
 from gateway.config import host_allowed
+from gateway.core import connection
+from gateway.core.connection import ConnectionPorts, Decoded
+from gateway.core.serving import error_response
 from gateway.errors import TransportClosed
 from gateway.limits import CapReached, ConnectionSlots, Held, PrincipalCaps
 from gateway.protocol import era, jsonrpc, mcp
@@ -69,10 +57,7 @@ if TYPE_CHECKING:
     from gateway.auth.principal import Principal
     from gateway.core.bridge import Bridge
     from gateway.core.connection import Direct
-
-#: Which scopes a request needs that its principal's token lacks (None: none missing); the
-#: policy's scope rules (gateway.core.policy) answer it.  Args: principal, method, params.
-ScopeCheck = Callable[["Principal", str, "jsonrpc.Raw | msgspec.UnsetType"], "list[str] | None"]
+    from gateway.core.session import ClientSession
 
 LOGGER = logging.getLogger(__name__)
 
@@ -86,6 +71,8 @@ KEEPALIVE = 15.0
 QUICK_ANSWER = 0.05
 #: Seconds a request refused while the gateway drains is told to wait (``Retry-After``).
 RETRY_AFTER = 1
+#: The timer of :class:`_QuickWaits` wakes at most this often.
+QUICK_TICK = 0.01
 #: A keep-alive connection with no request for this long is closed.
 IDLE_TIMEOUT = 60.0
 JSON = "application/json"
@@ -94,8 +81,49 @@ ALLOW = [("allow", "GET, POST, DELETE")]
 
 
 def _jsonrpc_error(status: int, exc: errors.GatewayError, id: int | str | None = None) -> HttpError:
-    body = jsonrpc.encode_error(id, exc.code, exc.message, exc.error_data())
-    return HttpError(status, exc.message, body, JSON)
+    """A refusal with HTTP ``status``, its body the JSON-RPC error the core makes of ``exc``."""
+    return HttpError(status, exc.message, error_response(id, exc), JSON)
+
+
+class _QuickWaits:
+    """The POSTs waiting for their answer's first :data:`QUICK_ANSWER` seconds, woken by one timer
+    task (run while any waits): most answers come within moments, and a cancel scope (or the
+    socket registered with epoll) per POST costs more than the call."""
+
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+        self._due: deque[tuple[float, Sink]] = deque()  # by deadline: all wait as long
+        self._ticking = False
+
+    async def wait(self, sink: Sink) -> None:
+        """Until ``sink`` is answered (or woken), at most about :data:`QUICK_ANSWER` seconds."""
+        sink.answered = event = trio.Event()
+        try:
+            if not self._ticking:
+                try:
+                    self._nursery.start_soon(self._tick)
+                except RuntimeError:  # the service is unwinding: a timer of its own
+                    with trio.move_on_after(QUICK_ANSWER):
+                        await event.wait()
+                    return
+                self._ticking = True
+            self._due.append((trio.current_time() + QUICK_ANSWER, sink))
+            await event.wait()
+        finally:
+            sink.answered = None
+
+    async def _tick(self) -> None:
+        due = self._due
+        try:
+            while due:
+                await trio.sleep_until(max(due[0][0], trio.current_time() + QUICK_TICK))
+                now = trio.current_time()
+                while due and due[0][0] <= now:
+                    answered = due.popleft()[1].answered
+                    if answered is not None:
+                        answered.set()
+        finally:
+            self._ticking = False
 
 
 class Sessions:
@@ -111,6 +139,7 @@ class Sessions:
         self.idle_timeout = idle_timeout
         self.caps = caps if caps is not None else PrincipalCaps()  # a principal's max_sessions
         self.by_id: dict[str, HttpSession] = {}
+        self.quick = _QuickWaits(nursery)
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -146,11 +175,9 @@ class Endpoint:
     def __init__(self, sessions: Sessions, *, hosts: frozenset[str], allowed_origins: Sequence[str],
                  max_json_depth: int, ports: frozenset[int] = frozenset(),
                  probes: Callable[[Request], Reply] | None = None,
-                 bridge: Bridge | None = None, authn: Authenticator | None = None,
-                 scope_check: ScopeCheck | None = None) -> None:
+                 bridge: Bridge | None = None, authn: Authenticator | None = None) -> None:
         self.sessions = sessions
         self.authn = authn  # None or not configured: no authentication (loopback only)
-        self.scope_check = scope_check
         self.probes = probes  # /healthz and /readyz (gateway.ops.admin.probe), any Host
         self.bridge = bridge  # None: a legacy child's requests to a modern caller are refused
         # serves a modern request's flow without a task of its own (set by the service)
@@ -159,8 +186,8 @@ class Endpoint:
         self.allowed_origins = allowed_origins
         self.max_json_depth = max_json_depth
         self.ports = ports  # the listener's own ports: an Origin naming this server is allowed
-        # the gateway drains: a request not yet started gets 503 + Retry-After (set by the service)
-        self.draining: Callable[[], bool] = lambda: False
+        # the core: its refusals of a request before it starts (drain), set by the service
+        self.core: ConnectionPorts | None = None
         # each connection counts toward the max_connections of its latest request's principal
         self._counted: dict[HttpConnection, Held] = {}
 
@@ -168,6 +195,8 @@ class Endpoint:
         """Every ``Origin`` is in ``allowed_origins`` or is this server itself (a loopback name
         or an allowed host, with the listener's port): a page served from elsewhere, such as
         a DNS-rebinding attacker's, is refused."""
+        if req.header(b"origin") is None:  # not from a browser
+            return True
         for name, value in req.headers:
             if name.lower() != b"origin":
                 continue
@@ -252,16 +281,15 @@ class Endpoint:
     def _check_scopes(self, req: Request, principal: Principal | None,
                       env: jsonrpc.Envelope) -> None:
         """403 ``insufficient_scope`` when a policy rule wants scopes the token lacks."""
-        if principal is None or self.scope_check is None or not isinstance(env.method, str):
-            return
-        missing = self.scope_check(principal, env.method, env.params)
-        if missing:
-            assert self.authn is not None
+        assert self.core is not None
+        refused = connection.scope_refusal(self.core, principal, env)
+        if refused is not None:
+            assert self.authn is not None and principal is not None
             self.authn.refused("http", "/mcp", f"insufficient scope for {env.method}",
                                principal.label)
-            refusal = HttpError(403, f"insufficient scope: this request needs {' '.join(missing)}")
-            refusal.headers = [("www-authenticate",
-                                self.authn.challenge(req.header(b"host"), scope=missing))]
+            refusal = HttpError(403, refused.message)
+            refusal.headers = [("www-authenticate", self.authn.challenge(
+                req.header(b"host"), scope=refused.data["scopes"]))]
             raise refusal
 
     def _metadata(self, conn: HttpConnection, req: Request) -> None:
@@ -326,13 +354,14 @@ class Endpoint:
                 raise _jsonrpc_error(400, errors.InvalidRequest(
                     f"Last-Event-ID {last[:40]!r} is not an event id of this server"))
             if resume is not None and resume[0] != 0:  # a POST stream
+                assert last is not None
                 sink = session.resume(conn, *resume)
                 if sink is None:
                     raise _jsonrpc_error(400, errors.InvalidRequest(
                         f"nothing to resume after event {last[:40]!r}: the stream ended, or its "
                         "events fell out of the replay buffer"))
                 if not sink.done:
-                    await _hold(conn, session, sink)
+                    await self._hold(conn, session, sink)
                 return
             if session.get is not None:
                 raise HttpError(409, "this session already has a GET stream open")
@@ -344,7 +373,7 @@ class Endpoint:
             deadline = (math.inf if expires is None
                         else trio.current_time() + max(0.0, expires - time.time()))
             with trio.move_on_at(deadline) as expiry:
-                await _hold(conn, session, sink)
+                await self._hold(conn, session, sink)
             if expiry.cancelled_caught:  # expired: end the stream cleanly (the session goes on)
                 try:
                     conn.end_events()
@@ -378,7 +407,8 @@ class Endpoint:
             await self._modern(conn, req, env, kind, body, principal)
             return
         rid = env.id if isinstance(env.id, int | str) else None
-        _refuse_if(kind == "request" and self.draining(), rid)  # an initialize too
+        if kind == "request":  # an initialize too
+            self._refuse(None, env)
         created = (req.header(b"mcp-session-id") is None and kind == "request"
                    and env.method == "initialize")
         if created:
@@ -395,7 +425,7 @@ class Endpoint:
         else:
             session = self._session(req, principal, rid)
         if kind != "request":
-            self._accepted(conn, session, body)
+            self._accepted(conn, session, (env, kind, len(body), None))
             _cancellations(session, [env])
             return
         assert isinstance(env.id, int | str)
@@ -403,7 +433,8 @@ class Endpoint:
             raise _jsonrpc_error(400, errors.InvalidRequest(
                 f"request id {env.id!r} is already in flight on this session"), env.id)
         sink = Sink(conn, session.id, env.id)
-        sink.token = _progress_token(env.params)
+        params = _params(env)
+        sink.token = _progress_token(params)
         if sink.token is not None and session.token_in_use(sink.token):
             # the spec: a progress token is unique across active requests; two would mix their
             # progress on one stream.  A JSON-RPC error for this request (HTTP 200, like any)
@@ -411,7 +442,7 @@ class Endpoint:
                 f"progressToken {sink.token!r} is in use by another request of this session",
                 reason="progress_token_in_use"), env.id)
         try:
-            await self._stream(conn, session, sink, body)
+            await self._stream(conn, session, sink, (env, kind, len(body), params))
         finally:
             if created and not (session.client is not None and session.client.initialized):
                 # its initialize failed (or its POST ended unanswered): no session was made;
@@ -440,11 +471,11 @@ class Endpoint:
         invalid = sum(e.env is None for e in entries)
         notices = [e.env for e in entries if e.kind == "notification" and e.env is not None]
         if not requests and not invalid:
-            self._accepted(conn, session, body)
+            self._accepted(conn, session, entries)
             _cancellations(session, notices)
             return
         if requests:
-            _refuse_if(self.draining(), None)
+            self._refuse(None, requests[0], None)
         for env in requests:  # its answer would go to the other POST's batch, and theirs here
             if isinstance(env.id, int | str) and session.has_request(env.id):
                 raise _jsonrpc_error(400, errors.InvalidRequest(
@@ -452,9 +483,26 @@ class Endpoint:
         sink = Sink(conn, session.id, batch=True)
         sink.ids = frozenset(env.id for env in requests if isinstance(env.id, int | str))
         sink.invalid = invalid
-        await self._stream(conn, session, sink, body, notices)
+        await self._stream(conn, session, sink, entries, notices)
 
-    async def _modern(self, conn: HttpConnection, req: Request, env: jsonrpc.Envelope, kind: str,
+    def _refuse(self, session: ClientSession | None, env: jsonrpc.Envelope,
+                id: int | str | None = -1) -> None:
+        """The core's refusal of request ``env`` before it starts (:func:`connection.refusal`),
+        as an HTTP refusal (``id``: the one its error names; -1: ``env``'s)."""
+        assert self.core is not None
+        refused = connection.refusal(self.core, session, env)
+        if refused is None:
+            return
+        rid = env.id if id == -1 else id
+        if refused.reason != "shutdown":
+            raise _jsonrpc_error(400, refused, rid if isinstance(rid, int | str) else None)
+        # draining: a load balancer retries it on another replica (HAProxy retry-on 503)
+        refusal = _jsonrpc_error(503, refused, rid if isinstance(rid, int | str) else None)
+        refusal.headers = [("retry-after", str(RETRY_AFTER))]
+        raise refusal
+
+    async def _modern(self, conn: HttpConnection, req: Request, env: jsonrpc.Envelope,
+                      kind: jsonrpc.Kind,
                       body: bytes, principal: Principal | None) -> None:
         """A 2026-07-28 POST: stateless, checked at the edge (headers against the body, the
         request's ``_meta``), served by its own flow; closing the response stream cancels it."""
@@ -480,17 +528,17 @@ class Endpoint:
         if mismatch is not None:
             raise _jsonrpc_error(400, mismatch, env.id)
         sink = Sink(conn, "", env.id)
-        sink.token = _progress_token(env.params)
+        sink.token = _progress_token(params)
         if self.bridge is not None and self.bridge.continues(env.method, params):
             session = self._resume(env, params, caps, sink, principal)  # a drain lets it in
             asked = _rounds(session)
             try:
-                await _hold(conn, session, sink)
+                await self._hold(conn, session, sink)
             finally:
                 if _rounds(session) == asked:
                     _end(session)
             return
-        _refuse_if(self.draining(), env.id)
+        self._refuse(None, env)
         session = HttpSession(self.sessions.idle_timeout, id="")
         session.mrtr = self.bridge
         session.principal = principal
@@ -498,16 +546,19 @@ class Endpoint:
         assert self.direct is not None
         flow = session.direct = self.direct(session)
         try:
-            flow.handle(body)
+            flow.handle(env, kind, len(body), params)
             if not sink.done:
-                await _hold(conn, session, sink)
+                await self._hold(conn, session, sink)
         finally:
             # answered, or the client closed the stream: that cancels the call, unless this POST
             # was answered input_required (the flow waits for the retry, which may already run)
             if _rounds(session) == 0:
                 flow.finish()
 
-    def _resume(self, env: jsonrpc.Envelope, params: dict[str, jsonrpc.Raw],
+    async def _hold(self, conn: HttpConnection, session: HttpSession, sink: Sink) -> None:
+        await _hold(conn, session, sink, self.sessions.quick)
+
+    def _resume(self, env: jsonrpc.Envelope, params: dict[str, msgspec.Raw],
                 caps: dict[str, object], sink: Sink, principal: Principal | None) -> HttpSession:
         """A retry carrying ``requestState``: the parked flow it continues (gateway.core.bridge),
         with ``sink`` open for the retry's id (only for the principal the flow is bound to)."""
@@ -523,19 +574,19 @@ class Endpoint:
         session.open_post(sink)
         return session
 
-    def _accepted(self, conn: HttpConnection, session: HttpSession, body: bytes) -> None:
-        if not session.push(body):
+    def _accepted(self, conn: HttpConnection, session: HttpSession, message: Decoded) -> None:
+        if not session.push(message):
             raise HttpError(503, "this session's inbox is full; retry later")
         conn.respond(202, headers=[(SESSION_HEADER, session.id)])
 
     async def _stream(self, conn: HttpConnection, session: HttpSession, sink: Sink,
-                      body: bytes, notices: Sequence[jsonrpc.Envelope] = ()) -> None:
+                      message: Decoded, notices: Sequence[jsonrpc.Envelope] = ()) -> None:
         session.open_post(sink)
-        if not session.push(body):
+        if not session.push(message):
             session.close_sink(sink)
             raise HttpError(503, "this session's inbox is full; retry later")
         _cancellations(session, notices)
-        await _hold(conn, session, sink)
+        await self._hold(conn, session, sink)
 
 
 def _cancellations(session: HttpSession, notices: Sequence[jsonrpc.Envelope]) -> None:
@@ -547,18 +598,6 @@ def _cancellations(session: HttpSession, notices: Sequence[jsonrpc.Envelope]) ->
                 session.cancelled(mcp.decode_cancelled(env.params).requestId)
             except (msgspec.ValidationError, msgspec.DecodeError):
                 pass  # the connection layer ignores it too
-
-
-def _refuse_if(draining: bool, id: int | str | None) -> None:
-    """While the gateway drains, a request not yet started is refused with 503 and
-    ``Retry-After`` (its body the -32005 ``shutdown`` error, ``retryable: true``): a load
-    balancer retries it on another replica (HAProxy ``retry-on 503``), a client may too."""
-    if draining:
-        refusal = _jsonrpc_error(503, errors.Denied(
-            "the gateway is shutting down; send this request elsewhere", reason="shutdown",
-            retryable=True), id)
-        refusal.headers = [("retry-after", str(RETRY_AFTER))]
-        raise refusal
 
 
 def _end(session: HttpSession) -> None:
@@ -600,7 +639,7 @@ def _is_modern(req: Request, env: jsonrpc.Envelope) -> bool:
         return version in era.MODERN_VERSIONS or (
             version not in mcp.LEGACY_VERSIONS and req.header(b"mcp-session-id") is None
             and env.method != "initialize")
-    if req.header(b"mcp-session-id") is not None or not isinstance(env.params, jsonrpc.Raw):
+    if req.header(b"mcp-session-id") is not None or not isinstance(env.params, msgspec.Raw):
         return False
     try:
         return era.modern_version(jsonrpc.params_dict(env.params)) is not None
@@ -613,15 +652,30 @@ def _allow(exc: HttpError) -> list[tuple[str, str]]:
 
 
 def _accepts(accept: str, media: str) -> bool:
-    kinds = {part.split(";", 1)[0].strip().lower() for part in accept.split(",")}
+    kinds = _media_kinds(accept) if len(accept) <= 256 else _media_kinds.__wrapped__(accept)
     return media in kinds or "*/*" in kinds or f"{media.split('/')[0]}/*" in kinds
 
 
-def _progress_token(params: object) -> int | str | None:
-    if not isinstance(params, jsonrpc.Raw):
+@functools.lru_cache(maxsize=64)
+def _media_kinds(accept: str) -> frozenset[str]:
+    """The media types an ``Accept`` value lists (a client sends the same one every time)."""
+    return frozenset(part.split(";", 1)[0].strip().lower() for part in accept.split(","))
+
+
+def _params(env: jsonrpc.Envelope) -> dict[str, msgspec.Raw] | None:
+    """A request's params' top level, decoded once for the edge and the core (None: not an
+    object, the core's to answer)."""
+    try:
+        return jsonrpc.params_dict(env.params)
+    except errors.GatewayError:
+        return None
+
+
+def _progress_token(params: dict[str, msgspec.Raw] | None) -> int | str | None:
+    if params is None:
         return None
     try:
-        meta = jsonrpc.params_dict(params).get("_meta")
+        meta = params.get("_meta")
         if meta is None:
             return None
         token = jsonrpc.loads(meta).get("progressToken")
@@ -630,7 +684,8 @@ def _progress_token(params: object) -> int | str | None:
     return token if isinstance(token, int | str) and not isinstance(token, bool) else None
 
 
-async def _hold(conn: HttpConnection, session: HttpSession, sink: Sink) -> None:
+async def _hold(conn: HttpConnection, session: HttpSession, sink: Sink,
+                quick: _QuickWaits) -> None:
     """Wait until ``sink`` is answered (or its session ends), watching the peer; an SSE comment
     every :data:`KEEPALIVE` seconds of silence.  Raises TransportClosed when the peer left."""
     try:
@@ -640,10 +695,7 @@ async def _hold(conn: HttpConnection, session: HttpSession, sink: Sink) -> None:
         if not sink.done and sink.request_id is not None:
             # Most answers come within moments: wait for them without watching the socket
             # (registering it with epoll and cancelling that wait costs more than the call).
-            sink.answered = trio.Event()
-            with trio.move_on_after(QUICK_ANSWER):
-                await sink.answered.wait()
-            sink.answered = None
+            await quick.wait(sink)
         while not sink.done and sink.conn is conn:
             with trio.move_on_after(KEEPALIVE) as scope:
                 sink.scope = scope

@@ -39,6 +39,7 @@ SSE_HEADERS = [("content-type", "text/event-stream"), ("cache-control", "no-cach
                ("x-accel-buffering", "no")]
 _EVENT = b"event: message\ndata: "
 _KEEPALIVE = b": keep-alive\n\n"
+_REASONS: dict[int, bytes] = {}  # status -> reason phrase
 
 Headers = Sequence[tuple[str, str]]
 #: A whole response: status, content type, body, extra headers.
@@ -63,18 +64,24 @@ class HttpError(Exception):
 class Request:
     """One received request: method, path, lowercased header names, the whole body."""
 
-    __slots__ = ("body", "headers", "method", "path")
+    __slots__ = ("_by_name", "body", "headers", "method", "path")
 
     def __init__(self, event: h11.Request, body: bytes) -> None:
         self.method = event.method.decode("ascii", "replace")
         self.path = event.target.decode("ascii", "replace").split("?", 1)[0]
         self.headers: list[tuple[bytes, bytes]] = list(event.headers)
         self.body = body
+        self._by_name: dict[bytes, str] | None = None
 
     def header(self, name: bytes) -> str | None:
         """The value of header ``name`` (lowercase); several are joined with ``", "``."""
-        values = [v.decode("latin-1") for k, v in self.headers if k == name]
-        return ", ".join(values) if values else None
+        by_name = self._by_name
+        if by_name is None:  # indexed at the first look: a request is asked for ten or so
+            by_name = self._by_name = {}
+            for key, value in self.headers:
+                text = value.decode("latin-1")
+                by_name[key] = f"{by_name[key]}, {text}" if key in by_name else text
+        return by_name.get(name)
 
     def host_in(self, hosts: frozenset[str]) -> bool:
         """Whether the ``Host`` header names this server (a loopback name or one of ``hosts``;
@@ -242,6 +249,23 @@ class HttpConnection:
             return self._send(head, h11.Data(data=body), h11.EndOfMessage())
         return self._send(head, h11.EndOfMessage())
 
+    def respond_json(self, status: int, body: bytes, session_id: str = "") -> bool:
+        """:meth:`respond` with a JSON ``body`` (and ``Mcp-Session-Id``: ``session_id``, when
+        given), the answer to nearly every POST: its few headers are made valid here, so h11
+        is not asked to check them again."""
+        if self._head or not (session_id.isascii() and session_id.isprintable()):
+            headers = [("mcp-session-id", session_id)] if session_id else []
+            return self.respond(status, body, "application/json", headers)
+        fields = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        if session_id:
+            fields.insert(0, (b"mcp-session-id", session_id.encode("ascii")))
+        reason = _REASONS.get(status)
+        if reason is None:
+            reason = _REASONS[status] = http.HTTPStatus(status).phrase.encode("ascii")
+        head = h11.Response(status_code=status, headers=fields, reason=reason,
+                            _parsed=True)  # h11's own shortcut for valid headers
+        return self._send(head, h11.Data(data=body), h11.EndOfMessage())
+
     def start_events(self, headers: Headers = ()) -> bool:
         """A 200 ``text/event-stream`` response head (chunked: it ends with :meth:`end_events`)."""
         return self._send(h11.Response(status_code=200, headers=[*SSE_HEADERS, *headers]))
@@ -319,9 +343,12 @@ async def serve_connection(
                 LOGGER.debug("%s: %d %s", name, exc.status, exc)
                 conn.respond(exc.status, exc.body, exc.content_type,
                              [*error_headers(exc), *exc.headers], close=exc.close)
-            with trio.move_on_after(write_timeout) as scope:
-                await conn.flush()
-            if scope.cancelled_caught or not conn.reusable:
+            if conn.io.held:  # what the socket did not take at once
+                with trio.move_on_after(write_timeout) as scope:
+                    await conn.flush()
+                if scope.cancelled_caught:
+                    return
+            if not conn.reusable:
                 return
     except TransportClosed:
         return

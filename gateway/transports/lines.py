@@ -12,12 +12,17 @@ Writes go through :mod:`gateway.transports.rawio`: straight to a socket when not
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import trio
 
 from gateway import limits
 from gateway.errors import MessageTooLarge
 from gateway.protocol.framing import LineFramer, Oversize
 from gateway.transports.rawio import SocketIO, StreamIO
+
+if TYPE_CHECKING:
+    from gateway.protocol.jsonrpc import Route
 
 _NEWLINE = b"\n"
 
@@ -46,7 +51,7 @@ class LineStream:
             raise MessageTooLarge(frame.size, self._max)
         return frame
 
-    def write_nowait(self, messages: list[bytes]) -> bool:
+    def write_nowait(self, messages: list[bytes], route: Route | None = None) -> bool:
         if len(messages) == 1:
             return self._io.write([messages[0], _NEWLINE])
         parts: list[bytes] = []

@@ -1,47 +1,33 @@
 """An HTTP session of the legacy Streamable HTTP shape (2025-03-26 … 2025-11-25): one
-:class:`~gateway.core.connection.MessageStream` fed by POSTs and written to their response streams.
+:class:`~gateway.core.connection.MessageStream` fed by POSTs and written to their response
+streams.
 
 Theory of operation: an HTTP session is served like any connection, by
-``connection.serve(hub, session, "http")`` for the session's whole life: one
-:class:`~gateway.core.session.ClientSession`, one owner for the routing core.  :meth:`HttpSession.receive`
-hands out the messages POSTed to it (a bounded inbox); :meth:`HttpSession.write_nowait` routes
-every outgoing message to one open response stream (a :class:`Sink`), never to two:
+``connection.serve(hub, session, "http")`` for its whole life (one
+:class:`~gateway.core.session.ClientSession`, one owner for the routing core).  A POSTed message
+arrives decoded (:meth:`HttpSession.push`) and is served in the POST's task, or queued for the
+session's reader when others wait before it (a bounded inbox).  :meth:`HttpSession.write_nowait`
+puts every outgoing message on one open response stream (a :class:`Sink`), chosen by the routing
+hint the core sends with it (a message without one is parsed for it):
 
-- a response goes to the POST that carries its request id (a batch's array answer to the batch
-  POST whose request ids it answers); when that POST's stream is gone the response is dropped
-  (the call is not cancelled by a closed stream: the spec says so);
+- a response goes to the POST that carries its request id (a batch's array to the batch POST
+  whose ids it answers); with that POST's stream gone it is dropped (the call goes on);
 - ``notifications/progress`` goes to the POST whose request carried that ``progressToken``;
 - list and resource-update notifications (unrelated to any request) go to the GET stream (a
   modern flow, which has none, gets them only for its ``subscriptions/listen``: to its POST);
-- anything else (log messages, elicitation/sampling/roots requests, their cancellations) goes to
-  the only open POST stream when there is exactly one (the routing core delivered it to this
-  owner because one of its calls caused it), else to the GET stream, else to the oldest open POST;
-- with no stream open at all it is parked, at most :data:`PARK_MAX` messages and
-  :data:`PARK_MAX_BYTES` bytes (charged to the session's byte account), and written when the
-  GET stream opens; beyond that the oldest is dropped and counted.
+- anything else (log messages, server→client requests) goes to the only open POST stream when
+  there is exactly one, else to the GET stream, else to the oldest open POST;
+- with no stream open it is parked (at most :data:`PARK_MAX` messages, :data:`PARK_MAX_BYTES`
+  bytes) until the GET stream opens; beyond that the oldest is dropped and counted.
 
-A POST's response is JSON when the response is the first thing for it (the usual case), else an
-SSE stream that the response ends; a modern flow's -32021 error is sent with status 400.
-
-Resumption (:mod:`gateway.transports.replay`): every SSE event of a session's streams carries an
-id naming its stream, and is kept in the session's replay log (at most :data:`REPLAY_MAX_BYTES`,
-charged to the session's byte account; what falls out is lost, and a resumption that needed it
-is logged).  A POST stream whose connection breaks after the client got an id from it is kept
-*detached*: its response, when it comes, goes into the log only; its progress and anything
-else go where they would go with the stream gone.  A ``GET`` with ``Last-Event-ID``
-(:meth:`HttpSession.resume`) replays what the log holds of that stream after that id, then
-re-attaches a detached POST stream (it goes on live until its response) or, for the GET
-stream's own ids, opens the GET stream.  A session that negotiated 2025-11-25 gets the spec's
-priming event (an id, empty data) first on each POST stream, so a stream broken before its first
-message can be resumed too.  The gateway never closes a stream's connection early on purpose
-(so it sends no ``retry`` field); keep-alive comments keep idle streams open.  Modern
-(2026-07-28) flows have no resumability: no ids.  Writes are synchronous; what a socket does not
-take is held by that socket's :class:`~gateway.transports.rawio.SocketIO`, and
-:meth:`HttpSession.flush` waits for all of them, so the session's outbound accounting
-(``outbound_bytes``, the ByteBudget) covers every stream.  A stream whose peer is gone is dropped
-from the session; the session goes on.  The session ends on DELETE (its calls are cancelled, as for
-a closed connection) or when it has been idle (nothing in flight, no stream open) for
-``http_session_idle_timeout``: :meth:`receive` then raises TransportClosed.
+A POST's response is JSON when the response is the first thing for it, else an SSE stream that
+the response ends; a modern flow's -32020/-32021/-32022 errors get status 400.  Resumption
+(:mod:`gateway.transports.replay`): a legacy session's SSE events carry ids and are kept in its
+replay log (:data:`REPLAY_MAX_BYTES`); a POST stream whose connection breaks is kept detached
+until its response, and ``GET`` with ``Last-Event-ID`` (:meth:`HttpSession.resume`) replays and
+re-attaches it.  Writes are synchronous; what a socket does not take is held by it and
+:meth:`HttpSession.flush` waits for all of them.  The session ends on DELETE or after
+``http_session_idle_timeout`` idle (:meth:`receive` then raises TransportClosed).
 """
 
 from __future__ import annotations
@@ -49,6 +35,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -57,14 +44,16 @@ from msgspec import UNSET, Raw, UnsetType
 
 from gateway import errors
 from gateway.errors import CloseReason, TransportClosed
+from gateway.protocol.jsonrpc import Goes
 from gateway.transports.replay import ReplayLog, format_id
 from gateway.wakeup import Wakeup
 
 if TYPE_CHECKING:
     from gateway.auth.principal import Principal
     from gateway.core.bridge import Bridge
-    from gateway.core.connection import Direct
+    from gateway.core.connection import Decoded, Direct
     from gateway.core.session import ClientSession
+    from gateway.protocol.jsonrpc import Route
     from gateway.transports.http import HttpConnection
 
 LOGGER = logging.getLogger(__name__)
@@ -150,8 +139,7 @@ class Sink:
         if final:
             self.finish_soon()
             if not self.started:  # answered before anything else: a plain JSON response
-                return conn.respond(self._status(message), message, "application/json",
-                                    self._headers())
+                return conn.respond_json(self._status(message), message, self.session_id)
             conn.event(message, event_id)
             return conn.end_events()
         return conn.event(message, event_id)
@@ -211,7 +199,9 @@ class HttpSession:
         self.closed = False
         self.last_active = trio.current_time()
         self.dropped = 0  # messages no stream could take (logged once per session)
-        self._inbox: deque[bytes] = deque()
+        self._inbox: deque[Decoded] = deque()
+        # serves a POSTed message in the POST's task (set by gateway.core.connection.serve)
+        self.inline: Callable[[Decoded], bool] | None = None
         self._wakeup = Wakeup()
         self._posts: dict[RequestId, Sink] = {}
         self._batches: deque[Sink] = deque()
@@ -231,12 +221,14 @@ class HttpSession:
         client.mrtr = self.mrtr
         client.principal = self.principal
 
-    def push(self, message: bytes) -> bool:
-        """A POSTed message for the reader; False when the inbox is full."""
+    def push(self, message: Decoded) -> bool:
+        """A POSTed message, decoded, for the reader; False when the inbox is full."""
         if self.closed or len(self._inbox) >= INBOX_MAX:
             return False
-        self._inbox.append(message)
         self.last_active = trio.current_time()
+        if not self._inbox and self.inline is not None and self.inline(message):
+            return True
+        self._inbox.append(message)
         self._wakeup.set()
         return True
 
@@ -384,6 +376,7 @@ class HttpSession:
         sink.conn = None
         if sink.token is not None and self._tokens.get(sink.token) is sink:
             del self._tokens[sink.token]  # its progress goes elsewhere meanwhile
+        assert sink.stream is not None  # resumable
         self._detached[sink.stream] = sink
         sink.wake()
         self.last_active = trio.current_time()
@@ -422,7 +415,7 @@ class HttpSession:
 
     # ---- MessageStream ----------------------------------------------------------------------
 
-    async def receive(self) -> bytes:
+    async def receive(self) -> Decoded:
         while not self._inbox:
             if self.closed:
                 raise TransportClosed("session ended")
@@ -438,14 +431,23 @@ class HttpSession:
                 await self._wakeup.wait()
         return self._inbox.popleft()
 
-    def write_nowait(self, messages: list[bytes]) -> bool:
+    def write_nowait(self, messages: list[bytes], route: Route | None = None) -> bool:
         if self.closed:
             raise TransportClosed("session ended")
-        for message in messages:
-            self._route(message)
+        if route is not None and len(messages) == 1:
+            goes, key = route
+            if goes is Goes.ANSWER:
+                self._answer(messages[0], key)
+            else:
+                self._notify(messages[0], goes, key)
+        else:
+            for message in messages:
+                self._route(message)
         return not self._dirty
 
     def _route(self, message: bytes) -> None:
+        """A message the core sent without a routing hint (one it queued, a batch's array,
+        what the routing core passes on): its hint read from its JSON."""
         if message[:1] == b"[":  # a batch's answers
             batch = self._batch_for(message)
             if batch is not None:
@@ -459,26 +461,39 @@ class HttpSession:
             out = _Out()
         method = out.method
         if method is UNSET:  # a response
-            sink = self._posts.pop(out.id, None) if isinstance(out.id, int | str) else None
-            if sink is None and self._batches and out.id is None:
-                sink = self._batches.popleft()
-            if sink is None:
-                self._drop(message)
-                return
-            if sink.token is not None and self._tokens.get(sink.token) is sink:
-                del self._tokens[sink.token]
-            self._write(sink, message, final=True)
+            self._answer(message, out.id if isinstance(out.id, int | str) else None)
             return
-        sink = None
+        token: RequestId | None = None
         if method == "notifications/progress" and out.params is not UNSET:
             try:
                 token = _progress.decode(out.params).progressToken
             except (msgspec.ValidationError, msgspec.DecodeError):
                 token = None
-            if token is not None:
-                sink = self._tokens.get(token)
+        if token is not None:
+            self._notify(message, Goes.PROGRESS, token)
+        else:
+            self._notify(message, Goes.UNRELATED if method in UNRELATED else Goes.OTHER, None)
+
+    def _answer(self, message: bytes, id: RequestId | None) -> None:
+        """The response to request ``id``: to its POST (an id-less one to the oldest batch)."""
+        sink = self._posts.pop(id, None) if id is not None else None
+        if sink is None and self._batches and id is None:
+            sink = self._batches.popleft()
         if sink is None:
-            if method in UNRELATED and self.id:  # a modern flow has no GET: its listen's POST
+            self._drop(message)
+            return
+        if sink.token is not None and self._tokens.get(sink.token) is sink:
+            del self._tokens[sink.token]
+        self._write(sink, message, final=True)
+
+    def _notify(self, message: bytes, goes: Goes, key: RequestId | None) -> None:
+        """Anything but a response: progress to its request's POST, an unrelated message to
+        the GET stream, anything else where one of its calls' streams is (see above)."""
+        sink = None
+        if goes is Goes.PROGRESS and key is not None:
+            sink = self._tokens.get(key)
+        if sink is None:
+            if goes is Goes.UNRELATED and self.id:  # a modern flow has no GET: its listen's POST
                 sink = self.get
             elif len(self._posts) - len(self._detached) == 1 and not self._batches:
                 sink = next(s for s in self._posts.values() if s.conn is not None)

@@ -17,6 +17,7 @@ import logging
 import re
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import trio
 from wsproto import ConnectionType, WSConnection
@@ -43,6 +44,9 @@ from gateway.transports.listeners import (
     serve_listeners,
 )
 from gateway.transports.rawio import stream_io
+
+if TYPE_CHECKING:
+    from gateway.protocol.jsonrpc import Route
 
 LOGGER = logging.getLogger(__name__)
 
@@ -156,7 +160,7 @@ class WebSocketStream:
         self._close_reply = close_frame(code, reason)
         return TransportClosed(f"closed by the client ({code})")
 
-    def write_nowait(self, messages: list[bytes]) -> bool:
+    def write_nowait(self, messages: list[bytes], route: Route | None = None) -> bool:
         if self._closed:
             raise TransportClosed("closed")
         if len(messages) == 1:

@@ -147,10 +147,12 @@ class Owner:
     def __init__(self, name: str) -> None:
         self.name = name
         self.sent: list[dict[str, Any]] = []
+        self.routes: list[Any] = []  # the routing hint of each
         self.ended: list[tuple[Any, ServerRequestOutcome]] = []
 
-    def send(self, data: bytes) -> bool:
+    def send(self, data: bytes, route: Any = None) -> bool:
         self.sent.append(json.loads(data))
+        self.routes.append(route)
         return True
 
     def cancel_request(self, req: Any, outcome: ServerRequestOutcome, reason: str) -> None:
@@ -336,6 +338,7 @@ async def test_progress_reaches_the_owner_with_the_clients_token(
         assert [(m["params"]["progressToken"], m["params"]["progress"])
                 for m in got] == [(42, 1), (42, 3)]
         assert got[0]["params"]["total"] == 3
+        assert owner.routes == [(jsonrpc.Goes.PROGRESS, 42)] * 2  # its hint: the client's token
         await h.child.reply(req["id"], {})
         await c.done.wait()
         await progress(wire_token, 4)  # after the reply: dropped
