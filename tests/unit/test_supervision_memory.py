@@ -50,7 +50,7 @@ class Owner:
     def __init__(self) -> None:
         self.closed = trio.Event()
 
-    def send(self, data: bytes) -> bool:
+    def send(self, data: bytes, route: jsonrpc.Route | None = None) -> bool:
         return True
 
     def cancel_request(self, req: Any, outcome: Any, reason: str) -> None:
