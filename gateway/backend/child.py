@@ -26,8 +26,8 @@ import trio
 from msgspec import UNSET, Raw, UnsetType
 
 from gateway import errors
-from gateway.events import BackendProtocolError, EventBus, ServerRequestOutcome
 from gateway.backend.connector import Link
+from gateway.events import BackendProtocolError, EventBus, ServerRequestOutcome
 from gateway.limits import Account
 from gateway.protocol import jsonrpc, wire
 from gateway.protocol.era import Era

@@ -162,7 +162,8 @@ class Backend:
 
     def live_pids(self) -> set[int]:
         """The pids of this backend's children that have not been reaped yet."""
-        return {pid for i in self.instances if i.link is not None and (pid := i.link.pid) is not None}
+        return {pid for i in self.instances
+                if i.link is not None and (pid := i.link.pid) is not None}
 
     async def set_level(self, level: str) -> None:
         """``logging/setLevel`` on every running child (a refusal is logged, not raised)."""
