@@ -137,7 +137,7 @@ class Control:
 
 def _status_line(hub: Hub) -> str:
     st = hub.status()
-    up = sum(1 for b in st.backends if any(i.state == "RUNNING" for i in b.instances))
+    up = sum(1 for b in st.backends if any(i.state == State.RUNNING for i in b.instances))
     clients = sum(st.connections.values())
     return f"STATUS={'draining' if st.draining else 'serving'}; {up}/{len(st.backends)} backends up; {clients} clients"
 

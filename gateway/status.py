@@ -9,11 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.protocol.supervision import State
+
 
 @dataclass(frozen=True, slots=True)
 class InstanceStatus:
     name: str  # "time/0"
-    state: str  # STOPPED / STARTING / RUNNING / UNHEALTHY / BACKOFF / FATAL / STOPPING
+    state: str  # a supervision.State's value: STOPPED / STARTING / RUNNING / UNHEALTHY / …
     pid: int | None
     restarts: int  # starts after the first one
     uptime: float | None  # seconds since RUNNING, None when not running
@@ -86,7 +88,7 @@ class GatewayStatus:
         elif self.stopping:
             problems.append("stopping (draining after gateway.drain_delay)")
         for backend in self.backends:
-            if backend.required and not any(i.state == "RUNNING" for i in backend.instances):
+            if backend.required and not any(i.state == State.RUNNING for i in backend.instances):
                 problems.append(f"backend {backend.name} not running")
         return problems
 

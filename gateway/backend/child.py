@@ -61,7 +61,10 @@ class Owner(Protocol):
     """A call's owner, opaque to the backend layer (a client session of the core): what a
     child's shell and the pool need of it."""
 
-    closed: trio.Event  # set once the owner is gone
+    @property
+    def closed(self) -> trio.Event:
+        """Set once the owner is gone."""
+        ...
 
     def __hash__(self) -> int: ...
 

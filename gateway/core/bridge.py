@@ -28,6 +28,7 @@ import trio
 from msgspec import Raw
 
 from gateway import errors
+from gateway.core.session import Transport
 from gateway.errors import CloseReason, ConfigError
 from gateway.events import EventBus, InputRequired, RequestStateRefused, ServerRequestOutcome
 from gateway.protocol import jsonrpc, mcp, mrtr
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from gateway.backend.child import ChildConnection
     from gateway.config import GatewaySection
     from gateway.core.serving import Served
-    from gateway.core.session import ClientSession, ServerRequest
+    from gateway.core.session import Call, ClientSession, ServerRequest
 
 LOGGER = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ def from_config(g: GatewaySection) -> Bridge:
     try:
         key = load_key(g.state_key_file) if g.state_key_file else secrets.token_bytes(32)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"gateway.state_key_file: {exc}") from None
+        raise ConfigError([f"gateway.state_key_file: {exc}"]) from None
     return Bridge(mrtr.StateCodec(key, replica_id(g.replica_id)), g.state_ttl, g.shared_park_limit,
                   g.max_parked_flows)
 
@@ -115,15 +116,15 @@ class Bridge:
         # a call of this backend parked (set by the hub: wakes the calls waiting behind it)
         self.on_park: Callable[[str], None] = lambda backend: None
 
-    def flow_of(self, owner: ClientSession, served: Served | None = None) -> Flow:
-        """The flow of ``served``, by default the owner's call in flight (ownership bridges a
+    def flow_of(self, owner: ClientSession, call: Call | None = None) -> Flow:
+        """The flow of ``call``, by default the owner's call in flight (ownership bridges a
         child's request only while its owner has exactly one, open listens aside)."""
-        if served is None:
-            served = owner.calls()[0]
+        # a session's calls are gateway.core.serving.Served, the only kind there is
+        served = cast("Served", owner.calls()[0] if call is None else call)
         flow = cast("Flow | None", served.flow)
         if flow is None:
             flow = Flow(self, owner, served)
-        owner.flow = flow
+        owner.set_flow(flow)
         return flow
 
     def requested(self, owner: ClientSession, key: str, req: ServerRequest) -> None:
@@ -145,7 +146,7 @@ class Bridge:
                 f"{len(self.flows)} calls already wait for their clients' input "
                 "(gateway.max_parked_flows); retry later", limit=self.max_parked)
 
-    def ask(self, owner: ClientSession, served: Served, key: str, req: ServerRequest,
+    def ask(self, owner: ClientSession, served: Call, key: str, req: ServerRequest,
             deadline: float) -> None:
         """The gateway's own request ``req`` (a consent prompt) for ``served``, a modern call of
         ``owner``: asked in its ``InputRequiredResult`` under ``key``.  The asker ends the call
@@ -193,7 +194,8 @@ class Bridge:
             if flow is None:
                 raise mrtr.invalid_state("its call is over or expired, or was served by another "
                                          "process of this replica", "gone")
-            if flow.owner is not owner if owner is not None else flow.owner.transport != "http":
+            if (flow.owner is not owner if owner is not None
+                    else flow.owner.transport is not Transport.HTTP):
                 # (a WebSocket/unix call's state presented on /mcp, or the reverse: the flow goes
                 # on waiting for its own retry; its answer could only reach its own connection)
                 raise mrtr.invalid_state("on a WebSocket or unix connection, the retry must come on "
@@ -305,7 +307,11 @@ class Flow:
 
     def requested(self, key: str, req: ServerRequest) -> None:
         self.pending[key] = req  # unique: the router refuses a request id still open at its child
-        req.on_end.append(lambda _req: self.pending.pop(key, None))
+
+        def forget(_req: ServerRequest) -> None:
+            self.pending.pop(key, None)
+
+        req.on_end.append(forget)
         self._gather()
 
     def _gather(self) -> None:
@@ -382,10 +388,8 @@ class Flow:
         if self.resumed is not None:
             self.resumed.set()
             self.resumed = None
-        inflight = self.owner.inflight
-        inflight.pop(served.id, None)
+        self.owner.move_call(served.id, request_id, served)
         served.id = served.req.id = request_id
-        inflight[request_id] = served
         served.caps = mcp.ClientCaps(caps)
         for key, result in answers.items():
             req = self.pending.get(key)
@@ -404,13 +408,12 @@ class Flow:
         if was_parked and self.pending:
             self._let_go()
         self._unlist()
-        if self.owner.transport == "http":  # a flow session: it ends with its call
+        if self.owner.transport is Transport.HTTP:  # a flow session: it ends with its call
             self.owner.close(CloseReason.CLIENT_CLOSED)
             return
         # A WebSocket/unix connection goes on: only this call ends (without an answer: it was
         # answered input_required), its child's waiting requests declined or refused.
-        if self.owner.flow is self:
-            self.owner.flow = None
+        self.owner.end_flow(self)
         for req in list(self.pending.values()):
             req.finish(ServerRequestOutcome.OWNER_GONE)
         self.closed()
@@ -465,8 +468,8 @@ class Flow:
         the flow now; its retry gets ``invalid_state``."""
         if self.parked:
             self.end("the call ended while waiting for the client's input")
-        elif self.owner.transport != "http" and self.owner.flow is self:
-            self.owner.flow = None  # the connection's next call may ask for input afresh
+        elif self.owner.transport is not Transport.HTTP:
+            self.owner.end_flow(self)  # the connection's next call may ask for input afresh
 
 
 def _nothing() -> None:

@@ -110,7 +110,7 @@ def _open(ports: ConnectionPorts, stream: MessageStream, transport: str,
                             outbound_bytes=cfg.outbound_bytes, budget=ports.budget)
     if bind is not None:
         bind(session)
-    session.writer = stream
+    session.attach(stream)
     ports.session_opened(session)
     ports.bus.emit(ConnectionOpened(session.conn_id, transport))
     LOGGER.debug("connection %s opened (%s)", session.conn_id, transport, extra=session.log_fields)
@@ -120,7 +120,7 @@ def _open(ports: ConnectionPorts, stream: MessageStream, transport: str,
 def _release(ports: ConnectionPorts, session: ClientSession) -> None:
     """What a closed connection holds goes: it leaves the hub, the requests it was sent end,
     its calls are cancelled, the backends forget it."""
-    session.writer = None  # what is sent from now on is queued: flushed, or dropped
+    session.detach()  # what is sent from now on is queued: flushed, or dropped
     ports.session_left(session)
     ports.connections_changed()
     session.end_all_requests(ServerRequestOutcome.OWNER_GONE)
@@ -148,8 +148,7 @@ async def serve(ports: ConnectionPorts, stream: MessageStream, transport: str,
     session = _open(ports, stream, transport, bind)
     try:
         async with trio.open_nursery() as nursery:
-            session.cancel_scope = nursery.cancel_scope
-            session.nursery = nursery
+            session.run_in(nursery, cancel_scope=nursery.cancel_scope)
             nursery.start_soon(_writer, session, stream)
             if isinstance(stream, InlineStream):
                 stream.inline = partial(_inline, ports, session, nursery)
@@ -189,8 +188,8 @@ class Direct:
     path, a bridged flow's timers) runs in ``nursery``, a long-lived one, and a flusher task is
     started there only when a write did not fit.  :meth:`finish` ends it (idempotent): called
     inline when its request is answered, or from a task when it is closed by anything else
-    (``ClientSession.on_close``: overflow, a bridged flow ending, drain).  Saves the two tasks
-    and the inbox a served connection costs per request.
+    (the ``on_close`` of ``ClientSession.run_in``: overflow, a bridged flow ending, drain).
+    Saves the two tasks and the inbox a served connection costs per request.
     """
 
     __slots__ = ("done", "nursery", "ports", "session", "stream", "transport", "writer_scope")
@@ -204,9 +203,8 @@ class Direct:
         self.done = False
         self.writer_scope: trio.CancelScope | None = None
         session = self.session = _open(ports, stream, transport, bind)
-        session.nursery = nursery
+        session.run_in(nursery, on_close=self._finish_soon)
         session.outbound.on_wake = self._start_writer
-        session.on_close = self._finish_soon
 
     def _finish_soon(self) -> None:
         try:
@@ -239,7 +237,7 @@ class Direct:
             return
         self.done = True
         session = self.session
-        session.on_close = None
+        session.detach()
         session.close(CloseReason.CLIENT_CLOSED)  # no-op when something else closed it
         if self.writer_scope is not None:
             self.writer_scope.cancel()
@@ -280,9 +278,7 @@ async def _writer(session: ClientSession, stream: MessageStream) -> None:
         while True:
             if session.held:
                 await stream.flush()
-                n, count = session.held_bytes, session.held
-                session.held = session.held_bytes = 0
-                session.sent(n, count)
+                session.held_written()
             batch, size = outbound.take(WRITE_BATCH, WRITE_BATCH_BYTES)
             if not batch:
                 await outbound.wait()
@@ -290,7 +286,7 @@ async def _writer(session: ClientSession, stream: MessageStream) -> None:
             if stream.write_nowait(batch):
                 session.sent(size, len(batch))
             else:
-                session.held, session.held_bytes = len(batch), size
+                session.hold(len(batch), size)
     except errors.TransportClosed:
         session.close(CloseReason.CLIENT_CLOSED)
 
@@ -501,7 +497,7 @@ def _dispatch(ports: ConnectionPorts, session: ClientSession, env: jsonrpc.Envel
         assert isinstance(env.id, int | str) and isinstance(env.method, str)
         refused = refusal(ports, session, env)
         if refused is not None:
-            session.refused_at = trio.current_time()  # its close waits for it to settle
+            session.drain(trio.current_time())  # its close waits for it to settle
             reply(error_response(env.id, refused), env.id)
             return
         if env.method == "initialize" and in_batch:
@@ -559,7 +555,7 @@ def _continues_flow(ports: ConnectionPorts, session: ClientSession, env: jsonrpc
     call's ``requestState``, gateway.core.bridge): it answers the prompts of a call already running,
     so a drain lets it in like any answer.  (A new call to a modern backend carrying that
     backend's own state is not one: :meth:`~gateway.core.bridge.Bridge.continues`.)"""
-    if not any(s.flow is not None and s.flow.parked and s.flow.method == env.method
+    if not any((f := s.flow) is not None and f.parked and f.method == env.method
                for s in session.inflight.values()):
         return False
     try:

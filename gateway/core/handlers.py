@@ -30,6 +30,7 @@ from gateway.events import EventBus, RequestStarted
 from gateway.protocol import catalog as cat
 from gateway.protocol import era, jsonrpc, mcp, mrtr
 from gateway.protocol.mcp import declared_capabilities
+from gateway.protocol.policy import Kind
 
 LOGGER = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ class HandlerPorts(ListenPorts, Protocol):
     def bus(self) -> EventBus: ...
 
 
+#: What the policy asks the user before a call: (name, arguments, kind).
+Consent = tuple[str, Any, Kind]
 Handler = Callable[["HandlerPorts", "ClientSession", Request], Raw]
 AsyncHandler = Callable[["HandlerPorts", "ClientSession", Request], Awaitable[Raw]]
 
@@ -74,22 +77,17 @@ def _reject_tasks(req: Request) -> None:
 
 
 def initialize(ports: CatalogView, session: ClientSession, req: Request) -> Raw:
-    if session.protocol_version is not None:  # set synchronously below: two racing ones cannot both pass
-        raise errors.InvalidRequest(
-            f"initialize: this connection is already initialized (protocol {session.protocol_version}); "
-            "a second initialize is refused, the negotiated revision stays",
-            reason="already_initialized",
-        )
+    session.check_initialize()  # a second one is refused before its params are looked at
     try:
         params = mcp.decode_initialize_params(jsonrpc.encode_dict(req.params))
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise errors.InvalidParams(f"initialize: {exc}") from None
-    session.protocol_version = mcp.negotiate_version(params.protocolVersion)
-    session.caps = mcp.ClientCaps(params.capabilities)
-    session.initialized = True
+    # synchronous: two racing ones cannot both pass
+    version = mcp.negotiate_version(params.protocolVersion)
+    session.initialize(version, mcp.ClientCaps(params.capabilities))
     return jsonrpc.encode_dict(
         {
-            "protocolVersion": session.protocol_version,
+            "protocolVersion": version,
             "capabilities": ports.advertised_capabilities(),
             "serverInfo": {"name": ports.server_name, "version": __version__},
         }
@@ -122,7 +120,7 @@ def set_level(ports: BackendDirectory, session: ClientSession, req: Request) -> 
     level = _str_param(req, "level")
     if level not in mcp.LOG_RANK:
         raise errors.InvalidParams(f"logging/setLevel: unknown level {level!r}")
-    session.log_level = level
+    session.set_log_level(level)
     ports.log_levels_changed()
     return jsonrpc.EMPTY_RESULT
 
@@ -261,7 +259,7 @@ def call_tool(ports: CatalogView, session: ClientSession, req: Request) -> Targe
     if route is None:
         raise errors.InvalidParams(f"unknown tool {name!r}")
     req.tool = name
-    consent = None
+    consent: Consent | None = None
     if ports.policy.active and ports.policy.check(name, caller_of(session)):
         consent = (name, _arguments(req), "tool")
     params = dict(req.params)
@@ -282,7 +280,7 @@ def get_prompt(ports: CatalogView, session: ClientSession, req: Request) -> Targ
     route = ports.catalog.prompt_routes.get(name)
     if route is None:
         raise errors.InvalidParams(f"unknown prompt {name!r}")
-    consent = None
+    consent: Consent | None = None
     if ports.policy.active and ports.policy.check(name, caller_of(session), "prompt"):
         consent = (name, _arguments(req), "prompt")
     params = dict(req.params)
@@ -293,7 +291,7 @@ def get_prompt(ports: CatalogView, session: ClientSession, req: Request) -> Targ
 def read_resource(ports: CatalogView, session: ClientSession, req: Request) -> Target:
     _reject_tasks(req)
     uri = _str_param(req, "uri")
-    consent = None
+    consent: Consent | None = None
     if ports.policy.active and ports.policy.check(uri, caller_of(session), "resource"):
         consent = (uri, None, "resource")
     return Target(ports.backend_name_for_uri(uri), dict(req.params), consent)

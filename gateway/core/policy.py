@@ -254,8 +254,10 @@ class Policy:
         what = {"tool": "tool", "prompt": "prompt", "resource": "uri"}[kind]
         bridge = session.mrtr
         served = None if bridge is None or request_id is None else session.inflight.get(request_id)
-        modern = served is not None and served.modern
-        if modern and (served.caps is None or not served.caps.elicitation_form):
+        if served is not None and not served.modern:
+            served = None  # a legacy request: its caller is sent the prompt
+        modern = served is not None
+        if served is not None and (served.caps is None or not served.caps.elicitation_form):
             raise errors.MissingCapability(
                 f"{kind} {tool!r} needs the user's consent, but the request did not declare form "
                 "elicitation in its client capabilities", reason="authorization_required",
@@ -282,7 +284,7 @@ class Policy:
             {"mode": "form", "message": message, "requestedSchema": pure.consent_schema()},
             send=not modern,
         )
-        if modern:
+        if served is not None:
             assert bridge is not None
             bridge.ask(session, served, CONSENT_KEY, req, deadline)
         self._pending.add(req)

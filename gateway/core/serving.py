@@ -17,6 +17,7 @@ take the connection down).
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
@@ -31,7 +32,7 @@ from gateway.core.handlers import HANDLERS, PRE_INIT
 from gateway.core.inputs import InputPorts
 from gateway.core.ports import Lifecycle
 from gateway.core.request import Request, Target, asker_key
-from gateway.core.session import Bridging, ClientSession
+from gateway.core.session import BridgedCall, Bridging, ClientSession, Transport
 from gateway.events import RequestFinished, RequestOutcome, RequestStarted
 from gateway.protocol import era, jsonrpc, mcp
 from gateway.protocol.routing import CallState
@@ -56,28 +57,26 @@ class ServingPorts(InputPorts, Lifecycle, Protocol):
     def bridge(self) -> Bridging: ...
 
 
-class CallFlow(Protocol):
-    """A modern call's round trips, as the call sees them (:class:`gateway.core.bridge.Flow`)."""
-
-    method: str
-    parked: bool  # answered input_required, waiting for the retry
-    waiting: bool  # the call's current id was answered input_required (no other answer)
-
-    def call_ended(self) -> None: ...
-
-
 def error_response(id: int | str | None, exc: errors.GatewayError) -> bytes:
     """The JSON-RPC error response for ``exc``: every error the gateway answers goes through here."""
     return jsonrpc.encode_error(id, exc.code, exc.message, exc.error_data())
+
+
+class Mode(enum.Enum):
+    """How a :class:`Served` is being served (the fields each way uses)."""
+
+    INLINE = "inline"  # in the reader's call: answered at once, or about to be forwarded
+    FORWARDED = "forwarded"  # at a child, no task: ``backend``, ``inst``, ``child``, ``call``
+    TASK = "task"  # in a task of the connection's nursery (:func:`_run_slow`): ``scope``
 
 
 class Served:
     """One client request being served: ``session.inflight``'s entry for its id, and the one
     place where its answer is made (:meth:`end`, exceptions become JSON-RPC errors there).
 
-    Served three ways: answered by the gateway at once; *forwarded* without a task (it is then
-    the handle of its call at the child, told by :meth:`finished`); or in a task of the
-    connection's nursery (:func:`_run_slow`) when it must wait for something.
+    Served three ways (its :class:`Mode`): answered by the gateway at once; *forwarded* without
+    a task (it is then the handle of its call at the child, told by :meth:`finished`); or in a
+    task of the connection's nursery (:func:`_run_slow`) when it must wait for something.
     """
 
     __slots__ = (
@@ -92,6 +91,7 @@ class Served:
         "id",
         "inst",
         "label",
+        "mode",
         "modern",
         "ports",
         "reply",
@@ -115,7 +115,8 @@ class Served:
         self.size = size
         self.reply = reply
         self.started = trio.current_time()
-        self.ended = False
+        self.mode = Mode.INLINE
+        self.ended = False  # answered, or dropped unanswered (a retry took its id over)
         self.scope: trio.CancelScope | None = None  # served in a task
         self.target: Target | None = None
         self.backend: Backend | None = None  # forwarded without a task: where to
@@ -127,17 +128,18 @@ class Served:
         self.modern = False  # a 2026-07-28 request: its result says resultType (see gateway.protocol.era)
         self.caps: mcp.ClientCaps | None = None  # a modern request's declared capabilities
         self.held: str | None = None  # the principal whose [[auth.limits]] slot it holds
-        self.flow: CallFlow | None = None  # a modern call asked for input (gateway.core.bridge)
+        self.flow: BridgedCall | None = None  # a modern call asked for input (gateway.core.bridge)
 
     def cancel(self) -> None:
         """The client cancelled it, its connection closed, or the drain grace is over (then it
         is answered -32005 ``shutdown``, ``retryable: false``: it may have had effects)."""
-        if self.call is not None and self.child is not None:
+        mode, call, child = self.mode, self.call, self.child
+        if mode is Mode.FORWARDED and call is not None and child is not None:
             error = None
             if self.ports.calls_cut_off:  # a call still queued never reached the child: retryable
-                error = _cut_off(retryable=self.call.state is CallState.QUEUED)
-            self.child.cancel(self.call, error)
-        elif self.scope is not None:
+                error = _cut_off(retryable=call.state is CallState.QUEUED)
+            child.cancel(call, error)
+        elif mode is Mode.TASK and self.scope is not None:
             self.scope.cancel()
 
     def forward_now(self) -> bool:
@@ -157,6 +159,7 @@ class Served:
             ports.bus.emit(RequestStarted(session.conn_id, self.label, backend.name))
         self.backend, self.inst, self.child = backend, inst, child
         self.forwarded_at = trio.current_time()
+        self.mode = Mode.FORWARDED
         try:
             fields, meta = handlers.outgoing(ports, session, target, child.era is era.Era.MODERN)
             self.call = child.start(req.method, UNSET, handle=self, now=self.forwarded_at, owner=session,
@@ -165,10 +168,12 @@ class Served:
         except errors.NotDelivered:  # the child just died: the slow path waits for the next one
             backend.release(inst, session)
             self.child = None
+            self.mode = Mode.INLINE
             return False
         except errors.GatewayError as exc:
             backend.release(inst, session)
             self.child = None
+            self.mode = Mode.INLINE
             self.end(exc=exc)
         return True
 
@@ -185,7 +190,7 @@ class Served:
                         self.req.method, extra=self.session.log_fields)
             self.retried = True
             self.child = None
-            self.scope = trio.CancelScope()
+            self.scope, self.mode = trio.CancelScope(), Mode.TASK
             self.session.nursery.start_soon(_run_slow, self)
             return
         if (result is not None and not self.modern and self.target is not None
@@ -193,7 +198,7 @@ class Served:
                 and self.req.method in inputs.MRTR_METHODS and era.is_input_required(result) and not self.session.closed.is_set()
                 and self.session.nursery is not None):
             # A modern child asks for input; this legacy client is asked the legacy way (a task).
-            self.scope = trio.CancelScope()
+            self.scope, self.mode = trio.CancelScope(), Mode.TASK
             self.session.nursery.start_soon(_run_slow, self, result)
             return
         self.end(result, error, cancelled=result is None and error is None)
@@ -289,18 +294,21 @@ def serve_request(ports: ServingPorts, session: ClientSession, env: jsonrpc.Enve
         if session.principal is not None and ports.limits and method not in UNLIMITED:
             _admit(ports, served, session.principal.name)
         req.params = jsonrpc.params_dict(env.params) if params is None else params
-        if session.era is None:  # the first request chooses the connection's era
-            session.era = era.era_of(method, req.params)
-        if session.era is era.Era.MODERN:
+        chosen = session.era
+        if chosen is None:  # the first request chooses the connection's era
+            chosen = era.era_of(method, req.params)
+            session.choose_era(chosen)
+        if chosen is era.Era.MODERN:
             served.modern = True
             caps, level = era.modern_meta(method, req.params)
             if session.mrtr is None:  # a modern WebSocket/unix connection: bridged like a flow
-                session.mrtr = ports.bridge
+                session.bridge_with(ports.bridge)
             served.caps = mcp.ClientCaps(caps)  # what a child may ask this request's caller
-            if level is not None and level != session.log_level:  # its stream gets log messages
-                session.log_level = level
+            # its stream gets log messages
+            if level is not None and session.set_log_level(level):
                 ports.log_levels_changed()
-            if session.transport != "http" and ports.bridge.continues(method, req.params):
+            if (session.transport is not Transport.HTTP
+                    and ports.bridge.continues(method, req.params)):
                 # A retry: it continues the call its state names, which takes over its id
                 # (``inflight`` then holds that call under it); this entry is dropped unanswered.
                 principal = session.principal
@@ -334,7 +342,7 @@ def serve_request(ports: ServingPorts, session: ClientSession, env: jsonrpc.Enve
     except Exception as exc:
         served.end(exc=exc)
         return
-    served.scope = trio.CancelScope()
+    served.scope, served.mode = trio.CancelScope(), Mode.TASK
     assert session.nursery is not None
     session.nursery.start_soon(_run_slow, served)
 

@@ -35,9 +35,8 @@ import secrets
 import sys
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
-import msgspec
 import trio
 from msgspec import UNSET, Raw, UnsetType
 
@@ -48,9 +47,11 @@ from gateway.events import ServerRequestOutcome
 from gateway.limits import ByteBudget
 from gateway.protocol import jsonrpc, mcp
 from gateway.protocol.era import Era
+from gateway.protocol.session import SessionEvent, SessionState, next_state
 
 if TYPE_CHECKING:
     from gateway.auth.principal import Principal
+    from gateway.core.request import Request
 
 LOGGER = logging.getLogger(__name__)
 
@@ -59,6 +60,18 @@ _conn_counter = itertools.count(1)
 
 def mint_conn_id() -> str:
     return f"c{next(_conn_counter)}-{secrets.token_hex(4)}"
+
+
+class Transport(enum.StrEnum):
+    """What a connection came over (its value is the metrics' and policy rules' label)."""
+
+    WEBSOCKET = "websocket"
+    UNIX = "unix"
+    HTTP = "http"  # a legacy HTTP session or a modern HTTP flow
+    MEMORY = "memory"  # tests
+
+
+_TRANSPORTS: dict[str, Transport] = {t.value: t for t in Transport}
 
 
 class AnswerOutcome(enum.StrEnum):
@@ -112,70 +125,241 @@ class Bridging(Protocol):
                caps: dict[str, object], *, principal: str | None = None,
                owner: ClientSession | None = None) -> ClientSession: ...
     def requested(self, owner: ClientSession, key: str, req: ServerRequest) -> None: ...
-    # ``served``: the session's entry in ``inflight`` for the call (gateway.core.serving.Served)
-    def ask(self, owner: ClientSession, served: Any, key: str, req: ServerRequest,
+    def ask(self, owner: ClientSession, served: Call, key: str, req: ServerRequest,
             deadline: float) -> None: ...
 
 
 class BridgedCall(Protocol):
-    """A session's bridged call (:class:`gateway.core.bridge.Flow`) as others read it."""
+    """A modern call's round trips (:class:`gateway.core.bridge.Flow`), as its session and its
+    call see them."""
 
     method: str
     parked: bool  # answered input_required, waiting for the retry
+    waiting: bool  # the call's current id was answered input_required (no other answer)
     round: int
 
     def closed(self) -> None:
         """Its session closed."""
         ...
 
+    def call_ended(self) -> None: ...
+
+
+class Call(Protocol):
+    """A request in flight on a session (:class:`gateway.core.serving.Served`), as the modules
+    holding the session read it: ``session.inflight``'s values."""
+
+    @property
+    def id(self) -> int | str: ...
+    @property
+    def req(self) -> Request: ...
+    @property
+    def modern(self) -> bool: ...
+    @property
+    def caps(self) -> mcp.ClientCaps | None:
+        """A modern request's declared capabilities."""
+        ...
+    @property
+    def flow(self) -> BridgedCall | None: ...
+
+    def cancel(self) -> None: ...
+
 
 class ClientSession:
+    """One client connection (a WebSocket or unix one, a legacy HTTP session, a modern HTTP
+    flow): the one owner type of a call.  Its lifecycle is :class:`SessionState`
+    (:mod:`gateway.protocol.session`); its negotiated fields change only through its transition
+    methods (:meth:`choose_era`, :meth:`initialize`, :meth:`set_log_level`, :meth:`drain`,
+    :meth:`close`) and are read-only properties to everyone else."""
+
     def __init__(self, transport: str, *, outbound_capacity: int, max_inflight: int,
                  outbound_bytes: int = sys.maxsize, budget: ByteBudget | None = None) -> None:
-        self.conn_id = mint_conn_id()
+        self.conn_id: Final = mint_conn_id()
         self.log_fields = {"MCP_CONN": self.conn_id}  # structured log field (journald)
-        self.transport = transport
-        self.opened = trio.current_time()
-        self.initialized = False
-        self.protocol_version: str | None = None
-        self.era: Era | None = None  # chosen by the connection's first request
-        self.caps = mcp.ClientCaps({})
-        self.log_level: str | None = None
-        self.max_inflight = max_inflight
-        self.inflight: dict[int | str, Any] = {}  # client id -> gateway.core.serving.Served
-        self.server_requests: dict[str, ServerRequest] = {}
+        self.transport: Final = _TRANSPORTS.get(transport) or Transport(transport)
+        self.opened: Final = trio.current_time()
+        self._state = SessionState.AWAITING_INIT
+        self._protocol_version: str | None = None  # what initialize negotiated
+        self._era: Era | None = None  # chosen by the connection's first request
+        self._caps = mcp.ClientCaps({})
+        self._log_level: str | None = None
+        self.max_inflight: Final = max_inflight
+        # client id -> its call (gateway.core.serving adds and ends them)
+        self.inflight: Final[dict[int | str, Call]] = {}
+        self.server_requests: Final[dict[str, ServerRequest]] = {}
         self._ended_ids: deque[str] = deque(maxlen=1024)
         self._ids = itertools.count(1)
         self._id_salt = secrets.token_hex(3)
-        self.writer: MessageWriter | None = None  # the transport, while the connection is served
-        self.outbound = Outbox(outbound_capacity)  # what could not be written at once
-        self.max_outbound_bytes = outbound_bytes
+        self._writer: MessageWriter | None = None  # the transport, while the connection is served
+        self.outbound: Final = Outbox(outbound_capacity)  # what could not be written at once
+        self.max_outbound_bytes: Final = outbound_bytes
         self.queued_bytes = 0  # in ``outbound`` or handed to the transport, not yet written
         self.queued = 0  # messages, counted like ``queued_bytes``
-        self.held = 0  # of them: messages handed to the transport that it has not written out
-        self.held_bytes = 0
+        self._held = 0  # of them: messages handed to the transport that it has not written out
+        self._held_bytes = 0
         # backpressure on the reader: above high water it waits until both are at low water
-        self.high_water = max(1, outbound_capacity // 2)
-        self.high_water_bytes = outbound_bytes // 2
+        self.high_water: Final = max(1, outbound_capacity // 2)
+        self.high_water_bytes: Final = outbound_bytes // 2
         self._low_water = outbound_capacity // 4
         self._low_water_bytes = outbound_bytes // 4
         self._drained: trio.Event | None = None  # the reader waits on it
         self.last_sent = self.opened  # when queued bytes were last written to the client
-        self.refused_at = 0.0  # when the drain last refused a request of it (-32005 retryable)
+        self._refused_at = 0.0  # when the drain last refused a request of it (-32005 retryable)
         self._budget = budget if budget is not None else ByteBudget(sys.maxsize)
-        self.buffers = self._budget.open(self.conn_id, self._evicted)
-        self.closed = trio.Event()
-        self.close_reason = CloseReason.CLIENT_CLOSED
-        self.cancel_scope: trio.CancelScope | None = None
-        self.nursery: trio.Nursery | None = None  # where requests that must wait run
-        # A modern HTTP flow: the child's requests to it are bridged (gateway.core.bridge), not sent
-        self.mrtr: Bridging | None = None
-        self.flow: BridgedCall | None = None  # its bridged call, once the child asked for input
+        self.buffers: Final = self._budget.open(self.conn_id, self._evicted)
+        self.closed: Final = trio.Event()
+        self._close_reason = CloseReason.CLIENT_CLOSED
+        self._cancel_scope: trio.CancelScope | None = None
+        self._nursery: trio.Nursery | None = None  # where requests that must wait run
+        # A modern caller: the child's requests to it are bridged (gateway.core.bridge), not sent
+        self._mrtr: Bridging | None = None
+        self._flow: BridgedCall | None = None  # its bridged call, once the child asked for input
         # A connection without a task of its own (connection.Direct): its end, once closed
-        self.on_close: Callable[[], None] | None = None
+        self._on_close: Callable[[], None] | None = None
         self._principal: Principal | None = None
 
-    def calls(self) -> list[Any]:
+    # ---- the state machine ------------------------------------------------------------------
+
+    @property
+    def state(self) -> SessionState:
+        return self._state
+
+    @property
+    def era(self) -> Era | None:
+        """The era its first request pinned it to (None: nothing served yet)."""
+        return self._era
+
+    @property
+    def protocol_version(self) -> str | None:
+        """The revision ``initialize`` negotiated (None: not initialized)."""
+        return self._protocol_version
+
+    @property
+    def initialized(self) -> bool:
+        return self._protocol_version is not None
+
+    @property
+    def caps(self) -> mcp.ClientCaps:
+        """The capabilities its ``initialize`` declared (none before)."""
+        return self._caps
+
+    @property
+    def log_level(self) -> str | None:
+        """The level it wants log messages at (None: none at all)."""
+        return self._log_level
+
+    @property
+    def refused_at(self) -> float:
+        """When the drain last refused a request of it (trio time; 0: never)."""
+        return self._refused_at
+
+    @property
+    def close_reason(self) -> CloseReason:
+        """Why it closed (the first reason given); ``client_closed`` while open."""
+        return self._close_reason
+
+    @property
+    def mrtr(self) -> Bridging | None:
+        """Era bridging, for a modern caller (its child's requests are asked in its call's
+        ``InputRequiredResult``); None: a legacy caller is sent them."""
+        return self._mrtr
+
+    @property
+    def flow(self) -> BridgedCall | None:
+        """Its bridged call, once a child asked it for input."""
+        return self._flow
+
+    @property
+    def nursery(self) -> trio.Nursery | None:
+        """Where its requests that must wait run, while it is served."""
+        return self._nursery
+
+    @property
+    def writer(self) -> MessageWriter | None:
+        """The transport, while the connection is served."""
+        return self._writer
+
+    def choose_era(self, chosen: Era) -> None:
+        """Its first request pins its era (once)."""
+        if self._era is not None:
+            raise RuntimeError(f"connection {self.conn_id}: its era is chosen already")
+        event = SessionEvent.MODERN if chosen is Era.MODERN else SessionEvent.LEGACY
+        self._state = next_state(self._state, event)
+        self._era = chosen
+
+    def check_initialize(self) -> None:
+        """Raise InvalidRequest ``already_initialized`` when it is initialized already (a second
+        ``initialize`` is refused; the negotiated revision stays)."""
+        if self._protocol_version is not None:
+            raise errors.InvalidRequest(
+                f"initialize: this connection is already initialized (protocol "
+                f"{self._protocol_version}); a second initialize is refused, the negotiated "
+                "revision stays", reason="already_initialized")
+
+    def initialize(self, version: str, caps: mcp.ClientCaps) -> None:
+        """``initialize`` succeeded with revision ``version`` and the client's ``caps``.
+
+        Raises:
+            InvalidRequest: ``already_initialized`` (see :meth:`check_initialize`).
+        """
+        self.check_initialize()
+        self._state = next_state(self._state, SessionEvent.INITIALIZED)
+        self._protocol_version = version
+        self._caps = caps
+
+    def set_log_level(self, level: str | None) -> bool:
+        """The client wants log messages at ``level``; True when that changed it."""
+        if level == self._log_level:
+            return False
+        self._log_level = level
+        return True
+
+    def bridge_with(self, bridge: Bridging | None) -> None:
+        """A modern caller's input requests go through ``bridge`` (set once; None: no-op)."""
+        if self._mrtr is None:
+            self._mrtr = bridge
+
+    def set_flow(self, flow: BridgedCall) -> None:
+        """A child asked its call ``flow`` for input."""
+        self._flow = flow
+
+    def end_flow(self, flow: BridgedCall) -> None:
+        """``flow`` is over: its next call may ask for input afresh."""
+        if self._flow is flow:
+            self._flow = None
+
+    def drain(self, now: float) -> None:
+        """The daemon's drain refused a request of it at ``now`` (its close waits for it to
+        settle)."""
+        self._state = next_state(self._state, SessionEvent.DRAIN)
+        self._refused_at = now
+
+    def attach(self, writer: MessageWriter) -> None:
+        """It is served: what it is sent is written to ``writer``."""
+        self._writer = writer
+
+    def run_in(self, nursery: trio.Nursery, *, cancel_scope: trio.CancelScope | None = None,
+               on_close: Callable[[], None] | None = None) -> None:
+        """Its requests that must wait run in ``nursery``; :meth:`close` cancels
+        ``cancel_scope`` (its own task's) or calls ``on_close`` (a connection without a task
+        of its own)."""
+        self._nursery = nursery
+        self._cancel_scope = cancel_scope
+        self._on_close = on_close
+
+    def detach(self) -> None:
+        """It is no longer served: what it is sent from now on is queued (flushed, or
+        dropped), and its close calls nothing."""
+        self._writer = None
+        self._on_close = None
+
+    def move_call(self, old_id: int | str, new_id: int | str, call: Call) -> None:
+        """``call`` (in flight under ``old_id``) goes on under ``new_id``: a bridged call's
+        retry takes it over."""
+        self.inflight.pop(old_id, None)
+        self.inflight[new_id] = call
+
+    def calls(self) -> list[Call]:
         """The requests in flight that may be at a backend: all but open listens
         (``subscriptions/listen`` is served by the gateway itself, never by a child)."""
         return [s for s in self.inflight.values() if s.req.method != "subscriptions/listen"]
@@ -212,7 +396,7 @@ class ClientSession:
                            self.max_outbound_bytes, extra=self.log_fields)
             self.close(CloseReason.OVERFLOW)
             return False
-        writer = self.writer
+        writer = self._writer
         if self.queued == 0 and writer is not None:
             try:
                 if writer.write_nowait([data], route):
@@ -220,7 +404,7 @@ class ClientSession:
             except errors.TransportClosed:
                 self.close(CloseReason.CLIENT_CLOSED)
                 return False
-            self.held, self.held_bytes = 1, n  # its rest is held by the transport
+            self._held, self._held_bytes = 1, n  # its rest is held by the transport
             self.outbound.wake()
         elif not self.outbound.put(data):
             LOGGER.warning("connection %s: outbound queue full, disconnecting a slow client", self.conn_id, extra=self.log_fields)
@@ -250,13 +434,29 @@ class ClientSession:
             self._drained = trio.Event()
         await self._drained.wait()
 
+    @property
+    def held(self) -> int:
+        """Messages handed to the transport that it has not written out yet."""
+        return self._held
+
+    def hold(self, count: int, size: int) -> None:
+        """The transport holds ``count`` queued messages of ``size`` bytes in all, not yet
+        written."""
+        self._held, self._held_bytes = count, size
+
+    def held_written(self) -> None:
+        """The transport wrote out what it held."""
+        n, count = self._held_bytes, self._held
+        self._held = self._held_bytes = 0
+        self.sent(n, count)
+
     def drop_outbound(self) -> None:
         """The connection is over: drop what is still queued and release all its bytes."""
-        self.writer = None
+        self._writer = None
         self.outbound.clear()
         self.queued_bytes = 0
         self.queued = 0
-        self.held = self.held_bytes = 0
+        self._held = self._held_bytes = 0
         self.buffers.close()
 
     def _evicted(self) -> None:
@@ -271,15 +471,16 @@ class ClientSession:
     def close(self, reason: CloseReason) -> None:
         """End the connection (idempotent); the first reason given is the one recorded."""
         if not self.closed.is_set():
-            self.close_reason = reason
+            self._state = next_state(self._state, SessionEvent.CLOSE)
+            self._close_reason = reason
             self.closed.set()
             if self._drained is not None:  # a reader waiting for the queue to drain
                 self._drained.set()
                 self._drained = None
-            if self.cancel_scope is not None:
-                self.cancel_scope.cancel()
-            if self.on_close is not None:
-                finish, self.on_close = self.on_close, None
+            if self._cancel_scope is not None:
+                self._cancel_scope.cancel()
+            if self._on_close is not None:
+                finish, self._on_close = self._on_close, None
                 finish()
 
     # ---- server→client requests ---------------------------------------------------------------

@@ -218,7 +218,7 @@ class HttpSession:
 
     def bind(self, client: ClientSession) -> None:
         self.client = client
-        client.mrtr = self.mrtr
+        client.bridge_with(self.mrtr)
         client.principal = self.principal
 
     def push(self, message: Decoded) -> bool:

@@ -59,7 +59,7 @@ async def scenario(events: list[object]) -> tuple[str, list[ServerRequestFinishe
     bus.subscribe(lambda e: finished.append(e) if isinstance(e, ServerRequestFinished) else None)
     policy = Policy(CFG.policy, bus, CFG)
     session = ClientSession("memory", outbound_capacity=64, max_inflight=8)
-    session.caps = mcp.ClientCaps({"elicitation": {}})
+    session.initialize("2025-06-18", mcp.ClientCaps({"elicitation": {}}))
     outcome = "pending"
     scope = trio.CancelScope()
 

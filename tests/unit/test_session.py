@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import pytest
@@ -14,8 +14,11 @@ from msgspec import Raw
 
 from gateway import errors
 from gateway.core.session import ClientSession, ServerRequest
+from gateway.errors import CloseReason
 from gateway.limits import ByteBudget
-from gateway.protocol import jsonrpc
+from gateway.protocol import jsonrpc, mcp
+from gateway.protocol.era import Era
+from gateway.protocol.session import SessionState
 
 
 def session(capacity: int = 16, max_inflight: int = 4) -> ClientSession:
@@ -66,11 +69,12 @@ async def test_queue_drained_in_time_never_overflows() -> None:
 
 async def test_close_is_idempotent_and_keeps_the_first_reason() -> None:
     s = session()
-    with trio.CancelScope() as scope:
-        s.cancel_scope = scope
-        s.close("shutdown")
-        s.close("overflow")
-        await trio.sleep_forever()
+    async with trio.open_nursery() as nursery:
+        with trio.CancelScope() as scope:
+            s.run_in(nursery, cancel_scope=scope)
+            s.close("shutdown")
+            s.close("overflow")
+            await trio.sleep_forever()
     assert scope.cancelled_caught
     assert s.close_reason == "shutdown"
 
@@ -268,3 +272,37 @@ async def test_an_open_listen_is_not_a_call_that_may_ask_for_input() -> None:
                     for m in ("subscriptions/listen", "tools/call"))
     s.inflight.update({"l": listen, 1: call})
     assert s.calls() == [call]
+
+
+async def test_the_session_state_moves_only_through_its_transitions() -> None:
+    """The negotiated fields change through the session's own methods; a second initialize is
+    refused with ``already_initialized`` and the first revision stays."""
+    s = session()
+    assert s.state is SessionState.AWAITING_INIT and s.era is None and not s.initialized
+    s.choose_era(Era.LEGACY)
+    assert s.state is SessionState.AWAITING_INIT and s.era is Era.LEGACY
+    with pytest.raises(RuntimeError):
+        s.choose_era(Era.MODERN)  # pinned once
+    s.initialize("2025-06-18", mcp.ClientCaps({"sampling": {}}))
+    assert s.state is SessionState.READY_LEGACY and s.initialized
+    assert s.protocol_version == "2025-06-18" and s.caps.sampling
+    with pytest.raises(errors.InvalidRequest) as info:
+        s.initialize("2025-11-25", mcp.ClientCaps({}))
+    assert info.value.reason == "already_initialized" and s.protocol_version == "2025-06-18"
+    assert s.set_log_level("info") and not s.set_log_level("info") and s.log_level == "info"
+    s.drain(5.0)
+    assert s.state is SessionState.DRAINING and s.refused_at == 5.0
+    s.close(CloseReason.SHUTDOWN)
+    assert s.state is SessionState.CLOSED and s.closed.is_set()
+    s.close(CloseReason.OVERFLOW)
+    assert s.close_reason is CloseReason.SHUTDOWN
+
+
+async def test_a_modern_session_is_ready_at_once_and_bridged_once() -> None:
+    s = session()
+    s.choose_era(Era.MODERN)
+    assert s.state is SessionState.READY_MODERN and not s.initialized
+    first, second = cast(Any, SimpleNamespace()), cast(Any, SimpleNamespace())  # identities
+    s.bridge_with(first)
+    s.bridge_with(second)
+    assert s.mrtr is first
