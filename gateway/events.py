@@ -127,15 +127,15 @@ class BackendStateChanged:
 class BackendStarted:
     backend: str
     instance: str
-    pid: int
-    start_duration: float  # spawn to handshake complete
+    pid: int | None  # None: no process (a remote or in-process upstream)
+    start_duration: float  # link opened (spawn) to handshake complete
 
 
 @dataclass(frozen=True, slots=True)
 class BackendExited:
     backend: str
     instance: str
-    pid: int
+    pid: int | None
     reason: ExitKind
     returncode: int | None
 

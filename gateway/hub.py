@@ -23,7 +23,7 @@ from gateway import __version__, errors
 from gateway.auth.labels import configured_names
 from gateway.backend import process
 from gateway.backend.instance import ChildNotified, Instance
-from gateway.backend.pool import Backend, Parking
+from gateway.backend.pool import Backend, ConnectorFactory, Parking, default_connector
 from gateway.config import BackendConfig, GatewayConfig, ItemFilter
 from gateway.core import bridge
 from gateway.core.listen import Listens
@@ -90,8 +90,10 @@ def _str_field(params: Raw | UnsetType, key: str) -> str | None:
 
 
 class Hub:
-    def __init__(self, cfg: GatewayConfig, bus: EventBus, *, subreaper: bool = False) -> None:
+    def __init__(self, cfg: GatewayConfig, bus: EventBus, *, subreaper: bool = False,
+                 connectors: ConnectorFactory = default_connector) -> None:
         self.cfg = cfg
+        self.connectors = connectors  # a backend's connector (stdio; tests give memory ones)
         self.bus = bus
         self.server_name = cfg.gateway.name
         self.max_message_bytes = cfg.gateway.max_message_bytes
@@ -168,7 +170,8 @@ class Hub:
         """Start a backend (after a reload restart, it takes over its predecessor's lists until
         its own child has listed)."""
         assert self._nursery is not None
-        backend = Backend(name, bcfg, self.cfg.prefix_of(name), self)
+        backend = Backend(name, bcfg, self.cfg.prefix_of(name), self,
+                          self.connectors(name, bcfg))
         # the owners the pool asks the bridge about are the core's sessions
         backend.parking = cast("Parking", self.bridge)
         backend.log_level = self.wanted_log_level()

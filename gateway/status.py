@@ -28,6 +28,8 @@ class InstanceStatus:
     draining: bool = False  # drained for a recycle: no new calls, those in flight end
     era: str | None = None  # "legacy" / "modern": what the running child's handshake found
     protocol_version: str | None = None  # the revision spoken with the running child
+    origin: str | None = None  # where its link goes when that is not a process (no credentials)
+    last_error: str | None = None  # the last transport failure its link saw
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +44,7 @@ class BackendStatus:
     templates: int
     protocol_mode: str = "prefer_legacy"  # the backend's config key
     modern_seen: bool = False  # a child of it spoke 2026-07-28: a legacy one after that is an error
+    connector: str = "stdio"  # how its instances reach the upstream: stdio, memory
 
 
 @dataclass(frozen=True, slots=True)

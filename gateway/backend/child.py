@@ -1,21 +1,22 @@
-"""The gateway's MCP client session with one running child (one process generation): the I/O
-shell around its :class:`~gateway.protocol.routing.ChildRouter`.
+"""The gateway's MCP client session with one upstream generation, over a
+:class:`~gateway.backend.connector.Link`: the shell around its
+:class:`~gateway.protocol.routing.ChildRouter`.
 
 The router holds every call and server→client request of this child as data and returns what to
-do; :meth:`ChildConnection.perform` does it: lines go to the child's pipe (or the write queue
-:meth:`write_loop` drains), messages to a client's outbound queue, a finished call to its
-caller's handle.  No task per call: the reader feeds replies to the router, and one timer task
-(:meth:`timer_loop`) wakes at the earliest deadline.  A client's request id never reaches a
-child: the router mints ids, progress tokens are mapped back.  A call stays in the attribution
-set until the child answers it, also once abandoned; the instance recycles a child that leaves
-one unanswered past ``cancel_grace``, or purges them where attribution does not matter.
+do; :meth:`ChildConnection.perform` does it: requests go to the link (written at once or
+queued), messages to a client's outbound queue, a finished call to its caller's handle.  No task
+per call: the link hands each incoming message to the session (it is the link's
+:class:`~gateway.backend.connector.Receiver`), and one timer task (:meth:`timer_loop`) wakes at
+the earliest deadline.  A client's request id never reaches a child: the router mints ids,
+progress tokens are mapped back.  A call stays in the attribution set until the child answers
+it, also once abandoned; the instance recycles a child that leaves one unanswered past
+``cancel_grace``, or purges them where attribution does not matter.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 import sys
 from collections.abc import Callable, Hashable
 from typing import Any, Protocol, cast
@@ -25,11 +26,12 @@ import trio
 from msgspec import UNSET, Raw, UnsetType
 
 from gateway import errors
+from gateway.backend.connector import Link
 from gateway.events import BackendProtocolError, EventBus, ServerRequestOutcome
-from gateway.limits import Account, ByteBudget
+from gateway.limits import Account
 from gateway.protocol import jsonrpc, wire
 from gateway.protocol.era import Era
-from gateway.protocol.framing import HEAD, LineFramer, Oversize, OversizeEnd
+from gateway.protocol.framing import HEAD, Oversize, OversizeEnd
 from gateway.protocol.mcp import decode_cancelled
 from gateway.protocol.routing import (
     Action,
@@ -47,12 +49,6 @@ from gateway.protocol.routing import (
 
 LOGGER = logging.getLogger(__name__)
 
-#: Bytes read from the child's stdout at once (at most 64 KiB: larger buffers are above glibc's
-#: mmap threshold, and every read would map and unmap one).
-READ_CHUNK = 65536
-#: Lines handled in one task step at most: a busy child's burst of replies must not hold the
-#: other tasks (another client's reader, its writer) back for milliseconds (fair sharing).
-SLICE = 8
 #: Why the gateway withdraws a request it forwarded to a client, by how it ended.
 _WITHDRAWN = {
     ServerRequestOutcome.CANCELLED: "cancelled by the backend",
@@ -110,20 +106,19 @@ class ChildHandlers(Protocol):
 
 
 class ChildConnection:
+    """The MCP client session of one generation: router, era and envelope over a link."""
+
     def __init__(
         self,
         *,
         backend: str,
         instance: str,
         generation: int,
-        send_stream: trio.abc.SendStream,
-        receive_stream: trio.abc.ReceiveStream,
+        link: Link,
         handlers: ChildHandlers,
         bus: EventBus,
         max_line: int,
         max_depth: int = jsonrpc.MAX_DEPTH,
-        buffers: Account | None = None,
-        max_queued: int = sys.maxsize,
         timeout: float = 60.0,
         max_inflight: int = sys.maxsize,
     ) -> None:
@@ -131,32 +126,33 @@ class ChildConnection:
         self.instance = instance
         self.generation = generation
         self.router = ChildRouter(backend, timeout=timeout, max_inflight=max_inflight)
-        self._send_stream = send_stream
-        self._receive_stream = receive_stream
+        self.link = link
+        self._send = link.send
         self._handlers = handlers
         self._bus = bus
         self._max_line = max_line
         self._max_depth = max_depth
-        self._max_queued = max_queued
         self._oversize_head = b""  # first bytes of the oversize line being discarded
-        self._outbox: list[tuple[bytes, int | None]] = []  # (bytes to write, gateway id)
-        # The outbox's bytes (queued or being written) on the daemon-wide budget; closed, and
-        # so released, when the outbox is dropped (stdin broken, fail_all).
-        self.buffers = buffers if buffers is not None else ByteBudget(sys.maxsize).open(instance)
-        self._outbox_ready = trio.Event()
-        self._writing = False
-        # A real pipe (trio FdStream, non-blocking) can be written to directly when idle.
-        self._fd = send_stream.fileno() if isinstance(send_stream, trio.lowlevel.FdStream) else None
         self._timer: trio.CancelScope | None = None  # the timer task's sleep, while it sleeps
         self._timer_at = math.inf
-        self.closed: errors.GatewayError | None = None
         self.protocol_version: str | None = None
         self.server_capabilities: dict[str, Any] = {}
-        # The era the handshake found (pinned for this process), and for a modern child the
+        # The era the handshake found (pinned for this generation), and for a modern child the
         # envelope of the gateway's own requests (see gateway.backend.client.open_child).
         self.era = Era.LEGACY
         self.envelope: dict[str, Raw] | None = None
         self.on_settled: Callable[[], None] | None = None  # abandoned calls left the set
+        self.on_ended: Callable[[], None] | None = None  # the upstream's side ended
+
+    @property
+    def closed(self) -> errors.GatewayError | None:
+        """Why nothing can be sent to this child any more (None while it can)."""
+        return self.link.closed
+
+    @property
+    def buffers(self) -> Account:
+        """The write queue's bytes on the daemon-wide budget."""
+        return self.link.buffers
 
     @property
     def pending(self) -> dict[int, Call]:
@@ -172,7 +168,7 @@ class ChildConnection:
         for action in actions:
             if type(action) is ToChild:
                 try:
-                    self.post(action.data, action.gid)
+                    self._send(action.data, action.gid)
                 except errors.NotDelivered as exc:
                     if action.gid is not None:
                         # stdin is gone for good: the queued calls cannot reach the child either.
@@ -211,73 +207,18 @@ class ChildConnection:
     # ---- writing ----------------------------------------------------------------------------
 
     def post(self, line: bytes, gid: int | None = None) -> None:
-        """Send one message to the child's stdin without blocking.
-
-        When nothing is queued and the pipe has room, the line is written right here (no task
-        switch); otherwise it is queued for :meth:`write_loop`, which keeps the order.
+        """Send one message without blocking (the link writes it at once or queues it).
 
         Raises:
-            NotDelivered: the child's stdin is already known to be gone.
+            NotDelivered: the child is already known to be gone.
         """
-        if self.closed is not None:
-            raise errors.NotDelivered(self.closed.message, **self.closed.data)
-        data = line + b"\n"
-        if self._fd is not None and not self._outbox and not self._writing:
-            try:
-                written = os.write(self._fd, data)
-            except BlockingIOError:
-                written = 0
-            except OSError:
-                self.closed = self.exited_error("the backend's stdin is closed")
-                raise errors.NotDelivered(self.closed.message, **self.closed.data) from None
-            if written == len(data):
-                return
-            data = data[written:]
-        self._outbox.append((data, gid))
-        self.buffers.charge(len(data))
-        self._outbox_ready.set()
-
-    def _fits(self, size: int) -> bool:
-        """Whether a new request of ``size`` bytes may be written: straight into an idle pipe,
-        or within ``max_queued`` bytes of write queue (a child that stops reading its stdin must
-        not hold the daemon's byte budget)."""
-        if self._fd is not None and not self._outbox and not self._writing:
-            return True
-        return self.buffers.held + size <= self._max_queued
+        self._send(line, gid)
 
     def _queue_full(self) -> errors.Overloaded:
         return errors.Overloaded(
             f"backend {self.backend!r} is not reading its input: {self.buffers.held} bytes "
             "already wait to be written to it (outbound_bytes)", backend=self.backend,
-            limit=self._max_queued)
-
-    async def write_loop(self) -> None:
-        """Write queued messages to the child, batching whatever piled up into one write.
-
-        If stdin breaks, the calls whose requests were in the failed write get
-        :class:`~gateway.errors.NotDelivered` (the child never read them: safe to retry).
-        """
-        while True:
-            if not self._outbox:
-                self._outbox_ready = trio.Event()
-                await self._outbox_ready.wait()
-            batch, self._outbox = self._outbox, []
-            self._writing = True
-            try:
-                chunk = b"".join([line for line, _ in batch])
-                await self._send_stream.send_all(chunk)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                error = self.exited_error("the backend's stdin is closed")
-                if self.closed is None:
-                    self.closed = error
-                gids = [gid for _line, gid in batch + self._outbox if gid is not None]
-                self._outbox = []
-                self.buffers.close()
-                self.perform(self.router.undelivered(gids, error))
-                return
-            finally:
-                self._writing = False
-            self.buffers.release(len(chunk))
+            limit=self.link.max_queued)
 
     def exited_error(self, detail: str) -> errors.GatewayError:
         return errors.BackendExited(
@@ -324,15 +265,16 @@ class ChildConnection:
         Raises:
             NotDelivered: the child is gone.  Overloaded: its write queue is full.
         """
-        if self.closed is not None:
-            raise errors.NotDelivered(self.closed.message, **self.closed.data)
+        closed = self.link.closed
+        if closed is not None:
+            raise errors.NotDelivered(closed.message, **closed.data)
         hard = math.inf if hard_timeout is None else now + hard_timeout
         call = self.router.open_call(method, owner=owner, handle=handle, now=now, timeout=timeout,
                                      hard_deadline=hard, progress=progress, internal=internal)
         if fields is not None:
             params = request_params(fields, meta, call.token)
         line = jsonrpc.encode_request(call.gid, method, params)
-        if not internal and not self._fits(len(line) + 1):
+        if not internal and not self.link.fits(len(line)):
             raise self._queue_full()  # an opened call that is never submitted leaves no trace
         self.perform(self.router.submit(call, line))
         return call
@@ -411,52 +353,20 @@ class ChildConnection:
 
     def fail_all(self, error: errors.GatewayError) -> None:
         """The child is gone: complete every pending call with ``error`` now."""
-        if self.closed is None:
-            self.closed = error
-        self._outbox = []  # nobody will read it: dropped with its bytes
-        self.buffers.close()
+        self.link.fail(error)
         self.perform(self.router.child_exited(error))
 
-    # ---- reading ----------------------------------------------------------------------------
+    # ---- from the link ----------------------------------------------------------------------
 
-    async def _read_some(self) -> bytes:
-        """The next bytes of the child's stdout (b"" at its end).  A real pipe is read with
-        ``os.read`` and waited on with ``wait_readable``: one task step per wake-up (trio's
-        FdStream adds a checkpoint to every read, a second step per reply)."""
-        stream = self._receive_stream
-        if not isinstance(stream, trio.lowlevel.FdStream):
-            return bytes(await stream.receive_some(READ_CHUNK))
-        fd = stream.fileno()
-        while True:
-            try:
-                return os.read(fd, READ_CHUNK)
-            except BlockingIOError:
-                await trio.lowlevel.wait_readable(fd)
+    def undelivered(self, gids: list[int], error: errors.GatewayError) -> None:
+        """The link lost these requests before the child read them (safe to retry)."""
+        self.perform(self.router.undelivered(gids, error))
 
-    async def read_loop(self) -> None:
-        """Read the child's stdout until EOF; returns when the child closed it."""
-        framer = LineFramer(self._max_line, report_end=True)
-        while True:
-            try:
-                data = await self._read_some()
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                return
-            if not data:
-                return
-            frames = framer.feed(data)
-            for n, frame in enumerate(frames, 1):
-                if isinstance(frame, Oversize):
-                    self._on_oversize(frame)
-                elif isinstance(frame, OversizeEnd):
-                    self._on_oversize_end(frame)
-                else:
-                    self._dispatch(frame)
-                if not n % SLICE:  # a long run of replies: let the other tasks run meanwhile
-                    await trio.lowlevel.checkpoint()
-            if len(data) == READ_CHUNK and len(frames) % SLICE:  # more may be waiting
-                await trio.lowlevel.checkpoint()
+    def ended(self) -> None:
+        if self.on_ended is not None:
+            self.on_ended()
 
-    def _on_oversize(self, frame: Oversize) -> None:
+    def oversize(self, frame: Oversize) -> None:
         """A line crossed the limit: it is dropped; if its first bytes show a reply's id, that
         call fails now, else the line's last bytes are looked at when it ends."""
         LOGGER.warning("backend %s: dropping a line of more than %d bytes (max_message_bytes)",
@@ -468,7 +378,7 @@ class ChildConnection:
         else:
             self._fail_reply(gid, self._too_large())
 
-    def _on_oversize_end(self, frame: OversizeEnd) -> None:
+    def oversize_end(self, frame: OversizeEnd) -> None:
         head, self._oversize_head = self._oversize_head, b""
         if head:
             self._fail_reply(wire.reply_id_hint(head, frame.tail), self._too_large())
@@ -485,7 +395,8 @@ class ChildConnection:
     def _protocol_error(self, kind: str) -> None:
         self._bus.emit(BackendProtocolError(self.backend, self.instance, kind))
 
-    def _dispatch(self, line: bytes) -> None:
+    def message(self, line: bytes) -> None:
+        """One whole message from the child (the link's :class:`Receiver` side)."""
         if line.startswith(b"\xef\xbb\xbf"):  # a byte order mark: JSON parsers may ignore it
             line = line[3:]
         try:

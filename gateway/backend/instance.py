@@ -1,11 +1,12 @@
-"""One supervised backend instance: spawn, handshake, serve, restart with backoff, stop.
+"""One supervised backend instance: open a link, handshake, serve, restart with backoff, stop.
 
-:meth:`Instance.run` loops over child generations: spawn, MCP handshake (``start_timeout``),
-fetch the lists, re-subscribe held resources, serve until stdout closes, health probes fail or
-a stop is requested.  Then every call in flight fails with
-:class:`~gateway.errors.BackendExited`, the child is stopped in the spec's order, and the
+:meth:`Instance.run` loops over generations: the backend's connector opens a link (a spawned
+child for ``stdio``), MCP handshake (``start_timeout``), fetch the lists, re-subscribe held
+resources, serve until the upstream's side ends, health probes fail or a stop is requested.
+Then every call in flight fails with :class:`~gateway.errors.BackendExited`, the link is closed
+(a child stopped in the spec's order), and the
 :class:`~gateway.protocol.supervision.Supervision` table decides between BACKOFF and FATAL
-(each transition an event).  A spawn that fails for lack of resources (EMFILE) backs off
+(each transition an event).  An open that fails for lack of resources (EMFILE) backs off
 without counting toward FATAL.  A *recycle* restarts a healthy child the gateway chose to
 replace (a cancelled call left unanswered past ``cancel_grace``): drained first (no new calls),
 then restarted at once, never counted as a failure.
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
@@ -25,14 +25,14 @@ import trio
 from msgspec import Raw, UnsetType
 
 from gateway import errors
-from gateway.backend import client, process
+from gateway.backend import client
 from gateway.backend.child import ChildConnection, ChildHandlers, Owner
+from gateway.backend.connector import Connector, Link, LinkContext, LinkEnd, OpenFailed
 from gateway.config import BackendConfig
 from gateway.events import (
     BackendExited,
     BackendStarted,
     BackendStateChanged,
-    BackendStderr,
     EventBus,
     ExitKind,
     News,
@@ -41,7 +41,6 @@ from gateway.limits import ByteBudget
 from gateway.protocol import era, jsonrpc
 from gateway.protocol.catalog import BackendLists
 from gateway.protocol.era import Era
-from gateway.protocol.stderr import LineSplitter, LineThrottle, printable
 from gateway.protocol.supervision import RestartPolicy, State, Supervision, Transition
 from gateway.status import InstanceStatus
 from gateway.wakeup import Wakeup
@@ -50,15 +49,6 @@ LOGGER = logging.getLogger(__name__)
 
 #: stderr lines kept for /status after a crash.
 STDERR_TAIL = 20
-#: A stderr line longer than this (bytes) is cut (also bounds the tail: 20 lines of 2 KiB).
-STDERR_MAX_LINE = 2048
-#: Bytes read from a child's stderr at once.
-STDERR_CHUNK = 65536
-#: Seconds after the first line held back by the stderr rate limit until its summary line.
-STDERR_SUMMARY_WINDOW = 5.0
-#: Pause between reads of a child's stderr while its lines are being held back: bounds what a
-#: flood costs (at most one 64 KiB read per pause) and makes the child wait instead.
-STDERR_FLOOD_PAUSE = 0.005
 
 
 class DownReason(enum.StrEnum):
@@ -134,6 +124,8 @@ class Pool(Protocol):
     @property
     def cfg(self) -> BackendConfig: ...
     @property
+    def connector(self) -> Connector: ...
+    @property
     def host(self) -> InstanceHost: ...
     @property
     def declared(self) -> frozenset[str]: ...
@@ -162,7 +154,9 @@ class Instance(ChildHandlers):
         self.sup = Supervision(RestartPolicy(r.backoff_initial, r.backoff_max, r.max_restarts,
                                              r.window))
         self.child: ChildConnection | None = None
-        self.proc: trio.Process | None = None
+        self.connector = backend.connector
+        self.link: Link | None = None  # the current generation's (kept after it ends)
+        self.pid: int | None = None  # its process's, when it has one (kept after it ends)
         self.generation = 0
         self.lists = BackendLists()
         self.last_exit: str | None = None
@@ -188,7 +182,7 @@ class Instance(ChildHandlers):
         return self.sup.state
 
     def _emit(self, t: Transition) -> None:
-        pid = self.proc.pid if self.proc is not None else None
+        pid = self.pid
         alarming = t.new in (State.FATAL, State.BACKOFF, State.UNHEALTHY)
         LOGGER.log(logging.WARNING if alarming else logging.INFO, "backend %s: %s -> %s (%s)",
                    self.name, t.old.value, t.new.value, t.reason,
@@ -203,11 +197,11 @@ class Instance(ChildHandlers):
 
     def snapshot(self, now: float) -> InstanceStatus:
         """This instance as ``/status`` and the gauges see it (the one view given out)."""
-        child, proc = self.child, self.proc
+        child, link = self.child, self.link
         return InstanceStatus(
             name=self.name,
             state=self.state.value,
-            pid=proc.pid if proc is not None and proc.returncode is None else None,
+            pid=link.pid if link is not None else None,
             restarts=max(0, self.sup.starts - 1),
             uptime=self.sup.uptime(now),
             last_exit=self.last_exit,
@@ -218,6 +212,8 @@ class Instance(ChildHandlers):
             draining=self.draining,
             era=child.era.value if child is not None else None,
             protocol_version=child.protocol_version if child is not None else None,
+            origin=link.origin if link is not None else None,
+            last_error=link.last_error if link is not None else None,
         )
 
     async def state_changed(self) -> None:
@@ -305,33 +301,36 @@ class Instance(ChildHandlers):
             self.stopped.set()
 
     async def _run_generation(self) -> DownReason:
-        """Spawn, hand-shake and serve one child; returns why it ended."""
+        """Open a link, hand-shake and serve one generation; returns why it ended."""
         self.generation += 1
         spawned = trio.current_time()
+        host = self.backend.host
+        ctx = LinkContext(backend=self.backend.name, instance=self.name, bus=host.bus,
+                          max_line=host.max_message_bytes,
+                          buffers=host.budget.open(f"child {self.name}"),
+                          max_queued=host.outbound_bytes, tail=self.stderr_tail)
         try:
-            proc = await process.spawn(self.cfg)
-        except OSError as exc:
-            if process.out_of_resources(exc):
+            link = await self.connector.open(ctx)
+        except OpenFailed as exc:
+            ctx.buffers.close()
+            if exc.starved:
                 self.last_exit = f"{DownReason.STARVED}: {exc}"
                 return DownReason.STARVED
-            LOGGER.error("backend %s: cannot start %r: %s", self.name, self.cfg.command, exc)
+            LOGGER.error("backend %s: %s", self.name, exc)
             self.last_exit = f"{DownReason.SPAWN_FAILED}: {exc}"
             return DownReason.SPAWN_FAILED
-        self.proc = proc
+        self.link = link
+        pid = self.pid = link.pid
         self.stderr_tail.clear()
-        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         child = ChildConnection(
             backend=self.backend.name,
             instance=self.name,
             generation=self.generation,
-            send_stream=proc.stdin,
-            receive_stream=proc.stdout,
+            link=link,
             handlers=self,
-            bus=self.backend.host.bus,
-            max_line=self.backend.host.max_message_bytes,
-            max_depth=self.backend.host.max_json_depth,
-            max_queued=self.backend.host.outbound_bytes,
-            buffers=self.backend.host.budget.open(f"child {self.name}"),
+            bus=host.bus,
+            max_line=host.max_message_bytes,
+            max_depth=host.max_json_depth,
             timeout=self.cfg.request_timeout,
             max_inflight=self.cfg.max_inflight,
         )
@@ -339,17 +338,25 @@ class Instance(ChildHandlers):
             self.calls_changed()
             self.backend.on_settled(self)
 
-        child.on_settled = settled
         down = self._down = trio.Event()
+
+        def ended() -> None:  # nothing more can arrive from the upstream
+            if not down.is_set():
+                self._down_reason = self._down_reason or DownReason.EXITED
+                down.set()
+            # No reply can arrive any more: fail the calls waiting for one now, including the
+            # handshake's initialize (which would otherwise wait out the whole start_timeout).
+            child.fail_all(child.exited_error(self._down_reason or DownReason.EXITED))
+
+        child.on_settled = settled
+        child.on_ended = ended
         self._down_reason = None
         exit_reason = DownReason.EXITED
-        how = process.Ended.EXITED
+        end: LinkEnd | None = None
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                nursery.start_soon(self._read_stderr, proc.stderr)
-                nursery.start_soon(self._read_stdout, child, down)
-                nursery.start_soon(child.write_loop)
+                nursery.start_soon(link.run, child)
                 nursery.start_soon(child.timer_loop)
                 try:
                     with (trio.CancelScope() as self._starting,
@@ -372,10 +379,8 @@ class Instance(ChildHandlers):
                 if not down.is_set():
                     self.child = child
                     self._emit(self.sup.ready(trio.current_time()))
-                    self.backend.host.bus.emit(
-                        BackendStarted(self.backend.name, self.name, proc.pid,
-                                       trio.current_time() - spawned)
-                    )
+                    host.bus.emit(BackendStarted(self.backend.name, self.name, pid,
+                                                 trio.current_time() - spawned))
                     self.backend.on_instance_ready(self)
                     if self.cfg.health.interval > 0:
                         nursery.start_soon(self._health, child, down)
@@ -387,106 +392,29 @@ class Instance(ChildHandlers):
                 self.child = None
                 self.draining = False
                 self.backend.on_instance_down(self, child)
-                how = await process.stop_process(proc)
+                end = await link.close()
                 nursery.cancel_scope.cancel()
         finally:
             self._nursery = None
             self.child = None
             self.draining = False
-            if proc.returncode is None:
-                with trio.CancelScope(shield=True):
-                    await process.stop_process(proc)
-            process.kill_group(proc.pid)
+            with trio.CancelScope(shield=True):
+                last = await link.close()  # bounded; kills what is left (a process group)
+            end = end or last
             child.fail_all(child.exited_error(exit_reason))
-        rc = proc.returncode
-        kind = EXIT_KINDS.get(exit_reason) or (ExitKind.CRASHED if rc not in (0, None)
-                                               else ExitKind.EXITED)
-        detail = (f"exit code {rc}" if rc is not None and rc >= 0
-                  else f"signal {-rc}" if rc else "unknown")
-        self.last_exit = (f"{exit_reason} ({detail})" if how is process.Ended.EXITED
-                          else f"{exit_reason} ({detail}; ended by {how})")
+        kind = EXIT_KINDS.get(exit_reason) or (
+            ExitKind.CRASHED if end.crashed else ExitKind.EXITED)
+        self.last_exit = (f"{exit_reason} ({end.detail})" if end.ended_by is None
+                          else f"{exit_reason} ({end.detail}; ended by {end.ended_by})")
+        ident = f"pid {pid}" if pid is not None else link.origin or link.kind
         if kind is ExitKind.RECYCLED:
-            LOGGER.info("backend %s: child pid %d ended: %s", self.name, proc.pid, self.last_exit,
+            LOGGER.info("backend %s: %s ended: %s", self.name, ident, self.last_exit,
                         extra={"MCP_BACKEND": self.backend.name})
         elif kind is not ExitKind.STOPPED:
             self.crash_stderr = tuple(self.stderr_tail)
-            LOGGER.warning("backend %s: child pid %d ended: %s", self.name, proc.pid,
-                           self.last_exit)
-        self.backend.host.bus.emit(BackendExited(self.backend.name, self.name, proc.pid, kind, rc))
+            LOGGER.warning("backend %s: %s ended: %s", self.name, ident, self.last_exit)
+        host.bus.emit(BackendExited(self.backend.name, self.name, pid, kind, end.returncode))
         return exit_reason
-
-    async def _read_stdout(self, child: ChildConnection, down: trio.Event) -> None:
-        await child.read_loop()
-        if not down.is_set():
-            self._down_reason = self._down_reason or DownReason.EXITED
-            down.set()
-        # No reply can arrive any more: fail the calls waiting for one now, including the
-        # handshake's initialize (which would otherwise wait out the whole start_timeout).
-        child.fail_all(child.exited_error(self._down_reason or DownReason.EXITED))
-
-    async def _read_stderr(self, stream: trio.abc.ReceiveStream) -> None:
-        """Log the child's stderr line by line, within ``stderr_lines_per_second``/``stderr_burst``.
-
-        Lines over the rate are counted, not logged; one summary line per
-        :data:`STDERR_SUMMARY_WINDOW` says how many (also at end of stream, so none vanish
-        silently), and ``BackendStderr`` events count both kinds.  Read in large chunks, lines
-        cut at :data:`STDERR_MAX_LINE` bytes; while lines are held back a chunk is only counted,
-        and the pipe is left alone for :data:`STDERR_FLOOD_PAUSE` after each read (a child that
-        fills it waits): a flood costs little CPU and no log volume.  The last
-        :data:`STDERR_TAIL` lines are kept for ``/status``.
-        """
-        bus = self.backend.host.bus
-        log_extra = {"MCP_BACKEND": self.backend.name}
-        splitter = LineSplitter(STDERR_MAX_LINE)
-        throttle = LineThrottle(self.cfg.stderr_lines_per_second, self.cfg.stderr_burst,
-                                STDERR_SUMMARY_WINDOW, trio.current_time())
-
-        def take(count: int, lines: list[bytes]) -> None:
-            """``count`` new lines, of which ``lines`` are the last ones (all of them, unless
-            the limit is already holding lines back)."""
-            if not count:
-                return
-            logged = throttle.admit(trio.current_time(), count)
-            for raw in lines[:logged]:
-                LOGGER.info("[%s] %s", self.name, printable(raw), extra=log_extra)
-            self.stderr_tail.extend(printable(raw) for raw in lines[-STDERR_TAIL:])
-            bus.emit(BackendStderr(self.backend.name, self.name, logged, count - logged))
-
-        def summarise(final: bool = False) -> None:
-            held = throttle.summary(trio.current_time(), final=final)
-            if held is not None and held[0]:
-                LOGGER.warning("backend %s: %d stderr lines not logged in the last %.1fs "
-                               "(over stderr_lines_per_second = %g)", self.name, held[0], held[1],
-                               throttle.rate, extra=log_extra)
-
-        try:
-            while True:
-                due = throttle.due()
-                data: bytes | None = None
-                with trio.move_on_at(due if due is not None else math.inf):
-                    try:
-                        data = bytes(await stream.receive_some(STDERR_CHUNK))
-                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                        data = b""
-                if data is None:  # the summary window ended while the child was quiet
-                    summarise()
-                    continue
-                if not data:
-                    break
-                if throttle.due() is None:
-                    lines = [raw for raw in splitter.feed(data) if raw.strip()]
-                    take(len(lines), lines)
-                else:  # holding back already: count, keep the tail, log what the rate allows
-                    take(*splitter.feed_counted(data, STDERR_TAIL))
-                summarise()
-                if throttle.due() is not None:
-                    # Over the rate: let the pipe fill for a moment (the child's writes wait once
-                    # it is full) instead of spending a core on lines that are only counted.
-                    await trio.sleep(STDERR_FLOOD_PAUSE)
-        finally:  # also when cancelled (the child is being stopped): nothing vanishes silently
-            lines = [raw for raw in splitter.close() if raw.strip()]
-            take(len(lines), lines)
-            summarise(final=True)
 
     def calls_changed(self) -> None:
         """A client call on this instance ended, or an abandoned one left the attribution set."""

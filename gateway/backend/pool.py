@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 import trio
@@ -20,7 +21,9 @@ import trio
 from gateway import errors
 from gateway.backend import client
 from gateway.backend.child import ChildConnection, Owner
+from gateway.backend.connector import Connector
 from gateway.backend.instance import Instance, InstanceHost
+from gateway.backend.stdio import StdioConnector
 from gateway.config import BackendConfig
 from gateway.events import ListsChanged, QueueWaited
 from gateway.protocol import mrtr
@@ -60,6 +63,15 @@ class Parking(Protocol):
     def preempt(self, owner: Owner, child: ChildConnection) -> None: ...
 
 
+#: Chooses a backend's connector from its name and config.
+ConnectorFactory = Callable[[str, BackendConfig], Connector]
+
+
+def default_connector(name: str, cfg: BackendConfig) -> Connector:
+    """The connector a backend's config asks for: ``stdio`` (its ``command``)."""
+    return StdioConnector(cfg)
+
+
 class BackendHost(InstanceHost, Protocol):
     """What a backend is given from above (by the hub); its news go out on ``bus``."""
 
@@ -67,11 +79,14 @@ class BackendHost(InstanceHost, Protocol):
 
 
 class Backend:
-    def __init__(self, name: str, cfg: BackendConfig, prefix: str, host: BackendHost) -> None:
+    def __init__(self, name: str, cfg: BackendConfig, prefix: str, host: BackendHost,
+                 connector: Connector | None = None) -> None:
         self.name = name
         self.cfg = cfg
         self.prefix = prefix
         self.host = host
+        # how its instances reach the upstream (default: the one its config asks for)
+        self.connector = connector if connector is not None else default_connector(name, cfg)
         self.declared = frozenset(cfg.declare)
         self.lists = BackendLists()
         self.lists_ready = trio.Event()
@@ -128,7 +143,7 @@ class Backend:
         return BackendStatus(self.name, self.cfg.required, self.cfg.sharing,
                              tuple(i.snapshot(now) for i in self.instances), len(lists.tools),
                              len(lists.prompts), len(lists.resources), len(lists.templates),
-                             self.cfg.protocol_mode, self.modern_seen)
+                             self.cfg.protocol_mode, self.modern_seen, self.connector.kind)
 
     async def first_start(self) -> None:
         """Return once the lists are in, or the first instance's first start failed (BACKOFF or
@@ -147,8 +162,8 @@ class Backend:
 
     def live_pids(self) -> set[int]:
         """The pids of this backend's children that have not been reaped yet."""
-        return {i.proc.pid for i in self.instances
-                if i.proc is not None and i.proc.returncode is None}
+        return {pid for i in self.instances
+                if i.link is not None and (pid := i.link.pid) is not None}
 
     async def set_level(self, level: str) -> None:
         """``logging/setLevel`` on every running child (a refusal is logged, not raised)."""

@@ -110,7 +110,8 @@ GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
 STATUS_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "ready": ("1 when /readyz answers 200.", ()),
     "client_connections_active": ("Open client sessions.", ("transport",)),
-    "backend_up": ("1 if any instance of the backend is RUNNING.", ("backend", "required")),
+    "backend_up": ("1 if any instance of the backend is RUNNING.",
+                   ("backend", "required", "connector")),
     "backend_state": ("One-hot summary state of the backend.", ("backend", "state")),
     "backend_instances": ("Backend instances per state.", ("backend", "state")),
     "backend_resident_memory_bytes": ("RSS of the backend's process groups.", ("backend",)),
@@ -160,8 +161,9 @@ class _StatusCollector(Collector):
         memory = procfs.group_rss(pids, self._proc)
         for b in snap.backends:
             states = [i.state for i in b.instances]
-            fam["backend_up"].add_metric([b.name, "true" if b.required else "false"],
-                                         1.0 if "RUNNING" in states else 0.0)
+            fam["backend_up"].add_metric(
+                [b.name, "true" if b.required else "false", b.connector],
+                1.0 if "RUNNING" in states else 0.0)
             summary = summary_state(states)
             for s in STATES:
                 fam["backend_state"].add_metric([b.name, s], 1.0 if s == summary else 0.0)

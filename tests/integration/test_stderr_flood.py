@@ -22,7 +22,7 @@ from helpers import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.backend import instance
+from gateway.backend import instance, stdio
 
 pytestmark = pytest.mark.system
 
@@ -54,9 +54,9 @@ class Records(logging.Handler):
 
 @pytest.fixture
 def records(monkeypatch: pytest.MonkeyPatch) -> Iterator[Records]:
-    monkeypatch.setattr(instance, "STDERR_SUMMARY_WINDOW", 0.5)
+    monkeypatch.setattr(stdio, "STDERR_SUMMARY_WINDOW", 0.5)
     handler = Records()
-    logger = logging.getLogger("gateway.backend.instance")
+    logger = logging.getLogger("gateway.backend.stdio")
     old = logger.level
     logger.setLevel(logging.INFO)
     logger.addHandler(handler)

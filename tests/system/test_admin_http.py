@@ -117,7 +117,8 @@ async def test_metrics_parse_and_negotiate(server: Server) -> None:
         for s in f.samples
     }
     assert samples[("mcp_gateway_inflight_requests", (("backend", "time"),))] == 1
-    assert samples[("mcp_gateway_backend_up", (("backend", "time"), ("required", "true")))] == 1
+    assert samples[("mcp_gateway_backend_up",
+                    (("backend", "time"), ("connector", "stdio"), ("required", "true")))] == 1
     status, headers, body = await get(
         server.port, "/metrics", "GET", ("accept", "application/openmetrics-text; version=1.0.0")
     )

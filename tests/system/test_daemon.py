@@ -178,7 +178,10 @@ async def test_sigterm_leaves_no_npx_style_grandchild(tmp_path: Path) -> None:
                     "state"] == "RUNNING":
                     break
                 await trio.sleep(0.1)
-        wrapper = json.loads(body)["backends"][0]["instances"][0]["pid"]
+        (backend,) = json.loads(body)["backends"]
+        assert backend["connector"] == "stdio"  # a process: a pid, no origin
+        wrapper = backend["instances"][0]["pid"]
+        assert backend["instances"][0]["origin"] is None
         members = group_members(wrapper)
         assert len(members) >= 2  # sh and python share the wrapper's process group
         proc.send_signal(signal.SIGTERM)

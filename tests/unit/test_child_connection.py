@@ -7,6 +7,7 @@ cap measured in trio time, so a hang fails fast instead of stalling the suite.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -20,11 +21,20 @@ from trio.testing import MockClock
 
 from gateway import errors
 from gateway.backend.child import ChildConnection, ChildHandlers
+from gateway.backend.connector import LinkContext
+from gateway.backend.stdio import LineLink
 from gateway.events import BackendProtocolError, EventBus, ServerRequestOutcome
-from gateway.limits import ByteBudget
+from gateway.limits import Account, ByteBudget
 from gateway.protocol import jsonrpc
 
 CAP = 3000.0  # hard cap on every test, in trio time
+
+
+def context(bus: EventBus, max_line: int, buffers: Account | None = None,
+            max_queued: int = sys.maxsize) -> LinkContext:
+    account = buffers if buffers is not None else ByteBudget(sys.maxsize).open("fx/0")
+    return LinkContext(backend="fx", instance="fx/0", bus=bus, max_line=max_line,
+                       buffers=account, max_queued=max_queued)
 
 
 class Recorder(ChildHandlers):
@@ -97,14 +107,12 @@ async def connected(max_line: int = 1 << 16) -> AsyncIterator[Harness]:
     events: list[Any] = []
     bus.subscribe(events.append)
     handlers = Recorder()
-    conn = ChildConnection(
-        backend="fx", instance="fx/0", generation=1, send_stream=gw_send,
-        receive_stream=gw_recv, handlers=handlers, bus=bus, max_line=max_line,
-    )
+    link = LineLink(gw_send, gw_recv, context(bus, max_line))
+    conn = ChildConnection(backend="fx", instance="fx/0", generation=1, link=link,
+                           handlers=handlers, bus=bus, max_line=max_line)
     with trio.fail_after(CAP):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(conn.read_loop)
-            nursery.start_soon(conn.write_loop)
+            nursery.start_soon(link.run, conn)
             nursery.start_soon(conn.timer_loop)
             yield Harness(conn, FakeChild(child_recv, child_send), handlers, events, nursery)
             nursery.cancel_scope.cancel()
@@ -402,13 +410,13 @@ async def test_closed_stdin_is_backend_exited_and_the_call_is_not_attributed(
         assert h.conn.attribution() == set()
 
 
-async def test_read_loop_returns_at_eof(autojump_clock: MockClock) -> None:
+async def test_eof_tells_the_session_the_upstream_ended(autojump_clock: MockClock) -> None:
     async with connected() as h:
+        ended = trio.Event()
+        h.conn.on_ended = ended.set
         await h.child.close_stdout()
-        await trio.testing.wait_all_tasks_blocked()
-        # read_loop ended; the writer (which lives until its stream breaks) and the timer are left.
-        assert sorted(t.name.rsplit(".", 1)[-1]
-                      for t in h.nursery.child_tasks) == ["timer_loop", "write_loop"]
+        with trio.fail_after(1):
+            await ended.wait()  # the link stays up (a child's stderr may still come) until closed
 
 
 # ---- what the child sends besides replies ------------------------------------------------
@@ -579,16 +587,15 @@ async def test_write_queue_bytes_are_charged_until_written_or_dropped() -> None:
     budget = ByteBudget(1 << 20)
     gw_send, child_recv = trio.testing.memory_stream_one_way_pair()
     _child_send, gw_recv = trio.testing.memory_stream_one_way_pair()
-    conn = ChildConnection(
-        backend="fx", instance="fx/0", generation=1, send_stream=gw_send, receive_stream=gw_recv,
-        handlers=Recorder(), bus=EventBus(), max_line=1 << 16, buffers=budget.open("child fx/0"),
-    )
+    link = LineLink(gw_send, gw_recv, context(EventBus(), 1 << 16, budget.open("child fx/0")))
+    conn = ChildConnection(backend="fx", instance="fx/0", generation=1, link=link,
+                           handlers=Recorder(), bus=EventBus(), max_line=1 << 16)
     conn.post(b"x" * 99)
     conn.post(b"y" * 9)
     assert budget.total == 110  # queued: no write loop yet (and no pipe to write to directly)
     with trio.fail_after(CAP):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(conn.write_loop)
+            nursery.start_soon(link.run, conn)
             assert await child_recv.receive_some() == b"x" * 99 + b"\n" + b"y" * 9 + b"\n"
             await trio.testing.wait_all_tasks_blocked()  # the write loop is idle again
             assert budget.total == 0  # written: released
@@ -609,13 +616,12 @@ async def test_a_child_that_stops_reading_cannot_hold_more_than_max_queued(
     daemon-wide byte budget and got a bystander evicted)."""
     gw_send, _child_never_reads = trio.testing.lockstep_stream_one_way_pair()
     _unused, gw_recv = trio.testing.memory_stream_one_way_pair()
-    conn = ChildConnection(
-        backend="fx", instance="fx/0", generation=1, send_stream=gw_send, receive_stream=gw_recv,
-        handlers=Recorder(), bus=EventBus(), max_line=1 << 16, max_queued=300,
-    )
+    link = LineLink(gw_send, gw_recv, context(EventBus(), 1 << 16, max_queued=300))
+    conn = ChildConnection(backend="fx", instance="fx/0", generation=1, link=link,
+                           handlers=Recorder(), bus=EventBus(), max_line=1 << 16)
     owner = Owner("a")
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(conn.write_loop)
+        nursery.start_soon(link.run, conn)
         nursery.start_soon(conn.timer_loop)
         h = Harness(conn, None, None, [], nursery)  # type: ignore[arg-type]  # no fake child or recorder in this test
         first = start_call(h, "tools/call", jsonrpc.encode_dict({"m": "x" * 100}), timeout=5,

@@ -206,7 +206,7 @@ def test_refused_connections_are_counted_and_buffered_bytes_follow_the_snapshot(
 
 
 def test_backend_gauges_follow_the_snapshot(h: Harness) -> None:
-    assert h.value("backend_up", backend="time", required="true") == 1
+    assert h.value("backend_up", backend="time", required="true", connector="stdio") == 1
     assert h.value("ready") == 1
     h.snapshot = GatewayStatus(
         "1.2.3",
@@ -220,8 +220,9 @@ def test_backend_gauges_follow_the_snapshot(h: Harness) -> None:
         {},
         True,
     )
-    assert h.value("backend_up", backend="time", required="true") == 0
-    assert h.value("backend_up", backend="fs", required="false") == 1  # alerts: required only
+    assert h.value("backend_up", backend="time", required="true", connector="stdio") == 0
+    # alerts: required only
+    assert h.value("backend_up", backend="fs", required="false", connector="stdio") == 1
     assert h.value("ready") == 0
     for name, summary in (("time", "BACKOFF"), ("fs", "RUNNING"), ("none", "STOPPED")):
         one_hot = {s: h.value("backend_state", backend=name, state=s) for s in STATES}
