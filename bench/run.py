@@ -357,7 +357,7 @@ class StreamConn(Conn):
         for m in msg if isinstance(msg, list) else [msg]:
             # a response (requests/notifications ignored)
             if isinstance(m, dict) and ("method" not in m or self.echo_mode):
-                slot = self._pending.get(m.get("id"))  # type: ignore[arg-type]
+                slot = self._pending.get(m.get("id"))  # type: ignore[arg-type]  # any id: unknown ones miss
                 if slot is not None:
                     slot[1] = m
                     slot[0].set()

@@ -25,11 +25,12 @@ SECONDS = 1.0
 MIB = 1024 * 1024
 
 
+# Each section repeats ``frozen=True``: msgspec inherits it, mypy's dataclass_transform does not.
 class Base(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     pass
 
 
-class GatewaySection(Base):
+class GatewaySection(Base, frozen=True):
     name: str = "mcp-gateway"
     separator: str = "__"
     max_message_bytes: int = 4 * MIB
@@ -67,10 +68,11 @@ class GatewaySection(Base):
     max_parked_flows: int = 4096
 
 
-class ListenSection(Base):
+class ListenSection(Base, frozen=True):
     websocket: str | None = "127.0.0.1:8765"  # "" switches it off
     allowed_origins: list[str] = []
-    allowed_hosts: list[str] = []  # Host names (WebSocket upgrade, /mcp) besides loopback + the bound address
+    # Host names (WebSocket upgrade, /mcp) besides loopback + the bound address
+    allowed_hosts: list[str] = []
     unix: str | None = None
     unix_mode: str = "0660"
     http: str | None = "127.0.0.1:8766"  # Streamable HTTP at /mcp; "" switches it off
@@ -84,21 +86,22 @@ class ListenSection(Base):
     public_url: str | None = None
 
 
-class AdminSection(Base):
+class AdminSection(Base, frozen=True):
     listen: str | None = "127.0.0.1:9477"  # "" switches it off
     allow_non_loopback: bool = False  # /status shows child stderr: loopback unless explicit
-    allowed_hosts: list[str] = []  # Host names for /status, /metrics besides loopback + bound address
+    # Host names for /status, /metrics besides loopback + bound address
+    allowed_hosts: list[str] = []
     token_sha256: str | None = None  # hex SHA-256 of the bearer token /status needs off loopback
 
 
-class RestartSection(Base):
+class RestartSection(Base, frozen=True):
     backoff_initial: float = 0.1
     backoff_max: float = 30.0
     max_restarts: int = 5
     window: float = 60.0
 
 
-class HealthSection(Base):
+class HealthSection(Base, frozen=True):
     interval: float = 15.0  # 0 disables the ping probe
     timeout: float = 5.0
     failures: int = 3
@@ -107,7 +110,7 @@ class HealthSection(Base):
 Capability = Literal["roots", "sampling", "elicitation"]
 
 
-class ItemFilter(Base):
+class ItemFilter(Base, frozen=True):
     """Globs on a backend's own item names (URIs for resources): listed and callable only when
     ``include`` matches (empty: everything) and ``exclude`` does not."""
 
@@ -115,7 +118,7 @@ class ItemFilter(Base):
     exclude: list[str] = []
 
 
-class BackendConfig(Base):
+class BackendConfig(Base, frozen=True):
     command: str
     args: list[str] = []
     env: dict[str, str] = {}
@@ -130,7 +133,8 @@ class BackendConfig(Base):
     required: bool = False
     sharing: Literal["shared", "affine", "per-session"] = "shared"
     # how the child is opened: initialize (legacy) or server/discover (2026-07-28); see README
-    protocol_mode: Literal["legacy_only", "prefer_legacy", "prefer_modern", "modern_only"] = "prefer_legacy"
+    protocol_mode: Literal["legacy_only", "prefer_legacy", "prefer_modern",
+                           "modern_only"] = "prefer_legacy"
     instances: int = 1
     max_inflight: int = 32  # calls at one child at once; more wait in a queue per connection
     max_sessions: int = 16  # per-session: cap on children
@@ -150,23 +154,24 @@ class BackendConfig(Base):
     stderr_burst: int = 500  # lines logged at once before the rate applies
 
 
-class PolicyRule(Base):
+class PolicyRule(Base, frozen=True):
     match: str  # glob on the namespaced tool / prompt name, or on the resource URI
     action: Literal["allow", "ask", "deny"]
     kind: Literal["tool", "prompt", "resource"] = "tool"
     principal: str | None = None  # glob on the caller's principal name
     group: str | None = None  # the caller is in this group
     transport: Literal["http", "ws", "unix"] | None = None
-    scopes: list[str] = []  # OAuth scopes the caller's token must carry (else 403 insufficient_scope)
+    # OAuth scopes the caller's token must carry (else 403 insufficient_scope)
+    scopes: list[str] = []
 
 
-class BearerToken(Base):
+class BearerToken(Base, frozen=True):
     principal: str
     token_sha256: str  # hex SHA-256 of the token
     groups: list[str] = []
 
 
-class OAuthSection(Base):
+class OAuthSection(Base, frozen=True):
     issuer: str
     jwks_uri: str
     audience: str  # this gateway's resource URI (RFC 8707), e.g. https://gateway.example.com/mcp
@@ -177,7 +182,7 @@ class OAuthSection(Base):
     leeway: float = 30.0  # clock skew allowed on exp / nbf
 
 
-class PrincipalLimit(Base):
+class PrincipalLimit(Base, frozen=True):
     principal: str  # glob on the principal name
     max_inflight: int | None = None
     calls_per_second: float | None = None
@@ -196,7 +201,7 @@ class PrincipalLimit(Base):
 CAP_KEYS = ("max_sessions", "max_connections", "max_listens", "max_parked_flows")
 
 
-class AuthSection(Base):
+class AuthSection(Base, frozen=True):
     """Authentication is *configured* when at least one authenticator is given (bearer tokens,
     a tokens file, or OAuth): then every client listener but the unix socket requires it."""
 
@@ -210,13 +215,13 @@ class AuthSection(Base):
         return bool(self.bearer or self.tokens_file or self.oauth is not None)
 
 
-class PolicySection(Base):
+class PolicySection(Base, frozen=True):
     default: Literal["allow", "ask", "deny"] = "allow"
     rules: list[PolicyRule] = []
     elicitation_timeout: float = 60.0
 
 
-class GatewayConfig(Base):
+class GatewayConfig(Base, frozen=True):
     gateway: GatewaySection = GatewaySection()
     listen: ListenSection = ListenSection()
     admin: AdminSection = AdminSection()
@@ -231,6 +236,8 @@ class GatewayConfig(Base):
 
 
 _BACKEND_NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_-]{0,31}$")  # "_…" is reserved for labels
+#: An ``allowed_hosts`` entry: a host name or an address (IPv6 in brackets), optionally :PORT.
+_HOST_ENTRY = re.compile(r"[a-zA-Z0-9._-]+(:[0-9]{1,5})?|\[[0-9a-fA-F:.]+\](:[0-9]{1,5})?")
 _SECTIONS = {
     "gateway": GatewaySection,
     "listen": ListenSection,
@@ -355,7 +362,8 @@ def load(data: bytes | str, *, base_dir: str = ".", check_commands: bool = False
     sections: dict[str, Any] = {}
     for key in tree:
         if key not in _SECTIONS and key != "backends":
-            errors.append(f"{key}: unknown section (expected one of gateway, listen, admin, policy, auth, backends)")
+            errors.append(f"{key}: unknown section (expected one of gateway, listen, admin, "
+                          "policy, auth, backends)")
     for key, typ in _SECTIONS.items():
         try:
             sections[key] = msgspec.convert(tree.get(key, {}), typ)
@@ -368,7 +376,8 @@ def load(data: bytes | str, *, base_dir: str = ".", check_commands: bool = False
         raw_backends = {}
     for name, raw in raw_backends.items():
         if not _BACKEND_NAME.fullmatch(name):
-            errors.append(f"backends.{name}: backend names must match [a-zA-Z0-9][a-zA-Z0-9_-]{{0,31}}")
+            errors.append(f"backends.{name}: backend names must match "
+                          "[a-zA-Z0-9][a-zA-Z0-9_-]{0,31}")
             continue
         try:
             backend = msgspec.convert(raw, BackendConfig)
@@ -381,7 +390,8 @@ def load(data: bytes | str, *, base_dir: str = ".", check_commands: bool = False
     # TOML has no null: an empty string switches a listener off.
     listen, admin = sections["listen"], sections["admin"]
     sections["listen"] = msgspec.structs.replace(
-        listen, websocket=listen.websocket or None, unix=listen.unix or None, http=listen.http or None
+        listen, websocket=listen.websocket or None, unix=listen.unix or None,
+        http=listen.http or None,
     )
     sections["admin"] = msgspec.structs.replace(admin, listen=admin.listen or None)
     cfg = GatewayConfig(**sections, backends=backends, base_dir=os.path.abspath(base_dir))
@@ -463,14 +473,16 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
     for key, hosts in (("listen.allowed_hosts", cfg.listen.allowed_hosts),
                        ("admin.allowed_hosts", cfg.admin.allowed_hosts)):
         for entry in hosts:
-            if not re.fullmatch(r"[a-zA-Z0-9._-]+(:[0-9]{1,5})?|\[[0-9a-fA-F:.]+\](:[0-9]{1,5})?", entry):
-                errors.append(f"{key}: {entry!r} is not a host name or address (optionally with :PORT)")
+            if not _HOST_ENTRY.fullmatch(entry):
+                errors.append(f"{key}: {entry!r} is not a host name or address "
+                              "(optionally with :PORT)")
     try:
         mode = int(cfg.listen.unix_mode, 8)
         if not 0 <= mode <= 0o777:
             raise ValueError
     except ValueError:
-        errors.append(f"listen.unix_mode: expected an octal mode like \"0660\", got {cfg.listen.unix_mode!r}")
+        errors.append(f"listen.unix_mode: expected an octal mode like \"0660\", "
+                      f"got {cfg.listen.unix_mode!r}")
     if cfg.listen.websocket is None and cfg.listen.unix is None and cfg.listen.http is None:
         errors.append("listen: configure at least one of websocket, unix and http")
     if cfg.listen.http_session_idle_timeout <= 0:
@@ -574,9 +586,12 @@ def _auth_errors(auth: AuthSection) -> list[str]:
 def fd_reserve(cfg: GatewayConfig) -> int:
     """fds the daemon needs besides its client connections with this config
     (:func:`gateway.limits.fd_reserve`: every backend child it may run, its listeners)."""
-    children = sum(limits.max_children(b.sharing, b.instances, b.max_sessions) for b in cfg.backends.values())
-    tcp = sum(1 for address in (cfg.listen.websocket, cfg.listen.http, cfg.admin.listen) if address is not None)
-    return limits.fd_reserve(children=children, tcp_listeners=tcp, unix_listeners=int(cfg.listen.unix is not None))
+    children = sum(limits.max_children(b.sharing, b.instances, b.max_sessions)
+                   for b in cfg.backends.values())
+    tcp = sum(1 for address in (cfg.listen.websocket, cfg.listen.http, cfg.admin.listen)
+              if address is not None)
+    return limits.fd_reserve(children=children, tcp_listeners=tcp,
+                             unix_listeners=int(cfg.listen.unix is not None))
 
 
 def diff_backends(

@@ -80,7 +80,8 @@ def key_errors(*, tls_cert: str | None, tls_key: str | None, behind_proxy: bool,
                       "the Host/Origin allow-lists and as the OAuth resource")
     if public_url is not None:
         parts = urlsplit(public_url)
-        loopback_http = parts.scheme == "http" and (parts.hostname or "") in ("localhost", "127.0.0.1", "::1")
+        loopback_http = (parts.scheme == "http"
+                         and (parts.hostname or "") in ("localhost", "127.0.0.1", "::1"))
         if not parts.hostname or not (parts.scheme == "https" or loopback_http) \
                 or parts.query or parts.fragment or parts.username is not None:
             errors.append(f"listen.public_url: {public_url!r} is not an https URL "

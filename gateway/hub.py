@@ -104,7 +104,8 @@ class Hub:
         self.catalog = Catalog()
         self.sessions: set[ClientSession] = set()
         self.budget = ByteBudget(cfg.gateway.buffered_bytes_total)  # every queued message's bytes
-        self.slots = ConnectionSlots(cfg.gateway.max_connections or DEFAULT_MAX_CONNECTIONS, self._connection_refused)
+        self.slots = ConnectionSlots(cfg.gateway.max_connections or DEFAULT_MAX_CONNECTIONS,
+                                     self._connection_refused)
         self.ownership = Ownership(bus)
         self.listens = Listens()  # modern clients' subscriptions/listen requests
         self.bridge = bridge.from_config(cfg.gateway)  # era bridging for modern callers
@@ -184,7 +185,8 @@ class Hub:
             self._replaced(name)
         return backend
 
-    async def remove_backend(self, name: str, *, drain: float = 0.0, restarting: bool = False) -> None:
+    async def remove_backend(self, name: str, *, drain: float = 0.0,
+                             restarting: bool = False) -> None:
         """Stop a backend: no new calls, in-flight ones get up to ``drain`` seconds, then stop.
 
         ``restarting``: it comes back (changed config); its lists stay in the catalog until the
@@ -222,11 +224,11 @@ class Hub:
             await backend.stopped()
         self.reap()
 
-    async def wait_started(self, timeout: float) -> None:
-        """Wait until each backend has its lists or has failed its first start (bounded)."""
-        with trio.move_on_after(timeout):
-            for backend in list(self.backends.values()):
-                await backend.first_start()
+    async def wait_started(self) -> None:
+        """Wait until each backend has its lists or has failed its first start (the caller
+        bounds the wait)."""
+        for backend in list(self.backends.values()):
+            await backend.first_start()
 
     def reap(self) -> None:
         if self._subreaper:
@@ -246,7 +248,8 @@ class Hub:
 
     def cut_off_calls(self) -> None:
         """The drain grace is over: cancel every call still running; each is answered -32005
-        ``shutdown`` (``retryable: false``, it may have had effects) before its connection closes."""
+        ``shutdown`` (``retryable: false``, it may have had effects) before its connection
+        closes."""
         self.calls_cut_off = True
         for session in self.sessions:
             for call in list(session.inflight.values()):
@@ -261,7 +264,8 @@ class Hub:
             CatalogConflict: ``strict`` (boot) and two backends expose the same name.
         """
         serving = {**self._restarting, **self.backends}  # a restarting backend keeps its lists
-        order = [n for n in self.cfg.backends if n in serving] + [n for n in serving if n not in self.cfg.backends]
+        order = ([n for n in self.cfg.backends if n in serving]
+                 + [n for n in serving if n not in self.cfg.backends])
         lists: list[tuple[str, str, BackendLists]] = [
             (name, serving[name].prefix, serving[name].lists) for name in order
         ]
@@ -366,7 +370,8 @@ class Hub:
         speaks 2026-07-28: its ``requestState`` is then the child's own, passed through (else it
         is one the gateway signed, see gateway.core.bridge)."""
         try:
-            key = jsonrpc.loads(params.get("uri" if method == "resources/read" else "name", b"null"))
+            field = "uri" if method == "resources/read" else "name"
+            key = jsonrpc.loads(params.get(field, b"null"))
             if method == "tools/call":
                 route = self.catalog.tool_routes.get(key)
                 name = route.backend if route is not None else None
@@ -388,7 +393,8 @@ class Hub:
         """
         name = self.catalog.route_resource(uri)
         if name is None:
-            candidates = [b.name for b in self.backends.values() if b.lists.resources or b.lists.templates]
+            candidates = [b.name for b in self.backends.values()
+                          if b.lists.resources or b.lists.templates]
             if len(candidates) != 1:
                 raise errors.ResourceNotFound(f"resource {uri!r} not found", uri=uri)
             name = candidates[0]
@@ -452,7 +458,8 @@ class Hub:
 
     def _elicitation_complete(self, instance: Instance, params: Raw | UnsetType) -> None:
         eid = _str_field(params, "elicitationId")
-        owner = self.ownership.elicitation_owner(instance.backend.name, eid) if eid is not None else None
+        owner = (self.ownership.elicitation_owner(instance.backend.name, eid)
+                 if eid is not None else None)
         if owner is not None:
             owner.notify("notifications/elicitation/complete", params)
 

@@ -139,10 +139,12 @@ def _status_line(hub: Hub) -> str:
     st = hub.status()
     up = sum(1 for b in st.backends if any(i.state == State.RUNNING for i in b.instances))
     clients = sum(st.connections.values())
-    return f"STATUS={'draining' if st.draining else 'serving'}; {up}/{len(st.backends)} backends up; {clients} clients"
+    return (f"STATUS={'draining' if st.draining else 'serving'}; "
+            f"{up}/{len(st.backends)} backends up; {clients} clients")
 
 
-async def _signals(control: Control, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+async def _signals(control: Control,
+                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         task_status.started()
         async for signum in signals:
@@ -209,11 +211,12 @@ async def run(
                 _boot_checks(hub)
                 async with trio.open_nursery() as conns:
                     accept: list[trio.CancelScope] = []  # the listeners the drain closes
-                    await conns.start(_serve_listeners, hub, cfg, fds, conns, accept, bound, tls_context)
+                    await conns.start(_serve_listeners, hub, cfg, fds, conns, accept, bound,
+                                      tls_context)
                     systemd.notify("READY=1", _status_line(hub))
-                    LOGGER.info("mcp-gateway %s ready: websocket port %s, unix %s, admin port %s, http port %s",
-                                __version__, bound.websocket_port, bound.unix_path, bound.admin_port,
-                                bound.http_port)
+                    LOGGER.info("mcp-gateway %s ready: websocket port %s, unix %s, admin port %s, "
+                                "http port %s", __version__, bound.websocket_port, bound.unix_path,
+                                bound.admin_port, bound.http_port)
                     task_status.started(bound)
                     await _control_loop(hub, control, config_path, tls_context, accept)
                     await lame_duck(hub, control)
@@ -271,14 +274,16 @@ async def _admin_listeners(cfg: GatewayConfig, fds: dict[str, int]) -> list[trio
     try:
         listeners = await trio.open_tcp_listeners(port, host=host)
     except OSError as exc:
-        raise StartupError(f"admin.listen: cannot listen on {cfg.admin.listen}: {exc.strerror or exc}") from None
+        raise StartupError(f"admin.listen: cannot listen on {cfg.admin.listen}: "
+                           f"{exc.strerror or exc}") from None
     return listeners
 
 
 async def _wait_for_backends(hub: Hub, cfg: GatewayConfig) -> None:
     """Wait for the first start of every backend; a required one that cannot start fails boot."""
     longest = max((b.start_timeout for b in cfg.backends.values()), default=1.0)
-    await hub.wait_started(longest + 1.0)
+    with trio.move_on_after(longest + 1.0):
+        await hub.wait_started()
     for name, b in cfg.backends.items():
         if not b.required:
             continue
@@ -305,7 +310,8 @@ def _boot_checks(hub: Hub) -> None:
 
 
 async def _serve_listeners(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio.Nursery,
-                           accept: list[trio.CancelScope], bound: Bound, tls_context: ssl.SSLContext | None,
+                           accept: list[trio.CancelScope], bound: Bound,
+                           tls_context: ssl.SSLContext | None,
                            task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve the client listeners until ``conns`` is cancelled; the WebSocket and unix socket
     listeners put their cancel scope into ``accept`` (the drain closes them at its start)."""
@@ -338,9 +344,10 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                 await connection.serve(hub, stream, "websocket", bind=bind)
 
             await nursery.start(_closable, accept, lambda task_status: serve_websocket(
-                ws_listeners, on_ws, allowed_origins=origins, allowed_hosts=hosts, max_message=max_msg,
-                handler_nursery=conns, slots=hub.slots, authenticate=partial(_ws_authenticate, hub),
-                admit=partial(_ws_admit, hub), tls_context=tls_context, task_status=task_status))
+                ws_listeners, on_ws, allowed_origins=origins, allowed_hosts=hosts,
+                max_message=max_msg, handler_nursery=conns, slots=hub.slots,
+                authenticate=partial(_ws_authenticate, hub), admit=partial(_ws_admit, hub),
+                tls_context=tls_context, task_status=task_status))
         if "http" in fds or cfg.listen.http is not None:
             http_listeners = await _tcp_listeners(fds, "http", cfg.listen.http, cfg)
             bound.http_port = ls.bound_port(http_listeners)
@@ -360,11 +367,12 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                                 ports=frozenset(ls.bound_port([lst]) for lst in http_listeners),
                                 probes=partial(admin_probe, hub.status), bridge=hub.bridge,
                                 authn=hub.authn)
-            endpoint.direct = lambda stream: connection.Direct(hub, stream, conns, "http", stream.bind)
+            endpoint.direct = lambda stream: connection.Direct(hub, stream, conns, "http",
+                                                               stream.bind)
             endpoint.core = hub
             await nursery.start(lambda task_status: serve_http(
-                http_listeners, endpoint, max_message=max_msg, handler_nursery=conns, slots=hub.slots,
-                tls_context=tls_context, task_status=task_status))
+                http_listeners, endpoint, max_message=max_msg, handler_nursery=conns,
+                slots=hub.slots, tls_context=tls_context, task_status=task_status))
         if "unix" in fds or cfg.listen.unix is not None:
             if "unix" in fds:
                 unix_listener = ls.adopt_listener(fds["unix"])
@@ -372,7 +380,8 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
             else:
                 assert cfg.listen.unix is not None
                 try:
-                    unix_listener = await ls.open_unix(cfg.listen.unix, int(cfg.listen.unix_mode, 8))
+                    unix_listener = await ls.open_unix(cfg.listen.unix,
+                                                       int(cfg.listen.unix_mode, 8))
                 except ls.ListenerError as exc:
                     raise StartupError(str(exc)) from None
                 bound.unix_path = cfg.listen.unix
@@ -387,7 +396,8 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                         return
                     principal = await _peer_principal(accepted.stream, hub.principal_names)
                     try:
-                        counted = hub.caps.acquire("max_connections", principal and principal.name)
+                        counted = hub.caps.acquire("max_connections",
+                                                   None if principal is None else principal.name)
                     except CapReached as exc:  # the -32006 on the line, then closed
                         with trio.move_on_after(1.0):
                             await accepted.stream.send_all(_error_line(exc))
@@ -403,8 +413,8 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                         hub.slots.release()
 
             await nursery.start(_closable, accept, lambda task_status: ls.serve_listeners(
-                on_unix, [ls.SlottedListener(unix_listener, hub.slots, "unix")], handler_nursery=conns,
-                task_status=task_status))
+                on_unix, [ls.SlottedListener(unix_listener, hub.slots, "unix")],
+                handler_nursery=conns, task_status=task_status))
         hub.listeners = tuple(exposed)
         hub.listeners_bound = True
         task_status.started()
@@ -418,7 +428,8 @@ async def _closable(scopes: list[trio.CancelScope], serve: Callable[..., Awaitab
         await serve(task_status=task_status)
 
 
-async def _peer_principal(stream: trio.SocketStream, configured: frozenset[str]) -> Principal | None:
+async def _peer_principal(stream: trio.SocketStream,
+                          configured: frozenset[str]) -> Principal | None:
     """The unix socket peer's user as a principal (SO_PEERCRED; the user database is read in
     a thread: NSS may be slow); None when the platform gives no credentials."""
     creds = peer_credentials(stream)
@@ -432,7 +443,8 @@ def _bind_principal(principal: Principal | None, session: ClientSession) -> None
     session.principal = principal
 
 
-async def _ws_authenticate(hub: Hub, host: str | None, authorization: str | None) -> Principal | None:
+async def _ws_authenticate(hub: Hub, host: str | None,
+                           authorization: str | None) -> Principal | None:
     """A WebSocket upgrade's principal, or :class:`Refused` 401 with the challenge."""
     authn = hub.authn
     assert authn is not None
@@ -449,7 +461,8 @@ def _ws_admit(hub: Hub, principal: object) -> Callable[[], None]:
     upgrade is refused 503 with the -32006 error as its body."""
     assert principal is None or isinstance(principal, Principal)
     try:
-        return hub.caps.acquire("max_connections", principal and principal.name).release
+        name = None if principal is None else principal.name
+        return hub.caps.acquire("max_connections", name).release
     except CapReached as exc:
         raise Refused(503, _error_line(exc).decode().rstrip("\n"),
                       content_type=b"application/json") from None
@@ -466,7 +479,8 @@ async def _close_at_expiry(session: ClientSession, expires: float) -> None:
     with trio.move_on_at(trio.current_time() + max(0.0, expires - time.time())):
         await session.closed.wait()
         return
-    LOGGER.info("connection %s: its token expired; closing it", session.conn_id, extra=session.log_fields)
+    LOGGER.info("connection %s: its token expired; closing it", session.conn_id,
+                extra=session.log_fields)
     session.close(CloseReason.UNAUTHORIZED)
 
 
@@ -544,7 +558,7 @@ async def _control_loop(hub: Hub, control: Control, config_path: str | None,
 
 
 async def _cancel_when_stopping(hub: Hub, control: Control, scope: trio.CancelScope,
-                                accept: list[trio.CancelScope]) -> None:
+                                accept: list[trio.CancelScope] | None) -> None:
     """A stop while a reload runs: the lame duck begins at once (``/readyz`` 503) and the
     reload may finish within ``drain_delay``; when the drain must begin it is abandoned."""
     await control.stopping.wait()
@@ -554,16 +568,22 @@ async def _cancel_when_stopping(hub: Hub, control: Control, scope: trio.CancelSc
     scope.cancel()
 
 
-async def reload(hub: Hub, config_path: str | None, tls_context: ssl.SSLContext | None = None) -> bool:
+def _read_config(path: str) -> GatewayConfig:
+    """The config file at ``path``, read and validated (backend commands looked up)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    return config.load(data, base_dir=os.path.dirname(os.path.abspath(path)), check_commands=True)
+
+
+async def reload(hub: Hub, config_path: str | None,
+                 tls_context: ssl.SSLContext | None = None) -> bool:
     """SIGHUP: re-read and validate, keep the old config on error, else apply the diff (and
     load the TLS certificate and key again: a renewed certificate needs no restart)."""
     systemd.notify("RELOADING=1", f"MONOTONIC_USEC={systemd.monotonic_usec()}", "STATUS=reloading")
     try:
         if config_path is None:
             raise ConfigError(["no config file to reload from"])
-        with open(config_path, "rb") as f:
-            data = f.read()
-        new = config.load(data, base_dir=os.path.dirname(os.path.abspath(config_path)), check_commands=True)
+        new = await trio.to_thread.run_sync(_read_config, config_path)  # disk: off the loop
         try:
             new = fit_connections(new, fdlimit.soft_limit())
         except StartupError as exc:
@@ -577,7 +597,8 @@ async def reload(hub: Hub, config_path: str | None, tls_context: ssl.SSLContext 
         if not hub.lame_duck:  # stopping: STOPPING=1 was sent, no READY=1 after it
             systemd.notify("READY=1", f"STATUS=reload failed: {message[:200]}")
         return False
-    if tls_context is not None and new.listen.tls_cert is not None and new.listen.tls_key is not None:
+    if (tls_context is not None and new.listen.tls_cert is not None
+            and new.listen.tls_key is not None):
         try:
             tls.reload_into(tls_context, new.listen.tls_cert, new.listen.tls_key)
             LOGGER.info("reload: TLS certificate loaded again from %s", new.listen.tls_cert)
@@ -608,10 +629,12 @@ async def reload(hub: Hub, config_path: str | None, tls_context: ssl.SSLContext 
             hub.backends[name].reset()  # unchanged but FATAL: try again
     longest = max((new.backends[n].start_timeout for n in added + changed), default=0.0)
     if added or changed:
-        await hub.wait_started(longest + 1.0)
+        with trio.move_on_after(longest + 1.0):
+            await hub.wait_started()
     hub.rebuild_catalog()
     hub.bus.emit(ReloadFinished(True, None, tuple(added), tuple(removed), tuple(changed)))
-    LOGGER.info("reload done: added %s, removed %s, changed %s", added or "-", removed or "-", changed or "-")
+    LOGGER.info("reload done: added %s, removed %s, changed %s", added or "-", removed or "-",
+                changed or "-")
     if not hub.lame_duck:
         systemd.notify("READY=1", _status_line(hub))
     return True
@@ -674,7 +697,8 @@ async def _drain(hub: Hub, accept: list[trio.CancelScope], conns: trio.Nursery) 
     with trio.move_on_after(CLOSE_TIMEOUT):
         for session in list(hub.sessions):  # backend prompts and consent prompts alike
             for req in list(session.server_requests.values()):  # the owner is told
-                session.cancel_request(req, ServerRequestOutcome.SHUTDOWN, "the gateway is shutting down")
+                session.cancel_request(req, ServerRequestOutcome.SHUTDOWN,
+                                       "the gateway is shutting down")
         if late:
             LOGGER.warning("drain grace over: %d calls still running get -32005 shutdown", late)
             hub.cut_off_calls()

@@ -294,7 +294,7 @@ async def unix_connect(path: str, *, initialize: bool = True) -> AsyncIterator[C
     """Like :func:`connect`, over the unix socket listener at ``path``."""
     stream = await trio.open_unix_socket(path)
     async with stream:
-        client = Client(LineSocket(stream))  # type: ignore[arg-type]
+        client = Client(LineSocket(stream))  # type: ignore[arg-type]  # duck-types the WebSocket
         async with trio.open_nursery() as nursery:
             nursery.start_soon(client._reader)
             if initialize:
@@ -303,7 +303,7 @@ async def unix_connect(path: str, *, initialize: bool = True) -> AsyncIterator[C
             nursery.cancel_scope.cancel()
 
 
-# ---- an in-memory MessageStream pair (gateway.core.connection.serve without a transport) ----------
+# ---- an in-memory MessageStream pair (gateway.core.connection.serve without a transport) ----
 
 
 class MemoryStream:

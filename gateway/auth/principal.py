@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """Who is calling: set on a :class:`~gateway.core.session.ClientSession` when it is authenticated
-    (``None`` there: authentication is not configured and the listener is loopback).
+    """Who is calling: set on a :class:`~gateway.core.session.ClientSession` when it is
+    authenticated (``None`` there: authentication is not configured and the listener is
+    loopback).
 
     ``name`` is what policy rules match (a configured bearer principal, the OAuth
     ``principal_claim``, or the unix peer's user name); ``label`` is what metrics and logs carry:

@@ -44,7 +44,7 @@ LIST_KINDS = {
 
 
 async def initialize(child: ChildConnection, *, declare: Iterable[str], client_name: str,
-                     timeout: float) -> None:
+                     timeout: float) -> None:  # noqa: ASYNC109 - the router's call deadline (CallTimeout), not a cancel scope
     """``initialize`` (offering the newest legacy revision) and ``notifications/initialized``."""
     params = jsonrpc.encode_dict({
         "protocolVersion": mcp.LATEST_LEGACY,
@@ -54,7 +54,8 @@ async def initialize(child: ChildConnection, *, declare: Iterable[str], client_n
     raw = await child.request("initialize", params, timeout=timeout, internal=True)
     result = mcp.decode_initialize_result(raw)
     if result.protocolVersion not in mcp.LEGACY_VERSIONS:
-        LOGGER.warning("backend %s answered protocol %r; continuing", child.instance, result.protocolVersion)
+        LOGGER.warning("backend %s answered protocol %r; continuing", child.instance,
+                       result.protocolVersion)
     child.protocol_version = result.protocolVersion
     child.server_capabilities = result.capabilities
     child.era = Era.LEGACY
@@ -68,7 +69,7 @@ class NotModern(errors.GatewayError):
 
 
 async def discover(child: ChildConnection, *, declare: Iterable[str], client_name: str,
-                   timeout: float) -> None:
+                   timeout: float) -> None:  # noqa: ASYNC109 - the router's call deadline (CallTimeout), not a cancel scope
     """``server/discover`` with the modern envelope; pins the child modern when it supports
     2026-07-28.
 
@@ -83,8 +84,9 @@ async def discover(child: ChildConnection, *, declare: Iterable[str], client_nam
     result = jsonrpc.loads(raw)
     supported = result.get("supportedVersions") if isinstance(result, dict) else None
     if not era.speaks_modern(supported):
-        raise NotModern(f"backend {child.backend!r} answered server/discover without a revision the "
-                        f"gateway speaks (supportedVersions {supported!r}, wanted {era.LATEST_MODERN})")
+        raise NotModern(f"backend {child.backend!r} answered server/discover without a revision "
+                        f"the gateway speaks (supportedVersions {supported!r}, "
+                        f"wanted {era.LATEST_MODERN})")
     caps = result.get("capabilities")
     child.protocol_version = era.LATEST_MODERN
     child.server_capabilities = caps if isinstance(caps, dict) else {}
@@ -101,7 +103,7 @@ def _modern_refusal(exc: errors.GatewayError) -> bool:
 
 
 async def open_child(child: ChildConnection, *, mode: str, declare: Iterable[str], client_name: str,
-                     timeout: float) -> None:
+                     timeout: float) -> None:  # noqa: ASYNC109 - the router's call deadline (CallTimeout), not a cancel scope
     """Open the child in the era its backend's ``protocol_mode`` asks for (see the module's
     docstring); the other era is tried only in a ``prefer_*`` mode and only when the child's
     answer says it does not speak the first (a probe that times out in ``prefer_modern`` counts
@@ -117,7 +119,8 @@ async def open_child(child: ChildConnection, *, mode: str, declare: Iterable[str
         await discover(child, declare=declare, client_name=client_name, timeout=timeout)
     elif mode == "prefer_modern":
         try:
-            await discover(child, declare=declare, client_name=client_name, timeout=timeout * PROBE_SHARE)
+            await discover(child, declare=declare, client_name=client_name,
+                           timeout=timeout * PROBE_SHARE)
         except (errors.RemoteError, NotModern, errors.CallTimeout) as exc:
             if isinstance(exc, errors.RemoteError) and not _modern_refusal(exc):
                 raise  # a modern error (-32022 naming a modern version we lack): no fallback
@@ -159,7 +162,7 @@ def _params(child: ChildConnection, fields: dict[str, Any] | None = None) -> Raw
     return UNSET if fields is None else jsonrpc.encode_dict(fields)
 
 
-async def set_level(child: ChildConnection, level: str, *, timeout: float) -> None:
+async def set_level(child: ChildConnection, level: str, *, timeout: float) -> None:  # noqa: ASYNC109 - the router's call deadline (CallTimeout), not a cancel scope
     if "logging" not in child.server_capabilities or child.era is Era.MODERN:
         return  # a modern child gets the level per request (logLevel in the envelope)
     try:
@@ -169,19 +172,20 @@ async def set_level(child: ChildConnection, level: str, *, timeout: float) -> No
         LOGGER.info("backend %s refused logging/setLevel: %s", child.instance, exc)
 
 
-async def subscribe(child: ChildConnection, uri: str, *, timeout: float,
+async def subscribe(child: ChildConnection, uri: str, *, timeout: float,  # noqa: ASYNC109 - the router's call deadline (CallTimeout), not a cancel scope
                     method: str = "resources/subscribe") -> None:
     if child.era is Era.MODERN:  # resources/subscribe does not exist there (subscriptions/listen)
         LOGGER.info("backend %s is modern: %s %s not sent (resource subscriptions toward modern "
                     "backends are not implemented)", child.instance, method, uri)
         return
     try:
-        await child.request(method, jsonrpc.encode_dict({"uri": uri}), timeout=timeout, internal=True)
+        await child.request(method, jsonrpc.encode_dict({"uri": uri}), timeout=timeout,
+                            internal=True)
     except errors.RemoteError as exc:
         LOGGER.warning("backend %s refused %s %s: %s", child.instance, method, uri, exc)
 
 
-async def fetch_list(child: ChildConnection, kind: str, *, timeout: float) -> list[dict[str, Any]]:
+async def fetch_list(child: ChildConnection, kind: str, *, timeout: float) -> list[dict[str, Any]]:  # noqa: ASYNC109 - the router's call deadline (CallTimeout), not a cancel scope
     """Every page of one list (empty when the child lacks the capability or the method)."""
     method, field = LIST_KINDS[kind]
     cap = "resources" if kind == "templates" else kind

@@ -61,7 +61,8 @@ class DownReason(enum.StrEnum):
     SPAWN_FAILED = "spawn failed"  # the process could not be started
     STARVED = "spawn failed for lack of resources"  # EMFILE, ENOMEM…: retried, never FATAL
     UNHEALTHY = "unhealthy"  # health pings missed
-    RECYCLED = "recycled"  # drained and restarted: a cancelled call left unanswered past cancel_grace
+    # drained and restarted: a cancelled call left unanswered past cancel_grace
+    RECYCLED = "recycled"
 
 
 #: The exit kind (``BackendExited.reason``) of a generation the gateway ended; one that ended
@@ -150,7 +151,8 @@ class Instance(ChildHandlers):
         self.name = f"{backend.name}/{label if label is not None else index}"
         self.last_used = trio.current_time()
         r = self.cfg.restart
-        self.sup = Supervision(RestartPolicy(r.backoff_initial, r.backoff_max, r.max_restarts, r.window))
+        self.sup = Supervision(RestartPolicy(r.backoff_initial, r.backoff_max, r.max_restarts,
+                                             r.window))
         self.child: ChildConnection | None = None
         self.connector = backend.connector
         self.link: Link | None = None  # the current generation's (kept after it ends)
@@ -181,11 +183,13 @@ class Instance(ChildHandlers):
 
     def _emit(self, t: Transition) -> None:
         pid = self.pid
-        level = logging.WARNING if t.new in (State.FATAL, State.BACKOFF, State.UNHEALTHY) else logging.INFO
-        LOGGER.log(level, "backend %s: %s -> %s (%s)", self.name, t.old.value, t.new.value, t.reason,
+        alarming = t.new in (State.FATAL, State.BACKOFF, State.UNHEALTHY)
+        LOGGER.log(logging.WARNING if alarming else logging.INFO, "backend %s: %s -> %s (%s)",
+                   self.name, t.old.value, t.new.value, t.reason,
                    extra={"MCP_BACKEND": self.backend.name})
         self.backend.host.bus.emit(
-            BackendStateChanged(self.backend.name, self.name, t.old.value, t.new.value, pid, t.reason)
+            BackendStateChanged(self.backend.name, self.name, t.old.value, t.new.value, pid,
+                                t.reason)
         )
         self._state_changed.set()
         self._state_changed = trio.Event()
@@ -219,12 +223,12 @@ class Instance(ChildHandlers):
     def serving(self) -> ChildConnection | None:
         """The child that takes new calls now: running, and not being drained for a recycle."""
         child = self.child
-        if (self.state in (State.RUNNING, State.UNHEALTHY) and child is not None and child.closed is None
-                and not self.draining):
+        if (self.state in (State.RUNNING, State.UNHEALTHY) and child is not None
+                and child.closed is None and not self.draining):
             return child
         return None
 
-    async def wait_ready(self, timeout: float) -> ChildConnection:
+    async def wait_ready(self, timeout: float) -> ChildConnection:  # noqa: ASYNC109 - it ends in BackendUnavailable naming the wait, not a cancel
         """The running child, waiting up to ``timeout`` while it (re)starts or drains for a recycle.
 
         Raises:
@@ -273,8 +277,9 @@ class Instance(ChildHandlers):
                     break
                 if reason is DownReason.RECYCLED and self.state in (State.RUNNING, State.UNHEALTHY):
                     # Not a failure: no crash-loop count, no backoff; the next child starts now.
-                    self._emit(self.sup.recycled(trio.current_time(), "recycled: a cancelled call was "
-                                                 f"not answered within cancel_grace ({self.cfg.cancel_grace:g}s)"))
+                    self._emit(self.sup.recycled(
+                        trio.current_time(), "recycled: a cancelled call was not answered within "
+                        f"cancel_grace ({self.cfg.cancel_grace:g}s)"))
                     continue
                 if reason is DownReason.STARVED:  # the gateway's lack, not the child's fault
                     t = self.sup.starved(self.last_exit or reason)
@@ -445,15 +450,16 @@ class Instance(ChildHandlers):
                 continue
             if child.purge_abandoned(trio.current_time() - grace, internal_only=True):
                 continue  # internal requests never count for attribution: no recycle for them
-            LOGGER.warning("backend %s: a cancelled call was not answered within %gs; recycling the "
-                           "child so requests it may still send cannot be misattributed: no new calls, "
-                           "waiting for the %d in flight first", self.name, grace, child.calls_in_flight(),
-                           extra={"MCP_BACKEND": self.backend.name})
+            LOGGER.warning("backend %s: a cancelled call was not answered within %gs; recycling "
+                           "the child so requests it may still send cannot be misattributed: no "
+                           "new calls, waiting for the %d in flight first", self.name, grace,
+                           child.calls_in_flight(), extra={"MCP_BACKEND": self.backend.name})
             self._set_draining(True)
             # Calls queued behind the stale ones (which may hold every max_inflight slot) can
             # never reach this child: they go to the next one instead of waiting out their timeout.
             child.perform(child.router.withdraw_queued(errors.NotDelivered(
-                f"backend {self.backend.name!r} is being recycled", backend=self.backend.name, retryable=True)))
+                f"backend {self.backend.name!r} is being recycled", backend=self.backend.name,
+                retryable=True)))
             while not down.is_set():
                 stale = child.oldest_abandoned(clients_only=True)
                 if stale is None or trio.current_time() < stale + grace:
@@ -478,7 +484,8 @@ class Instance(ChildHandlers):
             await trio.sleep(h.interval)
             try:
                 if child.envelope is not None:  # ping is gone in 2026-07-28: discover is as cheap
-                    await child.request("server/discover", jsonrpc.encode_dict({"_meta": child.envelope}),
+                    await child.request("server/discover",
+                                        jsonrpc.encode_dict({"_meta": child.envelope}),
                                         timeout=h.timeout, internal=True)
                 else:
                     await child.request("ping", timeout=h.timeout, internal=True)
@@ -517,15 +524,16 @@ class Instance(ChildHandlers):
         except (errors.GatewayError, trio.TooSlowError) as exc:
             if mode != self.cfg.protocol_mode:
                 raise errors.BackendProtocolError(
-                    f"backend {self.backend.name!r} spoke {era.LATEST_MODERN} before this restart and "
-                    f"its server/discover probe failed now ({exc or 'timed out'}); not falling back to "
-                    "initialize (a silent downgrade): fix the backend, or reload with protocol_mode = "
-                    '"legacy_only" if the change is intended', backend=self.backend.name) from exc
+                    f"backend {self.backend.name!r} spoke {era.LATEST_MODERN} before this restart "
+                    f"and its server/discover probe failed now ({exc or 'timed out'}); not falling "
+                    "back to initialize (a silent downgrade): fix the backend, or reload with "
+                    'protocol_mode = "legacy_only" if the change is intended',
+                    backend=self.backend.name) from exc
             raise
         if child.era is Era.MODERN:
             self.backend.modern_seen = True
-        LOGGER.info("backend %s: opened as %s (%s)", self.name, child.era.value, child.protocol_version,
-                    extra={"MCP_BACKEND": self.backend.name})
+        LOGGER.info("backend %s: opened as %s (%s)", self.name, child.era.value,
+                    child.protocol_version, extra={"MCP_BACKEND": self.backend.name})
         for kind in ("tools", "prompts", "resources", "templates"):
             await self._fetch(child, kind)
         wanted = client.listen_filter(child)
@@ -548,13 +556,15 @@ class Instance(ChildHandlers):
                                "child are not seen until it restarts", self.name, exc,
                                extra={"MCP_BACKEND": self.backend.name})
 
-    async def subscribe(self, child: ChildConnection, uri: str, method: str = "resources/subscribe") -> None:
+    async def subscribe(self, child: ChildConnection, uri: str,
+                        method: str = "resources/subscribe") -> None:
         await client.subscribe(child, uri, timeout=self.cfg.request_timeout, method=method)
 
     async def _fetch(self, child: ChildConnection, kind: str) -> bool:
         """Fetch every page of one list into ``self.lists``; returns whether it changed."""
         items = await client.fetch_list(child, kind, timeout=self.cfg.request_timeout)
-        changed = items != getattr(self.lists, kind)
+        current: object = getattr(self.lists, kind)
+        changed = items != current
         setattr(self.lists, kind, items)
         return changed
 
@@ -582,7 +592,8 @@ class Instance(ChildHandlers):
         else:
             LOGGER.debug("backend %s: ignored notification %s", self.name, method)
 
-    def on_request(self, child: ChildConnection, id: int | str, method: str, params: Raw | UnsetType) -> None:
+    def on_request(self, child: ChildConnection, id: int | str, method: str,
+                   params: Raw | UnsetType) -> None:
         if method == "ping":
             child.respond(id, jsonrpc.EMPTY_RESULT)
             return

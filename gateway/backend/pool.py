@@ -259,14 +259,14 @@ class Backend:
             return None
         if self.cfg.sharing == "shared":
             best: tuple[int, Instance, ChildConnection] | None = None
-            for inst in self.instances:
-                child = _running(inst)
+            for candidate in self.instances:
+                child = _running(candidate)
                 if child is not None and asks and self._parked_at(child, session) != ({}, False):
                     continue
                 if child is not None:
                     load = child.router.load
                     if best is None or load < best[0]:
-                        best = (load, inst, child)
+                        best = (load, candidate, child)
             return (best[1], best[2]) if best is not None else None
         if self.cfg.sharing == "per-session":
             inst = self._own.get(session)
@@ -343,7 +343,7 @@ class Backend:
                 if decision is None:
                     continue
                 for owner in decision.preempt:
-                    parking.preempt(owner, child)  # type: ignore[arg-type]
+                    parking.preempt(owner, child)
                 wake = min(wake, decision.until)
             if self.pick_now(session, asks=True) is not None:
                 continue
@@ -353,15 +353,17 @@ class Backend:
 
     def _gone(self) -> errors.BackendUnavailable:
         if self.restarting:  # the reload starts a new one: trying again soon will work
-            return errors.BackendUnavailable(f"backend {self.name!r} is being restarted by a reload",
-                                             backend=self.name, retryable=True)
+            return errors.BackendUnavailable(
+                f"backend {self.name!r} is being restarted by a reload", backend=self.name,
+                retryable=True)
         return errors.BackendUnavailable(f"backend {self.name!r} is being removed",
                                          backend=self.name, retryable=False)
 
     def owners(self, inst: Instance, child: ChildConnection) -> set[Owner]:
         """Who may receive a server→client request from ``child`` (see gateway.core.ownership)."""
         if self.cfg.sharing == "per-session":
-            return {inst.owner} if inst.owner is not None and not inst.owner.closed.is_set() else set()
+            owner = inst.owner
+            return {owner} if owner is not None and not owner.closed.is_set() else set()
         return child.attribution()
 
     def release(self, inst: Instance, session: Owner) -> None:
@@ -438,7 +440,8 @@ class Backend:
                             down_since is not None and now - down_since >= self.host.restart_wait):
                         break  # not running: backend_unavailable below, not a queue timeout
                     changed = self._changed
-                    with trio.move_on_at(math.inf if down_since is None else down_since + self.host.restart_wait):
+                    with trio.move_on_at(math.inf if down_since is None
+                                         else down_since + self.host.restart_wait):
                         await changed.wait()
         except BaseException:
             if waiter.inst is not None:  # granted, but the caller went away: hand it on
@@ -462,11 +465,13 @@ class Backend:
                                                 backend=self.name, retryable=False)
             if not any(_running(i) for i in self.instances):
                 raise errors.BackendUnavailable(
-                    f"backend {self.name!r} is not running after waiting {self.host.restart_wait:g}s",
+                    f"backend {self.name!r} is not running after waiting "
+                    f"{self.host.restart_wait:g}s",
                     backend=self.name, retryable=True,
                 )
             raise errors.Overloaded(
-                f"backend {self.name!r}: no instance became free within {self.cfg.queue_timeout:g}s",
+                f"backend {self.name!r}: no instance became free within "
+                f"{self.cfg.queue_timeout:g}s",
                 backend=self.name,
             )
         return inst, child
@@ -482,11 +487,12 @@ class Backend:
         inst = self._own.get(session)
         if inst is None:
             if session.closed.is_set():
-                raise errors.BackendUnavailable("the connection is closing", backend=self.name, retryable=False)
+                raise errors.BackendUnavailable("the connection is closing", backend=self.name,
+                                                retryable=False)
             if len(self._own) >= self.cfg.max_sessions:
                 raise errors.Overloaded(
-                    f"backend {self.name!r}: {self.cfg.max_sessions} per-session children already run "
-                    "(max_sessions)", backend=self.name,
+                    f"backend {self.name!r}: {self.cfg.max_sessions} per-session children already "
+                    "run (max_sessions)", backend=self.name,
                 )
             assert self._nursery is not None
             self._session_index += 1
@@ -602,7 +608,8 @@ class Backend:
                 self._nursery.start_soon(self._unsubscribe_unless_wanted, uri)
 
     def _release_subscription(self, session: Owner, uri: str) -> bool:
-        """``session`` lets go of ``uri``; True when it was the last holder (unsubscribe upstream)."""
+        """``session`` lets go of ``uri``; True when it was the last holder (unsubscribe
+        upstream)."""
         holders = self.subscriptions.get(uri)
         if holders is None or session not in holders:
             return False

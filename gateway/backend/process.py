@@ -203,7 +203,8 @@ def become_subreaper() -> bool:
     """Make orphaned descendants re-parent to this process (Linux ≥ 3.4)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        done: int = libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        return done == 0
     except (OSError, AttributeError):
         return False
 

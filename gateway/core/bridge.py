@@ -21,7 +21,7 @@ import secrets
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 import trio
@@ -121,7 +121,7 @@ class Bridge:
         child's request only while its owner has exactly one, open listens aside)."""
         # a session's calls are gateway.core.serving.Served, the only kind there is
         served = cast("Served", owner.calls()[0] if call is None else call)
-        flow = cast("Flow | None", served.flow)
+        flow = cast("Flow | None", served.flow)  # a BridgedCall: this module's Flow, see _flow
         if flow is None:
             flow = Flow(self, owner, served)
         owner.set_flow(flow)
@@ -189,8 +189,8 @@ class Bridge:
             flow = self.flows.get(claims.flow)
             if flow is None and claims.flow in self.preempted:
                 raise mrtr.invalid_state(
-                    "its call was ended: parked longer than gateway.shared_park_limit while another "
-                    "caller waited for its shared backend", "preempted")
+                    "its call was ended: parked longer than gateway.shared_park_limit while "
+                    "another caller waited for its shared backend", "preempted")
             if flow is None:
                 raise mrtr.invalid_state("its call is over or expired, or was served by another "
                                          "process of this replica", "gone")
@@ -198,11 +198,11 @@ class Bridge:
                     else flow.owner.transport is not Transport.HTTP):
                 # (a WebSocket/unix call's state presented on /mcp, or the reverse: the flow goes
                 # on waiting for its own retry; its answer could only reach its own connection)
-                raise mrtr.invalid_state("on a WebSocket or unix connection, the retry must come on "
-                                         "the connection of the call", "gone")
+                raise mrtr.invalid_state("on a WebSocket or unix connection, the retry must come "
+                                         "on the connection of the call", "gone")
             if not flow.parked or claims.round != flow.round:
-                raise mrtr.invalid_state("it was already used (a requestState is good for one retry)",
-                                         "used")
+                raise mrtr.invalid_state(
+                    "it was already used (a requestState is good for one retry)", "used")
             if claims.digest != mrtr.params_digest(method, params) or method != flow.method:
                 flow.end("a retry presented its state with other params")
                 raise mrtr.invalid_state("the retry's params differ from the call it continues",
@@ -258,7 +258,7 @@ class Bridge:
             return
         try:
             flow_id = self.codec.peek(jsonrpc.loads(params["requestState"]))
-        except Exception:  # noqa: BLE001 - anything unreadable names no flow
+        except Exception:  # anything unreadable names no flow
             return
         flow = self.flows.get(flow_id) if flow_id else None
         if flow is None or not flow.parked or flow.owner.principal is None:
@@ -351,7 +351,8 @@ class Flow:
             flow=self.id, round=self.round, expires=int(time.time() + ttl) + 1,
             backend=served.req.backend, keys=tuple(self.pending), digest=self.digest,
             principal=None if self.owner.principal is None else self.owner.principal.key))
-        result = mrtr.input_required({k: (r.method, _raw(r.params)) for k, r in self.pending.items()}, state)
+        result = mrtr.input_required(
+            {k: (r.method, _raw(r.params)) for k, r in self.pending.items()}, state)
         self.parked = self.waiting = True
         self.parked_at = now
         bridge.flows[self.id] = self  # only parked flows are listed: a retry finds them here
@@ -381,7 +382,8 @@ class Flow:
             self.resumed.set()  # its expiry timer stops
             self.resumed = None
 
-    def resume(self, request_id: int | str, answers: dict[str, Raw], caps: dict[str, object]) -> None:
+    def resume(self, request_id: int | str, answers: dict[str, Raw],
+               caps: dict[str, object]) -> None:
         served = self.served
         self.parked = self.waiting = False
         self._unlist()
@@ -476,5 +478,5 @@ def _nothing() -> None:
     pass
 
 
-def _raw(params: object) -> Raw:
-    return params if isinstance(params, Raw) else jsonrpc.encode_dict(params)  # type: ignore[arg-type]
+def _raw(params: Raw | dict[str, Any]) -> Raw:
+    return params if isinstance(params, Raw) else jsonrpc.encode_dict(params)

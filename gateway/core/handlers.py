@@ -73,7 +73,7 @@ def _reject_tasks(req: Request) -> None:
         )
 
 
-# ---- answered by the gateway itself ----------------------------------------------------------------
+# ---- answered by the gateway itself ----------------------------------------------------------
 
 
 def initialize(ports: CatalogView, session: ClientSession, req: Request) -> Raw:
@@ -150,7 +150,8 @@ Targeter = Callable[["HandlerPorts", "ClientSession", Request], Target]
 
 
 def progress_token(req: Request, params: dict[str, Raw]) -> tuple[Any, dict[str, Raw] | None]:
-    """The caller's progress token (None: it asked for none) and its ``_meta``, decoded one level."""
+    """The caller's progress token (None: it asked for none) and its ``_meta``, decoded one
+    level."""
     if "_meta" not in params:
         return None, None
     try:
@@ -164,7 +165,8 @@ def progress_token(req: Request, params: dict[str, Raw]) -> tuple[Any, dict[str,
     except msgspec.DecodeError:
         client_token = None
     if not isinstance(client_token, str | int) or isinstance(client_token, bool):
-        raise errors.InvalidParams(f"{req.method}: _meta.progressToken must be a string or an integer")
+        raise errors.InvalidParams(
+            f"{req.method}: _meta.progressToken must be a string or an integer")
     return client_token, meta
 
 
@@ -217,11 +219,12 @@ def envelope_of(ports: CatalogView, session: ClientSession, target: Target) -> d
 
 async def forward(ports: HandlerPorts, session: ClientSession, req: Request, target: Target) -> Raw:
     """The slow path of a forwarded request: consent, a backend being replaced by a reload, an
-    instance that must first start or become free.  (The fast path, in :mod:`gateway.core.connection`,
-    forwards without a task when none of that applies.)"""
+    instance that must first start or become free.  (The fast path, in
+    :mod:`gateway.core.connection`, forwards without a task when none of that applies.)"""
     if target.consent is not None:
         await ports.policy.ask(session, *target.consent, request_id=req.id)
-    backend = await ports.backend(target.backend)  # looked up after consent: a reload may have removed it
+    # looked up after consent: a reload may have removed it
+    backend = await ports.backend(target.backend)
     req.backend = backend.name
     if not req.counted:
         req.counted = True
@@ -240,7 +243,8 @@ async def forward(ports: HandlerPorts, session: ClientSession, req: Request, tar
         except errors.NotDelivered:
             if attempt:  # the child died before reading it twice in a row: give up
                 raise
-            LOGGER.info("backend %s died before %s reached it; retrying once", inst.name, req.method)
+            LOGGER.info("backend %s died before %s reached it; retrying once", inst.name,
+                        req.method)
         finally:
             req.at = None
             req.backend_time = trio.current_time() - started

@@ -72,12 +72,14 @@ def input_requests(result: Raw) -> tuple[dict[str, tuple[str, dict[str, Any]]], 
         method = ask.get("method") if isinstance(ask, dict) else None
         params = ask.get("params", {}) if isinstance(ask, dict) else None
         if not isinstance(method, str) or not isinstance(params, dict):
-            raise errors.BackendProtocolError(f"the backend's input request {key!r} has no method or params")
+            raise errors.BackendProtocolError(
+                f"the backend's input request {key!r} has no method or params")
         out[key] = (method, params)
     return out, state
 
 
-def retry_params(params: dict[str, Raw], responses: dict[str, Raw], state: Raw | None) -> dict[str, Raw]:
+def retry_params(params: dict[str, Raw], responses: dict[str, Raw],
+                 state: Raw | None) -> dict[str, Raw]:
     """The params of the re-issued call: the original ones plus ``inputResponses`` and the
     child's ``requestState`` (pure; an earlier round's keys are replaced)."""
     out = {k: v for k, v in params.items() if k not in ("inputResponses", "requestState")}
@@ -106,8 +108,8 @@ async def resolve(ports: InputPorts, session: ClientSession, req: Request, targe
             rounds += 1
             if rounds > MAX_ROUNDS:
                 raise errors.BackendProtocolError(
-                    f"backend {target.backend!r} asked for input more than {MAX_ROUNDS} times in one "
-                    f"{req.method}", backend=target.backend)
+                    f"backend {target.backend!r} asked for input more than {MAX_ROUNDS} times in "
+                    f"one {req.method}", backend=target.backend)
             asks, state = input_requests(result)
             responses = await _ask(ports, session, target.backend, asks)
             retry = Target(target.backend, retry_params(target.params, responses, state),
@@ -162,6 +164,7 @@ def _finished_event(ports: InputPorts, backend: str) -> Any:
     def ended(sreq: ServerRequest) -> None:
         ports.ownership.open -= 1
         outcome = sreq.outcome or ServerRequestOutcome.SHUTDOWN
-        ports.bus.emit(ServerRequestFinished(backend, sreq.method, outcome, trio.current_time() - sreq.started))
+        ports.bus.emit(ServerRequestFinished(backend, sreq.method, outcome,
+                                             trio.current_time() - sreq.started))
 
     return ended

@@ -83,10 +83,12 @@ def decide(
     capability = {"elicitation/create": "elicitation", "sampling/createMessage": "sampling",
                   "roots/list": "roots"}.get(method)
     if capability is None:
-        return Answer(code=errors.METHOD_NOT_FOUND, message=f"method {method!r} is not supported by the gateway")
+        return Answer(code=errors.METHOD_NOT_FOUND,
+                      message=f"method {method!r} is not supported by the gateway")
     if capability not in declared:
         return Answer(code=errors.METHOD_NOT_FOUND,
-                      message=f"the gateway did not declare the {capability} capability to this backend")
+                      message=f"the gateway did not declare the {capability} capability to "
+                              "this backend")
     if not owners:
         if method == "roots/list":
             return Answer(result=jsonrpc.encode_dict({"roots": [{"uri": r} for r in config_roots]}))
@@ -101,7 +103,7 @@ def decide(
                        f"{method} refused: calls of {len(owners)} connections are in flight, "
                        f"the requesting one cannot be proven ({hint})")
     (owner,) = owners
-    if owner.mrtr is not None:  # a modern caller: asked in an InputRequiredResult (gateway.core.bridge)
+    if owner.mrtr is not None:  # a modern caller: asked in an InputRequiredResult (core.bridge)
         if owner.mrtr.full:
             return refusal(method, "overloaded", f"{method} refused: too many calls wait for their "
                            "clients' input (gateway.max_parked_flows)")
@@ -173,8 +175,9 @@ class Ownership:
         except (msgspec.DecodeError, ValueError):
             child.respond_error(child_id, errors.INVALID_PARAMS, "params must be an object")
             return
-        decision = decide(method, fields, sharing=backend.cfg.sharing, config_roots=backend.cfg.roots,
-                          owners=sessions, declared=backend.declared,
+        decision = decide(method, fields, sharing=backend.cfg.sharing,
+                          config_roots=backend.cfg.roots, owners=sessions,
+                          declared=backend.declared,
                           cancelled=len(owners & child.router.cancelled_owners()),
                           cancel_grace=backend.cfg.cancel_grace)
         if method != "roots/list" and (isinstance(decision, Forward)
@@ -220,7 +223,8 @@ class Ownership:
         def ended(req: ServerRequest) -> None:
             self.open -= 1
             outcome = req.outcome or ServerRequestOutcome.SHUTDOWN
-            self._bus.emit(ServerRequestFinished(backend, method, outcome, trio.current_time() - req.started))
+            self._bus.emit(ServerRequestFinished(backend, method, outcome,
+                                                 trio.current_time() - req.started))
             child.perform(router.server_request_done(child_id, outcome, trio.current_time(),
                                                      req.result, req.error))
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 import trio
@@ -68,11 +68,13 @@ def caller_of(session: ClientSession) -> Caller:
 
 
 def _rule(r: PolicyRule) -> pure.Rule:
-    return pure.Rule(r.match, r.action, r.kind, r.principal, r.group, r.transport, frozenset(r.scopes))
+    return pure.Rule(r.match, r.action, r.kind, r.principal, r.group, r.transport,
+                     frozenset(r.scopes))
 
 
 class Policy:
-    def __init__(self, cfg: PolicySection, bus: EventBus, full: GatewayConfig | None = None) -> None:
+    def __init__(self, cfg: PolicySection, bus: EventBus,
+                 full: GatewayConfig | None = None) -> None:
         self.cfg = cfg
         self._bus = bus
         self._full = full
@@ -113,7 +115,8 @@ class Policy:
         if rules is None:
             if len(self._named) >= MAX_VIEWS * 64:
                 self._named = {}
-            rules = self._named[key] = [r for r in self.rules if r.kind == kind and pure.names(name, [r], kind)]
+            rules = self._named[key] = [r for r in self.rules
+                                        if r.kind == kind and pure.names(name, [r], kind)]
         return rules
 
     def unruled_sensitive(self) -> list[str]:
@@ -187,7 +190,8 @@ class Policy:
                 sensitive tool no rule names for this caller.
         """
         what = {"tool": "tool", "prompt": "prompt", "resource": "uri"}[kind]
-        if kind == "resource" and pure.climbs(name) and any(r.kind == "resource" for r in self.rules):
+        if (kind == "resource" and pure.climbs(name)
+                and any(r.kind == "resource" for r in self.rules)):
             # a glob on the URI cannot tell where a dot segment leads: refused, not guessed
             raise errors.Denied(f"resource {name!r} has a '.' or '..' path segment; "
                                 "resource rules cannot be applied to it", uri=name)
@@ -207,7 +211,7 @@ class Policy:
         raise errors.Denied(f"{kind} {name!r} is denied by policy", **{what: name})
 
     #: The requests whose target policy rules govern: method -> (kind, param naming it).
-    TARGETS: dict[str, tuple[Kind, str]] = {
+    TARGETS: ClassVar[dict[str, tuple[Kind, str]]] = {
         "tools/call": ("tool", "name"), "prompts/get": ("prompt", "name"),
         "resources/read": ("resource", "uri"), "resources/subscribe": ("resource", "uri"),
     }
@@ -222,7 +226,7 @@ class Policy:
         kind, key = target
         try:
             name = jsonrpc.loads(jsonrpc.params_dict(params)[key])
-        except Exception:  # noqa: BLE001 - malformed params are the request's to answer
+        except Exception:  # malformed params are the request's to answer
             return None
         if not isinstance(name, str):
             return None
@@ -264,10 +268,12 @@ class Policy:
                 **{what: tool}, requiredCapabilities={"elicitation": {"form": {}}})
         if not modern and not session.caps.elicitation_form:
             raise errors.Denied(
-                f"{kind} {tool!r} needs the user's consent, but the client did not declare elicitation",
+                f"{kind} {tool!r} needs the user's consent, but the client did not declare "
+                "elicitation",
                 reason="authorization_required", **{what: tool},
             )
-        shown = json.dumps(arguments, sort_keys=True, ensure_ascii=False) if arguments is not None else "{}"
+        shown = ("{}" if arguments is None
+                 else json.dumps(arguments, sort_keys=True, ensure_ascii=False))
         if len(shown) > MAX_ARGS_SHOWN:
             shown = shown[:MAX_ARGS_SHOWN] + "…"
         message = {"tool": f"Allow the tool {tool} to run with arguments {shown}?",
@@ -309,6 +315,8 @@ class Policy:
                 answer = None
             if pure.consent_granted(answer):
                 return
-            raise errors.Denied(f"the user declined {kind} {tool!r}", reason="declined", **{what: tool})
+            raise errors.Denied(f"the user declined {kind} {tool!r}", reason="declined",
+                                **{what: tool})
         reason = DENY_REASONS.get(outcome, str(outcome))
-        raise errors.Denied(f"consent for {tool!r} was not given ({reason})", reason=reason, **{what: tool})
+        raise errors.Denied(f"consent for {tool!r} was not given ({reason})", reason=reason,
+                            **{what: tool})

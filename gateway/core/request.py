@@ -29,7 +29,8 @@ class Target:
 
     backend: str
     params: dict[str, Raw]  # the params for the backend (names mapped back)
-    consent: tuple[str, Any, Kind] | None = None  # (name, arguments, kind): policy asks the user first
+    # (name, arguments, kind): policy asks the user first
+    consent: tuple[str, Any, Kind] | None = None
     progress: Any = None  # the caller's progress token, if any (see :func:`progress_token`)
     meta: dict[str, Raw] | None = None  # the request's ``_meta``, decoded one level, if any
     envelope: dict[str, Raw] | None = None  # a modern caller's envelope (for a modern child)

@@ -58,7 +58,8 @@ class ServingPorts(InputPorts, Lifecycle, Protocol):
 
 
 def error_response(id: int | str | None, exc: errors.GatewayError) -> bytes:
-    """The JSON-RPC error response for ``exc``: every error the gateway answers goes through here."""
+    """The JSON-RPC error response for ``exc``: every error the gateway answers goes through
+    here."""
     return jsonrpc.encode_error(id, exc.code, exc.message, exc.error_data())
 
 
@@ -125,7 +126,8 @@ class Served:
         self.call: Call | None = None
         self.forwarded_at = 0.0
         self.retried = False
-        self.modern = False  # a 2026-07-28 request: its result says resultType (see gateway.protocol.era)
+        # a 2026-07-28 request: its result says resultType (see gateway.protocol.era)
+        self.modern = False
         self.caps: mcp.ClientCaps | None = None  # a modern request's declared capabilities
         self.held: str | None = None  # the principal whose [[auth.limits]] slot it holds
         self.flow: BridgedCall | None = None  # a modern call asked for input (gateway.core.bridge)
@@ -162,9 +164,9 @@ class Served:
         self.mode = Mode.FORWARDED
         try:
             fields, meta = handlers.outgoing(ports, session, target, child.era is era.Era.MODERN)
-            self.call = child.start(req.method, UNSET, handle=self, now=self.forwarded_at, owner=session,
-                                    hard_timeout=backend.cfg.max_call_duration, progress=target.progress,
-                                    fields=fields, meta=meta)
+            self.call = child.start(req.method, UNSET, handle=self, now=self.forwarded_at,
+                                    owner=session, hard_timeout=backend.cfg.max_call_duration,
+                                    progress=target.progress, fields=fields, meta=meta)
         except errors.NotDelivered:  # the child just died: the slow path waits for the next one
             backend.release(inst, session)
             self.child = None
@@ -195,8 +197,8 @@ class Served:
             return
         if (result is not None and not self.modern and self.target is not None
                 and self.child is not None and self.child.era is era.Era.MODERN
-                and self.req.method in inputs.MRTR_METHODS and era.is_input_required(result) and not self.session.closed.is_set()
-                and self.session.nursery is not None):
+                and self.req.method in inputs.MRTR_METHODS and era.is_input_required(result)
+                and not self.session.closed.is_set() and self.session.nursery is not None):
             # A modern child asks for input; this legacy client is asked the legacy way (a task).
             self.scope, self.mode = trio.CancelScope(), Mode.TASK
             self.session.nursery.start_soon(_run_slow, self, result)
@@ -320,7 +322,8 @@ def serve_request(ports: ServingPorts, session: ClientSession, env: jsonrpc.Enve
                     ports.limits.release(served.held)
                 return
             if method == "server/discover":
-                served.end(era.discover(ports.advertised_capabilities(), ports.server_name, __version__))
+                served.end(era.discover(ports.advertised_capabilities(), ports.server_name,
+                                        __version__))
                 return
         elif method == "server/discover":
             raise errors.MethodNotFound(f"method {method!r} not found: this connection speaks "
@@ -361,7 +364,8 @@ async def _run_slow(served: Served, first: Raw | None = None) -> None:
                     got = first or await handlers.forward(ports, session, req, served.target)
                     if (not served.modern and req.method in inputs.MRTR_METHODS
                             and era.is_input_required(got)):  # cancelled meanwhile: no answer
-                        got = await inputs.resolve(ports, session, req, served.target, got, served.started)
+                        got = await inputs.resolve(ports, session, req, served.target, got,
+                                                   served.started)
                     result = got
                 else:
                     result = await handlers.ASYNC_HANDLERS[req.method](ports, session, req)

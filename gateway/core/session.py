@@ -3,14 +3,15 @@
 A :class:`ClientSession` is created by the hub for every accepted connection.  Its ``conn_id``
 is minted by the gateway (clients never choose it).  Everything sent to the client goes through
 :meth:`ClientSession.send`, which never blocks: the message is written straight to the transport
-when nothing is queued toward the client, else queued in a bounded :class:`~gateway.core.outbox.Outbox`
-that the connection's flusher task drains (see :mod:`gateway.core.outbox`).  A client that lets the
-queue overflow (``outbound_queue`` messages not yet handed to the transport, or
-``outbound_bytes`` bytes, counting what the transport holds and has not written) is disconnected
-(reason ``overflow``) instead of stalling a backend's reader.  The same bytes, and those of the
-requests it sent that are still being served, are charged to the connection's account on the
-daemon-wide :class:`~gateway.limits.ByteBudget`; when the budget evicts this connection (it
-holds the most when the total runs over) it is closed with reason ``overflow`` too.
+when nothing is queued toward the client, else queued in a bounded
+:class:`~gateway.core.outbox.Outbox` that the connection's flusher task drains (see
+:mod:`gateway.core.outbox`).  A client that lets the queue overflow (``outbound_queue`` messages not
+yet handed to the transport, or ``outbound_bytes`` bytes, counting what the transport holds and has
+not written) is disconnected (reason ``overflow``) instead of stalling a backend's reader.  The same
+bytes, and those of the requests it sent that are still being served, are charged to the
+connection's account on the daemon-wide :class:`~gateway.limits.ByteBudget`; when the budget evicts
+this connection (it holds the most when the total runs over) it is closed with reason ``overflow``
+too.
 
 Backpressure on the client's own requests: once the queue holds more than half of
 ``outbound_queue`` messages or half of ``outbound_bytes`` bytes (``high_water``), the
@@ -100,7 +101,8 @@ class ServerRequest:
         self.on_end: list[Callable[[ServerRequest], None]] = []
         self.sent = False  # sent to the client (not: asked in a bridged flow's InputRequiredResult)
 
-    def finish(self, outcome: ServerRequestOutcome, result: Raw | None = None, error: jsonrpc.ErrorObject | None = None) -> bool:
+    def finish(self, outcome: ServerRequestOutcome, result: Raw | None = None,
+               error: jsonrpc.ErrorObject | None = None) -> bool:
         """Close the request; only the first call has an effect (exactly-once)."""
         if self.done.is_set():
             return False
@@ -390,8 +392,8 @@ class ClientSession:
             return False
         n = len(data)
         if self.queued_bytes + n > self.max_outbound_bytes:
-            LOGGER.warning("connection %s: a message of %d bytes does not fit in the outbound queue "
-                           "(%d bytes already queued toward the client, outbound_bytes %d); "
+            LOGGER.warning("connection %s: a message of %d bytes does not fit in the outbound "
+                           "queue (%d bytes already queued toward the client, outbound_bytes %d); "
                            "disconnecting it", self.conn_id, n, self.queued_bytes,
                            self.max_outbound_bytes, extra=self.log_fields)
             self.close(CloseReason.OVERFLOW)
@@ -407,7 +409,8 @@ class ClientSession:
             self._held, self._held_bytes = 1, n  # its rest is held by the transport
             self.outbound.wake()
         elif not self.outbound.put(data):
-            LOGGER.warning("connection %s: outbound queue full, disconnecting a slow client", self.conn_id, extra=self.log_fields)
+            LOGGER.warning("connection %s: outbound queue full, disconnecting a slow client",
+                           self.conn_id, extra=self.log_fields)
             self.close(CloseReason.OVERFLOW)
             return False
         self.queued_bytes += n
@@ -460,8 +463,9 @@ class ClientSession:
         self.buffers.close()
 
     def _evicted(self) -> None:
-        LOGGER.warning("connection %s: the gateway's message buffers are full (buffered_bytes_total); "
-                       "closing this connection, which holds the most (%d bytes)", self.conn_id,
+        LOGGER.warning("connection %s: the gateway's message buffers are full "
+                       "(buffered_bytes_total); closing this connection, which holds the most "
+                       "(%d bytes)", self.conn_id,
                        self.buffers.held, extra=self.log_fields)
         self.close(CloseReason.OVERFLOW)
 
@@ -506,11 +510,13 @@ class ClientSession:
         self.server_requests.pop(req.id, None)
         self._ended_ids.append(req.id)
 
-    def cancel_request(self, req: ServerRequest, outcome: ServerRequestOutcome, reason: str) -> None:
+    def cancel_request(self, req: ServerRequest, outcome: ServerRequestOutcome,
+                       reason: str) -> None:
         """End ``req`` without an answer and tell the client with ``notifications/cancelled``
         (if it was sent one: a modern caller was asked in an ``InputRequiredResult``)."""
         if req.finish(outcome) and req.sent:
-            self.notify("notifications/cancelled", jsonrpc.encode_dict({"requestId": req.id, "reason": reason}))
+            self.notify("notifications/cancelled",
+                        jsonrpc.encode_dict({"requestId": req.id, "reason": reason}))
 
     def on_answer(self, env: jsonrpc.Envelope) -> AnswerOutcome:
         """A response from the client: accepted, late or refused."""
@@ -540,7 +546,8 @@ class ClientSession:
     def check_new_call(self, client_id: int | str, size: int = 0) -> None:
         """Admit a request of ``size`` bytes, or raise the error to answer it with."""
         if client_id in self.inflight:
-            raise errors.InvalidRequest(f"request id {client_id!r} is already in flight on this connection")
+            raise errors.InvalidRequest(
+                f"request id {client_id!r} is already in flight on this connection")
         if len(self.inflight) >= self.max_inflight:
             raise errors.Overloaded(
                 f"too many requests in flight on this connection (limit {self.max_inflight})",

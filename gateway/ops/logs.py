@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import time
+import weakref
 from collections.abc import Callable, Mapping
 
 log = logging.getLogger(__name__)
@@ -24,6 +25,8 @@ TARGETS = ("auto", "stderr", "journal")
 
 # logging level -> syslog priority (sd-daemon(3) prefixes, stored by journald as PRIORITY=)
 _PRIORITIES = ((logging.CRITICAL, 2), (logging.ERROR, 3), (logging.WARNING, 4), (logging.INFO, 6))
+#: The handlers setup_logging installed (a second call replaces them).
+_INSTALLED: weakref.WeakSet[logging.Handler] = weakref.WeakSet()
 
 
 def syslog_priority(levelno: int) -> int:
@@ -136,7 +139,7 @@ class RepeatFilter(logging.Filter):
 def _journal_handler() -> logging.Handler | None:
     """systemd-python's JournalHandler (the package's ``systemd`` extra), if importable."""
     try:
-        from systemd.journal import JournalHandler  # type: ignore[import-not-found,unused-ignore]
+        from systemd.journal import JournalHandler
     except ImportError:
         return None
     handler: logging.Handler = JournalHandler(SYSLOG_IDENTIFIER=SYSLOG_IDENTIFIER)
@@ -167,11 +170,11 @@ def setup_logging(level: str = "info", target: str = "auto") -> None:
             handler.setFormatter(JournalStreamFormatter())
         else:
             handler.setFormatter(PlainFormatter())
-    handler._gateway_handler = True  # type: ignore[attr-defined]
+    _INSTALLED.add(handler)
     handler.addFilter(RepeatFilter())
 
     root = logging.getLogger()
-    for old in [h for h in root.handlers if getattr(h, "_gateway_handler", False)]:
+    for old in [h for h in root.handlers if h in _INSTALLED]:
         root.removeHandler(old)
         old.close()
     root.addHandler(handler)

@@ -278,7 +278,7 @@ def is_input_required(result: Raw) -> bool:
     if b'"input_required"' not in data:
         return False
     try:
-        value = jsonrpc.loads(jsonrpc.raw_dict(result).get("resultType", Raw(b"null")))
+        value: object = jsonrpc.loads(jsonrpc.raw_dict(result).get("resultType", Raw(b"null")))
     except (msgspec.DecodeError, msgspec.ValidationError, errors.GatewayError):
         return False
     return value == "input_required"

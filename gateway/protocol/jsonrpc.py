@@ -114,8 +114,10 @@ def decode(data: bytes, max_depth: int = MAX_DEPTH) -> Envelope:
         env = _decoder.decode(data)
     except msgspec.ValidationError as exc:
         salvaged = _salvage_id(data)
-        raise InvalidRequest(f"invalid JSON-RPC message: {exc}",
-                             **({} if salvaged is None else {"id": salvaged})) from None
+        message = f"invalid JSON-RPC message: {exc}"
+        if salvaged is None:
+            raise InvalidRequest(message) from None
+        raise InvalidRequest(message, id=salvaged) from None
     except msgspec.DecodeError as exc:
         if not _SURROGATE_ESCAPE.search(data):
             raise ParseError(f"parse error: {exc}") from None

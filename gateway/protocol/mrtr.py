@@ -21,7 +21,7 @@ import json
 import math
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import msgspec
 from msgspec import Raw
@@ -38,11 +38,16 @@ ROUND_TRIP_KEYS = frozenset({"inputResponses", "requestState"})
 MAX_STATE = 4096
 
 
-def invalid_state(why: str, kind: str = "malformed") -> errors.InvalidParams:
+class InvalidState(errors.InvalidParams):
     """-32602 ``invalid_state``; ``kind`` (the metric label) is kept on the exception only."""
-    exc = errors.InvalidParams(f"requestState refused: {why}", reason="invalid_state")
-    exc.kind = kind  # type: ignore[attr-defined]
-    return exc
+
+    def __init__(self, why: str, kind: str) -> None:
+        super().__init__(f"requestState refused: {why}", reason="invalid_state")
+        self.kind = kind
+
+
+def invalid_state(why: str, kind: str = "malformed") -> InvalidState:
+    return InvalidState(why, kind)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,16 +182,19 @@ def input_responses(params: dict[str, Raw]) -> dict[str, Raw]:
     return fields
 
 
+_Owner = TypeVar("_Owner", bound=Hashable)
+
+
 @dataclass(frozen=True, slots=True)
-class ParkWait:
+class ParkWait(Generic[_Owner]):
     """A call that may ask its caller for input waits before it goes to a shared child."""
 
-    preempt: tuple[Hashable, ...]  # parked flows past the limit: end them now
+    preempt: tuple[_Owner, ...]  # parked flows past the limit: end them now
     until: float  # when the next parked one reaches the limit (``inf``: none is left to end)
 
 
-def park_wait(parked: Mapping[Hashable, float], leaving: bool, now: float,
-              limit: float) -> ParkWait | None:
+def park_wait(parked: Mapping[_Owner, float], leaving: bool, now: float,
+              limit: float) -> ParkWait[_Owner] | None:
     """Whether a call that may ask for input must wait before it goes to a ``shared`` child.
 
     A child's request is attributed only while one caller's calls are at that child, and a

@@ -105,7 +105,7 @@ class ToOwner(NamedTuple):
 
     owner: Hashable
     data: bytes
-    call: Call | None
+    call: Call
 
 
 class Finished(NamedTuple):

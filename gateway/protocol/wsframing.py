@@ -12,7 +12,9 @@ and joined once; unmasking uses ``websockets.speedups.apply_mask`` when importab
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
+_apply_mask: Callable[[bytes, bytes], bytes] | None
 try:  # optional C helper; the pure-Python XOR below is exact, only slower on big payloads
     from websockets.speedups import apply_mask as _apply_mask
 except ImportError:  # pragma: no cover - depends on the environment

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -133,14 +133,14 @@ class _HttpClient:
             if not isinstance(event, h11.Response):
                 raise OSError(f"{method}: the connection closed before an answer")
 
-            async def chunks() -> AsyncIterator[bytes]:
+            async def chunks() -> AsyncGenerator[bytes, None]:
                 while isinstance(e := await next_event(), h11.Data):
                     yield bytes(e.data)
 
-            async with aclosing(chunks()) as body:
+            async with aclosing(chunks()) as received:
                 yield _Response(event.status_code,
                                 {k.decode().lower(): v.decode("latin-1") for k, v in event.headers},
-                                body)
+                                received)
 
 
 async def _receive(stream: trio.abc.Stream) -> bytes:

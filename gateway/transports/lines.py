@@ -18,7 +18,7 @@ import trio
 
 from gateway import limits
 from gateway.errors import MessageTooLarge
-from gateway.protocol.framing import LineFramer, Oversize
+from gateway.protocol.framing import LineFramer, Oversize, OversizeEnd
 from gateway.transports.rawio import SocketIO, StreamIO
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ class LineStream:
         self._io = SocketIO(stream) if isinstance(stream, trio.SocketStream) else StreamIO(stream)
         self._framer = LineFramer(max_message)
         self._max = max_message
-        self._ready: list[bytes | Oversize] = []
+        self._ready: list[bytes | Oversize | OversizeEnd] = []
         self._pos = 0
         self._deadline: float | None = None  # for the partial line held, if any
 
@@ -47,7 +47,7 @@ class LineStream:
                 self._deadline = None  # a partial line left now started in this read
         frame = self._ready[self._pos]
         self._pos += 1
-        if isinstance(frame, Oversize):
+        if not isinstance(frame, bytes):  # Oversize (an OversizeEnd needs report_end)
             raise MessageTooLarge(frame.size, self._max)
         return frame
 

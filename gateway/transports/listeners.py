@@ -200,7 +200,8 @@ async def open_tcp(host: str, port: int, what: str,
 
 
 def bound_port(listeners: list[trio.SocketListener]) -> int:
-    return listeners[0].socket.getsockname()[1]
+    port: int = listeners[0].socket.getsockname()[1]
+    return port
 
 
 async def open_unix(path: str, mode: int) -> trio.SocketListener:

@@ -206,11 +206,11 @@ class StreamIO:
     async def read(self, deadline: float | None = None) -> bytes:
         try:
             if deadline is None:
-                data = await self.stream.receive_some(READ_SIZE)
+                data = bytes(await self.stream.receive_some(READ_SIZE))  # bytes: not copied
             else:
                 data = b""
                 with trio.move_on_at(deadline) as scope:
-                    data = await self.stream.receive_some(READ_SIZE)
+                    data = bytes(await self.stream.receive_some(READ_SIZE))
                 if scope.cancelled_caught:
                     raise _incomplete()
         except _BROKEN as exc:

@@ -23,6 +23,8 @@ HANDSHAKE_TIMEOUT = 10.0
 #: Bound on sending our ``close_notify`` when a TLS connection ends.
 CLOSE_TIMEOUT = 1.0
 _BROKEN = (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError, OSError)
+#: A client's connection once its handshake is done.
+Secured = trio.SSLStream[trio.SocketStream]
 
 
 class TlsError(Exception):
@@ -64,7 +66,7 @@ def reload_into(ctx: ssl.SSLContext, cert: str, key: str) -> None:
 
 
 async def handshake(stream: trio.SocketStream, ctx: ssl.SSLContext,
-                    what: str, deadline: float | None = None) -> trio.SSLStream | None:
+                    what: str, deadline: float | None = None) -> Secured | None:
     """The server side of the TLS handshake on ``stream``, bounded by :data:`HANDSHAKE_TIMEOUT`
     (and by ``deadline``, when given and sooner).
 
@@ -86,7 +88,7 @@ async def handshake(stream: trio.SocketStream, ctx: ssl.SSLContext,
     return None
 
 
-async def close(stream: trio.SSLStream) -> None:
+async def close(stream: Secured) -> None:
     """Send ``close_notify`` (bounded) and close the TCP connection."""
     with trio.move_on_after(CLOSE_TIMEOUT):
         try:

@@ -60,7 +60,7 @@ _AT_CAP = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\ncon
            b"content-length: %d\r\n\r\n%s" % (len(_AT_CAP_BODY), _AT_CAP_BODY))
 _RECEIVE = 65536
 _BROKEN = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
-_CLOSE_CODES = {
+_CLOSE_CODES: dict[str, int] = {  # by reason: aclose gets a CloseReason or a plain str
     CloseReason.OVERSIZE: 1009,
     CloseReason.OVERFLOW: 1008,
     CloseReason.SHUTDOWN: 1012,  # service restart: reconnect (to another replica)
@@ -269,7 +269,7 @@ async def _handshake(stream: trio.abc.Stream, allowed_origins: Sequence[str],
     ws = WSConnection(ConnectionType.SERVER)
     received = b""  # until the request: wsproto bounds a head that arrives in pieces only
     while True:
-        data = await stream.receive_some(_RECEIVE)
+        data = bytes(await stream.receive_some(_RECEIVE))  # bytes as they are: not copied
         if not data:
             return _REFUSED
         received += data
@@ -367,7 +367,7 @@ async def serve_websocket(
                     refusing += 1
                     try:
                         with trio.move_on_after(REFUSE_WAIT):
-                            await _refuse_at_cap(stream)
+                            await _refuse_at_cap(accepted.stream)
                     except _BROKEN:
                         pass
                     finally:

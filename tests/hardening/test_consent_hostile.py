@@ -1,7 +1,7 @@
 """Hostile modern (2026-07-28) callers of the gateway's own consent prompt (policy ``ask`` answered
-as an ``InputRequiredResult``, gateway.core.bridge / gateway.core.policy) on an in-process gateway with real
-sockets and a real fixture child: each hostile retry gets a specific answer, nothing runs without
-its consent, no traceback is logged, and the gateway goes on serving."""
+as an ``InputRequiredResult``, gateway.core.bridge / gateway.core.policy) on an in-process gateway
+with real sockets and a real fixture child: each hostile retry gets a specific answer, nothing runs
+without its consent, no traceback is logged, and the gateway goes on serving."""
 
 from __future__ import annotations
 
@@ -133,7 +133,8 @@ async def test_a_response_to_the_unsent_consent_request_is_refused(
     then got invalid_state.  Now that response is refused; the retry decides."""
     import gateway.core.session
 
-    monkeypatch.setattr(gateway.core.session.secrets, "token_hex", lambda n=None: "000000")  # guessed
+    monkeypatch.setattr(gateway.core.session.secrets, "token_hex",
+                        lambda n=None: "000000")  # a salt the response guesses
     caplog.set_level(logging.ERROR)
     transcript = tmp_path / "fx.jsonl"
     cfg = make_config(fixture_backend("fx", env={"FIXTURE_TRANSCRIPT": str(transcript)}), extra=ASK)

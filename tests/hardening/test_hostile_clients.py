@@ -365,7 +365,7 @@ class RawWs:
                 self._parts.append(event.data)
                 if event.message_finished:
                     data = "".join(self._parts) if isinstance(event, TextMessage) \
-                        else b"".join(self._parts)  # type: ignore[arg-type]
+                        else b"".join(self._parts)  # type: ignore[arg-type]  # bytes parts for a binary message
                     self._parts = []
                     return json.loads(data)
 

@@ -100,7 +100,7 @@ async def test_only_json_rpc_messages_reach_a_legacy_clients_stdout() -> None:
                 assert (await s.initialize()).protocolVersion == "2025-11-25"
                 await s.call_tool("fx__progress", {"steps": 2}, progress_callback=on_progress)
                 r = await s.call_tool("fx__echo", {"message": "hi"})
-                assert r.content[0].text == "hi"  # type: ignore[union-attr]
+                assert r.content[0].text == "hi"  # type: ignore[union-attr]  # the fixture answers text
     assert progress == [1, 2]
     assert unparsed == []
 

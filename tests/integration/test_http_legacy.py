@@ -75,13 +75,12 @@ async def test_sdk_client_tools_progress_and_elicitation() -> None:
                 names = {t.name for t in (await session.list_tools()).tools}
                 assert {"fx__echo", "fx__progress", "fx__elicit"} <= names
                 r = await session.call_tool("fx__echo", {"message": "hi"})
-                assert r.content[0].text == "hi"  # type: ignore[union-attr]
+                assert r.content[0].text == "hi"  # type: ignore[union-attr]  # the fixture answers text
                 r = await session.call_tool("fx__progress", {"steps": 3},
                                             progress_callback=on_progress)
                 assert progress == [1, 2, 3]
                 r = await session.call_tool("fx__elicit", {"message": "proceed?"})
-                # type: ignore[union-attr]
-                assert json.loads(r.content[0].text)["content"] == {"answer": "yes"}
+                assert json.loads(r.content[0].text)["content"] == {"answer": "yes"}  # type: ignore[union-attr]  # the fixture answers text
                 assert prompts == ["proceed?"]
                 status = await http_json(gw.bound.admin_port, "/status")
                 assert status["connections"].get("http") == 1

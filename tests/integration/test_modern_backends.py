@@ -1,8 +1,8 @@
 """Modern (2026-07-28) backends.  ``protocol_mode`` decides how a child is opened
 (``server/discover`` or ``initialize``), the era found is pinned and never silently downgraded
 after a restart, every request to a modern child carries the modern ``_meta``, and a modern
-child's ``InputRequiredResult`` reaches a legacy client as pushed requests (gateway.core.inputs) and a
-modern client unchanged.  The child is tests/fixtures/modern_server.py."""
+child's ``InputRequiredResult`` reaches a legacy client as pushed requests (gateway.core.inputs)
+and a modern client unchanged.  The child is tests/fixtures/modern_server.py."""
 
 from __future__ import annotations
 

@@ -128,8 +128,7 @@ async def test_gateway_connect_http_bridge() -> None:
                 await s.call_tool("fx__progress", {"steps": 3}, progress_callback=on_progress)
                 assert progress == [1, 2, 3]
                 r = await s.call_tool("fx__elicit", {"message": "proceed?"})
-                # type: ignore[union-attr]
-                assert json.loads(r.content[0].text)["content"] == {"answer": "proceed?"}
+                assert json.loads(r.content[0].text)["content"] == {"answer": "proceed?"}  # type: ignore[union-attr]  # the fixture answers text
                 await s.call_tool("fx__notify_list_changed", {"kind": "tools"})
                 await changed.wait()
                 assert (await http_json(gw.bound.admin_port,

@@ -88,8 +88,7 @@ async def test_sdk_websocket_client_against_time_and_everything() -> None:
 
     async def on_roots(ctx: Any) -> types.ListRootsResult:
         seen["roots"] += 1
-        # type: ignore[arg-type]
-        return types.ListRootsResult(roots=[types.Root(uri=f"file:///client/{tag}")])
+        return types.ListRootsResult(roots=[types.Root(uri=f"file:///client/{tag}")])  # type: ignore[arg-type]  # pydantic coerces the str to FileUrl
 
     async def on_progress(progress: float, total: float | None, message: str | None) -> None:
         seen["progress"].append((progress, total))

@@ -173,7 +173,7 @@ async def test_status_needs_the_admin_token() -> None:
     digest = hashlib.sha256(token.encode()).hexdigest()
     # the decision: configured token → always required; off loopback without one → refused
     assert admin.status_refusal(None, None, off_loopback=False) is None
-    assert admin.status_refusal(None, None, off_loopback=True)[0] == 403  # type: ignore[index]
+    assert admin.status_refusal(None, None, off_loopback=True)[0] == 403  # type: ignore[index]  # refused: not None
     for header in (None, "Bearer", "Bearer wrong", f"Basic {token}", f"Bearer {token}x"):
         refusal = admin.status_refusal(header, digest, off_loopback=False)
         assert refusal is not None and refusal[0] == 401, header

@@ -91,8 +91,7 @@ class KeepAlive:
         while b"\r\n\r\n" not in self.buf:
             self._more()
         head, _, self.buf = self.buf.partition(b"\r\n\r\n")
-        # type: ignore[union-attr]
-        length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
+        length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))  # type: ignore[union-attr]  # the gateway always sends it
         while len(self.buf) < length:
             self._more()
         body, self.buf = self.buf[:length], self.buf[length:]
@@ -109,7 +108,7 @@ class KeepAlive:
     def instance(self) -> dict[str, Any]:
         status, body = self.get("/status")
         assert status == 200
-        return json.loads(body)["backends"][0]["instances"][0]  # type: ignore[no-any-return]
+        return json.loads(body)["backends"][0]["instances"][0]  # type: ignore[no-any-return]  # JSON
 
 
 def wait_ready(admin: int, proc: subprocess.Popen[bytes], timeout: float = 20) -> None:

@@ -138,12 +138,12 @@ async def test_tokens_jwks_challenge_and_state_principal(
     #    before anything about the flow is looked at
     codec = mrtr.StateCodec(b"k" * 32, "r1")
     br = bridge_mod.Bridge(codec, 60.0)
-    params = {"name": jsonrpc.encode_dict("t")}  # type: ignore[arg-type]
+    params = {"name": jsonrpc.encode_dict("t")}  # type: ignore[arg-type]  # a JSON string, encoded
     state = codec.sign(mrtr.Claims(flow="f1", round=1, expires=int(time.time()) + 60, backend="b",
                                    keys=("k",),
                                    digest=mrtr.params_digest("tools/call", params),
                                    principal="bearer:alice"))
-    params["requestState"] = jsonrpc.encode_dict(state)  # type: ignore[arg-type]
+    params["requestState"] = jsonrpc.encode_dict(state)  # type: ignore[arg-type]  # a JSON string, encoded
     for who in ("bearer:bob", "oauth:alice", None):
         with pytest.raises(InvalidParams, match="another principal"):
             br.resume("tools/call", params, 2, {}, principal=who)

@@ -26,8 +26,7 @@ RULES = [
 def test_rules_match_principal_group_transport_kind_and_scopes_first_match_wins() -> None:
     def d(name: str, caller: Caller, kind: str = "tool", default: str = "deny",
           sensitive: bool = False) -> Decision:
-        # type: ignore[arg-type]
-        return decide(name, RULES, default, sensitive=sensitive, caller=caller, kind=kind)
+        return decide(name, RULES, default, sensitive=sensitive, caller=caller, kind=kind)  # type: ignore[arg-type]  # str for the Literals
 
     # principal glob; first match wins over the later, broader rules
     assert d("git__push", CI_UNIX) == Decision("allow", "git__push")

@@ -23,7 +23,7 @@ READ_RULE = '[[policy.rules]]\nkind = "resource"\nmatch = "file:///srv/docs/*"\n
 
 def errors_of(text: str, **kw: object) -> list[str]:
     with pytest.raises(ConfigError) as info:
-        config.load(text, base_dir="/", **kw)  # type: ignore[arg-type]
+        config.load(text, base_dir="/", **kw)  # type: ignore[arg-type]  # load's keywords, untyped here
     return info.value.errors
 
 

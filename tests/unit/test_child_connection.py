@@ -623,7 +623,7 @@ async def test_a_child_that_stops_reading_cannot_hold_more_than_max_queued(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(link.run, conn)
         nursery.start_soon(conn.timer_loop)
-        h = Harness(conn, None, None, [], nursery)  # type: ignore[arg-type]
+        h = Harness(conn, None, None, [], nursery)  # type: ignore[arg-type]  # no fake child or recorder in this test
         first = start_call(h, "tools/call", jsonrpc.encode_dict({"m": "x" * 100}), timeout=5,
                            owner=owner)
         await trio.testing.wait_all_tasks_blocked()

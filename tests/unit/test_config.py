@@ -13,6 +13,7 @@ import pytest
 
 from gateway import config
 from gateway.config import GatewayConfig, diff_backends, load
+from gateway.core import bridge
 from gateway.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,7 +33,7 @@ def tmp_dir() -> Iterator[Path]:
 
 def errors_of(text: str, **kwargs: object) -> list[str]:
     with pytest.raises(ConfigError) as info:
-        load(text, base_dir=kwargs.pop("base_dir", BASE), **kwargs)  # type: ignore[arg-type]
+        load(text, base_dir=kwargs.pop("base_dir", BASE), **kwargs)  # type: ignore[arg-type]  # load's keywords, untyped here
     assert str(info.value) == "; ".join(info.value.errors)
     return info.value.errors
 
@@ -356,3 +357,12 @@ def test_shared_park_limit_defaults_to_30_seconds_and_is_bounded() -> None:
     for bad in ("0", "-1", "3601"):
         assert errors_of(f"[gateway]\nshared_park_limit = {bad}\n") == [
             "gateway.shared_park_limit: must be positive and at most 3600 seconds"]
+
+
+def test_an_unusable_state_key_file_is_one_config_error(tmp_dir: Path) -> None:
+    path = tmp_dir / "missing" / "state.key"  # its folder does not exist: cannot be created
+    cfg = load(f'[gateway]\nstate_key_file = "{path}"\n', base_dir=BASE)
+    with pytest.raises(ConfigError) as err:
+        bridge.from_config(cfg.gateway)
+    (problem,) = err.value.errors
+    assert problem.startswith("gateway.state_key_file: ") and str(path) in problem

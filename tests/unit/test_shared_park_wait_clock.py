@@ -73,9 +73,9 @@ class Host:
 
 def backend(child: Child, parking: Parking) -> pool.Backend:
     cfg = BackendConfig(command="true", sharing="shared")
-    b = pool.Backend("fx", cfg, "fx", Host())  # type: ignore[arg-type]
-    b.instances = [Inst(child)]  # type: ignore[list-item]
-    b.parking = parking  # type: ignore[assignment]
+    b = pool.Backend("fx", cfg, "fx", Host())  # type: ignore[arg-type]  # a fake host
+    b.instances = [Inst(child)]  # type: ignore[list-item]  # a fake instance
+    b.parking = parking  # type: ignore[assignment]  # a fake parking
     return b
 
 
@@ -92,8 +92,8 @@ async def test_the_parked_flow_is_preempted_at_the_limit_and_the_call_goes_on_th
         autojump_clock: trio.testing.MockClock, setup: Any) -> None:
     child, parking, b = setup
     await trio.sleep(5)  # bob calls 5 s after alice's flow parked
-    assert b.pick_now("bob", asks=True) is None  # type: ignore[arg-type]
-    assert b.pick_now("bob") is not None  # type: ignore[arg-type]  # a call that never asked goes
+    assert b.pick_now("bob", asks=True) is None
+    assert b.pick_now("bob") is not None  # a call that never asked goes
 
     async def child_answers_the_given_up_call() -> None:
         await parking.first_preempted.wait()
@@ -103,7 +103,7 @@ async def test_the_parked_flow_is_preempted_at_the_limit_and_the_call_goes_on_th
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(child_answers_the_given_up_call)
-        _inst, got = await b.acquire("bob", asks=True)  # type: ignore[arg-type]
+        _inst, got = await b.acquire("bob", asks=True)
     assert got is child and parking.preempted == [("alice", LIMIT)]
     assert trio.current_time() == pytest.approx(LIMIT + 0.05, abs=0.02)
 
@@ -118,11 +118,11 @@ async def test_a_flow_resumed_within_the_limit_is_never_preempted(
         await trio.sleep(0.5)
         child.owners.discard("alice")  # her call is over
         child.sent.discard("alice")
-        b.release(b.instances[0], "alice")  # type: ignore[arg-type]
+        b.release(b.instances[0], "alice")
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(alice_retries_and_finishes)
-        await b.acquire("bob", asks=True)  # type: ignore[arg-type]
+        await b.acquire("bob", asks=True)
     assert parking.preempted == []
     assert trio.current_time() == pytest.approx(LIMIT - 0.5)  # woken by her call's end
 
@@ -130,7 +130,7 @@ async def test_a_flow_resumed_within_the_limit_is_never_preempted(
 async def test_a_child_that_never_answers_the_given_up_call_holds_the_call_a_bounded_time(
         autojump_clock: trio.testing.MockClock, setup: Any) -> None:
     _child, parking, b = setup
-    await b.acquire("bob", asks=True)  # type: ignore[arg-type]
+    await b.acquire("bob", asks=True)
     assert parking.preempted == [("alice", LIMIT)]
     assert trio.current_time() == pytest.approx(LIMIT + b.cfg.cancel_grace)
 
@@ -141,7 +141,7 @@ async def test_callers_waiting_behind_one_flow_go_one_at_a_time(
     went: dict[str, float] = {}
 
     async def waiter(name: str) -> None:
-        await b.acquire(name, asks=True)  # type: ignore[arg-type]
+        await b.acquire(name, asks=True)
         went[name] = trio.current_time()
         child.owners.add(name)  # its call reaches the child
         child.sent.add(name)
@@ -149,7 +149,7 @@ async def test_callers_waiting_behind_one_flow_go_one_at_a_time(
             await trio.sleep(3)
             child.owners.discard(name)
             child.sent.discard(name)
-            b.release(b.instances[0], name)  # type: ignore[arg-type]
+            b.release(b.instances[0], name)
 
     async def child_answers_the_given_up_call() -> None:
         await parking.first_preempted.wait()

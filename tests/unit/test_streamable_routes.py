@@ -37,7 +37,7 @@ class Conn:
 
 def post(session: HttpSession, request_id: int, token: str | None = None) -> Conn:
     conn = Conn()
-    sink = Sink(conn, session.id, request_id)  # type: ignore[arg-type]
+    sink = Sink(conn, session.id, request_id)  # type: ignore[arg-type]  # a fake HTTP connection
     sink.token = token
     session.open_post(sink)
     return conn
@@ -69,5 +69,5 @@ async def test_an_unrelated_notification_waits_for_the_get_stream() -> None:
     session.write_nowait([b"list changed"], (Goes.UNRELATED, None))
     assert one.wrote == []  # parked until a GET stream opens
     get = Conn()
-    session.open_get(Sink(get, session.id))  # type: ignore[arg-type]
+    session.open_get(Sink(get, session.id))  # type: ignore[arg-type]  # a fake HTTP connection
     assert get.wrote == [("start", None), ("event", b"list changed")]
