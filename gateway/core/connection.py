@@ -1,21 +1,14 @@
 """Serving one client connection: read, dispatch, write.
 
-Theory of operation: the transport hands over a :class:`MessageStream` (whole messages in and
-out, its own exceptions already mapped to :class:`~gateway.errors.TransportClosed` /
-:class:`~gateway.errors.MessageTooLarge`); a message comes as bytes (WebSocket, unix) or already
-decoded (:data:`Decoded`: an HTTP POST's body, decoded once by the endpoint).  :func:`serve`
-gives the connection a nursery with a reader loop and a flusher task; answers are written
-straight to the transport by :meth:`ClientSession.send`, with a routing hint, and the flusher
-only writes what did not fit (see :mod:`gateway.core.outbox`).  The reader decodes what is not
-decoded yet (the batch rule: :func:`gateway.protocol.jsonrpc.decode_batch`), refuses what it
-must (:func:`refusal`: anything while draining; a request beyond the connection's limits) and
-hands each admitted request to :func:`gateway.core.serving.serve_request`, which answers it,
-forwards it without a task, or runs it in a task of this connection's nursery.  An
-:class:`InlineStream` (an HTTP session) has a message served in the task that received it when
-nothing waits before it; a :class:`Direct` (a stateless HTTP request) has no reader at all.  A
-client's ``notifications/cancelled`` cancels either kind; a cancelled request gets no response,
-per the spec.  JSON-RPC errors are made by :func:`gateway.core.serving.error_response` only.
-"""
+A transport hands over a :class:`MessageStream` (whole messages; its exceptions already mapped to
+:class:`~gateway.errors.TransportClosed` / :class:`~gateway.errors.MessageTooLarge`); a message
+comes as bytes (WebSocket, unix) or already decoded (:data:`Decoded`, an HTTP POST's body).
+:func:`serve` runs a reader loop and a flusher task; the reader decodes what is not decoded yet
+(:func:`gateway.protocol.jsonrpc.decode_batch`), refuses what it must (:func:`refusal`) and hands
+each request to :func:`gateway.core.serving.serve_request`.  An :class:`InlineStream` (an HTTP
+session) serves a message in the task that received it when nothing waits before it; a
+:class:`Direct` (a stateless HTTP request) has no reader at all.  A cancelled request gets no
+response.  JSON-RPC errors are made by :func:`gateway.core.serving.error_response` only."""
 
 from __future__ import annotations
 

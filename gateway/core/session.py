@@ -1,31 +1,11 @@
 """One client connection: identity, negotiated state, outbound queue, its pending prompts.
 
-A :class:`ClientSession` is created by the hub for every accepted connection.  Its ``conn_id``
-is minted by the gateway (clients never choose it).  Everything sent to the client goes through
-:meth:`ClientSession.send`, which never blocks: the message is written straight to the transport
-when nothing is queued toward the client, else queued in a bounded
-:class:`~gateway.core.outbox.Outbox` that the connection's flusher task drains (see
-:mod:`gateway.core.outbox`).  A client that lets the queue overflow (``outbound_queue`` messages not
-yet handed to the transport, or ``outbound_bytes`` bytes, counting what the transport holds and has
-not written) is disconnected (reason ``overflow``) instead of stalling a backend's reader.  The same
-bytes, and those of the requests it sent that are still being served, are charged to the
-connection's account on the daemon-wide :class:`~gateway.limits.ByteBudget`; when the budget evicts
-this connection (it holds the most when the total runs over) it is closed with reason ``overflow``
-too.
-
-Backpressure on the client's own requests: once the queue holds more than half of
-``outbound_queue`` messages or half of ``outbound_bytes`` bytes (``high_water``), the
-connection's reader stops reading (:meth:`ClientSession.wait_drained`) until the writer has
-brought it down to a quarter of both, or the connection closes.  A burst of pipelined requests
-from a client that reads is thus answered in full; a client that never reads simply stops being
-read, and what its calls already in flight answer still runs into ``outbound_bytes``.
-
-Server→client requests (a backend's elicitation, sampling, roots; the gateway's own consent
-prompts) are recorded in ``server_requests`` under ids minted for this connection only.  An
-answer is accepted only from this connection for an id it was sent; anything else is refused
-(:class:`~gateway.events.AnswerRefused`), except late answers to requests that already ended,
-which are dropped quietly.
-"""
+A :class:`ClientSession` is made for every accepted connection, with a gateway-minted
+``conn_id``.  :meth:`ClientSession.send` never blocks: it writes straight to the transport or
+queues in a bounded :class:`~gateway.core.outbox.Outbox`; a client that lets it overflow is
+disconnected (``overflow``), and its reader stops reading past high water.  Server→client
+requests are recorded under ids minted for this connection; only this connection may answer
+them."""
 
 from __future__ import annotations
 
@@ -172,7 +152,35 @@ class ClientSession:
     flow): the one owner type of a call.  Its lifecycle is :class:`SessionState`
     (:mod:`gateway.protocol.session`); its negotiated fields change only through its transition
     methods (:meth:`choose_era`, :meth:`initialize`, :meth:`set_log_level`, :meth:`drain`,
-    :meth:`close`) and are read-only properties to everyone else."""
+    :meth:`close`) and are read-only properties to everyone else.
+
+    A :class:`ClientSession` is created by the hub for every accepted connection. Its
+    ``conn_id`` is minted by the gateway (clients never choose it). Everything sent to the
+    client goes through :meth:`ClientSession.send`, which never blocks: the message is written
+    straight to the transport when nothing is queued toward the client, else queued in a bounded
+    :class:`~gateway.core.outbox.Outbox` that the connection's flusher task drains (see
+    :mod:`gateway.core.outbox`). A client that lets the queue overflow (``outbound_queue``
+    messages not yet handed to the transport, or ``outbound_bytes`` bytes, counting what the
+    transport holds and has not written) is disconnected (reason ``overflow``) instead of
+    stalling a backend's reader. The same bytes, and those of the requests it sent that are
+    still being served, are charged to the connection's account on the daemon-wide
+    :class:`~gateway.limits.ByteBudget`; when the budget evicts this connection (it holds the
+    most when the total runs over) it is closed with reason ``overflow`` too.
+
+    Backpressure on the client's own requests: once the queue holds more than half of
+    ``outbound_queue`` messages or half of ``outbound_bytes`` bytes (``high_water``), the
+    connection's reader stops reading (:meth:`ClientSession.wait_drained`) until the writer has
+    brought it down to a quarter of both, or the connection closes. A burst of pipelined
+    requests from a client that reads is thus answered in full; a client that never reads simply
+    stops being read, and what its calls already in flight answer still runs into
+    ``outbound_bytes``.
+
+    Server→client requests (a backend's elicitation, sampling, roots; the gateway's own consent
+    prompts) are recorded in ``server_requests`` under ids minted for this connection only. An
+    answer is accepted only from this connection for an id it was sent; anything else is refused
+    (:class:`~gateway.events.AnswerRefused`), except late answers to requests that already
+    ended, which are dropped quietly.
+    """
 
     def __init__(self, transport: str, *, outbound_capacity: int, max_inflight: int,
                  outbound_bytes: int = sys.maxsize, budget: ByteBudget | None = None) -> None:

@@ -1,20 +1,16 @@
 """The Streamable HTTP endpoint ``/mcp``: HTTP only, each POST decoded once and handed to the
 core.
 
-Each accepted connection holds a ``max_connections`` slot and serves its requests one after the
-other (:mod:`gateway.transports.http`).  A request is checked in order: path (``/healthz``,
-``/readyz`` and the OAuth metadata are answered beside ``/mcp``), ``Host`` and ``Origin`` (403),
-the credential (401, :mod:`gateway.auth`), method, ``Accept`` and ``Content-Type``, the body
-(one JSON-RPC message or a batch, decoded here only), then the session (``Mcp-Session-Id``,
-bound to the principal that made it: 404 for anyone else) or, for the 2026-07-28 shape, no
-session.  The decoded envelope goes to the core: a legacy session's to its
-:class:`~gateway.transports.streamable.HttpSession`, a stateless request's to its own
-:class:`~gateway.core.connection.Direct`.  The core decides the refusals
-(:func:`~gateway.core.connection.refusal`, :func:`~gateway.core.connection.scope_refusal`);
-this module only maps them to a status (503 + ``Retry-After``, 403 + challenge, 400), their
-body the core's JSON-RPC error.  A POST's task then holds its response stream until answered;
-GET opens (or, with ``Last-Event-ID``, resumes) the session's standalone stream; DELETE ends it.
-"""
+Each connection holds a ``max_connections`` slot and serves its requests in turn
+(:mod:`gateway.transports.http`).  A request is checked in order: path, ``Host`` and ``Origin``
+(403), the credential (401), method, ``Accept``, ``Content-Type``, the body (decoded here only),
+then the session (``Mcp-Session-Id``, bound to its principal: 404 for anyone else) or, for the
+2026-07-28 shape, none.  The envelope goes to the core: a legacy session's
+:class:`~gateway.transports.streamable.HttpSession` or a stateless request's
+:class:`~gateway.core.connection.Direct`.  The core decides refusals
+(:func:`~gateway.core.connection.refusal`, :func:`~gateway.core.connection.scope_refusal`); this
+module maps them to a status (503 + ``Retry-After``, 403 + challenge, 400).  GET opens or
+resumes the session's standalone stream; DELETE ends it."""
 
 from __future__ import annotations
 

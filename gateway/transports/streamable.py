@@ -2,33 +2,11 @@
 :class:`~gateway.core.connection.MessageStream` fed by POSTs and written to their response
 streams.
 
-Theory of operation: an HTTP session is served like any connection, by
-``connection.serve(hub, session, "http")`` for its whole life (one
-:class:`~gateway.core.session.ClientSession`, one owner for the routing core).  A POSTed message
-arrives decoded (:meth:`HttpSession.push`) and is served in the POST's task, or queued for the
-session's reader when others wait before it (a bounded inbox).  :meth:`HttpSession.write_nowait`
-puts every outgoing message on one open response stream (a :class:`Sink`), chosen by the routing
-hint the core sends with it (a message without one is parsed for it):
-
-- a response goes to the POST that carries its request id (a batch's array to the batch POST
-  whose ids it answers); with that POST's stream gone it is dropped (the call goes on);
-- ``notifications/progress`` goes to the POST whose request carried that ``progressToken``;
-- list and resource-update notifications (unrelated to any request) go to the GET stream (a
-  modern flow, which has none, gets them only for its ``subscriptions/listen``: to its POST);
-- anything else (log messages, server→client requests) goes to the only open POST stream when
-  there is exactly one, else to the GET stream, else to the oldest open POST;
-- with no stream open it is parked (at most :data:`PARK_MAX` messages, :data:`PARK_MAX_BYTES`
-  bytes) until the GET stream opens; beyond that the oldest is dropped and counted.
-
-A POST's response is JSON when the response is the first thing for it, else an SSE stream that
-the response ends; a modern flow's -32020/-32021/-32022 errors get status 400.  Resumption
-(:mod:`gateway.transports.replay`): a legacy session's SSE events carry ids and are kept in its
-replay log (:data:`REPLAY_MAX_BYTES`); a POST stream whose connection breaks is kept detached
-until its response, and ``GET`` with ``Last-Event-ID`` (:meth:`HttpSession.resume`) replays and
-re-attaches it.  Writes are synchronous; what a socket does not take is held by it and
-:meth:`HttpSession.flush` waits for all of them.  The session ends on DELETE or after
-``http_session_idle_timeout`` idle (:meth:`receive` then raises TransportClosed).
-"""
+An HTTP session is served like any connection, by ``connection.serve`` for its whole life.  A
+POSTed message arrives decoded (:meth:`HttpSession.push`); every outgoing message goes to exactly
+one open response stream (a :class:`Sink`), chosen by the routing hint the core sends with it.
+A legacy session's SSE events carry ids and are kept in a bounded replay log
+(:mod:`gateway.transports.replay`) so ``GET`` with ``Last-Event-ID`` can resume a broken stream."""
 
 from __future__ import annotations
 
@@ -182,7 +160,40 @@ class Sink:
 
 
 class HttpSession:
-    """A legacy Streamable HTTP session as a :class:`~gateway.core.connection.MessageStream`."""
+    """A legacy Streamable HTTP session as a :class:`~gateway.core.connection.MessageStream`.
+
+    An HTTP session is served like any connection, by ``connection.serve(hub, session, "http")``
+    for its whole life (one :class:`~gateway.core.session.ClientSession`, one owner for the
+    routing core). A POSTed message arrives decoded (:meth:`HttpSession.push`) and is served in
+    the POST's task, or queued for the session's reader when others wait before it (a bounded
+    inbox). :meth:`HttpSession.write_nowait` puts every outgoing message on one open response
+    stream (a :class:`Sink`), chosen by the routing hint the core sends with it (a message
+    without one is parsed for it):
+
+    - a response goes to the POST that carries its request id (a batch's array to the batch
+      POST whose ids it answers); with that POST's stream gone it is dropped (the call goes
+      on);
+    - ``notifications/progress`` goes to the POST whose request carried that
+      ``progressToken``;
+    - list and resource-update notifications (unrelated to any request) go to the GET stream
+      (a modern flow, which has none, gets them only for its ``subscriptions/listen``: to its
+      POST);
+    - anything else (log messages, server→client requests) goes to the only open POST stream
+      when there is exactly one, else to the GET stream, else to the oldest open POST;
+    - with no stream open it is parked (at most :data:`PARK_MAX` messages,
+      :data:`PARK_MAX_BYTES` bytes) until the GET stream opens; beyond that the oldest is
+      dropped and counted.
+
+    A POST's response is JSON when the response is the first thing for it, else an SSE stream
+    that the response ends; a modern flow's -32020/-32021/-32022 errors get status 400.
+    Resumption (:mod:`gateway.transports.replay`): a legacy session's SSE events carry ids and
+    are kept in its replay log (:data:`REPLAY_MAX_BYTES`); a POST stream whose connection breaks
+    is kept detached until its response, and ``GET`` with ``Last-Event-ID``
+    (:meth:`HttpSession.resume`) replays and re-attaches it. Writes are synchronous; what a
+    socket does not take is held by it and :meth:`HttpSession.flush` waits for all of them. The
+    session ends on DELETE or after ``http_session_idle_timeout`` idle (:meth:`receive` then
+    raises TransportClosed).
+    """
 
     def __init__(self, idle_timeout: float, *, id: str | None = None, tag: str = "") -> None:
         # visible ASCII, 192 random bits, led by ``<tag>.`` (the replica id: a load balancer
