@@ -198,7 +198,8 @@ class PrincipalLimit(Base, frozen=True):
         return tuple((key, value) for key in CAP_KEYS if (value := getattr(self, key)) is not None)
 
 
-CAP_KEYS = ("max_sessions", "max_connections", "max_listens", "max_parked_flows")
+#: The per-principal caps an ``[[auth.limits]]`` entry may set (those of gateway.limits).
+CAP_KEYS = tuple(limits.DEFAULT_CAPS)
 
 
 class AuthSection(Base, frozen=True):

@@ -114,8 +114,9 @@ class Hub:
         self.bridge.count_parked = self._count_parked
         self.bridge.on_park = self._flow_parked
         self.policy = Policy(cfg.policy, bus, cfg)
-        self.limits = PrincipalLimits(principal_limits(cfg))  # [[auth.limits]]
-        self.caps = PrincipalCaps(principal_limits(cfg))  # what each principal holds at once
+        entries = principal_limits(cfg)  # [[auth.limits]]: calls, and what is held at once
+        self.limits = PrincipalLimits(entries)
+        self.caps = PrincipalCaps(entries)
         self.principal_names = configured_names(cfg)  # the principal label set
         self.authn: Authenticator | None = None  # set by the service (gateway.auth)
         self.listeners_bound = False
@@ -154,8 +155,9 @@ class Hub:
         self.restart_wait = cfg.gateway.restart_wait
         self.budget.limit = cfg.gateway.buffered_bytes_total
         self.slots.limit = cfg.gateway.max_connections or DEFAULT_MAX_CONNECTIONS
-        self.limits = self.limits.reconfigured(principal_limits(cfg))
-        self.caps.reconfigure(principal_limits(cfg))
+        entries = principal_limits(cfg)
+        self.limits = self.limits.reconfigured(entries)
+        self.caps.reconfigure(entries)
         g = cfg.gateway  # the bridge's bounds (its key and replica id only at a restart)
         self.bridge.ttl, self.bridge.park_limit, self.bridge.max_parked = (
             g.state_ttl, g.shared_park_limit, g.max_parked_flows)

@@ -394,8 +394,11 @@ class PrincipalCaps:
 
     def cap_for(self, cap: str, name: str) -> int:
         lim = _first_match(self.limits, self._matched, name)
-        value = dict(lim.caps).get(cap) if lim is not None else None
-        return DEFAULT_CAPS[cap] if value is None else value
+        if lim is not None:
+            for key, value in lim.caps:  # the caps it sets (a few pairs): no dict per acquire
+                if key == cap:
+                    return value
+        return DEFAULT_CAPS[cap]
 
     def held(self, cap: str, name: str) -> int:
         return self._held[cap].get(name, 0)
