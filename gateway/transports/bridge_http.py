@@ -27,7 +27,7 @@ import h11
 import msgspec
 import trio
 
-from gateway.errors import MessageTooLarge, TransportClosed
+from gateway.errors import INTERNAL_ERROR, MessageTooLarge, TransportClosed
 from gateway.protocol import era, jsonrpc, subscriptions
 from gateway.transports.lines import LineStream
 
@@ -383,9 +383,8 @@ class HttpBridge:
         request_id = _id(message)
         if request_id is not None:
             text = body.decode("utf-8", "replace")[:200]
-            error = {"code": -32603, "message": f"HTTP {status}: {text}" if status else text}
-            await self._out_send.send(json.dumps({"jsonrpc": "2.0", "id": request_id,
-                                                  "error": error}).encode())
+            await self._out_send.send(jsonrpc.encode_error(
+                request_id, INTERNAL_ERROR, f"HTTP {status}: {text}" if status else text))
 
     async def _get_stream(self) -> None:
         """The server's messages that belong to no request; when the gateway closes it, the
