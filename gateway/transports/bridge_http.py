@@ -86,7 +86,8 @@ class _HttpClient:
     def __init__(self, url: str, ssl_context: ssl.SSLContext | None = None) -> None:
         parts = urlsplit(url)
         self._tls = parts.scheme == "https"
-        self._ssl_context = ssl_context
+        # made once (loading the system CAs costs more than a local POST), not per request
+        self._ssl_context = ssl_context or (ssl.create_default_context() if self._tls else None)
         if not parts.hostname:
             raise OSError(f"no host in {url!r}")
         self._host = parts.hostname
@@ -99,8 +100,8 @@ class _HttpClient:
                       body: bytes = b"") -> AsyncIterator[_Response]:
         stream: trio.abc.Stream = await trio.open_tcp_stream(self._host, self._port)
         if self._tls:
-            context = self._ssl_context or ssl.create_default_context()
-            tls = trio.SSLStream(stream, context, server_hostname=self._host)
+            assert self._ssl_context is not None
+            tls = trio.SSLStream(stream, self._ssl_context, server_hostname=self._host)
             try:
                 await tls.do_handshake()
             except trio.BrokenResourceError as exc:  # e.g. a certificate the system CAs refuse
