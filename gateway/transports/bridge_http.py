@@ -430,11 +430,27 @@ def _valid_json(message: bytes) -> bool:
     return True
 
 
+class _Reply(msgspec.Struct):
+    """What :func:`_answers` reads of a message: its result or error left as raw bytes (an
+    empty one: absent), so a large answer is not built into objects to find its id."""
+
+    id: Any = None
+    method: Any = msgspec.UNSET
+    result: msgspec.Raw = msgspec.Raw()
+    error: msgspec.Raw = msgspec.Raw()
+
+
+_reply_decoder = msgspec.json.Decoder(_Reply)
+
+
 def _answers(message: bytes, request_id: Any) -> bool:
     """Whether ``message`` is the response (result or error) to request ``request_id``."""
-    obj = _parse(message)
-    return (isinstance(obj, dict) and "method" not in obj and ("result" in obj or "error" in obj)
-            and type(obj.get("id")) is type(request_id) and obj.get("id") == request_id)
+    try:
+        reply = _reply_decoder.decode(message)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return False
+    return (reply.method is msgspec.UNSET and bool(reply.result or reply.error)
+            and type(reply.id) is type(request_id) and reply.id == request_id)
 
 
 def _modern_version(params: dict[str, Any]) -> str | None:
