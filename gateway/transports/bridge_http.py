@@ -299,8 +299,8 @@ class HttpBridge:
         async def emit(data: bytes) -> None:
             nonlocal answered
             if listen and not answered:  # its notifications, then its result
-                obj = _parse(data)
-                answered = isinstance(obj, dict) and "method" not in obj
+                reply = _reply(data)
+                answered = reply is not None and reply.method is msgspec.UNSET
             await self._out_send.send(data)
 
         key = _key(request_id)
@@ -431,8 +431,8 @@ def _valid_json(message: bytes) -> bool:
 
 
 class _Reply(msgspec.Struct):
-    """What :func:`_answers` reads of a message: its result or error left as raw bytes (an
-    empty one: absent), so a large answer is not built into objects to find its id."""
+    """What the bridge reads of a message on its way to stdout: its result or error left as
+    raw bytes (an empty one: absent), so a large answer is not built into objects."""
 
     id: Any = None
     method: Any = msgspec.UNSET
@@ -443,13 +443,19 @@ class _Reply(msgspec.Struct):
 _reply_decoder = msgspec.json.Decoder(_Reply)
 
 
+def _reply(message: bytes) -> _Reply | None:
+    """``message``'s id, method and whether it has a result or error; None: not a JSON object."""
+    try:
+        return _reply_decoder.decode(message)
+    except msgspec.DecodeError:  # a ValidationError too
+        return None
+
+
 def _answers(message: bytes, request_id: Any) -> bool:
     """Whether ``message`` is the response (result or error) to request ``request_id``."""
-    try:
-        reply = _reply_decoder.decode(message)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return False
-    return (reply.method is msgspec.UNSET and bool(reply.result or reply.error)
+    reply = _reply(message)
+    return (reply is not None and reply.method is msgspec.UNSET
+            and bool(reply.result or reply.error)
             and type(reply.id) is type(request_id) and reply.id == request_id)
 
 
