@@ -27,7 +27,7 @@ import h11
 import msgspec
 import trio
 
-from gateway.errors import MessageTooLarge, TransportClosed
+from gateway.errors import INTERNAL_ERROR, MessageTooLarge, TransportClosed
 from gateway.protocol import era, jsonrpc, subscriptions
 from gateway.transports.lines import LineStream
 
@@ -86,7 +86,8 @@ class _HttpClient:
     def __init__(self, url: str, ssl_context: ssl.SSLContext | None = None) -> None:
         parts = urlsplit(url)
         self._tls = parts.scheme == "https"
-        self._ssl_context = ssl_context
+        # made once (loading the system CAs costs more than a local POST), not per request
+        self._ssl_context = ssl_context or (ssl.create_default_context() if self._tls else None)
         if not parts.hostname:
             raise OSError(f"no host in {url!r}")
         self._host = parts.hostname
@@ -99,8 +100,8 @@ class _HttpClient:
                       body: bytes = b"") -> AsyncIterator[_Response]:
         stream: trio.abc.Stream = await trio.open_tcp_stream(self._host, self._port)
         if self._tls:
-            context = self._ssl_context or ssl.create_default_context()
-            tls = trio.SSLStream(stream, context, server_hostname=self._host)
+            assert self._ssl_context is not None
+            tls = trio.SSLStream(stream, self._ssl_context, server_hostname=self._host)
             try:
                 await tls.do_handshake()
             except trio.BrokenResourceError as exc:  # e.g. a certificate the system CAs refuse
@@ -241,17 +242,19 @@ class HttpBridge:
                 return
             obj = _parse(message)
             method = obj.get("method") if isinstance(obj, dict) else None
+            # the id of a request (none of a notification or a response), from this one parse
+            request_id = obj.get("id") if isinstance(obj, dict) and "method" in obj else None
             if method == "notifications/cancelled" and isinstance(obj.get("params"), dict):
                 key = _key(obj["params"].get("requestId"))
                 if key in self._requests:  # its POST may end without an answer now
                     self._cancelled.add(key)
             if self._session is None and method == "initialize":
-                await self._post(message, initialize=True)
+                await self._post(message, request_id, initialize=True)
                 if self._session:
                     nursery.start_soon(self._get_stream)
             elif not (isinstance(method, str)
                       and self._modern_message(nursery, message, obj, method)):
-                nursery.start_soon(self._post, message)
+                nursery.start_soon(self._post, message, request_id)
 
     def _modern_message(self, nursery: trio.Nursery, message: bytes, obj: dict[str, Any],
                         method: str) -> bool:
@@ -271,7 +274,7 @@ class HttpBridge:
             if version is None:
                 return False
             headers = self._modern_headers(version, method, params)
-            nursery.start_soon(self._post_modern, message, _key(obj["id"]), method, headers)
+            nursery.start_soon(self._post_modern, message, obj["id"], method, headers)
             return True
         if method == "notifications/cancelled":
             scope = self._posts.pop(_key(params.get("requestId")), None)
@@ -283,10 +286,10 @@ class HttpBridge:
         if pinned is None:
             return False
         headers = self._modern_headers(pinned, method, params)
-        nursery.start_soon(self._exchange, message, headers, self._out_send.send)
+        nursery.start_soon(self._exchange, message, None, headers, self._out_send.send)
         return True
 
-    async def _post_modern(self, message: bytes, key: str, method: str,
+    async def _post_modern(self, message: bytes, request_id: Any, method: str,
                            headers: dict[str, str]) -> None:
         """A modern request's POST, closed when the client cancels it; a listen cancelled
         before its result gets the closing result."""
@@ -296,21 +299,21 @@ class HttpBridge:
         async def emit(data: bytes) -> None:
             nonlocal answered
             if listen and not answered:  # its notifications, then its result
-                obj = _parse(data)
-                answered = isinstance(obj, dict) and "method" not in obj
+                reply = _reply(data)
+                answered = reply is not None and reply.method is msgspec.UNSET
             await self._out_send.send(data)
 
+        key = _key(request_id)
         scope = self._posts[key] = trio.CancelScope()
         try:
             with scope:
-                await self._exchange(message, headers, emit)
+                await self._exchange(message, request_id, headers, emit)
         finally:
             if self._posts.get(key) is scope:
                 del self._posts[key]
         if scope.cancel_called and listen and not answered:
-            sub_id = json.loads(key)
-            closing = subscriptions.closing_result(sub_id)
-            await self._out_send.send(jsonrpc.encode_result(sub_id, closing))
+            closing = subscriptions.closing_result(request_id)
+            await self._out_send.send(jsonrpc.encode_result(request_id, closing))
 
     async def _emit_initialize(self, message: bytes) -> None:
         try:
@@ -319,19 +322,19 @@ class HttpBridge:
             pass
         await self._out_send.send(message)
 
-    async def _post(self, message: bytes, initialize: bool = False) -> None:
+    async def _post(self, message: bytes, request_id: Any, initialize: bool = False) -> None:
         headers = self._headers(f"{_JSON}, {_SSE}")
         headers["content-type"] = _JSON
         emit = self._emit_initialize if initialize else self._out_send.send
-        await self._exchange(message, headers, emit, initialize)
+        await self._exchange(message, request_id, headers, emit, initialize)
 
-    async def _exchange(self, message: bytes, headers: dict[str, str],
+    async def _exchange(self, message: bytes, request_id: Any, headers: dict[str, str],
                         emit: Callable[[bytes], Awaitable[None]], initialize: bool = False) -> None:
-        """POST ``message``; its answer (JSON, or SSE event by event) goes to ``emit``.  A
-        request whose exchange ends without its answer (an error status, a body that is not
-        one, a stream that ended or broke first) is answered with an error, unless the client
-        cancelled it: a stdio client waits for every answer it is due."""
-        request_id = _id(message)
+        """POST ``message`` (a request when ``request_id`` is not None); its answer (JSON, or
+        SSE event by event) goes to ``emit``.  A request whose exchange ends without its answer
+        (an error status, a body that is not one, a stream that ended or broke first) is
+        answered with an error, unless the client cancelled it: a stdio client waits for every
+        answer it is due."""
         key = _key(request_id)
         answered = request_id is None  # a notification or a response: nothing is due
         if not answered:
@@ -371,21 +374,19 @@ class HttpBridge:
             cancelled = key in self._cancelled
             self._cancelled.discard(key)
         if not cancelled and (not answered or status >= 300):  # a notification's: the error
-            await self._http_error(message, status, body)
+            await self._http_error(request_id, status, body)
 
-    async def _http_error(self, message: bytes, status: int, body: bytes) -> None:
+    async def _http_error(self, request_id: Any, status: int, body: bytes) -> None:
         """The gateway's JSON-RPC error when an error status's body is one; else one made for
         the request (none for a notification)."""
         answer = _parse(body) if status >= 300 else None
         if isinstance(answer, dict) and answer.get("jsonrpc") == "2.0" and "error" in answer:
             await self._out_send.send(body)
             return
-        request_id = _id(message)
         if request_id is not None:
             text = body.decode("utf-8", "replace")[:200]
-            error = {"code": -32603, "message": f"HTTP {status}: {text}" if status else text}
-            await self._out_send.send(json.dumps({"jsonrpc": "2.0", "id": request_id,
-                                                  "error": error}).encode())
+            await self._out_send.send(jsonrpc.encode_error(
+                request_id, INTERNAL_ERROR, f"HTTP {status}: {text}" if status else text))
 
     async def _get_stream(self) -> None:
         """The server's messages that belong to no request; when the gateway closes it, the
@@ -429,11 +430,33 @@ def _valid_json(message: bytes) -> bool:
     return True
 
 
+class _Reply(msgspec.Struct):
+    """What the bridge reads of a message on its way to stdout: its result or error left as
+    raw bytes (an empty one: absent), so a large answer is not built into objects."""
+
+    id: Any = None
+    method: Any = msgspec.UNSET
+    result: msgspec.Raw = msgspec.Raw()
+    error: msgspec.Raw = msgspec.Raw()
+
+
+_reply_decoder = msgspec.json.Decoder(_Reply)
+
+
+def _reply(message: bytes) -> _Reply | None:
+    """``message``'s id, method and whether it has a result or error; None: not a JSON object."""
+    try:
+        return _reply_decoder.decode(message)
+    except msgspec.DecodeError:  # a ValidationError too
+        return None
+
+
 def _answers(message: bytes, request_id: Any) -> bool:
     """Whether ``message`` is the response (result or error) to request ``request_id``."""
-    obj = _parse(message)
-    return (isinstance(obj, dict) and "method" not in obj and ("result" in obj or "error" in obj)
-            and type(obj.get("id")) is type(request_id) and obj.get("id") == request_id)
+    reply = _reply(message)
+    return (reply is not None and reply.method is msgspec.UNSET
+            and bool(reply.result or reply.error)
+            and type(reply.id) is type(request_id) and reply.id == request_id)
 
 
 def _modern_version(params: dict[str, Any]) -> str | None:
@@ -454,7 +477,3 @@ def _parse(message: bytes) -> Any:
     except ValueError:
         return None
 
-
-def _id(message: bytes) -> Any:
-    obj = _parse(message)
-    return obj.get("id") if isinstance(obj, dict) and "method" in obj else None
