@@ -258,7 +258,7 @@ async def denied_tools(daemon: Daemon, uid: int, gid: int) -> set[str]:
     return {tool for tool, code in codes.items() if code == -32005}
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or NOBODY is None,
+@pytest.mark.skipif(os.geteuid() != 0 or NOBODY is None,  # CI: root; base-passwd has nobody
                     reason="needs root (to connect as other users) and a user nobody")
 async def test_the_unix_peer_principal_is_the_documented_one(daemon: Daemon) -> None:
     """Peers as root, as nobody (passwd group nogroup), as nobody with another process gid,
