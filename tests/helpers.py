@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import ssl
@@ -37,6 +38,13 @@ def fixture_backend(name: str = "fx", **extra: Any) -> str:
         inline = isinstance(value, str) and value.startswith("{")
         lines.append(f"{key} = {value if inline else json.dumps(value)}")
     return "\n".join(lines) + "\n"
+
+
+def bearer_auth(tokens: dict[str, str]) -> str:
+    """[[auth.bearer]] tables, one per principal name -> token (stored as its SHA-256)."""
+    return "".join(f'[[auth.bearer]]\nprincipal = "{n}"\n'
+                   f'token_sha256 = "{hashlib.sha256(t.encode()).hexdigest()}"\n'
+                   for n, t in tokens.items())
 
 
 def make_config(backends: str, *, gateway: str = "", extra: str = "", unix: str | None = None,
