@@ -23,12 +23,9 @@ import time
 from pathlib import Path
 
 ROOT = Path.cwd()
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from helpers import daemon_toml, free_port  # noqa: E402 - imported once sys.path holds tests/
 
 
 def get(port: int, path: str, timeout: float = 3.0) -> tuple[int | None, bytes, float]:
@@ -64,18 +61,8 @@ def main() -> None:
     ws, admin = free_port(), free_port()
     with tempfile.TemporaryDirectory() as tmp:
         cfg, log = Path(tmp) / "gw.toml", Path(tmp) / "out.log"
-        cfg.write_text(f"""[gateway]
-drain_delay = 0.0
-[listen]
-websocket = "127.0.0.1:{ws}"
-http = ""
-[admin]
-listen = "127.0.0.1:{admin}"
-[backends.fx]
-command = {json.dumps(sys.executable)}
-args = [{json.dumps(str(ROOT / "tests" / "fixtures" / "fixture_server.py"))}]
-health = {{ interval = 0.0 }}
-""")
+        cfg.write_text(daemon_toml(ws, admin, gateway="drain_delay = 0.0",
+                                   backend="health = { interval = 0.0 }"))
         with log.open("wb") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "gateway", "run", "--config", str(cfg)],

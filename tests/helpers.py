@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import ssl
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -56,6 +57,31 @@ def bearer_auth(tokens: dict[str, str]) -> str:
     return "".join(f'[[auth.bearer]]\nprincipal = "{n}"\n'
                    f'token_sha256 = "{hashlib.sha256(t.encode()).hexdigest()}"\n'
                    for n, t in tokens.items())
+
+
+def free_port() -> int:
+    """A loopback TCP port free now (for a daemon run as its own process)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def daemon_toml(ws: int, admin: int, *, gateway: str = "", backend: str = "") -> str:
+    """The config file of a daemon run as ``mcp-gateway run``: a WebSocket listener on ``ws``,
+    no HTTP one, the admin listener on ``admin`` and one fixture backend ``fx``; ``gateway`` and
+    ``backend`` are extra lines of its [gateway] and [backends.fx] tables."""
+    return f"""[gateway]
+{gateway}
+[listen]
+websocket = "127.0.0.1:{ws}"
+http = ""
+[admin]
+listen = "127.0.0.1:{admin}"
+[backends.fx]
+command = {json.dumps(sys.executable)}
+args = [{json.dumps(FIXTURE)}]
+{backend}
+"""
 
 
 def make_config(backends: str, *, gateway: str = "", extra: str = "", unix: str | None = None,

@@ -23,35 +23,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import FIXTURE, ROOT
+from helpers import ROOT, daemon_toml, free_port
 
 pytestmark = pytest.mark.system
 
 NOFILE = resource.RLIMIT_NOFILE
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def write_config(path: Path, ws: int, admin: int, gateway: str = "", backend: str = "") -> None:
-    path.write_text(f"""
-[gateway]
-drain_delay = 0.0
-{gateway}
-[listen]
-websocket = "127.0.0.1:{ws}"
-http = ""
-[admin]
-listen = "127.0.0.1:{admin}"
-[backends.fx]
-command = {json.dumps(sys.executable)}
-args = [{json.dumps(FIXTURE)}]
-health = {{ interval = 0.0 }}
-{backend}
-""")
+    path.write_text(daemon_toml(ws, admin, gateway=f"drain_delay = 0.0\n{gateway}",
+                                backend=f"health = {{ interval = 0.0 }}\n{backend}"))
 
 
 @contextmanager
