@@ -240,18 +240,29 @@ def text_of(response: dict[str, Any]) -> str:
     return response["result"]["content"][0]["text"]
 
 
-async def http_request(port: int | None, path: str) -> tuple[int, bytes]:
-    """GET ``path`` from 127.0.0.1:``port`` (the admin listener); returns (status, body)."""
+async def http_exchange(port: int | None, path: str, token: str | None = None,
+                        host: str = "127.0.0.1") -> tuple[int, dict[str, str], bytes]:
+    """GET ``path`` from ``host``:``port`` (the admin listener), with ``token`` as a bearer
+    when given, on a connection of its own; returns (status, headers lowercased, body)."""
     assert port is not None
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
-    async with stream:
-        await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+    auth = f"Authorization: Bearer {token}\r\n" if token is not None else ""
+    async with await trio.open_tcp_stream(host, port) as stream:
+        await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\n{auth}"
                               "Connection: close\r\n\r\n".encode())
         data = b""
         while chunk := await stream.receive_some(65536):
             data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
-    return int(head.split()[1]), body
+    lines = head.decode().split("\r\n")
+    headers = {name.lower(): value for name, _,
+               value in (line.partition(": ") for line in lines[1:])}
+    return int(lines[0].split()[1]), headers, body
+
+
+async def http_request(port: int | None, path: str) -> tuple[int, bytes]:
+    """GET ``path`` from 127.0.0.1:``port`` (the admin listener); returns (status, body)."""
+    status, _, body = await http_exchange(port, path)
+    return status, body
 
 
 async def http_json(port: int | None, path: str) -> Any:
