@@ -112,17 +112,15 @@ class IdentityDaemon(Daemon):
 
 class IdentitySlot(DaemonSlot):
     def __init__(self, workdir: Path, backends: str) -> None:
-        super().__init__(workdir, backends)
+        super().__init__(workdir, backends, daemon_type=IdentityDaemon)
         self.shared: list[str] = []  # the daemons' socket directories, removed at the end
 
     def get(self) -> Daemon:
-        if self.current is None or self.current.proc.poll() is not None:
-            self.spawned += 1
-            workdir = self.workdir / f"d{self.spawned}"
-            workdir.mkdir()
-            self.current = IdentityDaemon(workdir, self.backends, self.gateway)
-            self.shared.append(self.current.shared)
-        return self.current
+        daemon = super().get()
+        assert isinstance(daemon, IdentityDaemon)
+        if daemon.shared not in self.shared:
+            self.shared.append(daemon.shared)
+        return daemon
 
 
 @pytest.fixture(scope="module")
