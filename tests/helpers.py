@@ -285,6 +285,16 @@ async def wait_status(port: int | None,
         await trio.sleep(POLL)
 
 
+async def wait_instance(port: int | None, pred: Callable[[dict[str, Any]], bool],
+                        timeout: float = 10.0) -> dict[str, Any]:  # noqa: ASYNC109 - a helper's own deadline (trio.fail_after inside), passed by keyword
+    """The first ``/status`` instance (of the first backend) for which ``pred`` holds, within
+    ``timeout``."""
+    with trio.fail_after(timeout):
+        while not pred(inst := (await http_json(port, "/status"))["backends"][0]["instances"][0]):  # noqa: ASYNC110 - the gateway seen through /status over HTTP: no event to wait on
+            await trio.sleep(POLL)
+    return inst
+
+
 async def metric(port: int | None, name: str, **labels: str) -> float:
     """One sample of /metrics (0 when absent)."""
     status, body = await http_request(port, "/metrics")
