@@ -329,6 +329,23 @@ async def upgrade_status(port: int | None) -> tuple[int, bytes]:
     return int(head.split()[1]), body
 
 
+async def ws_upgrade(port: int | None, token: str | None) -> tuple[int, dict[str, str]]:
+    """A raw WebSocket upgrade to 127.0.0.1:``port`` carrying ``token`` as a bearer (none:
+    no Authorization) (trio-websocket's client leaks its socket when refused); returns
+    (status, headers lowercased)."""
+    assert port is not None
+    extra = f"Authorization: Bearer {token}\r\n" if token else ""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(UPGRADE.replace(b"\r\n\r\n", f"\r\n{extra}\r\n".encode()))
+        data = b""
+        while b"\r\n\r\n" not in data and (chunk := await stream.receive_some(65536)):
+            data += chunk
+    head = data.partition(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")
+    return int(head[0].split()[1]), {k.lower(): v.strip() for k, _,
+                                     v in (h.partition(":") for h in head[1:])}
+
+
 class LineSocket:
     """A unix-socket stream with WebSocket-like ``send_message``/``get_message``, so
     :class:`Client` works over the newline-delimited listener.  Incoming lines are decoded as

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from helpers import UPGRADE, connect, fixture_backend, text_of
+from helpers import connect, fixture_backend, text_of, ws_upgrade
 from invariants import Daemon, DaemonSlot, baseline, check
 
 pytestmark = pytest.mark.system
@@ -134,14 +134,7 @@ def slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonSlot]:
 
 async def upgrade_status(port: int, token: str) -> int:
     """The status of a WebSocket upgrade carrying ``token``."""
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
-    async with stream:
-        header = f"\r\nAuthorization: Bearer {token}\r\n\r\n".encode()
-        await stream.send_all(UPGRADE.replace(b"\r\n\r\n", header))
-        data = b""
-        while b"\r\n" not in data and (chunk := await stream.receive_some(65536)):
-            data += chunk
-    return int(data.split()[1])
+    return (await ws_upgrade(port, token))[0]
 
 
 def malformations(d: IdentityDaemon) -> dict[str, Callable[[], None]]:
