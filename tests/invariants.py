@@ -324,10 +324,12 @@ def failed(request: pytest.FixtureRequest) -> bool:
 
 class DaemonSlot:
     """One daemon shared by a module's tests, replaced when a test left it dead (so one crash
-    fails its own test, not every test after it)."""
+    fails its own test, not every test after it).  ``daemon_type``: the Daemon subclass run."""
 
-    def __init__(self, workdir: Path, backends: str, gateway: str = "") -> None:
+    def __init__(self, workdir: Path, backends: str, gateway: str = "", *,
+                 daemon_type: type[Daemon] | None = None) -> None:
         self.workdir, self.backends, self.gateway = workdir, backends, gateway
+        self.daemon_type = daemon_type or Daemon
         self.current: Daemon | None = None
         self.spawned = 0
 
@@ -336,7 +338,7 @@ class DaemonSlot:
             self.spawned += 1
             workdir = self.workdir / f"d{self.spawned}"
             workdir.mkdir()
-            self.current = Daemon(workdir, self.backends, self.gateway)
+            self.current = self.daemon_type(workdir, self.backends, self.gateway)
         return self.current
 
     def discard(self) -> None:

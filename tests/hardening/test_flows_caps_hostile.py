@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import Any
 
@@ -13,6 +12,7 @@ from helpers import (
     HTTP_HEADERS,
     HTTP_INIT,
     ROOT,
+    bearer_auth,
     connect,
     fixture_backend,
     http_json,
@@ -26,9 +26,7 @@ from gateway import config as gconfig
 pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
 TOKENS = {"alice": "alice-review2-token-1", "bob": "bob-review2-token-2"}
-AUTH = "".join(f'[[auth.bearer]]\nprincipal = "{n}"\n'
-               f'token_sha256 = "{hashlib.sha256(t.encode()).hexdigest()}"\n'
-               for n, t in TOKENS.items())
+AUTH = bearer_auth(TOKENS)
 V = "2026-07-28"
 
 

@@ -20,7 +20,7 @@ import trio
 from cryptography.hazmat.primitives.asymmetric import ec
 from helpers import ROOT, fixture_backend, make_config, run_gateway
 from invariants import Daemon, DaemonSlot, baseline, check
-from test_http_hostile import ANSWER_BOUND, Conn, HttpSlot, open_session, post
+from test_http_hostile import ANSWER_BOUND, Conn, HttpDaemon, open_session, post
 
 from gateway.auth import jwt as jwts
 from gateway.config import OAuthSection
@@ -35,7 +35,8 @@ PROBE = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nconnection: close\r\n\r\n"
 
 @pytest.fixture(scope="module")
 def slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonSlot]:
-    s = HttpSlot(tmp_path_factory.mktemp("edges"), fixture_backend("fx", cancel_grace=1.0))
+    s = DaemonSlot(tmp_path_factory.mktemp("edges"), fixture_backend("fx", cancel_grace=1.0),
+                   daemon_type=HttpDaemon)
     yield s
     s.close()
 

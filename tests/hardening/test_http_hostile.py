@@ -38,19 +38,10 @@ class HttpDaemon(Daemon):
         return port
 
 
-class HttpSlot(DaemonSlot):
-    def get(self) -> Daemon:
-        if self.current is None or self.current.proc.poll() is not None:
-            self.spawned += 1
-            workdir = self.workdir / f"d{self.spawned}"
-            workdir.mkdir()
-            self.current = HttpDaemon(workdir, self.backends, self.gateway)
-        return self.current
-
-
 @pytest.fixture(scope="module")
 def slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonSlot]:
-    s = HttpSlot(tmp_path_factory.mktemp("http"), fixture_backend("fx", cancel_grace=1.0))
+    s = DaemonSlot(tmp_path_factory.mktemp("http"), fixture_backend("fx", cancel_grace=1.0),
+                   daemon_type=HttpDaemon)
     yield s
     s.close()
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from helpers import UPGRADE, connect, fixture_backend, text_of
+from helpers import connect, fixture_backend, text_of, ws_upgrade
 from invariants import Daemon, DaemonSlot, baseline, check
 
 pytestmark = pytest.mark.system
@@ -112,17 +112,15 @@ class IdentityDaemon(Daemon):
 
 class IdentitySlot(DaemonSlot):
     def __init__(self, workdir: Path, backends: str) -> None:
-        super().__init__(workdir, backends)
+        super().__init__(workdir, backends, daemon_type=IdentityDaemon)
         self.shared: list[str] = []  # the daemons' socket directories, removed at the end
 
     def get(self) -> Daemon:
-        if self.current is None or self.current.proc.poll() is not None:
-            self.spawned += 1
-            workdir = self.workdir / f"d{self.spawned}"
-            workdir.mkdir()
-            self.current = IdentityDaemon(workdir, self.backends, self.gateway)
-            self.shared.append(self.current.shared)
-        return self.current
+        daemon = super().get()
+        assert isinstance(daemon, IdentityDaemon)
+        if daemon.shared not in self.shared:
+            self.shared.append(daemon.shared)
+        return daemon
 
 
 @pytest.fixture(scope="module")
@@ -136,14 +134,7 @@ def slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonSlot]:
 
 async def upgrade_status(port: int, token: str) -> int:
     """The status of a WebSocket upgrade carrying ``token``."""
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
-    async with stream:
-        header = f"\r\nAuthorization: Bearer {token}\r\n\r\n".encode()
-        await stream.send_all(UPGRADE.replace(b"\r\n\r\n", header))
-        data = b""
-        while b"\r\n" not in data and (chunk := await stream.receive_some(65536)):
-            data += chunk
-    return int(data.split()[1])
+    return (await ws_upgrade(port, token))[0]
 
 
 def malformations(d: IdentityDaemon) -> dict[str, Callable[[], None]]:
@@ -258,7 +249,7 @@ async def denied_tools(daemon: Daemon, uid: int, gid: int) -> set[str]:
     return {tool for tool, code in codes.items() if code == -32005}
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or NOBODY is None,
+@pytest.mark.skipif(os.geteuid() != 0 or NOBODY is None,  # CI: root; base-passwd has nobody
                     reason="needs root (to connect as other users) and a user nobody")
 async def test_the_unix_peer_principal_is_the_documented_one(daemon: Daemon) -> None:
     """Peers as root, as nobody (passwd group nogroup), as nobody with another process gid,

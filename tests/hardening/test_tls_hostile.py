@@ -62,19 +62,9 @@ tls_key = "{certs.key}"
         return int(line.rsplit("http port ", 1)[1])
 
 
-class TlsSlot(DaemonSlot):
-    def get(self) -> Daemon:
-        if self.current is None or self.current.proc.poll() is not None:
-            self.spawned += 1
-            workdir = self.workdir / f"d{self.spawned}"
-            workdir.mkdir()
-            self.current = TlsDaemon(workdir, self.backends, self.gateway)
-        return self.current
-
-
 @pytest.fixture(scope="module")
 def slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonSlot]:
-    s = TlsSlot(tmp_path_factory.mktemp("tls"), fixture_backend("fx"))
+    s = DaemonSlot(tmp_path_factory.mktemp("tls"), fixture_backend("fx"), daemon_type=TlsDaemon)
     yield s
     s.close()
 

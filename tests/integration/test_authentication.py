@@ -29,7 +29,6 @@ from helpers import (
     HTTP_HEADERS,
     HTTP_INIT,
     ROOT,
-    UPGRADE,
     connect,
     fixture_backend,
     http_json,
@@ -37,6 +36,7 @@ from helpers import (
     metric,
     run_gateway,
     text_of,
+    ws_upgrade,
 )
 from jwt.algorithms import RSAAlgorithm
 
@@ -69,21 +69,6 @@ def bearer_toml(*names: str, tokens_file: Path | None = None) -> str:
 
 def auth(token: str | None) -> dict[str, str]:
     return dict(H, authorization=f"Bearer {token}") if token else dict(H)
-
-
-async def upgrade(port: int | None, token: str | None) -> tuple[int, dict[str, str]]:
-    """A raw WebSocket upgrade (trio-websocket's client leaks its socket when refused)."""
-    assert port is not None
-    extra = f"Authorization: Bearer {token}\r\n" if token else ""
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
-    async with stream:
-        await stream.send_all(UPGRADE.replace(b"\r\n\r\n", f"\r\n{extra}\r\n".encode()))
-        data = b""
-        while b"\r\n\r\n" not in data and (chunk := await stream.receive_some(65536)):
-            data += chunk
-    head = data.partition(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")
-    return int(head[0].split()[1]), {k.lower(): v.strip() for k, _,
-                                     v in (h.partition(":") for h in head[1:])}
 
 
 async def test_bearer_tokens_on_http_and_websocket(tmp_path: Path) -> None:
@@ -139,10 +124,10 @@ async def test_bearer_tokens_on_http_and_websocket(tmp_path: Path) -> None:
 
         # WebSocket: the token on the upgrade
         for token in (None, "wrong"):
-            status, headers = await upgrade(gw.bound.websocket_port, token)
+            status, headers = await ws_upgrade(gw.bound.websocket_port, token)
             assert status == 401 and headers["www-authenticate"].startswith(
                 'Bearer realm="team-gw"')
-        assert (await upgrade(gw.bound.websocket_port, TOKENS["alice"]))[0] == 101
+        assert (await ws_upgrade(gw.bound.websocket_port, TOKENS["alice"]))[0] == 101
         async with connect(gw.url, token=TOKENS["bob"]) as ws:
             r2 = await ws.call("fx__echo", {"message": "over ws"})
             assert text_of(r2) == "over ws"
@@ -333,11 +318,11 @@ async def test_oauth_jwts_from_a_local_issuer(monkeypatch: pytest.MonkeyPatch) -
                     async for _ in stream.aiter_bytes():
                         pass  # ends when the token expires
             # WebSocket: the JWT on the upgrade; an expired one is refused
-            status, headers = await upgrade(gw.bound.websocket_port, bad["expired"])
+            status, headers = await ws_upgrade(gw.bound.websocket_port, bad["expired"])
             # the metadata is the HTTP listener's (the audience's), never the WebSocket port's
             assert status == 401 and headers["www-authenticate"].startswith(
                 'Bearer resource_metadata="https://gateway.test/.well-known/oauth-protected-resource/mcp"')
-            status, headers = await upgrade(gw.bound.websocket_port, bad["string exp"])
+            status, headers = await ws_upgrade(gw.bound.websocket_port, bad["string exp"])
             assert status == 401 and "'exp' claim is not a number" in headers["www-authenticate"]
             async with connect(gw.url, token=issuer.token(scope="tools:write")) as ws:
                 assert text_of(await ws.call("fx__echo", {"message": "jwt ws"})) == "jwt ws"

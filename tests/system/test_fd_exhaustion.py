@@ -23,35 +23,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import FIXTURE, ROOT
+from helpers import ROOT, daemon_toml, free_port
 
 pytestmark = pytest.mark.system
 
 NOFILE = resource.RLIMIT_NOFILE
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def write_config(path: Path, ws: int, admin: int, gateway: str = "", backend: str = "") -> None:
-    path.write_text(f"""
-[gateway]
-drain_delay = 0.0
-{gateway}
-[listen]
-websocket = "127.0.0.1:{ws}"
-http = ""
-[admin]
-listen = "127.0.0.1:{admin}"
-[backends.fx]
-command = {json.dumps(sys.executable)}
-args = [{json.dumps(FIXTURE)}]
-health = {{ interval = 0.0 }}
-{backend}
-""")
+    path.write_text(daemon_toml(ws, admin, gateway=f"drain_delay = 0.0\n{gateway}",
+                                backend=f"health = {{ interval = 0.0 }}\n{backend}"))
 
 
 @contextmanager
@@ -122,7 +103,7 @@ def wait_ready(admin: int, proc: subprocess.Popen[bytes], timeout: float = 20) -
                     return
         except OSError:
             pass
-        time.sleep(0.1)
+        time.sleep(0.1)  # poll interval of the bounded /readyz poll (deadline above)
     raise AssertionError("not ready: " + output(proc))
 
 
@@ -185,7 +166,7 @@ def test_a_reload_to_an_explicit_max_connections_that_does_not_fit_keeps_the_run
             failed = b'mcp_gateway_config_reloads_total{result="failure"} 1.0'
             while failed not in probe.get("/metrics")[1]:
                 assert time.monotonic() < deadline
-                time.sleep(0.05)
+                time.sleep(0.05)  # poll interval of the bounded /metrics poll (deadline above)
         finally:
             probe.close()
         proc.send_signal(signal.SIGINT)
@@ -233,7 +214,7 @@ def starve_then_recover(proc: subprocess.Popen[bytes], probe: KeepAlive, ws: int
             exits.add(inst["last_exit"] or "")
             if len(clients) < 6:  # more than the 2 free fds: accepting fails with EMFILE
                 clients.append(socket.create_connection(("127.0.0.1", ws), timeout=5))
-            time.sleep(0.2)
+            time.sleep(0.2)  # sampling of a fixed 4 s window: never-FATAL has no end event
     finally:
         for c in clients:
             c.close()
@@ -243,7 +224,7 @@ def starve_then_recover(proc: subprocess.Popen[bytes], probe: KeepAlive, ws: int
     deadline = time.monotonic() + 15.0
     while probe.instance()["state"] != "RUNNING":
         assert time.monotonic() < deadline, probe.instance()
-        time.sleep(0.2)
+        time.sleep(0.2)  # poll interval of the bounded RUNNING poll (deadline above)
     assert probe.instance()["pid"] != child
     assert probe.instance()["restarts"] == 1  # the starved attempts spawned nothing: not restarts
     with socket.create_connection(("127.0.0.1", ws), timeout=5) as s:  # accepting again
