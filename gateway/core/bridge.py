@@ -185,38 +185,36 @@ class Bridge:
         try:
             claims = self.codec.verify(jsonrpc.loads(params["requestState"]), time.time())
             if claims.principal != principal:
-                raise mrtr.invalid_state("it was issued to another principal", "principal")
+                raise mrtr.InvalidState("it was issued to another principal", "principal")
             flow = self.flows.get(claims.flow)
             if flow is None and claims.flow in self.preempted:
-                raise mrtr.invalid_state(
+                raise mrtr.InvalidState(
                     "its call was ended: parked longer than gateway.shared_park_limit while "
                     "another caller waited for its shared backend", "preempted")
             if flow is None:
-                raise mrtr.invalid_state("its call is over or expired, or was served by another "
-                                         "process of this replica", "gone")
+                raise mrtr.InvalidState("its call is over or expired, or was served by another "
+                                        "process of this replica", "gone")
             if (flow.owner is not owner if owner is not None
                     else flow.owner.transport is not Transport.HTTP):
                 # (a WebSocket/unix call's state presented on /mcp, or the reverse: the flow goes
                 # on waiting for its own retry; its answer could only reach its own connection)
-                raise mrtr.invalid_state("on a WebSocket or unix connection, the retry must come "
-                                         "on the connection of the call", "gone")
+                raise mrtr.InvalidState("on a WebSocket or unix connection, the retry must come "
+                                        "on the connection of the call", "gone")
             if not flow.parked or claims.round != flow.round:
-                raise mrtr.invalid_state(
+                raise mrtr.InvalidState(
                     "it was already used (a requestState is good for one retry)", "used")
             if claims.digest != mrtr.params_digest(method, params) or method != flow.method:
                 flow.end("a retry presented its state with other params")
-                raise mrtr.invalid_state("the retry's params differ from the call it continues",
-                                         "other_params")
-        except errors.InvalidParams as exc:
-            if exc.reason == "invalid_state":
-                kind = getattr(exc, "kind", "malformed")
-                self.bus.emit(RequestStateRefused(kind))
-                if kind == "tampered":
-                    self._end_tampered(params, principal, owner)
+                raise mrtr.InvalidState("the retry's params differ from the call it continues",
+                                        "other_params")
+        except mrtr.InvalidState as exc:
+            self.bus.emit(RequestStateRefused(exc.kind))
+            if exc.kind == "tampered":
+                self._end_tampered(params, principal, owner)
             raise
         except msgspec.DecodeError:
             self.bus.emit(RequestStateRefused("malformed"))
-            raise mrtr.invalid_state("not a string") from None
+            raise mrtr.InvalidState("not a string") from None
         answers = mrtr.input_responses(params)  # before anything changes: a bad one changes nothing
         flow.resume(request_id, answers, caps)
         return flow.owner
