@@ -120,8 +120,8 @@ def set_level(ports: BackendDirectory, session: ClientSession, req: Request) -> 
     level = _str_param(req, "level")
     if level not in mcp.LOG_RANK:
         raise errors.InvalidParams(f"logging/setLevel: unknown level {level!r}")
-    session.set_log_level(level)
-    ports.log_levels_changed()
+    if session.set_log_level(level):
+        ports.log_levels_changed()
     return jsonrpc.EMPTY_RESULT
 
 
