@@ -419,7 +419,7 @@ class Flow:
         self.closed()
         self.served.cancel()
 
-    def _let_go(self) -> None:
+    def _let_go(self, child: ChildConnection | None = None) -> None:
         """A parked flow ends (expired, its state tampered, a retry with other params), or one
         about to park is refused (``max_parked_flows``): as at a preemption, the child's
         requests are answered (an elicitation ``cancel``, others -32007) and its call given up
@@ -427,17 +427,18 @@ class Flow:
         the child's attribution set.  (Cancelled, a
         spec-following child never answers: the set stayed held for ``cancel_grace``, other
         callers' input requests there refused, then the shared child was recycled.)  Calls
-        that may ask for input wait for that reply (``leaving``)."""
-        bridge = self.bridge
-        bridge.leaving.add(self.owner)
+        that may ask for input wait for that reply (``leaving``).  ``child``: only a call at
+        that child is given up (None: wherever it is)."""
+        self.bridge.leaving.add(self.owner)
         for req in list(self.pending.values()):
-            req.finish(ServerRequestOutcome.OWNER_GONE)
+            req.finish(ServerRequestOutcome.OWNER_GONE)  # elicitation: cancel; others: -32007
         served = self.served
-        if served.call is not None and served.child is not None:
+        if (served.call is not None and served.child is not None
+                and (child is None or served.child is child)):
             served.child.give_up([served.call])
-        elif served.req.at is not None:  # forwarded by a task
-            child, call = served.req.at
-            child.give_up([call])
+        elif served.req.at is not None and (child is None or served.req.at[0] is child):
+            at, call = served.req.at  # forwarded by a task
+            at.give_up([call])
 
     def preempt(self, child: ChildConnection) -> None:
         """Parked longer than ``gateway.shared_park_limit`` while another caller's call that
@@ -448,19 +449,12 @@ class Flow:
         ``invalid_state`` with reason ``preempted``."""
         bridge = self.bridge
         bridge._remember_preempted(self.id)
-        bridge.leaving.add(self.owner)
         why = (f"parked {trio.current_time() - self.parked_at:.1f}s, longer than "
                "gateway.shared_park_limit, while another caller waited for its shared backend")
         self.parked = False
         bridge.flows.pop(self.id, None)
-        for req in list(self.pending.values()):
-            req.finish(ServerRequestOutcome.OWNER_GONE)  # elicitation: cancel; others: -32007
-        served = self.served
-        if served.call is not None and served.child is child:
-            child.give_up([served.call])
-        elif served.req.at is not None and served.req.at[0] is child:  # forwarded by a task
-            child.give_up([served.req.at[1]])
-        served.end(cancelled=True)  # (in a task: its call raises there, answered by nobody)
+        self._let_go(child)
+        self.served.end(cancelled=True)  # (in a task: its call raises there, answered by nobody)
         self.end(why)
 
     def call_ended(self) -> None:
