@@ -185,38 +185,36 @@ class Bridge:
         try:
             claims = self.codec.verify(jsonrpc.loads(params["requestState"]), time.time())
             if claims.principal != principal:
-                raise mrtr.invalid_state("it was issued to another principal", "principal")
+                raise mrtr.InvalidState("it was issued to another principal", "principal")
             flow = self.flows.get(claims.flow)
             if flow is None and claims.flow in self.preempted:
-                raise mrtr.invalid_state(
+                raise mrtr.InvalidState(
                     "its call was ended: parked longer than gateway.shared_park_limit while "
                     "another caller waited for its shared backend", "preempted")
             if flow is None:
-                raise mrtr.invalid_state("its call is over or expired, or was served by another "
-                                         "process of this replica", "gone")
+                raise mrtr.InvalidState("its call is over or expired, or was served by another "
+                                        "process of this replica", "gone")
             if (flow.owner is not owner if owner is not None
                     else flow.owner.transport is not Transport.HTTP):
                 # (a WebSocket/unix call's state presented on /mcp, or the reverse: the flow goes
                 # on waiting for its own retry; its answer could only reach its own connection)
-                raise mrtr.invalid_state("on a WebSocket or unix connection, the retry must come "
-                                         "on the connection of the call", "gone")
+                raise mrtr.InvalidState("on a WebSocket or unix connection, the retry must come "
+                                        "on the connection of the call", "gone")
             if not flow.parked or claims.round != flow.round:
-                raise mrtr.invalid_state(
+                raise mrtr.InvalidState(
                     "it was already used (a requestState is good for one retry)", "used")
             if claims.digest != mrtr.params_digest(method, params) or method != flow.method:
                 flow.end("a retry presented its state with other params")
-                raise mrtr.invalid_state("the retry's params differ from the call it continues",
-                                         "other_params")
-        except errors.InvalidParams as exc:
-            if exc.reason == "invalid_state":
-                kind = getattr(exc, "kind", "malformed")
-                self.bus.emit(RequestStateRefused(kind))
-                if kind == "tampered":
-                    self._end_tampered(params, principal, owner)
+                raise mrtr.InvalidState("the retry's params differ from the call it continues",
+                                        "other_params")
+        except mrtr.InvalidState as exc:
+            self.bus.emit(RequestStateRefused(exc.kind))
+            if exc.kind == "tampered":
+                self._end_tampered(params, principal, owner)
             raise
         except msgspec.DecodeError:
             self.bus.emit(RequestStateRefused("malformed"))
-            raise mrtr.invalid_state("not a string") from None
+            raise mrtr.InvalidState("not a string") from None
         answers = mrtr.input_responses(params)  # before anything changes: a bad one changes nothing
         flow.resume(request_id, answers, caps)
         return flow.owner
@@ -421,7 +419,7 @@ class Flow:
         self.closed()
         self.served.cancel()
 
-    def _let_go(self) -> None:
+    def _let_go(self, child: ChildConnection | None = None) -> None:
         """A parked flow ends (expired, its state tampered, a retry with other params), or one
         about to park is refused (``max_parked_flows``): as at a preemption, the child's
         requests are answered (an elicitation ``cancel``, others -32007) and its call given up
@@ -429,17 +427,18 @@ class Flow:
         the child's attribution set.  (Cancelled, a
         spec-following child never answers: the set stayed held for ``cancel_grace``, other
         callers' input requests there refused, then the shared child was recycled.)  Calls
-        that may ask for input wait for that reply (``leaving``)."""
-        bridge = self.bridge
-        bridge.leaving.add(self.owner)
+        that may ask for input wait for that reply (``leaving``).  ``child``: only a call at
+        that child is given up (None: wherever it is)."""
+        self.bridge.leaving.add(self.owner)
         for req in list(self.pending.values()):
-            req.finish(ServerRequestOutcome.OWNER_GONE)
+            req.finish(ServerRequestOutcome.OWNER_GONE)  # elicitation: cancel; others: -32007
         served = self.served
-        if served.call is not None and served.child is not None:
+        if (served.call is not None and served.child is not None
+                and (child is None or served.child is child)):
             served.child.give_up([served.call])
-        elif served.req.at is not None:  # forwarded by a task
-            child, call = served.req.at
-            child.give_up([call])
+        elif served.req.at is not None and (child is None or served.req.at[0] is child):
+            at, call = served.req.at  # forwarded by a task
+            at.give_up([call])
 
     def preempt(self, child: ChildConnection) -> None:
         """Parked longer than ``gateway.shared_park_limit`` while another caller's call that
@@ -450,19 +449,12 @@ class Flow:
         ``invalid_state`` with reason ``preempted``."""
         bridge = self.bridge
         bridge._remember_preempted(self.id)
-        bridge.leaving.add(self.owner)
         why = (f"parked {trio.current_time() - self.parked_at:.1f}s, longer than "
                "gateway.shared_park_limit, while another caller waited for its shared backend")
         self.parked = False
         bridge.flows.pop(self.id, None)
-        for req in list(self.pending.values()):
-            req.finish(ServerRequestOutcome.OWNER_GONE)  # elicitation: cancel; others: -32007
-        served = self.served
-        if served.call is not None and served.child is child:
-            child.give_up([served.call])
-        elif served.req.at is not None and served.req.at[0] is child:  # forwarded by a task
-            child.give_up([served.req.at[1]])
-        served.end(cancelled=True)  # (in a task: its call raises there, answered by nobody)
+        self._let_go(child)
+        self.served.end(cancelled=True)  # (in a task: its call raises there, answered by nobody)
         self.end(why)
 
     def call_ended(self) -> None:

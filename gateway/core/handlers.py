@@ -120,8 +120,8 @@ def set_level(ports: BackendDirectory, session: ClientSession, req: Request) -> 
     level = _str_param(req, "level")
     if level not in mcp.LOG_RANK:
         raise errors.InvalidParams(f"logging/setLevel: unknown level {level!r}")
-    session.set_log_level(level)
-    ports.log_levels_changed()
+    if session.set_log_level(level):
+        ports.log_levels_changed()
     return jsonrpc.EMPTY_RESULT
 
 
@@ -180,13 +180,11 @@ def outgoing(ports: CatalogView, session: ClientSession, target: Target,
     no round trips."""
     params = target.params
     meta = target.meta if target.progress is not None else None
-    if modern:
-        env = envelope_of(ports, session, target)
+    if modern:  # ``target.meta`` is its ``_meta`` decoded already (:func:`progress_token`)
+        with_env = {**(target.meta or {}), **envelope_of(ports, session, target)}
         if meta is not None:  # the token goes into _meta with the envelope
-            return params, {**meta, **env}
-        sent = dict(params)
-        era.add_envelope(sent, env)
-        return sent, None
+            return params, with_env
+        return {**params, "_meta": jsonrpc.encode_dict(with_env)}, None
     if "inputResponses" in params or "requestState" in params:  # a legacy child's call has no
         params = {k: v for k, v in params.items() if k not in mrtr.ROUND_TRIP_KEYS}  # round trips
     return params, meta

@@ -178,7 +178,8 @@ class Ownership:
         decision = decide(method, fields, sharing=backend.cfg.sharing,
                           config_roots=backend.cfg.roots, owners=sessions,
                           declared=backend.declared,
-                          cancelled=len(owners & child.router.cancelled_owners()),
+                          cancelled=(len(owners & child.router.cancelled_owners())
+                                     if len(owners) > 1 else 0),  # only said when refused
                           cancel_grace=backend.cfg.cancel_grace)
         if method != "roots/list" and (isinstance(decision, Forward)
                                        or decision.reason == "unattributable"):

@@ -334,13 +334,13 @@ def serve_request(ports: ServingPorts, session: ClientSession, env: jsonrpc.Enve
             served.end(handler(ports, session, req))
             return
         if targeter is not None:
-            served.target = targeter(ports, session, req)
-            if served.modern:  # kept aside: only a modern child gets it (handlers.envelope_of)
-                served.target.envelope = era.strip_envelope(served.target.params)
+            target = served.target = targeter(ports, session, req)
             # decoded once, here: a bad token fails the request at once
-            target = served.target
             target.progress, target.meta = handlers.progress_token(req, target.params)
-            if served.target.consent is None and served.forward_now():
+            if served.modern and target.meta is not None:  # kept aside: only a modern child
+                target.envelope, target.meta = era.strip_envelope(  # gets it (envelope_of)
+                    target.params, target.meta)
+            if target.consent is None and served.forward_now():
                 return
     except Exception as exc:
         served.end(exc=exc)

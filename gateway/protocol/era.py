@@ -188,25 +188,21 @@ def _header_value(value: str | None) -> str | None:
 ENVELOPE_KEYS = frozenset({VERSION_KEY, CAPABILITIES_KEY, CLIENT_INFO_KEY, LOG_LEVEL_KEY})
 
 
-def strip_envelope(params: dict[str, Raw]) -> dict[str, Raw] | None:
-    """Remove the modern envelope from a request's ``_meta`` (in place; the rest passes as is,
-    ``_meta`` goes when nothing is left).  Returns the envelope's keys that were there (for a
-    modern child, which gets them back: :func:`add_envelope`), or None."""
-    raw = params.get("_meta")
-    if raw is None:
-        return None
-    try:
-        meta = jsonrpc.raw_dict(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
+def strip_envelope(params: dict[str, Raw], meta: dict[str, Raw]
+                   ) -> tuple[dict[str, Raw] | None, dict[str, Raw] | None]:
+    """Remove the modern envelope from a request's ``_meta`` (``meta``: it, decoded one level;
+    ``params`` changes in place: the rest passes as is, ``_meta`` goes when nothing is left).
+    Returns the envelope's keys that were there (for a modern child, which gets them back), or
+    None, and what is left of ``meta`` (None: nothing)."""
+    envelope = {k: v for k, v in meta.items() if k in ENVELOPE_KEYS}
+    if not envelope:
+        return None, meta
     kept = {k: v for k, v in meta.items() if k not in ENVELOPE_KEYS}
-    if len(kept) == len(meta):
-        return None
     if kept:
         params["_meta"] = jsonrpc.encode_dict(kept)
     else:
         del params["_meta"]
-    return {k: v for k, v in meta.items() if k in ENVELOPE_KEYS}
+    return envelope, kept or None
 
 
 # ---- the gateway as the client of a modern child ----------------------------------------------

@@ -41,13 +41,9 @@ MAX_STATE = 4096
 class InvalidState(errors.InvalidParams):
     """-32602 ``invalid_state``; ``kind`` (the metric label) is kept on the exception only."""
 
-    def __init__(self, why: str, kind: str) -> None:
+    def __init__(self, why: str, kind: str = "malformed") -> None:
         super().__init__(f"requestState refused: {why}", reason="invalid_state")
         self.kind = kind
-
-
-def invalid_state(why: str, kind: str = "malformed") -> InvalidState:
-    return InvalidState(why, kind)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,37 +95,35 @@ class StateCodec:
         """
         if not isinstance(state, str) or len(state) > MAX_STATE or not state.isascii():
             # (non-ASCII: never ours, and hmac.compare_digest / the ASCII mac input refuse it)
-            raise invalid_state("not a state this gateway issued")
+            raise InvalidState("not a state this gateway issued")
         replica, _, rest = state.partition(".")
         payload, _, mac = rest.partition(".")
         if replica != self.replica_id:
-            raise invalid_state(f"it was issued by replica {replica[:64]!r}, this is "
-                                f"{self.replica_id!r}",
-                                "foreign")
+            raise InvalidState(f"it was issued by replica {replica[:64]!r}, this is "
+                               f"{self.replica_id!r}", "foreign")
         if not payload or not hmac.compare_digest(mac, self._mac(f"{replica}.{payload}")):
-            raise invalid_state("its signature does not verify (tampered, or signed with another "
-                                "key)",
-                                "tampered")
+            raise InvalidState("its signature does not verify (tampered, or signed with another "
+                               "key)", "tampered")
         try:
             fields = json.loads(_unb64(payload))
             claims = Claims(flow=fields["f"], round=fields["n"], expires=fields["x"],
                             backend=fields["b"],
                             keys=tuple(fields["k"]), digest=fields["d"], principal=fields["p"])
         except (ValueError, KeyError, TypeError, binascii.Error):  # signed by us: cannot happen
-            raise invalid_state("its payload is malformed") from None
+            raise InvalidState("its payload is malformed") from None
         if claims.expires <= now:
-            raise invalid_state("it has expired (gateway.state_ttl; a consent prompt: "
-                                "policy.elicitation_timeout)", "expired")
+            raise InvalidState("it has expired (gateway.state_ttl; a consent prompt: "
+                               "policy.elicitation_timeout)", "expired")
         return claims
 
     def issued(self, state: object) -> bool:
-        """Whether ``state`` is signed by this replica's key (expired or not)."""
-        if not isinstance(state, str) or len(state) > MAX_STATE or not state.isascii():
+        """Whether ``state`` is signed by this replica's key (expired or not): :meth:`verify`
+        at the beginning of time."""
+        try:
+            self.verify(state, -math.inf)
+        except InvalidState:
             return False
-        replica, _, rest = state.partition(".")
-        payload, _, mac = rest.partition(".")
-        return (replica == self.replica_id and bool(payload)
-                and hmac.compare_digest(mac, self._mac(f"{replica}.{payload}")))
+        return True
 
     def peek(self, state: str) -> str | None:
         """The flow id a state names, NOT verified (only to end a flow whose state was tampered)."""
