@@ -358,6 +358,8 @@ def load(data: bytes | str, *, base_dir: str = ".", check_commands: bool = False
         tree = msgspec.toml.decode(data)
     except msgspec.DecodeError as exc:
         raise ConfigError([f"not valid TOML: {exc}"]) from None
+    except RecursionError:  # tomllib recurses per nested array or inline table
+        raise ConfigError(["not valid TOML: arrays or tables nested too deeply"]) from None
     errors: list[str] = []
     sections: dict[str, Any] = {}
     for key in tree:

@@ -31,3 +31,22 @@ async def test_sigusr1_and_sigusr2_do_not_end_the_daemon(daemon: Daemon) -> None
     await check(daemon, base)
     assert not daemon.failures(since)
     assert any("ignoring SIGUSR1" in line for line in daemon.lines[since:]), daemon.tail()
+
+
+async def test_sighup_with_a_deeply_nested_config_keeps_the_daemon(daemon: Daemon) -> None:
+    """tomllib recurses per nesting level: 10^5 ``[`` in the config file raised RecursionError
+    out of the reload, which ended the daemon.  Now the reload fails and the old config stays."""
+    base = await baseline(daemon)
+    since = len(daemon.lines)
+    daemon.config_path.write_text("x = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    try:
+        daemon.proc.send_signal(signal.SIGHUP)
+        with trio.fail_after(10):
+            while not any("reload failed" in line for line in daemon.lines[since:]):
+                assert daemon.proc.poll() is None, "daemon died:\n" + daemon.tail()
+                await trio.sleep(0.05)
+    finally:
+        daemon.write_config(daemon.backends)
+    assert any("nested too deeply" in line for line in daemon.lines[since:]), daemon.tail()
+    await check(daemon, base)
+    assert [line for line in daemon.failures(since) if "reload failed" not in line] == []
