@@ -576,8 +576,7 @@ async def _cancel_when_stopping(hub: Hub, control: Control, scope: trio.CancelSc
 
 def _read_config(path: str) -> GatewayConfig:
     """The config file at ``path``, read and validated (backend commands looked up)."""
-    with open(path, "rb") as f:
-        data = f.read()
+    data = config.read_file(path)
     return config.load(data, base_dir=os.path.dirname(os.path.abspath(path)), check_commands=True)
 
 

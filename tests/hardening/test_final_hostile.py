@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import trio
@@ -19,6 +22,14 @@ def slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonSlot]:
     s = DaemonSlot(tmp_path_factory.mktemp("final"), BACKENDS)
     yield s
     s.close()
+
+
+async def reload_failed(daemon: Daemon, since: int) -> None:
+    """Wait (bounded) for "reload failed" in the daemon's log after line ``since``."""
+    with trio.fail_after(10):
+        while not any("reload failed" in line for line in daemon.lines[since:]):
+            assert daemon.proc.poll() is None, "daemon died:\n" + daemon.tail()
+            await trio.sleep(0.05)
 
 
 async def test_sigusr1_and_sigusr2_do_not_end_the_daemon(daemon: Daemon) -> None:
@@ -41,12 +52,36 @@ async def test_sighup_with_a_deeply_nested_config_keeps_the_daemon(daemon: Daemo
     daemon.config_path.write_text("x = " + "[" * 100_000 + "]" * 100_000 + "\n")
     try:
         daemon.proc.send_signal(signal.SIGHUP)
-        with trio.fail_after(10):
-            while not any("reload failed" in line for line in daemon.lines[since:]):
-                assert daemon.proc.poll() is None, "daemon died:\n" + daemon.tail()
-                await trio.sleep(0.05)
+        await reload_failed(daemon, since)
     finally:
         daemon.write_config(daemon.backends)
     assert any("nested too deeply" in line for line in daemon.lines[since:]), daemon.tail()
     await check(daemon, base)
     assert [line for line in daemon.failures(since) if "reload failed" not in line] == []
+
+
+async def test_sighup_with_a_fifo_for_config_fails_the_reload_and_sigterm_still_stops(
+        tmp_path: Path) -> None:
+    """A FIFO in the config's place: open() waited for a writer forever in the reload's thread,
+    and SIGTERM then never stopped the daemon.  Now the reload fails at once (not a regular file)
+    and the daemon stays and then stops on SIGTERM."""
+    daemon = Daemon(tmp_path, BACKENDS)
+    try:
+        base = await baseline(daemon)
+        since = len(daemon.lines)
+        daemon.config_path.unlink()
+        os.mkfifo(daemon.config_path)
+        daemon.proc.send_signal(signal.SIGHUP)
+        await reload_failed(daemon, since)
+        assert any("not a regular file" in line for line in daemon.lines[since:]), daemon.tail()
+        daemon.config_path.unlink()
+        daemon.write_config(daemon.backends)
+        await check(daemon, base)
+        daemon.proc.send_signal(signal.SIGTERM)
+        assert await trio.to_thread.run_sync(lambda: daemon.proc.wait(8)) == 0
+    except subprocess.TimeoutExpired:
+        raise AssertionError("SIGTERM did not stop the daemon:\n" + daemon.tail()) from None
+    finally:
+        if daemon.proc.poll() is None:
+            daemon.proc.kill()
+        daemon.stop()
