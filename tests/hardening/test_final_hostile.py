@@ -85,3 +85,24 @@ async def test_sighup_with_a_fifo_for_config_fails_the_reload_and_sigterm_still_
         if daemon.proc.poll() is None:
             daemon.proc.kill()
         daemon.stop()
+
+
+@pytest.mark.parametrize("header", [b"Host: \xff\xfe:1", b"Sec-WebSocket-Protocol: \xff\xfe",
+                                    b"Sec-WebSocket-Extensions: permessage-deflate; x=\xff"])
+async def test_websocket_upgrade_with_a_non_ascii_header_is_refused_not_a_traceback(
+        daemon: Daemon, header: bytes) -> None:
+    """wsproto decodes Host and its comma-separated headers as ASCII: a UnicodeDecodeError out
+    of the handshake was logged as a gateway bug (ERROR and a traceback).  Now a 400."""
+    base = await baseline(daemon)
+    since = len(daemon.lines)
+    stream = await trio.open_tcp_stream("127.0.0.1", daemon.ws_port)
+    host = b"" if header.startswith(b"Host:") else f"Host: 127.0.0.1:{daemon.ws_port}\r\n".encode()
+    await stream.send_all(b"GET / HTTP/1.1\r\n" + host + header + b"\r\nUpgrade: websocket\r\n"
+                          b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                          b"Sec-WebSocket-Version: 13\r\n\r\n")
+    with trio.fail_after(5):
+        answer = await stream.receive_some(4096)
+    await stream.aclose()
+    assert answer.startswith(b"HTTP/1.1 400 "), answer
+    await check(daemon, base)
+    assert daemon.failures(since) == [], daemon.tail()
