@@ -17,8 +17,7 @@ LOGGER = logging.getLogger("gateway")
 
 
 def _load(path: str, *, check_commands: bool) -> config.GatewayConfig:
-    with open(path, "rb") as f:
-        data = f.read()
+    data = config.read_file(path)
     return config.load(data, base_dir=os.path.dirname(os.path.abspath(path)),
                        check_commands=check_commands)
 

@@ -14,6 +14,7 @@ import ipaddress
 import os
 import re
 import shutil
+import stat
 from typing import Any, Literal
 
 import msgspec
@@ -342,6 +343,32 @@ def client_exposure_problems(cfg: GatewayConfig) -> list[str]:
         read_rule=any(r.kind == "resource" and r.action == "allow" for r in cfg.policy.rules))
 
 
+MAX_CONFIG_BYTES = 16 * MIB
+
+
+def read_file(path: str) -> bytes:
+    """The bytes of the config file at ``path``: a regular file of at most
+    :data:`MAX_CONFIG_BYTES`.  O_NONBLOCK: a FIFO put there opens at once and is refused, where a
+    plain open() would wait for a writer forever (a SIGHUP reload stuck in it held up SIGTERM);
+    a device such as /dev/zero is refused, not read without end.
+
+    Raises:
+        OSError: unreadable.
+        ConfigError: not a regular file, or too large.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError([f"{path}: not a regular file"])
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError([f"{path}: larger than {MAX_CONFIG_BYTES} bytes"])
+    return data
+
+
 def load(data: bytes | str, *, base_dir: str = ".", check_commands: bool = False) -> GatewayConfig:
     """Decode and validate a TOML config.
 
@@ -359,6 +386,8 @@ def load(data: bytes | str, *, base_dir: str = ".", check_commands: bool = False
         tree = msgspec.toml.decode(data)
     except msgspec.DecodeError as exc:
         raise ConfigError([f"not valid TOML: {exc}"]) from None
+    except RecursionError:  # tomllib recurses per nested array or inline table
+        raise ConfigError(["not valid TOML: arrays or tables nested too deeply"]) from None
     errors: list[str] = []
     sections: dict[str, Any] = {}
     for key in tree:

@@ -145,11 +145,17 @@ def _status_line(hub: Hub) -> str:
 
 async def _signals(control: Control,
                    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+    # SIGUSR1/SIGUSR2 have no meaning here, but their default action ends the process: a stray
+    # `kill -USR1` must not take the gateway down, so they are received and logged.
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP,
+                                   signal.SIGUSR1, signal.SIGUSR2) as signals:
         task_status.started()
         async for signum in signals:
             if signum == signal.SIGHUP:
                 control.reload()
+            elif signum in (signal.SIGUSR1, signal.SIGUSR2):
+                LOGGER.warning("ignoring %s: it means nothing to the gateway",
+                               signal.Signals(signum).name)
             else:  # SIGTERM (systemd, a load balancer's orchestrator): lame duck first
                 control.stop(lame_duck=signum == signal.SIGTERM)
 
@@ -169,7 +175,7 @@ async def run(
         cfg: the validated configuration.
         config_path: re-read on reload (without it, reload keeps the running config).
         control: reload/stop triggers (created when not given).
-        handle_signals: receive SIGHUP/SIGTERM/SIGINT (the ``mcp-gateway run`` daemon).
+        handle_signals: receive SIGHUP/SIGTERM/SIGINT, ignore SIGUSR1/SIGUSR2 (``mcp-gateway run``).
         subreaper: become a child subreaper and reap orphaned backend descendants.
         task_status: reports :class:`Bound` once listeners are bound and required backends run.
 
@@ -570,8 +576,7 @@ async def _cancel_when_stopping(hub: Hub, control: Control, scope: trio.CancelSc
 
 def _read_config(path: str) -> GatewayConfig:
     """The config file at ``path``, read and validated (backend commands looked up)."""
-    with open(path, "rb") as f:
-        data = f.read()
+    data = config.read_file(path)
     return config.load(data, base_dir=os.path.dirname(os.path.abspath(path)), check_commands=True)
 
 

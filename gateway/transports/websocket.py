@@ -225,6 +225,10 @@ def origin_allowed(headers: Sequence[tuple[bytes, bytes]], allowed: Sequence[str
                for name, value in headers if name.lower() == b"origin")
 
 
+_BAD_HEADER = (b"HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain\r\ncontent-length: 33\r\n"
+               b"connection: close\r\n\r\nrequest header is not ASCII text\n")
+
+
 async def _refuse(stream: trio.abc.Stream, ws: WSConnection, status: int, text: str,
                   headers: Sequence[tuple[bytes, bytes]] = (),
                   content_type: bytes = b"text/plain") -> None:
@@ -279,6 +283,10 @@ async def _handshake(stream: trio.abc.Stream, allowed_origins: Sequence[str],
         except RemoteProtocolError as exc:
             LOGGER.info("websocket upgrade refused: %s", exc)
             await stream.send_all(ws.send(exc.event_hint or RejectConnection(status_code=400)))
+            return _REFUSED
+        except UnicodeError:  # wsproto decodes Host (IDNA) and its comma headers as ASCII
+            LOGGER.info("websocket upgrade refused: a header that is not ASCII")
+            await stream.send_all(_BAD_HEADER)
             return _REFUSED
         for event in events:
             if not isinstance(event, Request):
