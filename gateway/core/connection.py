@@ -295,6 +295,7 @@ async def _reader(ports: ConnectionPorts, session: ClientSession, stream: Messag
     comparisons per message and no checkpoint.
     """
     handled = 0
+    reply = _replier(session)  # one for every message of the connection (a batch has its own)
     while not session.closed.is_set():
         if session.queued > session.high_water or session.queued_bytes > session.high_water_bytes:
             await _wait_drained(session, ports.cfg.gateway.write_stall_timeout)
@@ -317,7 +318,7 @@ async def _reader(ports: ConnectionPorts, session: ClientSession, stream: Messag
             if jsonrpc.is_batch(data):
                 _handle_batch(ports, session, data, nursery)
             else:
-                _handle(ports, session, data, nursery)
+                _handle(ports, session, data, nursery, reply)
         else:
             _take(ports, session, data, nursery)
 
@@ -431,16 +432,19 @@ Reply = Callable[[bytes | None, int | str | None], None]
 def _replier(session: ClientSession) -> Reply:
     """How a message's answer reaches ``session`` (sent at once, with its routing hint: one
     array collects a batch's)."""
+    send = session.send
+    answer = jsonrpc.Goes.ANSWER
+
     def reply(message: bytes | None, id: int | str | None = None) -> None:
         if message is not None:
-            session.send(message, (jsonrpc.Goes.ANSWER, id))
+            send(message, (answer, id))
 
     return reply
 
 
 def _handle(ports: ConnectionPorts, session: ClientSession, data: bytes,
-            nursery: trio.Nursery) -> None:
-    """One message (not a batch)."""
+            nursery: trio.Nursery, reply: Reply) -> None:
+    """One message (not a batch); ``reply``: the session's :func:`_replier`."""
     try:
         env = jsonrpc.decode(data, ports.max_json_depth)
         kind = jsonrpc.classify(env)
@@ -448,7 +452,7 @@ def _handle(ports: ConnectionPorts, session: ClientSession, data: bytes,
         bad_id = exc.data.pop("id", None)
         session.send(error_response(bad_id, exc))
         return
-    _dispatch(ports, session, env, kind, len(data), nursery, _replier(session), in_batch=False)
+    _dispatch(ports, session, env, kind, len(data), nursery, reply, in_batch=False)
 
 
 def _handle_batch(ports: ConnectionPorts, session: ClientSession, data: bytes,
@@ -487,8 +491,8 @@ def _dispatch(ports: ConnectionPorts, session: ClientSession, env: jsonrpc.Envel
     """A decoded message: a request is served (or refused), anything else taken in; ``reply``
     is called once (with None when there is nothing to answer now)."""
     if kind == "request":
-        assert isinstance(env.id, int | str) and isinstance(env.method, str)
-        refused = refusal(ports, session, env)
+        assert isinstance(env.id, (int, str)) and isinstance(env.method, str)
+        refused = refusal(ports, session, env) if ports.draining else None
         if refused is not None:
             session.drain(trio.current_time())  # its close waits for it to settle
             reply(error_response(env.id, refused), env.id)
