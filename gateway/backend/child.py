@@ -44,7 +44,7 @@ from gateway.protocol.routing import (
     ToChild,
     ToOwner,
     UnknownReply,
-    request_params,
+    request_fields,
 )
 
 LOGGER = logging.getLogger(__name__)
@@ -272,8 +272,10 @@ class ChildConnection:
         call = self.router.open_call(method, owner=owner, handle=handle, now=now, timeout=timeout,
                                      hard_deadline=hard, progress=progress, internal=internal)
         if fields is not None:
-            params = request_params(fields, meta, call.token)
-        line = jsonrpc.encode_request(call.gid, method, params)
+            line = jsonrpc.encode_request_fields(call.gid, method,
+                                                 request_fields(fields, meta, call.token))
+        else:
+            line = jsonrpc.encode_request(call.gid, method, params)
         if not internal and not self.link.fits(len(line)):
             raise self._queue_full()  # an opened call that is never submitted leaves no trace
         self.perform(self.router.submit(call, line))

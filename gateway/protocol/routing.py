@@ -57,14 +57,20 @@ _QUEUED, _SENT, _ABANDONED, _DONE = (CallState.QUEUED, CallState.SENT, CallState
                                      CallState.DONE)
 
 
-def request_params(params: dict[str, Raw], meta: dict[str, Raw] | None, token: str | None) -> Raw:
-    """A forwarded request's params for the child, as the core decided them (its era's shape),
-    with the gateway's progress ``token`` in ``_meta.progressToken`` when the caller asked for
-    progress (``meta``: the ``_meta`` it goes into)."""
+def request_fields(params: dict[str, Raw], meta: dict[str, Raw] | None,
+                   token: str | None) -> dict[str, Raw]:
+    """A forwarded request's params for the child (decoded one level), as the core decided them
+    (its era's shape), with the gateway's progress ``token`` in ``_meta.progressToken`` when the
+    caller asked for progress (``meta``: the ``_meta`` it goes into)."""
     if meta is not None and token is not None:
         token_raw = Raw(msgspec.json.encode(token))
-        params = {**params, "_meta": jsonrpc.encode_dict({**meta, "progressToken": token_raw})}
-    return jsonrpc.encode_dict(params)
+        return {**params, "_meta": jsonrpc.encode_dict({**meta, "progressToken": token_raw})}
+    return params
+
+
+def request_params(params: dict[str, Raw], meta: dict[str, Raw] | None, token: str | None) -> Raw:
+    """:func:`request_fields`, encoded."""
+    return jsonrpc.encode_dict(request_fields(params, meta, token))
 
 
 class Call:
@@ -173,6 +179,7 @@ class ChildRouter:
         self._by_token: dict[str, Call] = {}
         # default-timeout calls running their clock: deadline order
         self._timed: dict[int, Call] = {}
+        self._timed_until = -math.inf  # no deadline in ``_timed`` is later (while it is not empty)
         # (deadline, gid, call) for the others; an entry whose call ended or moved is stale, skipped
         self._heap: list[tuple[float, int, Call]] = []
         self._announced = math.inf  # the deadline last given out with ArmTimer
@@ -483,10 +490,11 @@ class ChildRouter:
     # ---- timers -----------------------------------------------------------------------------
 
     def _arm(self, call: Call, actions: list[Action]) -> None:
-        last = next(reversed(self._timed.values()), None)
-        if (call.timeout == self.timeout and call.deadline == call.started + call.timeout
-                and (last is None or last.deadline <= call.deadline)):  # (submitted in order)
+        deadline = call.deadline
+        if (call.timeout == self.timeout and deadline == call.started + call.timeout
+                and (self._timed_until <= deadline or not self._timed)):  # (submitted in order)
             self._timed[call.gid] = call
+            self._timed_until = deadline
         elif call.deadline < math.inf:
             heapq.heappush(self._heap, (call.deadline, call.gid, call))
         else:
