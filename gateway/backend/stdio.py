@@ -209,12 +209,12 @@ class LineLink:
                 return
             frames = framer.feed(data)
             for n, frame in enumerate(frames, 1):
-                if isinstance(frame, Oversize):
+                if type(frame) is bytes:
+                    message(frame)
+                elif isinstance(frame, Oversize):
                     oversize(frame)
                 elif isinstance(frame, OversizeEnd):
                     oversize_end(frame)
-                else:
-                    message(frame)
                 if not n % SLICE:  # a long run of replies: let the other tasks run meanwhile
                     await trio.lowlevel.checkpoint()
             if len(data) == READ_CHUNK and len(frames) % SLICE:  # more may be waiting

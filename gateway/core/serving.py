@@ -158,7 +158,8 @@ class Served:
         backend = ports.backend_now(target.backend)
         if backend is None:
             return False
-        picked = backend.pick_now(session, asks=backend.waits_for_parked(asker_key(req)))
+        picked = backend.pick_now(session, asks=bool(backend.askers)
+                                  and backend.waits_for_parked(asker_key(req)))
         if picked is None:
             return False
         inst, child = picked
@@ -346,8 +347,8 @@ def serve_request(ports: ServingPorts, session: ClientSession, env: jsonrpc.Enve
             return
         if targeter is not None:
             target = served.target = targeter(ports, session, req)
-            # decoded once, here: a bad token fails the request at once
-            target.progress, target.meta = handlers.progress_token(req, target.params)
+            if "_meta" in target.params:  # decoded once, here: a bad token fails it at once
+                target.progress, target.meta = handlers.progress_token(req, target.params)
             if served.modern and target.meta is not None:  # kept aside: only a modern child
                 target.envelope, target.meta = era.strip_envelope(  # gets it (envelope_of)
                     target.params, target.meta)
