@@ -76,6 +76,15 @@ class InlineStream(MessageStream, Protocol):
     inline: Callable[[Decoded], bool] | None
 
 
+@runtime_checkable
+class BufferedStream(MessageStream, Protocol):
+    """A stream that tells how many messages it holds from reads already made: while it holds
+    none, :meth:`receive` reads, and so lets the other tasks run."""
+
+    @property
+    def buffered(self) -> int: ...
+
+
 class ConnectionPorts(ServingPorts, Protocol):
     """What a connection needs: serving's ports, the daemon-wide byte budget, the message limits,
     and where its session registers while it is open."""
@@ -294,16 +303,20 @@ async def _reader(ports: ConnectionPorts, session: ClientSession, stream: Messag
     drain it (see :meth:`ClientSession.wait_drained`); when not backlogged that costs two int
     comparisons per message and no checkpoint.
     """
-    handled = 0
+    handled = 0  # messages since the last read (a stream that does not say: since the last pause)
+    held = stream if isinstance(stream, BufferedStream) else None
     reply = _replier(session)  # one for every message of the connection (a batch has its own)
     while not session.closed.is_set():
         if session.queued > session.high_water or session.queued_bytes > session.high_water_bytes:
             await _wait_drained(session, ports.cfg.gateway.write_stall_timeout)
             continue
-        handled += 1
-        if handled == SLICE:  # a long run of pipelined messages: let the other tasks run
-            handled = 0
-            await trio.lowlevel.checkpoint()
+        if held is not None and not held.buffered:
+            handled = 0  # receive reads: the other tasks run meanwhile
+        else:
+            handled += 1
+            if handled == SLICE:  # a long run of pipelined messages: let the other tasks run
+                handled = 0
+                await trio.lowlevel.checkpoint()
         try:
             data = await stream.receive()
         except errors.TransportClosed:

@@ -365,7 +365,7 @@ class ChildRouter:
         """``call`` is over for its caller (``pending``/queue bookkeeping is the caller's)."""
         was_sent = call.state is _SENT
         call.state = _DONE
-        self._unarm(call)
+        self._timed.pop(call.gid, None)  # unarmed (heap entries go stale and are skipped)
         if call.token is not None:
             self._by_token.pop(call.token, None)
         actions.append(Finished(call, result, error))

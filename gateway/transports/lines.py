@@ -36,6 +36,11 @@ class LineStream:
         self._pos = 0
         self._deadline: float | None = None  # for the partial line held, if any
 
+    @property
+    def buffered(self) -> int:
+        """Lines held from reads already made (:meth:`receive` hands them out without one)."""
+        return len(self._ready) - self._pos
+
     async def receive(self) -> bytes:
         while self._pos >= len(self._ready):
             if self._framer.partial and self._deadline is None:
