@@ -357,6 +357,12 @@ def params_dict(params: Raw | UnsetType) -> dict[str, Raw]:
     if params is UNSET or not params:
         return {}
     try:
+        return _dict_decoder.decode(params)
+    except msgspec.ValidationError:
+        raise InvalidRequest("params must be a JSON object") from None
+    except msgspec.DecodeError:  # maybe an unpaired surrogate escape: raw_dict's slow path
+        pass
+    try:
         return raw_dict(params)
     except (msgspec.ValidationError, msgspec.DecodeError):
         raise InvalidRequest("params must be a JSON object") from None
