@@ -6,9 +6,9 @@
 
 Five curves, each at least six points spread (log-spaced) over its range:
 
-* ``catalog``: ``tools/list`` latency (first page, p50/p99 over ``--calls`` calls; a walk over
-  every page) and the gateway's VmRSS against the merged catalog: 100 → 20,000 tools over
-  1 → 100 backends, each backend a ``bench/lean_server.py`` child (stdio, generated tools);
+* ``catalog``: ``tools/list`` latency (first page, p50/p99 of 1,000 calls; the fastest of five
+  walks over every page), the gateway's VmRSS and its start time against the merged catalog:
+  100 → 20,000 tools over 1 → 100 backends, each a ``bench/lean_server.py`` child (stdio);
 * ``ws``: the gateway's VmRSS and one client's call latency (p50/p99) against open WebSocket
   connections, 10 → 4,000 (each initialised, then idle), one lean backend;
 * ``http``: the same against legacy Streamable HTTP sessions, 10 → 1,024 (the default
@@ -23,7 +23,8 @@ into ``--out``, then draws the plots with ``bench/growth_plot.py`` under the mat
 ``scripts/setup-bench`` (``.deps/bench/venv-plot``); without it, it says which command to run.
 ``--quick`` (development, under a minute) runs three small points per curve.  The clients are
 bench/run.py's (``WsConn``, ``HttpConn``); every server binds 127.0.0.1, every loop is bounded,
-and every process started is stopped (process group, then recorded descendants) on any exit.
+every process started is stopped (process group, then recorded descendants) on any exit, also
+on SIGTERM or SIGHUP, and the whole run is bounded (20 min).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import math
 import os
 import platform
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -63,6 +65,7 @@ READY_TIMEOUT = 60.0  # a gateway start with up to 100 backends, on a loaded 2-c
 POLL = 0.01  # seconds between two /readyz or /status polls while a gateway starts
 OPEN_AT_ONCE = 64  # client connections or sessions being opened at the same time
 OPEN_TIMEOUT = 300.0  # opening all of a point's connections or sessions
+TOTAL_TIMEOUT = 1200.0  # the whole run (a full one takes about a minute and a half)
 BACKEND_NOTE = ("backends: bench/lean_server.py (stdio, python3 -S, one process each, "
                 "generated tools, every tool echoes)")
 
@@ -80,7 +83,7 @@ class Plan:
     calls: int  # latency samples per point
     view_tools_fixed: int = 2000
     view_rules_fixed: int = 100
-    view_repeat: int = 5
+    view_repeat: int = 15
     restart_repeat: int = 2
 
 
@@ -91,7 +94,7 @@ FULL = Plan(
     view_rules=(1, 3, 10, 30, 100, 300, 1000),
     view_tools=(100, 300, 1000, 3000, 10000, 20000),
     restart=(1, 2, 5, 10, 20, 50),
-    calls=300,
+    calls=1000,
 )
 QUICK = Plan(
     catalog=((100, 1), (1000, 4), (3000, 10)),
@@ -126,16 +129,17 @@ def exponent(xs: Sequence[float], ys: Sequence[float]) -> float:
 
 
 def shape(xs: Sequence[float], ys: Sequence[float]) -> str:
-    """``flat`` (the last point under 1.5× the first), ``linear or less`` (log-log slope up to
-    1.15), else ``worse than linear``; with the slope ``k``."""
+    """``flat`` (the last point under 1.5× the first), else by ``k top``, the log-log slope over
+    the last three points (growth at scale; the small points carry fixed costs and fit in the
+    CPU caches): ``linear or less`` up to 1.25 (a shared machine's noise moves a slope by about
+    0.15), else ``worse than linear``.  ``k`` is the slope over every point."""
     if len(xs) < 2 or not ys or ys[0] <= 0:
         return "n/a"
-    k = exponent(xs, ys)
+    k, top = exponent(xs, ys), exponent(xs[-3:], ys[-3:])
     if ys[-1] < 1.5 * ys[0]:
         return f"flat (×{ys[-1] / ys[0]:.2f} over ×{xs[-1] / xs[0]:.0f}; k={k:.2f})"
-    if k <= 1.15:
-        return f"linear or less (k={k:.2f})"
-    return f"worse than linear (k={k:.2f})"
+    verdict = "linear or less" if top <= 1.25 else "worse than linear"
+    return f"{verdict} (k top={top:.2f}, k={k:.2f})"
 
 
 # ==== a gateway daemon ===========================================================================
@@ -279,7 +283,7 @@ async def curve_catalog(plan: Plan, procs: br.Procs) -> list[dict[str, Any]]:
                 await conn.aclose()
                 nursery.cancel_scope.cancel()
             rows.append({"tools": tools, "backends": backends, **lat_ms(first),
-                         "walk_ms": round(statistics.median(walks) * 1000, 2), "pages": pages,
+                         "walk_ms": round(min(walks) * 1000, 2), "pages": pages,
                          "rss_mib": round(gw.rss_mib(), 1),
                          "start_s": round(gw.running_s, 3), "load": loadavg()})
         finally:
@@ -382,7 +386,7 @@ async def curve_http(plan: Plan, procs: br.Procs) -> tuple[list[dict[str, Any]],
                 await br.HttpConn(gw.http).initialize()
                 extra["session_1025"] = "accepted"
             except br.BenchError as exc:
-                extra["session_1025"] = str(exc)[:80]
+                extra["session_1025"] = str(exc)[:200]
         with trio.move_on_after(60):
             for c in sessions:
                 await c.aclose()
@@ -420,12 +424,13 @@ def view_point(tools: int, rules: int, repeat: int) -> dict[str, Any]:
 
     catalog, policy = view_setup(tools, rules)
     cold, warm = [], []
-    for r in range(repeat):
+    first, second = Caller("ws", "user-0"), Caller("ws", "user-1")
+    for _ in range(repeat):
         policy.catalog_changed(catalog)
         t0 = time.perf_counter()
-        seen = policy.view(catalog, "tools", Caller("ws", f"user-{r}"))
+        seen = policy.view(catalog, "tools", first)
         t1 = time.perf_counter()
-        policy.view(catalog, "tools", Caller("ws", f"user-{r + 1}"))
+        policy.view(catalog, "tools", second)
         t2 = time.perf_counter()
         cold.append(t1 - t0)
         warm.append(t2 - t1)
@@ -481,10 +486,11 @@ def markdown(doc: dict[str, Any]) -> str:
     if "catalog" in doc:
         out += ["## tools/list and memory against catalog size", "",
                 "| tools | backends | first page p50 ms | p99 ms | all pages ms (pages) | "
-                "gateway VmRSS MiB | start to all RUNNING s | load |", "|---" * 8 + "|"]
+                "ms per page | gateway VmRSS MiB | start to all RUNNING s | load |",
+                "|---" * 9 + "|"]
         out += [f"| {r['tools']} | {r['backends']} | {r['p50_ms']} | {r['p99_ms']} | "
-                f"{r['walk_ms']} ({r['pages']}) | {r['rss_mib']} | {r['start_s']} | "
-                f"{_fmt_load(r)} |" for r in doc["catalog"]]
+                f"{r['walk_ms']} ({r['pages']}) | {r['walk_ms'] / r['pages']:.3f} | "
+                f"{r['rss_mib']} | {r['start_s']} | {_fmt_load(r)} |" for r in doc["catalog"]]
         out += [""]
     if "ws" in doc:
         out += ["## WebSocket connections", "",
@@ -531,6 +537,7 @@ def shapes_of(doc: dict[str, Any]) -> dict[str, str]:
         s["tools/list first page p99 vs tools"] = shape(x, [r["p99_ms"] for r in rows])
         s["tools/list all pages vs tools"] = shape(x, [r["walk_ms"] for r in rows])
         s["gateway VmRSS vs tools"] = shape(x, [r["rss_mib"] for r in rows])
+        s["start to all RUNNING vs tools (and backends)"] = shape(x, [r["start_s"] for r in rows])
     for key, what in (("ws", "connections"), ("http", "sessions")):
         if rows := doc.get(key):
             x = [r[what] for r in rows]
@@ -566,6 +573,26 @@ def _commit() -> str:
 
 
 async def amain(plan: Plan, only: Sequence[str], procs: br.Procs, doc: dict[str, Any]) -> None:
+    """The curves in ``only``, into ``doc``; SIGTERM or SIGHUP stops the run (an error)."""
+    stopped: list[str] = []
+
+    async def on_signal(cancel: trio.CancelScope) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGHUP) as signals:
+            async for sig in signals:
+                stopped.append(f"signal {sig}")
+                cancel.cancel()
+                return
+
+    async with trio.open_nursery() as outer:
+        outer.start_soon(on_signal, outer.cancel_scope)
+        with trio.fail_after(TOTAL_TIMEOUT):
+            await curves(plan, only, procs, doc)
+        outer.cancel_scope.cancel()
+    if stopped:
+        raise br.BenchError(f"stopped by {stopped[0]}")
+
+
+async def curves(plan: Plan, only: Sequence[str], procs: br.Procs, doc: dict[str, Any]) -> None:
     extra = doc.setdefault("extra", {})
     if "catalog" in only:
         print("catalog", file=sys.stderr, flush=True)
@@ -624,6 +651,9 @@ def main(argv: list[str] | None = None) -> int:
         procs = br.Procs(logs)
         try:
             trio.run(amain, plan, only, procs, doc)
+        except br.BenchError as exc:
+            print(f"growth: failed: {exc} (logs: {logs}, removed now)", file=sys.stderr)
+            return 1
         finally:
             procs.stop_all()
     doc["meta"]["load_end"] = loadavg()

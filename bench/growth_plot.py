@@ -29,7 +29,7 @@ def _guide(ax: Any, xs: list[float], ys: list[float]) -> None:
     """A dotted line through the first point with slope 1 on log-log axes (linear growth)."""
     if xs and ys and ys[0] > 0:
         ax.plot([xs[0], xs[-1]], [ys[0], ys[0] * xs[-1] / xs[0]], ":", color="grey", lw=0.8,
-                label="linear from the first point")
+                label="slope 1 (linear) from the first point")
 
 
 def _panel(ax: Any, xs: list[float], series: dict[str, list[float]], xlabel: str,
@@ -69,8 +69,9 @@ def draw(doc: dict[str, Any], out_dir: str) -> list[str]:
     backend = meta["backend"]
     written: list[str] = []
     if rows := doc.get("catalog"):
-        fig, (a, b) = _figure("tools/list and gateway memory against catalog size",
-                              f"{backend}; 1 → {rows[-1]['backends']} backends; {stamp}")
+        fig, (a, b, c) = _figure("tools/list, gateway memory and start against catalog size",
+                                 f"{backend}; 1 → {rows[-1]['backends']} backends; {stamp}",
+                                 ncols=3)
         xs = [r["tools"] for r in rows]
         _panel(a, xs, {"first page p50": [r["p50_ms"] for r in rows],
                        "first page p99": [r["p99_ms"] for r in rows],
@@ -78,6 +79,9 @@ def draw(doc: dict[str, Any], out_dir: str) -> list[str]:
                "tools in the merged catalog", "ms", guide="all pages (one walk)")
         _panel(b, xs, {"gateway VmRSS": [r["rss_mib"] for r in rows]},
                "tools in the merged catalog", "MiB", guide="gateway VmRSS")
+        _panel(c, xs, {"start to every backend RUNNING": [r["start_s"] for r in rows]},
+               "tools in the merged catalog (over 1 → 100 backends)", "s",
+               guide="start to every backend RUNNING")
         _save(fig, out_dir, "growth-catalog.svg", written)
     for key, what, title in (("ws", "connections", "WebSocket connections (idle, initialised)"),
                              ("http", "sessions", "legacy HTTP sessions (idle)")):

@@ -55,6 +55,11 @@ def test_shape_tells_flat_linear_and_worse_apart() -> None:
     assert growth.shape(xs, [1.0, 10.0, 100.0, 1000.0]).startswith("linear or less")
     assert growth.shape(xs, [1.0, 3.0, 20.0, 150.0]).startswith("linear or less")
     assert growth.shape(xs, [1.0, 100.0, 10_000.0, 1_000_000.0]).startswith("worse than linear")
+    # a step between small points (fixed costs, caches) but linear at scale: judged at scale
+    assert growth.shape([1, 10, 100, 1000], [1.0, 30.0, 300.0, 3000.0]).startswith(
+        "linear or less (k top=1.00")
+    quadratic_at_scale = [x + x * x / 100 for x in (1.0, 10.0, 100.0, 1000.0)]
+    assert growth.shape([1, 10, 100, 1000], quadratic_at_scale).startswith("worse than")
     assert math.isclose(growth.exponent(xs, [2.0, 200.0, 20_000.0, 2_000_000.0]), 2.0)
 
 
@@ -110,7 +115,7 @@ def test_the_table_names_every_curve_and_its_shape() -> None:
     }
     doc["shapes"] = growth.shapes_of(doc)
     text = growth.markdown(doc)
-    assert "| 1000 | 1 | 0.2 | 0.3 | 10.0 (10) | 40.0 | 0.5 | 0.5 / 0.4 / 0.3 |" in text
+    assert "| 1000 | 1 | 0.2 | 0.3 | 10.0 (10) | 1.000 | 40.0 | 0.5 | 0.5 / 0.4 / 0.3 |" in text
     assert doc["shapes"]["gateway VmRSS vs tools"].startswith("flat")
     assert doc["shapes"]["start to all RUNNING vs backends"].startswith("linear or less")
     json.dumps(doc)
