@@ -21,7 +21,8 @@ Five curves, each at least six points spread (log-spaced) over its range:
 The run writes ``growth.json`` and ``growth.md`` (the table, with the machine's load average)
 into ``--out``, then draws the plots with ``bench/growth_plot.py`` under the matplotlib venv of
 ``scripts/setup-bench`` (``.deps/bench/venv-plot``); without it, it says which command to run.
-``--quick`` (development, under a minute) runs three small points per curve.  The clients are
+``--quick`` (development, under a minute) runs three small points per curve; ``--redraw JSON``
+measures nothing and writes the table and plots of an earlier run.  The clients are
 bench/run.py's (``WsConn``, ``HttpConn``); every server binds 127.0.0.1, every loop is bounded,
 every process started is stopped (process group, then recorded descendants) on any exit, also
 on SIGTERM or SIGHUP, and the whole run is bounded (20 min).
@@ -498,6 +499,9 @@ def markdown(doc: dict[str, Any]) -> str:
                 "KiB per connection | load |", "|---" * 7 + "|"]
         out += [f"| {r['connections']} | {r['alive']} | {r['p50_ms']} | {r['p99_ms']} | "
                 f"{r['rss_mib']} | {r['rss_per_conn_kib']} | {_fmt_load(r)} |" for r in doc["ws"]]
+        if "gateway_open_files_limit" in doc.get("extra", {}):
+            out += ["", "The gateway's open-files limit (`/proc/<pid>/limits`, after it raised its "
+                    f"soft limit at start): {doc['extra']['gateway_open_files_limit']}."]
         out += [""]
     if "http" in doc:
         out += ["## Legacy HTTP sessions", "",
@@ -625,6 +629,19 @@ def plot(json_path: str, out_dir: str) -> str:
     return done.stdout.strip()
 
 
+def redraw(json_path: str, out_dir: str, *, plot_too: bool) -> int:
+    """The table (and the plots) of the run recorded in ``json_path``, into ``out_dir``."""
+    with open(json_path) as f:
+        doc = json.load(f)
+    doc["shapes"] = shapes_of(doc)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "growth.md"), "w") as f:
+        f.write(markdown(doc))
+    if plot_too:
+        print(f"growth: {plot(json_path, out_dir)}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -633,7 +650,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=",".join(CURVES), help=f"curves, of {','.join(CURVES)}")
     ap.add_argument("--out", default=RESULTS, help="where growth.json, growth.md, plots go")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--redraw", metavar="JSON",
+                    help="measure nothing: write the table and plots of an earlier run's JSON")
     args = ap.parse_args(argv)
+    if args.redraw:
+        return redraw(args.redraw, args.out, plot_too=not args.no_plot)
     only = [c for c in args.only.split(",") if c]
     if unknown := set(only) - set(CURVES):
         ap.error(f"unknown curves: {', '.join(sorted(unknown))}")

@@ -113,12 +113,32 @@ def test_the_table_names_every_curve_and_its_shape() -> None:
         "restart": [{"backends": n, "ready_s": 0.4 * n, "running_s": 0.4 * n, "load": load}
                     for n in (1, 10)],
     }
+    doc["extra"] = {"gateway_open_files_limit": "soft 20000, hard 20000"}
     doc["shapes"] = growth.shapes_of(doc)
     text = growth.markdown(doc)
     assert "| 1000 | 1 | 0.2 | 0.3 | 10.0 (10) | 1.000 | 40.0 | 0.5 | 0.5 / 0.4 / 0.3 |" in text
     assert doc["shapes"]["gateway VmRSS vs tools"].startswith("flat")
     assert doc["shapes"]["start to all RUNNING vs backends"].startswith("linear or less")
     json.dumps(doc)
+
+
+def test_redraw_writes_the_table_of_a_recorded_run(tmp_path: Path) -> None:
+    load = [1.0, 1.0, 1.0]
+    doc = {
+        "meta": {"mode": "full", "date": "d", "commit": "c", "machine": "m", "python": "3",
+                 "cpus": 2, "load_start": load, "load_end": load, "command": "x",
+                 "fd_note": "f", "backend": "b"},
+        "ws": [{"connections": n, "alive": n, "p50_ms": 0.3, "p99_ms": 2.0, "rss_mib": 36 + n / 64,
+                "rss_per_conn_kib": 15.0, "gateway_counts": {"websocket": n}, "load": load}
+               for n in (10, 100, 1000)],
+        "extra": {"gateway_open_files_limit": "soft 4096, hard 4096"},
+    }
+    (tmp_path / "run.json").write_text(json.dumps(doc))
+    assert growth.main(["--redraw", str(tmp_path / "run.json"), "--no-plot",
+                        "--out", str(tmp_path / "out")]) == 0
+    table = (tmp_path / "out" / "growth.md").read_text()
+    assert "| 1000 | 1000 | 0.3 | 2.0 |" in table and "soft 4096, hard 4096" in table
+    assert "probe call p99 vs connections | flat" in table
 
 
 @pytest.mark.parametrize("argv", [["--only", "nope"]])
