@@ -212,6 +212,7 @@ async def run(
             bound.admin_port = ls.bound_port(admin_listeners)
         try:
             async with trio.open_nursery() as hub_nursery:
+                hub.catalog_held = True  # merged once, by _boot_checks
                 await hub_nursery.start(hub.run)
                 await _wait_for_backends(hub, cfg)
                 _boot_checks(hub)
@@ -302,6 +303,7 @@ async def _wait_for_backends(hub: Hub, cfg: GatewayConfig) -> None:
 
 
 def _boot_checks(hub: Hub) -> None:
+    hub.catalog_held = False  # from now on each backend's new lists rebuild it
     try:
         hub.rebuild_catalog(strict=True)
     except CatalogConflict as exc:

@@ -21,6 +21,7 @@ from helpers import (
     connect,
     fixture_backend,
     make_config,
+    metric,
     run_gateway,
     text_of,
 )
@@ -70,6 +71,23 @@ async def test_two_backends_are_namespaced_and_routed() -> None:
             assert text_of(await c.call("b__echo", {"message": f"b-{tag}"})) == f"b-{tag}"
             prompts = {p["name"] for p in (await c.request("prompts/list"))["result"]["prompts"]}
             assert prompts == {"a__greet", "a__plain", "b__greet", "b__plain"}
+
+
+async def test_boot_merges_every_backends_first_lists_once() -> None:
+    # one merge at boot, not one per backend (that would cost backends × tools to start)
+    cfg = make_config(fixture_backend("a") + fixture_backend("b") + fixture_backend("c"))
+    with trio.fail_after(30):
+        async with run_gateway(cfg) as gw, connect(gw.url) as c:
+            names = await tool_names(c)
+            assert {"a__echo", "b__echo", "c__echo"} <= names
+            for kind in ("tools", "prompts", "resources"):
+                assert await metric(gw.bound.admin_port, "mcp_gateway_catalog_changes_total",
+                                    kind=kind) == 1, kind
+            await c.call("b__notify_list_changed", {"kind": "tools"})  # after boot: rebuilt
+            await c.wait_for(lambda: notes(c, "notifications/tools/list_changed"))
+            assert "b__extra_tool" in await tool_names(c)
+            assert await metric(gw.bound.admin_port, "mcp_gateway_catalog_changes_total",
+                                kind="tools") == 2
 
 
 async def test_empty_prefix_on_both_backends_refuses_to_start() -> None:
