@@ -138,7 +138,9 @@ async def test_crash_mid_call_gives_backend_exited_then_the_backend_restarts(
         assert_exited_error(await other.response("slow", timeout=1), "fx")
         assert trio.current_time() == start
 
-        r = await first_success(c, "fx__echo", {"message": tag}, bound=10)
+        await restarted(gw, "fx")
+        assert trio.current_time() - start <= 0.1  # the backoff (jitter within 0.05-0.1)
+        r = await c.call("fx__echo", {"message": tag})
         assert text_of(r) == tag
         new_pid = await child_pid(c)
         assert new_pid != old_pid and old_link.returncode == 7
@@ -243,9 +245,9 @@ async def test_unanswered_pings_restart_the_instance(autojump_clock: Clock) -> N
         inst = await gw.until(lambda: (i := gw.instance("fx"))["restarts"] >= 1 and i)
         assert "unhealthy" in inst["last_exit"]
         assert first.returncode is not None and gw.link("fx") is not first
+        await restarted(gw, "fx")
         tag = nonce()
-        r = await first_success(c, "fx__echo", {"message": tag}, bound=5)
-        assert text_of(r) == tag
+        assert text_of(await c.call("fx__echo", {"message": tag})) == tag
 
 
 async def test_answered_pings_do_not_restart(autojump_clock: Clock) -> None:
