@@ -97,6 +97,8 @@ class Harness:
         self._attach: Callable[[MessageStream], None] | None = None
         self._changed = trio.Event()
         self.control = service.Control()
+        self.bound = service.Bound()  # the listeners the config asked for (none by default)
+        self.draining = trio.Event()  # set when the drain begins (it closes the listeners)
 
     # ---- the embedding ----------------------------------------------------------------------
 
@@ -121,6 +123,7 @@ class Harness:
             await trio.sleep_forever()
         finally:
             self._attach = None  # closed by the drain: nothing more is accepted
+            self.draining.set()
 
     def _on_event(self, event: Any) -> None:
         self.events.append(event)
@@ -195,11 +198,13 @@ class Harness:
 async def running(cfg: GatewayConfig,
                   scripts: dict[str, Script] | None = None) -> AsyncIterator[Harness]:
     """Run the daemon on ``cfg`` (each backend on ``scripts[name]``, else :func:`fixture_script`)
-    until the block ends, then stop it (drain, backends stopped) within :data:`CAP`."""
+    until the block ends, then stop it (drain, backends stopped) within :data:`CAP`.  A ``cfg``
+    with listeners (not :func:`memory_config`) binds them: ``Harness.bound`` says where."""
     harness = Harness(scripts or {})
     with trio.fail_after(CAP):
         async with trio.open_nursery() as nursery:
-            await nursery.start(partial(service.run, cfg, control=harness.control, embed=harness))
+            harness.bound = await nursery.start(partial(service.run, cfg, control=harness.control,
+                                                        embed=harness))
             try:
                 yield harness
             finally:
