@@ -320,9 +320,11 @@ async def test_drain_refuses_new_work_finishes_calls_in_flight_then_closes(
         async with gateway(tmp_path, Script(tools={"echo": echo, "hold": held})) as gw:
             async with wire(gw, kind) as w, trio.open_nursery() as nursery:
                 answers: dict[str, Any] = {}
+                answered = trio.Event()
 
                 async def in_flight() -> None:
                     answers["held"] = await w.exchange(w.call("h", "fx__hold"))
+                    answered.set()
 
                 if isinstance(w, HttpWire):
                     nursery.start_soon(in_flight)
@@ -340,7 +342,7 @@ async def test_drain_refuses_new_work_finishes_calls_in_flight_then_closes(
                     assert w.last.headers["retry-after"] == "1"
                 held.release()  # the call read before the drain is answered
                 if isinstance(w, HttpWire):
-                    await gw.until(lambda: "held" in answers)
+                    await answered.wait()
                     status, r = answers["held"]
                     assert status == 200
                 else:
