@@ -173,15 +173,20 @@ class Harness:
             await self._changed.wait()
         return got
 
-    @asynccontextmanager
-    async def connect(self, *, initialize: bool = True, capabilities: dict[str, Any] | None = None,
-                      version: str = "2025-11-25") -> AsyncIterator[Client]:
-        """A client attached over a memory stream (transport ``memory``), initialized unless
-        told not to; closed (EOF) on exit."""
+    def attach(self) -> MemorySocket:
+        """A new connection over a memory stream (transport ``memory``): the client's end."""
         assert self._attach is not None, "the gateway accepts no connection now"
         mine, theirs = memory_stream_pair()
         self._attach(theirs)
-        client = Client(MemorySocket(mine))  # type: ignore[arg-type]  # duck-types the WebSocket
+        return MemorySocket(mine)
+
+    @asynccontextmanager
+    async def connect(self, *, initialize: bool = True, capabilities: dict[str, Any] | None = None,
+                      version: str = "2025-11-25") -> AsyncIterator[Client]:
+        """A client attached over a memory stream, initialized unless told not to; closed
+        (EOF) on exit."""
+        socket = self.attach()
+        client = Client(socket)  # type: ignore[arg-type]  # duck-types the WebSocket
         async with trio.open_nursery() as nursery:
             nursery.start_soon(client._reader)
             if initialize:
@@ -191,7 +196,7 @@ class Harness:
             finally:
                 nursery.cancel_scope.cancel()
                 with trio.CancelScope(shield=True):
-                    await mine.aclose()
+                    await socket.stream.aclose()
 
 
 @asynccontextmanager

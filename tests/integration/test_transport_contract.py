@@ -1,9 +1,9 @@
 """The contract every client listener keeps: WebSocket, unix socket, Streamable HTTP (a legacy
-session, and stateless 2026-07-28) and the stdio bridge (``mcp-gateway connect``) where it
-applies.  One message in, one out; a batch only from a 2025-03-26 client; an oversize message
-gets its specific refusal and the connection the fate its transport documents; malformed JSON
--32700; an unknown method -32601; a draining gateway refuses new work (-32005 ``shutdown``,
-retryable) and finishes the calls it had read, then closes.
+session, and stateless 2026-07-28), the stdio bridge (``mcp-gateway connect``) and the
+harness's memory streams, each where it applies.  One message in, one out; a batch only from a
+2025-03-26 client; an oversize message gets its specific refusal and the connection the fate its
+transport documents; malformed JSON -32700; an unknown method -32601; a draining gateway refuses
+new work (-32005 ``shutdown``, retryable), finishes the calls it had read, then closes.
 
 Real sockets (the listeners are the point), backends on memory connectors (tests/memharness.py),
 and no sleep: a call in flight is a memory tool held until the test releases it.
@@ -31,7 +31,7 @@ from gateway.backend.memory import MemoryLink, Script, echo
 
 pytestmark = [pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
-KINDS = ["websocket", "unix", "http-legacy", "http-stateless", "bridge"]
+KINDS = ["memory", "websocket", "unix", "http-legacy", "http-stateless", "bridge"]
 MODERN = "2026-07-28"
 META = {"io.modelcontextprotocol/protocolVersion": MODERN,
         "io.modelcontextprotocol/clientCapabilities": {}}
@@ -184,7 +184,16 @@ async def gateway(tmp_path: Path, script: Script) -> AsyncIterator[Harness]:
 async def wire(gw: Harness, kind: str, version: str = "2025-11-25") -> AsyncIterator[Wire]:
     """A connection of ``kind`` to ``gw``, initialized at ``version`` (not stateless HTTP)."""
     bound = gw.bound
-    if kind == "websocket":
+    if kind == "memory":
+        socket = gw.attach()
+        try:
+            w = LinesWire(kind, socket)
+            await w.initialize(version)
+            yield w
+        finally:
+            with trio.CancelScope(shield=True):
+                await socket.stream.aclose()
+    elif kind == "websocket":
         async with trio_websocket.open_websocket_url(
                 f"ws://127.0.0.1:{bound.websocket_port}/", subprotocols=["mcp"],
                 max_message_size=4 * LIMIT) as ws:
@@ -353,4 +362,4 @@ async def test_drain_refuses_new_work_finishes_calls_in_flight_then_closes(
                         if m.get("method") == "tools/call"] == ["hold"]  # "late" never started
                 if isinstance(w, LinesWire):  # then it closes: 1012 service restart, or EOF
                     assert await w.closed() == {"websocket": "1012", "unix": "eof",
-                                                "bridge": "eof"}[kind]
+                                                "bridge": "eof", "memory": "eof"}[kind]
