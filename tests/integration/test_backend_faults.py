@@ -276,7 +276,9 @@ async def test_unanswered_cancel_restarts_a_shared_child_that_may_elicit(
         await settle()
         for name in ("el", "plain"):
             await c.notify("notifications/cancelled", {"requestId": f"s-{name}"})
-        await elapse(1.5)
+        cancelled = trio.current_time()
+        await gw.until(lambda: gw.instance("el")["recycles"] == 1)
+        assert trio.current_time() - cancelled == pytest.approx(0.5)  # at cancel_grace
         after = {name: await child_pid(c, f"{name}__client_info") for name in ("el", "plain")}
         assert after["el"] != pids["el"]  # restarted: it may still have asked someone something
         assert after["plain"] == pids["plain"]  # nothing to misattribute: kept running

@@ -15,7 +15,9 @@ import pytest
 import trio
 import trio.testing
 from helpers import Client, connect, fixture_backend, make_config, run_gateway, text_of
-from memharness import Harness, backend, elapse, memory_config, running, sent, settle
+from memharness import Harness, backend, memory_config, running, sent, settle
+
+from gateway.events import BackendExited
 
 Clock = trio.testing.MockClock
 
@@ -225,7 +227,10 @@ async def test_per_session_child_stops_when_idle_and_restarts_on_use(
             # a call longer than the idle timeout keeps its child
             assert text_of(await a.call("fx__sleep", {"seconds": 1.0})) == "slept"
             assert json.loads(text_of(await a.call("fx__client_info")))["pid"] == first
-            await elapse(1.5)  # idle: the child is stopped ...
+            idle_from = trio.current_time()
+            await gw.until(lambda: [e for e in gw.events if isinstance(e, BackendExited)])
+            assert trio.current_time() - idle_from == pytest.approx(0.5)  # at idle_timeout
+            await settle()  # idle: the child is stopped ...
             st = gw.status()
             assert [i["name"] for i in st["backends"][0]["instances"]] == ["fx/0"]  # only the probe
             second = json.loads(text_of(await a.call("fx__client_info")))["pid"]
