@@ -134,7 +134,7 @@ def test_unknown_keys_anywhere(text: str, expected: str) -> None:
          "backends.a.declare.0: invalid enum value"),
         ('[[policy.rules]]\nmatch = "a"\naction = "maybe"\n',
          "policy.rules.0.action: invalid enum value"),
-        ("[backends.a]\nargs = []\n", "backends.a: object missing required field command"),
+        ("[backends.a]\nargs = []\n", "backends.a: set exactly one of command"),
         ("gateway = 3\n", "gateway: expected object, got int"),
         ("backends = 3\n", "backends: expected a table"),
         ("[backends]\na = 3\n", "backends.a: expected object, got int"),
