@@ -3,7 +3,8 @@
 :class:`SseDecoder` is fed the body as it arrives, cut anywhere, and returns the data of each
 event completed (``data:`` lines joined with LF; events without data, such as a priming event's
 empty ``data:``, and comments are skipped).  Lines end with CRLF, LF or CR.  An event growing
-past ``limit`` bytes raises :class:`EventTooLarge`: the buffer never holds more.
+past ``limit`` bytes raises :class:`EventTooLarge`: the buffer never holds more (the stream
+cannot be read on after that: its reader closes it).
 """
 
 from __future__ import annotations
@@ -51,5 +52,6 @@ class SseDecoder:
         if len(buf) > self.limit:
             size = len(buf)
             buf.clear()
+            self._scan = 0
             raise EventTooLarge(size, self.limit)
         return out

@@ -197,6 +197,61 @@ prefix = "bad prefix"
     ])
 
 
+def test_remote_backend_keys() -> None:
+    good = load("""
+[listen]
+websocket = "127.0.0.1:8765"
+[backends.r]
+url = "https://mcp.example.com/mcp"
+ca_file = "certs/ca.pem"
+[backends.r.headers]
+Authorization = { file = "secrets/token", prefix = "Bearer " }
+X-Key = { env = "K" }
+X-Team = "blue"
+""", base_dir=BASE)
+    r = good.backends["r"]
+    assert r.command == "" and r.ca_file == f"{BASE}/certs/ca.pem"
+    assert r.headers == {"Authorization": {"file": f"{BASE}/secrets/token", "prefix": "Bearer "},
+                         "X-Key": {"env": "K"}, "X-Team": "blue"}
+    errors = errors_of("""
+[listen]
+websocket = "127.0.0.1:8765"
+[backends.both]
+command = "x"
+url = "http://127.0.0.1:1/mcp"
+[backends.neither]
+args = ["a"]
+[backends.bad]
+url = "ftp://user@host/mcp"
+ca_file = "ca.pem"
+[backends.bad.headers]
+"Bad Name" = "x"
+Host = "y"
+X-A = { env = "A", file = "/f" }
+X-B = { file = "" }
+X-C = "a\\nb"
+[backends.stdio]
+command = "x"
+headers = { X-A = "1" }
+""")
+    assert sorted(errors) == sorted([
+        "backends.both: set exactly one of command (a program to spawn) and url (a remote "
+        "Streamable HTTP server)",
+        "backends.neither: set exactly one of command (a program to spawn) and url (a remote "
+        "Streamable HTTP server)",
+        "backends.bad.url: expected http://HOST:PORT/PATH or https://HOST/PATH without "
+        "credentials, got 'ftp://user@host/mcp'",
+        "backends.bad.ca_file: only for an https:// url",
+        "backends.bad.headers.Bad Name: not a valid header name",
+        "backends.bad.headers.Host: set by the gateway itself",
+        "backends.bad.headers.X-A: expected a string, { env = \"VAR\" } or { file = \"/path\", "
+        "prefix = \"Bearer \" }, got keys ['env', 'file']",
+        "backends.bad.headers.X-B: file must not be empty",
+        "backends.bad.headers.X-C: must not contain CR, LF or NUL",
+        "backends.stdio.headers: only for a remote backend (url)",
+    ])
+
+
 def test_invalid_toml() -> None:
     (error,) = errors_of("[gateway\n")
     assert error.startswith("not valid TOML")
