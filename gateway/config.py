@@ -462,6 +462,11 @@ RESERVED_HEADERS = frozenset({"host", "content-length", "content-type", "accept"
                               "last-event-id", "te", "upgrade", "keep-alive"})
 
 
+def header_value_ok(value: str) -> bool:
+    """Whether ``value`` may be sent as an HTTP header value: printable ASCII and tabs."""
+    return all(" " <= c <= "~" or c == "\t" for c in value)
+
+
 def remote_errors(p: str, b: BackendConfig) -> list[str]:
     """A remote backend's ``url``, ``ca_file`` and ``headers`` (key-path errors); none of them
     for a ``command`` one."""
@@ -490,13 +495,13 @@ def remote_errors(p: str, b: BackendConfig) -> list[str]:
         elif name.lower() in RESERVED_HEADERS:
             errors.append(f"{k}: set by the gateway itself")
         if isinstance(value, str):
-            if any(c in value for c in "\r\n\0"):
-                errors.append(f"{k}: must not contain CR, LF or NUL")
+            if not header_value_ok(value):
+                errors.append(f"{k}: must be printable ASCII (no CR, LF or NUL)")
         elif set(value) == {"env"} or (set(value) <= {"file", "prefix"} and "file" in value):
             if not value.get("env", value.get("file")):
                 errors.append(f"{k}: {'env' if 'env' in value else 'file'} must not be empty")
-            if any(c in value.get("prefix", "") for c in "\r\n\0"):
-                errors.append(f"{k}.prefix: must not contain CR, LF or NUL")
+            if not header_value_ok(value.get("prefix", "")):
+                errors.append(f"{k}.prefix: must be printable ASCII (no CR, LF or NUL)")
         else:
             errors.append(f'{k}: expected a string, {{ env = "VAR" }} or '
                           f'{{ file = "/path", prefix = "Bearer " }}, got keys {sorted(value)}')
@@ -681,13 +686,16 @@ def _auth_errors(auth: AuthSection) -> list[str]:
 
 def fd_reserve(cfg: GatewayConfig) -> int:
     """fds the daemon needs besides its client connections with this config
-    (:func:`gateway.limits.fd_reserve`: every backend child it may run, its listeners)."""
+    (:func:`gateway.limits.fd_reserve`: every backend child it may run, every remote instance's
+    connections, its listeners)."""
     children = sum(limits.max_children(b.sharing, b.instances, b.max_sessions)
-                   for b in cfg.backends.values())
+                   for b in cfg.backends.values() if not b.url)
+    remotes = sum(limits.max_children(b.sharing, b.instances, b.max_sessions)
+                  for b in cfg.backends.values() if b.url)
     tcp = sum(1 for address in (cfg.listen.websocket, cfg.listen.http, cfg.admin.listen)
               if address is not None)
     return limits.fd_reserve(children=children, tcp_listeners=tcp,
-                             unix_listeners=int(cfg.listen.unix is not None))
+                             unix_listeners=int(cfg.listen.unix is not None), remotes=remotes)
 
 
 def diff_backends(

@@ -23,18 +23,19 @@ import trio
 from gateway import errors
 from gateway.backend import httpclient
 from gateway.backend.connector import LinkContext, LinkEnd, OpenFailed, Receiver
-from gateway.config import BackendConfig
+from gateway.config import BackendConfig, header_value_ok
+from gateway.limits import REMOTE_CONNECTIONS
 from gateway.protocol.sse import EventTooLarge, SseDecoder
 
 LOGGER = logging.getLogger(__name__)
 
-#: Requests at the remote at once (each holds a connection while its answer streams).
-REQUEST_STREAMS = 12
 #: Notifications and answers to the remote's requests posted at once.
 OTHER_STREAMS = 2
-#: Connections of one link at most: the requests', the others' and the GET stream's; idle
-#: keep-alive ones kept for reuse at most :data:`IDLE_CONNECTIONS`.
-MAX_CONNECTIONS = REQUEST_STREAMS + OTHER_STREAMS + 1
+#: Requests at the remote at once (each holds a connection while its answer streams): what
+#: is left of :data:`~gateway.limits.REMOTE_CONNECTIONS` beside the others, the GET stream and
+#: the DELETE on close.  A new connection is opened only when no idle one is left, so these
+#: bound the link's connections; at most :data:`IDLE_CONNECTIONS` idle ones are kept.
+REQUEST_STREAMS = REMOTE_CONNECTIONS - OTHER_STREAMS - 2
 IDLE_CONNECTIONS = 4
 #: Seconds a notification's or answer's POST may take, and a DELETE on close.
 SHORT_TIMEOUT = 10.0
@@ -110,8 +111,8 @@ def read_headers(cfg: BackendConfig, environ: dict[str, str] | None = None
                 value = spec.get("prefix", "") + raw.decode().strip()
             except UnicodeDecodeError:
                 raise OpenFailed(f"header {name}: {path} is not UTF-8 text") from None
-        if any(c in value for c in "\r\n\0") or not value.isprintable():
-            raise OpenFailed(f"header {name}: its value holds control characters")
+        if not header_value_ok(value):
+            raise OpenFailed(f"header {name}: its value is not printable ASCII")
         out.append((name.lower(), value))
     return out
 

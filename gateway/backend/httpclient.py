@@ -149,9 +149,9 @@ class Connection:
             if body:
                 out += conn.send(h11.Data(data=body))
             out += conn.send(h11.EndOfMessage())
-        except h11.LocalProtocolError as exc:
+        except (h11.LocalProtocolError, UnicodeError):  # its text may quote a header value
             self.broken = True
-            raise ConnectionLost(f"cannot send the request: {exc}") from None
+            raise ConnectionLost("cannot send the request: h11 refused its head") from None
         try:
             await self.stream.send_all(out)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:

@@ -10,6 +10,7 @@ import logging
 import os
 import secrets
 import signal
+import ssl
 import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -30,6 +31,7 @@ from helpers import (
     text_of,
     wait_instance,
 )
+from tlsutil import make_certs
 
 from gateway.service import StartupError
 
@@ -65,9 +67,9 @@ async def everything(port: int) -> AsyncIterator[trio.Process]:
             await proc.wait()
 
 
-def remote(port: int, **extra: str) -> str:
+def remote(port: int, scheme: str = "http", **extra: str) -> str:
     extra = {"start_timeout": "10.0", **extra}
-    lines = ["[backends.ev]", f'url = "http://127.0.0.1:{port}/mcp"',
+    lines = ["[backends.ev]", f'url = "{scheme}://127.0.0.1:{port}/mcp"',
              *(f"{k} = {v}" for k, v in extra.items())]
     return "\n".join(lines) + "\n"
 
@@ -157,20 +159,24 @@ async def test_remote_killed_mid_call_fails_the_call_and_comes_back() -> None:
     assert took < 5
 
 
-async def test_configured_headers_reach_the_remote_and_are_never_shown(
+async def test_configured_headers_reach_an_https_remote_and_are_never_shown(
         tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
     secret, env_secret = secrets.token_hex(16), secrets.token_hex(16)
     token_file = tmp_path / "token"
     token_file.write_text(secret + "\n")
     os.environ["REMOTE_TEST_KEY"] = env_secret
-    server = RemoteServer()
+    certs = make_certs(tmp_path)
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(certs.cert, certs.key)
+    server = RemoteServer(tls=tls)
     caplog.set_level(logging.DEBUG)
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(server.serve)
             headers = (f'{{ Authorization = {{ file = "{token_file}", prefix = "Bearer " }}, '
                        'X-Api-Key = { env = "REMOTE_TEST_KEY" }, X-Plain = "plain" }')
-            cfg = make_config(remote(server.port, headers=headers))
+            cfg = make_config(remote(server.port, "https", headers=headers,
+                                     ca_file=json.dumps(str(certs.ca))))
             with trio.fail_after(20):
                 async with run_gateway(cfg) as gw:
                     async with connect(gw.url) as c:
@@ -190,7 +196,7 @@ async def test_configured_headers_reach_the_remote_and_are_never_shown(
                               and s.headers["mcp-protocol-version"] == "2025-11-25"
                               for s in after_init)
     assert [s.method for s in server.seen].count("DELETE") == 1  # the session ended on stop
-    assert f"http://127.0.0.1:{server.port}" in status_text
+    assert f"https://127.0.0.1:{server.port}" in status_text
     for text in (status_text, caplog.text):
         assert secret not in text and env_secret not in text
 

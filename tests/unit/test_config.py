@@ -247,7 +247,7 @@ headers = { X-A = "1" }
         "backends.bad.headers.X-A: expected a string, { env = \"VAR\" } or { file = \"/path\", "
         "prefix = \"Bearer \" }, got keys ['env', 'file']",
         "backends.bad.headers.X-B: file must not be empty",
-        "backends.bad.headers.X-C: must not contain CR, LF or NUL",
+        "backends.bad.headers.X-C: must be printable ASCII (no CR, LF or NUL)",
         "backends.stdio.headers: only for a remote backend (url)",
     ])
 
