@@ -72,6 +72,15 @@ def _answers(data: bytes, gid: int) -> bool:
     return peek.method is None and peek.id == gid
 
 
+class _CancelledParams(msgspec.Struct):
+    requestId: int | str | None = None
+
+
+class _Cancelled(msgspec.Struct):
+    method: str | None = None
+    params: _CancelledParams | None = None
+
+
 class _InitResult(msgspec.Struct):
     protocolVersion: str | None = None
 
@@ -178,6 +187,8 @@ class HttpLink:
         self._receiver: Receiver | None = None
         self._nursery: trio.Nursery | None = None
         self._get_started = False
+        self._streams: dict[int, trio.CancelScope] = {}  # requests' POSTs, by gateway id
+        self._cancelled: set[int] = set()  # requests whose POST the gateway dropped (cancelled)
         # the GET stream's answer head is in (or it failed): notifications wait for it, so the
         # server's answers to them (a list_changed after notifications/initialized) have a stream
         self._get_ready = trio.Event()
@@ -319,6 +330,9 @@ class HttpLink:
                 return None
             try:
                 return conn, await conn.request("POST", target, head, data, head_timeout=timeout)
+            except trio.Cancelled:
+                await conn.aclose()
+                raise
             except httpclient.ConnectionLost as exc:
                 await conn.aclose()
                 if conn.reused:
@@ -331,6 +345,23 @@ class HttpLink:
                 return None
         self._lost(f"{self.origin}: the connection broke twice")
         return None
+
+    def _drop_cancelled(self, data: bytes) -> None:
+        """``data`` told the remote the gateway cancelled a request: that request's answer
+        stream is dropped (a cancelled request gets no answer: its stream might never end)."""
+        if b"notifications/cancelled" not in data:
+            return
+        try:
+            note = msgspec.json.decode(data, type=_Cancelled)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return
+        if note.method != "notifications/cancelled" or note.params is None:
+            return
+        gid = note.params.requestId
+        scope = self._streams.get(gid) if isinstance(gid, int) else None
+        if scope is not None and isinstance(gid, int):
+            self._cancelled.add(gid)
+            scope.cancel()
 
     def _session_gone(self, response: httpclient.Response) -> bool:
         if response.status == 404 and self.session_id is not None:
@@ -351,6 +382,7 @@ class HttpLink:
             if got is None:
                 return
             conn, response = got
+            self._drop_cancelled(data)
             try:
                 await conn.body(self._max_line, SHORT_TIMEOUT)
             except httpclient.HttpFailure:
@@ -365,22 +397,42 @@ class HttpLink:
 
     async def _post_request(self, data: bytes, gid: int, limiter: trio.CapacityLimiter,
                             token: object) -> None:
+        """POST a request and hand its answer stream to the session; the stream is dropped
+        when the gateway cancels the call (``notifications/cancelled`` for it was POSTed) or
+        after ``max_call_duration``."""
         initialize = self.protocol_version is None and (
             msgspec.json.decode(data, type=_Peek).method == "initialize")
+        conn: httpclient.Connection | None = None
+        kept = False
         try:
-            got = await self._exchange(data, self._cfg.max_call_duration)
-            if got is None:
-                self._call_failed(gid, f"{self.origin} is unreachable")
-                return
-            conn, response = got
-            try:
-                await self._answer(conn, response, gid, initialize)
-            except httpclient.HttpFailure as exc:
-                await conn.aclose()
-                self._call_failed(gid, f"the answer stream from {self.origin} broke: {exc.detail}")
-                return
-            await self._pool.put(conn)
+            with trio.CancelScope(deadline=trio.current_time() + self._cfg.max_call_duration
+                                  ) as scope:
+                self._streams[gid] = scope
+                got = await self._exchange(data, self._cfg.max_call_duration)
+                if got is None:
+                    self._call_failed(gid, f"{self.origin} is unreachable")
+                    return
+                conn, response = got
+                try:
+                    await self._answer(conn, response, gid, initialize)
+                except httpclient.HttpFailure as exc:
+                    self._call_failed(gid, f"the answer stream from {self.origin} broke: "
+                                           f"{exc.detail}")
+                    return
+                await self._pool.put(conn)
+                kept = True
+            if scope.cancelled_caught and gid in self._cancelled and self._receiver is not None:
+                # its answer cannot come now: the abandoned call leaves the attribution set
+                self._receiver.failed(gid, errors.BackendExited(
+                    f"backend {self._ctx.backend!r}: the call was cancelled",
+                    backend=self._ctx.backend, retryable=False))
+            elif scope.cancelled_caught:
+                self._call_failed(gid, f"no answer from {self.origin} within max_call_duration")
         finally:
+            self._streams.pop(gid, None)
+            self._cancelled.discard(gid)
+            if conn is not None and not kept:
+                await conn.aclose()
             limiter.release_on_behalf_of(token)
 
     async def _answer(self, conn: httpclient.Connection, response: httpclient.Response, gid: int,

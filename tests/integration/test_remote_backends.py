@@ -78,7 +78,8 @@ async def test_everything_remote_lists_calls_progress_and_own_prompts() -> None:
     port = free_port()
     elicit = {"elicitation": {"form": {}}}
     with trio.fail_after(60):
-        async with everything(port), run_gateway(make_config(remote(port))) as gw:
+        cfg = make_config(remote(port, cancel_grace="0.5"))
+        async with everything(port), run_gateway(cfg) as gw:
             async with connect(gw.url, capabilities=elicit) as c:
                 wanted = {"ev__echo", "ev__trigger-long-running-operation",
                           "ev__trigger-elicitation-request"}
@@ -97,6 +98,20 @@ async def test_everything_remote_lists_calls_progress_and_own_prompts() -> None:
                             if n["method"] == "notifications/progress"]
                 assert [p["progressToken"] for p in progress] == ["tok"] * 3
                 assert [p["progress"] for p in progress] == [1, 2, 3]
+
+                # A cancelled call: the remote never answers it, so its answer stream is dropped
+                # and the call leaves the attribution set (no recycle after cancel_grace).
+                await c.send({"jsonrpc": "2.0", "id": "gone", "method": "tools/call", "params": {
+                    "name": "ev__trigger-long-running-operation",
+                    "arguments": {"duration": 30, "steps": 30},
+                    "_meta": {"progressToken": "tok2"}}})
+                await c.wait_for(lambda: any(n["params"].get("progressToken") == "tok2"
+                                             for n in c.notifications), 10)
+                await c.notify("notifications/cancelled", {"requestId": "gone"})
+                await wait_instance(gw.bound.admin_port, lambda i: i["inflight"] == 0, 5)
+                await trio.sleep(1.5)  # three times cancel_grace
+                inst = await wait_instance(gw.bound.admin_port, lambda i: True)
+                assert (inst["state"], inst["restarts"], inst["recycles"]) == ("RUNNING", 0, 0)
 
             # Two callers at once on the shared remote: each prompt came on its caller's own
             # POST stream, so each goes to its caller (the attribution set holds both).
