@@ -33,6 +33,7 @@ from helpers import (
 )
 from tlsutil import make_certs
 
+from gateway import config
 from gateway.service import StartupError
 
 pytestmark = pytest.mark.system
@@ -176,7 +177,7 @@ async def test_remote_killed_mid_call_fails_the_call_and_comes_back() -> None:
 
 async def test_configured_headers_reach_an_https_remote_and_are_never_shown(
         tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
-    secret, env_secret = secrets.token_hex(16), secrets.token_hex(16)
+    secret, env_secret, rotated = (secrets.token_hex(16) for _ in range(3))
     token_file = tmp_path / "token"
     token_file.write_text(secret + "\n")
     os.environ["REMOTE_TEST_KEY"] = env_secret
@@ -190,30 +191,41 @@ async def test_configured_headers_reach_an_https_remote_and_are_never_shown(
             await nursery.start(server.serve)
             headers = (f'{{ Authorization = {{ file = "{token_file}", prefix = "Bearer " }}, '
                        'X-Api-Key = { env = "REMOTE_TEST_KEY" }, X-Plain = "plain" }')
-            cfg = make_config(remote(server.port, "https", headers=headers,
-                                     ca_file=json.dumps(str(certs.ca))))
+            path = tmp_path / "gw.toml"
+            path.write_text('[listen]\nwebsocket = "127.0.0.1:0"\nhttp = ""\n[admin]\n'
+                            'listen = "127.0.0.1:0"\n' + remote(
+                                server.port, "https", headers=headers,
+                                ca_file=json.dumps(str(certs.ca))))
+            cfg = config.load(path.read_bytes(), base_dir=str(tmp_path))  # as a reload reads it
             with trio.fail_after(20):
-                async with run_gateway(cfg) as gw:
+                async with run_gateway(cfg, config_path=str(path)) as gw:
                     async with connect(gw.url) as c:
                         r = await c.call("ev__echo", {"x": 1})
                         assert text_of(r) == '{"x": 1}'
+                        first = len(server.seen)
+                        token_file.write_text(rotated)  # a rotated token: read on reload
+                        gw.control.reload()
+                        while server.seen[-1].headers.get("authorization") != f"Bearer {rotated}":
+                            assert text_of(await c.call("ev__echo", {"x": 2})) == '{"x": 2}'
+                            await trio.sleep(0.05)
                     status_text = json.dumps(await http_json(gw.bound.admin_port, "/status"))
             nursery.cancel_scope.cancel()
     finally:
         del os.environ["REMOTE_TEST_KEY"]
-    posts = [s for s in server.seen if s.method == "POST"]
+    posts = [s for s in server.seen[:first] if s.method == "POST"]
     assert posts and all(s.headers["authorization"] == f"Bearer {secret}" for s in posts)
     assert all(s.headers["x-api-key"] == env_secret and s.headers["x-plain"] == "plain"
                for s in posts)
     assert all(s.headers["accept"] == "application/json, text/event-stream" for s in posts)
-    after_init = [s for s in posts if s.body.get("method") != "initialize"]
-    assert after_init and all(s.headers["mcp-session-id"] == "s1"
+    after_init = [s for s in server.seen if s.method == "POST"
+                  and s.body.get("method") != "initialize"]
+    assert after_init and all(s.headers["mcp-session-id"] == "s1"  # the same session throughout
                               and s.headers["mcp-protocol-version"] == "2025-11-25"
                               for s in after_init)
     assert [s.method for s in server.seen].count("DELETE") == 1  # the session ended on stop
     assert f"https://127.0.0.1:{server.port}" in status_text
     for text in (status_text, caplog.text):
-        assert secret not in text and env_secret not in text
+        assert secret not in text and env_secret not in text and rotated not in text
 
 
 async def test_expired_session_ends_the_link_and_initializes_again() -> None:
