@@ -479,6 +479,12 @@ def remote_errors(p: str, b: BackendConfig) -> list[str]:
             if getattr(b, key):
                 errors.append(f"{p}.{key}: only for a remote backend (url)")
         return errors
+    for key in ("args", "env"):
+        if getattr(b, key):
+            errors.append(f"{p}.{key}: only for a backend with a command (this one has a url)")
+    if b.protocol_mode in ("modern_only", "prefer_modern"):
+        errors.append(f"{p}.protocol_mode: a remote backend (url) is opened with initialize "
+                      "(the legacy sessions' shape): legacy_only or prefer_legacy")
     scheme, sep, rest = b.url.partition("://")
     authority = rest.split("/", 1)[0]
     if scheme not in ("http", "https") or not sep or not authority or "@" in authority:

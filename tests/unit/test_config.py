@@ -224,6 +224,8 @@ args = ["a"]
 [backends.bad]
 url = "ftp://user@host/mcp"
 ca_file = "ca.pem"
+args = ["x"]
+protocol_mode = "modern_only"
 [backends.bad.headers]
 "Bad Name" = "x"
 Host = "y"
@@ -242,6 +244,9 @@ headers = { X-A = "1" }
         "backends.bad.url: expected http://HOST:PORT/PATH or https://HOST/PATH without "
         "credentials, got 'ftp://user@host/mcp'",
         "backends.bad.ca_file: only for an https:// url",
+        "backends.bad.args: only for a backend with a command (this one has a url)",
+        "backends.bad.protocol_mode: a remote backend (url) is opened with initialize (the "
+        "legacy sessions' shape): legacy_only or prefer_legacy",
         "backends.bad.headers.Bad Name: not a valid header name",
         "backends.bad.headers.Host: set by the gateway itself",
         "backends.bad.headers.X-A: expected a string, { env = \"VAR\" } or { file = \"/path\", "
