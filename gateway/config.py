@@ -16,6 +16,7 @@ import re
 import shutil
 import stat
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -492,6 +493,11 @@ def remote_errors(p: str, b: BackendConfig) -> list[str]:
                       f"credentials, got {b.url!r}")
     elif any(c.isspace() or ord(c) < 0x21 or ord(c) > 0x7e for c in b.url):
         errors.append(f"{p}.url: must be printable ASCII without spaces")
+    else:
+        try:
+            urlsplit(b.url).port  # noqa: B018 - parsing it is the check
+        except ValueError as exc:
+            errors.append(f"{p}.url: {exc}")
     if b.ca_file is not None and scheme != "https":
         errors.append(f"{p}.ca_file: only for an https:// url")
     for name, value in b.headers.items():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 from collections import deque
 
 import msgspec
@@ -133,8 +134,9 @@ class HttpConnector:
 
     def __init__(self, cfg: BackendConfig) -> None:
         self.cfg = cfg
-        self.target = httpclient.parse_url(cfg.url, cfg.ca_file)
+        self.target = httpclient.parse_url(cfg.url)
         self.headers: list[tuple[str, str]] | None = None  # read at open, and by refresh
+        self._tls: ssl.SSLContext | None = None  # https: made at the first open, and by refresh
 
     @property
     def origin(self) -> str:
@@ -142,16 +144,26 @@ class HttpConnector:
 
     def refresh(self) -> None:
         """Read the header values again (a reload): the next requests carry them.  A value
-        that cannot be read keeps the one before (logged, without it)."""
+        that cannot be read keeps the one before (logged, without it).  The ``ca_file`` is read
+        again at the next open."""
         try:
             self.headers = read_headers(self.cfg)
         except OpenFailed as exc:
             LOGGER.warning("backend %s: keeping the headers read before: %s", self.origin, exc)
+        self._tls = None  # ca_file read again at the next open
+
+    def _context(self) -> ssl.SSLContext | None:
+        if self.target.tls and self._tls is None:
+            try:
+                self._tls = httpclient.tls_context(self.cfg.ca_file)
+            except (OSError, ssl.SSLError) as exc:
+                raise OpenFailed(f"ca_file {self.cfg.ca_file}: {exc}") from None
+        return self._tls
 
     async def open(self, ctx: LinkContext) -> HttpLink:
         self.headers = read_headers(self.cfg)
         pool = httpclient.Pool(self.target, connect_timeout=self.cfg.start_timeout,
-                               idle_max=IDLE_CONNECTIONS)
+                               idle_max=IDLE_CONNECTIONS, ssl_context=self._context())
         try:
             conn = await pool.connect()
         except httpclient.ConnectFailed as exc:

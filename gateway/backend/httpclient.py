@@ -1,6 +1,6 @@
 """A small HTTP/1.1 client on h11 over trio streams, for remote backends.
 
-:class:`Origin` is a parsed ``url`` (its TLS context made once); :class:`Connection` carries one
+:class:`Origin` is a parsed ``url``; :class:`Connection` carries one
 exchange at a time over a stream (a TCP or TLS one, or a memory stream in tests): the request
 sent whole, the answer's head read within a deadline, the body read chunk by chunk within an
 idle deadline and a byte bound.  :class:`Pool` keeps up to ``idle_max`` idle keep-alive
@@ -60,7 +60,6 @@ class Origin:
     port: int
     target: str  # path and query
     authority: str  # the Host header
-    ssl_context: ssl.SSLContext | None
 
     @property
     def text(self) -> str:
@@ -68,23 +67,33 @@ class Origin:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{self.scheme}://{host}:{self.port}"
 
+    @property
+    def tls(self) -> bool:
+        return self.scheme == "https"
 
-def parse_url(url: str, ca_file: str | None = None) -> Origin:
+
+def parse_url(url: str) -> Origin:
     """An :class:`Origin` from ``url`` (checked by the config already).
 
     Raises:
-        ValueError: not an http(s) URL with a host; OSError: ``ca_file`` unreadable.
+        ValueError: not an http(s) URL with a host and a valid port.
     """
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"not an http(s) URL: {url!r}")
-    tls = parts.scheme == "https"
-    context = None
-    if tls:
-        context = ssl.create_default_context(cafile=ca_file)
-    port = parts.port or (443 if tls else 80)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    return Origin(parts.scheme, parts.hostname, port, target, parts.netloc, context)
+    return Origin(parts.scheme, parts.hostname, port, target, parts.netloc)
+
+
+def tls_context(ca_file: str | None) -> ssl.SSLContext:
+    """A client context verifying certificates and host names (against ``ca_file``, else the
+    system's CAs).
+
+    Raises:
+        OSError, ssl.SSLError: ``ca_file`` unreadable or not PEM certificates.
+    """
+    return ssl.create_default_context(cafile=ca_file)
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,8 +226,10 @@ class Pool:
     """Connections to one origin: up to ``idle_max`` idle ones kept for reuse, each for at most
     :data:`IDLE_TTL` seconds."""
 
-    def __init__(self, origin: Origin, *, connect_timeout: float, idle_max: int) -> None:
+    def __init__(self, origin: Origin, *, connect_timeout: float, idle_max: int,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.origin = origin
+        self.ssl_context = ssl_context  # for https
         self.connect_timeout = connect_timeout
         self.idle_max = idle_max
         self._idle: list[Connection] = []
@@ -236,8 +247,9 @@ class Pool:
         try:
             with trio.fail_after(self.connect_timeout):
                 stream = await trio.open_tcp_stream(origin.host, origin.port)
-                if origin.ssl_context is not None:
-                    tls = trio.SSLStream(stream, origin.ssl_context, server_hostname=origin.host)
+                if origin.tls:
+                    assert self.ssl_context is not None
+                    tls = trio.SSLStream(stream, self.ssl_context, server_hostname=origin.host)
                     await tls.do_handshake()
                     stream = tls
         except trio.TooSlowError:
