@@ -167,6 +167,7 @@ async def run(
     control: Control | None = None,
     handle_signals: bool = False,
     subreaper: bool = False,
+    bus: EventBus | None = None,
     task_status: trio.TaskStatus[Bound] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the gateway until stopped.
@@ -177,6 +178,7 @@ async def run(
         control: reload/stop triggers (created when not given).
         handle_signals: receive SIGHUP/SIGTERM/SIGINT, ignore SIGUSR1/SIGUSR2 (``mcp-gateway run``).
         subreaper: become a child subreaper and reap orphaned backend descendants.
+        bus: the event bus to emit on (a new one when not given; tests pass theirs to watch it).
         task_status: reports :class:`Bound` once listeners are bound and required backends run.
 
     Raises:
@@ -188,7 +190,7 @@ async def run(
     tls_context = _tls_context(cfg)
     if subreaper:
         process.become_subreaper()
-    bus = EventBus()
+    bus = bus if bus is not None else EventBus()
     hub = Hub(cfg, bus, subreaper=subreaper)
     try:
         hub.authn = Authenticator(cfg)  # reads auth.tokens_file
