@@ -135,10 +135,13 @@ class Events:
         return got
 
     async def wait(self, kind: type, predicate: Callable[[Any], bool] = lambda e: True, *,
-                   since: int = 0, count: int = 1, timeout: float = 10.0) -> Any:  # noqa: ASYNC109 - a helper's own deadline (trio.fail_after inside), passed by keyword
-        """The ``count``-th event of ``kind`` matching ``predicate`` from mark ``since`` on."""
+                   since: int = 0, count: int = 1, timeout: float = 10.0,  # noqa: ASYNC109 - a helper's own deadline (trio.fail_after inside), passed by keyword
+                   **fields: Any) -> Any:
+        """The ``count``-th event of ``kind`` matching ``predicate`` and with the given
+        ``fields`` values, from mark ``since`` on."""
         def match() -> Any:
-            matching = [e for e in self.of(kind, since) if predicate(e)]
+            matching = [e for e in self.of(kind, since) if predicate(e)
+                        and all(getattr(e, k) == v for k, v in fields.items())]
             return matching[count - 1] if len(matching) >= count else None
 
         return await self.until(match, timeout)
@@ -332,13 +335,15 @@ POLL = 0.02
 
 
 async def wait_status(port: int | None,
-                      predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-    """Poll /status until ``predicate`` holds (the caller bounds the wait)."""
+                      predicate: Callable[[dict[str, Any]], Any]) -> dict[str, Any]:
+    """Poll /status until ``predicate`` holds (the caller bounds the wait).  For what the gateway
+    shows without an event (bytes buffered, messages queued, an instance's calls or drain); an
+    in-process gateway's evented state is waited for with :meth:`Running.status_until`."""
     while True:
         st = await http_json(port, "/status")
         if predicate(st):
             return st
-        await trio.sleep(POLL)
+        await trio.sleep(POLL)  # real-clock: state published with no event, seen over HTTP
 
 
 async def wait_instance(port: int | None, pred: Callable[[dict[str, Any]], bool],
@@ -346,9 +351,8 @@ async def wait_instance(port: int | None, pred: Callable[[dict[str, Any]], bool]
     """The first ``/status`` instance (of the first backend) for which ``pred`` holds, within
     ``timeout``."""
     with trio.fail_after(timeout):
-        while not pred(inst := (await http_json(port, "/status"))["backends"][0]["instances"][0]):  # noqa: ASYNC110 - the gateway seen through /status over HTTP: no event to wait on
-            await trio.sleep(POLL)
-    return inst
+        st = await wait_status(port, lambda st: pred(st["backends"][0]["instances"][0]))
+    return st["backends"][0]["instances"][0]
 
 
 async def metric(port: int | None, name: str, **labels: str) -> float:
