@@ -9,7 +9,7 @@ import socket
 import ssl
 import sys
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -330,20 +330,30 @@ async def http_json(port: int | None, path: str) -> Any:
     return json.loads(body)
 
 
-#: Between two looks at /status or /metrics while waiting for the state they prove.
+#: Between two looks at what :func:`poll` watches.
 POLL = 0.02
+
+
+async def poll(look: Callable[[], Awaitable[Any]], interval: float = POLL) -> Any:
+    """``await look()`` again every ``interval`` seconds until it returns something truthy, and
+    return that (the caller bounds the wait).  The one place a test polls: for what another
+    process shows (a daemon run as its own process, replicas, ``/proc``) and for what an
+    in-process gateway publishes with no event (bytes buffered, messages queued, an instance's
+    calls, drain and pid); an in-process gateway's evented state is waited for with
+    :meth:`Running.status_until` and :class:`Events`."""
+    while not (got := await look()):  # noqa: ASYNC110 - polling is what this helper is for
+        await trio.sleep(interval)  # real-clock: the state polled has no event this test can see
+    return got
 
 
 async def wait_status(port: int | None,
                       predicate: Callable[[dict[str, Any]], Any]) -> dict[str, Any]:
-    """Poll /status until ``predicate`` holds (the caller bounds the wait).  For what the gateway
-    shows without an event (bytes buffered, messages queued, an instance's calls or drain); an
-    in-process gateway's evented state is waited for with :meth:`Running.status_until`."""
-    while True:
+    """Poll /status until ``predicate`` holds (the caller bounds the wait)."""
+    async def look() -> dict[str, Any] | None:
         st = await http_json(port, "/status")
-        if predicate(st):
-            return st
-        await trio.sleep(POLL)  # real-clock: state published with no event, seen over HTTP
+        return st if predicate(st) else None
+
+    return await poll(look)
 
 
 async def wait_instance(port: int | None, pred: Callable[[dict[str, Any]], bool],

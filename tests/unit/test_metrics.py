@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from helpers import poll
 from prometheus_client.openmetrics.parser import (
     text_string_to_metric_families as parse_openmetrics,
 )
@@ -334,11 +335,12 @@ def _rss(pid: int) -> int:
 
 
 async def _wait_for(predicate: Callable[[], bool]) -> None:
-    for _ in range(1000):  # for at most 10 s
-        if predicate():
-            return
-        await trio.sleep(0.01)  # real-clock: other processes seen through /proc: nothing to wait on
-    raise AssertionError("condition not reached in 10 s")
+    """Until ``predicate()`` holds, for at most 10 s (other processes seen through /proc)."""
+    async def look() -> bool:
+        return predicate()
+
+    with trio.fail_after(10):
+        await poll(look, 0.01)
 
 
 @pytest.mark.system
