@@ -31,7 +31,7 @@ import subprocess
 import sys
 import threading
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +39,7 @@ from typing import Any
 
 import pytest
 import trio
-from helpers import ROOT, Client, connect, http_json, http_request, text_of, unix_connect
+from helpers import ROOT, Client, connect, http_json, http_request, poll, text_of, unix_connect
 
 FD_SLACK = 4  # sockets in a close handshake, the admin connection of the check itself
 RSS_BOUND = 256 * 2**20  # the daemon's resident memory, bytes
@@ -200,6 +200,24 @@ listen = "127.0.0.1:0"
         (b,) = [b for b in (await self.status())["backends"] if b["name"] == backend]
         return b["instances"][index]
 
+    async def status_until(self, predicate: Callable[[dict[str, Any]], Any]) -> dict[str, Any]:
+        """``/status`` once ``predicate`` holds for it (polled: the daemon is another process;
+        the caller bounds the wait)."""
+        async def look() -> dict[str, Any] | None:
+            st = await self.status()
+            return st if predicate(st) else None
+
+        return await poll(look)
+
+    async def instance_until(self, backend: str, predicate: Callable[[dict[str, Any]], Any],
+                             index: int = 0) -> dict[str, Any]:
+        """The ``/status`` instance once ``predicate`` holds for it (polled, as above)."""
+        async def look() -> dict[str, Any] | None:
+            inst = await self.instance(backend, index)
+            return inst if predicate(inst) else None
+
+        return await poll(look)
+
     async def metric(self, name: str, **labels: str) -> float:
         """The sum of the samples of ``name`` whose labels include ``labels`` (0 when none)."""
         status, body = await http_request(self.admin_port, "/metrics")
@@ -257,13 +275,13 @@ class Baseline:
 async def baseline(daemon: Daemon) -> Baseline:
     """What the idle daemon looks like; taken once its backends settled (every instance
     RUNNING or FATAL)."""
+    async def settled() -> dict[str, Any] | None:
+        status = await daemon.status()
+        states = {i["state"] for b in status["backends"] for i in b["instances"]}
+        return status if states <= {"RUNNING", "FATAL"} else None
+
     with trio.fail_after(SETTLE):
-        while True:
-            status = await daemon.status()
-            states = {i["state"] for b in status["backends"] for i in b["instances"]}
-            if states <= {"RUNNING", "FATAL"}:
-                break
-            await trio.sleep(POLL)
+        status = await poll(settled, POLL)
     return Baseline(settled_view(status), open_fds(daemon.pid), rss_bytes(daemon.pid))
 
 
@@ -287,21 +305,26 @@ async def check(daemon: Daemon, base: Baseline, *, bystander_tool: str = "fx__ec
     assert (status, body) == (200, b"ok\n")
     await bystander_echo(daemon, bystander_tool)
     # the published snapshot settles back; so do the fds and the process tree
-    deadline = trio.current_time() + settle
-    while True:
+    view: dict[str, Any] = {}
+    fds = 0
+    extra: set[int] = set()
+
+    async def settled() -> bool:
+        nonlocal view, fds, extra
         status_doc = await daemon.status()
         view = settled_view(status_doc)
         fds = open_fds(daemon.pid)
         extra = descendants(daemon.pid) - instance_pids(status_doc)
-        if view == base.view and fds <= base.fds + FD_SLACK and not extra:
-            break
-        if trio.current_time() > deadline:
-            procs = {p: _cmdline(p) for p in extra}
-            raise AssertionError(
-                f"did not settle within {settle}s:\n view {view}\n base {base.view}\n"
-                f" fds {fds} (baseline {base.fds}, slack {FD_SLACK})\n extra processes {procs}\n"
-                + daemon.tail(15))
-        await trio.sleep(POLL)
+        return view == base.view and fds <= base.fds + FD_SLACK and not extra
+
+    with trio.move_on_after(settle):
+        await poll(settled, POLL)
+    if not await settled():
+        procs = {p: _cmdline(p) for p in extra}
+        raise AssertionError(
+            f"did not settle within {settle}s:\n view {view}\n base {base.view}\n"
+            f" fds {fds} (baseline {base.fds}, slack {FD_SLACK})\n extra processes {procs}\n"
+            + daemon.tail(15))
     assert abs(fds - base.fds) <= FD_SLACK, (fds, base.fds)
     rss = rss_bytes(daemon.pid)
     assert rss <= RSS_BOUND, f"daemon RSS {rss / 2**20:.1f} MiB over {RSS_BOUND / 2**20:.0f} MiB"
