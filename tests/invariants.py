@@ -20,6 +20,7 @@ tests as they are.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -132,6 +133,8 @@ class Daemon:
         self.write_config(backends)
         self.lines: list[str] = []
         self._ready = threading.Event()
+        # who waits for the next line: (the waiting trio run, its event), set from the reader
+        self._wake: tuple[trio.lowlevel.TrioToken, trio.Event] | None = None
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gateway", "run", "--config", str(self.config_path)],
             cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -165,7 +168,30 @@ listen = "127.0.0.1:0"
                 self.lines.append(line)
             if READY.search(line):
                 self._ready.set()
+            self._woken()
         self._ready.set()
+        self._woken()
+
+    def _woken(self) -> None:
+        if (wake := self._wake) is not None:
+            token, event = wake
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(event.set)
+
+    async def line_until(self, predicate: Callable[[str], bool], since: int = 0) -> str:
+        """The first log line from the ``since``-th on for which ``predicate`` holds, waiting
+        for the reader thread to add it (the caller bounds the wait)."""
+        token = trio.lowlevel.current_trio_token()
+        try:
+            while True:
+                event = trio.Event()
+                self._wake = (token, event)  # before looking: a line added after it wakes us
+                for line in self.lines[since:]:
+                    if predicate(line):
+                        return line
+                await event.wait()
+        finally:
+            self._wake = None
 
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.lines[-n:])
