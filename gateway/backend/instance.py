@@ -442,13 +442,17 @@ class Instance(ChildHandlers):
         grace = self.cfg.cancel_grace
         while not down.is_set():
             oldest = child.oldest_abandoned()
-            if oldest is None or trio.current_time() < oldest + grace:
-                await trio.sleep(grace if oldest is None else oldest + grace - trio.current_time())
+            now = trio.current_time()
+            if oldest is None or now < oldest + grace:
+                await trio.sleep(grace if oldest is None else oldest + grace - now)
                 continue
+            # given up at or before this: the oldest included whatever the float rounding of
+            # ``now - grace`` (else the loop would find it past its grace again at once)
+            cutoff = max(now - grace, oldest)
             if not self.backend.attribution_matters:
-                child.purge_abandoned(trio.current_time() - grace)
+                child.purge_abandoned(cutoff)
                 continue
-            if child.purge_abandoned(trio.current_time() - grace, internal_only=True):
+            if child.purge_abandoned(cutoff, internal_only=True):
                 continue  # internal requests never count for attribution: no recycle for them
             LOGGER.warning("backend %s: a cancelled call was not answered within %gs; recycling "
                            "the child so requests it may still send cannot be misattributed: no "
