@@ -177,9 +177,8 @@ async def _misbehave(stream: trio.SocketStream) -> None:
         await stream.send_all(_SSE_HEAD + b": c\r\rdata: " + _result(1, "cr") + b"\r\r")
     elif rid == 2:  # CRLF line ends, the event's last CRLF split between two writes
         await stream.send_all(_SSE_HEAD + b"data: " + _result(2, "split") + b"\r\n\r")
-        # real-clock: the bridge (another process) must read this write alone, and its reads
-        # cannot be seen from here
-        await trio.sleep(0.2)
+        # the bridge (another process) must read this write alone; its reads cannot be seen
+        await trio.sleep(0.2)  # real-clock: a pause another process's read must fall into
         await stream.send_all(b"\ndata: " + _result(99, "next") + b"\r\n\r\n")
     elif rid == 3:  # a 200 in HTML
         await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/html\r\n"
