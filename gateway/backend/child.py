@@ -342,8 +342,7 @@ class ChildConnection:
         return self.router.calls_in_flight()
 
     def purge_abandoned(self, before: float, *, internal_only: bool = False) -> int:
-        """Forget abandoned calls given up at or before ``before`` (only internal ones if
-        asked)."""
+        """Forget abandoned calls given up before ``before`` (only internal ones if asked)."""
         count = len(self.router.pending)
         self.perform(self.router.purge_abandoned(before, internal_only=internal_only))
         return count - len(self.router.pending)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
@@ -442,13 +443,15 @@ class Instance(ChildHandlers):
         grace = self.cfg.cancel_grace
         while not down.is_set():
             oldest = child.oldest_abandoned()
-            now = trio.current_time()
-            if oldest is None or now < oldest + grace:
-                await trio.sleep(grace if oldest is None else oldest + grace - now)
+            if oldest is None:
+                await trio.sleep(grace)
                 continue
-            # given up at or before this: the oldest included whatever the float rounding of
-            # ``now - grace`` (else the loop would find it past its grace again at once)
-            cutoff = max(now - grace, oldest)
+            if trio.current_time() < oldest + grace:
+                await trio.sleep_until(oldest + grace)
+                continue
+            # those given up ``grace`` ago or more, the oldest always among them: at exactly
+            # ``oldest + grace`` (a virtual clock), ``now - grace`` may round below it
+            cutoff = math.nextafter(max(trio.current_time() - grace, oldest), math.inf)
             if not self.backend.attribution_matters:
                 child.purge_abandoned(cutoff)
                 continue

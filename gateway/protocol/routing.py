@@ -416,11 +416,10 @@ class ChildRouter:
         return actions
 
     def purge_abandoned(self, before: float, *, internal_only: bool = False) -> list[Action]:
-        """Forget abandoned calls given up at or before ``before`` (only internal ones if
-        asked): the child is taken to be done with them.  (At ``before`` exactly too: a watcher
-        woken exactly at the end of a grace must find the call gone, not wake again at once.)"""
+        """Forget abandoned calls given up before ``before`` (only internal ones if asked): the
+        child is taken to be done with them."""
         stale = [c for c in self.pending.values() if c.abandoned_at is not None
-                 and c.abandoned_at <= before and (c.internal or not internal_only)]
+                 and c.abandoned_at < before and (c.internal or not internal_only)]
         actions: list[Action] = []
         for call in stale:
             del self.pending[call.gid]
