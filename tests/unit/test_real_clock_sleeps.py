@@ -21,8 +21,9 @@ MAX_REAL_CLOCK = 14
 CLOCK_PARAMS = {"autojump_clock", "mock_clock"}
 REAL = re.compile(r"#\s*real-clock:\s*\S")
 VIRTUAL = re.compile(r"#\s*virtual-time:\s*\S")
-#: Modules being moved onto memory streams on another branch: their sleeps are neither checked
-#: nor counted until that lands (then this set goes, and they are counted like the rest).
+#: Modules another branch moved onto memory streams: their sleeps are neither checked nor
+#: counted here.  This set goes once their comments read ``# real-clock: <why>`` (then they are
+#: checked and counted like the rest).
 PENDING_MEMORY_STREAMS = frozenset({
     "integration/test_catalog_live.py",
     "integration/test_backend_faults.py",
