@@ -187,6 +187,7 @@ async def run(
     handle_signals: bool = False,
     subreaper: bool = False,
     embed: Embedding | None = None,
+    bus: EventBus | None = None,
     task_status: trio.TaskStatus[Bound] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the gateway until stopped.
@@ -198,6 +199,7 @@ async def run(
         handle_signals: receive SIGHUP/SIGTERM/SIGINT, ignore SIGUSR1/SIGUSR2 (``mcp-gateway run``).
         subreaper: become a child subreaper and reap orphaned backend descendants.
         embed: run inside a test: its connectors, its in-process streams (see :class:`Embedding`).
+        bus: the event bus to emit on (a new one when not given; tests pass theirs to watch it).
         task_status: reports :class:`Bound` once listeners are bound and required backends run.
 
     Raises:
@@ -209,7 +211,7 @@ async def run(
     tls_context = _tls_context(cfg)
     if subreaper:
         process.become_subreaper()
-    bus = EventBus()
+    bus = bus if bus is not None else EventBus()
     hub = Hub(cfg, bus, subreaper=subreaper,
               connectors=default_connector if embed is None else embed.connector)
     try:
