@@ -17,7 +17,7 @@ async def serve_once(stream: trio.abc.Stream, answer: list[bytes], pause: float 
     while b"\r\n\r\n" not in data:
         data += await stream.receive_some(65536)
     for piece in answer:
-        await trio.sleep(pause)
+        await trio.sleep(pause)  # virtual-time: the tests run on autojump_clock
         await stream.send_all(piece)
 
 

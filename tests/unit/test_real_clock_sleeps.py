@@ -21,22 +21,13 @@ MAX_REAL_CLOCK = 14
 CLOCK_PARAMS = {"autojump_clock", "mock_clock"}
 REAL = re.compile(r"#\s*real-clock:\s*\S")
 VIRTUAL = re.compile(r"#\s*virtual-time:\s*\S")
-#: Modules another branch moved onto memory streams: their sleeps are neither checked nor
-#: counted here.  This set goes once their comments read ``# real-clock: <why>`` (then they are
-#: checked and counted like the rest).
-PENDING_MEMORY_STREAMS = frozenset({
-    "integration/test_catalog_live.py",
-    "integration/test_backend_faults.py",
-    "integration/test_routing.py",
-    "integration/test_ownership.py",
-})
 
 
 @dataclass(frozen=True)
 class Sleep:
     path: str  # relative to tests/
     line: int
-    kind: str  # "virtual" | "real-clock" | "pending" | "unexplained"
+    kind: str  # "virtual" | "real-clock" | "unexplained"
 
 
 def _is_sleep(node: ast.AST) -> bool:
@@ -63,8 +54,6 @@ def _sleeps_in(path: Path, root: Path = TESTS) -> list[Sleep]:
                 kind = "virtual"
             elif REAL.search(near):
                 kind = "real-clock"
-            elif rel in PENDING_MEMORY_STREAMS:
-                kind = "pending"
             else:
                 kind = "unexplained"
             found.append(Sleep(rel, n, kind))
