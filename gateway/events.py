@@ -16,8 +16,9 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 LOGGER = logging.getLogger(__name__)
 
@@ -59,30 +60,26 @@ class ExitKind(enum.StrEnum):
     START_FAILED = "start_failed"  # the hand-shake failed or timed out
 
 
-@dataclass(frozen=True, slots=True)
-class ConnectionOpened:
+class ConnectionOpened(msgspec.Struct, frozen=True):
     conn_id: str
     transport: str  # "websocket" | "unix"
 
 
-@dataclass(frozen=True, slots=True)
-class ConnectionClosed:
+class ConnectionClosed(msgspec.Struct, frozen=True):
     conn_id: str
     transport: str
     reason: str  # a gateway.errors.CloseReason value
     duration: float
 
 
-@dataclass(frozen=True, slots=True)
-class ConnectionRefused:
+class ConnectionRefused(msgspec.Struct, frozen=True):
     """A client connection turned away before it was served."""
 
     transport: str  # "websocket" | "unix" | "http"
     reason: str  # "max_connections" | "unauthorized" (a 401 on the upgrade or an HTTP request)
 
 
-@dataclass(frozen=True, slots=True)
-class RequestStarted:
+class RequestStarted(msgspec.Struct, frozen=True):
     """A client request accepted for processing (the in-flight gauge rises)."""
 
     conn_id: str
@@ -90,16 +87,14 @@ class RequestStarted:
     backend: str  # "" when the gateway answers itself
 
 
-@dataclass(frozen=True, slots=True)
-class QueueWaited:
+class QueueWaited(msgspec.Struct, frozen=True):
     """A call waited for an instance (affine hand-over, restart wait) before it was sent."""
 
     backend: str
     seconds: float
 
 
-@dataclass(frozen=True, slots=True)
-class RequestFinished:
+class RequestFinished(msgspec.Struct, frozen=True):
     """A client request answered (or dropped, for ``cancelled``)."""
 
     conn_id: str
@@ -113,8 +108,7 @@ class RequestFinished:
     principal: str = "_none"  # the caller's bounded label (gateway.auth.labels)
 
 
-@dataclass(frozen=True, slots=True)
-class BackendStateChanged:
+class BackendStateChanged(msgspec.Struct, frozen=True):
     backend: str
     instance: str  # e.g. "time/0"
     old: str
@@ -123,16 +117,14 @@ class BackendStateChanged:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
-class BackendStarted:
+class BackendStarted(msgspec.Struct, frozen=True):
     backend: str
     instance: str
     pid: int | None  # None: no process (a remote or in-process upstream)
     start_duration: float  # link opened (spawn) to handshake complete
 
 
-@dataclass(frozen=True, slots=True)
-class BackendExited:
+class BackendExited(msgspec.Struct, frozen=True):
     backend: str
     instance: str
     pid: int | None
@@ -140,8 +132,7 @@ class BackendExited:
     returncode: int | None
 
 
-@dataclass(frozen=True, slots=True)
-class BackendProtocolError:
+class BackendProtocolError(msgspec.Struct, frozen=True):
     """A child printed a line that is not JSON-RPC (logged, counted, the child keeps serving)."""
 
     backend: str
@@ -149,8 +140,7 @@ class BackendProtocolError:
     kind: str  # "not_json" | "invalid_message" | "oversize" | "unknown_response"
 
 
-@dataclass(frozen=True, slots=True)
-class BackendStderr:
+class BackendStderr(msgspec.Struct, frozen=True):
     """Lines a child wrote to stderr (one event per chunk read): logged, or held back by the
     rate limit (those are summarised in one log line per window)."""
 
@@ -160,20 +150,17 @@ class BackendStderr:
     suppressed: int
 
 
-@dataclass(frozen=True, slots=True)
-class CatalogChanged:
+class CatalogChanged(msgspec.Struct, frozen=True):
     kinds: tuple[str, ...]  # subset of ("tools", "prompts", "resources")
 
 
-@dataclass(frozen=True, slots=True)
-class ServerRequestRouted:
+class ServerRequestRouted(msgspec.Struct, frozen=True):
     backend: str
     method: str
     conn_id: str
 
 
-@dataclass(frozen=True, slots=True)
-class ServerRequestRefused:
+class ServerRequestRefused(msgspec.Struct, frozen=True):
     """A child's server→client request the gateway could not attribute or deliver."""
 
     backend: str
@@ -181,32 +168,28 @@ class ServerRequestRefused:
     reason: str  # "unattributable" | "no_capability" | "no_call_in_flight"
 
 
-@dataclass(frozen=True, slots=True)
-class ServerRequestFinished:
+class ServerRequestFinished(msgspec.Struct, frozen=True):
     backend: str  # "" for the gateway's own consent prompts
     method: str
     outcome: ServerRequestOutcome
     duration: float
 
 
-@dataclass(frozen=True, slots=True)
-class AnswerRefused:
+class AnswerRefused(msgspec.Struct, frozen=True):
     """A client answered a server→client request it does not own (or that does not exist)."""
 
     conn_id: str
     reason: str  # "unknown_id"
 
 
-@dataclass(frozen=True, slots=True)
-class InputRequired:
+class InputRequired(msgspec.Struct, frozen=True):
     """A modern caller's call was answered ``input_required`` for a legacy child's requests
     (era bridging, one per round) or for the gateway's consent prompt (backend "")."""
 
     backend: str
 
 
-@dataclass(frozen=True, slots=True)
-class RequestStateRefused:
+class RequestStateRefused(msgspec.Struct, frozen=True):
     """A retry's ``requestState`` was refused (``invalid_state``)."""
 
     # "tampered" | "foreign" | "expired" | "used" | "gone" | "other_params" | "malformed" |
@@ -214,8 +197,7 @@ class RequestStateRefused:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
-class ReloadFinished:
+class ReloadFinished(msgspec.Struct, frozen=True):
     success: bool
     error: str | None
     added: tuple[str, ...] = ()
@@ -223,8 +205,7 @@ class ReloadFinished:
     changed: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class ListsChanged:
+class ListsChanged(msgspec.Struct, frozen=True):
     """A backend's lists changed (its first instance listed them anew): the catalog is rebuilt."""
 
     backend: str

@@ -44,7 +44,7 @@ from gateway.protocol.routing import (
     ToChild,
     ToOwner,
     UnknownReply,
-    request_params,
+    request_fields,
 )
 
 LOGGER = logging.getLogger(__name__)
@@ -272,8 +272,11 @@ class ChildConnection:
         call = self.router.open_call(method, owner=owner, handle=handle, now=now, timeout=timeout,
                                      hard_deadline=hard, progress=progress, internal=internal)
         if fields is not None:
-            params = request_params(fields, meta, call.token)
-        line = jsonrpc.encode_request(call.gid, method, params)
+            if meta is not None:
+                fields = request_fields(fields, meta, call.token)
+            line = jsonrpc.encode_request_fields(call.gid, method, fields)
+        else:
+            line = jsonrpc.encode_request(call.gid, method, params)
         if not internal and not self.link.fits(len(line)):
             raise self._queue_full()  # an opened call that is never submitted leaves no trace
         self.perform(self.router.submit(call, line))
@@ -411,8 +414,16 @@ class ChildConnection:
         except errors.GatewayError as exc:
             self._on_undecodable(line, exc)
             return
-        if kind in ("response", "error"):
-            self._on_reply(env)
+        if kind == "response" or kind == "error":
+            try:
+                actions = self.router.reply(env.id, None if env.result is UNSET else env.result,
+                                            None if env.error is UNSET else env.error)
+            except UnknownReply:
+                LOGGER.warning("backend %s answered unknown request id %.100r", self.instance,
+                               env.id)
+                self._protocol_error("unknown_response")
+                return
+            self.perform(actions)
         elif kind == "notification":
             assert isinstance(env.method, str)
             if env.method == "notifications/progress":
@@ -447,16 +458,6 @@ class ChildConnection:
         self._fail_reply(wire.reply_id_hint(line[:HEAD], line[-HEAD:]), errors.BackendProtocolError(
             f"backend {self.backend!r} sent a reply that cannot be passed on: {exc.message}",
             backend=self.backend, detail=kind))
-
-    def _on_reply(self, env: jsonrpc.Envelope) -> None:
-        try:
-            actions = self.router.reply(env.id, env.result if env.result is not UNSET else None,
-                                        env.error if env.error is not UNSET else None)
-        except UnknownReply:
-            LOGGER.warning("backend %s answered unknown request id %.100r", self.instance, env.id)
-            self._protocol_error("unknown_response")
-            return
-        self.perform(actions)
 
     def _on_progress(self, params: Raw | UnsetType) -> None:
         try:

@@ -47,6 +47,8 @@ from gateway.status import InstanceStatus
 from gateway.wakeup import Wakeup
 
 LOGGER = logging.getLogger(__name__)
+#: The states in which an instance takes new calls.
+_SERVING = frozenset({State.RUNNING, State.UNHEALTHY})
 
 #: stderr lines kept for /status after a crash.
 STDERR_TAIL = 20
@@ -225,7 +227,7 @@ class Instance(ChildHandlers):
     def serving(self) -> ChildConnection | None:
         """The child that takes new calls now: running, and not being drained for a recycle."""
         child = self.child
-        if (self.state in (State.RUNNING, State.UNHEALTHY) and child is not None
+        if (self.sup.state in _SERVING and child is not None
                 and child.closed is None and not self.draining):
             return child
         return None

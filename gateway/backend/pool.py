@@ -264,7 +264,7 @@ class Backend:
         if self.cfg.sharing == "shared":
             best: tuple[int, Instance, ChildConnection] | None = None
             for candidate in self.instances:
-                child = _running(candidate)
+                child = candidate.serving()
                 if child is not None and asks and self._parked_at(child, session) != ({}, False):
                     continue
                 if child is not None:
@@ -385,9 +385,10 @@ class Backend:
     def release(self, inst: Instance, session: Owner) -> None:
         """A call of ``session`` on ``inst`` ended (affine: maybe hand the instance over)."""
         inst.calls_changed()
-        if self.cfg.sharing == "affine":
+        sharing = self.cfg.sharing
+        if sharing == "affine":
             self._settle(inst)
-        elif self.cfg.sharing == "per-session":
+        elif sharing == "per-session":
             inst.last_used = trio.current_time()
         self._ushered.pop(session, None)
         self._released.set()

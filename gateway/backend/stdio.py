@@ -187,38 +187,41 @@ class LineLink:
             await trio.sleep_forever()  # stderr may still come while the child is stopped
 
     async def _read_some(self) -> bytes:
-        """The next bytes of the child's stdout (b"" at its end).  A real pipe is read with
-        ``os.read`` and waited on with ``wait_readable``: one task step per wake-up (trio's
-        FdStream adds a checkpoint to every read, a second step per reply)."""
-        stream = self._receive_stream
-        if not isinstance(stream, trio.lowlevel.FdStream):
-            return bytes(await stream.receive_some(READ_CHUNK))  # no copy of bytes
-        fd = stream.fileno()
-        while True:
-            try:
-                return os.read(fd, READ_CHUNK)
-            except BlockingIOError:
-                await trio.lowlevel.wait_readable(fd)
+        """The next bytes of the child's stdout (b"" at its end), from a stream that is not a
+        real pipe (:meth:`_read_loop` reads a pipe itself)."""
+        return bytes(await self._receive_stream.receive_some(READ_CHUNK))  # no copy of bytes
 
     async def _read_loop(self, receiver: Receiver) -> None:
         """Read the child's stdout until EOF."""
         framer = LineFramer(self._ctx.max_line, report_end=True)
         message, oversize, oversize_end = receiver.message, receiver.oversize, receiver.oversize_end
+        # A real pipe is read with ``os.read`` and waited on with ``wait_readable``: one task
+        # step per wake-up (trio's FdStream adds a checkpoint to every read, a second step).
+        stream = self._receive_stream
+        fd = stream.fileno() if isinstance(stream, trio.lowlevel.FdStream) else None
         while True:
             try:
-                data = await self._read_some()
+                if fd is None:
+                    data = await self._read_some()
+                else:
+                    while True:
+                        try:
+                            data = os.read(fd, READ_CHUNK)
+                            break
+                        except BlockingIOError:
+                            await trio.lowlevel.wait_readable(fd)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 return
             if not data:
                 return
             frames = framer.feed(data)
             for n, frame in enumerate(frames, 1):
-                if isinstance(frame, Oversize):
+                if type(frame) is bytes:
+                    message(frame)
+                elif isinstance(frame, Oversize):
                     oversize(frame)
                 elif isinstance(frame, OversizeEnd):
                     oversize_end(frame)
-                else:
-                    message(frame)
                 if not n % SLICE:  # a long run of replies: let the other tasks run meanwhile
                     await trio.lowlevel.checkpoint()
             if len(data) == READ_CHUNK and len(frames) % SLICE:  # more may be waiting

@@ -76,6 +76,15 @@ class InlineStream(MessageStream, Protocol):
     inline: Callable[[Decoded], bool] | None
 
 
+@runtime_checkable
+class BufferedStream(MessageStream, Protocol):
+    """A stream that tells how many messages it holds from reads already made: while it holds
+    none, :meth:`receive` reads, and so lets the other tasks run."""
+
+    @property
+    def buffered(self) -> int: ...
+
+
 class ConnectionPorts(ServingPorts, Protocol):
     """What a connection needs: serving's ports, the daemon-wide byte budget, the message limits,
     and where its session registers while it is open."""
@@ -294,15 +303,20 @@ async def _reader(ports: ConnectionPorts, session: ClientSession, stream: Messag
     drain it (see :meth:`ClientSession.wait_drained`); when not backlogged that costs two int
     comparisons per message and no checkpoint.
     """
-    handled = 0
+    handled = 0  # messages since the last read (a stream that does not say: since the last pause)
+    held = stream if isinstance(stream, BufferedStream) else None
+    reply = _replier(session)  # one for every message of the connection (a batch has its own)
     while not session.closed.is_set():
         if session.queued > session.high_water or session.queued_bytes > session.high_water_bytes:
             await _wait_drained(session, ports.cfg.gateway.write_stall_timeout)
             continue
-        handled += 1
-        if handled == SLICE:  # a long run of pipelined messages: let the other tasks run
-            handled = 0
-            await trio.lowlevel.checkpoint()
+        if held is not None and not held.buffered:
+            handled = 0  # receive reads: the other tasks run meanwhile
+        else:
+            handled += 1
+            if handled == SLICE:  # a long run of pipelined messages: let the other tasks run
+                handled = 0
+                await trio.lowlevel.checkpoint()
         try:
             data = await stream.receive()
         except errors.TransportClosed:
@@ -317,7 +331,7 @@ async def _reader(ports: ConnectionPorts, session: ClientSession, stream: Messag
             if jsonrpc.is_batch(data):
                 _handle_batch(ports, session, data, nursery)
             else:
-                _handle(ports, session, data, nursery)
+                _handle(ports, session, data, nursery, reply)
         else:
             _take(ports, session, data, nursery)
 
@@ -431,16 +445,19 @@ Reply = Callable[[bytes | None, int | str | None], None]
 def _replier(session: ClientSession) -> Reply:
     """How a message's answer reaches ``session`` (sent at once, with its routing hint: one
     array collects a batch's)."""
+    send = session.send
+    answer = jsonrpc.Goes.ANSWER
+
     def reply(message: bytes | None, id: int | str | None = None) -> None:
         if message is not None:
-            session.send(message, (jsonrpc.Goes.ANSWER, id))
+            send(message, (answer, id))
 
     return reply
 
 
 def _handle(ports: ConnectionPorts, session: ClientSession, data: bytes,
-            nursery: trio.Nursery) -> None:
-    """One message (not a batch)."""
+            nursery: trio.Nursery, reply: Reply) -> None:
+    """One message (not a batch); ``reply``: the session's :func:`_replier`."""
     try:
         env = jsonrpc.decode(data, ports.max_json_depth)
         kind = jsonrpc.classify(env)
@@ -448,7 +465,7 @@ def _handle(ports: ConnectionPorts, session: ClientSession, data: bytes,
         bad_id = exc.data.pop("id", None)
         session.send(error_response(bad_id, exc))
         return
-    _dispatch(ports, session, env, kind, len(data), nursery, _replier(session), in_batch=False)
+    _dispatch(ports, session, env, kind, len(data), nursery, reply, in_batch=False)
 
 
 def _handle_batch(ports: ConnectionPorts, session: ClientSession, data: bytes,
@@ -487,8 +504,8 @@ def _dispatch(ports: ConnectionPorts, session: ClientSession, env: jsonrpc.Envel
     """A decoded message: a request is served (or refused), anything else taken in; ``reply``
     is called once (with None when there is nothing to answer now)."""
     if kind == "request":
-        assert isinstance(env.id, int | str) and isinstance(env.method, str)
-        refused = refusal(ports, session, env)
+        assert isinstance(env.id, (int, str)) and isinstance(env.method, str)
+        refused = refusal(ports, session, env) if ports.draining else None
         if refused is not None:
             session.drain(trio.current_time())  # its close waits for it to settle
             reply(error_response(env.id, refused), env.id)

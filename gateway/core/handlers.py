@@ -255,7 +255,8 @@ def _forwarded(req: Request, child: Any, call: Any) -> None:
 
 
 def call_tool(ports: CatalogView, session: ClientSession, req: Request) -> Target:
-    _reject_tasks(req)
+    if "task" in req.params:
+        _reject_tasks(req)
     name = _str_param(req, "name")
     route = ports.catalog.tool_routes.get(name)
     if route is None:

@@ -71,6 +71,13 @@ class Mode(enum.Enum):
     TASK = "task"  # in a task of the connection's nursery (:func:`_run_slow`): ``scope``
 
 
+# Module names for the members read on every request (a member looked up on its enum class is
+# a descriptor call on CPython 3.11).
+_INLINE, _FORWARDED, _TASK = Mode.INLINE, Mode.FORWARDED, Mode.TASK
+_MODERN = era.Era.MODERN
+_OK, _ERROR, _CANCELLED = RequestOutcome.OK, RequestOutcome.ERROR, RequestOutcome.CANCELLED
+
+
 class Served:
     """One client request being served: ``session.inflight``'s entry for its id, and the one
     place where its answer is made (:meth:`end`, exceptions become JSON-RPC errors there).
@@ -107,7 +114,7 @@ class Served:
 
     def __init__(self, ports: ServingPorts, session: ClientSession, env: jsonrpc.Envelope,
                  size: int, reply: Callable[[bytes | None, int | str | None], None]) -> None:
-        assert isinstance(env.id, int | str) and isinstance(env.method, str)
+        assert isinstance(env.id, (int, str)) and isinstance(env.method, str)
         self.ports = ports
         self.session = session
         self.id: int | str = env.id
@@ -116,7 +123,7 @@ class Served:
         self.size = size
         self.reply = reply
         self.started = trio.current_time()
-        self.mode = Mode.INLINE
+        self.mode = _INLINE
         self.ended = False  # answered, or dropped unanswered (a retry took its id over)
         self.scope: trio.CancelScope | None = None  # served in a task
         self.target: Target | None = None
@@ -136,12 +143,12 @@ class Served:
         """The client cancelled it, its connection closed, or the drain grace is over (then it
         is answered -32005 ``shutdown``, ``retryable: false``: it may have had effects)."""
         mode, call, child = self.mode, self.call, self.child
-        if mode is Mode.FORWARDED and call is not None and child is not None:
+        if mode is _FORWARDED and call is not None and child is not None:
             error = None
             if self.ports.calls_cut_off:  # a call still queued never reached the child: retryable
                 error = _cut_off(retryable=call.state is CallState.QUEUED)
             child.cancel(call, error)
-        elif mode is Mode.TASK and self.scope is not None:
+        elif mode is _TASK and self.scope is not None:
             self.scope.cancel()
 
     def forward_now(self) -> bool:
@@ -151,7 +158,8 @@ class Served:
         backend = ports.backend_now(target.backend)
         if backend is None:
             return False
-        picked = backend.pick_now(session, asks=backend.waits_for_parked(asker_key(req)))
+        picked = backend.pick_now(session, asks=bool(backend.askers)
+                                  and backend.waits_for_parked(asker_key(req)))
         if picked is None:
             return False
         inst, child = picked
@@ -161,21 +169,21 @@ class Served:
             ports.bus.emit(RequestStarted(session.conn_id, self.label, backend.name))
         self.backend, self.inst, self.child = backend, inst, child
         self.forwarded_at = trio.current_time()
-        self.mode = Mode.FORWARDED
+        self.mode = _FORWARDED
         try:
-            fields, meta = handlers.outgoing(ports, session, target, child.era is era.Era.MODERN)
+            fields, meta = handlers.outgoing(ports, session, target, child.era is _MODERN)
             self.call = child.start(req.method, UNSET, handle=self, now=self.forwarded_at,
                                     owner=session, hard_timeout=backend.cfg.max_call_duration,
                                     progress=target.progress, fields=fields, meta=meta)
         except errors.NotDelivered:  # the child just died: the slow path waits for the next one
             backend.release(inst, session)
             self.child = None
-            self.mode = Mode.INLINE
+            self.mode = _INLINE
             return False
         except errors.GatewayError as exc:
             backend.release(inst, session)
             self.child = None
-            self.mode = Mode.INLINE
+            self.mode = _INLINE
             self.end(exc=exc)
         return True
 
@@ -183,7 +191,8 @@ class Served:
         """The forwarded call is over (see :class:`gateway.protocol.routing.Finished`)."""
         assert self.backend is not None and self.inst is not None
         self.call = None
-        self.req.backend_time = trio.current_time() - self.forwarded_at
+        now = trio.current_time()
+        self.req.backend_time = now - self.forwarded_at
         self.backend.release(self.inst, self.session)
         if (isinstance(error, errors.NotDelivered) and not self.retried and self.target is not None
                 and not self.session.closed.is_set() and self.session.nursery is not None):
@@ -192,22 +201,23 @@ class Served:
                         self.req.method, extra=self.session.log_fields)
             self.retried = True
             self.child = None
-            self.scope, self.mode = trio.CancelScope(), Mode.TASK
+            self.scope, self.mode = trio.CancelScope(), _TASK
             self.session.nursery.start_soon(_run_slow, self)
             return
         if (result is not None and not self.modern and self.target is not None
-                and self.child is not None and self.child.era is era.Era.MODERN
+                and self.child is not None and self.child.era is _MODERN
                 and self.req.method in inputs.MRTR_METHODS and era.is_input_required(result)
                 and not self.session.closed.is_set() and self.session.nursery is not None):
             # A modern child asks for input; this legacy client is asked the legacy way (a task).
-            self.scope, self.mode = trio.CancelScope(), Mode.TASK
+            self.scope, self.mode = trio.CancelScope(), _TASK
             self.session.nursery.start_soon(_run_slow, self, result)
             return
-        self.end(result, error, cancelled=result is None and error is None)
+        self.end(result, error, cancelled=result is None and error is None, now=now)
 
     def end(self, result: Raw | None = None, exc: BaseException | None = None, *,
-            cancelled: bool = False) -> None:
-        """Answer the request (a cancelled one gets no answer) and account for it, once."""
+            cancelled: bool = False, now: float | None = None) -> None:
+        """Answer the request (a cancelled one gets no answer) and account for it, once
+        (``now``: the time, when the caller has it)."""
         if self.ended:
             return
         self.ended = True
@@ -217,15 +227,15 @@ class Served:
         if cancelled and ports.calls_cut_off:  # drain grace over: say so, not silence
             exc = _cut_off()
         if cancelled and exc is None:
-            outcome = RequestOutcome.CANCELLED  # a cancelled request gets no response
+            outcome = _CANCELLED  # a cancelled request gets no response
         elif exc is None:
             assert result is not None
-            outcome = RequestOutcome.OK
+            outcome = _OK
             if self.modern:
                 result = era.complete(req.method, result, per_caller=ports.policy.per_caller)
             response = jsonrpc.encode_result(self.id, result)
         else:
-            outcome = RequestOutcome.ERROR
+            outcome = _ERROR
             if not isinstance(exc, errors.GatewayError):
                 LOGGER.error("connection %s: %s failed", session.conn_id, req.method,
                              exc_info=exc, extra=session.log_fields)
@@ -247,8 +257,10 @@ class Served:
         if not session.inflight:
             ports.connections_changed()
         principal = session.principal
+        if now is None:
+            now = trio.current_time()
         ports.bus.emit(RequestFinished(session.conn_id, self.label, req.backend, outcome, code,
-                                     trio.current_time() - self.started, req.backend_time, req.tool,
+                                     now - self.started, req.backend_time, req.tool,
                                      principal.label if principal is not None else NO_PRINCIPAL))
 
 
@@ -300,7 +312,7 @@ def serve_request(ports: ServingPorts, session: ClientSession, env: jsonrpc.Enve
         if chosen is None:  # the first request chooses the connection's era
             chosen = era.era_of(method, req.params)
             session.choose_era(chosen)
-        if chosen is era.Era.MODERN:
+        if chosen is _MODERN:
             served.modern = True
             caps, level = era.modern_meta(method, req.params)
             if session.mrtr is None:  # a modern WebSocket/unix connection: bridged like a flow
@@ -335,8 +347,8 @@ def serve_request(ports: ServingPorts, session: ClientSession, env: jsonrpc.Enve
             return
         if targeter is not None:
             target = served.target = targeter(ports, session, req)
-            # decoded once, here: a bad token fails the request at once
-            target.progress, target.meta = handlers.progress_token(req, target.params)
+            if "_meta" in target.params:  # decoded once, here: a bad token fails it at once
+                target.progress, target.meta = handlers.progress_token(req, target.params)
             if served.modern and target.meta is not None:  # kept aside: only a modern child
                 target.envelope, target.meta = era.strip_envelope(  # gets it (envelope_of)
                     target.params, target.meta)
@@ -345,7 +357,7 @@ def serve_request(ports: ServingPorts, session: ClientSession, env: jsonrpc.Enve
     except Exception as exc:
         served.end(exc=exc)
         return
-    served.scope, served.mode = trio.CancelScope(), Mode.TASK
+    served.scope, served.mode = trio.CancelScope(), _TASK
     assert session.nursery is not None
     session.nursery.start_soon(_run_slow, served)
 

@@ -54,6 +54,13 @@ class _Request(msgspec.Struct, omit_defaults=True):
     params: Raw | UnsetType = UNSET
 
 
+class _RequestFields(msgspec.Struct):
+    jsonrpc: str
+    id: int | str
+    method: str
+    params: dict[str, Raw]
+
+
 class _Notification(msgspec.Struct, omit_defaults=True):
     jsonrpc: str
     method: str
@@ -109,9 +116,13 @@ def decode(data: bytes, max_depth: int = MAX_DEPTH) -> Envelope:
         InvalidRequest: JSON, but not a JSON-RPC 2.0 message (wrong types, bool ids, …), or
             nested too deep (``reason = "too_deep"``).
     """
-    _check(data, max_depth)
     try:
+        wire.check(data, max_depth)
         env = _decoder.decode(data)
+    except wire.NotUtf8 as exc:
+        raise ParseError(f"parse error: {exc}", reason="invalid_utf8") from None
+    except wire.TooDeep as exc:
+        raise InvalidRequest(str(exc), reason="too_deep", limit=max_depth) from None
     except msgspec.ValidationError as exc:
         salvaged = _salvage_id(data)
         message = f"invalid JSON-RPC message: {exc}"
@@ -309,6 +320,11 @@ def encode_request(id: RequestId, method: str, params: Raw | bytes | UnsetType =
     return _encoder.encode(_Request("2.0", id, method, params))
 
 
+def encode_request_fields(id: RequestId, method: str, params: dict[str, Raw]) -> bytes:
+    """A request whose params are given decoded one level (encoded in the same pass)."""
+    return _encoder.encode(_RequestFields("2.0", id, method, params))
+
+
 def encode_notification(method: str, params: Raw | bytes | UnsetType = UNSET) -> bytes:
     if isinstance(params, bytes):
         params = Raw(params)
@@ -340,6 +356,12 @@ def params_dict(params: Raw | UnsetType) -> dict[str, Raw]:
     """
     if params is UNSET or not params:
         return {}
+    try:
+        return _dict_decoder.decode(params)
+    except msgspec.ValidationError:
+        raise InvalidRequest("params must be a JSON object") from None
+    except msgspec.DecodeError:  # maybe an unpaired surrogate escape: raw_dict's slow path
+        pass
     try:
         return raw_dict(params)
     except (msgspec.ValidationError, msgspec.DecodeError):

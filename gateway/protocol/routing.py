@@ -51,14 +51,26 @@ class CallState(enum.Enum):
     DONE = "done"  # over: answered, failed, or an abandoned call the child settled
 
 
-def request_params(params: dict[str, Raw], meta: dict[str, Raw] | None, token: str | None) -> Raw:
-    """A forwarded request's params for the child, as the core decided them (its era's shape),
-    with the gateway's progress ``token`` in ``_meta.progressToken`` when the caller asked for
-    progress (``meta``: the ``_meta`` it goes into)."""
+# The states as module names: on CPython 3.11 a member looked up on its enum class is a
+# descriptor call, several times dearer than a global, and a call's path reads them often.
+_QUEUED, _SENT, _ABANDONED, _DONE = (CallState.QUEUED, CallState.SENT, CallState.ABANDONED,
+                                     CallState.DONE)
+
+
+def request_fields(params: dict[str, Raw], meta: dict[str, Raw] | None,
+                   token: str | None) -> dict[str, Raw]:
+    """A forwarded request's params for the child (decoded one level), as the core decided them
+    (its era's shape), with the gateway's progress ``token`` in ``_meta.progressToken`` when the
+    caller asked for progress (``meta``: the ``_meta`` it goes into)."""
     if meta is not None and token is not None:
         token_raw = Raw(msgspec.json.encode(token))
-        params = {**params, "_meta": jsonrpc.encode_dict({**meta, "progressToken": token_raw})}
-    return jsonrpc.encode_dict(params)
+        return {**params, "_meta": jsonrpc.encode_dict({**meta, "progressToken": token_raw})}
+    return params
+
+
+def request_params(params: dict[str, Raw], meta: dict[str, Raw] | None, token: str | None) -> Raw:
+    """:func:`request_fields`, encoded."""
+    return jsonrpc.encode_dict(request_fields(params, meta, token))
 
 
 class Call:
@@ -76,7 +88,7 @@ class Call:
         self.owner = owner
         self.handle = handle
         self.internal = internal
-        self.state = CallState.QUEUED
+        self.state = _QUEUED
         self.line: bytes | None = None  # the request, while it waits in a queue
         # the gateway's progress token, if the caller asked for progress
         self.token: str | None = None
@@ -139,7 +151,7 @@ class ArmTimer(NamedTuple):
 Action = ToChild | ToOwner | Finished | EndServerRequest | Settled | ArmTimer
 
 _SETTLED = Settled()
-_TIMED_STATES = (CallState.QUEUED, CallState.SENT)
+_TIMED_STATES = (_QUEUED, _SENT)
 
 
 class _ServerRequest:
@@ -167,6 +179,7 @@ class ChildRouter:
         self._by_token: dict[str, Call] = {}
         # default-timeout calls running their clock: deadline order
         self._timed: dict[int, Call] = {}
+        self._timed_until = -math.inf  # no deadline in ``_timed`` is later (while it is not empty)
         # (deadline, gid, call) for the others; an entry whose call ended or moved is stale, skipped
         self._heap: list[tuple[float, int, Call]] = []
         self._announced = math.inf  # the deadline last given out with ArmTimer
@@ -198,17 +211,17 @@ class ChildRouter:
     def cancelled_owners(self) -> set[Hashable]:
         """The owners in :meth:`attribution` only for calls they gave up on (abandoned, not
         answered by the child yet), none they still wait for."""
-        waiting = {c.owner for c in self.pending.values() if c.state is CallState.SENT}
+        waiting = {c.owner for c in self.pending.values() if c.state is _SENT}
         return self.attribution() - waiting
 
     def calls_of(self, owner: Hashable) -> list[Call]:
         """``owner``'s calls at the child that it still waits for, oldest first."""
-        return [c for c in self.pending.values() if c.owner == owner and c.state is CallState.SENT]
+        return [c for c in self.pending.values() if c.owner == owner and c.state is _SENT]
 
     def calls_in_flight(self) -> int:
         """Clients' calls whose callers still wait for them (queued ones included)."""
         return self._queued + sum(1 for c in self.pending.values()
-                                  if not c.internal and c.state is CallState.SENT)
+                                  if not c.internal and c.state is _SENT)
 
     def oldest_abandoned(self, *, clients_only: bool = False) -> float | None:
         """When the oldest abandoned call still at the child was given up (None: there is none)."""
@@ -257,7 +270,7 @@ class ChildRouter:
     def submit(self, call: Call, line: bytes) -> list[Action]:
         """Send ``call`` (its request ``line``), or queue it while ``max_inflight`` are at the
         child."""
-        if call.state is not CallState.QUEUED or call.line is not None or call.gid in self.pending:
+        if call.state is not _QUEUED or call.line is not None or call.gid in self.pending:
             raise RoutingError(f"{call!r} was submitted already")
         if self.exited is not None:
             raise errors.NotDelivered(self.exited.message, **self.exited.data)
@@ -278,7 +291,7 @@ class ChildRouter:
         return actions
 
     def _send(self, call: Call, line: bytes, actions: list[Action]) -> None:
-        call.state = CallState.SENT
+        call.state = _SENT
         call.line = None
         self.pending[call.gid] = call
         if not call.internal:
@@ -336,10 +349,10 @@ class ChildRouter:
                error: errors.GatewayError | None) -> list[Action]:
         actions: list[Action] = []
         del self.pending[call.gid]
-        if call.state is CallState.SENT and not call.internal:
+        if call.state is _SENT and not call.internal:
             self._busy -= 1
-        if call.state is CallState.ABANDONED:
-            call.state = CallState.DONE
+        if call.state is _ABANDONED:
+            call.state = _DONE
             actions.append(_SETTLED)
         else:
             self._finish(call, result, error, actions)
@@ -350,9 +363,9 @@ class ChildRouter:
     def _finish(self, call: Call, result: Raw | None, error: errors.GatewayError | None,
                 actions: list[Action]) -> None:
         """``call`` is over for its caller (``pending``/queue bookkeeping is the caller's)."""
-        was_sent = call.state is CallState.SENT
-        call.state = CallState.DONE
-        self._unarm(call)
+        was_sent = call.state is _SENT
+        call.state = _DONE
+        self._timed.pop(call.gid, None)  # unarmed (heap entries go stale and are skipped)
         if call.token is not None:
             self._by_token.pop(call.token, None)
         actions.append(Finished(call, result, error))
@@ -366,21 +379,21 @@ class ChildRouter:
         ``notify``: the child was told otherwise to stop, and its reply is what takes the call
         out of the attribution set).  A call that is already over is left alone (no action)."""
         actions: list[Action] = []
-        if call.state is CallState.QUEUED:
+        if call.state is _QUEUED:
             if call.line is None:  # opened but never submitted
-                call.state = CallState.DONE
+                call.state = _DONE
                 actions.append(Finished(call, None, error))
                 return actions
             self._unqueue(call)
             self._finish(call, None, error, actions)
-        elif call.state is CallState.SENT:
+        elif call.state is _SENT:
             self._abandon(call, now, error, actions, notify)
         return actions
 
     def _abandon(self, call: Call, now: float, error: errors.GatewayError | None,
                  actions: list[Action], notify: bool = True) -> None:
         self._finish(call, None, error, actions)
-        call.state = CallState.ABANDONED
+        call.state = _ABANDONED
         call.abandoned_at = now
         if notify:
             actions.append(ToChild(jsonrpc.encode_notification("notifications/cancelled",
@@ -395,7 +408,7 @@ class ChildRouter:
         """The child reported progress for ``token`` (its params, decoded one level): passed to
         the caller under the caller's own token; for an unknown or finished call, dropped."""
         call = self._by_token.get(token) if type(token) is str else None
-        if call is None or call.state is not CallState.SENT or call.owner is None:
+        if call is None or call.state is not _SENT or call.owner is None:
             return []
         fields["progressToken"] = Raw(msgspec.json.encode(call.client_token))
         data = jsonrpc.encode_notification("notifications/progress", jsonrpc.encode_dict(fields))
@@ -411,7 +424,7 @@ class ChildRouter:
             self._finish(call, None, None, actions)
             queue = self._queues.get(owner)
         for call in [c for c in self.pending.values() if c.owner == owner
-                     and c.state is CallState.SENT]:
+                     and c.state is _SENT]:
             self._abandon(call, now, None, actions)
         return actions
 
@@ -423,7 +436,7 @@ class ChildRouter:
         actions: list[Action] = []
         for call in stale:
             del self.pending[call.gid]
-            call.state = CallState.DONE
+            call.state = _DONE
         if stale:
             actions.append(_SETTLED)
         return actions
@@ -458,8 +471,8 @@ class ChildRouter:
         settled = False
         for call in list(self.pending.values()):
             del self.pending[call.gid]
-            if call.state is CallState.ABANDONED:
-                call.state = CallState.DONE
+            if call.state is _ABANDONED:
+                call.state = _DONE
                 settled = True
             else:
                 self._finish(call, None, error, actions)
@@ -477,10 +490,11 @@ class ChildRouter:
     # ---- timers -----------------------------------------------------------------------------
 
     def _arm(self, call: Call, actions: list[Action]) -> None:
-        last = next(reversed(self._timed.values()), None)
-        if (call.timeout == self.timeout and call.deadline == call.started + call.timeout
-                and (last is None or last.deadline <= call.deadline)):  # (submitted in order)
+        deadline = call.deadline
+        if (call.timeout == self.timeout and deadline == call.started + call.timeout
+                and (self._timed_until <= deadline or not self._timed)):  # (submitted in order)
             self._timed[call.gid] = call
+            self._timed_until = deadline
         elif call.deadline < math.inf:
             heapq.heappush(self._heap, (call.deadline, call.gid, call))
         else:
@@ -524,7 +538,7 @@ class ChildRouter:
         """The call of ``owner`` a server→client request from this child is taken to belong to
         (its oldest call at the child; the HTTP transport carries the request on its stream)."""
         for call in self.pending.values():
-            if call.owner == owner and call.state is CallState.SENT:
+            if call.owner == owner and call.state is _SENT:
                 return call
         return None
 
@@ -569,7 +583,7 @@ class ChildRouter:
         actions: list[Action] = []
         for call in sreq.paused:
             call.paused -= 1
-            if call.paused == 0 and call.state is CallState.SENT:
+            if call.paused == 0 and call.state is _SENT:
                 call.deadline = min(now + call.remaining, call.hard_deadline)
                 heapq.heappush(self._heap, (call.deadline, call.gid, call))
                 if call.deadline < self._announced:
@@ -602,7 +616,7 @@ class ChildRouter:
 
     def _owner_call_ended(self, owner: Hashable, actions: list[Action]) -> None:
         """A call of ``owner`` ended: with none left at the child, its requests end too."""
-        if any(c.owner == owner and c.state is CallState.SENT for c in self.pending.values()):
+        if any(c.owner == owner and c.state is _SENT for c in self.pending.values()):
             return
         for sreq in self._server_requests.values():
             if sreq.owner == owner:

@@ -22,6 +22,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 _NO_MASK = b"\0\0\0\0"
 _TEXT = 0x1
+_FIN_TEXT = 0x80 | _TEXT  # a final text frame's first byte (no reserved bits)
 _BINARY = 0x2
 _CLOSE = 0x8
 _PING = 0x9
@@ -184,6 +185,18 @@ class ServerFramer:
                     break
             if n - pos < hdr:
                 break
+            if (b0 == _FIN_TEXT and n - pos - hdr >= length and length <= self.max_message
+                    and not self._in_message and not self._closing):
+                # The usual frame: a whole, unfragmented text message (what _header and
+                # _complete would do with it, without the calls).
+                start = pos + hdr
+                pos = start + length
+                payload = unmask(buf[start:pos], buf[start - 4:start])
+                if payload.isascii():
+                    out.append(payload)
+                else:
+                    self._complete(_TEXT, fin, payload, out)  # UTF-8 checked there
+                continue
             skip = not self._header(opcode, fin, length)
             if self.dead:
                 break

@@ -36,11 +36,17 @@ class LineStream:
         self._pos = 0
         self._deadline: float | None = None  # for the partial line held, if any
 
+    @property
+    def buffered(self) -> int:
+        """Lines held from reads already made (:meth:`receive` hands them out without one)."""
+        return len(self._ready) - self._pos
+
     async def receive(self) -> bytes:
         while self._pos >= len(self._ready):
-            if self._framer.partial and self._deadline is None:
+            partial = self._framer.partial
+            if partial and self._deadline is None:
                 self._deadline = trio.current_time() + limits.INCOMPLETE_MESSAGE_TIMEOUT
-            data = await self._io.read(self._deadline if self._framer.partial else None)
+            data = await self._io.read(self._deadline if partial else None)
             self._ready = self._framer.feed(data)
             self._pos = 0
             if self._ready:

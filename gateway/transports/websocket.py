@@ -59,6 +59,8 @@ _AT_CAP_BODY = b"too many connections (max_connections)\n"
 _AT_CAP = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\nconnection: close\r\n"
            b"content-length: %d\r\n\r\n%s" % (len(_AT_CAP_BODY), _AT_CAP_BODY))
 _RECEIVE = 65536
+#: The frame header of a text message of each size below 126 bytes.
+_SMALL_HEADERS = [text_header(n) for n in range(126)]
 _BROKEN = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 _CLOSE_CODES: dict[str, int] = {  # by reason: aclose gets a CloseReason or a plain str
     CloseReason.OVERSIZE: 1009,
@@ -116,6 +118,11 @@ class WebSocketStream:
         self._closed = False
         self.principal: object = None  # who authenticated on the upgrade (gateway.auth)
 
+    @property
+    def buffered(self) -> int:
+        """Messages held from reads already made (:meth:`receive` hands them out without one)."""
+        return len(self._ready) - self._pos
+
     async def receive(self) -> bytes:
         while self._pos >= len(self._ready):
             if self._error is not None:
@@ -165,7 +172,8 @@ class WebSocketStream:
             raise TransportClosed("closed")
         if len(messages) == 1:
             data = messages[0]
-            return self._io.write([text_header(len(data)), data])
+            n = len(data)
+            return self._io.write([_SMALL_HEADERS[n] if n < 126 else text_header(n), data])
         parts: list[bytes] = []
         for data in messages:
             parts.append(text_header(len(data)))
