@@ -368,29 +368,21 @@ class HttpConnection:
 
     def respond_json(self, status: int, body: bytes, session_id: str = "") -> bool:
         """:meth:`respond` with a JSON ``body`` (and ``Mcp-Session-Id``: ``session_id``, when
-        given), the answer to nearly every POST: its few headers are made valid here, so they
-        are not checked again."""
-        if self._head or not (session_id.isascii() and session_id.isprintable()):
+        given), the answer to nearly every POST: its head written straight from a template
+        when h11 does not serve the connection (its few headers are made valid here)."""
+        if self.h11 is not None or not (session_id.isascii() and session_id.isprintable()):
             headers = [("mcp-session-id", session_id)] if session_id else []
             return self.respond(status, body, "application/json", headers)
+        if self._out is not _Out.DUE and self._out is not _Out.IDLE:
+            self._out = _Out.CLOSING
+            raise TransportClosed("HTTP state: no response is due")
         reason = _REASONS.get(status)
         if reason is None:
             reason = _REASONS[status] = http.HTTPStatus(status).phrase.encode("ascii")
-        if self.h11 is None:
-            if self._out is not _Out.DUE and self._out is not _Out.IDLE:
-                self._out = _Out.CLOSING
-                raise TransportClosed("HTTP state: no response is due")
-            self._out = _Out.DONE
-            sid = b"mcp-session-id: %s\r\n" % session_id.encode("ascii") if session_id else b""
-            return self._write(b"HTTP/1.1 %d %s\r\n%scontent-type: application/json\r\n"
-                               b"content-length: %d\r\n\r\n%s"
-                               % (status, reason, sid, len(body), body))
-        fields = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
-        if session_id:
-            fields.insert(0, (b"mcp-session-id", session_id.encode("ascii")))
-        head = h11.Response(status_code=status, headers=fields, reason=reason,
-                            _parsed=True)  # h11's own shortcut for valid headers
-        return self._send(head, h11.Data(data=body), h11.EndOfMessage())
+        self._out = _Out.DONE
+        sid = b"mcp-session-id: %s\r\n" % session_id.encode("ascii") if session_id else b""
+        return self._write(b"HTTP/1.1 %d %s\r\n%scontent-type: application/json\r\n"
+                           b"content-length: %d\r\n\r\n%s" % (status, reason, sid, len(body), body))
 
     def start_events(self, headers: Headers = ()) -> bool:
         """A 200 ``text/event-stream`` response head (chunked: it ends with :meth:`end_events`)."""
