@@ -14,15 +14,20 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-_TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+")
-_LINE = re.compile(rb"(GET|POST|DELETE) ([\x21-\x7e]+) HTTP/1\.1")
-_VALUE = re.compile(rb"[\x20-\x7e\t]*")
+_TOKEN = rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+"
+_LINE = re.compile(rb"(GET|POST|DELETE) ([\x21-\x7e]+) HTTP/1\.1\r\n")
+#: Header lines, each ``name:value`` of visible ASCII, spaces and tabs (one pass, no backtracking).
+_FIELDS = re.compile(rb"(?:" + _TOKEN + rb":[\x20-\x7e\t]*\r\n)*")
+_FIELD = re.compile(rb"(" + _TOKEN + rb"):([\x20-\x7e\t]*)\r\n")
+_NAME = re.compile(_TOKEN)
 #: What h11 accepts as a field value it sends (ASCII only: a str header is encoded as ASCII).
 _SEND_VALUE = re.compile(rb"(?:[\x21-\x7e]+(?:[ \t]+[\x21-\x7e]+)*)?")
 #: Digits of a Content-Length at most (h11 refuses more than 20).
 _MAX_DIGITS = 18
 #: Headers whose presence sends the request to h11 (framing, 100-continue, protocol switch).
 _UNUSUAL = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
+#: Headers that may appear once only here.
+_ONCE = frozenset({b"host", b"content-length", b"connection"})
 
 
 class Head(NamedTuple):
@@ -38,26 +43,24 @@ class Head(NamedTuple):
 
 
 def parse_head(head: bytes) -> Head | None:
-    """The request head ``head`` (request line and header lines, without the blank line that
-    ends it); None when it is not of the common shape (see the module docstring)."""
-    lines = head.split(b"\r\n")
-    line = _LINE.fullmatch(lines[0])
+    """The request head ``head`` (the request line and the header lines, each with its CRLF,
+    without the blank line that ends the head); None when it is not of the common shape (see
+    the module docstring)."""
+    line = _LINE.match(head)
     if line is None:
+        return None
+    block = head[line.end():]
+    if _FIELDS.fullmatch(block) is None:
         return None
     fields: list[tuple[bytes, bytes]] = []
     by_name: dict[bytes, str] = {}
-    length = -1
-    for raw in lines[1:]:
-        name, colon, value = raw.partition(b":")
-        if not colon or _TOKEN.fullmatch(name) is None:
-            return None
-        value = value.strip(b" \t")
-        if _VALUE.fullmatch(value) is None:
-            return None
-        name = name.lower()
+    length = 0
+    for raw_name, raw_value in _FIELD.findall(block):
+        name = raw_name.lower()
+        value = raw_value.strip(b" \t")
         text = value.decode("ascii")
         if name in by_name:
-            if name in (b"host", b"content-length", b"connection"):
+            if name in _ONCE:
                 return None
             by_name[name] = f"{by_name[name]}, {text}"
         else:
@@ -71,7 +74,7 @@ def parse_head(head: bytes) -> Head | None:
         fields.append((name, value))
     if b"host" not in by_name:
         return None
-    return Head(line[1].decode("ascii"), line[2].decode("ascii"), fields, by_name, max(length, 0))
+    return Head(line[1].decode("ascii"), line[2].decode("ascii"), fields, by_name, length)
 
 
 _STATUS_LINES: dict[tuple[int, bytes], bytes] = {}
@@ -88,7 +91,7 @@ def response_head(status: int, reason: bytes, headers: list[tuple[bytes, bytes]]
         start = _STATUS_LINES[key] = b"HTTP/1.1 %d %s\r\n" % (status, reason)
     parts = [start]
     for name, value in headers:
-        if _TOKEN.fullmatch(name) is None or _SEND_VALUE.fullmatch(value) is None:
+        if _NAME.fullmatch(name) is None or _SEND_VALUE.fullmatch(value) is None:
             return None
         parts.append(b"%s: %s\r\n" % (name, value))
     parts.append(b"\r\n")

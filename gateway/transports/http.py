@@ -181,7 +181,7 @@ class HttpConnection:
                 if not buf:
                     return None
                 raise
-        head = http1.parse_head(buf[:end]) if end + 4 <= self.max_head else None
+        head = http1.parse_head(buf[:end + 2]) if end + 4 <= self.max_head else None
         if head is None:  # not of the common shape, or too big: h11's to answer
             return await self._to_h11(idle_timeout, head_by, whole_by)
         if head.length > self.max_body:

@@ -16,7 +16,7 @@ from gateway.transports.http import HttpConnection, Request, serve_connection
 
 HEAD = (b"POST /mcp?x=1 HTTP/1.1\r\nHost: 127.0.0.1:8\r\naccept: application/json, "
         b"text/event-stream\r\ncontent-type:application/json  \r\nContent-Length: 2\r\n"
-        b"x-many: a\r\nx-many: b")
+        b"x-many: a\r\nx-many: b\r\n")
 #: A header value with a byte beyond ASCII: h11 takes it, the lean parser does not.
 OBS_TEXT = b"x-obs: caf\xe9\r\n"
 
@@ -32,7 +32,7 @@ def test_a_common_head_is_parsed_with_its_fields_in_order_and_by_name() -> None:
 
 
 def test_a_head_without_content_length_has_no_body() -> None:
-    head = http1.parse_head(b"GET /mcp HTTP/1.1\r\nhost: a\r\nconnection: Keep-Alive")
+    head = http1.parse_head(b"GET /mcp HTTP/1.1\r\nhost: a\r\nconnection: Keep-Alive\r\n")
     assert head is not None and head.length == 0
 
 
@@ -58,7 +58,7 @@ def test_a_head_without_content_length_has_no_body() -> None:
     b"",
 ])
 def test_any_other_head_is_left_to_h11(head: bytes) -> None:
-    assert http1.parse_head(head) is None
+    assert http1.parse_head(head + b"\r\n") is None
 
 
 async def exchange(requests: bytes, handle: Callable[[HttpConnection, Request], Awaitable[None]],
