@@ -5,14 +5,16 @@ itself to h11 at its first request of another shape and is served by it from the
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 import pytest
 import trio
 import trio.testing
 
+from gateway import limits
 from gateway.errors import TransportClosed
 from gateway.protocol import http1
-from gateway.transports.http import HttpConnection, Request, serve_connection
+from gateway.transports.http import MAX_PIPELINED, HttpConnection, Request, serve_connection
 
 HEAD = (b"POST /mcp?x=1 HTTP/1.1\r\nHost: 127.0.0.1:8\r\naccept: application/json, "
         b"text/event-stream\r\ncontent-type:application/json  \r\nContent-Length: 2\r\n"
@@ -152,3 +154,68 @@ async def test_writing_past_the_response_is_refused_as_h11_refuses_it(extra: byt
     got, _conn = await exchange(request("/x", extra), twice)
     assert got.count(b"HTTP/1.1 ") == 1
     assert outcome == [True, True, True, True]
+
+
+async def test_a_body_in_pieces_is_served_and_an_unfinished_one_gets_408_in_time(
+        autojump_clock: trio.testing.MockClock) -> None:
+    client, server = trio.testing.memory_stream_pair()
+    bodies: list[bytes] = []
+
+    async def handle(conn: HttpConnection, req: Request) -> None:
+        bodies.append(req.body)
+        conn.respond_json(200, b"{}")
+
+    post = b"POST /mcp HTTP/1.1\r\nhost: a\r\ncontent-length: 10\r\n\r\n"
+    conn = HttpConnection(server, 1024)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(partial(serve_connection, idle_timeout=60.0, name="t"), conn, handle)
+        await client.send_all(post + b"0123")
+        await trio.sleep(1.0)
+        await client.send_all(b"456789")
+        assert (await client.receive_some(65536)).startswith(b"HTTP/1.1 200 ")
+        started = trio.current_time()
+        await client.send_all(post + b"012")  # never finished
+        answer = await client.receive_some(65536)
+        assert trio.current_time() - started == limits.INCOMPLETE_MESSAGE_TIMEOUT
+    assert answer.startswith(b"HTTP/1.1 408 ") and b"connection: close" in answer
+    assert bodies == [b"0123456789"] and conn.h11 is None
+
+
+async def test_a_body_over_the_bound_is_refused_413_by_its_content_length() -> None:
+    big = b"POST /mcp HTTP/1.1\r\nhost: a\r\ncontent-length: 1025\r\n\r\n"
+    got, conn = await exchange(big, answers)  # exchange's bound: 64 KiB
+    small, _ = await exchange(big.replace(b"1025", b"70000"), answers)
+    assert small.startswith(b"HTTP/1.1 413 ") and b"connection: close" in small
+    assert not got.startswith(b"HTTP/1.1 413 ") and conn.h11 is None
+
+
+async def test_bytes_pipelined_while_a_response_streams_are_bounded() -> None:
+    outcome: list[str] = []
+
+    async def stream(conn: HttpConnection, req: Request) -> None:
+        conn.start_events()
+        await conn.flush()
+        try:
+            await conn.watch()
+        except TransportClosed as exc:
+            outcome.append(str(exc))
+            raise
+
+    client, server = trio.testing.memory_stream_pair()
+    conn = HttpConnection(server, 1024)
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(serve_connection, idle_timeout=60.0, name="t"), conn,
+                               stream)
+            await client.send_all(request("/sse"))
+            assert (await client.receive_some(65536)).startswith(b"HTTP/1.1 200 ")
+            for _ in range(MAX_PIPELINED // 1024 + 1):
+                await client.send_all(b"x" * 1024)
+                await trio.testing.wait_all_tasks_blocked()
+    assert outcome == ["too much pipelined data while streaming a response"]
+    assert conn.h11 is None
+
+
+async def test_a_head_with_bare_line_feeds_is_h11s_to_serve() -> None:
+    got, conn = await exchange(request("/json") + b"GET /json HTTP/1.1\nhost: a\n\n", answers)
+    assert conn.h11 is not None and got.count(b'{"a":1}') == 2
