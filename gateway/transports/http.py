@@ -161,16 +161,17 @@ class HttpConnection:
             if head_by is None:
                 head_by = trio.current_time() + self.head_timeout
         while (end := buf.find(b"\r\n\r\n")) < 0:
-            if len(buf) > self.max_head or buf.count(b"\n") != buf.count(b"\r\n"):
+            if buf and (len(buf) > self.max_head or buf.count(b"\n") != buf.count(b"\r\n")):
                 return await self._to_h11(idle_timeout, head_by, whole_by)  # h11's to answer
             try:
                 if whole_by is None:  # nothing of this request yet: the idle wait
                     with trio.move_on_at(head_by if head_by is not None
                                          else trio.current_time() + idle_timeout):
                         buf = self._buf = await self.io.read()
-                        whole_by = trio.current_time() + self.request_timeout
+                        now = trio.current_time()
+                        whole_by = now + self.request_timeout
                         if head_by is None:
-                            head_by = trio.current_time() + self.head_timeout
+                            head_by = now + self.head_timeout
                         continue
                     return None  # idle, or no first byte in time: closed without a word
                 assert head_by is not None  # set with whole_by
