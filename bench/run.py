@@ -752,6 +752,10 @@ class HttpConn(Conn):
                 except (OSError, BenchError):  # best effort: ending the session is a courtesy
                     pass
                 self.session = None
+        self.drop_links()
+
+    def drop_links(self) -> None:
+        """Close the idle keep-alive connections (a session stays open: ``aclose`` ends it)."""
         for link in self._idle:
             link.close()
         self._idle.clear()

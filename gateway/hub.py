@@ -102,6 +102,9 @@ class Hub:
         self.restart_wait = cfg.gateway.restart_wait
         self.backends: dict[str, Backend] = {}
         self.catalog = Catalog()
+        # while set, a backend's new lists do not rebuild the catalog: at boot the service merges
+        # every backend's first lists once (a rebuild per backend would cost backends × tools)
+        self.catalog_held = False
         self.sessions: set[ClientSession] = set()
         self.budget = ByteBudget(cfg.gateway.buffered_bytes_total)  # every queued message's bytes
         self.slots = ConnectionSlots(cfg.gateway.max_connections or DEFAULT_MAX_CONNECTIONS,
@@ -328,7 +331,7 @@ class Hub:
             self.listens.list_changed(kind, told)
 
     def _lists_changed_at(self, news: ListsChanged) -> None:
-        if news.backend in self.backends:
+        if news.backend in self.backends and not self.catalog_held:
             self.rebuild_catalog()
 
     def advertised_capabilities(self) -> dict[str, Any]:

@@ -23,6 +23,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Protocol
 
 import msgspec
 import trio
@@ -32,7 +33,9 @@ from gateway.auth.authenticator import Authenticator, Unauthorized
 from gateway.auth.peer import peer_principal
 from gateway.auth.principal import Principal
 from gateway.backend import process
-from gateway.config import GatewayConfig
+from gateway.backend.connector import Connector
+from gateway.backend.pool import default_connector
+from gateway.config import BackendConfig, GatewayConfig
 from gateway.core import connection
 from gateway.core.session import ClientSession
 from gateway.errors import CloseReason, ConfigError
@@ -77,6 +80,22 @@ class Bound:
     http_port: int | None = None
     unix_path: str | None = None
     admin_port: int | None = None
+
+
+class Embedding(Protocol):
+    """The daemon run inside another program's process (tests): its backends reach the
+    connectors ``connector`` chooses, and it serves the message streams :meth:`serve` hands
+    over beside its listeners.  Chosen in code (``run(..., embed=...)``), never by config."""
+
+    def connector(self, name: str, cfg: BackendConfig) -> Connector: ...
+
+    async def serve(self, hub: Hub, metrics: GatewayMetrics,
+                    handler: Callable[[connection.MessageStream], Awaitable[None]],
+                    handler_nursery: trio.Nursery, *,
+                    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Start each attached stream's ``handler`` in ``handler_nursery`` until cancelled (the
+        drain closes it with the WebSocket and unix listeners)."""
+        ...
 
 
 class Command(enum.Enum):
@@ -167,6 +186,7 @@ async def run(
     control: Control | None = None,
     handle_signals: bool = False,
     subreaper: bool = False,
+    embed: Embedding | None = None,
     task_status: trio.TaskStatus[Bound] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the gateway until stopped.
@@ -177,6 +197,7 @@ async def run(
         control: reload/stop triggers (created when not given).
         handle_signals: receive SIGHUP/SIGTERM/SIGINT, ignore SIGUSR1/SIGUSR2 (``mcp-gateway run``).
         subreaper: become a child subreaper and reap orphaned backend descendants.
+        embed: run inside a test: its connectors, its in-process streams (see :class:`Embedding`).
         task_status: reports :class:`Bound` once listeners are bound and required backends run.
 
     Raises:
@@ -189,7 +210,8 @@ async def run(
     if subreaper:
         process.become_subreaper()
     bus = EventBus()
-    hub = Hub(cfg, bus, subreaper=subreaper)
+    hub = Hub(cfg, bus, subreaper=subreaper,
+              connectors=default_connector if embed is None else embed.connector)
     try:
         hub.authn = Authenticator(cfg)  # reads auth.tokens_file
     except ConfigError as exc:
@@ -212,6 +234,7 @@ async def run(
             bound.admin_port = ls.bound_port(admin_listeners)
         try:
             async with trio.open_nursery() as hub_nursery:
+                hub.catalog_held = True  # merged once, by _boot_checks
                 await hub_nursery.start(hub.run)
                 await _wait_for_backends(hub, cfg)
                 _boot_checks(hub)
@@ -219,6 +242,9 @@ async def run(
                     accept: list[trio.CancelScope] = []  # the listeners the drain closes
                     await conns.start(_serve_listeners, hub, cfg, fds, conns, accept, bound,
                                       tls_context)
+                    if embed is not None:
+                        await conns.start(_closable, accept, partial(
+                            embed.serve, hub, metrics, partial(_serve_embedded, hub), conns))
                     systemd.notify("READY=1", _status_line(hub))
                     LOGGER.info("mcp-gateway %s ready: websocket port %s, unix %s, admin port %s, "
                                 "http port %s", __version__, bound.websocket_port, bound.unix_path,
@@ -302,6 +328,7 @@ async def _wait_for_backends(hub: Hub, cfg: GatewayConfig) -> None:
 
 
 def _boot_checks(hub: Hub) -> None:
+    hub.catalog_held = False  # from now on each backend's new lists rebuild it
     try:
         hub.rebuild_catalog(strict=True)
     except CatalogConflict as exc:
@@ -424,6 +451,10 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
         hub.listeners = tuple(exposed)
         hub.listeners_bound = True
         task_status.started()
+
+
+async def _serve_embedded(hub: Hub, stream: connection.MessageStream) -> None:
+    await connection.serve(hub, stream, "memory")
 
 
 async def _closable(scopes: list[trio.CancelScope], serve: Callable[..., Awaitable[object]],

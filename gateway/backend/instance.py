@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
@@ -442,13 +443,19 @@ class Instance(ChildHandlers):
         grace = self.cfg.cancel_grace
         while not down.is_set():
             oldest = child.oldest_abandoned()
-            if oldest is None or trio.current_time() < oldest + grace:
-                await trio.sleep(grace if oldest is None else oldest + grace - trio.current_time())
+            if oldest is None:
+                await trio.sleep(grace)
                 continue
+            if trio.current_time() < oldest + grace:
+                await trio.sleep_until(oldest + grace)
+                continue
+            # those given up ``grace`` ago or more, the oldest always among them: at exactly
+            # ``oldest + grace`` (a virtual clock), ``now - grace`` may round below it
+            cutoff = math.nextafter(max(trio.current_time() - grace, oldest), math.inf)
             if not self.backend.attribution_matters:
-                child.purge_abandoned(trio.current_time() - grace)
+                child.purge_abandoned(cutoff)
                 continue
-            if child.purge_abandoned(trio.current_time() - grace, internal_only=True):
+            if child.purge_abandoned(cutoff, internal_only=True):
                 continue  # internal requests never count for attribution: no recycle for them
             LOGGER.warning("backend %s: a cancelled call was not answered within %gs; recycling "
                            "the child so requests it may still send cannot be misattributed: no "

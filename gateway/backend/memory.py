@@ -1,11 +1,13 @@
 """The ``memory`` connector: an in-process fake upstream, driven by a :class:`Script` (tests).
 
 Each link is one generation of a fake MCP server that runs as tasks of :meth:`MemoryLink.run`:
-it answers ``initialize``, ``server/discover``, ``ping`` and the lists, and runs the script's
-tools, which may sleep, send garbage, crash the upstream or ask the client something
-(:meth:`MemoryLink.request`).  No process, no pipe: a message is handed over as bytes, so
-supervision, routing and the session above run exactly as for ``stdio``.  It is chosen in
-code (``Hub(..., connectors=...)``), never by a config file.
+it answers ``initialize``, ``ping`` and ``tools/list``, runs the script's tools (which may
+sleep, send garbage, crash the upstream or ask the client something: :meth:`MemoryLink.request`)
+and any other method the script names (``Script.methods``: prompts, resources, a list of its own).
+A request named by ``notifications/cancelled`` is never answered (its task is cancelled; a
+question it was waiting on is withdrawn).  No process, no pipe: a message is handed over as
+bytes, so supervision, routing and the session above run exactly as for ``stdio``.  It is
+chosen in code (``Hub(..., connectors=...)``, ``service.run(..., embed=...)``), never by config.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ from gateway.protocol import mcp
 #: A tool: given the link (the upstream) and the call's arguments, returns the result or raises
 #: :class:`ToolError` (answered as a JSON-RPC error).
 Tool = Callable[["MemoryLink", dict[str, Any]], Awaitable[Any]]
+#: A request method: given the link and the request's params, its result (or ToolError).
+Method = Callable[["MemoryLink", dict[str, Any]], Awaitable[Any]]
+#: A notification from the gateway: given the link and its params.
+Notified = Callable[["MemoryLink", dict[str, Any]], None]
 
 
 class ToolError(Exception):
@@ -52,6 +58,8 @@ class Script:
     lifetime: float = math.inf  # seconds after opening until it crashes with exit_code
     exit_code: int = 1
     answer_pings: bool = True  # False: health pings go unanswered
+    methods: dict[str, Method] = field(default_factory=dict)  # before the built-in answers
+    notifications: dict[str, Notified] = field(default_factory=dict)
 
 
 class MemoryConnector:
@@ -90,6 +98,9 @@ class MemoryLink:
         self._scope = trio.CancelScope()
         self._ids = itertools.count(1)
         self._asked: dict[int, trio.MemorySendChannel[dict[str, Any]]] = {}
+        self._running: dict[str, trio.CancelScope] = {}  # requests being answered, by id
+        self.state: dict[str, Any] = {}  # this generation's own state, for the script
+        self._nursery: trio.Nursery | None = None
 
     @property
     def origin(self) -> str:
@@ -120,6 +131,7 @@ class MemoryLink:
             receiver.ended()
         with self._scope:
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 with trio.move_on_after(self.script.lifetime):
                     while True:
                         if not self._inbox:
@@ -152,6 +164,11 @@ class MemoryLink:
         if self._receiver is not None:
             self._receiver.ended()
 
+    def start_soon(self, work: Callable[[], Awaitable[object]]) -> None:
+        """Run ``work`` beside the requests (it ends with this generation)."""
+        assert self._nursery is not None, "the link is not running"
+        self._nursery.start_soon(work)
+
     def send_raw(self, line: bytes) -> None:
         """Hand the gateway one message as bytes (garbage included)."""
         if self.returncode is None and self._receiver is not None:
@@ -171,6 +188,9 @@ class MemoryLink:
         self.send_message({"id": f"s{rid}", "method": method, "params": params or {}})
         try:
             return await receive.receive()
+        except trio.Cancelled:  # the call that asked was cancelled (or the upstream crashed)
+            self.notify("notifications/cancelled", {"requestId": f"s{rid}"})
+            raise
         finally:
             del self._asked[rid]
 
@@ -182,22 +202,39 @@ class MemoryLink:
             if channel is not None:
                 channel.send_nowait(message)
             return
+        params = message.get("params") or {}
         if "id" in message:
-            nursery.start_soon(self._answer, message)
+            scope = self._running[json.dumps(message["id"])] = trio.CancelScope()
+            nursery.start_soon(self._answer, message, scope)
+            return
+        if method == "notifications/cancelled":
+            cancelled = self._running.get(json.dumps(params.get("requestId")))
+            if cancelled is not None:
+                cancelled.cancel()
+        notified = self.script.notifications.get(method)
+        if notified is not None:
+            notified(self, params)
 
-    async def _answer(self, message: dict[str, Any]) -> None:
+    async def _answer(self, message: dict[str, Any], scope: trio.CancelScope) -> None:
         method, rid = message["method"], message["id"]
         params = message.get("params") or {}
         try:
-            result = await self._result(method, params)
-        except ToolError as exc:
-            self.send_message({"id": rid, "error": {"code": exc.code, "message": str(exc)}})
-            return
-        if result is not None:
-            self.send_message({"id": rid, "result": result})
+            with scope:
+                try:
+                    result = await self._result(method, params)
+                except ToolError as exc:
+                    self.send_message({"id": rid, "error": {"code": exc.code,
+                                                            "message": str(exc)}})
+                    return
+                if result is not None:
+                    self.send_message({"id": rid, "result": result})
+        finally:
+            self._running.pop(json.dumps(rid), None)
 
     async def _result(self, method: str, params: dict[str, Any]) -> Any:
         script = self.script
+        if method in script.methods:
+            return await script.methods[method](self, params)
         if method == "initialize":
             await trio.sleep(script.start_delay)
             return {"protocolVersion": script.protocol_version,

@@ -88,6 +88,7 @@ class Policy:
         self._seen: dict[Caller, frozenset[str]] = {}  # per view key: the backends it shows
         # per (kind, name): the rules whose kind and glob match it (the same for every caller)
         self._named: dict[tuple[Kind, str], list[pure.Rule]] = {}
+        self._index = pure.RuleIndex(self.rules)
 
     def reconfigured(self, full: GatewayConfig) -> Policy:
         """The policy of a reloaded config; prompts parked under this one stay tracked."""
@@ -115,8 +116,7 @@ class Policy:
         if rules is None:
             if len(self._named) >= MAX_VIEWS * 64:
                 self._named = {}
-            rules = self._named[key] = [r for r in self.rules
-                                        if r.kind == kind and pure.names(name, [r], kind)]
+            rules = self._named[key] = self._index.naming(name, kind)
         return rules
 
     def unruled_sensitive(self) -> list[str]:

@@ -124,6 +124,41 @@ def names(name: str, rules: list[Rule], kind: Kind = "tool") -> bool:
     return any(rule.kind == kind and fnmatch.fnmatchcase(name, rule.match) for rule in rules)
 
 
+def literal_prefix(glob: str) -> str:
+    """What every name ``glob`` matches starts with: its characters before the first wildcard."""
+    for i, ch in enumerate(glob):
+        if ch in "*?[":
+            return glob[:i]
+    return glob
+
+
+class RuleIndex:
+    """The rules whose glob matches a name, found without trying every glob: each rule is filed
+    under its kind and :func:`literal_prefix`, and a name is looked up by its own prefixes of
+    the lengths filed, so a name costs one lookup per distinct prefix length, not one glob per
+    rule."""
+
+    def __init__(self, rules: list[Rule]) -> None:
+        self._rules = rules
+        self._filed: dict[tuple[Kind, str], list[int]] = {}
+        lengths: dict[Kind, set[int]] = {}
+        for i, rule in enumerate(rules):
+            prefix = literal_prefix(rule.match)
+            self._filed.setdefault((rule.kind, prefix), []).append(i)
+            lengths.setdefault(rule.kind, set()).add(len(prefix))
+        self._lengths = {kind: sorted(n) for kind, n in lengths.items()}
+
+    def naming(self, name: str, kind: Kind) -> list[Rule]:
+        """The rules of ``kind`` whose glob matches ``name``, in their order."""
+        found: list[int] = []
+        for n in self._lengths.get(kind, ()):
+            if n > len(name):
+                break
+            found += self._filed.get((kind, name[:n]), ())
+        found.sort()
+        return [self._rules[i] for i in found if fnmatch.fnmatchcase(name, self._rules[i].match)]
+
+
 def visible(name: str, rules: list[Rule], default: Action, *, sensitive: bool,
             caller: Caller, kind: Kind) -> bool:
     """Whether ``caller`` sees ``name`` in its lists: it may call it (allow, or ask)."""

@@ -1,39 +1,38 @@
-"""Routing through a real gateway: colliding client ids and progress tokens across many
+"""Routing through the gateway: colliding client ids and progress tokens across many
 connections, cancellation, byte-exact payloads, local ping, and the gateway's own pagination.
 
-Every connection uses a nonce of its own in every argument, and every payload is checked.
+Every connection uses a nonce of its own in every argument, and every payload is checked.  The
+gateway runs in-process on virtual time (tests/memharness.py: memory backends, clients on memory
+streams); one test stays on a real child and a real WebSocket (``system``): Unicode and a 1 MB
+result byte-exact from the child's pipe to the client's frame.
 """
 
 from __future__ import annotations
 
 import json
 import secrets
-import sys
 from contextlib import AsyncExitStack
-from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
+import trio.testing
 import trio_websocket
-from helpers import (
-    FIXTURE,
-    Client,
-    connect,
-    fixture_backend,
-    http_request,
-    make_config,
-    run_gateway,
-    text_of,
+from helpers import Client, fixture_backend, make_config, run_gateway, text_of
+from memharness import (
+    TOOLS,
+    backend,
+    elapse,
+    fixture_script,
+    memory_config,
+    running,
+    sent,
+    settle,
 )
 
-pytestmark = pytest.mark.system
-
-#: Tools the fixture lists by default (extra_tool and wipe only on demand).
-FIXTURE_TOOLS = {
-    "echo", "progress", "sleep", "crash", "garbage", "stderr", "elicit", "sample", "roots",
-    "notify_list_changed", "add_destructive", "update_resource", "log", "client_info", "big", "raw",
-}  # fmt: skip
+#: Tools the memory fixture lists by default (extra_tool only on demand).
+FIXTURE_TOOLS = set(TOOLS) - {"extra_tool"}
+Clock = trio.testing.MockClock
 
 
 def nonce() -> str:
@@ -54,36 +53,21 @@ def responses_in(c: Client) -> list[dict[str, Any]]:
     return [m for m in c.received if "method" not in m]
 
 
-async def metric(port: int, name: str, **labels: str) -> float:
-    """The value of one sample on the admin /metrics page (0 when absent)."""
-    status, body = await http_request(port, "/metrics")
-    assert status == 200
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    for line in body.decode().splitlines():
-        if not line.startswith(name + "{") and line.split(" ")[0] != name:
-            continue
-        sample, _, value = line.rpartition(" ")
-        got = sample[len(name) + 1 : -1] if "{" in sample else ""
-        if ",".join(sorted(got.split(","))) == want:
-            return float(value)
-    return 0.0
-
-
 # ---- colliding request ids ------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("n_conns", [2, 16])
 async def test_colliding_request_ids_each_connection_gets_only_its_own_responses(
-    n_conns: int,
+    n_conns: int, autojump_clock: Clock
 ) -> None:
-    cfg = make_config(fixture_backend("fx"))
+    cfg = memory_config(backend("fx"))
     ids: list[Any] = [
         *range(1, 21),
         *(f"r{i}" for i in range(1, 6)),
     ]  # same ids on every connection
     with trio.fail_after(60):
-        async with run_gateway(cfg) as gw, AsyncExitStack() as stack:
-            clients = [await stack.enter_async_context(connect(gw.url)) for _ in range(n_conns)]
+        async with running(cfg) as gw, AsyncExitStack() as stack:
+            clients = [await stack.enter_async_context(gw.connect()) for _ in range(n_conns)]
             nonces = [nonce() for _ in clients]
             for c in clients:
                 c.responses.clear()
@@ -98,7 +82,7 @@ async def test_colliding_request_ids_each_connection_gets_only_its_own_responses
                     nursery.start_soon(burst, c, tag)
             for c in clients:
                 await c.wait_for(lambda c=c: len(c.responses) >= len(ids), timeout=30)
-            await trio.sleep(0.3)  # anything extra (or misrouted) would arrive meanwhile
+            await settle()  # anything extra (or misrouted) would have arrived
             for c, tag in zip(clients, nonces, strict=True):
                 got = responses_in(c)
                 assert len(got) == len(ids), f"{len(got)} responses for {len(ids)} requests"
@@ -112,12 +96,13 @@ async def test_colliding_request_ids_each_connection_gets_only_its_own_responses
 
 
 @pytest.mark.parametrize("n_conns", [2, 16])
-async def test_colliding_progress_tokens_reach_only_their_connection_in_order(n_conns: int) -> None:
-    cfg = make_config(fixture_backend("fx"))
+async def test_colliding_progress_tokens_reach_only_their_connection_in_order(
+        n_conns: int, autojump_clock: Clock) -> None:
+    cfg = memory_config(backend("fx"))
     tokens: list[Any] = ["tok-a", "tok-b", 7]  # the same tokens (and request ids) everywhere
     with trio.fail_after(60):
-        async with run_gateway(cfg) as gw, AsyncExitStack() as stack:
-            clients = [await stack.enter_async_context(connect(gw.url)) for _ in range(n_conns)]
+        async with running(cfg) as gw, AsyncExitStack() as stack:
+            clients = [await stack.enter_async_context(gw.connect()) for _ in range(n_conns)]
             tags = [nonce() for _ in clients]
             steps = [3 + k for k in range(n_conns)]  # distinct per connection: misrouting shows
             for c in clients:
@@ -140,7 +125,7 @@ async def test_colliding_progress_tokens_reach_only_their_connection_in_order(n_
                     nursery.start_soon(run, c, tag, n)
             for c in clients:
                 await c.wait_for(lambda c=c: len(c.responses) >= len(tokens), timeout=30)
-            await trio.sleep(0.3)
+            await settle()
             for c, tag, n in zip(clients, tags, steps, strict=True):
                 assert len(responses_in(c)) == len(tokens)
                 notes = [m for m in c.received if "method" in m]
@@ -167,33 +152,37 @@ async def test_colliding_progress_tokens_reach_only_their_connection_in_order(n_
 # ---- cancellation ---------------------------------------------------------------------------
 
 
-async def test_client_cancel_suppresses_the_response_and_the_connection_keeps_working() -> None:
-    cfg = make_config(fixture_backend("fx"))
+async def test_client_cancel_suppresses_the_response_and_the_connection_keeps_working(
+        autojump_clock: Clock) -> None:
+    cfg = memory_config(backend("fx"))
     with trio.fail_after(30):
-        async with run_gateway(cfg) as gw, connect(gw.url) as c:
+        async with running(cfg) as gw, gw.connect() as c:
             tag = nonce()
             # 0.8 s: if the gateway failed to cancel, the child's reply would arrive in time.
             await c.send(call_msg(50, "fx__sleep", {"seconds": 0.8, "message": tag}))
-            await trio.sleep(0.2)
+            await settle()
+            (call,) = sent(gw.link("fx"), "tools/call")
             await c.notify("notifications/cancelled", {"requestId": 50, "reason": "test"})
             r = await c.call("fx__echo", {"message": f"{tag}-after"}, id=51)
             assert text_of(r) == f"{tag}-after"
             r = await c.call("fx__sleep", {"seconds": 0.05, "message": f"{tag}-sleep"}, id=52)
             assert text_of(r) == f"{tag}-sleep"
-            await trio.sleep(1.2)
+            await elapse(1.2)
             assert 50 not in c.responses, c.responses.get(50)
+            assert [m["params"]["requestId"] for m in sent(gw.link("fx"), "notifications/cancelled")
+                    ] == [call["id"]]
             assert not any(m.get("id") == 50 for m in c.received)
             # the id is free again on this connection
             r = await c.call("fx__echo", {"message": f"{tag}-reuse"}, id=50)
             assert text_of(r) == f"{tag}-reuse"
 
 
-async def test_cancel_reaches_the_child() -> None:
+async def test_cancel_reaches_the_child(autojump_clock: Clock) -> None:
     """The child sees the cancellation: it withdraws its pending elicitation, which the gateway
     relays to the owner as notifications/cancelled for the gateway's own request id."""
-    cfg = make_config(fixture_backend("fx"))
+    cfg = memory_config(backend("fx"))
     with trio.fail_after(30):
-        async with run_gateway(cfg) as gw, connect(gw.url, capabilities={"elicitation": {}}) as c:
+        async with running(cfg) as gw, gw.connect(capabilities={"elicitation": {}}) as c:
             tag = nonce()
             await c.send(call_msg(9, "fx__elicit", {"message": f"q-{tag}", "nonce": tag}))
             req = await c.wait_for(
@@ -209,59 +198,35 @@ async def test_cancel_reaches_the_child() -> None:
                 timeout=5,
             )
             assert note["params"]["requestId"] == req["id"]
-            await trio.sleep(0.3)
+            await settle()
             assert 9 not in c.responses
             r = await c.call("fx__echo", {"message": tag})
             assert text_of(r) == tag
 
 
-async def test_closed_connection_cancels_its_calls(tmp_path: Path) -> None:
-    tap = tmp_path / "stdin.jsonl"
-    cfg = make_config(tapped_backend("fx", tap))
+async def test_closed_connection_cancels_its_calls(autojump_clock: Clock) -> None:
+    cfg = memory_config(backend("fx"))
     with trio.fail_after(30):
-        async with run_gateway(cfg) as gw:
-            port = gw.bound.admin_port
-            assert port is not None
+        async with running(cfg) as gw:
             a_tag = nonce()
-            async with connect(gw.url) as b:
-                async with connect(gw.url) as a:
+            async with gw.connect() as b:
+                async with gw.connect() as a:
                     for i in range(3):
                         await a.send(
                             call_msg(i + 1, "fx__sleep", {"seconds": 30, "message": f"{a_tag}-{i}"})
                         )
-                    await trio.sleep(0.3)
+                    await settle()
                 # a is closed with three calls in flight
                 tag = nonce()
                 start = trio.current_time()
                 r = await b.call("fx__echo", {"message": tag})
                 assert text_of(r) == tag
-                assert trio.current_time() - start < 1.0
-                with trio.fail_after(5):
-                    while (  # noqa: ASYNC110 - the gateway seen through /metrics over HTTP: no event to wait on
-                        await metric(
-                            port,
-                            "mcp_gateway_requests_total",
-                            method="tools/call",
-                            backend="fx",
-                            outcome="cancelled",
-                            principal="_none",
-                        )
-                        < 3
-                    ):
-                        await trio.sleep(0.05)
-                assert (
-                    await metric(
-                        port,
-                        "mcp_gateway_requests_total",
-                        method="tools/call",
-                        backend="fx",
-                        outcome="cancelled",
-                        principal="_none",
-                    )
-                    == 3
-                )
+                assert trio.current_time() == start
+                await settle()
+                assert gw.metric("mcp_gateway_requests_total", method="tools/call", backend="fx",
+                                 outcome="cancelled", principal="_none") == 3
                 # the child was told to cancel exactly those three calls
-                lines = tapped(tap)
+                lines = gw.link("fx").received
                 a_gids = {
                     m["id"]
                     for m in lines
@@ -279,26 +244,11 @@ async def test_closed_connection_cancels_its_calls(tmp_path: Path) -> None:
                 assert text_of(r) == tag + "2"
 
 
-def tapped_backend(name: str, tap: Path) -> str:
-    """The fixture behind a shell pipeline that copies everything the gateway writes to the
-    child's stdin into ``tap`` (a wire tap, real processes only)."""
-    script = 'tee -a "$TAP" | "$PY" "$FIXTURE"'
-    return (
-        f'[backends.{name}]\ncommand = "/bin/sh"\nargs = ["-c", {json.dumps(script)}]\n'
-        f"env = {{ TAP = {json.dumps(str(tap))}, PY = {json.dumps(sys.executable)}, "
-        f"FIXTURE = {json.dumps(FIXTURE)} }}\n"
-    )
-
-
-def tapped(tap: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in tap.read_text().splitlines() if line.strip()]
-
-
-async def test_client_ids_and_progress_tokens_never_reach_the_child(tmp_path: Path) -> None:
-    tap = tmp_path / "stdin.jsonl"
-    cfg = make_config(tapped_backend("fx", tap))
+async def test_client_ids_and_progress_tokens_never_reach_the_child(
+        autojump_clock: Clock) -> None:
+    cfg = memory_config(backend("fx"))
     with trio.fail_after(30):
-        async with run_gateway(cfg) as gw, connect(gw.url) as a, connect(gw.url) as b:
+        async with running(cfg) as gw, gw.connect() as a, gw.connect() as b:
             secret = nonce()  # only ever in ids and tokens, never in arguments
             args_tag = nonce()
             for who, c in (("a", a), ("b", b)):
@@ -333,9 +283,9 @@ async def test_client_ids_and_progress_tokens_never_reach_the_child(tmp_path: Pa
                     f"tok-{secret}-{i}" for i in range(3)
                 }
             await a.notify("notifications/cancelled", {"requestId": f"id-{secret}-sleep"})
-            await trio.sleep(0.3)
-            lines = tapped(tap)
-            assert secret not in tap.read_text()
+            await settle()
+            lines = gw.link("fx").received
+            assert secret not in json.dumps(lines)
             calls = [m for m in lines if m.get("method") == "tools/call"]
             assert len(calls) == 8
             gids = [m["id"] for m in calls]
@@ -367,6 +317,7 @@ UNICODE = (
 )
 
 
+@pytest.mark.system
 async def test_unicode_and_a_1mb_result_pass_through_byte_exact() -> None:
     cfg = make_config(fixture_backend("fx"))
     with trio.fail_after(30):
@@ -427,12 +378,12 @@ async def test_unicode_and_a_1mb_result_pass_through_byte_exact() -> None:
             assert json.loads(raw) == {"jsonrpc": "2.0", "id": 3, "result": json.loads(expected)}
 
 
-async def test_ping_is_answered_by_the_gateway_itself() -> None:
+async def test_ping_is_answered_by_the_gateway_itself(autojump_clock: Clock) -> None:
     # The backend never answers ping: a ping that reached it would hang.
-    cfg = make_config(fixture_backend("fx", env={"FIXTURE_NO_PING": "1"}))
+    cfg = memory_config(backend("fx"))
     with trio.fail_after(20):
-        async with run_gateway(cfg) as gw:
-            async with connect(gw.url, initialize=False) as c:
+        async with running(cfg, {"fx": fixture_script(answer_pings=False)}) as gw:
+            async with gw.connect(initialize=False) as c:
                 r = await c.request("ping", id="p-before-init", timeout=2)
                 assert r == {"jsonrpc": "2.0", "id": "p-before-init", "result": {}}
                 await c.initialize()
@@ -440,15 +391,17 @@ async def test_ping_is_answered_by_the_gateway_itself() -> None:
                 assert r == {"jsonrpc": "2.0", "id": 77, "result": {}}
                 tag = nonce()
                 assert text_of(await c.call("fx__echo", {"message": tag})) == tag
+                assert sent(gw.link("fx"), "ping") == []  # neither ping reached it
 
 
 # ---- pagination -----------------------------------------------------------------------------
 
 
-async def test_tools_list_pagination_follows_next_cursor_to_the_full_list() -> None:
-    cfg = make_config(fixture_backend("fx"), gateway="page_size = 3")
+async def test_tools_list_pagination_follows_next_cursor_to_the_full_list(
+        autojump_clock: Clock) -> None:
+    cfg = memory_config(backend("fx"), gateway="page_size = 3")
     with trio.fail_after(20):
-        async with run_gateway(cfg) as gw, connect(gw.url) as c:
+        async with running(cfg) as gw, gw.connect() as c:
             names: list[str] = []
             cursor = None
             pages = 0

@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import fnmatch
+
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.limits import INFLIGHT_RETRY_AFTER, LimitRefusal, PrincipalLimit, PrincipalLimits
-from gateway.protocol.policy import Caller, Decision, Rule, decide, names, visible
+from gateway.protocol.policy import (
+    Caller,
+    Decision,
+    Rule,
+    RuleIndex,
+    decide,
+    literal_prefix,
+    names,
+    visible,
+)
 
 ALICE_WS = Caller("ws", "alice", frozenset({"dev"}), frozenset({"repo:read"}))
 CI_UNIX = Caller("unix", "ci-7", frozenset({"ci"}))
@@ -101,3 +114,26 @@ async def test_principal_limits_token_bucket_and_inflight(
     assert reloaded.inflight("ci-1") == 2
     assert reloaded.admit("ci-1", now()) is not None
     assert reloaded.admit("alice", now()) is None  # no entry matches any more: unlimited
+
+
+GLOB = st.text(alphabet="ab_*?[]!", max_size=6)
+NAME = st.text(alphabet="ab_[]!", max_size=6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(GLOB, st.sampled_from(["tool", "prompt", "resource"])), max_size=12),
+       NAME, st.sampled_from(["tool", "prompt", "resource"]))
+def test_rule_index_finds_exactly_the_rules_whose_glob_matches_in_order(
+        globs: list[tuple[str, str]], name: str, kind: str) -> None:
+    rules = [Rule(g, "allow", kind=k) for g, k in globs]  # type: ignore[arg-type]  # str for the Literal
+    expected = [r for r in rules if r.kind == kind and fnmatch.fnmatchcase(name, r.match)]
+    assert RuleIndex(rules).naming(name, kind) == expected  # type: ignore[arg-type]  # str for the Literal
+
+
+def test_rule_index_files_a_rule_under_its_literal_prefix() -> None:
+    assert [literal_prefix(g) for g in ("git__*", "a?b", "x[ab]", "exact", "*")] == [
+        "git__", "a", "x", "exact", ""]
+    rules = [Rule("git__*", "allow"), Rule("*push", "deny"), Rule("gi?__push", "ask"),
+             Rule("git__push", "allow", kind="prompt")]
+    assert RuleIndex(rules).naming("git__push", "tool") == rules[:3]
+    assert RuleIndex(rules).naming("gh__push", "tool") == [rules[1]]

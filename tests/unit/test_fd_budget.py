@@ -11,7 +11,7 @@ def test_the_reserve_counts_children_listeners_admin_and_refusals() -> None:
     base = limits.FD_FIXED + limits.ADMIN_CONNECTIONS + limits.REFUSING_MAX
     assert fd_reserve(children=0, tcp_listeners=0, unix_listeners=0) == base == 64 + 32 + 64
     assert fd_reserve(children=3, tcp_listeners=3, unix_listeners=1) == base + 3 * 8 + 3 * 2 + 1
-    assert limits.max_children("per-session", 1, 16) == 16
+    assert limits.max_children("per-session", 1, 16) == 17  # the probe besides 16 owned
     assert limits.max_children("affine", 4, 16) == 4
     assert limits.max_children("shared", 1, 16) == 1
 
@@ -31,8 +31,8 @@ command = "b"
 sharing = "affine"
 instances = 3
 """)
-    assert config.fd_reserve(cfg) == fd_reserve(children=13, tcp_listeners=3,
-                                                unix_listeners=1) == 160 + 104 + 7
+    assert config.fd_reserve(cfg) == fd_reserve(children=14, tcp_listeners=3,
+                                                unix_listeners=1) == 160 + 112 + 7
     assert cfg.gateway.max_connections is None  # not set: the default, fitted at start
 
 
