@@ -8,7 +8,7 @@ its requests of the common shape parsed and answered without h11
 ``h11.Connection``, which serves it from then on.  :meth:`HttpConnection.next_request` reads one
 whole request within its time and size bounds; every refusal is an :class:`HttpError` that
 :func:`serve_connection`, the one loop and the one catch-all of every HTTP connection, answers
-and then closes on.  Writing is synchronous: h11 frames the bytes and :class:`SocketIO` writes
+and then closes on.  Writing is synchronous: the bytes are framed and :class:`SocketIO` writes
 them at once, holding what the socket does not take until :meth:`HttpConnection.flush`, so an
 SSE event is written from whatever task produced it.  Every library error is
 :class:`~gateway.errors.TransportClosed`.
