@@ -16,6 +16,7 @@ import re
 import shutil
 import stat
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -119,8 +120,16 @@ class ItemFilter(Base, frozen=True):
     exclude: list[str] = []
 
 
+#: A remote backend's header value: the literal text, ``{ env = "VAR" }`` or
+#: ``{ file = "/path", prefix = "Bearer " }`` (read when a link opens and on reload).
+HeaderValue = str | dict[str, str]
+
+
 class BackendConfig(Base, frozen=True):
-    command: str
+    command: str = ""  # a program to spawn (stdio), or
+    url: str = ""  # a remote Streamable HTTP server (http://HOST:PORT/mcp or https://…)
+    ca_file: str | None = None  # https: the CA bundle to verify the remote with (else the system's)
+    headers: dict[str, HeaderValue] = {}  # sent on every request to the remote
     args: list[str] = []
     env: dict[str, str] = {}
     cwd: str | None = None
@@ -436,7 +445,79 @@ def _resolve_paths(backend: BackendConfig, base_dir: str) -> BackendConfig:
     command = backend.command
     if "/" in command and not os.path.isabs(command):
         command = os.path.normpath(os.path.join(base_dir, command))
-    return msgspec.structs.replace(backend, cwd=cwd, command=command)
+    ca_file = backend.ca_file
+    if ca_file:
+        ca_file = os.path.normpath(os.path.join(base_dir, ca_file))
+    headers = {name: ({**value, "file": os.path.normpath(os.path.join(base_dir, value["file"]))}
+                      if isinstance(value, dict) and value.get("file") else value)
+               for name, value in backend.headers.items()}
+    return msgspec.structs.replace(backend, cwd=cwd, command=command, ca_file=ca_file,
+                                   headers=headers)
+
+
+#: A header name (an HTTP token) a remote backend may be sent.
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}")
+#: Headers the gateway sets itself on every request to a remote.
+RESERVED_HEADERS = frozenset({"host", "content-length", "content-type", "accept", "connection",
+                              "transfer-encoding", "mcp-session-id", "mcp-protocol-version",
+                              "last-event-id", "te", "upgrade", "keep-alive"})
+
+
+def header_value_ok(value: str) -> bool:
+    """Whether ``value`` may be sent as an HTTP header value: printable ASCII and tabs."""
+    return all(" " <= c <= "~" or c == "\t" for c in value)
+
+
+def remote_errors(p: str, b: BackendConfig) -> list[str]:
+    """A remote backend's ``url``, ``ca_file`` and ``headers`` (key-path errors); none of them
+    for a ``command`` one."""
+    errors: list[str] = []
+    if bool(b.command) == bool(b.url):
+        errors.append(f"{p}: set exactly one of command (a program to spawn) and url (a remote "
+                      "Streamable HTTP server)")
+    if not b.url:
+        for key in ("ca_file", "headers"):
+            if getattr(b, key):
+                errors.append(f"{p}.{key}: only for a remote backend (url)")
+        return errors
+    for key in ("args", "env"):
+        if getattr(b, key):
+            errors.append(f"{p}.{key}: only for a backend with a command (this one has a url)")
+    if b.protocol_mode in ("modern_only", "prefer_modern"):
+        errors.append(f"{p}.protocol_mode: a remote backend (url) is opened with initialize "
+                      "(the legacy sessions' shape): legacy_only or prefer_legacy")
+    scheme, sep, rest = b.url.partition("://")
+    authority = rest.split("/", 1)[0]
+    if scheme not in ("http", "https") or not sep or not authority or "@" in authority:
+        errors.append(f"{p}.url: expected http://HOST:PORT/PATH or https://HOST/PATH without "
+                      f"credentials, got {b.url!r}")
+    elif any(c.isspace() or ord(c) < 0x21 or ord(c) > 0x7e for c in b.url):
+        errors.append(f"{p}.url: must be printable ASCII without spaces")
+    else:
+        try:
+            urlsplit(b.url).port  # noqa: B018 - parsing it is the check
+        except ValueError as exc:
+            errors.append(f"{p}.url: {exc}")
+    if b.ca_file is not None and scheme != "https":
+        errors.append(f"{p}.ca_file: only for an https:// url")
+    for name, value in b.headers.items():
+        k = f"{p}.headers.{name}"
+        if not _HEADER_NAME.fullmatch(name):
+            errors.append(f"{k}: not a valid header name")
+        elif name.lower() in RESERVED_HEADERS:
+            errors.append(f"{k}: set by the gateway itself")
+        if isinstance(value, str):
+            if not header_value_ok(value):
+                errors.append(f"{k}: must be printable ASCII (no CR, LF or NUL)")
+        elif set(value) == {"env"} or (set(value) <= {"file", "prefix"} and "file" in value):
+            if not value.get("env", value.get("file")):
+                errors.append(f"{k}: {'env' if 'env' in value else 'file'} must not be empty")
+            if not header_value_ok(value.get("prefix", "")):
+                errors.append(f"{k}.prefix: must be printable ASCII (no CR, LF or NUL)")
+        else:
+            errors.append(f'{k}: expected a string, {{ env = "VAR" }} or '
+                          f'{{ file = "/path", prefix = "Bearer " }}, got keys {sorted(value)}')
+    return errors
 
 
 def resolve_command(backend: BackendConfig) -> str | None:
@@ -523,8 +604,7 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
     errors.extend(_auth_errors(cfg.auth))
     for name, b in cfg.backends.items():
         p = f"backends.{name}"
-        if not b.command:
-            errors.append(f"{p}.command: must not be empty")
+        errors.extend(remote_errors(p, b))
         for key in ("request_timeout", "max_call_duration", "start_timeout", "cancel_grace"):
             if getattr(b, key) <= 0:
                 errors.append(f"{p}.{key}: must be positive")
@@ -544,7 +624,10 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
         for root in b.roots:
             if not root.startswith("file://"):
                 errors.append(f"{p}.roots: {root!r} is not a file:// URI")
-        if check_commands:
+        if check_commands and b.url:
+            if b.ca_file is not None and not os.path.isfile(b.ca_file):
+                errors.append(f"{p}.ca_file: {b.ca_file!r} is not a file")
+        elif check_commands:
             if resolve_command(b) is None:
                 errors.append(f"{p}.command: {b.command!r} not found or not executable")
             if b.cwd is not None and not os.path.isdir(b.cwd):
@@ -615,13 +698,16 @@ def _auth_errors(auth: AuthSection) -> list[str]:
 
 def fd_reserve(cfg: GatewayConfig) -> int:
     """fds the daemon needs besides its client connections with this config
-    (:func:`gateway.limits.fd_reserve`: every backend child it may run, its listeners)."""
+    (:func:`gateway.limits.fd_reserve`: every backend child it may run, every remote instance's
+    connections, its listeners)."""
     children = sum(limits.max_children(b.sharing, b.instances, b.max_sessions)
-                   for b in cfg.backends.values())
+                   for b in cfg.backends.values() if not b.url)
+    remotes = sum(limits.max_children(b.sharing, b.instances, b.max_sessions)
+                  for b in cfg.backends.values() if b.url)
     tcp = sum(1 for address in (cfg.listen.websocket, cfg.listen.http, cfg.admin.listen)
               if address is not None)
     return limits.fd_reserve(children=children, tcp_listeners=tcp,
-                             unix_listeners=int(cfg.listen.unix is not None))
+                             unix_listeners=int(cfg.listen.unix is not None), remotes=remotes)
 
 
 def diff_backends(

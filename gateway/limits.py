@@ -133,6 +133,10 @@ FD_FIXED = 64
 #: fds per backend child: its stdin, stdout and stderr pipes and trio's pidfd while it runs, and
 #: while it is spawned the child's ends of the three pipes and the exec error pipe besides.
 FD_PER_CHILD = 8
+#: Connections one remote backend instance (``url``) holds at most: its requests' answer
+#: streams, the notifications' and answers' POSTs, the GET stream and the DELETE on close
+#: (gateway.backend.http splits them).
+REMOTE_CONNECTIONS = 16
 #: fds per configured TCP listener (a host name may bind an IPv4 and an IPv6 socket).
 FD_PER_TCP_LISTENER = 2
 #: Connections on the admin listener at once; one more closes the oldest not writing a response.
@@ -148,13 +152,16 @@ def max_children(sharing: str, instances: int, max_sessions: int) -> int:
     return max_sessions + 1 if sharing == "per-session" else instances
 
 
-def fd_reserve(*, children: int, tcp_listeners: int, unix_listeners: int) -> int:
+def fd_reserve(*, children: int, tcp_listeners: int, unix_listeners: int,
+               remotes: int = 0) -> int:
     """fds the daemon needs besides its client connections: :data:`FD_FIXED`,
-    :data:`FD_PER_CHILD` per backend child it may run, the listeners, :data:`ADMIN_CONNECTIONS`
-    and :data:`REFUSING_MAX` connections being turned away (each ``tcp_listeners`` counts
-    :data:`FD_PER_TCP_LISTENER`, the admin listener among them)."""
-    return (FD_FIXED + FD_PER_CHILD * children + FD_PER_TCP_LISTENER * tcp_listeners
-            + unix_listeners + ADMIN_CONNECTIONS + REFUSING_MAX)
+    :data:`FD_PER_CHILD` per backend child it may run, :data:`REMOTE_CONNECTIONS` per remote
+    backend instance, the listeners, :data:`ADMIN_CONNECTIONS` and :data:`REFUSING_MAX`
+    connections being turned away (each ``tcp_listeners`` counts :data:`FD_PER_TCP_LISTENER`,
+    the admin listener among them)."""
+    return (FD_FIXED + FD_PER_CHILD * children + REMOTE_CONNECTIONS * remotes
+            + FD_PER_TCP_LISTENER * tcp_listeners + unix_listeners + ADMIN_CONNECTIONS
+            + REFUSING_MAX)
 
 
 @dataclass(frozen=True, slots=True)

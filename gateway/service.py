@@ -187,6 +187,7 @@ async def run(
     handle_signals: bool = False,
     subreaper: bool = False,
     embed: Embedding | None = None,
+    bus: EventBus | None = None,
     task_status: trio.TaskStatus[Bound] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the gateway until stopped.
@@ -198,6 +199,7 @@ async def run(
         handle_signals: receive SIGHUP/SIGTERM/SIGINT, ignore SIGUSR1/SIGUSR2 (``mcp-gateway run``).
         subreaper: become a child subreaper and reap orphaned backend descendants.
         embed: run inside a test: its connectors, its in-process streams (see :class:`Embedding`).
+        bus: the event bus to emit on (a new one when not given; tests pass theirs to watch it).
         task_status: reports :class:`Bound` once listeners are bound and required backends run.
 
     Raises:
@@ -209,7 +211,7 @@ async def run(
     tls_context = _tls_context(cfg)
     if subreaper:
         process.become_subreaper()
-    bus = EventBus()
+    bus = bus if bus is not None else EventBus()
     hub = Hub(cfg, bus, subreaper=subreaper,
               connectors=default_connector if embed is None else embed.connector)
     try:
@@ -319,7 +321,19 @@ async def _wait_for_backends(hub: Hub, cfg: GatewayConfig) -> None:
     for name, b in cfg.backends.items():
         if not b.required:
             continue
-        first = await hub.backends[name].settled()
+        backend = hub.backends[name]
+        if b.url:  # a remote not running within start_timeout: unreachable, not a crash loop
+            inst = backend.instances[0]
+            with trio.move_on_after(b.start_timeout):
+                while inst.state not in (State.RUNNING, State.FATAL):
+                    await inst.state_changed()
+            first = inst.snapshot(trio.current_time())
+            if first.state != State.RUNNING.value:
+                raise StartupError(f"required backend {name!r} ({b.url}) did not start within "
+                                   f"start_timeout ({b.start_timeout:g}s): "
+                                   f"{first.last_exit or first.last_error or first.state}")
+            continue
+        first = await backend.settled()
         if first.state == State.FATAL:  # not running: the tail is the last child's
             raise StartupError(
                 f"required backend {name!r} failed to start: {first.last_exit}; "
@@ -663,6 +677,7 @@ async def reload(hub: Hub, config_path: str | None,
     for name in new.backends:
         if name not in changed and name not in added:
             hub.backends[name].reset()  # unchanged but FATAL: try again
+            hub.backends[name].connector.refresh()  # a remote's header values read again
     longest = max((new.backends[n].start_timeout for n in added + changed), default=0.0)
     if added or changed:
         with trio.move_on_after(longest + 1.0):

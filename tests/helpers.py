@@ -8,7 +8,8 @@ import os
 import socket
 import ssl
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ import trio_websocket
 from gateway import config, service
 from gateway.config import GatewayConfig
 from gateway.errors import TransportClosed
+from gateway.events import EventBus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "fixture_server.py")
@@ -102,11 +104,54 @@ listen = "127.0.0.1:0"
     return config.load(text, base_dir=ROOT)
 
 
+class Events:
+    """Every event an in-process gateway emits, recorded as it is emitted (the newest
+    ``LIMIT``), with waits that wake on the next event instead of polling."""
+
+    LIMIT = 100_000
+
+    def __init__(self, bus: EventBus) -> None:
+        self.seen: deque[Any] = deque(maxlen=self.LIMIT)
+        self.count = 0  # events emitted so far: a mark for :meth:`wait`'s ``since``
+        self._changed = trio.Event()
+        bus.subscribe(self._record)
+
+    def _record(self, event: Any) -> None:
+        self.seen.append(event)
+        self.count += 1
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def of(self, kind: type, since: int = 0) -> list[Any]:
+        """The recorded events of ``kind`` from mark ``since`` on."""
+        skip = max(0, since - (self.count - len(self.seen)))
+        return [e for i, e in enumerate(self.seen) if i >= skip and isinstance(e, kind)]
+
+    async def until(self, predicate: Callable[[], Any], timeout: float = 10.0) -> Any:  # noqa: ASYNC109 - a helper's own deadline (trio.fail_after inside), passed by keyword
+        """``predicate()`` once it is truthy, looked at again after each event."""
+        with trio.fail_after(timeout):
+            while not (got := predicate()):
+                await self._changed.wait()
+        return got
+
+    async def wait(self, kind: type, predicate: Callable[[Any], bool] = lambda e: True, *,
+                   since: int = 0, count: int = 1, timeout: float = 10.0,  # noqa: ASYNC109 - a helper's own deadline (trio.fail_after inside), passed by keyword
+                   **fields: Any) -> Any:
+        """The ``count``-th event of ``kind`` matching ``predicate`` and with the given
+        ``fields`` values, from mark ``since`` on."""
+        def match() -> Any:
+            matching = [e for e in self.of(kind, since) if predicate(e)
+                        and all(getattr(e, k) == v for k, v in fields.items())]
+            return matching[count - 1] if len(matching) >= count else None
+
+        return await self.until(match, timeout)
+
+
 @dataclass
 class Running:
     bound: service.Bound
     control: service.Control
-    hub_ref: list[Any]
+    events: Events
 
     @property
     def url(self) -> str:
@@ -116,16 +161,30 @@ class Running:
     def http_url(self) -> str:
         return f"http://127.0.0.1:{self.bound.http_port}/mcp"
 
+    async def status_until(self, predicate: Callable[[dict[str, Any]], Any],
+                           timeout: float = 10.0) -> dict[str, Any]:  # noqa: ASYNC109 - a helper's own deadline (trio.fail_after inside), passed by keyword
+        """``/status`` once ``predicate`` holds for it, fetched again after each event."""
+        with trio.fail_after(timeout):
+            while True:
+                mark = self.events.count
+                st = await http_json(self.bound.admin_port, "/status")
+                if predicate(st):
+                    return st
+                await self.events.until(lambda mark=mark: self.events.count > mark, timeout)
+
 
 @asynccontextmanager
 async def run_gateway(cfg: GatewayConfig, config_path: str | None = None) -> AsyncIterator[Running]:
-    """Run the gateway in-process; stops it (and checks it stopped) on exit."""
+    """Run the gateway in-process; stops it (and checks it stopped) on exit.  Its events are
+    recorded from before it starts (``Running.events``)."""
     control = service.Control()
+    bus = EventBus()
+    events = Events(bus)
     async with trio.open_nursery() as nursery:
         bound = await nursery.start(lambda task_status: service.run(
-            cfg, control=control, config_path=config_path, task_status=task_status))
+            cfg, control=control, config_path=config_path, bus=bus, task_status=task_status))
         try:
-            yield Running(bound, control, [])
+            yield Running(bound, control, events)
         finally:
             control.stop()
 
@@ -271,18 +330,30 @@ async def http_json(port: int | None, path: str) -> Any:
     return json.loads(body)
 
 
-#: Between two looks at /status or /metrics while waiting for the state they prove.
+#: Between two looks at what :func:`poll` watches.
 POLL = 0.02
 
 
+async def poll(look: Callable[[], Awaitable[Any]], interval: float = POLL) -> Any:
+    """``await look()`` again every ``interval`` seconds until it returns something truthy, and
+    return that (the caller bounds the wait).  The one place a test polls: for what another
+    process shows (a daemon run as its own process, replicas, ``/proc``) and for what an
+    in-process gateway publishes with no event (bytes buffered, messages queued, an instance's
+    calls, drain and pid); an in-process gateway's evented state is waited for with
+    :meth:`Running.status_until` and :class:`Events`."""
+    while not (got := await look()):  # noqa: ASYNC110 - polling is what this helper is for
+        await trio.sleep(interval)  # real-clock: the state polled has no event this test can see
+    return got
+
+
 async def wait_status(port: int | None,
-                      predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+                      predicate: Callable[[dict[str, Any]], Any]) -> dict[str, Any]:
     """Poll /status until ``predicate`` holds (the caller bounds the wait)."""
-    while True:
+    async def look() -> dict[str, Any] | None:
         st = await http_json(port, "/status")
-        if predicate(st):
-            return st
-        await trio.sleep(POLL)
+        return st if predicate(st) else None
+
+    return await poll(look)
 
 
 async def wait_instance(port: int | None, pred: Callable[[dict[str, Any]], bool],
@@ -290,9 +361,8 @@ async def wait_instance(port: int | None, pred: Callable[[dict[str, Any]], bool]
     """The first ``/status`` instance (of the first backend) for which ``pred`` holds, within
     ``timeout``."""
     with trio.fail_after(timeout):
-        while not pred(inst := (await http_json(port, "/status"))["backends"][0]["instances"][0]):  # noqa: ASYNC110 - the gateway seen through /status over HTTP: no event to wait on
-            await trio.sleep(POLL)
-    return inst
+        st = await wait_status(port, lambda st: pred(st["backends"][0]["instances"][0]))
+    return st["backends"][0]["instances"][0]
 
 
 async def metric(port: int | None, name: str, **labels: str) -> float:

@@ -20,6 +20,7 @@ tests as they are.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -31,7 +32,7 @@ import subprocess
 import sys
 import threading
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +40,7 @@ from typing import Any
 
 import pytest
 import trio
-from helpers import ROOT, Client, connect, http_json, http_request, text_of, unix_connect
+from helpers import ROOT, Client, connect, http_json, http_request, poll, text_of, unix_connect
 
 FD_SLACK = 4  # sockets in a close handshake, the admin connection of the check itself
 RSS_BOUND = 256 * 2**20  # the daemon's resident memory, bytes
@@ -132,6 +133,8 @@ class Daemon:
         self.write_config(backends)
         self.lines: list[str] = []
         self._ready = threading.Event()
+        # who waits for the next line: (the waiting trio run, its event), set from the reader
+        self._wake: tuple[trio.lowlevel.TrioToken, trio.Event] | None = None
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gateway", "run", "--config", str(self.config_path)],
             cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -165,7 +168,30 @@ listen = "127.0.0.1:0"
                 self.lines.append(line)
             if READY.search(line):
                 self._ready.set()
+            self._woken()
         self._ready.set()
+        self._woken()
+
+    def _woken(self) -> None:
+        if (wake := self._wake) is not None:
+            token, event = wake
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(event.set)
+
+    async def line_until(self, predicate: Callable[[str], bool], since: int = 0) -> str:
+        """The first log line from the ``since``-th on for which ``predicate`` holds, waiting
+        for the reader thread to add it (the caller bounds the wait)."""
+        token = trio.lowlevel.current_trio_token()
+        try:
+            while True:
+                event = trio.Event()
+                self._wake = (token, event)  # before looking: a line added after it wakes us
+                for line in self.lines[since:]:
+                    if predicate(line):
+                        return line
+                await event.wait()
+        finally:
+            self._wake = None
 
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.lines[-n:])
@@ -199,6 +225,24 @@ listen = "127.0.0.1:0"
     async def instance(self, backend: str, index: int = 0) -> dict[str, Any]:
         (b,) = [b for b in (await self.status())["backends"] if b["name"] == backend]
         return b["instances"][index]
+
+    async def status_until(self, predicate: Callable[[dict[str, Any]], Any]) -> dict[str, Any]:
+        """``/status`` once ``predicate`` holds for it (polled: the daemon is another process;
+        the caller bounds the wait)."""
+        async def look() -> dict[str, Any] | None:
+            st = await self.status()
+            return st if predicate(st) else None
+
+        return await poll(look)
+
+    async def instance_until(self, backend: str, predicate: Callable[[dict[str, Any]], Any],
+                             index: int = 0) -> dict[str, Any]:
+        """The ``/status`` instance once ``predicate`` holds for it (polled, as above)."""
+        async def look() -> dict[str, Any] | None:
+            inst = await self.instance(backend, index)
+            return inst if predicate(inst) else None
+
+        return await poll(look)
 
     async def metric(self, name: str, **labels: str) -> float:
         """The sum of the samples of ``name`` whose labels include ``labels`` (0 when none)."""
@@ -257,13 +301,13 @@ class Baseline:
 async def baseline(daemon: Daemon) -> Baseline:
     """What the idle daemon looks like; taken once its backends settled (every instance
     RUNNING or FATAL)."""
+    async def settled() -> dict[str, Any] | None:
+        status = await daemon.status()
+        states = {i["state"] for b in status["backends"] for i in b["instances"]}
+        return status if states <= {"RUNNING", "FATAL"} else None
+
     with trio.fail_after(SETTLE):
-        while True:
-            status = await daemon.status()
-            states = {i["state"] for b in status["backends"] for i in b["instances"]}
-            if states <= {"RUNNING", "FATAL"}:
-                break
-            await trio.sleep(POLL)
+        status = await poll(settled, POLL)
     return Baseline(settled_view(status), open_fds(daemon.pid), rss_bytes(daemon.pid))
 
 
@@ -287,21 +331,26 @@ async def check(daemon: Daemon, base: Baseline, *, bystander_tool: str = "fx__ec
     assert (status, body) == (200, b"ok\n")
     await bystander_echo(daemon, bystander_tool)
     # the published snapshot settles back; so do the fds and the process tree
-    deadline = trio.current_time() + settle
-    while True:
+    view: dict[str, Any] = {}
+    fds = 0
+    extra: set[int] = set()
+
+    async def settled() -> bool:
+        nonlocal view, fds, extra
         status_doc = await daemon.status()
         view = settled_view(status_doc)
         fds = open_fds(daemon.pid)
         extra = descendants(daemon.pid) - instance_pids(status_doc)
-        if view == base.view and fds <= base.fds + FD_SLACK and not extra:
-            break
-        if trio.current_time() > deadline:
-            procs = {p: _cmdline(p) for p in extra}
-            raise AssertionError(
-                f"did not settle within {settle}s:\n view {view}\n base {base.view}\n"
-                f" fds {fds} (baseline {base.fds}, slack {FD_SLACK})\n extra processes {procs}\n"
-                + daemon.tail(15))
-        await trio.sleep(POLL)
+        return view == base.view and fds <= base.fds + FD_SLACK and not extra
+
+    with trio.move_on_after(settle):
+        await poll(settled, POLL)
+    if not await settled():
+        procs = {p: _cmdline(p) for p in extra}
+        raise AssertionError(
+            f"did not settle within {settle}s:\n view {view}\n base {base.view}\n"
+            f" fds {fds} (baseline {base.fds}, slack {FD_SLACK})\n extra processes {procs}\n"
+            + daemon.tail(15))
     assert abs(fds - base.fds) <= FD_SLACK, (fds, base.fds)
     rss = rss_bytes(daemon.pid)
     assert rss <= RSS_BOUND, f"daemon RSS {rss / 2**20:.1f} MiB over {RSS_BOUND / 2**20:.0f} MiB"

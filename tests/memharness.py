@@ -224,7 +224,7 @@ async def settle() -> None:
 
 async def elapse(seconds: float) -> None:
     """Let ``seconds`` of virtual time pass (instant on the MockClock)."""
-    await trio.sleep(seconds)
+    await trio.sleep(seconds)  # virtual-time: the harness runs on the MockClock
 
 
 def notes(c: Client, method: str) -> list[dict[str, Any]]:
@@ -286,7 +286,7 @@ async def t_progress(link: MemoryLink, args: dict[str, Any],
     steps, delay = int(args["steps"]), float(args.get("delay", 0.01))
     token = meta.get("progressToken")
     for i in range(1, steps + 1):
-        await trio.sleep(delay)
+        await trio.sleep(delay)  # virtual-time: a scripted tool's pace
         if token is not None:
             link.notify("notifications/progress", {"progressToken": token, "progress": i,
                                                    "total": steps})
@@ -294,7 +294,7 @@ async def t_progress(link: MemoryLink, args: dict[str, Any],
 
 
 async def t_sleep(link: MemoryLink, args: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
-    await trio.sleep(float(args["seconds"]))
+    await trio.sleep(float(args["seconds"]))  # virtual-time: a scripted tool's pace
     return text(args.get("message", "slept"))
 
 
@@ -305,7 +305,7 @@ async def t_crash(link: MemoryLink, args: dict[str, Any], meta: dict[str, Any]) 
 
 
 async def t_elicit(link: MemoryLink, args: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
-    await trio.sleep(float(args.get("delay", 0)))
+    await trio.sleep(float(args.get("delay", 0)))  # virtual-time: a scripted tool's pace
     params: dict[str, Any] = {"message": args["message"], "requestedSchema": {
         "type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}}
     if "nonce" in args:
@@ -348,7 +348,7 @@ async def t_log(link: MemoryLink, args: dict[str, Any], meta: dict[str, Any]) ->
     params = {"level": args["level"], "logger": "fixture", "data": args["data"]}
     if "after" in args:
         async def later() -> None:
-            await trio.sleep(float(args["after"]))
+            await trio.sleep(float(args["after"]))  # virtual-time: a scripted tool's pace
             link.notify("notifications/message", params)
         link.start_soon(later)
     else:

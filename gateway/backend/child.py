@@ -100,7 +100,7 @@ class ChildHandlers(Protocol):
                         params: Raw | UnsetType) -> None: ...
 
     def on_request(self, child: ChildConnection, id: int | str, method: str,
-                   params: Raw | UnsetType) -> None: ...
+                   params: Raw | UnsetType, cause: int | None = None) -> None: ...
 
     def on_cancelled(self, child: ChildConnection, request_id: int | str) -> None: ...
 
@@ -362,6 +362,11 @@ class ChildConnection:
         """The link lost these requests before the child read them (safe to retry)."""
         self.perform(self.router.undelivered(gids, error))
 
+    def failed(self, gid: int, error: errors.GatewayError) -> None:
+        """The link says the answer to request ``gid`` cannot come any more: its call fails
+        with ``error`` (nothing happens if it was answered already)."""
+        self._fail_reply(gid, error)
+
     def ended(self) -> None:
         if self.on_ended is not None:
             self.on_ended()
@@ -395,8 +400,9 @@ class ChildConnection:
     def _protocol_error(self, kind: str) -> None:
         self._bus.emit(BackendProtocolError(self.backend, self.instance, kind))
 
-    def message(self, line: bytes) -> None:
-        """One whole message from the child (the link's :class:`Receiver` side)."""
+    def message(self, line: bytes, cause: int | None = None) -> None:
+        """One whole message from the child (the link's :class:`Receiver` side); ``cause``: the
+        request whose own answer stream carried it, if the link knows."""
         if line.startswith(b"\xef\xbb\xbf"):  # a byte order mark: JSON parsers may ignore it
             line = line[3:]
         try:
@@ -422,7 +428,10 @@ class ChildConnection:
                 self._handlers.on_notification(self, env.method, env.params)
         else:
             assert isinstance(env.method, str) and isinstance(env.id, int | str)
-            self._handlers.on_request(self, env.id, env.method, env.params)
+            if cause is None:
+                self._handlers.on_request(self, env.id, env.method, env.params)
+            else:
+                self._handlers.on_request(self, env.id, env.method, env.params, cause)
 
     def _on_undecodable(self, line: bytes, exc: errors.GatewayError) -> None:
         """A line that is not a message the gateway can pass on: logged and counted.  When the

@@ -1,11 +1,11 @@
 """The connector seam: how an instance reaches its upstream, apart from what it says to it.
 
-A :class:`Connector` (one per backend: ``stdio`` spawns a child, ``memory`` runs a scripted fake
-in-process) opens a :class:`Link` per generation.  A link carries whole messages both ways
-(framing and I/O are its business) and ends in its own way (:meth:`Link.close`); the upstream
-session (:class:`gateway.backend.child.ChildConnection`, the :class:`Receiver`) holds the
-router, the era and the envelope, and supervision (:mod:`gateway.backend.instance`) is the same
-for every kind.
+A :class:`Connector` (one per backend: ``stdio`` spawns a child, ``http`` reaches a remote
+server, ``memory`` runs a scripted fake in-process) opens a :class:`Link` per generation.  A link
+carries whole messages both ways (framing and I/O are its business) and ends in its own way
+(:meth:`Link.close`); the upstream session (:class:`gateway.backend.child.ChildConnection`, the
+:class:`Receiver`) holds the router, the era and the envelope, and supervision
+(:mod:`gateway.backend.instance`) is the same for every kind.
 """
 
 from __future__ import annotations
@@ -54,12 +54,18 @@ class LinkEnd:
 
 
 class Receiver(Protocol):
-    """The upstream session a link delivers to (never blocks)."""
+    """The upstream session a link delivers to (never blocks).
 
-    def message(self, data: bytes) -> None: ...  # one whole incoming message
+    ``cause``: the gateway id of the request whose own answer stream carried the message (an
+    HTTP POST's), when the transport says so; a server→client request with a cause belongs to
+    that call's owner.  ``failed``: that request's answer cannot come any more.
+    """
+
+    def message(self, data: bytes, cause: int | None = None) -> None: ...  # one whole message
     def oversize(self, frame: Oversize) -> None: ...  # one over max_line: dropped
     def oversize_end(self, frame: OversizeEnd) -> None: ...  # where that one ended
     def undelivered(self, gids: list[int], error: errors.GatewayError) -> None: ...
+    def failed(self, gid: int, error: errors.GatewayError) -> None: ...
     def ended(self) -> None: ...  # the upstream's side ended: nothing more arrives
 
 
@@ -73,7 +79,7 @@ class Link(Protocol):
     idempotent) and says how it ended.
     """
 
-    kind: str  # "stdio", "memory"
+    kind: str  # "stdio", "http", "memory"
     closed: errors.GatewayError | None  # why nothing can be sent any more
     buffers: Account
     max_queued: int
@@ -96,6 +102,10 @@ class Connector(Protocol):
 
     @property
     def kind(self) -> str: ...
+    @property
+    def origin(self) -> str | None: ...  # where its links go (no credentials), if not a process
+
+    def refresh(self) -> None: ...  # a reload: read what it reads at open again (credentials)
 
     async def open(self, ctx: LinkContext) -> Link:
         """A new link, ready to carry the handshake.

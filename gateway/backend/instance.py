@@ -135,7 +135,8 @@ class Pool(Protocol):
     @property
     def attribution_matters(self) -> bool: ...
     def learn_asker(self, key: str) -> None: ...
-    def owners(self, inst: Instance, child: ChildConnection) -> set[Owner]: ...
+    def owners(self, inst: Instance, child: ChildConnection,
+               cause: int | None = None) -> set[Owner]: ...
     def subscribed_uris(self) -> list[str]: ...
     def on_state_changed(self, inst: Instance) -> None: ...
     def on_settled(self, inst: Instance) -> None: ...
@@ -213,7 +214,7 @@ class Instance(ChildHandlers):
             draining=self.draining,
             era=child.era.value if child is not None else None,
             protocol_version=child.protocol_version if child is not None else None,
-            origin=link.origin if link is not None else None,
+            origin=link.origin if link is not None else self.connector.origin,
             last_error=link.last_error if link is not None else None,
         )
 
@@ -600,11 +601,11 @@ class Instance(ChildHandlers):
             LOGGER.debug("backend %s: ignored notification %s", self.name, method)
 
     def on_request(self, child: ChildConnection, id: int | str, method: str,
-                   params: Raw | UnsetType) -> None:
+                   params: Raw | UnsetType, cause: int | None = None) -> None:
         if method == "ping":
             child.respond(id, jsonrpc.EMPTY_RESULT)
             return
-        owners = self.backend.owners(self, child)
+        owners = self.backend.owners(self, child, cause)
         self.backend.host.ownership.route(self, child, id, method, params, owners)
 
     def on_cancelled(self, child: ChildConnection, request_id: int | str) -> None:

@@ -66,10 +66,14 @@ class MemoryConnector:
     """Opens fake upstreams that follow ``script``; ``links`` keeps every one opened."""
 
     kind = "memory"
+    origin = None
 
     def __init__(self, script: Script | None = None) -> None:
         self.script = script if script is not None else Script()
         self.links: list[MemoryLink] = []
+
+    def refresh(self) -> None:
+        pass
 
     async def open(self, ctx: LinkContext) -> MemoryLink:
         link = MemoryLink(ctx, self.script)

@@ -14,7 +14,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, cast
 
 import trio
 
@@ -22,6 +22,7 @@ from gateway import errors
 from gateway.backend import client
 from gateway.backend.child import ChildConnection, Owner
 from gateway.backend.connector import Connector
+from gateway.backend.http import HttpConnector
 from gateway.backend.instance import Instance, InstanceHost
 from gateway.backend.stdio import StdioConnector
 from gateway.config import BackendConfig
@@ -68,7 +69,10 @@ ConnectorFactory = Callable[[str, BackendConfig], Connector]
 
 
 def default_connector(name: str, cfg: BackendConfig) -> Connector:
-    """The connector a backend's config asks for: ``stdio`` (its ``command``)."""
+    """The connector a backend's config asks for: ``http`` (its ``url``) or ``stdio`` (its
+    ``command``)."""
+    if cfg.url:
+        return HttpConnector(cfg)
     return StdioConnector(cfg)
 
 
@@ -359,8 +363,20 @@ class Backend:
         return errors.BackendUnavailable(f"backend {self.name!r} is being removed",
                                          backend=self.name, retryable=False)
 
-    def owners(self, inst: Instance, child: ChildConnection) -> set[Owner]:
-        """Who may receive a server→client request from ``child`` (see gateway.core.ownership)."""
+    def owners(self, inst: Instance, child: ChildConnection,
+               cause: int | None = None) -> set[Owner]:
+        """Who may receive a server→client request from ``child`` (see gateway.core.ownership):
+        the owner of ``cause`` when it came on that call's own answer stream (exact, whatever
+        the sharing mode; nobody once that call is over or given up), else the attribution
+        set."""
+        if cause is not None:
+            call = child.router.pending.get(cause)
+            owner = (call.owner if call is not None and not call.internal
+                     and call.abandoned_at is None else None)
+            if owner is None:
+                return set()
+            owner = cast(Owner, owner)
+            return {owner} if not owner.closed.is_set() else set()
         if self.cfg.sharing == "per-session":
             owner = inst.owner
             return {owner} if owner is not None and not owner.closed.is_set() else set()

@@ -47,9 +47,13 @@ class StdioConnector:
     """Spawns the backend's ``command`` in its own process group, one child per generation."""
 
     kind = "stdio"
+    origin = None
 
     def __init__(self, cfg: BackendConfig) -> None:
         self.cfg = cfg
+
+    def refresh(self) -> None:
+        pass
 
     async def open(self, ctx: LinkContext) -> LineLink:
         try:

@@ -22,13 +22,14 @@ import subprocess
 import sys
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
-from helpers import FIXTURE, ROOT, connect, http_request
+from helpers import FIXTURE, ROOT, connect, http_request, poll
 
 RULES_DIR = Path(ROOT) / "packaging" / "prometheus"
 RULES = RULES_DIR / "mcp-gateway-rules.yml"
@@ -154,17 +155,21 @@ async def query(port: int, promql: str) -> list[dict[str, Any]]:
     return data["result"]
 
 
-async def until(port: int, promql: str, count: int) -> list[dict[str, Any]]:
-    """Poll an instant query until it has ``count`` series (each with a finite value)."""
+async def until(port: int, promql: str, count: int,
+                meanwhile: Callable[[], Awaitable[None]] | None = None) -> list[dict[str, Any]]:
+    """Poll an instant query until it has ``count`` series (each with a finite value); before
+    each look, ``meanwhile`` (traffic spread over the scrapes)."""
+    async def look() -> list[dict[str, Any]] | None:
+        if meanwhile is not None:
+            await meanwhile()
+        try:
+            got = [s for s in await query(port, promql) if math.isfinite(float(s["value"][1]))]
+        except OSError:  # Prometheus still starting
+            got = []
+        return got if len(got) == count else None
+
     with trio.fail_after(30):
-        while True:
-            try:
-                got = [s for s in await query(port, promql) if math.isfinite(float(s["value"][1]))]
-            except OSError:  # Prometheus still starting
-                got = []
-            if len(got) == count:
-                return got
-            await trio.sleep(0.25)
+        return await poll(look, 0.25)
 
 
 #: The backend answers this tools/call with a JSON-RPC error (fixture tool `raw`).
@@ -182,23 +187,22 @@ async def test_prometheus_scrapes_two_replicas_and_evaluates_the_rules(
 
     # Traffic through both replicas, spread over several scrapes so the rates are not 0: calls
     # that succeed and calls the backend fails, until the recording rules see both.
-    async def traffic(r: Replica, stop: trio.Event) -> None:
-        async with connect(r.url) as c:
-            while not stop.is_set():
+    async with AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(connect(r.url)) for r in replicas]
+
+        async def traffic() -> None:
+            for c in clients:
                 assert "result" in await c.call("fx__echo", {"message": "hi"})
                 assert "error" in await c.call("fx__raw", {"lines": [ERROR_LINE]})
-                await trio.sleep(0.05)
 
-    stop = trio.Event()
-    async with trio.open_nursery() as nursery:
-        for r in replicas:
-            nursery.start_soon(traffic, r, stop)
-        rate = await until(prometheus, 'backend:mcp_gateway_requests:rate5m{backend="fx"} > 0', 1)
+        rate = await until(prometheus, 'backend:mcp_gateway_requests:rate5m{backend="fx"} > 0', 1,
+                           traffic)
         ratio = await until(
-            prometheus, 'backend:mcp_gateway_requests_errors:ratio_rate5m{backend="fx"} > 0', 1)
+            prometheus, 'backend:mcp_gateway_requests_errors:ratio_rate5m{backend="fx"} > 0', 1,
+            traffic)
         p99 = await until(
-            prometheus, 'backend:mcp_gateway_request_duration_seconds:p99_rate5m{backend="fx"}', 1)
-        stop.set()
+            prometheus, 'backend:mcp_gateway_request_duration_seconds:p99_rate5m{backend="fx"}', 1,
+            traffic)
     # Aggregated over the replicas: only the job and the backend remain.
     for series in (rate, ratio, p99):
         assert set(series[0]["metric"]) == {"__name__", "job", "backend"}, series
@@ -245,11 +249,11 @@ async def test_prometheus_scrapes_two_replicas_and_evaluates_the_rules(
 
 
 async def wait_ready(port: int) -> None:
+    async def ready() -> bool:
+        try:
+            return (await http_request(port, "/readyz"))[0] == 200
+        except OSError:  # not listening yet
+            return False
+
     with trio.fail_after(30):
-        while True:
-            try:
-                if (await http_request(port, "/readyz"))[0] == 200:
-                    return
-            except OSError:  # not listening yet
-                pass
-            await trio.sleep(0.05)
+        await poll(ready, 0.05)

@@ -14,6 +14,8 @@ import pytest
 import trio
 from helpers import fixture_backend, make_config, run_gateway, wait_status
 
+from gateway import events
+
 pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
 V = "2026-07-28"
@@ -81,15 +83,17 @@ async def test_a_caller_queued_behind_a_parked_flow_on_an_affine_backend_may_han
         r = await c.post(gw.http_url, headers=_headers("fx__elicit"),
                          content=_body("fx__elicit", {"message": "m"}))
         state = r.json()["result"]["requestState"]  # parked: fx/0 is this flow's
-        for _ in range(3):
+        mark = gw.events.count
+        for i in range(3):
             body = _body("fx__echo", {"text": "queued"})
             head = "".join(f"{k}: {v}\r\n" for k, v in _headers("fx__echo").items())
             stream = await trio.open_tcp_stream("127.0.0.1", gw.bound.http_port)
             await stream.send_all(f"POST /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\n{head}content-length: "
                                   f"{len(body)}\r\n\r\n".encode() + body)
-            await trio.sleep(0.3)  # queued for fx/0
+            # queued for fx/0 (counted as started before it waits for an instance)
+            await gw.events.wait(events.RequestStarted, backend="fx", since=mark, count=i + 1)
             await stream.aclose()
-        await trio.sleep(0.3)
+        await gw.events.wait(events.RequestFinished, tool="fx__echo", since=mark, count=3)
         r = await c.post(gw.http_url, headers=_headers("fx__elicit"),
                          content=_body("fx__elicit", {"message": "m"}, id=2, requestState=state,
                                        inputResponses=ANSWER))

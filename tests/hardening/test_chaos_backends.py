@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import trio
-from helpers import Client, connect, text_of
+from helpers import Client, connect, poll, text_of
 from invariants import Daemon, DaemonSlot, alive, baseline, chaos_backend, check
 
 pytestmark = pytest.mark.system
@@ -79,13 +79,15 @@ async def first_success(c: Client, tool: str, args: dict[str, Any], bound: float
     """Call until it succeeds, within ``bound`` seconds (a restarting backend comes back);
     the calls' ids start with ``fence-``."""
     n = 0
-    with trio.fail_after(bound):
-        while True:
-            n += 1
-            r = await c.call(tool, args, id=f"fence-{n}", timeout=bound)
-            if "result" in r and not r["result"].get("isError"):
-                return r
-            await trio.sleep(0.02)
+
+    async def succeeded() -> dict[str, Any] | None:
+        nonlocal n
+        n += 1
+        r = await c.call(tool, args, id=f"fence-{n}", timeout=bound)
+        return r if "result" in r and not r["result"].get("isError") else None
+
+    with trio.fail_after(bound):  # (the daemon is another process: its backend polled)
+        return await poll(succeeded)
 
 
 @pytest.mark.parametrize("transport", ["websocket", "unix"])
@@ -164,9 +166,11 @@ async def test_grandchild_left_behind_is_reaped_when_its_parent_dies(daemon: Dae
             assert r["error"]["code"] == -32004, r
             await first_success(c, "cx__echo", {"message": "back"}, bound=10)
         # the daemon is a subreaper: the orphan is killed and reaped, not even a zombie left
+        async def gone() -> bool:  # seen in /proc
+            return not alive(grandchild)
+
         with trio.fail_after(10):
-            while alive(grandchild):  # noqa: ASYNC110 - /proc has no event to wait on
-                await trio.sleep(0.02)
+            await poll(gone)
         await check(daemon, base)
 
 

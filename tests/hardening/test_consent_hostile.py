@@ -14,7 +14,10 @@ from typing import Any
 import httpx
 import pytest
 import trio
+import trio.testing
 from helpers import connect, fixture_backend, make_config, run_gateway, wait_status
+
+from gateway import events
 
 pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
@@ -80,7 +83,8 @@ async def test_a_websocket_calls_state_retried_on_mcp_is_invalid_state_and_runs_
             error = r.json()["error"]
             assert r.status_code == 400 and error["code"] == -32602, r.text
             assert error["data"]["reason"] == "invalid_state"
-            await trio.sleep(0.2)
+            await trio.testing.wait_all_tasks_blocked(cushion=0.05)  # whatever follows is done
+            assert not gw.events.of(events.RequestStarted)  # nothing went to the child
             assert echoed(transcript) == [] and [m.get("id") for m in ws.received] == [1]
             done = await ws.request("tools/call", retry)  # its own connection's retry still works
             assert done["result"]["content"][0]["text"] == "ws"
@@ -143,7 +147,9 @@ async def test_a_response_to_the_unsent_consent_request_is_refused(
         async with run_gateway(cfg) as gw, connect(gw.url, initialize=False) as ws:
             first = (await ws.request("tools/call", echo("direct")))["result"]
             await ws.send({"jsonrpc": "2.0", "id": "gw-000000-1", "result": ACCEPT})
-            await trio.sleep(0.3)
+            await ws.request("ping")  # answered (an error in this era): read after the guess
+            await trio.testing.wait_all_tasks_blocked()
+            assert not gw.events.of(events.RequestStarted)  # nothing went to the child
             assert echoed(transcript) == []
             retry = echo("direct", inputResponses={"consent": {"action": "decline"}},
                          requestState=first["requestState"])
@@ -178,7 +184,7 @@ async def test_a_drain_refuses_a_new_call_dressed_as_a_retry(
             asked = (await ws.request("tools/call", parked))["result"]
             assert asked["resultType"] == "input_required"
             gw.control.stop()
-            await trio.sleep(0.3)  # draining
+            await wait_status(gw.bound.admin_port, lambda st: st["draining"])
             new = {"name": "mo__echo", "arguments": {"message": "new"}, "_meta": meta()}
             for params in (new, {**new, "requestState": "junk"}):
                 r = await ws.request("tools/call", params)

@@ -9,6 +9,7 @@ connection bridges again once one request is in flight."""
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,19 +40,20 @@ async def call(c: Client, tool: str, args: dict[str, Any], **extra: Any) -> dict
     return await c.request("tools/call", {"name": tool, "arguments": args, "_meta": META, **extra})
 
 
-async def together(c: Client, *calls: tuple[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """``calls`` sent one after another without waiting, all in flight at once; their answers,
-    in order."""
-    answers: list[dict[str, Any]] = [{} for _ in calls]
-
-    async def one(i: int, tool: str, args: dict[str, Any]) -> None:
-        answers[i] = await call(c, tool, args)
-
-    async with trio.open_nursery() as nursery:
-        for i, (tool, args) in enumerate(calls):
-            nursery.start_soon(one, i, tool, args)
-            await trio.sleep(0.05)  # in this order at the gateway
-    return answers
+async def together(daemon: Daemon, c: Client,
+                   *calls: tuple[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """``calls`` sent one after another, each once the one before is at the child (polled:
+    the daemon is another process), all in flight at once; their answers, in order."""
+    at_child = (await daemon.instance("fx"))["inflight"]
+    ids = []
+    for i, (tool, args) in enumerate(calls):
+        ids.append(rid := f"together-{secrets.token_hex(4)}")
+        await c.send({"jsonrpc": "2.0", "id": rid, "method": "tools/call",
+                      "params": {"name": tool, "arguments": args, "_meta": META}})
+        if i < len(calls) - 1:
+            at_child += 1
+            await daemon.instance_until("fx", lambda inst, n=at_child: inst["inflight"] >= n)
+    return [await c.response(rid, timeout=BOUND) for rid in ids]
 
 
 def refused_sampling(answer: dict[str, Any], in_flight: int) -> None:
@@ -77,13 +79,13 @@ async def test_several_requests_in_flight_refuse_bridging_cleanly(daemon: Daemon
     async with daemon.client(transport, initialize=False) as c:
         with trio.fail_after(BOUND):
             start = trio.current_time()
-            slept, sampled = await together(c, ("fx__sleep", {"seconds": SLEEP}),
+            slept, sampled = await together(daemon, c, ("fx__sleep", {"seconds": SLEEP}),
                                             ("fx__sample", {"prompt": "p"}))
             assert text_of(slept) == "slept" and "isError" not in slept["result"], slept
             refused_sampling(sampled, 2)
             assert trio.current_time() - start < SLEEP + 2.0  # the sample did not wait for it
 
-            *sleeps, elicited = await together(c, ("fx__sleep", {"seconds": SLEEP}),
+            *sleeps, elicited = await together(daemon, c, ("fx__sleep", {"seconds": SLEEP}),
                                                ("fx__sleep", {"seconds": SLEEP}),
                                                ("fx__elicit", {"message": "name?"}))
             assert [text_of(s) for s in sleeps] == ["slept", "slept"]
@@ -131,7 +133,7 @@ async def test_an_open_listen_does_not_count_as_a_call_in_flight(daemon: Daemon,
             done = await call(c, "fx__elicit", {"message": "who?"},
                               requestState=parked["requestState"], inputResponses={key: accept})
             assert json.loads(text_of(done))["content"] == {"answer": "Ada"}, done
-            slept, sampled = await together(c, ("fx__sleep", {"seconds": SLEEP}),
+            slept, sampled = await together(daemon, c, ("fx__sleep", {"seconds": SLEEP}),
                                             ("fx__sample", {"prompt": "p"}))
             assert text_of(slept) == "slept"
             refused_sampling(sampled, 2)

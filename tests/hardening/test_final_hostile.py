@@ -27,9 +27,9 @@ def slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonSlot]:
 async def reload_failed(daemon: Daemon, since: int) -> None:
     """Wait (bounded) for "reload failed" in the daemon's log after line ``since``."""
     with trio.fail_after(10):
-        while not any("reload failed" in line for line in daemon.lines[since:]):
-            assert daemon.proc.poll() is None, "daemon died:\n" + daemon.tail()
-            await trio.sleep(0.05)
+        await daemon.line_until(
+            lambda line: "reload failed" in line or daemon.proc.poll() is not None, since)
+    assert daemon.proc.poll() is None, "daemon died:\n" + daemon.tail()
 
 
 async def test_sigusr1_and_sigusr2_do_not_end_the_daemon(daemon: Daemon) -> None:
@@ -38,7 +38,9 @@ async def test_sigusr1_and_sigusr2_do_not_end_the_daemon(daemon: Daemon) -> None
     for _ in range(10):
         daemon.proc.send_signal(signal.SIGUSR1)
         daemon.proc.send_signal(signal.SIGUSR2)
-    await trio.sleep(0.5)
+    with trio.fail_after(10):  # both taken (and logged), the daemon still there
+        await daemon.line_until(lambda line: "ignoring SIGUSR1" in line, since)
+        await daemon.line_until(lambda line: "ignoring SIGUSR2" in line, since)
     await check(daemon, base)
     assert not daemon.failures(since)
     assert any("ignoring SIGUSR1" in line for line in daemon.lines[since:]), daemon.tail()

@@ -8,6 +8,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
+import trio.testing
 from helpers import (
     HTTP_HEADERS,
     HTTP_INIT,
@@ -15,13 +16,13 @@ from helpers import (
     bearer_auth,
     connect,
     fixture_backend,
-    http_json,
     make_config,
-    metric,
     run_gateway,
+    wait_status,
 )
 
 from gateway import config as gconfig
+from gateway import events
 
 pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
@@ -39,13 +40,17 @@ def bearer(name: str) -> dict[str, str]:
     return dict(HTTP_HEADERS, authorization=f"Bearer {TOKENS[name]}")
 
 
-async def until_ok(send: Any, seconds: float = 5.0) -> httpx.Response:
-    """``send()`` until it is not refused 503 (a place given back by a task), at most
-    ``seconds``."""
-    with trio.fail_after(seconds):
-        while (r := await send()).status_code == 503:  # noqa: ASYNC110 - a place given back by a task, seen over HTTP: no event to wait on
-            await trio.sleep(0.02)
+async def not_refused(send: Any) -> httpx.Response:
+    """``send()`` once the in-process gateway is idle (any place a task gives back is back): not
+    refused 503."""
+    await trio.testing.wait_all_tasks_blocked()
+    r = await send()
+    assert r.status_code != 503, r.text
     return r
+
+
+def inflight(st: dict[str, Any]) -> int:
+    return sum(i["inflight"] for i in st["backends"][0]["instances"])
 
 
 async def test_a_failed_initialize_holds_no_session_place() -> None:
@@ -58,10 +63,12 @@ async def test_a_failed_initialize_holds_no_session_place() -> None:
             bad = dict(HTTP_INIT, params={"protocolVersion": 5})
             sids = []
             for _ in range(3):
-                r = await until_ok(lambda: c.post(gw.http_url, headers=bearer("alice"), json=bad))
+                r = await not_refused(
+                    lambda: c.post(gw.http_url, headers=bearer("alice"), json=bad))
                 assert r.json()["error"]["code"] == -32602, r.text
                 sids.append(r.headers.get("mcp-session-id"))
-            r = await until_ok(lambda: c.post(gw.http_url, headers=bearer("alice"), json=HTTP_INIT))
+            r = await not_refused(
+                lambda: c.post(gw.http_url, headers=bearer("alice"), json=HTTP_INIT))
             assert r.status_code == 200 and "result" in r.json(), r.text
             for sid in sids:  # no session was made: its id is unknown
                 if sid is not None:
@@ -137,10 +144,7 @@ async def test_a_reload_applies_shared_park_limit_and_max_parked_flows(tmp_path:
                     httpx.AsyncClient(timeout=10) as c):
             path.write_text(text("shared_park_limit = 0.3\nmax_parked_flows = 1"))
             gw.control.reload()
-            with trio.fail_after(5):
-                while not await metric(gw.bound.admin_port, "mcp_gateway_config_reloads_total",  # noqa: ASYNC110 - the gateway seen through /metrics over HTTP: no event to wait on
-                                       result="success"):
-                    await trio.sleep(0.05)
+            await gw.events.wait(events.ReloadFinished, success=True)
             asked(await modern(c, gw.http_url, "alice", 1, "fx__elicit", {"message": "a?"}))
             t0 = trio.current_time()
             asked(await modern(c, gw.http_url, "bob", 2, "fx__elicit", {"message": "b?"}))
@@ -186,15 +190,18 @@ async def test_an_expired_flow_on_a_shared_child_frees_it_without_a_recycle(
     with trio.fail_after(20):
         async with run_gateway(cfg) as gw, httpx.AsyncClient(timeout=10) as c:
             asked(await modern(c, gw.http_url, "alice", 1, "fx__elicit", {"message": "a?"}))
-            await trio.sleep(0.5)  # alice never retries: her flow expires
+            # alice never retries: her flow expires
+            await gw.events.wait(events.RequestFinished, tool="fx__elicit", principal="alice",
+                                 outcome=events.RequestOutcome.CANCELLED)
             key, state = asked(await modern(c, gw.http_url, "bob", 2, "fx__elicit",
                                             {"message": "b?"}))
             r = await modern(c, gw.http_url, "bob", 3, "fx__elicit", {"message": "b?"},
                              requestState=state,
                              inputResponses={key: {"action": "accept", "content": {"answer": "B"}}})
             assert json.loads(r["result"]["content"][0]["text"])["content"] == {"answer": "B"}, r
-            await trio.sleep(0.7)  # past cancel_grace
-            st = await http_json(gw.bound.admin_port, "/status")
+            # nothing left at the child (a call abandoned unanswered would stay until the
+            # recycle at cancel_grace)
+            st = await wait_status(gw.bound.admin_port, lambda st: inflight(st) == 0)
             (inst,) = st["backends"][0]["instances"]
             assert inst["recycles"] == 0 and inst["restarts"] == 0, inst
             assert b"notifications/cancelled" not in told.read_bytes()
@@ -215,8 +222,8 @@ async def test_a_flow_refused_at_its_principals_cap_frees_a_shared_child(tmp_pat
             asked(await modern(c, gw.http_url, "alice", 1, "fx__elicit", {"message": "a?"}))
             r = await modern(c, gw.http_url, "alice", 2, "fx__elicit", {"message": "a2?"})
             assert r["error"]["data"]["limit"] == "max_parked_flows", r
-            await trio.sleep(0.8)  # past cancel_grace
-            st = await http_json(gw.bound.admin_port, "/status")
+            # only alice's parked call left at the children (as above)
+            st = await wait_status(gw.bound.admin_port, lambda st: inflight(st) == 1)
             assert [i["recycles"] for i in st["backends"][0]["instances"]] == [0, 0], st
             assert b"notifications/cancelled" not in told.read_bytes()
             asked(await modern(c, gw.http_url, "bob", 3, "fx__elicit", {"message": "b?"}))
@@ -241,8 +248,11 @@ async def test_a_websocket_flow_forwarded_by_a_task_is_given_up_when_it_expires(
                 **args, "requestState": consent["requestState"],
                 "inputResponses": {"consent": {"action": "accept", "content": {"approve": True}}}})
             assert list(r["result"]["inputRequests"]) == ["srv-1"], r  # the child asks: parked
-            await trio.sleep(1.0)  # alice never retries: expired, then past cancel_grace
-            st = await http_json(gw.bound.admin_port, "/status")
+            # alice never retries: expired (the child's request ends with the flow), and nothing
+            # left at the child (as above)
+            await gw.events.wait(events.ServerRequestFinished, method="elicitation/create",
+                                 outcome=events.ServerRequestOutcome.OWNER_GONE)
+            st = await wait_status(gw.bound.admin_port, lambda st: inflight(st) == 0)
             assert [i["recycles"] for i in st["backends"][0]["instances"]] == [0], st
             assert b"notifications/cancelled" not in told.read_bytes()
             echo = await ws.request("tools/call", {"name": "fx__echo", "_meta": META,

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import trio
-from helpers import Client, connect, text_of, unix_connect
+from helpers import Client, connect, poll, text_of, unix_connect
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from invariants import Daemon, DaemonSlot, baseline, chaos_backend, check
@@ -454,9 +454,13 @@ async def test_unix_line_split_across_many_writes_is_one_message(daemon: Daemon)
 # ---- slow readers and churn -------------------------------------------------------------------
 
 
+CLOSED = "mcp_gateway_client_connections_closed_total"
+
+
 async def test_slow_reader_is_cut_off_and_the_invariants_hold(daemon: Daemon) -> None:
     with trio.fail_after(40):
         base = await baseline(daemon)
+        overflows = await daemon.metric(CLOSED, transport="unix", reason="overflow")
         stream = await trio.open_unix_socket(daemon.unix_path)
         async with stream:
             stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -466,10 +470,15 @@ async def test_slow_reader_is_cut_off_and_the_invariants_hold(daemon: Daemon) ->
                 try:
                     for i in range(60):  # 60 x 200 kB answers, not read yet
                         await stream.send_all(call_bytes(f"s{i}", "s" * 200_000) + b"\n")
-                    # the gateway gives up on it: EOF (or a reset) after whatever fitted
+                    # the slowest reader: none until the gateway gave up on it (polled: the
+                    # daemon is another process), then EOF (or a reset) after whatever fitted
+                    async def cut_off() -> bool:
+                        return await daemon.metric(CLOSED, transport="unix",
+                                                   reason="overflow") > overflows
+
+                    await poll(cut_off)
                     while data := await stream.receive_some(1 << 20):
                         got += len(data)
-                        await trio.sleep(0.05)  # a slow reader
                 except trio.BrokenResourceError:
                     pass
             assert got < 60 * 200_000, got  # cut off before it got everything

@@ -55,8 +55,8 @@ async def test_idle_admin_connections_cannot_starve_healthz(daemon: Daemon) -> N
     unanswered.  A new connection now closes the oldest one waiting for its request."""
     base = await baseline(daemon)
     port = daemon.admin_port
+    # (the listener accepts in connection order: all of these before the probes)
     idle = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(ADMIN_CONNECTIONS)]
-    await trio.sleep(0.2)  # all of them accepted and waiting
     for _ in range(3):
         assert await _probe(daemon.admin_port) == 200
     with trio.fail_after(ANSWER_BOUND):  # the oldest idle ones were closed to make room
@@ -77,7 +77,8 @@ async def test_a_batch_reusing_an_id_in_flight_in_another_batch_is_refused(daemo
     sleep = {"name": "fx__sleep", "arguments": {"seconds": 1.0}}
     await slow.send(post([{"jsonrpc": "2.0", "id": 9, "method": "tools/call", "params": sleep}],
                          session))
-    await trio.sleep(0.3)  # the slow batch's call is in flight
+    with trio.fail_after(ANSWER_BOUND):  # the slow batch's call is in flight
+        await daemon.instance_until("fx", lambda i: i["inflight"])
     ping = {"jsonrpc": "2.0", "id": 9, "method": "ping"}
     for clash in ([ping], ping):
         r = await other.exchange(post(clash, session))
@@ -176,7 +177,8 @@ async def _misbehave(stream: trio.SocketStream) -> None:
         await stream.send_all(_SSE_HEAD + b": c\r\rdata: " + _result(1, "cr") + b"\r\r")
     elif rid == 2:  # CRLF line ends, the event's last CRLF split between two writes
         await stream.send_all(_SSE_HEAD + b"data: " + _result(2, "split") + b"\r\n\r")
-        await trio.sleep(0.2)
+        # the bridge (another process) must read this write alone; its reads cannot be seen
+        await trio.sleep(0.2)  # real-clock: a pause another process's read must fall into
         await stream.send_all(b"\ndata: " + _result(99, "next") + b"\r\n\r\n")
     elif rid == 3:  # a 200 in HTML
         await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/html\r\n"
@@ -188,7 +190,7 @@ async def _misbehave(stream: trio.SocketStream) -> None:
         await stream.send_all(_SSE_HEAD + b": nothing\n\n")
     elif rid == 6:  # the connection reset mid-stream
         await stream.send_all(_SSE_HEAD + b": x\n\n")
-        await trio.sleep(0.1)
+        await trio.sleep(0.1)  # real-clock: as above, the bridge reads the head before the reset
         linger = b"\x01\x00\x00\x00\x00\x00\x00\x00"  # on, 0 s: the close is a reset
         stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
     else:  # 7: an ordinary answer
@@ -256,8 +258,7 @@ async def test_a_cancellation_inside_a_batch_ends_the_cancelled_post_stream(daem
         await call.send(post({"jsonrpc": "2.0", "id": rid, "method": "tools/call", "params": sleep},
                              session))
         with trio.fail_after(ANSWER_BOUND):  # the call reached the backend
-            while not (await daemon.instance("fx"))["inflight"]:  # noqa: ASYNC110 - the daemon seen through /status over HTTP: no event to wait on
-                await trio.sleep(0.02)
+            await daemon.instance_until("fx", lambda i: i["inflight"])
         cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled",
                   "params": {"requestId": rid}}
         r = await c.exchange(post([cancel, ping] if with_request else [cancel], session))
@@ -270,8 +271,7 @@ async def test_a_cancellation_inside_a_batch_ends_the_cancelled_post_stream(daem
         assert r.status == 200 and r.json() is None, r.body  # an empty stream: no response
         await call.aclose()
         with trio.fail_after(ANSWER_BOUND):  # recycled (the fixture's sleep ignores a cancel)
-            while (await daemon.instance("fx"))["inflight"]:  # noqa: ASYNC110 - the daemon seen through /status over HTTP: no event to wait on
-                await trio.sleep(0.05)
+            await daemon.instance_until("fx", lambda i: not i["inflight"])
     r = await c.exchange(post(b"", session, method=b"DELETE"))
     assert r.status == 200
     await c.aclose()

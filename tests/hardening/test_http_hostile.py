@@ -171,7 +171,8 @@ async def test_concurrent_batch_posts_each_get_their_own_answers(daemon: Daemon)
     sleep = {"name": "fx__sleep", "arguments": {"seconds": 1.0}}
     await slow.send(post([{"jsonrpc": "2.0", "id": "slow-1", "method": "tools/call",
                            "params": sleep}], session))
-    await trio.sleep(0.2)  # the slow batch is the older open batch POST
+    with trio.fail_after(ANSWER_BOUND):  # the slow batch is the older open batch POST
+        await daemon.instance_until("fx", lambda i: i["inflight"])
     r = await fast.exchange(post([{"jsonrpc": "2.0", "id": "fast-1", "method": "tools/call",
                                    "params": {"name": "fx__echo", "arguments": {"message": "f"}}},
                                   {"jsonrpc": "2.0", "id": "fast-2", "method": "ping"}], session))
@@ -197,10 +198,7 @@ async def test_a_cancelled_request_ends_its_post_stream(daemon: Daemon) -> None:
     await call.send(post({"jsonrpc": "2.0", "id": 5, "method": "tools/call",
                           "params": {"name": "fx__sleep", "arguments": {"seconds": 30}}}, session))
     with trio.fail_after(ANSWER_BOUND):  # the call reached the backend (polled: from outside)
-        while True:
-            if (await daemon.instance("fx"))["inflight"]:
-                break
-            await trio.sleep(0.02)
+        await daemon.instance_until("fx", lambda i: i["inflight"])
     r = await c.exchange(post({"jsonrpc": "2.0", "method": "notifications/cancelled",
                                "params": {"requestId": 5, "reason": "user"}}, session))
     assert r.status == 202
@@ -227,10 +225,7 @@ async def test_a_batch_with_every_request_cancelled_ends_its_post_stream(daemon:
     await call.send(post([{"jsonrpc": "2.0", "id": f"b{i}", "method": "tools/call", "params": sleep}
                           for i in range(2)], session))
     with trio.fail_after(ANSWER_BOUND):  # both calls reached the backend (polled: from outside)
-        while True:
-            if (await daemon.instance("fx"))["inflight"] == 2:
-                break
-            await trio.sleep(0.02)
+        await daemon.instance_until("fx", lambda i: i["inflight"] == 2)
     for i in range(2):
         r = await c.exchange(post({"jsonrpc": "2.0", "method": "notifications/cancelled",
                                    "params": {"requestId": f"b{i}"}}, session))
@@ -274,11 +269,8 @@ async def test_parked_messages_flow_out_when_the_get_stream_opens(daemon: Daemon
         "_meta": {"progressToken": "t" * 30_000}}}, session))
     await call.aclose()  # the call goes on; its progress has no stream: parked (at most 1 MiB)
     with trio.fail_after(ANSWER_BOUND):
-        while True:
-            st = await daemon.status()
-            if st["client_requests_in_flight"] == 0 and st["buffered_bytes"] > 512 * 1024:
-                break
-            await trio.sleep(0.02)
+        st = await daemon.status_until(lambda st: st["client_requests_in_flight"] == 0
+                                       and st["buffered_bytes"] > 512 * 1024)
     parked = st["buffered_bytes"]
     get = await Conn.open(port, rcvbuf=4096)
     accept_sse = HEADERS.replace(b"application/json, ", b"")
@@ -330,10 +322,7 @@ async def test_refusals_name_the_request_and_smuggling_is_refused(daemon: Daemon
     await slow.send(post({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
         "name": "fx__sleep", "arguments": {"seconds": 1.0}, **meta}}, session))
     with trio.fail_after(ANSWER_BOUND):  # the first call is open (polled: from outside)
-        while True:
-            if (await daemon.instance("fx"))["inflight"]:
-                break
-            await trio.sleep(0.02)
+        await daemon.instance_until("fx", lambda i: i["inflight"])
     r = await c.exchange(post({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
         "name": "fx__echo", "arguments": {"message": "x"}, **meta}}, session))
     assert r.json()["id"] == 2 and r.json()["error"]["code"] == -32602, r.body  # (d)
@@ -368,10 +357,7 @@ async def test_a_broken_post_stream_is_resumed_by_get_with_last_event_id(daemon:
     assert b"data:\n\n" in call.buf and len(ids) == 2 and ids[0][0] == ids[1][0], call.buf  # primed
     await call.aclose()  # the connection breaks; the call goes on
     with trio.fail_after(ANSWER_BOUND):
-        while True:
-            if not (await daemon.instance("fx"))["inflight"]:
-                break
-            await trio.sleep(0.02)
+        await daemon.instance_until("fx", lambda i: not i["inflight"])
     accept_sse = HEADERS.replace(b"application/json, ", b"")
     get = await Conn.open(port)
     last = b"%s-%s" % ids[1]

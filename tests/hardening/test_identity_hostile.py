@@ -102,11 +102,8 @@ class IdentityDaemon(Daemon):
         seen = len(self.lines)
         self.proc.send_signal(signal.SIGHUP)
         with trio.move_on_after(RELOAD_BOUND):
-            while True:
-                for text in self.lines[seen:]:
-                    if "reload failed" in text or "reload done" in text:
-                        return text
-                await trio.sleep(0.02)
+            return await self.line_until(
+                lambda text: "reload failed" in text or "reload done" in text, seen)
         return ""
 
 

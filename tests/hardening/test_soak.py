@@ -51,6 +51,7 @@ class Figures:
     misrouted: list[str] = field(default_factory=list)
     kills: int = 0
     reloads: int = 0
+    rss_warm: int = 0  # the daemon's RSS once warmed up
 
 
 def audit(c: Client, sent: dict[Any, str], fig: Figures) -> None:
@@ -108,6 +109,7 @@ async def session(daemon: Daemon, n: int, deadline: float, fig: Figures) -> None
                     await c.send({"jsonrpc": "2.0", "id": rid, "method": "tools/call",
                                   "params": {"name": f"{backend}__sleep",
                                              "arguments": {"seconds": 2, "message": message}}})
+                    # real-clock: the cancel lands at a random point of the call's life (the load)
                     await trio.sleep(rng.random() * 0.1)
                     await c.notify("notifications/cancelled", {"requestId": rid})
                 else:  # a call in flight, then the connection goes away
@@ -123,13 +125,18 @@ async def session(daemon: Daemon, n: int, deadline: float, fig: Figures) -> None
 
 async def chaos(daemon: Daemon, deadline: float, fig: Figures) -> None:
     """kill -9 a backend instance (its pid read from /status) every 3 s, reload every 5 s
-    (alternately adding and removing backend ``c``)."""
+    (alternately adding and removing backend ``c``); the RSS after ``WARMUP`` seconds."""
     rng = random.Random(0)
     next_kill, next_reload, with_extra = 3.0, 5.0, False
     start = trio.current_time()
-    while trio.current_time() < deadline:
-        await trio.sleep(0.25)
+    end, warm_at = deadline - start, min(WARMUP, deadline - start)
+    while (now := trio.current_time() - start) < end:
+        due = min(next_kill, next_reload, end, warm_at if not fig.rss_warm else end)
+        # real-clock: the soak runs on a schedule (its kills, reloads, warm-up are times)
+        await trio.sleep(max(0.0, due - now))
         now = trio.current_time() - start
+        if not fig.rss_warm and now >= warm_at:
+            fig.rss_warm = rss_bytes(daemon.pid)
         if now >= next_kill:
             next_kill += 3.0
             status = await daemon.status()
@@ -152,14 +159,13 @@ async def chaos(daemon: Daemon, deadline: float, fig: Figures) -> None:
 
 async def settled_config(daemon: Daemon) -> None:
     """Wait (bounded) until /status shows exactly the baseline's backends, all RUNNING."""
+    def settled(status: dict[str, Any]) -> bool:
+        names = {b["name"] for b in status["backends"]}
+        states = {i["state"] for b in status["backends"] for i in b["instances"]}
+        return names == {"a", "b"} and states == {"RUNNING"}
+
     with trio.fail_after(30):
-        while True:
-            status = await daemon.status()
-            names = {b["name"] for b in status["backends"]}
-            states = {i["state"] for b in status["backends"] for i in b["instances"]}
-            if names == {"a", "b"} and states == {"RUNNING"}:
-                return
-            await trio.sleep(0.05)
+        await daemon.status_until(settled)
 
 
 async def test_soak_no_lost_or_misrouted_answers_and_bounded_memory(tmp_path: Path) -> None:
@@ -170,13 +176,12 @@ async def test_soak_no_lost_or_misrouted_answers_and_bounded_memory(tmp_path: Pa
             base = await baseline(daemon)
             start = trio.current_time()
             deadline = start + SECONDS
-            rss_warm = 0
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(chaos, daemon, deadline, fig)
                 for n in range(CONNECTIONS):
                     nursery.start_soon(session, daemon, n, deadline, fig)
-                await trio.sleep(WARMUP)
-                rss_warm = rss_bytes(daemon.pid)
+            rss_warm = fig.rss_warm
+            assert rss_warm, "the soak ended before its warm-up"
             await settled_config(daemon)
             await check(daemon, base, bystander_tool="a__echo")
             rss_final = rss_bytes(daemon.pid)

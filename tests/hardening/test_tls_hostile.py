@@ -94,7 +94,7 @@ async def closed_after(port: int, data: bytes, trickle: float = 0.0) -> tuple[fl
                     await stream.send_all(data)
                 for i in range(0, len(data) if trickle else 0, 8):
                     await stream.send_all(data[i:i + 8])
-                    await trio.sleep(trickle)
+                    await trio.sleep(trickle)  # real-clock: the trickle is the attack under test
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
 
@@ -127,6 +127,7 @@ async def slow_handshake_then_silence(daemon: TlsDaemon, port: int, spread: floa
                     out = outgoing.read()
                     for i in range(0, len(out), 8):
                         await stream.send_all(out[i:i + 8])
+                        # real-clock: a handshake this slow is the attack under test
                         await trio.sleep(spread * 8 / len(out))
                     if not (data := await stream.receive_some(65536)):
                         return trio.current_time() - start
@@ -175,8 +176,8 @@ async def test_handshake_garbage_and_slow_handshakes_are_closed_in_bounded_time(
         results["handshake done at 6 s, then silence", port] = \
             (await slow_handshake_then_silence(daemon, port, 6.0), b"")
 
-    async def meanwhile() -> None:
-        await trio.sleep(2.0)  # the slow ones hold their slots now
+    async def meanwhile() -> None:  # once the slow ones hold their slots (each port's 5)
+        await daemon.status_until(lambda st: st["connection_slots"] >= 2 * (len(slow) + 1))
         start = trio.current_time()
         async with daemon.client("websocket") as c:
             assert text_of(await c.call("fx__echo", {"message": "meanwhile"})) == "meanwhile"
@@ -208,6 +209,7 @@ class SClient:
     def __init__(self, process: trio.Process) -> None:
         self.process = process
         self.output = b""
+        self.ended = False
         self._changed = trio.Event()
 
     async def read(self) -> None:
@@ -216,16 +218,16 @@ class SClient:
             self.output += chunk
             self._changed.set()
             self._changed = trio.Event()
+        self.ended = True  # its output is closed: all it wrote is in
         self._changed.set()
 
     async def wait_for(self, marker: bytes) -> bool:
-        """Until ``marker`` is in the output (True) or s_client ended without it (False)."""
+        """Until ``marker`` is in the output (True) or s_client's output ended without it
+        (False)."""
         while marker not in self.output:
-            if self.process.returncode is not None or self.process.poll() is not None:
-                await trio.sleep(0.05)  # its last output may still be in the pipe
-                return marker in self.output
-            with trio.move_on_after(0.1):
-                await self._changed.wait()
+            if self.ended:
+                return False
+            await self._changed.wait()
         return True
 
     async def send(self, data: bytes) -> None:
@@ -395,8 +397,7 @@ async def reload_outcome(daemon: Daemon) -> list[str]:
     seen = len(daemon.lines)
     daemon.proc.send_signal(signal.SIGHUP)
     with trio.fail_after(5):
-        while not any("reload done" in x or "reload failed" in x for x in daemon.lines[seen:]):  # noqa: ASYNC110 - a real daemon's stderr lines, appended by a reader thread: no trio event
-            await trio.sleep(0.02)
+        await daemon.line_until(lambda x: "reload done" in x or "reload failed" in x, seen)
     return daemon.lines[seen:]
 
 

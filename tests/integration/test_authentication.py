@@ -290,6 +290,7 @@ async def test_oauth_jwts_from_a_local_issuer(monkeypatch: pytest.MonkeyPatch) -
             with trio.fail_after(5):
                 while (r := await c.post(url, headers=auth(k2), json=INIT)).status_code != 200:
                     assert r.status_code == 401
+                    # real-clock: the JWKS refetch interval (real HTTP to the issuer) must pass
                     await trio.sleep(0.05)
 
             # 403 insufficient_scope: the scope rule wants tools:write; a stepped-up token passes

@@ -25,6 +25,8 @@ from helpers import (
     unix_connect,
 )
 
+from gateway import events
+
 pytestmark = pytest.mark.system
 
 V = "io.modelcontextprotocol/protocolVersion"
@@ -94,26 +96,18 @@ async def test_each_caller_sees_and_calls_its_own_catalog_unix_peer_vs_websocket
             assert r["error"]["data"] == {"reason": "denied", "uri": "fixture://static/b"}
             assert text_of(await w.call("fx__echo", {"message": "hi"})) == "hi"
             # [[auth.limits]] max_inflight = 1 for the socket's principal: -32006 with retryAfter
-            u_sleep = trio.Event()
-
-            async def sleep() -> None:
-                await u.call("fx__sleep", {"seconds": 30}, id="long")
-                u_sleep.set()
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(sleep)
-                await metric_until(gw.bound.admin_port, "mcp_gateway_inflight_requests",
-                                   backend="fx")
-                r = await u.request("tools/list")
-                assert r["error"]["code"] == -32006
-                assert r["error"]["data"] == {"reason": "rate_limited", "limit": "max_inflight",
-                                              "value": 1, "retryAfter": 1.0}
-                assert "result" in await u.request("ping")  # not counted
-                assert "result" in await w.request("tools/list")  # not this principal
-                await u.notify("notifications/cancelled", {"requestId": "long"})
-                await metric_until(gw.bound.admin_port, "mcp_gateway_inflight_requests",
-                                   backend="fx", want=0)
-                nursery.cancel_scope.cancel()
+            await u.send({"jsonrpc": "2.0", "id": "long", "method": "tools/call",
+                          "params": {"name": "fx__sleep", "arguments": {"seconds": 30}}})
+            await gw.events.wait(events.RequestStarted, backend="fx")
+            r = await u.request("tools/list")
+            assert r["error"]["code"] == -32006
+            assert r["error"]["data"] == {"reason": "rate_limited", "limit": "max_inflight",
+                                          "value": 1, "retryAfter": 1.0}
+            assert "result" in await u.request("ping")  # not counted
+            assert "result" in await w.request("tools/list")  # not this principal
+            await u.notify("notifications/cancelled", {"requestId": "long"})
+            await gw.events.wait(events.RequestFinished, backend="fx")
+            assert "long" not in u.responses  # cancelled: never answered
             assert "result" in await u.request("tools/list")
             # list_changed only where the view changed: extra_tool is denied on the socket
             assert text_of(await w.call("fx__notify_list_changed", {"kind": "tools"})) == "ok"
@@ -136,11 +130,6 @@ async def test_each_caller_sees_and_calls_its_own_catalog_unix_peer_vs_websocket
                                 backend="_gateway", outcome="error", principal=ME) == 1
             assert await metric(port, "mcp_gateway_requests_total", method="tools/list",
                                 backend="_gateway", outcome="ok", principal="_none") >= 3
-
-
-async def metric_until(port: int | None, name: str, want: float = 1, **labels: str) -> None:
-    while await metric(port, name, **labels) != want:  # noqa: ASYNC110 - the gateway seen through /metrics over HTTP: no event to wait on
-        await trio.sleep(0.02)
 
 
 FILTERED = fixture_backend(

@@ -103,7 +103,8 @@ async def first_success(c: Client, tool: str, args: dict[str, Any], bound: float
             r = await c.call(tool, args, timeout=bound)
             if "result" in r and not r["result"].get("isError"):
                 return r
-            await trio.sleep(0.02)  # a real child's restart: seen from outside only by calling
+            # real-clock: a real child's restart, seen from outside only by calling
+            await trio.sleep(0.02)
 
 
 async def restarted(gw: Harness, name: str, restarts: int = 1) -> dict[str, Any]:
@@ -308,7 +309,8 @@ async def test_kill_9_mid_call_gives_backend_exited_within_1s() -> None:
                         },
                     }
                 )
-            await trio.sleep(0.2)  # the calls reach the real child's stdin: no event says so
+            # real-clock: the calls reach the real child's stdin; no event says so
+            await trio.sleep(0.2)
             killed = trio.current_time()
             os.kill(pid, signal.SIGKILL)
             r = await c.response("s0", timeout=2)
@@ -347,7 +349,8 @@ async def test_restart_to_ready_time() -> None:
                         inst = await instance_status(gw.bound.admin_port, "fx")
                         if inst["state"] == "RUNNING" and inst["pid"] not in (None, pid):
                             break
-                        await trio.sleep(0.005)  # measures a real spawn: /status, no event
+                        # real-clock: measures a real spawn through /status; no event
+                        await trio.sleep(0.005)
                 samples.append(trio.current_time() - start)
                 tag = nonce()
                 assert text_of(await c.call("fx__echo", {"message": tag}, timeout=2)) == tag
@@ -372,7 +375,7 @@ async def test_crash_on_start_goes_fatal_other_backend_keeps_working() -> None:
                 while (inst := await instance_status(gw.bound.admin_port, "bad"))[  # noqa: ASYNC110 - the gateway seen through /status over HTTP: no event to wait on
                     "state"
                 ] != "FATAL":
-                    await trio.sleep(0.02)  # the gateway seen through /status: no event
+                    await trio.sleep(0.02)  # real-clock: the gateway seen through /status; no event
             assert inst["restarts"] == 2 and inst["pid"] is None
             assert "exit code 3" in inst["last_exit"]
             assert any("FIXTURE_CRASH_ON_START" in line for line in inst["stderr_tail"])
@@ -522,7 +525,7 @@ async def test_kill_9_child_its_grandchild_is_reaped_after_restart(tmp_path: Pat
                 # the leaked grandchild was killed and reaped: gone, not even a zombie
                 with trio.fail_after(5):
                     while proc_state(old_grandchild) is not None:  # noqa: ASYNC110 - /proc has no event to wait on
-                        await trio.sleep(0.02)  # /proc: no event
+                        await trio.sleep(0.02)  # real-clock: /proc has no event
                 assert not alive(child)
                 (new_child,) = children_of(daemon.proc.pid)
                 assert new_child != child and alive(new_grandchild)

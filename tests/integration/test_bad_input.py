@@ -15,7 +15,7 @@ import trio
 import trio_websocket
 from helpers import ROOT, connect, fixture_backend, make_config, run_gateway, text_of
 
-from gateway import config
+from gateway import config, events
 from gateway.errors import ConfigError
 
 pytestmark = pytest.mark.system
@@ -302,7 +302,7 @@ async def test_slow_reader_is_disconnected_for_outbound_overflow_others_keep_wor
                     r = await other.call("fx__echo", {"message": f"{tag}{i}"}, timeout=5)
                     assert text_of(r) == f"{tag}{i}"
                     assert trio.current_time() - start < 2.0
-                    await trio.sleep(0.2)
+                await gw.events.wait(events.ConnectionClosed, reason="overflow")
                 # now read: some responses, then the close
                 got = 0
                 with pytest.raises(trio_websocket.ConnectionClosed) as info:

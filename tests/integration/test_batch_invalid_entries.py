@@ -21,6 +21,8 @@ from helpers import (
     text_of,
 )
 
+from gateway import events
+
 pytestmark = [pytest.mark.system,
               pytest.mark.filterwarnings("ignore::ResourceWarning",
                                          "ignore::pytest.PytestUnraisableExceptionWarning")]
@@ -83,8 +85,9 @@ async def test_invalid_entries_of_a_batch_are_answered_in_its_array_on_http() ->
                 got.append(await c.post(url, headers=h,
                                         json=[call("s", "fx__sleep", seconds=30), "bad"]))
 
+            mark = gw.events.count
             nursery.start_soon(slow_batch)
-            await trio.sleep(0.5)
+            await gw.events.wait(events.RequestStarted, backend="fx", since=mark)
             cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled",
                       "params": {"requestId": "s"}}
             r = await c.post(url, headers=h, json=cancel)

@@ -13,7 +13,6 @@ import pytest
 import trio
 import trio_websocket
 from helpers import (
-    POLL,
     connect,
     fixture_backend,
     make_config,
@@ -24,14 +23,11 @@ from helpers import (
     wait_status,
 )
 
+from gateway import events
+
 pytestmark = pytest.mark.system
 
 MIB = 1 << 20
-
-
-async def wait_metric(port: int | None, name: str, value: float, **labels: str) -> None:
-    while await metric(port, name, **labels) != value:  # noqa: ASYNC110 - the gateway seen through /metrics over HTTP: no event to wait on
-        await trio.sleep(POLL)
 
 
 @asynccontextmanager
@@ -76,8 +72,8 @@ async def test_client_that_never_reads_is_cut_off_at_outbound_bytes_and_its_byte
             async with own_ws(gw.bound.websocket_port) as ws:
                 for i in range(calls):
                     await ws.send_message(call(i, "fx__big", {"size": size}))
-                await wait_metric(port, "mcp_gateway_client_connections_closed_total", 1,
-                                  transport="websocket", reason="overflow")
+                await gw.events.wait(events.ConnectionClosed, transport="websocket",
+                                     reason="overflow")
                 assert text_of(await bystander.call("fx__echo",
                                                     {"message": "still served"})) == "still served"
                 await wait_status(port, lambda st: st["buffered_bytes"] == 0)
@@ -89,7 +85,7 @@ async def test_client_that_never_reads_is_cut_off_at_outbound_bytes_and_its_byte
                         assert len(text_of(m)) == size
                         got += 1
                 assert got < calls
-            st = await wait_status(port, lambda st: st["connections"] == {"websocket": 1})
+            st = await gw.status_until(lambda st: st["connections"] == {"websocket": 1})
             assert st["buffered_bytes"] == 0
 
 
@@ -125,8 +121,8 @@ buffered_bytes_total = {3 * MIB}
             # its bytes are released: a 1.2 MB answer fits again
             assert len(text_of(await other.call("fx__big", {"size": 1_200_000}))) == 1_200_000
             assert closed.value.reason.code == 1008 and closed.value.reason.reason == "overflow"
-            await wait_metric(port, "mcp_gateway_client_connections_closed_total", 1,
-                              transport="websocket", reason="overflow")
+            await gw.events.wait(events.ConnectionClosed, transport="websocket",
+                                 reason="overflow")
             await wait_status(port, lambda st: st["buffered_bytes"] == 0)
             assert text_of(await other.call("fx__echo", {"message": "served"})) == "served"
 
@@ -149,8 +145,8 @@ async def test_max_connections_refuses_websocket_with_503_and_unix_at_once(tmp_p
                 assert await metric(port, refused, transport="unix", reason="max_connections") == 1
                 assert text_of(await first.call("fx__echo", {"message": "served"})) == "served"
             # the closed event is emitted in the same step that frees the slot
-            await wait_metric(port, "mcp_gateway_client_connections_closed_total", 1,
-                              transport="websocket", reason="client_closed")
+            await gw.events.wait(events.ConnectionClosed, transport="websocket",
+                                 reason="client_closed")
             unix = await trio.open_unix_socket(str(sock))
             async with unix:  # accepted in the freed slot, and served
                 await unix.send_all(b'{"jsonrpc":"2.0","id":1,"method":"ping"}\n')

@@ -30,6 +30,8 @@ from helpers import (
     wait_instance,
 )
 
+from gateway import events
+
 pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
 GRACE = 1.0
@@ -93,16 +95,9 @@ async def test_a_cancelled_call_the_child_never_answers_recycles_it_after_cancel
             pid = (await wait_instance(port, lambda s: s["state"] == "RUNNING"))["pid"]
             await cancel(gw, port)
             gave_up = trio.current_time()
-
-            # the call is abandoned at the router: the child was told, by the gateway's id
-            lines = [json.loads(line) for line in transcript.read_text().splitlines()]
-            (gid,) = [m["id"] for m in lines if m.get("method") == "tools/call"
-                      and m["params"]["name"] == "sleep"]
-            with trio.fail_after(2):
-                while not any(m.get("method") == "notifications/cancelled"
-                              and m["params"]["requestId"] == gid for m in lines):
-                    await trio.sleep(0.02)
-                    lines = [json.loads(line) for line in transcript.read_text().splitlines()]
+            # the call is abandoned at the router (and the child told, checked once it is gone)
+            await gw.events.wait(events.RequestFinished, tool="fx__sleep",
+                                 outcome=events.RequestOutcome.CANCELLED)
 
             # within cancel_grace: still at the child, so nobody's elicitation can be attributed
             inst = await instance(port)
@@ -122,6 +117,13 @@ async def test_a_cancelled_call_the_child_never_answers_recycles_it_after_cancel
             assert GRACE * 0.9 <= waited < GRACE + 3, waited
             assert inst["pid"] != pid and inst["inflight"] == 0 and not inst["draining"], inst
             assert inst["last_exit"].startswith("recycled"), inst
+            # the call was abandoned at the router: the child (its transcript complete now that
+            # it is gone) was told, by the gateway's id
+            lines = [json.loads(line) for line in transcript.read_text().splitlines()]
+            (gid,) = [m["id"] for m in lines if m.get("method") == "tools/call"
+                      and m["params"]["name"] == "sleep"]
+            assert any(m.get("method") == "notifications/cancelled"
+                       and m["params"]["requestId"] == gid for m in lines), lines
 
             # the next caller's elicitation is delivered and answered
             later = await elicit(b, "later")

@@ -14,12 +14,11 @@ from helpers import (
     connect,
     fixture_backend,
     make_config,
-    metric,
     run_gateway,
     text_of,
 )
 
-from gateway import config
+from gateway import config, events
 from gateway.service import StartupError
 
 pytestmark = pytest.mark.system
@@ -108,9 +107,9 @@ async def test_cancelling_parked_call_withdraws_prompt_without_response() -> Non
             # a late answer to the withdrawn prompt is dropped quietly, the call never runs
             await c.send({"jsonrpc": "2.0", "id": prompt["id"],
                           "result": {"action": "accept", "content": {"approve": True}}})
-            await trio.sleep(0.3)
+            assert (await c.request("ping"))["result"] == {}  # read after the late answer
             assert 77 not in c.responses
-            assert (await c.request("ping"))["result"] == {}
+            assert not gw.events.of(events.RequestStarted)  # nothing was forwarded
 
 
 async def test_owner_disconnect_while_parked() -> None:
@@ -171,11 +170,11 @@ async def test_late_destructive_tool_is_denied() -> None:
     cfg = make_config(fixture_backend("fx"))
     with trio.fail_after(30):
         async with run_gateway(cfg) as gw, connect(gw.url) as c:
+            mark = gw.events.count
             await c.call("fx__add_destructive")
             # the caller's view did not change (wipe is hidden from it): no list_changed
-            while not await metric(gw.bound.admin_port, "mcp_gateway_catalog_changes_total",  # noqa: ASYNC110 - the gateway seen through /metrics over HTTP: no event to wait on
-                                   kind="tools"):
-                await trio.sleep(0.05)
+            await gw.events.wait(events.CatalogChanged, lambda e: "tools" in e.kinds, since=mark)
+            await c.request("ping")  # sent after any list_changed to it would have been
             assert not [n for n in c.notifications
                         if n["method"] == "notifications/tools/list_changed"]
             tools = (await c.request("tools/list"))["result"]["tools"]

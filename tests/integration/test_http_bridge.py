@@ -12,7 +12,9 @@ from typing import Any
 
 import pytest
 import trio
-from helpers import DEPS, ROOT, fixture_backend, make_config, metric, run_gateway, wait_status
+from helpers import DEPS, ROOT, fixture_backend, make_config, run_gateway
+
+from gateway import events
 
 pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
@@ -42,7 +44,6 @@ async def test_a_2026_client_lists_calls_answers_input_is_cancelled_and_listens(
     cancels it at the backend; a listen stream is relayed message by message."""
     assert os.path.exists(PY2), "missing .deps/venv-mcp2: run scripts/setup --test"  # noqa: ASYNC240 - a skip check on a local path
     async with run_gateway(make_config(fixture_backend())) as gw:
-        port = gw.bound.admin_port
         proc = await trio.lowlevel.open_process([PY2, PY2_STDIO_CLIENT, *CONNECT, gw.http_url],
                                                 cwd=ROOT, env=_env(), stdin=subprocess.PIPE,
                                                 stdout=subprocess.PIPE)
@@ -53,11 +54,9 @@ async def test_a_2026_client_lists_calls_answers_input_is_cancelled_and_listens(
                 assert await lines.__anext__() == b"cancelled"
             # the sleep was cancelled at the backend while the client goes on (not left to run
             # its 30 s, nor cancelled only when the bridge exits)
-            with trio.fail_after(10):
-                while not await metric(port, "mcp_gateway_requests_total", backend="fx",  # noqa: ASYNC110 - the gateway seen through /metrics over HTTP: no event to wait on
-                                       method="tools/call", outcome="cancelled", principal="_none"):
-                    await trio.sleep(0.05)
-                await wait_status(port, lambda st: st["client_requests_in_flight"] == 0)
+            await gw.events.wait(events.RequestFinished, backend="fx", method="tools/call",
+                                 outcome=events.RequestOutcome.CANCELLED, principal="_none")
+            await gw.status_until(lambda st: st["client_requests_in_flight"] == 0)
             await proc.stdin.send_all(b"go\n")
             with trio.fail_after(30):
                 got: dict[str, Any] = json.loads(await lines.__anext__())
@@ -117,7 +116,6 @@ async def test_raw_2026_lines_a_named_request_in_base64_and_a_listen_ended_from_
         return json.dumps({"jsonrpc": "2.0", **obj}).encode() + b"\n"
 
     async with run_gateway(make_config(fixture_backend())) as gw:
-        port = gw.bound.admin_port
         proc = await trio.lowlevel.open_process([*CONNECT, gw.http_url], cwd=ROOT, env=_env(),
                                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         try:
@@ -133,14 +131,14 @@ async def test_raw_2026_lines_a_named_request_in_base64_and_a_listen_ended_from_
                                                 "params": listen}))
                 ack = json.loads(await lines.__anext__())
                 assert ack["method"] == "notifications/subscriptions/acknowledged", ack
-                await wait_status(port, lambda st: st["client_requests_in_flight"] == 1)
+                await gw.status_until(lambda st: st["client_requests_in_flight"] == 1)
                 await proc.stdin.send_all(line({"method": "notifications/cancelled",
                                                 "params": {"requestId": "l"}}))
                 closing = json.loads(await lines.__anext__())
                 tag = {"io.modelcontextprotocol/subscriptionId": "l"}
                 assert closing == {"jsonrpc": "2.0", "id": "l",
                                    "result": {"resultType": "complete", "_meta": tag}}
-                await wait_status(port, lambda st: st["client_requests_in_flight"] == 0)
+                await gw.status_until(lambda st: st["client_requests_in_flight"] == 0)
                 await proc.stdin.aclose()
                 assert [x async for x in lines] == []
                 assert await proc.wait() == 0

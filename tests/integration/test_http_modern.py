@@ -9,15 +9,17 @@ from typing import Any
 import httpx
 import pytest
 import trio
+import trio.testing
 from helpers import (
     TIME_SERVER,
     fixture_backend,
     http_json,
     make_config,
-    metric,
     run_gateway,
     wait_status,
 )
+
+from gateway import events
 
 pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
@@ -81,12 +83,11 @@ async def test_closing_the_response_stream_cancels_the_call() -> None:
                 await c.post(gw.http_url, **post("tools/call", {"name": "fx__sleep",
                                                                 "arguments": {"seconds": 30}}))
         # the call was cancelled (no answer, the child told), not left to run its 30 s
+        await gw.events.wait(events.RequestFinished, backend="fx", method="tools/call",
+                             outcome=events.RequestOutcome.CANCELLED, principal="_none")
         with trio.fail_after(10):
             await wait_status(port, lambda st: st["client_requests_in_flight"] == 0
                               and st["connections"].get("http", 0) == 0)
-            while not await metric(port, "mcp_gateway_requests_total", backend="fx",  # noqa: ASYNC110 - the gateway seen through /metrics over HTTP: no event to wait on
-                                   method="tools/call", outcome="cancelled", principal="_none"):
-                await trio.sleep(0.05)
 
 
 async def test_a_dual_era_child_gets_no_modern_envelope_from_a_modern_client() -> None:
@@ -166,10 +167,11 @@ async def test_subscriptions_listen_streams_tagged_notifications_until_the_clien
                 assert got["method"] == "notifications/resources/updated"
                 assert got["params"] == {"uri": uri + "/part", "_meta": {tag: "L1"}}
             # both streams closed by the client: the listens end, the subscription is released
-            while await upstream_subscriptions():  # noqa: ASYNC110 - the backend child's state, asked with a tool call: no event to wait on
-                await trio.sleep(0.05)
             await wait_status(gw.bound.admin_port, lambda st: st["client_requests_in_flight"] == 0
                               and st["connections"].get("http", 0) == 0)
+            # idle again: the unsubscribe went to the child, which reads it before the next call
+            await trio.testing.wait_all_tasks_blocked()
+            assert await upstream_subscriptions() == []
 
 
 async def test_a_modern_request_gets_log_messages_only_at_the_level_it_asked_for() -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
+import trio.testing
 from helpers import (
     HTTP_HEADERS,
     HTTP_INIT,
@@ -26,6 +27,8 @@ from helpers import (
     run_gateway,
     unix_connect,
 )
+
+from gateway import events
 
 pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
@@ -87,14 +90,11 @@ async def test_http_sessions_beyond_a_principals_max_sessions_get_503() -> None:
             assert r.status_code == 200  # Bob's own count
             # a session that ends gives its place back
             headers = dict(bearer("alice"), **{"mcp-session-id": sids[0]})
+            mark = gw.events.count
             assert (await c.delete(gw.http_url, headers=headers)).status_code == 200
-            with trio.fail_after(5):
-                while True:
-                    r = await c.post(gw.http_url, headers=bearer("alice"), json=HTTP_INIT)
-                    if r.status_code == 200:
-                        break
-                    assert r.status_code == 503
-                    await trio.sleep(0.02)
+            await gw.events.wait(events.ConnectionClosed, transport="http", since=mark)
+            r = await c.post(gw.http_url, headers=bearer("alice"), json=HTTP_INIT)
+            assert r.status_code == 200, r.text
 
 
 async def test_websocket_connections_beyond_a_principals_max_connections_get_503() -> None:
@@ -102,15 +102,15 @@ async def test_websocket_connections_beyond_a_principals_max_connections_get_503
     with trio.fail_after(30):
         async with run_gateway(cfg) as gw, AsyncExitStack() as stack:
             first = await stack.enter_async_context(connect(gw.url, token=TOKENS["alice"]))
+            mark = gw.events.count
             async with connect(gw.url, token=TOKENS["alice"]):
                 status, body = await upgrade(gw.bound.websocket_port, TOKENS["alice"])
                 assert status == 503 and capped(json.loads(body), "max_connections", 2), body
                 async with connect(gw.url, token=TOKENS["bob"]) as bob:  # Bob's own count
                     assert "result" in await bob.request("ping")
-            # the closed one gave its place back
-            with trio.fail_after(5):
-                while (await upgrade(gw.bound.websocket_port, TOKENS["alice"]))[0] != 101:  # noqa: ASYNC110 - the cap frees the slot inside the gateway: only a new upgrade shows it
-                    await trio.sleep(0.02)
+            # the closed one gave its place back (bob's closed too)
+            await gw.events.wait(events.ConnectionClosed, since=mark, count=2)
+            assert (await upgrade(gw.bound.websocket_port, TOKENS["alice"]))[0] == 101
             assert "result" in await first.request("ping")
 
 
@@ -136,12 +136,9 @@ async def test_http_connections_count_toward_the_principal_of_their_requests() -
             async with keepalive(gw.http_url, TOKENS["bob"]) as (_c, r):
                 assert r.status_code == 400
             await stack.aclose()  # Alice's connections close: their places come back
-            with trio.fail_after(5):
-                while True:
-                    async with keepalive(gw.http_url, TOKENS["alice"]) as (_c, r):
-                        if r.status_code == 400:
-                            break
-                    await trio.sleep(0.02)
+            await trio.testing.wait_all_tasks_blocked(cushion=0.05)  # the gateway saw them close
+            async with keepalive(gw.http_url, TOKENS["alice"]) as (_c, r):
+                assert r.status_code == 400, r.text
 
 
 async def test_listens_beyond_a_principals_max_listens_are_refused_minus_32006() -> None:

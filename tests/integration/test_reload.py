@@ -9,7 +9,7 @@ import pytest
 import trio
 from helpers import ROOT, connect, fixture_backend, run_gateway, text_of
 
-from gateway import config
+from gateway import config, events
 
 pytestmark = pytest.mark.system
 
@@ -32,20 +32,17 @@ async def test_reload_drains_removed_and_restarts_changed_without_churn(tmp_path
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(slow)
-                await trio.sleep(0.3)
+                await gw.events.wait(events.RequestStarted, backend="gone")
                 path.write_text(HEAD + fixture_backend("kept")
                                 + fixture_backend("changed", env={"FIXTURE_START_DELAY": "0.3"}))
+                mark = gw.events.count
                 gw.control.reload()
             assert text_of(result) == "finished"  # drained, not cut off with -32004
             await c.wait_for(lambda: [n for n in c.notifications
                                       if n["method"] == "notifications/tools/list_changed"])
-            with trio.fail_after(10):
-                while True:
-                    r = await c.call("changed__echo", {"message": "again"})
-                    if "result" in r:
-                        break
-                    assert r["error"]["code"] == -32001 and r["error"]["data"]["retryable"] is True
-                    await trio.sleep(0.05)
+            await gw.events.wait(events.ReloadFinished, success=True, since=mark)
+            await gw.events.wait(events.BackendStarted, backend="changed", since=mark)
+            r = await c.call("changed__echo", {"message": "again"})
             assert text_of(r) == "again"
             after = (await c.request("tools/list"))["result"]["tools"]
             assert after == [t for t in before if not t["name"].startswith("gone__")]

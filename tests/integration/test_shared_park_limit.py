@@ -14,6 +14,8 @@ import pytest
 import trio
 from helpers import fixture_backend, make_config, metric, run_gateway, wait_status
 
+from gateway import events
+
 pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
 V = "2026-07-28"
@@ -59,7 +61,6 @@ async def test_an_abandoned_flow_is_preempted_for_another_callers_prompt() -> No
         port = gw.bound.admin_port
         _key, alice_state = asked(await call(c, gw.http_url, "alice?"), "alice?")
         parked = trio.current_time()  # alice never retries (in time)
-        await trio.sleep(0.3)
         r = await call(c, gw.http_url, "bob?", id=2)
         waited = trio.current_time() - parked
         bob_key, bob_state = asked(r, "bob?")  # bob's prompt: not declined as unattributable
@@ -92,8 +93,10 @@ async def test_a_flow_whose_caller_retries_within_the_limit_is_not_preempted() -
             async def bob_calls() -> None:
                 bob.append(await call(c, gw.http_url, "bob?", id=2))
 
+            mark = gw.events.count
             nursery.start_soon(bob_calls)
-            await trio.sleep(LIMIT / 2)  # bob waits for alice's parked flow meanwhile
+            # bob's call is in, waiting for alice's parked flow
+            await gw.events.wait(events.RequestStarted, backend="fx", since=mark)
             r = await call(c, gw.http_url, "alice?", id=3, requestState=alice_state,
                            inputResponses={alice_key: {"action": "accept",
                                                        "content": {"answer": "A"}}})

@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 import trio
-from helpers import ROOT, fixture_backend, http_json, make_config
+from helpers import ROOT, Events, fixture_backend, make_config, wait_status
 
-from gateway import config, service
+from gateway import config, events, service
 from gateway.backend import process
+from gateway.events import EventBus
 from gateway.hub import Hub
 from gateway.status import GatewayStatus
 
@@ -58,6 +59,11 @@ async def test_not_ready_while_a_failing_daemon_stops_its_backends(
     assert not snap.ready
 
 
+def slow_pid(status: dict[str, Any]) -> int | None:
+    backends = {b["name"]: b for b in status["backends"]}
+    return backends["slow"]["instances"][0]["pid"] if "slow" in backends else None
+
+
 async def test_stop_during_a_reload_that_starts_a_backend_stops_it_at_once(tmp_path: Path) -> None:
     # Issue 7: a stop waited for the running reload (here: for a slow backend it started to
     # become ready).  Now the reload is abandoned and the backend it started is stopped and reaped.
@@ -69,18 +75,17 @@ async def test_stop_during_a_reload_that_starts_a_backend_stops_it_at_once(tmp_p
     control = service.Control()
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
+            bus = EventBus()
+            seen = Events(bus)
             bound = await nursery.start(partial(service.run, cfg, config_path=str(path),
-                                                control=control))
+                                                control=control, bus=bus))
             path.write_text(head + fixture_backend("a") + fixture_backend(
                 "slow", env={"FIXTURE_START_DELAY": "20"}, start_timeout=25.0))
             control.reload()
-            while True:  # until the reload has spawned the slow backend's child
-                backends = {b["name"]: b
-                            for b in (await http_json(bound.admin_port, "/status"))["backends"]}
-                pid = backends["slow"]["instances"][0]["pid"] if "slow" in backends else None
-                if pid is not None:
-                    break
-                await trio.sleep(0.02)
+            # the reload starts the slow backend; its child's pid shows once spawned (a thread)
+            await seen.wait(events.BackendStateChanged, backend="slow", new="STARTING")
+            st = await wait_status(bound.admin_port, lambda st: slow_pid(st) is not None)
+            pid = slow_pid(st)
             stopped_at = trio.current_time()
             control.stop()
         assert trio.current_time() - stopped_at < 5  # not the 20 s start delay

@@ -27,7 +27,7 @@ from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 from tlsutil import make_certs
 
-from gateway import config
+from gateway import config, events
 from gateway.events import EventBus
 from gateway.ops import admin
 from gateway.ops.admin import serve_admin
@@ -134,15 +134,11 @@ tls_key = "{certs.key}"\npublic_url = "https://gw.example.com/mcp"
         renewed = make_certs(tmp_path / "renewed")
         certs.cert.write_bytes(renewed.cert.read_bytes())
         certs.key.write_bytes(renewed.key.read_bytes())
+        mark = gw.events.count
         gw.control.reload()
-        with trio.fail_after(10):
-            while True:
-                async with httpx.AsyncClient(verify=renewed.client_context()) as c:
-                    try:
-                        r = await c.get(f"https://localhost:{http_port}/healthz")
-                        break
-                    except httpx.ConnectError:  # still the old certificate
-                        await trio.sleep(0.05)
+        await gw.events.wait(events.ReloadFinished, success=True, since=mark)
+        async with httpx.AsyncClient(verify=renewed.client_context()) as c:
+            r = await c.get(f"https://localhost:{http_port}/healthz")
         assert r.status_code == 200
         with pytest.raises(httpx.ConnectError):  # the old CA no longer verifies it
             async with httpx.AsyncClient(verify=ctx) as c:

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from helpers import fixture_backend, make_config, run_gateway, wait_status
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, CloseConnection, Request, TextMessage
@@ -108,12 +109,13 @@ async def test_a_slow_unix_reader_gets_every_message_whole_and_in_order(tmp_path
                 await wait_status(port, lambda st: st["client_requests_in_flight"] == 0)
                 buf, got = b"", []
                 while "p" not in [m.get("id") for m in got]:
-                    data = await stream.receive_some(65536)  # slowly: a read, then a pause
+                    # slowly: a read only once the gateway has written all it could
+                    await trio.testing.wait_all_tasks_blocked()
+                    data = await stream.receive_some(65536)
                     assert data
                     buf += data
                     *lines, buf = buf.split(b"\n")
                     got += [json.loads(line) for line in lines]
-                    await trio.sleep(0.001)
             assert [m.get("id") for m in got if "id" in m] == ["big", "p"]
             big = next(m for m in got if m.get("id") == "big")
             assert len(big["result"]["content"][0]["text"]) == 3_000_000
@@ -165,7 +167,8 @@ async def test_the_answer_to_a_peer_close_goes_behind_the_rest_of_a_held_frame()
                 await stream.send_all(masked_text(call("big", "fx__big", {"size": 8_000_000})))
                 await wait_status(port, lambda st: st["outbound_messages_queued"] > 0)
                 await stream.send_all(b"\x88\x82\0\0\0\0" + struct.pack("!H", 1000))
-                await trio.sleep(0.2)  # the close is read while the answer is still held
+                # the close is read (the gateway is idle again) while the answer is still held
+                await trio.testing.wait_all_tasks_blocked(cushion=0.05)
                 got, code = await ws_read_all(stream, ws)
             assert [m["id"] for m in got] == ["big"]
             assert len(got[0]["result"]["content"][0]["text"]) == 8_000_000

@@ -7,7 +7,12 @@ from typing import Any
 
 import pytest
 import trio
-from helpers import connect, fixture_backend, make_config, run_gateway, text_of
+import trio.testing
+from helpers import connect, fixture_backend, make_config, poll, run_gateway, text_of
+
+from gateway import config, events
+from gateway.backend.memory import MemoryConnector, Script
+from gateway.hub import Hub
 
 pytestmark = pytest.mark.system
 
@@ -30,19 +35,16 @@ async def test_per_session_first_call_cancelled_at_once_does_not_wedge_the_sessi
                 await c.send([call_msg(1, "fx__echo", {"message": "x"}),
                               {"jsonrpc": "2.0", "method": "notifications/cancelled",
                                "params": {"requestId": 1}}])
-                await trio.sleep(0.3)
+                await gw.events.wait(events.RequestFinished, tool="fx__echo",
+                                     outcome=events.RequestOutcome.CANCELLED)
                 r = await c.call("fx__echo", {"message": "after"}, timeout=10)
                 assert text_of(r) == "after", r
+                mark = gw.events.count
             # the connection closed: its child is reaped and the slot is free for another one
+            await gw.events.wait(events.BackendExited, backend="fx", since=mark)
             async with connect(gw.url) as d:
-                with trio.fail_after(10):
-                    while True:
-                        r = await d.call("fx__echo", {"message": "next"}, timeout=10)
-                        if "result" in r:
-                            break
-                        assert r["error"]["code"] == -32006, r  # the old child is still stopping
-                        await trio.sleep(0.1)
-                assert text_of(r) == "next"
+                r = await d.call("fx__echo", {"message": "next"}, timeout=10)
+                assert text_of(r) == "next", r
 
 
 # A minimal stdio backend: `hold` never answers; `trick` sends an elicitation/create and then
@@ -95,10 +97,14 @@ async def test_server_request_is_attributed_on_arrival_not_when_its_task_runs(
         async with run_gateway(cfg) as gw, connect(gw.url, capabilities=caps) as x, \
                 connect(gw.url, capabilities=caps) as y:
             await y.send(call_msg(1, "tk__hold"))
-            await trio.sleep(0.3)  # y's call is in the child's attribution set
+            # y's call is in the child's attribution set (it is sent in the step that counts it)
+            await gw.events.wait(events.RequestStarted, backend="tk")
             r = await x.call("tk__trick", timeout=10)
             assert text_of(r) == "tricked"
-            await trio.sleep(0.5)
+            refused = await gw.events.wait(events.ServerRequestRefused, backend="tk")
+            assert (refused.method, refused.reason) == ("elicitation/create", "unattributable")
+            await x.request("ping")  # read after anything sent to them before
+            await y.request("ping")
             assert [q for q in y.requests if q["method"] == "elicitation/create"] == []
             assert [q for q in x.requests if q["method"] == "elicitation/create"] == []
 
@@ -149,10 +155,16 @@ async def test_request_attributed_to_a_closed_connection_is_answered_at_once(tmp
         async with run_gateway(cfg) as gw:
             async with connect(gw.url, capabilities={"elicitation": {"form": {}}}) as x:
                 await x.send(call_msg(1, "lt__late"))
-                await trio.sleep(0.1)
+                await gw.events.wait(events.RequestStarted, backend="lt")  # at the child
+            # answered at once by the gateway, then written down by the child (polled: a file)
+            await gw.events.wait(events.ServerRequestFinished, backend="lt",
+                                 method="elicitation/create", timeout=3)
+
+            async def written() -> bool:
+                return answers.exists() and answers.read_text().endswith("\n")
+
             with trio.move_on_after(3):
-                while not answers.exists():  # noqa: ASYNC110 - a file a child process writes: no event to wait on
-                    await trio.sleep(0.05)
+                await poll(written)
             assert answers.exists(), "the child's elicitation/create was never answered"
             got = json.loads(answers.read_text().splitlines()[0])
             assert got["result"] == {"action": "cancel"}, got
@@ -169,7 +181,6 @@ async def test_backend_removed_by_reload_during_a_consent_prompt_is_backend_unav
     # -32001 backend_unavailable, not an internal error (KeyError on hub.backends).
     from helpers import ROOT
 
-    from gateway import config
     policy = '[[policy.rules]]\nmatch = "fx__echo"\naction = "ask"\n'
     path = tmp_path / "gateway.toml"
     path.write_text(gateway_toml(fixture_backend("fx") + fixture_backend("keep"), policy))
@@ -197,16 +208,16 @@ async def test_affine_call_queued_when_reload_removes_the_backend_is_backend_una
     # is unavailable (-32001), not that the gateway is overloaded (-32006).
     from helpers import ROOT
 
-    from gateway import config
     path = tmp_path / "gateway.toml"
     path.write_text(gateway_toml(fixture_backend("fx", sharing="affine") + fixture_backend("keep")))
     cfg = config.load(path.read_text(), base_dir=ROOT)
     with trio.fail_after(30):
         async with run_gateway(cfg, str(path)) as gw, connect(gw.url) as a, connect(gw.url) as b:
             await a.send(call_msg("hold", "fx__sleep", {"seconds": 5}))
-            await trio.sleep(0.3)
+            await gw.events.wait(events.RequestStarted, backend="fx")
+            # counted as started before it waits in the affine queue
             await b.send(call_msg("queued", "fx__echo", {"message": "x"}))
-            await trio.sleep(0.3)
+            await gw.events.wait(events.RequestStarted, backend="fx", count=2)
             path.write_text(gateway_toml(fixture_backend("keep")))
             gw.control.reload()
             r = await b.response("queued")
@@ -252,21 +263,35 @@ async def test_closing_a_subscribed_connection_does_not_wait_for_a_wedged_backen
             async with connect(gw.url) as c:
                 r = await c.request("resources/subscribe", {"uri": "w://a"})
                 assert r["result"] == {}, r
-            await trio.sleep(0.2)
+                mark = gw.events.count
+            # closed without waiting for the backend's unsubscribe answer
+            await gw.events.wait(events.ConnectionClosed, since=mark, timeout=5)
         # leaving run_gateway stops it: drain (1 s) + close must not wait 30 s for the backend
 
 
-async def test_unanswered_internal_request_does_not_restart_the_child() -> None:
+async def test_unanswered_internal_request_does_not_restart_the_child(
+        autojump_clock: trio.testing.MockClock) -> None:
     # A server that (as the spec asks) never answers a request the gateway cancelled, here a
     # timed-out health ping: internal requests never count for attribution, so they must not
     # trigger the cancel_grace restart meant for clients' calls (it killed everyone's calls).
-    cfg = make_config(fixture_backend("fx", env={"FIXTURE_NO_PING": "1"}, cancel_grace=0.5,
-                                      health="{ interval = 0.2, timeout = 0.2, failures = 1000 }"))
-    with trio.fail_after(20):
-        async with run_gateway(cfg) as gw, connect(gw.url) as c:
-            pid = json.loads(text_of(await c.call("fx__client_info")))["pid"]
-            await trio.sleep(2.5)
-            assert json.loads(text_of(await c.call("fx__client_info")))["pid"] == pid
+    # The upstream is the memory connector's fake, on virtual time.
+    cfg = config.load('[listen]\nwebsocket = "127.0.0.1:0"\nhttp = ""\n[backends.fake]\n'
+                      'command = "never-spawned"\ncancel_grace = 0.5\n'
+                      "health = { interval = 0.2, timeout = 0.2, failures = 1000 }\n")
+    connector = MemoryConnector(Script(answer_pings=False))
+    bus = events.EventBus()
+    exited: list[events.BackendExited] = []
+    bus.subscribe(exited.append, events.BackendExited)
+    hub = Hub(cfg, bus, connectors=lambda name, cfg: connector)
+    with trio.fail_after(100):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(hub.run)
+            await hub.wait_started()
+            await trio.sleep(2.5)  # ten pings timed out, each long past cancel_grace
+            pings = [m for m in connector.links[0].received if m.get("method") == "ping"]
+            assert len(pings) >= 5, pings
+            assert exited == [] and len(connector.links) == 1
+            nursery.cancel_scope.cancel()
 
 
 # `url` asks a URL-mode elicitation with the fixed elicitationId "e1"; once answered it sends
@@ -319,7 +344,8 @@ async def test_elicitation_complete_goes_to_the_owner_even_when_two_backends_reu
             await y.wait_for(lambda: y.requests)
             await x.send({"jsonrpc": "2.0", "id": px[0]["id"], "result": {"action": "accept"}})
             assert text_of(await x.response("cx")) == "done"
-            await trio.sleep(0.3)
+            await x.request("ping")  # read after anything sent to them before
+            await y.request("ping")
             done = "notifications/elicitation/complete"
             assert [n for n in x.notifications
                     if n["method"] == done], "the owner did not get its completion"
@@ -358,7 +384,9 @@ async def test_affine_backend_not_running_is_backend_unavailable_within_the_wait
             assert text_of(await c.call("af__echo", {"message": "up"})) == "up"
             marker.touch()
             assert (await c.call("af__crash", {}))["error"]["code"] == -32004
-            await trio.sleep(0.5)  # FATAL, or waiting out a long backoff
+            # FATAL, or waiting out a long backoff
+            await gw.events.wait(events.BackendStateChanged, backend="af",
+                                 new="BACKOFF" if retryable else "FATAL")
             start = trio.current_time()
             r = await c.call("af__echo", {"message": "x"}, timeout=20)
             took = trio.current_time() - start

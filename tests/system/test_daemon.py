@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import trio
 import trio_websocket
-from helpers import FIXTURE, ROOT, connect, free_port, text_of
+from helpers import FIXTURE, ROOT, connect, free_port, poll, text_of
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.procfs import group_members
@@ -138,7 +138,7 @@ async def test_notify_sequence_reload_and_drain(tmp_path: Path,
                                                                 "message": "drained"}, timeout=20))
 
                     nursery.start_soon(slow)
-                    await trio.sleep(0.3)
+                    await call_in_flight(admin, "b")
                     proc.send_signal(signal.SIGTERM)
                     await trio.to_thread.run_sync(recv_until, sock, "STOPPING=1", seen)
                     status, _ = await trio.to_thread.run_sync(http, admin, "/readyz")
@@ -162,16 +162,16 @@ async def test_sigterm_leaves_no_npx_style_grandchild(tmp_path: Path) -> None:
     write_config(cfg, ws, admin, backends)
     proc = start_daemon(cfg)
     try:
+        async def running() -> str | None:
+            try:
+                status, body = await trio.to_thread.run_sync(http, admin, "/status")
+            except OSError:
+                return None
+            state = json.loads(body)["backends"][0]["instances"][0]["state"]
+            return body if status == 200 and state == "RUNNING" else None
+
         with trio.fail_after(30):
-            while True:
-                try:
-                    status, body = await trio.to_thread.run_sync(http, admin, "/status")
-                except OSError:
-                    status = 0
-                if status == 200 and json.loads(body)["backends"][0]["instances"][0][
-                    "state"] == "RUNNING":
-                    break
-                await trio.sleep(0.1)
+            body = await poll(running, 0.1)
         (backend,) = json.loads(body)["backends"]
         assert backend["connector"] == "stdio"  # a process: a pid, no origin
         wrapper = backend["instances"][0]["pid"]
@@ -200,15 +200,19 @@ async def test_socket_activation(tmp_path: Path) -> None:
          sys.executable, "-m", "gateway", "run", "--config", str(cfg)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
+        async def activated() -> bool:  # on the first connection
+            served = False
+            try:
+                async with connect(f"ws://127.0.0.1:{ws}/") as c:
+                    assert text_of(await c.call("a__echo",
+                                                {"message": "activated"})) == "activated"
+                    served = True
+            except* (OSError, ConnectionError, trio_websocket.HandshakeError):
+                pass
+            return served
+
         with trio.fail_after(30):
-            while True:  # activation happens on the first connection: poll, don't sleep
-                try:
-                    async with connect(f"ws://127.0.0.1:{ws}/") as c:
-                        assert text_of(await c.call("a__echo",
-                                                    {"message": "activated"})) == "activated"
-                        break
-                except* (OSError, ConnectionError, trio_websocket.HandshakeError):
-                    await trio.sleep(0.2)
+            await poll(activated, 0.2)
             status, _body = await trio.to_thread.run_sync(http, admin, "/healthz")
             assert status == 200
         proc.send_signal(signal.SIGTERM)
@@ -231,18 +235,16 @@ async def test_readyz_flips_when_required_backend_goes_fatal(tmp_path: Path) -> 
     proc = start_daemon(cfg)
     try:
         with trio.fail_after(30):
-            async def readyz() -> int:
+            async def readyz(want: int) -> bool:
                 try:
-                    return (await trio.to_thread.run_sync(http, admin, "/readyz"))[0]
+                    return (await trio.to_thread.run_sync(http, admin, "/readyz"))[0] == want
                 except OSError:
-                    return 0
-            while await readyz() != 200:  # noqa: ASYNC110 - a real daemon's /readyz: no event crosses the process boundary
-                await trio.sleep(0.1)
+                    return False
+            await poll(lambda: readyz(200), 0.1)
             async with connect(f"ws://127.0.0.1:{ws}/") as c:
                 r = await c.call("r__crash")
                 assert r["error"]["data"]["reason"] == "backend_exited"
-            while await readyz() != 503:  # noqa: ASYNC110 - a real daemon's /readyz: no event crosses the process boundary
-                await trio.sleep(0.1)
+            await poll(lambda: readyz(503), 0.1)
             _status, body = await trio.to_thread.run_sync(http, admin, "/readyz")
             assert "r" in body
             _, metrics = await trio.to_thread.run_sync(http, admin, "/metrics")
@@ -294,9 +296,11 @@ def metric(admin: int, line_start: str) -> float:
 
 async def call_in_flight(admin: int, backend: str) -> None:
     """Return once the daemon's metrics show a call in flight on ``backend`` (caller bounds it)."""
-    while await trio.to_thread.run_sync(  # noqa: ASYNC110 - a real daemon's /metrics: no event crosses the process boundary
-            metric, admin, f'mcp_gateway_inflight_requests{{backend="{backend}"}}') < 1:
-        await trio.sleep(0.02)
+    async def in_flight() -> bool:
+        return await trio.to_thread.run_sync(
+            metric, admin, f'mcp_gateway_inflight_requests{{backend="{backend}"}}') >= 1
+
+    await poll(in_flight)
 
 
 async def test_sighup_burst_while_a_reload_drains_coalesces(
@@ -326,7 +330,8 @@ async def test_sighup_burst_while_a_reload_drains_coalesces(
                 await trio.to_thread.run_sync(recv_until, sock, "RELOADING=1", seen)
                 for _ in range(30):
                     proc.send_signal(signal.SIGHUP)
-                    await trio.sleep(0.002)  # a burst spread over the drain (pacing, not waiting)
+                    # the daemon answered after it: this signal was taken, not merged with the next
+                    await trio.to_thread.run_sync(http, admin, "/healthz")
                 await trio.to_thread.run_sync(recv_until, sock, "READY=1", seen)  # the first reload
                 assert proc.poll() is None
                 await trio.to_thread.run_sync(recv_until, sock, "RELOADING=1", seen)  # one more

@@ -26,7 +26,7 @@ class Starved(trio.abc.Listener[trio.abc.AsyncResource]):
         self.calls.append(trio.current_time())
         if len(self.calls) <= self.failures:
             raise OSError(errno.EMFILE, "Too many open files")
-        await trio.sleep(1.0)  # the next connection comes a second later
+        await trio.sleep(1.0)  # virtual-time: the next connection comes a second later
         return trio.testing.MemorySendStream()
 
     async def aclose(self) -> None:

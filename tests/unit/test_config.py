@@ -134,7 +134,7 @@ def test_unknown_keys_anywhere(text: str, expected: str) -> None:
          "backends.a.declare.0: invalid enum value"),
         ('[[policy.rules]]\nmatch = "a"\naction = "maybe"\n',
          "policy.rules.0.action: invalid enum value"),
-        ("[backends.a]\nargs = []\n", "backends.a: object missing required field command"),
+        ("[backends.a]\nargs = []\n", "backends.a: set exactly one of command"),
         ("gateway = 3\n", "gateway: expected object, got int"),
         ("backends = 3\n", "backends: expected a table"),
         ("[backends]\na = 3\n", "backends.a: expected object, got int"),
@@ -194,6 +194,66 @@ prefix = "bad prefix"
         "gateway.separator", "gateway.page_size", "listen.websocket", "listen.unix_mode",
         "admin.listen", "backends.a.request_timeout", "backends.a.restart", "backends.a.roots",
         "backends.a.prefix",
+    ])
+
+
+def test_remote_backend_keys() -> None:
+    good = load("""
+[listen]
+websocket = "127.0.0.1:8765"
+[backends.r]
+url = "https://mcp.example.com/mcp"
+ca_file = "certs/ca.pem"
+[backends.r.headers]
+Authorization = { file = "secrets/token", prefix = "Bearer " }
+X-Key = { env = "K" }
+X-Team = "blue"
+""", base_dir=BASE)
+    r = good.backends["r"]
+    assert r.command == "" and r.ca_file == f"{BASE}/certs/ca.pem"
+    assert r.headers == {"Authorization": {"file": f"{BASE}/secrets/token", "prefix": "Bearer "},
+                         "X-Key": {"env": "K"}, "X-Team": "blue"}
+    errors = errors_of("""
+[listen]
+websocket = "127.0.0.1:8765"
+[backends.both]
+command = "x"
+url = "http://127.0.0.1:1/mcp"
+[backends.neither]
+args = ["a"]
+[backends.bad]
+url = "ftp://user@host/mcp"
+ca_file = "ca.pem"
+args = ["x"]
+protocol_mode = "modern_only"
+[backends.bad.headers]
+"Bad Name" = "x"
+Host = "y"
+X-A = { env = "A", file = "/f" }
+X-B = { file = "" }
+X-C = "a\\nb"
+[backends.stdio]
+command = "x"
+headers = { X-A = "1" }
+""")
+    assert sorted(errors) == sorted([
+        "backends.both: set exactly one of command (a program to spawn) and url (a remote "
+        "Streamable HTTP server)",
+        "backends.neither: set exactly one of command (a program to spawn) and url (a remote "
+        "Streamable HTTP server)",
+        "backends.bad.url: expected http://HOST:PORT/PATH or https://HOST/PATH without "
+        "credentials, got 'ftp://user@host/mcp'",
+        "backends.bad.ca_file: only for an https:// url",
+        "backends.bad.args: only for a backend with a command (this one has a url)",
+        "backends.bad.protocol_mode: a remote backend (url) is opened with initialize (the "
+        "legacy sessions' shape): legacy_only or prefer_legacy",
+        "backends.bad.headers.Bad Name: not a valid header name",
+        "backends.bad.headers.Host: set by the gateway itself",
+        "backends.bad.headers.X-A: expected a string, { env = \"VAR\" } or { file = \"/path\", "
+        "prefix = \"Bearer \" }, got keys ['env', 'file']",
+        "backends.bad.headers.X-B: file must not be empty",
+        "backends.bad.headers.X-C: must be printable ASCII (no CR, LF or NUL)",
+        "backends.stdio.headers: only for a remote backend (url)",
     ])
 
 

@@ -81,7 +81,7 @@ async def scenario(events: list[object]) -> tuple[str, list[ServerRequestFinishe
             if outcome != "pending":
                 break
             if isinstance(e, tuple):
-                await trio.sleep(e[1])
+                await trio.sleep(e[1])  # virtual-time: trio.run with a MockClock below
             elif e in ANSWERS:
                 session.on_answer(jsonrpc.decode(
                     msgspec.json.encode({"jsonrpc": "2.0", "id": prompt["id"], **ANSWERS[e]})))

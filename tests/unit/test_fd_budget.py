@@ -30,9 +30,12 @@ max_sessions = 10
 command = "b"
 sharing = "affine"
 instances = 3
+[backends.c]
+url = "http://127.0.0.1:9/mcp"
+instances = 2
 """)
-    assert config.fd_reserve(cfg) == fd_reserve(children=14, tcp_listeners=3,
-                                                unix_listeners=1) == 160 + 112 + 7
+    assert config.fd_reserve(cfg) == fd_reserve(children=14, tcp_listeners=3, unix_listeners=1,
+                                                remotes=2) == 160 + 112 + 32 + 7
     assert cfg.gateway.max_connections is None  # not set: the default, fitted at start
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from helpers import poll
 from prometheus_client.openmetrics.parser import (
     text_string_to_metric_families as parse_openmetrics,
 )
@@ -334,11 +335,12 @@ def _rss(pid: int) -> int:
 
 
 async def _wait_for(predicate: Callable[[], bool]) -> None:
-    for _ in range(1000):  # /proc offers nothing to wait on: poll, for at most 10 s
-        if predicate():
-            return
-        await trio.sleep(0.01)
-    raise AssertionError("condition not reached in 10 s")
+    """Until ``predicate()`` holds, for at most 10 s (other processes seen through /proc)."""
+    async def look() -> bool:
+        return predicate()
+
+    with trio.fail_after(10):
+        await poll(look, 0.01)
 
 
 @pytest.mark.system
@@ -349,14 +351,19 @@ async def test_rss_sums_every_process_in_the_group(h: Harness) -> None:
     loner = await trio.lowlevel.open_process(["sleep", "30"])  # in our group: not a leader
     try:
         await _wait_for(lambda: _settled(proc.pid) and _state(loner.pid) == "S")
-        for _ in range(50):  # measure until nothing moved while we looked
+        single: dict[int, int] = {}
+        loner_rss = 0
+        totals: dict[int, int] | None = None
+
+        def measured_while_nothing_moved() -> bool:
+            nonlocal single, loner_rss, totals
             single = {pid: _rss(pid) for pid in _group_members(proc.pid)}
             loner_rss = _rss(loner.pid)
             totals = process_group_rss([proc.pid, loner.pid])
             again = {pid: _rss(pid) for pid in _group_members(proc.pid)}
-            if single == again and loner_rss == _rss(loner.pid):
-                break
-            await trio.sleep(0.05)
+            return single == again and loner_rss == _rss(loner.pid)
+
+        await _wait_for(measured_while_nothing_moved)
         assert len(single) >= 2 and all(single.values())
         assert totals is not None
         assert totals[proc.pid] == sum(single.values())

@@ -122,7 +122,7 @@ async def hang(link: MemoryLink, args: dict[str, Any]) -> Any:
 
 
 async def slow(link: MemoryLink, args: dict[str, Any]) -> Any:
-    await trio.sleep(args["seconds"])
+    await trio.sleep(args["seconds"])  # virtual-time: a tool of the scripted upstream
     return {"slept": args["seconds"]}
 
 

@@ -64,6 +64,15 @@ def drain(sock: socket.socket) -> list[bytes]:
     return out
 
 
+async def datagrams(sock: socket.socket, n: int) -> list[bytes]:
+    """At least ``n`` datagrams, each waited for (the caller bounds the wait)."""
+    got: list[bytes] = []
+    while len(got) < n:
+        await trio.lowlevel.wait_readable(sock)
+        got += drain(sock)
+    return got
+
+
 # --- notify ------------------------------------------------------------------------------------
 
 
@@ -147,12 +156,13 @@ async def test_watchdog_stops_pinging_while_the_loop_is_blocked(
     monkeypatch.setenv("WATCHDOG_USEC", "40000")  # real clock: a ping every 20 ms
     async with trio.open_nursery() as nursery:
         await nursery.start(systemd.run_watchdog)
-        await trio.sleep(0.15)
-        assert len(drain(notify_socket)) >= 3
-        time.sleep(0.2)  # a stuck event loop: systemd would now see no pings  # noqa: ASYNC251 - the stuck event loop is what the test makes
+        with trio.fail_after(5):
+            await datagrams(notify_socket, 3)
+        # real-clock: a stuck event loop is what the test makes (systemd would now see no pings)
+        time.sleep(0.2)  # noqa: ASYNC251 - the stuck event loop is what the test makes
         assert drain(notify_socket) == []
-        await trio.sleep(0.1)
-        assert drain(notify_socket) != []
+        with trio.fail_after(5):
+            await datagrams(notify_socket, 1)  # the loop runs again: so do the pings
         nursery.cancel_scope.cancel()
 
 

@@ -1,0 +1,298 @@
+"""A small HTTP/1.1 client on h11 over trio streams, for remote backends.
+
+:class:`Origin` is a parsed ``url``; :class:`Connection` carries one
+exchange at a time over a stream (a TCP or TLS one, or a memory stream in tests): the request
+sent whole, the answer's head read within a deadline, the body read chunk by chunk within an
+idle deadline and a byte bound.  :class:`Pool` keeps up to ``idle_max`` idle keep-alive
+connections to one origin and opens new ones within ``connect_timeout``.  Every failure is an
+:class:`HttpFailure` naming what went wrong; no redirect is ever followed and no proxy used.
+"""
+
+from __future__ import annotations
+
+import math
+import ssl
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import h11
+import trio
+
+#: Bytes read from a connection at once.
+READ_CHUNK = 65536
+#: The most an answer's head (status line and headers) may take.
+MAX_HEAD = 16384
+#: Seconds an idle connection is kept for reuse (servers close idle ones after a few seconds:
+#: node's default is 5).
+IDLE_TTL = 2.0
+
+
+class HttpFailure(Exception):
+    """An exchange failed: ``detail`` says how (never a header value)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+class ConnectFailed(HttpFailure):
+    """No connection could be opened (refused, unreachable, TLS refused, timed out)."""
+
+
+class HttpTimeout(HttpFailure):
+    """The remote did not answer, or stopped sending, within the deadline."""
+
+
+class BodyTooLarge(HttpFailure):
+    """A body grew past its bound: the connection is not reusable."""
+
+
+class ConnectionLost(HttpFailure):
+    """The connection broke or closed in the middle of an exchange."""
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Where a remote lives: ``http(s)://host:port`` and the request target."""
+
+    scheme: str
+    host: str
+    port: int
+    target: str  # path and query
+    authority: str  # the Host header
+
+    @property
+    def text(self) -> str:
+        """``scheme://host:port`` (what /status and the logs show: no path, no credentials)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.scheme}://{host}:{self.port}"
+
+    @property
+    def tls(self) -> bool:
+        return self.scheme == "https"
+
+
+def parse_url(url: str) -> Origin:
+    """An :class:`Origin` from ``url`` (checked by the config already).
+
+    Raises:
+        ValueError: not an http(s) URL with a host and a valid port.
+    """
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return Origin(parts.scheme, parts.hostname, port, target, parts.netloc)
+
+
+def tls_context(ca_file: str | None) -> ssl.SSLContext:
+    """A client context verifying certificates and host names (against ``ca_file``, else the
+    system's CAs).
+
+    Raises:
+        OSError, ssl.SSLError: ``ca_file`` unreadable or not PEM certificates.
+    """
+    return ssl.create_default_context(cafile=ca_file)
+
+
+@dataclass(frozen=True, slots=True)
+class Response:
+    """An answer's head."""
+
+    status: int
+    headers: dict[str, str]  # names lowercased; a repeated header: the last value
+
+    @property
+    def content_type(self) -> str:
+        return self.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
+class Connection:
+    """One HTTP/1.1 connection: one exchange at a time, kept alive when both sides allow."""
+
+    def __init__(self, stream: trio.abc.Stream, authority: str,
+                 pool: Pool | None = None) -> None:
+        self.stream = stream
+        self._pool = pool
+        self.authority = authority
+        self._h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
+        self.broken = False
+        self.reused = False  # it carried an exchange before this one
+        self.idle_since = 0.0
+
+    async def _event(self, deadline: float) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
+        conn = self._h11
+        while True:
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                self.broken = True
+                raise ConnectionLost(f"the remote broke HTTP/1.1: {exc}") from None
+            if event is not h11.NEED_DATA:
+                return event
+            with trio.move_on_at(deadline) as scope:
+                try:
+                    data = await self.stream.receive_some(READ_CHUNK)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                    self.broken = True
+                    raise ConnectionLost(f"the connection broke: {exc.__cause__ or exc}") from None
+            if scope.cancelled_caught:
+                self.broken = True
+                raise HttpTimeout("the remote sent nothing in time")
+            conn.receive_data(bytes(data))
+
+    async def request(self, method: str, target: str, headers: list[tuple[str, str]],
+                      body: bytes = b"", *, head_timeout: float = math.inf) -> Response:
+        """Send a request and read its answer's head (within ``head_timeout`` seconds).
+
+        Raises:
+            ConnectionLost, HttpTimeout.
+        """
+        conn = self._h11
+        head = [("host", self.authority), *headers]
+        if body or method in ("POST", "PUT"):
+            head.append(("content-length", str(len(body))))
+        try:
+            out = conn.send(h11.Request(method=method, target=target, headers=head))
+            if body:
+                out += conn.send(h11.Data(data=body))
+            out += conn.send(h11.EndOfMessage())
+        except (h11.LocalProtocolError, UnicodeError):  # its text may quote a header value
+            self.broken = True
+            raise ConnectionLost("cannot send the request: h11 refused its head") from None
+        try:
+            await self.stream.send_all(out)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            self.broken = True
+            raise ConnectionLost(f"the connection broke: {exc.__cause__ or exc}") from None
+        deadline = trio.current_time() + head_timeout
+        while True:
+            event = await self._event(deadline)
+            if isinstance(event, h11.InformationalResponse):
+                continue
+            if isinstance(event, h11.Response):
+                return Response(event.status_code, {k.decode("latin-1").lower(): v.decode("latin-1")
+                                                    for k, v in event.headers})
+            self.broken = True
+            raise ConnectionLost("the connection closed before an answer")
+
+    async def chunk(self, idle_timeout: float = math.inf) -> bytes | None:
+        """The body's next bytes, None at its end (within ``idle_timeout`` seconds).
+
+        Raises:
+            ConnectionLost: it broke or closed before the body's end.  HttpTimeout.
+        """
+        event = await self._event(trio.current_time() + idle_timeout)
+        if isinstance(event, h11.Data):
+            return bytes(event.data)
+        if isinstance(event, h11.EndOfMessage):
+            return None
+        self.broken = True
+        raise ConnectionLost("the connection closed before the end of the answer")
+
+    async def body(self, limit: int, idle_timeout: float = math.inf) -> bytes:
+        """The whole body, at most ``limit`` bytes.
+
+        Raises:
+            BodyTooLarge, ConnectionLost, HttpTimeout.
+        """
+        data = bytearray()
+        while (chunk := await self.chunk(idle_timeout)) is not None:
+            data += chunk
+            if len(data) > limit:
+                self.broken = True
+                raise BodyTooLarge(f"a body of more than {limit} bytes")
+        return bytes(data)
+
+    def reusable(self) -> bool:
+        """Ready for the next exchange (answer read to its end, keep-alive on both sides)."""
+        conn = self._h11
+        if self.broken or conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+            return False
+        conn.start_next_cycle()
+        self.reused = True
+        return True
+
+    async def aclose(self) -> None:
+        self.broken = True
+        if self._pool is not None:
+            self._pool.open.discard(self)
+        with trio.CancelScope(shield=True):
+            await trio.aclose_forcefully(self.stream)
+
+
+class Pool:
+    """Connections to one origin: up to ``idle_max`` idle ones kept for reuse, each for at most
+    :data:`IDLE_TTL` seconds."""
+
+    def __init__(self, origin: Origin, *, connect_timeout: float, idle_max: int,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        self.origin = origin
+        self.ssl_context = ssl_context  # for https
+        self.connect_timeout = connect_timeout
+        self.idle_max = idle_max
+        self._idle: list[Connection] = []
+        self.open: set[Connection] = set()  # every connection not closed yet, idle or in use
+        self.closed = False
+
+    async def connect(self) -> Connection:
+        """A new connection (TCP, then TLS for https), within ``connect_timeout``.
+
+        Raises:
+            ConnectFailed: with the reason.
+        """
+        origin = self.origin
+        stream: trio.abc.Stream | None = None
+        try:
+            with trio.fail_after(self.connect_timeout):
+                stream = await trio.open_tcp_stream(origin.host, origin.port)
+                if origin.tls:
+                    assert self.ssl_context is not None
+                    tls = trio.SSLStream(stream, self.ssl_context, server_hostname=origin.host)
+                    await tls.do_handshake()
+                    stream = tls
+        except trio.TooSlowError:
+            if stream is not None:
+                await trio.aclose_forcefully(stream)
+            raise ConnectFailed(f"no connection within {self.connect_timeout:g}s") from None
+        except (OSError, trio.BrokenResourceError) as exc:
+            if stream is not None:
+                await trio.aclose_forcefully(stream)
+            reason = exc.__cause__ or exc
+            raise ConnectFailed(getattr(reason, "strerror", None) or str(reason)) from None
+        conn = Connection(stream, origin.authority, self)
+        if self.closed:
+            await conn.aclose()
+            raise ConnectFailed("the pool is closed")
+        self.open.add(conn)
+        return conn
+
+    async def get(self) -> Connection:
+        """An idle connection, else a new one.
+
+        Raises:
+            ConnectFailed.
+        """
+        now = trio.current_time()
+        while self._idle:
+            conn = self._idle.pop()
+            if now - conn.idle_since < IDLE_TTL:
+                return conn
+            await conn.aclose()
+        return await self.connect()
+
+    async def put(self, conn: Connection) -> None:
+        """Give ``conn`` back after an exchange: kept if reusable and there is room, else closed."""
+        if not self.closed and len(self._idle) < self.idle_max and conn.reusable():
+            conn.idle_since = trio.current_time()
+            self._idle.append(conn)
+        else:
+            await conn.aclose()
+
+    async def aclose(self) -> None:
+        """Close every connection, those in use too (their exchanges fail)."""
+        self.closed = True
+        self._idle = []
+        for conn in list(self.open):
+            await conn.aclose()

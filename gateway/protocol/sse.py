@@ -1,0 +1,57 @@
+"""Server-sent events, read: the ``data`` of each event of a ``text/event-stream`` body.
+
+:class:`SseDecoder` is fed the body as it arrives, cut anywhere, and returns the data of each
+event completed (``data:`` lines joined with LF; events without data, such as a priming event's
+empty ``data:``, and comments are skipped).  Lines end with CRLF, LF or CR.  An event growing
+past ``limit`` bytes raises :class:`EventTooLarge`: the buffer never holds more (the stream
+cannot be read on after that: its reader closes it).
+"""
+
+from __future__ import annotations
+
+
+class EventTooLarge(Exception):
+    """An event grew past the limit before it ended."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"an event of more than {limit} bytes ({size} seen)")
+        self.size = size
+        self.limit = limit
+
+
+class SseDecoder:
+    """Splits a ``text/event-stream`` into events' data, within ``limit`` bytes per event."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._buf = bytearray()
+        self._scan = 0  # where an event's end may begin in _buf: what came before was searched
+        self._after_cr = False  # a CR ended the last chunk: an LF next is its CRLF's
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """The data of every event ``chunk`` completes, in order.
+
+        Raises:
+            EventTooLarge: the event being read is over ``limit`` bytes.
+        """
+        if self._after_cr and chunk.startswith(b"\n"):
+            chunk = chunk[1:]
+        self._after_cr = chunk.endswith(b"\r")
+        buf = self._buf
+        buf += chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        out: list[bytes] = []
+        start = 0
+        while (end := buf.find(b"\n\n", max(start, self._scan))) >= 0:
+            event, start = bytes(buf[start:end]), end + 2
+            data = [line[5:].removeprefix(b" ") for line in event.split(b"\n")
+                    if line.startswith(b"data:")]
+            if any(line.strip() for line in data):
+                out.append(b"\n".join(data))
+        del buf[:start]
+        self._scan = max(0, len(buf) - 1)
+        if len(buf) > self.limit:
+            size = len(buf)
+            buf.clear()
+            self._scan = 0
+            raise EventTooLarge(size, self.limit)
+        return out
