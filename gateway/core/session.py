@@ -37,10 +37,34 @@ if TYPE_CHECKING:
 LOGGER = logging.getLogger(__name__)
 
 _conn_counter = itertools.count(1)
+#: Random bytes drawn from the OS at once for ids (one system call per few hundred connections,
+#: not two per connection: every stateless HTTP request is a connection).
+ENTROPY_CHUNK = 4096
+
+
+class _Entropy:
+    """Random bytes from ``secrets``, drawn :data:`ENTROPY_CHUNK` at a time, each used once."""
+
+    __slots__ = ("_buf", "_off")
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self._off = 0
+
+    def hex(self, n: int) -> str:
+        """``n`` random bytes as hex."""
+        start = self._off
+        if start + n > len(self._buf):
+            self._buf, start = secrets.token_bytes(ENTROPY_CHUNK), 0
+        self._off = start + n
+        return self._buf[start:start + n].hex()
+
+
+_entropy = _Entropy()
 
 
 def mint_conn_id() -> str:
-    return f"c{next(_conn_counter)}-{secrets.token_hex(4)}"
+    return f"c{next(_conn_counter)}-{_entropy.hex(4)}"
 
 
 class Transport(enum.StrEnum):
@@ -199,7 +223,7 @@ class ClientSession:
         self.server_requests: Final[dict[str, ServerRequest]] = {}
         self._ended_ids: deque[str] = deque(maxlen=1024)
         self._ids = itertools.count(1)
-        self._id_salt = secrets.token_hex(3)
+        self._id_salt = _entropy.hex(3)
         self._writer: MessageWriter | None = None  # the transport, while the connection is served
         self.outbound: Final = Outbox(outbound_capacity)  # what could not be written at once
         self.max_outbound_bytes: Final = outbound_bytes

@@ -104,6 +104,11 @@ def modern_meta(method: str, params: dict[str, Raw]) -> Modern:
         meta = jsonrpc.raw_dict(params["_meta"]) if "_meta" in params else {}
     except (msgspec.DecodeError, msgspec.ValidationError):
         raise errors.InvalidParams(f"{method}: _meta must be an object") from None
+    return _judged(method, meta)[0]
+
+
+def _judged(method: str, meta: dict[str, Raw]) -> tuple[Modern, str]:
+    """:func:`modern_meta` on ``_meta`` decoded one level; the version it names too."""
     if VERSION_KEY not in meta:
         raise errors.InvalidParams(f"{method}: _meta[{VERSION_KEY!r}] is required (2026-07-28), "
                                    "or open the connection with initialize")
@@ -122,24 +127,61 @@ def modern_meta(method: str, params: dict[str, Raw]) -> Modern:
     if level is not None and not _is_level(level):
         raise errors.InvalidParams(f"{method}: _meta[{LOG_LEVEL_KEY!r}] must be one of "
                                    f"{', '.join(mcp.LOG_RANK)}")
-    return Modern(caps, level)
+    return Modern(caps, level), version
+
+
+class HttpModern(NamedTuple):
+    """What the edge reads of a valid modern HTTP request."""
+
+    caps: dict[str, Any]  # the client's capabilities
+    progress: int | str | None  # its progress token (None: none, or not a string or integer)
+
+
+def check_http(method: str, params: dict[str, Raw],
+               headers: dict[str, str | None]) -> HttpModern:
+    """A modern (2026-07-28) HTTP request's ``_meta`` and routing headers, with ``_meta`` decoded
+    once: -32020 when the ``MCP-Protocol-Version`` header and ``_meta`` name different versions
+    (checked before either is judged), then :func:`modern_meta`'s checks, then
+    :func:`header_mismatch`'s.
+
+    Raises:
+        errors.HeaderMismatch: a header does not match the body.
+        InvalidParams, errors.UnsupportedVersion, MethodNotFound: as :func:`modern_meta`.
+    """
+    raw = params.get("_meta")
+    meta: dict[str, Raw] | None = None
+    if raw is not None:
+        try:
+            meta = jsonrpc.raw_dict(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            meta = None
+    body_version = None  # as modern_version reads it
+    if meta is not None and VERSION_KEY in meta and VERSION_KEY.encode() in bytes(raw or b""):
+        body_version = jsonrpc.loads(meta[VERSION_KEY])
+    got = _header_value(headers.get("mcp-protocol-version"))
+    if got is not None and isinstance(body_version, str) and got != body_version:
+        raise errors.HeaderMismatch(f"the mcp-protocol-version header ({got!r}) does not match "
+                                    f"the request's _meta ({body_version!r})",
+                                    header="mcp-protocol-version")
+    if method in LEGACY_ONLY:
+        raise errors.MethodNotFound(f"{method} does not exist in protocol version {LATEST_MODERN}, "
+                                    "which this connection speaks (its first request chose it)")
+    if raw is not None and meta is None:
+        raise errors.InvalidParams(f"{method}: _meta must be an object")
+    modern, version = _judged(method, meta or {})
+    mismatch = _headers_against(method, version, params, headers)
+    if mismatch is not None:
+        raise mismatch
+    token = None
+    if meta is not None and "progressToken" in meta:
+        token = jsonrpc.loads(meta["progressToken"])
+        if not isinstance(token, int | str) or isinstance(token, bool):
+            token = None
+    return HttpModern(modern.caps, token)
 
 
 def _is_level(value: object) -> bool:
     return isinstance(value, str) and value in mcp.LOG_RANK
-
-
-def version_mismatch(params: dict[str, Raw],
-                     headers: dict[str, str | None]) -> errors.GatewayError | None:
-    """-32020 when the ``MCP-Protocol-Version`` header and the body's ``_meta`` name different
-    versions (both present); checked before either version is judged."""
-    got = _header_value(headers.get("mcp-protocol-version"))
-    want = modern_version(params)
-    if got is not None and want is not None and got != want:
-        return errors.HeaderMismatch(f"the mcp-protocol-version header ({got!r}) does not match "
-                                     "the "
-                                     f"request's _meta ({want!r})", header="mcp-protocol-version")
-    return None
 
 
 def header_mismatch(method: str, params: dict[str, Raw],
@@ -148,7 +190,12 @@ def header_mismatch(method: str, params: dict[str, Raw],
     (``MCP-Protocol-Version``, ``Mcp-Method``, ``Mcp-Name``), or None.  A header value may be
     ``=?base64?…?=``-encoded."""
     meta = jsonrpc.raw_dict(params["_meta"])
-    expected = {"mcp-protocol-version": jsonrpc.loads(meta[VERSION_KEY]), "mcp-method": method}
+    return _headers_against(method, jsonrpc.loads(meta[VERSION_KEY]), params, headers)
+
+
+def _headers_against(method: str, version: Any, params: dict[str, Raw],
+                     headers: dict[str, str | None]) -> errors.GatewayError | None:
+    expected = {"mcp-protocol-version": version, "mcp-method": method}
     if method in NAMED:
         raw = params.get(NAMED[method])
         expected["mcp-name"] = jsonrpc.loads(raw) if raw is not None else None

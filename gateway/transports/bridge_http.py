@@ -82,6 +82,14 @@ class _Response:
                 raise MessageTooLarge(len(buf), limit)
 
 
+@dataclass(slots=True)
+class _Post:
+    """A request POSTed and not answered yet."""
+
+    scope: trio.CancelScope | None = None  # a modern request's: cancelling it closes its POST
+    cancelled: bool = False  # the client cancelled it: no answer is due
+
+
 class _HttpClient:
     def __init__(self, url: str, ssl_context: ssl.SSLContext | None = None) -> None:
         parts = urlsplit(url)
@@ -165,9 +173,7 @@ class HttpBridge:
         self._session: str | None = None
         self._version: str | None = None
         self._modern: str | None = None  # the version of the client's last modern request
-        self._posts: dict[str, trio.CancelScope] = {}  # modern requests in flight, by JSON id
-        self._requests: set[str] = set()  # requests POSTed and not answered yet (by JSON id)
-        self._cancelled: set[str] = set()  # … of them the client cancelled: no answer is due
+        self._inflight: dict[str, _Post] = {}  # requests POSTed and not answered, by JSON id
         self._out_send, self._out_recv = trio.open_memory_channel[bytes](64)
         self.failed: list[str] = []
         self._done = trio.CancelScope()
@@ -245,9 +251,9 @@ class HttpBridge:
             # the id of a request (none of a notification or a response), from this one parse
             request_id = obj.get("id") if isinstance(obj, dict) and "method" in obj else None
             if method == "notifications/cancelled" and isinstance(obj.get("params"), dict):
-                key = _key(obj["params"].get("requestId"))
-                if key in self._requests:  # its POST may end without an answer now
-                    self._cancelled.add(key)
+                post = self._inflight.get(_key(obj["params"].get("requestId")))
+                if post is not None:  # its POST may end without an answer now
+                    post.cancelled = True
             if self._session is None and method == "initialize":
                 await self._post(message, request_id, initialize=True)
                 if self._session:
@@ -277,16 +283,17 @@ class HttpBridge:
             nursery.start_soon(self._post_modern, message, obj["id"], method, headers)
             return True
         if method == "notifications/cancelled":
-            scope = self._posts.pop(_key(params.get("requestId")), None)
-            if scope is not None:  # the cancellation is closing the request's stream, nothing else
-                scope.cancel()
+            post = self._inflight.get(_key(params.get("requestId")))
+            if post is not None and post.scope is not None:  # the cancellation is closing the
+                post.scope.cancel()  # request's stream, nothing else
+                post.scope = None
                 return True
             if pinned:  # a request already answered, or unknown: nothing to close
                 return True
         if pinned is None:
             return False
         headers = self._modern_headers(pinned, method, params)
-        nursery.start_soon(self._exchange, message, None, headers, self._out_send.send)
+        nursery.start_soon(self._exchange, message, None, headers, self._emit)
         return True
 
     async def _post_modern(self, message: bytes, request_id: Any, method: str,
@@ -296,26 +303,23 @@ class HttpBridge:
         listen = method == "subscriptions/listen"
         answered = False
 
-        async def emit(data: bytes) -> None:
+        async def emit(data: bytes, reply: _Reply | None) -> None:
             nonlocal answered
             if listen and not answered:  # its notifications, then its result
-                reply = _reply(data)
                 answered = reply is not None and reply.method is msgspec.UNSET
             await self._out_send.send(data)
 
-        key = _key(request_id)
-        scope = self._posts[key] = trio.CancelScope()
-        try:
-            with scope:
-                await self._exchange(message, request_id, headers, emit)
-        finally:
-            if self._posts.get(key) is scope:
-                del self._posts[key]
+        scope = trio.CancelScope()
+        with scope:
+            await self._exchange(message, request_id, headers, emit, scope=scope)
         if scope.cancel_called and listen and not answered:
             closing = subscriptions.closing_result(request_id)
             await self._out_send.send(jsonrpc.encode_result(request_id, closing))
 
-    async def _emit_initialize(self, message: bytes) -> None:
+    async def _emit(self, message: bytes, reply: _Reply | None) -> None:
+        await self._out_send.send(message)
+
+    async def _emit_initialize(self, message: bytes, reply: _Reply | None) -> None:
         try:
             self._version = json.loads(message)["result"]["protocolVersion"]
         except (ValueError, KeyError, TypeError):
@@ -325,25 +329,29 @@ class HttpBridge:
     async def _post(self, message: bytes, request_id: Any, initialize: bool = False) -> None:
         headers = self._headers(f"{_JSON}, {_SSE}")
         headers["content-type"] = _JSON
-        emit = self._emit_initialize if initialize else self._out_send.send
+        emit = self._emit_initialize if initialize else self._emit
         await self._exchange(message, request_id, headers, emit, initialize)
 
     async def _exchange(self, message: bytes, request_id: Any, headers: dict[str, str],
-                        emit: Callable[[bytes], Awaitable[None]], initialize: bool = False) -> None:
+                        emit: Callable[[bytes, _Reply | None], Awaitable[None]],
+                        initialize: bool = False, *, scope: trio.CancelScope | None = None) -> None:
         """POST ``message`` (a request when ``request_id`` is not None); its answer (JSON, or
-        SSE event by event) goes to ``emit``.  A request whose exchange ends without its answer
-        (an error status, a body that is not one, a stream that ended or broke first) is
-        answered with an error, unless the client cancelled it: a stdio client waits for every
-        answer it is due."""
+        SSE event by event) goes to ``emit``, with what :func:`_reply` read of it.  A request
+        whose exchange ends without its answer (an error status, a body that is not one, a
+        stream that ended or broke first) is answered with an error, unless the client
+        cancelled it: a stdio client waits for every answer it is due.  ``scope``: a modern
+        request's, which its cancellation cancels (its POST closes)."""
         key = _key(request_id)
         answered = request_id is None  # a notification or a response: nothing is due
+        post = None
         if not answered:
-            self._requests.add(key)
+            post = self._inflight[key] = _Post(scope)
 
         async def deliver(data: bytes) -> None:
             nonlocal answered
-            answered = answered or _answers(data, request_id)
-            await emit(data)
+            reply = _reply(data)
+            answered = answered or _answers(reply, request_id)
+            await emit(data, reply)
 
         try:
             async with self._http.request("POST", headers, message) as r:
@@ -370,9 +378,9 @@ class HttpBridge:
                 return
             status, body = 0, str(exc).encode()
         finally:
-            self._requests.discard(key)
-            cancelled = key in self._cancelled
-            self._cancelled.discard(key)
+            cancelled = post is not None and post.cancelled
+            if post is not None and self._inflight.get(key) is post:
+                del self._inflight[key]
         if not cancelled and (not answered or status >= 300):  # a notification's: the error
             await self._http_error(request_id, status, body)
 
@@ -451,9 +459,9 @@ def _reply(message: bytes) -> _Reply | None:
         return None
 
 
-def _answers(message: bytes, request_id: Any) -> bool:
-    """Whether ``message`` is the response (result or error) to request ``request_id``."""
-    reply = _reply(message)
+def _answers(reply: _Reply | None, request_id: Any) -> bool:
+    """Whether ``reply`` (a message as :func:`_reply` read it) is the response (result or
+    error) to request ``request_id``."""
     return (reply is not None and reply.method is msgspec.UNSET
             and bool(reply.result or reply.error)
             and type(reply.id) is type(request_id) and reply.id == request_id)

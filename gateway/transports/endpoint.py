@@ -509,22 +509,17 @@ class Endpoint:
         try:
             params = jsonrpc.params_dict(env.params)
             if env.method not in era.MODERN_METHODS:
-                raise _jsonrpc_error(
-                    404, errors.MethodNotFound(f"method {env.method!r} not found"), env.id)
-            headers = {"mcp-protocol-version": req.header(b"mcp-protocol-version"),
-                       "mcp-method": req.header(b"mcp-method"), "mcp-name": req.header(b"mcp-name")}
-            mismatch = era.version_mismatch(params, headers)  # before the version is judged
-            if mismatch is None:
-                caps = era.check_modern(env.method, params)
-                mismatch = era.header_mismatch(env.method, params, headers)
+                raise errors.MethodNotFound(f"method {env.method!r} not found")
+            modern = era.check_http(env.method, params, {
+                "mcp-protocol-version": req.header(b"mcp-protocol-version"),
+                "mcp-method": req.header(b"mcp-method"), "mcp-name": req.header(b"mcp-name")})
         except errors.MethodNotFound as exc:
             raise _jsonrpc_error(404, exc, env.id) from None
         except errors.GatewayError as exc:
             raise _jsonrpc_error(400, exc, env.id) from None
-        if mismatch is not None:
-            raise _jsonrpc_error(400, mismatch, env.id)
+        caps = modern.caps
         sink = Sink(conn, "", env.id)
-        sink.token = _progress_token(params)
+        sink.token = modern.progress
         if self.bridge is not None and self.bridge.continues(env.method, params):
             session = self._resume(env, params, caps, sink, principal)  # a drain lets it in
             asked = _rounds(session)
@@ -668,14 +663,14 @@ def _params(env: jsonrpc.Envelope) -> dict[str, msgspec.Raw] | None:
 
 
 def _progress_token(params: dict[str, msgspec.Raw] | None) -> int | str | None:
-    if params is None:
+    """The request's progress token (None: none, or not a string or integer), ``_meta`` decoded
+    one level (a malformed one is the core's to answer)."""
+    raw = None if params is None else params.get("_meta")
+    if raw is None:
         return None
     try:
-        meta = params.get("_meta")
-        if meta is None:
-            return None
-        token = jsonrpc.loads(meta).get("progressToken")
-    except Exception:  # a malformed _meta is the connection layer's to answer
+        token = jsonrpc.loads(jsonrpc.raw_dict(raw)["progressToken"])
+    except (KeyError, msgspec.DecodeError, msgspec.ValidationError):
         return None
     return token if isinstance(token, int | str) and not isinstance(token, bool) else None
 

@@ -2,11 +2,13 @@
 (``/mcp`` and the probes on the client listener, the admin listener): request head and body read
 with limits, plain responses, Server-Sent Events framing and the connection loop.
 
-:class:`HttpConnection` drives an ``h11.Connection`` over a
-:class:`~gateway.transports.rawio.SocketIO`.  :meth:`HttpConnection.next_request` reads one
+:class:`HttpConnection` serves a connection over a :class:`~gateway.transports.rawio.SocketIO`,
+its requests of the common shape parsed and answered without h11
+(:mod:`gateway.protocol.http1`); at its first request of any other shape it hands the bytes to an
+``h11.Connection``, which serves it from then on.  :meth:`HttpConnection.next_request` reads one
 whole request within its time and size bounds; every refusal is an :class:`HttpError` that
 :func:`serve_connection`, the one loop and the one catch-all of every HTTP connection, answers
-and then closes on.  Writing is synchronous: h11 frames the bytes and :class:`SocketIO` writes
+and then closes on.  Writing is synchronous: the bytes are framed and :class:`SocketIO` writes
 them at once, holding what the socket does not take until :meth:`HttpConnection.flush`, so an
 SSE event is written from whatever task produced it.  Every library error is
 :class:`~gateway.errors.TransportClosed`.
@@ -14,6 +16,7 @@ SSE event is written from whatever task produced it.  Every library error is
 
 from __future__ import annotations
 
+import enum
 import http
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -24,6 +27,7 @@ import trio
 from gateway import limits
 from gateway.config import host_allowed
 from gateway.errors import IncompleteMessage, TransportClosed
+from gateway.protocol import http1
 from gateway.transports.rawio import stream_io
 
 LOGGER = logging.getLogger(__name__)
@@ -66,12 +70,19 @@ class Request:
 
     __slots__ = ("_by_name", "body", "headers", "method", "path")
 
-    def __init__(self, event: h11.Request, body: bytes) -> None:
-        self.method = event.method.decode("ascii", "replace")
-        self.path = event.target.decode("ascii", "replace").split("?", 1)[0]
-        self.headers: list[tuple[bytes, bytes]] = list(event.headers)
+    def __init__(self, method: str, target: str, headers: list[tuple[bytes, bytes]], body: bytes,
+                 by_name: dict[bytes, str] | None = None) -> None:
+        self.method = method
+        self.path = target.split("?", 1)[0]
+        self.headers = headers
         self.body = body
-        self._by_name: dict[bytes, str] | None = None
+        self._by_name = by_name
+
+    @classmethod
+    def of(cls, event: h11.Request, body: bytes) -> Request:
+        """The request h11 parsed."""
+        return cls(event.method.decode("ascii", "replace"),
+                   event.target.decode("ascii", "replace"), list(event.headers), body)
 
     def header(self, name: bytes) -> str | None:
         """The value of header ``name`` (lowercase); several are joined with ``", "``."""
@@ -85,19 +96,29 @@ class Request:
 
     def host_in(self, hosts: frozenset[str]) -> bool:
         """Whether the ``Host`` header names this server (a loopback name or one of ``hosts``;
-        h11 refuses a request with two): the check against DNS rebinding."""
+        a request with two is refused before): the check against DNS rebinding."""
         return host_allowed(self.header(b"host"), hosts)
+
+
+class _Out(enum.Enum):
+    """Where a connection served without h11 is in its response."""
+
+    IDLE = enum.auto()  # no request being answered
+    DUE = enum.auto()  # a request read, nothing of its response written yet
+    STREAMING = enum.auto()  # a chunked (SSE) response's head written, its end not yet
+    DONE = enum.auto()  # the response written whole: the next request may come
+    CLOSING = enum.auto()  # the response said ``connection: close``, or a write was refused
 
 
 class HttpConnection:
     """One accepted TCP (or TLS) connection served as HTTP/1.1 (keep-alive; one request at a
-    time)."""
+    time).  ``h11`` is None while every request was of the common shape."""
 
     def __init__(self, stream: trio.abc.Stream, max_body: int, *, max_head: int = MAX_HEAD_BYTES,
                  request_timeout: float = limits.INCOMPLETE_MESSAGE_TIMEOUT,
                  head_timeout: float | None = None, opened: float | None = None) -> None:
         self.io = stream_io(stream)  # a TLS connection's SSLStream: through the stream
-        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=max_head)
+        self.h11: h11.Connection | None = None
         self.max_head = max_head
         self.max_body = max_body
         self.request_timeout = request_timeout
@@ -107,6 +128,8 @@ class HttpConnection:
                                              else opened) + self.head_timeout
         self.closed = False
         self._head = False  # the request being answered is a HEAD: its response has no body
+        self._buf = b""  # received and not yet parsed (without h11)
+        self._out = _Out.IDLE
 
     # ---- reading ----------------------------------------------------------------------------
 
@@ -125,19 +148,89 @@ class HttpConnection:
             HttpError: the request is refused (431, 413, 408, 400); close after answering.
             TransportClosed: the connection broke mid-request.
         """
-        conn = self.h11
-        if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
-            conn.start_next_cycle()
-        elif conn.our_state is not h11.IDLE:
-            return None
-        self._head = False
+        if self.h11 is not None:
+            return await self._next_h11(idle_timeout)
+        if self._out is not _Out.DONE and self._out is not _Out.IDLE:
+            return None  # the last response was not finished: nothing more on this connection
+        self._out = _Out.IDLE
         head_by, self._first_head_by = self._first_head_by, None  # None: from its first byte
+        whole_by: float | None = None  # head and body due (from the first byte on)
+        buf = self._buf
+        if buf:
+            whole_by = trio.current_time() + self.request_timeout
+            if head_by is None:
+                head_by = trio.current_time() + self.head_timeout
+        while (end := buf.find(b"\r\n\r\n")) < 0:
+            if buf and (len(buf) > self.max_head or buf.count(b"\n") != buf.count(b"\r\n")):
+                return await self._to_h11(idle_timeout, head_by, whole_by)  # h11's to answer
+            try:
+                if whole_by is None:  # nothing of this request yet: the idle wait
+                    with trio.move_on_at(head_by if head_by is not None
+                                         else trio.current_time() + idle_timeout):
+                        buf = self._buf = await self.io.read()
+                        now = trio.current_time()
+                        whole_by = now + self.request_timeout
+                        if head_by is None:
+                            head_by = now + self.head_timeout
+                        continue
+                    return None  # idle, or no first byte in time: closed without a word
+                assert head_by is not None  # set with whole_by
+                buf = self._buf = buf + await self.io.read(min(head_by, whole_by))
+            except IncompleteMessage:
+                raise HttpError(408, "request head not completed in time") from None
+            except TransportClosed:
+                if not buf:
+                    return None
+                raise
+        head = http1.parse_head(buf[:end + 2]) if end + 4 <= self.max_head else None
+        if head is None:  # not of the common shape, or too big: h11's to answer
+            return await self._to_h11(idle_timeout, head_by, whole_by)
+        if head.length > self.max_body:
+            raise HttpError(413, f"request body of {head.length} bytes; at most {self.max_body} "
+                                 "(gateway.max_message_bytes)")
+        start = end + 4
+        stop = start + head.length
+        if len(buf) < stop:
+            assert whole_by is not None  # the head came
+            parts, have = [buf], len(buf)
+            while have < stop:
+                try:
+                    data = await self.io.read(whole_by)
+                except IncompleteMessage:
+                    raise HttpError(408, "request not completed in time") from None
+                parts.append(data)
+                have += len(data)
+            buf = b"".join(parts)
+        self._buf = buf[stop:]
+        self._out = _Out.DUE
+        return Request(head.method, head.target, head.fields, buf[start:stop], head.by_name)
+
+    async def _to_h11(self, idle_timeout: float, head_by: float | None,
+                      whole_by: float | None) -> Request | None:
+        """From now on h11 serves this connection, starting with the bytes received so far."""
+        conn = self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=self.max_head)
+        conn.receive_data(self._buf)
+        self._buf = b""
+        return await self._next_h11(idle_timeout, head_by, whole_by, started=True)
+
+    async def _next_h11(self, idle_timeout: float, head_by: float | None = None,
+                        whole_by: float | None = None, *, started: bool = False) -> Request | None:
+        """:meth:`next_request` by h11 (``started``: h11 was just given what was received of
+        this request, which is due by ``head_by`` and ``whole_by``)."""
+        conn = self.h11
+        assert conn is not None
+        if not started:
+            if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
+                conn.start_next_cycle()
+            elif conn.our_state is not h11.IDLE:
+                return None
+            head_by, self._first_head_by = self._first_head_by, None
+        self._head = False
         fed = len(conn.trailing_data[0])  # bytes of this request received so far (pipelined)
         total = fed  # … of the whole request, body and framing too (fed stops at the head)
         head_bytes = 0
         chunks = 0
-        whole_by: float | None = None  # head and body due (from the first byte on)
-        if fed:
+        if fed and whole_by is None:
             whole_by = trio.current_time() + self.request_timeout
             if head_by is None:
                 head_by = trio.current_time() + self.head_timeout
@@ -210,7 +303,7 @@ class HttpConnection:
                 if framing > self.max_head + _CHUNK_LINE * chunks:
                     raise HttpError(431, "chunk extensions and trailer fields over "
                                          f"{self.max_head} bytes")
-                return Request(head, b"".join(body))
+                return Request.of(head, b"".join(body))
             elif isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
                 return None
 
@@ -219,9 +312,13 @@ class HttpConnection:
         or the caller cancels; bytes of a pipelined request are kept for :meth:`next_request`."""
         while True:
             data = await self.io.read()
-            if len(self.h11.trailing_data[0]) + len(data) > MAX_PIPELINED:
+            kept = len(self._buf) if self.h11 is None else len(self.h11.trailing_data[0])
+            if kept + len(data) > MAX_PIPELINED:
                 raise TransportClosed("too much pipelined data while streaming a response")
-            self.h11.receive_data(data)
+            if self.h11 is None:
+                self._buf += data
+            else:
+                self.h11.receive_data(data)
 
     # ---- writing (synchronous; True when nothing is held) -----------------------------------
 
@@ -229,11 +326,26 @@ class HttpConnection:
         return self.io.write([data])
 
     def _send(self, *events: h11.Event) -> bool:
+        assert self.h11 is not None
         try:
             data = b"".join(self.h11.send(e) or b"" for e in events)
         except h11.LocalProtocolError as exc:
             raise TransportClosed(f"HTTP state: {exc}") from None
         return self._write(data)
+
+    def _lean_head(self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]],
+                   then: _Out) -> bytes:
+        """A response head written without h11 (the state it leaves: ``then``); refused like
+        h11 refuses it (TransportClosed) when no response is due or a header is invalid."""
+        if self._out is not _Out.DUE and self._out is not _Out.IDLE:
+            self._out = _Out.CLOSING
+            raise TransportClosed("HTTP state: no response is due")
+        data = http1.response_head(status, reason, headers)
+        if data is None:
+            self._out = _Out.CLOSING
+            raise TransportClosed("HTTP state: an invalid response header")
+        self._out = then
+        return data
 
     def respond(self, status: int, body: bytes = b"", content_type: str | None = None,
                 headers: Headers = (), *, close: bool = False) -> bool:
@@ -244,31 +356,52 @@ class HttpConnection:
         hdrs.append(("content-length", str(len(body))))
         if close:
             hdrs.append(("connection", "close"))
-        head = h11.Response(status_code=status, headers=hdrs, reason=http.HTTPStatus(status).phrase)
+        reason = http.HTTPStatus(status).phrase
+        if self.h11 is None:
+            fields = [(n.encode("ascii"), v.encode("ascii")) for n, v in hdrs]
+            ends = _Out.CLOSING if close or _says_close(fields) else _Out.DONE
+            return self._write(self._lean_head(status, reason.encode("ascii"), fields, ends)
+                               + body)
+        head = h11.Response(status_code=status, headers=hdrs, reason=reason)
         if body and not self._head:
             return self._send(head, h11.Data(data=body), h11.EndOfMessage())
         return self._send(head, h11.EndOfMessage())
 
     def respond_json(self, status: int, body: bytes, session_id: str = "") -> bool:
         """:meth:`respond` with a JSON ``body`` (and ``Mcp-Session-Id``: ``session_id``, when
-        given), the answer to nearly every POST: its few headers are made valid here, so h11
-        is not asked to check them again."""
-        if self._head or not (session_id.isascii() and session_id.isprintable()):
+        given), the answer to nearly every POST: its head written straight from a template
+        when h11 does not serve the connection (its few headers are made valid here)."""
+        if self.h11 is not None or not (session_id.isascii() and session_id.isprintable()):
             headers = [("mcp-session-id", session_id)] if session_id else []
             return self.respond(status, body, "application/json", headers)
-        fields = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
-        if session_id:
-            fields.insert(0, (b"mcp-session-id", session_id.encode("ascii")))
+        if self._out is not _Out.DUE and self._out is not _Out.IDLE:
+            self._out = _Out.CLOSING
+            raise TransportClosed("HTTP state: no response is due")
         reason = _REASONS.get(status)
         if reason is None:
             reason = _REASONS[status] = http.HTTPStatus(status).phrase.encode("ascii")
-        head = h11.Response(status_code=status, headers=fields, reason=reason,
-                            _parsed=True)  # h11's own shortcut for valid headers
-        return self._send(head, h11.Data(data=body), h11.EndOfMessage())
+        self._out = _Out.DONE
+        sid = b"mcp-session-id: %s\r\n" % session_id.encode("ascii") if session_id else b""
+        return self._write(b"HTTP/1.1 %d %s\r\n%scontent-type: application/json\r\n"
+                           b"content-length: %d\r\n\r\n%s" % (status, reason, sid, len(body), body))
 
     def start_events(self, headers: Headers = ()) -> bool:
         """A 200 ``text/event-stream`` response head (chunked: it ends with :meth:`end_events`)."""
+        if self.h11 is None:
+            fields = [(n.encode("ascii"), v.encode("ascii"))
+                      for n, v in (*SSE_HEADERS, *headers) if n.lower() != "content-length"]
+            fields.append((b"Transfer-Encoding", b"chunked"))  # as h11 writes it
+            return self._write(self._lean_head(200, b"", fields, _Out.STREAMING))
         return self._send(h11.Response(status_code=200, headers=[*SSE_HEADERS, *headers]))
+
+    def _data(self, data: bytes) -> bool:
+        """A piece of the chunked body being streamed."""
+        if self.h11 is None:
+            if self._out is not _Out.STREAMING:
+                self._out = _Out.CLOSING
+                raise TransportClosed("HTTP state: no response body is being streamed")
+            return self._write(http1.chunk(data))
+        return self._send(h11.Data(data=data))
 
     def event(self, message: bytes, event_id: bytes | None = None) -> bool:
         """One SSE ``message`` event carrying ``message`` (a JSON text, so a CR or LF in it can
@@ -278,19 +411,25 @@ class HttpConnection:
             message = b"\ndata: ".join(message.replace(b"\r\n",
                                                        b"\n").replace(b"\r", b"\n").split(b"\n"))
         if event_id is None:
-            return self._send(h11.Data(data=_EVENT + message + b"\n\n"))
-        return self._send(h11.Data(data=b"id: " + event_id + b"\n" + _EVENT + message + b"\n\n"))
+            return self._data(_EVENT + message + b"\n\n")
+        return self._data(b"id: " + event_id + b"\n" + _EVENT + message + b"\n\n")
 
     def priming_event(self, event_id: bytes) -> bool:
         """An event with an id and empty data (2025-11-25): the client has an id to resume
         from before the first message; clients dispatch no message for it."""
-        return self._send(h11.Data(data=b"id: " + event_id + b"\ndata:\n\n"))
+        return self._data(b"id: " + event_id + b"\ndata:\n\n")
 
     def keepalive(self) -> bool:
         """An SSE comment, so that idle streams are not cut by proxies (and a gone peer shows)."""
-        return self._send(h11.Data(data=_KEEPALIVE))
+        return self._data(_KEEPALIVE)
 
     def end_events(self) -> bool:
+        if self.h11 is None:
+            if self._out is not _Out.STREAMING:
+                self._out = _Out.CLOSING
+                raise TransportClosed("HTTP state: no response body is being streamed")
+            self._out = _Out.DONE
+            return self._write(http1.LAST_CHUNK)
         return self._send(h11.EndOfMessage())
 
     async def flush(self) -> None:
@@ -299,12 +438,22 @@ class HttpConnection:
     @property
     def reusable(self) -> bool:
         """The exchange is over on both sides and the connection may carry another request."""
-        return (not self.closed and self.h11.our_state is h11.DONE
-                and self.h11.their_state is h11.DONE)
+        if self.closed:
+            return False
+        if self.h11 is None:
+            return self._out is _Out.DONE
+        return self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE
 
     async def aclose(self) -> None:
         self.closed = True
         await self.io.aclose()
+
+
+def _says_close(fields: list[tuple[bytes, bytes]]) -> bool:
+    """Whether response header ``fields`` end the connection (``connection: close``)."""
+    return any(name.lower() == b"connection"
+               and b"close" in (t.strip().lower() for t in value.split(b","))
+               for name, value in fields)
 
 
 async def serve_connection(

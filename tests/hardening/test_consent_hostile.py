@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import types
 from pathlib import Path
 from typing import Any
 
@@ -137,8 +138,8 @@ async def test_a_response_to_the_unsent_consent_request_is_refused(
     then got invalid_state.  Now that response is refused; the retry decides."""
     import gateway.core.session
 
-    monkeypatch.setattr(gateway.core.session.secrets, "token_hex",
-                        lambda n=None: "000000")  # a salt the response guesses
+    monkeypatch.setattr(gateway.core.session, "_entropy",
+                        types.SimpleNamespace(hex=lambda n: "000000"))  # a salt it guesses
     caplog.set_level(logging.ERROR)
     transcript = tmp_path / "fx.jsonl"
     cfg = make_config(fixture_backend("fx", env={"FIXTURE_TRANSCRIPT": str(transcript)}), extra=ASK)

@@ -13,6 +13,7 @@ import trio.testing
 from msgspec import Raw
 
 from gateway import errors
+from gateway.core import session as session_module
 from gateway.core.session import ClientSession, ServerRequest
 from gateway.errors import CloseReason
 from gateway.limits import ByteBudget
@@ -306,3 +307,10 @@ async def test_a_modern_session_is_ready_at_once_and_bridged_once() -> None:
     s.bridge_with(first)
     s.bridge_with(second)
     assert s.mrtr is first
+
+
+def test_connection_ids_stay_random_and_distinct_across_entropy_refills() -> None:
+    ids = [session_module.mint_conn_id() for _ in range(3 * session_module.ENTROPY_CHUNK // 4)]
+    tails = [i.partition("-")[2] for i in ids]
+    assert all(len(t) == 8 and int(t, 16) >= 0 for t in tails)
+    assert len(set(tails)) > len(tails) * 0.99  # 32 random bits each: collisions are rare

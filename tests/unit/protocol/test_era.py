@@ -60,3 +60,44 @@ def test_a_header_value_is_plain_visible_ascii_or_base64_and_reads_back(value: s
     headers = {"mcp-protocol-version": "2026-07-28", "mcp-method": "tools/call",
                "mcp-name": encoded}
     assert era.header_mismatch("tools/call", body, headers) is None  # the gateway reads it back
+
+
+GOOD = {era.VERSION_KEY: "2026-07-28", era.CAPABILITIES_KEY: {"sampling": {}}}
+HEADERS = {"mcp-protocol-version": "2026-07-28", "mcp-method": "tools/call", "mcp-name": "fx__a"}
+
+
+def named(**meta: object) -> dict[str, Raw]:
+    return {**params(**meta), "name": Raw(b'"fx__a"')}
+
+
+def test_check_http_reads_the_caps_and_the_progress_token_of_a_matching_request() -> None:
+    assert era.check_http("tools/call", named(**GOOD, progressToken=7), HEADERS) == (
+        {"sampling": {}}, 7)
+    assert era.check_http("tools/call", named(**GOOD, progressToken="t"), HEADERS).progress == "t"
+    for bad in (True, 1.5, None, {"a": 1}):
+        assert era.check_http("tools/call", named(**GOOD, progressToken=bad),
+                              HEADERS).progress is None
+
+
+def test_check_http_refuses_a_version_mismatch_before_judging_either_version() -> None:
+    with pytest.raises(errors.HeaderMismatch) as info:
+        era.check_http("tools/call", named(**{**GOOD, era.VERSION_KEY: "2025-11-25"}), HEADERS)
+    assert info.value.data["header"] == "mcp-protocol-version"
+    with pytest.raises(errors.UnsupportedVersion):  # the header agrees: the version is judged
+        era.check_http("tools/call", named(**{**GOOD, era.VERSION_KEY: "2025-11-25"}),
+                       {**HEADERS, "mcp-protocol-version": "2025-11-25"})
+
+
+@pytest.mark.parametrize(("body", "headers", "refusal"), [
+    (named(**{era.VERSION_KEY: "2026-07-28"}), HEADERS, errors.InvalidParams),  # no caps
+    ({"_meta": Raw(b"[1]"), "name": Raw(b'"fx__a"')}, HEADERS, errors.InvalidParams),
+    (named(), HEADERS, errors.InvalidParams),  # no _meta at all
+    (named(**GOOD), {**HEADERS, "mcp-method": "tools/list"}, errors.HeaderMismatch),
+    (named(**GOOD), {**HEADERS, "mcp-name": "fx__b"}, errors.HeaderMismatch),
+    (named(**GOOD), {**HEADERS, "mcp-name": None}, errors.HeaderMismatch),
+])
+def test_check_http_refuses_what_the_modern_checks_refuse(
+        body: dict[str, Raw], headers: dict[str, str | None],
+        refusal: type[errors.GatewayError]) -> None:
+    with pytest.raises(refusal):
+        era.check_http("tools/call", body, headers)
