@@ -300,11 +300,16 @@ class Baseline:
 
 async def baseline(daemon: Daemon) -> Baseline:
     """What the idle daemon looks like; taken once its backends settled (every instance
-    RUNNING or FATAL)."""
+    RUNNING or FATAL) and what earlier scenarios left was let go (no WebSocket or unix
+    connection, call, prompt or queued message: a closed client is seen a moment later)."""
     async def settled() -> dict[str, Any] | None:
         status = await daemon.status()
         states = {i["state"] for b in status["backends"] for i in b["instances"]}
-        return status if states <= {"RUNNING", "FATAL"} else None
+        view = settled_view(status)
+        idle = (not view["connection_slots"]  # legacy HTTP sessions may stay: no slot
+                and not view["pending_server_requests"] and not view["client_requests_in_flight"]
+                and not view["outbound_messages_queued"] and not any(view["inflight"].values()))
+        return status if states <= {"RUNNING", "FATAL"} and idle else None
 
     with trio.fail_after(SETTLE):
         status = await poll(settled, POLL)
