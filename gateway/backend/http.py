@@ -48,6 +48,16 @@ MAX_HEADER_FILE = 16384
 #: An SSE event's bytes beyond the message itself (field names, ids).
 SSE_OVERHEAD = 1024
 _ACCEPT_BOTH = "application/json, text/event-stream"
+#: Requests POSTed again when a kept-alive connection closed before their answer (it may have
+#: been the remote closing it while idle); any other (a ``tools/call``) may have run already.
+SAFE_TO_REPEAT = frozenset({
+    "initialize", "ping", "tools/list", "prompts/list", "prompts/get", "resources/list",
+    "resources/templates/list", "resources/read", "completion/complete", "logging/setLevel",
+    "resources/subscribe", "resources/unsubscribe"})
+
+
+class _MayHaveRun(Exception):
+    """A request's connection closed after its bytes may have reached the remote."""
 
 
 class _Queue:
@@ -132,9 +142,10 @@ class HttpConnector:
 
     kind = "http"
 
-    def __init__(self, cfg: BackendConfig) -> None:
+    def __init__(self, cfg: BackendConfig, opener: httpclient.Opener | None = None) -> None:
         self.cfg = cfg
         self.target = httpclient.parse_url(cfg.url)
+        self._opener = opener  # (host, port): a byte stream to it (TCP when None)
         self.headers: list[tuple[str, str]] | None = None  # read at open, and by refresh
         self._tls: ssl.SSLContext | None = None  # https: made at the first open, and by refresh
 
@@ -163,7 +174,8 @@ class HttpConnector:
     async def open(self, ctx: LinkContext) -> HttpLink:
         self.headers = read_headers(self.cfg)
         pool = httpclient.Pool(self.target, connect_timeout=self.cfg.start_timeout,
-                               idle_max=IDLE_CONNECTIONS, ssl_context=self._context())
+                               idle_max=IDLE_CONNECTIONS, ssl_context=self._context(),
+                               opener=self._opener)
         try:
             conn = await pool.connect()
         except httpclient.ConnectFailed as exc:
@@ -295,13 +307,14 @@ class HttpLink:
         if self._receiver is not None:
             self._receiver.ended()
 
-    def _call_failed(self, gid: int, detail: str) -> None:
-        """A request's answer cannot come any more (its stream ended without it)."""
+    def _call_failed(self, gid: int, detail: str, *, retryable: bool = True) -> None:
+        """A request's answer cannot come any more (its stream ended without it);
+        ``retryable``: false when the request may have run."""
         self.last_error = detail
         if self._receiver is not None:
             self._receiver.failed(gid, errors.BackendExited(
                 f"backend {self._ctx.backend!r}: {detail}", backend=self._ctx.backend,
-                retryable=True))
+                retryable=retryable))
 
     async def close(self) -> LinkEnd:
         """DELETE the session (bounded), close every idle connection; the streams in use end
@@ -328,10 +341,16 @@ class HttpLink:
 
     # ---- posting ----------------------------------------------------------------------------
 
-    async def _exchange(self, data: bytes, timeout: float  # noqa: ASYNC109 - the head's deadline
+    async def _exchange(self, data: bytes, timeout: float,  # noqa: ASYNC109 - the head's
+                        repeat: bool = True,
                         ) -> tuple[httpclient.Connection, httpclient.Response] | None:
         """POST ``data``; its connection and answer's head, or None when the remote is gone
-        (the link ended).  A kept-alive connection the remote had closed is tried once anew."""
+        (the link ended).  A kept-alive connection the remote had closed is tried once anew if
+        ``repeat``.
+
+        Raises:
+            _MayHaveRun: it closed and not ``repeat``.
+        """
         target = self._connector.target.target
         head = [("content-type", "application/json"), *self._headers(_ACCEPT_BOTH)]
         for _attempt in range(2):
@@ -347,6 +366,8 @@ class HttpLink:
                 raise
             except httpclient.ConnectionLost as exc:
                 await conn.aclose()
+                if conn.reused and not repeat:
+                    raise _MayHaveRun(exc.detail) from None
                 if conn.reused:
                     continue
                 self._lost(f"{self.origin}: {exc.detail}")
@@ -395,10 +416,19 @@ class HttpLink:
                 return
             conn, response = got
             self._drop_cancelled(data)
-            try:
-                await conn.body(self._max_line, SHORT_TIMEOUT)
-            except httpclient.HttpFailure:
+            # the whole answer within SHORT_TIMEOUT (a 202, or a body that must end): one
+            # trickling forever would hold this stream, and the requests behind it, for good
+            with trio.move_on_after(SHORT_TIMEOUT) as scope:
+                try:
+                    await conn.body(self._max_line, SHORT_TIMEOUT)
+                except httpclient.HttpFailure:
+                    await conn.aclose()
+                    return
+            if scope.cancelled_caught:
                 await conn.aclose()
+                self.last_error = (f"{self.origin} did not end its answer to a message within "
+                                   f"{SHORT_TIMEOUT:g}s")
+                LOGGER.warning("backend %s: %s", self._ctx.instance, self.last_error)
                 return
             await self._pool.put(conn)
             if not self._session_gone(response) and response.status >= 300:
@@ -412,15 +442,22 @@ class HttpLink:
         """POST a request and hand its answer stream to the session; the stream is dropped
         when the gateway cancels the call (``notifications/cancelled`` for it was POSTed) or
         after ``max_call_duration``."""
-        initialize = self.protocol_version is None and (
-            msgspec.json.decode(data, type=_Peek).method == "initialize")
+        method = msgspec.json.decode(data, type=_Peek).method
+        initialize = self.protocol_version is None and method == "initialize"
         conn: httpclient.Connection | None = None
         kept = False
         try:
             with trio.CancelScope(deadline=trio.current_time() + self._cfg.max_call_duration
                                   ) as scope:
                 self._streams[gid] = scope
-                got = await self._exchange(data, self._cfg.max_call_duration)
+                try:
+                    got = await self._exchange(data, self._cfg.max_call_duration,
+                                               method in SAFE_TO_REPEAT)
+                except _MayHaveRun as exc:
+                    self._call_failed(gid, f"the connection to {self.origin} closed before the "
+                                           f"answer ({exc}); the call may have run",
+                                      retryable=False)
+                    return
                 if got is None:
                     self._call_failed(gid, f"{self.origin} is unreachable")
                     return

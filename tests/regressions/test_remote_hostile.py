@@ -1,0 +1,241 @@
+"""A hostile remote against the ``http`` connector's link: an in-process h11 server on trio
+memory streams (each connection the link opens is a new pair) and the MockClock, with a
+recording receiver in place of the upstream session."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import h11
+import trio
+import trio.testing
+
+from gateway import config, errors
+from gateway.backend import http
+from gateway.backend.connector import LinkContext
+from gateway.events import EventBus
+from gateway.limits import ByteBudget
+
+Handler = Callable[["Hostile", "Exchange"], Awaitable[None]]
+
+
+class Exchange:
+    """One request the hostile server read, and the means to answer it."""
+
+    def __init__(self, stream: trio.abc.Stream, conn: h11.Connection, method: str,
+                 body: Any, index: int) -> None:
+        self.stream, self.conn, self.method, self.body = stream, conn, method, body
+        self.index = index  # the connection's first exchange (1), second (2), ...
+
+    @property
+    def rpc(self) -> str | None:
+        return self.body.get("method") if isinstance(self.body, dict) else None
+
+    async def head(self, status: int, headers: list[tuple[str, str]]) -> None:
+        await self.stream.send_all(self.conn.send(h11.Response(status_code=status,
+                                                                headers=headers)))
+
+    async def data(self, data: bytes) -> None:
+        await self.stream.send_all(self.conn.send(h11.Data(data=data)))
+
+    async def json(self, obj: Any, status: int = 200,
+                   headers: tuple[tuple[str, str], ...] = ()) -> None:
+        out = json.dumps(obj).encode()
+        await self.head(status, [("content-type", "application/json"),
+                                 ("content-length", str(len(out))), *headers])
+        await self.data(out)
+        await self.stream.send_all(self.conn.send(h11.EndOfMessage()))
+
+    async def empty(self, status: int) -> None:
+        await self.head(status, [("content-length", "0")])
+        await self.stream.send_all(self.conn.send(h11.EndOfMessage()))
+
+
+async def plain(server: Hostile, ex: Exchange) -> None:
+    """A well-behaved remote: a session, no GET stream, 202 to notifications, ``{}`` results."""
+    if ex.method == "GET":
+        await ex.empty(405)
+    elif ex.rpc == "initialize":
+        await ex.json({"jsonrpc": "2.0", "id": ex.body["id"], "result": {
+            "protocolVersion": "2025-11-25", "capabilities": {"tools": {}},
+            "serverInfo": {"name": "hostile", "version": "1"}}},
+            headers=(("mcp-session-id", "s1"),))
+    elif ex.method == "POST" and "id" not in ex.body:
+        await ex.empty(202)
+    elif ex.method == "POST":
+        await ex.json({"jsonrpc": "2.0", "id": ex.body["id"], "result": {}})
+    else:
+        await ex.empty(200)
+
+
+class Hostile:
+    """Serves each connection the link opens with ``handler``; records every request."""
+
+    def __init__(self, nursery: trio.Nursery, handler: Handler) -> None:
+        self.nursery = nursery
+        self.handler = handler
+        self.seen: list[Exchange] = []
+        self.connections = 0
+
+    async def open(self, host: str, port: int) -> trio.abc.Stream:
+        client, server = trio.testing.memory_stream_pair()
+        self.connections += 1
+        self.nursery.start_soon(self._serve, server)
+        return client
+
+    async def _serve(self, stream: trio.abc.Stream) -> None:
+        conn = h11.Connection(h11.SERVER)
+        index = 0
+        try:
+            while True:
+                index += 1
+                request: h11.Request | None = None
+                body = b""
+                while True:
+                    event = conn.next_event()
+                    if event is h11.NEED_DATA:
+                        data = await stream.receive_some(65536)
+                        if not data:
+                            return
+                        conn.receive_data(data)
+                    elif isinstance(event, h11.Request):
+                        request = event
+                    elif isinstance(event, h11.Data):
+                        body += event.data
+                    elif isinstance(event, h11.EndOfMessage):
+                        break
+                    else:
+                        return
+                assert request is not None
+                ex = Exchange(stream, conn, request.method.decode(),
+                              json.loads(body) if body else None, index)
+                self.seen.append(ex)
+                await self.handler(self, ex)
+                if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                    await trio.aclose_forcefully(stream)
+                    return
+                conn.start_next_cycle()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError):
+            return
+
+    def posted(self, rpc: str) -> list[Exchange]:
+        return [ex for ex in self.seen if ex.rpc == rpc]
+
+
+class Recorder:
+    """The receiver side: what the link hands to the session."""
+
+    def __init__(self) -> None:
+        self.messages: list[tuple[Any, int | None]] = []
+        self.failures: dict[int, errors.GatewayError] = {}
+        self.ended_ = False
+        self.changed = trio.Event()
+
+    def _note(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def message(self, data: bytes, cause: int | None = None) -> None:
+        self.messages.append((json.loads(data), cause))
+        self._note()
+
+    def failed(self, gid: int, error: errors.GatewayError) -> None:
+        self.failures[gid] = error
+        self._note()
+
+    def ended(self) -> None:
+        self.ended_ = True
+        self._note()
+
+    def oversize(self, frame: object) -> None: ...
+    def oversize_end(self, frame: object) -> None: ...
+    def undelivered(self, gids: list[int], error: errors.GatewayError) -> None: ...
+
+    def answered(self, gid: int) -> bool:
+        return any(isinstance(m, dict) and m.get("id") == gid and "method" not in m
+                   for m, _ in self.messages)
+
+    async def wait(self, done: Callable[[], bool]) -> None:
+        while not done():
+            await self.changed.wait()
+
+
+async def open_link(nursery: trio.Nursery, handler: Handler
+                    ) -> tuple[Hostile, http.HttpLink, Recorder]:
+    """A link to a hostile remote, its session initialized (request id 1)."""
+    cfg = config.load('[backends.r]\nurl = "http://remote.test/mcp"\n').backends["r"]
+    server = Hostile(nursery, handler)
+    ctx = LinkContext(backend="r", instance="r#1", bus=EventBus(), max_line=65536,
+                      buffers=ByteBudget(10**7).open("r"))
+    link = await http.HttpConnector(cfg, opener=server.open).open(ctx)
+    receiver = Recorder()
+    nursery.start_soon(link.run, receiver)
+    link.send(request(1, "initialize", {"protocolVersion": "2025-11-25"}), 1)
+    await receiver.wait(lambda: receiver.answered(1))
+    link.send(json.dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}).encode())
+    return server, link, receiver
+
+
+def request(gid: int, method: str, params: dict[str, Any] | None = None) -> bytes:
+    return json.dumps({"jsonrpc": "2.0", "id": gid, "method": method,
+                       "params": params or {}}).encode()
+
+
+def note(method: str) -> bytes:
+    return json.dumps({"jsonrpc": "2.0", "method": method, "params": {}}).encode()
+
+
+async def test_notification_answers_that_never_end_do_not_wedge_later_calls(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # A notification's POST answered with a body that trickles forever (a keep-alive each few
+    # seconds, never idle long enough for the idle deadline) held one of the two streams for
+    # notifications for good: two of them, and every later notification queued, and every
+    # request behind it (requests wait for the notifications sent before them) never left.
+    async def trickling(server: Hostile, ex: Exchange) -> None:
+        if ex.method == "POST" and ex.rpc == "notifications/roots/list_changed":
+            await ex.head(200, [("content-type", "text/event-stream")])
+            while True:
+                await ex.data(b": keep-alive\n\n")
+                await trio.sleep(5)  # virtual-time: autojump_clock
+        await plain(server, ex)
+
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            server, link, receiver = await open_link(nursery, trickling)
+            for _ in range(3):
+                link.send(note("notifications/roots/list_changed"))
+            link.send(request(2, "tools/list"), 2)
+            start = trio.current_time()
+            await receiver.wait(lambda: receiver.answered(2))
+            assert trio.current_time() - start <= 2 * http.SHORT_TIMEOUT + 1
+            assert len(server.posted("notifications/roots/list_changed")) == 3
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_call_whose_connection_drops_before_its_answer_is_not_posted_twice(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # A kept-alive connection that closes after the remote read a tools/call: the call may
+    # have run, so it must not be POSTed again on a new connection (a tool's side effect
+    # twice); it fails, and the session goes on (a list is still safe to repeat).
+    async def dropping(server: Hostile, ex: Exchange) -> None:
+        if ex.rpc == "tools/call" and ex.index > 1:
+            await trio.aclose_forcefully(ex.stream)  # read it, then gone without an answer
+            return
+        await plain(server, ex)
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            server, link, receiver = await open_link(nursery, dropping)
+            link.send(request(2, "tools/list"), 2)
+            await receiver.wait(lambda: receiver.answered(2))
+            link.send(request(3, "tools/call", {"name": "charge", "arguments": {}}), 3)
+            await receiver.wait(lambda: 3 in receiver.failures or receiver.answered(3))
+            calls = server.posted("tools/call")
+            assert [ex.index > 1 for ex in calls] == [True]  # on a kept-alive one, once
+            assert 3 in receiver.failures and not receiver.failures[3].data.get("retryable")
+            assert not receiver.ended_  # one dropped connection does not end the session
+            link.send(request(4, "tools/list"), 4)
+            await receiver.wait(lambda: receiver.answered(4))
+            nursery.cancel_scope.cancel()
