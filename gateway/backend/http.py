@@ -14,6 +14,7 @@ Configured header values are read when a link opens and on reload, and never sho
 from __future__ import annotations
 
 import logging
+import math
 import os
 import ssl
 from collections import deque
@@ -41,6 +42,9 @@ IDLE_CONNECTIONS = 4
 #: Seconds a notification's or answer's POST may take, and a DELETE on close.
 SHORT_TIMEOUT = 10.0
 DELETE_TIMEOUT = 5.0
+#: Seconds a request's event stream may stay open after its answer came (the server should end
+#: it then): past that it is closed, so it does not hold a request stream.
+ANSWER_TAIL = 1.0
 #: Seconds before the GET stream is opened again after it ended.
 GET_RETRY = 0.5
 #: A header value read from a file: its most bytes.
@@ -396,6 +400,17 @@ class HttpLink:
             self._cancelled.add(gid)
             scope.cancel()
 
+    async def _drain(self, conn: httpclient.Connection, limit: int) -> bytes:
+        """A body that must end: all of it within :data:`SHORT_TIMEOUT` (one trickling forever
+        would hold its stream, and what waits for that stream, for good).
+
+        Raises:
+            BodyTooLarge, ConnectionLost, HttpTimeout.
+        """
+        with trio.move_on_after(SHORT_TIMEOUT):
+            return await conn.body(limit, SHORT_TIMEOUT)
+        raise httpclient.HttpTimeout(f"an answer's body did not end within {SHORT_TIMEOUT:g}s")
+
     def _session_gone(self, response: httpclient.Response) -> bool:
         if response.status == 404 and self.session_id is not None:
             self._lost(f"{self.origin}: the session is gone (HTTP 404)")
@@ -416,19 +431,13 @@ class HttpLink:
                 return
             conn, response = got
             self._drop_cancelled(data)
-            # the whole answer within SHORT_TIMEOUT (a 202, or a body that must end): one
-            # trickling forever would hold this stream, and the requests behind it, for good
-            with trio.move_on_after(SHORT_TIMEOUT) as scope:
-                try:
-                    await conn.body(self._max_line, SHORT_TIMEOUT)
-                except httpclient.HttpFailure:
-                    await conn.aclose()
-                    return
-            if scope.cancelled_caught:
+            try:
+                await self._drain(conn, self._max_line)
+            except httpclient.HttpFailure as exc:
                 await conn.aclose()
-                self.last_error = (f"{self.origin} did not end its answer to a message within "
-                                   f"{SHORT_TIMEOUT:g}s")
-                LOGGER.warning("backend %s: %s", self._ctx.instance, self.last_error)
+                if isinstance(exc, httpclient.HttpTimeout):
+                    self.last_error = f"{self.origin}: {exc.detail}"
+                    LOGGER.warning("backend %s: %s", self._ctx.instance, self.last_error)
                 return
             await self._pool.put(conn)
             if not self._session_gone(response) and response.status >= 300:
@@ -494,7 +503,7 @@ class HttpLink:
         if initialize and response.status == 200:
             self.session_id = response.headers.get("mcp-session-id") or None
         if response.status != 200:
-            body = await conn.body(self._max_line)
+            body = await self._drain(conn, self._max_line)
             if response.content_type == "application/json" and _answers(body, gid):
                 receiver.message(body, gid)  # a JSON-RPC error answering the call
             else:
@@ -503,15 +512,21 @@ class HttpLink:
         answered = False
         if response.content_type == "text/event-stream":
             decoder = SseDecoder(self._max_line + SSE_OVERHEAD)
-            while (chunk := await conn.chunk()) is not None:
-                try:
-                    events = decoder.feed(chunk)
-                except EventTooLarge:
-                    await conn.aclose()
-                    self._too_large(gid)
-                    return
-                for event in events:
-                    answered |= self._deliver(event, gid, initialize)
+            with trio.CancelScope() as tail:  # after the answer: ANSWER_TAIL more at most
+                while (chunk := await conn.chunk()) is not None:
+                    try:
+                        events = decoder.feed(chunk)
+                    except EventTooLarge:
+                        await conn.aclose()
+                        self._too_large(gid)
+                        return
+                    for event in events:
+                        answered |= self._deliver(event, gid, initialize)
+                    if answered and tail.deadline == math.inf:
+                        tail.deadline = trio.current_time() + ANSWER_TAIL
+            if tail.cancelled_caught:
+                await conn.aclose()
+                return
         elif response.content_type == "application/json":
             try:
                 body = await conn.body(self._max_line)
@@ -521,7 +536,7 @@ class HttpLink:
                 return
             answered = self._deliver(body, gid, initialize)
         else:
-            await conn.body(self._max_line)
+            await self._drain(conn, self._max_line)
             self._call_failed(gid, f"{self.origin} answered {response.content_type or 'no type'}"
                                    ", not JSON nor an event stream")
             return
@@ -530,8 +545,18 @@ class HttpLink:
                                    "answer")
 
     def _deliver(self, data: bytes, gid: int, initialize: bool) -> bool:
-        """Hand ``data`` to the session as caused by ``gid``; whether it was its reply."""
+        """Hand ``data`` to the session as caused by ``gid``; whether it was its reply.  A reply
+        to another request is dropped: what comes on a request's stream is that request's."""
         assert self._receiver is not None
+        try:
+            peek = msgspec.json.decode(data, type=_Peek)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            peek = _Peek(method="")  # not a message: the session says why
+        if peek.method is None and peek.id is not None and peek.id != gid:
+            LOGGER.warning("backend %s: dropping an answer to request %.100r that came on the "
+                           "answer stream of request %d", self._ctx.instance, peek.id, gid)
+            self.last_error = "an answer to another request on a request's answer stream"
+            return False
         if initialize and self.protocol_version is None:
             try:
                 reply = msgspec.json.decode(data, type=_InitReply)
@@ -543,7 +568,7 @@ class HttpLink:
                     self._get_started = True
                     self._nursery.start_soon(self._get_stream)
         self._receiver.message(data, gid)
-        return _answers(data, gid)
+        return peek.method is None and peek.id == gid
 
     def _too_large(self, gid: int) -> None:
         LOGGER.warning("backend %s: dropping an answer of more than %d bytes (max_message_bytes)",

@@ -239,3 +239,64 @@ async def test_a_call_whose_connection_drops_before_its_answer_is_not_posted_twi
             link.send(request(4, "tools/list"), 4)
             await receiver.wait(lambda: receiver.answered(4))
             nursery.cancel_scope.cancel()
+
+
+async def test_answer_streams_kept_open_after_their_answer_do_not_hold_the_request_slots(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # Every answer as an event stream that stays open after the answer (keep-alives forever),
+    # and an error status whose body never ends: each held one of the link's request streams
+    # until max_call_duration (15 minutes), so a call past them waited that long.
+    async def lingering(server: Hostile, ex: Exchange) -> None:
+        if ex.rpc == "tools/list":
+            await ex.head(200, [("content-type", "text/event-stream")])
+            await ex.data(b"data: " + json.dumps({"jsonrpc": "2.0", "id": ex.body["id"],
+                                                  "result": {"tools": []}}).encode() + b"\n\n")
+            while True:
+                await ex.data(b": keep-alive\n\n")
+                await trio.sleep(5)  # virtual-time: autojump_clock
+        if ex.rpc == "prompts/list":
+            await ex.head(500, [("content-type", "text/plain")])
+            while True:
+                await ex.data(b"x")
+                await trio.sleep(5)  # virtual-time: autojump_clock
+        await plain(server, ex)
+
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            _, link, receiver = await open_link(nursery, lingering)
+            lists = range(2, 2 + http.REQUEST_STREAMS)
+            for gid in lists:
+                link.send(request(gid, "tools/list"), gid)
+            link.send(request(100, "prompts/list"), 100)
+            link.send(request(101, "ping"), 101)
+            start = trio.current_time()
+            await receiver.wait(lambda: receiver.answered(101) and 100 in receiver.failures)
+            assert trio.current_time() - start <= http.SHORT_TIMEOUT + 1
+            assert all(receiver.answered(gid) for gid in lists)
+            assert "did not end within" in receiver.failures[100].message
+            nursery.cancel_scope.cancel()
+
+
+async def test_an_answer_to_another_request_on_a_calls_stream_is_not_delivered(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # What arrives on a call's own answer stream belongs to that call: an answer there to
+    # another request (another caller's call) must not complete that other call.
+    async def crossing(server: Hostile, ex: Exchange) -> None:
+        if ex.rpc == "tools/call" and ex.body["params"]["name"] == "mine":
+            await ex.json({"jsonrpc": "2.0", "id": ex.body["id"] + 1,
+                           "result": {"content": [{"type": "text", "text": "forged"}]}})
+            return
+        if ex.rpc == "tools/call":
+            await trio.sleep(1)  # virtual-time: answered after the forged one
+        await plain(server, ex)
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            _, link, receiver = await open_link(nursery, crossing)
+            link.send(request(3, "tools/call", {"name": "theirs", "arguments": {}}), 3)
+            link.send(request(2, "tools/call", {"name": "mine", "arguments": {}}), 2)
+            await receiver.wait(lambda: 2 in receiver.failures and receiver.answered(3))
+            answers = [(m["id"], cause) for m, cause in receiver.messages if m.get("id") in (2, 3)]
+            assert answers == [(3, 3)], answers
+            assert "without the answer" in receiver.failures[2].message
+            nursery.cancel_scope.cancel()
