@@ -15,8 +15,10 @@ import trio.testing
 from gateway import config, errors
 from gateway.backend import http
 from gateway.backend.connector import LinkContext
-from gateway.events import EventBus
+from gateway.events import BackendStateChanged, EventBus
+from gateway.hub import Hub
 from gateway.limits import ByteBudget
+from gateway.protocol import jsonrpc
 
 Handler = Callable[["Hostile", "Exchange"], Awaitable[None]]
 
@@ -64,6 +66,9 @@ async def plain(server: Hostile, ex: Exchange) -> None:
             headers=(("mcp-session-id", "s1"),))
     elif ex.method == "POST" and "id" not in ex.body:
         await ex.empty(202)
+    elif ex.rpc == "tools/list":
+        await ex.json({"jsonrpc": "2.0", "id": ex.body["id"], "result": {"tools": [
+            {"name": name, "inputSchema": {"type": "object"}} for name in ("mine", "theirs")]}})
     elif ex.method == "POST":
         await ex.json({"jsonrpc": "2.0", "id": ex.body["id"], "result": {}})
     else:
@@ -78,6 +83,7 @@ class Hostile:
         self.handler = handler
         self.seen: list[Exchange] = []
         self.connections = 0
+        self.changed = trio.Event()  # set, and replaced, at each request read
 
     async def open(self, host: str, port: int) -> trio.abc.Stream:
         client, server = trio.testing.memory_stream_pair()
@@ -112,6 +118,8 @@ class Hostile:
                 ex = Exchange(stream, conn, request.method.decode(),
                               json.loads(body) if body else None, index)
                 self.seen.append(ex)
+                self.changed.set()
+                self.changed = trio.Event()
                 await self.handler(self, ex)
                 if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
                     await trio.aclose_forcefully(stream)
@@ -299,4 +307,73 @@ async def test_an_answer_to_another_request_on_a_calls_stream_is_not_delivered(
             answers = [(m["id"], cause) for m, cause in receiver.messages if m.get("id") in (2, 3)]
             assert answers == [(3, 3)], answers
             assert "without the answer" in receiver.failures[2].message
+            nursery.cancel_scope.cancel()
+
+
+class Owner:
+    """Stands in for a client session (what the backend layer sees of one)."""
+
+    def __init__(self) -> None:
+        self.closed = trio.Event()
+
+    def send(self, data: bytes, route: jsonrpc.Route | None = None) -> bool:
+        return True
+
+    def cancel_request(self, req: Any, outcome: Any, reason: str) -> None:
+        pass
+
+
+async def test_garbage_on_a_calls_stream_fails_that_call_not_the_one_whose_id_it_shows(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # A message that does not decode, on one call's answer stream, showing another call's id
+    # where a reply's id goes: the session failed that other call (another caller's) with
+    # -32009 from what it read of the bytes; it is the call whose stream carried it that fails.
+    async def garbling(server: Hostile, ex: Exchange) -> None:
+        if ex.rpc == "tools/call" and ex.body["params"]["name"] == "mine":
+            (theirs,) = [e for e in server.posted("tools/call")
+                         if e.body["params"]["name"] == "theirs"]
+            out = b'{"jsonrpc":"2.0","id":%d,"result":{"content":' % theirs.body["id"]
+            await ex.head(200, [("content-type", "application/json"),
+                                ("content-length", str(len(out)))])
+            await ex.data(out)
+            await ex.stream.send_all(ex.conn.send(h11.EndOfMessage()))
+            return
+        if ex.rpc == "tools/call":
+            await trio.sleep(1)  # virtual-time: answered after the garbage
+        await plain(server, ex)
+
+    cfg = config.load('[listen]\nwebsocket = "127.0.0.1:0"\nhttp = ""\n[backends.r]\n'
+                      'url = "http://remote.test/mcp"\nhealth = { interval = 0.0 }\n')
+    bus = EventBus()
+    running = trio.Event()
+    bus.subscribe(lambda e: running.set() if e.new == "RUNNING" else None, BackendStateChanged)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            server = Hostile(nursery, garbling)
+            hub = Hub(cfg, bus, connectors=lambda name, cfg: http.HttpConnector(
+                cfg, opener=server.open))
+            await nursery.start(hub.run)
+            await running.wait()
+            backend = hub.backends["r"]
+            outcomes: dict[str, Any] = {}
+
+            async def call(tool: str) -> None:
+                owner = Owner()
+                inst, child = await backend.acquire(owner)
+                try:
+                    raw = await child.request("tools/call", jsonrpc.encode_dict(
+                        {"name": tool, "arguments": {}}), timeout=30.0, owner=owner)
+                    outcomes[tool] = json.loads(bytes(raw))
+                except errors.GatewayError as exc:
+                    outcomes[tool] = exc
+                finally:
+                    backend.release(inst, owner)
+
+            async with trio.open_nursery() as calls:
+                calls.start_soon(call, "theirs")
+                while not server.posted("tools/call"):
+                    await server.changed.wait()
+                calls.start_soon(call, "mine")
+            assert outcomes["theirs"] == {}, outcomes
+            assert isinstance(outcomes["mine"], errors.GatewayError)
             nursery.cancel_scope.cancel()
