@@ -501,7 +501,13 @@ class HttpLink:
             await conn.aclose()
             return
         if initialize and response.status == 200:
-            self.session_id = response.headers.get("mcp-session-id") or None
+            sid = response.headers.get("mcp-session-id") or None
+            if sid is not None and not all("!" <= c <= "~" for c in sid):
+                await conn.aclose()  # it could not be sent back: the spec's visible ASCII only
+                self._call_failed(gid, f"{self.origin} sent an Mcp-Session-Id that is not "
+                                       "visible ASCII")
+                return
+            self.session_id = sid
         if response.status != 200:
             body = await self._drain(conn, self._max_line)
             if response.content_type == "application/json" and _answers(body, gid):

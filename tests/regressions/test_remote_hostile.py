@@ -377,3 +377,38 @@ async def test_garbage_on_a_calls_stream_fails_that_call_not_the_one_whose_id_it
             assert outcomes["theirs"] == {}, outcomes
             assert isinstance(outcomes["mine"], errors.GatewayError)
             nursery.cancel_scope.cancel()
+
+
+async def test_a_session_id_that_cannot_be_sent_back_fails_the_handshake_plainly(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # An Mcp-Session-Id that is not visible ASCII (here a space and a Latin-1 byte, both legal
+    # in an HTTP/1.1 header) was taken, then every later request failed in the HTTP client
+    # ("h11 refused its head") and the session ended: a restart loop with no word of why.
+    async def odd_session(server: Hostile, ex: Exchange) -> None:
+        if ex.rpc == "initialize":
+            out = json.dumps({"jsonrpc": "2.0", "id": ex.body["id"], "result": {
+                "protocolVersion": "2025-11-25", "capabilities": {},
+                "serverInfo": {"name": "hostile", "version": "1"}}}).encode()
+            await ex.head(200, [("content-type", "application/json"),
+                                ("content-length", str(len(out))),
+                                ("mcp-session-id", b"s 1\xe9")])
+            await ex.data(out)
+            await ex.stream.send_all(ex.conn.send(h11.EndOfMessage()))
+            return
+        await plain(server, ex)
+
+    cfg = config.load('[backends.r]\nurl = "http://remote.test/mcp"\n').backends["r"]
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            server = Hostile(nursery, odd_session)
+            ctx = LinkContext(backend="r", instance="r#1", bus=EventBus(), max_line=65536,
+                              buffers=ByteBudget(10**7).open("r"))
+            link = await http.HttpConnector(cfg, opener=server.open).open(ctx)
+            receiver = Recorder()
+            nursery.start_soon(link.run, receiver)
+            link.send(request(1, "initialize", {"protocolVersion": "2025-11-25"}), 1)
+            await receiver.wait(lambda: 1 in receiver.failures or receiver.answered(1))
+            assert not receiver.answered(1)
+            assert "Mcp-Session-Id" in receiver.failures[1].message
+            assert [ex.method for ex in server.seen] == ["POST"]  # no GET stream opened
+            nursery.cancel_scope.cancel()
