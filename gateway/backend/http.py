@@ -45,8 +45,10 @@ DELETE_TIMEOUT = 5.0
 #: Seconds a request's event stream may stay open after its answer came (the server should end
 #: it then): past that it is closed, so it does not hold a request stream.
 ANSWER_TAIL = 1.0
-#: Seconds before the GET stream is opened again after it ended.
+#: Seconds before the GET stream is opened again after it ended; doubled, up to
+#: :data:`GET_RETRY_MAX`, each time it ends again without an event and sooner than that.
 GET_RETRY = 0.5
+GET_RETRY_MAX = 30.0
 #: A header value read from a file: its most bytes.
 MAX_HEADER_FILE = 16384
 #: An SSE event's bytes beyond the message itself (field names, ids).
@@ -588,10 +590,14 @@ class HttpLink:
     # ---- the GET stream ---------------------------------------------------------------------
 
     async def _get_stream(self) -> None:
-        """The server's own requests and notifications; opened again when it ends, until the
-        remote refuses it (405: it has none) or cannot be reached (the link ends)."""
+        """The server's own requests and notifications; opened again when it ends (later
+        each time it ends at once without an event), until the remote refuses it (405: it has
+        none) or cannot be reached (the link ends)."""
         target = self._connector.target.target
+        delay = GET_RETRY
         while not self._ended:
+            opened = trio.current_time()
+            delivered = False
             try:
                 conn = await self._pool.get()
             except httpclient.ConnectFailed as exc:
@@ -619,6 +625,7 @@ class HttpLink:
                 while (chunk := await conn.chunk()) is not None:
                     for event in decoder.feed(chunk):
                         assert self._receiver is not None
+                        delivered = True
                         self._receiver.message(event)
             except EventTooLarge:
                 LOGGER.warning("backend %s: the GET stream sent an event of more than %d bytes; "
@@ -626,4 +633,7 @@ class HttpLink:
             except httpclient.HttpFailure as exc:
                 self.last_error = f"the GET stream from {self.origin} ended: {exc.detail}"
             await conn.aclose()
-            await trio.sleep(GET_RETRY)
+            if delivered or trio.current_time() - opened >= GET_RETRY_MAX:
+                delay = GET_RETRY
+            await trio.sleep(delay)
+            delay = min(2 * delay, GET_RETRY_MAX)

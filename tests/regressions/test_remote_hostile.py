@@ -412,3 +412,27 @@ async def test_a_session_id_that_cannot_be_sent_back_fails_the_handshake_plainly
             assert "Mcp-Session-Id" in receiver.failures[1].message
             assert [ex.method for ex in server.seen] == ["POST"]  # no GET stream opened
             nursery.cancel_scope.cancel()
+
+
+async def test_a_get_stream_that_ends_at_once_is_opened_again_ever_later(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # A GET stream answered 200 and ended at once, with no event, was opened again every
+    # half second forever (a new connection each time: 120 a minute); it backs off now, and
+    # is still opened again.
+    async def quick_end(server: Hostile, ex: Exchange) -> None:
+        if ex.method == "GET":
+            await ex.head(200, [("content-type", "text/event-stream"), ("content-length", "0")])
+            await ex.stream.send_all(ex.conn.send(h11.EndOfMessage()))
+            return
+        await plain(server, ex)
+
+    with trio.fail_after(1000):
+        async with trio.open_nursery() as nursery:
+            server, _, receiver = await open_link(nursery, quick_end)
+            await trio.sleep(120)  # virtual-time: autojump_clock
+            gets = [ex for ex in server.seen if ex.method == "GET"]
+            assert 5 <= len(gets) <= 12, len(gets)
+            await trio.sleep(2 * http.GET_RETRY_MAX)  # virtual-time: still opened again
+            assert len([ex for ex in server.seen if ex.method == "GET"]) > len(gets)
+            assert not receiver.ended_
+            nursery.cancel_scope.cancel()
