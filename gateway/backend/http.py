@@ -347,7 +347,7 @@ class HttpLink:
 
     # ---- posting ----------------------------------------------------------------------------
 
-    async def _exchange(self, data: bytes, timeout: float,  # noqa: ASYNC109 - the head's
+    async def _exchange(self, data: bytes, timeout: float,  # noqa: ASYNC109 - head deadline
                         repeat: bool = True,
                         ) -> tuple[httpclient.Connection, httpclient.Response] | None:
         """POST ``data``; its connection and answer's head, or None when the remote is gone
