@@ -412,7 +412,7 @@ class ChildConnection:
             env = jsonrpc.decode(line, self._max_depth)
             kind = jsonrpc.classify(env)
         except errors.GatewayError as exc:
-            self._on_undecodable(line, exc)
+            self._on_undecodable(line, exc, cause)
             return
         if kind == "response" or kind == "error":
             try:
@@ -444,10 +444,12 @@ class ChildConnection:
             else:
                 self._handlers.on_request(self, env.id, env.method, env.params, cause)
 
-    def _on_undecodable(self, line: bytes, exc: errors.GatewayError) -> None:
-        """A line that is not a message the gateway can pass on: logged and counted.  When the
-        line shows a reply's id (read from its first or last bytes: it may not decode at all),
-        that call fails now with -32009 instead of waiting for its timeout."""
+    def _on_undecodable(self, line: bytes, exc: errors.GatewayError,
+                        cause: int | None = None) -> None:
+        """A line that is not a message the gateway can pass on: logged and counted.  The call
+        whose own answer stream carried it (``cause``), else the one whose reply id the line
+        shows (read from its first or last bytes: it may not decode at all), fails now with
+        -32009 instead of waiting for its timeout."""
         if exc.reason in ("invalid_utf8", "too_deep"):
             kind = exc.reason
         else:
@@ -455,7 +457,8 @@ class ChildConnection:
         LOGGER.warning("backend %s sent a line that is not a valid message (%s: %s): %.200r",
                        self.instance, kind, exc.message, line)
         self._protocol_error(kind)
-        self._fail_reply(wire.reply_id_hint(line[:HEAD], line[-HEAD:]), errors.BackendProtocolError(
+        gid = cause if cause is not None else wire.reply_id_hint(line[:HEAD], line[-HEAD:])
+        self._fail_reply(gid, errors.BackendProtocolError(
             f"backend {self.backend!r} sent a reply that cannot be passed on: {exc.message}",
             backend=self.backend, detail=kind))
 

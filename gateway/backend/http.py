@@ -14,6 +14,7 @@ Configured header values are read when a link opens and on reload, and never sho
 from __future__ import annotations
 
 import logging
+import math
 import os
 import ssl
 from collections import deque
@@ -41,13 +42,28 @@ IDLE_CONNECTIONS = 4
 #: Seconds a notification's or answer's POST may take, and a DELETE on close.
 SHORT_TIMEOUT = 10.0
 DELETE_TIMEOUT = 5.0
-#: Seconds before the GET stream is opened again after it ended.
+#: Seconds a request's event stream may stay open after its answer came (the server should end
+#: it then): past that it is closed, so it does not hold a request stream.
+ANSWER_TAIL = 1.0
+#: Seconds before the GET stream is opened again after it ended; doubled, up to
+#: :data:`GET_RETRY_MAX`, each time it ends again without an event and sooner than that.
 GET_RETRY = 0.5
+GET_RETRY_MAX = 30.0
 #: A header value read from a file: its most bytes.
 MAX_HEADER_FILE = 16384
 #: An SSE event's bytes beyond the message itself (field names, ids).
 SSE_OVERHEAD = 1024
 _ACCEPT_BOTH = "application/json, text/event-stream"
+#: Requests POSTed again when a kept-alive connection closed before their answer (it may have
+#: been the remote closing it while idle); any other (a ``tools/call``) may have run already.
+SAFE_TO_REPEAT = frozenset({
+    "initialize", "ping", "tools/list", "prompts/list", "prompts/get", "resources/list",
+    "resources/templates/list", "resources/read", "completion/complete", "logging/setLevel",
+    "resources/subscribe", "resources/unsubscribe"})
+
+
+class _MayHaveRun(Exception):
+    """A request's connection closed after its bytes may have reached the remote."""
 
 
 class _Queue:
@@ -132,9 +148,10 @@ class HttpConnector:
 
     kind = "http"
 
-    def __init__(self, cfg: BackendConfig) -> None:
+    def __init__(self, cfg: BackendConfig, opener: httpclient.Opener | None = None) -> None:
         self.cfg = cfg
         self.target = httpclient.parse_url(cfg.url)
+        self._opener = opener  # (host, port): a byte stream to it (TCP when None)
         self.headers: list[tuple[str, str]] | None = None  # read at open, and by refresh
         self._tls: ssl.SSLContext | None = None  # https: made at the first open, and by refresh
 
@@ -163,7 +180,8 @@ class HttpConnector:
     async def open(self, ctx: LinkContext) -> HttpLink:
         self.headers = read_headers(self.cfg)
         pool = httpclient.Pool(self.target, connect_timeout=self.cfg.start_timeout,
-                               idle_max=IDLE_CONNECTIONS, ssl_context=self._context())
+                               idle_max=IDLE_CONNECTIONS, ssl_context=self._context(),
+                               opener=self._opener)
         try:
             conn = await pool.connect()
         except httpclient.ConnectFailed as exc:
@@ -295,13 +313,14 @@ class HttpLink:
         if self._receiver is not None:
             self._receiver.ended()
 
-    def _call_failed(self, gid: int, detail: str) -> None:
-        """A request's answer cannot come any more (its stream ended without it)."""
+    def _call_failed(self, gid: int, detail: str, *, retryable: bool = True) -> None:
+        """A request's answer cannot come any more (its stream ended without it);
+        ``retryable``: false when the request may have run."""
         self.last_error = detail
         if self._receiver is not None:
             self._receiver.failed(gid, errors.BackendExited(
                 f"backend {self._ctx.backend!r}: {detail}", backend=self._ctx.backend,
-                retryable=True))
+                retryable=retryable))
 
     async def close(self) -> LinkEnd:
         """DELETE the session (bounded), close every idle connection; the streams in use end
@@ -328,10 +347,16 @@ class HttpLink:
 
     # ---- posting ----------------------------------------------------------------------------
 
-    async def _exchange(self, data: bytes, timeout: float  # noqa: ASYNC109 - the head's deadline
+    async def _exchange(self, data: bytes, timeout: float,  # noqa: ASYNC109 - head deadline
+                        repeat: bool = True,
                         ) -> tuple[httpclient.Connection, httpclient.Response] | None:
         """POST ``data``; its connection and answer's head, or None when the remote is gone
-        (the link ended).  A kept-alive connection the remote had closed is tried once anew."""
+        (the link ended).  A kept-alive connection the remote had closed is tried once anew if
+        ``repeat``.
+
+        Raises:
+            _MayHaveRun: it closed and not ``repeat``.
+        """
         target = self._connector.target.target
         head = [("content-type", "application/json"), *self._headers(_ACCEPT_BOTH)]
         for _attempt in range(2):
@@ -347,6 +372,8 @@ class HttpLink:
                 raise
             except httpclient.ConnectionLost as exc:
                 await conn.aclose()
+                if conn.reused and not repeat:
+                    raise _MayHaveRun(exc.detail) from None
                 if conn.reused:
                     continue
                 self._lost(f"{self.origin}: {exc.detail}")
@@ -375,6 +402,17 @@ class HttpLink:
             self._cancelled.add(gid)
             scope.cancel()
 
+    async def _drain(self, conn: httpclient.Connection, limit: int) -> bytes:
+        """A body that must end: all of it within :data:`SHORT_TIMEOUT` (one trickling forever
+        would hold its stream, and what waits for that stream, for good).
+
+        Raises:
+            BodyTooLarge, ConnectionLost, HttpTimeout.
+        """
+        with trio.move_on_after(SHORT_TIMEOUT):
+            return await conn.body(limit, SHORT_TIMEOUT)
+        raise httpclient.HttpTimeout(f"an answer's body did not end within {SHORT_TIMEOUT:g}s")
+
     def _session_gone(self, response: httpclient.Response) -> bool:
         if response.status == 404 and self.session_id is not None:
             self._lost(f"{self.origin}: the session is gone (HTTP 404)")
@@ -396,9 +434,12 @@ class HttpLink:
             conn, response = got
             self._drop_cancelled(data)
             try:
-                await conn.body(self._max_line, SHORT_TIMEOUT)
-            except httpclient.HttpFailure:
+                await self._drain(conn, self._max_line)
+            except httpclient.HttpFailure as exc:
                 await conn.aclose()
+                if isinstance(exc, httpclient.HttpTimeout):
+                    self.last_error = f"{self.origin}: {exc.detail}"
+                    LOGGER.warning("backend %s: %s", self._ctx.instance, self.last_error)
                 return
             await self._pool.put(conn)
             if not self._session_gone(response) and response.status >= 300:
@@ -412,15 +453,22 @@ class HttpLink:
         """POST a request and hand its answer stream to the session; the stream is dropped
         when the gateway cancels the call (``notifications/cancelled`` for it was POSTed) or
         after ``max_call_duration``."""
-        initialize = self.protocol_version is None and (
-            msgspec.json.decode(data, type=_Peek).method == "initialize")
+        method = msgspec.json.decode(data, type=_Peek).method
+        initialize = self.protocol_version is None and method == "initialize"
         conn: httpclient.Connection | None = None
         kept = False
         try:
             with trio.CancelScope(deadline=trio.current_time() + self._cfg.max_call_duration
                                   ) as scope:
                 self._streams[gid] = scope
-                got = await self._exchange(data, self._cfg.max_call_duration)
+                try:
+                    got = await self._exchange(data, self._cfg.max_call_duration,
+                                               method in SAFE_TO_REPEAT)
+                except _MayHaveRun as exc:
+                    self._call_failed(gid, f"the connection to {self.origin} closed before the "
+                                           f"answer ({exc}); the call may have run",
+                                      retryable=False)
+                    return
                 if got is None:
                     self._call_failed(gid, f"{self.origin} is unreachable")
                     return
@@ -455,9 +503,15 @@ class HttpLink:
             await conn.aclose()
             return
         if initialize and response.status == 200:
-            self.session_id = response.headers.get("mcp-session-id") or None
+            sid = response.headers.get("mcp-session-id") or None
+            if sid is not None and not all("!" <= c <= "~" for c in sid):
+                await conn.aclose()  # it could not be sent back: the spec's visible ASCII only
+                self._call_failed(gid, f"{self.origin} sent an Mcp-Session-Id that is not "
+                                       "visible ASCII")
+                return
+            self.session_id = sid
         if response.status != 200:
-            body = await conn.body(self._max_line)
+            body = await self._drain(conn, self._max_line)
             if response.content_type == "application/json" and _answers(body, gid):
                 receiver.message(body, gid)  # a JSON-RPC error answering the call
             else:
@@ -466,15 +520,21 @@ class HttpLink:
         answered = False
         if response.content_type == "text/event-stream":
             decoder = SseDecoder(self._max_line + SSE_OVERHEAD)
-            while (chunk := await conn.chunk()) is not None:
-                try:
-                    events = decoder.feed(chunk)
-                except EventTooLarge:
-                    await conn.aclose()
-                    self._too_large(gid)
-                    return
-                for event in events:
-                    answered |= self._deliver(event, gid, initialize)
+            with trio.CancelScope() as tail:  # after the answer: ANSWER_TAIL more at most
+                while (chunk := await conn.chunk()) is not None:
+                    try:
+                        events = decoder.feed(chunk)
+                    except EventTooLarge:
+                        await conn.aclose()
+                        self._too_large(gid)
+                        return
+                    for event in events:
+                        answered |= self._deliver(event, gid, initialize)
+                    if answered and tail.deadline == math.inf:
+                        tail.deadline = trio.current_time() + ANSWER_TAIL
+            if tail.cancelled_caught:
+                await conn.aclose()
+                return
         elif response.content_type == "application/json":
             try:
                 body = await conn.body(self._max_line)
@@ -484,7 +544,7 @@ class HttpLink:
                 return
             answered = self._deliver(body, gid, initialize)
         else:
-            await conn.body(self._max_line)
+            await self._drain(conn, self._max_line)
             self._call_failed(gid, f"{self.origin} answered {response.content_type or 'no type'}"
                                    ", not JSON nor an event stream")
             return
@@ -493,8 +553,18 @@ class HttpLink:
                                    "answer")
 
     def _deliver(self, data: bytes, gid: int, initialize: bool) -> bool:
-        """Hand ``data`` to the session as caused by ``gid``; whether it was its reply."""
+        """Hand ``data`` to the session as caused by ``gid``; whether it was its reply.  A reply
+        to another request is dropped: what comes on a request's stream is that request's."""
         assert self._receiver is not None
+        try:
+            peek = msgspec.json.decode(data, type=_Peek)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            peek = _Peek(method="")  # not a message: the session says why
+        if peek.method is None and peek.id is not None and peek.id != gid:
+            LOGGER.warning("backend %s: dropping an answer to request %.100r that came on the "
+                           "answer stream of request %d", self._ctx.instance, peek.id, gid)
+            self.last_error = "an answer to another request on a request's answer stream"
+            return False
         if initialize and self.protocol_version is None:
             try:
                 reply = msgspec.json.decode(data, type=_InitReply)
@@ -506,7 +576,7 @@ class HttpLink:
                     self._get_started = True
                     self._nursery.start_soon(self._get_stream)
         self._receiver.message(data, gid)
-        return _answers(data, gid)
+        return peek.method is None and peek.id == gid
 
     def _too_large(self, gid: int) -> None:
         LOGGER.warning("backend %s: dropping an answer of more than %d bytes (max_message_bytes)",
@@ -520,10 +590,14 @@ class HttpLink:
     # ---- the GET stream ---------------------------------------------------------------------
 
     async def _get_stream(self) -> None:
-        """The server's own requests and notifications; opened again when it ends, until the
-        remote refuses it (405: it has none) or cannot be reached (the link ends)."""
+        """The server's own requests and notifications; opened again when it ends (later
+        each time it ends at once without an event), until the remote refuses it (405: it has
+        none) or cannot be reached (the link ends)."""
         target = self._connector.target.target
+        delay = GET_RETRY
         while not self._ended:
+            opened = trio.current_time()
+            delivered = False
             try:
                 conn = await self._pool.get()
             except httpclient.ConnectFailed as exc:
@@ -551,6 +625,7 @@ class HttpLink:
                 while (chunk := await conn.chunk()) is not None:
                     for event in decoder.feed(chunk):
                         assert self._receiver is not None
+                        delivered = True
                         self._receiver.message(event)
             except EventTooLarge:
                 LOGGER.warning("backend %s: the GET stream sent an event of more than %d bytes; "
@@ -558,4 +633,7 @@ class HttpLink:
             except httpclient.HttpFailure as exc:
                 self.last_error = f"the GET stream from {self.origin} ended: {exc.detail}"
             await conn.aclose()
-            await trio.sleep(GET_RETRY)
+            if delivered or trio.current_time() - opened >= GET_RETRY_MAX:
+                delay = GET_RETRY
+            await trio.sleep(delay)
+            delay = min(2 * delay, GET_RETRY_MAX)

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import math
 import ssl
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import h11
 import trio
 
+#: Opens a byte stream to (host, port).
+Opener = Callable[[str, int], Awaitable[trio.abc.Stream]]
 #: Bytes read from a connection at once.
 READ_CHUNK = 65536
 #: The most an answer's head (status line and headers) may take.
@@ -227,8 +230,10 @@ class Pool:
     :data:`IDLE_TTL` seconds."""
 
     def __init__(self, origin: Origin, *, connect_timeout: float, idle_max: int,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+                 ssl_context: ssl.SSLContext | None = None,
+                 opener: Opener | None = None) -> None:
         self.origin = origin
+        self.opener = opener or trio.open_tcp_stream  # (host, port): a byte stream to it
         self.ssl_context = ssl_context  # for https
         self.connect_timeout = connect_timeout
         self.idle_max = idle_max
@@ -246,7 +251,7 @@ class Pool:
         stream: trio.abc.Stream | None = None
         try:
             with trio.fail_after(self.connect_timeout):
-                stream = await trio.open_tcp_stream(origin.host, origin.port)
+                stream = await self.opener(origin.host, origin.port)
                 if origin.tls:
                     assert self.ssl_context is not None
                     tls = trio.SSLStream(stream, self.ssl_context, server_hostname=origin.host)

@@ -1,0 +1,438 @@
+"""A hostile remote against the ``http`` connector's link: an in-process h11 server on trio
+memory streams (each connection the link opens is a new pair) and the MockClock, with a
+recording receiver in place of the upstream session."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import h11
+import trio
+import trio.testing
+
+from gateway import config, errors
+from gateway.backend import http
+from gateway.backend.connector import LinkContext
+from gateway.events import BackendStateChanged, EventBus
+from gateway.hub import Hub
+from gateway.limits import ByteBudget
+from gateway.protocol import jsonrpc
+
+Handler = Callable[["Hostile", "Exchange"], Awaitable[None]]
+
+
+class Exchange:
+    """One request the hostile server read, and the means to answer it."""
+
+    def __init__(self, stream: trio.abc.Stream, conn: h11.Connection, method: str,
+                 body: Any, index: int) -> None:
+        self.stream, self.conn, self.method, self.body = stream, conn, method, body
+        self.index = index  # the connection's first exchange (1), second (2), ...
+
+    @property
+    def rpc(self) -> str | None:
+        return self.body.get("method") if isinstance(self.body, dict) else None
+
+    async def head(self, status: int, headers: list[tuple[str, str]]) -> None:
+        await self.stream.send_all(self.conn.send(h11.Response(status_code=status,
+                                                                headers=headers)))
+
+    async def data(self, data: bytes) -> None:
+        await self.stream.send_all(self.conn.send(h11.Data(data=data)))
+
+    async def json(self, obj: Any, status: int = 200,
+                   headers: tuple[tuple[str, str], ...] = ()) -> None:
+        out = json.dumps(obj).encode()
+        await self.head(status, [("content-type", "application/json"),
+                                 ("content-length", str(len(out))), *headers])
+        await self.data(out)
+        await self.stream.send_all(self.conn.send(h11.EndOfMessage()))
+
+    async def empty(self, status: int) -> None:
+        await self.head(status, [("content-length", "0")])
+        await self.stream.send_all(self.conn.send(h11.EndOfMessage()))
+
+
+async def plain(server: Hostile, ex: Exchange) -> None:
+    """A well-behaved remote: a session, no GET stream, 202 to notifications, ``{}`` results."""
+    if ex.method == "GET":
+        await ex.empty(405)
+    elif ex.rpc == "initialize":
+        await ex.json({"jsonrpc": "2.0", "id": ex.body["id"], "result": {
+            "protocolVersion": "2025-11-25", "capabilities": {"tools": {}},
+            "serverInfo": {"name": "hostile", "version": "1"}}},
+            headers=(("mcp-session-id", "s1"),))
+    elif ex.method == "POST" and "id" not in ex.body:
+        await ex.empty(202)
+    elif ex.rpc == "tools/list":
+        await ex.json({"jsonrpc": "2.0", "id": ex.body["id"], "result": {"tools": [
+            {"name": name, "inputSchema": {"type": "object"}} for name in ("mine", "theirs")]}})
+    elif ex.method == "POST":
+        await ex.json({"jsonrpc": "2.0", "id": ex.body["id"], "result": {}})
+    else:
+        await ex.empty(200)
+
+
+class Hostile:
+    """Serves each connection the link opens with ``handler``; records every request."""
+
+    def __init__(self, nursery: trio.Nursery, handler: Handler) -> None:
+        self.nursery = nursery
+        self.handler = handler
+        self.seen: list[Exchange] = []
+        self.connections = 0
+        self.changed = trio.Event()  # set, and replaced, at each request read
+
+    async def open(self, host: str, port: int) -> trio.abc.Stream:
+        client, server = trio.testing.memory_stream_pair()
+        self.connections += 1
+        self.nursery.start_soon(self._serve, server)
+        return client
+
+    async def _serve(self, stream: trio.abc.Stream) -> None:
+        conn = h11.Connection(h11.SERVER)
+        index = 0
+        try:
+            while True:
+                index += 1
+                request: h11.Request | None = None
+                body = b""
+                while True:
+                    event = conn.next_event()
+                    if event is h11.NEED_DATA:
+                        data = await stream.receive_some(65536)
+                        if not data:
+                            return
+                        conn.receive_data(data)
+                    elif isinstance(event, h11.Request):
+                        request = event
+                    elif isinstance(event, h11.Data):
+                        body += event.data
+                    elif isinstance(event, h11.EndOfMessage):
+                        break
+                    else:
+                        return
+                assert request is not None
+                ex = Exchange(stream, conn, request.method.decode(),
+                              json.loads(body) if body else None, index)
+                self.seen.append(ex)
+                self.changed.set()
+                self.changed = trio.Event()
+                await self.handler(self, ex)
+                if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                    await trio.aclose_forcefully(stream)
+                    return
+                conn.start_next_cycle()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError):
+            return
+
+    def posted(self, rpc: str) -> list[Exchange]:
+        return [ex for ex in self.seen if ex.rpc == rpc]
+
+
+class Recorder:
+    """The receiver side: what the link hands to the session."""
+
+    def __init__(self) -> None:
+        self.messages: list[tuple[Any, int | None]] = []
+        self.failures: dict[int, errors.GatewayError] = {}
+        self.ended_ = False
+        self.changed = trio.Event()
+
+    def _note(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def message(self, data: bytes, cause: int | None = None) -> None:
+        self.messages.append((json.loads(data), cause))
+        self._note()
+
+    def failed(self, gid: int, error: errors.GatewayError) -> None:
+        self.failures[gid] = error
+        self._note()
+
+    def ended(self) -> None:
+        self.ended_ = True
+        self._note()
+
+    def oversize(self, frame: object) -> None: ...
+    def oversize_end(self, frame: object) -> None: ...
+    def undelivered(self, gids: list[int], error: errors.GatewayError) -> None: ...
+
+    def answered(self, gid: int) -> bool:
+        return any(isinstance(m, dict) and m.get("id") == gid and "method" not in m
+                   for m, _ in self.messages)
+
+    async def wait(self, done: Callable[[], bool]) -> None:
+        while not done():
+            await self.changed.wait()
+
+
+async def open_link(nursery: trio.Nursery, handler: Handler
+                    ) -> tuple[Hostile, http.HttpLink, Recorder]:
+    """A link to a hostile remote, its session initialized (request id 1)."""
+    cfg = config.load('[backends.r]\nurl = "http://remote.test/mcp"\n').backends["r"]
+    server = Hostile(nursery, handler)
+    ctx = LinkContext(backend="r", instance="r#1", bus=EventBus(), max_line=65536,
+                      buffers=ByteBudget(10**7).open("r"))
+    link = await http.HttpConnector(cfg, opener=server.open).open(ctx)
+    receiver = Recorder()
+    nursery.start_soon(link.run, receiver)
+    link.send(request(1, "initialize", {"protocolVersion": "2025-11-25"}), 1)
+    await receiver.wait(lambda: receiver.answered(1))
+    link.send(json.dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}).encode())
+    return server, link, receiver
+
+
+def request(gid: int, method: str, params: dict[str, Any] | None = None) -> bytes:
+    return json.dumps({"jsonrpc": "2.0", "id": gid, "method": method,
+                       "params": params or {}}).encode()
+
+
+def note(method: str) -> bytes:
+    return json.dumps({"jsonrpc": "2.0", "method": method, "params": {}}).encode()
+
+
+async def test_notification_answers_that_never_end_do_not_wedge_later_calls(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # A notification's POST answered with a body that trickles forever (a keep-alive each few
+    # seconds, never idle long enough for the idle deadline) held one of the two streams for
+    # notifications for good: two of them, and every later notification queued, and every
+    # request behind it (requests wait for the notifications sent before them) never left.
+    async def trickling(server: Hostile, ex: Exchange) -> None:
+        if ex.method == "POST" and ex.rpc == "notifications/roots/list_changed":
+            await ex.head(200, [("content-type", "text/event-stream")])
+            while True:
+                await ex.data(b": keep-alive\n\n")
+                await trio.sleep(5)  # virtual-time: autojump_clock
+        await plain(server, ex)
+
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            server, link, receiver = await open_link(nursery, trickling)
+            for _ in range(3):
+                link.send(note("notifications/roots/list_changed"))
+            link.send(request(2, "tools/list"), 2)
+            start = trio.current_time()
+            await receiver.wait(lambda: receiver.answered(2))
+            assert trio.current_time() - start <= 2 * http.SHORT_TIMEOUT + 1
+            assert len(server.posted("notifications/roots/list_changed")) == 3
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_call_whose_connection_drops_before_its_answer_is_not_posted_twice(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # A kept-alive connection that closes after the remote read a tools/call: the call may
+    # have run, so it must not be POSTed again on a new connection (a tool's side effect
+    # twice); it fails, and the session goes on (a list is still safe to repeat).
+    async def dropping(server: Hostile, ex: Exchange) -> None:
+        if ex.rpc == "tools/call" and ex.index > 1:
+            await trio.aclose_forcefully(ex.stream)  # read it, then gone without an answer
+            return
+        await plain(server, ex)
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            server, link, receiver = await open_link(nursery, dropping)
+            link.send(request(2, "tools/list"), 2)
+            await receiver.wait(lambda: receiver.answered(2))
+            link.send(request(3, "tools/call", {"name": "charge", "arguments": {}}), 3)
+            await receiver.wait(lambda: 3 in receiver.failures or receiver.answered(3))
+            calls = server.posted("tools/call")
+            assert [ex.index > 1 for ex in calls] == [True]  # on a kept-alive one, once
+            assert 3 in receiver.failures and not receiver.failures[3].data.get("retryable")
+            assert not receiver.ended_  # one dropped connection does not end the session
+            link.send(request(4, "tools/list"), 4)
+            await receiver.wait(lambda: receiver.answered(4))
+            nursery.cancel_scope.cancel()
+
+
+async def test_answer_streams_kept_open_after_their_answer_do_not_hold_the_request_slots(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # Every answer as an event stream that stays open after the answer (keep-alives forever),
+    # and an error status whose body never ends: each held one of the link's request streams
+    # until max_call_duration (15 minutes), so a call past them waited that long.
+    async def lingering(server: Hostile, ex: Exchange) -> None:
+        if ex.rpc == "tools/list":
+            await ex.head(200, [("content-type", "text/event-stream")])
+            await ex.data(b"data: " + json.dumps({"jsonrpc": "2.0", "id": ex.body["id"],
+                                                  "result": {"tools": []}}).encode() + b"\n\n")
+            while True:
+                await ex.data(b": keep-alive\n\n")
+                await trio.sleep(5)  # virtual-time: autojump_clock
+        if ex.rpc == "prompts/list":
+            await ex.head(500, [("content-type", "text/plain")])
+            while True:
+                await ex.data(b"x")
+                await trio.sleep(5)  # virtual-time: autojump_clock
+        await plain(server, ex)
+
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            _, link, receiver = await open_link(nursery, lingering)
+            lists = range(2, 2 + http.REQUEST_STREAMS)
+            for gid in lists:
+                link.send(request(gid, "tools/list"), gid)
+            link.send(request(100, "prompts/list"), 100)
+            link.send(request(101, "ping"), 101)
+            start = trio.current_time()
+            await receiver.wait(lambda: receiver.answered(101) and 100 in receiver.failures)
+            assert trio.current_time() - start <= http.SHORT_TIMEOUT + 1
+            assert all(receiver.answered(gid) for gid in lists)
+            assert "did not end within" in receiver.failures[100].message
+            nursery.cancel_scope.cancel()
+
+
+async def test_an_answer_to_another_request_on_a_calls_stream_is_not_delivered(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # What arrives on a call's own answer stream belongs to that call: an answer there to
+    # another request (another caller's call) must not complete that other call.
+    async def crossing(server: Hostile, ex: Exchange) -> None:
+        if ex.rpc == "tools/call" and ex.body["params"]["name"] == "mine":
+            await ex.json({"jsonrpc": "2.0", "id": ex.body["id"] + 1,
+                           "result": {"content": [{"type": "text", "text": "forged"}]}})
+            return
+        if ex.rpc == "tools/call":
+            await trio.sleep(1)  # virtual-time: answered after the forged one
+        await plain(server, ex)
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            _, link, receiver = await open_link(nursery, crossing)
+            link.send(request(3, "tools/call", {"name": "theirs", "arguments": {}}), 3)
+            link.send(request(2, "tools/call", {"name": "mine", "arguments": {}}), 2)
+            await receiver.wait(lambda: 2 in receiver.failures and receiver.answered(3))
+            answers = [(m["id"], cause) for m, cause in receiver.messages if m.get("id") in (2, 3)]
+            assert answers == [(3, 3)], answers
+            assert "without the answer" in receiver.failures[2].message
+            nursery.cancel_scope.cancel()
+
+
+class Owner:
+    """Stands in for a client session (what the backend layer sees of one)."""
+
+    def __init__(self) -> None:
+        self.closed = trio.Event()
+
+    def send(self, data: bytes, route: jsonrpc.Route | None = None) -> bool:
+        return True
+
+    def cancel_request(self, req: Any, outcome: Any, reason: str) -> None:
+        pass
+
+
+async def test_garbage_on_a_calls_stream_fails_that_call_not_the_one_whose_id_it_shows(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # A message that does not decode, on one call's answer stream, showing another call's id
+    # where a reply's id goes: the session failed that other call (another caller's) with
+    # -32009 from what it read of the bytes; it is the call whose stream carried it that fails.
+    async def garbling(server: Hostile, ex: Exchange) -> None:
+        if ex.rpc == "tools/call" and ex.body["params"]["name"] == "mine":
+            (theirs,) = [e for e in server.posted("tools/call")
+                         if e.body["params"]["name"] == "theirs"]
+            out = b'{"jsonrpc":"2.0","id":%d,"result":{"content":' % theirs.body["id"]
+            await ex.head(200, [("content-type", "application/json"),
+                                ("content-length", str(len(out)))])
+            await ex.data(out)
+            await ex.stream.send_all(ex.conn.send(h11.EndOfMessage()))
+            return
+        if ex.rpc == "tools/call":
+            await trio.sleep(1)  # virtual-time: answered after the garbage
+        await plain(server, ex)
+
+    cfg = config.load('[listen]\nwebsocket = "127.0.0.1:0"\nhttp = ""\n[backends.r]\n'
+                      'url = "http://remote.test/mcp"\nhealth = { interval = 0.0 }\n')
+    bus = EventBus()
+    running = trio.Event()
+    bus.subscribe(lambda e: running.set() if e.new == "RUNNING" else None, BackendStateChanged)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            server = Hostile(nursery, garbling)
+            hub = Hub(cfg, bus, connectors=lambda name, cfg: http.HttpConnector(
+                cfg, opener=server.open))
+            await nursery.start(hub.run)
+            await running.wait()
+            backend = hub.backends["r"]
+            outcomes: dict[str, Any] = {}
+
+            async def call(tool: str) -> None:
+                owner = Owner()
+                inst, child = await backend.acquire(owner)
+                try:
+                    raw = await child.request("tools/call", jsonrpc.encode_dict(
+                        {"name": tool, "arguments": {}}), timeout=30.0, owner=owner)
+                    outcomes[tool] = json.loads(bytes(raw))
+                except errors.GatewayError as exc:
+                    outcomes[tool] = exc
+                finally:
+                    backend.release(inst, owner)
+
+            async with trio.open_nursery() as calls:
+                calls.start_soon(call, "theirs")
+                while not server.posted("tools/call"):
+                    await server.changed.wait()
+                calls.start_soon(call, "mine")
+            assert outcomes["theirs"] == {}, outcomes
+            assert isinstance(outcomes["mine"], errors.GatewayError)
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_session_id_that_cannot_be_sent_back_fails_the_handshake_plainly(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # An Mcp-Session-Id that is not visible ASCII (here a space and a Latin-1 byte, both legal
+    # in an HTTP/1.1 header) was taken, then every later request failed in the HTTP client
+    # ("h11 refused its head") and the session ended: a restart loop with no word of why.
+    async def odd_session(server: Hostile, ex: Exchange) -> None:
+        if ex.rpc == "initialize":
+            out = json.dumps({"jsonrpc": "2.0", "id": ex.body["id"], "result": {
+                "protocolVersion": "2025-11-25", "capabilities": {},
+                "serverInfo": {"name": "hostile", "version": "1"}}}).encode()
+            await ex.head(200, [("content-type", "application/json"),
+                                ("content-length", str(len(out))),
+                                ("mcp-session-id", b"s 1\xe9")])
+            await ex.data(out)
+            await ex.stream.send_all(ex.conn.send(h11.EndOfMessage()))
+            return
+        await plain(server, ex)
+
+    cfg = config.load('[backends.r]\nurl = "http://remote.test/mcp"\n').backends["r"]
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            server = Hostile(nursery, odd_session)
+            ctx = LinkContext(backend="r", instance="r#1", bus=EventBus(), max_line=65536,
+                              buffers=ByteBudget(10**7).open("r"))
+            link = await http.HttpConnector(cfg, opener=server.open).open(ctx)
+            receiver = Recorder()
+            nursery.start_soon(link.run, receiver)
+            link.send(request(1, "initialize", {"protocolVersion": "2025-11-25"}), 1)
+            await receiver.wait(lambda: 1 in receiver.failures or receiver.answered(1))
+            assert not receiver.answered(1)
+            assert "Mcp-Session-Id" in receiver.failures[1].message
+            assert [ex.method for ex in server.seen] == ["POST"]  # no GET stream opened
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_get_stream_that_ends_at_once_is_opened_again_ever_later(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # A GET stream answered 200 and ended at once, with no event, was opened again every
+    # half second forever (a new connection each time: 120 a minute); it backs off now, and
+    # is still opened again.
+    async def quick_end(server: Hostile, ex: Exchange) -> None:
+        if ex.method == "GET":
+            await ex.head(200, [("content-type", "text/event-stream"), ("content-length", "0")])
+            await ex.stream.send_all(ex.conn.send(h11.EndOfMessage()))
+            return
+        await plain(server, ex)
+
+    with trio.fail_after(1000):
+        async with trio.open_nursery() as nursery:
+            server, _, receiver = await open_link(nursery, quick_end)
+            await trio.sleep(120)  # virtual-time: autojump_clock
+            gets = [ex for ex in server.seen if ex.method == "GET"]
+            assert 5 <= len(gets) <= 12, len(gets)
+            await trio.sleep(2 * http.GET_RETRY_MAX)  # virtual-time: still opened again
+            assert len([ex for ex in server.seen if ex.method == "GET"]) > len(gets)
+            assert not receiver.ended_
+            nursery.cancel_scope.cancel()
