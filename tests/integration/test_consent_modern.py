@@ -1,6 +1,11 @@
 """The gateway's own consent prompt (policy "ask") reaches a modern (2026-07-28) caller as an
-InputRequiredResult with a signed requestState; the retry carries the user's answer.  Real
-gateway, real fixture child, raw HTTP (httpx) and WebSocket clients, and the Python SDK 2.x."""
+InputRequiredResult with a signed requestState; the retry carries the user's answer.
+
+A modern connection's rounds run in-process on virtual time (tests/memharness.py: a memory
+backend doing what the fixture server does, the client on a memory stream).  What proves a real
+transport or a real peer stays real (``system``): stateless HTTP (status codes, each flow's
+end), the Python SDK 2.x as the client, and a real modern child asking for input itself.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
+import trio.testing
 from helpers import (
     DEPS,
     ROOT,
@@ -24,8 +30,9 @@ from helpers import (
     run_gateway,
     wait_status,
 )
+from memharness import backend, memory_config, running, sent
 
-pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWarning")]
+Clock = trio.testing.MockClock
 
 V = "2026-07-28"
 FORM = {"elicitation": {"form": {}}}
@@ -88,6 +95,8 @@ def echoed(transcript: Path) -> list[str]:
     return [m["params"]["arguments"]["message"] for m in calls if m.get("method") == "tools/call"]
 
 
+@pytest.mark.system
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
 async def test_consent_on_stateless_http(tmp_path: Path) -> None:
     transcript = tmp_path / "fx.jsonl"
     cfg = make_config(fixture_backend("fx", env={"FIXTURE_TRANSCRIPT": str(transcript)}), extra=ASK,
@@ -154,98 +163,93 @@ async def test_consent_on_stateless_http(tmp_path: Path) -> None:
     assert echoed(transcript) == ["yes-1", "again"]  # each approved call ran exactly once
 
 
-async def test_silence_on_stateless_http_ends_the_call_at_the_consent_timeout(
-        tmp_path: Path) -> None:
-    transcript = tmp_path / "fx.jsonl"
-    cfg = make_config(fixture_backend("fx", env={"FIXTURE_TRANSCRIPT": str(transcript)}),
-                      extra=ASK.replace("30.0", "0.5"))
-    async with run_gateway(cfg) as gw, httpx.AsyncClient() as c:
-        port = gw.bound.admin_port
-        state = consent_asked(await post(c, gw.http_url, 1, "silent"), "silent")
-        with trio.fail_after(5):  # the parked call and its flow end by themselves
-            await wait_status(port, lambda st: st["client_requests_in_flight"] == 0
-                              and st["connections"].get("http", 0) == 0)
-        assert await metric(port, "mcp_gateway_server_requests_total", backend="_gateway",
-                            method="elicitation/create", outcome="timeout") == 1
-        r = await post(c, gw.http_url, 2, "silent", inputResponses={"consent": ACCEPT},
-                       requestState=state)
-        assert invalid_state(r), r.text  # too late: nothing runs
-    assert echoed(transcript) == []
+async def test_silence_ends_the_call_at_the_consent_timeout(autojump_clock: Clock) -> None:
+    async with (running(memory_config(backend("fx"), extra=ASK.replace("30.0", "0.5"))) as gw,
+                gw.connect(initialize=False) as c):
+        args = {"name": "fx__echo", "arguments": {"message": "silent"}, "_meta": meta(FORM)}
+        start = trio.current_time()
+        first = (await c.request("tools/call", args))["result"]
+        assert list(first["inputRequests"]) == ["consent"]
+        timeout = {"backend": "_gateway", "method": "elicitation/create", "outcome": "timeout"}
+        await gw.until(lambda: gw.metric("mcp_gateway_server_requests_total", **timeout) == 1)
+        assert trio.current_time() - start == pytest.approx(0.5)  # the parked call ended
+        await gw.until(lambda: gw.status()["client_requests_in_flight"] == 0)
+        r = await c.request("tools/call", {**args, "inputResponses": {"consent": ACCEPT},
+                                           "requestState": first["requestState"]})
+        assert r["error"]["data"]["reason"] == "invalid_state", r  # too late: nothing runs
+        assert sent(gw.link("fx"), "tools/call") == []
 
 
-async def test_after_consent_the_backends_own_elicitation_is_the_next_round() -> None:
+async def test_after_consent_the_backends_own_elicitation_is_the_next_round(
+        autojump_clock: Clock) -> None:
     """The same flow goes on: consent (round 1), then the legacy child's elicitation (round 2,
     under the child's request id, at state_ttl), then the result."""
     extra = ASK.replace('match = "fx__echo"', 'match = "fx__elicit"')
-    async with (run_gateway(make_config(fixture_backend("fx"), extra=extra)) as gw,
-                httpx.AsyncClient() as c):
-        headers = {"accept": "application/json, text/event-stream",
-                   "content-type": "application/json",
-                   "mcp-protocol-version": V, "mcp-method": "tools/call", "mcp-name": "fx__elicit"}
+    async with (running(memory_config(backend("fx"), extra=extra)) as gw,
+                gw.connect(initialize=False) as c):
 
-        async def call(id: int, **extra: Any) -> dict[str, Any]:
+        async def call(**extra: Any) -> dict[str, Any]:
             params = {"name": "fx__elicit", "arguments": {"message": "name?"}, **extra,
                       "_meta": meta(FORM)}
-            with trio.fail_after(10):
-                r = await c.post(gw.http_url, headers=headers,
-                                 json={"jsonrpc": "2.0", "id": id, "method": "tools/call",
-                                       "params": params})
-            return dict(r.json())
+            return await c.request("tools/call", params)
 
-        first = (await call(1))["result"]
+        first = (await call())["result"]
         assert list(first["inputRequests"]) == ["consent"]
-        second = (await call(2, inputResponses={"consent": ACCEPT},
+        assert sent(gw.link("fx"), "tools/call") == []  # nothing runs before consent
+        second = (await call(inputResponses={"consent": ACCEPT},
                              requestState=first["requestState"]))["result"]
         assert (second["resultType"] == "input_required"
-                and list(second["inputRequests"]) == ["srv-1"])
+                and list(second["inputRequests"]) == ["s1"])  # the child's own request id
         assert 25 <= expires_in(first["requestState"]) <= 32  # elicitation_timeout = 30
         assert 295 <= expires_in(second["requestState"]) <= 302  # state_ttl = 300
-        answer = {"srv-1": {"action": "accept", "content": {"answer": "Ada"}}}
-        done = await call(3, inputResponses=answer, requestState=second["requestState"])
-        assert done["id"] == 3
+        answer = {"s1": {"action": "accept", "content": {"answer": "Ada"}}}
+        done = await call(inputResponses=answer, requestState=second["requestState"])
         assert json.loads(done["result"]["content"][0]["text"])["content"] == {"answer": "Ada"}
+        assert len(sent(gw.link("fx"), "tools/call")) == 1  # the tool ran once
+        assert not c.requests  # a modern connection is never sent a request
 
 
-async def test_consent_on_a_modern_websocket_connection(tmp_path: Path) -> None:
+async def test_consent_on_a_modern_connection(autojump_clock: Clock) -> None:
     """On a byte stream the retry comes on the same connection; a prompt under ask goes the same
     way; a declined call ends that call only."""
-    transcript = tmp_path / "fx.jsonl"
-    cfg = make_config(fixture_backend("fx", env={"FIXTURE_TRANSCRIPT": str(transcript)}), extra=ASK)
-    with trio.fail_after(30):
-        async with run_gateway(cfg) as gw, connect(gw.url, initialize=False) as c:
-            args = {"name": "fx__echo", "arguments": {"message": "ws-yes"}, "_meta": meta(FORM)}
-            first = (await c.request("tools/call", args))["result"]
-            assert (first["resultType"] == "input_required"
-                    and list(first["inputRequests"]) == ["consent"])
-            done = await c.request("tools/call", {**args, "inputResponses": {"consent": ACCEPT},
-                                                  "requestState": first["requestState"]})
-            assert done["result"]["content"][0]["text"] == "ws-yes"
-            replay = await c.request("tools/call", {**args, "inputResponses": {"consent": ACCEPT},
-                                                    "requestState": first["requestState"]})
-            assert replay["error"]["data"]["reason"] == "invalid_state"
-            prompt = {"name": "fx__greet", "arguments": {"name": "Ada"}, "_meta": meta(FORM)}
-            asked = (await c.request("prompts/get", prompt))["result"]
-            (ask,) = asked["inputRequests"].values()
-            assert "Allow the prompt fx__greet" in ask["params"]["message"]
-            no = await c.request("prompts/get",
-                                 {**prompt, "inputResponses": {"consent": {"action": "decline"}},
-                                                 "requestState": asked["requestState"]})
-            assert no["error"]["code"] == -32005 and no["error"]["data"]["reason"] == "declined"
-            got = await c.request("prompts/get", prompt)
-            (ask,) = got["result"]["inputRequests"].values()
-            got = await c.request("prompts/get", {**prompt, "inputResponses": {"consent": ACCEPT},
-                                                  "requestState": got["result"]["requestState"]})
-            assert got["result"]["messages"][0]["content"]["text"] == "Hello, Ada!"
-            nocap = await c.request("tools/call", {**args, "_meta": meta({})})
-            assert nocap["error"]["code"] == -32021
-            assert nocap["error"]["data"]["reason"] == "authorization_required"
-            # every request got exactly one answer: no second response to an input_required id
-            answered = [m["id"] for m in c.received if "id" in m and "method" not in m]
-            assert len(answered) == len(set(answered)) == 8
-            assert not c.requests  # a modern connection is never sent a request
-    assert echoed(transcript) == ["ws-yes"]
+    async with (running(memory_config(backend("fx"), extra=ASK)) as gw,
+                gw.connect(initialize=False) as c):
+        args = {"name": "fx__echo", "arguments": {"message": "ws-yes"}, "_meta": meta(FORM)}
+        first = (await c.request("tools/call", args))["result"]
+        assert (first["resultType"] == "input_required"
+                and list(first["inputRequests"]) == ["consent"])
+        done = await c.request("tools/call", {**args, "inputResponses": {"consent": ACCEPT},
+                                              "requestState": first["requestState"]})
+        assert done["result"]["content"][0]["text"] == "ws-yes"
+        replay = await c.request("tools/call", {**args, "inputResponses": {"consent": ACCEPT},
+                                                "requestState": first["requestState"]})
+        assert replay["error"]["data"]["reason"] == "invalid_state"
+        prompt = {"name": "fx__greet", "arguments": {"name": "Ada"}, "_meta": meta(FORM)}
+        asked = (await c.request("prompts/get", prompt))["result"]
+        (ask,) = asked["inputRequests"].values()
+        assert "Allow the prompt fx__greet" in ask["params"]["message"]
+        no = await c.request("prompts/get",
+                             {**prompt, "inputResponses": {"consent": {"action": "decline"}},
+                                             "requestState": asked["requestState"]})
+        assert no["error"]["code"] == -32005 and no["error"]["data"]["reason"] == "declined"
+        got = await c.request("prompts/get", prompt)
+        (ask,) = got["result"]["inputRequests"].values()
+        got = await c.request("prompts/get", {**prompt, "inputResponses": {"consent": ACCEPT},
+                                              "requestState": got["result"]["requestState"]})
+        assert got["result"]["messages"][0]["content"]["text"] == "Hello, Ada!"
+        nocap = await c.request("tools/call", {**args, "_meta": meta({})})
+        assert nocap["error"]["code"] == -32021
+        assert nocap["error"]["data"]["reason"] == "authorization_required"
+        # every request got exactly one answer: no second response to an input_required id
+        answered = [m["id"] for m in c.received if "id" in m and "method" not in m]
+        assert len(answered) == len(set(answered)) == 8
+        assert not c.requests  # a modern connection is never sent a request
+        calls = sent(gw.link("fx"), "tools/call")
+        assert [m["params"]["arguments"]["message"] for m in calls] == ["ws-yes"]
 
 
+@pytest.mark.system
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
 @pytest.mark.parametrize(("answer", "expected"),
                          [("accept", "ran: sdk"), ("decline", "error -32005 declined")])
 async def test_python_sdk_2_answers_the_consent_prompt(answer: str, expected: str) -> None:
@@ -265,6 +269,8 @@ async def test_python_sdk_2_answers_the_consent_prompt(answer: str, expected: st
     assert got["outcome"] == expected
 
 
+@pytest.mark.system
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
 async def test_consent_for_a_modern_backend_that_asks_for_input_itself() -> None:
     """The consent round's state is the gateway's, recognised as such although the backend is
     modern (whose own states pass through to it); each call to the backend is consented to,
