@@ -4,7 +4,7 @@ InputRequiredResult with a signed requestState; the retry carries the user's ans
 A modern connection's rounds run in-process on virtual time (tests/memharness.py: a memory
 backend doing what the fixture server does, the client on a memory stream).  What proves a real
 transport or a real peer stays real (``system``): stateless HTTP (status codes, each flow's
-end), the Python SDK 2.x as the client, and a real modern child asking for input itself.
+end, and silence ending a flow and its connections), the Python SDK 2.x as the client, and a real modern child asking for input itself.
 """
 
 from __future__ import annotations
@@ -300,3 +300,23 @@ async def test_consent_for_a_modern_backend_that_asks_for_input_itself() -> None
             done = await consented({**args, "inputResponses": name,
                                     "requestState": child["requestState"]})
             assert done["result"]["content"][0]["text"] == "Hello, Ada"
+
+
+@pytest.mark.system
+async def test_silence_on_real_stateless_http_ends_the_flow_and_its_connections(
+        tmp_path: Path) -> None:
+    transcript = tmp_path / "fx.jsonl"
+    cfg = make_config(fixture_backend("fx", env={"FIXTURE_TRANSCRIPT": str(transcript)}),
+                      extra=ASK.replace("30.0", "0.5"))
+    async with run_gateway(cfg) as gw, httpx.AsyncClient() as c:
+        port = gw.bound.admin_port
+        state = consent_asked(await post(c, gw.http_url, 1, "silent"), "silent")
+        with trio.fail_after(5):  # the parked call and its flow end by themselves
+            await wait_status(port, lambda st: st["client_requests_in_flight"] == 0
+                              and st["connections"].get("http", 0) == 0)
+        assert await metric(port, "mcp_gateway_server_requests_total", backend="_gateway",
+                            method="elicitation/create", outcome="timeout") == 1
+        r = await post(c, gw.http_url, 2, "silent", inputResponses={"consent": ACCEPT},
+                       requestState=state)
+        assert invalid_state(r), r.text  # too late: nothing runs
+    assert echoed(transcript) == []
