@@ -4,7 +4,8 @@ InputRequiredResult with a signed requestState; the retry carries the user's ans
 A modern connection's rounds run in-process on virtual time (tests/memharness.py: a memory
 backend doing what the fixture server does, the client on a memory stream).  What proves a real
 transport or a real peer stays real (``system``): stateless HTTP (status codes, each flow's
-end, and silence ending a flow and its connections), the Python SDK 2.x as the client, and a real modern child asking for input itself.
+end, silence ending a flow and its connections), the Python SDK 2.x as the client, and a real
+modern child asking for input itself.
 """
 
 from __future__ import annotations
