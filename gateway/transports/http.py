@@ -161,8 +161,11 @@ class HttpConnection:
             if head_by is None:
                 head_by = trio.current_time() + self.head_timeout
         while (end := buf.find(b"\r\n\r\n")) < 0:
-            if buf and (len(buf) > self.max_head or buf.count(b"\n") != buf.count(b"\r\n")):
-                return await self._to_h11(idle_timeout, head_by, whole_by)  # h11's to answer
+            # h11's to answer: too big, a bare LF (h11 ends a head there), or a first byte
+            # below 0x21 (h11 refuses it at once: a TLS client on the plain port, say)
+            if buf and (len(buf) > self.max_head or buf[0] < 0x21
+                        or buf.count(b"\n") != buf.count(b"\r\n")):
+                return await self._to_h11(idle_timeout, head_by, whole_by)
             try:
                 if whole_by is None:  # nothing of this request yet: the idle wait
                     with trio.move_on_at(head_by if head_by is not None
