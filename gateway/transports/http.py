@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import http
 import logging
+import re
 from collections.abc import Awaitable, Callable, Sequence
 
 import h11
@@ -44,6 +45,8 @@ SSE_HEADERS = [("content-type", "text/event-stream"), ("cache-control", "no-cach
 _EVENT = b"event: message\ndata: "
 _KEEPALIVE = b": keep-alive\n\n"
 _REASONS: dict[int, bytes] = {}  # status -> reason phrase
+#: A line feed without a carriage return before it (looked for from a position on).
+_BARE_LF = re.compile(rb"(?<!\r)\n")
 
 Headers = Sequence[tuple[str, str]]
 #: A whole response: status, content type, body, extra headers.
@@ -160,9 +163,14 @@ class HttpConnection:
             whole_by = trio.current_time() + self.request_timeout
             if head_by is None:
                 head_by = trio.current_time() + self.head_timeout
-        while (end := buf.find(b"\r\n\r\n")) < 0:
-            if buf and (len(buf) > self.max_head or buf.count(b"\n") != buf.count(b"\r\n")):
-                return await self._to_h11(idle_timeout, head_by, whole_by)  # h11's to answer
+        scanned = 0  # bytes of buf looked at: each is looked at once however the head arrives
+        while (end := buf.find(b"\r\n\r\n", max(0, scanned - 3))) < 0:
+            # h11's to answer: too big, a bare LF (h11 ends a head there), or a first byte
+            # below 0x21 (h11 refuses it at once: a TLS client on the plain port, say)
+            if buf and (len(buf) > self.max_head or buf[0] < 0x21
+                        or _BARE_LF.search(buf, scanned) is not None):
+                return await self._to_h11(idle_timeout, head_by, whole_by)
+            scanned = len(buf)
             try:
                 if whole_by is None:  # nothing of this request yet: the idle wait
                     with trio.move_on_at(head_by if head_by is not None
