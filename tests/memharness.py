@@ -3,7 +3,8 @@ memory connectors and its clients attached as memory streams; no socket, no chil
 
 Run tests on ``trio.testing.MockClock(autojump_threshold=0)`` (the ``autojump_clock`` fixture).
 :func:`running` yields a :class:`Harness` once the daemon is ready and stops it (the real drain)
-on exit; :meth:`Harness.connect` gives a :class:`helpers.Client` over a memory stream.  Waiting
+on exit; :meth:`Harness.connect` gives a :class:`helpers.Client` over a memory stream (bound,
+with ``token``, to the principal the daemon's authenticator finds for it).  Waiting
 is on the bus (:meth:`Harness.until` re-checks a condition at every event), on a client's own
 messages (``Client.wait_for``), or for quiescence (:func:`settle`: every task blocked, so
 nothing more is on its way); :func:`elapse` lets virtual time pass.  :func:`fixture_script` is
