@@ -3,7 +3,8 @@ memory connectors and its clients attached as memory streams; no socket, no chil
 
 Run tests on ``trio.testing.MockClock(autojump_threshold=0)`` (the ``autojump_clock`` fixture).
 :func:`running` yields a :class:`Harness` once the daemon is ready and stops it (the real drain)
-on exit; :meth:`Harness.connect` gives a :class:`helpers.Client` over a memory stream.  Waiting
+on exit; :meth:`Harness.connect` gives a :class:`helpers.Client` over a memory stream (bound,
+with ``token``, to the principal the daemon's authenticator finds for it).  Waiting
 is on the bus (:meth:`Harness.until` re-checks a condition at every event), on a client's own
 messages (``Client.wait_for``), or for quiescence (:func:`settle`: every task blocked, so
 nothing more is on its way); :func:`elapse` lets virtual time pass.  :func:`fixture_script` is
@@ -27,8 +28,10 @@ import trio_websocket
 from helpers import Client, MemoryStream, memory_stream_pair
 
 from gateway import config, errors, service
+from gateway.auth.principal import Principal
 from gateway.backend.memory import MemoryConnector, MemoryLink, Script, ToolError
 from gateway.config import BackendConfig, GatewayConfig
+from gateway.core import connection
 from gateway.core.connection import MessageStream
 from gateway.hub import Hub
 from gateway.ops.metrics import GatewayMetrics
@@ -94,7 +97,7 @@ class Harness:
         self.events: list[Any] = []
         self._hub: Hub | None = None
         self._metrics: GatewayMetrics | None = None
-        self._attach: Callable[[MessageStream], None] | None = None
+        self._attach: Callable[[MessageStream, Principal | None], None] | None = None
         self._changed = trio.Event()
         self.control = service.Control()
         self.bound = service.Bound()  # the listeners the config asked for (none by default)
@@ -114,8 +117,15 @@ class Harness:
         self._hub, self._metrics = hub, metrics
         hub.bus.subscribe(self._on_event)
 
-        def attach(stream: MessageStream) -> None:
-            handler_nursery.start_soon(handler, stream)
+        def attach(stream: MessageStream, principal: Principal | None) -> None:
+            if principal is None:
+                handler_nursery.start_soon(handler, stream)
+                return
+
+            def bind(session: Any) -> None:  # what a listener does once it has authenticated
+                session.principal = principal
+            handler_nursery.start_soon(partial(connection.serve, hub, stream, "memory",
+                                               bind=bind))
 
         self._attach = attach
         task_status.started()
@@ -173,19 +183,28 @@ class Harness:
             await self._changed.wait()
         return got
 
-    def attach(self) -> MemorySocket:
-        """A new connection over a memory stream (transport ``memory``): the client's end."""
+    async def principal(self, token: str) -> Principal:
+        """Who the daemon's authenticator says the bearer ``token`` is (as a listener would)."""
+        assert self.hub.authn is not None
+        found = await self.hub.authn.authenticate(f"Bearer {token}")
+        assert found is not None, "authentication is not configured"
+        return found
+
+    def attach(self, principal: Principal | None = None) -> MemorySocket:
+        """A new connection over a memory stream (transport ``memory``): the client's end;
+        bound to ``principal`` when given (see :meth:`principal`)."""
         assert self._attach is not None, "the gateway accepts no connection now"
         mine, theirs = memory_stream_pair()
-        self._attach(theirs)
+        self._attach(theirs, principal)
         return MemorySocket(mine)
 
     @asynccontextmanager
     async def connect(self, *, initialize: bool = True, capabilities: dict[str, Any] | None = None,
-                      version: str = "2025-11-25") -> AsyncIterator[Client]:
-        """A client attached over a memory stream, initialized unless told not to; closed
-        (EOF) on exit."""
-        socket = self.attach()
+                      version: str = "2025-11-25",
+                      token: str | None = None) -> AsyncIterator[Client]:
+        """A client attached over a memory stream (as ``token``'s principal when given),
+        initialized unless told not to; closed (EOF) on exit."""
+        socket = self.attach(None if token is None else await self.principal(token))
         client = Client(socket)  # type: ignore[arg-type]  # duck-types the WebSocket
         async with trio.open_nursery() as nursery:
             nursery.start_soon(client._reader)

@@ -1,6 +1,13 @@
 """Bad input from clients and backends: the gateway answers with the right JSON-RPC error and
 keeps serving; oversize messages, slow readers and foreign Origins are cut off without hurting
-anyone else; non-loopback listeners are refused by the config loader."""
+anyone else; non-loopback listeners are refused by the config loader.
+
+What the core makes of a message (malformed, invalid, before initialize, batches) runs the
+gateway in-process on virtual time (tests/memharness.py: memory backends, clients on memory
+streams).  What a transport or a real child decides stays real (``system``): WebSocket frames
+over max_message_bytes (close 1009), a reader too slow for the socket buffers, the Origin check
+of the upgrade, and garbage on a real child's stdout.
+"""
 
 from __future__ import annotations
 
@@ -12,13 +19,15 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 import trio_websocket
 from helpers import ROOT, connect, fixture_backend, make_config, run_gateway, text_of
+from memharness import Harness, MemorySocket, backend, memory_config, running
 
 from gateway import config, events
 from gateway.errors import ConfigError
 
-pytestmark = pytest.mark.system
+Clock = trio.testing.MockClock
 
 
 def nonce() -> str:
@@ -51,8 +60,19 @@ async def raw_ws(port: int | None, **kw: Any) -> AsyncIterator[trio_websocket.We
             nursery.cancel_scope.cancel()
 
 
+@asynccontextmanager
+async def raw_memory(gw: Harness) -> AsyncIterator[MemorySocket]:
+    """A raw connection over a memory stream (what :func:`raw_ws` is on a socket)."""
+    socket = gw.attach()
+    try:
+        yield socket
+    finally:
+        with trio.CancelScope(shield=True):
+            await socket.stream.aclose()
+
+
 async def raw_initialize(
-    ws: trio_websocket.WebSocketConnection, version: str = "2025-11-25"
+    ws: trio_websocket.WebSocketConnection | MemorySocket, version: str = "2025-11-25"
 ) -> dict[str, Any]:
     await ws.send_message(
         json.dumps(
@@ -70,10 +90,11 @@ async def raw_initialize(
     return resp
 
 
-async def test_malformed_and_invalid_messages_get_errors_and_the_connection_keeps_working() -> None:
-    cfg = make_config(fixture_backend("fx"))
+async def test_malformed_and_invalid_messages_get_errors_and_the_connection_keeps_working(
+        autojump_clock: Clock) -> None:
+    cfg = memory_config(backend("fx"))
     with trio.fail_after(30):
-        async with run_gateway(cfg) as gw, connect(gw.url) as c:
+        async with running(cfg) as gw, gw.connect() as c:
             tag = nonce()
             await c.send('{"jsonrpc": "2.0", "id": 5, "method": "ping"')  # cut short
             r = await c.wait_for(lambda: c.responses.get(None))
@@ -120,10 +141,11 @@ async def test_malformed_and_invalid_messages_get_errors_and_the_connection_keep
             assert all(isinstance(m["error"]["code"], int) for m in errors)
 
 
-async def test_requests_before_initialize_are_refused_except_ping() -> None:
-    cfg = make_config(fixture_backend("fx"))
+async def test_requests_before_initialize_are_refused_except_ping(
+        autojump_clock: Clock) -> None:
+    cfg = memory_config(backend("fx"))
     with trio.fail_after(30):
-        async with run_gateway(cfg) as gw, connect(gw.url, initialize=False) as c:
+        async with running(cfg) as gw, gw.connect(initialize=False) as c:
             tag = nonce()
             r = await c.call("fx__echo", {"message": tag}, id="early")
             assert "result" not in r and r["error"]["code"] == -32600
@@ -135,8 +157,8 @@ async def test_requests_before_initialize_are_refused_except_ping() -> None:
             assert text_of(await c.call("fx__echo", {"message": tag})) == tag
 
 
-async def test_batches_only_for_2025_03_26() -> None:
-    cfg = make_config(fixture_backend("fx"))
+async def test_batches_only_for_2025_03_26(autojump_clock: Clock) -> None:
+    cfg = memory_config(backend("fx"))
     tag = nonce()
     batch = [
         {
@@ -155,8 +177,8 @@ async def test_batches_only_for_2025_03_26() -> None:
         },
     ]
     with trio.fail_after(30):
-        async with run_gateway(cfg) as gw:
-            async with raw_ws(gw.bound.websocket_port) as ws:
+        async with running(cfg) as gw:
+            async with raw_memory(gw) as ws:
                 await raw_initialize(ws, "2025-11-25")
                 await ws.send_message(json.dumps(batch))
                 r = json.loads(await ws.get_message())
@@ -169,11 +191,11 @@ async def test_batches_only_for_2025_03_26() -> None:
                         "id": "p",
                         "result": {},
                     }
-                with trio.move_on_after(0.5):
+                with trio.move_on_after(0.5):  # virtual time: fx__sleep's 0.2 s would be in
                     extra = await ws.get_message()
                     pytest.fail(f"unexpected message: {extra[:200]}")
 
-            async with raw_ws(gw.bound.websocket_port) as ws:
+            async with raw_memory(gw) as ws:
                 await raw_initialize(ws, "2025-03-26")
                 await ws.send_message(json.dumps(batch))
                 r = json.loads(await ws.get_message())
@@ -217,6 +239,7 @@ async def test_batches_only_for_2025_03_26() -> None:
                 assert r["id"] == "e" and r["result"]["content"][0]["text"] == tag
 
 
+@pytest.mark.system
 async def test_oversize_message_gets_an_error_then_the_connection_closes() -> None:
     cfg = make_config(fixture_backend("fx"), gateway="max_message_bytes = 65536")
     with trio.fail_after(30):
@@ -260,6 +283,7 @@ async def test_oversize_message_gets_an_error_then_the_connection_closes() -> No
             assert text_of(await other.call("fx__echo", {"message": tag})) == tag
 
 
+@pytest.mark.system
 async def test_child_garbage_on_stdout_does_not_break_the_call() -> None:
     cfg = make_config(fixture_backend("fx"))
     with trio.fail_after(30):
@@ -274,6 +298,7 @@ async def test_child_garbage_on_stdout_does_not_break_the_call() -> None:
             assert not [m for m in c.received if "method" in m]
 
 
+@pytest.mark.system
 async def test_slow_reader_is_disconnected_for_outbound_overflow_others_keep_working() -> None:
     cfg = make_config(fixture_backend("fx"), gateway="outbound_queue = 4")
     calls = 40
@@ -379,6 +404,7 @@ async def upgrade_status(port: int | None, origin: str | None) -> tuple[int, byt
     return int(status_line.split()[1]), rest
 
 
+@pytest.mark.system
 async def test_foreign_origin_is_refused_with_403_allowed_origin_accepted() -> None:
     cfg = origin_config(["http://good.example"])
     port = None
@@ -414,6 +440,7 @@ async def test_foreign_origin_is_refused_with_403_allowed_origin_accepted() -> N
                 assert text_of(await c.call("fx__echo", {"message": tag})) == tag
 
 
+@pytest.mark.system
 async def test_default_config_refuses_any_origin_and_the_client_library_sees_403() -> None:
     cfg = make_config(fixture_backend("fx"))
     with trio.fail_after(30):

@@ -1,6 +1,12 @@
 """What one principal may hold at once ([[auth.limits]] max_sessions, max_connections,
-max_listens, max_parked_flows), through real listeners: Alice at small caps, Bob at the
-defaults, anonymous callers at the daemon-wide caps only."""
+max_listens, max_parked_flows): Alice at small caps, Bob at the defaults, anonymous callers at
+the daemon-wide caps only.
+
+The caps the core counts (listens, parked flows) run the gateway in-process on virtual time
+(tests/memharness.py: memory backends, clients on memory streams bound to the principal their
+bearer token authenticates as).  The caps a listener counts stay on real listeners and a real
+child (``system``): HTTP sessions, WebSocket upgrades, HTTP keep-alive connections, unix peers.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from helpers import (
     HTTP_HEADERS,
     HTTP_INIT,
     UPGRADE,
+    Client,
     bearer_auth,
     connect,
     fixture_backend,
@@ -27,10 +34,12 @@ from helpers import (
     run_gateway,
     unix_connect,
 )
+from memharness import backend, memory_config, running
 
 from gateway import events
 
-pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWarning")]
+pytestmark = [pytest.mark.filterwarnings("ignore::ResourceWarning")]
+Clock = trio.testing.MockClock
 
 TOKENS = {"alice": "alice-caps-token-1", "bob": "bob-caps-token-2"}
 AUTH = bearer_auth(TOKENS)
@@ -75,6 +84,7 @@ async def upgrade(port: int | None, token: str) -> tuple[int, bytes]:
     return status, body
 
 
+@pytest.mark.system
 async def test_http_sessions_beyond_a_principals_max_sessions_get_503() -> None:
     cfg = make_config(fixture_backend("fx"), extra=AUTH + alice_caps(max_sessions=2))
     with trio.fail_after(30):
@@ -97,6 +107,7 @@ async def test_http_sessions_beyond_a_principals_max_sessions_get_503() -> None:
             assert r.status_code == 200, r.text
 
 
+@pytest.mark.system
 async def test_websocket_connections_beyond_a_principals_max_connections_get_503() -> None:
     cfg = make_config(fixture_backend("fx"), extra=AUTH + alice_caps(max_connections=2))
     with trio.fail_after(30):
@@ -124,6 +135,7 @@ async def keepalive(url: str, token: str
         yield c, r
 
 
+@pytest.mark.system
 async def test_http_connections_count_toward_the_principal_of_their_requests() -> None:
     cfg = make_config(fixture_backend("fx"), extra=AUTH + alice_caps(max_connections=2))
     with trio.fail_after(30):
@@ -141,66 +153,79 @@ async def test_http_connections_count_toward_the_principal_of_their_requests() -
                 assert r.status_code == 400, r.text
 
 
-async def test_listens_beyond_a_principals_max_listens_are_refused_minus_32006() -> None:
-    cfg = make_config(fixture_backend("fx"), extra=AUTH + alice_caps(max_listens=2))
+async def test_listens_beyond_a_principals_max_listens_are_refused_minus_32006(
+        autojump_clock: Clock) -> None:
+    cfg = memory_config(backend("fx"), extra=AUTH + alice_caps(max_listens=2))
     tag = "io.modelcontextprotocol/subscriptionId"
-    with trio.fail_after(30):
-        async with (run_gateway(cfg) as gw,
-                    connect(gw.url, token=TOKENS["alice"], initialize=False) as c):
-            listen = {"notifications": {"toolsListChanged": True}, "_meta": META}
+    async with (running(cfg) as gw,
+                gw.connect(token=TOKENS["alice"], initialize=False) as c):
+        listen = {"notifications": {"toolsListChanged": True}, "_meta": META}
 
-            async def opened(id: int) -> None:
-                await c.send({"jsonrpc": "2.0", "id": id, "method": "subscriptions/listen",
-                              "params": listen})
-                await c.wait_for(lambda: [n for n in c.notifications
-                                          if n["params"]["_meta"] == {tag: id}])
+        async def opened(id: int) -> None:
+            await c.send({"jsonrpc": "2.0", "id": id, "method": "subscriptions/listen",
+                          "params": listen})
+            await c.wait_for(lambda: [n for n in c.notifications
+                                      if n["params"]["_meta"] == {tag: id}])
 
-            for id in (1, 2):
-                await opened(id)
-            r = await c.request("subscriptions/listen", listen, id=3)
+        for id in (1, 2):
+            await opened(id)
+        r = await c.request("subscriptions/listen", listen, id=3)
+        assert capped(r, "max_listens", 2), r
+        async with gw.connect(token=TOKENS["alice"], initialize=False) as other:
+            r = await other.request("subscriptions/listen", listen, id=3)  # per principal
             assert capped(r, "max_listens", 2), r
-            async with connect(gw.url, token=TOKENS["alice"], initialize=False) as other:
-                r = await other.request("subscriptions/listen", listen, id=3)  # per principal
-                assert capped(r, "max_listens", 2), r
-            await c.notify("notifications/cancelled", {"requestId": 1})
-            assert "result" in await c.response(1)
-            await opened(4)
+        async with gw.connect(token=TOKENS["bob"], initialize=False) as bob:
+            await bob.send({"jsonrpc": "2.0", "id": 3, "method": "subscriptions/listen",
+                            "params": listen})  # Bob's own count: his listen opens
+            await bob.wait_for(lambda: [n for n in bob.notifications
+                                        if n["params"]["_meta"] == {tag: 3}])
+            assert 3 not in bob.responses
+        await c.notify("notifications/cancelled", {"requestId": 1})
+        assert "result" in await c.response(1)
+        await opened(4)
 
 
-async def modern_call(c: httpx.AsyncClient, url: str, who: str, id: int,
-                      **extra: Any) -> dict[str, Any]:
-    headers = dict(bearer(who), **{"mcp-protocol-version": V, "mcp-method": "tools/call",
-                                   "mcp-name": "fx__elicit"})
-    body = {"jsonrpc": "2.0", "id": id, "method": "tools/call",
+def modern_call(id: int, **extra: Any) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "id": id, "method": "tools/call",
             "params": {"name": "fx__elicit", "arguments": {"message": "name?"}, **extra,
                        "_meta": META}}
-    r = await c.post(url, headers=headers, json=body)
-    return r.json()
 
 
-async def test_parked_flows_beyond_a_principals_max_parked_flows_are_refused() -> None:
+async def test_parked_flows_beyond_a_principals_max_parked_flows_are_refused(
+        autojump_clock: Clock) -> None:
     # per-session: each flow's call is provably its own (a shared child with two flows' calls
     # in flight could not attribute its elicitation)
-    cfg = make_config(fixture_backend("fx", sharing="per-session"),
-                      extra=AUTH + alice_caps(max_parked_flows=1),
-                      gateway="drain_grace = 0.5")  # two flows are left parked
-    with trio.fail_after(30):
-        async with run_gateway(cfg) as gw, httpx.AsyncClient(timeout=10) as c:
-            first = (await modern_call(c, gw.http_url, "alice", 1))["result"]
-            assert first["resultType"] == "input_required"
-            r = await modern_call(c, gw.http_url, "alice", 2)
-            assert capped(r, "max_parked_flows", 1), r
-            r = await modern_call(c, gw.http_url, "bob", 3)
-            assert r["result"]["resultType"] == "input_required"  # Bob's own count
-            # the parked one resumes (its place comes back), then another may park
-            answer = {"srv-1": {"action": "accept", "content": {"answer": "Ada"}}}
-            r = await modern_call(c, gw.http_url, "alice", 4, inputResponses=answer,
-                                  requestState=first["requestState"])
-            assert r["result"]["resultType"] == "complete", r
-            r = await modern_call(c, gw.http_url, "alice", 5)
-            assert r["result"]["resultType"] == "input_required", r
+    cfg = memory_config(backend("fx", sharing="per-session"),
+                        extra=AUTH + alice_caps(max_parked_flows=1),
+                        gateway="drain_grace = 0.5")  # two flows are left parked
+    async with running(cfg) as gw, AsyncExitStack() as stack:
+        conns: dict[str, Client] = {}
+
+        async def call(conn: str, id: int, **extra: Any) -> dict[str, Any]:
+            """A call on connection ``conn`` ("alice-1", ...: Alice's first), kept open: a
+            retry comes on the connection of its call, each new flow on one of its own."""
+            if conn not in conns:
+                conns[conn] = await stack.enter_async_context(
+                    gw.connect(token=TOKENS[conn.split("-")[0]], initialize=False))
+            await conns[conn].send(modern_call(id, **extra))
+            return dict(await conns[conn].response(id))
+
+        first = (await call("alice-1", 1))["result"]
+        assert first["resultType"] == "input_required"
+        r = await call("alice-2", 2)
+        assert capped(r, "max_parked_flows", 1), r
+        r = await call("bob-1", 3)
+        assert r["result"]["resultType"] == "input_required"  # Bob's own count
+        # the parked one resumes (its place comes back), then another may park
+        (key,) = first["inputRequests"]
+        answer = {key: {"action": "accept", "content": {"answer": "Ada"}}}
+        r = await call("alice-1", 4, inputResponses=answer, requestState=first["requestState"])
+        assert r["result"]["resultType"] == "complete", r
+        r = await call("alice-3", 5)
+        assert r["result"]["resultType"] == "input_required", r
 
 
+@pytest.mark.system
 async def test_anonymous_callers_keep_the_daemon_wide_caps_only() -> None:
     cfg = make_config(fixture_backend("fx"), extra='[[auth.limits]]\nprincipal = "*"\n'
                       'max_sessions = 1\nmax_connections = 1\n')
@@ -214,6 +239,7 @@ async def test_anonymous_callers_keep_the_daemon_wide_caps_only() -> None:
                 assert "result" in await b.request("ping")
 
 
+@pytest.mark.system
 async def test_unix_connections_beyond_the_peers_max_connections_get_an_error_line(
         tmp_path: Path) -> None:
     sock = str(tmp_path / "gw.sock")
