@@ -11,6 +11,7 @@ from typing import Any
 import h11
 import trio
 import trio.testing
+from fixtures.remote_server import read_request
 
 from gateway import config, errors
 from gateway.backend import http
@@ -97,24 +98,10 @@ class Hostile:
         try:
             while True:
                 index += 1
-                request: h11.Request | None = None
-                body = b""
-                while True:
-                    event = conn.next_event()
-                    if event is h11.NEED_DATA:
-                        data = await stream.receive_some(65536)
-                        if not data:
-                            return
-                        conn.receive_data(data)
-                    elif isinstance(event, h11.Request):
-                        request = event
-                    elif isinstance(event, h11.Data):
-                        body += event.data
-                    elif isinstance(event, h11.EndOfMessage):
-                        break
-                    else:
-                        return
-                assert request is not None
+                got = await read_request(conn, stream)
+                if got is None:
+                    return
+                request, body = got
                 ex = Exchange(stream, conn, request.method.decode(),
                               json.loads(body) if body else None, index)
                 self.seen.append(ex)
