@@ -35,6 +35,7 @@ from gateway.core import connection
 from gateway.core.connection import MessageStream
 from gateway.hub import Hub
 from gateway.ops.metrics import GatewayMetrics
+from gateway.protocol import jsonrpc
 
 #: Every harness test's hard cap, in virtual seconds.
 CAP = 3600.0
@@ -85,6 +86,20 @@ class MemorySocket:
             raise trio_websocket.ConnectionClosed(None) from exc
         assert isinstance(data, bytes)
         return data.decode("utf-8")
+
+
+class Owner:
+    """Stands in for a client session (what the backend layer sees of one), for tests that
+    drive a backend without the core."""
+
+    def __init__(self) -> None:
+        self.closed = trio.Event()
+
+    def send(self, data: bytes, route: jsonrpc.Route | None = None) -> bool:
+        return True
+
+    def cancel_request(self, req: Any, outcome: Any, reason: str) -> None:
+        pass
 
 
 class Harness:

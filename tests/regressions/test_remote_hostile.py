@@ -12,6 +12,7 @@ import h11
 import trio
 import trio.testing
 from fixtures.remote_server import read_request
+from memharness import Owner
 
 from gateway import config, errors
 from gateway.backend import http
@@ -295,19 +296,6 @@ async def test_an_answer_to_another_request_on_a_calls_stream_is_not_delivered(
             assert answers == [(3, 3)], answers
             assert "without the answer" in receiver.failures[2].message
             nursery.cancel_scope.cancel()
-
-
-class Owner:
-    """Stands in for a client session (what the backend layer sees of one)."""
-
-    def __init__(self) -> None:
-        self.closed = trio.Event()
-
-    def send(self, data: bytes, route: jsonrpc.Route | None = None) -> bool:
-        return True
-
-    def cancel_request(self, req: Any, outcome: Any, reason: str) -> None:
-        pass
 
 
 async def test_garbage_on_a_calls_stream_fails_that_call_not_the_one_whose_id_it_shows(

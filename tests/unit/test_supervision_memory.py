@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
+from memharness import Owner
 
 from gateway import config, errors
 from gateway.backend.memory import MemoryConnector, MemoryLink, Script
@@ -42,19 +43,6 @@ http = ""
 command = "never-spawned"
 {lines}
 """)
-
-
-class Owner:
-    """Stands in for a client session (what the backend layer sees of one)."""
-
-    def __init__(self) -> None:
-        self.closed = trio.Event()
-
-    def send(self, data: bytes, route: jsonrpc.Route | None = None) -> bool:
-        return True
-
-    def cancel_request(self, req: Any, outcome: Any, reason: str) -> None:
-        pass
 
 
 @dataclass
