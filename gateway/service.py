@@ -323,11 +323,9 @@ async def _wait_for_backends(hub: Hub, cfg: GatewayConfig) -> None:
             continue
         backend = hub.backends[name]
         if b.url:  # a remote not running within start_timeout: unreachable, not a crash loop
-            inst = backend.instances[0]
             with trio.move_on_after(b.start_timeout):
-                while inst.state not in (State.RUNNING, State.FATAL):
-                    await inst.state_changed()
-            first = inst.snapshot(trio.current_time())
+                await backend.settled()
+            first = backend.instances[0].snapshot(trio.current_time())
             if first.state != State.RUNNING.value:
                 raise StartupError(f"required backend {name!r} ({b.url}) did not start within "
                                    f"start_timeout ({b.start_timeout:g}s): "

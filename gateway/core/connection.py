@@ -152,10 +152,11 @@ async def serve(ports: ConnectionPorts, stream: MessageStream, transport: str,
         async with trio.open_nursery() as nursery:
             session.run_in(nursery, cancel_scope=nursery.cancel_scope)
             nursery.start_soon(_writer, session, stream)
+            reply = _replier(session)  # one for every message of the connection (a batch: its own)
             if isinstance(stream, InlineStream):
-                stream.inline = partial(_inline, ports, session, nursery)
+                stream.inline = partial(_inline, ports, session, nursery, reply)
             try:
-                await _reader(ports, session, stream, nursery)
+                await _reader(ports, session, stream, nursery, reply)
             finally:
                 if isinstance(stream, InlineStream):
                     stream.inline = None
@@ -294,8 +295,9 @@ async def _writer(session: ClientSession, stream: MessageStream) -> None:
 
 
 async def _reader(ports: ConnectionPorts, session: ClientSession, stream: MessageStream,
-                  nursery: trio.Nursery) -> None:
-    """Read and dispatch messages until the client closes.
+                  nursery: trio.Nursery, reply: Reply) -> None:
+    """Read and dispatch messages until the client closes (``reply``: the session's
+    :func:`_replier`).
 
     Backpressure: a transport hands out the messages it already holds without a checkpoint, so
     a burst of pipelined requests would be handled (and its answers queued) without the writer
@@ -305,7 +307,6 @@ async def _reader(ports: ConnectionPorts, session: ClientSession, stream: Messag
     """
     handled = 0  # messages since the last read (a stream that does not say: since the last pause)
     held = stream if isinstance(stream, BufferedStream) else None
-    reply = _replier(session)  # one for every message of the connection (a batch has its own)
     while not session.closed.is_set():
         if session.queued > session.high_water or session.queued_bytes > session.high_water_bytes:
             await _wait_drained(session, ports.cfg.gateway.write_stall_timeout)
@@ -333,18 +334,18 @@ async def _reader(ports: ConnectionPorts, session: ClientSession, stream: Messag
             else:
                 _handle(ports, session, data, nursery, reply)
         else:
-            _take(ports, session, data, nursery)
+            _take(ports, session, data, nursery, reply)
 
 
 def _inline(ports: ConnectionPorts, session: ClientSession, nursery: trio.Nursery,
-            message: Decoded) -> bool:
+            reply: Reply, message: Decoded) -> bool:
     """Serve ``message`` in the caller's task, as the reader would at once (see
     :class:`InlineStream`); False when it must go through the reader (backlogged, closed)."""
     if (session.closed.is_set() or session.queued > session.high_water
             or session.queued_bytes > session.high_water_bytes):
         return False
     try:
-        _take(ports, session, message, nursery)
+        _take(ports, session, message, nursery, reply)
     except Exception:  # a bug must end this connection only, as in its reader
         LOGGER.exception("connection %s: unexpected error", session.conn_id,
                          extra=session.log_fields)
@@ -353,11 +354,11 @@ def _inline(ports: ConnectionPorts, session: ClientSession, nursery: trio.Nurser
 
 
 def _take(ports: ConnectionPorts, session: ClientSession, message: Decoded,
-          nursery: trio.Nursery) -> None:
-    """A message its transport decoded."""
+          nursery: trio.Nursery, reply: Reply) -> None:
+    """A message its transport decoded; ``reply``: the session's :func:`_replier`."""
     if type(message) is tuple:
         env, kind, size, params = message
-        _dispatch(ports, session, env, kind, size, nursery, _replier(session), in_batch=False,
+        _dispatch(ports, session, env, kind, size, nursery, reply, in_batch=False,
                   params=params)
     else:
         assert isinstance(message, list)

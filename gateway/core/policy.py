@@ -195,8 +195,8 @@ class Policy:
             # a glob on the URI cannot tell where a dot segment leads: refused, not guessed
             raise errors.Denied(f"resource {name!r} has a '.' or '..' path segment; "
                                 "resource rules cannot be applied to it", uri=name)
-        decision = pure.decide(name, self.rules, self.cfg.default, caller=caller, kind=kind,
-                               sensitive=kind == "tool" and name in self.sensitive)
+        decision = pure.decide(name, self._rules_for(kind, name), self.cfg.default, caller=caller,
+                               kind=kind, sensitive=kind == "tool" and name in self.sensitive)
         if decision.action != "deny":
             return decision.action == "ask"
         if decision.scopes:
@@ -231,8 +231,8 @@ class Policy:
         if not isinstance(name, str):
             return None
         caller = Caller("http", principal.name, principal.groups, principal.scopes)
-        decision = pure.decide(name, self.rules, self.cfg.default, caller=caller, kind=kind,
-                               sensitive=kind == "tool" and name in self.sensitive)
+        decision = pure.decide(name, self._rules_for(kind, name), self.cfg.default, caller=caller,
+                               kind=kind, sensitive=kind == "tool" and name in self.sensitive)
         return list(decision.scopes) if decision.action == "deny" and decision.scopes else None
 
     async def authorize(self, session: ClientSession, tool: str, arguments: Any = None) -> None:
