@@ -155,9 +155,8 @@ def check_http(method: str, params: dict[str, Raw],
             meta = jsonrpc.raw_dict(raw)
         except (msgspec.DecodeError, msgspec.ValidationError):
             meta = None
-    body_version = None  # as modern_version reads it
-    if meta is not None and VERSION_KEY in meta and VERSION_KEY.encode() in bytes(raw or b""):
-        body_version = jsonrpc.loads(meta[VERSION_KEY])
+    body_version = (jsonrpc.loads(meta[VERSION_KEY]) if meta is not None and VERSION_KEY in meta
+                    else None)
     got = _header_value(headers.get("mcp-protocol-version"))
     if got is not None and isinstance(body_version, str) and got != body_version:
         raise errors.HeaderMismatch(f"the mcp-protocol-version header ({got!r}) does not match "

@@ -29,6 +29,7 @@ import trio
 
 from gateway.errors import INTERNAL_ERROR, MessageTooLarge, TransportClosed
 from gateway.protocol import era, jsonrpc, subscriptions
+from gateway.protocol.sse import EventTooLarge, SseDecoder
 from gateway.transports.lines import LineStream
 
 LOGGER = logging.getLogger("gateway.bridge")
@@ -57,29 +58,15 @@ class _Response:
         return bytes(data)
 
     async def events(self, limit: int) -> AsyncIterator[bytes]:
-        """The data of each SSE event (``data:`` lines joined), skipping events without data
-        (a priming event's empty ``data:`` too).  Lines end with CRLF, LF or CR (the SSE
-        spec), a CRLF split between two reads included.  Linear in the bytes however they are
-        cut: an event arriving in many small reads is not searched nor copied whole each time."""
-        buf = bytearray()
-        scan = 0  # where an event's end may begin in buf: what came before was searched
-        after_cr = False  # the last chunk ended with a CR: an LF first in this one is its CRLF's
+        """The data of each SSE event (:class:`~gateway.protocol.sse.SseDecoder`)."""
+        decoder = SseDecoder(limit)
         async for chunk in self._chunks:
-            if after_cr and chunk.startswith(b"\n"):
-                chunk = chunk[1:]
-            after_cr = chunk.endswith(b"\r")
-            buf += chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-            start = 0
-            while (end := buf.find(b"\n\n", max(start, scan))) >= 0:
-                event, start = bytes(buf[start:end]), end + 2
-                data = [line[5:].removeprefix(b" ") for line in event.split(b"\n")
-                        if line.startswith(b"data:")]
-                if any(line.strip() for line in data):
-                    yield b"\n".join(data)
-            del buf[:start]
-            scan = max(0, len(buf) - 1)
-            if len(buf) > limit:
-                raise MessageTooLarge(len(buf), limit)
+            try:
+                events = decoder.feed(chunk)
+            except EventTooLarge as exc:
+                raise MessageTooLarge(exc.size, limit) from None
+            for data in events:
+                yield data
 
 
 @dataclass(slots=True)
