@@ -514,9 +514,13 @@ def remote_errors(p: str, b: BackendConfig) -> list[str]:
         errors.append(f"{p}.url: must be printable ASCII without spaces")
     else:
         try:
-            urlsplit(b.url).port  # noqa: B018 - parsing it is the check
+            parts = urlsplit(b.url)
+            parts.port  # noqa: B018 - parsing it is the check
         except ValueError as exc:
             errors.append(f"{p}.url: {exc}")
+        else:
+            if not parts.hostname:  # as gateway.backend.httpclient.parse_url requires
+                errors.append(f"{p}.url: no host name or address in {b.url!r}")
     if b.ca_file is not None and scheme != "https":
         errors.append(f"{p}.ca_file: only for an https:// url")
     for name, value in b.headers.items():
