@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import stat
+from collections.abc import Callable
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -355,27 +356,45 @@ def client_exposure_problems(cfg: GatewayConfig) -> list[str]:
 MAX_CONFIG_BYTES = 16 * MIB
 
 
+def read_regular(path: str, max_bytes: int, *, flags: int = 0,
+                 problem: Callable[[os.stat_result], str | None] | None = None) -> bytes:
+    """The bytes of the regular file at ``path``, at most ``max_bytes``, checked by ``problem``
+    (why its fstat refuses it; None: fine) before it is read.  O_NONBLOCK: a FIFO put there opens
+    at once and is refused, where a plain open() would wait for a writer forever (a SIGHUP
+    reload stuck in it held up SIGTERM); a device such as /dev/zero is refused, not read.
+
+    Raises:
+        OSError: unreadable.
+        ValueError: why it is refused (not a regular file, ``problem``'s answer, too large).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | flags)
+    try:
+        st = os.fstat(fd)
+        why = ("not a regular file" if not stat.S_ISREG(st.st_mode)
+               else problem(st) if problem is not None else None)
+        if why is not None:
+            raise ValueError(why)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(max_bytes + 1)
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:
+        raise ValueError(f"larger than {max_bytes} bytes")
+    return data
+
+
 def read_file(path: str) -> bytes:
-    """The bytes of the config file at ``path``: a regular file of at most
-    :data:`MAX_CONFIG_BYTES`.  O_NONBLOCK: a FIFO put there opens at once and is refused, where a
-    plain open() would wait for a writer forever (a SIGHUP reload stuck in it held up SIGTERM);
-    a device such as /dev/zero is refused, not read without end.
+    """The bytes of the config file at ``path`` (:func:`read_regular`, at most
+    :data:`MAX_CONFIG_BYTES`).
 
     Raises:
         OSError: unreadable.
         ConfigError: not a regular file, or too large.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ConfigError([f"{path}: not a regular file"])
-        with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
-    finally:
-        os.close(fd)
-    if len(data) > MAX_CONFIG_BYTES:
-        raise ConfigError([f"{path}: larger than {MAX_CONFIG_BYTES} bytes"])
-    return data
+        return read_regular(path, MAX_CONFIG_BYTES)
+    except ValueError as exc:
+        raise ConfigError([f"{path}: {exc}"]) from None
 
 
 def load(data: bytes | str, *, base_dir: str = ".", check_commands: bool = False) -> GatewayConfig:
@@ -495,9 +514,13 @@ def remote_errors(p: str, b: BackendConfig) -> list[str]:
         errors.append(f"{p}.url: must be printable ASCII without spaces")
     else:
         try:
-            urlsplit(b.url).port  # noqa: B018 - parsing it is the check
+            parts = urlsplit(b.url)
+            parts.port  # noqa: B018 - parsing it is the check
         except ValueError as exc:
             errors.append(f"{p}.url: {exc}")
+        else:
+            if not parts.hostname:  # as gateway.backend.httpclient.parse_url requires
+                errors.append(f"{p}.url: no host name or address in {b.url!r}")
     if b.ca_file is not None and scheme != "https":
         errors.append(f"{p}.ca_file: only for an https:// url")
     for name, value in b.headers.items():

@@ -22,7 +22,7 @@ import trio
 from gateway.auth import challenge
 from gateway.auth.principal import Principal
 from gateway.auth.tokens import BearerEntry, BearerTable, file_problem, parse_tokens_file
-from gateway.config import AuthSection, GatewayConfig
+from gateway.config import AuthSection, GatewayConfig, read_regular
 from gateway.errors import ConfigError
 from gateway.events import ConnectionRefused, EventBus
 
@@ -57,23 +57,15 @@ def load_tokens_file(path: str, gateway_uid: int | None = None) -> list[BearerEn
         ConfigError: ``auth.tokens_file: …`` (unreadable, bad mode or owner, bad lines).
     """
     uid = os.geteuid() if gateway_uid is None else gateway_uid
-    # O_NONBLOCK: a FIFO put there opens at once (and is refused below), not when a writer
-    # comes; the daemon reads this file on its event loop (start, SIGHUP)
+    # read on the event loop (start, SIGHUP): read_regular neither waits on a FIFO nor reads a
+    # device without end
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        data = read_regular(path, MAX_TOKENS_FILE, flags=os.O_NOFOLLOW,
+                            problem=lambda st: file_problem(st.st_mode, st.st_uid, uid))
     except OSError as exc:
         raise ConfigError([f"auth.tokens_file: {path}: {exc.strerror or exc}"]) from None
-    try:
-        st = os.fstat(fd)
-        problem = file_problem(st.st_mode, st.st_uid, uid)
-        if problem is not None:
-            raise ConfigError([f"auth.tokens_file: {path}: {problem}"])
-        with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(MAX_TOKENS_FILE + 1)
-    finally:
-        os.close(fd)
-    if len(data) > MAX_TOKENS_FILE:
-        raise ConfigError([f"auth.tokens_file: {path}: larger than {MAX_TOKENS_FILE} bytes"])
+    except ValueError as exc:
+        raise ConfigError([f"auth.tokens_file: {path}: {exc}"]) from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:  # named by line, as parse_tokens_file names bad lines

@@ -25,7 +25,7 @@ import trio
 from gateway import errors
 from gateway.backend import httpclient
 from gateway.backend.connector import LinkContext, LinkEnd, OpenFailed, Receiver
-from gateway.config import BackendConfig, header_value_ok
+from gateway.config import BackendConfig, header_value_ok, read_regular
 from gateway.limits import REMOTE_CONNECTIONS
 from gateway.protocol.sse import EventTooLarge, SseDecoder
 
@@ -125,14 +125,13 @@ def read_headers(cfg: BackendConfig, environ: dict[str, str] | None = None
             value = env[spec["env"]]
         else:
             path = spec["file"]
-            try:
-                with open(path, "rb") as f:
-                    raw = f.read(MAX_HEADER_FILE + 1)
+            try:  # read on the event loop (open, reload): a FIFO there must not block it
+                raw = read_regular(path, MAX_HEADER_FILE)
             except OSError as exc:
                 raise OpenFailed(f"header {name}: cannot read {path}: "
                                  f"{exc.strerror or exc}") from None
-            if len(raw) > MAX_HEADER_FILE:
-                raise OpenFailed(f"header {name}: {path} is larger than {MAX_HEADER_FILE} bytes")
+            except ValueError as exc:
+                raise OpenFailed(f"header {name}: {path}: {exc}") from None
             try:
                 value = spec.get("prefix", "") + raw.decode().strip()
             except UnicodeDecodeError:

@@ -5,10 +5,12 @@ recording receiver in place of the upstream session."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import h11
+import pytest
 import trio
 import trio.testing
 from fixtures.remote_server import read_request
@@ -16,7 +18,7 @@ from memharness import Owner
 
 from gateway import config, errors
 from gateway.backend import http
-from gateway.backend.connector import LinkContext
+from gateway.backend.connector import LinkContext, OpenFailed
 from gateway.events import BackendStateChanged, EventBus
 from gateway.hub import Hub
 from gateway.limits import ByteBudget
@@ -411,3 +413,13 @@ async def test_a_get_stream_that_ends_at_once_is_opened_again_ever_later(
             assert len([ex for ex in server.seen if ex.method == "GET"]) > len(gets)
             assert not receiver.ended_
             nursery.cancel_scope.cancel()
+
+
+def test_a_fifo_as_a_header_file_is_refused_at_once_not_waited_on(tmp_path: Any) -> None:
+    """Header values are read on the event loop: a FIFO there (no writer) must not block it."""
+    fifo = str(tmp_path / "token")
+    os.mkfifo(fifo)
+    cfg = config.BackendConfig(url="http://remote:1/mcp",
+                               headers={"Authorization": {"file": fifo, "prefix": "Bearer "}})
+    with pytest.raises(OpenFailed, match="not a regular file"):
+        http.read_headers(cfg)

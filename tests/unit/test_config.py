@@ -257,6 +257,11 @@ headers = { X-A = "1" }
     ])
 
 
+def test_remote_url_without_a_host_refused() -> None:
+    (error,) = errors_of('[backends.r]\nurl = "http://:80/mcp"\n')
+    assert error == "backends.r.url: no host name or address in 'http://:80/mcp'"
+
+
 def test_invalid_toml() -> None:
     (error,) = errors_of("[gateway\n")
     assert error.startswith("not valid TOML")
