@@ -188,6 +188,16 @@ async def test_concurrent_batch_posts_each_get_their_own_answers(daemon: Daemon)
     await check(daemon, base)
 
 
+async def recycled(daemon: Daemon, since: int) -> None:
+    """Wait until the child that still runs the cancelled call (the fixture's sleep ignores the
+    cancel) is recycled after ``cancel_grace`` and its successor is ready: the scenario's own
+    aftermath, which ``check`` must not mistake for a leak nor the next scenario inherit."""
+    with trio.fail_after(ANSWER_BOUND):
+        line = await daemon.line_until(lambda x: "fx/0: RUNNING -> STARTING (recycled" in x, since)
+        await daemon.line_until(lambda x: "fx/0: STARTING -> RUNNING" in x,
+                                daemon.lines.index(line, since))
+
+
 async def test_a_cancelled_request_ends_its_post_stream(daemon: Daemon) -> None:
     """A request the client cancels gets no JSON-RPC response; its POST's HTTP response must
     still end (else it hangs, kept open by keep-alive comments, and the session never idles)."""
@@ -199,6 +209,7 @@ async def test_a_cancelled_request_ends_its_post_stream(daemon: Daemon) -> None:
                           "params": {"name": "fx__sleep", "arguments": {"seconds": 30}}}, session))
     with trio.fail_after(ANSWER_BOUND):  # the call reached the backend (polled: from outside)
         await daemon.instance_until("fx", lambda i: i["inflight"])
+    since = len(daemon.lines)
     r = await c.exchange(post({"jsonrpc": "2.0", "method": "notifications/cancelled",
                                "params": {"requestId": 5, "reason": "user"}}, session))
     assert r.status == 202
@@ -211,6 +222,7 @@ async def test_a_cancelled_request_ends_its_post_stream(daemon: Daemon) -> None:
     assert r.status == 200
     for conn in (c, call):
         await conn.aclose()
+    await recycled(daemon, since)
     await check(daemon, base)
 
 
@@ -226,6 +238,7 @@ async def test_a_batch_with_every_request_cancelled_ends_its_post_stream(daemon:
                           for i in range(2)], session))
     with trio.fail_after(ANSWER_BOUND):  # both calls reached the backend (polled: from outside)
         await daemon.instance_until("fx", lambda i: i["inflight"] == 2)
+    since = len(daemon.lines)
     for i in range(2):
         r = await c.exchange(post({"jsonrpc": "2.0", "method": "notifications/cancelled",
                                    "params": {"requestId": f"b{i}"}}, session))
@@ -237,6 +250,7 @@ async def test_a_batch_with_every_request_cancelled_ends_its_post_stream(daemon:
     assert r.status == 200
     for conn in (c, call):
         await conn.aclose()
+    await recycled(daemon, since)
     await check(daemon, base)
 
 
