@@ -38,7 +38,9 @@ OTHER_STREAMS = 2
 #: the DELETE on close.  A new connection is opened only when no idle one is left, so these
 #: bound the link's connections; at most :data:`IDLE_CONNECTIONS` idle ones are kept.
 REQUEST_STREAMS = REMOTE_CONNECTIONS - OTHER_STREAMS - 2
-IDLE_CONNECTIONS = 4
+#: Every POST's connection is kept for the next one (within the pool's idle time): a smaller
+#: bound closes and opens connections at every burst of calls.
+IDLE_CONNECTIONS = REQUEST_STREAMS + OTHER_STREAMS
 #: Seconds a notification's or answer's POST may take, and a DELETE on close.
 SHORT_TIMEOUT = 10.0
 DELETE_TIMEOUT = 5.0
