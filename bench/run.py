@@ -283,6 +283,8 @@ def _reap(pid: int) -> bool:
 class Conn(abc.ABC):
     """A JSON-RPC client connection with any number of requests in flight (unique ids)."""
 
+    protocol = PROTOCOL  # the version its initialize asks for
+
     def __init__(self) -> None:
         self._ids = itertools.count(1)
         self.closed: str | None = None  # why the connection ended, once it has
@@ -298,7 +300,8 @@ class Conn(abc.ABC):
     async def aclose(self) -> None: ...
 
     async def initialize(self) -> dict[str, Any]:
-        resp = await self.request("initialize", {"protocolVersion": PROTOCOL, "capabilities": {},
+        resp = await self.request("initialize", {"protocolVersion": self.protocol,
+                                                 "capabilities": {},
                                                  "clientInfo": {"name": "mcp-gateway-bench",
                                                                 "version": "1"}})
         if "result" not in resp:
@@ -590,8 +593,9 @@ class HttpConn(Conn):
     flight: the ``N × 1`` rows use one per client, the ``N × 4`` rows four per client)."""
 
     def __init__(self, port: int, path: str = "/mcp", *, modern: bool = False,
-                 max_links: int = 1) -> None:
+                 max_links: int = 1, protocol: str = PROTOCOL) -> None:
         super().__init__()
+        self.protocol = protocol
         self.port = port
         self.path = path
         self.modern = modern
@@ -611,7 +615,8 @@ class HttpConn(Conn):
         if self.modern:
             head += f"mcp-protocol-version: {MODERN}\r\n"
         elif self.session is not None:
-            head += f"mcp-session-id: {self.session}\r\nmcp-protocol-version: {PROTOCOL}\r\n"
+            head += (f"mcp-session-id: {self.session}\r\n"
+                     f"mcp-protocol-version: {self.protocol}\r\n")
         self._head = head.encode()
 
     async def _link(self) -> _HttpLink:
@@ -740,7 +745,7 @@ class HttpConn(Conn):
             if self.session is not None:  # end the session (supergateway: stops its child)
                 head = (f"DELETE {self.path} HTTP/1.1\r\nhost: 127.0.0.1:{self.port}\r\n"
                         f"mcp-session-id: {self.session}\r\n"
-                        f"mcp-protocol-version: {PROTOCOL}\r\n").encode()
+                        f"mcp-protocol-version: {self.protocol}\r\n").encode()
                 try:
                     link = await self._link()
                     self._idle.append(link)
@@ -2160,8 +2165,10 @@ async def start_everything_http(procs: Procs, notes: list[str]) -> tuple[subproc
     return srv, port
 
 
-async def http_clients(port: int, n: int, links: int, *, modern: bool = False) -> list[Conn]:
-    conns: list[Conn] = [HttpConn(port, modern=modern, max_links=links) for _ in range(n)]
+async def http_clients(port: int, n: int, links: int, *, modern: bool = False,
+                       protocol: str = PROTOCOL) -> list[Conn]:
+    conns: list[Conn] = [HttpConn(port, modern=modern, max_links=links, protocol=protocol)
+                         for _ in range(n)]
     for c in conns:
         with trio.fail_after(10):
             await c.initialize()
@@ -2173,117 +2180,118 @@ async def bench_remote(args: argparse.Namespace, backend: BackendSpec, procs: Pr
                        extra: dict[str, Any]) -> None:
     """The remote rows: the same clients straight to server-everything's HTTP server (the
     limit), then through the gateway (WebSocket, /mcp legacy, /mcp stateless) with that server
-    as its ``url`` backend; the server is started once and serves every row."""
+    as its ``url`` backend; the server is started once and serves every row.  The direct
+    clients speak the version the gateway's upstream session negotiated (read in /status)."""
     print("remote: server-everything streamableHttp", file=sys.stderr, flush=True)
     srv, sport = await start_everything_http(procs, notes)
+    tmp = tempfile.mkdtemp(prefix="mcpgw-bench-")
+    ws_port, http_port, admin = free_port(), free_port(), free_port()
+    cfg_path = os.path.join(procs.log_dir, "gateway-remote.toml")
+    with open(cfg_path, "w") as f:  # noqa: ASYNC230 - set-up on a local file
+        f.write(remote_gateway_config(sport, ws_port, http_port, admin))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [ROOT, *[x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x]]))
+    notes.append(f"mcp-gateway under test: {ROOT}/gateway")
+    gw = procs.popen("gateway", [sys.executable, "-m", "gateway", "run", "--config", cfg_path],
+                     env=env)
     try:
+        deadline = trio.current_time() + START_TIMEOUT
+        while True:
+            if gw.poll() is not None:
+                raise BenchError(f"gateway exited during start-up (code {gw.returncode})")
+            try:
+                if (await http_get(admin, "/readyz"))[0] == 200:
+                    break
+            except (OSError, trio.TooSlowError):
+                pass
+            if trio.current_time() > deadline:
+                raise BenchError("gateway not ready within start timeout")
+            await trio.sleep(0.05)
+        assert_loopback_only(gw.pid, "mcp-gateway")
+        version = instance_of(await gateway_status(admin), "ev")["protocol_version"]
+        notes.append(f"the gateway's session with the remote speaks {version}; the direct "
+                     f"clients too (the bench's clients of the gateway speak {PROTOCOL})")
+        tool = f"ev__{backend.tool}"
+        url = f"ws://127.0.0.1:{ws_port}/"
         srv_cpu: dict[str, Callable[[], list[int]]] = {"backend": lambda: [srv.pid]}
-        # ---- direct: the server's own calls/s and latency ------------------------------------
-        one = (await http_clients(sport, 1, 1))[0]
-        await sequential(one, backend.tool, backend, 200, args.max_seconds)  # warm-up
-        conns = await http_clients(sport, args.clients, args.inflight)
-        for inflight in (1, args.inflight):
-            results.append(await measure(REMOTE_DIRECT_ROW, "direct", conns, args,
-                                         inflight=inflight, tool=backend.tool, backend=backend,
-                                         cpu_pids=srv_cpu))
-        notes.append(HttpConn.summary(REMOTE_DIRECT_ROW, conns))
-        for c in conns:
-            await c.aclose()
-
-        # ---- the gateway, with the server as its url backend ---------------------------------
-        tmp = tempfile.mkdtemp(prefix="mcpgw-bench-")
-        ws_port, http_port, admin = free_port(), free_port(), free_port()
-        cfg_path = os.path.join(procs.log_dir, "gateway-remote.toml")
-        with open(cfg_path, "w") as f:  # noqa: ASYNC230 - set-up on a local file
-            f.write(remote_gateway_config(sport, ws_port, http_port, admin))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [ROOT, *[x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x]]))
-        notes.append(f"mcp-gateway under test: {ROOT}/gateway")
-        gw = procs.popen("gateway", [sys.executable, "-m", "gateway", "run", "--config", cfg_path],
-                         env=env)
-        try:
-            deadline = trio.current_time() + START_TIMEOUT
-            while True:
-                if gw.poll() is not None:
-                    raise BenchError(f"gateway exited during start-up (code {gw.returncode})")
-                try:
-                    if (await http_get(admin, "/readyz"))[0] == 200:
-                        break
-                except (OSError, trio.TooSlowError):
-                    pass
-                if trio.current_time() > deadline:
-                    raise BenchError("gateway not ready within start timeout")
-                await trio.sleep(0.05)
-            assert_loopback_only(gw.pid, "mcp-gateway")
-            tool = f"ev__{backend.tool}"
-            url = f"ws://127.0.0.1:{ws_port}/"
-            cpu: dict[str, Callable[[], list[int]]] = {"proxy": lambda: [gw.pid],
-                                                       "backend": lambda: [srv.pid]}
-            watch = UpstreamWatch(gw.pid, sport)
-            async with trio.open_nursery() as nursery:
-                ws_one = await WsConn.open(nursery, url, ["mcp"])
-                await ws_one.initialize()
-                with trio.fail_after(20):  # the remote's tools arrive after its list_changed
-                    while tool not in {t["name"] for t in  # noqa: ASYNC110 - another process's catalog: polled
-                                       (await ws_one.request("tools/list"))["result"]["tools"]}:
-                        await trio.sleep(0.1)
-                nursery.start_soon(watch.run)
-                legacy_one = (await http_clients(http_port, 1, 1))[0]
-                modern_one = (await http_clients(http_port, 1, 1, modern=True))[0]
-                # ---- single client, sequential: interleaved blocks, so drift hits all alike --
-                paths: list[tuple[str, Conn, str]] = [
-                    ("direct HTTP", one, backend.tool), ("mcp-gateway WS → remote", ws_one, tool),
-                    ("mcp-gateway /mcp legacy → remote", legacy_one, tool),
-                    ("mcp-gateway /mcp stateless → remote", modern_one, tool)]
-                for _, c, t in paths:
-                    await sequential(c, t, backend, 200, args.max_seconds)  # warm-up
-                rounds: dict[str, list[list[int]]] = {p[0]: [] for p in paths}
-                blocks = 5
-                per = max(1, args.single_calls // blocks)
-                for _ in range(args.repeat):
-                    lat: dict[str, list[int]] = {p[0]: [] for p in paths}
-                    for _ in range(blocks):
-                        for label, c, t in paths:
-                            lat[label] += await sequential(c, t, backend, per,
-                                                           args.max_seconds / blocks)
-                    for k in rounds:
-                        rounds[k].append(lat[k])
-                for label, _, _ in paths:
-                    singles.append(seq_result(label, rounds[label]))
-                    print(f"  single client {label:<40} p50 {singles[-1].p50_us:6.0f} us",
-                          file=sys.stderr, flush=True)
-                await one.aclose()
-                for c in (legacy_one, modern_one):
+        cpu: dict[str, Callable[[], list[int]]] = {"proxy": lambda: [gw.pid],
+                                                   "backend": lambda: [srv.pid]}
+        watch = UpstreamWatch(gw.pid, sport)
+        async with trio.open_nursery() as nursery:
+            # ---- direct: the server's own calls/s (the gateway idle beside it) -------------
+            conns = await http_clients(sport, args.clients, args.inflight, protocol=version)
+            for inflight in (1, args.inflight):
+                results.append(await measure(REMOTE_DIRECT_ROW, "direct", conns, args,
+                                             inflight=inflight, tool=backend.tool,
+                                             backend=backend, cpu_pids=srv_cpu))
+            notes.append(HttpConn.summary(REMOTE_DIRECT_ROW, conns))
+            for c in conns:
+                await c.aclose()
+            # ---- single client, sequential: interleaved blocks, so drift hits all alike ----
+            ws_one = await WsConn.open(nursery, url, ["mcp"])
+            await ws_one.initialize()
+            with trio.fail_after(20):  # the remote's tools arrive after its list_changed
+                while tool not in {t["name"] for t in  # noqa: ASYNC110 - another process's catalog: polled
+                                   (await ws_one.request("tools/list"))["result"]["tools"]}:
+                    await trio.sleep(0.1)
+            nursery.start_soon(watch.run)
+            paths: list[tuple[str, Conn, str]] = [
+                ("direct HTTP", (await http_clients(sport, 1, 1, protocol=version))[0],
+                 backend.tool),
+                (f"direct HTTP, {PROTOCOL} (for comparison)",
+                 (await http_clients(sport, 1, 1))[0], backend.tool),
+                ("mcp-gateway WS → remote", ws_one, tool),
+                ("mcp-gateway /mcp legacy → remote", (await http_clients(http_port, 1, 1))[0],
+                 tool),
+                ("mcp-gateway /mcp stateless → remote",
+                 (await http_clients(http_port, 1, 1, modern=True))[0], tool)]
+            for _, c, t in paths:
+                await sequential(c, t, backend, 200, args.max_seconds)  # warm-up
+            rounds: dict[str, list[list[int]]] = {p[0]: [] for p in paths}
+            blocks = 5
+            per = max(1, args.single_calls // blocks)
+            for _ in range(args.repeat):
+                lat: dict[str, list[int]] = {p[0]: [] for p in paths}
+                for _ in range(blocks):
+                    for label, c, t in paths:
+                        lat[label] += await sequential(c, t, backend, per,
+                                                       args.max_seconds / blocks)
+                for k in rounds:
+                    rounds[k].append(lat[k])
+            for label, c, _ in paths:
+                singles.append(seq_result(label, rounds[label]))
+                print(f"  single client {label:<40} p50 {singles[-1].p50_us:6.0f} us",
+                      file=sys.stderr, flush=True)
+                if c is not ws_one:
                     await c.aclose()
-                # ---- N clients ------------------------------------------------------------
-                rows: list[tuple[str, Callable[[], Any]]] = [
-                    (REMOTE_WS_ROW, lambda: ws_clients(nursery, url, args.clients)),
-                    (REMOTE_LEGACY_ROW, lambda: http_clients(http_port, args.clients,
-                                                             args.inflight)),
-                    (REMOTE_MODERN_ROW, lambda: http_clients(http_port, args.clients,
-                                                             args.inflight, modern=True))]
-                upstream: dict[str, dict[str, int]] = {}
-                for label, make in rows:
-                    conns = await make()
-                    for inflight in (1, args.inflight):
-                        watch.reset()
-                        results.append(await measure(label, "mcp-gateway", conns, args,
-                                                     inflight=inflight, tool=tool,
-                                                     backend=backend, cpu_pids=cpu))
-                        upstream[f"{label} {args.clients}x{inflight}"] = {
-                            "most_at_once": watch.most, "distinct_seen": len(watch.seen)}
-                    if label != REMOTE_WS_ROW:
-                        notes.append(HttpConn.summary(label, conns))
-                    for c in conns:
-                        await c.aclose()
-                extra["upstream"] = upstream
-                await ws_one.aclose()
-                nursery.cancel_scope.cancel()
-        finally:
-            procs.stop(gw.pid, grace=10.0)
-            shutil.rmtree(tmp, ignore_errors=True)
+            # ---- N clients ----------------------------------------------------------------
+            rows: list[tuple[str, Callable[[], Any]]] = [
+                (REMOTE_WS_ROW, lambda: ws_clients(nursery, url, args.clients)),
+                (REMOTE_LEGACY_ROW, lambda: http_clients(http_port, args.clients,
+                                                         args.inflight)),
+                (REMOTE_MODERN_ROW, lambda: http_clients(http_port, args.clients,
+                                                         args.inflight, modern=True))]
+            upstream: dict[str, dict[str, int]] = {}
+            for label, make in rows:
+                conns = await make()
+                for inflight in (1, args.inflight):
+                    watch.reset()
+                    results.append(await measure(label, "mcp-gateway", conns, args,
+                                                 inflight=inflight, tool=tool,
+                                                 backend=backend, cpu_pids=cpu))
+                    upstream[f"{label} {args.clients}x{inflight}"] = {
+                        "most_at_once": watch.most, "distinct_seen": len(watch.seen)}
+                if label != REMOTE_WS_ROW:
+                    notes.append(HttpConn.summary(label, conns))
+                for c in conns:
+                    await c.aclose()
+            extra["upstream"] = upstream
+            await ws_one.aclose()
+            nursery.cancel_scope.cancel()
     finally:
+        procs.stop(gw.pid, grace=10.0)
         procs.stop(srv.pid)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 async def ws_clients(nursery: trio.Nursery, url: str, n: int) -> list[Conn]:
