@@ -116,6 +116,32 @@ class Response:
         return self.headers.get("content-type", "").split(";")[0].strip().lower()
 
 
+#: Request heads written without h11, by method, target and headers (the same for every call
+#: of a session): each checked and encoded once.  Bounded: emptied when full.
+_HEADS: dict[tuple[str, str, tuple[tuple[str, str], ...]], bytes] = {}
+_HEADS_MAX = 64
+
+
+def _common_head(method: str, target: str, head: list[tuple[str, str]],
+                 body: bytes) -> bytes | None:
+    """The request's head as h11 writes it (``content-length`` last, as :meth:`Connection.request`
+    adds it), or None when it is not of the common shape."""
+    if method not in _LEAN_METHODS:
+        return None
+    key = (method, target, tuple(head))
+    raw = _HEADS.get(key)
+    if raw is None:
+        raw = http1.request_head(method, target, head)
+        if raw is None:
+            return None
+        if len(_HEADS) >= _HEADS_MAX:
+            _HEADS.clear()
+        _HEADS[key] = raw
+    if body or method in ("POST", "PUT"):
+        return raw[:-2] + b"content-length: %d\r\n\r\n" % len(body)
+    return raw
+
+
 class Connection:
     """One HTTP/1.1 connection: one exchange at a time, kept alive when both sides allow.
 
@@ -167,10 +193,9 @@ class Connection:
             ConnectionLost, HttpTimeout.
         """
         head = [("host", self.authority), *headers]
+        raw = _common_head(method, target, head, body) if self._h11 is None else None
         if body or method in ("POST", "PUT"):
             head.append(("content-length", str(len(body))))
-        raw = (http1.request_head(method, target, head)
-               if self._h11 is None and method in _LEAN_METHODS else None)
         if raw is None:
             if self._h11 is None:
                 self._h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
