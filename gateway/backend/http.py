@@ -275,7 +275,10 @@ class HttpLink:
                 queue.ready = trio.Event()
                 await queue.ready.wait()
             token = object()
-            await limiter.acquire_on_behalf_of(token)
+            try:  # a free stream: no checkpoint here (the POST's task is the next hop)
+                limiter.acquire_on_behalf_of_nowait(token)
+            except trio.WouldBlock:
+                await limiter.acquire_on_behalf_of(token)
             if not queue.items:  # dropped meanwhile (the link failed)
                 limiter.release_on_behalf_of(token)
                 continue
