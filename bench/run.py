@@ -2074,6 +2074,7 @@ def markdown(args: argparse.Namespace, backend: BackendSpec, results: list[LoadR
 # ==== remote mode: server-everything's own Streamable HTTP server as the backend =================
 
 REMOTE_DIRECT_ROW = "direct HTTP (server-everything's own server)"
+REMOTE_LATE_ROW = "direct HTTP, one session, after the gateway rows"
 REMOTE_WS_ROW = "mcp-gateway, WebSocket → remote"
 REMOTE_LEGACY_ROW = "mcp-gateway, /mcp legacy → remote"
 REMOTE_MODERN_ROW = "mcp-gateway, /mcp stateless 2026-07-28 → remote"
@@ -2286,6 +2287,15 @@ async def bench_remote(args: argparse.Namespace, backend: BackendSpec, procs: Pr
                 for c in conns:
                     await c.aclose()
             extra["upstream"] = upstream
+            # ---- direct again, last, on one session as the gateway's upstream is: the
+            # server's speed after every gateway row (its heap holds the gateway's session)
+            late = (await http_clients(sport, 1, args.clients * args.inflight,
+                                       protocol=version))[0]
+            for inflight in (1, args.inflight):
+                results.append(await measure(REMOTE_LATE_ROW, "direct, late", [late] * args.clients,
+                                             args, inflight=inflight, tool=backend.tool,
+                                             backend=backend, cpu_pids=srv_cpu))
+            await late.aclose()
             await ws_one.aclose()
             nursery.cancel_scope.cancel()
     finally:
