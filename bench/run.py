@@ -212,13 +212,13 @@ class Procs:
         self.running: dict[int, str] = {}  # pid -> name (each is a process-group leader)
         self.seen: dict[int, dict[int, int]] = {}  # leader -> {descendant pid: its start time}
 
-    def popen(self, name: str, argv: list[str],
-              env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    def popen(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+              cwd: str = ROOT) -> subprocess.Popen[bytes]:
         log = open(os.path.join(self.log_dir, f"{name}.log"), "wb")
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT,
-                                    cwd=ROOT, env=env, start_new_session=True)
+                                    cwd=cwd, env=env, start_new_session=True)
         finally:
             log.close()
         self.running[proc.pid] = name
