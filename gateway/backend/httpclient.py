@@ -393,6 +393,8 @@ class Pool:
             ConnectFailed.
         """
         now = trio.current_time()
+        while self._idle and now - self._idle[0].idle_since >= IDLE_TTL:  # the oldest first
+            await self._idle.pop(0).aclose()
         while self._idle:
             conn = self._idle.pop()
             if now - conn.idle_since < IDLE_TTL:

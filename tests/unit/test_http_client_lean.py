@@ -1,6 +1,7 @@
 """The remote backends' HTTP/1.1 client without h11 for common exchanges: each answer, cut
 anywhere, reads as h11 reads it (status, headers, body, reusable or not, the failure); the
-request bytes are the ones h11 writes."""
+request bytes are the ones h11 writes; the pool keeps a burst's connections and closes the
+stale ones first."""
 
 from __future__ import annotations
 
@@ -108,3 +109,32 @@ async def test_requests_are_the_bytes_h11_writes_and_unusual_heads_h11_refuses()
         with pytest.raises(httpclient.ConnectionLost, match="h11 refused its head"):
             await httpclient.Connection(client, "remote:1").request("POST", "/mcp",
                                                                     [(name, value)], b"{}")
+
+
+async def test_pool_keeps_a_bursts_connections_and_closes_the_stale_first(
+        autojump_clock: trio.testing.MockClock) -> None:
+    opened: list[trio.abc.Stream] = []  # the remote's ends
+
+    async def opener(host: str, port: int) -> trio.abc.Stream:
+        client, server = trio.testing.memory_stream_pair()
+        opened.append(server)
+        return client
+
+    origin = httpclient.parse_url("http://remote:1/mcp")
+    pool = httpclient.Pool(origin, connect_timeout=1.0, idle_max=14, opener=opener)
+    burst = [await pool.connect() for _ in range(12)]
+    for conn in burst:  # each after a clean exchange
+        conn._keep, conn._body = True, None
+        await pool.put(conn)
+    assert len(pool.open) == 12  # all kept: the next burst opens none
+    again = [await pool.get() for _ in range(12)]
+    assert {id(c) for c in again} == {id(c) for c in burst} and len(opened) == 12
+    for conn in burst:
+        await pool.put(conn)
+    await trio.sleep(httpclient.IDLE_TTL / 2)
+    fresh = burst[0]
+    pool._idle.remove(fresh)
+    await pool.put(fresh)  # used again since: not stale
+    await trio.sleep(httpclient.IDLE_TTL / 2)
+    assert await pool.get() is fresh
+    assert pool.open == {fresh}  # the 11 idle past IDLE_TTL were closed, oldest first
