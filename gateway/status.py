@@ -30,6 +30,7 @@ class InstanceStatus:
     protocol_version: str | None = None  # the revision spoken with the running child
     origin: str | None = None  # where its link goes when that is not a process (no credentials)
     last_error: str | None = None  # the last transport failure its link saw
+    latency: float | None = None  # seconds: the last health probe's round trip (None before one)
 
 
 @dataclass(frozen=True, slots=True)

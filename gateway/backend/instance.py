@@ -164,6 +164,7 @@ class Instance(ChildHandlers):
         self.generation = 0
         self.lists = BackendLists()
         self.last_exit: str | None = None
+        self.latency: float | None = None  # the current child's last health probe round trip
         self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL)
         self.crash_stderr: tuple[str, ...] = ()
         self.owner: Owner | None = None  # per-session / affine holder
@@ -218,6 +219,7 @@ class Instance(ChildHandlers):
             protocol_version=child.protocol_version if child is not None else None,
             origin=link.origin if link is not None else self.connector.origin,
             last_error=link.last_error if link is not None else None,
+            latency=self.latency if child is not None else None,
         )
 
     async def state_changed(self) -> None:
@@ -307,6 +309,7 @@ class Instance(ChildHandlers):
     async def _run_generation(self) -> DownReason:
         """Open a link, hand-shake and serve one generation; returns why it ended."""
         self.generation += 1
+        self.latency = None
         spawned = trio.current_time()
         host = self.backend.host
         ctx = LinkContext(backend=self.backend.name, instance=self.name, bus=host.bus,
@@ -492,6 +495,7 @@ class Instance(ChildHandlers):
         misses = 0
         while not down.is_set():
             await trio.sleep(h.interval)
+            sent = trio.current_time()
             try:
                 if child.envelope is not None:  # ping is gone in 2026-07-28: discover is as cheap
                     await child.request("server/discover",
@@ -506,6 +510,7 @@ class Instance(ChildHandlers):
             else:
                 ok = True
             if ok:
+                self.latency = trio.current_time() - sent
                 if misses and self.state is State.UNHEALTHY:
                     self._emit(self.sup.healthy())
                 misses = 0
