@@ -95,6 +95,7 @@ class AdminSection(Base, frozen=True):
     # Host names for /status, /metrics besides loopback + bound address
     allowed_hosts: list[str] = []
     token_sha256: str | None = None  # hex SHA-256 of the bearer token /status needs off loopback
+    tool_latency_series: int = 100  # tools per backend with their own latency histogram
 
 
 class RestartSection(Base, frozen=True):
@@ -604,6 +605,8 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
         tls_cert=cfg.listen.tls_cert, tls_key=cfg.listen.tls_key,
         behind_proxy=cfg.listen.behind_proxy, public_url=cfg.listen.public_url,
         admin_token_sha256=cfg.admin.token_sha256, check_files=check_commands))
+    if not 0 <= cfg.admin.tool_latency_series <= 10_000:
+        errors.append("admin.tool_latency_series: need 0 ... 10000 (histogram series per backend)")
     for key, hosts in (("listen.allowed_hosts", cfg.listen.allowed_hosts),
                        ("admin.allowed_hosts", cfg.admin.allowed_hosts)):
         for entry in hosts:
