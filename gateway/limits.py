@@ -135,6 +135,9 @@ FD_FIXED = 64
 FD_PER_CHILD = 8
 #: Connections one remote backend instance (``url``) holds at most: its requests' answer
 #: streams, the notifications' and answers' POSTs, the GET stream and the DELETE on close
+#: Seconds the start (and a reload) waits for a remote backend that is not ``required`` to
+#: answer its first lists; past that it joins the catalog when it does (``list_changed``).
+OPTIONAL_REMOTE_WAIT = 2.0
 #: (gateway.backend.http splits them).
 REMOTE_CONNECTIONS = 16
 #: fds per configured TCP listener (a host name may bind an IPv4 and an IPv6 socket).

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,34 @@ async def test_a_fastmcp_http_server_behind_the_gateway() -> None:
                         if n["method"] == "notifications/progress"]
             assert [(p["progressToken"], p["progress"]) for p in progress] == [
                 (7, 1), (7, 2), (7, 3)], progress
+
+
+async def test_a_remote_that_never_answers_delays_neither_the_start_nor_other_backends() -> None:
+    """A remote that accepts connections and reads requests but never answers: the gateway is
+    ready and serves the stdio backend at once, the remote is still starting, and the stop does
+    not wait on it (it has no session yet: nothing to DELETE)."""
+    held: list[trio.SocketStream] = []
+
+    async def swallow(stream: trio.SocketStream) -> None:
+        held.append(stream)
+        while await stream.receive_some(65536):
+            pass  # read everything, answer nothing
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, swallow, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        cfg = make_config(fixture_backend("fx") + f'[backends.mute]\nurl = "http://127.0.0.1:'
+                          f'{port}/mcp"\nstart_timeout = 10.0\n')
+        with trio.fail_after(5):  # ready long before the mute remote's start_timeout is out
+            async with run_gateway(cfg) as gw, connect(gw.url) as c:
+                assert text_of(await c.call("fx__echo", {"message": "not held up"})) == \
+                    "not held up"
+                status = await gw.status_until(lambda st: any(
+                    b["name"] == "mute" and b["instances"][0]["state"] == "STARTING"
+                    for b in st["backends"]))
+                assert held  # the mute remote did get the initialize
+            stopped = trio.current_time()
+        assert trio.current_time() - stopped < 1.5, "the stop waited on the mute remote"
+        assert [b["instances"][0]["origin"] for b in status["backends"]
+                if b["name"] == "mute"] == [f"http://127.0.0.1:{port}"]
+        nursery.cancel_scope.cancel()
