@@ -172,6 +172,8 @@ class HttpConnector:
         except OpenFailed as exc:
             LOGGER.warning("backend %s: keeping the headers read before: %s", self.origin, exc)
         self._tls = None  # ca_file read again at the next open
+        if self.auth is not None:
+            self.auth.refresh()
 
     def _context(self) -> ssl.SSLContext | None:
         if self.target.tls and self._tls is None:

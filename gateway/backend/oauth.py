@@ -227,6 +227,11 @@ class TokenSource:
                 await self._discover(resource_metadata_url(challenge))
             await self._fetch()
 
+    def refresh(self) -> None:
+        """A reload: the ``ca_file`` is read again at the next exchange (the secrets are read
+        at each fetch anyway)."""
+        self._tls = None
+
     def _origin(self) -> str:
         return httpclient.parse_url(self.url).text
 
