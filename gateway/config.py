@@ -606,6 +606,9 @@ def oauth_errors(p: str, b: BackendConfig) -> list[str]:
     if o.token_url and not endpoint_url_ok(o.token_url):
         errors.append(f"{p}.token_url: expected an https:// URL (or http:// to 127.0.0.1), "
                       f"got {o.token_url!r}")
+    elif not o.token_url and b.url and not endpoint_url_ok(b.url):
+        errors.append(f"{p}.token_url: required for a plain http:// url (the remote's metadata "
+                      "would say where the credentials go: only trusted over https)")
     if o.resource and (urlsplit(o.resource).scheme not in ("http", "https")
                        or "#" in o.resource or not header_value_ok(o.resource)):
         errors.append(f"{p}.resource: expected an absolute http(s) URI without a fragment")

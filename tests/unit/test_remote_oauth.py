@@ -25,7 +25,7 @@ from gateway.ops.metrics import _token_fetches
 from gateway.status import BackendStatus, GatewayStatus
 
 AS = "http://127.0.0.1:9000"
-URL = "http://remote.test/mcp"
+URL = "http://localhost:8080/mcp"
 SECRET = "s3cr3t:with/odd+chars"
 
 
@@ -96,6 +96,10 @@ def test_config_refuses_a_literal_secret_and_a_plain_http_token_url() -> None:
         'or { env = "VAR" }']
     with pytest.raises(errors.ConfigError, match=r"backends.r.oauth.private_key: required"):
         config.load(base + 'auth_method = "private_key_jwt"\n')
+    with pytest.raises(errors.ConfigError, match=r"backends.r.oauth.token_url: required for a "
+                       "plain http:// url"):
+        config.load(base.replace(URL, "http://mcp.example/mcp")
+                    + 'client_secret = { env = "S" }\n')
 
 
 async def test_basic_discovered_from_the_401_then_refreshed_before_expiry(
@@ -105,7 +109,7 @@ async def test_basic_discovered_from_the_401_then_refreshed_before_expiry(
     auth = AuthServer(AS, secret=SECRET, lifetime=100)
     remote = ProtectedRemote(URL, AS, lambda tok: tok in auth.issued)
     async with trio.open_nursery() as nursery:
-        net = Net(nursery, {"127.0.0.1:9000": auth, "remote.test:80": remote})
+        net = Net(nursery, {"127.0.0.1:9000": auth, "localhost:8080": remote})
         connector, link, receiver = await start(nursery, net, secret_file(tmp_path), tmp_path)
         # no token_url: the first POST's 401 named the metadata; then one token, Basic auth
         assert receiver.messages[0]["result"]["serverInfo"]["name"] == "protected"
@@ -145,7 +149,7 @@ async def test_post_with_token_url_a_401_fetches_once_more_then_the_call_fails(
     oauth = (secret_file(tmp_path) + f'token_url = "{AS}/token"\n'
              'auth_method = "client_secret_post"\nscope = "tools"\n')
     async with trio.open_nursery() as nursery:
-        net = Net(nursery, {"127.0.0.1:9000": auth, "remote.test:80": remote})
+        net = Net(nursery, {"127.0.0.1:9000": auth, "localhost:8080": remote})
         _, link, receiver = await start(nursery, net, oauth, tmp_path)
         # token_url: the token before the first POST, no 401 at all
         assert remote.unauthorized == 0 and auth.issued == ["tok-1"]
@@ -187,7 +191,7 @@ async def test_private_key_jwt_assertion_is_signed_with_the_claims_the_server_ch
              'private_key = { file = "key.pem" }\n'
              + (f'token_url = "{AS}/token"\n' if explicit else ""))
     async with trio.open_nursery() as nursery:
-        net = Net(nursery, {"127.0.0.1:9000": auth, "remote.test:80": remote})
+        net = Net(nursery, {"127.0.0.1:9000": auth, "localhost:8080": remote})
         _, _, receiver = await start(nursery, net, oauth, tmp_path)
         assert auth.refused == [] and auth.issued == ["tok-1"], auth.refused
         assert receiver.messages[0]["result"]["serverInfo"]["name"] == "protected"
