@@ -8,7 +8,9 @@ as ``MCP-Protocol-Version`` from then on, and opens the GET stream for the serve
 (a 405: it has none).  A 404 on the session, a GET stream that cannot be opened again, or an
 unreachable remote end the link (the instance restarts it and initializes again); a call whose
 answer stream ends without its answer fails.  :meth:`HttpLink.close` DELETEs the session.
-Configured header values are read when a link opens and on reload, and never shown.
+Configured header values are read when a link opens and on reload, and never shown; with
+``[oauth]`` each request carries the backend's access token (``oauth.TokenSource``), and a 401
+gets one new token and one more try.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import msgspec
 import trio
 
 from gateway import errors
-from gateway.backend import httpclient
+from gateway.backend import httpclient, oauth
 from gateway.backend.connector import LinkContext, LinkEnd, OpenFailed, Receiver
 from gateway.config import BackendConfig, header_value_ok, read_regular
 from gateway.limits import REMOTE_CONNECTIONS
@@ -147,9 +149,12 @@ class HttpConnector:
 
     kind = "http"
 
-    def __init__(self, cfg: BackendConfig, opener: httpclient.Opener | None = None) -> None:
+    def __init__(self, cfg: BackendConfig, opener: httpclient.Opener | None = None, *,
+                 name: str = "") -> None:
         self.cfg = cfg
         self.target = httpclient.parse_url(cfg.url)
+        self.auth = (oauth.TokenSource(name or self.target.text, cfg.url, cfg.oauth, opener)
+                     if cfg.oauth is not None else None)  # its own access token, one per backend
         self._opener = opener  # (host, port): a byte stream to it (TCP when None)
         self.headers: list[tuple[str, str]] | None = None  # read at open, and by refresh
         self._tls: ssl.SSLContext | None = None  # https: made at the first open, and by refresh
@@ -167,6 +172,8 @@ class HttpConnector:
         except OpenFailed as exc:
             LOGGER.warning("backend %s: keeping the headers read before: %s", self.origin, exc)
         self._tls = None  # ca_file read again at the next open
+        if self.auth is not None:
+            self.auth.refresh()
 
     def _context(self) -> ssl.SSLContext | None:
         if self.target.tls and self._tls is None:
@@ -178,6 +185,11 @@ class HttpConnector:
 
     async def open(self, ctx: LinkContext) -> HttpLink:
         self.headers = read_headers(self.cfg)
+        if self.auth is not None:
+            try:
+                await self.auth.fresh()
+            except oauth.TokenFailed as exc:
+                raise OpenFailed(f"access token: {exc.detail}") from None
         pool = httpclient.Pool(self.target, connect_timeout=self.cfg.start_timeout,
                                idle_max=IDLE_CONNECTIONS, ssl_context=self._context(),
                                opener=self._opener)
@@ -293,7 +305,8 @@ class HttpLink:
             head.append(("mcp-session-id", self.session_id))
         if self.protocol_version is not None:
             head.append(("mcp-protocol-version", self.protocol_version))
-        return head + (self._connector.headers or [])
+        auth = self._connector.auth
+        return head + (self._connector.headers or []) + (auth.headers() if auth else [])
 
     # ---- ending -----------------------------------------------------------------------------
 
@@ -348,6 +361,43 @@ class HttpLink:
 
     async def _exchange(self, data: bytes, timeout: float,  # noqa: ASYNC109 - head deadline
                         repeat: bool = True,
+                        ) -> tuple[httpclient.Connection, httpclient.Response] | None:
+        """:meth:`_exchange_once` with the backend's access token, when it has ``[oauth]``:
+        fetched or refreshed first; after a 401 a new one is fetched (the endpoint discovered
+        from the challenge if need be) and the POST sent once more (the remote did not run it).
+        No token, or a 401 again: the link ends with the reason."""
+        auth = self._connector.auth
+        if auth is None:
+            return await self._exchange_once(data, timeout, repeat)
+        try:
+            await auth.fresh()
+            sent = auth.token
+            got = await self._exchange_once(data, timeout, repeat)
+            if got is None or got[1].status != 401:
+                return got
+            await self._discard(*got)
+            await auth.renew(sent, got[1].headers.get("www-authenticate"))
+            got = await self._exchange_once(data, timeout, repeat)
+            if got is None or got[1].status != 401:
+                return got
+            await self._discard(*got)
+            self._lost(f"{self.origin} refused the access token (HTTP 401) also after a new "
+                       "one was fetched")
+        except oauth.TokenFailed as exc:
+            self._lost(f"no access token for {self.origin}: {exc.detail}")
+        return None
+
+    async def _discard(self, conn: httpclient.Connection, response: httpclient.Response) -> None:
+        """An answer not used: its body read (bounded) and its connection kept, else closed."""
+        try:
+            await self._drain(conn, self._max_line)
+        except httpclient.HttpFailure:
+            await conn.aclose()
+            return
+        await self._pool.put(conn)
+
+    async def _exchange_once(self, data: bytes, timeout: float,  # noqa: ASYNC109 - deadline
+                             repeat: bool = True,
                         ) -> tuple[httpclient.Connection, httpclient.Response] | None:
         """POST ``data``; its connection and answer's head, or None when the remote is gone
         (the link ended).  A kept-alive connection the remote had closed is tried once anew if
@@ -469,7 +519,7 @@ class HttpLink:
                                       retryable=False)
                     return
                 if got is None:
-                    self._call_failed(gid, f"{self.origin} is unreachable")
+                    self._call_failed(gid, self.last_error or f"{self.origin} is unreachable")
                     return
                 conn, response = got
                 try:
@@ -610,8 +660,8 @@ class HttpLink:
                                                   head_timeout=self._cfg.start_timeout)
                 finally:
                     self._get_ready.set()
-                if response.status == 405:
-                    await conn.aclose()
+                if response.status == 405 or (response.status == 404 and not self.session_id):
+                    await conn.aclose()  # no stream (a 404 without a session: a stateless one)
                     return
                 if self._session_gone(response):
                     await conn.aclose()

@@ -152,7 +152,7 @@ class _StatusCollector(Collector):
         }
         if snap is not None:
             self._fill(fam, snap)
-        return list(fam.values())
+        return [*fam.values(), *_token_fetches(snap)]
 
     def _fill(self, fam: dict[str, GaugeMetricFamily], snap: GatewayStatus) -> None:
         fam["ready"].add_metric([], 1.0 if snap.ready else 0.0)
@@ -179,6 +179,22 @@ class _StatusCollector(Collector):
             eras = [i.era for i in b.instances]
             for e in ("legacy", "modern"):
                 fam["backend_era_instances"].add_metric([b.name, e], eras.count(e))
+
+
+def _token_fetches(snap: GatewayStatus | None) -> list[Metric]:
+    """The remote backends' access token fetches by outcome (``[oauth]``), from their counts
+    in the snapshot; no family at all while no backend has ``[oauth]``."""
+    remotes = [b for b in snap.backends if b.oauth is not None] if snap is not None else []
+    if not remotes:
+        return []
+    fam = CounterMetricFamily(PREFIX + "backend_token_fetches",
+                              "Access token fetches of remote backends ([oauth]), by outcome.",
+                              labels=("backend", "outcome"))
+    for b in remotes:
+        assert b.oauth is not None
+        fam.add_metric([b.name, "ok"], b.oauth["fetches"] - b.oauth["failures"])
+        fam.add_metric([b.name, "failed"], b.oauth["failures"])
+    return [fam]
 
 
 #: A histogram series: the count per bucket (``BUCKETS`` then +Inf), then the sum.
