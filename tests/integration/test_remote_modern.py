@@ -28,6 +28,7 @@ from helpers import (
     poll,
     run_gateway,
     text_of,
+    wait_instance,
 )
 
 pytestmark = pytest.mark.system
@@ -85,7 +86,7 @@ async def test_a_modern_remote_behind_the_gateway(tmp_path: Any,
     caplog.set_level(logging.INFO)
     with trio.fail_after(60):
         async with sdk_server(port, record), run_gateway(
-                make_config(remote("rm", port, "modern_only"))) as gw:
+                make_config(remote("rm", port, "modern_only", cancel_grace="0.5"))) as gw:
             st = await http_json(gw.bound.admin_port, "/status")
             inst = st["backends"][0]["instances"][0]
             assert (inst["state"], inst["era"]) == ("RUNNING", "modern")
@@ -125,14 +126,46 @@ async def test_a_modern_remote_behind_the_gateway(tmp_path: Any,
                     20)
                 tools = {t["name"] for t in (await c.request("tools/list"))["result"]["tools"]}
                 assert "rm__added" in tools
+
+                # a resource update: the listen opened again with the URI in its filter
+                assert (await c.request("resources/subscribe", {"uri": "memo://a"}))["result"] == {}
+                updated = "notifications/resources/updated"
+
+                async def touched() -> bool:  # the new listen may not be open yet: touch again
+                    await c.call("rm__touch", {"uri": "memo://a"})
+                    with trio.move_on_after(0.5):
+                        await c.wait_for(lambda: any(x["method"] == updated
+                                                     for x in c.notifications), 1)
+                        return True
+                    return False
+
+                await poll(touched)
+                note = next(x for x in c.notifications if x["method"] == updated)
+                assert note["params"]["uri"] == "memo://a"
+                text = (await c.request("resources/read", {"uri": "memo://a"}))["result"]
+                assert text["contents"][0]["text"] == "memo"
+
+                # a cancelled call: its stream is closed (no notifications/cancelled is POSTed),
+                # the call leaves the attribution set at once (no recycle after cancel_grace)
+                await c.send({"jsonrpc": "2.0", "id": "gone", "method": "tools/call",
+                              "params": {"name": "rm__slow", "arguments": {}}})
+                await poll(lambda: trio.to_thread.run_sync(lambda: any(
+                    s["headers"].get("mcp-name") == "slow" for s in recorded(record))))
+                await c.notify("notifications/cancelled", {"requestId": "gone"})
+                # in flight: only the gateway's own subscriptions/listen
+                await wait_instance(gw.bound.admin_port, lambda i: i["inflight"] == 1, 5)
+                await trio.sleep(1.5)  # real-clock: 3 × cancel_grace; "no recycle" is an absence
+                inst = await wait_instance(gw.bound.admin_port, lambda i: True)
+                assert (inst["state"], inst["restarts"], inst["recycles"]) == ("RUNNING", 0, 0)
     seen = recorded(record)
     assert {s["method"] for s in seen} == {"POST"}  # no GET stream, no DELETE
+    assert not [s for s in seen if "mcp-method" not in s["headers"]]  # no notification POSTed
     posts = [s["headers"] for s in seen]
     assert all("mcp-session-id" not in h for h in posts)
     assert all(h["mcp-protocol-version"] == V for h in posts)
     methods = [h["mcp-method"] for h in posts]
     assert methods[0] == "server/discover" and "initialize" not in methods
-    assert "subscriptions/listen" in methods
+    assert methods.count("subscriptions/listen") >= 2  # opened again with the resource filter
     calls = [h for h in posts if h["mcp-method"] == "tools/call"]
     assert [h["mcp-name"] for h in calls][:2] == ["echo", "where"]
     assert [h["mcp-name"] for h in calls].count("ask_name") == 2  # the call and its retry
