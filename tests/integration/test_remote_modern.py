@@ -171,6 +171,39 @@ async def test_a_modern_remote_behind_the_gateway(tmp_path: Any,
     assert [h["mcp-name"] for h in calls].count("ask_name") == 2  # the call and its retry
 
 
+async def test_the_listen_has_its_own_slot_and_is_opened_again_when_the_remote_ends_it(
+        tmp_path: Any) -> None:
+    port, record = free_port(), str(tmp_path / "seen.jsonl")
+
+    def count(name: str) -> int:
+        return sum(1 for s in recorded(record) if name in (s["headers"].get("mcp-name"),
+                                                           s["headers"].get("mcp-method")))
+
+    async def counted(name: str, want: int) -> bool:
+        return await trio.to_thread.run_sync(count, name) >= want
+
+    with trio.fail_after(60):
+        async with sdk_server(port, record), run_gateway(make_config(remote(
+                "rm", port, "modern_only", cancel_grace="0.5"))) as gw, connect(gw.url) as c:
+            # all 12 calls' streams at once reach the remote beside the open listen
+            for i in range(12):
+                await c.send({"jsonrpc": "2.0", "id": f"s{i}", "method": "tools/call",
+                              "params": {"name": "rm__slow", "arguments": {}}})
+            await poll(lambda: counted("slow", 12))
+            for i in range(12):
+                await c.notify("notifications/cancelled", {"requestId": f"s{i}"})
+            await wait_instance(gw.bound.admin_port, lambda i: i["inflight"] == 1, 10)
+            assert count("subscriptions/listen") == 1
+            # the remote ends the listen: the gateway opens it again and fetches the lists again
+            lists = count("tools/list")
+            assert text_of(await c.call("rm__end_listens")) == "ended"
+            await poll(lambda: counted("subscriptions/listen", 2))
+            await poll(lambda: counted("tools/list", lists + 1))
+            await c.call("rm__add_tool")
+            await c.wait_for(lambda: any(
+                x["method"] == "notifications/tools/list_changed" for x in c.notifications), 20)
+
+
 async def test_prefer_modern_probes_a_remote_and_falls_back_to_initialize(tmp_path: Any) -> None:
     port, record = free_port(), str(tmp_path / "seen.jsonl")
     legacy = RemoteServer()
