@@ -592,17 +592,23 @@ class Instance(ChildHandlers):
                 try:
                     await client.listen(child, wanted)
                     detail = "the backend ended it"
+                except errors.RemoteError as exc:  # refused: asking again changes nothing
+                    LOGGER.warning("backend %s refused subscriptions/listen: %s; its list changes "
+                                   "and resource updates are not seen until it restarts",
+                                   self.name, exc, extra={"MCP_BACKEND": self.backend.name})
+                    return
                 except errors.GatewayError as exc:
                     detail = str(exc)
             self._listen_scope = None
             if scope.cancelled_caught or child.closed is not None:
                 continue  # a new filter (or the child is gone)
+            if trio.current_time() - opened >= LISTEN_RETRY_MAX:
+                delay = LISTEN_RETRY
             LOGGER.warning("backend %s: subscriptions/listen ended (%s); opening it again in "
                            "%gs", self.name, detail, delay,
                            extra={"MCP_BACKEND": self.backend.name})
             await trio.sleep(delay)
-            delay = (LISTEN_RETRY if trio.current_time() - opened >= LISTEN_RETRY_MAX
-                     else min(2 * delay, LISTEN_RETRY_MAX))
+            delay = min(2 * delay, LISTEN_RETRY_MAX)
             if child is self.child:
                 await self._refresh(child, ("tools", "prompts", "resources", "templates"))
 
