@@ -134,8 +134,9 @@ FD_FIXED = 64
 #: while it is spawned the child's ends of the three pipes and the exec error pipe besides.
 FD_PER_CHILD = 8
 #: Connections one remote backend instance (``url``) holds at most: its requests' answer
-#: streams, the notifications' and answers' POSTs, the GET stream and the DELETE on close
-#: (gateway.backend.http splits them).
+#: streams, the notifications' and answers' POSTs, the GET stream (a 2026-07-28 remote's
+#: ``subscriptions/listen`` in its place) and the DELETE on close (gateway.backend.http splits
+#: them).
 REMOTE_CONNECTIONS = 16
 #: fds per configured TCP listener (a host name may bind an IPv4 and an IPv6 socket).
 FD_PER_TCP_LISTENER = 2
