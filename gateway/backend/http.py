@@ -20,6 +20,7 @@ import math
 import os
 import ssl
 from collections import deque
+from typing import Any
 
 import msgspec
 import trio
@@ -61,6 +62,9 @@ MAX_HEADER_FILE = 16384
 #: An SSE event's bytes beyond the message itself (field names, ids).
 SSE_OVERHEAD = 1024
 _ACCEPT_BOTH = "application/json, text/event-stream"
+#: A message the link cannot peek into (nested past msgspec's depth: RecursionError); the
+#: session, with its own depth bound, says what is wrong with it.
+_UNREADABLE = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
 #: Requests POSTed again when a kept-alive connection closed before their answer (it may have
 #: been the remote closing it while idle); any other (a ``tools/call``) may have run already.
 SAFE_TO_REPEAT = frozenset({
@@ -91,7 +95,7 @@ def _answers(data: bytes, gid: int) -> bool:
     """Whether ``data`` is the reply to request ``gid``."""
     try:
         peek = msgspec.json.decode(data, type=_Peek)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except _UNREADABLE:
         return False
     return peek.method is None and peek.id == gid
 
@@ -128,7 +132,7 @@ def modern_request(data: bytes, tools: dict[str, mcpheaders.Paths]
         return None
     try:
         req = msgspec.json.decode(data, type=_ModernRequest)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except _UNREADABLE:
         return None
     params = req.params
     meta = params.meta if params is not None else None
@@ -140,7 +144,7 @@ def modern_request(data: bytes, tools: dict[str, mcpheaders.Paths]
     if paths:
         try:
             fields["arguments"] = msgspec.json.decode(params.arguments)
-        except msgspec.DecodeError:
+        except _UNREADABLE:
             paths = None
     return req.method, mcpheaders.request_headers(req.method, version, fields, paths)
 
@@ -159,7 +163,7 @@ def _cancelled_id(data: bytes) -> int | None:
         return None
     try:
         note = msgspec.json.decode(data, type=_Cancelled)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except _UNREADABLE:
         return None
     if note.method != "notifications/cancelled" or note.params is None:
         return None
@@ -172,7 +176,7 @@ def _is_listen(data: bytes) -> bool:
         return False
     try:
         return msgspec.json.decode(data, type=_Peek).method == "subscriptions/listen"
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except _UNREADABLE:
         return False
 
 
@@ -684,7 +688,7 @@ class HttpLink:
         assert self._receiver is not None
         try:
             peek = msgspec.json.decode(data, type=_Peek)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except _UNREADABLE:
             peek = _Peek(method="")  # not a message: the session says why
         if peek.method is None and peek.id is not None and peek.id != gid:
             LOGGER.warning("backend %s: dropping an answer to request %.100r that came on the "
@@ -696,7 +700,7 @@ class HttpLink:
         if initialize and self.protocol_version is None:
             try:
                 reply = msgspec.json.decode(data, type=_InitReply)
-            except (msgspec.DecodeError, msgspec.ValidationError):
+            except _UNREADABLE:
                 reply = _InitReply()
             if reply.result is not None and reply.result.protocolVersion:
                 self.protocol_version = reply.result.protocolVersion
@@ -711,12 +715,12 @@ class HttpLink:
         ``x-mcp-header`` dropped (logged)."""
         try:
             message = msgspec.json.decode(data)
-        except msgspec.DecodeError:
+        except _UNREADABLE:
             return data  # the session says what is wrong with it
-        result = message.get("result")
-        tools = result.get("tools") if isinstance(result, dict) else None
-        if not isinstance(tools, list) or not tools:
+        result = message.get("result") if isinstance(message, dict) else None
+        if not isinstance(result, dict) or not isinstance(result.get("tools"), list):
             return data
+        tools: list[Any] = result["tools"]
         kept, marked, dropped = mcpheaders.split_tools(tools)
         for name in (t.get("name") for t in kept if isinstance(t, dict)):
             if isinstance(name, str):
