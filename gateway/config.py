@@ -515,6 +515,9 @@ _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}")
 RESERVED_HEADERS = frozenset({"host", "content-length", "content-type", "accept", "connection",
                               "transfer-encoding", "mcp-session-id", "mcp-protocol-version",
                               "last-event-id", "te", "upgrade", "keep-alive"})
+#: Headers a 2026-07-28 request carries, set from its body (``mcp-method``, ``mcp-name``,
+#: ``mcp-param-*``).
+MODERN_HEADER_PREFIXES = ("mcp-method", "mcp-name", "mcp-param-")
 
 
 def header_value_ok(value: str) -> bool:
@@ -537,9 +540,6 @@ def remote_errors(p: str, b: BackendConfig) -> list[str]:
     for key in ("args", "env"):
         if getattr(b, key):
             errors.append(f"{p}.{key}: only for a backend with a command (this one has a url)")
-    if b.protocol_mode in ("modern_only", "prefer_modern"):
-        errors.append(f"{p}.protocol_mode: a remote backend (url) is opened with initialize "
-                      "(the legacy sessions' shape): legacy_only or prefer_legacy")
     scheme, sep, rest = b.url.partition("://")
     authority = rest.split("/", 1)[0]
     if scheme not in ("http", "https") or not sep or not authority or "@" in authority:
@@ -562,7 +562,7 @@ def remote_errors(p: str, b: BackendConfig) -> list[str]:
         k = f"{p}.headers.{name}"
         if not _HEADER_NAME.fullmatch(name):
             errors.append(f"{k}: not a valid header name")
-        elif name.lower() in RESERVED_HEADERS:
+        elif name.lower() in RESERVED_HEADERS or name.lower().startswith(MODERN_HEADER_PREFIXES):
             errors.append(f"{k}: set by the gateway itself")
         if isinstance(value, str):
             if not header_value_ok(value):

@@ -138,17 +138,23 @@ async def open_child(child: ChildConnection, *, mode: str, declare: Iterable[str
             await discover(child, declare=declare, client_name=client_name, timeout=timeout)
 
 
-def listen_filter(child: ChildConnection) -> dict[str, bool]:
+def listen_filter(child: ChildConnection, uris: list[str] | None = None) -> dict[str, Any]:
     """What ``subscriptions/listen`` asks a modern child for: the list changes it announces
-    (``listChanged`` capabilities); empty for a legacy child (it just sends list_changed)."""
+    (``listChanged`` capabilities) and updates of ``uris`` (when it has
+    ``resources.subscribe``); empty for a legacy child (it just sends list_changed)."""
     if child.era is not Era.MODERN:
         return {}
     caps = child.server_capabilities
-    return {f"{kind}ListChanged": True for kind in ("tools", "prompts", "resources")
-            if isinstance(caps.get(kind), dict) and caps[kind].get("listChanged")}
+    wanted: dict[str, Any] = {
+        f"{kind}ListChanged": True for kind in ("tools", "prompts", "resources")
+        if isinstance(caps.get(kind), dict) and caps[kind].get("listChanged")}
+    resources = caps.get("resources")
+    if uris and isinstance(resources, dict) and resources.get("subscribe"):
+        wanted["resourceSubscriptions"] = list(uris)
+    return wanted
 
 
-async def listen(child: ChildConnection, wanted: dict[str, bool]) -> None:
+async def listen(child: ChildConnection, wanted: dict[str, Any]) -> None:
     """``subscriptions/listen`` on a modern child, open until the child ends it (returns) or
     the caller is cancelled (the child is told with ``notifications/cancelled``)."""
     await child.request("subscriptions/listen", _params(child, {"notifications": wanted}),
@@ -174,9 +180,7 @@ async def set_level(child: ChildConnection, level: str, *, timeout: float) -> No
 
 async def subscribe(child: ChildConnection, uri: str, *, timeout: float,  # noqa: ASYNC109 - the router's call deadline (CallTimeout), not a cancel scope
                     method: str = "resources/subscribe") -> None:
-    if child.era is Era.MODERN:  # resources/subscribe does not exist there (subscriptions/listen)
-        LOGGER.info("backend %s is modern: %s %s not sent (resource subscriptions toward modern "
-                    "backends are not implemented)", child.instance, method, uri)
+    if child.era is Era.MODERN:  # resources/subscribe does not exist there: the listen's filter
         return
     try:
         await child.request(method, jsonrpc.encode_dict({"uri": uri}), timeout=timeout,

@@ -1,16 +1,18 @@
-"""The ``http`` connector: a remote server over Streamable HTTP (the legacy sessions' shape).
+"""The ``http`` connector: a remote server over Streamable HTTP, in either era's shape.
 
 :class:`HttpLink` POSTs each message (requests at most :data:`REQUEST_STREAMS` at once, the
 others on :data:`OTHER_STREAMS` more connections, each kind in order from its own queue) and
 hands what comes back, a JSON body or SSE events as they arrive, to the session with the request
-they came in answer to.  ``initialize``'s answer brings ``Mcp-Session-Id`` and the version sent
-as ``MCP-Protocol-Version`` from then on, and opens the GET stream for the server's own messages
-(a 405: it has none).  A 404 on the session, a GET stream that cannot be opened again, or an
-unreachable remote end the link (the instance restarts it and initializes again); a call whose
-answer stream ends without its answer fails.  :meth:`HttpLink.close` DELETEs the session.
-Configured header values are read when a link opens and on reload, and never shown; with
-``[oauth]`` each request carries the backend's access token (``oauth.TokenSource``), and a 401
-gets one new token and one more try.
+they came in answer to.  Legacy: ``initialize``'s answer brings ``Mcp-Session-Id`` and the
+version sent as ``MCP-Protocol-Version``, and opens the GET stream (405: none); a 404 on the
+session ends the link; :meth:`HttpLink.close` DELETEs the session.  A 2026-07-28 request (its
+``_meta`` names the version) goes with its routing headers (:mod:`~gateway.protocol.mcpheaders`),
+is cancelled by closing its stream, and ``subscriptions/listen`` holds the listen slot (the GET
+stream's, which that era has not) as long as the remote keeps it open.  An unreachable remote
+ends the link (the instance restarts it); a call whose answer stream ends without its answer
+fails.  Configured header values are read when a link opens and on reload, and never shown;
+with ``[oauth]`` each request carries the backend's access token (``oauth.TokenSource``), and a
+401 gets one new token and one more try.
 """
 
 from __future__ import annotations
@@ -20,15 +22,19 @@ import math
 import os
 import ssl
 from collections import deque
+from typing import Any
 
 import msgspec
 import trio
 
 from gateway import errors
 from gateway.backend import httpclient, oauth
+from gateway.backend.client import NotModern
 from gateway.backend.connector import LinkContext, LinkEnd, OpenFailed, Receiver
 from gateway.config import BackendConfig, header_value_ok, read_regular
 from gateway.limits import REMOTE_CONNECTIONS
+from gateway.protocol import mcpheaders
+from gateway.protocol.era import VERSION_KEY
 from gateway.protocol.sse import EventTooLarge, SseDecoder
 
 LOGGER = logging.getLogger(__name__)
@@ -36,9 +42,11 @@ LOGGER = logging.getLogger(__name__)
 #: Notifications and answers to the remote's requests posted at once.
 OTHER_STREAMS = 2
 #: Requests at the remote at once (each holds a connection while its answer streams): what
-#: is left of :data:`~gateway.limits.REMOTE_CONNECTIONS` beside the others, the GET stream and
-#: the DELETE on close.  A new connection is opened only when no idle one is left, so these
-#: bound the link's connections; at most :data:`IDLE_CONNECTIONS` idle ones are kept.
+#: is left of :data:`~gateway.limits.REMOTE_CONNECTIONS` beside the others, the GET stream (or,
+#: in the 2026-07-28 shape, the one ``subscriptions/listen``: the listen slot, never taken from
+#: these; a second listen waits for a request stream) and the DELETE on close.  A new
+#: connection is opened only when no idle one is left, so these bound the link's connections;
+#: at most :data:`IDLE_CONNECTIONS` idle ones are kept.
 REQUEST_STREAMS = REMOTE_CONNECTIONS - OTHER_STREAMS - 2
 IDLE_CONNECTIONS = 4
 #: Seconds a notification's or answer's POST may take, and a DELETE on close.
@@ -56,6 +64,9 @@ MAX_HEADER_FILE = 16384
 #: An SSE event's bytes beyond the message itself (field names, ids).
 SSE_OVERHEAD = 1024
 _ACCEPT_BOTH = "application/json, text/event-stream"
+#: A message the link cannot peek into (nested past msgspec's depth: RecursionError); the
+#: session, with its own depth bound, says what is wrong with it.
+_UNREADABLE = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
 #: Requests POSTed again when a kept-alive connection closed before their answer (it may have
 #: been the remote closing it while idle); any other (a ``tools/call``) may have run already.
 SAFE_TO_REPEAT = frozenset({
@@ -86,7 +97,7 @@ def _answers(data: bytes, gid: int) -> bool:
     """Whether ``data`` is the reply to request ``gid``."""
     try:
         peek = msgspec.json.decode(data, type=_Peek)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except _UNREADABLE:
         return False
     return peek.method is None and peek.id == gid
 
@@ -100,12 +111,75 @@ class _Cancelled(msgspec.Struct):
     params: _CancelledParams | None = None
 
 
+class _ModernParams(msgspec.Struct):
+    name: object = None
+    uri: object = None
+    arguments: msgspec.Raw = msgspec.Raw(b"null")
+    meta: dict[str, object] | None = msgspec.field(default=None, name="_meta")
+
+
+class _ModernRequest(msgspec.Struct):
+    method: str | None = None
+    params: _ModernParams | None = None
+
+
+_MODERN_MARK = VERSION_KEY.encode()
+
+
+def modern_request(data: bytes, tools: dict[str, mcpheaders.Paths]
+                   ) -> tuple[str, list[tuple[str, str]]] | None:
+    """A 2026-07-28 request's method and routing headers (its ``_meta`` names a version), or
+    None (a legacy message)."""
+    if _MODERN_MARK not in data:
+        return None
+    try:
+        req = msgspec.json.decode(data, type=_ModernRequest)
+    except _UNREADABLE:
+        return None
+    params = req.params
+    meta = params.meta if params is not None else None
+    version = meta.get(VERSION_KEY) if meta is not None else None
+    if req.method is None or params is None or not isinstance(version, str):
+        return None
+    fields: dict[str, object] = {"name": params.name, "uri": params.uri}
+    paths = tools.get(params.name) if isinstance(params.name, str) else None
+    if paths:
+        try:
+            fields["arguments"] = msgspec.json.decode(params.arguments)
+        except _UNREADABLE:
+            paths = None
+    return req.method, mcpheaders.request_headers(req.method, version, fields, paths)
+
+
 class _InitResult(msgspec.Struct):
     protocolVersion: str | None = None
 
 
 class _InitReply(msgspec.Struct):
     result: _InitResult | None = None
+
+
+def _cancelled_id(data: bytes) -> int | None:
+    """The request a ``notifications/cancelled`` names (None: not one, or not a gateway id)."""
+    if b"notifications/cancelled" not in data:
+        return None
+    try:
+        note = msgspec.json.decode(data, type=_Cancelled)
+    except _UNREADABLE:
+        return None
+    if note.method != "notifications/cancelled" or note.params is None:
+        return None
+    gid = note.params.requestId
+    return gid if isinstance(gid, int) and not isinstance(gid, bool) else None
+
+
+def _is_listen(data: bytes) -> bool:
+    if b"subscriptions/listen" not in data:
+        return False
+    try:
+        return msgspec.json.decode(data, type=_Peek).method == "subscriptions/listen"
+    except _UNREADABLE:
+        return False
 
 
 def read_headers(cfg: BackendConfig, environ: dict[str, str] | None = None
@@ -236,6 +310,13 @@ class HttpLink:
         self._ended = False
         self._end: LinkEnd | None = None
         self._max_line = ctx.max_line
+        # 2026-07-28 requests (their _meta names a version): no session; cancelled by closing
+        # their stream; a tools/list answer drops the tools whose x-mcp-header is invalid
+        self._modern: set[int] = set()  # modern requests not answered yet
+        self._tool_lists: set[int] = set()  # modern tools/list requests not answered yet
+        self._tool_params: dict[str, mcpheaders.Paths] = {}  # marked arguments, by tool
+        self._dropped_early: set[int] = set()  # cancelled while still queued
+        self._listening = False  # the listen slot is taken
 
     @property
     def origin(self) -> str:
@@ -246,15 +327,33 @@ class HttpLink:
     def send(self, data: bytes, gid: int | None = None) -> None:
         if self.closed is not None:
             raise errors.NotDelivered(self.closed.message, **self.closed.data)
+        if gid is None and self._modern and self._cancel_modern(data):
+            return
         self._seq += 1
         if gid is None:
             self._others_pending.add(self._seq)
             queue = self._others
         else:
             queue = self._requests
+            if _MODERN_MARK in data:
+                self._modern.add(gid)
         queue.items.append((data, gid, self._seq))
         self.buffers.charge(len(data))
         queue.ready.set()
+
+    def _cancel_modern(self, data: bytes) -> bool:
+        """``notifications/cancelled`` for a modern request: not sent, its stream is closed
+        (how a 2026-07-28 HTTP client cancels); whether it was one."""
+        gid = _cancelled_id(data)
+        if gid is None or gid not in self._modern:
+            return False
+        scope = self._streams.get(gid)
+        self._cancelled.add(gid)
+        if scope is not None:
+            scope.cancel()
+        else:
+            self._dropped_early.add(gid)  # still queued: dropped when its turn comes
+        return True
 
     def fits(self, size: int) -> bool:
         return self.buffers.held + size <= self.max_queued
@@ -284,6 +383,13 @@ class HttpLink:
             while not queue.items:
                 queue.ready = trio.Event()
                 await queue.ready.wait()
+            if requests and not self._listening and _is_listen(queue.items[0][0]):
+                data, gid, _seq = queue.items.popleft()
+                self.buffers.release(len(data))
+                if gid is not None:
+                    self._listening = True
+                    self._nursery.start_soon(self._post_request, data, gid, None, None)
+                continue
             token = object()
             await limiter.acquire_on_behalf_of(token)
             if not queue.items:  # dropped meanwhile (the link failed)
@@ -360,7 +466,7 @@ class HttpLink:
     # ---- posting ----------------------------------------------------------------------------
 
     async def _exchange(self, data: bytes, timeout: float,  # noqa: ASYNC109 - head deadline
-                        repeat: bool = True,
+                        repeat: bool = True, extra: list[tuple[str, str]] | None = None,
                         ) -> tuple[httpclient.Connection, httpclient.Response] | None:
         """:meth:`_exchange_once` with the backend's access token, when it has ``[oauth]``:
         fetched or refreshed first; after a 401 a new one is fetched (the endpoint discovered
@@ -368,16 +474,16 @@ class HttpLink:
         No token, or a 401 again: the link ends with the reason."""
         auth = self._connector.auth
         if auth is None:
-            return await self._exchange_once(data, timeout, repeat)
+            return await self._exchange_once(data, timeout, repeat, extra)
         try:
             await auth.fresh()
             sent = auth.token
-            got = await self._exchange_once(data, timeout, repeat)
+            got = await self._exchange_once(data, timeout, repeat, extra)
             if got is None or got[1].status != 401:
                 return got
             await self._discard(*got)
             await auth.renew(sent, got[1].headers.get("www-authenticate"))
-            got = await self._exchange_once(data, timeout, repeat)
+            got = await self._exchange_once(data, timeout, repeat, extra)
             if got is None or got[1].status != 401:
                 return got
             await self._discard(*got)
@@ -397,7 +503,7 @@ class HttpLink:
         await self._pool.put(conn)
 
     async def _exchange_once(self, data: bytes, timeout: float,  # noqa: ASYNC109 - deadline
-                             repeat: bool = True,
+                             repeat: bool = True, extra: list[tuple[str, str]] | None = None,
                         ) -> tuple[httpclient.Connection, httpclient.Response] | None:
         """POST ``data``; its connection and answer's head, or None when the remote is gone
         (the link ended).  A kept-alive connection the remote had closed is tried once anew if
@@ -407,7 +513,8 @@ class HttpLink:
             _MayHaveRun: it closed and not ``repeat``.
         """
         target = self._connector.target.target
-        head = [("content-type", "application/json"), *self._headers(_ACCEPT_BOTH)]
+        head = [("content-type", "application/json"), *self._headers(_ACCEPT_BOTH),
+                *(extra or ())]
         for _attempt in range(2):
             try:
                 conn = await self._pool.get()
@@ -437,17 +544,9 @@ class HttpLink:
     def _drop_cancelled(self, data: bytes) -> None:
         """``data`` told the remote the gateway cancelled a request: that request's answer
         stream is dropped (a cancelled request gets no answer: its stream might never end)."""
-        if b"notifications/cancelled" not in data:
-            return
-        try:
-            note = msgspec.json.decode(data, type=_Cancelled)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return
-        if note.method != "notifications/cancelled" or note.params is None:
-            return
-        gid = note.params.requestId
-        scope = self._streams.get(gid) if isinstance(gid, int) else None
-        if scope is not None and isinstance(gid, int):
+        gid = _cancelled_id(data)
+        scope = self._streams.get(gid) if gid is not None else None
+        if scope is not None and gid is not None:
             self._cancelled.add(gid)
             scope.cancel()
 
@@ -497,22 +596,36 @@ class HttpLink:
         finally:
             limiter.release_on_behalf_of(token)
 
-    async def _post_request(self, data: bytes, gid: int, limiter: trio.CapacityLimiter,
+    async def _post_request(self, data: bytes, gid: int, limiter: trio.CapacityLimiter | None,
                             token: object) -> None:
         """POST a request and hand its answer stream to the session; the stream is dropped
-        when the gateway cancels the call (``notifications/cancelled`` for it was POSTed) or
-        after ``max_call_duration``."""
-        method = msgspec.json.decode(data, type=_Peek).method
+        when the gateway cancels the call (``notifications/cancelled`` for it was POSTed, or
+        for a modern request would have been) or after ``max_call_duration``.  Without a
+        ``limiter``: the ``subscriptions/listen`` on the listen slot, open as long as the
+        remote keeps it."""
+        modern = modern_request(data, self._tool_params)
+        extra: list[tuple[str, str]] | None = None
+        if modern is not None:
+            method, extra = modern
+            if method == "tools/list":
+                self._tool_lists.add(gid)
+        else:
+            method = msgspec.json.decode(data, type=_Peek).method or ""
         initialize = self.protocol_version is None and method == "initialize"
         conn: httpclient.Connection | None = None
         kept = False
+        deadline = (math.inf if limiter is None
+                    else trio.current_time() + self._cfg.max_call_duration)
         try:
-            with trio.CancelScope(deadline=trio.current_time() + self._cfg.max_call_duration
-                                  ) as scope:
+            if gid in self._dropped_early:  # cancelled before its turn: never sent
+                self._dropped_early.discard(gid)
+                self._cancelled_answer(gid)
+                return
+            with trio.CancelScope(deadline=deadline) as scope:
                 self._streams[gid] = scope
                 try:
                     got = await self._exchange(data, self._cfg.max_call_duration,
-                                               method in SAFE_TO_REPEAT)
+                                               method in SAFE_TO_REPEAT, extra)
                 except _MayHaveRun as exc:
                     self._call_failed(gid, f"the connection to {self.origin} closed before the "
                                            f"answer ({exc}); the call may have run",
@@ -523,29 +636,42 @@ class HttpLink:
                     return
                 conn, response = got
                 try:
-                    await self._answer(conn, response, gid, initialize)
+                    await self._answer(conn, response, gid, initialize,
+                                       probe=modern is not None and method == "server/discover")
                 except httpclient.HttpFailure as exc:
                     self._call_failed(gid, f"the answer stream from {self.origin} broke: "
                                            f"{exc.detail}")
                     return
                 await self._pool.put(conn)
                 kept = True
-            if scope.cancelled_caught and gid in self._cancelled and self._receiver is not None:
-                # its answer cannot come now: the abandoned call leaves the attribution set
-                self._receiver.failed(gid, errors.BackendExited(
-                    f"backend {self._ctx.backend!r}: the call was cancelled",
-                    backend=self._ctx.backend, retryable=False))
+            if scope.cancelled_caught and gid in self._cancelled:
+                self._cancelled_answer(gid)
             elif scope.cancelled_caught:
                 self._call_failed(gid, f"no answer from {self.origin} within max_call_duration")
         finally:
             self._streams.pop(gid, None)
             self._cancelled.discard(gid)
+            self._modern.discard(gid)
+            self._tool_lists.discard(gid)
             if conn is not None and not kept:
                 await conn.aclose()
-            limiter.release_on_behalf_of(token)
+            if limiter is None:
+                self._listening = False
+                self._requests.ready.set()  # a listen waiting for the slot may go now
+            else:
+                limiter.release_on_behalf_of(token)
+
+    def _cancelled_answer(self, gid: int) -> None:
+        """Its answer cannot come now: the abandoned call leaves the attribution set."""
+        if self._receiver is not None:
+            self._receiver.failed(gid, errors.BackendExited(
+                f"backend {self._ctx.backend!r}: the call was cancelled",
+                backend=self._ctx.backend, retryable=False))
 
     async def _answer(self, conn: httpclient.Connection, response: httpclient.Response, gid: int,
-                      initialize: bool) -> None:
+                      initialize: bool, *, probe: bool = False) -> None:
+        """Hand the answer to ``gid`` to the session.  ``probe``: a modern ``server/discover``,
+        whose refusal without a JSON-RPC error answering it says "a legacy server"."""
         receiver = self._receiver
         assert receiver is not None
         if self._session_gone(response):
@@ -563,6 +689,11 @@ class HttpLink:
             body = await self._drain(conn, self._max_line)
             if response.content_type == "application/json" and _answers(body, gid):
                 receiver.message(body, gid)  # a JSON-RPC error answering the call
+            elif probe:
+                receiver.failed(gid, NotModern(
+                    f"backend {self._ctx.backend!r}: {self.origin} answered HTTP "
+                    f"{response.status} to server/discover without a JSON-RPC error: not a "
+                    "2026-07-28 server"))
             else:
                 self._call_failed(gid, f"{self.origin} answered HTTP {response.status}")
             return
@@ -607,17 +738,19 @@ class HttpLink:
         assert self._receiver is not None
         try:
             peek = msgspec.json.decode(data, type=_Peek)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except _UNREADABLE:
             peek = _Peek(method="")  # not a message: the session says why
         if peek.method is None and peek.id is not None and peek.id != gid:
             LOGGER.warning("backend %s: dropping an answer to request %.100r that came on the "
                            "answer stream of request %d", self._ctx.instance, peek.id, gid)
             self.last_error = "an answer to another request on a request's answer stream"
             return False
+        if gid in self._tool_lists and peek.method is None and peek.id == gid:
+            data = self._keep_tools(data)
         if initialize and self.protocol_version is None:
             try:
                 reply = msgspec.json.decode(data, type=_InitReply)
-            except (msgspec.DecodeError, msgspec.ValidationError):
+            except _UNREADABLE:
                 reply = _InitReply()
             if reply.result is not None and reply.result.protocolVersion:
                 self.protocol_version = reply.result.protocolVersion
@@ -626,6 +759,30 @@ class HttpLink:
                     self._nursery.start_soon(self._get_stream)
         self._receiver.message(data, gid)
         return peek.method is None and peek.id == gid
+
+    def _keep_tools(self, data: bytes) -> bytes:
+        """A modern ``tools/list`` page: its marked arguments learnt, the tools with an invalid
+        ``x-mcp-header`` dropped (logged)."""
+        try:
+            message = msgspec.json.decode(data)
+        except _UNREADABLE:
+            return data  # the session says what is wrong with it
+        result = message.get("result") if isinstance(message, dict) else None
+        if not isinstance(result, dict) or not isinstance(result.get("tools"), list):
+            return data
+        tools: list[Any] = result["tools"]
+        kept, marked, dropped = mcpheaders.split_tools(tools)
+        for name in (t.get("name") for t in kept if isinstance(t, dict)):
+            if isinstance(name, str):
+                self._tool_params.pop(name, None)
+        self._tool_params.update(marked)
+        if not dropped:
+            return data
+        for name, why in dropped:
+            LOGGER.warning("backend %s: dropping tool %r: %s", self._ctx.instance, name, why,
+                           extra={"MCP_BACKEND": self._ctx.backend})
+        result["tools"] = kept
+        return msgspec.json.encode(message)
 
     def _too_large(self, gid: int) -> None:
         LOGGER.warning("backend %s: dropping an answer of more than %d bytes (max_message_bytes)",

@@ -423,3 +423,44 @@ def test_a_fifo_as_a_header_file_is_refused_at_once_not_waited_on(tmp_path: Any)
                                headers={"Authorization": {"file": fifo, "prefix": "Bearer "}})
     with pytest.raises(OpenFailed, match="not a regular file"):
         http.read_headers(cfg)
+
+
+async def test_a_modern_tools_list_nested_past_any_parsers_depth_does_not_crash_the_link(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # The link peeks into every answer (its id; a 2026-07-28 tools/list, to drop the tools
+    # whose x-mcp-header is invalid): a reply nested 100000 deep raised RecursionError there
+    # (in either era's shape), out of the link's tasks, instead of reaching the session (which
+    # refuses it as too deep).
+    deep = b'{"jsonrpc":"2.0","id":2,"result":{"tools":[' + b"[" * 100000 + b"]" * 100000 + b"]}}"
+
+    async def nested(server: Hostile, ex: Exchange) -> None:
+        if ex.rpc == "tools/list":
+            await ex.head(200, [("content-type", "application/json"),
+                                ("content-length", str(len(deep)))])
+            await ex.data(deep)
+            await ex.stream.send_all(ex.conn.send(h11.EndOfMessage()))
+        else:
+            await plain(server, ex)
+
+    class Raw(Recorder):
+        def message(self, data: bytes, cause: int | None = None) -> None:
+            self.messages.append((data, cause))
+            self._note()
+
+    cfg = config.load('[backends.r]\nurl = "http://remote.test/mcp"\n').backends["r"]
+    meta = {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+            "io.modelcontextprotocol/clientCapabilities": {}}
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            server = Hostile(nursery, nested)
+            ctx = LinkContext(backend="r", instance="r#1", bus=EventBus(), max_line=1 << 20,
+                              buffers=ByteBudget(10**7).open("r"))
+            link = await http.HttpConnector(cfg, opener=server.open).open(ctx)
+            receiver = Raw()
+            nursery.start_soon(link.run, receiver)
+            link.send(request(2, "tools/list", {"_meta": meta}), 2)
+            await receiver.wait(lambda: bool(receiver.messages))
+            assert receiver.messages == [(deep, 2)]
+            ex, = server.posted("tools/list")
+            assert ex.method == "POST"
+            nursery.cancel_scope.cancel()
