@@ -49,6 +49,12 @@ ANSWER_TAIL = 1.0
 #: :data:`GET_RETRY_MAX`, each time it ends again without an event and sooner than that.
 GET_RETRY = 0.5
 GET_RETRY_MAX = 30.0
+#: Resuming a request's event stream that ended before its answer (a GET with
+#: ``Last-Event-ID``): seconds waited first when the server gave no ``retry``, the most waited
+#: whatever it gave, and the GETs in a row that may bring no message before the call fails.
+RESUME_WAIT = 1.0
+RESUME_WAIT_MAX = 10.0
+RESUME_ATTEMPTS = 3
 #: A header value read from a file: its most bytes.
 MAX_HEADER_FILE = 16384
 #: An SSE event's bytes beyond the message itself (field names, ids).
@@ -218,6 +224,7 @@ class HttpLink:
         self._get_started = False
         self._streams: dict[int, trio.CancelScope] = {}  # requests' POSTs, by gateway id
         self._cancelled: set[int] = set()  # requests whose POST the gateway dropped (cancelled)
+        self._methods: dict[int, str | None] = {}  # requests' methods while their POST is on
         # the GET stream's answer head is in (or it failed): notifications wait for it, so the
         # server's answers to them (a list_changed after notifications/initialized) have a stream
         self._get_ready = trio.Event()
@@ -454,6 +461,7 @@ class HttpLink:
         after ``max_call_duration``."""
         method = msgspec.json.decode(data, type=_Peek).method
         initialize = self.protocol_version is None and method == "initialize"
+        self._methods[gid] = method
         conn: httpclient.Connection | None = None
         kept = False
         try:
@@ -476,7 +484,7 @@ class HttpLink:
                     await self._answer(conn, response, gid, initialize)
                 except httpclient.HttpFailure as exc:
                     self._call_failed(gid, f"the answer stream from {self.origin} broke: "
-                                           f"{exc.detail}")
+                                           f"{exc.detail}", retryable=method in SAFE_TO_REPEAT)
                     return
                 await self._pool.put(conn)
                 kept = True
@@ -489,6 +497,7 @@ class HttpLink:
                 self._call_failed(gid, f"no answer from {self.origin} within max_call_duration")
         finally:
             self._streams.pop(gid, None)
+            self._methods.pop(gid, None)
             self._cancelled.discard(gid)
             if conn is not None and not kept:
                 await conn.aclose()
@@ -520,19 +529,27 @@ class HttpLink:
         if response.content_type == "text/event-stream":
             decoder = SseDecoder(self._max_line + SSE_OVERHEAD)
             with trio.CancelScope() as tail:  # after the answer: ANSWER_TAIL more at most
-                while (chunk := await conn.chunk()) is not None:
-                    try:
-                        events = decoder.feed(chunk)
-                    except EventTooLarge:
-                        await conn.aclose()
-                        self._too_large(gid)
-                        return
-                    for event in events:
-                        answered |= self._deliver(event, gid, initialize)
-                    if answered and tail.deadline == math.inf:
-                        tail.deadline = trio.current_time() + ANSWER_TAIL
+                try:
+                    while (chunk := await conn.chunk()) is not None:
+                        try:
+                            events = decoder.feed(chunk)
+                        except EventTooLarge:
+                            await conn.aclose()
+                            self._too_large(gid)
+                            return
+                        for event in events:
+                            answered |= self._deliver(event, gid, initialize)
+                        if answered and tail.deadline == math.inf:
+                            tail.deadline = trio.current_time() + ANSWER_TAIL
+                except httpclient.ConnectionLost:
+                    if answered or not self._resumable(decoder):
+                        raise
             if tail.cancelled_caught:
                 await conn.aclose()
+                return
+            if not answered and self._resumable(decoder):
+                await conn.aclose()
+                await self._resume(gid, decoder)
                 return
         elif response.content_type == "application/json":
             try:
@@ -577,6 +594,62 @@ class HttpLink:
         self._receiver.message(data, gid)
         return peek.method is None and peek.id == gid
 
+    def _resumable(self, decoder: SseDecoder) -> bool:
+        return (decoder.last_id is not None and self.session_id is not None
+                and not self._ended)
+
+    async def _resume(self, gid: int, decoder: SseDecoder) -> None:
+        """Request ``gid``'s event stream ended before its answer after an event with an id:
+        GET it again with ``Last-Event-ID`` after the server's ``retry`` (capped), and again
+        while streams end without the answer, until :data:`RESUME_ATTEMPTS` GETs in a row
+        bring no message.  What comes is ``gid``'s, as on its POST's stream."""
+        target = self._connector.target.target
+        quiet = 0
+        while quiet < RESUME_ATTEMPTS and not self._ended:
+            last_id = decoder.last_id
+            if last_id is None:  # an id that cannot be sent back came meanwhile
+                break
+            wait = RESUME_WAIT if decoder.retry is None else decoder.retry / 1000
+            await trio.sleep(min(wait, RESUME_WAIT_MAX))
+            try:
+                conn = await self._pool.get()
+            except httpclient.ConnectFailed as exc:
+                self._lost(f"cannot reach {self.origin}: {exc.detail}")
+                return
+            delivered = False
+            decoder = SseDecoder(decoder.limit, decoder.last_id, decoder.retry)  # a new stream
+            try:
+                response = await conn.request(
+                    "GET", target, [*self._headers("text/event-stream"),
+                                    ("last-event-id", last_id)],
+                    head_timeout=self._cfg.start_timeout)
+                if self._session_gone(response):
+                    await conn.aclose()
+                    return
+                if response.status != 200 or response.content_type != "text/event-stream":
+                    await conn.aclose()
+                    self._call_failed(gid, f"{self.origin} answered HTTP {response.status} to "
+                                           "resuming the answer stream",
+                                      retryable=self._methods.get(gid) in SAFE_TO_REPEAT)
+                    return
+                while (chunk := await conn.chunk()) is not None:
+                    for event in decoder.feed(chunk):
+                        delivered = True
+                        if self._deliver(event, gid, False):
+                            await conn.aclose()  # the answer: the rest is not this call's
+                            return
+            except EventTooLarge:
+                await conn.aclose()
+                self._too_large(gid)
+                return
+            except httpclient.HttpFailure as exc:
+                self.last_error = f"resuming an answer stream from {self.origin}: {exc.detail}"
+            await conn.aclose()
+            quiet = 0 if delivered else quiet + 1
+        self._call_failed(gid, f"the answer stream from {self.origin} ended without the answer "
+                               f"({RESUME_ATTEMPTS} resumptions brought nothing)",
+                          retryable=self._methods.get(gid) in SAFE_TO_REPEAT)
+
     def _too_large(self, gid: int) -> None:
         LOGGER.warning("backend %s: dropping an answer of more than %d bytes (max_message_bytes)",
                        self._ctx.instance, self._max_line)
@@ -594,6 +667,8 @@ class HttpLink:
         none) or cannot be reached (the link ends)."""
         target = self._connector.target.target
         delay = GET_RETRY
+        last_id: str | None = None  # resumes the stream where it ended
+        retry: int | None = None  # the server's own wait (ms) before opening it again
         while not self._ended:
             opened = trio.current_time()
             delivered = False
@@ -605,8 +680,9 @@ class HttpLink:
                 return
             try:
                 try:
+                    resume = [] if last_id is None else [("last-event-id", last_id)]
                     response = await conn.request("GET", target,
-                                                  self._headers("text/event-stream"),
+                                                  [*self._headers("text/event-stream"), *resume],
                                                   head_timeout=self._cfg.start_timeout)
                 finally:
                     self._get_ready.set()
@@ -620,12 +696,16 @@ class HttpLink:
                     await conn.aclose()
                     self._lost(f"{self.origin} refused the GET stream (HTTP {response.status})")
                     return
-                decoder = SseDecoder(self._max_line + SSE_OVERHEAD)
-                while (chunk := await conn.chunk()) is not None:
-                    for event in decoder.feed(chunk):
-                        assert self._receiver is not None
-                        delivered = True
-                        self._receiver.message(event)
+                decoder = SseDecoder(self._max_line + SSE_OVERHEAD, last_id, retry)
+                try:
+                    while (chunk := await conn.chunk()) is not None:
+                        for event in decoder.feed(chunk):
+                            assert self._receiver is not None
+                            delivered = True
+                            self._receiver.message(event)
+                finally:
+                    last_id = decoder.last_id
+                    retry = decoder.retry
             except EventTooLarge:
                 LOGGER.warning("backend %s: the GET stream sent an event of more than %d bytes; "
                                "opening it again", self._ctx.instance, self._max_line)
@@ -634,5 +714,6 @@ class HttpLink:
             await conn.aclose()
             if delivered or trio.current_time() - opened >= GET_RETRY_MAX:
                 delay = GET_RETRY
-            await trio.sleep(delay)
+            await trio.sleep(delay if retry is None else min(max(delay, retry / 1000),
+                                                             GET_RETRY_MAX))
             delay = min(2 * delay, GET_RETRY_MAX)
