@@ -46,7 +46,7 @@ async def test_a_call_stream_ended_before_its_answer_is_resumed_after_the_server
             await trio.sleep_forever()  # a GET stream stays open: the link closes it
         if ex.method == "GET" and ex.headers.get("last-event-id") == "q1":
             await ex.head(200, [("content-type", "text/event-stream")])
-            await ex.stream.send_all(ex.conn.send(h11.EndOfMessage()))  # ends at once, nothing in it
+            await ex.stream.send_all(ex.conn.send(h11.EndOfMessage()))  # at once, empty
             return
         await plain(server, ex)
 
