@@ -229,6 +229,7 @@ class HttpLink:
         # server's answers to them (a list_changed after notifications/initialized) have a stream
         self._get_ready = trio.Event()
         self._ended = False
+        self._expired = False  # the remote ended the session (a 404)
         self._end: LinkEnd | None = None
         self._max_line = ctx.max_line
 
@@ -335,7 +336,8 @@ class HttpLink:
             return self._end
         crashed = self._ended
         self._ended = True
-        self._end = LinkEnd(self.last_error or "session closed", crashed=crashed)
+        self._end = LinkEnd(self.last_error or "session closed", crashed=crashed,
+                            expired=self._expired)
         with trio.CancelScope(shield=True):
             if self.session_id is not None and not crashed:
                 with trio.move_on_after(DELETE_TIMEOUT):
@@ -419,11 +421,21 @@ class HttpLink:
             return await conn.body(limit, SHORT_TIMEOUT)
         raise httpclient.HttpTimeout(f"an answer's body did not end within {SHORT_TIMEOUT:g}s")
 
-    def _session_gone(self, response: httpclient.Response) -> bool:
-        if response.status == 404 and self.session_id is not None:
-            self._lost(f"{self.origin}: the session is gone (HTTP 404)")
-            return True
-        return False
+    def _session_gone(self, response: httpclient.Response, unrun: int | None = None) -> bool:
+        """A 404 to a request carrying the session: the remote ended it.  The link ends (the
+        instance opens a new session at once, :attr:`LinkEnd.expired`); the requests whose
+        POST is on fail now, retryable when they cannot have run: ``unrun`` (the one refused),
+        and those :data:`SAFE_TO_REPEAT`."""
+        if response.status != 404 or self.session_id is None:
+            return False
+        if not self._ended:
+            self._expired = True
+            detail = f"{self.origin} ended the session (HTTP 404)"
+            for gid in list(self._streams):
+                self._call_failed(gid, detail, retryable=gid == unrun
+                                  or self._methods.get(gid) in SAFE_TO_REPEAT)
+        self._lost(f"{self.origin}: the session is gone (HTTP 404)")
+        return True
 
     async def _post_other(self, data: bytes, seq: int, limiter: trio.CapacityLimiter,
                           token: object) -> None:
@@ -507,7 +519,7 @@ class HttpLink:
                       initialize: bool) -> None:
         receiver = self._receiver
         assert receiver is not None
-        if self._session_gone(response):
+        if self._session_gone(response, gid):
             await conn.aclose()
             return
         if initialize and response.status == 200:

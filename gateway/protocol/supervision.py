@@ -7,6 +7,7 @@
                  BACKOFF (delay) or FATAL (crash loop) ; BACKOFF ──retry──► STARTING
     STARTING ──starved──► BACKOFF   (no resources to spawn it: never FATAL, not counted)
     RUNNING/UNHEALTHY ──recycled──► STARTING   (a restart the gateway chose: no failure, no delay)
+    RUNNING/UNHEALTHY ──renewed───► STARTING   (the remote ended the session: a new one at once)
     any live state ──stop──► STOPPING ──stopped──► STOPPED ;  FATAL ──start──► STARTING
 
 Each operation is guarded by the states it allows; an illegal one raises
@@ -35,6 +36,9 @@ LIVE = frozenset({State.STARTING, State.RUNNING, State.UNHEALTHY, State.BACKOFF,
 
 #: A run at least this long resets the consecutive-failure count (and so the backoff delay).
 STABLE_AFTER = 10.0
+#: A remote session that ends sooner than this after it began is renewed as a failure (counted,
+#: backed off): a remote forgetting every session at once does not make a tight loop.
+RENEW_AFTER = 1.0
 #: A spawn that failed for lack of resources is retried after at most this long (less when
 #: ``backoff_max`` is less): the resources may come back any moment.
 STARVED_BACKOFF_MAX = 5.0
@@ -71,6 +75,7 @@ class Supervision:
         self._running_since: float | None = None
         self.starts = 0
         self.recycles = 0  # starts that were recycles (counted in ``starts`` too)
+        self.renewals = 0  # starts that renewed an ended remote session (in ``starts`` too)
 
     def _go(self, new: State, reason: str, delay: float | None = None) -> Transition:
         t = Transition(self.state, new, reason, delay)
@@ -149,6 +154,19 @@ class Supervision:
         self._running_since = None
         self.starts += 1
         self.recycles += 1
+        return self._go(State.STARTING, reason)
+
+    def renewed(self, now: float, reason: str) -> Transition:
+        """The remote ended a session that ran :data:`RENEW_AFTER` or more (an HTTP 404): start
+        a new one at once, not a failure.  A younger one is a failure (:meth:`exited`)."""
+        self._require("renewed", State.RUNNING, State.UNHEALTHY)
+        if self._running_since is None or now - self._running_since < RENEW_AFTER:
+            return self.exited(now, reason)
+        if now - self._running_since >= STABLE_AFTER:
+            self._consecutive = 0
+        self._running_since = None
+        self.starts += 1
+        self.renewals += 1
         return self._go(State.STARTING, reason)
 
     def stop(self, reason: str = "stop") -> Transition:

@@ -35,7 +35,7 @@ from helpers import (
 from tlsutil import make_certs
 
 from gateway import config
-from gateway.events import ReloadFinished
+from gateway.events import BackendStateChanged, ReloadFinished
 from gateway.service import StartupError
 
 pytestmark = pytest.mark.system
@@ -233,7 +233,10 @@ async def test_configured_headers_reach_an_https_remote_and_are_never_shown(
         assert secret not in text and env_secret not in text and rotated not in text
 
 
-async def test_expired_session_ends_the_link_and_initializes_again() -> None:
+async def test_an_expired_session_is_renewed_at_once_with_the_subscriptions_replayed() -> None:
+    # The remote forgets the session (a 404): a new session at once (no BACKOFF), the held
+    # subscription made again on it, no list_changed (the lists are the same), the call
+    # refused with the 404 retryable, the tool call in flight then not (it may have run).
     server = RemoteServer()
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
@@ -241,15 +244,38 @@ async def test_expired_session_ends_the_link_and_initializes_again() -> None:
         with trio.fail_after(20):
             async with run_gateway(cfg) as gw, connect(gw.url) as c:
                 assert text_of(await c.call("ev__echo", {"n": 1})) == '{"n": 1}'
+                r = await c.request("resources/subscribe", {"uri": "rec://a"})
+                assert r["result"] == {}, r
+                await c.send({"jsonrpc": "2.0", "id": "held", "method": "tools/call",
+                              "params": {"name": "ev__hold", "arguments": {}}})
+
+                async def held_at_remote() -> bool:
+                    return any(s.method == "POST" and s.body.get("params", {}).get("name")
+                               == "hold" for s in server.seen)
+
+                await poll(held_at_remote)
+                await trio.sleep(1.0)  # the session ran long enough to be renewed at once
+                mark = gw.events.count
                 server.expire()
                 r = await c.call("ev__echo", {"n": 2})
                 assert r["error"]["code"] == -32004 and r["error"]["data"]["retryable"], r
-                await wait_instance(gw.bound.admin_port,
-                                    lambda i: i["state"] == "RUNNING" and i["restarts"] == 1)
+                held = await c.response("held")
+                assert held["error"]["code"] == -32004, held
+                assert held["error"]["data"]["retryable"] is False, held
+                inst = await wait_instance(
+                    gw.bound.admin_port, lambda i: i["state"] == "RUNNING" and i["restarts"] == 1)
                 assert text_of(await c.call("ev__echo", {"n": 3})) == '{"n": 3}'
+                states = [(e.old, e.new) for e in gw.events.of(BackendStateChanged, mark)]
+                server.release.set()
+            assert not [m for m in c.notifications if m["method"].endswith("list_changed")]
         nursery.cancel_scope.cancel()
+    assert states == [("RUNNING", "STARTING"), ("STARTING", "RUNNING")], states
+    assert inst["last_exit"].startswith("session expired"), inst
     inits = [s for s in server.seen if s.method == "POST" and s.body.get("method") == "initialize"]
     assert len(inits) == 2 and "mcp-session-id" not in inits[1].headers
+    subscribes = [s.headers.get("mcp-session-id") for s in server.seen if s.method == "POST"
+                  and s.body.get("method") == "resources/subscribe"]
+    assert subscribes == ["s1", "s2"]  # made again on the new session
     assert server.seen[-1].headers.get("mcp-session-id") == "s2"
 
 
