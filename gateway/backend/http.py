@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import random
 import ssl
 from collections import deque
 
@@ -55,6 +56,13 @@ GET_RETRY_MAX = 30.0
 RESUME_WAIT = 1.0
 RESUME_WAIT_MAX = 10.0
 RESUME_ATTEMPTS = 3
+#: A request safe to repeat that met a 5xx or a connection reset: tried this many more times,
+#: after a pause of :data:`RETRY_PAUSE` (doubled each time, jittered down to half).
+RETRIES = 2
+RETRY_PAUSE = 0.2
+RETRY_STATUSES = frozenset({500, 502, 503, 504})
+#: The most of an error body quoted in the error a call gets (printable ASCII only).
+SNIPPET = 200
 #: A header value read from a file: its most bytes.
 MAX_HEADER_FILE = 16384
 #: An SSE event's bytes beyond the message itself (field names, ids).
@@ -70,6 +78,10 @@ SAFE_TO_REPEAT = frozenset({
 
 class _MayHaveRun(Exception):
     """A request's connection closed after its bytes may have reached the remote."""
+
+
+class _Reset(Exception):
+    """A new connection broke before a request's answer (only when asked to say so)."""
 
 
 class _Queue:
@@ -356,7 +368,7 @@ class HttpLink:
     # ---- posting ----------------------------------------------------------------------------
 
     async def _exchange(self, data: bytes, timeout: float,  # noqa: ASYNC109 - head deadline
-                        repeat: bool = True,
+                        repeat: bool = True, resets: bool = False,
                         ) -> tuple[httpclient.Connection, httpclient.Response] | None:
         """POST ``data``; its connection and answer's head, or None when the remote is gone
         (the link ended).  A kept-alive connection the remote had closed is tried once anew if
@@ -384,6 +396,8 @@ class HttpLink:
                     raise _MayHaveRun(exc.detail) from None
                 if conn.reused:
                     continue
+                if resets:
+                    raise _Reset(exc.detail) from None
                 self._lost(f"{self.origin}: {exc.detail}")
                 return None
             except httpclient.HttpTimeout as exc:
@@ -481,8 +495,7 @@ class HttpLink:
                                   ) as scope:
                 self._streams[gid] = scope
                 try:
-                    got = await self._exchange(data, self._cfg.max_call_duration,
-                                               method in SAFE_TO_REPEAT)
+                    got = await self._exchange_retried(data, gid, method)
                 except _MayHaveRun as exc:
                     self._call_failed(gid, f"the connection to {self.origin} closed before the "
                                            f"answer ({exc}); the call may have run",
@@ -534,6 +547,8 @@ class HttpLink:
             body = await self._drain(conn, self._max_line)
             if response.content_type == "application/json" and _answers(body, gid):
                 receiver.message(body, gid)  # a JSON-RPC error answering the call
+            elif response.status in RETRY_STATUSES:
+                self._server_error(gid, response.status, body)
             else:
                 self._call_failed(gid, f"{self.origin} answered HTTP {response.status}")
             return
@@ -605,6 +620,49 @@ class HttpLink:
                     self._nursery.start_soon(self._get_stream)
         self._receiver.message(data, gid)
         return peek.method is None and peek.id == gid
+
+    async def _exchange_retried(self, data: bytes, gid: int, method: str | None
+                                ) -> tuple[httpclient.Connection, httpclient.Response] | None:
+        """:meth:`_exchange` for a request; one :data:`SAFE_TO_REPEAT` is POSTed again, up to
+        :data:`RETRIES` times after a pause, when a 5xx (:data:`RETRY_STATUSES`) or a reset
+        answers it.  The last answer is returned as it came; resets each time fail the call.
+
+        Raises:
+            _MayHaveRun: as :meth:`_exchange`, for a request not safe to repeat.
+        """
+        timeout = self._cfg.max_call_duration
+        if method not in SAFE_TO_REPEAT:
+            return await self._exchange(data, timeout, False)
+        for attempt in range(RETRIES + 1):
+            if attempt:
+                pause = RETRY_PAUSE * 2 ** (attempt - 1)
+                await trio.sleep(pause * (0.5 + 0.5 * random.random()))
+            try:
+                got = await self._exchange(data, timeout, resets=True)
+            except _Reset as exc:
+                self.last_error = f"{self.origin}: {exc} ({method})"
+                continue
+            if got is None or got[1].status not in RETRY_STATUSES or attempt == RETRIES:
+                return got
+            conn, response = got
+            await conn.aclose()  # its body unread: not reusable
+            self.last_error = f"{self.origin} answered HTTP {response.status} to {method}"
+        self._call_failed(gid, f"the connection to {self.origin} broke before the answer "
+                               f"{RETRIES + 1} times")
+        return None
+
+    def _server_error(self, gid: int, status: int, body: bytes) -> None:
+        """A 5xx answered request ``gid`` (not with a JSON-RPC error): it fails with the status
+        and the body's first printable bytes; retryable when it could not have run twice."""
+        self.last_error = f"{self.origin} answered HTTP {status}"
+        if self._receiver is None:
+            return
+        text = "".join(c if " " <= c <= "~" else "?"
+                       for c in body[:SNIPPET].decode("ascii", "replace")).strip()
+        self._receiver.failed(gid, errors.BackendUnavailable(
+            f"backend {self._ctx.backend!r}: {self.origin} answered HTTP {status}",
+            backend=self._ctx.backend, status=status, body=text,
+            retryable=self._methods.get(gid) in SAFE_TO_REPEAT))
 
     def _resumable(self, decoder: SseDecoder) -> bool:
         return (decoder.last_id is not None and self.session_id is not None

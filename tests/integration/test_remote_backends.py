@@ -279,6 +279,39 @@ async def test_an_expired_session_is_renewed_at_once_with_the_subscriptions_repl
     assert server.seen[-1].headers.get("mcp-session-id") == "s2"
 
 
+async def test_a_remote_answering_503_or_ending_a_stream_early_as_the_client_sees_it() -> None:
+    # A 503 to tools/list at the handshake: repeated, the start goes on; a 503 to a tool call:
+    # a -32001 naming the status, not retryable, the call POSTed once; a call whose event stream
+    # ends before its answer: resumed with Last-Event-ID after the server's retry (300 ms).
+    server = RemoteServer(refuse={"tools/list": [503]})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        cfg = make_config(remote(server.port, restart=FAST_RESTART))
+        with trio.fail_after(20):
+            async with run_gateway(cfg) as gw, connect(gw.url) as c:
+                assert text_of(await c.call("ev__echo", {"n": 1})) == '{"n": 1}'
+                server.refuse["tools/call"] = [503]
+                r = await c.call("ev__echo", {"n": 2})
+                assert r["error"]["code"] == -32001, r
+                assert r["error"]["data"]["status"] == 503 and not r["error"]["data"]["retryable"]
+                assert len(r["error"]["data"]["body"]) <= 200
+                assert text_of(await c.call("ev__poll", {})) == "polled"
+                inst = await wait_instance(gw.bound.admin_port, lambda i: True)
+            nursery.cancel_scope.cancel()
+    assert inst["state"] == "RUNNING" and inst["restarts"] == 0, inst
+    lists = [s for s in server.seen if s.method == "POST" and s.body.get("method") == "tools/list"]
+    assert len(lists) == 2  # the 503, then the list
+    calls = [s.body["params"]["arguments"] for s in server.seen if s.method == "POST"
+             and s.body.get("method") == "tools/call"]
+    assert calls == [{"n": 1}, {"n": 2}, {}]  # the refused call was not sent again
+    (resumed,) = [s for s in server.seen if s.method == "GET"
+                  and s.headers.get("last-event-id") == "p1"]
+    assert resumed.headers["mcp-session-id"] == "s1"
+    (polled,) = [s for s in server.seen if s.method == "POST"
+                 and s.body.get("params", {}).get("name") == "poll"]
+    assert resumed.at - polled.at >= 0.3  # the server's retry honoured
+
+
 async def test_unreachable_remote_backs_off_and_a_required_one_fails_the_start() -> None:
     port = free_port()  # nothing listens there
     with trio.fail_after(30):

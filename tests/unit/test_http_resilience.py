@@ -75,3 +75,55 @@ async def test_a_call_stream_ended_before_its_answer_is_resumed_after_the_server
             assert http.RESUME_ATTEMPTS * http.RESUME_WAIT <= took < http.RESUME_ATTEMPTS + 1
             assert len(server.posted("tools/call")) == 2  # never POSTed again
             nursery.cancel_scope.cancel()
+
+
+async def test_safe_requests_are_retried_on_5xx_and_resets_a_tool_call_never(
+        autojump_clock: trio.testing.MockClock) -> None:
+    refuse = {"tools/list": [503, 502], "prompts/list": [503, 503, 503],
+              "tools/call": [503], "resources/read": ["reset", "reset"]}
+    times: dict[str, list[float]] = {}
+
+    async def failing(server: Hostile, ex: Exchange) -> None:
+        if ex.rpc in refuse:
+            times.setdefault(ex.rpc, []).append(trio.current_time())
+            if refuse[ex.rpc]:
+                status = refuse[ex.rpc].pop(0)
+                if status == "reset":
+                    await trio.aclose_forcefully(ex.stream)  # read, then gone
+                    return
+                out = b"upstream \x00overloaded " + b"x" * 5000
+                await ex.head(int(status), [("content-type", "text/html"),
+                                            ("content-length", str(len(out)))])
+                await ex.data(out)
+                await ex.stream.send_all(ex.conn.send(h11.EndOfMessage()))
+                return
+        await plain(server, ex)
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            _server, link, receiver = await open_link(nursery, failing)
+            link.send(request(2, "tools/list"), 2)
+            await receiver.wait(lambda: receiver.answered(2) or 2 in receiver.failures)
+            assert receiver.answered(2) and len(times["tools/list"]) == 3
+            first, second, third = times["tools/list"]
+            assert 0.5 * http.RETRY_PAUSE <= second - first <= http.RETRY_PAUSE + 0.01
+            assert http.RETRY_PAUSE <= third - second <= 2 * http.RETRY_PAUSE + 0.01
+            link.send(request(3, "prompts/list"), 3)  # 5xx every time: bounded, then fails
+            await receiver.wait(lambda: 3 in receiver.failures)
+            assert len(times["prompts/list"]) == 1 + http.RETRIES
+            error = receiver.failures[3]
+            assert (error.code, error.data["status"], error.data["retryable"]) == (-32001, 503,
+                                                                                   True)
+            link.send(request(4, "tools/call", {"name": "charge", "arguments": {}}), 4)
+            await receiver.wait(lambda: 4 in receiver.failures)
+            error = receiver.failures[4]
+            assert len(times["tools/call"]) == 1  # never POSTed again: it may have run
+            assert (error.code, error.data["status"], error.data["retryable"]) == (-32001, 503,
+                                                                                   False)
+            assert error.data["body"].startswith("upstream ?overloaded xxx")
+            assert len(error.data["body"]) <= http.SNIPPET
+            link.send(request(5, "resources/read", {"uri": "r://a"}), 5)
+            await receiver.wait(lambda: receiver.answered(5) or 5 in receiver.failures)
+            assert receiver.answered(5) and len(times["resources/read"]) == 3
+            assert not receiver.ended_  # none of it ended the session
+            nursery.cancel_scope.cancel()
