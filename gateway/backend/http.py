@@ -553,6 +553,7 @@ class HttpLink:
                 self._call_failed(gid, f"{self.origin} answered HTTP {response.status}")
             return
         answered = False
+        broke = False  # the event stream broke rather than ended (the remote may be gone)
         if response.content_type == "text/event-stream":
             decoder = SseDecoder(self._max_line + SSE_OVERHEAD)
             with trio.CancelScope() as tail:  # after the answer: ANSWER_TAIL more at most
@@ -571,12 +572,13 @@ class HttpLink:
                 except httpclient.ConnectionLost:
                     if answered or not self._resumable(decoder):
                         raise
+                    broke = True
             if tail.cancelled_caught:
                 await conn.aclose()
                 return
             if not answered and self._resumable(decoder):
                 await conn.aclose()
-                await self._resume(gid, decoder)
+                await self._resume(gid, decoder, broke)
                 return
         elif response.content_type == "application/json":
             try:
@@ -668,12 +670,20 @@ class HttpLink:
         return (decoder.last_id is not None and self.session_id is not None
                 and not self._ended)
 
-    async def _resume(self, gid: int, decoder: SseDecoder) -> None:
+    async def _resume(self, gid: int, decoder: SseDecoder, broke: bool) -> None:
         """Request ``gid``'s event stream ended before its answer after an event with an id:
         GET it again with ``Last-Event-ID`` after the server's ``retry`` (capped), and again
         while streams end without the answer, until :data:`RESUME_ATTEMPTS` GETs in a row
-        bring no message.  What comes is ``gid``'s, as on its POST's stream."""
+        bring no message.  What comes is ``gid``'s, as on its POST's stream.  A stream that
+        ``broke``: a connection is opened first, so a remote that is gone ends the link now."""
         target = self._connector.target.target
+        if broke:
+            try:
+                probe = await self._pool.connect()
+            except httpclient.ConnectFailed as exc:
+                self._lost(f"cannot reach {self.origin}: {exc.detail}")
+                return
+            await probe.aclose()
         quiet = 0
         while quiet < RESUME_ATTEMPTS and not self._ended:
             last_id = decoder.last_id
