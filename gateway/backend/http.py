@@ -674,23 +674,21 @@ class HttpLink:
         """Request ``gid``'s event stream ended before its answer after an event with an id:
         GET it again with ``Last-Event-ID`` after the server's ``retry`` (capped), and again
         while streams end without the answer, until :data:`RESUME_ATTEMPTS` GETs in a row
-        bring no message.  What comes is ``gid``'s, as on its POST's stream.  A stream that
-        ``broke``: a connection is opened first, so a remote that is gone ends the link now."""
+        bring no message.  What comes is ``gid``'s, as on its POST's stream.  After a stream
+        that ``broke``, the first wait watches the remote (:meth:`_wait_reachable`)."""
         target = self._connector.target.target
-        if broke:
-            try:
-                probe = await self._pool.connect()
-            except httpclient.ConnectFailed as exc:
-                self._lost(f"cannot reach {self.origin}: {exc.detail}")
-                return
-            await probe.aclose()
         quiet = 0
         while quiet < RESUME_ATTEMPTS and not self._ended:
             last_id = decoder.last_id
             if last_id is None:  # an id that cannot be sent back came meanwhile
                 break
             wait = RESUME_WAIT if decoder.retry is None else decoder.retry / 1000
-            await trio.sleep(min(wait, RESUME_WAIT_MAX))
+            if broke:
+                broke = False
+                if not await self._wait_reachable(min(wait, RESUME_WAIT_MAX)):
+                    return
+            else:
+                await trio.sleep(min(wait, RESUME_WAIT_MAX))
             try:
                 conn = await self._pool.get()
             except httpclient.ConnectFailed as exc:
@@ -729,6 +727,31 @@ class HttpLink:
         self._call_failed(gid, f"the answer stream from {self.origin} ended without the answer "
                                f"({RESUME_ATTEMPTS} resumptions brought nothing)",
                           retryable=self._methods.get(gid) in SAFE_TO_REPEAT)
+
+    async def _wait_reachable(self, wait: float) -> bool:
+        """Wait ``wait`` seconds holding a new connection to the remote, so one that is gone
+        (killed: its streams broke) ends the link at once rather than after the wait: False
+        then.  A connection it closes meanwhile is opened once more: a refusal is the answer."""
+        deadline = trio.current_time() + wait
+        for attempt in range(2):
+            try:
+                probe = await self._pool.connect()
+            except httpclient.ConnectFailed as exc:
+                self._lost(f"cannot reach {self.origin}: {exc.detail}")
+                return False
+            try:
+                if attempt == 0:
+                    with trio.move_on_at(deadline):
+                        try:  # nothing comes on it but its end (a remote dying)
+                            await probe.stream.receive_some(1)
+                        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                            pass
+            finally:
+                await probe.aclose()
+            if trio.current_time() >= deadline:
+                return True
+        await trio.sleep_until(deadline)
+        return True
 
     def _too_large(self, gid: int) -> None:
         LOGGER.warning("backend %s: dropping an answer of more than %d bytes (max_message_bytes)",
