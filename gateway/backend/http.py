@@ -5,9 +5,12 @@ others on :data:`OTHER_STREAMS` more connections, each kind in order from its ow
 hands what comes back, a JSON body or SSE events as they arrive, to the session with the request
 they came in answer to.  ``initialize``'s answer brings ``Mcp-Session-Id`` and the version sent
 as ``MCP-Protocol-Version`` from then on, and opens the GET stream for the server's own messages
-(a 405: it has none).  A 404 on the session, a GET stream that cannot be opened again, or an
-unreachable remote end the link (the instance restarts it and initializes again); a call whose
-answer stream ends without its answer fails.  :meth:`HttpLink.close` DELETEs the session.
+(a 405: it has none).  A 404 on the session (:attr:`LinkEnd.expired`: renewed at once), a GET
+stream that cannot be opened again, or an unreachable remote end the link (the instance
+initializes again).  A request's event stream that ends before its answer after an event with
+an id is resumed (GET with ``Last-Event-ID`` after the server's ``retry``, bounded); a request
+safe to repeat is POSTed again on a 5xx or reset; any other never is.  :meth:`HttpLink.close`
+DELETEs the session.
 Configured header values are read when a link opens and on reload, and never shown.
 """
 
@@ -317,11 +320,17 @@ class HttpLink:
 
     # ---- ending -----------------------------------------------------------------------------
 
-    def _lost(self, detail: str) -> None:
-        """The session with the remote is over: nothing more arrives (the instance restarts)."""
+    def _lost(self, detail: str, unrun: int | None = None) -> None:
+        """The session with the remote is over: nothing more arrives (the instance restarts).
+        The requests whose POST is on fail now, retryable only when they cannot have run:
+        ``unrun`` (refused) and those :data:`SAFE_TO_REPEAT`; the rest fail as the instance
+        fails a child's calls."""
         self.last_error = detail
         if self._ended:
             return
+        for gid in list(self._streams):
+            self._call_failed(gid, detail, retryable=gid == unrun
+                              or self._methods.get(gid) in SAFE_TO_REPEAT)
         self._ended = True
         LOGGER.warning("backend %s: %s", self._ctx.instance, detail,
                        extra={"MCP_BACKEND": self._ctx.backend})
@@ -368,7 +377,7 @@ class HttpLink:
     # ---- posting ----------------------------------------------------------------------------
 
     async def _exchange(self, data: bytes, timeout: float,  # noqa: ASYNC109 - head deadline
-                        repeat: bool = True, resets: bool = False,
+                        repeat: bool = True, resets: bool = False, gid: int | None = None,
                         ) -> tuple[httpclient.Connection, httpclient.Response] | None:
         """POST ``data``; its connection and answer's head, or None when the remote is gone
         (the link ended).  A kept-alive connection the remote had closed is tried once anew if
@@ -382,8 +391,8 @@ class HttpLink:
         for _attempt in range(2):
             try:
                 conn = await self._pool.get()
-            except httpclient.ConnectFailed as exc:
-                self._lost(f"cannot reach {self.origin}: {exc.detail}")
+            except httpclient.ConnectFailed as exc:  # request ``gid`` was not sent
+                self._lost(f"cannot reach {self.origin}: {exc.detail}", gid)
                 return None
             try:
                 return conn, await conn.request("POST", target, head, data, head_timeout=timeout)
@@ -437,18 +446,13 @@ class HttpLink:
 
     def _session_gone(self, response: httpclient.Response, unrun: int | None = None) -> bool:
         """A 404 to a request carrying the session: the remote ended it.  The link ends (the
-        instance opens a new session at once, :attr:`LinkEnd.expired`); the requests whose
-        POST is on fail now, retryable when they cannot have run: ``unrun`` (the one refused),
-        and those :data:`SAFE_TO_REPEAT`."""
+        instance opens a new session at once, :attr:`LinkEnd.expired`); ``unrun``: the request
+        it refused."""
         if response.status != 404 or self.session_id is None:
             return False
         if not self._ended:
             self._expired = True
-            detail = f"{self.origin} ended the session (HTTP 404)"
-            for gid in list(self._streams):
-                self._call_failed(gid, detail, retryable=gid == unrun
-                                  or self._methods.get(gid) in SAFE_TO_REPEAT)
-        self._lost(f"{self.origin}: the session is gone (HTTP 404)")
+        self._lost(f"{self.origin} ended the session (HTTP 404)", unrun)
         return True
 
     async def _post_other(self, data: bytes, seq: int, limiter: trio.CapacityLimiter,
@@ -634,13 +638,13 @@ class HttpLink:
         """
         timeout = self._cfg.max_call_duration
         if method not in SAFE_TO_REPEAT:
-            return await self._exchange(data, timeout, False)
+            return await self._exchange(data, timeout, False, gid=gid)
         for attempt in range(RETRIES + 1):
             if attempt:
                 pause = RETRY_PAUSE * 2 ** (attempt - 1)
                 await trio.sleep(pause * (0.5 + 0.5 * random.random()))
             try:
-                got = await self._exchange(data, timeout, resets=True)
+                got = await self._exchange(data, timeout, resets=True, gid=gid)
             except _Reset as exc:
                 self.last_error = f"{self.origin}: {exc} ({method})"
                 continue
