@@ -76,7 +76,7 @@ _ACCEPT_BOTH = "application/json, text/event-stream"
 SAFE_TO_REPEAT = frozenset({
     "initialize", "ping", "tools/list", "prompts/list", "prompts/get", "resources/list",
     "resources/templates/list", "resources/read", "completion/complete", "logging/setLevel",
-    "resources/subscribe", "resources/unsubscribe"})
+    "resources/subscribe", "resources/unsubscribe", "server/discover"})
 
 
 class _MayHaveRun(Exception):
@@ -582,7 +582,7 @@ class HttpLink:
                 return
             if not answered and self._resumable(decoder):
                 await conn.aclose()
-                await self._resume(gid, decoder, broke)
+                await self._resume(gid, decoder, broke, initialize)
                 return
         elif response.content_type == "application/json":
             try:
@@ -674,7 +674,8 @@ class HttpLink:
         return (decoder.last_id is not None and self.session_id is not None
                 and not self._ended)
 
-    async def _resume(self, gid: int, decoder: SseDecoder, broke: bool) -> None:
+    async def _resume(self, gid: int, decoder: SseDecoder, broke: bool,
+                      initialize: bool = False) -> None:
         """Request ``gid``'s event stream ended before its answer after an event with an id:
         GET it again with ``Last-Event-ID`` after the server's ``retry`` (capped), and again
         while streams end without the answer, until :data:`RESUME_ATTEMPTS` GETs in a row
@@ -717,7 +718,7 @@ class HttpLink:
                 while (chunk := await conn.chunk()) is not None:
                     for event in decoder.feed(chunk):
                         delivered = True
-                        if self._deliver(event, gid, False):
+                        if self._deliver(event, gid, initialize):
                             await conn.aclose()  # the answer: the rest is not this call's
                             return
             except EventTooLarge:
