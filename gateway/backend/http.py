@@ -328,9 +328,6 @@ class HttpLink:
         self.last_error = detail
         if self._ended:
             return
-        for gid in list(self._streams):
-            self._call_failed(gid, detail, retryable=gid == unrun
-                              or self._methods.get(gid) in SAFE_TO_REPEAT)
         self._ended = True
         LOGGER.warning("backend %s: %s", self._ctx.instance, detail,
                        extra={"MCP_BACKEND": self._ctx.backend})
@@ -338,6 +335,9 @@ class HttpLink:
             self.closed = errors.BackendExited(
                 f"backend {self._ctx.backend!r} is unreachable: {detail}",
                 backend=self._ctx.backend, retryable=True)
+        for gid in list(self._streams):
+            self._call_failed(gid, detail, retryable=gid == unrun
+                              or self._methods.get(gid) in SAFE_TO_REPEAT)
         if self._receiver is not None:
             self._receiver.ended()
 
