@@ -267,16 +267,27 @@ async def test_an_expired_session_is_renewed_at_once_with_the_subscriptions_repl
                 assert text_of(await c.call("ev__echo", {"n": 3})) == '{"n": 3}'
                 states = [(e.old, e.new) for e in gw.events.of(BackendStateChanged, mark)]
                 server.release.set()
-            assert not [m for m in c.notifications if m["method"].endswith("list_changed")]
+                assert not [m for m in c.notifications if m["method"].endswith("list_changed")]
+                first = len(server.seen)
+                server.more_tools.append("later")  # the next session lists one more tool
+                await trio.sleep(1.0)
+                server.expire()
+                r = await c.call("ev__echo", {"n": 4})
+                assert r["error"]["code"] == -32004 and r["error"]["data"]["retryable"], r
+                await c.wait_for(lambda: [m for m in c.notifications
+                                          if m["method"] == "notifications/tools/list_changed"])
+                assert "ev__later" in [t["name"] for t in
+                                       (await c.request("tools/list"))["result"]["tools"]]
         nursery.cancel_scope.cancel()
     assert states == [("RUNNING", "STARTING"), ("STARTING", "RUNNING")], states
     assert inst["last_exit"].startswith("session expired"), inst
-    inits = [s for s in server.seen if s.method == "POST" and s.body.get("method") == "initialize"]
+    seen = server.seen[:first]
+    inits = [s for s in seen if s.method == "POST" and s.body.get("method") == "initialize"]
     assert len(inits) == 2 and "mcp-session-id" not in inits[1].headers
     subscribes = [s.headers.get("mcp-session-id") for s in server.seen if s.method == "POST"
                   and s.body.get("method") == "resources/subscribe"]
-    assert subscribes == ["s1", "s2"]  # made again on the new session
-    assert server.seen[-1].headers.get("mcp-session-id") == "s2"
+    assert subscribes == ["s1", "s2", "s3"]  # made again on each new session
+    assert seen[-1].headers.get("mcp-session-id") == "s2"
 
 
 async def test_a_remote_answering_503_or_ending_a_stream_early_as_the_client_sees_it() -> None:
