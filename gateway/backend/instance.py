@@ -289,7 +289,8 @@ class Instance(ChildHandlers):
                     continue
                 if reason is DownReason.EXPIRED and self.state in (State.RUNNING,
                                                                    State.UNHEALTHY):
-                    # A new session at once (no backoff, not a failure) unless it was young.
+                    # A new session at once (no backoff, not a failure) unless a renewal began
+                    # this one and it was young.
                     t = self.sup.renewed(trio.current_time(), "the remote ended the session: "
                                                               "initializing a new one")
                 elif reason is DownReason.STARVED:  # the gateway's lack, not the child's fault

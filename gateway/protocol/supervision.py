@@ -36,8 +36,8 @@ LIVE = frozenset({State.STARTING, State.RUNNING, State.UNHEALTHY, State.BACKOFF,
 
 #: A run at least this long resets the consecutive-failure count (and so the backoff delay).
 STABLE_AFTER = 10.0
-#: A remote session that ends sooner than this after it began is renewed as a failure (counted,
-#: backed off): a remote forgetting every session at once does not make a tight loop.
+#: A remote session that a renewal began and that ends sooner than this is renewed as a failure
+#: (counted, backed off): a remote forgetting every session at once does not make a tight loop.
 RENEW_AFTER = 1.0
 #: A spawn that failed for lack of resources is retried after at most this long (less when
 #: ``backoff_max`` is less): the resources may come back any moment.
@@ -76,6 +76,7 @@ class Supervision:
         self.starts = 0
         self.recycles = 0  # starts that were recycles (counted in ``starts`` too)
         self.renewals = 0  # starts that renewed an ended remote session (in ``starts`` too)
+        self._renewing = False  # the current run began with a renewal
 
     def _go(self, new: State, reason: str, delay: float | None = None) -> Transition:
         t = Transition(self.state, new, reason, delay)
@@ -92,6 +93,7 @@ class Supervision:
             self._failures.clear()
             self._consecutive = 0
         self.starts += 1
+        self._renewing = False
         return self._go(State.STARTING, reason)
 
     def ready(self, now: float) -> Transition:
@@ -157,12 +159,15 @@ class Supervision:
         return self._go(State.STARTING, reason)
 
     def renewed(self, now: float, reason: str) -> Transition:
-        """The remote ended a session that ran :data:`RENEW_AFTER` or more (an HTTP 404): start
-        a new one at once, not a failure.  A younger one is a failure (:meth:`exited`)."""
+        """The remote ended the session (an HTTP 404): start a new one at once, not a failure;
+        unless a renewal began this one and it ran less than :data:`RENEW_AFTER`: then it is
+        one (:meth:`exited`)."""
         self._require("renewed", State.RUNNING, State.UNHEALTHY)
-        if self._running_since is None or now - self._running_since < RENEW_AFTER:
+        if self._renewing and (self._running_since is None
+                               or now - self._running_since < RENEW_AFTER):
             return self.exited(now, reason)
-        if now - self._running_since >= STABLE_AFTER:
+        self._renewing = True
+        if self._running_since is not None and now - self._running_since >= STABLE_AFTER:
             self._consecutive = 0
         self._running_since = None
         self.starts += 1
