@@ -1,18 +1,16 @@
 """The ``http`` connector: a remote server over Streamable HTTP, in either era's shape.
 
-:class:`HttpLink` POSTs each message (requests at most :data:`REQUEST_STREAMS` at once, the
-others on :data:`OTHER_STREAMS` more connections, each kind in order from its own queue) and
-hands what comes back, a JSON body or SSE events as they arrive, to the session with the request
-they came in answer to.  Legacy: ``initialize``'s answer brings ``Mcp-Session-Id`` and the
-version sent as ``MCP-Protocol-Version``, and opens the GET stream (405: none); a 404 on the
-session ends the link; :meth:`HttpLink.close` DELETEs the session.  A 2026-07-28 request (its
-``_meta`` names the version) goes with its routing headers (:mod:`~gateway.protocol.mcpheaders`),
-is cancelled by closing its stream, and ``subscriptions/listen`` holds the listen slot (the GET
-stream's, which that era has not) as long as the remote keeps it open.  An unreachable remote
-ends the link (the instance restarts it); a call whose answer stream ends without its answer
-fails.  Configured header values are read when a link opens and on reload, and never shown;
-with ``[oauth]`` each request carries the backend's access token (``oauth.TokenSource``), and a
-401 gets one new token and one more try.
+:class:`HttpLink` POSTs each message (requests at most :data:`REQUEST_STREAMS` at once, others on
+:data:`OTHER_STREAMS` connections, each kind in order) and hands what comes back, JSON or SSE
+events as they arrive, to the session with the request they answer.  Legacy: ``initialize``
+brings ``Mcp-Session-Id`` and ``MCP-Protocol-Version`` and opens the GET stream (405, or 400/404
+before a session: none); a 404 on the session ends the link as expired (renewed at once);
+:meth:`HttpLink.close` DELETEs it.  A stream that ends before its answer after an event with an
+id is resumed (``Last-Event-ID`` after ``retry``, bounded); a request safe to repeat is POSTed
+again on a 5xx or reset, no other.  A 2026-07-28 request (its ``_meta`` names the version) goes
+with its routing headers (:mod:`~gateway.protocol.mcpheaders`), is cancelled by closing its
+stream, and ``subscriptions/listen`` holds the GET stream's slot.  Header values are read at
+open and on reload, never shown; ``[oauth]`` adds the backend's token (one refetch on a 401).
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import random
 import ssl
 from collections import deque
 from typing import Any
@@ -59,6 +58,19 @@ ANSWER_TAIL = 1.0
 #: :data:`GET_RETRY_MAX`, each time it ends again without an event and sooner than that.
 GET_RETRY = 0.5
 GET_RETRY_MAX = 30.0
+#: Resuming a request's event stream that ended before its answer (a GET with
+#: ``Last-Event-ID``): seconds waited first when the server gave no ``retry``, the most waited
+#: whatever it gave, and the GETs in a row that may bring no message before the call fails.
+RESUME_WAIT = 1.0
+RESUME_WAIT_MAX = 10.0
+RESUME_ATTEMPTS = 3
+#: A request safe to repeat that met a 5xx or a connection reset: tried this many more times,
+#: after a pause of :data:`RETRY_PAUSE` (doubled each time, jittered down to half).
+RETRIES = 2
+RETRY_PAUSE = 0.2
+RETRY_STATUSES = frozenset({500, 502, 503, 504})
+#: The most of an error body quoted in the error a call gets (printable ASCII only).
+SNIPPET = 200
 #: A header value read from a file: its most bytes.
 MAX_HEADER_FILE = 16384
 #: An SSE event's bytes beyond the message itself (field names, ids).
@@ -72,11 +84,15 @@ _UNREADABLE = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
 SAFE_TO_REPEAT = frozenset({
     "initialize", "ping", "tools/list", "prompts/list", "prompts/get", "resources/list",
     "resources/templates/list", "resources/read", "completion/complete", "logging/setLevel",
-    "resources/subscribe", "resources/unsubscribe"})
+    "resources/subscribe", "resources/unsubscribe", "server/discover"})
 
 
 class _MayHaveRun(Exception):
     """A request's connection closed after its bytes may have reached the remote."""
+
+
+class _Reset(Exception):
+    """A new connection broke before a request's answer (only when asked to say so)."""
 
 
 class _Queue:
@@ -304,10 +320,12 @@ class HttpLink:
         self._get_started = False
         self._streams: dict[int, trio.CancelScope] = {}  # requests' POSTs, by gateway id
         self._cancelled: set[int] = set()  # requests whose POST the gateway dropped (cancelled)
+        self._methods: dict[int, str | None] = {}  # requests' methods while their POST is on
         # the GET stream's answer head is in (or it failed): notifications wait for it, so the
         # server's answers to them (a list_changed after notifications/initialized) have a stream
         self._get_ready = trio.Event()
         self._ended = False
+        self._expired = False  # the remote ended the session (a 404)
         self._end: LinkEnd | None = None
         self._max_line = ctx.max_line
         # 2026-07-28 requests (their _meta names a version): no session; cancelled by closing
@@ -416,8 +434,11 @@ class HttpLink:
 
     # ---- ending -----------------------------------------------------------------------------
 
-    def _lost(self, detail: str) -> None:
-        """The session with the remote is over: nothing more arrives (the instance restarts)."""
+    def _lost(self, detail: str, unrun: int | None = None) -> None:
+        """The session with the remote is over: nothing more arrives (the instance restarts).
+        The requests whose POST is on fail now, retryable only when they cannot have run:
+        ``unrun`` (refused) and those :data:`SAFE_TO_REPEAT`; the rest fail as the instance
+        fails a child's calls."""
         self.last_error = detail
         if self._ended:
             return
@@ -428,6 +449,9 @@ class HttpLink:
             self.closed = errors.BackendExited(
                 f"backend {self._ctx.backend!r} is unreachable: {detail}",
                 backend=self._ctx.backend, retryable=True)
+        for gid in list(self._streams):
+            self._call_failed(gid, detail, retryable=gid == unrun
+                              or self._methods.get(gid) in SAFE_TO_REPEAT)
         if self._receiver is not None:
             self._receiver.ended()
 
@@ -447,7 +471,8 @@ class HttpLink:
             return self._end
         crashed = self._ended
         self._ended = True
-        self._end = LinkEnd(self.last_error or "session closed", crashed=crashed)
+        self._end = LinkEnd(self.last_error or "session closed", crashed=crashed,
+                            expired=self._expired)
         with trio.CancelScope(shield=True):
             if self.session_id is not None and not crashed:
                 with trio.move_on_after(DELETE_TIMEOUT):
@@ -467,6 +492,7 @@ class HttpLink:
 
     async def _exchange(self, data: bytes, timeout: float,  # noqa: ASYNC109 - head deadline
                         repeat: bool = True, extra: list[tuple[str, str]] | None = None,
+                        resets: bool = False, gid: int | None = None,
                         ) -> tuple[httpclient.Connection, httpclient.Response] | None:
         """:meth:`_exchange_once` with the backend's access token, when it has ``[oauth]``:
         fetched or refreshed first; after a 401 a new one is fetched (the endpoint discovered
@@ -474,16 +500,16 @@ class HttpLink:
         No token, or a 401 again: the link ends with the reason."""
         auth = self._connector.auth
         if auth is None:
-            return await self._exchange_once(data, timeout, repeat, extra)
+            return await self._exchange_once(data, timeout, repeat, extra, resets, gid)
         try:
             await auth.fresh()
             sent = auth.token
-            got = await self._exchange_once(data, timeout, repeat, extra)
+            got = await self._exchange_once(data, timeout, repeat, extra, resets, gid)
             if got is None or got[1].status != 401:
                 return got
             await self._discard(*got)
             await auth.renew(sent, got[1].headers.get("www-authenticate"))
-            got = await self._exchange_once(data, timeout, repeat, extra)
+            got = await self._exchange_once(data, timeout, repeat, extra, resets, gid)
             if got is None or got[1].status != 401:
                 return got
             await self._discard(*got)
@@ -504,7 +530,8 @@ class HttpLink:
 
     async def _exchange_once(self, data: bytes, timeout: float,  # noqa: ASYNC109 - deadline
                              repeat: bool = True, extra: list[tuple[str, str]] | None = None,
-                        ) -> tuple[httpclient.Connection, httpclient.Response] | None:
+                             resets: bool = False, gid: int | None = None,
+                             ) -> tuple[httpclient.Connection, httpclient.Response] | None:
         """POST ``data``; its connection and answer's head, or None when the remote is gone
         (the link ended).  A kept-alive connection the remote had closed is tried once anew if
         ``repeat``.
@@ -518,8 +545,8 @@ class HttpLink:
         for _attempt in range(2):
             try:
                 conn = await self._pool.get()
-            except httpclient.ConnectFailed as exc:
-                self._lost(f"cannot reach {self.origin}: {exc.detail}")
+            except httpclient.ConnectFailed as exc:  # request ``gid`` was not sent
+                self._lost(f"cannot reach {self.origin}: {exc.detail}", gid)
                 return None
             try:
                 return conn, await conn.request("POST", target, head, data, head_timeout=timeout)
@@ -532,6 +559,8 @@ class HttpLink:
                     raise _MayHaveRun(exc.detail) from None
                 if conn.reused:
                     continue
+                if resets:
+                    raise _Reset(exc.detail) from None
                 self._lost(f"{self.origin}: {exc.detail}")
                 return None
             except httpclient.HttpTimeout as exc:
@@ -561,11 +590,16 @@ class HttpLink:
             return await conn.body(limit, SHORT_TIMEOUT)
         raise httpclient.HttpTimeout(f"an answer's body did not end within {SHORT_TIMEOUT:g}s")
 
-    def _session_gone(self, response: httpclient.Response) -> bool:
-        if response.status == 404 and self.session_id is not None:
-            self._lost(f"{self.origin}: the session is gone (HTTP 404)")
-            return True
-        return False
+    def _session_gone(self, response: httpclient.Response, unrun: int | None = None) -> bool:
+        """A 404 to a request carrying the session: the remote ended it.  The link ends (the
+        instance opens a new session at once, :attr:`LinkEnd.expired`); ``unrun``: the request
+        it refused."""
+        if response.status != 404 or self.session_id is None:
+            return False
+        if not self._ended:
+            self._expired = True
+        self._lost(f"{self.origin} ended the session (HTTP 404)", unrun)
+        return True
 
     async def _post_other(self, data: bytes, seq: int, limiter: trio.CapacityLimiter,
                           token: object) -> None:
@@ -612,6 +646,7 @@ class HttpLink:
         else:
             method = msgspec.json.decode(data, type=_Peek).method or ""
         initialize = self.protocol_version is None and method == "initialize"
+        self._methods[gid] = method
         conn: httpclient.Connection | None = None
         kept = False
         deadline = (math.inf if limiter is None
@@ -624,8 +659,7 @@ class HttpLink:
             with trio.CancelScope(deadline=deadline) as scope:
                 self._streams[gid] = scope
                 try:
-                    got = await self._exchange(data, self._cfg.max_call_duration,
-                                               method in SAFE_TO_REPEAT, extra)
+                    got = await self._exchange_retried(data, gid, method, extra)
                 except _MayHaveRun as exc:
                     self._call_failed(gid, f"the connection to {self.origin} closed before the "
                                            f"answer ({exc}); the call may have run",
@@ -640,7 +674,7 @@ class HttpLink:
                                        probe=modern is not None and method == "server/discover")
                 except httpclient.HttpFailure as exc:
                     self._call_failed(gid, f"the answer stream from {self.origin} broke: "
-                                           f"{exc.detail}")
+                                           f"{exc.detail}", retryable=method in SAFE_TO_REPEAT)
                     return
                 await self._pool.put(conn)
                 kept = True
@@ -650,6 +684,7 @@ class HttpLink:
                 self._call_failed(gid, f"no answer from {self.origin} within max_call_duration")
         finally:
             self._streams.pop(gid, None)
+            self._methods.pop(gid, None)
             self._cancelled.discard(gid)
             self._modern.discard(gid)
             self._tool_lists.discard(gid)
@@ -674,7 +709,7 @@ class HttpLink:
         whose refusal without a JSON-RPC error answering it says "a legacy server"."""
         receiver = self._receiver
         assert receiver is not None
-        if self._session_gone(response):
+        if self._session_gone(response, gid):
             await conn.aclose()
             return
         if initialize and response.status == 200:
@@ -694,26 +729,38 @@ class HttpLink:
                     f"backend {self._ctx.backend!r}: {self.origin} answered HTTP "
                     f"{response.status} to server/discover without a JSON-RPC error: not a "
                     "2026-07-28 server"))
+            elif response.status in RETRY_STATUSES:
+                self._server_error(gid, response.status, body)
             else:
                 self._call_failed(gid, f"{self.origin} answered HTTP {response.status}")
             return
         answered = False
+        broke = False  # the event stream broke rather than ended (the remote may be gone)
         if response.content_type == "text/event-stream":
             decoder = SseDecoder(self._max_line + SSE_OVERHEAD)
             with trio.CancelScope() as tail:  # after the answer: ANSWER_TAIL more at most
-                while (chunk := await conn.chunk()) is not None:
-                    try:
-                        events = decoder.feed(chunk)
-                    except EventTooLarge:
-                        await conn.aclose()
-                        self._too_large(gid)
-                        return
-                    for event in events:
-                        answered |= self._deliver(event, gid, initialize)
-                    if answered and tail.deadline == math.inf:
-                        tail.deadline = trio.current_time() + ANSWER_TAIL
+                try:
+                    while (chunk := await conn.chunk()) is not None:
+                        try:
+                            events = decoder.feed(chunk)
+                        except EventTooLarge:
+                            await conn.aclose()
+                            self._too_large(gid)
+                            return
+                        for event in events:
+                            answered |= self._deliver(event, gid, initialize)
+                        if answered and tail.deadline == math.inf:
+                            tail.deadline = trio.current_time() + ANSWER_TAIL
+                except httpclient.ConnectionLost:
+                    if answered or not self._resumable(decoder):
+                        raise
+                    broke = True
             if tail.cancelled_caught:
                 await conn.aclose()
+                return
+            if not answered and self._resumable(decoder):
+                await conn.aclose()
+                await self._resume(gid, decoder, broke, initialize)
                 return
         elif response.content_type == "application/json":
             try:
@@ -784,6 +831,138 @@ class HttpLink:
         result["tools"] = kept
         return msgspec.json.encode(message)
 
+    async def _exchange_retried(self, data: bytes, gid: int, method: str | None,
+                                extra: list[tuple[str, str]] | None = None,
+                                ) -> tuple[httpclient.Connection, httpclient.Response] | None:
+        """:meth:`_exchange` for a request; one :data:`SAFE_TO_REPEAT` is POSTed again, up to
+        :data:`RETRIES` times after a pause, when a 5xx (:data:`RETRY_STATUSES`) or a reset
+        answers it.  The last answer is returned as it came; resets each time fail the call.
+
+        Raises:
+            _MayHaveRun: as :meth:`_exchange`, for a request not safe to repeat.
+        """
+        timeout = self._cfg.max_call_duration
+        if method not in SAFE_TO_REPEAT:
+            return await self._exchange(data, timeout, False, extra, gid=gid)
+        for attempt in range(RETRIES + 1):
+            if attempt:
+                pause = RETRY_PAUSE * 2 ** (attempt - 1)
+                await trio.sleep(pause * (0.5 + 0.5 * random.random()))
+            try:
+                got = await self._exchange(data, timeout, True, extra, resets=True, gid=gid)
+            except _Reset as exc:
+                self.last_error = f"{self.origin}: {exc} ({method})"
+                continue
+            if got is None or got[1].status not in RETRY_STATUSES or attempt == RETRIES:
+                return got
+            conn, response = got
+            await conn.aclose()  # its body unread: not reusable
+            self.last_error = f"{self.origin} answered HTTP {response.status} to {method}"
+        self._call_failed(gid, f"the connection to {self.origin} broke before the answer "
+                               f"{RETRIES + 1} times")
+        return None
+
+    def _server_error(self, gid: int, status: int, body: bytes) -> None:
+        """A 5xx answered request ``gid`` (not with a JSON-RPC error): it fails with the status
+        and the body's first printable bytes; retryable when it could not have run twice."""
+        self.last_error = f"{self.origin} answered HTTP {status}"
+        if self._receiver is None:
+            return
+        text = "".join(c if " " <= c <= "~" else "?"
+                       for c in body[:SNIPPET].decode("ascii", "replace")).strip()
+        self._receiver.failed(gid, errors.BackendUnavailable(
+            f"backend {self._ctx.backend!r}: {self.origin} answered HTTP {status}",
+            backend=self._ctx.backend, status=status, body=text,
+            retryable=self._methods.get(gid) in SAFE_TO_REPEAT))
+
+    def _resumable(self, decoder: SseDecoder) -> bool:
+        return (decoder.last_id is not None and self.session_id is not None
+                and not self._ended)
+
+    async def _resume(self, gid: int, decoder: SseDecoder, broke: bool,
+                      initialize: bool = False) -> None:
+        """Request ``gid``'s event stream ended before its answer after an event with an id:
+        GET it again with ``Last-Event-ID`` after the server's ``retry`` (capped), and again
+        while streams end without the answer, until :data:`RESUME_ATTEMPTS` GETs in a row
+        bring no message.  What comes is ``gid``'s, as on its POST's stream.  After a stream
+        that ``broke``, the first wait watches the remote (:meth:`_wait_reachable`)."""
+        target = self._connector.target.target
+        quiet = 0
+        while quiet < RESUME_ATTEMPTS and not self._ended:
+            last_id = decoder.last_id
+            if last_id is None:  # an id that cannot be sent back came meanwhile
+                break
+            wait = RESUME_WAIT if decoder.retry is None else decoder.retry / 1000
+            if broke:
+                broke = False
+                if not await self._wait_reachable(min(wait, RESUME_WAIT_MAX)):
+                    return
+            else:
+                await trio.sleep(min(wait, RESUME_WAIT_MAX))
+            try:
+                conn = await self._pool.get()
+            except httpclient.ConnectFailed as exc:
+                self._lost(f"cannot reach {self.origin}: {exc.detail}")
+                return
+            delivered = False
+            decoder = SseDecoder(decoder.limit, decoder.last_id, decoder.retry)  # a new stream
+            try:
+                response = await conn.request(
+                    "GET", target, [*self._headers("text/event-stream"),
+                                    ("last-event-id", last_id)],
+                    head_timeout=self._cfg.start_timeout)
+                if self._session_gone(response):
+                    await conn.aclose()
+                    return
+                if response.status != 200 or response.content_type != "text/event-stream":
+                    await conn.aclose()
+                    self._call_failed(gid, f"{self.origin} answered HTTP {response.status} to "
+                                           "resuming the answer stream",
+                                      retryable=self._methods.get(gid) in SAFE_TO_REPEAT)
+                    return
+                while (chunk := await conn.chunk()) is not None:
+                    for event in decoder.feed(chunk):
+                        delivered = True
+                        if self._deliver(event, gid, initialize):
+                            await conn.aclose()  # the answer: the rest is not this call's
+                            return
+            except EventTooLarge:
+                await conn.aclose()
+                self._too_large(gid)
+                return
+            except httpclient.HttpFailure as exc:
+                self.last_error = f"resuming an answer stream from {self.origin}: {exc.detail}"
+            await conn.aclose()
+            quiet = 0 if delivered else quiet + 1
+        self._call_failed(gid, f"the answer stream from {self.origin} ended without the answer "
+                               f"({RESUME_ATTEMPTS} resumptions brought nothing)",
+                          retryable=self._methods.get(gid) in SAFE_TO_REPEAT)
+
+    async def _wait_reachable(self, wait: float) -> bool:
+        """Wait ``wait`` seconds holding a new connection to the remote, so one that is gone
+        (killed: its streams broke) ends the link at once rather than after the wait: False
+        then.  A connection it closes meanwhile is opened once more: a refusal is the answer."""
+        deadline = trio.current_time() + wait
+        for attempt in range(2):
+            try:
+                probe = await self._pool.connect()
+            except httpclient.ConnectFailed as exc:
+                self._lost(f"cannot reach {self.origin}: {exc.detail}")
+                return False
+            try:
+                if attempt == 0:
+                    with trio.move_on_at(deadline):
+                        try:  # nothing comes on it but its end (a remote dying)
+                            await probe.stream.receive_some(1)
+                        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                            pass
+            finally:
+                await probe.aclose()
+            if trio.current_time() >= deadline:
+                return True
+        await trio.sleep_until(deadline)
+        return True
+
     def _too_large(self, gid: int) -> None:
         LOGGER.warning("backend %s: dropping an answer of more than %d bytes (max_message_bytes)",
                        self._ctx.instance, self._max_line)
@@ -801,6 +980,8 @@ class HttpLink:
         none) or cannot be reached (the link ends)."""
         target = self._connector.target.target
         delay = GET_RETRY
+        last_id: str | None = None  # resumes the stream where it ended
+        retry: int | None = None  # the server's own wait (ms) before opening it again
         while not self._ended:
             opened = trio.current_time()
             delivered = False
@@ -812,8 +993,9 @@ class HttpLink:
                 return
             try:
                 try:
+                    resume = [] if last_id is None else [("last-event-id", last_id)]
                     response = await conn.request("GET", target,
-                                                  self._headers("text/event-stream"),
+                                                  [*self._headers("text/event-stream"), *resume],
                                                   head_timeout=self._cfg.start_timeout)
                 finally:
                     self._get_ready.set()
@@ -827,12 +1009,16 @@ class HttpLink:
                     await conn.aclose()
                     self._lost(f"{self.origin} refused the GET stream (HTTP {response.status})")
                     return
-                decoder = SseDecoder(self._max_line + SSE_OVERHEAD)
-                while (chunk := await conn.chunk()) is not None:
-                    for event in decoder.feed(chunk):
-                        assert self._receiver is not None
-                        delivered = True
-                        self._receiver.message(event)
+                decoder = SseDecoder(self._max_line + SSE_OVERHEAD, last_id, retry)
+                try:
+                    while (chunk := await conn.chunk()) is not None:
+                        for event in decoder.feed(chunk):
+                            assert self._receiver is not None
+                            delivered = True
+                            self._receiver.message(event)
+                finally:
+                    last_id = decoder.last_id
+                    retry = decoder.retry
             except EventTooLarge:
                 LOGGER.warning("backend %s: the GET stream sent an event of more than %d bytes; "
                                "opening it again", self._ctx.instance, self._max_line)
@@ -841,5 +1027,6 @@ class HttpLink:
             await conn.aclose()
             if delivered or trio.current_time() - opened >= GET_RETRY_MAX:
                 delay = GET_RETRY
-            await trio.sleep(delay)
+            await trio.sleep(delay if retry is None else min(max(delay, retry / 1000),
+                                                             GET_RETRY_MAX))
             delay = min(2 * delay, GET_RETRY_MAX)

@@ -70,6 +70,7 @@ class DownReason(enum.StrEnum):
     UNHEALTHY = "unhealthy"  # health pings missed
     # drained and restarted: a cancelled call left unanswered past cancel_grace
     RECYCLED = "recycled"
+    EXPIRED = "session expired"  # the remote ended the session (HTTP 404): renewed at once
 
 
 #: The exit kind (``BackendExited.reason``) of a generation the gateway ended; one that ended
@@ -79,6 +80,7 @@ EXIT_KINDS = {
     DownReason.START_FAILED: ExitKind.START_FAILED,
     DownReason.UNHEALTHY: ExitKind.UNHEALTHY,
     DownReason.RECYCLED: ExitKind.RECYCLED,
+    DownReason.EXPIRED: ExitKind.EXPIRED,
 }
 
 
@@ -284,7 +286,7 @@ class Instance(ChildHandlers):
         task_status.started()
         try:
             while not self._stop.is_set():
-                if self.state is not State.STARTING:  # a recycle went to STARTING already
+                if self.state is not State.STARTING:  # a recycle, a renewal: in STARTING already
                     self._emit(self.sup.start("start" if self.generation == 0 else "restart"))
                 reason = await self._run_generation()
                 if self._stop.is_set():
@@ -295,11 +297,19 @@ class Instance(ChildHandlers):
                         trio.current_time(), "recycled: a cancelled call was not answered within "
                         f"cancel_grace ({self.cfg.cancel_grace:g}s)"))
                     continue
-                if reason is DownReason.STARVED:  # the gateway's lack, not the child's fault
+                if reason is DownReason.EXPIRED and self.state in (State.RUNNING,
+                                                                   State.UNHEALTHY):
+                    # A new session at once (no backoff, not a failure) unless a renewal began
+                    # this one and it was young.
+                    t = self.sup.renewed(trio.current_time(), "the remote ended the session: "
+                                                              "initializing a new one")
+                elif reason is DownReason.STARVED:  # the gateway's lack, not the child's fault
                     t = self.sup.starved(self.last_exit or reason)
                 else:
                     t = self.sup.exited(trio.current_time(), reason)
                 self._emit(t)
+                if t.new is State.STARTING:
+                    continue
                 if t.new is State.FATAL:
                     self._reset = trio.Event()
                     await self._reset.wait()
@@ -408,6 +418,8 @@ class Instance(ChildHandlers):
                 self.draining = False
                 self.backend.on_instance_down(self, child)
                 end = await link.close()
+                if end.expired and exit_reason is DownReason.EXITED:
+                    exit_reason = DownReason.EXPIRED
                 nursery.cancel_scope.cancel()
         finally:
             self._nursery = None
