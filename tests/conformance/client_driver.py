@@ -9,7 +9,7 @@ MCP_CONFORMANCE_CONTEXT. It starts `mcp-gateway run` with that URL as its one re
 session with the elicitation capability, answering the elicitations the gateway relays with
 the schema's defaults) what the scenario expects a client to do, and stops the gateway with
 SIGTERM. The gateway's log goes to stderr (the suite keeps it as the scenario's stderr.txt).
-Exit status: 0 when every step got an answer, 1 otherwise (the suite's checks are the verdict).
+Exit status: 0 when every step got an answer and the remote's first session held, else 1.
 """
 
 from __future__ import annotations
@@ -195,7 +195,9 @@ async def answer_requests(client: Client) -> None:
         done = len(client.requests)
 
 
-async def drive(ws_port: int, scenario: str, context: dict[str, Any]) -> None:
+async def drive(ws_port: int, admin: int, scenario: str, context: dict[str, Any]) -> None:
+    """The scenario's steps; then the remote's session must still be the first one (a restart
+    in between, e.g. a GET stream refused, is a client defect no check of the suite sees)."""
     steps = SCENARIOS.get(scenario, just_list)
     async with connect(f"ws://127.0.0.1:{ws_port}/",
                        capabilities={"elicitation": {"form": {}}}) as client:
@@ -203,6 +205,10 @@ async def drive(ws_port: int, scenario: str, context: dict[str, Any]) -> None:
             nursery.start_soon(answer_requests, client)
             await steps(client, context)
             nursery.cancel_scope.cancel()
+    status, body = await http_request(admin, "/status")
+    instance = json.loads(body)["backends"][0]["instances"][0]
+    if status != 200 or instance["restarts"] or instance["state"] != "RUNNING":
+        raise RuntimeError(f"the remote's session did not hold: {instance}")
 
 
 async def wait_ready(admin: int, proc: subprocess.Popen[bytes]) -> None:
@@ -248,7 +254,7 @@ def main(argv: list[str]) -> int:
         try:
             trio.run(wait_ready, admin, proc)
             log(f"gateway ready in {time.monotonic() - started:.2f}s")
-            trio.run(drive, ws, scenario, context)
+            trio.run(drive, ws, admin, scenario, context)
             return 0
         except Exception:
             log("failed:\n" + traceback.format_exc())

@@ -50,10 +50,18 @@ SCENARIO_TIMEOUT_MS = 30_000  # the suite's default; the driver's own steps end 
 RUN_TIMEOUT = 90.0  # one scenario, the suite's start and stop included
 WORKERS = 3
 _RESULTS = re.compile(r"^Passed: \d+/\d+, \d+ failed, \d+ warnings$", re.M)
+_CLIENT_EXIT = re.compile(r"^Client exited with code (-?\d+)$", re.M)
+_ENTRY = re.compile(r"^\s*-\s*([^\s#:]+)", re.M)
 
 
 def baseline_path(revision: str) -> str:
     return os.path.join(HERE, f"client-baseline-{revision}.yaml")
+
+
+def baselined(revision: str) -> set[str]:
+    """The scenarios with an entry in the revision's baseline."""
+    with open(baseline_path(revision), encoding="utf-8") as f:
+        return set(_ENTRY.findall(f.read()))
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,7 @@ class ScenarioRun:
     warnings: int
     failures: tuple[str, ...]  # "<check id>: <message>" of each FAILURE or WARNING check
     results_line: str  # the suite's own "Passed: a/b, f failed, w warnings"
+    client_exit: int  # the driver's: 0 when every step got an answer
     output: str
 
     @property
@@ -72,7 +81,8 @@ class ScenarioRun:
         mark = "✓" if self.failed == 0 and self.warnings == 0 else "✗"
         judged = ("baseline ok" if self.exit_code == 0
                   else f"BASELINE MISMATCH (exit {self.exit_code})")
-        return f"{mark} {self.name}: {self.results_line} [{judged}]"
+        client = "" if self.client_exit == 0 else f" [driver exited {self.client_exit}]"
+        return f"{mark} {self.name}: {self.results_line} [{judged}]{client}"
 
     def baseline_entries(self) -> list[str]:
         return sorted({f"{self.name}:{f.split(':', 1)[0]}" for f in self.failures})
@@ -112,6 +122,7 @@ def run_scenario(revision: str, scenario: str, baseline: str | None = None) -> S
         checks = read_checks(out)
     bad = [c for c in checks if c.get("status") in ("FAILURE", "WARNING")]
     line = _RESULTS.search(output)
+    client = _CLIENT_EXIT.search(output)
     return ScenarioRun(
         scenario, done.returncode,
         sum(c.get("status") == "SUCCESS" for c in checks),
@@ -119,7 +130,7 @@ def run_scenario(revision: str, scenario: str, baseline: str | None = None) -> S
         sum(c.get("status") == "WARNING" for c in checks),
         tuple(" ".join(f"{c.get('id')}: {c.get('errorMessage') or c.get('description')}".split())
               for c in bad),
-        line[0] if line else "(no results line)", output)
+        line[0] if line else "(no results line)", int(client[1]) if client else 0, output)
 
 
 def run_revision(revision: str, scenarios: tuple[str, ...] | None = None) -> list[ScenarioRun]:
