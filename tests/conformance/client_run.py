@@ -9,8 +9,9 @@ judges its baseline on the scored scenarios only, so the extension and not-score
 
 The baselines are the suite's own format (`client:` entries `scenario:check-id`), one file per
 revision since a scenario is a different wire under each; the suite judges them: a failure not
-listed, or a listed check that now passes, exits 1. After a fix, `--baseline` prints the
-entries that match what fails now.
+listed, or a listed check that now passes, exits 1. Their `driver:` section (the suite ignores
+it) lists the scenarios whose checks pass but whose driver fails (a step unanswered, the
+remote's session restarted). After a fix, `--baseline` prints the entries matching what fails.
 
     python tests/conformance/client_run.py [--requirements REV] [--scenario S] [--baseline]
 """
@@ -51,17 +52,26 @@ RUN_TIMEOUT = 90.0  # one scenario, the suite's start and stop included
 WORKERS = 3
 _RESULTS = re.compile(r"^Passed: \d+/\d+, \d+ failed, \d+ warnings$", re.M)
 _CLIENT_EXIT = re.compile(r"^Client exited with code (-?\d+)$", re.M)
-_ENTRY = re.compile(r"^\s*-\s*([^\s#:]+)", re.M)
+_SECTION = re.compile(r"^(\w+):")
+_ENTRY = re.compile(r"^\s+-\s*([^\s#:]+)")
 
 
 def baseline_path(revision: str) -> str:
     return os.path.join(HERE, f"client-baseline-{revision}.yaml")
 
 
-def baselined(revision: str) -> set[str]:
-    """The scenarios with an entry in the revision's baseline."""
+def baselined(revision: str, section: str = "client") -> set[str]:
+    """The scenarios with an entry in a section of the revision's baseline: ``client`` (the
+    suite's) or ``driver`` (this runner's: the scenarios whose driver is known to fail)."""
+    found: dict[str, set[str]] = {}
+    current = ""
     with open(baseline_path(revision), encoding="utf-8") as f:
-        return set(_ENTRY.findall(f.read()))
+        for line in f:
+            if m := _SECTION.match(line):
+                current = m[1]
+            elif m := _ENTRY.match(line):
+                found.setdefault(current, set()).add(m[1])
+    return found.get(section, set())
 
 
 @dataclass(frozen=True)
@@ -168,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.baseline:
             print(f"# {baseline_path(revision)}\nclient:")
             print("\n".join(f"  - {e}" for r in runs for e in r.baseline_entries()))
+            print("driver:")
+            print("\n".join(f"  - {r.name}" for r in runs
+                            if r.client_exit and not r.baseline_entries()))
         code |= any(r.exit_code for r in runs)
     return code
 
