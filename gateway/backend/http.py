@@ -999,8 +999,9 @@ class HttpLink:
                                                   head_timeout=self._cfg.start_timeout)
                 finally:
                     self._get_ready.set()
-                if response.status == 405 or (response.status == 404 and not self.session_id):
-                    await conn.aclose()  # no stream (a 404 without a session: a stateless one)
+                if response.status == 405 or (response.status in (400, 404)
+                                              and not self.session_id):
+                    await conn.aclose()  # no stream (a 400/404 without a session: a stateless one)
                     return
                 if self._session_gone(response):
                     await conn.aclose()
