@@ -79,8 +79,18 @@ async def discover(child: ChildConnection, *, declare: Iterable[str], client_nam
     """
     env = era.envelope(declared_capabilities(declare),
                        client_info={"name": client_name, "version": __version__})
-    raw = await child.request("server/discover", jsonrpc.encode_dict({"_meta": env}),
-                              timeout=timeout, internal=True)
+    params = jsonrpc.encode_dict({"_meta": env})
+    try:
+        raw = await child.request("server/discover", params, timeout=timeout, internal=True)
+    except errors.RemoteError as exc:
+        # -32022 naming a revision the gateway speaks (the one it sent, when a server refuses
+        # a first request for its own reasons): asked again once, at once, not after a backoff
+        if exc.code != errors.UNSUPPORTED_VERSION or not era.speaks_modern(
+                exc.remote_data.get("supported") if isinstance(exc.remote_data, dict) else None):
+            raise
+        LOGGER.info("backend %s refused %s (%s) naming it supported; asking once more",
+                    child.instance, era.LATEST_MODERN, exc)
+        raw = await child.request("server/discover", params, timeout=timeout, internal=True)
     result = jsonrpc.loads(raw)
     supported = result.get("supportedVersions") if isinstance(result, dict) else None
     if not era.speaks_modern(supported):
