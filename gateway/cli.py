@@ -1,4 +1,4 @@
-"""The ``mcp-gateway`` command: run, check-config, connect, version."""
+"""The ``mcp-gateway`` command: run, check-config, connect, status, version."""
 
 from __future__ import annotations
 
@@ -150,6 +150,40 @@ def cmd_connect(args: argparse.Namespace) -> int:
     return 0
 
 
+DEFAULT_CONFIG = "/etc/mcp-gateway/gateway.toml"  # where the Debian package puts it
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import json
+
+    from gateway.ops import statuscmd
+
+    cfg = _load_or_report(args.config, "mcp-gateway status: ")
+    if cfg is None:
+        return statuscmd.EXIT_UNREACHABLE
+    if not cfg.admin.listen:
+        print(f"mcp-gateway status: {args.config}: admin.listen is off: no /status to read",
+              file=sys.stderr)
+        return statuscmd.EXIT_UNREACHABLE
+    token = None
+    if args.token_file:
+        try:
+            token = read_token_file(args.token_file)
+        except (OSError, ValueError) as exc:
+            print(f"mcp-gateway status: --token-file: {exc}", file=sys.stderr)
+            return statuscmd.EXIT_UNREACHABLE
+    try:
+        doc = statuscmd.fetch(*statuscmd.admin_address(cfg.admin.listen), token)
+    except statuscmd.StatusUnavailable as exc:
+        print(f"mcp-gateway status: {exc}", file=sys.stderr)
+        return statuscmd.EXIT_UNREACHABLE
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print("\n".join(statuscmd.render(doc)))
+    return statuscmd.EXIT_REQUIRED_DOWN if statuscmd.required_down(doc) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mcp-gateway",
                                      description="Many MCP servers behind one endpoint.")
@@ -172,6 +206,14 @@ def main(argv: list[str] | None = None) -> int:
                    "(PEM) in this file instead of the system CAs (default: the system CAs, or "
                    "the file SSL_CERT_FILE names)")
     p.set_defaults(func=cmd_connect)
+    p = sub.add_parser("status", help="the running daemon's /status as a table; exit 2 when a "
+                                      "required backend is not RUNNING, 1 when unreachable")
+    p.add_argument("--config", "-c", default=DEFAULT_CONFIG,
+                   help=f"the daemon's config, for its admin listener (default {DEFAULT_CONFIG})")
+    p.add_argument("--token-file", help="a file holding the admin bearer token (when "
+                   "admin.token_sha256 is set: the config holds only its hash)")
+    p.add_argument("--json", action="store_true", help="print the /status document as JSON")
+    p.set_defaults(func=cmd_status)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

@@ -95,6 +95,7 @@ class AdminSection(Base, frozen=True):
     # Host names for /status, /metrics besides loopback + bound address
     allowed_hosts: list[str] = []
     token_sha256: str | None = None  # hex SHA-256 of the bearer token /status needs off loopback
+    tool_latency_series: int = 100  # tools per backend with their own latency histogram
 
 
 class RestartSection(Base, frozen=True):
@@ -126,11 +127,32 @@ class ItemFilter(Base, frozen=True):
 HeaderValue = str | dict[str, str]
 
 
+class RemoteOAuth(Base, frozen=True):
+    """``[backends.NAME.oauth]``: the gateway's own access token for a remote (OAuth 2.1
+    client credentials), fetched from ``token_url`` or the one the remote's metadata names."""
+
+    grant: Literal["client_credentials"] = "client_credentials"
+    token_url: str = ""  # "": discovered (protected-resource, then authorization server metadata)
+    client_id: str = ""
+    # { file = "/path" } or { env = "VAR" }; a literal string is refused (not in the config text)
+    client_secret: str | dict[str, str] | None = None
+    auth_method: Literal["client_secret_basic", "client_secret_post",
+                         "private_key_jwt"] = "client_secret_basic"
+    private_key: str | dict[str, str] | None = None  # private_key_jwt: PEM, by reference too
+    key_id: str = ""  # private_key_jwt: the assertion's kid header ("": none)
+    algorithm: Literal["RS256", "ES256"] = "RS256"
+    audience: str = ""  # the assertion's aud ("": the server's issuer, else token_url)
+    scope: str = ""
+    resource: str = ""  # RFC 8707 resource indicator ("": the one its metadata gives, else url)
+    ca_file: str | None = None  # https token/metadata endpoints: their CA (else the system's)
+
+
 class BackendConfig(Base, frozen=True):
     command: str = ""  # a program to spawn (stdio), or
     url: str = ""  # a remote Streamable HTTP server (http://HOST:PORT/mcp or https://…)
     ca_file: str | None = None  # https: the CA bundle to verify the remote with (else the system's)
     headers: dict[str, HeaderValue] = {}  # sent on every request to the remote
+    oauth: RemoteOAuth | None = None  # a remote's own access token (client credentials)
     args: list[str] = []
     env: dict[str, str] = {}
     cwd: str | None = None
@@ -471,7 +493,20 @@ def _resolve_paths(backend: BackendConfig, base_dir: str) -> BackendConfig:
                       if isinstance(value, dict) and value.get("file") else value)
                for name, value in backend.headers.items()}
     return msgspec.structs.replace(backend, cwd=cwd, command=command, ca_file=ca_file,
-                                   headers=headers)
+                                   headers=headers, oauth=_resolve_oauth(backend.oauth, base_dir))
+
+
+def _resolve_oauth(oauth: RemoteOAuth | None, base_dir: str) -> RemoteOAuth | None:
+    if oauth is None:
+        return None
+
+    def ref(value: str | dict[str, str] | None) -> str | dict[str, str] | None:
+        if isinstance(value, dict) and value.get("file"):
+            return {**value, "file": os.path.normpath(os.path.join(base_dir, value["file"]))}
+        return value
+    ca_file = os.path.normpath(os.path.join(base_dir, oauth.ca_file)) if oauth.ca_file else None
+    return msgspec.structs.replace(oauth, client_secret=ref(oauth.client_secret),
+                                   private_key=ref(oauth.private_key), ca_file=ca_file)
 
 
 #: A header name (an HTTP token) a remote backend may be sent.
@@ -480,6 +515,9 @@ _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}")
 RESERVED_HEADERS = frozenset({"host", "content-length", "content-type", "accept", "connection",
                               "transfer-encoding", "mcp-session-id", "mcp-protocol-version",
                               "last-event-id", "te", "upgrade", "keep-alive"})
+#: Headers a 2026-07-28 request carries, set from its body (``mcp-method``, ``mcp-name``,
+#: ``mcp-param-*``).
+MODERN_HEADER_PREFIXES = ("mcp-method", "mcp-name", "mcp-param-")
 
 
 def header_value_ok(value: str) -> bool:
@@ -495,16 +533,13 @@ def remote_errors(p: str, b: BackendConfig) -> list[str]:
         errors.append(f"{p}: set exactly one of command (a program to spawn) and url (a remote "
                       "Streamable HTTP server)")
     if not b.url:
-        for key in ("ca_file", "headers"):
+        for key in ("ca_file", "headers", "oauth"):
             if getattr(b, key):
                 errors.append(f"{p}.{key}: only for a remote backend (url)")
         return errors
     for key in ("args", "env"):
         if getattr(b, key):
             errors.append(f"{p}.{key}: only for a backend with a command (this one has a url)")
-    if b.protocol_mode in ("modern_only", "prefer_modern"):
-        errors.append(f"{p}.protocol_mode: a remote backend (url) is opened with initialize "
-                      "(the legacy sessions' shape): legacy_only or prefer_legacy")
     scheme, sep, rest = b.url.partition("://")
     authority = rest.split("/", 1)[0]
     if scheme not in ("http", "https") or not sep or not authority or "@" in authority:
@@ -527,7 +562,7 @@ def remote_errors(p: str, b: BackendConfig) -> list[str]:
         k = f"{p}.headers.{name}"
         if not _HEADER_NAME.fullmatch(name):
             errors.append(f"{k}: not a valid header name")
-        elif name.lower() in RESERVED_HEADERS:
+        elif name.lower() in RESERVED_HEADERS or name.lower().startswith(MODERN_HEADER_PREFIXES):
             errors.append(f"{k}: set by the gateway itself")
         if isinstance(value, str):
             if not header_value_ok(value):
@@ -540,6 +575,67 @@ def remote_errors(p: str, b: BackendConfig) -> list[str]:
         else:
             errors.append(f'{k}: expected a string, {{ env = "VAR" }} or '
                           f'{{ file = "/path", prefix = "Bearer " }}, got keys {sorted(value)}')
+    if b.oauth is not None:
+        errors.extend(oauth_errors(f"{p}.oauth", b))
+    return errors
+
+
+def endpoint_url_ok(url: str) -> bool:
+    """Whether the gateway may send credentials to ``url``: https, or http to a loopback
+    address (a token or metadata endpoint on this machine)."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - parsing it is the check
+    except ValueError:
+        return False
+    if not parts.hostname or parts.username is not None or parts.fragment:
+        return False
+    if any(c.isspace() or ord(c) < 0x21 or ord(c) > 0x7e for c in url):
+        return False
+    return parts.scheme == "https" or (parts.scheme == "http" and is_loopback(parts.hostname))
+
+
+def oauth_errors(p: str, b: BackendConfig) -> list[str]:
+    """A remote's ``[oauth]`` (key-path errors): the secrets by reference only."""
+    o = b.oauth
+    assert o is not None
+    errors: list[str] = []
+    if not o.client_id:
+        errors.append(f"{p}.client_id: required")
+    elif not header_value_ok(o.client_id):
+        errors.append(f"{p}.client_id: must be printable ASCII")
+    if o.token_url and not endpoint_url_ok(o.token_url):
+        errors.append(f"{p}.token_url: expected an https:// URL (or http:// to 127.0.0.1), "
+                      f"got {o.token_url!r}")
+    elif not o.token_url and b.url and not endpoint_url_ok(b.url):
+        errors.append(f"{p}.token_url: required for a plain http:// url (the remote's metadata "
+                      "would say where the credentials go: only trusted over https)")
+    if o.resource and (urlsplit(o.resource).scheme not in ("http", "https")
+                       or "#" in o.resource or not header_value_ok(o.resource)):
+        errors.append(f"{p}.resource: expected an absolute http(s) URI without a fragment")
+    secret_key = "private_key" if o.auth_method == "private_key_jwt" else "client_secret"
+    other = "client_secret" if secret_key == "private_key" else "private_key"
+    for key in ("client_secret", "private_key"):
+        value = getattr(o, key)
+        if value is None:
+            if key == secret_key:
+                errors.append(f"{p}.{key}: required for auth_method = {o.auth_method!r}")
+            continue
+        if key == other:
+            errors.append(f"{p}.{key}: not used with auth_method = {o.auth_method!r}")
+        elif isinstance(value, str):
+            errors.append(f'{p}.{key}: never a literal in the config: use {{ file = "/path" }} '
+                          f'or {{ env = "VAR" }}')
+        elif len(value) != 1 or not (value.get("file") or value.get("env")):
+            errors.append(f'{p}.{key}: expected {{ file = "/path" }} or {{ env = "VAR" }}, '
+                          f"got keys {sorted(value)}")
+    if o.auth_method != "private_key_jwt" and (o.key_id or o.audience):
+        errors.append(f"{p}: key_id and audience are for auth_method = 'private_key_jwt'")
+    if not header_value_ok(o.scope) or not header_value_ok(o.key_id):
+        errors.append(f"{p}: scope and key_id must be printable ASCII")
+    if any(name.lower() == "authorization" for name in b.headers):
+        errors.append(f"{p}: the Authorization header comes from the token: remove it from "
+                      "headers")
     return errors
 
 
@@ -604,6 +700,8 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
         tls_cert=cfg.listen.tls_cert, tls_key=cfg.listen.tls_key,
         behind_proxy=cfg.listen.behind_proxy, public_url=cfg.listen.public_url,
         admin_token_sha256=cfg.admin.token_sha256, check_files=check_commands))
+    if not 0 <= cfg.admin.tool_latency_series <= 10_000:
+        errors.append("admin.tool_latency_series: need 0 ... 10000 (histogram series per backend)")
     for key, hosts in (("listen.allowed_hosts", cfg.listen.allowed_hosts),
                        ("admin.allowed_hosts", cfg.admin.allowed_hosts)):
         for entry in hosts:

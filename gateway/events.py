@@ -57,6 +57,7 @@ class ExitKind(enum.StrEnum):
     UNHEALTHY = "unhealthy"  # restarted by the gateway for health (pings missed)
     # restarted by the gateway after a drain (a cancelled call unanswered): not a failure
     RECYCLED = "recycled"
+    EXPIRED = "expired"  # the remote ended the session: a new one opened at once, not a failure
     START_FAILED = "start_failed"  # the hand-shake failed or timed out
 
 

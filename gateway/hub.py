@@ -33,6 +33,7 @@ from gateway.core.session import ClientSession
 from gateway.events import BackendExited, CatalogChanged, ConnectionRefused, EventBus, ListsChanged
 from gateway.limits import (
     DEFAULT_MAX_CONNECTIONS,
+    OPTIONAL_REMOTE_WAIT,
     ByteBudget,
     ConnectionSlots,
     PrincipalCaps,
@@ -231,9 +232,18 @@ class Hub:
 
     async def wait_started(self) -> None:
         """Wait until each backend has its lists or has failed its first start (the caller
-        bounds the wait)."""
-        for backend in list(self.backends.values()):
-            await backend.first_start()
+        bounds the wait); a remote one that is not ``required`` at most
+        :data:`~gateway.limits.OPTIONAL_REMOTE_WAIT` from the call (the network may hold it up
+        to its ``start_timeout``; it joins the catalog when it answers)."""
+        until = trio.current_time() + OPTIONAL_REMOTE_WAIT
+        backends = list(self.backends.values())
+        for backend in backends:
+            if not backend.cfg.url or backend.cfg.required:
+                await backend.first_start()
+        with trio.move_on_at(until):
+            for backend in backends:
+                if backend.cfg.url and not backend.cfg.required:
+                    await backend.first_start()
 
     def reap(self) -> None:
         if self._subreaper:

@@ -134,9 +134,13 @@ FD_FIXED = 64
 #: while it is spawned the child's ends of the three pipes and the exec error pipe besides.
 FD_PER_CHILD = 8
 #: Connections one remote backend instance (``url``) holds at most: its requests' answer
-#: streams, the notifications' and answers' POSTs, the GET stream and the DELETE on close
-#: (gateway.backend.http splits them).
+#: streams, the notifications' and answers' POSTs, the GET stream (a 2026-07-28 remote's
+#: ``subscriptions/listen`` in its place) and the DELETE on close (gateway.backend.http splits
+#: them).
 REMOTE_CONNECTIONS = 16
+#: Seconds the start (and a reload) waits for a remote backend that is not ``required`` to
+#: answer its first lists; past that it joins the catalog when it does (``list_changed``).
+OPTIONAL_REMOTE_WAIT = 2.0
 #: fds per configured TCP listener (a host name may bind an IPv4 and an IPv6 socket).
 FD_PER_TCP_LISTENER = 2
 #: Connections on the admin listener at once; one more closes the oldest not writing a response.

@@ -219,7 +219,8 @@ async def run(
     except ConfigError as exc:
         raise StartupError("; ".join(exc.errors)) from None
     hub.authn.bus = bus
-    metrics = GatewayMetrics(bus, hub.status, version=__version__)
+    metrics = GatewayMetrics(bus, hub.status, version=__version__,
+                             max_tool_latency_series=cfg.admin.tool_latency_series)
     fds = {name: fd for fd, name in systemd.listen_fds_with_names().items()}
     bound = Bound()
     async with trio.open_nursery() as outer:

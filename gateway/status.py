@@ -30,6 +30,7 @@ class InstanceStatus:
     protocol_version: str | None = None  # the revision spoken with the running child
     origin: str | None = None  # where its link goes when that is not a process (no credentials)
     last_error: str | None = None  # the last transport failure its link saw
+    latency: float | None = None  # seconds: the last health probe's round trip (None before one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +46,9 @@ class BackendStatus:
     protocol_mode: str = "prefer_legacy"  # the backend's config key
     modern_seen: bool = False  # a child of it spoke 2026-07-28: a legacy one after that is an error
     connector: str = "stdio"  # how its instances reach the upstream: stdio, memory
+    # a remote's own access token (``[oauth]``): endpoint, valid_until, fetches, failures,
+    # last_error; never the token
+    oauth: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -513,3 +513,30 @@ HTTP_HEADERS = {"accept": "application/json, text/event-stream", "content-type":
 HTTP_INIT = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
              "params": {"protocolVersion": "2025-11-25", "capabilities": {},
                         "clientInfo": {"name": "t", "version": "0"}}}
+
+
+@asynccontextmanager
+async def listening_process(argv: list[str], port: int, env: dict[str, str] | None = None,
+                            ) -> AsyncIterator[trio.Process]:
+    """A server process (output discarded) once it accepts TCP on 127.0.0.1:``port``; killed
+    and reaped on exit."""
+    import subprocess
+    proc = await trio.lowlevel.open_process(argv, env={**os.environ, **(env or {})},
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with trio.fail_after(30):
+            async def listening() -> bool:
+                try:
+                    stream = await trio.open_tcp_stream("127.0.0.1", port)
+                except OSError:
+                    return False
+                await stream.aclose()
+                return True
+
+            await poll(listening)  # another process's port: no event
+        yield proc
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        with trio.CancelScope(shield=True):
+            await proc.wait()

@@ -79,8 +79,18 @@ async def discover(child: ChildConnection, *, declare: Iterable[str], client_nam
     """
     env = era.envelope(declared_capabilities(declare),
                        client_info={"name": client_name, "version": __version__})
-    raw = await child.request("server/discover", jsonrpc.encode_dict({"_meta": env}),
-                              timeout=timeout, internal=True)
+    params = jsonrpc.encode_dict({"_meta": env})
+    try:
+        raw = await child.request("server/discover", params, timeout=timeout, internal=True)
+    except errors.RemoteError as exc:
+        # -32022 naming a revision the gateway speaks (the one it sent, when a server refuses
+        # a first request for its own reasons): asked again once, at once, not after a backoff
+        if exc.code != errors.UNSUPPORTED_VERSION or not era.speaks_modern(
+                exc.remote_data.get("supported") if isinstance(exc.remote_data, dict) else None):
+            raise
+        LOGGER.info("backend %s refused %s (%s) naming it supported; asking once more",
+                    child.instance, era.LATEST_MODERN, exc)
+        raw = await child.request("server/discover", params, timeout=timeout, internal=True)
     result = jsonrpc.loads(raw)
     supported = result.get("supportedVersions") if isinstance(result, dict) else None
     if not era.speaks_modern(supported):
@@ -138,17 +148,23 @@ async def open_child(child: ChildConnection, *, mode: str, declare: Iterable[str
             await discover(child, declare=declare, client_name=client_name, timeout=timeout)
 
 
-def listen_filter(child: ChildConnection) -> dict[str, bool]:
+def listen_filter(child: ChildConnection, uris: list[str] | None = None) -> dict[str, Any]:
     """What ``subscriptions/listen`` asks a modern child for: the list changes it announces
-    (``listChanged`` capabilities); empty for a legacy child (it just sends list_changed)."""
+    (``listChanged`` capabilities) and updates of ``uris`` (when it has
+    ``resources.subscribe``); empty for a legacy child (it just sends list_changed)."""
     if child.era is not Era.MODERN:
         return {}
     caps = child.server_capabilities
-    return {f"{kind}ListChanged": True for kind in ("tools", "prompts", "resources")
-            if isinstance(caps.get(kind), dict) and caps[kind].get("listChanged")}
+    wanted: dict[str, Any] = {
+        f"{kind}ListChanged": True for kind in ("tools", "prompts", "resources")
+        if isinstance(caps.get(kind), dict) and caps[kind].get("listChanged")}
+    resources = caps.get("resources")
+    if uris and isinstance(resources, dict) and resources.get("subscribe"):
+        wanted["resourceSubscriptions"] = list(uris)
+    return wanted
 
 
-async def listen(child: ChildConnection, wanted: dict[str, bool]) -> None:
+async def listen(child: ChildConnection, wanted: dict[str, Any]) -> None:
     """``subscriptions/listen`` on a modern child, open until the child ends it (returns) or
     the caller is cancelled (the child is told with ``notifications/cancelled``)."""
     await child.request("subscriptions/listen", _params(child, {"notifications": wanted}),
@@ -174,9 +190,7 @@ async def set_level(child: ChildConnection, level: str, *, timeout: float) -> No
 
 async def subscribe(child: ChildConnection, uri: str, *, timeout: float,  # noqa: ASYNC109 - the router's call deadline (CallTimeout), not a cancel scope
                     method: str = "resources/subscribe") -> None:
-    if child.era is Era.MODERN:  # resources/subscribe does not exist there (subscriptions/listen)
-        LOGGER.info("backend %s is modern: %s %s not sent (resource subscriptions toward modern "
-                    "backends are not implemented)", child.instance, method, uri)
+    if child.era is Era.MODERN:  # resources/subscribe does not exist there: the listen's filter
         return
     try:
         await child.request(method, jsonrpc.encode_dict({"uri": uri}), timeout=timeout,

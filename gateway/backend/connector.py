@@ -51,6 +51,7 @@ class LinkEnd:
     crashed: bool  # ended abnormally (a non-zero exit, a lost connection)
     returncode: int | None = None  # a process's exit code (negative: the signal)
     ended_by: str | None = None  # what the stop had to do ("sigterm", "sigkill"), if anything
+    expired: bool = False  # the remote ended the session (HTTP 404): a new one is opened at once
 
 
 class Receiver(Protocol):

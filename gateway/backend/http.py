@@ -1,14 +1,16 @@
-"""The ``http`` connector: a remote server over Streamable HTTP (the legacy sessions' shape).
+"""The ``http`` connector: a remote server over Streamable HTTP, in either era's shape.
 
-:class:`HttpLink` POSTs each message (requests at most :data:`REQUEST_STREAMS` at once, the
-others on :data:`OTHER_STREAMS` more connections, each kind in order from its own queue) and
-hands what comes back, a JSON body or SSE events as they arrive, to the session with the request
-they came in answer to.  ``initialize``'s answer brings ``Mcp-Session-Id`` and the version sent
-as ``MCP-Protocol-Version`` from then on, and opens the GET stream for the server's own messages
-(a 405: it has none).  A 404 on the session, a GET stream that cannot be opened again, or an
-unreachable remote end the link (the instance restarts it and initializes again); a call whose
-answer stream ends without its answer fails.  :meth:`HttpLink.close` DELETEs the session.
-Configured header values are read when a link opens and on reload, and never shown.
+:class:`HttpLink` POSTs each message (requests at most :data:`REQUEST_STREAMS` at once, others on
+:data:`OTHER_STREAMS` connections, each kind in order) and hands what comes back, JSON or SSE
+events as they arrive, to the session with the request they answer.  Legacy: ``initialize``
+brings ``Mcp-Session-Id`` and ``MCP-Protocol-Version`` and opens the GET stream (405, or 400/404
+before a session: none); a 404 on the session ends the link as expired (renewed at once);
+:meth:`HttpLink.close` DELETEs it.  A stream that ends before its answer after an event with an
+id is resumed (``Last-Event-ID`` after ``retry``, bounded); a request safe to repeat is POSTed
+again on a 5xx or reset, no other.  A 2026-07-28 request (its ``_meta`` names the version) goes
+with its routing headers (:mod:`~gateway.protocol.mcpheaders`), is cancelled by closing its
+stream, and ``subscriptions/listen`` holds the GET stream's slot.  Header values are read at
+open and on reload, never shown; ``[oauth]`` adds the backend's token (one refetch on a 401).
 """
 
 from __future__ import annotations
@@ -16,17 +18,22 @@ from __future__ import annotations
 import logging
 import math
 import os
+import random
 import ssl
 from collections import deque
+from typing import Any
 
 import msgspec
 import trio
 
 from gateway import errors
-from gateway.backend import httpclient
+from gateway.backend import httpclient, oauth
+from gateway.backend.client import NotModern
 from gateway.backend.connector import LinkContext, LinkEnd, OpenFailed, Receiver
 from gateway.config import BackendConfig, header_value_ok, read_regular
 from gateway.limits import REMOTE_CONNECTIONS
+from gateway.protocol import mcpheaders
+from gateway.protocol.era import VERSION_KEY
 from gateway.protocol.sse import EventTooLarge, SseDecoder
 
 LOGGER = logging.getLogger(__name__)
@@ -34,9 +41,11 @@ LOGGER = logging.getLogger(__name__)
 #: Notifications and answers to the remote's requests posted at once.
 OTHER_STREAMS = 2
 #: Requests at the remote at once (each holds a connection while its answer streams): what
-#: is left of :data:`~gateway.limits.REMOTE_CONNECTIONS` beside the others, the GET stream and
-#: the DELETE on close.  A new connection is opened only when no idle one is left, so these
-#: bound the link's connections; at most :data:`IDLE_CONNECTIONS` idle ones are kept.
+#: is left of :data:`~gateway.limits.REMOTE_CONNECTIONS` beside the others, the GET stream (or,
+#: in the 2026-07-28 shape, the one ``subscriptions/listen``: the listen slot, never taken from
+#: these; a second listen waits for a request stream) and the DELETE on close.  A new
+#: connection is opened only when no idle one is left, so these bound the link's connections;
+#: at most :data:`IDLE_CONNECTIONS` idle ones are kept.
 REQUEST_STREAMS = REMOTE_CONNECTIONS - OTHER_STREAMS - 2
 #: Every POST's connection is kept for the next one (within the pool's idle time): a smaller
 #: bound closes and opens connections at every burst of calls.
@@ -51,21 +60,41 @@ ANSWER_TAIL = 1.0
 #: :data:`GET_RETRY_MAX`, each time it ends again without an event and sooner than that.
 GET_RETRY = 0.5
 GET_RETRY_MAX = 30.0
+#: Resuming a request's event stream that ended before its answer (a GET with
+#: ``Last-Event-ID``): seconds waited first when the server gave no ``retry``, the most waited
+#: whatever it gave, and the GETs in a row that may bring no message before the call fails.
+RESUME_WAIT = 1.0
+RESUME_WAIT_MAX = 10.0
+RESUME_ATTEMPTS = 3
+#: A request safe to repeat that met a 5xx or a connection reset: tried this many more times,
+#: after a pause of :data:`RETRY_PAUSE` (doubled each time, jittered down to half).
+RETRIES = 2
+RETRY_PAUSE = 0.2
+RETRY_STATUSES = frozenset({500, 502, 503, 504})
+#: The most of an error body quoted in the error a call gets (printable ASCII only).
+SNIPPET = 200
 #: A header value read from a file: its most bytes.
 MAX_HEADER_FILE = 16384
 #: An SSE event's bytes beyond the message itself (field names, ids).
 SSE_OVERHEAD = 1024
 _ACCEPT_BOTH = "application/json, text/event-stream"
+#: A message the link cannot peek into (nested past msgspec's depth: RecursionError); the
+#: session, with its own depth bound, says what is wrong with it.
+_UNREADABLE = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
 #: Requests POSTed again when a kept-alive connection closed before their answer (it may have
 #: been the remote closing it while idle); any other (a ``tools/call``) may have run already.
 SAFE_TO_REPEAT = frozenset({
     "initialize", "ping", "tools/list", "prompts/list", "prompts/get", "resources/list",
     "resources/templates/list", "resources/read", "completion/complete", "logging/setLevel",
-    "resources/subscribe", "resources/unsubscribe"})
+    "resources/subscribe", "resources/unsubscribe", "server/discover"})
 
 
 class _MayHaveRun(Exception):
     """A request's connection closed after its bytes may have reached the remote."""
+
+
+class _Reset(Exception):
+    """A new connection broke before a request's answer (only when asked to say so)."""
 
 
 class _Queue:
@@ -86,7 +115,7 @@ def _answers(data: bytes, gid: int) -> bool:
     """Whether ``data`` is the reply to request ``gid``."""
     try:
         peek = msgspec.json.decode(data, type=_Peek)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except _UNREADABLE:
         return False
     return peek.method is None and peek.id == gid
 
@@ -100,12 +129,75 @@ class _Cancelled(msgspec.Struct):
     params: _CancelledParams | None = None
 
 
+class _ModernParams(msgspec.Struct):
+    name: object = None
+    uri: object = None
+    arguments: msgspec.Raw = msgspec.Raw(b"null")
+    meta: dict[str, object] | None = msgspec.field(default=None, name="_meta")
+
+
+class _ModernRequest(msgspec.Struct):
+    method: str | None = None
+    params: _ModernParams | None = None
+
+
+_MODERN_MARK = VERSION_KEY.encode()
+
+
+def modern_request(data: bytes, tools: dict[str, mcpheaders.Paths]
+                   ) -> tuple[str, list[tuple[str, str]]] | None:
+    """A 2026-07-28 request's method and routing headers (its ``_meta`` names a version), or
+    None (a legacy message)."""
+    if _MODERN_MARK not in data:
+        return None
+    try:
+        req = msgspec.json.decode(data, type=_ModernRequest)
+    except _UNREADABLE:
+        return None
+    params = req.params
+    meta = params.meta if params is not None else None
+    version = meta.get(VERSION_KEY) if meta is not None else None
+    if req.method is None or params is None or not isinstance(version, str):
+        return None
+    fields: dict[str, object] = {"name": params.name, "uri": params.uri}
+    paths = tools.get(params.name) if isinstance(params.name, str) else None
+    if paths:
+        try:
+            fields["arguments"] = msgspec.json.decode(params.arguments)
+        except _UNREADABLE:
+            paths = None
+    return req.method, mcpheaders.request_headers(req.method, version, fields, paths)
+
+
 class _InitResult(msgspec.Struct):
     protocolVersion: str | None = None
 
 
 class _InitReply(msgspec.Struct):
     result: _InitResult | None = None
+
+
+def _cancelled_id(data: bytes) -> int | None:
+    """The request a ``notifications/cancelled`` names (None: not one, or not a gateway id)."""
+    if b"notifications/cancelled" not in data:
+        return None
+    try:
+        note = msgspec.json.decode(data, type=_Cancelled)
+    except _UNREADABLE:
+        return None
+    if note.method != "notifications/cancelled" or note.params is None:
+        return None
+    gid = note.params.requestId
+    return gid if isinstance(gid, int) and not isinstance(gid, bool) else None
+
+
+def _is_listen(data: bytes) -> bool:
+    if b"subscriptions/listen" not in data:
+        return False
+    try:
+        return msgspec.json.decode(data, type=_Peek).method == "subscriptions/listen"
+    except _UNREADABLE:
+        return False
 
 
 def read_headers(cfg: BackendConfig, environ: dict[str, str] | None = None
@@ -149,9 +241,12 @@ class HttpConnector:
 
     kind = "http"
 
-    def __init__(self, cfg: BackendConfig, opener: httpclient.Opener | None = None) -> None:
+    def __init__(self, cfg: BackendConfig, opener: httpclient.Opener | None = None, *,
+                 name: str = "") -> None:
         self.cfg = cfg
         self.target = httpclient.parse_url(cfg.url)
+        self.auth = (oauth.TokenSource(name or self.target.text, cfg.url, cfg.oauth, opener)
+                     if cfg.oauth is not None else None)  # its own access token, one per backend
         self._opener = opener  # (host, port): a byte stream to it (TCP when None)
         self.headers: list[tuple[str, str]] | None = None  # read at open, and by refresh
         self._tls: ssl.SSLContext | None = None  # https: made at the first open, and by refresh
@@ -169,6 +264,8 @@ class HttpConnector:
         except OpenFailed as exc:
             LOGGER.warning("backend %s: keeping the headers read before: %s", self.origin, exc)
         self._tls = None  # ca_file read again at the next open
+        if self.auth is not None:
+            self.auth.refresh()
 
     def _context(self) -> ssl.SSLContext | None:
         if self.target.tls and self._tls is None:
@@ -180,6 +277,11 @@ class HttpConnector:
 
     async def open(self, ctx: LinkContext) -> HttpLink:
         self.headers = read_headers(self.cfg)
+        if self.auth is not None:
+            try:
+                await self.auth.fresh()
+            except oauth.TokenFailed as exc:
+                raise OpenFailed(f"access token: {exc.detail}") from None
         pool = httpclient.Pool(self.target, connect_timeout=self.cfg.start_timeout,
                                idle_max=IDLE_CONNECTIONS, ssl_context=self._context(),
                                opener=self._opener)
@@ -220,12 +322,21 @@ class HttpLink:
         self._get_started = False
         self._streams: dict[int, trio.CancelScope] = {}  # requests' POSTs, by gateway id
         self._cancelled: set[int] = set()  # requests whose POST the gateway dropped (cancelled)
+        self._methods: dict[int, str | None] = {}  # requests' methods while their POST is on
         # the GET stream's answer head is in (or it failed): notifications wait for it, so the
         # server's answers to them (a list_changed after notifications/initialized) have a stream
         self._get_ready = trio.Event()
         self._ended = False
+        self._expired = False  # the remote ended the session (a 404)
         self._end: LinkEnd | None = None
         self._max_line = ctx.max_line
+        # 2026-07-28 requests (their _meta names a version): no session; cancelled by closing
+        # their stream; a tools/list answer drops the tools whose x-mcp-header is invalid
+        self._modern: set[int] = set()  # modern requests not answered yet
+        self._tool_lists: set[int] = set()  # modern tools/list requests not answered yet
+        self._tool_params: dict[str, mcpheaders.Paths] = {}  # marked arguments, by tool
+        self._dropped_early: set[int] = set()  # cancelled while still queued
+        self._listening = False  # the listen slot is taken
 
     @property
     def origin(self) -> str:
@@ -236,15 +347,33 @@ class HttpLink:
     def send(self, data: bytes, gid: int | None = None) -> None:
         if self.closed is not None:
             raise errors.NotDelivered(self.closed.message, **self.closed.data)
+        if gid is None and self._modern and self._cancel_modern(data):
+            return
         self._seq += 1
         if gid is None:
             self._others_pending.add(self._seq)
             queue = self._others
         else:
             queue = self._requests
+            if _MODERN_MARK in data:
+                self._modern.add(gid)
         queue.items.append((data, gid, self._seq))
         self.buffers.charge(len(data))
         queue.ready.set()
+
+    def _cancel_modern(self, data: bytes) -> bool:
+        """``notifications/cancelled`` for a modern request: not sent, its stream is closed
+        (how a 2026-07-28 HTTP client cancels); whether it was one."""
+        gid = _cancelled_id(data)
+        if gid is None or gid not in self._modern:
+            return False
+        scope = self._streams.get(gid)
+        self._cancelled.add(gid)
+        if scope is not None:
+            scope.cancel()
+        else:
+            self._dropped_early.add(gid)  # still queued: dropped when its turn comes
+        return True
 
     def fits(self, size: int) -> bool:
         return self.buffers.held + size <= self.max_queued
@@ -274,6 +403,13 @@ class HttpLink:
             while not queue.items:
                 queue.ready = trio.Event()
                 await queue.ready.wait()
+            if requests and not self._listening and _is_listen(queue.items[0][0]):
+                data, gid, _seq = queue.items.popleft()
+                self.buffers.release(len(data))
+                if gid is not None:
+                    self._listening = True
+                    self._nursery.start_soon(self._post_request, data, gid, None, None)
+                continue
             token = object()
             try:  # a free stream: no checkpoint here (the POST's task is the next hop)
                 limiter.acquire_on_behalf_of_nowait(token)
@@ -298,12 +434,16 @@ class HttpLink:
             head.append(("mcp-session-id", self.session_id))
         if self.protocol_version is not None:
             head.append(("mcp-protocol-version", self.protocol_version))
-        return head + (self._connector.headers or [])
+        auth = self._connector.auth
+        return head + (self._connector.headers or []) + (auth.headers() if auth else [])
 
     # ---- ending -----------------------------------------------------------------------------
 
-    def _lost(self, detail: str) -> None:
-        """The session with the remote is over: nothing more arrives (the instance restarts)."""
+    def _lost(self, detail: str, unrun: int | None = None) -> None:
+        """The session with the remote is over: nothing more arrives (the instance restarts).
+        The requests whose POST is on fail now, retryable only when they cannot have run:
+        ``unrun`` (refused) and those :data:`SAFE_TO_REPEAT`; the rest fail as the instance
+        fails a child's calls."""
         self.last_error = detail
         if self._ended:
             return
@@ -314,6 +454,9 @@ class HttpLink:
             self.closed = errors.BackendExited(
                 f"backend {self._ctx.backend!r} is unreachable: {detail}",
                 backend=self._ctx.backend, retryable=True)
+        for gid in list(self._streams):
+            self._call_failed(gid, detail, retryable=gid == unrun
+                              or self._methods.get(gid) in SAFE_TO_REPEAT)
         if self._receiver is not None:
             self._receiver.ended()
 
@@ -333,7 +476,8 @@ class HttpLink:
             return self._end
         crashed = self._ended
         self._ended = True
-        self._end = LinkEnd(self.last_error or "session closed", crashed=crashed)
+        self._end = LinkEnd(self.last_error or "session closed", crashed=crashed,
+                            expired=self._expired)
         with trio.CancelScope(shield=True):
             if self.session_id is not None and not crashed:
                 with trio.move_on_after(DELETE_TIMEOUT):
@@ -352,8 +496,47 @@ class HttpLink:
     # ---- posting ----------------------------------------------------------------------------
 
     async def _exchange(self, data: bytes, timeout: float,  # noqa: ASYNC109 - head deadline
-                        repeat: bool = True,
+                        repeat: bool = True, extra: list[tuple[str, str]] | None = None,
+                        resets: bool = False, gid: int | None = None,
                         ) -> tuple[httpclient.Connection, httpclient.Response] | None:
+        """:meth:`_exchange_once` with the backend's access token, when it has ``[oauth]``:
+        fetched or refreshed first; after a 401 a new one is fetched (the endpoint discovered
+        from the challenge if need be) and the POST sent once more (the remote did not run it).
+        No token, or a 401 again: the link ends with the reason."""
+        auth = self._connector.auth
+        if auth is None:
+            return await self._exchange_once(data, timeout, repeat, extra, resets, gid)
+        try:
+            await auth.fresh()
+            sent = auth.token
+            got = await self._exchange_once(data, timeout, repeat, extra, resets, gid)
+            if got is None or got[1].status != 401:
+                return got
+            await self._discard(*got)
+            await auth.renew(sent, got[1].headers.get("www-authenticate"))
+            got = await self._exchange_once(data, timeout, repeat, extra, resets, gid)
+            if got is None or got[1].status != 401:
+                return got
+            await self._discard(*got)
+            self._lost(f"{self.origin} refused the access token (HTTP 401) also after a new "
+                       "one was fetched")
+        except oauth.TokenFailed as exc:
+            self._lost(f"no access token for {self.origin}: {exc.detail}")
+        return None
+
+    async def _discard(self, conn: httpclient.Connection, response: httpclient.Response) -> None:
+        """An answer not used: its body read (bounded) and its connection kept, else closed."""
+        try:
+            await self._drain(conn, self._max_line)
+        except httpclient.HttpFailure:
+            await conn.aclose()
+            return
+        await self._pool.put(conn)
+
+    async def _exchange_once(self, data: bytes, timeout: float,  # noqa: ASYNC109 - deadline
+                             repeat: bool = True, extra: list[tuple[str, str]] | None = None,
+                             resets: bool = False, gid: int | None = None,
+                             ) -> tuple[httpclient.Connection, httpclient.Response] | None:
         """POST ``data``; its connection and answer's head, or None when the remote is gone
         (the link ended).  A kept-alive connection the remote had closed is tried once anew if
         ``repeat``.
@@ -362,12 +545,13 @@ class HttpLink:
             _MayHaveRun: it closed and not ``repeat``.
         """
         target = self._connector.target.target
-        head = [("content-type", "application/json"), *self._headers(_ACCEPT_BOTH)]
+        head = [("content-type", "application/json"), *self._headers(_ACCEPT_BOTH),
+                *(extra or ())]
         for _attempt in range(2):
             try:
                 conn = await self._pool.get()
-            except httpclient.ConnectFailed as exc:
-                self._lost(f"cannot reach {self.origin}: {exc.detail}")
+            except httpclient.ConnectFailed as exc:  # request ``gid`` was not sent
+                self._lost(f"cannot reach {self.origin}: {exc.detail}", gid)
                 return None
             try:
                 return conn, await conn.request("POST", target, head, data, head_timeout=timeout)
@@ -380,6 +564,8 @@ class HttpLink:
                     raise _MayHaveRun(exc.detail) from None
                 if conn.reused:
                     continue
+                if resets:
+                    raise _Reset(exc.detail) from None
                 self._lost(f"{self.origin}: {exc.detail}")
                 return None
             except httpclient.HttpTimeout as exc:
@@ -392,17 +578,9 @@ class HttpLink:
     def _drop_cancelled(self, data: bytes) -> None:
         """``data`` told the remote the gateway cancelled a request: that request's answer
         stream is dropped (a cancelled request gets no answer: its stream might never end)."""
-        if b"notifications/cancelled" not in data:
-            return
-        try:
-            note = msgspec.json.decode(data, type=_Cancelled)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return
-        if note.method != "notifications/cancelled" or note.params is None:
-            return
-        gid = note.params.requestId
-        scope = self._streams.get(gid) if isinstance(gid, int) else None
-        if scope is not None and isinstance(gid, int):
+        gid = _cancelled_id(data)
+        scope = self._streams.get(gid) if gid is not None else None
+        if scope is not None and gid is not None:
             self._cancelled.add(gid)
             scope.cancel()
 
@@ -417,11 +595,16 @@ class HttpLink:
             return await conn.body(limit, SHORT_TIMEOUT)
         raise httpclient.HttpTimeout(f"an answer's body did not end within {SHORT_TIMEOUT:g}s")
 
-    def _session_gone(self, response: httpclient.Response) -> bool:
-        if response.status == 404 and self.session_id is not None:
-            self._lost(f"{self.origin}: the session is gone (HTTP 404)")
-            return True
-        return False
+    def _session_gone(self, response: httpclient.Response, unrun: int | None = None) -> bool:
+        """A 404 to a request carrying the session: the remote ended it.  The link ends (the
+        instance opens a new session at once, :attr:`LinkEnd.expired`); ``unrun``: the request
+        it refused."""
+        if response.status != 404 or self.session_id is None:
+            return False
+        if not self._ended:
+            self._expired = True
+        self._lost(f"{self.origin} ended the session (HTTP 404)", unrun)
+        return True
 
     async def _post_other(self, data: bytes, seq: int, limiter: trio.CapacityLimiter,
                           token: object) -> None:
@@ -452,58 +635,86 @@ class HttpLink:
         finally:
             limiter.release_on_behalf_of(token)
 
-    async def _post_request(self, data: bytes, gid: int, limiter: trio.CapacityLimiter,
+    async def _post_request(self, data: bytes, gid: int, limiter: trio.CapacityLimiter | None,
                             token: object) -> None:
         """POST a request and hand its answer stream to the session; the stream is dropped
-        when the gateway cancels the call (``notifications/cancelled`` for it was POSTed) or
-        after ``max_call_duration``."""
-        method = msgspec.json.decode(data, type=_Peek).method
+        when the gateway cancels the call (``notifications/cancelled`` for it was POSTed, or
+        for a modern request would have been) or after ``max_call_duration``.  Without a
+        ``limiter``: the ``subscriptions/listen`` on the listen slot, open as long as the
+        remote keeps it."""
+        modern = modern_request(data, self._tool_params)
+        extra: list[tuple[str, str]] | None = None
+        if modern is not None:
+            method, extra = modern
+            if method == "tools/list":
+                self._tool_lists.add(gid)
+        else:
+            method = msgspec.json.decode(data, type=_Peek).method or ""
         initialize = self.protocol_version is None and method == "initialize"
+        self._methods[gid] = method
         conn: httpclient.Connection | None = None
         kept = False
+        deadline = (math.inf if limiter is None
+                    else trio.current_time() + self._cfg.max_call_duration)
         try:
-            with trio.CancelScope(deadline=trio.current_time() + self._cfg.max_call_duration
-                                  ) as scope:
+            if gid in self._dropped_early:  # cancelled before its turn: never sent
+                self._dropped_early.discard(gid)
+                self._cancelled_answer(gid)
+                return
+            with trio.CancelScope(deadline=deadline) as scope:
                 self._streams[gid] = scope
                 try:
-                    got = await self._exchange(data, self._cfg.max_call_duration,
-                                               method in SAFE_TO_REPEAT)
+                    got = await self._exchange_retried(data, gid, method, extra)
                 except _MayHaveRun as exc:
                     self._call_failed(gid, f"the connection to {self.origin} closed before the "
                                            f"answer ({exc}); the call may have run",
                                       retryable=False)
                     return
                 if got is None:
-                    self._call_failed(gid, f"{self.origin} is unreachable")
+                    self._call_failed(gid, self.last_error or f"{self.origin} is unreachable")
                     return
                 conn, response = got
                 try:
-                    await self._answer(conn, response, gid, initialize)
+                    await self._answer(conn, response, gid, initialize,
+                                       probe=modern is not None and method == "server/discover")
                 except httpclient.HttpFailure as exc:
                     self._call_failed(gid, f"the answer stream from {self.origin} broke: "
-                                           f"{exc.detail}")
+                                           f"{exc.detail}", retryable=method in SAFE_TO_REPEAT)
                     return
                 await self._pool.put(conn)
                 kept = True
-            if scope.cancelled_caught and gid in self._cancelled and self._receiver is not None:
-                # its answer cannot come now: the abandoned call leaves the attribution set
-                self._receiver.failed(gid, errors.BackendExited(
-                    f"backend {self._ctx.backend!r}: the call was cancelled",
-                    backend=self._ctx.backend, retryable=False))
+            if scope.cancelled_caught and gid in self._cancelled:
+                self._cancelled_answer(gid)
             elif scope.cancelled_caught:
                 self._call_failed(gid, f"no answer from {self.origin} within max_call_duration")
         finally:
             self._streams.pop(gid, None)
+            self._methods.pop(gid, None)
             self._cancelled.discard(gid)
+            self._modern.discard(gid)
+            self._tool_lists.discard(gid)
             if conn is not None and not kept:
                 await conn.aclose()
-            limiter.release_on_behalf_of(token)
+            if limiter is None:
+                self._listening = False
+                self._requests.ready.set()  # a listen waiting for the slot may go now
+            else:
+                limiter.release_on_behalf_of(token)
+
+    def _cancelled_answer(self, gid: int) -> None:
+        """Its answer cannot come now: the abandoned call leaves the attribution set."""
+        if self._receiver is not None:
+            self._receiver.failed(gid, errors.BackendExited(
+                f"backend {self._ctx.backend!r}: the call was cancelled",
+                backend=self._ctx.backend, retryable=False))
 
     async def _answer(self, conn: httpclient.Connection, response: httpclient.Response, gid: int,
-                      initialize: bool) -> None:
+                      initialize: bool, *, probe: bool = False) -> None:
+        """Hand the answer to ``gid`` to the session.  ``probe``: a modern ``server/discover``,
+        whose refusal without a JSON-RPC error answering it says "a legacy server"."""
         receiver = self._receiver
         assert receiver is not None
-        if self._session_gone(response):
+        if self._session_gone(response, gid):
             await conn.aclose()
             return
         if initialize and response.status == 200:
@@ -518,26 +729,43 @@ class HttpLink:
             body = await self._drain(conn, self._max_line)
             if response.content_type == "application/json" and _answers(body, gid):
                 receiver.message(body, gid)  # a JSON-RPC error answering the call
+            elif probe:
+                receiver.failed(gid, NotModern(
+                    f"backend {self._ctx.backend!r}: {self.origin} answered HTTP "
+                    f"{response.status} to server/discover without a JSON-RPC error: not a "
+                    "2026-07-28 server"))
+            elif response.status in RETRY_STATUSES:
+                self._server_error(gid, response.status, body)
             else:
                 self._call_failed(gid, f"{self.origin} answered HTTP {response.status}")
             return
         answered = False
+        broke = False  # the event stream broke rather than ended (the remote may be gone)
         if response.content_type == "text/event-stream":
             decoder = SseDecoder(self._max_line + SSE_OVERHEAD)
             with trio.CancelScope() as tail:  # after the answer: ANSWER_TAIL more at most
-                while (chunk := await conn.chunk()) is not None:
-                    try:
-                        events = decoder.feed(chunk)
-                    except EventTooLarge:
-                        await conn.aclose()
-                        self._too_large(gid)
-                        return
-                    for event in events:
-                        answered |= self._deliver(event, gid, initialize)
-                    if answered and tail.deadline == math.inf:
-                        tail.deadline = trio.current_time() + ANSWER_TAIL
+                try:
+                    while (chunk := await conn.chunk()) is not None:
+                        try:
+                            events = decoder.feed(chunk)
+                        except EventTooLarge:
+                            await conn.aclose()
+                            self._too_large(gid)
+                            return
+                        for event in events:
+                            answered |= self._deliver(event, gid, initialize)
+                        if answered and tail.deadline == math.inf:
+                            tail.deadline = trio.current_time() + ANSWER_TAIL
+                except httpclient.ConnectionLost:
+                    if answered or not self._resumable(decoder):
+                        raise
+                    broke = True
             if tail.cancelled_caught:
                 await conn.aclose()
+                return
+            if not answered and self._resumable(decoder):
+                await conn.aclose()
+                await self._resume(gid, decoder, broke, initialize)
                 return
         elif response.content_type == "application/json":
             try:
@@ -562,17 +790,19 @@ class HttpLink:
         assert self._receiver is not None
         try:
             peek = msgspec.json.decode(data, type=_Peek)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except _UNREADABLE:
             peek = _Peek(method="")  # not a message: the session says why
         if peek.method is None and peek.id is not None and peek.id != gid:
             LOGGER.warning("backend %s: dropping an answer to request %.100r that came on the "
                            "answer stream of request %d", self._ctx.instance, peek.id, gid)
             self.last_error = "an answer to another request on a request's answer stream"
             return False
+        if gid in self._tool_lists and peek.method is None and peek.id == gid:
+            data = self._keep_tools(data)
         if initialize and self.protocol_version is None:
             try:
                 reply = msgspec.json.decode(data, type=_InitReply)
-            except (msgspec.DecodeError, msgspec.ValidationError):
+            except _UNREADABLE:
                 reply = _InitReply()
             if reply.result is not None and reply.result.protocolVersion:
                 self.protocol_version = reply.result.protocolVersion
@@ -581,6 +811,162 @@ class HttpLink:
                     self._nursery.start_soon(self._get_stream)
         self._receiver.message(data, gid)
         return peek.method is None and peek.id == gid
+
+    def _keep_tools(self, data: bytes) -> bytes:
+        """A modern ``tools/list`` page: its marked arguments learnt, the tools with an invalid
+        ``x-mcp-header`` dropped (logged)."""
+        try:
+            message = msgspec.json.decode(data)
+        except _UNREADABLE:
+            return data  # the session says what is wrong with it
+        result = message.get("result") if isinstance(message, dict) else None
+        if not isinstance(result, dict) or not isinstance(result.get("tools"), list):
+            return data
+        tools: list[Any] = result["tools"]
+        kept, marked, dropped = mcpheaders.split_tools(tools)
+        for name in (t.get("name") for t in kept if isinstance(t, dict)):
+            if isinstance(name, str):
+                self._tool_params.pop(name, None)
+        self._tool_params.update(marked)
+        if not dropped:
+            return data
+        for name, why in dropped:
+            LOGGER.warning("backend %s: dropping tool %r: %s", self._ctx.instance, name, why,
+                           extra={"MCP_BACKEND": self._ctx.backend})
+        result["tools"] = kept
+        return msgspec.json.encode(message)
+
+    async def _exchange_retried(self, data: bytes, gid: int, method: str | None,
+                                extra: list[tuple[str, str]] | None = None,
+                                ) -> tuple[httpclient.Connection, httpclient.Response] | None:
+        """:meth:`_exchange` for a request; one :data:`SAFE_TO_REPEAT` is POSTed again, up to
+        :data:`RETRIES` times after a pause, when a 5xx (:data:`RETRY_STATUSES`) or a reset
+        answers it.  The last answer is returned as it came; resets each time fail the call.
+
+        Raises:
+            _MayHaveRun: as :meth:`_exchange`, for a request not safe to repeat.
+        """
+        timeout = self._cfg.max_call_duration
+        if method not in SAFE_TO_REPEAT:
+            return await self._exchange(data, timeout, False, extra, gid=gid)
+        for attempt in range(RETRIES + 1):
+            if attempt:
+                pause = RETRY_PAUSE * 2 ** (attempt - 1)
+                await trio.sleep(pause * (0.5 + 0.5 * random.random()))
+            try:
+                got = await self._exchange(data, timeout, True, extra, resets=True, gid=gid)
+            except _Reset as exc:
+                self.last_error = f"{self.origin}: {exc} ({method})"
+                continue
+            if got is None or got[1].status not in RETRY_STATUSES or attempt == RETRIES:
+                return got
+            conn, response = got
+            await conn.aclose()  # its body unread: not reusable
+            self.last_error = f"{self.origin} answered HTTP {response.status} to {method}"
+        self._call_failed(gid, f"the connection to {self.origin} broke before the answer "
+                               f"{RETRIES + 1} times")
+        return None
+
+    def _server_error(self, gid: int, status: int, body: bytes) -> None:
+        """A 5xx answered request ``gid`` (not with a JSON-RPC error): it fails with the status
+        and the body's first printable bytes; retryable when it could not have run twice."""
+        self.last_error = f"{self.origin} answered HTTP {status}"
+        if self._receiver is None:
+            return
+        text = "".join(c if " " <= c <= "~" else "?"
+                       for c in body[:SNIPPET].decode("ascii", "replace")).strip()
+        self._receiver.failed(gid, errors.BackendUnavailable(
+            f"backend {self._ctx.backend!r}: {self.origin} answered HTTP {status}",
+            backend=self._ctx.backend, status=status, body=text,
+            retryable=self._methods.get(gid) in SAFE_TO_REPEAT))
+
+    def _resumable(self, decoder: SseDecoder) -> bool:
+        return (decoder.last_id is not None and self.session_id is not None
+                and not self._ended)
+
+    async def _resume(self, gid: int, decoder: SseDecoder, broke: bool,
+                      initialize: bool = False) -> None:
+        """Request ``gid``'s event stream ended before its answer after an event with an id:
+        GET it again with ``Last-Event-ID`` after the server's ``retry`` (capped), and again
+        while streams end without the answer, until :data:`RESUME_ATTEMPTS` GETs in a row
+        bring no message.  What comes is ``gid``'s, as on its POST's stream.  After a stream
+        that ``broke``, the first wait watches the remote (:meth:`_wait_reachable`)."""
+        target = self._connector.target.target
+        quiet = 0
+        while quiet < RESUME_ATTEMPTS and not self._ended:
+            last_id = decoder.last_id
+            if last_id is None:  # an id that cannot be sent back came meanwhile
+                break
+            wait = RESUME_WAIT if decoder.retry is None else decoder.retry / 1000
+            if broke:
+                broke = False
+                if not await self._wait_reachable(min(wait, RESUME_WAIT_MAX)):
+                    return
+            else:
+                await trio.sleep(min(wait, RESUME_WAIT_MAX))
+            try:
+                conn = await self._pool.get()
+            except httpclient.ConnectFailed as exc:
+                self._lost(f"cannot reach {self.origin}: {exc.detail}")
+                return
+            delivered = False
+            decoder = SseDecoder(decoder.limit, decoder.last_id, decoder.retry)  # a new stream
+            try:
+                response = await conn.request(
+                    "GET", target, [*self._headers("text/event-stream"),
+                                    ("last-event-id", last_id)],
+                    head_timeout=self._cfg.start_timeout)
+                if self._session_gone(response):
+                    await conn.aclose()
+                    return
+                if response.status != 200 or response.content_type != "text/event-stream":
+                    await conn.aclose()
+                    self._call_failed(gid, f"{self.origin} answered HTTP {response.status} to "
+                                           "resuming the answer stream",
+                                      retryable=self._methods.get(gid) in SAFE_TO_REPEAT)
+                    return
+                while (chunk := await conn.chunk()) is not None:
+                    for event in decoder.feed(chunk):
+                        delivered = True
+                        if self._deliver(event, gid, initialize):
+                            await conn.aclose()  # the answer: the rest is not this call's
+                            return
+            except EventTooLarge:
+                await conn.aclose()
+                self._too_large(gid)
+                return
+            except httpclient.HttpFailure as exc:
+                self.last_error = f"resuming an answer stream from {self.origin}: {exc.detail}"
+            await conn.aclose()
+            quiet = 0 if delivered else quiet + 1
+        self._call_failed(gid, f"the answer stream from {self.origin} ended without the answer "
+                               f"({RESUME_ATTEMPTS} resumptions brought nothing)",
+                          retryable=self._methods.get(gid) in SAFE_TO_REPEAT)
+
+    async def _wait_reachable(self, wait: float) -> bool:
+        """Wait ``wait`` seconds holding a new connection to the remote, so one that is gone
+        (killed: its streams broke) ends the link at once rather than after the wait: False
+        then.  A connection it closes meanwhile is opened once more: a refusal is the answer."""
+        deadline = trio.current_time() + wait
+        for attempt in range(2):
+            try:
+                probe = await self._pool.connect()
+            except httpclient.ConnectFailed as exc:
+                self._lost(f"cannot reach {self.origin}: {exc.detail}")
+                return False
+            try:
+                if attempt == 0:
+                    with trio.move_on_at(deadline):
+                        try:  # nothing comes on it but its end (a remote dying)
+                            await probe.stream.receive_some(1)
+                        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                            pass
+            finally:
+                await probe.aclose()
+            if trio.current_time() >= deadline:
+                return True
+        await trio.sleep_until(deadline)
+        return True
 
     def _too_large(self, gid: int) -> None:
         LOGGER.warning("backend %s: dropping an answer of more than %d bytes (max_message_bytes)",
@@ -599,6 +985,8 @@ class HttpLink:
         none) or cannot be reached (the link ends)."""
         target = self._connector.target.target
         delay = GET_RETRY
+        last_id: str | None = None  # resumes the stream where it ended
+        retry: int | None = None  # the server's own wait (ms) before opening it again
         while not self._ended:
             opened = trio.current_time()
             delivered = False
@@ -610,13 +998,15 @@ class HttpLink:
                 return
             try:
                 try:
+                    resume = [] if last_id is None else [("last-event-id", last_id)]
                     response = await conn.request("GET", target,
-                                                  self._headers("text/event-stream"),
+                                                  [*self._headers("text/event-stream"), *resume],
                                                   head_timeout=self._cfg.start_timeout)
                 finally:
                     self._get_ready.set()
-                if response.status == 405:
-                    await conn.aclose()
+                if response.status == 405 or (response.status in (400, 404)
+                                              and not self.session_id):
+                    await conn.aclose()  # no stream (a 400/404 without a session: a stateless one)
                     return
                 if self._session_gone(response):
                     await conn.aclose()
@@ -625,12 +1015,16 @@ class HttpLink:
                     await conn.aclose()
                     self._lost(f"{self.origin} refused the GET stream (HTTP {response.status})")
                     return
-                decoder = SseDecoder(self._max_line + SSE_OVERHEAD)
-                while (chunk := await conn.chunk()) is not None:
-                    for event in decoder.feed(chunk):
-                        assert self._receiver is not None
-                        delivered = True
-                        self._receiver.message(event)
+                decoder = SseDecoder(self._max_line + SSE_OVERHEAD, last_id, retry)
+                try:
+                    while (chunk := await conn.chunk()) is not None:
+                        for event in decoder.feed(chunk):
+                            assert self._receiver is not None
+                            delivered = True
+                            self._receiver.message(event)
+                finally:
+                    last_id = decoder.last_id
+                    retry = decoder.retry
             except EventTooLarge:
                 LOGGER.warning("backend %s: the GET stream sent an event of more than %d bytes; "
                                "opening it again", self._ctx.instance, self._max_line)
@@ -639,5 +1033,6 @@ class HttpLink:
             await conn.aclose()
             if delivered or trio.current_time() - opened >= GET_RETRY_MAX:
                 delay = GET_RETRY
-            await trio.sleep(delay)
+            await trio.sleep(delay if retry is None else min(max(delay, retry / 1000),
+                                                             GET_RETRY_MAX))
             delay = min(2 * delay, GET_RETRY_MAX)

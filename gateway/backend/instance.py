@@ -50,6 +50,10 @@ LOGGER = logging.getLogger(__name__)
 #: The states in which an instance takes new calls.
 _SERVING = frozenset({State.RUNNING, State.UNHEALTHY})
 
+#: Seconds before a modern child's ``subscriptions/listen`` that ended is opened again;
+#: doubled up to :data:`LISTEN_RETRY_MAX` while it keeps ending sooner than that.
+LISTEN_RETRY = 1.0
+LISTEN_RETRY_MAX = 30.0
 #: stderr lines kept for /status after a crash.
 STDERR_TAIL = 20
 
@@ -66,6 +70,7 @@ class DownReason(enum.StrEnum):
     UNHEALTHY = "unhealthy"  # health pings missed
     # drained and restarted: a cancelled call left unanswered past cancel_grace
     RECYCLED = "recycled"
+    EXPIRED = "session expired"  # the remote ended the session (HTTP 404): renewed at once
 
 
 #: The exit kind (``BackendExited.reason``) of a generation the gateway ended; one that ended
@@ -75,6 +80,7 @@ EXIT_KINDS = {
     DownReason.START_FAILED: ExitKind.START_FAILED,
     DownReason.UNHEALTHY: ExitKind.UNHEALTHY,
     DownReason.RECYCLED: ExitKind.RECYCLED,
+    DownReason.EXPIRED: ExitKind.EXPIRED,
 }
 
 
@@ -164,6 +170,7 @@ class Instance(ChildHandlers):
         self.generation = 0
         self.lists = BackendLists()
         self.last_exit: str | None = None
+        self.latency: float | None = None  # the current child's last health probe round trip
         self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL)
         self.crash_stderr: tuple[str, ...] = ()
         self.owner: Owner | None = None  # per-session / affine holder
@@ -173,6 +180,10 @@ class Instance(ChildHandlers):
         self._down: trio.Event | None = None
         self._down_reason: DownReason | None = None
         self._nursery: trio.Nursery | None = None
+        # a modern child's subscriptions/listen, while open: cancelled to open it again with
+        # the resource subscriptions as they are now
+        self._listen_scope: trio.CancelScope | None = None
+        self._listener: ChildConnection | None = None  # the child whose listen loop runs
         self._starting: trio.CancelScope | None = None  # the hand-shake of a child being started
         self.stopped = trio.Event()
         # Being drained for a recycle: the pool routes no new call here (see _watch_abandoned).
@@ -218,6 +229,7 @@ class Instance(ChildHandlers):
             protocol_version=child.protocol_version if child is not None else None,
             origin=link.origin if link is not None else self.connector.origin,
             last_error=link.last_error if link is not None else None,
+            latency=self.latency if child is not None else None,
         )
 
     async def state_changed(self) -> None:
@@ -274,7 +286,7 @@ class Instance(ChildHandlers):
         task_status.started()
         try:
             while not self._stop.is_set():
-                if self.state is not State.STARTING:  # a recycle went to STARTING already
+                if self.state is not State.STARTING:  # a recycle, a renewal: in STARTING already
                     self._emit(self.sup.start("start" if self.generation == 0 else "restart"))
                 reason = await self._run_generation()
                 if self._stop.is_set():
@@ -285,11 +297,19 @@ class Instance(ChildHandlers):
                         trio.current_time(), "recycled: a cancelled call was not answered within "
                         f"cancel_grace ({self.cfg.cancel_grace:g}s)"))
                     continue
-                if reason is DownReason.STARVED:  # the gateway's lack, not the child's fault
+                if reason is DownReason.EXPIRED and self.state in (State.RUNNING,
+                                                                   State.UNHEALTHY):
+                    # A new session at once (no backoff, not a failure) unless a renewal began
+                    # this one and it was young.
+                    t = self.sup.renewed(trio.current_time(), "the remote ended the session: "
+                                                              "initializing a new one")
+                elif reason is DownReason.STARVED:  # the gateway's lack, not the child's fault
                     t = self.sup.starved(self.last_exit or reason)
                 else:
                     t = self.sup.exited(trio.current_time(), reason)
                 self._emit(t)
+                if t.new is State.STARTING:
+                    continue
                 if t.new is State.FATAL:
                     self._reset = trio.Event()
                     await self._reset.wait()
@@ -307,6 +327,7 @@ class Instance(ChildHandlers):
     async def _run_generation(self) -> DownReason:
         """Open a link, hand-shake and serve one generation; returns why it ended."""
         self.generation += 1
+        self.latency = None
         spawned = trio.current_time()
         host = self.backend.host
         ctx = LinkContext(backend=self.backend.name, instance=self.name, bus=host.bus,
@@ -397,6 +418,8 @@ class Instance(ChildHandlers):
                 self.draining = False
                 self.backend.on_instance_down(self, child)
                 end = await link.close()
+                if end.expired and exit_reason is DownReason.EXITED:
+                    exit_reason = DownReason.EXPIRED
                 nursery.cancel_scope.cancel()
         finally:
             self._nursery = None
@@ -492,6 +515,7 @@ class Instance(ChildHandlers):
         misses = 0
         while not down.is_set():
             await trio.sleep(h.interval)
+            sent = trio.current_time()
             try:
                 if child.envelope is not None:  # ping is gone in 2026-07-28: discover is as cheap
                     await child.request("server/discover",
@@ -506,6 +530,7 @@ class Instance(ChildHandlers):
             else:
                 ok = True
             if ok:
+                self.latency = trio.current_time() - sent
                 if misses and self.state is State.UNHEALTHY:
                     self._emit(self.sup.healthy())
                 misses = 0
@@ -546,28 +571,73 @@ class Instance(ChildHandlers):
                     child.protocol_version, extra={"MCP_BACKEND": self.backend.name})
         for kind in ("tools", "prompts", "resources", "templates"):
             await self._fetch(child, kind)
-        wanted = client.listen_filter(child)
-        if wanted and self._nursery is not None:
-            self._nursery.start_soon(self._listen, child, wanted)
+        if child.era is Era.MODERN:
+            self._start_listen(child)
         level = self.backend.log_level
         if level is not None:
             await client.set_level(child, level, timeout=self.cfg.start_timeout)
         for uri in self.backend.subscribed_uris():
             await self.subscribe(child, uri)
 
-    async def _listen(self, child: ChildConnection, wanted: dict[str, bool]) -> None:
-        """A modern child's list changes: one ``subscriptions/listen`` open while it runs (its
-        notifications are handled like a legacy child's list_changed, :meth:`on_notification`)."""
+    def _start_listen(self, child: ChildConnection) -> None:
+        if self._nursery is not None:
+            self._listener = child
+            self._nursery.start_soon(self._listen, child)
+
+    async def _listen(self, child: ChildConnection) -> None:
+        """A modern child's list changes and resource updates: one ``subscriptions/listen``
+        open while it runs (its notifications are handled like a legacy child's,
+        :meth:`on_notification`).  Opened again with the new filter when the resource
+        subscriptions change (:meth:`subscribe`), and after it ended (the remote or a proxy
+        closed it: nothing is replayed, so the lists are fetched again), later each time it
+        ends again within :data:`LISTEN_RETRY_MAX` seconds."""
         try:
-            await client.listen(child, wanted)
-        except errors.GatewayError as exc:
-            if child.closed is None:
-                LOGGER.warning("backend %s: subscriptions/listen ended: %s; list changes of this "
-                               "child are not seen until it restarts", self.name, exc,
-                               extra={"MCP_BACKEND": self.backend.name})
+            await self._listen_loop(child)
+        finally:
+            if self._listener is child:
+                self._listener = None
+
+    async def _listen_loop(self, child: ChildConnection) -> None:
+        delay = LISTEN_RETRY
+        while child.closed is None:
+            wanted = client.listen_filter(child, self.backend.subscribed_uris())
+            if not wanted:
+                return
+            opened = trio.current_time()
+            with trio.CancelScope() as scope:
+                self._listen_scope = scope
+                try:
+                    await client.listen(child, wanted)
+                    detail = "the backend ended it"
+                except errors.RemoteError as exc:  # refused: asking again changes nothing
+                    LOGGER.warning("backend %s refused subscriptions/listen: %s; its list changes "
+                                   "and resource updates are not seen until it restarts",
+                                   self.name, exc, extra={"MCP_BACKEND": self.backend.name})
+                    return
+                except errors.GatewayError as exc:
+                    detail = str(exc)
+            self._listen_scope = None
+            if scope.cancelled_caught or child.closed is not None:
+                continue  # a new filter (or the child is gone)
+            if trio.current_time() - opened >= LISTEN_RETRY_MAX:
+                delay = LISTEN_RETRY
+            LOGGER.warning("backend %s: subscriptions/listen ended (%s); opening it again in "
+                           "%gs", self.name, detail, delay,
+                           extra={"MCP_BACKEND": self.backend.name})
+            await trio.sleep(delay)
+            delay = min(2 * delay, LISTEN_RETRY_MAX)
+            if child is self.child:
+                await self._refresh(child, ("tools", "prompts", "resources", "templates"))
 
     async def subscribe(self, child: ChildConnection, uri: str,
                         method: str = "resources/subscribe") -> None:
+        if child.era is Era.MODERN:  # no resources/subscribe there: the listen's filter says
+            if self._listener is child:
+                if self._listen_scope is not None:  # opened again with the new filter
+                    self._listen_scope.cancel()
+            elif child is self.child and child.closed is None:
+                self._start_listen(child)  # the first one
+            return
         await client.subscribe(child, uri, timeout=self.cfg.request_timeout, method=method)
 
     async def _fetch(self, child: ChildConnection, kind: str) -> bool:

@@ -14,7 +14,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import trio
 
@@ -72,7 +72,7 @@ def default_connector(name: str, cfg: BackendConfig) -> Connector:
     """The connector a backend's config asks for: ``http`` (its ``url``) or ``stdio`` (its
     ``command``)."""
     if cfg.url:
-        return HttpConnector(cfg)
+        return HttpConnector(cfg, name=name)
     return StdioConnector(cfg)
 
 
@@ -147,7 +147,12 @@ class Backend:
         return BackendStatus(self.name, self.cfg.required, self.cfg.sharing,
                              tuple(i.snapshot(now) for i in self.instances), len(lists.tools),
                              len(lists.prompts), len(lists.resources), len(lists.templates),
-                             self.cfg.protocol_mode, self.modern_seen, self.connector.kind)
+                             self.cfg.protocol_mode, self.modern_seen, self.connector.kind,
+                             self._token_status())
+
+    def _token_status(self) -> dict[str, Any] | None:
+        auth = self.connector.auth if isinstance(self.connector, HttpConnector) else None
+        return auth.status() if auth is not None else None
 
     async def first_start(self) -> None:
         """Return once the lists are in, or the first instance's first start failed (BACKOFF or

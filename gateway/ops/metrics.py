@@ -7,7 +7,8 @@
   prometheus_client would (``tests/unit/golden`` pins that scrape).
 * State gauges are computed at scrape time from one :class:`GatewayStatus` snapshot, so they
   cannot drift; the in-flight gauge follows ``RequestStarted``/``RequestFinished``.
-* Label values come from bounded sets; untrusted tool names are capped at ``max_tool_series``.
+* Label values come from bounded sets; untrusted tool names are capped at ``max_tool_series``
+  (call counts, all backends) and ``max_tool_latency_series`` (latency, per backend).
 * The registry is private, ``_created`` series are off, and there is no multiprocess mode.
 """
 
@@ -96,6 +97,8 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
 HISTOGRAMS: dict[str, tuple[str, tuple[str, ...]]] = {
     "request_duration_seconds": ("Client request receipt to answer.", ("method", "backend")),
     "overhead_seconds": ("Request time spent in the gateway, not the backend.", ("method",)),
+    "tool_call_duration_seconds": ("tools/call receipt to answer per tool (capped per backend).",
+                                   ("backend", "tool")),
     "queue_wait_seconds": ("Time calls waited for a backend instance.", ("backend",)),
     "backend_start_duration_seconds": ("Spawn to completed MCP handshake.", ("backend",)),
     "event_loop_lag_seconds": ("Overshoot of a periodic trio.sleep.", ()),
@@ -149,7 +152,7 @@ class _StatusCollector(Collector):
         }
         if snap is not None:
             self._fill(fam, snap)
-        return list(fam.values())
+        return [*fam.values(), *_token_fetches(snap)]
 
     def _fill(self, fam: dict[str, GaugeMetricFamily], snap: GatewayStatus) -> None:
         fam["ready"].add_metric([], 1.0 if snap.ready else 0.0)
@@ -176,6 +179,22 @@ class _StatusCollector(Collector):
             eras = [i.era for i in b.instances]
             for e in ("legacy", "modern"):
                 fam["backend_era_instances"].add_metric([b.name, e], eras.count(e))
+
+
+def _token_fetches(snap: GatewayStatus | None) -> list[Metric]:
+    """The remote backends' access token fetches by outcome (``[oauth]``), from their counts
+    in the snapshot; no family at all while no backend has ``[oauth]``."""
+    remotes = [b for b in snap.backends if b.oauth is not None] if snap is not None else []
+    if not remotes:
+        return []
+    fam = CounterMetricFamily(PREFIX + "backend_token_fetches",
+                              "Access token fetches of remote backends ([oauth]), by outcome.",
+                              labels=("backend", "outcome"))
+    for b in remotes:
+        assert b.oauth is not None
+        fam.add_metric([b.name, "ok"], b.oauth["fetches"] - b.oauth["failures"])
+        fam.add_metric([b.name, "failed"], b.oauth["failures"])
+    return [fam]
 
 
 #: A histogram series: the count per bucket (``BUCKETS`` then +Inf), then the sum.
@@ -250,6 +269,8 @@ class GatewayMetrics:
         status: returns the current snapshot; called once per scrape, in the trio thread.
         max_tool_series: distinct ``(backend, tool)`` series before calls land in
             ``tool="_overflow"`` (counted by ``mcp_gateway_tool_series_overflow_total``).
+        max_tool_latency_series: distinct tools per backend with their own latency histogram;
+            the backend's other tools share ``tool="_overflow"``.
         version: the gateway version for ``mcp_gateway_build_info``.
         proc: the procfs mount (tests may point it elsewhere).
     """
@@ -260,6 +281,7 @@ class GatewayMetrics:
         status: Callable[[], GatewayStatus],
         *,
         max_tool_series: int = 500,
+        max_tool_latency_series: int = 100,
         version: str,
         proc: str = procfs.PROC,
     ) -> None:
@@ -273,6 +295,8 @@ class GatewayMetrics:
         reg.register(series)
         self._max_tool_series = max_tool_series
         self._tool_series: set[tuple[str, str]] = set()
+        self._max_latency_series = max_tool_latency_series
+        self._latency_tools: dict[str, set[str]] = {}  # backend -> tools with their own series
         self._c, self._g, self._h = series.counters, series.gauges, series.histograms
         # The per-call series, bound once (see _on_request_started/_on_request_finished).
         self._inflight = self._g["inflight_requests"]
@@ -280,6 +304,7 @@ class GatewayMetrics:
         self._durations = self._h["request_duration_seconds"]
         self._overheads = self._h["overhead_seconds"]
         self._tool_calls = self._c["tool_calls_total"]
+        self._tool_durations = self._h["tool_call_duration_seconds"]
         self._g["build_info"][(version, platform.python_version(), trio.__version__)] = 1.0
         for name in (*errors.CODE_NAMES.values(), "other"):
             self._c["jsonrpc_errors_total"][(name,)] = 0.0
@@ -380,10 +405,14 @@ class GatewayMetrics:
         if e.error_code is not None:
             self._inc("jsonrpc_errors_total", errors.code_name(e.error_code))
         if e.tool is not None:
-            key = (backend, e.tool[:MAX_TOOL_LABEL_CHARS])
+            tool = e.tool[:MAX_TOOL_LABEL_CHARS]
+            key = (backend, tool)
             if key not in self._tool_series:
                 key = self._new_tool_series(key)
             self._tool_calls[key] = self._tool_calls.get(key, 0.0) + 1.0
+            if e.backend:  # a call the gateway refused itself has no backend latency to show
+                _observe(self._tool_durations, (backend, self._latency_tool(backend, tool)),
+                         e.duration)
 
     def _new_tool_series(self, key: tuple[str, str]) -> tuple[str, str]:
         """``key`` as the label values of a new tool series, or the overflow series when full."""
@@ -392,6 +421,16 @@ class GatewayMetrics:
             return (key[0], OVERFLOW_TOOL)
         self._tool_series.add(key)
         return key
+
+    def _latency_tool(self, backend: str, tool: str) -> str:
+        """``tool`` as its latency series' label, or ``_overflow`` once the backend's are full."""
+        tools = self._latency_tools.setdefault(backend, set())
+        if tool in tools:
+            return tool
+        if len(tools) >= self._max_latency_series:
+            return OVERFLOW_TOOL
+        tools.add(tool)
+        return tool
 
     def _on_backend_started(self, e: events.BackendStarted) -> None:
         self._inc("backend_starts_total", e.backend)

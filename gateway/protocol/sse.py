@@ -4,10 +4,16 @@
 event completed (``data:`` lines joined with LF; events without data, such as a priming event's
 empty ``data:``, and comments are skipped).  Lines end with CRLF, LF or CR.  An event growing
 past ``limit`` bytes raises :class:`EventTooLarge`: the buffer never holds more (the stream
-cannot be read on after that: its reader closes it).
+cannot be read on after that: its reader closes it).  It keeps what resuming the stream needs:
+the last event id (:attr:`SseDecoder.last_id`, an id of printable ASCII within
+:data:`MAX_EVENT_ID` bytes; another makes the stream not resumable) and the ``retry`` field
+(:attr:`SseDecoder.retry`, milliseconds), both carried over from a stream it resumes.
 """
 
 from __future__ import annotations
+
+#: An event id kept for resuming (sent back as ``Last-Event-ID``): its most bytes.
+MAX_EVENT_ID = 256
 
 
 class EventTooLarge(Exception):
@@ -22,11 +28,29 @@ class EventTooLarge(Exception):
 class SseDecoder:
     """Splits a ``text/event-stream`` into events' data, within ``limit`` bytes per event."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, last_id: str | None = None, retry: int | None = None
+                 ) -> None:
         self.limit = limit
         self._buf = bytearray()
         self._scan = 0  # where an event's end may begin in _buf: what came before was searched
         self._after_cr = False  # a CR ended the last chunk: an LF next is its CRLF's
+        self.last_id = last_id  # the last event id seen (None: not resumable)
+        self.retry = retry  # the last ``retry`` field, in milliseconds
+
+    def _fields(self, event: bytes) -> None:
+        """Note an event's ``id`` and ``retry`` fields (an id with a NUL is ignored, as SSE
+        says; one too long or not printable ASCII cannot be sent back: not resumable)."""
+        for line in event.split(b"\n"):
+            if line.startswith(b"id:"):
+                value = line[3:].removeprefix(b" ")
+                if b"\0" in value:
+                    continue
+                ok = len(value) <= MAX_EVENT_ID and all(0x20 <= c < 0x7F for c in value)
+                self.last_id = value.decode("ascii") if ok and value else None
+            elif line.startswith(b"retry:"):
+                value = line[6:].removeprefix(b" ")
+                if value.isdigit() and len(value) <= 9:
+                    self.retry = int(value)
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """The data of every event ``chunk`` completes, in order.
@@ -43,6 +67,8 @@ class SseDecoder:
         start = 0
         while (end := buf.find(b"\n\n", max(start, self._scan))) >= 0:
             event, start = bytes(buf[start:end]), end + 2
+            if b"id:" in event or b"retry:" in event:
+                self._fields(event)
             data = [line[5:].removeprefix(b" ") for line in event.split(b"\n")
                     if line.startswith(b"data:")]
             if any(line.strip() for line in data):

@@ -7,6 +7,7 @@
                  BACKOFF (delay) or FATAL (crash loop) ; BACKOFF ──retry──► STARTING
     STARTING ──starved──► BACKOFF   (no resources to spawn it: never FATAL, not counted)
     RUNNING/UNHEALTHY ──recycled──► STARTING   (a restart the gateway chose: no failure, no delay)
+    RUNNING/UNHEALTHY ──renewed───► STARTING   (the remote ended the session: a new one at once)
     any live state ──stop──► STOPPING ──stopped──► STOPPED ;  FATAL ──start──► STARTING
 
 Each operation is guarded by the states it allows; an illegal one raises
@@ -35,6 +36,9 @@ LIVE = frozenset({State.STARTING, State.RUNNING, State.UNHEALTHY, State.BACKOFF,
 
 #: A run at least this long resets the consecutive-failure count (and so the backoff delay).
 STABLE_AFTER = 10.0
+#: A remote session that a renewal began and that ends sooner than this is renewed as a failure
+#: (counted, backed off): a remote forgetting every session at once does not make a tight loop.
+RENEW_AFTER = 1.0
 #: A spawn that failed for lack of resources is retried after at most this long (less when
 #: ``backoff_max`` is less): the resources may come back any moment.
 STARVED_BACKOFF_MAX = 5.0
@@ -71,6 +75,8 @@ class Supervision:
         self._running_since: float | None = None
         self.starts = 0
         self.recycles = 0  # starts that were recycles (counted in ``starts`` too)
+        self.renewals = 0  # starts that renewed an ended remote session (in ``starts`` too)
+        self._renewing = False  # the current run began with a renewal
 
     def _go(self, new: State, reason: str, delay: float | None = None) -> Transition:
         t = Transition(self.state, new, reason, delay)
@@ -87,6 +93,7 @@ class Supervision:
             self._failures.clear()
             self._consecutive = 0
         self.starts += 1
+        self._renewing = False
         return self._go(State.STARTING, reason)
 
     def ready(self, now: float) -> Transition:
@@ -149,6 +156,22 @@ class Supervision:
         self._running_since = None
         self.starts += 1
         self.recycles += 1
+        return self._go(State.STARTING, reason)
+
+    def renewed(self, now: float, reason: str) -> Transition:
+        """The remote ended the session (an HTTP 404): start a new one at once, not a failure;
+        unless a renewal began this one and it ran less than :data:`RENEW_AFTER`: then it is
+        one (:meth:`exited`)."""
+        self._require("renewed", State.RUNNING, State.UNHEALTHY)
+        if self._renewing and (self._running_since is None
+                               or now - self._running_since < RENEW_AFTER):
+            return self.exited(now, reason)
+        self._renewing = True
+        if self._running_since is not None and now - self._running_since >= STABLE_AFTER:
+            self._consecutive = 0
+        self._running_since = None
+        self.starts += 1
+        self.renewals += 1
         return self._go(State.STARTING, reason)
 
     def stop(self, reason: str = "stop") -> Transition:

@@ -33,6 +33,7 @@ from helpers import FIXTURE, ROOT, connect, http_request, poll
 
 RULES_DIR = Path(ROOT) / "packaging" / "prometheus"
 RULES = RULES_DIR / "mcp-gateway-rules.yml"
+DASHBOARD = Path(ROOT) / "packaging" / "grafana" / "mcp-gateway-dashboard.json"
 JOB = "mcp-gateway"  # the job name the rules' `up{job=...}` alerts expect (README)
 #: The labels Prometheus adds to every scraped series, and the histogram's bucket label.
 TARGET_LABELS = {"job", "instance"}
@@ -48,10 +49,50 @@ def promtool(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProc
 def test_promtool_checks_and_unit_tests_the_shipped_rules() -> None:
     checked = promtool("check", "rules", RULES.name)
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "SUCCESS: 15 rules found" in checked.stdout
+    assert "SUCCESS: 19 rules found" in checked.stdout
     tested = promtool("test", "rules", "mcp-gateway-rules.test.yml")
     assert tested.returncode == 0, tested.stdout + tested.stderr
     assert "SUCCESS" in tested.stdout
+
+
+def dashboard_queries(job: str = ".+", backend: str = ".+") -> dict[str, str]:
+    """The Grafana dashboard's PromQL, by panel title and legend, its variables filled in."""
+    doc = json.loads(DASHBOARD.read_text())
+    return {f"{panel['title']} / {target['legendFormat']}":
+            target["expr"].replace("$job", job).replace("$backend", backend)
+            for panel in doc["panels"] for target in panel["targets"]}
+
+
+@pytest.mark.system
+def test_every_dashboard_query_is_valid_promql(tmp_path: Path) -> None:
+    queries = dashboard_queries()
+    assert len(queries) >= 12
+    wrapped = [{"record": f"dashboard:query{i}", "expr": expr}
+               for i, expr in enumerate(queries.values())]
+    rules = {"groups": [{"name": "dashboard", "rules": wrapped}]}
+    (tmp_path / "dashboard-rules.yml").write_text(json.dumps(rules))  # JSON is YAML
+    checked = subprocess.run(["promtool", "check", "rules", "dashboard-rules.yml"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=60, check=False)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    # and it reads only what the gateway exports or the shipped rules record
+    recorded = set(re.findall(r"record: (\S+)", RULES.read_text()))
+    exported = set(documented_labels())
+    for title, expr in queries.items():
+        names = re.findall(r"\b[a-z_:]*mcp_gateway_[a-z0-9_:]+", expr)
+        assert names or expr.startswith("count(up{"), (title, expr)
+        for name in names:
+            assert name in recorded or name in exported, (title, name)
+
+
+# Series a dashboard query may lack in the fleet run: the gateway exports them on an event.
+NO_DATA_WITHOUT_EVENTS = {"Backend exits per reason (15 min) / {{backend}} {{reason}}"}
+
+
+async def dashboard_has_data(port: int) -> None:
+    """Every dashboard query returns data from the replicas (but those that need an event)."""
+    for title, expr in dashboard_queries(JOB).items():
+        if title not in NO_DATA_WITHOUT_EVENTS:
+            assert await query(port, expr), f"dashboard query {title!r} has no data: {expr}"
 
 
 # ---- a real Prometheus scraping two replicas --------------------------------------------------
@@ -203,6 +244,9 @@ async def test_prometheus_scrapes_two_replicas_and_evaluates_the_rules(
         p99 = await until(
             prometheus, 'backend:mcp_gateway_request_duration_seconds:p99_rate5m{backend="fx"}', 1,
             traffic)
+        await until(prometheus, 'backend_tool:mcp_gateway_tool_call_duration_seconds:p50_rate5m'
+                    '{tool="fx__echo"}', 1, traffic)
+        await dashboard_has_data(prometheus)
     # Aggregated over the replicas: only the job and the backend remain.
     for series in (rate, ratio, p99):
         assert set(series[0]["metric"]) == {"__name__", "job", "backend"}, series
@@ -222,7 +266,7 @@ async def test_prometheus_scrapes_two_replicas_and_evaluates_the_rules(
         "MCPGatewayHighErrorRatio"]
     groups = (await trio.to_thread.run_sync(lambda: api(prometheus, "/api/v1/rules")))["groups"]
     rules = [rule for g in groups for rule in g["rules"]]
-    assert len(rules) == 15
+    assert len(rules) == 19
     assert [(r["name"], r["lastError"]) for r in rules if r["health"] != "ok"] == []
 
     # Every scraped mcp_gateway_* series carries exactly the labels README documents.

@@ -35,7 +35,7 @@ from helpers import (
 from tlsutil import make_certs
 
 from gateway import config
-from gateway.events import ReloadFinished
+from gateway.events import BackendStateChanged, ReloadFinished
 from gateway.service import StartupError
 
 pytestmark = pytest.mark.system
@@ -168,7 +168,7 @@ async def test_remote_killed_mid_call_fails_the_call_and_comes_back() -> None:
                 r = await c.response("long", timeout=10)
                 took = trio.current_time() - killed
                 assert r["error"]["code"] == -32004, r
-                assert r["error"]["data"]["retryable"] is True
+                assert r["error"]["data"]["retryable"] is False  # it was running: not again
                 inst = await wait_instance(admin, lambda i: i["state"] == "BACKOFF")
                 assert f"cannot reach http://127.0.0.1:{port}" in (inst["last_exit"] or ""), inst
                 async with everything(port):  # the remote is back on the same port
@@ -233,7 +233,10 @@ async def test_configured_headers_reach_an_https_remote_and_are_never_shown(
         assert secret not in text and env_secret not in text and rotated not in text
 
 
-async def test_expired_session_ends_the_link_and_initializes_again() -> None:
+async def test_an_expired_session_is_renewed_at_once_with_the_subscriptions_replayed() -> None:
+    # The remote forgets the session (a 404): a new session at once (no BACKOFF), the held
+    # subscription made again on it, no list_changed (the lists are the same), the call
+    # refused with the 404 retryable, the tool call in flight then not (it may have run).
     server = RemoteServer()
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
@@ -241,16 +244,81 @@ async def test_expired_session_ends_the_link_and_initializes_again() -> None:
         with trio.fail_after(20):
             async with run_gateway(cfg) as gw, connect(gw.url) as c:
                 assert text_of(await c.call("ev__echo", {"n": 1})) == '{"n": 1}'
+                r = await c.request("resources/subscribe", {"uri": "rec://a"})
+                assert r["result"] == {}, r
+                await c.send({"jsonrpc": "2.0", "id": "held", "method": "tools/call",
+                              "params": {"name": "ev__hold", "arguments": {}}})
+
+                async def held_at_remote() -> bool:
+                    return any(s.method == "POST" and s.body.get("params", {}).get("name")
+                               == "hold" for s in server.seen)
+
+                await poll(held_at_remote)
+                mark = gw.events.count
                 server.expire()
                 r = await c.call("ev__echo", {"n": 2})
                 assert r["error"]["code"] == -32004 and r["error"]["data"]["retryable"], r
-                await wait_instance(gw.bound.admin_port,
-                                    lambda i: i["state"] == "RUNNING" and i["restarts"] == 1)
+                held = await c.response("held")
+                assert held["error"]["code"] == -32004, held
+                assert held["error"]["data"]["retryable"] is False, held
+                inst = await wait_instance(
+                    gw.bound.admin_port, lambda i: i["state"] == "RUNNING" and i["restarts"] == 1)
                 assert text_of(await c.call("ev__echo", {"n": 3})) == '{"n": 3}'
+                states = [(e.old, e.new) for e in gw.events.of(BackendStateChanged, mark)]
+                server.release.set()
+                assert not [m for m in c.notifications if m["method"].endswith("list_changed")]
+                first = len(server.seen)
+                server.more_tools.append("later")  # the next session lists one more tool
+                server.expire()
+                r = await c.call("ev__echo", {"n": 4})
+                assert r["error"]["code"] == -32004 and r["error"]["data"]["retryable"], r
+                await c.wait_for(lambda: [m for m in c.notifications
+                                          if m["method"] == "notifications/tools/list_changed"])
+                assert "ev__later" in [t["name"] for t in
+                                       (await c.request("tools/list"))["result"]["tools"]]
         nursery.cancel_scope.cancel()
-    inits = [s for s in server.seen if s.method == "POST" and s.body.get("method") == "initialize"]
+    assert states == [("RUNNING", "STARTING"), ("STARTING", "RUNNING")], states
+    assert inst["last_exit"].startswith("session expired"), inst
+    seen = server.seen[:first]
+    inits = [s for s in seen if s.method == "POST" and s.body.get("method") == "initialize"]
     assert len(inits) == 2 and "mcp-session-id" not in inits[1].headers
-    assert server.seen[-1].headers.get("mcp-session-id") == "s2"
+    subscribes = [s.headers.get("mcp-session-id") for s in server.seen if s.method == "POST"
+                  and s.body.get("method") == "resources/subscribe"]
+    assert subscribes == ["s1", "s2", "s3"]  # made again on each new session
+    assert seen[-1].headers.get("mcp-session-id") == "s2"
+
+
+async def test_a_remote_answering_503_or_ending_a_stream_early_as_the_client_sees_it() -> None:
+    # A 503 to tools/list at the handshake: repeated, the start goes on; a 503 to a tool call:
+    # a -32001 naming the status, not retryable, the call POSTed once; a call whose event stream
+    # ends before its answer: resumed with Last-Event-ID after the server's retry (300 ms).
+    server = RemoteServer(refuse={"tools/list": [503]})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        cfg = make_config(remote(server.port, restart=FAST_RESTART))
+        with trio.fail_after(20):
+            async with run_gateway(cfg) as gw, connect(gw.url) as c:
+                assert text_of(await c.call("ev__echo", {"n": 1})) == '{"n": 1}'
+                server.refuse["tools/call"] = [503]
+                r = await c.call("ev__echo", {"n": 2})
+                assert r["error"]["code"] == -32001, r
+                assert r["error"]["data"]["status"] == 503 and not r["error"]["data"]["retryable"]
+                assert len(r["error"]["data"]["body"]) <= 200
+                assert text_of(await c.call("ev__poll", {})) == "polled"
+                inst = await wait_instance(gw.bound.admin_port, lambda i: True)
+            nursery.cancel_scope.cancel()
+    assert inst["state"] == "RUNNING" and inst["restarts"] == 0, inst
+    lists = [s for s in server.seen if s.method == "POST" and s.body.get("method") == "tools/list"]
+    assert len(lists) == 2  # the 503, then the list
+    calls = [s.body["params"]["arguments"] for s in server.seen if s.method == "POST"
+             and s.body.get("method") == "tools/call"]
+    assert calls == [{"n": 1}, {"n": 2}, {}]  # the refused call was not sent again
+    (resumed,) = [s for s in server.seen if s.method == "GET"
+                  and s.headers.get("last-event-id") == "p1"]
+    assert resumed.headers["mcp-session-id"] == "s1"
+    (polled,) = [s for s in server.seen if s.method == "POST"
+                 and s.body.get("params", {}).get("name") == "poll"]
+    assert resumed.at - polled.at >= 0.3  # the server's retry honoured
 
 
 async def test_unreachable_remote_backs_off_and_a_required_one_fails_the_start() -> None:

@@ -31,9 +31,10 @@ class Exchange:
     """One request the hostile server read, and the means to answer it."""
 
     def __init__(self, stream: trio.abc.Stream, conn: h11.Connection, method: str,
-                 body: Any, index: int) -> None:
+                 body: Any, index: int, headers: dict[str, str] | None = None) -> None:
         self.stream, self.conn, self.method, self.body = stream, conn, method, body
         self.index = index  # the connection's first exchange (1), second (2), ...
+        self.headers = headers or {}  # the request's, names lowercased
 
     @property
     def rpc(self) -> str | None:
@@ -106,7 +107,8 @@ class Hostile:
                     return
                 request, body = got
                 ex = Exchange(stream, conn, request.method.decode(),
-                              json.loads(body) if body else None, index)
+                              json.loads(body) if body else None, index,
+                              {k.decode().lower(): v.decode() for k, v in request.headers})
                 self.seen.append(ex)
                 self.changed.set()
                 self.changed = trio.Event()
@@ -269,7 +271,8 @@ async def test_answer_streams_kept_open_after_their_answer_do_not_hold_the_reque
             link.send(request(101, "ping"), 101)
             start = trio.current_time()
             await receiver.wait(lambda: receiver.answered(101) and 100 in receiver.failures)
-            assert trio.current_time() - start <= http.SHORT_TIMEOUT + 1
+            retries = http.RETRY_PAUSE * (2 ** http.RETRIES - 1)  # the 500 to a list: repeated
+            assert trio.current_time() - start <= http.SHORT_TIMEOUT + 1 + retries
             assert all(receiver.answered(gid) for gid in lists)
             assert "did not end within" in receiver.failures[100].message
             nursery.cancel_scope.cancel()
@@ -423,3 +426,44 @@ def test_a_fifo_as_a_header_file_is_refused_at_once_not_waited_on(tmp_path: Any)
                                headers={"Authorization": {"file": fifo, "prefix": "Bearer "}})
     with pytest.raises(OpenFailed, match="not a regular file"):
         http.read_headers(cfg)
+
+
+async def test_a_modern_tools_list_nested_past_any_parsers_depth_does_not_crash_the_link(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # The link peeks into every answer (its id; a 2026-07-28 tools/list, to drop the tools
+    # whose x-mcp-header is invalid): a reply nested 100000 deep raised RecursionError there
+    # (in either era's shape), out of the link's tasks, instead of reaching the session (which
+    # refuses it as too deep).
+    deep = b'{"jsonrpc":"2.0","id":2,"result":{"tools":[' + b"[" * 100000 + b"]" * 100000 + b"]}}"
+
+    async def nested(server: Hostile, ex: Exchange) -> None:
+        if ex.rpc == "tools/list":
+            await ex.head(200, [("content-type", "application/json"),
+                                ("content-length", str(len(deep)))])
+            await ex.data(deep)
+            await ex.stream.send_all(ex.conn.send(h11.EndOfMessage()))
+        else:
+            await plain(server, ex)
+
+    class Raw(Recorder):
+        def message(self, data: bytes, cause: int | None = None) -> None:
+            self.messages.append((data, cause))
+            self._note()
+
+    cfg = config.load('[backends.r]\nurl = "http://remote.test/mcp"\n').backends["r"]
+    meta = {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+            "io.modelcontextprotocol/clientCapabilities": {}}
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            server = Hostile(nursery, nested)
+            ctx = LinkContext(backend="r", instance="r#1", bus=EventBus(), max_line=1 << 20,
+                              buffers=ByteBudget(10**7).open("r"))
+            link = await http.HttpConnector(cfg, opener=server.open).open(ctx)
+            receiver = Raw()
+            nursery.start_soon(link.run, receiver)
+            link.send(request(2, "tools/list", {"_meta": meta}), 2)
+            await receiver.wait(lambda: bool(receiver.messages))
+            assert receiver.messages == [(deep, 2)]
+            ex, = server.posted("tools/list")
+            assert ex.method == "POST"
+            nursery.cancel_scope.cancel()

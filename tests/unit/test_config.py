@@ -229,6 +229,7 @@ protocol_mode = "modern_only"
 [backends.bad.headers]
 "Bad Name" = "x"
 Host = "y"
+Mcp-Param-Region = "z"
 X-A = { env = "A", file = "/f" }
 X-B = { file = "" }
 X-C = "a\\nb"
@@ -245,10 +246,9 @@ headers = { X-A = "1" }
         "credentials, got 'ftp://user@host/mcp'",
         "backends.bad.ca_file: only for an https:// url",
         "backends.bad.args: only for a backend with a command (this one has a url)",
-        "backends.bad.protocol_mode: a remote backend (url) is opened with initialize (the "
-        "legacy sessions' shape): legacy_only or prefer_legacy",
         "backends.bad.headers.Bad Name: not a valid header name",
         "backends.bad.headers.Host: set by the gateway itself",
+        "backends.bad.headers.Mcp-Param-Region: set by the gateway itself",
         "backends.bad.headers.X-A: expected a string, { env = \"VAR\" } or { file = \"/path\", "
         "prefix = \"Bearer \" }, got keys ['env', 'file']",
         "backends.bad.headers.X-B: file must not be empty",

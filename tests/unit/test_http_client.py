@@ -75,3 +75,16 @@ def test_sse_decoder_cut_anywhere_and_bounded() -> None:
     assert decoder.feed(b"data: " + b"x" * 90) == []
     with pytest.raises(EventTooLarge):
         decoder.feed(b"x" * 20)  # still no end of event, over 100 bytes: refused
+    # What resuming needs: the last id (a priming event's too), the retry; an id that cannot
+    # be sent back as a header makes the stream not resumable; a NUL one is ignored.
+    decoder = SseDecoder(1000, "old")
+    assert decoder.feed(b"id: p1\nretry: 2500\ndata:\n\n") == [] and decoder.last_id == "p1"
+    assert decoder.retry == 2500
+    decoder.feed(b"id: a\0b\ndata: 1\n\nretry: soon\ndata: 2\n\n")
+    assert (decoder.last_id, decoder.retry) == ("p1", 2500)
+    decoder.feed(b"id: " + b"x" * 300 + b"\ndata: 3\n\n")
+    assert decoder.last_id is None
+    decoder.feed("id: caf\u00e9\ndata: 4\n\n".encode())
+    assert decoder.last_id is None
+    decoder.feed(b"id: p2\ndata: 5\n\n")
+    assert decoder.last_id == "p2"

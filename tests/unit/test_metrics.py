@@ -73,13 +73,14 @@ def backend(name: str, *instances: InstanceStatus, required: bool = True) -> Bac
 
 
 class Harness:
-    def __init__(self, max_tool_series: int = 500) -> None:
+    def __init__(self, max_tool_series: int = 500, max_tool_latency_series: int = 100) -> None:
         self.bus = ev.EventBus()
         self.snapshot = GatewayStatus(
             "1.2.3", (backend("time", instance("time/0", "RUNNING")),), {"websocket": 2}, True
         )
         self.metrics = GatewayMetrics(
-            self.bus, lambda: self.snapshot, max_tool_series=max_tool_series, version="1.2.3"
+            self.bus, lambda: self.snapshot, max_tool_series=max_tool_series,
+            max_tool_latency_series=max_tool_latency_series, version="1.2.3"
         )
 
     def emit(self, *events: ev.Event) -> None:
@@ -173,6 +174,21 @@ def test_tool_series_are_capped() -> None:
     assert h.value("tool_calls_total", backend="time", tool="a") == 2
     assert h.value("tool_calls_total", backend="time", tool="_overflow") == 3
     assert h.value("tool_series_overflow_total") == 3
+
+
+def test_tool_latency_series_are_capped_per_backend() -> None:
+    h = Harness(max_tool_latency_series=2)
+    for backend, tool, seconds in (("time", "a", 0.002), ("time", "b", 0.3), ("time", "c", 7.0),
+                                   ("time", "a", 0.004), ("fs", "c", 0.02), ("", "gone", 1.0)):
+        h.emit(finished(backend=backend, tool=tool, duration=seconds))
+    got = {(labels["backend"], labels["tool"]): value
+           for (name, pairs), value in h.samples().items()
+           if name == PREFIX + "tool_call_duration_seconds_count" and (labels := dict(pairs))}
+    # each backend has its own cap; the refused call (no backend) has no latency series
+    assert got == {("time", "a"): 2, ("time", "b"): 1, ("time", "_overflow"): 1, ("fs", "c"): 1}
+    assert h.value("tool_call_duration_seconds_bucket", backend="time", tool="a", le="0.005") == 2
+    assert h.value("tool_call_duration_seconds_bucket", backend="time", tool="_overflow",
+                   le="5.0") == 0
 
 
 def test_connection_and_backend_events(h: Harness) -> None:
@@ -383,7 +399,8 @@ async def test_rss_sums_every_process_in_the_group(h: Harness) -> None:
 
 # The exposition is a contract with dashboards and alerts: issue 8 moved the event-fed series
 # off prometheus_client's metric objects, and the scrape must not have changed by a byte.  The
-# golden files were written by the implementation before that change from the same traffic.
+# golden files were written by the implementation before that change from the same traffic;
+# a family added since (tool_call_duration_seconds) only added its own lines to them.
 
 GOLDEN = Path(__file__).parent / "golden"
 _VOLATILE = (

@@ -237,6 +237,20 @@ async def test_missed_health_pings_mark_it_unhealthy_then_restart_it(
         assert len(fake.connector.links) == 2
 
 
+async def test_status_shows_the_last_health_probe_round_trip_as_latency(
+        autojump_clock: trio.testing.MockClock) -> None:
+    async def slow_ping(link: Any, params: dict[str, Any]) -> Any:
+        await trio.sleep(0.25)
+        return {}
+
+    health = "{ interval = 1.0, timeout = 0.5, failures = 2 }"
+    async with running(Script(methods={"ping": slow_ping}), health=health) as fake:
+        inst = fake.backend.instances[0]
+        assert inst.snapshot(trio.current_time()).latency is None  # no probe yet
+        await trio.sleep(1.3)  # one probe sent at 1.0, answered at 1.25
+        assert inst.snapshot(trio.current_time()).latency == pytest.approx(0.25)
+
+
 async def test_a_cancelled_call_never_answered_is_recycled_without_a_failure(
         autojump_clock: trio.testing.MockClock) -> None:
     async with running(Script(tools={"hang": hang}), **NO_HEALTH, cancel_grace="2.0") as fake:

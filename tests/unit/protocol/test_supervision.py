@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from gateway.protocol.supervision import (
+    RENEW_AFTER,
     STABLE_AFTER,
     IllegalTransition,
     RestartPolicy,
@@ -27,6 +28,7 @@ OPS: dict[str, Op] = {
     "healthy": lambda s: s.healthy(),
     "exited": lambda s: s.exited(0.0, "crashed"),
     "recycled": lambda s: s.recycled(0.0),
+    "renewed": lambda s: s.renewed(5.0, "session expired"),
     "starved": lambda s: s.starved("spawn failed for lack of resources"),
     "stop": lambda s: s.stop(),
     "stopped": lambda s: s.stopped(),
@@ -46,6 +48,8 @@ LEGAL: dict[tuple[str, State], State] = {
     ("exited", S.UNHEALTHY): S.BACKOFF,
     ("recycled", S.RUNNING): S.STARTING,
     ("recycled", S.UNHEALTHY): S.STARTING,
+    ("renewed", S.RUNNING): S.STARTING,
+    ("renewed", S.UNHEALTHY): S.STARTING,
     ("starved", S.STARTING): S.BACKOFF,
     ("stop", S.STARTING): S.STOPPING,
     ("stop", S.RUNNING): S.STOPPING,
@@ -302,3 +306,24 @@ def test_recycles_do_not_grow_the_backoff() -> None:
     sup.ready(20.0)
     t = sup.exited(20.1, "crashed")
     assert t.delay is not None and 0.5 <= t.delay <= 1.0
+
+
+def test_a_session_is_renewed_at_once_unless_a_renewal_began_it_and_it_was_young() -> None:
+    # A remote ending sessions that ran a while: a new one at once, never a failure; one
+    # ending each at once: every other one a failure (backoff, then FATAL), not a tight loop.
+    sup = Supervision(RestartPolicy(max_restarts=1, window=60.0), random.Random(0))
+    sup.start()
+    sup.ready(0.0)
+    assert sup.renewed(0.1, "session expired").new is S.STARTING  # begun by a start: renewed
+    for i in range(1, 10):
+        sup.ready(10.0 * i)
+        t = sup.renewed(10.0 * i + RENEW_AFTER, "session expired")
+        assert (t.old, t.new, t.delay) == (S.RUNNING, S.STARTING, None)
+    assert (sup.starts, sup.renewals, sup.recycles) == (11, 10, 0)
+    sup.ready(200.0)
+    assert sup.renewed(200.5, "session expired").new is S.BACKOFF  # young, begun by a renewal
+    sup.start()
+    sup.ready(201.0)
+    assert sup.renewed(201.1, "session expired").new is S.STARTING  # begun by a start again
+    sup.ready(201.2)
+    assert sup.renewed(201.3, "session expired").new is S.FATAL

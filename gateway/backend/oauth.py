@@ -1,0 +1,419 @@
+"""A remote backend's own access token: OAuth 2.1 client credentials, one token per backend.
+
+:class:`TokenSource` fetches the token from the configured ``token_url``, or from the one the
+remote's metadata names (its 401's ``resource_metadata``, else the well-known protected-resource
+URIs, then the authorization server's RFC 8414 or OpenID metadata), authenticating with
+``client_secret_basic``, ``client_secret_post`` or a signed ``private_key_jwt`` assertion, and
+asks for the RFC 8707 ``resource``.  It keeps the token and fetches the next one at
+:data:`REFRESH_AT` of its lifetime (the old one is used while that fails and it is still
+valid); a 401 from the remote gets one fetch more, and none when the refused token is younger
+than :data:`RENEW_MIN_INTERVAL`.  Secrets are read at each fetch; neither they nor the token
+are ever logged or shown (``status()`` gives the endpoint, validity and the last error).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import math
+import os
+import re
+import ssl
+import time
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import quote_plus, urlencode, urlsplit
+
+import jwt as pyjwt
+import trio
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+
+from gateway.backend import httpclient
+from gateway.config import RemoteOAuth, endpoint_url_ok, header_value_ok, read_regular
+
+LOGGER = logging.getLogger(__name__)
+
+#: Seconds a token or metadata exchange may take in all.
+FETCH_TIMEOUT = 10.0
+#: The most bytes of a token or metadata answer, of a secret or key file, of a token.
+MAX_BODY = 65536
+MAX_SECRET = 16384
+MAX_TOKEN = 8192
+#: The next token is fetched once this share of the current one's lifetime is over.
+REFRESH_AT = 0.8
+#: Seconds a refused token must have been held before a 401 fetches another one.
+RENEW_MIN_INTERVAL = 10.0
+#: Seconds a client assertion is valid.
+ASSERTION_LIFETIME = 60
+_ASSERTION_TYPE = "urn:ietf:params:oauth:client-assertion-type:jwt-bearer"
+_RESOURCE_METADATA = re.compile(r'resource_metadata="([^"]{1,2048})"|resource_metadata=([^\s,]+)')
+
+
+class TokenFailed(Exception):
+    """No token could be had: ``detail`` says why (never a secret nor a token)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+def read_secret(ref: str | dict[str, str] | None, what: str,
+                environ: dict[str, str] | None = None) -> bytes:
+    """A secret by its reference (``{ file = … }`` or ``{ env = … }``), read now.
+
+    Raises:
+        TokenFailed: unset, unreadable, empty (named, never the value).
+    """
+    env = os.environ if environ is None else environ
+    if not isinstance(ref, dict):
+        raise TokenFailed(f"{what} is not configured")
+    if "env" in ref:
+        if ref["env"] not in env:
+            raise TokenFailed(f"{what}: environment variable {ref['env']} is not set")
+        data = env[ref["env"]].encode()
+    else:
+        try:
+            data = read_regular(ref["file"], MAX_SECRET)
+        except OSError as exc:
+            raise TokenFailed(f"{what}: cannot read {ref['file']}: "
+                              f"{exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise TokenFailed(f"{what}: {ref['file']}: {exc}") from None
+    data = data.strip()
+    if not data:
+        raise TokenFailed(f"{what} is empty")
+    return data
+
+
+def _signing_key(pem: bytes, algorithm: str) -> Any:
+    """The private key in ``pem``, of the type ``algorithm`` signs with.
+
+    Raises:
+        TokenFailed: not a PEM private key, or the wrong type.
+    """
+    try:
+        key = serialization.load_pem_private_key(pem, password=None)
+    except (ValueError, TypeError) as exc:
+        raise TokenFailed(f"private_key: not an unencrypted PEM private key ({exc})") from None
+    if algorithm == "RS256" and not isinstance(key, rsa.RSAPrivateKey):
+        raise TokenFailed("private_key: RS256 needs an RSA key")
+    if algorithm == "ES256" and not (isinstance(key, ec.EllipticCurvePrivateKey)
+                                     and isinstance(key.curve, ec.SECP256R1)):
+        raise TokenFailed("private_key: ES256 needs a P-256 EC key")
+    return key
+
+
+def resource_metadata_url(challenge: str | None) -> str | None:
+    """The ``resource_metadata`` parameter of a ``WWW-Authenticate: Bearer`` challenge."""
+    if not challenge:
+        return None
+    m = _RESOURCE_METADATA.search(challenge)
+    if m is None:
+        return None
+    url = m.group(1) or m.group(2)
+    return url if urlsplit(url).scheme in ("http", "https") else None
+
+
+def _resource_matches(resource: str, url: str) -> bool:
+    """Whether protected-resource metadata's ``resource`` covers the backend's ``url``: the
+    same origin, and a path that is the url's or one of its parents."""
+    a, b = urlsplit(resource), urlsplit(url)
+    try:
+        same = (a.scheme, a.hostname, a.port) == (b.scheme, b.hostname, b.port)
+    except ValueError:
+        return False
+    base, path = a.path.rstrip("/"), b.path.rstrip("/")
+    return same and (path == base or path.startswith(base + "/"))
+
+
+def _metadata_urls(issuer: str) -> list[str]:
+    """Where an authorization server's metadata may be (RFC 8414 §3.1, then OpenID)."""
+    parts = urlsplit(issuer)
+    origin = f"{parts.scheme}://{parts.netloc}"
+    path = parts.path.rstrip("/")
+    if not path:
+        return [f"{origin}/.well-known/oauth-authorization-server",
+                f"{origin}/.well-known/openid-configuration"]
+    return [f"{origin}/.well-known/oauth-authorization-server{path}",
+            f"{origin}/.well-known/openid-configuration{path}",
+            f"{origin}{path}/.well-known/openid-configuration"]
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+class TokenSource:
+    """The access token of one remote backend: fetched, cached, refreshed, renewed on a 401."""
+
+    def __init__(self, backend: str, url: str, cfg: RemoteOAuth,
+                 opener: httpclient.Opener | None = None,
+                 environ: dict[str, str] | None = None) -> None:
+        self.backend = backend
+        self.url = url
+        self.cfg = cfg
+        self._opener = opener
+        self._environ = environ
+        self.token_endpoint: str | None = cfg.token_url or None
+        self.issuer: str | None = None  # the authorization server's, when discovered
+        self.resource = cfg.resource or url
+        self.token: str | None = None
+        self.fetches = 0
+        self.failures = 0
+        self.last_error: str | None = None
+        self.valid_until: float | None = None  # wall clock, for /status
+        self._fetched = -math.inf  # trio time of the token's fetch
+        self._refresh = -math.inf  # trio time from which the next one is fetched
+        self._expires = math.inf  # trio time it ends (inf: no expires_in given)
+        self._lock = trio.Lock()
+        self._tls: ssl.SSLContext | None = None
+
+    # ---- what the link reads ----------------------------------------------------------------
+
+    def headers(self) -> list[tuple[str, str]]:
+        """``Authorization: Bearer …`` once a token is held."""
+        return [] if self.token is None else [("authorization", f"Bearer {self.token}")]
+
+    def status(self) -> dict[str, Any]:
+        """For ``/status``: never the token nor a secret."""
+        return {"token_endpoint": self.token_endpoint, "auth_method": self.cfg.auth_method,
+                "has_token": self.token is not None,
+                "valid_until": None if self.valid_until is None else _iso(self.valid_until),
+                "fetches": self.fetches, "failures": self.failures,
+                "last_error": self.last_error}
+
+    async def fresh(self) -> None:
+        """Before a request: fetch a token when none is held or the current one is due for
+        refresh (and the endpoint is known: else the remote's 401 starts the discovery).
+
+        Raises:
+            TokenFailed: none could be had and none valid is held.
+        """
+        if self.token_endpoint is None or trio.current_time() < self._refresh:
+            return
+        async with self._lock:
+            now = trio.current_time()
+            if now < self._refresh:
+                return  # fetched while this waited
+            try:
+                await self._fetch()
+            except TokenFailed as exc:
+                if self.token is not None and now < self._expires:
+                    LOGGER.warning("backend %s: cannot refresh the access token (%s); using "
+                                   "the current one until it expires", self.backend, exc.detail)
+                    self._refresh = min(now + RENEW_MIN_INTERVAL, self._expires)
+                    return
+                raise
+
+    async def renew(self, refused: str | None, challenge: str | None) -> None:
+        """The remote answered 401 to ``refused`` (None: no token sent): discover the endpoint
+        if need be and fetch another token, unless one newer than ``refused`` is held already.
+
+        Raises:
+            TokenFailed: none could be had, or the refused token was just fetched.
+        """
+        async with self._lock:
+            if self.token is not None and self.token != refused:
+                return
+            age = trio.current_time() - self._fetched
+            if refused is not None and age < RENEW_MIN_INTERVAL:
+                self.last_error = (f"{self._origin()} refused an access token fetched "
+                                   f"{age:.0f}s before (HTTP 401)")
+                raise TokenFailed(self.last_error)
+            if self.token_endpoint is None:
+                await self._discover(resource_metadata_url(challenge))
+            await self._fetch()
+
+    def refresh(self) -> None:
+        """A reload: the ``ca_file`` is read again at the next exchange (the secrets are read
+        at each fetch anyway)."""
+        self._tls = None
+
+    def _origin(self) -> str:
+        return httpclient.parse_url(self.url).text
+
+    # ---- HTTP -------------------------------------------------------------------------------
+
+    async def _exchange(self, method: str, url: str, headers: list[tuple[str, str]],
+                        body: bytes = b"") -> tuple[httpclient.Response, bytes]:
+        """One exchange on a connection of its own, within :data:`FETCH_TIMEOUT`.
+
+        Raises:
+            TokenFailed: unreachable, too slow, a body over :data:`MAX_BODY`.
+        """
+        origin = httpclient.parse_url(url)
+        if origin.tls and self._tls is None:
+            try:
+                self._tls = httpclient.tls_context(self.cfg.ca_file)
+            except (OSError, ssl.SSLError) as exc:
+                raise TokenFailed(f"oauth.ca_file {self.cfg.ca_file}: {exc}") from None
+        pool = httpclient.Pool(origin, connect_timeout=FETCH_TIMEOUT, idle_max=0,
+                               ssl_context=self._tls, opener=self._opener)
+        try:
+            with trio.fail_after(FETCH_TIMEOUT):
+                conn = await pool.connect()
+                response = await conn.request(method, origin.target, headers, body)
+                return response, await conn.body(MAX_BODY)
+        except httpclient.HttpFailure as exc:
+            raise TokenFailed(f"{origin.text}: {exc.detail}") from None
+        except trio.TooSlowError:
+            raise TokenFailed(f"{origin.text}: no answer within {FETCH_TIMEOUT:g}s") from None
+        finally:
+            await pool.aclose()
+
+    async def _json(self, url: str) -> dict[str, Any] | None:
+        """A metadata document (None: not there, any status but 200)."""
+        response, body = await self._exchange("GET", url, [("accept", "application/json")])
+        if response.status != 200:
+            return None
+        try:
+            doc = json.loads(body)
+        except (ValueError, RecursionError):
+            raise TokenFailed(f"{url}: not a JSON document") from None
+        if not isinstance(doc, dict):
+            raise TokenFailed(f"{url}: not a JSON object")
+        return doc
+
+    async def _discover(self, hint: str | None) -> None:
+        """The token endpoint from the remote's protected-resource metadata (``hint``, else
+        the well-known URIs) and its authorization server's metadata.
+
+        Raises:
+            TokenFailed: not found, or the documents do not fit together.
+        """
+        parts = urlsplit(self.url)
+        base = f"{parts.scheme}://{parts.netloc}/.well-known/oauth-protected-resource"
+        path = parts.path.rstrip("/")
+        candidates = [hint] if hint else []
+        candidates += [base + path] if path else []
+        candidates.append(base)
+        prm = None
+        for url in candidates:
+            prm = await self._json(url)
+            if prm is not None:
+                break
+        if prm is None:
+            raise TokenFailed(f"no protected-resource metadata for {self._origin()} "
+                              "(no token_url configured)")
+        resource, servers = prm.get("resource"), prm.get("authorization_servers")
+        if not isinstance(resource, str) or not _resource_matches(resource, self.url):
+            raise TokenFailed(f"the protected-resource metadata names resource {resource!r:.200}"
+                              ", not this backend's url")
+        if not isinstance(servers, list) or not servers or not isinstance(servers[0], str):
+            raise TokenFailed("the protected-resource metadata names no authorization server")
+        issuer = servers[0]
+        if urlsplit(issuer).scheme not in ("http", "https"):
+            raise TokenFailed(f"authorization server {issuer!r:.200} is not an http(s) URL")
+        meta = None
+        for url in _metadata_urls(issuer):
+            meta = await self._json(url)
+            if meta is not None:
+                break
+        if meta is None:
+            raise TokenFailed(f"no metadata for authorization server {issuer:.200}")
+        if str(meta.get("issuer", "")).rstrip("/") != issuer.rstrip("/"):
+            raise TokenFailed(f"the metadata of {issuer:.200} names another issuer")
+        endpoint = meta.get("token_endpoint")
+        if not isinstance(endpoint, str) or not endpoint_url_ok(endpoint):
+            raise TokenFailed(f"the token endpoint of {issuer:.200} is not an https URL "
+                              "(or http to this machine)")
+        self.token_endpoint, self.issuer = endpoint, issuer
+        if not self.cfg.resource:
+            self.resource = resource
+        LOGGER.info("backend %s: token endpoint %s (from %s's metadata)", self.backend,
+                    httpclient.parse_url(endpoint).text, issuer)
+
+    # ---- the token request ------------------------------------------------------------------
+
+    def _client_auth(self, form: dict[str, str], head: list[tuple[str, str]]) -> None:
+        cfg = self.cfg
+        if cfg.auth_method == "private_key_jwt":
+            key = _signing_key(read_secret(cfg.private_key, "private_key", self._environ),
+                               cfg.algorithm)
+            now = int(time.time())
+            claims = {"iss": cfg.client_id, "sub": cfg.client_id,
+                      "aud": cfg.audience or self.issuer or self.token_endpoint,
+                      "iat": now, "exp": now + ASSERTION_LIFETIME, "jti": uuid.uuid4().hex}
+            extra = {"kid": cfg.key_id} if cfg.key_id else None
+            form["client_id"] = cfg.client_id
+            form["client_assertion_type"] = _ASSERTION_TYPE
+            form["client_assertion"] = pyjwt.encode(claims, key, algorithm=cfg.algorithm,
+                                                    headers=extra)
+            return
+        try:
+            secret = read_secret(cfg.client_secret, "client_secret", self._environ).decode()
+        except UnicodeDecodeError:
+            raise TokenFailed("client_secret is not UTF-8 text") from None
+        if cfg.auth_method == "client_secret_post":
+            form["client_id"], form["client_secret"] = cfg.client_id, secret
+        else:  # RFC 6749 §2.3.1: each form-encoded, then joined and base64-encoded
+            pair = f"{quote_plus(cfg.client_id)}:{quote_plus(secret)}".encode()
+            head.append(("authorization", "Basic " + base64.b64encode(pair).decode()))
+
+    async def _fetch(self) -> None:
+        """Fetch a token now (the lock held).
+
+        Raises:
+            TokenFailed: counted and kept as ``last_error``.
+        """
+        assert self.token_endpoint is not None
+        self.fetches += 1
+        where = httpclient.parse_url(self.token_endpoint).text
+        try:
+            form = {"grant_type": "client_credentials", "resource": self.resource}
+            if self.cfg.scope:
+                form["scope"] = self.cfg.scope
+            head = [("content-type", "application/x-www-form-urlencoded"),
+                    ("accept", "application/json")]
+            self._client_auth(form, head)
+            response, body = await self._exchange("POST", self.token_endpoint, head,
+                                                  urlencode(form).encode())
+            token, lifetime = self._parse(response, body, where)
+        except TokenFailed as exc:
+            self.failures += 1
+            self.last_error = exc.detail
+            LOGGER.warning("backend %s: no access token: %s", self.backend, exc.detail)
+            raise
+        now = trio.current_time()
+        self.token, self._fetched, self.last_error = token, now, None
+        self._expires = now + lifetime if lifetime is not None else math.inf
+        self._refresh = now + REFRESH_AT * lifetime if lifetime is not None else math.inf
+        self.valid_until = time.time() + lifetime if lifetime is not None else None
+        LOGGER.info("backend %s: access token fetched from %s (%s)", self.backend, where,
+                    f"valid {lifetime:g}s" if lifetime is not None else "no expiry given")
+
+    @staticmethod
+    def _parse(response: httpclient.Response, body: bytes, where: str
+               ) -> tuple[str, float | None]:
+        """The token and its lifetime in seconds from a token answer.
+
+        Raises:
+            TokenFailed: an error answer (its ``error`` code and description) or a bad one.
+        """
+        try:
+            doc = json.loads(body)
+        except (ValueError, RecursionError):
+            doc = None
+        if not isinstance(doc, dict):
+            doc = {}
+        if response.status != 200:
+            code = str(doc.get("error", ""))[:64]
+            text = str(doc.get("error_description", ""))[:200]
+            said = "".join(c for c in f"{code}: {text}" if " " <= c <= "~").strip(": ")
+            raise TokenFailed(f"{where} refused the token request (HTTP {response.status}"
+                              f"{': ' + said if said else ''})")
+        token = doc.get("access_token")
+        if not isinstance(token, str) or not token or len(token) > MAX_TOKEN \
+                or not header_value_ok(token):
+            raise TokenFailed(f"{where} answered without a usable access_token")
+        if str(doc.get("token_type", "")).lower() != "bearer":
+            raise TokenFailed(f"{where} answered a token_type other than Bearer")
+        lifetime = doc.get("expires_in")
+        if lifetime is None:
+            return token, None
+        if isinstance(lifetime, bool) or not isinstance(lifetime, int | float) or lifetime <= 0:
+            raise TokenFailed(f"{where} answered an expires_in that is not a positive number")
+        return token, float(lifetime)

@@ -1,0 +1,141 @@
+"""``mcp-gateway status``: the running daemon's ``/status``, read from the admin listener its
+config names, as a table for people (``--json``: the document as served, for scripts).
+
+:func:`render` is pure (the document in, lines out); :func:`fetch` is the one HTTP GET.  The
+exit code says whether the daemon is fit to serve: 0 when every ``required`` backend has a
+RUNNING instance, :data:`EXIT_REQUIRED_DOWN` when one has none, :data:`EXIT_UNREACHABLE`
+when ``/status`` could not be read (connection refused, 401/403, not JSON).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+from typing import Any
+
+EXIT_UNREACHABLE = 1
+EXIT_REQUIRED_DOWN = 2
+#: The most bytes of ``/status`` read (a gateway with thousands of instances stays far under).
+MAX_BODY = 16 * 2**20
+TIMEOUT = 5.0
+
+
+class StatusUnavailable(Exception):
+    """``/status`` could not be read; the message says why, for the operator."""
+
+
+def admin_address(listen: str) -> tuple[str, int]:
+    """Where to reach an admin listener bound to ``listen`` (``host:port``; a wildcard host is
+    reached on loopback)."""
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]")
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return host, int(port)
+
+
+def fetch(host: str, port: int, token: str | None = None) -> dict[str, Any]:
+    """GET ``/status`` from ``host:port``.
+
+    Raises:
+        StatusUnavailable: not reachable, refused (401/403/421), or not a JSON object.
+    """
+    headers = {"Host": "localhost", "Accept": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    conn = http.client.HTTPConnection(host, port, timeout=TIMEOUT)
+    try:
+        conn.request("GET", "/status", headers=headers)
+        response = conn.getresponse()
+        body = response.read(MAX_BODY + 1)
+    except (OSError, http.client.HTTPException) as exc:
+        raise StatusUnavailable(f"admin listener {host}:{port}: {exc}") from None
+    finally:
+        conn.close()
+    if response.status in (401, 403):
+        hint = ("pass --token-file (admin.token_sha256 is set)" if token is None
+                else "the token in --token-file is not the one admin.token_sha256 names")
+        raise StatusUnavailable(f"/status refused ({response.status}): {hint}")
+    if response.status != 200:
+        raise StatusUnavailable(f"/status answered {response.status}: "
+                                f"{body[:200].decode(errors='replace').strip()}")
+    if len(body) > MAX_BODY:
+        raise StatusUnavailable(f"/status is over {MAX_BODY} bytes")
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict) or not isinstance(doc.get("backends"), list):
+        raise StatusUnavailable("/status did not answer a gateway status document")
+    return doc
+
+
+def required_down(doc: dict[str, Any]) -> list[str]:
+    """The ``required`` backends with no RUNNING instance."""
+    return [b["name"] for b in doc["backends"]
+            if b.get("required") and not any(i.get("state") == "RUNNING"
+                                             for i in b.get("instances", []))]
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d{hours:02d}h"
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+            for row in rows]
+
+
+def _clip(text: str, width: int = 60) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def render(doc: dict[str, Any]) -> list[str]:
+    """``/status`` as lines of text: the daemon, its listeners and connections, then one row
+    per backend instance."""
+    state = ("stopping" if doc.get("stopping") else "draining" if doc.get("draining")
+             else "ready" if doc.get("ready") else "not ready")
+    lines = [f"mcp-gateway {doc.get('version', '?')}: {state}"]
+    for listener in doc.get("listeners", []):
+        guards = [g for g, on in (("tls", listener.get("tls")),
+                                  ("auth", listener.get("auth_configured")),
+                                  ("behind proxy", listener.get("behind_proxy"))) if on]
+        lines.append(f"  listener {listener['name']} {listener['address']}"
+                     + (f" ({', '.join(guards)})" if guards else ""))
+    conns = doc.get("connections") or {}
+    lines.append("  connections: " + (", ".join(f"{t} {n}" for t, n in sorted(conns.items()))
+                                      or "none")
+                 + f"; requests in flight {doc.get('client_requests_in_flight', 0)}"
+                 + f"; pending server requests {doc.get('pending_server_requests', 0)}")
+    rows = [["BACKEND", "INSTANCE", "STATE", "WHERE", "RESTARTS", "UPTIME", "INFLIGHT",
+             "LAST ERROR"]]
+    for b in doc["backends"]:
+        name = b["name"] + (" (required)" if b.get("required") else "")
+        for i in b.get("instances", []) or [{}]:
+            where = (f"pid {i['pid']}" if i.get("pid") is not None
+                     else i.get("origin") or b.get("connector", "-"))
+            error = i.get("last_error") or i.get("last_exit") or ""
+            rows.append([name, i.get("name", "-"), i.get("state", "-")
+                         + (" draining" if i.get("draining") else ""), where,
+                         str(i.get("restarts", 0)), _duration(i.get("uptime")),
+                         str(i.get("inflight", 0)), _clip(error)])
+            name = ""
+    lines.extend(_table(rows))
+    down = required_down(doc)
+    if down:
+        lines.append("required backend(s) not running: " + ", ".join(down))
+    return lines

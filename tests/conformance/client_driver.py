@@ -1,0 +1,267 @@
+"""The client the official conformance suite's `client` command runs: the gateway itself.
+
+`conformance client --command "python tests/conformance/client_driver.py"` starts a test MCP
+server per scenario and runs this with its URL as the last argument, the scenario in
+MCP_CONFORMANCE_SCENARIO, the revision in MCP_CONFORMANCE_PROTOCOL_VERSION (2026-07-28 gives
+`protocol_mode = "modern_only"`, any other `legacy_only`) and, for some, a JSON object in
+MCP_CONFORMANCE_CONTEXT. It starts `mcp-gateway run` with that URL as its one remote backend
+(required, unprefixed), waits for `/readyz`, then does over the gateway's WebSocket (a legacy
+session with the elicitation capability, answering the elicitations the gateway relays with
+the schema's defaults) what the scenario expects a client to do, and stops the gateway with
+SIGTERM. The gateway's log goes to stderr (the suite keeps it as the scenario's stderr.txt).
+Exit status: 0 when every step got an answer and the remote's first session held, else 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+
+from helpers import Client, connect, free_port, http_request  # noqa: E402
+
+READY_TIMEOUT = 20.0  # the gateway's start (it fails by itself after the backend's start_timeout)
+CALL_TIMEOUT = 15.0
+STOP_TIMEOUT = 10.0
+MODERN = "2026-07-28"
+
+
+def log(text: str) -> None:
+    print(f"[driver] {text}", file=sys.stderr, flush=True)
+
+
+def gateway_toml(url: str, revision: str, ws: int, admin: int, context: dict[str, Any],
+                 folder: str) -> str:
+    mode = "modern_only" if revision == MODERN else "legacy_only"
+    lines = ["[gateway]", "drain_delay = 0.0", "[listen]", f'websocket = "127.0.0.1:{ws}"',
+             'http = ""', "[admin]", f'listen = "127.0.0.1:{admin}"', "[backends.remote]",
+             f"url = {json.dumps(url)}", 'prefix = ""', "required = true",
+             "start_timeout = 8.0", f'protocol_mode = "{mode}"']
+    return "\n".join(lines + oauth_table(context, folder)) + "\n"
+
+
+def oauth_table(context: dict[str, Any], folder: str) -> list[str]:
+    """The backend's ``[oauth]`` client credentials from an auth/client-credentials-* scenario's
+    context (the secret or key written to files in ``folder``); none for other scenarios."""
+    if "client_id" not in context:
+        return []
+    lines = ["[backends.remote.oauth]", f"client_id = {json.dumps(context['client_id'])}"]
+    if "client_secret" in context:
+        path = os.path.join(folder, "secret")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(context["client_secret"])
+        lines.append(f"client_secret = {{ file = {json.dumps(path)} }}")
+    if "private_key_pem" in context:
+        path = os.path.join(folder, "key.pem")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(context["private_key_pem"])
+        lines += ['auth_method = "private_key_jwt"',
+                  f"private_key = {{ file = {json.dumps(path)} }}",
+                  f"algorithm = {json.dumps(context.get('signing_algorithm', 'ES256'))}"]
+    return lines
+
+
+# ---- what each scenario expects a client to do (the scenario sources in the suite's dist)
+
+async def list_tools(client: Client) -> list[dict[str, Any]]:
+    resp = await client.request("tools/list", {}, timeout=CALL_TIMEOUT)
+    if "result" not in resp:
+        raise RuntimeError(f"tools/list failed: {resp}")
+    tools: list[dict[str, Any]] = resp["result"]["tools"]
+    log("tools: " + ", ".join(t["name"] for t in tools))
+    return tools
+
+
+async def call(client: Client, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    resp = await client.call(name, arguments, timeout=CALL_TIMEOUT)
+    log(f"tools/call {name}: {json.dumps(resp)[:400]}")
+    if "result" not in resp:
+        raise RuntimeError(f"tools/call {name} failed: {resp.get('error')}")
+    return resp
+
+
+async def just_list(client: Client, context: dict[str, Any]) -> None:
+    await list_tools(client)
+
+
+async def tools_call(client: Client, context: dict[str, Any]) -> None:
+    await list_tools(client)
+    await call(client, "add_numbers", {"a": 5, "b": 3})
+
+
+async def call_every_tool(client: Client, context: dict[str, Any]) -> None:
+    """Each listed tool, with no arguments (elicitation defaults, sse-retry, the client
+    credentials' test-tool)."""
+    for tool in await list_tools(client):
+        await call(client, tool["name"], {})
+
+
+async def request_state(client: Client, context: dict[str, Any]) -> None:
+    await list_tools(client)
+    for name in ("test_mrtr_echo_state", "test_mrtr_unrelated", "test_mrtr_no_state",
+                 "test_mrtr_no_result_type"):
+        await call(client, name, {})
+
+
+async def standard_headers(client: Client, context: dict[str, Any]) -> None:
+    for tool in await list_tools(client):
+        await call(client, tool["name"], {})
+    resources = await client.request("resources/list", {}, timeout=CALL_TIMEOUT)
+    for res in resources.get("result", {}).get("resources", []):
+        await client.request("resources/read", {"uri": res["uri"]}, timeout=CALL_TIMEOUT)
+    prompts = await client.request("prompts/list", {}, timeout=CALL_TIMEOUT)
+    for prompt in prompts.get("result", {}).get("prompts", []):
+        await client.request("prompts/get", {"name": prompt["name"]}, timeout=CALL_TIMEOUT)
+
+
+async def custom_headers(client: Client, context: dict[str, Any]) -> None:
+    await list_tools(client)
+    for item in context.get("toolCalls", []):
+        await call(client, item["name"], item.get("arguments", {}))
+
+
+async def invalid_tool_headers(client: Client, context: dict[str, Any]) -> None:
+    """Every tool the gateway lists, with a string for each required property: the gateway
+    must have left out the tools whose x-mcp-header is invalid."""
+    for tool in await list_tools(client):
+        schema = tool.get("inputSchema", {})
+        args = {p: "x" for p in schema.get("required", [])}
+        await call(client, tool["name"], args)
+
+
+async def schema_preservation(client: Client, context: dict[str, Any]) -> None:
+    tools = {t["name"]: t for t in await list_tools(client)}
+    await call(client, "json_schema_echo",
+               {"schema": tools["json_schema_2020_12_tool"]["inputSchema"]})
+
+
+SCENARIOS: dict[str, Callable[[Client, dict[str, Any]], Awaitable[None]]] = {
+    "initialize": just_list,
+    "tools_call": tools_call,
+    "elicitation-sep1034-client-defaults": call_every_tool,
+    "sse-retry": call_every_tool,
+    "request-metadata": just_list,
+    "sep-2322-client-request-state": request_state,
+    "http-standard-headers": standard_headers,
+    "http-custom-headers": custom_headers,
+    "http-invalid-tool-headers": invalid_tool_headers,
+    "json-schema-ref-no-deref": just_list,
+    "json-schema-2020-12-preservation": schema_preservation,
+    "auth/client-credentials-basic": call_every_tool,
+    "auth/client-credentials-jwt": call_every_tool,
+}
+
+
+def answer(request: dict[str, Any]) -> dict[str, Any]:
+    """This client's answer to a request the gateway relays: an elicitation accepted with each
+    property's default (a boolean without one: true), no roots."""
+    method, params = request["method"], request.get("params") or {}
+    if method == "elicitation/create":
+        props = (params.get("requestedSchema") or {}).get("properties", {})
+        content = {k: p["default"] if "default" in p else True
+                   for k, p in props.items() if "default" in p or p.get("type") == "boolean"}
+        result: dict[str, Any] = {"action": "accept", "content": content}
+    elif method == "roots/list":
+        result = {"roots": []}
+    elif method == "ping":
+        result = {}
+    else:
+        return {"jsonrpc": "2.0", "id": request["id"],
+                "error": {"code": -32601, "message": f"not supported: {method}"}}
+    return {"jsonrpc": "2.0", "id": request["id"], "result": result}
+
+
+async def answer_requests(client: Client) -> None:
+    done = 0
+    while True:
+        await client.wait_for(lambda done=done: len(client.requests) > done,
+                              timeout=float("inf"))
+        for request in client.requests[done:]:
+            log(f"answering {request['method']}")
+            await client.send(answer(request))
+        done = len(client.requests)
+
+
+async def drive(ws_port: int, admin: int, scenario: str, context: dict[str, Any]) -> None:
+    """The scenario's steps; then the remote's session must still be the first one (a restart
+    in between, e.g. a GET stream refused, is a client defect no check of the suite sees)."""
+    steps = SCENARIOS.get(scenario, just_list)
+    async with connect(f"ws://127.0.0.1:{ws_port}/",
+                       capabilities={"elicitation": {"form": {}}}) as client:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(answer_requests, client)
+            await steps(client, context)
+            nursery.cancel_scope.cancel()
+    status, body = await http_request(admin, "/status")
+    instance = json.loads(body)["backends"][0]["instances"][0]
+    if status != 200 or instance["restarts"] or instance["state"] != "RUNNING":
+        raise RuntimeError(f"the remote's session did not hold: {instance}")
+
+
+async def wait_ready(admin: int, proc: subprocess.Popen[bytes]) -> None:
+    with trio.fail_after(READY_TIMEOUT):
+        while proc.poll() is None:
+            try:
+                status, _ = await http_request(admin, "/readyz")
+            except OSError:
+                status = 0
+            if status == 200:
+                return
+            await trio.sleep(0.05)
+    raise RuntimeError(f"the gateway exited with {proc.returncode} before it was ready")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(STOP_TIMEOUT)
+        log(f"gateway exited with {code}")
+    except subprocess.TimeoutExpired:
+        log("gateway still running after SIGTERM: killed")
+        proc.kill()
+        proc.wait()
+
+
+def main(argv: list[str]) -> int:
+    url = argv[-1]
+    scenario = os.environ.get("MCP_CONFORMANCE_SCENARIO", "")
+    revision = os.environ.get("MCP_CONFORMANCE_PROTOCOL_VERSION", "2025-11-25")
+    context = json.loads(os.environ.get("MCP_CONFORMANCE_CONTEXT") or "{}")
+    ws, admin = free_port(), free_port()
+    with tempfile.TemporaryDirectory(prefix="clientconf-") as tmp:
+        path = os.path.join(tmp, "gateway.toml")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(gateway_toml(url, revision, ws, admin, context, tmp))
+        log(f"scenario {scenario} at {revision}: gateway for {url}")
+        env = {**os.environ, "PYTHONPATH": ROOT}
+        proc = subprocess.Popen([sys.executable, "-m", "gateway", "run", "--config", path],
+                                cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=sys.stderr)
+        started = time.monotonic()
+        try:
+            trio.run(wait_ready, admin, proc)
+            log(f"gateway ready in {time.monotonic() - started:.2f}s")
+            trio.run(drive, ws, admin, scenario, context)
+            return 0
+        except Exception:
+            log("failed:\n" + traceback.format_exc())
+            return 1
+        finally:
+            stop(proc)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

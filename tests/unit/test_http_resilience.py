@@ -1,0 +1,129 @@
+"""The ``http`` link's legacy-era robustness against an in-process h11 remote on trio memory
+streams and the MockClock (the harness of the hostile-remote tests): an answer stream that ends
+before its answer resumed with ``Last-Event-ID`` after the server's ``retry``."""
+
+from __future__ import annotations
+
+import json
+
+import h11
+import trio
+import trio.testing
+from regressions.test_remote_hostile import Exchange, Hostile, open_link, plain, request
+
+from gateway.backend import http
+
+
+def sse(*events: str) -> bytes:
+    return "".join(event + "\n\n" for event in events).encode()
+
+
+def answer(gid: int, text: str) -> str:
+    return "data: " + json.dumps({"jsonrpc": "2.0", "id": gid, "result": {
+        "content": [{"type": "text", "text": text}]}})
+
+
+async def test_a_call_stream_ended_before_its_answer_is_resumed_after_the_servers_retry(
+        autojump_clock: trio.testing.MockClock) -> None:
+    ended: dict[int, float] = {}
+
+    async def polling(server: Hostile, ex: Exchange) -> None:
+        if ex.rpc == "tools/call":
+            gid = ex.body["id"]
+            await ex.head(200, [("content-type", "text/event-stream")])
+            if gid == 2:  # a priming event, a progress, then the stream ends (SSE polling)
+                progress = json.dumps({"jsonrpc": "2.0", "method": "notifications/progress",
+                                       "params": {"progressToken": "t", "progress": 1}})
+                await ex.data(sse("id: c1\nretry: 3000\ndata:", f"id: c2\ndata: {progress}"))
+            else:  # gid 3: a priming event without retry, then nothing ever again
+                await ex.data(sse("id: q1\ndata:"))
+            await ex.stream.send_all(ex.conn.send(h11.EndOfMessage()))
+            ended[gid] = trio.current_time()
+            return
+        if ex.method == "GET" and ex.headers.get("last-event-id") == "c2":
+            await ex.head(200, [("content-type", "text/event-stream")])
+            await ex.data(sse("id: c3\n" + answer(2, "resumed")))
+            await trio.sleep_forever()  # a GET stream stays open: the link closes it
+        if ex.method == "GET" and ex.headers.get("last-event-id") == "q1":
+            await ex.head(200, [("content-type", "text/event-stream")])
+            await ex.stream.send_all(ex.conn.send(h11.EndOfMessage()))  # at once, empty
+            return
+        await plain(server, ex)
+
+    with trio.fail_after(300):
+        async with trio.open_nursery() as nursery:
+            server, link, receiver = await open_link(nursery, polling)
+            link.send(request(2, "tools/call", {"name": "slow", "arguments": {}}), 2)
+            await receiver.wait(lambda: receiver.answered(2))
+            resumed = trio.current_time()
+            gets = [ex for ex in server.seen if ex.headers.get("last-event-id") == "c2"]
+            assert len(gets) == 1 and gets[0].headers["mcp-session-id"] == "s1"
+            assert gets[0].headers["accept"] == "text/event-stream"
+            assert 3.0 <= resumed - ended[2] < 3.5  # the server's retry (3000 ms) honoured
+            mine = [(m, cause) for m, cause in receiver.messages if cause == 2]
+            assert [m.get("method") for m, _ in mine] == ["notifications/progress", None]
+            assert mine[-1][0]["result"]["content"][0]["text"] == "resumed"
+            assert 2 not in receiver.failures and not receiver.ended_
+            # A stream resumed again and again without ever a message: bounded, then it fails
+            # (not retryable: the tool may have run).
+            link.send(request(3, "tools/call", {"name": "lost", "arguments": {}}), 3)
+            await receiver.wait(lambda: 3 in receiver.failures)
+            assert len([ex for ex in server.seen if ex.headers.get("last-event-id") == "q1"]
+                       ) == http.RESUME_ATTEMPTS
+            assert receiver.failures[3].data["retryable"] is False
+            took = trio.current_time() - ended[3]
+            assert http.RESUME_ATTEMPTS * http.RESUME_WAIT <= took < http.RESUME_ATTEMPTS + 1
+            assert len(server.posted("tools/call")) == 2  # never POSTed again
+            nursery.cancel_scope.cancel()
+
+
+async def test_safe_requests_are_retried_on_5xx_and_resets_a_tool_call_never(
+        autojump_clock: trio.testing.MockClock) -> None:
+    refuse = {"tools/list": [503, 502], "prompts/list": [503, 503, 503],
+              "tools/call": [503], "resources/read": ["reset", "reset"]}
+    times: dict[str, list[float]] = {}
+
+    async def failing(server: Hostile, ex: Exchange) -> None:
+        if ex.rpc in refuse:
+            times.setdefault(ex.rpc, []).append(trio.current_time())
+            if refuse[ex.rpc]:
+                status = refuse[ex.rpc].pop(0)
+                if status == "reset":
+                    await trio.aclose_forcefully(ex.stream)  # read, then gone
+                    return
+                out = b"upstream \x00overloaded " + b"x" * 5000
+                await ex.head(int(status), [("content-type", "text/html"),
+                                            ("content-length", str(len(out)))])
+                await ex.data(out)
+                await ex.stream.send_all(ex.conn.send(h11.EndOfMessage()))
+                return
+        await plain(server, ex)
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            _server, link, receiver = await open_link(nursery, failing)
+            link.send(request(2, "tools/list"), 2)
+            await receiver.wait(lambda: receiver.answered(2) or 2 in receiver.failures)
+            assert receiver.answered(2) and len(times["tools/list"]) == 3
+            first, second, third = times["tools/list"]
+            assert 0.5 * http.RETRY_PAUSE <= second - first <= http.RETRY_PAUSE + 0.01
+            assert http.RETRY_PAUSE <= third - second <= 2 * http.RETRY_PAUSE + 0.01
+            link.send(request(3, "prompts/list"), 3)  # 5xx every time: bounded, then fails
+            await receiver.wait(lambda: 3 in receiver.failures)
+            assert len(times["prompts/list"]) == 1 + http.RETRIES
+            error = receiver.failures[3]
+            assert (error.code, error.data["status"], error.data["retryable"]) == (-32001, 503,
+                                                                                   True)
+            link.send(request(4, "tools/call", {"name": "charge", "arguments": {}}), 4)
+            await receiver.wait(lambda: 4 in receiver.failures)
+            error = receiver.failures[4]
+            assert len(times["tools/call"]) == 1  # never POSTed again: it may have run
+            assert (error.code, error.data["status"], error.data["retryable"]) == (-32001, 503,
+                                                                                   False)
+            assert error.data["body"].startswith("upstream ?overloaded xxx")
+            assert len(error.data["body"]) <= http.SNIPPET
+            link.send(request(5, "resources/read", {"uri": "r://a"}), 5)
+            await receiver.wait(lambda: receiver.answered(5) or 5 in receiver.failures)
+            assert receiver.answered(5) and len(times["resources/read"]) == 3
+            assert not receiver.ended_  # none of it ended the session
+            nursery.cancel_scope.cancel()
