@@ -2075,6 +2075,7 @@ def markdown(args: argparse.Namespace, backend: BackendSpec, results: list[LoadR
 
 REMOTE_DIRECT_ROW = "direct HTTP (server-everything's own server)"
 REMOTE_LATE_ROW = "direct HTTP, one session, after the gateway rows"
+REMOTE_WARMUP = 5.0  # seconds of load on the fresh server before its first row
 REMOTE_WS_ROW = "mcp-gateway, WebSocket → remote"
 REMOTE_LEGACY_ROW = "mcp-gateway, /mcp legacy → remote"
 REMOTE_MODERN_ROW = "mcp-gateway, /mcp stateless 2026-07-28 → remote"
@@ -2221,6 +2222,9 @@ async def bench_remote(args: argparse.Namespace, backend: BackendSpec, procs: Pr
         async with trio.open_nursery() as nursery:
             # ---- direct: the server's own calls/s (the gateway idle beside it) -------------
             conns = await http_clients(sport, args.clients, args.inflight, protocol=version)
+            # node's JIT: a cold server is several times slower per call than a warm one
+            await run_load(conns, inflight=args.inflight, calls=args.calls, cap=REMOTE_WARMUP,
+                           tool=backend.tool, backend=backend)
             for inflight in (1, args.inflight):
                 results.append(await measure(REMOTE_DIRECT_ROW, "direct", conns, args,
                                              inflight=inflight, tool=backend.tool,
