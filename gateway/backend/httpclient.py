@@ -117,26 +117,28 @@ class Response:
 
 
 #: Request heads written without h11, by method, target and headers (the same for every call
-#: of a session): each checked and encoded once.  Bounded: emptied when full.
-_HEADS: dict[tuple[str, str, tuple[tuple[str, str], ...]], bytes] = {}
-_HEADS_MAX = 64
+#: of a session), kept by each pool (they may hold credentials: they go with it): at most
+#: this many, emptied when full.
+HEADS_MAX = 64
+Heads = dict[tuple[str, str, tuple[tuple[str, str], ...]], bytes]
 
 
-def _common_head(method: str, target: str, head: list[tuple[str, str]],
-                 body: bytes) -> bytes | None:
+def _common_head(method: str, target: str, head: list[tuple[str, str]], body: bytes,
+                 cache: Heads) -> bytes | None:
     """The request's head as h11 writes it (``content-length`` last, as :meth:`Connection.request`
-    adds it), or None when it is not of the common shape."""
+    adds it), or None when it is not of the common shape; each head checked and encoded once
+    while in ``cache``."""
     if method not in _LEAN_METHODS:
         return None
     key = (method, target, tuple(head))
-    raw = _HEADS.get(key)
+    raw = cache.get(key)
     if raw is None:
         raw = http1.request_head(method, target, head)
         if raw is None:
             return None
-        if len(_HEADS) >= _HEADS_MAX:
-            _HEADS.clear()
-        _HEADS[key] = raw
+        if len(cache) >= HEADS_MAX:
+            cache.clear()
+        cache[key] = raw
     if body or method in ("POST", "PUT"):
         return raw[:-2] + b"content-length: %d\r\n\r\n" % len(body)
     return raw
@@ -193,7 +195,9 @@ class Connection:
             ConnectionLost, HttpTimeout.
         """
         head = [("host", self.authority), *headers]
-        raw = _common_head(method, target, head, body) if self._h11 is None else None
+        raw = (_common_head(method, target, head, body,
+                            self._pool.heads if self._pool is not None else {})
+               if self._h11 is None else None)
         if body or method in ("POST", "PUT"):
             head.append(("content-length", str(len(body))))
         if raw is None:
@@ -352,6 +356,7 @@ class Pool:
         self.idle_max = idle_max
         self._idle: list[Connection] = []
         self.open: set[Connection] = set()  # every connection not closed yet, idle or in use
+        self.heads: Heads = {}  # request heads encoded once (HEADS_MAX)
         self.closed = False
 
     async def connect(self) -> Connection:

@@ -101,8 +101,10 @@ async def test_requests_are_the_bytes_h11_writes_and_unusual_heads_h11_refuses()
     conn = h11.Connection(h11.CLIENT)
     by_h11 = conn.send(h11.Request(method="POST", target="/mcp?x=1", headers=head))
     assert http1.request_head("POST", "/mcp?x=1", head) == by_h11
+    cache: httpclient.Heads = {}
     for _ in range(2):  # encoded once, then from the cache with this request's length
-        assert httpclient._common_head("POST", "/mcp?x=1", head[:-1], b"{}") == by_h11
+        assert httpclient._common_head("POST", "/mcp?x=1", head[:-1], b"{}", cache) == by_h11
+        assert len(cache) == 1
     for name, value in (("x-bad", "a\r\nx-injected: 1"), ("x-bad", "caf\u00e9"), ("bad name", "1")):
         assert http1.request_head("POST", "/mcp", [(name, value)]) is None
         client, _server = trio.testing.memory_stream_pair()
