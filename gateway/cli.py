@@ -1,4 +1,4 @@
-"""The ``mcp-gateway`` command: run, check-config, connect, status, version."""
+"""The ``mcp-gateway`` command: run, check-config, connect, status, audit verify, version."""
 
 from __future__ import annotations
 
@@ -184,6 +184,23 @@ def cmd_status(args: argparse.Namespace) -> int:
     return statuscmd.EXIT_REQUIRED_DOWN if statuscmd.required_down(doc) else 0
 
 
+def cmd_audit_verify(args: argparse.Namespace) -> int:
+    from gateway.ops import audit
+
+    try:
+        key = audit.load_key(args.key_file, create=False)
+    except ConfigError as exc:
+        print(f"mcp-gateway audit verify: {'; '.join(exc.errors)}", file=sys.stderr)
+        return 2
+    try:
+        intact, message = audit.verify_files(key, args.files)
+    except OSError as exc:
+        print(f"mcp-gateway audit verify: {exc}", file=sys.stderr)
+        return 2
+    print(message if intact else f"broken: {message}", file=sys.stdout if intact else sys.stderr)
+    return 0 if intact else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mcp-gateway",
                                      description="Many MCP servers behind one endpoint.")
@@ -214,6 +231,15 @@ def main(argv: list[str] | None = None) -> int:
                    "admin.token_sha256 is set: the config holds only its hash)")
     p.add_argument("--json", action="store_true", help="print the /status document as JSON")
     p.set_defaults(func=cmd_status)
+    p = sub.add_parser("audit", help="the audit log")
+    audit_sub = p.add_subparsers(dest="audit_command", required=True)
+    p = audit_sub.add_parser("verify", help="check the MAC chain of audit files (oldest first); "
+                             "exit 0 when intact, 1 naming the first broken file:line, 2 when "
+                             "the key or a file cannot be read")
+    p.add_argument("--key-file", required=True,
+                   help="the [audit] key_file the log was written with")
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.set_defaults(func=cmd_audit_verify)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

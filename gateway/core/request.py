@@ -19,6 +19,9 @@ class Request:
     backend_time: float | None = None
     tool: str | None = None
     counted: bool = False  # RequestStarted was emitted (a backend was chosen)
+    instance: str = ""  # forwarded by a task: the instance that took it (for the audit log)
+    consent: str | None = None  # how a consent prompt for it ended (gateway.core.policy)
+    rounds: int = 0  # a modern child's input_required rounds pushed to a legacy caller
     # forwarded by a task (:func:`gateway.core.handlers.forward`): its child and its call there
     at: tuple[Any, Any] | None = None
 

@@ -20,6 +20,7 @@ import hmac
 import json
 import math
 import re
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from decimal import Decimal
@@ -131,6 +132,12 @@ def redact(value: Any, keys: frozenset[str], depth: int = 0) -> Any:
     if isinstance(value, list):
         return [redact(v, keys, depth + 1) for v in value]
     return value
+
+
+def timestamp(t: float) -> str:
+    """``t`` (seconds since the epoch) as RFC 3339 UTC with milliseconds."""
+    ms = round(t * 1000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms // 1000)) + f".{ms % 1000:03d}Z"
 
 
 def mac_of(key: bytes, prev: bytes, body: bytes) -> bytes:
