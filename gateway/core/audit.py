@@ -102,6 +102,7 @@ def record(served: AuditedCall, policy: Policy, sink: AuditSink, *, outcome: str
     name = _value(req.params, AUDITED[method])
     name = name if isinstance(name, str) else None
     principal = session.principal
+    consent: str | None = getattr(req, "consent", None)
     rec: dict[str, Any] = {
         "time": audit.timestamp(time.time()),
         "type": "call",
@@ -111,18 +112,18 @@ def record(served: AuditedCall, policy: Policy, sink: AuditSink, *, outcome: str
         "method": method,
         ("uri" if method == "resources/read" else "name"): req.tool or name,
         "backend": req.backend or None,
-        "instance": instance or req.instance or None,
+        "instance": instance or getattr(req, "instance", None),
         "outcome": outcome,
         "error_code": code,
         "duration": round(now - served.started, 6),
-        "consent": req.consent or "none",
-        "rounds": served.flow.round if served.flow is not None else req.rounds,
+        "consent": consent or "none",
+        "rounds": served.flow.round if served.flow is not None else getattr(req, "rounds", 0),
     }
     decision, rule = "allow", None
     if name is not None and policy.active:
         decided = policy.decision(name, caller_of(session), _KINDS[method])
         decision, rule = decided.action, decided.rule
-    if req.consent is not None:  # a prompt was shown: the call was under ask
+    if consent is not None:  # a prompt was shown: the call was under ask
         decision = "ask"
     rec["decision"], rec["rule"] = decision, rule
     if served.modern and served.flow is None and "requestState" in req.params:
