@@ -2,7 +2,8 @@
 
 The daemon runs in-process on virtual time (tests/memharness.py) and writes a real file; each
 test reads it back after the drain and checks it with ``mcp-gateway audit verify``.  The
-writer on its own: rotation, the verifier on intact and tampered files, a full queue.
+writer on its own: rotation, the verifier on intact and tampered files, a full queue.  A real
+modern child (``system``): the rounds it asks of a legacy client, and a modern client's retries.
 """
 
 from __future__ import annotations
@@ -10,12 +11,16 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import trio
 import trio.testing
+from helpers import ROOT, connect, make_config, run_gateway
 from memharness import backend, memory_config, running
 
 from gateway import cli
@@ -235,3 +240,54 @@ async def test_a_full_queue_drops_with_a_gap_record_or_blocks(
     (tmp_path / "k").chmod(0o644)
     with pytest.raises(ConfigError, match="chmod 0600"):
         load_key(str(tmp_path / "k"))
+
+
+@pytest.mark.system
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+async def test_a_modern_childs_rounds_once_and_its_passed_through_retries_marked(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A real modern child (tests/fixtures/modern_server.py): its two rounds pushed to a legacy
+    client are one line; a modern client's retry carries the child's own state: its own line,
+    marked ``continues``."""
+    child = (f"[backends.m]\ncommand = {json.dumps(sys.executable)}\n"
+             f"args = {json.dumps([os.path.join(ROOT, 'tests', 'fixtures', 'modern_server.py')])}"
+             '\nprotocol_mode = "modern_only"\n')
+    cfg = make_config(child, extra=audit_toml(tmp_path))
+    meta = {"io.modelcontextprotocol/protocolVersion": V,
+            "io.modelcontextprotocol/clientCapabilities": {"elicitation": {}}}
+    headers = {"accept": "application/json, text/event-stream", "content-type": "application/json",
+               "mcp-protocol-version": V, "mcp-method": "tools/call", "mcp-name": "m__ask_name"}
+    with trio.fail_after(30):
+        async with run_gateway(cfg) as gw:
+            async with (connect(gw.url, capabilities={"elicitation": {}}) as c,
+                        trio.open_nursery() as n):
+
+                async def answer() -> None:
+                    done: set[Any] = set()
+                    while True:
+                        asked = await c.wait_for(lambda: [q for q in c.requests
+                                                          if q["id"] not in done])
+                        for q in asked:
+                            done.add(q["id"])
+                            await c.send({"jsonrpc": "2.0", "id": q["id"], "result": {
+                                "action": "accept", "content": {"name": "x"}}})
+
+                n.start_soon(answer)
+                assert "result" in await c.call("m__ask_two")
+                n.cancel_scope.cancel()
+            async with httpx.AsyncClient() as http:
+                params = {"name": "m__ask_name", "arguments": {}, "_meta": meta}
+                r = await http.post(gw.http_url, headers=headers, json={
+                    "jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": params})
+                first = r.json()["result"]
+                r = await http.post(gw.http_url, headers=headers, json={
+                    "jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
+                        **params, "requestState": first["requestState"],
+                        "inputResponses": {"user_name": {"action": "accept",
+                                                         "content": {"name": "Grace"}}}}})
+                assert r.json()["result"]["content"][0]["text"] == "Hello, Grace"
+    two, asked, retry = records(tmp_path, capsys)
+    assert (two["name"], two["rounds"], two["outcome"], two["transport"]) == (
+        "m__ask_two", 2, "ok", "websocket")
+    assert (asked["transport"], asked["outcome"], asked.get("continues")) == ("http", "ok", None)
+    assert retry["continues"] is True and retry["rounds"] == 0
