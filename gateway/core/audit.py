@@ -144,8 +144,13 @@ def finished(served: AuditedCall, policy: Policy, sink: AuditSink, *, outcome: s
              code: int | None, instance: str | None, response: bytes | None,
              reply: Callable[[bytes | None, int | str | None], None]) -> bool:
     """Record ``served``'s end; False when the sink took its answer over (see module doc)."""
-    rec = record(served, policy, sink, outcome=outcome, code=code, instance=instance,
-                 now=trio.current_time())
+    try:
+        rec = record(served, policy, sink, outcome=outcome, code=code, instance=instance,
+                     now=trio.current_time())
+    except Exception:  # a bug here must not cost the call its answer: logged, counted lost
+        LOGGER.exception("audit: no record for %s", served.req.method)
+        sink.lost()
+        return True
     if sink.offer(rec):
         return True
     call_id = served.id
@@ -153,6 +158,9 @@ def finished(served: AuditedCall, policy: Policy, sink: AuditSink, *, outcome: s
     async def answer_when_recorded() -> None:
         try:
             await sink.put(rec)
+        except trio.Cancelled:  # its connection closed while it waited: the record is lost
+            sink.lost()
+            raise
         finally:
             reply(response, call_id)
 

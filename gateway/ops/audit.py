@@ -411,7 +411,11 @@ class AuditLog:
         while self._queue and len(batch) < BATCH:
             self._taken += 1  # before it leaves the queue: never counted nowhere
             batch.append(self._queue.popleft())
-        lost = f.write(self.key, batch) if batch else 0
+        try:
+            lost = f.write(self.key, batch) if batch else 0
+        except Exception:  # the thread goes on: a blocked caller must not wait forever
+            LOGGER.exception("audit: %d records not written", len(batch))
+            lost = len(batch)
         assert self._token is not None
         try:
             self._token.run_sync_soon(self._written, len(batch), lost)
