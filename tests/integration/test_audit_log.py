@@ -234,6 +234,19 @@ async def test_a_full_queue_drops_with_a_gap_record_or_blocks(
         nursery.cancel_scope.cancel()
     assert [json.loads(x).get("i") for x in path.read_bytes().splitlines()][-2:] == [6, 7]
     assert dropped == [1, 1]
+    sent: list[dict[str, str]] = []  # the journal's side: what systemd.journal.send is given
+    journal = AuditLog(AuditSection(journald=True, key_file=str(tmp_path / "k")), bus,
+                       journal=lambda **fields: sent.append(fields))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(journal.run)
+        journal.offer({"type": "call", "method": "tools/call", "name": "t", "rounds": 2,
+                       "client": {"name": "c"}})
+        await journal.flushed()
+        nursery.cancel_scope.cancel()
+    (fields,) = sent
+    assert (fields["MCP_AUDIT_METHOD"], fields["MCP_AUDIT_ROUNDS"], fields["MCP_AUDIT_CLIENT"]) == (
+        "tools/call", "2", '{"name":"c"}')
+    assert json.loads(fields["MCP_AUDIT_LINE"])["prev"] == "0" * 64  # the chain, in the journal
     if importlib.util.find_spec("systemd") is None:  # the extra absent: a clear config error
         with pytest.raises(ConfigError, match="systemd extra"):
             AuditLog(AuditSection(journald=True, key_file=str(tmp_path / "k")), bus)
