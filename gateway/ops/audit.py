@@ -35,8 +35,10 @@ from gateway.protocol import audit
 
 LOGGER = logging.getLogger(__name__)
 
-#: Records handed to the writer thread at once.
+#: Records written at once at most.
 BATCH = 512
+#: Seconds the writer thread waits, once woken, for more records to write with the first.
+GATHER = 0.005
 #: Seconds the daemon's exit waits for the writer to write what is queued.
 JOIN_TIMEOUT = 30.0
 #: The key file is read up to this size.
@@ -380,7 +382,8 @@ class AuditLog:
             timeout = None
             if f.unsynced and cfg.fsync == "interval":
                 timeout = max(0.0, f.synced_at + cfg.fsync_interval - time.monotonic())
-            self._work.wait(timeout)
+            if self._work.wait(timeout) and not self._stopping:
+                time.sleep(GATHER)  # more records join the batch: fewer writes and wake-ups
             self._work.clear()
             while self._queue or self._reopen or self._new_key is not None:
                 self._batch()

@@ -210,9 +210,9 @@ async def test_a_full_queue_drops_with_a_gap_record_or_blocks(
     assert drop.queued == 3 and dropped == [1, 1]
     async with trio.open_nursery() as nursery:
         await nursery.start(drop.run)
-        await trio.testing.wait_all_tasks_blocked()
+        await drop.flushed()
         write_records(drop, 1, 5)  # space returned: the gap goes in first
-        await trio.testing.wait_all_tasks_blocked()
+        await drop.flushed()
         nursery.cancel_scope.cancel()
     got = [json.loads(x) for x in path.read_bytes().splitlines()]
     assert [r.get("i", r["type"]) for r in got] == [0, 1, 2, "gap", 5]
