@@ -115,7 +115,7 @@ def record(served: AuditedCall, policy: Policy, sink: AuditSink, *, outcome: str
         "instance": instance or getattr(req, "instance", None),
         "outcome": outcome,
         "error_code": code,
-        "duration": round(now - served.started, 6),
+        "duration_us": round((now - served.started) * 1e6),  # an int: canonical JSON as is
         "consent": consent or "none",
         "rounds": served.flow.round if served.flow is not None else getattr(req, "rounds", 0),
     }
