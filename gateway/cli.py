@@ -49,7 +49,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         except tls.TlsError as exc:
             print(f"{args.config}: {exc}", file=sys.stderr)
             return 1
-    problems = _tokens_file_problems(cfg)
+    problems = _tokens_file_problems(cfg) + _audit_problems(cfg)
     for problem in problems:
         print(f"{args.config}: {problem}", file=sys.stderr)
     if problems:
@@ -78,6 +78,31 @@ def _tokens_file_problems(cfg: config.GatewayConfig) -> list[str]:
     except ConfigError as exc:
         return exc.errors
     return []
+
+
+def _audit_problems(cfg: config.GatewayConfig) -> list[str]:
+    """``[audit]`` as the start reads it: the journal's extra, and ``key_file`` when it exists
+    (the start creates a missing one).  Run as root, its owner is not checked (as above)."""
+    if not cfg.audit.enabled:
+        return []
+    from gateway.ops import audit
+
+    problems = []
+    if cfg.audit.journald:
+        try:
+            audit.journal_sender()
+        except ConfigError as exc:
+            problems.extend(exc.errors)
+    path = cfg.audit.key_file
+    if os.path.lexists(path):
+        try:
+            owner = os.lstat(path).st_uid if os.geteuid() == 0 else None
+            audit.load_key(path, create=False, owner=owner)
+        except ConfigError as exc:
+            problems.extend(exc.errors)
+        except OSError as exc:
+            problems.append(f"audit.key_file: {path}: {exc}")
+    return problems
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -49,10 +49,10 @@ MAX_TAIL = 64 * 1024 * 1024
 _MAC = re.compile(rb',"mac":"([0-9a-f]{64})"\}\Z')
 
 
-def load_key(path: str, *, create: bool = True) -> bytes:
+def load_key(path: str, *, create: bool = True, owner: int | None = None) -> bytes:
     """The HMAC key in ``path`` (hex), generated (32 random bytes, mode 0600) when absent and
-    ``create``; the file must be owned by root or the gateway's user (for ``create``: else by
-    the caller) and not readable by others.
+    ``create``; the file must be owned by root or ``owner`` (default: this process's user) and
+    not readable by others.
 
     Raises:
         ConfigError: unreadable, refused, or no usable key in it.
@@ -61,7 +61,8 @@ def load_key(path: str, *, create: bool = True) -> bytes:
         try:
             data = config.read_regular(
                 path, MAX_KEY_FILE,
-                problem=lambda st: file_problem(st.st_mode, st.st_uid, os.getuid()))
+                problem=lambda st: file_problem(st.st_mode, st.st_uid,
+                                                os.getuid() if owner is None else owner))
         except FileNotFoundError:
             if not create:
                 raise

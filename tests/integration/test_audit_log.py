@@ -253,6 +253,12 @@ async def test_a_full_queue_drops_with_a_gap_record_or_blocks(
     (tmp_path / "k").chmod(0o644)
     with pytest.raises(ConfigError, match="chmod 0600"):
         load_key(str(tmp_path / "k"))
+    # check-config reads it as the start would (run as root, its owner is not checked)
+    conf = tmp_path / "gw.toml"
+    conf.write_text(f'[audit]\npath = "{path}"\nkey_file = "{tmp_path / "k"}"\n')
+    assert cli.main(["check-config", str(conf)]) == 1
+    (tmp_path / "k").chmod(0o600)
+    assert cli.main(["check-config", str(conf)]) == 0
 
 
 @pytest.mark.system
