@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -234,6 +235,34 @@ async def test_a_full_queue_drops_with_a_gap_record_or_blocks(
         nursery.cancel_scope.cancel()
     assert [json.loads(x).get("i") for x in path.read_bytes().splitlines()][-2:] == [6, 7]
     assert dropped == [1, 1]
+    # block, in the daemon: a call whose record finds the queue full waits for its answer;
+    # the rest of its connection and the other connections go on (the writer is held in a
+    # journal that returns when told)
+    release, took = threading.Event(), trio.Event()
+    token = trio.lowlevel.current_trio_token()
+
+    def held_journal(**fields: str) -> None:
+        token.run_sync_soon(took.set)
+        release.wait(30)
+
+    held = AuditLog(AuditSection(journald=True, key_file=str(tmp_path / "k"), queue=1), bus,
+                    journal=held_journal)
+    async with running(memory_config(backend("fx"))) as gw, trio.open_nursery() as nursery:
+        await nursery.start(held.run)
+        gw.hub.audit = held
+        async with gw.connect() as a, gw.connect() as b:
+            await a.call("fx__echo", {"message": "1"})  # its record: held in the journal
+            await took.wait()  # the writer thread took it
+            await a.call("fx__echo", {"message": "2"})  # its record fills the queue
+            await a.send({"jsonrpc": "2.0", "id": "late", "method": "tools/call",
+                          "params": {"name": "fx__echo", "arguments": {"message": "3"}}})
+            assert "result" in await b.request("tools/list")  # another connection: served
+            assert "result" in await a.request("ping")  # its own connection: served
+            assert "late" not in a.responses  # the call: done, its answer waits for a place
+            release.set()
+            late = await a.wait_for(lambda: a.responses.get("late"))
+            assert late["result"]["content"][0]["text"] == "3"
+        nursery.cancel_scope.cancel()
     sent: list[dict[str, str]] = []  # the journal's side: what systemd.journal.send is given
     journal = AuditLog(AuditSection(journald=True, key_file=str(tmp_path / "k")), bus,
                        journal=lambda **fields: sent.append(fields))
