@@ -260,6 +260,7 @@ async def test_a_full_queue_drops_with_a_gap_record_or_blocks(
             assert "result" in await a.request("ping")  # its own connection: served
             assert "late" not in a.responses  # the call: done, its answer waits for a place
             release.set()
+            await held.flushed()  # (no deadline while the thread writes: virtual time jumps)
             late = await a.wait_for(lambda: a.responses.get("late"))
             assert late["result"]["content"][0]["text"] == "3"
         nursery.cancel_scope.cancel()
