@@ -45,6 +45,7 @@ from gateway.limits import CapReached
 from gateway.ops import fdlimit, systemd
 from gateway.ops.admin import probe as admin_probe
 from gateway.ops.admin import serve_admin
+from gateway.ops.audit import AuditLog
 from gateway.ops.metrics import GatewayMetrics
 from gateway.protocol import jsonrpc
 from gateway.protocol.catalog import CatalogConflict
@@ -219,6 +220,12 @@ async def run(
     except ConfigError as exc:
         raise StartupError("; ".join(exc.errors)) from None
     hub.authn.bus = bus
+    audit_log = None
+    if cfg.audit.enabled:
+        try:
+            audit_log = hub.audit = AuditLog(cfg.audit, bus)
+        except ConfigError as exc:
+            raise StartupError("; ".join(exc.errors)) from None
     metrics = GatewayMetrics(bus, hub.status, version=__version__,
                              max_tool_latency_series=cfg.admin.tool_latency_series)
     fds = {name: fd for fd, name in systemd.listen_fds_with_names().items()}
@@ -229,6 +236,8 @@ async def run(
         outer.start_soon(systemd.run_watchdog)
         outer.start_soon(hub.authn.start)  # the OAuth keys (JWTs wait for this first fetch)
         outer.start_soon(metrics.run_lag_probe)
+        if audit_log is not None:  # written until the very end (the drain's calls too)
+            await outer.start(audit_log.run)
         if cfg.admin.listen is not None or "admin" in fds:
             admin_listeners = await _admin_listeners(cfg, fds)
             await outer.start(partial(serve_admin, allowed_hosts=cfg.admin.allowed_hosts,
@@ -629,6 +638,8 @@ async def reload(hub: Hub, config_path: str | None,
     """SIGHUP: re-read and validate, keep the old config on error, else apply the diff (and
     load the TLS certificate and key again: a renewed certificate needs no restart)."""
     systemd.notify("RELOADING=1", f"MONOTONIC_USEC={systemd.monotonic_usec()}", "STATUS=reloading")
+    if isinstance(hub.audit, AuditLog):
+        hub.audit.reload()  # reopened (logrotate) and its key re-read, whatever the config says
     try:
         if config_path is None:
             raise ConfigError(["no config file to reload from"])

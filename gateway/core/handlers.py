@@ -85,6 +85,7 @@ def initialize(ports: CatalogView, session: ClientSession, req: Request) -> Raw:
     # synchronous: two racing ones cannot both pass
     version = mcp.negotiate_version(params.protocolVersion)
     session.initialize(version, mcp.ClientCaps(params.capabilities))
+    session.client_info = {"name": params.clientInfo.name, "version": params.clientInfo.version}
     return jsonrpc.encode_dict(
         {
             "protocolVersion": version,
@@ -232,6 +233,7 @@ async def forward(ports: HandlerPorts, session: ClientSession, req: Request, tar
     asks = backend.waits_for_parked(asker_key(req))
     for attempt in range(2):
         inst, child = await backend.acquire(session, asks=asks)
+        req.instance = inst.name
         fields, meta = outgoing(ports, session, target, child.era is era.Era.MODERN)
         try:
             return await child.request(req.method, timeout=backend.cfg.request_timeout,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from msgspec import Raw
@@ -19,6 +19,12 @@ class Request:
     backend_time: float | None = None
     tool: str | None = None
     counted: bool = False  # RequestStarted was emitted (a backend was chosen)
+    # For the audit log, set on the slow paths only (not by __init__: read with getattr):
+    # forwarded by a task, the instance that took it; how a consent prompt for it ended
+    # (gateway.core.policy); a modern child's input_required rounds pushed to a legacy caller.
+    instance: str = field(init=False, repr=False, compare=False)
+    consent: str = field(init=False, repr=False, compare=False)
+    rounds: int = field(init=False, repr=False, compare=False)
     # forwarded by a task (:func:`gateway.core.handlers.forward`): its child and its call there
     at: tuple[Any, Any] | None = None
 

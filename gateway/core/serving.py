@@ -27,7 +27,7 @@ from msgspec import UNSET, Raw
 
 from gateway import __version__, errors
 from gateway.auth.labels import NO_PRINCIPAL
-from gateway.core import handlers, inputs
+from gateway.core import audit, handlers, inputs
 from gateway.core.handlers import HANDLERS, PRE_INIT
 from gateway.core.inputs import InputPorts
 from gateway.core.ports import Lifecycle
@@ -55,6 +55,10 @@ class ServingPorts(InputPorts, Lifecycle, Protocol):
     def limits(self) -> PrincipalLimits: ...
     @property
     def bridge(self) -> Bridging: ...
+    @property
+    def audit(self) -> audit.AuditSink | None:
+        """Where the audit log's records go (None: audit is off)."""
+        ...
 
 
 def error_response(id: int | str | None, exc: errors.GatewayError) -> bytes:
@@ -247,7 +251,11 @@ class Served:
         flow = self.flow
         if flow is not None and flow.waiting:  # its id was answered input_required: ended
             response = None  # between rounds, nobody hears of it (the retry gets invalid_state)
-        self.reply(response, self.id)
+        sink = ports.audit
+        if sink is None or req.method not in audit.AUDITED or audit.finished(
+                self, ports.policy, sink, outcome=outcome, code=code, response=response,
+                instance=None if self.inst is None else self.inst.name, reply=self.reply):
+            self.reply(response, self.id)
         session.inflight.pop(self.id, None)
         if self.held is not None:
             ports.limits.release(self.held)
