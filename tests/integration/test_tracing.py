@@ -184,3 +184,31 @@ async def test_an_untrusted_parent_becomes_a_link_of_a_new_trace(tmp_path: Any) 
     failed = only(spans, kind="server", name="tools/call fx__nope")
     assert failed.error and failed.attributes["rpc.jsonrpc.error_code"] == -32602
     assert failed.attributes["mcp_gateway.outcome"] == "error"
+
+
+async def test_a_consent_prompt_and_the_wait_for_an_instance_are_spans_of_the_call() -> None:
+    policy = '[[policy.rules]]\nmatch = "fx__echo"\naction = "ask"\n'
+    with Receiver() as rx:
+        cfg = make_config(fixture_backend("fx") + policy, extra=telemetry(rx.url))
+        with trio.fail_after(30):
+            async with run_gateway(cfg) as gw, connect(
+                    gw.url, capabilities={"elicitation": {"form": {}}}) as c:
+                out: dict[str, Any] = {}
+
+                async def call() -> None:
+                    out.update(await c.call("fx__echo", {"message": "m"}))
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(call)
+                    prompt = await c.wait_for(lambda: c.requests and c.requests[-1])
+                    assert prompt["method"] == "elicitation/create"
+                    await c.send({"jsonrpc": "2.0", "id": prompt["id"], "result": {
+                        "action": "accept", "content": {"approve": True}}})
+                assert text_of(out) == "m"
+        spans = list(rx.spans)
+    server = only(spans, kind="server", name="tools/call fx__echo")
+    children = {s.name: s for s in spans if s.parent == server.span_id}
+    assert set(children) == {"policy", "consent", "wait", "tools/call fx__echo"}
+    assert children["policy"].attributes["mcp_gateway.outcome"] == "ask"
+    assert children["consent"].attributes["mcp_gateway.outcome"] == "ok"
+    assert children["tools/call fx__echo"].kind == "client"
