@@ -182,7 +182,9 @@ class Served:
             self.call = child.start(req.method, UNSET, handle=self, now=self.forwarded_at,
                                     owner=session, hard_timeout=backend.cfg.max_call_duration,
                                     progress=target.progress, fields=fields, meta=meta)
-        except errors.NotDelivered:  # the child just died: the slow path waits for the next one
+        except errors.NotDelivered as exc:  # the child just died: the slow path waits for the next
+            if trace is not None:
+                trace.call_done(exc.code)
             backend.release(inst, session)
             self.child = None
             self.mode = _INLINE

@@ -269,9 +269,9 @@ class Telemetry:
             attributes["service.name"] = service_name
         self.drops = Drops()
         self.exporter = exporter or exporter_of(cfg, base_dir, environ)
-        self.provider = TracerProvider(resource=Resource.create(attributes),
-                                       sampler=ParentBased(TraceIdRatioBased(ratio_of(cfg,
-                                                                                      environ))))
+        sampler = ParentBased(TraceIdRatioBased(ratio_of(cfg, environ)))
+        self.provider = TracerProvider(resource=Resource.create(attributes), sampler=sampler,
+                                       shutdown_on_exit=False)  # the service shuts it down
         queue = cfg.max_queue
         self.processor = BatchSpanProcessor(
             _Counted(self.exporter, self.drops), max_queue_size=queue,
