@@ -1,9 +1,11 @@
-"""A local OTLP/HTTP traces receiver for the tests: a thread with ``http.server`` that decodes
-each export with the OpenTelemetry protobuf definitions (``opentelemetry-proto``)."""
+"""Local OTLP traces receivers for the tests: OTLP/HTTP (a thread with ``http.server``) and
+OTLP/gRPC (``grpcio``'s server), each decoding the exports with the OpenTelemetry protobuf
+definitions (``opentelemetry-proto``)."""
 
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -11,6 +13,10 @@ from typing import Any
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
+)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import (
+    TraceServiceServicer,
+    add_TraceServiceServicer_to_server,
 )
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
@@ -93,3 +99,33 @@ class Receiver:
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(5)
+
+
+class GrpcReceiver(Receiver):
+    """The same over OTLP/gRPC: ``rx.url`` is ``http://127.0.0.1:PORT`` (plaintext)."""
+
+    def __init__(self) -> None:
+        import grpc
+
+        self.spans = []
+        self.requests = []
+        self.lock = threading.Lock()
+        receiver = self
+
+        class Servicer(TraceServiceServicer):
+            def Export(self, request: ExportTraceServiceRequest, context: Any
+                       ) -> ExportTraceServiceResponse:
+                receiver._add(request, dict(context.invocation_metadata()))
+                return ExportTraceServiceResponse()
+
+        self.grpc_server = grpc.server(ThreadPoolExecutor(max_workers=2))
+        add_TraceServiceServicer_to_server(Servicer(), self.grpc_server)
+        port = self.grpc_server.add_insecure_port("127.0.0.1:0")
+        self.url = f"http://127.0.0.1:{port}"
+
+    def __enter__(self) -> GrpcReceiver:
+        self.grpc_server.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.grpc_server.stop(None)

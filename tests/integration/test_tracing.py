@@ -13,10 +13,10 @@ import httpx
 import pytest
 import trio
 from fixtures.remote_server import RemoteServer
-from helpers import ROOT, connect, fixture_backend, make_config, run_gateway, text_of
+from helpers import ROOT, connect, fixture_backend, make_config, metric, run_gateway, text_of
 
 pytest.importorskip("opentelemetry.sdk", reason="the otel extra: scripts/setup --test")
-from otlputil import Received, Receiver
+from otlputil import GrpcReceiver, Received, Receiver
 
 pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
@@ -177,6 +177,10 @@ async def test_an_untrusted_parent_becomes_a_link_of_a_new_trace(tmp_path: Any) 
                 assert text_of(r) == "m"
                 r = await c.call("fx__nope")
                 assert r["error"]["code"] == -32602
+                for reason in ("queue_full", "export_failed"):
+                    assert await metric(gw.bound.admin_port,
+                                        "mcp_gateway_telemetry_spans_dropped_total",
+                                        reason=reason) == 0
         spans = list(rx.spans)
     server = only(spans, kind="server", name="tools/call fx__echo")
     assert server.trace_id != CLIENT_TRACE and server.parent == ""
@@ -212,3 +216,18 @@ async def test_a_consent_prompt_and_the_wait_for_an_instance_are_spans_of_the_ca
     assert children["policy"].attributes["mcp_gateway.outcome"] == "ask"
     assert children["consent"].attributes["mcp_gateway.outcome"] == "ok"
     assert children["tools/call fx__echo"].kind == "client"
+
+
+async def test_export_over_grpc_with_headers_from_a_file(tmp_path: Any) -> None:
+    (tmp_path / "otlp.headers").write_text("# the collector's credentials\nx-api-key: s3cret\n")
+    with GrpcReceiver() as rx:
+        cfg = make_config(fixture_backend("fx"), extra=telemetry(
+            rx.url, protocol="grpc", headers_file=str(tmp_path / "otlp.headers")))
+        with trio.fail_after(30):
+            async with run_gateway(cfg) as gw, connect(gw.url) as c:
+                assert text_of(await c.call("fx__echo", {"message": "m"})) == "m"
+        spans = list(rx.spans)
+        requests = list(rx.requests)
+    server = only(spans, kind="server", name="tools/call fx__echo")
+    assert only(spans, kind="client").parent == server.span_id
+    assert requests and all(r["x-api-key"] == "s3cret" for r in requests)
