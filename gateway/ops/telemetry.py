@@ -66,8 +66,8 @@ _MESSAGE = msgspec.json.Decoder(_Message)
 
 
 class Drops(logging.Filter, Collector):
-    """Spans dropped: ``queue_full`` (counted from the SDK's log record, which is suppressed)
-    and ``export_failed`` (by :class:`_Counted`, in the export thread)."""
+    """Spans dropped: ``queue_full`` (counted from the SDK's log record, logged the first time
+    only) and ``export_failed`` (by :class:`_Counted`, in the export thread)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -77,7 +77,7 @@ class Drops(logging.Filter, Collector):
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.msg, str) and record.msg.startswith("Queue full"):
             self.queue_full += 1
-            return False
+            return self.queue_full == 1  # the first one is logged, the rest only counted
         return True
 
     def collect(self) -> Iterable[Metric]:

@@ -112,13 +112,16 @@ def test_a_bad_traceparent_starts_a_new_trace(bad: str) -> None:
     assert len(kept.spans) == 2 and all(s.parent is None and not s.links for s in kept.spans)
 
 
-def test_a_full_queue_drops_spans_counted_and_never_blocks() -> None:
+def test_a_full_queue_drops_spans_counted_and_never_blocks(
+        caplog: pytest.LogCaptureFixture) -> None:
     kept = Kept()
     kept.hold.clear()  # the export thread is stuck in its first export
     tel = make(kept, max_queue=4)
     for _ in range(50):
         tel.request("ping", None, "unix", None).end("ok", None, "", None)
     assert tel.drops.queue_full >= 40  # 4 queued, at most one batch taken by the stuck export
+    assert [r.getMessage() for r in caplog.records
+            if r.name == telemetry.SDK_QUEUE_LOGGER] == ["Queue full, dropping Span."]
     kept.hold.set()
     tel.shutdown()
     assert len(kept.spans) + tel.drops.queue_full == 50
