@@ -13,7 +13,16 @@ import httpx
 import pytest
 import trio
 from fixtures.remote_server import RemoteServer
-from helpers import ROOT, connect, fixture_backend, make_config, metric, run_gateway, text_of
+from helpers import (
+    ROOT,
+    connect,
+    fixture_backend,
+    free_port,
+    make_config,
+    metric,
+    run_gateway,
+    text_of,
+)
 
 pytest.importorskip("opentelemetry.sdk", reason="the otel extra: scripts/setup --test")
 from otlputil import GrpcReceiver, Received, Receiver
@@ -231,3 +240,21 @@ async def test_export_over_grpc_with_headers_from_a_file(tmp_path: Any) -> None:
     server = only(spans, kind="server", name="tools/call fx__echo")
     assert only(spans, kind="client").parent == server.span_id
     assert requests and all(r["x-api-key"] == "s3cret" for r in requests)
+
+
+async def test_a_modern_remote_gets_the_client_span_context_as_headers(tmp_path: Any) -> None:
+    from test_remote_modern import recorded, sdk_server
+    from test_remote_modern import remote as modern_remote
+
+    port, record = free_port(), str(tmp_path / "seen.jsonl")
+    with Receiver() as rx:
+        cfg = make_config(modern_remote("rm", port, "modern_only"), extra=telemetry(rx.url))
+        with trio.fail_after(60):
+            async with sdk_server(port, record), run_gateway(cfg) as gw, connect(gw.url) as c:
+                assert text_of(await c.call("rm__echo", {"message": "hi"})) == "hi"
+        spans = list(rx.spans)
+    server = only(spans, kind="server", name="tools/call rm__echo")
+    call = only(spans, kind="client", trace_id=server.trace_id)
+    posts = [r for r in recorded(record) if r["headers"].get("mcp-method") == "tools/call"]
+    assert len(posts) == 1
+    assert context_of(posts[0]["headers"]["traceparent"]) == (server.trace_id, call.span_id, True)
