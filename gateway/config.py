@@ -280,6 +280,22 @@ class AuditSection(Base, frozen=True):
         return bool(self.path) or self.journald
 
 
+class TelemetrySection(Base, frozen=True):
+    """OpenTelemetry traces (the ``otel`` extra, imported only when ``enabled``).  A key left
+    unset falls back to the standard ``OTEL_*`` environment variable, then the SDK's default."""
+
+    enabled: bool = False
+    # where spans go: an http(s) URL (http/protobuf: the full traces URL, …/v1/traces)
+    endpoint: str | None = None
+    protocol: Literal["http/protobuf", "grpc"] | None = None
+    headers_file: str | None = None  # lines "name: value" sent with every export (credentials)
+    sample_ratio: float | None = None  # of new traces; a trusted parent's decision is followed
+    # whose incoming trace context (a request's _meta, /mcp's traceparent header) becomes the
+    # parent: an untrusted one is only linked, so a client cannot force sampling
+    trust_parent: Literal["never", "authenticated", "always"] = "never"
+    max_queue: int | None = None  # spans waiting for export (None: OTEL_BSP_MAX_QUEUE_SIZE, 2048)
+
+
 class GatewayConfig(Base, frozen=True):
     gateway: GatewaySection = GatewaySection()
     listen: ListenSection = ListenSection()
@@ -287,6 +303,7 @@ class GatewayConfig(Base, frozen=True):
     policy: PolicySection = PolicySection()
     auth: AuthSection = AuthSection()
     audit: AuditSection = AuditSection()
+    telemetry: TelemetrySection = TelemetrySection()
     backends: dict[str, BackendConfig] = {}
     base_dir: str = "."  # not a TOML key: filled in by load()
 
@@ -305,6 +322,7 @@ _SECTIONS = {
     "policy": PolicySection,
     "auth": AuthSection,
     "audit": AuditSection,
+    "telemetry": TelemetrySection,
 }
 
 
@@ -470,7 +488,7 @@ def load(data: bytes | str, *, base_dir: str = ".", check_commands: bool = False
     for key in tree:
         if key not in _SECTIONS and key != "backends":
             errors.append(f"{key}: unknown section (expected one of gateway, listen, admin, "
-                          "policy, auth, audit, backends)")
+                          "policy, auth, audit, telemetry, backends)")
     for key, typ in _SECTIONS.items():
         try:
             sections[key] = msgspec.convert(tree.get(key, {}), typ)
@@ -767,6 +785,7 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
         errors.append("listen.http_max_sessions: must be at least 1")
     errors.extend(_authz_errors(cfg))
     errors.extend(_auth_errors(cfg.auth))
+    errors.extend(_telemetry_errors(cfg.telemetry))
     for name, b in cfg.backends.items():
         p = f"backends.{name}"
         errors.extend(remote_errors(p, b))
@@ -797,6 +816,19 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
                 errors.append(f"{p}.command: {b.command!r} not found or not executable")
             if b.cwd is not None and not os.path.isdir(b.cwd):
                 errors.append(f"{p}.cwd: {b.cwd!r} is not a directory")
+    return errors
+
+
+def _telemetry_errors(t: TelemetrySection) -> list[str]:
+    errors = []
+    if t.sample_ratio is not None and not 0 <= t.sample_ratio <= 1:
+        errors.append("telemetry.sample_ratio: must be between 0 and 1")
+    if t.endpoint is not None:
+        parts = urlsplit(t.endpoint)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            errors.append(f"telemetry.endpoint: {t.endpoint!r} is not an http:// or https:// URL")
+    if t.max_queue is not None and not 1 <= t.max_queue <= 1_000_000:
+        errors.append("telemetry.max_queue: need 1 ... 1000000 spans")
     return errors
 
 
@@ -894,6 +926,8 @@ def restart_only_changes(old: GatewayConfig, new: GatewayConfig) -> list[str]:
         out.append("admin")
     if old.audit != new.audit:
         out.append("audit")
+    if old.telemetry != new.telemetry:
+        out.append("telemetry")
     for key in ("max_message_bytes", "max_json_depth", "log_target", "state_key_file",
                 "replica_id"):
         if getattr(old.gateway, key) != getattr(new.gateway, key):

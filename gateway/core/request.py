@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from msgspec import Raw
 
 from gateway.protocol.policy import Kind
+
+if TYPE_CHECKING:
+    from gateway.core.tracing import RequestTrace
 
 
 @dataclass(slots=True)
@@ -27,6 +30,7 @@ class Request:
     rounds: int = field(init=False, repr=False, compare=False)
     # forwarded by a task (:func:`gateway.core.handlers.forward`): its child and its call there
     at: tuple[Any, Any] | None = None
+    trace: RequestTrace | None = None  # tracing is on (see gateway.core.tracing)
 
 
 @dataclass(slots=True)
