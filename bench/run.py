@@ -1118,7 +1118,8 @@ async def bench_direct(args: argparse.Namespace, backend: BackendSpec, procs: Pr
 
 
 def gateway_config(backend: BackendSpec, ws_port: int, admin_port: int, unix_path: str,
-                   max_inflight: int | None = None, http_port: int | None = None) -> str:
+                   max_inflight: int | None = None, http_port: int | None = None,
+                   telemetry: str | None = None) -> str:
     argv = backend.argv
     bound = "" if max_inflight is None else f"max_inflight = {max_inflight}\n"
 
@@ -1148,7 +1149,8 @@ listen = "127.0.0.1:{admin_port}"
 {table("fx")}
 {table("fxa", 'sharing = "affine"')}
 {table("rs", restart)}
-"""
+""" + ("" if telemetry is None else  # every call traced, exported to ``telemetry``
+       f'[telemetry]\nenabled = true\nendpoint = "{telemetry}"\nsample_ratio = 1.0\n')
 
 
 async def gateway_status(admin: int) -> dict[str, Any]:
@@ -1463,7 +1465,8 @@ async def bench_gateway(args: argparse.Namespace, backend: BackendSpec, procs: P
     http_port = None if args.no_http else free_port()
     cfg_path = os.path.join(procs.log_dir, "gateway-bench.toml")
     with open(cfg_path, "w") as f:  # noqa: ASYNC230 - set-up on a local file, before any measurement
-        f.write(gateway_config(backend, ws_port, admin, unix_path, args.max_inflight, http_port))
+        f.write(gateway_config(backend, ws_port, admin, unix_path, args.max_inflight, http_port,
+                               args.telemetry))
     # The gateway under test is the one in this tree (a worktree's, too), whatever is installed:
     # its folder goes first on PYTHONPATH, and the child's import is checked before it starts.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -2552,6 +2555,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-inflight", type=int, default=None,
                    help="backends.NAME.max_inflight for the gateway's backends (default: the "
                         "gateway's)")
+    p.add_argument("--telemetry", metavar="URL",
+                   help="trace every gateway call ([telemetry], ratio 1.0), exported to this "
+                        "OTLP/HTTP traces URL (the otel extra)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = p.parse_args(argv)
     args.peers = [x for x in args.peers.split(",") if x]

@@ -2,6 +2,7 @@
 """Count the trio task steps and task spawns the gateway spends per forwarded call.
 
     .venv/bin/python bench/steps.py [--calls 2000] [--clients 1] [--transport unix|websocket]
+                                    [--count-calls] [--telemetry URL]
 
 Runs the gateway of this tree in-process (one echo backend, ``tests/fixtures/fixture_server.py``)
 under a trio Instrument, and drives it from a separate client process (plain sockets, no trio)
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import os
+import pstats
 import subprocess
 import sys
 import tempfile
@@ -132,6 +135,9 @@ async def main(args: argparse.Namespace) -> None:
     else:
         toml += (f'command = "{sys.executable}"\n'
                  f'args = ["{ROOT}/tests/fixtures/fixture_server.py"]\n')
+    if args.telemetry:  # every call traced (ratio 1), exported to this OTLP/HTTP endpoint
+        toml += f'[telemetry]\nenabled = true\nendpoint = "{args.telemetry}"\nsample_ratio = 1.0\n'
+
     cfg = gwconfig.load(toml)
     counter = Counter()
     trio.lowlevel.add_instrument(counter)
@@ -153,10 +159,15 @@ async def main(args: argparse.Namespace) -> None:
             buf = b""
 
         await expect(b"GO")
+        profile = cProfile.Profile() if args.count_calls else None
         counter.on = True
         t0 = time.perf_counter()
+        if profile is not None:
+            profile.enable()
         await proc.stdin.send_all(b"\n")
         await expect(b"DONE")
+        if profile is not None:
+            profile.disable()
         counter.on = False
         elapsed = time.perf_counter() - t0
         await proc.stdin.send_all(b"\n")
@@ -168,6 +179,9 @@ async def main(args: argparse.Namespace) -> None:
               "call")
         for name, count in counter.steps.most_common(12):
             print(f"  {count / n:6.2f}  {name}")
+        if profile is not None:
+            calls = pstats.Stats(profile).total_calls
+            print(f"{calls / n:.1f} Python function calls per call in the gateway's thread")
         nursery.cancel_scope.cancel()
 
 
@@ -179,4 +193,8 @@ if __name__ == "__main__":
     p.add_argument("--remote", metavar="URL",
                    help="the backend: this Streamable HTTP server (e.g. server-everything's "
                         "streamableHttp at http://127.0.0.1:PORT/mcp), not the fixture")
+    p.add_argument("--telemetry", metavar="URL",
+                   help="trace every call, exported to this OTLP/HTTP traces URL")
+    p.add_argument("--count-calls", action="store_true",
+                   help="also count the Python function calls per call (cProfile)")
     trio.run(main, p.parse_args())

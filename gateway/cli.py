@@ -1,4 +1,4 @@
-"""The ``mcp-gateway`` command: run, check-config, connect, status, version."""
+"""The ``mcp-gateway`` command: run, check-config, connect, status, audit verify, version."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         except tls.TlsError as exc:
             print(f"{args.config}: {exc}", file=sys.stderr)
             return 1
-    problems = _tokens_file_problems(cfg)
+    problems = _tokens_file_problems(cfg) + _audit_problems(cfg)
     for problem in problems:
         print(f"{args.config}: {problem}", file=sys.stderr)
     if problems:
@@ -78,6 +78,31 @@ def _tokens_file_problems(cfg: config.GatewayConfig) -> list[str]:
     except ConfigError as exc:
         return exc.errors
     return []
+
+
+def _audit_problems(cfg: config.GatewayConfig) -> list[str]:
+    """``[audit]`` as the start reads it: the journal's extra, and ``key_file`` when it exists
+    (the start creates a missing one).  Run as root, its owner is not checked (as above)."""
+    if not cfg.audit.enabled:
+        return []
+    from gateway.ops import audit
+
+    problems = []
+    if cfg.audit.journald:
+        try:
+            audit.journal_sender()
+        except ConfigError as exc:
+            problems.extend(exc.errors)
+    path = cfg.audit.key_file
+    if os.path.lexists(path):
+        try:
+            owner = os.lstat(path).st_uid if os.geteuid() == 0 else None
+            audit.load_key(path, create=False, owner=owner)
+        except ConfigError as exc:
+            problems.extend(exc.errors)
+        except OSError as exc:
+            problems.append(f"audit.key_file: {path}: {exc}")
+    return problems
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -184,6 +209,23 @@ def cmd_status(args: argparse.Namespace) -> int:
     return statuscmd.EXIT_REQUIRED_DOWN if statuscmd.required_down(doc) else 0
 
 
+def cmd_audit_verify(args: argparse.Namespace) -> int:
+    from gateway.ops import audit
+
+    try:
+        key = audit.load_key(args.key_file, create=False)
+    except ConfigError as exc:
+        print(f"mcp-gateway audit verify: {'; '.join(exc.errors)}", file=sys.stderr)
+        return 2
+    try:
+        intact, message = audit.verify_files(key, args.files)
+    except OSError as exc:
+        print(f"mcp-gateway audit verify: {exc}", file=sys.stderr)
+        return 2
+    print(message if intact else f"broken: {message}", file=sys.stdout if intact else sys.stderr)
+    return 0 if intact else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mcp-gateway",
                                      description="Many MCP servers behind one endpoint.")
@@ -214,6 +256,15 @@ def main(argv: list[str] | None = None) -> int:
                    "admin.token_sha256 is set: the config holds only its hash)")
     p.add_argument("--json", action="store_true", help="print the /status document as JSON")
     p.set_defaults(func=cmd_status)
+    p = sub.add_parser("audit", help="the audit log")
+    audit_sub = p.add_subparsers(dest="audit_command", required=True)
+    p = audit_sub.add_parser("verify", help="check the MAC chain of audit files (oldest first); "
+                             "exit 0 when intact, 1 naming the first broken file:line, 2 when "
+                             "the key or a file cannot be read")
+    p.add_argument("--key-file", required=True,
+                   help="the [audit] key_file the log was written with")
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.set_defaults(func=cmd_audit_verify)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

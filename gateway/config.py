@@ -255,12 +255,55 @@ class PolicySection(Base, frozen=True):
     elicitation_timeout: float = 60.0
 
 
+#: ``[audit] redact_keys`` by default: argument members whose values are never written.
+REDACT_KEYS = ("password", "passwd", "secret", "token", "authorization", "api_key", "apikey",
+               "cookie")
+
+
+class AuditSection(Base, frozen=True):
+    """The audit log: one HMAC-chained JSON line per tools/call, prompts/get, resources/read."""
+
+    path: str = ""  # the file ("" = none); rotated to path.1 … path.KEEP
+    journald: bool = False  # also to the journal, as structured fields (the systemd extra)
+    key_file: str = ""  # the HMAC key (hex, >= 16 bytes; mode 0600, owned by root or the gateway)
+    max_bytes: int = 100 * MIB  # rotate before a line would take the file past this (0: never)
+    keep: int = 10
+    fsync: Literal["always", "interval", "never"] = "interval"
+    fsync_interval: float = 1.0 * SECONDS
+    queue: int = 10000  # records waiting for the writer
+    on_full: Literal["block", "drop"] = "block"
+    log_arguments: list[str] = []  # globs on tool names whose arguments are written (redacted)
+    redact_keys: list[str] = msgspec.field(default_factory=lambda: list(REDACT_KEYS))
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.path) or self.journald
+
+
+class TelemetrySection(Base, frozen=True):
+    """OpenTelemetry traces (the ``otel`` extra, imported only when ``enabled``).  A key left
+    unset falls back to the standard ``OTEL_*`` environment variable, then the SDK's default."""
+
+    enabled: bool = False
+    # where spans go: an http(s) URL (http/protobuf: the full traces URL, …/v1/traces)
+    endpoint: str | None = None
+    protocol: Literal["http/protobuf", "grpc"] | None = None
+    headers_file: str | None = None  # lines "name: value" sent with every export (credentials)
+    sample_ratio: float | None = None  # of new traces; a trusted parent's decision is followed
+    # whose incoming trace context (a request's _meta, /mcp's traceparent header) becomes the
+    # parent: an untrusted one is only linked, so a client cannot force sampling
+    trust_parent: Literal["never", "authenticated", "always"] = "never"
+    max_queue: int | None = None  # spans waiting for export (None: OTEL_BSP_MAX_QUEUE_SIZE, 2048)
+
+
 class GatewayConfig(Base, frozen=True):
     gateway: GatewaySection = GatewaySection()
     listen: ListenSection = ListenSection()
     admin: AdminSection = AdminSection()
     policy: PolicySection = PolicySection()
     auth: AuthSection = AuthSection()
+    audit: AuditSection = AuditSection()
+    telemetry: TelemetrySection = TelemetrySection()
     backends: dict[str, BackendConfig] = {}
     base_dir: str = "."  # not a TOML key: filled in by load()
 
@@ -278,6 +321,8 @@ _SECTIONS = {
     "admin": AdminSection,
     "policy": PolicySection,
     "auth": AuthSection,
+    "audit": AuditSection,
+    "telemetry": TelemetrySection,
 }
 
 
@@ -443,7 +488,7 @@ def load(data: bytes | str, *, base_dir: str = ".", check_commands: bool = False
     for key in tree:
         if key not in _SECTIONS and key != "backends":
             errors.append(f"{key}: unknown section (expected one of gateway, listen, admin, "
-                          "policy, auth, backends)")
+                          "policy, auth, audit, telemetry, backends)")
     for key, typ in _SECTIONS.items():
         try:
             sections[key] = msgspec.convert(tree.get(key, {}), typ)
@@ -648,6 +693,22 @@ def resolve_command(backend: BackendConfig) -> str | None:
     return shutil.which(backend.command, path=path)
 
 
+def _audit_errors(a: AuditSection) -> list[str]:
+    errors = []
+    if a.enabled and not a.key_file:
+        errors.append("audit.key_file: required when audit.path or audit.journald is set")
+    if a.key_file and not a.enabled:
+        errors.append("audit.key_file: set, but neither audit.path nor audit.journald is")
+    if a.max_bytes and a.max_bytes < 4096:
+        errors.append("audit.max_bytes: must be 0 (never rotate) or at least 4096")
+    for key in ("keep", "queue"):
+        if getattr(a, key) < 1:
+            errors.append(f"audit.{key}: must be at least 1")
+    if not 0 < a.fsync_interval <= 3600:
+        errors.append("audit.fsync_interval: must be positive and at most 3600 seconds")
+    return errors
+
+
 def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
     errors: list[str] = []
     g = cfg.gateway
@@ -676,6 +737,7 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
                 "max_parked_flows"):
         if getattr(g, key) is not None and getattr(g, key) < 1:
             errors.append(f"gateway.{key}: must be at least 1")
+    errors.extend(_audit_errors(cfg.audit))
     for key, value in (("listen.websocket", cfg.listen.websocket), ("listen.http", cfg.listen.http),
                        ("admin.listen", cfg.admin.listen)):
         if value is None:
@@ -723,6 +785,7 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
         errors.append("listen.http_max_sessions: must be at least 1")
     errors.extend(_authz_errors(cfg))
     errors.extend(_auth_errors(cfg.auth))
+    errors.extend(_telemetry_errors(cfg.telemetry))
     for name, b in cfg.backends.items():
         p = f"backends.{name}"
         errors.extend(remote_errors(p, b))
@@ -753,6 +816,19 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
                 errors.append(f"{p}.command: {b.command!r} not found or not executable")
             if b.cwd is not None and not os.path.isdir(b.cwd):
                 errors.append(f"{p}.cwd: {b.cwd!r} is not a directory")
+    return errors
+
+
+def _telemetry_errors(t: TelemetrySection) -> list[str]:
+    errors = []
+    if t.sample_ratio is not None and not 0 <= t.sample_ratio <= 1:
+        errors.append("telemetry.sample_ratio: must be between 0 and 1")
+    if t.endpoint is not None:
+        parts = urlsplit(t.endpoint)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            errors.append(f"telemetry.endpoint: {t.endpoint!r} is not an http:// or https:// URL")
+    if t.max_queue is not None and not 1 <= t.max_queue <= 1_000_000:
+        errors.append("telemetry.max_queue: need 1 ... 1000000 spans")
     return errors
 
 
@@ -848,6 +924,10 @@ def restart_only_changes(old: GatewayConfig, new: GatewayConfig) -> list[str]:
         out.append("listen")
     if old.admin != new.admin:
         out.append("admin")
+    if old.audit != new.audit:
+        out.append("audit")
+    if old.telemetry != new.telemetry:
+        out.append("telemetry")
     for key in ("max_message_bytes", "max_json_depth", "log_target", "state_key_file",
                 "replica_id"):
         if getattr(old.gateway, key) != getattr(new.gateway, key):

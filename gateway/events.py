@@ -198,6 +198,12 @@ class RequestStateRefused(msgspec.Struct, frozen=True):
     reason: str
 
 
+class AuditRecordsDropped(msgspec.Struct, frozen=True):
+    """Audit records lost: the queue was full (``on_full = "drop"``) or a write failed."""
+
+    count: int
+
+
 class ReloadFinished(msgspec.Struct, frozen=True):
     success: bool
     error: str | None
@@ -238,6 +244,7 @@ Event = (
     | AnswerRefused
     | InputRequired
     | RequestStateRefused
+    | AuditRecordsDropped
     | ReloadFinished
     | ListsChanged
     | News

@@ -26,10 +26,12 @@ from gateway.backend.instance import ChildNotified, Instance
 from gateway.backend.pool import Backend, ConnectorFactory, Parking, default_connector
 from gateway.config import BackendConfig, GatewayConfig, ItemFilter
 from gateway.core import bridge
+from gateway.core.audit import AuditSink
 from gateway.core.listen import Listens
 from gateway.core.ownership import Ownership
 from gateway.core.policy import Caller, Policy, caller_of
 from gateway.core.session import ClientSession
+from gateway.core.tracing import Tracer
 from gateway.events import BackendExited, CatalogChanged, ConnectionRefused, EventBus, ListsChanged
 from gateway.limits import (
     DEFAULT_MAX_CONNECTIONS,
@@ -123,6 +125,8 @@ class Hub:
         self.caps = PrincipalCaps(entries)
         self.principal_names = configured_names(cfg)  # the principal label set
         self.authn: Authenticator | None = None  # set by the service (gateway.auth)
+        self.audit: AuditSink | None = None  # the audit log, when on (set by the service)
+        self.tracer: Tracer | None = None  # set by the service when [telemetry] enabled
         self.listeners_bound = False
         self.listeners: tuple[ListenerStatus, ...] = ()  # for /status; set once they are bound
         self.lame_duck = False  # SIGTERM: not ready, still serving (gateway.drain_delay)

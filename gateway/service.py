@@ -23,7 +23,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 import trio
@@ -32,6 +32,7 @@ from gateway import __version__, config, errors, limits
 from gateway.auth.authenticator import Authenticator, Unauthorized
 from gateway.auth.peer import peer_principal
 from gateway.auth.principal import Principal
+from gateway.backend import http as http_backend
 from gateway.backend import process
 from gateway.backend.connector import Connector
 from gateway.backend.pool import default_connector
@@ -45,6 +46,7 @@ from gateway.limits import CapReached
 from gateway.ops import fdlimit, systemd
 from gateway.ops.admin import probe as admin_probe
 from gateway.ops.admin import serve_admin
+from gateway.ops.audit import AuditLog
 from gateway.ops.metrics import GatewayMetrics
 from gateway.protocol import jsonrpc
 from gateway.protocol.catalog import CatalogConflict
@@ -66,6 +68,11 @@ CLOSE_TIMEOUT = 3.0
 #: A drained connection is closed once it has sent no request for this long: a request sent
 #: as the client got its last answer is refused (retryable) then, not lost in the close.
 SETTLE = 0.25
+#: Seconds the spans still queued at exit may take to export.
+TELEMETRY_FLUSH = 5.0
+
+if TYPE_CHECKING:
+    from gateway.ops.telemetry import Telemetry
 
 
 class StartupError(Exception):
@@ -219,8 +226,19 @@ async def run(
     except ConfigError as exc:
         raise StartupError("; ".join(exc.errors)) from None
     hub.authn.bus = bus
+    audit_log = None
+    if cfg.audit.enabled:
+        try:
+            audit_log = hub.audit = AuditLog(cfg.audit, bus)
+        except ConfigError as exc:
+            raise StartupError("; ".join(exc.errors)) from None
     metrics = GatewayMetrics(bus, hub.status, version=__version__,
                              max_tool_latency_series=cfg.admin.tool_latency_series)
+    telemetry = _telemetry(cfg)
+    if telemetry is not None:
+        hub.tracer = telemetry
+        metrics.registry.register(telemetry.drops)
+        http_backend.message_headers = telemetry.message_headers
     fds = {name: fd for fd, name in systemd.listen_fds_with_names().items()}
     bound = Bound()
     async with trio.open_nursery() as outer:
@@ -229,6 +247,8 @@ async def run(
         outer.start_soon(systemd.run_watchdog)
         outer.start_soon(hub.authn.start)  # the OAuth keys (JWTs wait for this first fetch)
         outer.start_soon(metrics.run_lag_probe)
+        if audit_log is not None:  # written until the very end (the drain's calls too)
+            await outer.start(audit_log.run)
         if cfg.admin.listen is not None or "admin" in fds:
             admin_listeners = await _admin_listeners(cfg, fds)
             await outer.start(partial(serve_admin, allowed_hosts=cfg.admin.allowed_hosts,
@@ -266,8 +286,27 @@ async def run(
                         await hub.stop_backends()
                 hub.reap()
             metrics.close()
+            if telemetry is not None:
+                http_backend.message_headers = None
+                with trio.CancelScope(shield=True), trio.move_on_after(TELEMETRY_FLUSH):
+                    await trio.to_thread.run_sync(telemetry.shutdown, abandon_on_cancel=True)
             outer.cancel_scope.cancel()
     LOGGER.info("mcp-gateway stopped")
+
+
+def _telemetry(cfg: GatewayConfig) -> Telemetry | None:
+    """The daemon's tracer when ``[telemetry] enabled`` (the ``otel`` extra imported then)."""
+    if not cfg.telemetry.enabled:
+        return None
+    try:
+        from gateway.ops import telemetry
+    except ImportError as exc:
+        raise StartupError(f"telemetry.enabled: the otel extra is not installed ({exc})") from None
+    try:
+        return telemetry.Telemetry(cfg.telemetry, service_name=cfg.gateway.name,
+                                   base_dir=cfg.base_dir)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
 
 
 def fit_connections(cfg: GatewayConfig, fd_limit: int) -> GatewayConfig:
@@ -416,6 +455,7 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
             endpoint.direct = lambda stream: connection.Direct(hub, stream, conns, "http",
                                                                stream.bind)
             endpoint.core = hub
+            endpoint.traced = hub.tracer is not None
             await nursery.start(lambda task_status: serve_http(
                 http_listeners, endpoint, max_message=max_msg, handler_nursery=conns,
                 slots=hub.slots, tls_context=tls_context, task_status=task_status))
@@ -629,6 +669,8 @@ async def reload(hub: Hub, config_path: str | None,
     """SIGHUP: re-read and validate, keep the old config on error, else apply the diff (and
     load the TLS certificate and key again: a renewed certificate needs no restart)."""
     systemd.notify("RELOADING=1", f"MONOTONIC_USEC={systemd.monotonic_usec()}", "STATUS=reloading")
+    if isinstance(hub.audit, AuditLog):
+        hub.audit.reload()  # reopened (logrotate) and its key re-read, whatever the config says
     try:
         if config_path is None:
             raise ConfigError(["no config file to reload from"])

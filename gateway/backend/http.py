@@ -21,6 +21,7 @@ import os
 import random
 import ssl
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -87,6 +88,9 @@ SAFE_TO_REPEAT = frozenset({
     "initialize", "ping", "tools/list", "prompts/list", "prompts/get", "resources/list",
     "resources/templates/list", "resources/read", "completion/complete", "logging/setLevel",
     "resources/subscribe", "resources/unsubscribe", "server/discover"})
+#: Extra headers for a message POSTed, from its bytes; set by the service while tracing is on
+#: (the trace context the gateway put into a request's ``_meta``); None: none.
+message_headers: Callable[[bytes], list[tuple[str, str]]] | None = None
 
 
 class _MayHaveRun(Exception):
@@ -547,6 +551,8 @@ class HttpLink:
         target = self._connector.target.target
         head = [("content-type", "application/json"), *self._headers(_ACCEPT_BOTH),
                 *(extra or ())]
+        if message_headers is not None:
+            head += message_headers(data)
         for _attempt in range(2):
             try:
                 conn = await self._pool.get()

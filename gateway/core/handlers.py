@@ -13,9 +13,10 @@ the session and a :class:`Request`, and returns the ``result`` (Raw) or a Target
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import msgspec
 import trio
@@ -26,6 +27,7 @@ from gateway.core.listen import ListenPorts, listen
 from gateway.core.policy import caller_of
 from gateway.core.ports import BackendDirectory, CatalogView
 from gateway.core.request import Request, Target, asker_key
+from gateway.core.tracing import TRACE_KEYS
 from gateway.events import EventBus, RequestStarted
 from gateway.protocol import catalog as cat
 from gateway.protocol import era, jsonrpc, mcp, mrtr
@@ -36,6 +38,9 @@ LOGGER = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from gateway.core.session import ClientSession
+    from gateway.core.tracing import RequestTrace
+
+T = TypeVar("T")
 
 
 class HandlerPorts(ListenPorts, Protocol):
@@ -85,6 +90,7 @@ def initialize(ports: CatalogView, session: ClientSession, req: Request) -> Raw:
     # synchronous: two racing ones cannot both pass
     version = mcp.negotiate_version(params.protocolVersion)
     session.initialize(version, mcp.ClientCaps(params.capabilities))
+    session.client_info = {"name": params.clientInfo.name, "version": params.clientInfo.version}
     return jsonrpc.encode_dict(
         {
             "protocolVersion": version,
@@ -170,24 +176,36 @@ def progress_token(req: Request, params: dict[str, Raw]) -> tuple[Any, dict[str,
     return client_token, meta
 
 
-def outgoing(ports: CatalogView, session: ClientSession, target: Target,
-             modern: bool) -> tuple[dict[str, Raw], dict[str, Raw] | None]:
+def outgoing(ports: CatalogView, session: ClientSession, target: Target, modern: bool,
+             trace: dict[str, Raw] | None = None) -> tuple[dict[str, Raw], dict[str, Raw] | None]:
     """What a forwarded request carries to the child that takes it, decided before the child is
     called: ``(params, meta)``, ``meta`` the ``_meta`` the child's router puts its progress token
     into (None: the caller asked for no progress; see
     :func:`gateway.protocol.routing.request_params`).  Only the token changes, the rest passes
     as is; a ``modern`` child also gets the modern envelope (:func:`envelope_of`), a legacy one
-    no round trips."""
+    no round trips.  ``trace``: the trace context keys of the gateway's call (tracing on), put
+    into ``_meta`` for either era in place of the caller's."""
     params = target.params
     meta = target.meta if target.progress is not None else None
     if modern:  # ``target.meta`` is its ``_meta`` decoded already (:func:`progress_token`)
         with_env = {**(target.meta or {}), **envelope_of(ports, session, target)}
+        if trace is not None:
+            with_env = {**_untraced(with_env), **trace}
         if meta is not None:  # the token goes into _meta with the envelope
             return params, with_env
         return {**params, "_meta": jsonrpc.encode_dict(with_env)}, None
     if "inputResponses" in params or "requestState" in params:  # a legacy child's call has no
         params = {k: v for k, v in params.items() if k not in mrtr.ROUND_TRIP_KEYS}  # round trips
+    if trace is not None:
+        traced = {**_untraced(target.meta or {}), **trace}
+        if meta is not None:
+            return params, traced
+        return {**params, "_meta": jsonrpc.encode_dict(traced)}, None
     return params, meta
+
+
+def _untraced(meta: dict[str, Raw]) -> dict[str, Raw]:
+    return {k: v for k, v in meta.items() if k not in TRACE_KEYS}
 
 
 def envelope_of(ports: CatalogView, session: ClientSession, target: Target) -> dict[str, Raw]:
@@ -219,8 +237,13 @@ async def forward(ports: HandlerPorts, session: ClientSession, req: Request, tar
     """The slow path of a forwarded request: consent, a backend being replaced by a reload, an
     instance that must first start or become free.  (The fast path, in
     :mod:`gateway.core.connection`, forwards without a task when none of that applies.)"""
+    trace = req.trace
     if target.consent is not None:
-        await ports.policy.ask(session, *target.consent, request_id=req.id)
+        if trace is None:
+            await ports.policy.ask(session, *target.consent, request_id=req.id)
+        else:
+            await _traced("consent", trace, ports.policy.ask(session, *target.consent,
+                                                              request_id=req.id))
     # looked up after consent: a reload may have removed it
     backend = await ports.backend(target.backend)
     req.backend = backend.name
@@ -231,23 +254,48 @@ async def forward(ports: HandlerPorts, session: ClientSession, req: Request, tar
     started = trio.current_time()
     asks = backend.waits_for_parked(asker_key(req))
     for attempt in range(2):
-        inst, child = await backend.acquire(session, asks=asks)
-        fields, meta = outgoing(ports, session, target, child.era is era.Era.MODERN)
+        inst, child = await (backend.acquire(session, asks=asks) if trace is None
+                             else _traced("wait", trace, backend.acquire(session, asks=asks)))
+        req.instance = inst.name
+        fields, meta = outgoing(ports, session, target, child.era is era.Era.MODERN,
+                                None if trace is None else trace.call(backend.name, inst.name))
+        code: int | None = None
         try:
             return await child.request(req.method, timeout=backend.cfg.request_timeout,
                                        hard_timeout=backend.cfg.max_call_duration, owner=session,
                                        progress=client_token, fields=fields, meta=meta,
                                        started=partial(_forwarded, req, child))
-        except errors.NotDelivered:
+        except errors.NotDelivered as exc:
+            code = exc.code
             if attempt:  # the child died before reading it twice in a row: give up
                 raise
             LOGGER.info("backend %s died before %s reached it; retrying once", inst.name,
                         req.method)
+        except errors.GatewayError as exc:
+            code = exc.code
+            raise
         finally:
+            if trace is not None:
+                trace.call_done(code)
             req.at = None
             req.backend_time = trio.current_time() - started
             backend.release(inst, session)
     raise AssertionError("unreachable")
+
+
+async def _traced(name: str, trace: RequestTrace, step: Awaitable[T]) -> T:
+    """Await ``step`` as a child span ``name`` of ``trace``."""
+    start = time.time_ns()
+    outcome = "error"
+    try:
+        got = await step
+        outcome = "ok"
+        return got
+    except trio.Cancelled:
+        outcome = "cancelled"
+        raise
+    finally:
+        trace.span(name, start, outcome)
 
 
 def _forwarded(req: Request, child: Any, call: Any) -> None:

@@ -106,6 +106,7 @@ async def resolve(ports: InputPorts, session: ClientSession, req: Request, targe
     with trio.move_on_at(deadline) as scope:
         while era.is_input_required(result):
             rounds += 1
+            req.rounds = rounds
             if rounds > MAX_ROUNDS:
                 raise errors.BackendProtocolError(
                     f"backend {target.backend!r} asked for input more than {MAX_ROUNDS} times in "

@@ -42,6 +42,11 @@ DENY_REASONS = {
     ServerRequestOutcome.OWNER_GONE: "declined",
     ServerRequestOutcome.SHUTDOWN: "shutdown",
 }
+#: The audit log's consent outcome of a prompt that was not answered.
+CONSENT_OUTCOMES = {
+    ServerRequestOutcome.ERROR: "declined",
+    ServerRequestOutcome.TIMEOUT: "timed_out",
+}
 #: The ``inputRequests`` key of the consent prompt in a modern caller's ``InputRequiredResult``.
 CONSENT_KEY = "consent"
 #: ``ClientSession.transport`` → the ``transport`` a policy rule names.
@@ -210,6 +215,11 @@ class Policy:
             )
         raise errors.Denied(f"{kind} {name!r} is denied by policy", **{what: name})
 
+    def decision(self, name: str, caller: Caller, kind: Kind) -> pure.Decision:
+        """The decision of the rules on ``caller``'s use of ``name`` (the audit log's)."""
+        return pure.decide(name, self._rules_for(kind, name), self.cfg.default, caller=caller,
+                           kind=kind, sensitive=kind == "tool" and name in self.sensitive)
+
     #: The requests whose target policy rules govern: method -> (kind, param naming it).
     TARGETS: ClassVar[dict[str, tuple[Kind, str]]] = {
         "tools/call": ("tool", "name"), "prompts/get": ("prompt", "name"),
@@ -256,6 +266,8 @@ class Policy:
                 MissingCapability, -32021).
         """
         what = {"tool": "tool", "prompt": "prompt", "resource": "uri"}[kind]
+        # the call asking (its id changes with a modern caller's retry): told the outcome
+        asked = session.inflight.get(request_id) if request_id is not None else None
         bridge = session.mrtr
         served = None if bridge is None or request_id is None else session.inflight.get(request_id)
         if served is not None and not served.modern:
@@ -313,10 +325,15 @@ class Policy:
                 answer = jsonrpc.loads(req.result) if req.result is not None else None
             except msgspec.DecodeError:
                 answer = None
-            if pure.consent_granted(answer):
+            granted = pure.consent_granted(answer)
+            if asked is not None:
+                asked.req.consent = "accepted" if granted else "declined"
+            if granted:
                 return
             raise errors.Denied(f"the user declined {kind} {tool!r}", reason="declined",
                                 **{what: tool})
+        if asked is not None:
+            asked.req.consent = CONSENT_OUTCOMES.get(outcome, "cancelled")
         reason = DENY_REASONS.get(outcome, str(outcome))
         raise errors.Denied(f"consent for {tool!r} was not given ({reason})", reason=reason,
                             **{what: tool})

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from msgspec import Raw
 
 from gateway.protocol.policy import Kind
+
+if TYPE_CHECKING:
+    from gateway.core.tracing import RequestTrace
 
 
 @dataclass(slots=True)
@@ -19,8 +22,15 @@ class Request:
     backend_time: float | None = None
     tool: str | None = None
     counted: bool = False  # RequestStarted was emitted (a backend was chosen)
+    # For the audit log, set on the slow paths only (not by __init__: read with getattr):
+    # forwarded by a task, the instance that took it; how a consent prompt for it ended
+    # (gateway.core.policy); a modern child's input_required rounds pushed to a legacy caller.
+    instance: str = field(init=False, repr=False, compare=False)
+    consent: str = field(init=False, repr=False, compare=False)
+    rounds: int = field(init=False, repr=False, compare=False)
     # forwarded by a task (:func:`gateway.core.handlers.forward`): its child and its call there
     at: tuple[Any, Any] | None = None
+    trace: RequestTrace | None = None  # tracing is on (see gateway.core.tracing)
 
 
 @dataclass(slots=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -27,12 +28,13 @@ from msgspec import UNSET, Raw
 
 from gateway import __version__, errors
 from gateway.auth.labels import NO_PRINCIPAL
-from gateway.core import handlers, inputs
+from gateway.core import audit, handlers, inputs
 from gateway.core.handlers import HANDLERS, PRE_INIT
 from gateway.core.inputs import InputPorts
 from gateway.core.ports import Lifecycle
 from gateway.core.request import Request, Target, asker_key
 from gateway.core.session import BridgedCall, Bridging, ClientSession, Transport
+from gateway.core.tracing import RequestTrace, Tracer
 from gateway.events import RequestFinished, RequestOutcome, RequestStarted
 from gateway.protocol import era, jsonrpc, mcp
 from gateway.protocol.routing import CallState
@@ -55,6 +57,12 @@ class ServingPorts(InputPorts, Lifecycle, Protocol):
     def limits(self) -> PrincipalLimits: ...
     @property
     def bridge(self) -> Bridging: ...
+    @property
+    def audit(self) -> audit.AuditSink | None:
+        """Where the audit log's records go (None: audit is off)."""
+        ...
+    @property
+    def tracer(self) -> Tracer | None: ...
 
 
 def error_response(id: int | str | None, exc: errors.GatewayError) -> bytes:
@@ -170,12 +178,17 @@ class Served:
         self.backend, self.inst, self.child = backend, inst, child
         self.forwarded_at = trio.current_time()
         self.mode = _FORWARDED
+        trace = req.trace
         try:
-            fields, meta = handlers.outgoing(ports, session, target, child.era is _MODERN)
+            fields, meta = handlers.outgoing(ports, session, target, child.era is _MODERN,
+                                             None if trace is None
+                                             else trace.call(backend.name, inst.name))
             self.call = child.start(req.method, UNSET, handle=self, now=self.forwarded_at,
                                     owner=session, hard_timeout=backend.cfg.max_call_duration,
                                     progress=target.progress, fields=fields, meta=meta)
-        except errors.NotDelivered:  # the child just died: the slow path waits for the next one
+        except errors.NotDelivered as exc:  # the child just died: the slow path waits for the next
+            if trace is not None:
+                trace.call_done(exc.code)
             backend.release(inst, session)
             self.child = None
             self.mode = _INLINE
@@ -184,6 +197,8 @@ class Served:
             backend.release(inst, session)
             self.child = None
             self.mode = _INLINE
+            if trace is not None:
+                trace.call_done(exc.code)
             self.end(exc=exc)
         return True
 
@@ -191,6 +206,8 @@ class Served:
         """The forwarded call is over (see :class:`gateway.protocol.routing.Finished`)."""
         assert self.backend is not None and self.inst is not None
         self.call = None
+        if self.req.trace is not None:
+            self.req.trace.call_done(None if error is None else error.code)
         now = trio.current_time()
         self.req.backend_time = now - self.forwarded_at
         self.backend.release(self.inst, self.session)
@@ -247,7 +264,11 @@ class Served:
         flow = self.flow
         if flow is not None and flow.waiting:  # its id was answered input_required: ended
             response = None  # between rounds, nobody hears of it (the retry gets invalid_state)
-        self.reply(response, self.id)
+        sink = ports.audit
+        if sink is None or req.method not in audit.AUDITED or audit.finished(
+                self, ports.policy, sink, outcome=outcome, code=code, response=response,
+                instance=None if self.inst is None else self.inst.name, reply=self.reply):
+            self.reply(response, self.id)
         session.inflight.pop(self.id, None)
         if self.held is not None:
             ports.limits.release(self.held)
@@ -259,6 +280,8 @@ class Served:
         principal = session.principal
         if now is None:
             now = trio.current_time()
+        if req.trace is not None:
+            req.trace.end(outcome, code, req.backend, req.tool)
         ports.bus.emit(RequestFinished(session.conn_id, self.label, req.backend, outcome, code,
                                      now - self.started, req.backend_time, req.tool,
                                      principal.label if principal is not None else NO_PRINCIPAL))
@@ -301,6 +324,11 @@ def serve_request(ports: ServingPorts, session: ClientSession, env: jsonrpc.Enve
     method = req.method
     handler = HANDLERS.get(method)
     targeter = handlers.FORWARDED.get(method)
+    tracer = ports.tracer
+    if tracer is not None:
+        principal = session.principal
+        req.trace = tracer.request(method, None if env.params is UNSET else env.params,
+                                   session.transport, None if principal is None else principal.name)
     try:
         if (handler is None and targeter is None and method not in handlers.ASYNC_HANDLERS
                 and method != "server/discover"):
@@ -329,6 +357,8 @@ def serve_request(ports: ServingPorts, session: ClientSession, env: jsonrpc.Enve
                 ports.bridge.resume(method, req.params, served.id, caps, owner=session,
                                   principal=None if principal is None else principal.key)
                 served.ended = True
+                if req.trace is not None:
+                    req.trace.end("continued", None, "", None)
                 session.buffers.release(size)
                 if served.held is not None:  # the call it continues holds its own slot
                     ports.limits.release(served.held)
@@ -346,7 +376,10 @@ def serve_request(ports: ServingPorts, session: ClientSession, env: jsonrpc.Enve
             served.end(handler(ports, session, req))
             return
         if targeter is not None:
-            target = served.target = targeter(ports, session, req)
+            if req.trace is not None and ports.policy.active:
+                target = served.target = _decided(targeter, ports, session, req, req.trace)
+            else:
+                target = served.target = targeter(ports, session, req)
             if "_meta" in target.params:  # decoded once, here: a bad token fails it at once
                 target.progress, target.meta = handlers.progress_token(req, target.params)
             if served.modern and target.meta is not None:  # kept aside: only a modern child
@@ -360,6 +393,22 @@ def serve_request(ports: ServingPorts, session: ClientSession, env: jsonrpc.Enve
     served.scope, served.mode = trio.CancelScope(), _TASK
     assert session.nursery is not None
     session.nursery.start_soon(_run_slow, served)
+
+
+def _decided(targeter: handlers.Targeter, ports: ServingPorts, session: ClientSession,
+             req: Request, trace: RequestTrace) -> Target:
+    """``targeter``'s target, its policy decision a span of ``trace``."""
+    start = time.time_ns()
+    try:
+        target = targeter(ports, session, req)
+    except errors.Denied:
+        trace.span("policy", start, "deny")
+        raise
+    except BaseException:
+        trace.span("policy", start, "error")
+        raise
+    trace.span("policy", start, "allow" if target.consent is None else "ask")
+    return target
 
 
 async def _run_slow(served: Served, first: Raw | None = None) -> None:

@@ -217,6 +217,7 @@ class ClientSession:
         self._era: Era | None = None  # chosen by the connection's first request
         self._caps = mcp.ClientCaps({})
         self._log_level: str | None = None
+        self.client_info: dict[str, str] | None = None  # initialize's clientInfo (name, version)
         self.max_inflight: Final = max_inflight
         # client id -> its call (gateway.core.serving adds and ends them)
         self.inflight: Final[dict[int | str, Call]] = {}

@@ -93,6 +93,8 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "request_states_refused_total": ("Retries whose requestState was refused.", ("reason",)),
     "config_reloads_total": ("Configuration reload attempts.", ("result",)),
+    "audit_records_dropped_total": (
+        "Audit records lost: the queue was full (on_full = drop) or a write failed.", ()),
 }
 HISTOGRAMS: dict[str, tuple[str, tuple[str, ...]]] = {
     "request_duration_seconds": ("Client request receipt to answer.", ("method", "backend")),
@@ -310,6 +312,7 @@ class GatewayMetrics:
             self._c["jsonrpc_errors_total"][(name,)] = 0.0
         for transport in ("websocket", "unix", "http"):
             self._c["client_connections_refused_total"][(transport, "max_connections")] = 0.0
+        self._c["audit_records_dropped_total"][()] = 0.0
         for result in ("success", "failure"):
             self._c["config_reloads_total"][(result,)] = 0.0
         self._g["config_last_reload_success"][()] = 1.0  # the startup load counts, as in Prometheus
@@ -344,6 +347,8 @@ class GatewayMetrics:
                                                 _backend(e.backend)),
             events.RequestStateRefused: lambda e: inc("request_states_refused_total", e.reason),
             events.ReloadFinished: self._on_reload,
+            events.AuditRecordsDropped: lambda e: inc("audit_records_dropped_total",
+                                                           amount=e.count),
         }
         self._unsubscribe = [bus.subscribe(handler, kind) for kind, handler in handlers.items()]
 

@@ -30,7 +30,7 @@ from gateway import errors, limits
 from gateway.auth.authenticator import Unauthorized
 from gateway.auth.challenge import METADATA_PATHS
 from gateway.config import host_allowed
-from gateway.core import connection
+from gateway.core import connection, tracing
 from gateway.core.connection import ConnectionPorts, Decoded
 from gateway.core.serving import error_response
 from gateway.errors import TransportClosed
@@ -184,6 +184,7 @@ class Endpoint:
         self.ports = ports  # the listener's own ports: an Origin naming this server is allowed
         # the core: its refusals of a request before it starts (drain), set by the service
         self.core: ConnectionPorts | None = None
+        self.traced = False  # tracing is on: a POST's traceparent header is read (the service)
         # each connection counts toward the max_connections of its latest request's principal
         self._counted: dict[HttpConnection, Held] = {}
 
@@ -335,7 +336,10 @@ class Endpoint:
             ctype = (req.header(b"content-type") or "").split(";", 1)[0].strip().lower()
             if ctype != JSON:
                 raise HttpError(415, "Content-Type must be application/json")
-            await self._post(conn, req, principal)
+            if self.traced:
+                await self._traced_post(conn, req, principal)
+            else:
+                await self._post(conn, req, principal)
         elif (req.method in ("GET", "DELETE")
               and req.header(b"mcp-protocol-version") in era.MODERN_VERSIONS):
             raise HttpError(405, "no sessions and no standalone stream in protocol version "
@@ -381,6 +385,17 @@ class Endpoint:
             conn.respond(200)
         else:
             raise HttpError(405, "method not allowed")
+
+    async def _traced_post(self, conn: HttpConnection, req: Request,
+                           principal: Principal | None) -> None:
+        """:meth:`_post` with the request's trace context headers at hand (``http_context``)."""
+        parent = req.header(b"traceparent")
+        token = tracing.http_context.set(
+            None if parent is None else (parent, req.header(b"tracestate")))
+        try:
+            await self._post(conn, req, principal)
+        finally:
+            tracing.http_context.reset(token)
 
     async def _post(self, conn: HttpConnection, req: Request, principal: Principal | None) -> None:
         body = req.body

@@ -31,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-from helpers import Client, connect, free_port, http_request  # noqa: E402
+from helpers import Client, connect, free_port, http_request, poll  # noqa: E402
 
 READY_TIMEOUT = 20.0  # the gateway's start (it fails by itself after the backend's start_timeout)
 CALL_TIMEOUT = 15.0
@@ -212,16 +212,17 @@ async def drive(ws_port: int, admin: int, scenario: str, context: dict[str, Any]
 
 
 async def wait_ready(admin: int, proc: subprocess.Popen[bytes]) -> None:
+    async def ready() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the gateway exited with {proc.returncode} before it was ready")
+        try:
+            status, _ = await http_request(admin, "/readyz")
+        except OSError:
+            return False
+        return status == 200
+
     with trio.fail_after(READY_TIMEOUT):
-        while proc.poll() is None:
-            try:
-                status, _ = await http_request(admin, "/readyz")
-            except OSError:
-                status = 0
-            if status == 200:
-                return
-            await trio.sleep(0.05)
-    raise RuntimeError(f"the gateway exited with {proc.returncode} before it was ready")
+        await poll(ready, 0.05)  # another process's readiness
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

@@ -457,6 +457,8 @@ def _every_event_once_or_more() -> list[ev.Event]:
         ev.ConnectionClosed("c1", "websocket", "client_closed", 3.0),
         ev.ReloadFinished(False, "bad toml"),
         ev.ReloadFinished(True, None, added=("fs",)),
+        ev.AuditRecordsDropped(2),
+        ev.AuditRecordsDropped(1),
     ]
 
 
