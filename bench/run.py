@@ -212,13 +212,13 @@ class Procs:
         self.running: dict[int, str] = {}  # pid -> name (each is a process-group leader)
         self.seen: dict[int, dict[int, int]] = {}  # leader -> {descendant pid: its start time}
 
-    def popen(self, name: str, argv: list[str],
-              env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    def popen(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+              cwd: str = ROOT) -> subprocess.Popen[bytes]:
         log = open(os.path.join(self.log_dir, f"{name}.log"), "wb")
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT,
-                                    cwd=ROOT, env=env, start_new_session=True)
+                                    cwd=cwd, env=env, start_new_session=True)
         finally:
             log.close()
         self.running[proc.pid] = name
@@ -283,6 +283,8 @@ def _reap(pid: int) -> bool:
 class Conn(abc.ABC):
     """A JSON-RPC client connection with any number of requests in flight (unique ids)."""
 
+    protocol = PROTOCOL  # the version its initialize asks for
+
     def __init__(self) -> None:
         self._ids = itertools.count(1)
         self.closed: str | None = None  # why the connection ended, once it has
@@ -298,7 +300,8 @@ class Conn(abc.ABC):
     async def aclose(self) -> None: ...
 
     async def initialize(self) -> dict[str, Any]:
-        resp = await self.request("initialize", {"protocolVersion": PROTOCOL, "capabilities": {},
+        resp = await self.request("initialize", {"protocolVersion": self.protocol,
+                                                 "capabilities": {},
                                                  "clientInfo": {"name": "mcp-gateway-bench",
                                                                 "version": "1"}})
         if "result" not in resp:
@@ -590,8 +593,9 @@ class HttpConn(Conn):
     flight: the ``N × 1`` rows use one per client, the ``N × 4`` rows four per client)."""
 
     def __init__(self, port: int, path: str = "/mcp", *, modern: bool = False,
-                 max_links: int = 1) -> None:
+                 max_links: int = 1, protocol: str = PROTOCOL) -> None:
         super().__init__()
+        self.protocol = protocol
         self.port = port
         self.path = path
         self.modern = modern
@@ -611,7 +615,8 @@ class HttpConn(Conn):
         if self.modern:
             head += f"mcp-protocol-version: {MODERN}\r\n"
         elif self.session is not None:
-            head += f"mcp-session-id: {self.session}\r\nmcp-protocol-version: {PROTOCOL}\r\n"
+            head += (f"mcp-session-id: {self.session}\r\n"
+                     f"mcp-protocol-version: {self.protocol}\r\n")
         self._head = head.encode()
 
     async def _link(self) -> _HttpLink:
@@ -740,7 +745,7 @@ class HttpConn(Conn):
             if self.session is not None:  # end the session (supergateway: stops its child)
                 head = (f"DELETE {self.path} HTTP/1.1\r\nhost: 127.0.0.1:{self.port}\r\n"
                         f"mcp-session-id: {self.session}\r\n"
-                        f"mcp-protocol-version: {PROTOCOL}\r\n").encode()
+                        f"mcp-protocol-version: {self.protocol}\r\n").encode()
                 try:
                     link = await self._link()
                     self._idle.append(link)
@@ -2069,10 +2074,333 @@ def markdown(args: argparse.Namespace, backend: BackendSpec, results: list[LoadR
     return "\n".join(out) + "\n"
 
 
+# ==== remote mode: server-everything's own Streamable HTTP server as the backend =================
+
+REMOTE_DIRECT_ROW = "direct HTTP (server-everything's own server)"
+REMOTE_LATE_ROW = "direct HTTP, one session, after the gateway rows"
+REMOTE_WARMUP = 5.0  # seconds of load on the fresh server before its first row
+REMOTE_WS_ROW = "mcp-gateway, WebSocket → remote"
+REMOTE_LEGACY_ROW = "mcp-gateway, /mcp legacy → remote"
+REMOTE_MODERN_ROW = "mcp-gateway, /mcp stateless 2026-07-28 → remote"
+
+
+def remote_gateway_config(server_port: int, ws_port: int, http_port: int, admin_port: int) -> str:
+    """One backend ``ev``: server-everything's Streamable HTTP server as a ``url`` backend."""
+    return f"""# written by bench/run.py --backend everything-http
+[gateway]
+name = "mcp-gateway-bench"
+
+[listen]
+websocket = "127.0.0.1:{ws_port}"
+http = "127.0.0.1:{http_port}"
+
+[admin]
+listen = "127.0.0.1:{admin_port}"
+
+[backends.ev]
+url = "http://127.0.0.1:{server_port}/mcp"
+required = true
+start_timeout = 10.0
+"""
+
+
+def socket_inodes(pid: int) -> set[str]:
+    out: set[str] = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            out.add(target[8:-1])
+    return out
+
+
+def upstream_ports(pid: int, server_port: int) -> set[int]:
+    """Local ports of ``pid``'s established TCP connections to 127.0.0.1:``server_port``."""
+    inodes = socket_inodes(pid)
+    out: set[int] = set()
+    with open("/proc/net/tcp") as f:
+        for line in f.read().splitlines()[1:]:
+            cols = line.split()
+            remote = int(cols[2].split(":")[1], 16)
+            if cols[3] == "01" and cols[9] in inodes and remote == server_port:
+                out.add(int(cols[1].split(":")[1], 16))
+    return out
+
+
+class UpstreamWatch:
+    """Samples the gateway's connections to the remote every ``every`` seconds: the most held
+    at once, and how many distinct ones were seen (a connection opened and closed between two
+    samples is missed)."""
+
+    def __init__(self, pid: int, server_port: int, every: float = 0.2) -> None:
+        self.pid, self.server_port, self.every = pid, server_port, every
+        self.most = 0
+        self.seen: set[int] = set()
+
+    def reset(self) -> None:
+        self.most, self.seen = 0, set()
+
+    async def run(self) -> None:
+        while True:
+            ports = upstream_ports(self.pid, self.server_port)
+            self.most = max(self.most, len(ports))
+            self.seen |= ports
+            await trio.sleep(self.every)
+
+
+async def start_everything_http(procs: Procs, notes: list[str]) -> tuple[subprocess.Popen[bytes],
+                                                                          int]:
+    """server-everything's own Streamable HTTP server on 127.0.0.1 (the listen() preload)."""
+    if not os.path.isfile(EVERYTHING):  # noqa: ASYNC240 - a check on a local path, before any measurement
+        raise BenchError(f"{EVERYTHING} is missing: run scripts/setup first")
+    port = free_port()
+    node = shutil.which("node") or "node"
+    srv = procs.popen("everything-http", [node, "--require", PRELOAD, EVERYTHING,
+                                          "streamableHttp"], env=dict(os.environ, PORT=str(port)))
+    await wait_port(port, srv, "server-everything (streamableHttp)")
+    addrs = assert_loopback_only(srv.pid, "server-everything")
+    notes.append(f"server-everything streamableHttp (pid {srv.pid}) listens on "
+                 f"{', '.join(sorted(addrs))}")
+    return srv, port
+
+
+async def http_clients(port: int, n: int, links: int, *, modern: bool = False,
+                       protocol: str = PROTOCOL) -> list[Conn]:
+    conns: list[Conn] = [HttpConn(port, modern=modern, max_links=links, protocol=protocol)
+                         for _ in range(n)]
+    for c in conns:
+        with trio.fail_after(10):
+            await c.initialize()
+    return conns
+
+
+async def bench_remote(args: argparse.Namespace, backend: BackendSpec, procs: Procs,
+                       results: list[LoadResult], singles: list[SeqResult], notes: list[str],
+                       extra: dict[str, Any]) -> None:
+    """The remote rows: the same clients straight to server-everything's HTTP server (the
+    limit), then through the gateway (WebSocket, /mcp legacy, /mcp stateless) with that server
+    as its ``url`` backend; the server is started once and serves every row.  The direct
+    clients speak the version the gateway's upstream session negotiated (read in /status)."""
+    print("remote: server-everything streamableHttp", file=sys.stderr, flush=True)
+    srv, sport = await start_everything_http(procs, notes)
+    tmp = tempfile.mkdtemp(prefix="mcpgw-bench-")
+    ws_port, http_port, admin = free_port(), free_port(), free_port()
+    cfg_path = os.path.join(procs.log_dir, "gateway-remote.toml")
+    with open(cfg_path, "w") as f:  # noqa: ASYNC230 - set-up on a local file
+        f.write(remote_gateway_config(sport, ws_port, http_port, admin))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [ROOT, *[x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x]]))
+    notes.append(f"mcp-gateway under test: {ROOT}/gateway")
+    gw = procs.popen("gateway", [sys.executable, "-m", "gateway", "run", "--config", cfg_path],
+                     env=env)
+    try:
+        deadline = trio.current_time() + START_TIMEOUT
+        while True:
+            if gw.poll() is not None:
+                raise BenchError(f"gateway exited during start-up (code {gw.returncode})")
+            try:
+                if (await http_get(admin, "/readyz"))[0] == 200:
+                    break
+            except (OSError, trio.TooSlowError):
+                pass
+            if trio.current_time() > deadline:
+                raise BenchError("gateway not ready within start timeout")
+            await trio.sleep(0.05)
+        assert_loopback_only(gw.pid, "mcp-gateway")
+        version = instance_of(await gateway_status(admin), "ev")["protocol_version"]
+        notes.append(f"the gateway's session with the remote speaks {version}; the direct "
+                     f"clients too (the bench's clients of the gateway speak {PROTOCOL})")
+        tool = f"ev__{backend.tool}"
+        url = f"ws://127.0.0.1:{ws_port}/"
+        srv_cpu: dict[str, Callable[[], list[int]]] = {"backend": lambda: [srv.pid]}
+        cpu: dict[str, Callable[[], list[int]]] = {"proxy": lambda: [gw.pid],
+                                                   "backend": lambda: [srv.pid]}
+        watch = UpstreamWatch(gw.pid, sport)
+        async with trio.open_nursery() as nursery:
+            # ---- direct: the server's own calls/s (the gateway idle beside it) -------------
+            conns = await http_clients(sport, args.clients, args.inflight, protocol=version)
+            # node's JIT: a cold server is several times slower per call than a warm one
+            await run_load(conns, inflight=args.inflight, calls=args.calls, cap=REMOTE_WARMUP,
+                           tool=backend.tool, backend=backend)
+            for inflight in (1, args.inflight):
+                results.append(await measure(REMOTE_DIRECT_ROW, "direct", conns, args,
+                                             inflight=inflight, tool=backend.tool,
+                                             backend=backend, cpu_pids=srv_cpu))
+            notes.append(HttpConn.summary(REMOTE_DIRECT_ROW, conns))
+            for c in conns:
+                await c.aclose()
+            # ---- single client, sequential: interleaved blocks, so drift hits all alike ----
+            ws_one = await WsConn.open(nursery, url, ["mcp"])
+            await ws_one.initialize()
+            with trio.fail_after(20):  # the remote's tools arrive after its list_changed
+                while tool not in {t["name"] for t in  # noqa: ASYNC110 - another process's catalog: polled
+                                   (await ws_one.request("tools/list"))["result"]["tools"]}:
+                    await trio.sleep(0.1)
+            nursery.start_soon(watch.run)
+            paths: list[tuple[str, Conn, str]] = [
+                ("direct HTTP", (await http_clients(sport, 1, 1, protocol=version))[0],
+                 backend.tool),
+                (f"direct HTTP, {PROTOCOL} (for comparison)",
+                 (await http_clients(sport, 1, 1))[0], backend.tool),
+                ("mcp-gateway WS → remote", ws_one, tool),
+                ("mcp-gateway /mcp legacy → remote", (await http_clients(http_port, 1, 1))[0],
+                 tool),
+                ("mcp-gateway /mcp stateless → remote",
+                 (await http_clients(http_port, 1, 1, modern=True))[0], tool)]
+            for _, c, t in paths:
+                await sequential(c, t, backend, 200, args.max_seconds)  # warm-up
+            rounds: dict[str, list[list[int]]] = {p[0]: [] for p in paths}
+            blocks = 5
+            per = max(1, args.single_calls // blocks)
+            for _ in range(args.repeat):
+                lat: dict[str, list[int]] = {p[0]: [] for p in paths}
+                for _ in range(blocks):
+                    for label, c, t in paths:
+                        lat[label] += await sequential(c, t, backend, per,
+                                                       args.max_seconds / blocks)
+                for k in rounds:
+                    rounds[k].append(lat[k])
+            for label, c, _ in paths:
+                singles.append(seq_result(label, rounds[label]))
+                print(f"  single client {label:<40} p50 {singles[-1].p50_us:6.0f} us",
+                      file=sys.stderr, flush=True)
+                if c is not ws_one:
+                    await c.aclose()
+            # ---- N clients ----------------------------------------------------------------
+            rows: list[tuple[str, Callable[[], Any]]] = [
+                (REMOTE_WS_ROW, lambda: ws_clients(nursery, url, args.clients)),
+                (REMOTE_LEGACY_ROW, lambda: http_clients(http_port, args.clients,
+                                                         args.inflight)),
+                (REMOTE_MODERN_ROW, lambda: http_clients(http_port, args.clients,
+                                                         args.inflight, modern=True))]
+            upstream: dict[str, dict[str, int]] = {}
+            for label, make in rows:
+                conns = await make()
+                for inflight in (1, args.inflight):
+                    watch.reset()
+                    results.append(await measure(label, "mcp-gateway", conns, args,
+                                                 inflight=inflight, tool=tool,
+                                                 backend=backend, cpu_pids=cpu))
+                    upstream[f"{label} {args.clients}x{inflight}"] = {
+                        "most_at_once": watch.most, "distinct_seen": len(watch.seen)}
+                if label != REMOTE_WS_ROW:
+                    notes.append(HttpConn.summary(label, conns))
+                for c in conns:
+                    await c.aclose()
+            extra["upstream"] = upstream
+            # ---- direct again, last, on one session as the gateway's upstream is: the
+            # server's speed after every gateway row (its heap holds the gateway's session)
+            late = (await http_clients(sport, 1, args.clients * args.inflight,
+                                       protocol=version))[0]
+            for inflight in (1, args.inflight):
+                results.append(await measure(REMOTE_LATE_ROW, "direct, late", [late] * args.clients,
+                                             args, inflight=inflight, tool=backend.tool,
+                                             backend=backend, cpu_pids=srv_cpu))
+            await late.aclose()
+            await ws_one.aclose()
+            nursery.cancel_scope.cancel()
+    finally:
+        procs.stop(gw.pid, grace=10.0)
+        procs.stop(srv.pid)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+async def ws_clients(nursery: trio.Nursery, url: str, n: int) -> list[Conn]:
+    conns: list[Conn] = [await WsConn.open(nursery, url, ["mcp"]) for _ in range(n)]
+    for c in conns:
+        await c.initialize()
+    return conns
+
+
+def markdown_remote(args: argparse.Namespace, results: list[LoadResult], singles: list[SeqResult],
+                    notes: list[str], extra: dict[str, Any]) -> str:
+    """The remote run's tables: throughput with the CPU split per process, then latency."""
+    out = [f"### Through a remote backend: {args.clients} clients, {args.seconds:g} s per round, "
+           f"median of {args.repeat} rounds ({os.cpu_count()} CPUs shared by client, gateway and "
+           "server)", "",
+           "| path | clients × in flight | ok / err | calls/s | × direct | p50 ms | p99 ms "
+           "| client CPU µs/call | gateway CPU µs/call (sys) | server CPU µs/call | other load "
+           "(cores) | gateway RSS MiB | upstream connections (most at once / seen) |",
+           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    upstream = extra.get("upstream", {})
+    for r in results:
+        cpu = r.cpu_us_per_call
+        up = upstream.get(f"{r.path} {r.clients}x{r.inflight}")
+        gw_cell = (f"{_f(cpu.get('proxy'))} ({_f(cpu.get('proxy sys'))})" if "proxy" in cpu
+                   else "–")
+        up_cell = "–" if up is None else f"{up['most_at_once']} / {up['distinct_seen']}"
+        out.append(
+            f"| {r.path} | {r.clients} × {r.inflight} | {r.ok} / {r.errors} | "
+            f"{r.calls_per_s:.0f} | {_f(r.ratio_vs_direct, '{:.2f}')} | "
+            f"{_f(r.p50_us / 1000, '{:.2f}')} | {_f(r.p99_us / 1000, '{:.2f}')} | "
+            f"{_f(cpu.get('bench client'))} | "
+            f"{gw_cell} | {_f(cpu.get('backend'))} | {_f(r.other_load, '{:.1f}')} | "
+            f"{_f(r.rss_mib.get('proxy'), '{:.1f}') if 'proxy' in r.rss_mib else '–'} | "
+            f"{up_cell} |")
+    out += ["", f"### Single client, sequential calls ({args.single_calls} per row and round, "
+                f"interleaved in 5 blocks; median of {args.repeat} rounds' p50/p99)", "",
+            "| path | calls | p50 µs | p99 µs | mean µs | p50 added over direct µs |",
+            "|---|---:|---:|---:|---:|---:|"]
+    direct = next((s for s in singles if s.path == "direct HTTP"), None)
+    for s in singles:
+        add = s.p50_us - direct.p50_us if direct and s is not direct else None
+        out.append(f"| {s.path} | {s.calls} | {_f(s.p50_us)} | {_f(s.p99_us)} | {_f(s.mean_us)} "
+                   f"| {_f(add, '{:+.0f}')} |")
+    if notes:
+        out += ["", "### Notes", ""]
+        out += [f"- {n}" for n in notes]
+    return "\n".join(out) + "\n"
+
+
+async def amain_remote(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
+    """``--backend everything-http``: only the remote rows."""
+    backend = BackendSpec("everything", [], "echo")  # its answers: "Echo: <message>"
+    results: list[LoadResult] = []
+    singles: list[SeqResult] = []
+    notes: list[str] = []
+    extra: dict[str, Any] = {}
+    failure: str | None = None
+    calibration = cpu_calibration()
+    started = time.perf_counter()
+    load_before = os.getloadavg()
+    with trio.move_on_after(args.total_timeout) as total:
+        try:
+            await bench_remote(args, backend, procs, results, singles, notes, extra)
+        except (BenchError, OSError, trio.TooSlowError, trio_websocket.HandshakeError) as exc:
+            failure = f"remote rows: **not measured**: {type(exc).__name__}: {exc}"
+            print(f"  {failure}", file=sys.stderr, flush=True)
+    if total.cancelled_caught:
+        failure = f"--total-timeout {args.total_timeout:g}s reached: the results are partial"
+    if failure:
+        notes.insert(0, failure)
+    attach_ratios(results)
+    notes.append(f"whole run took {time.perf_counter() - started:.1f} s; load average "
+                 f"(1/5/15 min) {' '.join(f'{x:.2f}' for x in load_before)} before, "
+                 f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} after, on {os.cpu_count()} "
+                 f"CPUs; CPU calibration: a 1M-iteration Python loop took {calibration:.0f} ms")
+    report = markdown_remote(args, results, singles, notes, extra)
+    return {
+        "meta": {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                 "args": vars(args), "backend": args.backend, "cpu_calibration_ms": calibration,
+                 "complete": failure is None},
+        "throughput": [asdict(r) for r in results],
+        "single_client": [asdict(s) for s in singles],
+        "upstream": extra.get("upstream"), "notes": notes, "markdown": report,
+    }
+
+
 # ==== main =======================================================================================
 
 
 async def amain(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
+    if args.backend == "everything-http":
+        return await amain_remote(args, procs)
     backend = backend_spec(args.backend)
     results: list[LoadResult] = []
     singles: list[SeqResult] = []
@@ -2212,9 +2540,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="py-spy sampling time (default 10)")
     p.add_argument("--total-timeout", type=float, default=600.0,
                    help="hard cap on the whole run (default 600 s)")
-    p.add_argument("--backend", choices=("fixture", "everything"), default="fixture",
+    p.add_argument("--backend", choices=("fixture", "everything", "everything-http"),
+                   default="fixture",
                    help="stdio backend: tests/fixtures/fixture_server.py (default) or "
-                        "server-everything")
+                        "server-everything; everything-http: only the remote rows, "
+                        "server-everything's own Streamable HTTP server directly and as the "
+                        "gateway's url backend")
     p.add_argument("--peers", default="supergateway,mcp-proxy",
                    help="comma list of peers to run ('' for none)")
     p.add_argument("--no-floor", action="store_true", help="skip the floor rows (bench/floor.py)")

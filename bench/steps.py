@@ -6,7 +6,8 @@
 
 Runs the gateway of this tree in-process (one echo backend, ``tests/fixtures/fixture_server.py``)
 under a trio Instrument, and drives it from a separate client process (plain sockets, no trio)
-that makes ``--calls`` sequential ``tools/call echo`` per client.  A *task step* is one run of a
+that makes ``--calls`` sequential ``tools/call echo`` per client (``--remote URL``: the backend
+is that Streamable HTTP server instead, e.g. server-everything's).  A *task step* is one run of a
 task between two checkpoints: every wake-up of a task (a reader woken by its socket, a writer
 woken by its queue, a task woken by an event) is one; trio's fixed cost per step is what issue 8
 asks to count.  Reported per call, over the measured calls only (the warm-up is excluded).
@@ -127,10 +128,13 @@ async def main(args: argparse.Namespace) -> None:
         [admin]
         listen = ""
         [backends.fx]
-        command = "{sys.executable}"
-        args = ["{ROOT}/tests/fixtures/fixture_server.py"]
         health = {{ interval = 0 }}
     """)
+    if args.remote:  # a remote Streamable HTTP server (its tool echo) as the url backend
+        toml += f'url = "{args.remote}"\n'
+    else:
+        toml += (f'command = "{sys.executable}"\n'
+                 f'args = ["{ROOT}/tests/fixtures/fixture_server.py"]\n')
     if args.telemetry:  # every call traced (ratio 1), exported to this OTLP/HTTP endpoint
         toml += f'[telemetry]\nenabled = true\nendpoint = "{args.telemetry}"\nsample_ratio = 1.0\n'
 
@@ -186,6 +190,9 @@ if __name__ == "__main__":
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--clients", type=int, default=1)
     p.add_argument("--transport", choices=("unix", "websocket"), default="unix")
+    p.add_argument("--remote", metavar="URL",
+                   help="the backend: this Streamable HTTP server (e.g. server-everything's "
+                        "streamableHttp at http://127.0.0.1:PORT/mcp), not the fixture")
     p.add_argument("--telemetry", metavar="URL",
                    help="trace every call, exported to this OTLP/HTTP traces URL")
     p.add_argument("--count-calls", action="store_true",

@@ -48,7 +48,9 @@ OTHER_STREAMS = 2
 #: connection is opened only when no idle one is left, so these bound the link's connections;
 #: at most :data:`IDLE_CONNECTIONS` idle ones are kept.
 REQUEST_STREAMS = REMOTE_CONNECTIONS - OTHER_STREAMS - 2
-IDLE_CONNECTIONS = 4
+#: Every POST's connection is kept for the next one (within the pool's idle time): a smaller
+#: bound closes and opens connections at every burst of calls.
+IDLE_CONNECTIONS = REQUEST_STREAMS + OTHER_STREAMS
 #: Seconds a notification's or answer's POST may take, and a DELETE on close.
 SHORT_TIMEOUT = 10.0
 DELETE_TIMEOUT = 5.0
@@ -413,7 +415,10 @@ class HttpLink:
                     self._nursery.start_soon(self._post_request, data, gid, None, None)
                 continue
             token = object()
-            await limiter.acquire_on_behalf_of(token)
+            try:  # a free stream: no checkpoint here (the POST's task is the next hop)
+                limiter.acquire_on_behalf_of_nowait(token)
+            except trio.WouldBlock:
+                await limiter.acquire_on_behalf_of(token)
             if not queue.items:  # dropped meanwhile (the link failed)
                 limiter.release_on_behalf_of(token)
                 continue

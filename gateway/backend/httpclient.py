@@ -19,6 +19,8 @@ from urllib.parse import urlsplit
 import h11
 import trio
 
+from gateway.protocol import http1
+
 #: Opens a byte stream to (host, port).
 Opener = Callable[[str, int], Awaitable[trio.abc.Stream]]
 #: Bytes read from a connection at once.
@@ -28,6 +30,9 @@ MAX_HEAD = 16384
 #: Seconds an idle connection is kept for reuse (servers close idle ones after a few seconds:
 #: node's default is 5).
 IDLE_TTL = 2.0
+#: Requests written and answered without h11 when of the common shape (a HEAD's answer has no
+#: body whatever its head says: h11's).
+_LEAN_METHODS = frozenset({"GET", "POST", "DELETE"})
 
 
 class HttpFailure(Exception):
@@ -111,21 +116,67 @@ class Response:
         return self.headers.get("content-type", "").split(";")[0].strip().lower()
 
 
+#: Request heads written without h11, by method, target and headers (the same for every call
+#: of a session), kept by each pool (they may hold credentials: they go with it): at most
+#: this many, emptied when full.
+HEADS_MAX = 64
+Heads = dict[tuple[str, str, tuple[tuple[str, str], ...]], bytes]
+
+
+def _common_head(method: str, target: str, head: list[tuple[str, str]], body: bytes,
+                 cache: Heads) -> bytes | None:
+    """The request's head as h11 writes it (``content-length`` last, as :meth:`Connection.request`
+    adds it), or None when it is not of the common shape; each head checked and encoded once
+    while in ``cache``."""
+    if method not in _LEAN_METHODS:
+        return None
+    key = (method, target, tuple(head))
+    raw = cache.get(key)
+    if raw is None:
+        raw = http1.request_head(method, target, head)
+        if raw is None:
+            return None
+        if len(cache) >= HEADS_MAX:
+            cache.clear()
+        cache[key] = raw
+    if body or method in ("POST", "PUT"):
+        return raw[:-2] + b"content-length: %d\r\n\r\n" % len(body)
+    return raw
+
+
 class Connection:
-    """One HTTP/1.1 connection: one exchange at a time, kept alive when both sides allow."""
+    """One HTTP/1.1 connection: one exchange at a time, kept alive when both sides allow.
+
+    A common exchange is written and read without h11 (:mod:`gateway.protocol.http1`); a
+    request or an answer's head of another shape hands the connection to h11 for good."""
 
     def __init__(self, stream: trio.abc.Stream, authority: str,
                  pool: Pool | None = None) -> None:
         self.stream = stream
         self._pool = pool
         self.authority = authority
-        self._h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
+        self._h11: h11.Connection | None = None  # h11 serves it (an exchange of another shape)
+        self._buf = bytearray()  # received and not read yet (without h11)
+        self._body: http1.BodyReader | None = None  # the answer's body being read
+        self._sent: tuple[str, str, list[tuple[str, str]], bytes] | None = None
+        self._keep = True  # the remote keeps it alive after the answer being read
         self.broken = False
         self.reused = False  # it carried an exchange before this one
         self.idle_since = 0.0
 
+    async def _receive(self, deadline: float) -> bytes:
+        with trio.move_on_at(deadline):
+            try:
+                return bytes(await self.stream.receive_some(READ_CHUNK))
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                self.broken = True
+                raise ConnectionLost(f"the connection broke: {exc.__cause__ or exc}") from None
+        self.broken = True
+        raise HttpTimeout("the remote sent nothing in time")
+
     async def _event(self, deadline: float) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
         conn = self._h11
+        assert conn is not None
         while True:
             try:
                 event = conn.next_event()
@@ -134,16 +185,7 @@ class Connection:
                 raise ConnectionLost(f"the remote broke HTTP/1.1: {exc}") from None
             if event is not h11.NEED_DATA:
                 return event
-            with trio.move_on_at(deadline) as scope:
-                try:
-                    data = await self.stream.receive_some(READ_CHUNK)
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                    self.broken = True
-                    raise ConnectionLost(f"the connection broke: {exc.__cause__ or exc}") from None
-            if scope.cancelled_caught:
-                self.broken = True
-                raise HttpTimeout("the remote sent nothing in time")
-            conn.receive_data(bytes(data))
+            conn.receive_data(await self._receive(deadline))
 
     async def request(self, method: str, target: str, headers: list[tuple[str, str]],
                       body: bytes = b"", *, head_timeout: float = math.inf) -> Response:
@@ -152,24 +194,69 @@ class Connection:
         Raises:
             ConnectionLost, HttpTimeout.
         """
-        conn = self._h11
         head = [("host", self.authority), *headers]
+        raw = (_common_head(method, target, head, body,
+                            self._pool.heads if self._pool is not None else {})
+               if self._h11 is None else None)
         if body or method in ("POST", "PUT"):
             head.append(("content-length", str(len(body))))
-        try:
-            out = conn.send(h11.Request(method=method, target=target, headers=head))
-            if body:
-                out += conn.send(h11.Data(data=body))
-            out += conn.send(h11.EndOfMessage())
-        except (h11.LocalProtocolError, UnicodeError):  # its text may quote a header value
-            self.broken = True
-            raise ConnectionLost("cannot send the request: h11 refused its head") from None
+        if raw is None:
+            if self._h11 is None:
+                self._h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
+            conn = self._h11
+            try:
+                out = conn.send(h11.Request(method=method, target=target, headers=head))
+                if body:
+                    out += conn.send(h11.Data(data=body))
+                out += conn.send(h11.EndOfMessage())
+            except (h11.LocalProtocolError, UnicodeError):  # its text may quote a header value
+                self.broken = True
+                raise ConnectionLost("cannot send the request: h11 refused its head") from None
+        else:
+            out = raw + body
+            self._sent = (method, target, head, body)
         try:
             await self.stream.send_all(out)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             self.broken = True
             raise ConnectionLost(f"the connection broke: {exc.__cause__ or exc}") from None
         deadline = trio.current_time() + head_timeout
+        if self._h11 is None:
+            return await self._lean_head(deadline)
+        return await self._h11_head(deadline)
+
+    async def _lean_head(self, deadline: float) -> Response:
+        buf = self._buf
+        while (end := buf.find(b"\r\n\r\n")) < 0:
+            if len(buf) > MAX_HEAD:
+                return await self._to_h11(deadline)
+            data = await self._receive(deadline)
+            if not data:
+                self.broken = True
+                raise ConnectionLost("the connection closed before an answer")
+            buf += data
+        parsed = http1.parse_response_head(bytes(buf[:end + 2])) if end < MAX_HEAD else None
+        if parsed is None:
+            return await self._to_h11(deadline)
+        del buf[:end + 4]
+        self._body = http1.BodyReader(parsed.length)
+        self._keep = not parsed.close
+        return Response(parsed.status, parsed.headers)
+
+    async def _to_h11(self, deadline: float) -> Response:
+        """From now on h11 serves this connection: told the request sent, given what came."""
+        assert self._sent is not None
+        method, target, head, body = self._sent
+        conn = self._h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
+        conn.send(h11.Request(method=method, target=target, headers=head))  # sent already
+        if body:
+            conn.send(h11.Data(data=body))
+        conn.send(h11.EndOfMessage())
+        conn.receive_data(bytes(self._buf))
+        self._buf.clear()
+        return await self._h11_head(deadline)
+
+    async def _h11_head(self, deadline: float) -> Response:
         while True:
             event = await self._event(deadline)
             if isinstance(event, h11.InformationalResponse):
@@ -186,6 +273,8 @@ class Connection:
         Raises:
             ConnectionLost: it broke or closed before the body's end.  HttpTimeout.
         """
+        if self._h11 is None:
+            return await self._lean_chunk(idle_timeout)
         event = await self._event(trio.current_time() + idle_timeout)
         if isinstance(event, h11.Data):
             return bytes(event.data)
@@ -193,6 +282,28 @@ class Connection:
             return None
         self.broken = True
         raise ConnectionLost("the connection closed before the end of the answer")
+
+    async def _lean_chunk(self, idle_timeout: float) -> bytes | None:
+        body = self._body
+        if body is None:
+            return None
+        deadline = trio.current_time() + idle_timeout
+        while True:
+            try:
+                data = body.take(self._buf)
+            except ValueError as exc:
+                self.broken = True
+                raise ConnectionLost(f"the remote broke HTTP/1.1: {exc}") from None
+            if data:
+                return data
+            if body.done:
+                self._body = None
+                return None
+            got = await self._receive(deadline)
+            if not got:
+                self.broken = True
+                raise ConnectionLost("the connection closed before the end of the answer")
+            self._buf += got
 
     async def body(self, limit: int, idle_timeout: float = math.inf) -> bytes:
         """The whole body, at most ``limit`` bytes.
@@ -211,9 +322,15 @@ class Connection:
     def reusable(self) -> bool:
         """Ready for the next exchange (answer read to its end, keep-alive on both sides)."""
         conn = self._h11
-        if self.broken or conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+        if self.broken:
             return False
-        conn.start_next_cycle()
+        if conn is None:
+            if self._body is not None or not self._keep or self._buf:
+                return False
+        elif conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+            return False
+        else:
+            conn.start_next_cycle()
         self.reused = True
         return True
 
@@ -239,6 +356,7 @@ class Pool:
         self.idle_max = idle_max
         self._idle: list[Connection] = []
         self.open: set[Connection] = set()  # every connection not closed yet, idle or in use
+        self.heads: Heads = {}  # request heads encoded once (HEADS_MAX)
         self.closed = False
 
     async def connect(self) -> Connection:
@@ -280,6 +398,8 @@ class Pool:
             ConnectFailed.
         """
         now = trio.current_time()
+        while self._idle and now - self._idle[0].idle_since >= IDLE_TTL:  # the oldest first
+            await self._idle.pop(0).aclose()
         while self._idle:
             conn = self._idle.pop()
             if now - conn.idle_since < IDLE_TTL:

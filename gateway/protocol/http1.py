@@ -7,6 +7,9 @@ ASCII field values, no ``Transfer-Encoding``, ``Expect``, ``Upgrade`` or ``Conne
 than ``keep-alive``); for anything else it returns None and the caller hands the bytes to h11,
 which answers them as it always does.  The framing functions write the bytes h11 writes for the
 same response (the same header order and case), so a client cannot tell the two apart.
+The client's side likewise: :func:`request_head` writes what h11 writes, and
+:func:`parse_response_head` and :class:`BodyReader` read a common response (one
+``Content-Length`` or chunked, HTTP/1.1, visible ASCII); anything else goes to h11.
 """
 
 from __future__ import annotations
@@ -105,3 +108,146 @@ def chunk(data: bytes) -> bytes:
 
 #: The last chunk: the end of a chunked body without trailer fields.
 LAST_CHUNK = b"0\r\n\r\n"
+
+
+# ---- the client's side: a request head written, a response head parsed, its body unframed ----
+
+_STATUS_LINE = re.compile(rb"HTTP/1\.1 ([2-5][0-9][0-9])(?: [\x20-\x7e\t]*)?\r\n")
+_TARGET = re.compile(r"[\x21-\x7e]+")
+_CHUNK_SIZE = re.compile(rb"([0-9a-fA-F]{1,16})[ \t]*(?:;[\x20-\x7e\t]*)?")
+#: A chunk-size line or a trailer line: its most bytes.
+MAX_CHUNK_LINE = 4096
+
+
+class ResponseHead(NamedTuple):
+    """A response head: status, header values by lowercased name (a repeated one: the last),
+    the body's length (None: chunked), and whether the server closes the connection after."""
+
+    status: int
+    headers: dict[str, str]
+    length: int | None
+    close: bool
+
+
+def request_head(method: str, target: str, headers: list[tuple[str, str]]) -> bytes | None:
+    """The bytes of a request head (request line, ``headers`` in order, the blank line), as h11
+    writes them; None when the target or a header is not one h11 would send as it is (the
+    caller lets h11 refuse it)."""
+    if _TARGET.fullmatch(target) is None:
+        return None
+    parts = [f"{method} {target} HTTP/1.1\r\n".encode("ascii")]
+    for name, value in headers:
+        try:
+            raw_name, raw_value = name.encode("ascii"), value.encode("ascii")
+        except UnicodeError:
+            return None
+        if _NAME.fullmatch(raw_name) is None or _SEND_VALUE.fullmatch(raw_value) is None:
+            return None
+        parts.append(b"%s: %s\r\n" % (raw_name, raw_value))
+    parts.append(b"\r\n")
+    return b"".join(parts)
+
+
+def parse_response_head(head: bytes) -> ResponseHead | None:
+    """The response head ``head`` (status line and header lines, each with its CRLF, without
+    the blank line) to a GET, POST or DELETE; None when it is not of the common shape: not
+    HTTP/1.1, a status outside 200–599, a header line that is not visible ASCII, a body framed
+    other than by one ``Content-Length`` or ``Transfer-Encoding: chunked`` alone, or a
+    ``Connection`` other than ``keep-alive`` or ``close`` (the caller hands it to h11)."""
+    line = _STATUS_LINE.match(head)
+    if line is None:
+        return None
+    block = head[line.end():]
+    if _FIELDS.fullmatch(block) is None:
+        return None
+    headers: dict[str, str] = {}
+    length: int | None = None
+    chunked = close = False
+    for raw_name, raw_value in _FIELD.findall(block):
+        name = raw_name.lower()
+        value = raw_value.strip(b" \t")
+        if name == b"content-length":
+            if length is not None or not (value.isdigit() and len(value) <= _MAX_DIGITS):
+                return None
+            length = int(value)
+        elif name == b"transfer-encoding":
+            if chunked or value.lower() != b"chunked":
+                return None
+            chunked = True
+        elif name == b"connection":
+            tokens = {t.strip(b" \t") for t in value.lower().split(b",")}
+            if not tokens <= {b"keep-alive", b"close"}:
+                return None
+            close = close or b"close" in tokens
+        headers[name.decode("ascii")] = value.decode("ascii")
+    status = int(line[1])
+    if status in (204, 304):
+        if chunked or length:
+            return None
+        length = 0
+    elif chunked == (length is not None):  # both, or neither (a body up to the close)
+        return None
+    return ResponseHead(status, headers, length, close)
+
+
+class BodyReader:
+    """A response body's framing undone (``length`` bytes, or chunked when None), sans-IO:
+    :meth:`take` consumes what it can from the front of a buffer."""
+
+    __slots__ = ("chunked", "done", "left", "state")
+
+    def __init__(self, length: int | None) -> None:
+        self.chunked = length is None
+        self.left = length or 0  # bytes left of the body, or of the current chunk
+        self.state = "size" if self.chunked else "data"  # chunked: size, data, crlf, trailer
+        self.done = length == 0
+
+    def take(self, buf: bytearray) -> bytes:
+        """The body's data at the front of ``buf`` (consumed from it); :attr:`done` once the
+        body ended.
+
+        Raises:
+            ValueError: a chunk's framing is broken or a line of it over MAX_CHUNK_LINE bytes.
+        """
+        if not self.chunked:
+            n = min(self.left, len(buf))
+            data = bytes(buf[:n])
+            del buf[:n]
+            self.left -= n
+            self.done = self.left == 0
+            return data
+        out: list[bytes] = []
+        while not self.done:
+            if self.state == "data":
+                if not buf:
+                    break
+                n = min(self.left, len(buf))
+                out.append(bytes(buf[:n]))
+                del buf[:n]
+                self.left -= n
+                if not self.left:
+                    self.state = "crlf"
+            elif self.state == "crlf":
+                if len(buf) < 2:
+                    break
+                if buf[:2] != b"\r\n":
+                    raise ValueError("no CRLF after a chunk's data")
+                del buf[:2]
+                self.state = "size"
+            else:  # "size" or "trailer": a line
+                end = buf.find(b"\r\n")
+                if end < 0:
+                    if len(buf) > MAX_CHUNK_LINE:
+                        raise ValueError(f"a chunk line of more than {MAX_CHUNK_LINE} bytes")
+                    break
+                if self.state == "trailer":
+                    del buf[:end + 2]
+                    self.done = end == 0
+                    continue
+                size = _CHUNK_SIZE.fullmatch(buf, 0, end)
+                if size is None:
+                    raise ValueError("a malformed chunk size")
+                self.left = int(size[1], 16)
+                del buf[:end + 2]
+                self.state = "data" if self.left else "trailer"
+        return b"".join(out)
