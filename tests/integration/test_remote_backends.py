@@ -11,7 +11,6 @@ import os
 import secrets
 import signal
 import ssl
-import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -25,6 +24,7 @@ from helpers import (
     connect,
     free_port,
     http_json,
+    listening_process,
     make_config,
     need_deps,
     poll,
@@ -48,27 +48,9 @@ FAST_RESTART = "{ backoff_initial = 0.05, backoff_max = 0.2, max_restarts = 100,
 async def everything(port: int) -> AsyncIterator[trio.Process]:
     """server-everything's Streamable HTTP server on 127.0.0.1:``port``, until killed."""
     need_deps(EVERYTHING)
-    proc = await trio.lowlevel.open_process(
-        ["node", "--require", PRELOAD, EVERYTHING, "streamableHttp"],
-        env={**os.environ, "PORT": str(port)}, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL)
-    try:
-        with trio.fail_after(20):
-            async def listening() -> bool:
-                try:
-                    stream = await trio.open_tcp_stream("127.0.0.1", port)
-                except OSError:
-                    return False
-                await stream.aclose()
-                return True
-
-            await poll(listening)  # another process's port: no event
+    async with listening_process(["node", "--require", PRELOAD, EVERYTHING, "streamableHttp"],
+                                 port, env={"PORT": str(port)}) as proc:
         yield proc
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-        with trio.CancelScope(shield=True):
-            await proc.wait()
 
 
 def remote(port: int, scheme: str = "http", **extra: str) -> str:

@@ -10,7 +10,6 @@ import base64
 import json
 import logging
 import os
-import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -24,6 +23,7 @@ from helpers import (
     connect,
     free_port,
     http_json,
+    listening_process,
     make_config,
     poll,
     run_gateway,
@@ -42,25 +42,8 @@ V = "2026-07-28"
 async def sdk_server(port: int, record: str) -> AsyncIterator[trio.Process]:
     """The SDK 2.3 fixture on 127.0.0.1:``port``, recording each request into ``record``."""
     assert os.path.exists(PY2), "missing .deps/venv-mcp2: run scripts/setup --test"  # noqa: ASYNC240 - a local path
-    proc = await trio.lowlevel.open_process([PY2, SERVER, str(port), record],
-                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        async def listening() -> bool:
-            try:
-                stream = await trio.open_tcp_stream("127.0.0.1", port)
-            except OSError:
-                return False
-            await stream.aclose()
-            return True
-
-        with trio.fail_after(30):
-            await poll(listening)  # another process's port: no event
+    async with listening_process([PY2, SERVER, str(port), record], port) as proc:
         yield proc
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-        with trio.CancelScope(shield=True):
-            await proc.wait()
 
 
 def remote(name: str, port: int, mode: str, **extra: str) -> str:
