@@ -144,16 +144,24 @@ def read_token_file(path: str) -> str:
     return token
 
 
+def _token_option(args: argparse.Namespace, command: str) -> tuple[bool, str | None]:
+    """Whether ``--token-file`` could be read (else said on stderr), and its token (None
+    without the option)."""
+    if not args.token_file:
+        return True, None
+    try:
+        return True, read_token_file(args.token_file)
+    except (OSError, ValueError) as exc:
+        print(f"mcp-gateway {command}: --token-file: {exc}", file=sys.stderr)
+        return False, None
+
+
 def cmd_connect(args: argparse.Namespace) -> int:
     from gateway.transports.bridge import bridge
 
-    token = None
-    if args.token_file:
-        try:
-            token = read_token_file(args.token_file)
-        except (OSError, ValueError) as exc:
-            print(f"mcp-gateway connect: --token-file: {exc}", file=sys.stderr)
-            return 1
+    read, token = _token_option(args, "connect")
+    if not read:
+        return 1
     ssl_context = None
     if args.ca_file:
         import ssl
@@ -190,13 +198,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"mcp-gateway status: {args.config}: admin.listen is off: no /status to read",
               file=sys.stderr)
         return statuscmd.EXIT_UNREACHABLE
-    token = None
-    if args.token_file:
-        try:
-            token = read_token_file(args.token_file)
-        except (OSError, ValueError) as exc:
-            print(f"mcp-gateway status: --token-file: {exc}", file=sys.stderr)
-            return statuscmd.EXIT_UNREACHABLE
+    read, token = _token_option(args, "status")
+    if not read:
+        return statuscmd.EXIT_UNREACHABLE
     try:
         doc = statuscmd.fetch(*statuscmd.admin_address(cfg.admin.listen), token)
     except statuscmd.StatusUnavailable as exc:
