@@ -13,7 +13,10 @@ import trio.testing
 from fixtures.token_server import Answer, Net
 
 from gateway import config
-from gateway.backend import oauth
+from gateway.backend import http, oauth
+from gateway.backend.connector import LinkContext
+from gateway.events import EventBus
+from gateway.limits import ByteBudget
 
 AS = "http://127.0.0.1:9000"
 URL = "http://localhost:8080/mcp"
@@ -54,3 +57,80 @@ async def test_a_token_lifetime_past_any_date_is_refused_and_status_still_answer
             assert len(issued) == 1
         json.dumps(source.status())  # /status shows it: no OverflowError, no ValueError
         nursery.cancel_scope.cancel()
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.messages: list[Any] = []
+        self.failures: dict[int, Any] = {}
+        self.changed = trio.Event()
+
+    def _note(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def message(self, data: bytes, cause: int | None = None) -> None:
+        self.messages.append(json.loads(data))
+        self._note()
+
+    def failed(self, gid: int, error: Any) -> None:
+        self.failures[gid] = error
+        self._note()
+
+    def ended(self) -> None:
+        self._note()
+
+    def oversize(self, frame: object) -> None: ...
+    def oversize_end(self, frame: object) -> None: ...
+    def undelivered(self, gids: list[int], error: Any) -> None: ...
+
+
+def _rpc(gid: int, method: str, params: Any = None) -> bytes:
+    return json.dumps({"jsonrpc": "2.0", "id": gid, "method": method,
+                       "params": params or {}}).encode()
+
+
+async def test_resuming_with_retry_zero_and_an_event_each_time_is_not_a_busy_loop(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # every resumed GET brings one notification with a new id and ``retry: 0``, then ends
+    resumes: list[float] = []
+    progress = (b'{"jsonrpc":"2.0","method":"notifications/message",'
+                b'"params":{"level":"info","data":1}}')
+
+    def remote(method: str, target: str, headers: dict[str, str], body: bytes) -> Answer:
+        message = json.loads(body) if body else {}
+        if method == "GET" and "last-event-id" not in headers:
+            return 405, [], b""
+        if method == "GET":
+            resumes.append(trio.current_time())
+            if len(resumes) >= 500:  # a busy loop: end the test rather than spin
+                nursery.cancel_scope.cancel()
+            return 200, [("content-type", "text/event-stream")], \
+                b"id: e%d\nretry: 0\ndata: %s\n\n" % (len(resumes), progress)
+        if message.get("method") == "initialize":
+            return 200, [("content-type", "application/json"), ("mcp-session-id", "s1")], \
+                json.dumps({"jsonrpc": "2.0", "id": message["id"], "result": {
+                    "protocolVersion": "2025-11-25", "capabilities": {},
+                    "serverInfo": {"name": "x", "version": "1"}}}).encode()
+        if "id" not in message:
+            return 202, [], b""
+        return 200, [("content-type", "text/event-stream")], b"id: e0\nretry: 0\ndata:\n\n"
+
+    cfg = config.load(f'[backends.r]\nurl = "{URL}"\n').backends["r"]
+    receiver = _Recorder()
+    async with trio.open_nursery() as nursery:
+        net = Net(nursery, {"localhost:8080": remote})
+        link = await http.HttpConnector(cfg, opener=net.open, name="r").open(LinkContext(
+            backend="r", instance="r#1", bus=EventBus(), max_line=65536,
+            buffers=ByteBudget(10**7).open("r")))
+        nursery.start_soon(link.run, receiver)
+        link.send(_rpc(1, "initialize"), 1)
+        while not receiver.messages:
+            await receiver.changed.wait()
+        start = trio.current_time()
+        link.send(_rpc(2, "tools/call", {"name": "t", "arguments": {}}), 2)
+        await trio.sleep(10)
+        nursery.cancel_scope.cancel()
+    # the server's retry is honoured down to a floor: a handful per second, not a spin
+    assert 10 <= len(resumes) <= 10 / http.RESUME_WAIT_MIN + 1
+    assert resumes[-1] - start >= (len(resumes) - 1) * http.RESUME_WAIT_MIN
