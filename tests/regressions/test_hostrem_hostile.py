@@ -13,7 +13,7 @@ import trio.testing
 from fixtures.token_server import Answer, Net
 
 from gateway import config
-from gateway.backend import http, oauth
+from gateway.backend import http, httpclient, oauth
 from gateway.backend.connector import LinkContext
 from gateway.events import EventBus
 from gateway.limits import ByteBudget
@@ -134,3 +134,37 @@ async def test_resuming_with_retry_zero_and_an_event_each_time_is_not_a_busy_loo
     # the server's retry is honoured down to a floor: a handful per second, not a spin
     assert 10 <= len(resumes) <= 10 / http.RESUME_WAIT_MIN + 1
     assert resumes[-1] - start >= (len(resumes) - 1) * http.RESUME_WAIT_MIN
+
+
+async def test_routing_headers_of_huge_marked_arguments_are_not_kept_by_the_pool(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # a remote marks a string argument ``x-mcp-header``: each call sends its value as a header;
+    # calls with distinct megabyte values must not leave their heads held by the pool
+    async def serve(stream: trio.abc.Stream) -> None:
+        buf = b""
+        while data := await stream.receive_some(1 << 20):
+            buf += data
+            while (end := buf.find(b"\r\n\r\n")) >= 0 and len(buf) >= end + 6:
+                buf = buf[end + 6:]  # the head and its 2-byte body
+                await stream.send_all(b"HTTP/1.1 202 Accepted\r\ncontent-length: 0\r\n\r\n")
+
+    async with trio.open_nursery() as nursery:
+        async def opener(host: str, port: int) -> trio.abc.Stream:
+            client, server = trio.testing.memory_stream_pair()
+            nursery.start_soon(serve, server)
+            return client
+
+        pool = httpclient.Pool(httpclient.parse_url(URL), connect_timeout=5, idle_max=4,
+                               opener=opener)
+        for n in range(httpclient.HEADS_MAX - 1):
+            conn = await pool.get()
+            value = f"{n:08d}" + "v" * (1 << 20)
+            response = await conn.request("POST", "/mcp", [("mcp-param-big", value)], b"{}")
+            assert response.status == 202
+            assert await conn.body(10) == b""
+            await pool.put(conn)
+        held = sum(len(raw) + sum(len(k) + len(v) for k, v in key[2])
+                   for key, raw in pool.heads.items())
+        assert held <= 2 * httpclient.HEADS_MAX * httpclient.HEAD_CACHED_MAX
+        await pool.aclose()
+        nursery.cancel_scope.cancel()
