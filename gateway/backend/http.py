@@ -996,14 +996,23 @@ class HttpLink:
         delay = GET_RETRY
         last_id: str | None = None  # resumes the stream where it ended
         retry: int | None = None  # the server's own wait (ms) before opening it again
+        auth = self._connector.auth
+        renewed = False  # a 401 answered the last GET: a new token was fetched for this one
         while not self._ended:
             opened = trio.current_time()
             delivered = False
             try:
+                if auth is not None:
+                    await auth.fresh()
+                sent = auth.token if auth is not None else None
                 conn = await self._pool.get()
             except httpclient.ConnectFailed as exc:
                 self._get_ready.set()
                 self._lost(f"cannot reach {self.origin}: {exc.detail}")
+                return
+            except oauth.TokenFailed as exc:
+                self._get_ready.set()
+                self._lost(f"no access token for {self.origin}: {exc.detail}")
                 return
             try:
                 try:
@@ -1020,6 +1029,16 @@ class HttpLink:
                 if self._session_gone(response):
                     await conn.aclose()
                     return
+                if response.status == 401 and auth is not None and not renewed:
+                    await conn.aclose()  # a new token, as for a POST, and the GET once more
+                    try:
+                        await auth.renew(sent, response.headers.get("www-authenticate"))
+                    except oauth.TokenFailed as exc:
+                        self._lost(f"no access token for {self.origin}: {exc.detail}")
+                        return
+                    renewed = True
+                    continue
+                renewed = False
                 if response.status != 200 or response.content_type != "text/event-stream":
                     await conn.aclose()
                     self._lost(f"{self.origin} refused the GET stream (HTTP {response.status})")

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from fixtures.token_server import Answer, Net
+from fixtures.token_server import Answer, AuthServer, Net, ProtectedRemote
 
 from gateway import config
 from gateway.backend import http, httpclient, oauth
@@ -167,4 +167,56 @@ async def test_routing_headers_of_huge_marked_arguments_are_not_kept_by_the_pool
                    for key, raw in pool.heads.items())
         assert held <= 2 * httpclient.HEADS_MAX * httpclient.HEAD_CACHED_MAX
         await pool.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_get_stream_reopened_after_the_token_expired_does_not_end_the_session(
+        autojump_clock: trio.testing.MockClock, tmp_path: Any) -> None:
+    # tokens live 100 s; the remote's GET stream ends after one event each time and is
+    # opened again; no POST for 200 s: the GET must carry a fresh token, not end the link
+    auth = AuthServer(AS, secret="s3cr3t", lifetime=100)
+    born: dict[str, float] = {}
+    refused: list[str] = []
+    revoked: set[str] = set()
+
+    def accepted(token: str) -> bool:
+        if token in auth.issued:
+            born.setdefault(token, trio.current_time())
+        return (token in born and trio.current_time() - born[token] < 100
+                and token not in revoked)
+
+    remote = ProtectedRemote(URL, AS, accepted)
+
+    def serve(method: str, target: str, headers: dict[str, str], body: bytes) -> Answer:
+        token = headers.get("authorization", "")[7:]
+        if method == "GET" and target == "/mcp":
+            if not accepted(token):
+                refused.append(token)
+                return 401, [("www-authenticate", 'Bearer error="invalid_token"')], b""
+            return 200, [("content-type", "text/event-stream")], \
+                b'data: {"jsonrpc":"2.0","method":"notifications/tools/list_changed"}\n\n'
+        return remote(method, target, headers, body)
+
+    (tmp_path / "secret").write_text("s3cr3t\n")
+    text = (f'[backends.r]\nurl = "{URL}"\n[backends.r.oauth]\nclient_id = "gw-client"\n'
+            f'token_url = "{AS}/token"\nclient_secret = {{ file = "secret" }}\n')
+    cfg = config.load(text, base_dir=str(tmp_path)).backends["r"]
+    receiver = _Recorder()
+    async with trio.open_nursery() as nursery:
+        net = Net(nursery, {"127.0.0.1:9000": auth, "localhost:8080": serve})
+        link = await http.HttpConnector(cfg, opener=net.open, name="r").open(LinkContext(
+            backend="r", instance="r#1", bus=EventBus(), max_line=65536,
+            buffers=ByteBudget(10**7).open("r")))
+        nursery.start_soon(link.run, receiver)
+        link.send(_rpc(1, "initialize"), 1)
+        while not receiver.messages:
+            await receiver.changed.wait()
+        await trio.sleep(200)
+        assert link.closed is None, link.last_error
+        assert len(auth.issued) >= 2 and not refused
+        revoked.add(auth.issued[-1])  # refused before its time: one 401, a new token, no end
+        issued = len(auth.issued)
+        await trio.sleep(5)
+        assert link.closed is None, link.last_error
+        assert len(refused) == 1 and len(auth.issued) == issued + 1
         nursery.cancel_scope.cancel()
