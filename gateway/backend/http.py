@@ -62,9 +62,11 @@ ANSWER_TAIL = 1.0
 GET_RETRY = 0.5
 GET_RETRY_MAX = 30.0
 #: Resuming a request's event stream that ended before its answer (a GET with
-#: ``Last-Event-ID``): seconds waited first when the server gave no ``retry``, the most waited
-#: whatever it gave, and the GETs in a row that may bring no message before the call fails.
+#: ``Last-Event-ID``): seconds waited first when the server gave no ``retry``, the least and
+#: the most waited whatever it gave, and the GETs in a row that may bring no message before
+#: the call fails.
 RESUME_WAIT = 1.0
+RESUME_WAIT_MIN = 0.1
 RESUME_WAIT_MAX = 10.0
 RESUME_ATTEMPTS = 3
 #: A request safe to repeat that met a 5xx or a connection reset: tried this many more times,
@@ -903,13 +905,14 @@ class HttpLink:
             last_id = decoder.last_id
             if last_id is None:  # an id that cannot be sent back came meanwhile
                 break
-            wait = RESUME_WAIT if decoder.retry is None else decoder.retry / 1000
+            wait = min(max(RESUME_WAIT if decoder.retry is None else decoder.retry / 1000,
+                           RESUME_WAIT_MIN), RESUME_WAIT_MAX)
             if broke:
                 broke = False
-                if not await self._wait_reachable(min(wait, RESUME_WAIT_MAX)):
+                if not await self._wait_reachable(wait):
                     return
             else:
-                await trio.sleep(min(wait, RESUME_WAIT_MAX))
+                await trio.sleep(wait)
             try:
                 conn = await self._pool.get()
             except httpclient.ConnectFailed as exc:
@@ -993,14 +996,23 @@ class HttpLink:
         delay = GET_RETRY
         last_id: str | None = None  # resumes the stream where it ended
         retry: int | None = None  # the server's own wait (ms) before opening it again
+        auth = self._connector.auth
+        renewed = False  # a 401 answered the last GET: a new token was fetched for this one
         while not self._ended:
             opened = trio.current_time()
             delivered = False
             try:
+                if auth is not None:
+                    await auth.fresh()
+                sent = auth.token if auth is not None else None
                 conn = await self._pool.get()
             except httpclient.ConnectFailed as exc:
                 self._get_ready.set()
                 self._lost(f"cannot reach {self.origin}: {exc.detail}")
+                return
+            except oauth.TokenFailed as exc:
+                self._get_ready.set()
+                self._lost(f"no access token for {self.origin}: {exc.detail}")
                 return
             try:
                 try:
@@ -1017,6 +1029,16 @@ class HttpLink:
                 if self._session_gone(response):
                     await conn.aclose()
                     return
+                if response.status == 401 and auth is not None and not renewed:
+                    await conn.aclose()  # a new token, as for a POST, and the GET once more
+                    try:
+                        await auth.renew(sent, response.headers.get("www-authenticate"))
+                    except oauth.TokenFailed as exc:
+                        self._lost(f"no access token for {self.origin}: {exc.detail}")
+                        return
+                    renewed = True
+                    continue
+                renewed = False
                 if response.status != 200 or response.content_type != "text/event-stream":
                     await conn.aclose()
                     self._lost(f"{self.origin} refused the GET stream (HTTP {response.status})")

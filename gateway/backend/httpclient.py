@@ -118,8 +118,10 @@ class Response:
 
 #: Request heads written without h11, by method, target and headers (the same for every call
 #: of a session), kept by each pool (they may hold credentials: they go with it): at most
-#: this many, emptied when full.
+#: this many, emptied when full, each of at most :data:`HEAD_CACHED_MAX` bytes (a bigger one,
+#: such as a routing header carrying a large argument, is encoded each time).
 HEADS_MAX = 64
+HEAD_CACHED_MAX = 16384
 Heads = dict[tuple[str, str, tuple[tuple[str, str], ...]], bytes]
 
 
@@ -136,9 +138,10 @@ def _common_head(method: str, target: str, head: list[tuple[str, str]], body: by
         raw = http1.request_head(method, target, head)
         if raw is None:
             return None
-        if len(cache) >= HEADS_MAX:
-            cache.clear()
-        cache[key] = raw
+        if len(raw) <= HEAD_CACHED_MAX:
+            if len(cache) >= HEADS_MAX:
+                cache.clear()
+            cache[key] = raw
     if body or method in ("POST", "PUT"):
         return raw[:-2] + b"content-length: %d\r\n\r\n" % len(body)
     return raw

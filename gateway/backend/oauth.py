@@ -42,6 +42,8 @@ FETCH_TIMEOUT = 10.0
 MAX_BODY = 65536
 MAX_SECRET = 16384
 MAX_TOKEN = 8192
+#: A token's lifetime at most, in seconds (one year): a longer ``expires_in`` is held as this.
+MAX_LIFETIME = 365 * 86400.0
 #: The next token is fetched once this share of the current one's lifetime is over.
 REFRESH_AT = 0.8
 #: Seconds a refused token must have been held before a 401 fetches another one.
@@ -414,6 +416,7 @@ class TokenSource:
         lifetime = doc.get("expires_in")
         if lifetime is None:
             return token, None
-        if isinstance(lifetime, bool) or not isinstance(lifetime, int | float) or lifetime <= 0:
+        if isinstance(lifetime, bool) or not isinstance(lifetime, int | float) \
+                or not 0 < lifetime < math.inf:  # NaN too
             raise TokenFailed(f"{where} answered an expires_in that is not a positive number")
-        return token, float(lifetime)
+        return token, float(min(lifetime, MAX_LIFETIME))
