@@ -67,7 +67,9 @@ _MESSAGE = msgspec.json.Decoder(_Message)
 
 class Drops(logging.Filter, Collector):
     """Spans dropped: ``queue_full`` (counted from the SDK's log record, logged the first time
-    only) and ``export_failed`` (by :class:`_Counted`, in the export thread)."""
+    only; the SDK logs before it appends, unlocked, so a span the export thread made room for
+    in that instant is counted and still exported: an upper bound) and ``export_failed`` (by
+    :class:`_Counted`, in the export thread)."""
 
     def __init__(self) -> None:
         super().__init__()
