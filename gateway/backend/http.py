@@ -914,7 +914,12 @@ class HttpLink:
             else:
                 await trio.sleep(wait)
             try:
+                if self._connector.auth is not None:  # the call may have outlived its token
+                    await self._connector.auth.fresh()
                 conn = await self._pool.get()
+            except oauth.TokenFailed as exc:
+                self._lost(f"no access token for {self.origin}: {exc.detail}")
+                return
             except httpclient.ConnectFailed as exc:
                 self._lost(f"cannot reach {self.origin}: {exc.detail}")
                 return
