@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import http.client
 import json
+import threading
 from typing import Any
 
 EXIT_UNREACHABLE = 1
 EXIT_REQUIRED_DOWN = 2
 #: The most bytes of ``/status`` read (a gateway with thousands of instances stays far under).
 MAX_BODY = 16 * 2**20
+#: Seconds the whole GET may take (connect, head and body), however slowly bytes come.
 TIMEOUT = 5.0
 
 
@@ -46,14 +48,35 @@ def fetch(host: str, port: int, token: str | None = None) -> dict[str, Any]:
     if token is not None:
         headers["Authorization"] = f"Bearer {token}"
     conn = http.client.HTTPConnection(host, port, timeout=TIMEOUT)
+    expired = threading.Event()
+
+    def expire() -> None:  # a socket timeout bounds each read, not an answer dripping forever
+        expired.set()
+        sock = conn.sock
+        if sock is not None:
+            try:
+                sock.shutdown(2)  # SHUT_RDWR: the blocked read returns
+            except OSError:
+                pass
+
+    timer = threading.Timer(TIMEOUT, expire)
+    timer.daemon = True
     try:
+        conn.connect()
+        timer.start()
         conn.request("GET", "/status", headers=headers)
         response = conn.getresponse()
         body = response.read(MAX_BODY + 1)
     except (OSError, http.client.HTTPException) as exc:
+        if expired.is_set():
+            raise StatusUnavailable(f"admin listener {host}:{port}: no answer within "
+                                    f"{TIMEOUT:g}s") from None
         raise StatusUnavailable(f"admin listener {host}:{port}: {exc}") from None
     finally:
+        timer.cancel()
         conn.close()
+    if expired.is_set():
+        raise StatusUnavailable(f"admin listener {host}:{port}: no answer within {TIMEOUT:g}s")
     if response.status in (401, 403):
         hint = ("pass --token-file (admin.token_sha256 is set)" if token is None
                 else "the token in --token-file is not the one admin.token_sha256 names")
@@ -65,7 +88,7 @@ def fetch(host: str, port: int, token: str | None = None) -> dict[str, Any]:
         raise StatusUnavailable(f"/status is over {MAX_BODY} bytes")
     try:
         doc = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested too deep to decode
         doc = None
     if not isinstance(doc, dict) or not isinstance(doc.get("backends"), list):
         raise StatusUnavailable("/status did not answer a gateway status document")
