@@ -1,15 +1,22 @@
-"""A hostile pass over ``mcp-gateway status``: a /status answer that would hang it or crash it."""
+"""A hostile pass over ``mcp-gateway status`` (a /status answer that would hang it or crash it)
+and the audit log (arguments the gateway cannot decode)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
+from memharness import backend, memory_config, running
+from trio.testing import MockClock
 
+from gateway import cli
 from gateway.ops import statuscmd
 
 
@@ -65,3 +72,23 @@ def test_a_deeply_nested_status_answer_is_refused_not_a_traceback() -> None:
 
     with fake_admin(nested) as port, pytest.raises(statuscmd.StatusUnavailable):
         statuscmd.fetch("127.0.0.1", port)
+
+
+async def test_arguments_the_gateway_cannot_decode_are_not_hashed_as_null(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], autojump_clock: MockClock) -> None:
+    audit = (f'[audit]\npath = "{tmp_path / "audit.log"}"\n'
+             f'key_file = "{tmp_path / "audit.key"}"\n')
+    async with running(memory_config(backend("fx"), extra=audit)) as gw, gw.connect() as c:
+        for n, args in enumerate(('{"message": "a"}', '{"message": "a", "n": 1e400}',
+                                        '{"message": "a", "n": 1' + "0" * 5000 + "}")):
+            await c.send(f'{{"jsonrpc":"2.0","id":{100 + n},"method":"tools/call",'
+                         f'"params":{{"name":"fx__echo","arguments":{args}}}}}')
+            await c.response(100 + n)
+    code = cli.main(["audit", "verify", "--key-file", str(tmp_path / "audit.key"),
+                     str(tmp_path / "audit.log")])
+    assert code == 0, capsys.readouterr()
+    plain, huge_float, huge_int = [json.loads(line)["args_sha256"]
+                                  for line in (tmp_path / "audit.log").read_bytes().splitlines()]
+    assert plain == hashlib.sha256(b'{"message":"a"}').hexdigest()
+    # arguments the gateway passed on but cannot print canonically have no hash, not null's
+    assert huge_float is None and huge_int is None
