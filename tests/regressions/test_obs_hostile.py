@@ -1,10 +1,12 @@
 """A hostile pass over ``mcp-gateway status`` (a /status answer that would hang it or crash it)
-and the audit log (arguments the gateway cannot decode)."""
+and the audit log (arguments the gateway cannot decode, a write cut off by a full disk)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import resource
+import signal
 import socket
 import threading
 import time
@@ -13,11 +15,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import trio
 from memharness import backend, memory_config, running
 from trio.testing import MockClock
 
 from gateway import cli
+from gateway.config import AuditSection
+from gateway.events import EventBus
 from gateway.ops import statuscmd
+from gateway.ops.audit import AuditLog
 
 
 @contextmanager
@@ -92,3 +98,34 @@ async def test_arguments_the_gateway_cannot_decode_are_not_hashed_as_null(
     assert plain == hashlib.sha256(b'{"message":"a"}').hexdigest()
     # arguments the gateway passed on but cannot print canonically have no hash, not null's
     assert huge_float is None and huge_int is None
+
+
+async def test_a_write_failing_mid_line_leaves_a_chain_that_verifies(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A full disk (here: RLIMIT_FSIZE) cuts a batch mid-line: once there is room again, the
+    file holds whole lines chained from the last one on disk (the lost ones told by a gap)."""
+    path = tmp_path / "audit.log"
+    log = AuditLog(AuditSection(path=str(path), key_file=str(tmp_path / "k")), EventBus())
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    xfsz = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(log.run)
+            assert log.offer({"type": "call", "i": 0})
+            await log.flushed()
+            resource.setrlimit(resource.RLIMIT_FSIZE, (path.stat().st_size + 10, hard))
+            try:
+                assert log.offer({"type": "call", "i": 1, "pad": "x" * 100})
+                await log.flushed()
+            finally:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+            assert log.offer({"type": "call", "i": 2})
+            await log.flushed()
+            nursery.cancel_scope.cancel()
+    finally:
+        signal.signal(signal.SIGXFSZ, xfsz)
+    code = cli.main(["audit", "verify", "--key-file", str(tmp_path / "k"), str(path)])
+    assert code == 0, capsys.readouterr()
+    got = [json.loads(line) for line in path.read_bytes().splitlines()]
+    assert [(r["type"], r.get("i"), r.get("lost")) for r in got] == [
+        ("call", 0, None), ("gap", None, 1), ("call", 2, None)]
