@@ -1,10 +1,12 @@
-"""A hostile pass over ``mcp-gateway status`` (a /status answer that would hang it or crash it)
-and the audit log (arguments the gateway cannot decode, a write cut off by a full disk)."""
+"""A hostile pass over ``mcp-gateway status`` (a /status answer that would hang it or crash it),
+the audit log (arguments the gateway cannot decode, a write cut off by a full disk) and
+tracing (a client's tracestate junk)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import resource
 import signal
 import socket
@@ -17,13 +19,16 @@ from pathlib import Path
 import pytest
 import trio
 from memharness import backend, memory_config, running
+from msgspec import Raw
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from trio.testing import MockClock
 
 from gateway import cli
-from gateway.config import AuditSection
+from gateway.config import AuditSection, TelemetrySection
 from gateway.events import EventBus
 from gateway.ops import statuscmd
 from gateway.ops.audit import AuditLog
+from gateway.ops.telemetry import Telemetry
 
 
 @contextmanager
@@ -52,7 +57,7 @@ def fake_admin(answer: Callable[[socket.socket], None]) -> Iterator[int]:
         thread.join(10)
 
 
-def test_a_status_answer_dripping_forever_ends_within_the_timeout(
+def test_a_status_answer_dripping_forever_or_nested_too_deep_is_refused(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(statuscmd, "TIMEOUT", 0.5)
 
@@ -69,11 +74,9 @@ def test_a_status_answer_dripping_forever_ends_within_the_timeout(
             statuscmd.fetch("127.0.0.1", port)
         assert time.monotonic() - start < 3
 
-
-def test_a_deeply_nested_status_answer_is_refused_not_a_traceback() -> None:
     body = b'{"backends":[],"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
 
-    def nested(conn: socket.socket) -> None:
+    def nested(conn: socket.socket) -> None:  # json.loads: RecursionError, not ValueError
         conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
 
     with fake_admin(nested) as port, pytest.raises(statuscmd.StatusUnavailable):
@@ -129,3 +132,22 @@ async def test_a_write_failing_mid_line_leaves_a_chain_that_verifies(
     got = [json.loads(line) for line in path.read_bytes().splitlines()]
     assert [(r["type"], r.get("i"), r.get("lost")) for r in got] == [
         ("call", 0, None), ("gap", None, 1), ("call", 2, None)]
+
+
+def test_a_clients_tracestate_junk_writes_nothing_into_the_log(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Not even an untrusted caller's: the SDK logs a member it refuses, CR LF and all."""
+    exporter = InMemorySpanExporter()
+    telemetry = Telemetry(TelemetrySection(enabled=True), service_name="t", exporter=exporter,
+                          environ={})
+    try:
+        params = json.dumps({"name": "fx__echo", "_meta": {
+            "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "tracestate": "a=b,x\r\nERROR forged log line"}}).encode()
+        with caplog.at_level(logging.DEBUG):
+            trace = telemetry.request("tools/call", Raw(params), "http", None)
+            trace.end("ok", None, "fx", "fx__echo")
+        assert not [r for r in caplog.records if "forged" in r.getMessage()]
+    finally:
+        telemetry.shutdown()
+    assert [span.name for span in exporter.get_finished_spans()] == ["tools/call fx__echo"]
