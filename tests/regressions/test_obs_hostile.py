@@ -106,7 +106,8 @@ async def test_arguments_the_gateway_cannot_decode_are_not_hashed_as_null(
 async def test_a_write_failing_mid_line_leaves_a_chain_that_verifies(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A full disk (here: RLIMIT_FSIZE) cuts a batch mid-line: once there is room again, the
-    file holds whole lines chained from the last one on disk (the lost ones told by a gap)."""
+    file holds whole lines chained from the last one on disk (the lost ones told by a gap).
+    A forged line after them is reported broken, however it is nested."""
     path = tmp_path / "audit.log"
     log = AuditLog(AuditSection(path=str(path), key_file=str(tmp_path / "k")), EventBus())
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
@@ -132,6 +133,11 @@ async def test_a_write_failing_mid_line_leaves_a_chain_that_verifies(
     got = [json.loads(line) for line in path.read_bytes().splitlines()]
     assert [(r["type"], r.get("i"), r.get("lost")) for r in got] == [
         ("call", 0, None), ("gap", None, 1), ("call", 2, None)]
+    # a forged line nested too deep for json.loads: broken, not a RecursionError
+    with path.open("ab") as f:
+        f.write(b'{"x":' + b"[" * 100_000 + b"]" * 100_000 + b',"mac":"' + b"0" * 64 + b'"}\n')
+    code = cli.main(["audit", "verify", "--key-file", str(tmp_path / "k"), str(path)])
+    assert code == 1 and "audit.log:4: not valid JSON" in capsys.readouterr().err
 
 
 def test_a_clients_tracestate_junk_writes_nothing_into_the_log(
