@@ -57,7 +57,7 @@ def fake_admin(answer: Callable[[socket.socket], None]) -> Iterator[int]:
         thread.join(10)
 
 
-def test_a_status_answer_dripping_forever_or_nested_too_deep_is_refused(
+def test_a_status_answer_dripping_nested_too_deep_or_odd_is_refused_or_shown_safely(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(statuscmd, "TIMEOUT", 0.5)
 
@@ -81,6 +81,15 @@ def test_a_status_answer_dripping_forever_or_nested_too_deep_is_refused(
 
     with fake_admin(nested) as port, pytest.raises(statuscmd.StatusUnavailable):
         statuscmd.fetch("127.0.0.1", port)
+
+    # what another program on the admin port answers: shown as far as it goes, no traceback,
+    # and no escape sequence reaches the operator's terminal
+    odd = {"backends": [1, {"name": "a\x1b[31m", "required": True,
+                            "instances": [{"uptime": "x", "last_error": "\x1b]0;title\x07"}]}],
+           "listeners": [{}], "connections": [1]}
+    lines = statuscmd.render(odd)
+    assert not any("\x1b" in line or "\x07" in line for line in lines)
+    assert statuscmd.required_down(odd) == ["a?[31m"]
 
 
 async def test_arguments_the_gateway_cannot_decode_are_not_hashed_as_null(
