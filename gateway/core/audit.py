@@ -129,13 +129,14 @@ def record(served: AuditedCall, policy: Policy, sink: AuditSink, *, outcome: str
     if served.modern and served.flow is None and "requestState" in req.params:
         rec["continues"] = True  # a modern backend's round: the gateway cannot tie it to the first
     if "arguments" in req.params:
-        args = _value(req.params, "arguments")
         try:
+            args = jsonrpc.loads(req.params["arguments"])
             rec["args_sha256"] = audit.sha256_hex(args)
             if name is not None and any(fnmatch.fnmatchcase(req.tool or name, glob)
                                         for glob in sink.argument_globs):
                 rec["arguments"] = audit.redact(args, sink.redact_keys)
-        except ValueError:  # not JSON data the gateway can print canonically
+        except (msgspec.DecodeError, ValueError):  # not data the gateway can print canonically
+            # (a number out of range, too deep): no hash, never another value's
             rec["args_sha256"] = None
     return rec
 

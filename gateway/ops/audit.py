@@ -218,6 +218,7 @@ class _File:
         out: list[bytes] = []
         size = self.size  # with what ``out`` holds
         written = 0
+        chained = self.prev, self.first  # as the file's last complete line leaves the chain
         try:
             for record in records:
                 line, mac = audit.seal(key, self.prev, record, first=self.first)
@@ -226,7 +227,9 @@ class _File:
                     self._write(b"".join(out))
                     written += len(out)
                     out = []
+                    chained = self.prev, self.first
                     self.rotate()
+                    chained = self.prev, self.first
                     size = 0
                     line, mac = audit.seal(key, self.prev, record, first=True)
                 out.append(line)
@@ -237,12 +240,21 @@ class _File:
             if self.fd is not None:
                 self._write(b"".join(out))
                 written = len(records)
+                chained = self.prev, self.first
                 if self.cfg.fsync == "always" or (
                         self.cfg.fsync == "interval"
                         and time.monotonic() - self.synced_at >= self.cfg.fsync_interval):
                     self.sync()
         except (OSError, ValueError) as exc:
             LOGGER.error("audit: %d records not written: %s", len(records) - written, exc)
+            # the chain goes on from the last line on disk, not from lines never written; a
+            # line written in part (disk full) is cut off
+            self.prev, self.first = chained
+            if self.fd is not None:
+                try:
+                    os.ftruncate(self.fd, self.size)
+                except OSError as cut:
+                    LOGGER.error("audit: %s: %s", self.cfg.path, cut)
             return len(records) - written
         return 0
 

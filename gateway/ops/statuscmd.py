@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import http.client
 import json
+import threading
 from typing import Any
 
 EXIT_UNREACHABLE = 1
 EXIT_REQUIRED_DOWN = 2
 #: The most bytes of ``/status`` read (a gateway with thousands of instances stays far under).
 MAX_BODY = 16 * 2**20
+#: Seconds the whole GET may take (connect, head and body), however slowly bytes come.
 TIMEOUT = 5.0
 
 
@@ -46,14 +48,35 @@ def fetch(host: str, port: int, token: str | None = None) -> dict[str, Any]:
     if token is not None:
         headers["Authorization"] = f"Bearer {token}"
     conn = http.client.HTTPConnection(host, port, timeout=TIMEOUT)
+    expired = threading.Event()
+
+    def expire() -> None:  # a socket timeout bounds each read, not an answer dripping forever
+        expired.set()
+        sock = conn.sock
+        if sock is not None:
+            try:
+                sock.shutdown(2)  # SHUT_RDWR: the blocked read returns
+            except OSError:
+                pass
+
+    timer = threading.Timer(TIMEOUT, expire)
+    timer.daemon = True
     try:
+        conn.connect()
+        timer.start()
         conn.request("GET", "/status", headers=headers)
         response = conn.getresponse()
         body = response.read(MAX_BODY + 1)
     except (OSError, http.client.HTTPException) as exc:
+        if expired.is_set():
+            raise StatusUnavailable(f"admin listener {host}:{port}: no answer within "
+                                    f"{TIMEOUT:g}s") from None
         raise StatusUnavailable(f"admin listener {host}:{port}: {exc}") from None
     finally:
+        timer.cancel()
         conn.close()
+    if expired.is_set():
+        raise StatusUnavailable(f"admin listener {host}:{port}: no answer within {TIMEOUT:g}s")
     if response.status in (401, 403):
         hint = ("pass --token-file (admin.token_sha256 is set)" if token is None
                 else "the token in --token-file is not the one admin.token_sha256 names")
@@ -65,22 +88,34 @@ def fetch(host: str, port: int, token: str | None = None) -> dict[str, Any]:
         raise StatusUnavailable(f"/status is over {MAX_BODY} bytes")
     try:
         doc = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested too deep to decode
         doc = None
     if not isinstance(doc, dict) or not isinstance(doc.get("backends"), list):
         raise StatusUnavailable("/status did not answer a gateway status document")
     return doc
 
 
+def _dicts(value: Any) -> list[dict[str, Any]]:
+    """The objects in ``value`` if it is a list (a document of another shape shows less, not a
+    traceback)."""
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+
+
+def _text(value: Any) -> str:
+    """``value`` as text without control characters (no escape sequence reaches the
+    terminal)."""
+    return "".join(c if c.isprintable() else "?" for c in str(value))
+
+
 def required_down(doc: dict[str, Any]) -> list[str]:
     """The ``required`` backends with no RUNNING instance."""
-    return [b["name"] for b in doc["backends"]
+    return [_text(b.get("name", "?")) for b in _dicts(doc.get("backends"))
             if b.get("required") and not any(i.get("state") == "RUNNING"
-                                             for i in b.get("instances", []))]
+                                             for i in _dicts(b.get("instances")))]
 
 
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
+def _duration(seconds: Any) -> str:
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool):
         return "-"
     seconds = int(seconds)
     days, rest = divmod(seconds, 86400)
@@ -100,7 +135,7 @@ def _table(rows: list[list[str]]) -> list[str]:
 
 
 def _clip(text: str, width: int = 60) -> str:
-    text = " ".join(text.split())
+    text = _text(" ".join(text.split()))
     return text if len(text) <= width else text[:width - 1] + "…"
 
 
@@ -109,30 +144,32 @@ def render(doc: dict[str, Any]) -> list[str]:
     per backend instance."""
     state = ("stopping" if doc.get("stopping") else "draining" if doc.get("draining")
              else "ready" if doc.get("ready") else "not ready")
-    lines = [f"mcp-gateway {doc.get('version', '?')}: {state}"]
-    for listener in doc.get("listeners", []):
+    lines = [f"mcp-gateway {_text(doc.get('version', '?'))}: {state}"]
+    for listener in _dicts(doc.get("listeners")):
         guards = [g for g, on in (("tls", listener.get("tls")),
                                   ("auth", listener.get("auth_configured")),
                                   ("behind proxy", listener.get("behind_proxy"))) if on]
-        lines.append(f"  listener {listener['name']} {listener['address']}"
+        lines.append(f"  listener {_text(listener.get('name', '?'))} "
+                     f"{_text(listener.get('address', '?'))}"
                      + (f" ({', '.join(guards)})" if guards else ""))
-    conns = doc.get("connections") or {}
-    lines.append("  connections: " + (", ".join(f"{t} {n}" for t, n in sorted(conns.items()))
-                                      or "none")
-                 + f"; requests in flight {doc.get('client_requests_in_flight', 0)}"
-                 + f"; pending server requests {doc.get('pending_server_requests', 0)}")
+    conns = doc.get("connections")
+    conns = conns if isinstance(conns, dict) else {}
+    lines.append("  connections: " + (", ".join(f"{_text(t)} {_text(n)}"
+                                                for t, n in sorted(conns.items())) or "none")
+                 + f"; requests in flight {_text(doc.get('client_requests_in_flight', 0))}"
+                 + f"; pending server requests {_text(doc.get('pending_server_requests', 0))}")
     rows = [["BACKEND", "INSTANCE", "STATE", "WHERE", "RESTARTS", "UPTIME", "INFLIGHT",
              "LAST ERROR"]]
-    for b in doc["backends"]:
-        name = b["name"] + (" (required)" if b.get("required") else "")
-        for i in b.get("instances", []) or [{}]:
+    for b in _dicts(doc.get("backends")):
+        name = _text(b.get("name", "?")) + (" (required)" if b.get("required") else "")
+        for i in _dicts(b.get("instances")) or [{}]:
             where = (f"pid {i['pid']}" if i.get("pid") is not None
                      else i.get("origin") or b.get("connector", "-"))
             error = i.get("last_error") or i.get("last_exit") or ""
-            rows.append([name, i.get("name", "-"), i.get("state", "-")
-                         + (" draining" if i.get("draining") else ""), where,
-                         str(i.get("restarts", 0)), _duration(i.get("uptime")),
-                         str(i.get("inflight", 0)), _clip(error)])
+            rows.append([name, _text(i.get("name", "-")), _text(i.get("state", "-"))
+                         + (" draining" if i.get("draining") else ""), _text(where),
+                         _text(i.get("restarts", 0)), _duration(i.get("uptime")),
+                         _text(i.get("inflight", 0)), _clip(_text(error))])
             name = ""
     lines.extend(_table(rows))
     down = required_down(doc)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 
 import msgspec
@@ -44,6 +45,10 @@ MAX_ATTRIBUTE = 256  # characters of a client-given value kept in an attribute o
 MAX_TRACEPARENT = 128
 MAX_TRACESTATE = 512  # W3C: 32 members of at most 256 characters; more is not propagated
 _PROPAGATOR = TraceContextTextMapPropagator()
+#: A W3C tracestate member; the SDK logs (unthrottled, CR LF and all) one that is not.
+_MEMBER = re.compile(r"(?:[a-z][_0-9a-z\-*/]{0,255}"
+                     r"|[a-z0-9][_0-9a-z\-*/]{0,240}@[a-z][_0-9a-z\-*/]{0,13})"
+                     r"=[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]")
 
 
 class _Meta(msgspec.Struct):
@@ -199,6 +204,12 @@ def _context_keys(ctx: trace.SpanContext) -> dict[str, Raw]:
     return keys
 
 
+def _tracestate_ok(state: str) -> bool:
+    """Whether every member of ``state`` is of the W3C form (empty ones allowed)."""
+    return all(not member or _MEMBER.fullmatch(member)
+               for member in (m.strip(" \t") for m in state.split(",")))
+
+
 class RequestTrace:
     """One request's spans (see :class:`gateway.core.tracing.RequestTrace`)."""
 
@@ -322,7 +333,7 @@ class Telemetry:
         if len(parent) > MAX_TRACEPARENT:
             return None
         carrier = {"traceparent": parent}
-        if state is not None and len(state) <= MAX_TRACESTATE:
+        if state is not None and len(state) <= MAX_TRACESTATE and _tracestate_ok(state):
             carrier["tracestate"] = state
         ctx = _PROPAGATOR.extract(carrier, Context())
         if not trace.get_current_span(ctx).get_span_context().is_valid:

@@ -216,7 +216,7 @@ class Chain:
         body = data[:m.start()] + b"}"
         try:
             record = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, RecursionError):  # not JSON, or nested too deep to decode
             return "not valid JSON"
         if not isinstance(record, dict):
             return "not a JSON object"
