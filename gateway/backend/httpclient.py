@@ -401,13 +401,11 @@ class Pool:
             ConnectFailed.
         """
         now = trio.current_time()
-        while self._idle and now - self._idle[0].idle_since >= IDLE_TTL:  # the oldest first
+        # kept in the order put back: the stale ones are the oldest, at the front
+        while self._idle and now - self._idle[0].idle_since >= IDLE_TTL:
             await self._idle.pop(0).aclose()
-        while self._idle:
-            conn = self._idle.pop()
-            if now - conn.idle_since < IDLE_TTL:
-                return conn
-            await conn.aclose()
+        if self._idle:
+            return self._idle.pop()  # the newest
         return await self.connect()
 
     async def put(self, conn: Connection) -> None:
