@@ -913,15 +913,8 @@ class HttpLink:
                     return
             else:
                 await trio.sleep(wait)
-            try:
-                if self._connector.auth is not None:  # the call may have outlived its token
-                    await self._connector.auth.fresh()
-                conn = await self._pool.get()
-            except oauth.TokenFailed as exc:
-                self._lost(f"no access token for {self.origin}: {exc.detail}")
-                return
-            except httpclient.ConnectFailed as exc:
-                self._lost(f"cannot reach {self.origin}: {exc.detail}")
+            conn = await self._get_connection()  # the call may have outlived its token
+            if conn is None:
                 return
             delivered = False
             decoder = SseDecoder(decoder.limit, decoder.last_id, decoder.retry)  # a new stream
@@ -991,6 +984,20 @@ class HttpLink:
                 f"backend {self._ctx.backend!r} answered with more than {self._max_line} bytes "
                 "(max_message_bytes)", backend=self._ctx.backend, limit=self._max_line))
 
+    async def _get_connection(self) -> httpclient.Connection | None:
+        """A connection for a GET, the access token made fresh first (when the backend has
+        ``[oauth]``); None when either cannot be had: the link ended."""
+        auth = self._connector.auth
+        try:
+            if auth is not None:
+                await auth.fresh()
+            return await self._pool.get()
+        except oauth.TokenFailed as exc:
+            self._lost(f"no access token for {self.origin}: {exc.detail}")
+        except httpclient.ConnectFailed as exc:
+            self._lost(f"cannot reach {self.origin}: {exc.detail}")
+        return None
+
     # ---- the GET stream ---------------------------------------------------------------------
 
     async def _get_stream(self) -> None:
@@ -1006,19 +1013,11 @@ class HttpLink:
         while not self._ended:
             opened = trio.current_time()
             delivered = False
-            try:
-                if auth is not None:
-                    await auth.fresh()
-                sent = auth.token if auth is not None else None
-                conn = await self._pool.get()
-            except httpclient.ConnectFailed as exc:
+            conn = await self._get_connection()
+            if conn is None:
                 self._get_ready.set()
-                self._lost(f"cannot reach {self.origin}: {exc.detail}")
                 return
-            except oauth.TokenFailed as exc:
-                self._get_ready.set()
-                self._lost(f"no access token for {self.origin}: {exc.detail}")
-                return
+            sent = auth.token if auth is not None else None
             try:
                 try:
                     resume = [] if last_id is None else [("last-event-id", last_id)]

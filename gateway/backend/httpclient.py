@@ -161,6 +161,8 @@ class Connection:
         self._h11: h11.Connection | None = None  # h11 serves it (an exchange of another shape)
         self._buf = bytearray()  # received and not read yet (without h11)
         self._body: http1.BodyReader | None = None  # the answer's body being read
+        # the request written without h11 until its answer's head is read (h11 is told of it
+        # if the answer is not of the common shape)
         self._sent: tuple[str, str, list[tuple[str, str]], bytes] | None = None
         self._keep = True  # the remote keeps it alive after the answer being read
         self.broken = False
@@ -242,6 +244,7 @@ class Connection:
         if parsed is None:
             return await self._to_h11(deadline)
         del buf[:end + 4]
+        self._sent = None  # h11 will not need it: not kept while the connection idles
         self._body = http1.BodyReader(parsed.length)
         self._keep = not parsed.close
         return Response(parsed.status, parsed.headers)
@@ -250,6 +253,7 @@ class Connection:
         """From now on h11 serves this connection: told the request sent, given what came."""
         assert self._sent is not None
         method, target, head, body = self._sent
+        self._sent = None
         conn = self._h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
         conn.send(h11.Request(method=method, target=target, headers=head))  # sent already
         if body:
@@ -401,13 +405,11 @@ class Pool:
             ConnectFailed.
         """
         now = trio.current_time()
-        while self._idle and now - self._idle[0].idle_since >= IDLE_TTL:  # the oldest first
+        # kept in the order put back: the stale ones are the oldest, at the front
+        while self._idle and now - self._idle[0].idle_since >= IDLE_TTL:
             await self._idle.pop(0).aclose()
-        while self._idle:
-            conn = self._idle.pop()
-            if now - conn.idle_since < IDLE_TTL:
-                return conn
-            await conn.aclose()
+        if self._idle:
+            return self._idle.pop()  # the newest
         return await self.connect()
 
     async def put(self, conn: Connection) -> None:

@@ -85,6 +85,25 @@ async def exchange(answer: list[bytes], *, lean: bool) -> tuple[tuple[object, ..
     return (response.status, response.headers, body, conn.reusable()), conn._h11 is not None
 
 
+@pytest.mark.parametrize("name", ["json_length", "http10"])  # read without h11, handed to h11
+async def test_a_request_body_is_not_held_once_its_answers_head_is_read(name: str) -> None:
+    client, server = trio.testing.memory_stream_pair()
+    conn = httpclient.Connection(client, "remote:1")
+    body = b'{"big":"' + b"x" * 100_000 + b'"}'
+
+    async def serve() -> None:
+        got = b""
+        while len(got) < len(body) or b"\r\n\r\n" not in got:
+            got += await server.receive_some(65536)
+        await server.send_all(ANSWERS[name])
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve)
+        await conn.request("POST", "/mcp", [("accept", "application/json")], body,
+                           head_timeout=5.0)
+    assert conn._sent is None  # not kept while the connection idles in a pool
+
+
 @pytest.mark.parametrize("how", ["whole", "bytes", "random"])
 @pytest.mark.parametrize("name", sorted(ANSWERS))
 async def test_each_answer_reads_as_h11_reads_it(name: str, how: str) -> None:
