@@ -16,7 +16,7 @@ import re
 import shutil
 import stat
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import msgspec
@@ -534,9 +534,7 @@ def _resolve_paths(backend: BackendConfig, base_dir: str) -> BackendConfig:
     ca_file = backend.ca_file
     if ca_file:
         ca_file = os.path.normpath(os.path.join(base_dir, ca_file))
-    headers = {name: ({**value, "file": os.path.normpath(os.path.join(base_dir, value["file"]))}
-                      if isinstance(value, dict) and value.get("file") else value)
-               for name, value in backend.headers.items()}
+    headers = {name: _file_ref(value, base_dir) for name, value in backend.headers.items()}
     return msgspec.structs.replace(backend, cwd=cwd, command=command, ca_file=ca_file,
                                    headers=headers, oauth=_resolve_oauth(backend.oauth, base_dir))
 
@@ -544,14 +542,21 @@ def _resolve_paths(backend: BackendConfig, base_dir: str) -> BackendConfig:
 def _resolve_oauth(oauth: RemoteOAuth | None, base_dir: str) -> RemoteOAuth | None:
     if oauth is None:
         return None
-
-    def ref(value: str | dict[str, str] | None) -> str | dict[str, str] | None:
-        if isinstance(value, dict) and value.get("file"):
-            return {**value, "file": os.path.normpath(os.path.join(base_dir, value["file"]))}
-        return value
     ca_file = os.path.normpath(os.path.join(base_dir, oauth.ca_file)) if oauth.ca_file else None
-    return msgspec.structs.replace(oauth, client_secret=ref(oauth.client_secret),
-                                   private_key=ref(oauth.private_key), ca_file=ca_file)
+    return msgspec.structs.replace(oauth, client_secret=_file_ref(oauth.client_secret, base_dir),
+                                   private_key=_file_ref(oauth.private_key, base_dir),
+                                   ca_file=ca_file)
+
+
+_Ref = TypeVar("_Ref", HeaderValue, HeaderValue | None)
+
+
+def _file_ref(value: _Ref, base_dir: str) -> _Ref:
+    """``value`` (a literal, ``{ env = … }`` or ``{ file = … }``) with a ``file`` under
+    ``base_dir``."""
+    if isinstance(value, dict) and value.get("file"):
+        return {**value, "file": os.path.normpath(os.path.join(base_dir, value["file"]))}
+    return value
 
 
 #: A header name (an HTTP token) a remote backend may be sent.

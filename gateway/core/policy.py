@@ -200,8 +200,7 @@ class Policy:
             # a glob on the URI cannot tell where a dot segment leads: refused, not guessed
             raise errors.Denied(f"resource {name!r} has a '.' or '..' path segment; "
                                 "resource rules cannot be applied to it", uri=name)
-        decision = pure.decide(name, self._rules_for(kind, name), self.cfg.default, caller=caller,
-                               kind=kind, sensitive=kind == "tool" and name in self.sensitive)
+        decision = self.decision(name, caller, kind)
         if decision.action != "deny":
             return decision.action == "ask"
         if decision.scopes:
@@ -216,7 +215,8 @@ class Policy:
         raise errors.Denied(f"{kind} {name!r} is denied by policy", **{what: name})
 
     def decision(self, name: str, caller: Caller, kind: Kind) -> pure.Decision:
-        """The decision of the rules on ``caller``'s use of ``name`` (the audit log's)."""
+        """The decision of the rules on ``caller``'s use of ``name`` (:meth:`check`'s, the
+        audit log's)."""
         return pure.decide(name, self._rules_for(kind, name), self.cfg.default, caller=caller,
                            kind=kind, sensitive=kind == "tool" and name in self.sensitive)
 
@@ -241,8 +241,7 @@ class Policy:
         if not isinstance(name, str):
             return None
         caller = Caller("http", principal.name, principal.groups, principal.scopes)
-        decision = pure.decide(name, self._rules_for(kind, name), self.cfg.default, caller=caller,
-                               kind=kind, sensitive=kind == "tool" and name in self.sensitive)
+        decision = self.decision(name, caller, kind)
         return list(decision.scopes) if decision.action == "deny" and decision.scopes else None
 
     async def authorize(self, session: ClientSession, tool: str, arguments: Any = None) -> None:
@@ -269,7 +268,7 @@ class Policy:
         # the call asking (its id changes with a modern caller's retry): told the outcome
         asked = session.inflight.get(request_id) if request_id is not None else None
         bridge = session.mrtr
-        served = None if bridge is None or request_id is None else session.inflight.get(request_id)
+        served = None if bridge is None else asked
         if served is not None and not served.modern:
             served = None  # a legacy request: its caller is sent the prompt
         modern = served is not None

@@ -17,7 +17,6 @@ import collections
 import importlib
 import logging
 import os
-import re
 import secrets
 import threading
 import time
@@ -45,8 +44,6 @@ JOIN_TIMEOUT = 30.0
 MAX_KEY_FILE = 4096
 #: The last line of an existing file is looked for within this many bytes of its end.
 MAX_TAIL = 64 * 1024 * 1024
-
-_MAC = re.compile(rb',"mac":"([0-9a-f]{64})"\}\Z')
 
 
 def load_key(path: str, *, create: bool = True, owner: int | None = None) -> bytes:
@@ -112,7 +109,7 @@ def _last_mac(fd: int, size: int) -> tuple[bytes | None, bool]:
     candidates = lines[:-1]
     if not candidates:
         return None, complete
-    m = _MAC.search(candidates[-1])
+    m = audit.MAC_SUFFIX.search(candidates[-1])
     return (bytes.fromhex(m.group(1).decode()) if m else None), complete
 
 

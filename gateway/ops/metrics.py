@@ -429,8 +429,10 @@ class GatewayMetrics:
 
     def _latency_tool(self, backend: str, tool: str) -> str:
         """``tool`` as its latency series' label, or ``_overflow`` once the backend's are full."""
-        tools = self._latency_tools.setdefault(backend, set())
-        if tool in tools:
+        tools = self._latency_tools.get(backend)
+        if tools is None:
+            tools = self._latency_tools[backend] = set()
+        elif tool in tools:
             return tool
         if len(tools) >= self._max_latency_series:
             return OVERFLOW_TOOL

@@ -135,6 +135,7 @@ def _table(rows: list[list[str]]) -> list[str]:
 
 
 def _clip(text: str, width: int = 60) -> str:
+    """``text`` on one line (its whitespace runs one space), printable, at most ``width``."""
     text = _text(" ".join(text.split()))
     return text if len(text) <= width else text[:width - 1] + "…"
 
@@ -169,7 +170,7 @@ def render(doc: dict[str, Any]) -> list[str]:
             rows.append([name, _text(i.get("name", "-")), _text(i.get("state", "-"))
                          + (" draining" if i.get("draining") else ""), _text(where),
                          _text(i.get("restarts", 0)), _duration(i.get("uptime")),
-                         _text(i.get("inflight", 0)), _clip(_text(error))])
+                         _text(i.get("inflight", 0)), _clip(str(error))])
             name = ""
     lines.extend(_table(rows))
     down = required_down(doc)

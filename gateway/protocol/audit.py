@@ -33,7 +33,8 @@ REDACTED = "[REDACTED]"
 #: Nesting deeper than this is refused (canonical JSON and redaction recurse).
 MAX_DEPTH = 256
 
-_MAC_SUFFIX = re.compile(rb',"mac":"([0-9a-f]{64})"\}\Z')
+#: A line's ``,"mac":"<64 hex>"}`` suffix (group 1: the MAC in hex).
+MAC_SUFFIX = re.compile(rb',"mac":"([0-9a-f]{64})"\}\Z')
 
 
 def _number(x: float) -> str:
@@ -210,7 +211,7 @@ class Chain:
 
     def line(self, data: bytes) -> str | None:
         """Check one line (without its newline); why it breaks the chain, or None."""
-        m = _MAC_SUFFIX.search(data)
+        m = MAC_SUFFIX.search(data)
         if not data.startswith(b"{") or m is None:
             return "not a line of the audit log (no \"mac\" member at its end)"
         body = data[:m.start()] + b"}"

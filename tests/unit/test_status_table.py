@@ -47,3 +47,10 @@ def test_a_wildcard_admin_listener_is_reached_on_loopback() -> None:
     assert statuscmd.admin_address("0.0.0.0:9477") == ("127.0.0.1", 9477)
     assert statuscmd.admin_address("[::]:9477") == ("::1", 9477)
     assert statuscmd.admin_address("10.0.0.5:9000") == ("10.0.0.5", 9000)
+
+
+def test_a_multi_line_error_shows_on_one_line_its_line_breaks_as_spaces() -> None:
+    doc = {"backends": [{"name": "b", "instances": [
+        {"name": "b/0", "state": "FATAL", "last_error": "spawn failed:\n  No such file\r\n"}]}]}
+    row = statuscmd.render(doc)[-1]
+    assert row.endswith("spawn failed: No such file")
