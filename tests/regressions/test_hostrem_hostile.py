@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
+from fixtures.link_recorder import Recorder
 from fixtures.token_server import Answer, AuthServer, Net, ProtectedRemote
 
 from gateway import config
@@ -59,32 +60,6 @@ async def test_a_token_lifetime_past_any_date_is_refused_and_status_still_answer
         nursery.cancel_scope.cancel()
 
 
-class _Recorder:
-    def __init__(self) -> None:
-        self.messages: list[Any] = []
-        self.failures: dict[int, Any] = {}
-        self.changed = trio.Event()
-
-    def _note(self) -> None:
-        self.changed.set()
-        self.changed = trio.Event()
-
-    def message(self, data: bytes, cause: int | None = None) -> None:
-        self.messages.append(json.loads(data))
-        self._note()
-
-    def failed(self, gid: int, error: Any) -> None:
-        self.failures[gid] = error
-        self._note()
-
-    def ended(self) -> None:
-        self._note()
-
-    def oversize(self, frame: object) -> None: ...
-    def oversize_end(self, frame: object) -> None: ...
-    def undelivered(self, gids: list[int], error: Any) -> None: ...
-
-
 def _rpc(gid: int, method: str, params: Any = None) -> bytes:
     return json.dumps({"jsonrpc": "2.0", "id": gid, "method": method,
                        "params": params or {}}).encode()
@@ -117,7 +92,7 @@ async def test_resuming_with_retry_zero_and_an_event_each_time_is_not_a_busy_loo
         return 200, [("content-type", "text/event-stream")], b"id: e0\nretry: 0\ndata:\n\n"
 
     cfg = config.load(f'[backends.r]\nurl = "{URL}"\n').backends["r"]
-    receiver = _Recorder()
+    receiver = Recorder()
     async with trio.open_nursery() as nursery:
         net = Net(nursery, {"localhost:8080": remote})
         link = await http.HttpConnector(cfg, opener=net.open, name="r").open(LinkContext(
@@ -201,7 +176,7 @@ async def test_the_get_stream_reopened_after_the_token_expired_does_not_end_the_
     text = (f'[backends.r]\nurl = "{URL}"\n[backends.r.oauth]\nclient_id = "gw-client"\n'
             f'token_url = "{AS}/token"\nclient_secret = {{ file = "secret" }}\n')
     cfg = config.load(text, base_dir=str(tmp_path)).backends["r"]
-    receiver = _Recorder()
+    receiver = Recorder()
     async with trio.open_nursery() as nursery:
         net = Net(nursery, {"127.0.0.1:9000": auth, "localhost:8080": serve})
         link = await http.HttpConnector(cfg, opener=net.open, name="r").open(LinkContext(
