@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from fixtures.link_recorder import Recorder
+from fixtures.link_recorder import Recorder, request
 from fixtures.token_server import Answer, AuthServer, Net, ProtectedRemote
 
 from gateway import config
@@ -60,11 +60,6 @@ async def test_a_token_lifetime_past_any_date_is_refused_and_status_still_answer
         nursery.cancel_scope.cancel()
 
 
-def _rpc(gid: int, method: str, params: Any = None) -> bytes:
-    return json.dumps({"jsonrpc": "2.0", "id": gid, "method": method,
-                       "params": params or {}}).encode()
-
-
 async def test_resuming_with_retry_zero_and_an_event_each_time_is_not_a_busy_loop(
         autojump_clock: trio.testing.MockClock) -> None:
     # every resumed GET brings one notification with a new id and ``retry: 0``, then ends
@@ -99,11 +94,11 @@ async def test_resuming_with_retry_zero_and_an_event_each_time_is_not_a_busy_loo
             backend="r", instance="r#1", bus=EventBus(), max_line=65536,
             buffers=ByteBudget(10**7).open("r")))
         nursery.start_soon(link.run, receiver)
-        link.send(_rpc(1, "initialize"), 1)
+        link.send(request(1, "initialize"), 1)
         while not receiver.messages:
             await receiver.changed.wait()
         start = trio.current_time()
-        link.send(_rpc(2, "tools/call", {"name": "t", "arguments": {}}), 2)
+        link.send(request(2, "tools/call", {"name": "t", "arguments": {}}), 2)
         await trio.sleep(10)
         nursery.cancel_scope.cancel()
     # the server's retry is honoured down to a floor: a handful per second, not a spin
@@ -183,7 +178,7 @@ async def test_the_get_stream_reopened_after_the_token_expired_does_not_end_the_
             backend="r", instance="r#1", bus=EventBus(), max_line=65536,
             buffers=ByteBudget(10**7).open("r")))
         nursery.start_soon(link.run, receiver)
-        link.send(_rpc(1, "initialize"), 1)
+        link.send(request(1, "initialize"), 1)
         while not receiver.messages:
             await receiver.changed.wait()
         await trio.sleep(200)

@@ -13,7 +13,7 @@ import h11
 import pytest
 import trio
 import trio.testing
-from fixtures.link_recorder import Recorder
+from fixtures.link_recorder import Recorder, request
 from fixtures.remote_server import read_request
 from memharness import Owner
 
@@ -139,11 +139,6 @@ async def open_link(nursery: trio.Nursery, handler: Handler
     await receiver.wait(lambda: receiver.answered(1))
     link.send(json.dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}).encode())
     return server, link, receiver
-
-
-def request(gid: int, method: str, params: dict[str, Any] | None = None) -> bytes:
-    return json.dumps({"jsonrpc": "2.0", "id": gid, "method": method,
-                       "params": params or {}}).encode()
 
 
 def note(method: str) -> bytes:

@@ -14,7 +14,7 @@ import trio
 import trio.testing
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
-from fixtures.link_recorder import Recorder
+from fixtures.link_recorder import Recorder, request
 from fixtures.token_server import AuthServer, Net, ProtectedRemote
 
 from gateway import config, errors
@@ -28,10 +28,6 @@ from gateway.status import BackendStatus, GatewayStatus
 AS = "http://127.0.0.1:9000"
 URL = "http://localhost:8080/mcp"
 SECRET = "s3cr3t:with/odd+chars"
-
-
-def request(gid: int, method: str) -> bytes:
-    return json.dumps({"jsonrpc": "2.0", "id": gid, "method": method, "params": {}}).encode()
 
 
 async def start(nursery: trio.Nursery, net: Net, oauth: str, tmp_path: Any
