@@ -166,12 +166,15 @@ def check_http(method: str, params: dict[str, Raw],
     mismatch = _headers_against(method, version, params, headers)
     if mismatch is not None:
         raise mismatch
-    token = None
-    if meta is not None and "progressToken" in meta:
-        token = jsonrpc.loads(meta["progressToken"])
-        if not isinstance(token, int | str) or isinstance(token, bool):
-            token = None
-    return HttpModern(modern.caps, token)
+    return HttpModern(modern.caps, progress_of(meta or {}))
+
+
+def progress_of(meta: dict[str, Raw]) -> int | str | None:
+    """The progress token of a request's ``_meta`` decoded one level (None: none, or not a
+    string or integer)."""
+    raw = meta.get("progressToken")
+    token = None if raw is None else jsonrpc.loads(raw)
+    return token if isinstance(token, int | str) and not isinstance(token, bool) else None
 
 
 def _is_level(value: object) -> bool:
