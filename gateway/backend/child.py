@@ -439,10 +439,7 @@ class ChildConnection:
                 self._handlers.on_notification(self, env.method, env.params)
         else:
             assert isinstance(env.method, str) and isinstance(env.id, int | str)
-            if cause is None:
-                self._handlers.on_request(self, env.id, env.method, env.params)
-            else:
-                self._handlers.on_request(self, env.id, env.method, env.params, cause)
+            self._handlers.on_request(self, env.id, env.method, env.params, cause)
 
     def _on_undecodable(self, line: bytes, exc: errors.GatewayError,
                         cause: int | None = None) -> None:

@@ -84,11 +84,6 @@ class Modern(NamedTuple):
     log_level: str | None  # the level it wants log messages at (None: none at all)
 
 
-def check_modern(method: str, params: dict[str, Raw]) -> dict[str, Any]:
-    """Validate a modern request's ``_meta``; returns the client's capabilities."""
-    return modern_meta(method, params).caps
-
-
 def modern_meta(method: str, params: dict[str, Raw]) -> Modern:
     """Validate a modern request's ``_meta`` (one decode); returns what it says.
 
@@ -142,7 +137,7 @@ def check_http(method: str, params: dict[str, Raw],
     """A modern (2026-07-28) HTTP request's ``_meta`` and routing headers, with ``_meta`` decoded
     once: -32020 when the ``MCP-Protocol-Version`` header and ``_meta`` name different versions
     (checked before either is judged), then :func:`modern_meta`'s checks, then
-    :func:`header_mismatch`'s.
+    the routing headers against the body.
 
     Raises:
         errors.HeaderMismatch: a header does not match the body.
@@ -171,29 +166,26 @@ def check_http(method: str, params: dict[str, Raw],
     mismatch = _headers_against(method, version, params, headers)
     if mismatch is not None:
         raise mismatch
-    token = None
-    if meta is not None and "progressToken" in meta:
-        token = jsonrpc.loads(meta["progressToken"])
-        if not isinstance(token, int | str) or isinstance(token, bool):
-            token = None
-    return HttpModern(modern.caps, token)
+    return HttpModern(modern.caps, progress_of(meta or {}))
+
+
+def progress_of(meta: dict[str, Raw]) -> int | str | None:
+    """The progress token of a request's ``_meta`` decoded one level (None: none, or not a
+    string or integer)."""
+    raw = meta.get("progressToken")
+    token = None if raw is None else jsonrpc.loads(raw)
+    return token if isinstance(token, int | str) and not isinstance(token, bool) else None
 
 
 def _is_level(value: object) -> bool:
     return isinstance(value, str) and value in mcp.LOG_RANK
 
 
-def header_mismatch(method: str, params: dict[str, Raw],
-                    headers: dict[str, str | None]) -> errors.GatewayError | None:
+def _headers_against(method: str, version: Any, params: dict[str, Raw],
+                     headers: dict[str, str | None]) -> errors.GatewayError | None:
     """The -32020 error for a modern HTTP request whose routing headers do not match its body
     (``MCP-Protocol-Version``, ``Mcp-Method``, ``Mcp-Name``), or None.  A header value may be
     ``=?base64?…?=``-encoded."""
-    meta = jsonrpc.raw_dict(params["_meta"])
-    return _headers_against(method, jsonrpc.loads(meta[VERSION_KEY]), params, headers)
-
-
-def _headers_against(method: str, version: Any, params: dict[str, Raw],
-                     headers: dict[str, str | None]) -> errors.GatewayError | None:
     expected = {"mcp-protocol-version": version, "mcp-method": method}
     if method in NAMED:
         raw = params.get(NAMED[method])

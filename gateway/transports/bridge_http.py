@@ -28,7 +28,7 @@ import msgspec
 import trio
 
 from gateway.errors import INTERNAL_ERROR, MessageTooLarge, TransportClosed
-from gateway.protocol import era, jsonrpc, subscriptions
+from gateway.protocol import era, jsonrpc, mcpheaders, subscriptions
 from gateway.protocol.sse import EventTooLarge, SseDecoder
 from gateway.transports.lines import LineStream
 
@@ -178,13 +178,9 @@ class HttpBridge:
     def _modern_headers(self, version: str, method: str, params: dict[str, Any]) -> dict[str, str]:
         """A 2026-07-28 POST's headers: no session, the routing headers from the body."""
         headers = {"accept": f"{_JSON}, {_SSE}", "content-type": _JSON,
-                   "mcp-protocol-version": era.header_value(version),
-                   "mcp-method": era.header_value(method)}
+                   **dict(mcpheaders.request_headers(method, version, params))}
         if self._token:
             headers["authorization"] = f"Bearer {self._token}"
-        name = params.get(era.NAMED[method]) if method in era.NAMED else None
-        if isinstance(name, str):
-            headers["mcp-name"] = era.header_value(name)
         return headers
 
     async def run(self) -> None:

@@ -684,10 +684,9 @@ def _progress_token(params: dict[str, msgspec.Raw] | None) -> int | str | None:
     if raw is None:
         return None
     try:
-        token = jsonrpc.loads(jsonrpc.raw_dict(raw)["progressToken"])
-    except (KeyError, msgspec.DecodeError, msgspec.ValidationError):
+        return era.progress_of(jsonrpc.raw_dict(raw))
+    except (msgspec.DecodeError, msgspec.ValidationError):
         return None
-    return token if isinstance(token, int | str) and not isinstance(token, bool) else None
 
 
 async def _hold(conn: HttpConnection, session: HttpSession, sink: Sink,

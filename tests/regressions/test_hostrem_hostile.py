@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
+from fixtures.link_recorder import Recorder, request
 from fixtures.token_server import Answer, AuthServer, Net, ProtectedRemote
 
 from gateway import config
@@ -59,37 +60,6 @@ async def test_a_token_lifetime_past_any_date_is_refused_and_status_still_answer
         nursery.cancel_scope.cancel()
 
 
-class _Recorder:
-    def __init__(self) -> None:
-        self.messages: list[Any] = []
-        self.failures: dict[int, Any] = {}
-        self.changed = trio.Event()
-
-    def _note(self) -> None:
-        self.changed.set()
-        self.changed = trio.Event()
-
-    def message(self, data: bytes, cause: int | None = None) -> None:
-        self.messages.append(json.loads(data))
-        self._note()
-
-    def failed(self, gid: int, error: Any) -> None:
-        self.failures[gid] = error
-        self._note()
-
-    def ended(self) -> None:
-        self._note()
-
-    def oversize(self, frame: object) -> None: ...
-    def oversize_end(self, frame: object) -> None: ...
-    def undelivered(self, gids: list[int], error: Any) -> None: ...
-
-
-def _rpc(gid: int, method: str, params: Any = None) -> bytes:
-    return json.dumps({"jsonrpc": "2.0", "id": gid, "method": method,
-                       "params": params or {}}).encode()
-
-
 async def test_resuming_with_retry_zero_and_an_event_each_time_is_not_a_busy_loop(
         autojump_clock: trio.testing.MockClock) -> None:
     # every resumed GET brings one notification with a new id and ``retry: 0``, then ends
@@ -117,18 +87,18 @@ async def test_resuming_with_retry_zero_and_an_event_each_time_is_not_a_busy_loo
         return 200, [("content-type", "text/event-stream")], b"id: e0\nretry: 0\ndata:\n\n"
 
     cfg = config.load(f'[backends.r]\nurl = "{URL}"\n').backends["r"]
-    receiver = _Recorder()
+    receiver = Recorder()
     async with trio.open_nursery() as nursery:
         net = Net(nursery, {"localhost:8080": remote})
         link = await http.HttpConnector(cfg, opener=net.open, name="r").open(LinkContext(
             backend="r", instance="r#1", bus=EventBus(), max_line=65536,
             buffers=ByteBudget(10**7).open("r")))
         nursery.start_soon(link.run, receiver)
-        link.send(_rpc(1, "initialize"), 1)
+        link.send(request(1, "initialize"), 1)
         while not receiver.messages:
             await receiver.changed.wait()
         start = trio.current_time()
-        link.send(_rpc(2, "tools/call", {"name": "t", "arguments": {}}), 2)
+        link.send(request(2, "tools/call", {"name": "t", "arguments": {}}), 2)
         await trio.sleep(10)
         nursery.cancel_scope.cancel()
     # the server's retry is honoured down to a floor: a handful per second, not a spin
@@ -201,14 +171,14 @@ async def test_the_get_stream_reopened_after_the_token_expired_does_not_end_the_
     text = (f'[backends.r]\nurl = "{URL}"\n[backends.r.oauth]\nclient_id = "gw-client"\n'
             f'token_url = "{AS}/token"\nclient_secret = {{ file = "secret" }}\n')
     cfg = config.load(text, base_dir=str(tmp_path)).backends["r"]
-    receiver = _Recorder()
+    receiver = Recorder()
     async with trio.open_nursery() as nursery:
         net = Net(nursery, {"127.0.0.1:9000": auth, "localhost:8080": serve})
         link = await http.HttpConnector(cfg, opener=net.open, name="r").open(LinkContext(
             backend="r", instance="r#1", bus=EventBus(), max_line=65536,
             buffers=ByteBudget(10**7).open("r")))
         nursery.start_soon(link.run, receiver)
-        link.send(_rpc(1, "initialize"), 1)
+        link.send(request(1, "initialize"), 1)
         while not receiver.messages:
             await receiver.changed.wait()
         await trio.sleep(200)

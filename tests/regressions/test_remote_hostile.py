@@ -13,6 +13,7 @@ import h11
 import pytest
 import trio
 import trio.testing
+from fixtures.link_recorder import Recorder, request
 from fixtures.remote_server import read_request
 from memharness import Owner
 
@@ -124,44 +125,6 @@ class Hostile:
         return [ex for ex in self.seen if ex.rpc == rpc]
 
 
-class Recorder:
-    """The receiver side: what the link hands to the session."""
-
-    def __init__(self) -> None:
-        self.messages: list[tuple[Any, int | None]] = []
-        self.failures: dict[int, errors.GatewayError] = {}
-        self.ended_ = False
-        self.changed = trio.Event()
-
-    def _note(self) -> None:
-        self.changed.set()
-        self.changed = trio.Event()
-
-    def message(self, data: bytes, cause: int | None = None) -> None:
-        self.messages.append((json.loads(data), cause))
-        self._note()
-
-    def failed(self, gid: int, error: errors.GatewayError) -> None:
-        self.failures[gid] = error
-        self._note()
-
-    def ended(self) -> None:
-        self.ended_ = True
-        self._note()
-
-    def oversize(self, frame: object) -> None: ...
-    def oversize_end(self, frame: object) -> None: ...
-    def undelivered(self, gids: list[int], error: errors.GatewayError) -> None: ...
-
-    def answered(self, gid: int) -> bool:
-        return any(isinstance(m, dict) and m.get("id") == gid and "method" not in m
-                   for m, _ in self.messages)
-
-    async def wait(self, done: Callable[[], bool]) -> None:
-        while not done():
-            await self.changed.wait()
-
-
 async def open_link(nursery: trio.Nursery, handler: Handler
                     ) -> tuple[Hostile, http.HttpLink, Recorder]:
     """A link to a hostile remote, its session initialized (request id 1)."""
@@ -176,11 +139,6 @@ async def open_link(nursery: trio.Nursery, handler: Handler
     await receiver.wait(lambda: receiver.answered(1))
     link.send(json.dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}).encode())
     return server, link, receiver
-
-
-def request(gid: int, method: str, params: dict[str, Any] | None = None) -> bytes:
-    return json.dumps({"jsonrpc": "2.0", "id": gid, "method": method,
-                       "params": params or {}}).encode()
 
 
 def note(method: str) -> bytes:

@@ -47,7 +47,8 @@ class Recorder(ChildHandlers):
         self.notifications.append((method, None if params is UNSET else json.loads(bytes(params))))
 
     def on_request(
-        self, child: ChildConnection, id: int | str, method: str, params: Raw | UnsetType
+        self, child: ChildConnection, id: int | str, method: str, params: Raw | UnsetType,
+        cause: int | None = None,
     ) -> None:
         self.requests.append((id, method, None if params is UNSET else json.loads(bytes(params))))
 

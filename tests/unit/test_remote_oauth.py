@@ -14,6 +14,7 @@ import trio
 import trio.testing
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from fixtures.link_recorder import Recorder, request
 from fixtures.token_server import AuthServer, Net, ProtectedRemote
 
 from gateway import config, errors
@@ -27,42 +28,6 @@ from gateway.status import BackendStatus, GatewayStatus
 AS = "http://127.0.0.1:9000"
 URL = "http://localhost:8080/mcp"
 SECRET = "s3cr3t:with/odd+chars"
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.messages: list[Any] = []
-        self.failures: dict[int, errors.GatewayError] = {}
-        self.ended_ = False
-        self.changed = trio.Event()
-
-    def _note(self) -> None:
-        self.changed.set()
-        self.changed = trio.Event()
-
-    def message(self, data: bytes, cause: int | None = None) -> None:
-        self.messages.append(json.loads(data))
-        self._note()
-
-    def failed(self, gid: int, error: errors.GatewayError) -> None:
-        self.failures[gid] = error
-        self._note()
-
-    def ended(self) -> None:
-        self.ended_ = True
-        self._note()
-
-    def oversize(self, frame: object) -> None: ...
-    def oversize_end(self, frame: object) -> None: ...
-    def undelivered(self, gids: list[int], error: errors.GatewayError) -> None: ...
-
-    async def answer(self, gid: int) -> None:
-        while not any(m.get("id") == gid for m in self.messages) and gid not in self.failures:
-            await self.changed.wait()
-
-
-def request(gid: int, method: str) -> bytes:
-    return json.dumps({"jsonrpc": "2.0", "id": gid, "method": method, "params": {}}).encode()
 
 
 async def start(nursery: trio.Nursery, net: Net, oauth: str, tmp_path: Any
@@ -112,7 +77,7 @@ async def test_basic_discovered_from_the_401_then_refreshed_before_expiry(
         net = Net(nursery, {"127.0.0.1:9000": auth, "localhost:8080": remote})
         connector, link, receiver = await start(nursery, net, secret_file(tmp_path), tmp_path)
         # no token_url: the first POST's 401 named the metadata; then one token, Basic auth
-        assert receiver.messages[0]["result"]["serverInfo"]["name"] == "protected"
+        assert receiver.messages[0][0]["result"]["serverInfo"]["name"] == "protected"
         assert remote.unauthorized == 1 and auth.issued == ["tok-1"]
         form = auth.requests[0]
         assert form["resource"] == URL and "client_secret" not in form
@@ -194,7 +159,7 @@ async def test_private_key_jwt_assertion_is_signed_with_the_claims_the_server_ch
         net = Net(nursery, {"127.0.0.1:9000": auth, "localhost:8080": remote})
         _, _, receiver = await start(nursery, net, oauth, tmp_path)
         assert auth.refused == [] and auth.issued == ["tok-1"], auth.refused
-        assert receiver.messages[0]["result"]["serverInfo"]["name"] == "protected"
+        assert receiver.messages[0][0]["result"]["serverInfo"]["name"] == "protected"
         form = auth.requests[0]
         assert form["client_id"] == "gw-client" and form["_authorization"] is None
         assert jwt.get_unverified_header(form["client_assertion"])["kid"] == "k1"

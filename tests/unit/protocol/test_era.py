@@ -22,18 +22,18 @@ def test_the_first_request_pins_the_era() -> None:
     assert era.era_of("tools/list", params(progressToken=1)) is era.Era.LEGACY
 
 
-def test_check_modern_refuses_removed_methods_first_then_version_then_capabilities() -> None:
+def test_modern_meta_refuses_removed_methods_first_then_version_then_capabilities() -> None:
     good = {era.VERSION_KEY: "2026-07-28", era.CAPABILITIES_KEY: {"sampling": {}}}
-    assert era.check_modern("tools/call", params(**good)) == {"sampling": {}}
+    assert era.modern_meta("tools/call", params(**good)).caps == {"sampling": {}}
     with pytest.raises(errors.MethodNotFound):
-        era.check_modern("initialize", {})  # no _meta: still "method not found", not -32602
+        era.modern_meta("initialize", {})  # no _meta: still "method not found", not -32602
     with pytest.raises(errors.InvalidParams):
-        era.check_modern("tools/list", params(**{era.CAPABILITIES_KEY: {}}))
+        era.modern_meta("tools/list", params(**{era.CAPABILITIES_KEY: {}}))
     with pytest.raises(errors.UnsupportedVersion) as info:
-        era.check_modern("tools/list", params(**{**good, era.VERSION_KEY: "2025-11-25"}))
+        era.modern_meta("tools/list", params(**{**good, era.VERSION_KEY: "2025-11-25"}))
     assert info.value.code == -32022 and info.value.error_data()["supported"][0] == "2026-07-28"
     with pytest.raises(errors.InvalidParams):
-        era.check_modern("tools/list", params(**{era.VERSION_KEY: "2026-07-28"}))
+        era.modern_meta("tools/list", params(**{era.VERSION_KEY: "2026-07-28"}))
 
 
 def test_complete_adds_what_the_revision_requires_and_keeps_what_is_there() -> None:
@@ -59,7 +59,7 @@ def test_a_header_value_is_plain_visible_ascii_or_base64_and_reads_back(value: s
             "name": Raw(json.dumps(value).encode())}
     headers = {"mcp-protocol-version": "2026-07-28", "mcp-method": "tools/call",
                "mcp-name": encoded}
-    assert era.header_mismatch("tools/call", body, headers) is None  # the gateway reads it back
+    assert era.check_http("tools/call", body, headers) == ({}, None)  # the gateway reads it back
 
 
 GOOD = {era.VERSION_KEY: "2026-07-28", era.CAPABILITIES_KEY: {"sampling": {}}}
