@@ -1,0 +1,113 @@
+"""RFC 8693 token exchange as a per-principal credential source, against the real Authlib
+authorization server (``fixtures/auth_server.py``), which is also the inbound ``[auth.oauth]``
+issuer: callers are authenticated by the gateway's own authenticator from JWTs it minted, and
+their tokens exchanged for the upstream's audience.  Time runs on trio's MockClock (no
+autojump: it moves only when a test jumps it)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import trio.testing
+from authserverutil import AuthServer, auth_server
+
+from gateway.auth.authenticator import Authenticator
+from gateway.auth.principal import Principal
+from gateway.backend.credentials import CredentialsUnavailable, PrincipalCredentials
+from gateway.backend.tokenexchange import TokenExchangeSource
+from gateway.config import TokenExchange, load
+
+GATEWAY = "http://127.0.0.1:8766/mcp"  # the gateway's own resource URI (the inbound aud)
+UPSTREAM = "http://127.0.0.1:9911/mcp"  # the remote the exchanged tokens are for
+EXCHANGE = "urn:ietf:params:oauth:grant-type:token-exchange"
+
+
+@asynccontextmanager
+async def setup(tmp_path: Path) -> AsyncIterator[tuple[AuthServer, Authenticator,
+                                                       TokenExchangeSource]]:
+    secret = tmp_path / "gw.secret"
+    secret.write_text("gw-secret\n")
+    async with auth_server("--client", "gw:gw-secret") as srv:
+        authn = Authenticator(load(
+            f'[listen]\nhttp = "127.0.0.1:8766"\n[auth.oauth]\nissuer = "{srv.issuer}"\n'
+            f'jwks_uri = "{srv.issuer}/jwks"\naudience = "{GATEWAY}"\n'))
+        await authn.start()
+        cfg = TokenExchange(token_url=srv.token_url, client_id="gw",
+                            client_secret={"file": str(secret)}, audience=UPSTREAM,
+                            scope="tools")
+        yield srv, authn, TokenExchangeSource("up", cfg)
+
+
+async def caller(srv: AuthServer, authn: Authenticator, sub: str, lifetime: int = 3600
+                 ) -> Principal:
+    principal = await authn.authenticate("Bearer " + await srv.mint(sub, GATEWAY, lifetime))
+    assert principal is not None and principal.via == "oauth"
+    return principal
+
+
+async def test_two_oauth_callers_get_their_own_exchanged_tokens(tmp_path: Path) -> None:
+    async with setup(tmp_path) as (srv, authn, source):
+        checked: PrincipalCredentials = source
+        alice, bob = await caller(srv, authn, "alice"), await caller(srv, authn, "bob")
+        a, b = await checked.headers(alice), await checked.headers(bob)
+        assert a != b and a[0][0] == b[0][0] == "authorization"
+        issued = [r for r in await srv.issued() if r["grant_type"] == EXCHANGE]
+        assert [(r["sub"], r["aud"], r["client_id"], r["scope"], r["subject_token_aud"])
+                for r in issued] == [("alice", UPSTREAM, "gw", "tools", GATEWAY),
+                                     ("bob", UPSTREAM, "gw", "tools", GATEWAY)]
+        assert [f"Bearer {r['access_token']}" for r in issued] == [a[0][1], b[0][1]]
+        assert alice.token not in a[0][1] and "alice" not in repr(source.status())
+
+
+async def test_a_token_is_reused_until_its_or_the_inbound_tokens_lifetime_ends(
+        tmp_path: Path, mock_clock: trio.testing.MockClock) -> None:
+    async with setup(tmp_path) as (srv, authn, source):
+        await srv.configure(lifetime=100)  # the exchanged token's: 100 s, renewed after 80
+        alice = await caller(srv, authn, "alice")
+        first = await source.headers(alice)
+        mock_clock.jump(79)
+        assert await source.headers(alice) == first
+        mock_clock.jump(2)
+        second = await source.headers(alice)
+        assert second != first
+        await srv.configure(lifetime=3600)  # now the inbound token's 600 s bound the cache
+        bob = await caller(srv, authn, "bob", lifetime=600)
+        held = await source.headers(bob)
+        mock_clock.jump(470)
+        assert await source.headers(bob) == held
+        mock_clock.jump(20)
+        assert await source.headers(bob) != held
+        source.forget(alice.key)
+        assert await source.headers(alice) != second
+        subs = [r["sub"] for r in await srv.issued() if r["grant_type"] == EXCHANGE]
+        assert subs == ["alice", "alice", "bob", "bob", "alice"]
+
+
+@pytest.mark.parametrize("mode", ["503", "closed"])
+async def test_the_authorization_server_down_is_retryable(tmp_path: Path, mode: str) -> None:
+    async with setup(tmp_path) as (srv, authn, source):
+        alice = await caller(srv, authn, "alice")
+        await srv.down(mode)
+        with pytest.raises(CredentialsUnavailable) as err:
+            await source.headers(alice)
+        assert err.value.retryable and "token exchange" in err.value.detail
+        assert alice.token not in err.value.detail
+        await srv.up()
+        assert (await source.headers(alice))[0][0] == "authorization"
+
+
+async def test_a_refused_exchange_and_a_bearer_caller_are_not_retryable(tmp_path: Path) -> None:
+    async with setup(tmp_path) as (srv, _authn, source):
+        bearer = Principal("alice", via="bearer", label="alice", credential="f" * 64)
+        with pytest.raises(CredentialsUnavailable) as err:
+            await source.headers(bearer)
+        assert not err.value.retryable and err.value.url is None
+        assert "bearer has none to exchange" in err.value.detail
+        forged = Principal("mallory", via="oauth", token="a.b.c", expires=None)
+        with pytest.raises(CredentialsUnavailable) as err:
+            await source.headers(forged)
+        assert not err.value.retryable and "HTTP 400" in err.value.detail
+        assert [r for r in await srv.issued() if r["grant_type"] == EXCHANGE] == []
