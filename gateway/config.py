@@ -753,6 +753,8 @@ def token_exchange_errors(p: str, b: BackendConfig) -> list[str]:
     if b.oauth is not None:
         errors.append(f"{p}: a remote's token is either the gateway's own (oauth) or each "
                       "principal's (token_exchange), not both")
+    errors.append(f"{p}: needs per-principal upstream sessions, which this build's http "
+                  "connector does not open yet (the source is gateway.backend.tokenexchange)")
     if any(name.lower() == "authorization" for name in b.headers):
         errors.append(f"{p}: the Authorization header comes from the token: remove it from "
                       "headers")

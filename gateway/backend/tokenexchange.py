@@ -135,8 +135,7 @@ class TokenExchangeSource:
         except CredentialsUnavailable as exc:
             self.failures += 1
             self.last_error = exc.detail
-            LOGGER.warning("backend %s: token exchange for principal %s failed: %s",
-                           self.backend, principal.label, exc.detail)
+            LOGGER.warning("%s (principal %s)", exc.detail, principal.label)
             if held.token is not None and now < held.expires:
                 held.refresh_at = min(now + RETRY_AFTER, held.expires)
                 return  # the held token serves until it expires
