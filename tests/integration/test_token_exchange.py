@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import trio.testing
 from authserverutil import AuthServer, auth_server
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
 
 from gateway.auth.authenticator import Authenticator
 from gateway.auth.principal import Principal
@@ -24,20 +26,36 @@ GATEWAY = "http://127.0.0.1:8766/mcp"  # the gateway's own resource URI (the inb
 UPSTREAM = "http://127.0.0.1:9911/mcp"  # the remote the exchanged tokens are for
 EXCHANGE = "urn:ietf:params:oauth:grant-type:token-exchange"
 
+pytestmark = pytest.mark.system
+
 
 @asynccontextmanager
-async def setup(tmp_path: Path) -> AsyncIterator[tuple[AuthServer, Authenticator,
-                                                       TokenExchangeSource]]:
+async def setup(tmp_path: Path, method: str = "client_secret_basic"
+                ) -> AsyncIterator[tuple[AuthServer, Authenticator, TokenExchangeSource]]:
+    """The server (clients ``gw``: a secret, ``gwk``: a key), an authenticator trusting it,
+    and a source authenticating with ``method``."""
     secret = tmp_path / "gw.secret"
     secret.write_text("gw-secret\n")
-    async with auth_server("--client", "gw:gw-secret") as srv:
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    (tmp_path / "gwk.pem").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption()))
+    (tmp_path / "gwk.pub").write_bytes(key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    async with auth_server("--client", "gw:gw-secret",
+                           "--client-key", f"gwk={tmp_path / 'gwk.pub'}") as srv:
         authn = Authenticator(load(
             f'[listen]\nhttp = "127.0.0.1:8766"\n[auth.oauth]\nissuer = "{srv.issuer}"\n'
             f'jwks_uri = "{srv.issuer}/jwks"\naudience = "{GATEWAY}"\n'))
         await authn.start()
-        cfg = TokenExchange(token_url=srv.token_url, client_id="gw",
-                            client_secret={"file": str(secret)}, audience=UPSTREAM,
-                            scope="tools")
+        if method == "private_key_jwt":
+            cfg = TokenExchange(token_url=srv.token_url, client_id="gwk", auth_method=method,
+                                private_key={"file": str(tmp_path / "gwk.pem")},
+                                audience=UPSTREAM, scope="tools")
+        else:
+            cfg = TokenExchange(token_url=srv.token_url, client_id="gw", auth_method=method,
+                                client_secret={"file": str(secret)}, audience=UPSTREAM,
+                                scope="tools")
         yield srv, authn, TokenExchangeSource("up", cfg)
 
 
@@ -48,16 +66,19 @@ async def caller(srv: AuthServer, authn: Authenticator, sub: str, lifetime: int 
     return principal
 
 
-async def test_two_oauth_callers_get_their_own_exchanged_tokens(tmp_path: Path) -> None:
-    async with setup(tmp_path) as (srv, authn, source):
+@pytest.mark.parametrize("method", ["client_secret_post", "private_key_jwt"])
+async def test_two_oauth_callers_get_their_own_exchanged_tokens(tmp_path: Path,
+                                                                method: str) -> None:
+    client = "gwk" if method == "private_key_jwt" else "gw"
+    async with setup(tmp_path, method) as (srv, authn, source):
         checked: PrincipalCredentials = source
         alice, bob = await caller(srv, authn, "alice"), await caller(srv, authn, "bob")
         a, b = await checked.headers(alice), await checked.headers(bob)
         assert a != b and a[0][0] == b[0][0] == "authorization"
         issued = [r for r in await srv.issued() if r["grant_type"] == EXCHANGE]
         assert [(r["sub"], r["aud"], r["client_id"], r["scope"], r["subject_token_aud"])
-                for r in issued] == [("alice", UPSTREAM, "gw", "tools", GATEWAY),
-                                     ("bob", UPSTREAM, "gw", "tools", GATEWAY)]
+                for r in issued] == [("alice", UPSTREAM, client, "tools", GATEWAY),
+                                     ("bob", UPSTREAM, client, "tools", GATEWAY)]
         assert [f"Bearer {r['access_token']}" for r in issued] == [a[0][1], b[0][1]]
         assert alice.token not in a[0][1] and "alice" not in repr(source.status())
 
