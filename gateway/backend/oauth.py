@@ -9,6 +9,8 @@ asks for the RFC 8707 ``resource``.  It keeps the token and fetches the next one
 valid); a 401 from the remote gets one fetch more, and none when the refused token is younger
 than :data:`RENEW_MIN_INTERVAL`.  Secrets are read at each fetch; neither they nor the token
 are ever logged or shown (``status()`` gives the endpoint, validity and the last error).
+The client authentication (:func:`client_auth`), the exchange on a connection of its own
+(:class:`Endpoints`) and the token answer (:func:`parse_token`) serve token exchange too.
 """
 
 from __future__ import annotations
