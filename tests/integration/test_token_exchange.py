@@ -73,9 +73,19 @@ async def test_two_oauth_callers_get_their_own_exchanged_tokens(tmp_path: Path,
     async with setup(tmp_path, method) as (srv, authn, source):
         checked: PrincipalCredentials = source
         alice, bob = await caller(srv, authn, "alice"), await caller(srv, authn, "bob")
+        got: list[list[tuple[str, str]]] = []
+
+        async def call(principal: Principal) -> None:
+            got.append(await checked.headers(principal))
+
+        async with trio.open_nursery() as nursery:  # concurrent calls: one exchange each
+            for principal in (alice, bob, alice, alice, bob):
+                nursery.start_soon(call, principal)
         a, b = await checked.headers(alice), await checked.headers(bob)
+        assert sorted(got) == sorted([a, b, a, a, b])
         assert a != b and a[0][0] == b[0][0] == "authorization"
-        issued = [r for r in await srv.issued() if r["grant_type"] == EXCHANGE]
+        issued = sorted((r for r in await srv.issued() if r["grant_type"] == EXCHANGE),
+                        key=lambda r: str(r["sub"]))
         assert [(r["sub"], r["aud"], r["client_id"], r["scope"], r["subject_token_aud"])
                 for r in issued] == [("alice", UPSTREAM, client, "tools", GATEWAY),
                                      ("bob", UPSTREAM, client, "tools", GATEWAY)]
