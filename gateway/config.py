@@ -551,8 +551,11 @@ def _resolve_paths(backend: BackendConfig, base_dir: str) -> BackendConfig:
     if ca_file:
         ca_file = os.path.normpath(os.path.join(base_dir, ca_file))
     headers = {name: _file_ref(value, base_dir) for name, value in backend.headers.items()}
+    env_files, token_files = (os.path.normpath(os.path.join(base_dir, t)) if t else t
+                              for t in (backend.env_files, backend.token_files))
     return msgspec.structs.replace(backend, cwd=cwd, command=command, ca_file=ca_file,
-                                   headers=headers, oauth=_resolve_oauth(backend.oauth, base_dir))
+                                   headers=headers, oauth=_resolve_oauth(backend.oauth, base_dir),
+                                   env_files=env_files, token_files=token_files)
 
 
 def _resolve_oauth(oauth: RemoteOAuth | None, base_dir: str) -> RemoteOAuth | None:
@@ -647,11 +650,10 @@ def remote_errors(p: str, b: BackendConfig) -> list[str]:
 
 
 def _template_error(key: str, template: str) -> str | None:
-    """Why a per-principal file template is refused (None: fine)."""
+    """Why a per-principal file template is refused (None: fine; a relative one was resolved
+    against the config's folder)."""
     if template.count("{principal}") != 1 or "/" in template.partition("{principal}")[2]:
         return f"{key}: the file name (not a folder) must contain {{principal}} once"
-    if not os.path.isabs(template):
-        return f"{key}: must be an absolute path"
     return None
 
 
