@@ -67,7 +67,7 @@ class _Held:
         self.inst = inst
         self.principal = principal
         self.expires_at = math.inf
-        self.dropped = trio.Event()  # the principal was removed (a reload)
+        self.dropped = trio.Event()  # the principal was removed (a reload), or the backend stops
 
 
 class Parking(Protocol):
@@ -233,6 +233,8 @@ class Backend:
         self._stopping = True
         for inst in self.instances:
             inst.request_stop()
+        for held in self._held.values():  # their reapers end too
+            held.dropped.set()
         self._let_go()
 
     async def stopped(self) -> None:
@@ -686,9 +688,9 @@ class Backend:
                                      held.expires_at)):
                 await held.dropped.wait()
             if held.dropped.is_set():
-                why = "its principal was removed"
+                why = "the backend stops" if self._stopping else "its principal was removed"
                 break
-        LOGGER.info("backend %s: per-principal instance %s, stopping it", inst.name, why)
+        LOGGER.info("backend %s: stopping the per-principal instance: %s", inst.name, why)
         key = inst.principal_key
         assert key is not None
         if self._held.get(key) is held:

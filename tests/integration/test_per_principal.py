@@ -14,7 +14,16 @@ from typing import Any
 import pytest
 import trio
 from fixtures.remote_server import RemoteServer
-from helpers import bearer_auth, connect, fixture_backend, make_config, run_gateway, text_of
+from helpers import (
+    bearer_auth,
+    connect,
+    fixture_backend,
+    make_config,
+    run_gateway,
+    text_of,
+)
+
+from gateway import config, events
 
 pytestmark = pytest.mark.system
 
@@ -38,9 +47,12 @@ async def test_each_principal_gets_its_own_child_and_environment(tmp_path: Path)
     backend = fixture_backend("fx", sharing="per-principal", max_sessions=3,
                               env={"SECRET": "backend-default", "SHARED": "all"},
                               env_files=str(tmp_path / "{principal}.env"))
-    cfg = make_config(backend, extra=bearer_auth(TOKENS))
+    head = '[listen]\nwebsocket = "127.0.0.1:0"\nhttp = ""\n[admin]\nlisten = "127.0.0.1:0"\n'
+    path = tmp_path / "gw.toml"
+    path.write_text(head + backend + bearer_auth(TOKENS))
+    cfg = config.load(path.read_bytes(), base_dir=str(tmp_path))  # as a reload reads it
     with trio.fail_after(30):
-        async with run_gateway(cfg) as gw:
+        async with run_gateway(cfg, config_path=str(path)) as gw:
             async with (connect(gw.url, token=TOKENS["alice"]) as a1,
                         connect(gw.url, token=TOKENS["alice"]) as a2,
                         connect(gw.url, token=TOKENS["bob"]) as b):
@@ -67,6 +79,15 @@ async def test_each_principal_gets_its_own_child_and_environment(tmp_path: Path)
                 assert "mode 0640" in r["error"]["message"]
             st = await gw.status_until(lambda s: len(fx(s)["instances"]) == 3)
             assert fx(st)["sharing"] == "per-principal"
+            # a reload that removes bob stops his child; alice's goes on
+            path.write_text(head + backend + bearer_auth({"alice": TOKENS["alice"]}))
+            mark = gw.events.count
+            gw.control.reload()
+            await gw.events.wait(events.ReloadFinished, success=True, since=mark)
+            st = await gw.status_until(lambda s: len(fx(s)["instances"]) == 2)
+            assert sorted(i["name"] for i in fx(st)["instances"]) == ["fx/0", "fx/p1"]
+            async with connect(gw.url, token=TOKENS["alice"]) as a:
+                assert text_of(await a.call("fx__getenv", secret)) == "alice-secret"
 
 
 def _sessions(server: RemoteServer) -> dict[str, set[str]]:
