@@ -721,7 +721,7 @@ async def reload(hub: Hub, config_path: str | None,
     for name in new.backends:
         if name not in changed and name not in added:
             hub.backends[name].reset()  # unchanged but FATAL: try again
-            hub.backends[name].connector.refresh()  # a remote's header values read again
+            hub.backends[name].refresh()  # a remote's header values read again
     longest = max((new.backends[n].start_timeout for n in added + changed), default=0.0)
     if added or changed:
         with trio.move_on_after(longest + 1.0):

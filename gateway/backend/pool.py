@@ -241,6 +241,13 @@ class Backend:
         for inst in list(self.instances):
             await inst.stopped.wait()
 
+    def refresh(self) -> None:
+        """A reload kept this backend: its connectors read their header values again."""
+        self.connector.refresh()
+        for held in self._held.values():
+            if held.inst.connector is not self.connector:
+                held.inst.connector.refresh()
+
     def reset(self) -> None:
         for inst in self.instances:
             if inst.state is State.FATAL:

@@ -66,6 +66,18 @@ async def test_each_principal_gets_its_own_child_and_environment(tmp_path: Path)
                 pids = {name: json.loads(text_of(await c.call("fx__client_info")))["pid"]
                         for name, c in (("a1", a1), ("a2", a2), ("b", b))}
                 assert pids["a1"] == pids["a2"] != pids["b"]  # one child per principal
+                # a child's log line, sent with no call in flight, reaches its principal alone
+                for c in (a1, b):
+                    assert (await c.request("logging/setLevel", {"level": "debug"}))["result"] == {}
+                assert text_of(await b.call("fx__log", {"level": "info", "data": "bob's",
+                                                        "after": 0.05})) == "ok"
+
+                def logged(c: Any) -> list[Any]:
+                    return [n for n in c.notifications if n["method"] == "notifications/message"]
+
+                await b.wait_for(lambda: logged(b))
+                await a1.request("ping")  # (after anything queued for it before)
+                assert logged(b)[0]["params"]["data"] == "bob's" and not logged(a1)
                 st = await gw.status_until(lambda s: len(fx(s)["instances"]) == 3)
                 names = sorted(i["name"] for i in fx(st)["instances"])
                 assert names == ["fx/0", "fx/p1", "fx/p2"]
