@@ -10,7 +10,8 @@ id is resumed (``Last-Event-ID`` after ``retry``, bounded); a request safe to re
 again on a 5xx or reset, no other.  A 2026-07-28 request (its ``_meta`` names the version) goes
 with its routing headers (:mod:`~gateway.protocol.mcpheaders`), is cancelled by closing its
 stream, and ``subscriptions/listen`` holds the GET stream's slot.  Header values are read at
-open and on reload, never shown; ``[oauth]`` adds the backend's token (one refetch on a 401).
+open and on reload, never shown; ``[oauth]`` adds the backend's token (one refetch on a 401);
+a principal's session asks its credential source for its headers before each request.
 """
 
 from __future__ import annotations
