@@ -1,8 +1,10 @@
 """Per-principal backends with real parts: bearer principals calling a stdio backend with
-``sharing = "per-principal"`` (each child started with its principal's ``env_files`` file;
-a missing or group-readable file refused -32005), and a remote with
+``sharing = "per-principal"`` (one child per principal, started with its ``env_files`` file,
+its log lines to that principal alone, stopped when a reload removes the principal; a missing
+or group-readable file refused -32005), and a remote with
 ``credentials = "per-principal"`` (each principal's ``token_files`` token on its own upstream
-session, never another's; a changed file read again, a removed one refused)."""
+session, never another's; a changed file read again, a removed one refused, a 401 answered by
+asking again)."""
 
 from __future__ import annotations
 
@@ -163,5 +165,10 @@ async def test_a_per_principal_remote_gets_each_principals_token_and_never_anoth
                 assert r["error"]["code"] == -32005, r
                 assert "bearer-bob.token does not exist" in r["error"]["message"]
                 assert not r["error"]["data"].get("retryable")
-                assert text_of(await a.call("ev__echo", {"who": "alice-3"}))
+                # a 401: the source is asked again and the POST sent once more (it did not run)
+                server.refuse["tools/call"] = [401]
+                assert text_of(await a.call("ev__echo", {"who": "alice-3"})) == '{"who": "alice-3"}'
+                assert [seen.headers["authorization"] for seen in server.seen
+                        if isinstance(seen.body, dict) and seen.body.get("params", {}).get(
+                            "arguments", {}).get("who") == "alice-3"] == ["Bearer tok-alice-2"] * 2
         nursery.cancel_scope.cancel()
