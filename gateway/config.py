@@ -183,14 +183,19 @@ class BackendConfig(Base, frozen=True):
     restart: RestartSection = RestartSection()
     health: HealthSection = HealthSection()
     required: bool = False
-    sharing: Literal["shared", "affine", "per-session"] = "shared"
+    sharing: Literal["shared", "affine", "per-session", "per-principal"] = "shared"
+    # per-principal stdio: each principal's child environment ("/dir/{principal}.env")
+    env_files: str | None = None
+    # a remote's upstream identity: the backend's own, or each principal's (own session each)
+    credentials: Literal["shared", "per-principal"] = "shared"
+    token_files: str | None = None  # per-principal credentials: "/dir/{principal}.token"
     # how the child is opened: initialize (legacy) or server/discover (2026-07-28); see README
     protocol_mode: Literal["legacy_only", "prefer_legacy", "prefer_modern",
                            "modern_only"] = "prefer_legacy"
     instances: int = 1
     max_inflight: int = 32  # calls at one child at once; more wait in a queue per connection
-    max_sessions: int = 16  # per-session: cap on children
-    idle_timeout: float = 300.0  # per-session: stop an idle child after this long
+    max_sessions: int = 16  # per-session / per-principal: cap on children
+    idle_timeout: float = 300.0  # per-session / per-principal: stop an idle child after this long
     queue_size: int = 64  # affine: calls waiting for an instance
     queue_timeout: float = 30.0
     roots: list[str] = []  # answered to the child's roots/list in shared/affine mode
@@ -204,6 +209,17 @@ class BackendConfig(Base, frozen=True):
     resources: ItemFilter = msgspec.field(default_factory=lambda: ItemFilter())
     stderr_lines_per_second: float = 100.0  # stderr lines logged per second (0: no limit)
     stderr_burst: int = 500  # lines logged at once before the rate applies
+
+    @property
+    def per_principal(self) -> bool:
+        """One instance per authenticated principal (``sharing`` or a remote's
+        ``credentials``)."""
+        return self.sharing == "per-principal" or self.credentials == "per-principal"
+
+    @property
+    def owned_sharing(self) -> str:
+        """The sharing mode as far as instances go (per-principal credentials imply it)."""
+        return "per-principal" if self.per_principal else self.sharing
 
 
 class PolicyRule(Base, frozen=True):
@@ -554,8 +570,11 @@ def _resolve_paths(backend: BackendConfig, base_dir: str) -> BackendConfig:
     if ca_file:
         ca_file = os.path.normpath(os.path.join(base_dir, ca_file))
     headers = {name: _file_ref(value, base_dir) for name, value in backend.headers.items()}
+    env_files, token_files = (os.path.normpath(os.path.join(base_dir, t)) if t else t
+                              for t in (backend.env_files, backend.token_files))
     return msgspec.structs.replace(backend, cwd=cwd, command=command, ca_file=ca_file,
                                    headers=headers, oauth=_resolve_oauth(backend.oauth, base_dir),
+                                   env_files=env_files, token_files=token_files,
                                    token_exchange=_resolve_oauth(backend.token_exchange,
                                                                  base_dir))
 
@@ -656,6 +675,48 @@ def remote_errors(p: str, b: BackendConfig) -> list[str]:
     return errors
 
 
+def _template_error(key: str, template: str) -> str | None:
+    """Why a per-principal file template is refused (None: fine; a relative one was resolved
+    against the config's folder)."""
+    if template.count("{principal}") != 1 or "/" in template.partition("{principal}")[2]:
+        return f"{key}: the file name (not a folder) must contain {{principal}} once"
+    return None
+
+
+def per_principal_errors(p: str, b: BackendConfig) -> list[str]:
+    """``sharing = "per-principal"``, ``env_files``, ``credentials`` and ``token_files``
+    (key-path errors)."""
+    errors: list[str] = []
+    if b.env_files is not None:
+        if b.url:
+            errors.append(f"{p}.env_files: only for a backend with a command (this one has a url)")
+        elif b.sharing != "per-principal":
+            errors.append(f'{p}.env_files: only with sharing = "per-principal"')
+        if (why := _template_error(f"{p}.env_files", b.env_files)) is not None:
+            errors.append(why)
+    if b.credentials == "per-principal" or b.token_files is not None:
+        if not b.url:
+            key = "credentials" if b.credentials == "per-principal" else "token_files"
+            errors.append(f"{p}.{key}: only for a remote backend (url)")
+        elif b.sharing not in ("shared", "per-principal"):
+            errors.append(f'{p}.sharing: credentials = "per-principal" runs an upstream session '
+                          f'per principal; use sharing = "per-principal" (or leave it out)')
+        if b.credentials != "per-principal":
+            errors.append(f'{p}.token_files: only with credentials = "per-principal"')
+        elif b.token_files is None and b.token_exchange is None:
+            errors.append(f'{p}.credentials: "per-principal" needs a source: set token_files '
+                          'or [token_exchange]')
+        elif b.token_files is not None and b.token_exchange is not None:
+            errors.append(f'{p}.credentials: one source: token_files or [token_exchange]')
+        if b.oauth is not None and b.credentials == "per-principal":
+            errors.append(f"{p}.oauth: the backend's own token is not used with "
+                          'credentials = "per-principal"; remove one')
+    if b.token_files is not None and (why := _template_error(f"{p}.token_files",
+                                                              b.token_files)) is not None:
+        errors.append(why)
+    return errors
+
+
 def endpoint_url_ok(url: str) -> bool:
     """Whether the gateway may send credentials to ``url``: https, or http to a loopback
     address (a token or metadata endpoint on this machine)."""
@@ -753,11 +814,9 @@ def token_exchange_errors(p: str, b: BackendConfig) -> list[str]:
     if b.oauth is not None:
         errors.append(f"{p}: a remote's token is either the gateway's own (oauth) or each "
                       "principal's (token_exchange), not both")
-    errors.append(f"{p}: needs per-principal upstream sessions, which this build's http "
-                  "connector does not open yet (the source is gateway.backend.tokenexchange)")
-    if any(name.lower() == "authorization" for name in b.headers):
-        errors.append(f"{p}: the Authorization header comes from the token: remove it from "
-                      "headers")
+    if b.credentials != "per-principal":
+        errors.append(f'{p}: only with credentials = "per-principal" (each principal\'s token '
+                      "on an upstream session of its own)")
     return errors
 
 
@@ -866,6 +925,7 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
     for name, b in cfg.backends.items():
         p = f"backends.{name}"
         errors.extend(remote_errors(p, b))
+        errors.extend(per_principal_errors(p, b))
         for key in ("request_timeout", "max_call_duration", "start_timeout", "cancel_grace"):
             if getattr(b, key) <= 0:
                 errors.append(f"{p}.{key}: must be positive")
@@ -974,9 +1034,9 @@ def fd_reserve(cfg: GatewayConfig) -> int:
     """fds the daemon needs besides its client connections with this config
     (:func:`gateway.limits.fd_reserve`: every backend child it may run, every remote instance's
     connections, its listeners)."""
-    children = sum(limits.max_children(b.sharing, b.instances, b.max_sessions)
+    children = sum(limits.max_children(b.owned_sharing, b.instances, b.max_sessions)
                    for b in cfg.backends.values() if not b.url)
-    remotes = sum(limits.max_children(b.sharing, b.instances, b.max_sessions)
+    remotes = sum(limits.max_children(b.owned_sharing, b.instances, b.max_sessions)
                   for b in cfg.backends.values() if b.url)
     tcp = sum(1 for address in (cfg.listen.websocket, cfg.listen.http, cfg.admin.listen)
               if address is not None)

@@ -465,7 +465,9 @@ class Hub:
         listeners = [
             LogListener(s, mcp.LOG_RANK[s.log_level], s.era is Era.MODERN,
                         backend in self.policy.backends_seen(self.catalog, caller_of(s)))
-            for s in self.sessions if s.log_level is not None and rank >= mcp.LOG_RANK[s.log_level]]
+            for s in self.sessions if s.log_level is not None and rank >= mcp.LOG_RANK[s.log_level]
+            and (not instance.backend.cfg.per_principal  # (its principal's sessions alone)
+                 or (s.principal is not None and s.principal.key == instance.principal_key))]
         if not listeners:
             return
         child = instance.child

@@ -151,9 +151,9 @@ REFUSING_MAX = 64
 
 
 def max_children(sharing: str, instances: int, max_sessions: int) -> int:
-    """Children one backend may run at once: per-session, ``max_sessions`` owned children and
-    the probe that serves the lists; else ``instances``."""
-    return max_sessions + 1 if sharing == "per-session" else instances
+    """Children one backend may run at once: per-session or per-principal, ``max_sessions``
+    owned children and the probe that serves the lists; else ``instances``."""
+    return max_sessions + 1 if sharing in ("per-session", "per-principal") else instances
 
 
 def fd_reserve(*, children: int, tcp_listeners: int, unix_listeners: int,

@@ -578,7 +578,8 @@ def close_revoked(hub: Hub) -> int:
     """After a reload: close every connection and HTTP session whose principal lost its
     credential (or that has none while authentication is now configured).  A WebSocket is
     closed with 1008; an HTTP session ends, and its client's next request gets 401 (its token
-    no longer authenticates) or 404 (the session is gone)."""
+    no longer authenticates) or 404 (the session is gone).  Their per-principal instances
+    stop and their upstream tokens are forgotten."""
     authn = hub.authn
     if authn is None:
         return 0
@@ -591,6 +592,8 @@ def close_revoked(hub: Hub) -> int:
                            extra=session.log_fields)
             session.close(CloseReason.UNAUTHORIZED)
             closed += 1
+    for backend in hub.backends.values():  # their per-principal instances stop
+        backend.drop_principals(lambda p: authn.still_valid(p, "http"))
     return closed
 
 
@@ -718,7 +721,7 @@ async def reload(hub: Hub, config_path: str | None,
     for name in new.backends:
         if name not in changed and name not in added:
             hub.backends[name].reset()  # unchanged but FATAL: try again
-            hub.backends[name].connector.refresh()  # a remote's header values read again
+            hub.backends[name].refresh()  # a remote's header values read again
     longest = max((new.backends[n].start_timeout for n in added + changed), default=0.0)
     if added or changed:
         with trio.move_on_after(longest + 1.0):

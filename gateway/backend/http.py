@@ -10,11 +10,13 @@ id is resumed (``Last-Event-ID`` after ``retry``, bounded); a request safe to re
 again on a 5xx or reset, no other.  A 2026-07-28 request (its ``_meta`` names the version) goes
 with its routing headers (:mod:`~gateway.protocol.mcpheaders`), is cancelled by closing its
 stream, and ``subscriptions/listen`` holds the GET stream's slot.  Header values are read at
-open and on reload, never shown; ``[oauth]`` adds the backend's token (one refetch on a 401).
+open and on reload, never shown; ``[oauth]`` adds the backend's token (one refetch on a 401);
+a principal's session asks its credential source for its headers before each request.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
@@ -28,9 +30,11 @@ import msgspec
 import trio
 
 from gateway import errors
+from gateway.auth.principal import Principal
 from gateway.backend import httpclient, oauth
 from gateway.backend.client import NotModern
 from gateway.backend.connector import LinkContext, LinkEnd, OpenFailed, Receiver
+from gateway.backend.credentials import CredentialsUnavailable, PrincipalCredentials, call_error
 from gateway.config import BackendConfig, header_value_ok, read_regular
 from gateway.limits import REMOTE_CONNECTIONS
 from gateway.protocol import mcpheaders
@@ -97,6 +101,14 @@ message_headers: Callable[[bytes], list[tuple[str, str]]] | None = None
 
 class _MayHaveRun(Exception):
     """A request's connection closed after its bytes may have reached the remote."""
+
+
+class _NoCredentials(Exception):
+    """The principal's credential source has nothing for it now (per-principal remotes)."""
+
+    def __init__(self, cause: CredentialsUnavailable) -> None:
+        super().__init__(cause.detail)
+        self.cause = cause
 
 
 class _Reset(Exception):
@@ -256,6 +268,28 @@ class HttpConnector:
         self._opener = opener  # (host, port): a byte stream to it (TCP when None)
         self.headers: list[tuple[str, str]] | None = None  # read at open, and by refresh
         self._tls: ssl.SSLContext | None = None  # https: made at the first open, and by refresh
+        # per-principal: whose session this opens, and the source of its upstream headers
+        # (asked before every request; the principal kept current by the pool)
+        self.principal: Principal | None = None
+        self.credentials: PrincipalCredentials | None = None
+
+    def for_principal(self, principal: Principal,
+                      source: PrincipalCredentials | None) -> HttpConnector:
+        """The connector of ``principal``'s own sessions (``source``: its headers; None: the
+        backend's own identity)."""
+        other = copy.copy(self)
+        other.principal, other.credentials = principal, source
+        return other
+
+    async def principal_headers(self) -> list[tuple[str, str]]:
+        """The principal's upstream headers now (none without a source).
+
+        Raises:
+            CredentialsUnavailable: from the source.
+        """
+        if self.credentials is None or self.principal is None:
+            return []
+        return await self.credentials.headers(self.principal)
 
     @property
     def origin(self) -> str:
@@ -283,6 +317,10 @@ class HttpConnector:
 
     async def open(self, ctx: LinkContext) -> HttpLink:
         self.headers = read_headers(self.cfg)
+        try:
+            first = await self.principal_headers()
+        except CredentialsUnavailable as exc:
+            raise OpenFailed(f"upstream credentials: {exc.detail}") from None
         if self.auth is not None:
             try:
                 await self.auth.fresh()
@@ -296,7 +334,9 @@ class HttpConnector:
         except httpclient.ConnectFailed as exc:
             raise OpenFailed(f"cannot reach {self.origin}: {exc.detail}") from None
         await pool.put(conn)  # a fresh connection: kept for the handshake
-        return HttpLink(ctx, self, pool)
+        link = HttpLink(ctx, self, pool)
+        link.principal_auth = first
+        return link
 
 
 class HttpLink:
@@ -343,6 +383,8 @@ class HttpLink:
         self._tool_params: dict[str, mcpheaders.Paths] = {}  # marked arguments, by tool
         self._dropped_early: set[int] = set()  # cancelled while still queued
         self._listening = False  # the listen slot is taken
+        # per-principal: the principal's headers as last asked (before each request)
+        self.principal_auth: list[tuple[str, str]] = []
 
     @property
     def origin(self) -> str:
@@ -440,8 +482,12 @@ class HttpLink:
             head.append(("mcp-session-id", self.session_id))
         if self.protocol_version is not None:
             head.append(("mcp-protocol-version", self.protocol_version))
-        auth = self._connector.auth
-        return head + (self._connector.headers or []) + (auth.headers() if auth else [])
+        connector = self._connector
+        if connector.credentials is not None:  # the principal's, never the backend's own
+            return head + [h for h in connector.headers or () if h[0] != "authorization"] + (
+                self.principal_auth)
+        auth = connector.auth
+        return head + (connector.headers or []) + (auth.headers() if auth else [])
 
     # ---- ending -----------------------------------------------------------------------------
 
@@ -509,6 +555,8 @@ class HttpLink:
         fetched or refreshed first; after a 401 a new one is fetched (the endpoint discovered
         from the challenge if need be) and the POST sent once more (the remote did not run it).
         No token, or a 401 again: the link ends with the reason."""
+        if self._connector.credentials is not None:
+            return await self._exchange_principal(data, timeout, repeat, extra, resets, gid)
         auth = self._connector.auth
         if auth is None:
             return await self._exchange_once(data, timeout, repeat, extra, resets, gid)
@@ -529,6 +577,30 @@ class HttpLink:
         except oauth.TokenFailed as exc:
             self._lost(f"no access token for {self.origin}: {exc.detail}")
         return None
+
+    async def _exchange_principal(self, data: bytes, timeout: float,  # noqa: ASYNC109
+                                  repeat: bool, extra: list[tuple[str, str]] | None,
+                                  resets: bool, gid: int | None,
+                                  ) -> tuple[httpclient.Connection, httpclient.Response] | None:
+        """:meth:`_exchange_once` with the principal's headers asked of the source first; after
+        a 401 the source forgets what it held and is asked again, and the POST sent once more.
+
+        Raises:
+            _NoCredentials: the source has none for the principal now.
+        """
+        connector = self._connector
+        assert connector.credentials is not None and connector.principal is not None
+        for attempt in range(2):
+            try:
+                self.principal_auth = await connector.principal_headers()
+            except CredentialsUnavailable as exc:
+                raise _NoCredentials(exc) from None
+            got = await self._exchange_once(data, timeout, repeat, extra, resets, gid)
+            if got is None or got[1].status != 401 or attempt:
+                return got
+            await self._discard(*got)
+            connector.credentials.forget(connector.principal.key)
+        return None  # (not reached)
 
     async def _discard(self, conn: httpclient.Connection, response: httpclient.Response) -> None:
         """An answer not used: its body read (bounded) and its connection kept, else closed."""
@@ -621,6 +693,10 @@ class HttpLink:
                 await self._get_ready.wait()
             try:
                 got = await self._exchange(data, SHORT_TIMEOUT)
+            except _NoCredentials as exc:
+                self.last_error = f"a message not sent: {exc.cause.detail}"
+                LOGGER.warning("backend %s: %s", self._ctx.instance, self.last_error)
+                return
             finally:
                 self._others_pending.discard(seq)
                 self._others_done.set()
@@ -673,6 +749,11 @@ class HttpLink:
                 self._streams[gid] = scope
                 try:
                     got = await self._exchange_retried(data, gid, method, extra)
+                except _NoCredentials as exc:
+                    self.last_error = exc.cause.detail
+                    if self._receiver is not None:
+                        self._receiver.failed(gid, call_error(exc.cause, self._ctx.backend))
+                    return
                 except _MayHaveRun as exc:
                     self._call_failed(gid, f"the connection to {self.origin} closed before the "
                                            f"answer ({exc}); the call may have run",
@@ -991,7 +1072,11 @@ class HttpLink:
         try:
             if auth is not None:
                 await auth.fresh()
+            if self._connector.credentials is not None:
+                self.principal_auth = await self._connector.principal_headers()
             return await self._pool.get()
+        except CredentialsUnavailable as exc:
+            self._lost(f"no upstream credentials for the GET stream: {exc.detail}")
         except oauth.TokenFailed as exc:
             self._lost(f"no access token for {self.origin}: {exc.detail}")
         except httpclient.ConnectFailed as exc:

@@ -174,6 +174,7 @@ class Instance(ChildHandlers):
         self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL)
         self.crash_stderr: tuple[str, ...] = ()
         self.owner: Owner | None = None  # per-session / affine holder
+        self.principal_key: str | None = None  # per-principal: whose instance it is
         self._state_changed = trio.Event()
         self._stop = trio.Event()
         self._reset = trio.Event()

@@ -3,15 +3,18 @@
 The sharing mode decides which instance serves a call: ``shared`` multiplexes every
 connection's calls (server→client requests routed only when the attribution set proves the
 owner); ``affine`` gives an instance to one connection at a time while it has calls there
-(FIFO hand-over); ``per-session`` starts a child per connection.  The lists come from instance
-0 (the probe in per-session mode) and survive restarts: calls to a restarting or draining
-instance go elsewhere or wait up to ``restart_wait``, then fail ``backend_unavailable``.
+(FIFO hand-over); ``per-session`` starts a child per connection, ``per-principal`` one per
+authenticated principal (its environment or upstream credentials its own).  The lists come from
+instance 0 (the probe in the per-session and per-principal modes) and survive restarts: calls
+to a restarting or draining instance go elsewhere or wait up to ``restart_wait``, then fail
+``backend_unavailable``.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol, cast
@@ -19,12 +22,14 @@ from typing import Any, Protocol, cast
 import trio
 
 from gateway import errors
-from gateway.backend import client
+from gateway.auth.principal import Principal
+from gateway.backend import client, credentials
 from gateway.backend.child import ChildConnection, Owner
 from gateway.backend.connector import Connector
 from gateway.backend.http import HttpConnector
 from gateway.backend.instance import Instance, InstanceHost
 from gateway.backend.stdio import StdioConnector
+from gateway.backend.tokenexchange import TokenExchangeSource
 from gateway.config import BackendConfig
 from gateway.events import ListsChanged, QueueWaited
 from gateway.protocol import mrtr
@@ -53,6 +58,19 @@ class _Waiter:
         self.inst: Instance | None = None
 
 
+class _Held:
+    """A principal's instance: the principal as last seen calling, and when the latest
+    credential it called with expires (trio time; inf: never)."""
+
+    __slots__ = ("dropped", "expires_at", "inst", "principal")
+
+    def __init__(self, inst: Instance, principal: Principal) -> None:
+        self.inst = inst
+        self.principal = principal
+        self.expires_at = math.inf
+        self.dropped = trio.Event()  # the principal was removed (a reload), or the backend stops
+
+
 class Parking(Protocol):
     """Bridged flows parked at a child (gateway.core.bridge): what a shared backend asks before it
     sends a call that may ask its caller for input."""
@@ -66,6 +84,14 @@ class Parking(Protocol):
 
 #: Chooses a backend's connector from its name and config.
 ConnectorFactory = Callable[[str, BackendConfig], Connector]
+
+
+def _credential_source(name: str, cfg: BackendConfig
+                       ) -> credentials.PrincipalCredentials | None:
+    """A per-principal remote's credential source: token exchange, else the file sources."""
+    if cfg.credentials == "per-principal" and cfg.token_exchange is not None:
+        return TokenExchangeSource(name, cfg.token_exchange)
+    return credentials.source_for(cfg)
 
 
 def default_connector(name: str, cfg: BackendConfig) -> Connector:
@@ -106,6 +132,11 @@ class Backend:
         self._changed = trio.Event()
         self._waiters: deque[_Waiter] = deque()
         self._own: dict[Owner, Instance] = {}
+        # per-principal: the instance of each principal (by Principal.key), and the remote's
+        # per-principal credential source (None: the backend's own identity)
+        self.mode = cfg.owned_sharing
+        self._held: dict[str, _Held] = {}
+        self.credentials = _credential_source(name, cfg)
         # A child of this backend spoke the modern era: every later one must too (a restart, a
         # per-session child), else it fails to start (never a silent downgrade to legacy).
         self.modern_seen = False
@@ -123,7 +154,7 @@ class Backend:
     @property
     def attribution_matters(self) -> bool:
         """Whether this backend's server→client requests are ever forwarded by attribution."""
-        if self.cfg.sharing == "per-session":
+        if self.mode == "per-session":
             return False  # the owner is fixed per child
         return bool(self.declared & {"elicitation", "sampling"})
 
@@ -131,7 +162,7 @@ class Backend:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Start the instances and supervise them until :meth:`stop`."""
-        count = 1 if self.cfg.sharing == "per-session" else self.cfg.instances
+        count = 1 if self.mode in ("per-session", "per-principal") else self.cfg.instances
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             for index in range(count):
@@ -144,7 +175,7 @@ class Backend:
     def snapshot(self, now: float) -> BackendStatus:
         """This backend and its instances as ``/status`` and the gauges see them."""
         lists = self.lists
-        return BackendStatus(self.name, self.cfg.required, self.cfg.sharing,
+        return BackendStatus(self.name, self.cfg.required, self.mode,
                              tuple(i.snapshot(now) for i in self.instances), len(lists.tools),
                              len(lists.prompts), len(lists.resources), len(lists.templates),
                              self.cfg.protocol_mode, self.modern_seen, self.connector.kind,
@@ -211,11 +242,20 @@ class Backend:
         self._stopping = True
         for inst in self.instances:
             inst.request_stop()
+        for held in self._held.values():  # their reapers end too
+            held.dropped.set()
         self._let_go()
 
     async def stopped(self) -> None:
         for inst in list(self.instances):
             await inst.stopped.wait()
+
+    def refresh(self) -> None:
+        """A reload kept this backend: its connectors read their header values again."""
+        self.connector.refresh()
+        for held in self._held.values():
+            if held.inst.connector is not self.connector:
+                held.inst.connector.refresh()
 
     def reset(self) -> None:
         for inst in self.instances:
@@ -234,7 +274,7 @@ class Backend:
     def waits_for_parked(self, key: str) -> bool:
         """Whether a call known by ``key`` must not go to a shared child where another
         caller's bridged flow is parked (it asked for input before: so might it now)."""
-        return self.parking is not None and self.cfg.sharing == "shared" and key in self.askers
+        return self.parking is not None and self.mode == "shared" and key in self.askers
 
     def _parked_at(self, child: ChildConnection, session: Owner
                    ) -> tuple[dict[Owner, float], bool]:
@@ -258,15 +298,24 @@ class Backend:
                 leaving = True
         return parked, leaving
 
-    def pick_now(self, session: Owner, *, asks: bool = False
+    def pick_now(self, session: Owner, *, asks: bool = False, principal: Principal | None = None
                  ) -> tuple[Instance, ChildConnection] | None:
         """An instance that takes a call of ``session`` right now, per the sharing mode, or None
         when the call would have to wait (then :meth:`acquire` waits for one).  ``asks``: the
         call may ask for input (:meth:`waits_for_parked`): in ``shared`` mode it takes no
-        instance where another caller's flow is parked."""
+        instance where another caller's flow is parked.  ``principal``: the caller's (the
+        per-principal mode's key)."""
         if self._stopping:
             return None
-        if self.cfg.sharing == "shared":
+        if self.mode == "per-principal":
+            held = self._held.get(principal.key) if principal is not None else None
+            child = _running(held.inst) if held is not None else None
+            if held is None or child is None:
+                return None
+            assert principal is not None
+            self._touch(held, principal)
+            return held.inst, child
+        if self.mode == "shared":
             best: tuple[int, Instance, ChildConnection] | None = None
             for candidate in self.instances:
                 child = candidate.serving()
@@ -294,25 +343,28 @@ class Backend:
         assert child is not None
         return inst, child
 
-    async def acquire(self, session: Owner, *, asks: bool = False
-                      ) -> tuple[Instance, ChildConnection]:
+    async def acquire(self, session: Owner, *, asks: bool = False,
+                      principal: Principal | None = None) -> tuple[Instance, ChildConnection]:
         """An instance and its running child for a call of ``session``, per the sharing mode
-        (``asks``: see :meth:`pick_now`).
+        (``asks``, ``principal``: see :meth:`pick_now`).
 
         Raises:
             BackendUnavailable: not running within ``restart_wait`` (FATAL: at once).
-            Overloaded: affine queue full or timed out; per-session cap reached.
+            Overloaded: affine queue full or timed out; per-session or per-principal cap.
+            Denied: per-principal, and no principal or no credentials for it.
         """
         if self._stopping:
             raise self._gone()
-        picked = self.pick_now(session, asks=asks)
+        picked = self.pick_now(session, asks=asks, principal=principal)
         if picked is not None:
             return picked
-        if asks and self.cfg.sharing == "shared" and self.parking is not None:
+        if self.mode == "per-principal":
+            return await self._acquire_principal(session, principal)
+        if asks and self.mode == "shared" and self.parking is not None:
             return await self._acquire_unparked(session)
         if self.cfg.sharing == "affine":
             return await self._acquire_affine(session)
-        if self.cfg.sharing == "per-session":
+        if self.mode == "per-session":
             return await self._acquire_own(session)
         inst = self.instances[0]
         return inst, await inst.wait_ready(self.host.restart_wait)
@@ -382,7 +434,7 @@ class Backend:
                 return set()
             owner = cast(Owner, owner)
             return {owner} if not owner.closed.is_set() else set()
-        if self.cfg.sharing == "per-session":
+        if self.mode == "per-session":
             owner = inst.owner
             return {owner} if owner is not None and not owner.closed.is_set() else set()
         return child.attribution()
@@ -393,7 +445,7 @@ class Backend:
         sharing = self.cfg.sharing
         if sharing == "affine":
             self._settle(inst)
-        elif sharing == "per-session":
+        elif sharing == "per-session" or self.mode == "per-principal":
             inst.last_used = trio.current_time()
         self._ushered.pop(session, None)
         self._released.set()
@@ -554,6 +606,125 @@ class Backend:
         await inst.stopped.wait()
         if inst in self.instances:
             self.instances.remove(inst)
+
+    # per-principal: a child (or remote session) per authenticated principal, started on first
+    # use, capped, stopped when idle, when its credential expires or the principal is removed.
+
+    def _touch(self, held: _Held, principal: Principal) -> None:
+        """A call of ``principal`` goes to its instance: used now; its latest credential's
+        expiry (wall clock) counts from now on trio's clock."""
+        now = trio.current_time()
+        held.inst.last_used = now
+        held.principal = principal
+        connector = held.inst.connector
+        if isinstance(connector, (HttpConnector, StdioConnector)):
+            connector.principal = principal  # (its source sees the current one)
+        if principal.expires is not None:
+            at = now + max(0.0, principal.expires - time.time())
+            held.expires_at = at if math.isinf(held.expires_at) else max(held.expires_at, at)
+
+    def _principal_connector(self, principal: Principal) -> Connector:
+        """The connector of ``principal``'s own instance."""
+        if isinstance(self.connector, HttpConnector):
+            return self.connector.for_principal(principal, self.credentials)
+        if isinstance(self.connector, StdioConnector):
+            return self.connector.for_principal(principal)
+        return self.connector  # (a test's in-process connector)
+
+    async def _check_credentials(self, principal: Principal) -> None:
+        """Refuse a principal whose environment file or upstream credentials cannot be had,
+        before an instance is started for it.
+
+        Raises:
+            Denied / BackendUnavailable: :func:`gateway.backend.credentials.call_error`.
+        """
+        try:
+            if self.cfg.env_files and not self.cfg.url:
+                credentials.read_env_file(self.cfg.env_files, principal)
+            if self.credentials is not None:
+                await self.credentials.headers(principal)
+        except credentials.CredentialsUnavailable as exc:
+            raise credentials.call_error(exc, self.name) from None
+
+    async def _acquire_principal(self, session: Owner, principal: Principal | None
+                                 ) -> tuple[Instance, ChildConnection]:
+        if principal is None:
+            raise errors.Denied(
+                f"backend {self.name!r} runs an instance per authenticated principal; this "
+                "caller is not authenticated", backend=self.name)
+        key = principal.key
+        held = self._held.get(key)
+        if held is None:
+            if session.closed.is_set():
+                raise errors.BackendUnavailable("the connection is closing", backend=self.name,
+                                                retryable=False)
+            await self._check_credentials(principal)
+            held = self._held.get(key)  # (another call of it may have started one meanwhile)
+        if held is None:
+            if self._stopping:
+                raise self._gone()
+            if len(self._held) >= self.cfg.max_sessions:
+                raise errors.Overloaded(
+                    f"backend {self.name!r}: {self.cfg.max_sessions} per-principal instances "
+                    "already run (max_sessions)", backend=self.name)
+            assert self._nursery is not None
+            self._session_index += 1
+            inst = Instance(self, self._session_index, label=f"p{self._session_index}")
+            inst.connector = self._principal_connector(principal)
+            inst.principal_key = key
+            held = self._held[key] = _Held(inst, principal)
+            self.instances.append(inst)
+            # No checkpoint between registering the instance and starting its supervisor and
+            # reaper (as for per-session).
+            self._nursery.start_soon(inst.run)
+            self._nursery.start_soon(self._reap_principal, held)
+            wait = self.cfg.start_timeout + 1.0
+        else:
+            wait = self.host.restart_wait
+        self._touch(held, principal)
+        return held.inst, await held.inst.wait_ready(wait)
+
+    async def _reap_principal(self, held: _Held) -> None:
+        """Stop a principal's instance when it idles ``idle_timeout``, when the latest
+        credential it was called with expires, or when the principal is removed; its cached
+        upstream tokens are forgotten."""
+        inst = held.inst
+        why = "stopped"
+        while not inst.stopped.is_set():
+            now = trio.current_time()
+            if now >= held.expires_at:
+                why = "its principal's credential expired"
+                break
+            busy = inst.child is not None and inst.child.attribution()
+            idle_at = inst.last_used + self.cfg.idle_timeout
+            if not busy and now >= idle_at:
+                why = f"idle for {self.cfg.idle_timeout:g}s"
+                break
+            with trio.move_on_at(min(max(idle_at, now + 1.0) if busy else idle_at,
+                                     held.expires_at)):
+                await held.dropped.wait()
+            if held.dropped.is_set():
+                why = "the backend stops" if self._stopping else "its principal was removed"
+                break
+        LOGGER.info("backend %s: stopping the per-principal instance: %s", inst.name, why)
+        key = inst.principal_key
+        assert key is not None
+        if self._held.get(key) is held:
+            del self._held[key]
+        if self.credentials is not None:
+            self.credentials.forget(key)
+        inst.request_stop()
+        await inst.stopped.wait()
+        if inst in self.instances:
+            self.instances.remove(inst)
+
+    def drop_principals(self, keep: Callable[[Principal], bool]) -> int:
+        """Stop the instances of the principals ``keep`` refuses (a reload removed them);
+        how many."""
+        dropped = [held for held in self._held.values() if not keep(held.principal)]
+        for held in dropped:
+            held.dropped.set()
+        return len(dropped)
 
     # ---- hooks from instances ---------------------------------------------------------------
 

@@ -78,9 +78,10 @@ def out_of_resources(exc: OSError) -> bool:
 _spawning = 0
 
 
-async def spawn(cfg: BackendConfig) -> trio.Process:
-    """Start a backend child with stdin/stdout/stderr pipes in its own process group.  The
-    caller records ``proc`` before its next checkpoint (:func:`reap_orphans` relies on it)."""
+async def spawn(cfg: BackendConfig, env: dict[str, str] | None = None) -> trio.Process:
+    """Start a backend child with stdin/stdout/stderr pipes in its own process group (``env``:
+    variables set over the backend's own ``env``, a principal's).  The caller records ``proc``
+    before its next checkpoint (:func:`reap_orphans` relies on it)."""
     global _spawning
     _spawning += 1
     try:
@@ -90,7 +91,7 @@ async def spawn(cfg: BackendConfig) -> trio.Process:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             cwd=cfg.cwd,
-            env=child_environment(cfg.env),
+            env=child_environment(cfg.env if env is None else {**cfg.env, **env}),
             start_new_session=True,
         )
     finally:

@@ -17,7 +17,8 @@ import os
 import trio
 
 from gateway import errors
-from gateway.backend import process
+from gateway.auth.principal import Principal
+from gateway.backend import credentials, process
 from gateway.backend.connector import LinkContext, LinkEnd, OpenFailed, Receiver
 from gateway.config import BackendConfig
 from gateway.events import BackendStderr
@@ -49,15 +50,27 @@ class StdioConnector:
     kind = "stdio"
     origin = None
 
-    def __init__(self, cfg: BackendConfig) -> None:
+    def __init__(self, cfg: BackendConfig, principal: Principal | None = None) -> None:
         self.cfg = cfg
+        # per-principal: whose child this starts (its env_files file read at each start)
+        self.principal = principal
 
     def refresh(self) -> None:
         pass
 
+    def for_principal(self, principal: Principal) -> StdioConnector:
+        """The connector of ``principal``'s own child."""
+        return StdioConnector(self.cfg, principal)
+
     async def open(self, ctx: LinkContext) -> LineLink:
+        env = None
+        if self.principal is not None and self.cfg.env_files:
+            try:
+                env = credentials.read_env_file(self.cfg.env_files, self.principal)
+            except credentials.CredentialsUnavailable as exc:
+                raise OpenFailed(exc.detail) from None
         try:
-            proc = await process.spawn(self.cfg)
+            proc = await process.spawn(self.cfg, env)
         except OSError as exc:
             if process.out_of_resources(exc):
                 raise OpenFailed(str(exc), starved=True) from exc

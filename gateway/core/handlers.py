@@ -254,8 +254,8 @@ async def forward(ports: HandlerPorts, session: ClientSession, req: Request, tar
     started = trio.current_time()
     asks = backend.waits_for_parked(asker_key(req))
     for attempt in range(2):
-        inst, child = await (backend.acquire(session, asks=asks) if trace is None
-                             else _traced("wait", trace, backend.acquire(session, asks=asks)))
+        acquired = backend.acquire(session, asks=asks, principal=session.principal)
+        inst, child = await (acquired if trace is None else _traced("wait", trace, acquired))
         req.instance = inst.name
         fields, meta = outgoing(ports, session, target, child.era is era.Era.MODERN,
                                 None if trace is None else trace.call(backend.name, inst.name))

@@ -167,7 +167,8 @@ class Served:
         if backend is None:
             return False
         picked = backend.pick_now(session, asks=bool(backend.askers)
-                                  and backend.waits_for_parked(asker_key(req)))
+                                  and backend.waits_for_parked(asker_key(req)),
+                                  principal=session.principal)
         if picked is None:
             return False
         inst, child = picked

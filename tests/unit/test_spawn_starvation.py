@@ -55,7 +55,8 @@ async def test_a_backend_whose_spawns_hit_emfile_comes_back_running_never_fatal(
     starved_for = 25  # spawns that fail with EMFILE
     attempts: list[float] = []
 
-    async def fake_spawn(cfg: config.BackendConfig) -> FakeProcess:
+    async def fake_spawn(cfg: config.BackendConfig, env: dict[str, str] | None = None
+                         ) -> FakeProcess:
         attempts.append(trio.current_time())
         if len(attempts) <= starved_for:
             raise OSError(errno.EMFILE, "Too many open files")

@@ -78,7 +78,8 @@ async def test_crash_loop_backs_off_then_goes_fatal(
 ) -> None:
     spawned: list[float] = []
 
-    async def fake_spawn(cfg: config.BackendConfig) -> FakeProcess:
+    async def fake_spawn(cfg: config.BackendConfig, env: dict[str, str] | None = None
+                         ) -> FakeProcess:
         spawned.append(trio.current_time())
         proc = FakeProcess(1_000_000 + len(spawned), lifetime=0.5)
         nursery.start_soon(proc.child)
