@@ -1,8 +1,9 @@
 """RFC 8693 token exchange as a per-principal credential source, against the real Authlib
 authorization server (``fixtures/auth_server.py``), which is also the inbound ``[auth.oauth]``
 issuer: callers are authenticated by the gateway's own authenticator from JWTs it minted, and
-their tokens exchanged for the upstream's audience.  Time runs on trio's MockClock (no
-autojump: it moves only when a test jumps it)."""
+their tokens exchanged for the upstream's audience; the source alone (time on trio's MockClock,
+no autojump: it moves only when a test jumps it) and in the running gateway, in front of a
+per-principal remote."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import trio.testing
 from authserverutil import AuthServer, auth_server
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
+from fixtures.remote_server import RemoteServer
+from helpers import connect, make_config, run_gateway, text_of
 
 from gateway.auth.authenticator import Authenticator
 from gateway.auth.principal import Principal
@@ -142,3 +145,45 @@ async def test_a_refused_exchange_and_a_bearer_caller_are_not_retryable(tmp_path
             await source.headers(forged)
         assert not err.value.retryable and "HTTP 400" in err.value.detail
         assert [r for r in await srv.issued() if r["grant_type"] == EXCHANGE] == []
+
+
+async def test_a_per_principal_remote_gets_each_oauth_callers_exchanged_token(
+        tmp_path: Path) -> None:
+    (tmp_path / "gw.secret").write_text("gw-secret\n")
+    remote = RemoteServer()
+    async with trio.open_nursery() as nursery, auth_server("--client", "gw:gw-secret") as srv:
+        await nursery.start(remote.serve)
+        url = f"http://127.0.0.1:{remote.port}/mcp"
+        cfg = make_config(
+            f'[backends.ev]\nurl = "{url}"\ncredentials = "per-principal"\n'
+            'headers = { Authorization = "Bearer the-probe" }\n'
+            f'[backends.ev.token_exchange]\ntoken_url = "{srv.token_url}"\nclient_id = "gw"\n'
+            f'client_secret = {{ file = "{tmp_path}/gw.secret" }}\nresource = "{url}"\n',
+            extra=f'[auth.oauth]\nissuer = "{srv.issuer}"\njwks_uri = "{srv.issuer}/jwks"\n'
+                  f'audience = "{GATEWAY}"\n')
+        inbound = {who: await srv.mint(who, GATEWAY) for who in ("alice", "bob")}
+        with trio.fail_after(60):
+            async with (run_gateway(cfg) as gw,
+                        connect(gw.url, token=inbound["alice"]) as a,
+                        connect(gw.url, token=inbound["bob"]) as b):
+                assert text_of(await a.call("ev__echo", {"who": "alice"})) == '{"who": "alice"}'
+                assert text_of(await b.call("ev__echo", {"who": "bob"})) == '{"who": "bob"}'
+                issued = {r["sub"]: r for r in await srv.issued()}
+                assert {r["aud"] for r in issued.values()} == {url}
+                sent = {who: {seen.headers.get("authorization") for seen in remote.seen
+                              if isinstance(seen.body, dict) and seen.body.get("params", {}).get(
+                                  "arguments", {}).get("who") == who} for who in inbound}
+                assert sent == {who: {f"Bearer {issued[who]['access_token']}"}
+                                for who in inbound}
+                assert not any(token in str(seen.headers) for seen in remote.seen
+                               for token in inbound.values())
+                # a 401 makes the gateway exchange again; with the server down: retryable
+                await srv.down("closed")
+                remote.refuse["tools/call"] = [401]
+                r = await a.call("ev__echo", {"who": "alice-2"})
+                assert r["error"]["code"] == -32001 and r["error"]["data"]["retryable"], r
+                await srv.up()
+                assert text_of(await a.call("ev__echo", {"who": "alice-3"})) == \
+                    '{"who": "alice-3"}'
+                assert [r["sub"] for r in await srv.issued()] == ["alice", "bob", "alice"]
+        nursery.cancel_scope.cancel()
