@@ -179,7 +179,9 @@ class Backend:
                              tuple(i.snapshot(now) for i in self.instances), len(lists.tools),
                              len(lists.prompts), len(lists.resources), len(lists.templates),
                              self.cfg.protocol_mode, self.modern_seen, self.connector.kind,
-                             self._token_status())
+                             self._token_status(),
+                             self.credentials.status()
+                             if isinstance(self.credentials, TokenExchangeSource) else None)
 
     def _token_status(self) -> dict[str, Any] | None:
         auth = self.connector.auth if isinstance(self.connector, HttpConnector) else None

@@ -7,9 +7,11 @@ per-principal remote."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio.testing
@@ -147,6 +149,10 @@ async def test_a_refused_exchange_and_a_bearer_caller_are_not_retryable(tmp_path
         assert [r for r in await srv.issued() if r["grant_type"] == EXCHANGE] == []
 
 
+def ev(st: dict[str, Any]) -> dict[str, Any]:
+    return next(b for b in st["backends"] if b["name"] == "ev")
+
+
 async def test_a_per_principal_remote_gets_each_oauth_callers_exchanged_token(
         tmp_path: Path) -> None:
     (tmp_path / "gw.secret").write_text("gw-secret\n")
@@ -177,6 +183,9 @@ async def test_a_per_principal_remote_gets_each_oauth_callers_exchanged_token(
                                 for who in inbound}
                 assert not any(token in str(seen.headers) for seen in remote.seen
                                for token in inbound.values())
+                st = await gw.status_until(lambda s: ev(s)["token_exchange"]["exchanges"] == 2)
+                assert ev(st)["token_exchange"]["principals"] == 2
+                assert not any(r["access_token"] in json.dumps(st) for r in issued.values())
                 # a 401 makes the gateway exchange again; with the server down: retryable
                 await srv.down("closed")
                 remote.refuse["tools/call"] = [401]
