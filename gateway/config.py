@@ -127,12 +127,10 @@ class ItemFilter(Base, frozen=True):
 HeaderValue = str | dict[str, str]
 
 
-class RemoteOAuth(Base, frozen=True):
-    """``[backends.NAME.oauth]``: the gateway's own access token for a remote (OAuth 2.1
-    client credentials), fetched from ``token_url`` or the one the remote's metadata names."""
+class ClientAuth(Base, frozen=True):
+    """How the gateway authenticates itself to an authorization server's token endpoint (the
+    keys ``[backends.NAME.oauth]`` and ``[backends.NAME.token_exchange]`` share)."""
 
-    grant: Literal["client_credentials"] = "client_credentials"
-    token_url: str = ""  # "": discovered (protected-resource, then authorization server metadata)
     client_id: str = ""
     # { file = "/path" } or { env = "VAR" }; a literal string is refused (not in the config text)
     client_secret: str | dict[str, str] | None = None
@@ -141,10 +139,29 @@ class RemoteOAuth(Base, frozen=True):
     private_key: str | dict[str, str] | None = None  # private_key_jwt: PEM, by reference too
     key_id: str = ""  # private_key_jwt: the assertion's kid header ("": none)
     algorithm: Literal["RS256", "ES256"] = "RS256"
+    ca_file: str | None = None  # https token/metadata endpoints: their CA (else the system's)
+
+
+class RemoteOAuth(ClientAuth, frozen=True):
+    """``[backends.NAME.oauth]``: the gateway's own access token for a remote (OAuth 2.1
+    client credentials), fetched from ``token_url`` or the one the remote's metadata names."""
+
+    grant: Literal["client_credentials"] = "client_credentials"
+    token_url: str = ""  # "": discovered (protected-resource, then authorization server metadata)
     audience: str = ""  # the assertion's aud ("": the server's issuer, else token_url)
     scope: str = ""
     resource: str = ""  # RFC 8707 resource indicator ("": the one its metadata gives, else url)
-    ca_file: str | None = None  # https token/metadata endpoints: their CA (else the system's)
+
+
+class TokenExchange(ClientAuth, frozen=True):
+    """``[backends.NAME.token_exchange]``: each OAuth principal's upstream token, had by RFC 8693
+    token exchange of the caller's inbound access token at ``token_url``."""
+
+    token_url: str = ""
+    audience: str = ""  # RFC 8693 audience of the token asked for ("": none)
+    resource: str = ""  # RFC 8707 resource indicator ("": none; one of the two is required)
+    scope: str = ""
+    assertion_audience: str = ""  # private_key_jwt: the assertion's aud ("": token_url)
 
 
 class BackendConfig(Base, frozen=True):
@@ -153,6 +170,8 @@ class BackendConfig(Base, frozen=True):
     ca_file: str | None = None  # https: the CA bundle to verify the remote with (else the system's)
     headers: dict[str, HeaderValue] = {}  # sent on every request to the remote
     oauth: RemoteOAuth | None = None  # a remote's own access token (client credentials)
+    # each OAuth principal's own upstream token, by RFC 8693 token exchange of its inbound one
+    token_exchange: TokenExchange | None = None
     args: list[str] = []
     env: dict[str, str] = {}
     cwd: str | None = None
@@ -555,10 +574,15 @@ def _resolve_paths(backend: BackendConfig, base_dir: str) -> BackendConfig:
                               for t in (backend.env_files, backend.token_files))
     return msgspec.structs.replace(backend, cwd=cwd, command=command, ca_file=ca_file,
                                    headers=headers, oauth=_resolve_oauth(backend.oauth, base_dir),
-                                   env_files=env_files, token_files=token_files)
+                                   env_files=env_files, token_files=token_files,
+                                   token_exchange=_resolve_oauth(backend.token_exchange,
+                                                                 base_dir))
 
 
-def _resolve_oauth(oauth: RemoteOAuth | None, base_dir: str) -> RemoteOAuth | None:
+_Auth = TypeVar("_Auth", RemoteOAuth, TokenExchange)
+
+
+def _resolve_oauth(oauth: _Auth | None, base_dir: str) -> _Auth | None:
     if oauth is None:
         return None
     ca_file = os.path.normpath(os.path.join(base_dir, oauth.ca_file)) if oauth.ca_file else None
@@ -602,7 +626,7 @@ def remote_errors(p: str, b: BackendConfig) -> list[str]:
         errors.append(f"{p}: set exactly one of command (a program to spawn) and url (a remote "
                       "Streamable HTTP server)")
     if not b.url:
-        for key in ("ca_file", "headers", "oauth"):
+        for key in ("ca_file", "headers", "oauth", "token_exchange"):
             if getattr(b, key):
                 errors.append(f"{p}.{key}: only for a remote backend (url)")
         return errors
@@ -646,6 +670,8 @@ def remote_errors(p: str, b: BackendConfig) -> list[str]:
                           f'{{ file = "/path", prefix = "Bearer " }}, got keys {sorted(value)}')
     if b.oauth is not None:
         errors.extend(oauth_errors(f"{p}.oauth", b))
+    if b.token_exchange is not None:
+        errors.extend(token_exchange_errors(f"{p}.token_exchange", b))
     return errors
 
 
@@ -677,8 +703,11 @@ def per_principal_errors(p: str, b: BackendConfig) -> list[str]:
                           f'per principal; use sharing = "per-principal" (or leave it out)')
         if b.credentials != "per-principal":
             errors.append(f'{p}.token_files: only with credentials = "per-principal"')
-        elif b.token_files is None:
-            errors.append(f'{p}.credentials: "per-principal" needs a source: set token_files')
+        elif b.token_files is None and b.token_exchange is None:
+            errors.append(f'{p}.credentials: "per-principal" needs a source: set token_files '
+                          'or [token_exchange]')
+        elif b.token_files is not None and b.token_exchange is not None:
+            errors.append(f'{p}.credentials: one source: token_files or [token_exchange]')
         if b.oauth is not None and b.credentials == "per-principal":
             errors.append(f"{p}.oauth: the backend's own token is not used with "
                           'credentials = "per-principal"; remove one')
@@ -703,24 +732,17 @@ def endpoint_url_ok(url: str) -> bool:
     return parts.scheme == "https" or (parts.scheme == "http" and is_loopback(parts.hostname))
 
 
-def oauth_errors(p: str, b: BackendConfig) -> list[str]:
-    """A remote's ``[oauth]`` (key-path errors): the secrets by reference only."""
-    o = b.oauth
-    assert o is not None
-    errors: list[str] = []
+def _client_id_errors(p: str, o: ClientAuth) -> list[str]:
     if not o.client_id:
-        errors.append(f"{p}.client_id: required")
-    elif not header_value_ok(o.client_id):
-        errors.append(f"{p}.client_id: must be printable ASCII")
-    if o.token_url and not endpoint_url_ok(o.token_url):
-        errors.append(f"{p}.token_url: expected an https:// URL (or http:// to 127.0.0.1), "
-                      f"got {o.token_url!r}")
-    elif not o.token_url and b.url and not endpoint_url_ok(b.url):
-        errors.append(f"{p}.token_url: required for a plain http:// url (the remote's metadata "
-                      "would say where the credentials go: only trusted over https)")
-    if o.resource and (urlsplit(o.resource).scheme not in ("http", "https")
-                       or "#" in o.resource or not header_value_ok(o.resource)):
-        errors.append(f"{p}.resource: expected an absolute http(s) URI without a fragment")
+        return [f"{p}.client_id: required"]
+    if not header_value_ok(o.client_id):
+        return [f"{p}.client_id: must be printable ASCII"]
+    return []
+
+
+def _client_secret_errors(p: str, o: ClientAuth) -> list[str]:
+    """A token endpoint client's secrets: by reference only, the one its method uses."""
+    errors: list[str] = []
     secret_key = "private_key" if o.auth_method == "private_key_jwt" else "client_secret"
     other = "client_secret" if secret_key == "private_key" else "private_key"
     for key in ("client_secret", "private_key"):
@@ -737,6 +759,28 @@ def oauth_errors(p: str, b: BackendConfig) -> list[str]:
         elif len(value) != 1 or not (value.get("file") or value.get("env")):
             errors.append(f'{p}.{key}: expected {{ file = "/path" }} or {{ env = "VAR" }}, '
                           f"got keys {sorted(value)}")
+    return errors
+
+
+def _resource_ok(resource: str) -> bool:
+    return (urlsplit(resource).scheme in ("http", "https") and "#" not in resource
+            and header_value_ok(resource))
+
+
+def oauth_errors(p: str, b: BackendConfig) -> list[str]:
+    """A remote's ``[oauth]`` (key-path errors): the secrets by reference only."""
+    o = b.oauth
+    assert o is not None
+    errors = _client_id_errors(p, o)
+    if o.token_url and not endpoint_url_ok(o.token_url):
+        errors.append(f"{p}.token_url: expected an https:// URL (or http:// to 127.0.0.1), "
+                      f"got {o.token_url!r}")
+    elif not o.token_url and b.url and not endpoint_url_ok(b.url):
+        errors.append(f"{p}.token_url: required for a plain http:// url (the remote's metadata "
+                      "would say where the credentials go: only trusted over https)")
+    if o.resource and not _resource_ok(o.resource):
+        errors.append(f"{p}.resource: expected an absolute http(s) URI without a fragment")
+    errors.extend(_client_secret_errors(p, o))
     if o.auth_method != "private_key_jwt" and (o.key_id or o.audience):
         errors.append(f"{p}: key_id and audience are for auth_method = 'private_key_jwt'")
     if not header_value_ok(o.scope) or not header_value_ok(o.key_id):
@@ -744,6 +788,35 @@ def oauth_errors(p: str, b: BackendConfig) -> list[str]:
     if any(name.lower() == "authorization" for name in b.headers):
         errors.append(f"{p}: the Authorization header comes from the token: remove it from "
                       "headers")
+    return errors
+
+
+def token_exchange_errors(p: str, b: BackendConfig) -> list[str]:
+    """A remote's ``[token_exchange]`` (key-path errors)."""
+    o = b.token_exchange
+    assert o is not None
+    errors = _client_id_errors(p, o)
+    if not o.token_url:
+        errors.append(f"{p}.token_url: required (the authorization server's token endpoint)")
+    elif not endpoint_url_ok(o.token_url):
+        errors.append(f"{p}.token_url: expected an https:// URL (or http:// to 127.0.0.1), "
+                      f"got {o.token_url!r}")
+    if not o.audience and not o.resource:
+        errors.append(f"{p}: set audience or resource (what the exchanged token is for)")
+    if o.resource and not _resource_ok(o.resource):
+        errors.append(f"{p}.resource: expected an absolute http(s) URI without a fragment")
+    errors.extend(_client_secret_errors(p, o))
+    if not all(header_value_ok(v) for v in (o.audience, o.scope, o.key_id)):
+        errors.append(f"{p}: audience, scope and key_id must be printable ASCII")
+    if o.auth_method != "private_key_jwt" and (o.key_id or o.assertion_audience):
+        errors.append(f"{p}: key_id and assertion_audience are for auth_method = "
+                      "'private_key_jwt'")
+    if b.oauth is not None:
+        errors.append(f"{p}: a remote's token is either the gateway's own (oauth) or each "
+                      "principal's (token_exchange), not both")
+    if b.credentials != "per-principal":
+        errors.append(f'{p}: only with credentials = "per-principal" (each principal\'s token '
+                      "on an upstream session of its own)")
     return errors
 
 

@@ -49,6 +49,9 @@ class BackendStatus:
     # a remote's own access token (``[oauth]``): endpoint, valid_until, fetches, failures,
     # last_error; never the token
     oauth: dict[str, Any] | None = None
+    # a per-principal remote's token exchange (``[token_exchange]``): endpoint, audience,
+    # principals held, exchanges, failures, last_error; never a token nor a principal
+    token_exchange: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)

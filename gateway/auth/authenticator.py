@@ -206,7 +206,8 @@ class Authenticator:
                 raise jwts.TokenRefused("unknown_kid",
                                         "the token's key (kid) is not one of the issuer's")
             claims = jwts.verify(token, key, alg, oauth)
-            return jwts.principal_of(claims, oauth, self.labels, self._oauth_credential())
+            return jwts.principal_of(claims, oauth, self.labels, self._oauth_credential(),
+                                     token=token)
         except jwts.TokenRefused as exc:
             raise Unauthorized(str(exc), kind=exc.kind) from None
 

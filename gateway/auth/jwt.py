@@ -177,11 +177,11 @@ def _strings(value: object) -> frozenset[str]:
 
 
 def principal_of(claims: dict[str, Any], oauth: OAuthSection, labels: frozenset[str],
-                 credential: str) -> Principal:
+                 credential: str, token: str = "") -> Principal:
     """The caller a verified token names: ``principal_claim`` (``sub`` by default), groups
     from ``groups_claim``, scopes from ``scope`` (space separated) or ``scp`` (a list or a
     string).  ``labels``: the principal names an operator configured, the only ones metrics
-    and logs may carry."""
+    and logs may carry; ``token`` the verified token itself (kept for token exchange)."""
     name = claims.get(oauth.principal_claim)
     if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME or not name.isprintable():
         raise TokenRefused("claims",
@@ -190,5 +190,5 @@ def principal_of(claims: dict[str, Any], oauth: OAuthSection, labels: frozenset[
     scopes = _strings(claims["scope"] if "scope" in claims else claims.get("scp"))
     exp = claims.get("exp")  # a number: verify() checked it
     return Principal(name, groups, scopes, "oauth", name if name in labels else "other",
-                     credential=credential,
+                     credential=credential, token=token,
                      expires=float(exp) if isinstance(exp, int | float) else None)

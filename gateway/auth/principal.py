@@ -20,6 +20,10 @@ class Principal:
     fingerprint, or the OAuth issuer/audience) and ``expires`` when that ends (a JWT's ``exp``,
     unix seconds): a reload that removes the credential closes what the principal opened.
     Neither is shown in ``repr`` nor compared.
+
+    ``token`` is an ``oauth`` principal's inbound access token itself (empty for the others),
+    in memory only: what an RFC 8693 token exchange hands the authorization server as its
+    ``subject_token``.  Never shown, logged, compared nor sent to a backend.
     """
 
     name: str
@@ -29,6 +33,7 @@ class Principal:
     label: str = "other"
     credential: str = field(default="", repr=False, compare=False)
     expires: float | None = field(default=None, repr=False, compare=False)
+    token: str = field(default="", repr=False, compare=False)
 
     @property
     def key(self) -> str:

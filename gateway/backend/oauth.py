@@ -9,6 +9,8 @@ asks for the RFC 8707 ``resource``.  It keeps the token and fetches the next one
 valid); a 401 from the remote gets one fetch more, and none when the refused token is younger
 than :data:`RENEW_MIN_INTERVAL`.  Secrets are read at each fetch; neither they nor the token
 are ever logged or shown (``status()`` gives the endpoint, validity and the last error).
+The client authentication (:func:`client_auth`), the exchange on a connection of its own
+(:class:`Endpoints`) and the token answer (:func:`parse_token`) serve token exchange too.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from gateway.backend import httpclient
-from gateway.config import RemoteOAuth, endpoint_url_ok, header_value_ok, read_regular
+from gateway.config import ClientAuth, RemoteOAuth, endpoint_url_ok, header_value_ok, read_regular
 
 LOGGER = logging.getLogger(__name__)
 
@@ -144,6 +146,111 @@ def _metadata_urls(issuer: str) -> list[str]:
             f"{origin}{path}/.well-known/openid-configuration"]
 
 
+def client_auth(cfg: ClientAuth, aud: str, form: dict[str, str], head: list[tuple[str, str]],
+                environ: dict[str, str] | None = None) -> None:
+    """Authenticate a token request as ``cfg`` says: ``client_secret_basic`` (``head``),
+    ``client_secret_post`` or a ``private_key_jwt`` assertion for ``aud`` (``form``).
+
+    Raises:
+        TokenFailed: a secret or key missing or unusable (named, never the value).
+    """
+    if cfg.auth_method == "private_key_jwt":
+        key = _signing_key(read_secret(cfg.private_key, "private_key", environ), cfg.algorithm)
+        now = int(time.time())
+        claims = {"iss": cfg.client_id, "sub": cfg.client_id, "aud": aud,
+                  "iat": now, "exp": now + ASSERTION_LIFETIME, "jti": uuid.uuid4().hex}
+        extra = {"kid": cfg.key_id} if cfg.key_id else None
+        form["client_id"] = cfg.client_id
+        form["client_assertion_type"] = _ASSERTION_TYPE
+        form["client_assertion"] = pyjwt.encode(claims, key, algorithm=cfg.algorithm,
+                                                headers=extra)
+        return
+    try:
+        secret = read_secret(cfg.client_secret, "client_secret", environ).decode()
+    except UnicodeDecodeError:
+        raise TokenFailed("client_secret is not UTF-8 text") from None
+    if cfg.auth_method == "client_secret_post":
+        form["client_id"], form["client_secret"] = cfg.client_id, secret
+    else:  # RFC 6749 §2.3.1: each form-encoded, then joined and base64-encoded
+        pair = f"{quote_plus(cfg.client_id)}:{quote_plus(secret)}".encode()
+        head.append(("authorization", "Basic " + base64.b64encode(pair).decode()))
+
+
+class Endpoints:
+    """Exchanges with an authorization server: each on a connection of its own, within
+    :data:`FETCH_TIMEOUT`, its https verified with ``ca_file`` (read at the first one after
+    :meth:`refresh`)."""
+
+    def __init__(self, ca_file: str | None, opener: httpclient.Opener | None = None) -> None:
+        self.ca_file = ca_file
+        self._opener = opener
+        self._tls: ssl.SSLContext | None = None
+
+    def refresh(self) -> None:
+        self._tls = None
+
+    async def exchange(self, method: str, url: str, headers: list[tuple[str, str]],
+                       body: bytes = b"") -> tuple[httpclient.Response, bytes]:
+        """One exchange.
+
+        Raises:
+            TokenFailed: unreachable, too slow, a body over :data:`MAX_BODY`.
+        """
+        origin = httpclient.parse_url(url)
+        if origin.tls and self._tls is None:
+            try:
+                self._tls = httpclient.tls_context(self.ca_file)
+            except (OSError, ssl.SSLError) as exc:
+                raise TokenFailed(f"ca_file {self.ca_file}: {exc}") from None
+        pool = httpclient.Pool(origin, connect_timeout=FETCH_TIMEOUT, idle_max=0,
+                               ssl_context=self._tls, opener=self._opener)
+        try:
+            with trio.fail_after(FETCH_TIMEOUT):
+                conn = await pool.connect()
+                response = await conn.request(method, origin.target, headers, body)
+                return response, await conn.body(MAX_BODY)
+        except httpclient.HttpFailure as exc:
+            raise TokenFailed(f"{origin.text}: {exc.detail}") from None
+        except trio.TooSlowError:
+            raise TokenFailed(f"{origin.text}: no answer within {FETCH_TIMEOUT:g}s") from None
+        finally:
+            await pool.aclose()
+
+
+def parse_token(response: httpclient.Response, body: bytes, where: str
+                ) -> tuple[str, float | None]:
+    """The token and its lifetime in seconds from a token answer.
+
+    Raises:
+        TokenFailed: an error answer (its ``error`` code and description) or a bad one.
+    """
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):
+        doc = None
+    if not isinstance(doc, dict):
+        doc = {}
+    if response.status != 200:
+        code = str(doc.get("error", ""))[:64]
+        text = str(doc.get("error_description", ""))[:200]
+        said = "".join(c for c in f"{code}: {text}" if " " <= c <= "~").strip(": ")
+        raise TokenFailed(f"{where} refused the token request (HTTP {response.status}"
+                          f"{': ' + said if said else ''})")
+    token = doc.get("access_token")
+    if not isinstance(token, str) or not token or len(token) > MAX_TOKEN \
+            or not header_value_ok(token):
+        raise TokenFailed(f"{where} answered without a usable access_token")
+    if str(doc.get("token_type", "")).lower() != "bearer":
+        raise TokenFailed(f"{where} answered a token_type other than Bearer")
+    lifetime = doc.get("expires_in")
+    if lifetime is None:
+        return token, None
+    if isinstance(lifetime, bool) or not isinstance(lifetime, int | float) \
+            or not 0 < lifetime < math.inf:  # NaN too
+        raise TokenFailed(f"{where} answered an expires_in that is not a positive number")
+    return token, float(min(lifetime, MAX_LIFETIME))
+
+
 def _iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
@@ -157,8 +264,8 @@ class TokenSource:
         self.backend = backend
         self.url = url
         self.cfg = cfg
-        self._opener = opener
         self._environ = environ
+        self._http = Endpoints(cfg.ca_file, opener)
         self.token_endpoint: str | None = cfg.token_url or None
         self.issuer: str | None = None  # the authorization server's, when discovered
         self.resource = cfg.resource or url
@@ -171,7 +278,6 @@ class TokenSource:
         self._refresh = -math.inf  # trio time from which the next one is fetched
         self._expires = math.inf  # trio time it ends (inf: no expires_in given)
         self._lock = trio.Lock()
-        self._tls: ssl.SSLContext | None = None
 
     # ---- what the link reads ----------------------------------------------------------------
 
@@ -232,7 +338,7 @@ class TokenSource:
     def refresh(self) -> None:
         """A reload: the ``ca_file`` is read again at the next exchange (the secrets are read
         at each fetch anyway)."""
-        self._tls = None
+        self._http.refresh()
 
     def _origin(self) -> str:
         return httpclient.parse_url(self.url).text
@@ -241,30 +347,7 @@ class TokenSource:
 
     async def _exchange(self, method: str, url: str, headers: list[tuple[str, str]],
                         body: bytes = b"") -> tuple[httpclient.Response, bytes]:
-        """One exchange on a connection of its own, within :data:`FETCH_TIMEOUT`.
-
-        Raises:
-            TokenFailed: unreachable, too slow, a body over :data:`MAX_BODY`.
-        """
-        origin = httpclient.parse_url(url)
-        if origin.tls and self._tls is None:
-            try:
-                self._tls = httpclient.tls_context(self.cfg.ca_file)
-            except (OSError, ssl.SSLError) as exc:
-                raise TokenFailed(f"oauth.ca_file {self.cfg.ca_file}: {exc}") from None
-        pool = httpclient.Pool(origin, connect_timeout=FETCH_TIMEOUT, idle_max=0,
-                               ssl_context=self._tls, opener=self._opener)
-        try:
-            with trio.fail_after(FETCH_TIMEOUT):
-                conn = await pool.connect()
-                response = await conn.request(method, origin.target, headers, body)
-                return response, await conn.body(MAX_BODY)
-        except httpclient.HttpFailure as exc:
-            raise TokenFailed(f"{origin.text}: {exc.detail}") from None
-        except trio.TooSlowError:
-            raise TokenFailed(f"{origin.text}: no answer within {FETCH_TIMEOUT:g}s") from None
-        finally:
-            await pool.aclose()
+        return await self._http.exchange(method, url, headers, body)
 
     async def _json(self, url: str) -> dict[str, Any] | None:
         """A metadata document (None: not there, any status but 200)."""
@@ -331,29 +414,9 @@ class TokenSource:
     # ---- the token request ------------------------------------------------------------------
 
     def _client_auth(self, form: dict[str, str], head: list[tuple[str, str]]) -> None:
-        cfg = self.cfg
-        if cfg.auth_method == "private_key_jwt":
-            key = _signing_key(read_secret(cfg.private_key, "private_key", self._environ),
-                               cfg.algorithm)
-            now = int(time.time())
-            claims = {"iss": cfg.client_id, "sub": cfg.client_id,
-                      "aud": cfg.audience or self.issuer or self.token_endpoint,
-                      "iat": now, "exp": now + ASSERTION_LIFETIME, "jti": uuid.uuid4().hex}
-            extra = {"kid": cfg.key_id} if cfg.key_id else None
-            form["client_id"] = cfg.client_id
-            form["client_assertion_type"] = _ASSERTION_TYPE
-            form["client_assertion"] = pyjwt.encode(claims, key, algorithm=cfg.algorithm,
-                                                    headers=extra)
-            return
-        try:
-            secret = read_secret(cfg.client_secret, "client_secret", self._environ).decode()
-        except UnicodeDecodeError:
-            raise TokenFailed("client_secret is not UTF-8 text") from None
-        if cfg.auth_method == "client_secret_post":
-            form["client_id"], form["client_secret"] = cfg.client_id, secret
-        else:  # RFC 6749 §2.3.1: each form-encoded, then joined and base64-encoded
-            pair = f"{quote_plus(cfg.client_id)}:{quote_plus(secret)}".encode()
-            head.append(("authorization", "Basic " + base64.b64encode(pair).decode()))
+        aud = self.cfg.audience or self.issuer or self.token_endpoint
+        assert aud is not None
+        client_auth(self.cfg, aud, form, head, self._environ)
 
     async def _fetch(self) -> None:
         """Fetch a token now (the lock held).
@@ -373,7 +436,7 @@ class TokenSource:
             self._client_auth(form, head)
             response, body = await self._exchange("POST", self.token_endpoint, head,
                                                   urlencode(form).encode())
-            token, lifetime = self._parse(response, body, where)
+            token, lifetime = parse_token(response, body, where)
         except TokenFailed as exc:
             self.failures += 1
             self.last_error = exc.detail
@@ -386,37 +449,3 @@ class TokenSource:
         self.valid_until = time.time() + lifetime if lifetime is not None else None
         LOGGER.info("backend %s: access token fetched from %s (%s)", self.backend, where,
                     f"valid {lifetime:g}s" if lifetime is not None else "no expiry given")
-
-    @staticmethod
-    def _parse(response: httpclient.Response, body: bytes, where: str
-               ) -> tuple[str, float | None]:
-        """The token and its lifetime in seconds from a token answer.
-
-        Raises:
-            TokenFailed: an error answer (its ``error`` code and description) or a bad one.
-        """
-        try:
-            doc = json.loads(body)
-        except (ValueError, RecursionError):
-            doc = None
-        if not isinstance(doc, dict):
-            doc = {}
-        if response.status != 200:
-            code = str(doc.get("error", ""))[:64]
-            text = str(doc.get("error_description", ""))[:200]
-            said = "".join(c for c in f"{code}: {text}" if " " <= c <= "~").strip(": ")
-            raise TokenFailed(f"{where} refused the token request (HTTP {response.status}"
-                              f"{': ' + said if said else ''})")
-        token = doc.get("access_token")
-        if not isinstance(token, str) or not token or len(token) > MAX_TOKEN \
-                or not header_value_ok(token):
-            raise TokenFailed(f"{where} answered without a usable access_token")
-        if str(doc.get("token_type", "")).lower() != "bearer":
-            raise TokenFailed(f"{where} answered a token_type other than Bearer")
-        lifetime = doc.get("expires_in")
-        if lifetime is None:
-            return token, None
-        if isinstance(lifetime, bool) or not isinstance(lifetime, int | float) \
-                or not 0 < lifetime < math.inf:  # NaN too
-            raise TokenFailed(f"{where} answered an expires_in that is not a positive number")
-        return token, float(min(lifetime, MAX_LIFETIME))

@@ -29,6 +29,7 @@ from gateway.backend.connector import Connector
 from gateway.backend.http import HttpConnector
 from gateway.backend.instance import Instance, InstanceHost
 from gateway.backend.stdio import StdioConnector
+from gateway.backend.tokenexchange import TokenExchangeSource
 from gateway.config import BackendConfig
 from gateway.events import ListsChanged, QueueWaited
 from gateway.protocol import mrtr
@@ -85,6 +86,14 @@ class Parking(Protocol):
 ConnectorFactory = Callable[[str, BackendConfig], Connector]
 
 
+def _credential_source(name: str, cfg: BackendConfig
+                       ) -> credentials.PrincipalCredentials | None:
+    """A per-principal remote's credential source: token exchange, else the file sources."""
+    if cfg.credentials == "per-principal" and cfg.token_exchange is not None:
+        return TokenExchangeSource(name, cfg.token_exchange)
+    return credentials.source_for(cfg)
+
+
 def default_connector(name: str, cfg: BackendConfig) -> Connector:
     """The connector a backend's config asks for: ``http`` (its ``url``) or ``stdio`` (its
     ``command``)."""
@@ -127,7 +136,7 @@ class Backend:
         # per-principal credential source (None: the backend's own identity)
         self.mode = cfg.owned_sharing
         self._held: dict[str, _Held] = {}
-        self.credentials = credentials.source_for(cfg)
+        self.credentials = _credential_source(name, cfg)
         # A child of this backend spoke the modern era: every later one must too (a restart, a
         # per-session child), else it fails to start (never a silent downgrade to legacy).
         self.modern_seen = False
@@ -170,7 +179,9 @@ class Backend:
                              tuple(i.snapshot(now) for i in self.instances), len(lists.tools),
                              len(lists.prompts), len(lists.resources), len(lists.templates),
                              self.cfg.protocol_mode, self.modern_seen, self.connector.kind,
-                             self._token_status())
+                             self._token_status(),
+                             self.credentials.status()
+                             if isinstance(self.credentials, TokenExchangeSource) else None)
 
     def _token_status(self) -> dict[str, Any] | None:
         auth = self.connector.auth if isinstance(self.connector, HttpConnector) else None

@@ -23,13 +23,13 @@ AS = "http://127.0.0.1:9000"
 URL = "http://localhost:8080/mcp"
 
 
-def _source(tmp_path: Any) -> oauth.TokenSource:
+def _source(tmp_path: Any, opener: Any = None) -> oauth.TokenSource:
     (tmp_path / "secret").write_text("s3cr3t\n")
     text = (f'[backends.r]\nurl = "{URL}"\n[backends.r.oauth]\nclient_id = "c"\n'
             f'token_url = "{AS}/token"\nclient_secret = {{ file = "secret" }}\n')
     cfg = config.load(text, base_dir=str(tmp_path)).backends["r"]
     assert cfg.oauth is not None
-    return oauth.TokenSource("r", URL, cfg.oauth)
+    return oauth.TokenSource("r", URL, cfg.oauth, opener=opener)
 
 
 @pytest.mark.parametrize("lifetime", [b"1e300", b"Infinity", b"NaN", b"100000000000000000000",
@@ -44,10 +44,9 @@ async def test_a_token_lifetime_past_any_date_is_refused_and_status_still_answer
         return 200, [("content-type", "application/json")], (
             b'{"access_token": "tok", "token_type": "Bearer", "expires_in": %s}' % lifetime)
 
-    source = _source(tmp_path)
     async with trio.open_nursery() as nursery:
         net = Net(nursery, {"127.0.0.1:9000": token_endpoint})
-        source._opener = net.open
+        source = _source(tmp_path, net.open)
         try:
             await source.fresh()
         except oauth.TokenFailed as exc:

@@ -175,7 +175,8 @@ oauth = { token_url = "https://h/token", client_id = "c", client_secret = { env 
         "backends.b.env_files: the file name (not a folder) must contain {principal} once",
         "backends.c.env_files: only for a backend with a command (this one has a url)",
         "backends.c.env_files: the file name (not a folder) must contain {principal} once",
-        'backends.c.credentials: "per-principal" needs a source: set token_files',
+        'backends.c.credentials: "per-principal" needs a source: set token_files or '
+        '[token_exchange]',
         "backends.d.credentials: only for a remote backend (url)",
         'backends.e.token_files: only with credentials = "per-principal"',
         "backends.e.token_files: the file name (not a folder) must contain {principal} once",

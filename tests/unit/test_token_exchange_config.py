@@ -1,0 +1,58 @@
+"""``[backends.NAME.token_exchange]``: its key-path errors, the client authentication keys shared
+with ``[oauth]``, and its place as a per-principal remote's one credential source."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway import config, errors
+from gateway.backend.pool import _credential_source
+from gateway.backend.tokenexchange import TokenExchangeSource
+
+URL = "https://mcp.example.com/mcp"
+ONLY = ('backends.r.token_exchange: only with credentials = "per-principal" (each principal\'s '
+        "token on an upstream session of its own)")
+TABLE = ('[backends.r.token_exchange]\nclient_id = "gw"\nclient_secret = { file = "gw.secret" }\n'
+         'token_url = "https://as.example/token"\naudience = "https://mcp.example.com"\n')
+
+
+def refused(table: str) -> list[str]:
+    with pytest.raises(errors.ConfigError) as err:
+        config.load(f'[backends.r]\nurl = "{URL}"\n{table}')
+    return err.value.errors
+
+
+def test_token_exchange_keys_are_checked_by_path() -> None:
+    assert refused('[backends.r.token_exchange]\nclient_secret = "hunter2"\n'
+                   'resource = "ftp://x"\n') == [
+        "backends.r.token_exchange.client_id: required",
+        "backends.r.token_exchange.token_url: required (the authorization server's token "
+        "endpoint)",
+        "backends.r.token_exchange.resource: expected an absolute http(s) URI without a fragment",
+        'backends.r.token_exchange.client_secret: never a literal in the config: use '
+        '{ file = "/path" } or { env = "VAR" }', ONLY]
+    assert refused('[backends.r.oauth]\nclient_id = "c"\nclient_secret = { env = "S" }\n'
+                   '[backends.r.token_exchange]\nclient_id = "c"\ntoken_url = "http://as/t"\n'
+                   'auth_method = "private_key_jwt"\n') == [
+        "backends.r.token_exchange.token_url: expected an https:// URL (or http:// to "
+        "127.0.0.1), got 'http://as/t'",
+        "backends.r.token_exchange: set audience or resource (what the exchanged token is for)",
+        "backends.r.token_exchange.private_key: required for auth_method = 'private_key_jwt'",
+        "backends.r.token_exchange: a remote's token is either the gateway's own (oauth) or "
+        "each principal's (token_exchange), not both", ONLY]
+
+
+def test_it_is_a_per_principal_remotes_one_source(tmp_path: object) -> None:
+    assert refused(TABLE) == [ONLY]
+    assert refused('credentials = "per-principal"\ntoken_files = "t/{principal}.token"\n'
+                   + TABLE) == ["backends.r.credentials: one source: token_files or "
+                                "[token_exchange]"]
+    assert refused('credentials = "per-principal"\n') == [
+        'backends.r.credentials: "per-principal" needs a source: set token_files or '
+        "[token_exchange]"]
+    cfg = config.load(f'[backends.r]\nurl = "{URL}"\ncredentials = "per-principal"\n' + TABLE,
+                      base_dir=str(tmp_path)).backends["r"]
+    assert cfg.token_exchange is not None
+    assert cfg.token_exchange.client_secret == {"file": f"{tmp_path}/gw.secret"}
+    source = _credential_source("r", cfg)
+    assert isinstance(source, TokenExchangeSource) and source.kind == "token_exchange"
