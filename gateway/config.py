@@ -46,6 +46,8 @@ class GatewaySection(Base, frozen=True):
     write_stall_timeout: float = 30 * SECONDS
     buffered_bytes_total: int = 256 * MIB  # all queued client/backend messages, daemon-wide
     max_json_depth: int = 128  # deeper JSON is refused before it is decoded
+    # what the gateway keeps between runs (a remote's refresh token: oauth/BACKEND.json, 0600)
+    state_dir: str = "/var/lib/mcp-gateway"
     # client connections at once (WebSocket, HTTP, unix); None: 4096, or fewer when the
     # open-files limit does not leave room for so many (gateway.limits.fit_connections)
     max_connections: int | None = None
@@ -87,6 +89,9 @@ class ListenSection(Base, frozen=True):
     tls_key: str | None = None
     behind_proxy: bool = False
     public_url: str | None = None
+    # where an authorization server sends the operator back (grant = "authorization_code"),
+    # under public_url's origin (else this listener's address)
+    redirect_path: str = "/oauth/callback"
 
 
 class AdminSection(Base, frozen=True):
@@ -131,7 +136,8 @@ class RemoteOAuth(Base, frozen=True):
     """``[backends.NAME.oauth]``: the gateway's own access token for a remote (OAuth 2.1
     client credentials), fetched from ``token_url`` or the one the remote's metadata names."""
 
-    grant: Literal["client_credentials"] = "client_credentials"
+    # authorization_code: an operator authorizes once (`mcp-gateway authorize`); see README
+    grant: Literal["client_credentials", "authorization_code"] = "client_credentials"
     token_url: str = ""  # "": discovered (protected-resource, then authorization server metadata)
     client_id: str = ""
     # { file = "/path" } or { env = "VAR" }; a literal string is refused (not in the config text)
@@ -145,6 +151,10 @@ class RemoteOAuth(Base, frozen=True):
     scope: str = ""
     resource: str = ""  # RFC 8707 resource indicator ("": the one its metadata gives, else url)
     ca_file: str | None = None  # https token/metadata endpoints: their CA (else the system's)
+    # authorization_code: this client's Client ID Metadata Document URL, used where the
+    # authorization server supports them ("": the configured client_id, else RFC 7591)
+    client_metadata_url: str = ""
+    offline_access: bool = True  # ask for offline_access where the server lists it
 
 
 class BackendConfig(Base, frozen=True):
@@ -645,12 +655,27 @@ def endpoint_url_ok(url: str) -> bool:
     return parts.scheme == "https" or (parts.scheme == "http" and is_loopback(parts.hostname))
 
 
+def redirect_uri(cfg: GatewayConfig) -> str:
+    """Where an authorization server sends the operator back: ``listen.redirect_path`` under
+    the origin of ``listen.public_url``, else under the HTTP listener's address."""
+    public = cfg.listen.public_url
+    if public:
+        parts = urlsplit(public)
+        return f"{parts.scheme}://{parts.netloc}{cfg.listen.redirect_path}"
+    return f"http://{cfg.listen.http or '127.0.0.1:8766'}{cfg.listen.redirect_path}"
+
+
 def oauth_errors(p: str, b: BackendConfig) -> list[str]:
     """A remote's ``[oauth]`` (key-path errors): the secrets by reference only."""
     o = b.oauth
     assert o is not None
     errors: list[str] = []
-    if not o.client_id:
+    code = o.grant == "authorization_code"
+    if code and o.auth_method == "private_key_jwt":
+        errors.append(f"{p}.auth_method: private_key_jwt is for grant = 'client_credentials'")
+    if code and o.client_metadata_url and not o.client_metadata_url.startswith("https://"):
+        errors.append(f"{p}.client_metadata_url: expected an https:// URL")
+    if not o.client_id and not code:
         errors.append(f"{p}.client_id: required")
     elif not header_value_ok(o.client_id):
         errors.append(f"{p}.client_id: must be printable ASCII")
@@ -668,7 +693,7 @@ def oauth_errors(p: str, b: BackendConfig) -> list[str]:
     for key in ("client_secret", "private_key"):
         value = getattr(o, key)
         if value is None:
-            if key == secret_key:
+            if key == secret_key and not code:
                 errors.append(f"{p}.{key}: required for auth_method = {o.auth_method!r}")
             continue
         if key == other:

@@ -144,6 +144,12 @@ def _metadata_urls(issuer: str) -> list[str]:
             f"{origin}{path}/.well-known/openid-configuration"]
 
 
+def basic_auth(head: list[tuple[str, str]], client_id: str, secret: str) -> None:
+    """``client_secret_basic`` (RFC 6749 §2.3.1: each form-encoded, joined, base64-encoded)."""
+    pair = f"{quote_plus(client_id)}:{quote_plus(secret)}".encode()
+    head.append(("authorization", "Basic " + base64.b64encode(pair).decode()))
+
+
 def _iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
@@ -351,9 +357,8 @@ class TokenSource:
             raise TokenFailed("client_secret is not UTF-8 text") from None
         if cfg.auth_method == "client_secret_post":
             form["client_id"], form["client_secret"] = cfg.client_id, secret
-        else:  # RFC 6749 §2.3.1: each form-encoded, then joined and base64-encoded
-            pair = f"{quote_plus(cfg.client_id)}:{quote_plus(secret)}".encode()
-            head.append(("authorization", "Basic " + base64.b64encode(pair).decode()))
+        else:
+            basic_auth(head, cfg.client_id, secret)
 
     async def _fetch(self) -> None:
         """Fetch a token now (the lock held).
