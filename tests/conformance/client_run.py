@@ -36,17 +36,33 @@ from conformance.run import CLI, NODE, ROOT, SuiteError  # noqa: E402
 
 DRIVER = os.path.join(HERE, "client_driver.py")
 CLIENT_CREDENTIALS = ("auth/client-credentials-basic", "auth/client-credentials-jwt")
-# Per revision, the client scenarios its requirement set names (scored or not), without the
-# other auth/* ones (authorization code, metadata discovery, scopes, iss: not this gateway's
-# yet). Client credentials are an extension: run with --force at the revision.
+# The authorization code scenarios (the driver plays the operator who authorizes).
+AUTH_CODE = ("auth/metadata-default", "auth/metadata-var1", "auth/metadata-var2",
+             "auth/metadata-var3", "auth/basic-cimd", "auth/scope-from-www-authenticate",
+             "auth/scope-from-scopes-supported", "auth/scope-omitted-when-undefined",
+             "auth/scope-step-up", "auth/scope-retry-limit", "auth/token-endpoint-auth-basic",
+             "auth/token-endpoint-auth-post", "auth/token-endpoint-auth-none",
+             "auth/pre-registration")
+AUTH_CODE_2026 = ("auth/resource-mismatch", "auth/offline-access-scope",
+                  "auth/offline-access-not-supported", "auth/authorization-server-migration",
+                  "auth/iss-supported", "auth/iss-not-advertised", "auth/iss-supported-missing",
+                  "auth/iss-wrong-issuer", "auth/iss-unexpected", "auth/iss-normalized",
+                  "auth/metadata-issuer-mismatch")
+# The 2025-03-26 back-compat ones (no protected-resource metadata): run with --force.
+BACK_COMPAT = ("auth/2025-03-26-oauth-metadata-backcompat",
+               "auth/2025-03-26-oauth-endpoint-fallback")
+# Per revision, the client scenarios its requirement set names (scored or not). Client
+# credentials are an extension, the back-compat ones older: run with --force at the revision.
 SCENARIOS: dict[str, tuple[str, ...]] = {
     "2025-11-25": ("initialize", "tools_call", "elicitation-sep1034-client-defaults",
-                   "sse-retry", "json-schema-2020-12-preservation", *CLIENT_CREDENTIALS),
+                   "sse-retry", "json-schema-2020-12-preservation", *CLIENT_CREDENTIALS,
+                   *AUTH_CODE, *BACK_COMPAT),
     "2026-07-28": ("tools_call", "request-metadata", "sep-2322-client-request-state",
                    "http-standard-headers", "http-custom-headers", "http-invalid-tool-headers",
                    "json-schema-ref-no-deref", "json-schema-2020-12-preservation",
-                   *CLIENT_CREDENTIALS),
+                   *CLIENT_CREDENTIALS, *AUTH_CODE, *AUTH_CODE_2026),
 }
+FORCED = (*CLIENT_CREDENTIALS, *BACK_COMPAT)
 SCENARIO_TIMEOUT_MS = 30_000  # the suite's default; the driver's own steps end within 20 s
 RUN_TIMEOUT = 90.0  # one scenario, the suite's start and stop included
 WORKERS = 3
@@ -119,7 +135,7 @@ def run_scenario(revision: str, scenario: str, baseline: str | None = None) -> S
         argv = [NODE, CLI, "client", "--command", command, "--scenario", scenario,
                 "--spec-version", revision, "--timeout", str(SCENARIO_TIMEOUT_MS), "-o", out,
                 "--expected-failures", baseline or baseline_path(revision)]
-        if scenario in CLIENT_CREDENTIALS:
+        if scenario in FORCED:
             argv.append("--force")
         try:
             done = subprocess.run(argv, capture_output=True, text=True, timeout=RUN_TIMEOUT,
