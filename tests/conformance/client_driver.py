@@ -9,7 +9,11 @@ MCP_CONFORMANCE_CONTEXT. It starts `mcp-gateway run` with that URL as its one re
 session with the elicitation capability, answering the elicitations the gateway relays with
 the schema's defaults) what the scenario expects a client to do, and stops the gateway with
 SIGTERM. The gateway's log goes to stderr (the suite keeps it as the scenario's stderr.txt).
-Exit status: 0 when every step got an answer and the remote's first session held, else 1.
+An `auth/*` authorization code scenario: the backend (not required) waits in AUTHORIZING; the
+driver runs `mcp-gateway authorize`, GETs the URL without following the redirect and delivers
+its Location to the gateway's redirect endpoint, whenever the backend asks (at most 3 times).
+Exit status: 0 when every step got an answer and the remote's first session held (for a
+scenario where the gateway must refuse: when it refused), else 1.
 """
 
 from __future__ import annotations
@@ -225,6 +229,13 @@ async def answer_requests(client: Client) -> None:
 
 AUTHORIZATIONS = 3  # the most the driver completes in one scenario
 SETTLE_TIMEOUT = 10.0  # the backend reaching RUNNING or AUTHORIZING
+LEAVE_TIMEOUT = 2.0  # the backend leaving AUTHORIZING once authorized
+# The scenarios where the gateway must refuse to go on (the suite allows the client to fail):
+# the driver succeeds when no step could be done.
+REFUSALS = frozenset({"auth/scope-retry-limit", "auth/resource-mismatch",
+                      "auth/iss-supported-missing", "auth/iss-wrong-issuer",
+                      "auth/iss-unexpected", "auth/iss-normalized",
+                      "auth/metadata-issuer-mismatch"})
 
 
 async def instance_state(admin: int) -> str:
@@ -284,7 +295,8 @@ async def authorized_steps(client: Client, admin: int, config: str, http: int,
                 raise RuntimeError(f"still AUTHORIZING after {done} authorizations")
             done += 1
             await trio.to_thread.run_sync(authorize, config, http)
-            await settled(admin, ("RUNNING",))
+            with trio.move_on_after(LEAVE_TIMEOUT):  # it may come back at once (a moved server)
+                await settled(admin, ("STARTING", "RUNNING", "BACKOFF"))
             continue
         try:
             await steps(client, context)
@@ -310,6 +322,14 @@ async def drive(ws_port: int, admin: int, scenario: str, context: dict[str, Any]
                        capabilities={"elicitation": {"form": {}}}) as client:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(answer_requests, client)
+            if scenario in REFUSALS:
+                try:
+                    await authorized_steps(client, admin, config, http, steps, context)
+                except (RuntimeError, trio.TooSlowError) as exc:
+                    log(f"refused, as it must be: {exc}")
+                    nursery.cancel_scope.cancel()
+                    return
+                raise RuntimeError("the gateway went on where it must refuse")
             if authorization_code(scenario):
                 await authorized_steps(client, admin, config, http, steps, context)
             else:

@@ -2,10 +2,11 @@
 
 Each in-scope scenario of a revision is run on its own, `conformance client --scenario S
 --spec-version REV --expected-failures client-baseline-REV.yaml` with `client_driver.py` as the
-command (a few at once). `--requirements REV` is not used: in client mode it runs every
-`auth/*` scenario of the set at once, out of scope here (the authorization-code flows), and
-judges its baseline on the scored scenarios only, so the extension and not-scored ones
-(client credentials, json-schema-2020-12-preservation) would go unchecked.
+command (a few at once): every client scenario of the revision's requirement set, the
+`auth/*` authorization code ones included (the driver plays the operator who authorizes), and
+the extension (client credentials) and older (2025-03-26 back-compat) ones that fit a gateway.
+`--requirements REV` is not used: it judges its baseline on the scored scenarios only, so the
+extension and not-scored ones would go unchecked.
 
 The baselines are the suite's own format (`client:` entries `scenario:check-id`), one file per
 revision since a scenario is a different wire under each; the suite judges them: a failure not
