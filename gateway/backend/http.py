@@ -344,6 +344,9 @@ class HttpLink:
         self._ended = False
         self._expired = False  # the remote ended the session (a 404)
         self._unauthorized = False  # the remote wants an authorization first
+        # requests that failed for want of a token (the authorization server unreachable): they
+        # fail as the backend being unavailable (-32001, retryable), the session holds
+        self._no_token: set[int] = set()
         self._end: LinkEnd | None = None
         self._max_line = ctx.max_line
         # 2026-07-28 requests (their _meta names a version): no session; cancelled by closing
@@ -480,8 +483,10 @@ class HttpLink:
         """A request's answer cannot come any more (its stream ended without it);
         ``retryable``: false when the request may have run."""
         self.last_error = detail
+        kind = errors.BackendUnavailable if gid in self._no_token else errors.BackendExited
+        self._no_token.discard(gid)
         if self._receiver is not None:
-            self._receiver.failed(gid, errors.BackendExited(
+            self._receiver.failed(gid, kind(
                 f"backend {self._ctx.backend!r}: {detail}", backend=self._ctx.backend,
                 retryable=retryable))
 
@@ -548,6 +553,8 @@ class HttpLink:
         except oauth.TokenFailed as exc:
             if isinstance(auth, AuthorizationCode):  # this call fails; the session holds
                 self.last_error = f"no access token for {self.origin}: {exc.detail}"
+                if gid is not None:
+                    self._no_token.add(gid)
                 return None
             self._lost(f"no access token for {self.origin}: {exc.detail}")
         return None

@@ -557,6 +557,8 @@ class Instance(ChildHandlers):
                     await child.request("ping", timeout=h.timeout, internal=True)
             except errors.RemoteError:
                 ok = True  # answered (even with an error): the child is alive
+            except errors.BackendUnavailable:
+                continue  # not sent (a remote's token cannot be had now): nothing learnt
             except (errors.CallTimeout, errors.BackendExited):
                 ok = False
             else:
