@@ -768,6 +768,11 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
         if getattr(g, key) is not None and getattr(g, key) < 1:
             errors.append(f"gateway.{key}: must be at least 1")
     errors.extend(_audit_errors(cfg.audit))
+    path = cfg.listen.redirect_path
+    if not path.startswith("/") or path in ("/mcp", "/healthz", "/readyz") \
+            or not all("!" <= c <= "~" and c not in "?#" for c in path):
+        errors.append("listen.redirect_path: expected a path of its own (\"/oauth/callback\"), "
+                      "printable, without ? or #")
     for key, value in (("listen.websocket", cfg.listen.websocket), ("listen.http", cfg.listen.http),
                        ("admin.listen", cfg.admin.listen)):
         if value is None:
