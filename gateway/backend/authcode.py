@@ -84,10 +84,15 @@ class AuthorizationCode(oauth.TokenSource):
 
     # ---- placing and the state file ---------------------------------------------------------
 
-    def place(self, redirect_uri: str, state_dir: str) -> None:
-        """Where the redirect comes back and the state file lives; the file is read now."""
+    def place(self, redirect_uri: str, state_dir: str, identity: str | None = None) -> None:
+        """Where the redirect comes back and the state file lives (``oauth/BACKEND.json``, or
+        ``oauth/BACKEND/IDENTITY.json`` for one of several identities of a backend, such as a
+        principal's); the file is read now."""
         self.redirect_uri = redirect_uri
-        self.path = os.path.join(state_dir, "oauth", _SAFE.sub("_", self.backend) + ".json")
+        name = _SAFE.sub("_", self.backend)
+        self.path = (os.path.join(state_dir, "oauth", name + ".json") if identity is None
+                     else os.path.join(state_dir, "oauth", name, _SAFE.sub("_", identity)
+                                       + ".json"))
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
