@@ -191,6 +191,8 @@ class AuthorizationCode(oauth.TokenSource):
                     return
                 if self.meta is None:
                     return  # nothing known yet: the remote's 401 starts the discovery
+                if self.client_id is None:  # a registration cut short (a start timed out)
+                    await self._register()
                 raise self._need(f"backend {self.backend} is not authorized: run "
                                  f"`mcp-gateway authorize {self.backend}`")
             try:
