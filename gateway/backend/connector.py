@@ -24,13 +24,16 @@ from gateway.protocol.framing import Oversize, OversizeEnd
 
 class OpenFailed(Exception):
     """A link could not be opened (``starved``: for lack of the gateway's own resources, such
-    as file descriptors; retried without counting toward FATAL; ``authorize``: an operator
-    must authorize the gateway first, awaited by the instance in AUTHORIZING)."""
+    as file descriptors; retried without counting toward FATAL; ``transient``: what it needs
+    first, not the upstream itself, cannot be reached now (a remote's authorization server):
+    retried the same way; ``authorize``: an operator must authorize the gateway first, awaited
+    by the instance in AUTHORIZING)."""
 
-    def __init__(self, message: str, *, starved: bool = False,
+    def __init__(self, message: str, *, starved: bool = False, transient: bool = False,
                  authorize: Callable[[], Awaitable[None]] | None = None) -> None:
         super().__init__(message)
         self.starved = starved
+        self.transient = transient
         self.authorize = authorize
 
 

@@ -295,8 +295,9 @@ class HttpConnector:
             except NeedsAuthorization as exc:
                 assert isinstance(self.auth, AuthorizationCode)
                 raise OpenFailed(exc.detail, authorize=self.auth.waiter()) from None
-            except oauth.TokenFailed as exc:
-                raise OpenFailed(f"access token: {exc.detail}") from None
+            except oauth.TokenFailed as exc:  # an authorization server down: not the remote's
+                raise OpenFailed(f"access token: {exc.detail}",
+                                 transient=isinstance(self.auth, AuthorizationCode)) from None
         pool = httpclient.Pool(self.target, connect_timeout=self.cfg.start_timeout,
                                idle_max=IDLE_CONNECTIONS, ssl_context=self._context(),
                                opener=self._opener)

@@ -368,8 +368,9 @@ class Instance(ChildHandlers):
                 self.last_exit = f"{DownReason.UNAUTHORIZED}: {exc}"
                 self._authorized = exc.authorize
                 return DownReason.UNAUTHORIZED
-            if exc.starved:
-                self.last_exit = f"{DownReason.STARVED}: {exc}"
+            if exc.starved or exc.transient:  # retried soon, never FATAL
+                self.last_exit = (f"{DownReason.STARVED}: {exc}" if exc.starved
+                                  else f"{DownReason.SPAWN_FAILED}: {exc}")
                 return DownReason.STARVED
             LOGGER.error("backend %s: %s", self.name, exc)
             self.last_exit = f"{DownReason.SPAWN_FAILED}: {exc}"

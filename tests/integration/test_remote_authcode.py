@@ -2,7 +2,8 @@
 daemon in-process on virtual time: it waits in AUTHORIZING until the operator's redirect comes
 back with the right ``state`` (a wrong or reused one refused, nothing stored), keeps the refresh
 token in the state directory (0600), fails calls -32001 retryable while the authorization
-server is down at refresh, and goes back to AUTHORIZING when the refresh token is revoked.
+server is down at refresh (and at a restart: retried, never FATAL), goes back to AUTHORIZING
+when the refresh token is revoked, and starts from the stored refresh token after a restart.
 """
 
 from __future__ import annotations
@@ -113,4 +114,16 @@ async def test_server_down_at_refresh_fails_calls_retryable_and_a_revoked_grant_
                 assert h.status()["backends"][0]["oauth"]["has_refresh_token"] is False
                 assert (await h.hub.complete_authorization(await authorize(h, auth)))[0] == 200
                 await h.until(lambda: state_of(h) == "RUNNING")
+        # a restart reads the refresh token again; the authorization server down meanwhile
+        # holds the backend back (retried, never FATAL), and no operator is needed after
+        auth.down = True
+        authorized = auth.grants.count("authorization_code")
+        connector = http.HttpConnector(cfg.backends["r"], opener=net.open, name="r")
+        async with running(cfg, connectors={"r": connector}) as h:
+            await elapse(60)
+            assert state_of(h) in ("BACKOFF", "STARTING")
+            auth.down = False
+            await h.until(lambda: state_of(h) == "RUNNING")
+            assert auth.grants.count("authorization_code") == authorized
+            assert auth.grants[-1] == "refresh_token"
         nursery.cancel_scope.cancel()
