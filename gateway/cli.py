@@ -213,6 +213,31 @@ def cmd_status(args: argparse.Namespace) -> int:
     return statuscmd.EXIT_REQUIRED_DOWN if statuscmd.required_down(doc) else 0
 
 
+def cmd_authorize(args: argparse.Namespace) -> int:
+    from gateway.ops import statuscmd
+
+    cfg = _load_or_report(args.config, "mcp-gateway authorize: ")
+    if cfg is None:
+        return 1
+    if not cfg.admin.listen:
+        print(f"mcp-gateway authorize: {args.config}: admin.listen is off", file=sys.stderr)
+        return 1
+    read, token = _token_option(args, "authorize")
+    if not read:
+        return 1
+    try:
+        code, text = statuscmd.authorize(*statuscmd.admin_address(cfg.admin.listen),
+                                         args.backend, token)
+    except statuscmd.StatusUnavailable as exc:
+        print(f"mcp-gateway authorize: {exc}", file=sys.stderr)
+        return 1
+    if code != 200:
+        print(f"mcp-gateway authorize: {text}", file=sys.stderr)
+        return 1
+    print(text)
+    return 0
+
+
 def cmd_audit_verify(args: argparse.Namespace) -> int:
     from gateway.ops import audit
 
@@ -260,6 +285,14 @@ def main(argv: list[str] | None = None) -> int:
                    "admin.token_sha256 is set: the config holds only its hash)")
     p.add_argument("--json", action="store_true", help="print the /status document as JSON")
     p.set_defaults(func=cmd_status)
+    p = sub.add_parser("authorize", help="print the URL that authorizes the gateway at a "
+                       "remote backend with oauth.grant = 'authorization_code' (open it in a "
+                       "browser; the redirect comes back to listen.redirect_path)")
+    p.add_argument("backend")
+    p.add_argument("--config", "-c", default=DEFAULT_CONFIG,
+                   help=f"the daemon's config, for its admin listener (default {DEFAULT_CONFIG})")
+    p.add_argument("--token-file", help="a file holding the admin bearer token")
+    p.set_defaults(func=cmd_authorize)
     p = sub.add_parser("audit", help="the audit log")
     audit_sub = p.add_subparsers(dest="audit_command", required=True)
     p = audit_sub.add_parser("verify", help="check the MAC chain of audit files (oldest first); "

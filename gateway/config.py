@@ -46,6 +46,8 @@ class GatewaySection(Base, frozen=True):
     write_stall_timeout: float = 30 * SECONDS
     buffered_bytes_total: int = 256 * MIB  # all queued client/backend messages, daemon-wide
     max_json_depth: int = 128  # deeper JSON is refused before it is decoded
+    # what the gateway keeps between runs (a remote's refresh token: oauth/BACKEND.json, 0600)
+    state_dir: str = "/var/lib/mcp-gateway"
     # client connections at once (WebSocket, HTTP, unix); None: 4096, or fewer when the
     # open-files limit does not leave room for so many (gateway.limits.fit_connections)
     max_connections: int | None = None
@@ -87,6 +89,9 @@ class ListenSection(Base, frozen=True):
     tls_key: str | None = None
     behind_proxy: bool = False
     public_url: str | None = None
+    # where an authorization server sends the operator back (grant = "authorization_code"),
+    # under public_url's origin (else this listener's address)
+    redirect_path: str = "/oauth/callback"
 
 
 class AdminSection(Base, frozen=True):
@@ -146,11 +151,16 @@ class RemoteOAuth(ClientAuth, frozen=True):
     """``[backends.NAME.oauth]``: the gateway's own access token for a remote (OAuth 2.1
     client credentials), fetched from ``token_url`` or the one the remote's metadata names."""
 
-    grant: Literal["client_credentials"] = "client_credentials"
+    # authorization_code: an operator authorizes once (`mcp-gateway authorize`); see README
+    grant: Literal["client_credentials", "authorization_code"] = "client_credentials"
     token_url: str = ""  # "": discovered (protected-resource, then authorization server metadata)
     audience: str = ""  # the assertion's aud ("": the server's issuer, else token_url)
     scope: str = ""
     resource: str = ""  # RFC 8707 resource indicator ("": the one its metadata gives, else url)
+    # authorization_code: this client's Client ID Metadata Document URL, used where the
+    # authorization server supports them ("": the configured client_id, else RFC 7591)
+    client_metadata_url: str = ""
+    offline_access: bool = True  # ask for offline_access where the server lists it
 
 
 class TokenExchange(ClientAuth, frozen=True):
@@ -732,23 +742,34 @@ def endpoint_url_ok(url: str) -> bool:
     return parts.scheme == "https" or (parts.scheme == "http" and is_loopback(parts.hostname))
 
 
-def _client_id_errors(p: str, o: ClientAuth) -> list[str]:
+def redirect_uri(cfg: GatewayConfig) -> str:
+    """Where an authorization server sends the operator back: ``listen.redirect_path`` under
+    the origin of ``listen.public_url``, else under the HTTP listener's address."""
+    public = cfg.listen.public_url
+    if public:
+        parts = urlsplit(public)
+        return f"{parts.scheme}://{parts.netloc}{cfg.listen.redirect_path}"
+    return f"http://{cfg.listen.http or '127.0.0.1:8766'}{cfg.listen.redirect_path}"
+
+
+def _client_id_errors(p: str, o: ClientAuth, required: bool = True) -> list[str]:
     if not o.client_id:
-        return [f"{p}.client_id: required"]
+        return [f"{p}.client_id: required"] if required else []
     if not header_value_ok(o.client_id):
         return [f"{p}.client_id: must be printable ASCII"]
     return []
 
 
-def _client_secret_errors(p: str, o: ClientAuth) -> list[str]:
-    """A token endpoint client's secrets: by reference only, the one its method uses."""
+def _client_secret_errors(p: str, o: ClientAuth, required: bool = True) -> list[str]:
+    """A token endpoint client's secrets: by reference only, the one its method uses
+    (``required``: it must be there)."""
     errors: list[str] = []
     secret_key = "private_key" if o.auth_method == "private_key_jwt" else "client_secret"
     other = "client_secret" if secret_key == "private_key" else "private_key"
     for key in ("client_secret", "private_key"):
         value = getattr(o, key)
         if value is None:
-            if key == secret_key:
+            if key == secret_key and required:
                 errors.append(f"{p}.{key}: required for auth_method = {o.auth_method!r}")
             continue
         if key == other:
@@ -771,7 +792,12 @@ def oauth_errors(p: str, b: BackendConfig) -> list[str]:
     """A remote's ``[oauth]`` (key-path errors): the secrets by reference only."""
     o = b.oauth
     assert o is not None
-    errors = _client_id_errors(p, o)
+    code = o.grant == "authorization_code"
+    errors = _client_id_errors(p, o, required=not code)
+    if code and o.auth_method == "private_key_jwt":
+        errors.append(f"{p}.auth_method: private_key_jwt is for grant = 'client_credentials'")
+    if code and o.client_metadata_url and not o.client_metadata_url.startswith("https://"):
+        errors.append(f"{p}.client_metadata_url: expected an https:// URL")
     if o.token_url and not endpoint_url_ok(o.token_url):
         errors.append(f"{p}.token_url: expected an https:// URL (or http:// to 127.0.0.1), "
                       f"got {o.token_url!r}")
@@ -780,7 +806,7 @@ def oauth_errors(p: str, b: BackendConfig) -> list[str]:
                       "would say where the credentials go: only trusted over https)")
     if o.resource and not _resource_ok(o.resource):
         errors.append(f"{p}.resource: expected an absolute http(s) URI without a fragment")
-    errors.extend(_client_secret_errors(p, o))
+    errors.extend(_client_secret_errors(p, o, required=not code))
     if o.auth_method != "private_key_jwt" and (o.key_id or o.audience):
         errors.append(f"{p}: key_id and audience are for auth_method = 'private_key_jwt'")
     if not header_value_ok(o.scope) or not header_value_ok(o.key_id):
@@ -874,6 +900,11 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
         if getattr(g, key) is not None and getattr(g, key) < 1:
             errors.append(f"gateway.{key}: must be at least 1")
     errors.extend(_audit_errors(cfg.audit))
+    path = cfg.listen.redirect_path
+    if not path.startswith("/") or path in ("/mcp", "/healthz", "/readyz") \
+            or not all("!" <= c <= "~" and c not in "?#" for c in path):
+        errors.append("listen.redirect_path: expected a path of its own (\"/oauth/callback\"), "
+                      "printable, without ? or #")
     for key, value in (("listen.websocket", cfg.listen.websocket), ("listen.http", cfg.listen.http),
                        ("admin.listen", cfg.admin.listen)):
         if value is None:

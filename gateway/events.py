@@ -59,6 +59,7 @@ class ExitKind(enum.StrEnum):
     RECYCLED = "recycled"
     EXPIRED = "expired"  # the remote ended the session: a new one opened at once, not a failure
     START_FAILED = "start_failed"  # the hand-shake failed or timed out
+    UNAUTHORIZED = "unauthorized"  # the remote wants an authorization: AUTHORIZING, no failure
 
 
 class ConnectionOpened(msgspec.Struct, frozen=True):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
+from urllib.parse import parse_qsl
 
 import msgspec
 import trio
@@ -22,9 +23,11 @@ from msgspec import Raw, UnsetType
 from gateway import __version__, errors
 from gateway.auth.labels import configured_names
 from gateway.backend import process
+from gateway.backend.authcode import AuthorizationCode
 from gateway.backend.instance import ChildNotified, Instance
+from gateway.backend.oauth import TokenFailed
 from gateway.backend.pool import Backend, ConnectorFactory, Parking, default_connector
-from gateway.config import BackendConfig, GatewayConfig, ItemFilter
+from gateway.config import BackendConfig, GatewayConfig, ItemFilter, redirect_uri
 from gateway.core import bridge
 from gateway.core.audit import AuditSink
 from gateway.core.listen import Listens
@@ -182,6 +185,9 @@ class Hub:
         assert self._nursery is not None
         backend = Backend(name, bcfg, self.cfg.prefix_of(name), self,
                           self.connectors(name, bcfg))
+        code_flow = _authorization_code(backend)
+        if code_flow is not None:
+            code_flow.place(redirect_uri(self.cfg), self.cfg.gateway.state_dir)
         # the owners the pool asks the bridge about are the core's sessions
         backend.parking = cast("Parking", self.bridge)
         backend.log_level = self.wanted_log_level()
@@ -545,6 +551,38 @@ class Hub:
 
     # ---- status -----------------------------------------------------------------------------
 
+    def begin_authorization(self, name: str) -> tuple[int, str]:
+        """``mcp-gateway authorize NAME``: the URL an operator opens (200), or why not."""
+        backend = self.backends.get(name)
+        code_flow = None if backend is None else _authorization_code(backend)
+        if code_flow is None:
+            return 404, f"no backend {name!r} with oauth.grant = 'authorization_code'"
+        try:
+            return 200, code_flow.begin()
+        except TokenFailed as exc:
+            return 409, exc.detail
+
+    async def complete_authorization(self, query: str) -> tuple[int, str]:
+        """The authorization server's redirect back (``listen.redirect_path``): its ``state``
+        names the backend; the code is exchanged there.  Anything else is refused."""
+        pairs = parse_qsl(query[:8192], keep_blank_values=True)
+        params = dict(pairs)
+        if len(params) != len(pairs):
+            return 400, "refused: a parameter given twice"
+        state = params.get("state", "")
+        for name, backend in self.backends.items():
+            code_flow = _authorization_code(backend)
+            if code_flow is not None and code_flow.owns(state):
+                try:
+                    await code_flow.complete(params)
+                except TokenFailed as exc:
+                    LOGGER.warning("backend %s: authorization refused: %s", name, exc.detail)
+                    return 400, f"refused: {exc.detail}"
+                LOGGER.info("backend %s: authorized", name)
+                return 200, f"backend {name} is authorized; this page may be closed"
+        LOGGER.warning("an authorization redirect with an unknown or used state: refused")
+        return 400, "refused: unknown or already used state"
+
     def status(self) -> GatewayStatus:
         """The daemon right now, built from the snapshots the backends publish."""
         now = trio.current_time()
@@ -567,6 +605,11 @@ class Hub:
             auth=self.authn.status(self.cfg) if self.authn is not None else {},
             listeners=self.listeners,
         )
+
+
+def _authorization_code(backend: Backend) -> AuthorizationCode | None:
+    auth = getattr(backend.connector, "auth", None)
+    return auth if isinstance(auth, AuthorizationCode) else None
 
 
 __all__ = ["CatalogConflict", "Hub"]

@@ -252,7 +252,8 @@ async def run(
         if cfg.admin.listen is not None or "admin" in fds:
             admin_listeners = await _admin_listeners(cfg, fds)
             await outer.start(partial(serve_admin, allowed_hosts=cfg.admin.allowed_hosts,
-                                      token_sha256=cfg.admin.token_sha256),
+                                      token_sha256=cfg.admin.token_sha256,
+                                      authorize=hub.begin_authorization),
                               admin_listeners, metrics, hub.status)
             bound.admin_port = ls.bound_port(admin_listeners)
         try:
@@ -456,6 +457,8 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
                                                                stream.bind)
             endpoint.core = hub
             endpoint.traced = hub.tracer is not None
+            endpoint.redirect_path = cfg.listen.redirect_path
+            endpoint.redirect = hub.complete_authorization
             await nursery.start(lambda task_status: serve_http(
                 http_listeners, endpoint, max_message=max_msg, handler_nursery=conns,
                 slots=hub.slots, tls_context=tls_context, task_status=task_status))

@@ -29,6 +29,7 @@ from helpers import Client, MemoryStream, memory_stream_pair
 
 from gateway import config, errors, service
 from gateway.auth.principal import Principal
+from gateway.backend.connector import Connector
 from gateway.backend.memory import MemoryConnector, MemoryLink, Script, ToolError
 from gateway.config import BackendConfig, GatewayConfig
 from gateway.core import connection
@@ -106,8 +107,10 @@ class Harness:
     """The daemon's embedding (:class:`gateway.service.Embedding`): memory connectors by backend
     name, the attached clients, and what a test reads (hub, bus, metrics)."""
 
-    def __init__(self, scripts: dict[str, Script]) -> None:
+    def __init__(self, scripts: dict[str, Script],
+                 connectors: dict[str, Connector] | None = None) -> None:
         self.scripts = scripts
+        self.given = connectors or {}  # a test's own connectors, by backend name
         self.connectors: dict[str, MemoryConnector] = {}
         self.events: list[Any] = []
         self._hub: Hub | None = None
@@ -120,7 +123,9 @@ class Harness:
 
     # ---- the embedding ----------------------------------------------------------------------
 
-    def connector(self, name: str, cfg: BackendConfig) -> MemoryConnector:
+    def connector(self, name: str, cfg: BackendConfig) -> Connector:
+        if name in self.given:
+            return self.given[name]
         if name not in self.connectors:
             self.connectors[name] = MemoryConnector(self.scripts.get(name) or fixture_script())
         return self.connectors[name]
@@ -234,12 +239,13 @@ class Harness:
 
 
 @asynccontextmanager
-async def running(cfg: GatewayConfig,
-                  scripts: dict[str, Script] | None = None) -> AsyncIterator[Harness]:
-    """Run the daemon on ``cfg`` (each backend on ``scripts[name]``, else :func:`fixture_script`)
+async def running(cfg: GatewayConfig, scripts: dict[str, Script] | None = None,
+                  connectors: dict[str, Connector] | None = None) -> AsyncIterator[Harness]:
+    """Run the daemon on ``cfg`` (each backend on ``connectors[name]``, else on
+    ``scripts[name]``, else :func:`fixture_script`)
     until the block ends, then stop it (drain, backends stopped) within :data:`CAP`.  A ``cfg``
     with listeners (not :func:`memory_config`) binds them: ``Harness.bound`` says where."""
-    harness = Harness(scripts or {})
+    harness = Harness(scripts or {}, connectors)
     with trio.fail_after(CAP):
         async with trio.open_nursery() as nursery:
             harness.bound = await nursery.start(partial(service.run, cfg, control=harness.control,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -23,11 +24,17 @@ from gateway.protocol.framing import Oversize, OversizeEnd
 
 class OpenFailed(Exception):
     """A link could not be opened (``starved``: for lack of the gateway's own resources, such
-    as file descriptors; retried without counting toward FATAL)."""
+    as file descriptors; retried without counting toward FATAL; ``transient``: what it needs
+    first, not the upstream itself, cannot be reached now (a remote's authorization server):
+    retried the same way; ``authorize``: an operator must authorize the gateway first, awaited
+    by the instance in AUTHORIZING)."""
 
-    def __init__(self, message: str, *, starved: bool = False) -> None:
+    def __init__(self, message: str, *, starved: bool = False, transient: bool = False,
+                 authorize: Callable[[], Awaitable[None]] | None = None) -> None:
         super().__init__(message)
         self.starved = starved
+        self.transient = transient
+        self.authorize = authorize
 
 
 @dataclass(slots=True)
@@ -52,6 +59,7 @@ class LinkEnd:
     returncode: int | None = None  # a process's exit code (negative: the signal)
     ended_by: str | None = None  # what the stop had to do ("sigterm", "sigkill"), if anything
     expired: bool = False  # the remote ended the session (HTTP 404): a new one is opened at once
+    unauthorized: bool = False  # the remote wants an authorization first: the next open waits
 
 
 class Receiver(Protocol):

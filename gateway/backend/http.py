@@ -32,6 +32,7 @@ import trio
 from gateway import errors
 from gateway.auth.principal import Principal
 from gateway.backend import httpclient, oauth
+from gateway.backend.authcode import AuthorizationCode, NeedsAuthorization
 from gateway.backend.client import NotModern
 from gateway.backend.connector import LinkContext, LinkEnd, OpenFailed, Receiver
 from gateway.backend.credentials import CredentialsUnavailable, PrincipalCredentials, call_error
@@ -263,8 +264,13 @@ class HttpConnector:
                  name: str = "") -> None:
         self.cfg = cfg
         self.target = httpclient.parse_url(cfg.url)
-        self.auth = (oauth.TokenSource(name or self.target.text, cfg.url, cfg.oauth, opener)
-                     if cfg.oauth is not None else None)  # its own access token, one per backend
+        label = name or self.target.text
+        # its own access token, one per backend
+        self.auth: oauth.TokenSource | None = (
+            None if cfg.oauth is None
+            else AuthorizationCode(label, cfg.url, cfg.oauth, opener)
+            if cfg.oauth.grant == "authorization_code"
+            else oauth.TokenSource(label, cfg.url, cfg.oauth, opener))
         self._opener = opener  # (host, port): a byte stream to it (TCP when None)
         self.headers: list[tuple[str, str]] | None = None  # read at open, and by refresh
         self._tls: ssl.SSLContext | None = None  # https: made at the first open, and by refresh
@@ -324,8 +330,12 @@ class HttpConnector:
         if self.auth is not None:
             try:
                 await self.auth.fresh()
-            except oauth.TokenFailed as exc:
-                raise OpenFailed(f"access token: {exc.detail}") from None
+            except NeedsAuthorization as exc:
+                assert isinstance(self.auth, AuthorizationCode)
+                raise OpenFailed(exc.detail, authorize=self.auth.waiter()) from None
+            except oauth.TokenFailed as exc:  # an authorization server down: not the remote's
+                raise OpenFailed(f"access token: {exc.detail}",
+                                 transient=isinstance(self.auth, AuthorizationCode)) from None
         pool = httpclient.Pool(self.target, connect_timeout=self.cfg.start_timeout,
                                idle_max=IDLE_CONNECTIONS, ssl_context=self._context(),
                                opener=self._opener)
@@ -374,6 +384,10 @@ class HttpLink:
         self._get_ready = trio.Event()
         self._ended = False
         self._expired = False  # the remote ended the session (a 404)
+        self._unauthorized = False  # the remote wants an authorization first
+        # requests that failed for want of a token (the authorization server unreachable): they
+        # fail as the backend being unavailable (-32001, retryable), the session holds
+        self._no_token: set[int] = set()
         self._end: LinkEnd | None = None
         self._max_line = ctx.max_line
         # 2026-07-28 requests (their _meta names a version): no session; cancelled by closing
@@ -516,8 +530,10 @@ class HttpLink:
         """A request's answer cannot come any more (its stream ended without it);
         ``retryable``: false when the request may have run."""
         self.last_error = detail
+        kind = errors.BackendUnavailable if gid in self._no_token else errors.BackendExited
+        self._no_token.discard(gid)
         if self._receiver is not None:
-            self._receiver.failed(gid, errors.BackendExited(
+            self._receiver.failed(gid, kind(
                 f"backend {self._ctx.backend!r}: {detail}", backend=self._ctx.backend,
                 retryable=retryable))
 
@@ -529,7 +545,7 @@ class HttpLink:
         crashed = self._ended
         self._ended = True
         self._end = LinkEnd(self.last_error or "session closed", crashed=crashed,
-                            expired=self._expired)
+                            expired=self._expired, unauthorized=self._unauthorized)
         with trio.CancelScope(shield=True):
             if self.session_id is not None and not crashed:
                 with trio.move_on_after(DELETE_TIMEOUT):
@@ -564,6 +580,12 @@ class HttpLink:
             await auth.fresh()
             sent = auth.token
             got = await self._exchange_once(data, timeout, repeat, extra, resets, gid)
+            if got is not None and got[1].status == 403 and isinstance(auth, AuthorizationCode):
+                try:
+                    auth.step_up(got[1].headers.get("www-authenticate"))  # may want more scope
+                except NeedsAuthorization:
+                    await self._discard(*got)
+                    raise
             if got is None or got[1].status != 401:
                 return got
             await self._discard(*got)
@@ -574,7 +596,15 @@ class HttpLink:
             await self._discard(*got)
             self._lost(f"{self.origin} refused the access token (HTTP 401) also after a new "
                        "one was fetched")
+        except NeedsAuthorization as exc:
+            self._unauthorized = True
+            self._lost(exc.detail)
         except oauth.TokenFailed as exc:
+            if isinstance(auth, AuthorizationCode):  # this call fails; the session holds
+                self.last_error = f"no access token for {self.origin}: {exc.detail}"
+                if gid is not None:
+                    self._no_token.add(gid)
+                return None
             self._lost(f"no access token for {self.origin}: {exc.detail}")
         return None
 
@@ -1077,6 +1107,9 @@ class HttpLink:
             return await self._pool.get()
         except CredentialsUnavailable as exc:
             self._lost(f"no upstream credentials for the GET stream: {exc.detail}")
+        except NeedsAuthorization as exc:
+            self._unauthorized = True
+            self._lost(exc.detail)
         except oauth.TokenFailed as exc:
             self._lost(f"no access token for {self.origin}: {exc.detail}")
         except httpclient.ConnectFailed as exc:
@@ -1123,6 +1156,7 @@ class HttpLink:
                     try:
                         await auth.renew(sent, response.headers.get("www-authenticate"))
                     except oauth.TokenFailed as exc:
+                        self._unauthorized = isinstance(exc, NeedsAuthorization)
                         self._lost(f"no access token for {self.origin}: {exc.detail}")
                         return
                     renewed = True

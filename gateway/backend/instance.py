@@ -18,6 +18,7 @@ import enum
 import logging
 import math
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -71,6 +72,7 @@ class DownReason(enum.StrEnum):
     # drained and restarted: a cancelled call left unanswered past cancel_grace
     RECYCLED = "recycled"
     EXPIRED = "session expired"  # the remote ended the session (HTTP 404): renewed at once
+    UNAUTHORIZED = "awaiting authorization"  # an operator must authorize (AUTHORIZING)
 
 
 #: The exit kind (``BackendExited.reason``) of a generation the gateway ended; one that ended
@@ -81,6 +83,7 @@ EXIT_KINDS = {
     DownReason.UNHEALTHY: ExitKind.UNHEALTHY,
     DownReason.RECYCLED: ExitKind.RECYCLED,
     DownReason.EXPIRED: ExitKind.EXPIRED,
+    DownReason.UNAUTHORIZED: ExitKind.UNAUTHORIZED,
 }
 
 
@@ -190,6 +193,8 @@ class Instance(ChildHandlers):
         # Being drained for a recycle: the pool routes no new call here (see _watch_abandoned).
         self.draining = False
         self._calls_changed = Wakeup()  # a client call on this child ended
+        # AUTHORIZING: returns once an operator authorized (the connector's open said so)
+        self._authorized: Callable[[], Awaitable[None]] | None = None
 
     # ---- state ------------------------------------------------------------------------------
 
@@ -258,6 +263,11 @@ class Instance(ChildHandlers):
                     return child
                 if self.state is State.FATAL or self._stop.is_set():
                     break
+                if self.state is State.AUTHORIZING:
+                    raise errors.BackendUnavailable(
+                        f"backend {self.backend.name!r} awaits an authorization at its remote "
+                        f"(mcp-gateway authorize {self.backend.name})",
+                        backend=self.backend.name, retryable=True)
                 await self._state_changed.wait()
         fatal = self.state is State.FATAL
         raise errors.BackendUnavailable(
@@ -306,6 +316,12 @@ class Instance(ChildHandlers):
                                                               "initializing a new one")
                 elif reason is DownReason.STARVED:  # the gateway's lack, not the child's fault
                     t = self.sup.starved(self.last_exit or reason)
+                elif reason is DownReason.UNAUTHORIZED:  # not a failure: wait for the operator
+                    self._emit(self.sup.authorizing(self.last_exit or reason))
+                    wait, self._authorized = self._authorized, None
+                    if wait is not None:  # else the next open asks again (and says how)
+                        await self._first_of(wait, self._stop.wait)
+                    continue
                 else:
                     t = self.sup.exited(trio.current_time(), reason)
                 self._emit(t)
@@ -325,6 +341,16 @@ class Instance(ChildHandlers):
                 self._emit(self.sup.stopped())
             self.stopped.set()
 
+    @staticmethod
+    async def _first_of(*waits: Callable[[], Awaitable[object]]) -> None:
+        """Return when the first of ``waits`` returns."""
+        async with trio.open_nursery() as nursery:
+            async def one(wait: Callable[[], Awaitable[object]]) -> None:
+                await wait()
+                nursery.cancel_scope.cancel()
+            for wait in waits:
+                nursery.start_soon(one, wait)
+
     async def _run_generation(self) -> DownReason:
         """Open a link, hand-shake and serve one generation; returns why it ended."""
         self.generation += 1
@@ -339,8 +365,13 @@ class Instance(ChildHandlers):
             link = await self.connector.open(ctx)
         except OpenFailed as exc:
             ctx.buffers.close()
-            if exc.starved:
-                self.last_exit = f"{DownReason.STARVED}: {exc}"
+            if exc.authorize is not None:
+                self.last_exit = f"{DownReason.UNAUTHORIZED}: {exc}"
+                self._authorized = exc.authorize
+                return DownReason.UNAUTHORIZED
+            if exc.starved or exc.transient:  # retried soon, never FATAL
+                self.last_exit = (f"{DownReason.STARVED}: {exc}" if exc.starved
+                                  else f"{DownReason.SPAWN_FAILED}: {exc}")
                 return DownReason.STARVED
             LOGGER.error("backend %s: %s", self.name, exc)
             self.last_exit = f"{DownReason.SPAWN_FAILED}: {exc}"
@@ -421,6 +452,8 @@ class Instance(ChildHandlers):
                 end = await link.close()
                 if end.expired and exit_reason is DownReason.EXITED:
                     exit_reason = DownReason.EXPIRED
+                if end.unauthorized and not self._stop.is_set():
+                    exit_reason = DownReason.UNAUTHORIZED
                 nursery.cancel_scope.cancel()
         finally:
             self._nursery = None
@@ -526,6 +559,8 @@ class Instance(ChildHandlers):
                     await child.request("ping", timeout=h.timeout, internal=True)
             except errors.RemoteError:
                 ok = True  # answered (even with an error): the child is alive
+            except errors.BackendUnavailable:
+                continue  # not sent (a remote's token cannot be had now): nothing learnt
             except (errors.CallTimeout, errors.BackendExited):
                 ok = False
             else:

@@ -146,6 +146,12 @@ def _metadata_urls(issuer: str) -> list[str]:
             f"{origin}{path}/.well-known/openid-configuration"]
 
 
+def basic_auth(head: list[tuple[str, str]], client_id: str, secret: str) -> None:
+    """``client_secret_basic`` (RFC 6749 §2.3.1: each form-encoded, joined, base64-encoded)."""
+    pair = f"{quote_plus(client_id)}:{quote_plus(secret)}".encode()
+    head.append(("authorization", "Basic " + base64.b64encode(pair).decode()))
+
+
 def client_auth(cfg: ClientAuth, aud: str, form: dict[str, str], head: list[tuple[str, str]],
                 environ: dict[str, str] | None = None) -> None:
     """Authenticate a token request as ``cfg`` says: ``client_secret_basic`` (``head``),
@@ -171,9 +177,8 @@ def client_auth(cfg: ClientAuth, aud: str, form: dict[str, str], head: list[tupl
         raise TokenFailed("client_secret is not UTF-8 text") from None
     if cfg.auth_method == "client_secret_post":
         form["client_id"], form["client_secret"] = cfg.client_id, secret
-    else:  # RFC 6749 §2.3.1: each form-encoded, then joined and base64-encoded
-        pair = f"{quote_plus(cfg.client_id)}:{quote_plus(secret)}".encode()
-        head.append(("authorization", "Basic " + base64.b64encode(pair).decode()))
+    else:
+        basic_auth(head, cfg.client_id, secret)
 
 
 class Endpoints:

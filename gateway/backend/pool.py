@@ -189,10 +189,11 @@ class Backend:
 
     async def first_start(self) -> None:
         """Return once the lists are in, or the first instance's first start failed (BACKOFF or
-        FATAL); the caller bounds the wait."""
+        FATAL) or waits for an authorization (AUTHORIZING); the caller bounds the wait."""
         inst = self.instances[0]
         # lists_ready is set in the same step as the RUNNING transition
-        while not self.lists_ready.is_set() and inst.state not in (State.BACKOFF, State.FATAL):
+        while not self.lists_ready.is_set() and inst.state not in (State.BACKOFF, State.FATAL,
+                                                                   State.AUTHORIZING):
             await inst.state_changed()
 
     async def settled(self) -> InstanceStatus:

@@ -40,6 +40,7 @@ MAX_BODY_BYTES = 64 * 1024  # GET/HEAD carry no body; tolerate a small one, refu
 ALLOWED_METHODS = ("GET", "HEAD")
 PROBES = ("/healthz", "/readyz")  # answer any Host, on the admin and the client listener
 HOST_CHECKED = ("/metrics", "/status")  # what a rebound browser page must not read
+AUTHORIZE = "/authorize/"  # POST /authorize/BACKEND: that backend's authorization URL
 TEXT = "text/plain; charset=utf-8"
 
 
@@ -51,6 +52,7 @@ async def serve_admin(
     handler_nursery: trio.Nursery | None = None,
     allowed_hosts: Sequence[str] = (),
     token_sha256: str | None = None,
+    authorize: Callable[[str], tuple[int, str]] | None = None,
     read_timeout: float = READ_TIMEOUT,
     max_head_bytes: int = MAX_HEAD_BYTES,
     task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
@@ -67,6 +69,9 @@ async def serve_admin(
             names and the bound address (``admin.allowed_hosts``).
         token_sha256: hex SHA-256 of the bearer token ``/status`` needs (``admin.token_sha256``);
             without it ``/status`` is refused on a listener bound off loopback.
+        authorize: ``POST /authorize/BACKEND`` (``mcp-gateway authorize``): a backend's
+            authorization URL, or why there is none, with its status (the same checks as
+            ``/status``).
         read_timeout: seconds to receive a complete request (also the keep-alive idle limit).
         max_head_bytes: the largest request head accepted (larger ones get a 431).
         task_status: reports the listeners once accepting.
@@ -81,7 +86,7 @@ async def serve_admin(
                        "refused "
                        "(403) until it is set; /metrics, /healthz, /readyz are served")
     respond = partial(_respond, metrics, status, allowed_host_names(listeners, allowed_hosts),
-                      token_sha256, off_loopback)
+                      token_sha256, off_loopback, authorize=authorize)
 
     async def handle(conn: HttpConnection, req: Request) -> None:
         try:
@@ -169,14 +174,17 @@ def _respond(
     token_sha256: str | None,
     off_loopback: bool,
     req: Request,
+    authorize: Callable[[str], tuple[int, str]] | None = None,
 ) -> Reply:
     path = req.path
     if path in PROBES:
         return probe(status, req)
-    if path not in HOST_CHECKED:
+    asked = path.startswith(AUTHORIZE) and authorize is not None
+    if path not in HOST_CHECKED and not asked:
         return 404, TEXT, b"not found\n", []
-    if req.method not in ALLOWED_METHODS:
-        return 405, TEXT, b"method not allowed\n", [("allow", ", ".join(ALLOWED_METHODS))]
+    allowed = ("POST",) if asked else ALLOWED_METHODS
+    if req.method not in allowed:
+        return 405, TEXT, b"method not allowed\n", [("allow", ", ".join(allowed))]
     if not req.host_in(hosts):
         LOGGER.warning("admin: %s refused: Host %r not allowed (admin.allowed_hosts)", path,
                        req.header(b"host"))
@@ -191,10 +199,14 @@ def _respond(
         return 200, content_type, body, []
     refused = status_refusal(req.header(b"authorization"), token_sha256, off_loopback)
     if refused is not None:
-        LOGGER.warning("admin: /status refused (%d): %s", refused[0],
+        LOGGER.warning("admin: %s refused (%d): %s", path, refused[0],
                        "no admin.token_sha256 off loopback" if refused[0] == 403
                        else "no valid bearer token")
         return refused
+    if asked:
+        assert authorize is not None
+        code, text = authorize(path[len(AUTHORIZE):])
+        return code, TEXT, (text + "\n").encode(), []
     snap = status()
     doc = dataclasses.asdict(snap)
     doc["ready"] = snap.ready

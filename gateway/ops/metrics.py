@@ -52,7 +52,8 @@ BUCKETS = (.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5,
            10, 30, 60)
 # fmt: on
 #: The supervisor's instance states, in "most alive first" order (see :func:`summary_state`).
-STATES = ("RUNNING", "STARTING", "UNHEALTHY", "BACKOFF", "STOPPING", "FATAL", "STOPPED")
+STATES = ("RUNNING", "STARTING", "UNHEALTHY", "AUTHORIZING", "BACKOFF", "STOPPING", "FATAL",
+          "STOPPED")
 GATEWAY_BACKEND = "_gateway"  # backend label for requests the gateway answers itself
 OVERFLOW_TOOL = "_overflow"
 MAX_TOOL_LABEL_CHARS = 128

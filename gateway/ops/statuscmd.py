@@ -13,6 +13,7 @@ import http.client
 import json
 import threading
 from typing import Any
+from urllib.parse import quote
 
 EXIT_UNREACHABLE = 1
 EXIT_REQUIRED_DOWN = 2
@@ -36,6 +37,27 @@ def admin_address(listen: str) -> tuple[str, int]:
     elif host == "::":
         host = "::1"
     return host, int(port)
+
+
+def authorize(host: str, port: int, backend: str, token: str | None = None) -> tuple[int, str]:
+    """``POST /authorize/BACKEND`` at the admin listener: its status and text (the URL).
+
+    Raises:
+        StatusUnavailable: not reachable.
+    """
+    headers = {"Host": "localhost", "Content-Length": "0"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    conn = http.client.HTTPConnection(host, port, timeout=TIMEOUT)
+    try:
+        conn.request("POST", "/authorize/" + quote(backend, safe=""), headers=headers)
+        response = conn.getresponse()
+        body = response.read(MAX_BODY + 1)
+    except (OSError, http.client.HTTPException) as exc:
+        raise StatusUnavailable(f"admin listener {host}:{port}: {exc}") from None
+    finally:
+        conn.close()
+    return response.status, body[:MAX_BODY].decode("utf-8", "replace").strip()
 
 
 def fetch(host: str, port: int, token: str | None = None) -> dict[str, Any]:

@@ -8,6 +8,7 @@
     STARTING ──starved──► BACKOFF   (no resources to spawn it: never FATAL, not counted)
     RUNNING/UNHEALTHY ──recycled──► STARTING   (a restart the gateway chose: no failure, no delay)
     RUNNING/UNHEALTHY ──renewed───► STARTING   (the remote ended the session: a new one at once)
+    STARTING/RUNNING/UNHEALTHY ──authorizing──► AUTHORIZING ──start──► STARTING  (not counted)
     any live state ──stop──► STOPPING ──stopped──► STOPPED ;  FATAL ──start──► STARTING
 
 Each operation is guarded by the states it allows; an illegal one raises
@@ -30,9 +31,11 @@ class State(str, Enum):  # noqa: UP042 - StrEnum would change str() of a member
     BACKOFF = "BACKOFF"
     FATAL = "FATAL"
     STOPPING = "STOPPING"
+    AUTHORIZING = "AUTHORIZING"
 
 
-LIVE = frozenset({State.STARTING, State.RUNNING, State.UNHEALTHY, State.BACKOFF, State.FATAL})
+LIVE = frozenset({State.STARTING, State.RUNNING, State.UNHEALTHY, State.BACKOFF, State.FATAL,
+                  State.AUTHORIZING})
 
 #: A run at least this long resets the consecutive-failure count (and so the backoff delay).
 STABLE_AFTER = 10.0
@@ -88,7 +91,7 @@ class Supervision:
             raise IllegalTransition(f"{op} in state {self.state.value}")
 
     def start(self, reason: str = "start") -> Transition:
-        self._require("start", State.STOPPED, State.BACKOFF, State.FATAL)
+        self._require("start", State.STOPPED, State.BACKOFF, State.FATAL, State.AUTHORIZING)
         if self.state is State.FATAL:
             self._failures.clear()
             self._consecutive = 0
@@ -173,6 +176,15 @@ class Supervision:
         self.starts += 1
         self.renewals += 1
         return self._go(State.STARTING, reason)
+
+    def authorizing(self, reason: str) -> Transition:
+        """The remote wants an authorization only an operator can give: wait for it.  Not a
+        failure (no crash-loop count, no backoff), and the start it ends is not counted in
+        :attr:`starts` (the one after the authorization is)."""
+        self._require("authorizing", State.STARTING, State.RUNNING, State.UNHEALTHY)
+        self._running_since = None
+        self.starts -= 1
+        return self._go(State.AUTHORIZING, reason)
 
     def stop(self, reason: str = "stop") -> Transition:
         self._require("stop", *LIVE)

@@ -185,6 +185,10 @@ class Endpoint:
         # the core: its refusals of a request before it starts (drain), set by the service
         self.core: ConnectionPorts | None = None
         self.traced = False  # tracing is on: a POST's traceparent header is read (the service)
+        # an authorization server's redirect back (listen.redirect_path): the query in, the
+        # status and a line of text out (set by the service)
+        self.redirect_path: str | None = None
+        self.redirect: Callable[[str], Awaitable[tuple[int, str]]] | None = None
         # each connection counts toward the max_connections of its latest request's principal
         self._counted: dict[HttpConnection, Held] = {}
 
@@ -311,6 +315,13 @@ class Endpoint:
             self._metadata(conn, req)
             return
         if req.path != PATH:
+            if req.path == self.redirect_path and self.redirect is not None:
+                if req.method not in ("GET", "HEAD"):
+                    raise HttpError(405, "method not allowed")
+                status, said = await self.redirect(req.target.partition("?")[2])
+                conn.respond(status, (said + "\n").encode(), "text/plain; charset=utf-8",
+                             [("cache-control", "no-store"), ("referrer-policy", "no-referrer")])
+                return
             if req.path in PROBES and self.probes is not None:  # a load balancer's health checks
                 code, content_type, text, extra = self.probes(req)
                 conn.respond(code, text, content_type, [("cache-control", "no-store"), *extra])

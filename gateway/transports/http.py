@@ -71,12 +71,13 @@ class HttpError(Exception):
 class Request:
     """One received request: method, path, lowercased header names, the whole body."""
 
-    __slots__ = ("_by_name", "body", "headers", "method", "path")
+    __slots__ = ("_by_name", "body", "headers", "method", "path", "target")
 
     def __init__(self, method: str, target: str, headers: list[tuple[bytes, bytes]], body: bytes,
                  by_name: dict[bytes, str] | None = None) -> None:
         self.method = method
         self.path = target.split("?", 1)[0]
+        self.target = target  # with its query
         self.headers = headers
         self.body = body
         self._by_name = by_name

@@ -9,7 +9,11 @@ MCP_CONFORMANCE_CONTEXT. It starts `mcp-gateway run` with that URL as its one re
 session with the elicitation capability, answering the elicitations the gateway relays with
 the schema's defaults) what the scenario expects a client to do, and stops the gateway with
 SIGTERM. The gateway's log goes to stderr (the suite keeps it as the scenario's stderr.txt).
-Exit status: 0 when every step got an answer and the remote's first session held, else 1.
+An `auth/*` authorization code scenario: the backend (not required) waits in AUTHORIZING; the
+driver runs `mcp-gateway authorize`, GETs the URL without following the redirect and delivers
+its Location to the gateway's redirect endpoint, whenever the backend asks (at most 3 times).
+Exit status: 0 when every step got an answer and the remote's first session held (for a
+scenario where the gateway must refuse: when it refused), else 1.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ import tempfile
 import time
 import traceback
 from collections.abc import Awaitable, Callable
+from http import client as http_client
 from typing import Any
+from urllib.parse import urlsplit
 
 import trio
 
@@ -43,22 +49,46 @@ def log(text: str) -> None:
     print(f"[driver] {text}", file=sys.stderr, flush=True)
 
 
+def authorization_code(scenario: str) -> bool:
+    """The scenario wants the authorization code flow: the driver plays the operator."""
+    return scenario.startswith("auth/") and not scenario.startswith("auth/client-credentials")
+
+
 def gateway_toml(url: str, revision: str, ws: int, admin: int, context: dict[str, Any],
-                 folder: str) -> str:
+                 folder: str, scenario: str = "", http: int = 0) -> str:
+    """The gateway's config; for the authorization code flow also its HTTP listener (the
+    redirect comes back there), its state directory, and the backend not required (it waits
+    in AUTHORIZING until the driver authorizes)."""
     mode = "modern_only" if revision == MODERN else "legacy_only"
-    lines = ["[gateway]", "drain_delay = 0.0", "[listen]", f'websocket = "127.0.0.1:{ws}"',
-             'http = ""', "[admin]", f'listen = "127.0.0.1:{admin}"', "[backends.remote]",
-             f"url = {json.dumps(url)}", 'prefix = ""', "required = true",
+    code = authorization_code(scenario)
+    lines = ["[gateway]", "drain_delay = 0.0",
+             *([f"state_dir = {json.dumps(folder)}"] if code else []),
+             "[listen]", f'websocket = "127.0.0.1:{ws}"',
+             f'http = "127.0.0.1:{http}"' if code else 'http = ""', "[admin]",
+             f'listen = "127.0.0.1:{admin}"', "[backends.remote]",
+             f"url = {json.dumps(url)}", 'prefix = ""', f"required = {str(not code).lower()}",
              "start_timeout = 8.0", f'protocol_mode = "{mode}"']
-    return "\n".join(lines + oauth_table(context, folder)) + "\n"
+    return "\n".join(lines + oauth_table(context, folder, code)) + "\n"
 
 
-def oauth_table(context: dict[str, Any], folder: str) -> list[str]:
-    """The backend's ``[oauth]`` client credentials from an auth/client-credentials-* scenario's
-    context (the secret or key written to files in ``folder``); none for other scenarios."""
-    if "client_id" not in context:
+#: The Client ID Metadata Document URL the auth/basic-cimd scenario expects as client_id.
+CIMD_URL = "https://conformance-test.local/client-metadata.json"
+
+
+def oauth_table(context: dict[str, Any], folder: str, code: bool = False) -> list[str]:
+    """The backend's ``[oauth]``: for the authorization code flow the grant, the metadata
+    document URL and any pre-registered client; else the client credentials from an
+    auth/client-credentials-* scenario's context (the secret or key written to files in
+    ``folder``); none for other scenarios."""
+    if code:
+        lines = ["[backends.remote.oauth]", 'grant = "authorization_code"',
+                 f"client_metadata_url = {json.dumps(CIMD_URL)}"]
+        if "client_id" in context:
+            lines.append(f"client_id = {json.dumps(context['client_id'])}")
+    elif "client_id" not in context:
         return []
-    lines = ["[backends.remote.oauth]", f"client_id = {json.dumps(context['client_id'])}"]
+    else:
+        lines = ["[backends.remote.oauth]", f"client_id = {json.dumps(context['client_id'])}"]
     if "client_secret" in context:
         path = os.path.join(folder, "secret")
         with open(path, "w", encoding="utf-8") as f:
@@ -195,15 +225,115 @@ async def answer_requests(client: Client) -> None:
         done = len(client.requests)
 
 
-async def drive(ws_port: int, admin: int, scenario: str, context: dict[str, Any]) -> None:
-    """The scenario's steps; then the remote's session must still be the first one (a restart
-    in between, e.g. a GET stream refused, is a client defect no check of the suite sees)."""
-    steps = SCENARIOS.get(scenario, just_list)
+# ---- the operator of the authorization code flow
+
+AUTHORIZATIONS = 3  # the most the driver completes in one scenario
+SETTLE_TIMEOUT = 10.0  # the backend reaching RUNNING or AUTHORIZING
+LEAVE_TIMEOUT = 2.0  # the backend leaving AUTHORIZING once authorized
+# The scenarios where the gateway must refuse to go on (the suite allows the client to fail):
+# the driver succeeds when no step could be done.
+REFUSALS = frozenset({"auth/scope-retry-limit", "auth/resource-mismatch",
+                      "auth/iss-supported-missing", "auth/iss-wrong-issuer",
+                      "auth/iss-unexpected", "auth/iss-normalized",
+                      "auth/metadata-issuer-mismatch"})
+
+
+async def instance_state(admin: int) -> str:
+    _, body = await http_request(admin, "/status")
+    state: str = json.loads(body)["backends"][0]["instances"][0]["state"]
+    return state
+
+
+async def settled(admin: int, states: tuple[str, ...] = ("RUNNING", "AUTHORIZING")) -> str:
+    async def look() -> str | None:
+        state = await instance_state(admin)
+        return state if state in states else None
+    with trio.fail_after(SETTLE_TIMEOUT):
+        found: str = await poll(look, 0.05)  # another process's state
+        return found
+
+
+def authorize(config: str, http: int) -> None:
+    """Be the operator: `mcp-gateway authorize remote` gives the URL; the authorization server
+    (the scenario's) answers it with a redirect at once, which is not followed but delivered
+    to the gateway's redirect endpoint, as a browser would."""
+    done = subprocess.run([sys.executable, "-m", "gateway", "authorize", "remote", "--config",
+                           config], capture_output=True, text=True, timeout=CALL_TIMEOUT,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"mcp-gateway authorize failed: {done.stderr.strip()}")
+    url = urlsplit(done.stdout.strip())
+    conn = http_client.HTTPConnection(url.hostname, url.port, timeout=CALL_TIMEOUT)
+    conn.request("GET", f"{url.path}?{url.query}")
+    answer = conn.getresponse()
+    location = answer.getheader("location")
+    conn.close()
+    if answer.status not in (301, 302, 303, 307) or not location:
+        raise RuntimeError(f"the authorization endpoint answered {answer.status}, no redirect")
+    back = urlsplit(location)
+    if (back.hostname, back.port) != ("127.0.0.1", http):
+        raise RuntimeError(f"redirected elsewhere: {location}")
+    conn = http_client.HTTPConnection("127.0.0.1", http, timeout=CALL_TIMEOUT)
+    conn.request("GET", f"{back.path}?{back.query}")
+    answer = conn.getresponse()
+    said = answer.read().decode(errors="replace").strip()
+    conn.close()
+    log(f"redirect delivered: {answer.status} {said}")
+    if answer.status != 200:
+        raise RuntimeError(f"the gateway refused the redirect: {said}")
+
+
+async def authorized_steps(client: Client, admin: int, config: str, http: int,
+                           steps: Callable[[Client, dict[str, Any]], Awaitable[None]],
+                           context: dict[str, Any]) -> None:
+    """The steps, authorizing whenever the backend waits in AUTHORIZING (at most
+    :data:`AUTHORIZATIONS` times); a failed step after which it waits is tried again."""
+    done = 0
+    while True:
+        if await settled(admin) == "AUTHORIZING":
+            if done == AUTHORIZATIONS:
+                raise RuntimeError(f"still AUTHORIZING after {done} authorizations")
+            done += 1
+            await trio.to_thread.run_sync(authorize, config, http)
+            with trio.move_on_after(LEAVE_TIMEOUT):  # it may come back at once (a moved server)
+                await settled(admin, ("STARTING", "RUNNING", "BACKOFF"))
+            continue
+        try:
+            await steps(client, context)
+            return
+        except RuntimeError:
+            try:
+                if await settled(admin, ("AUTHORIZING",)) == "AUTHORIZING":
+                    log("the backend wants an authorization again")
+                    continue
+            except trio.TooSlowError:
+                pass
+            raise
+
+
+async def drive(ws_port: int, admin: int, scenario: str, context: dict[str, Any],
+                config: str = "", http: int = 0) -> None:
+    """The scenario's steps (authorizing when the backend asks); then the remote's session must
+    still be the first one (a restart in between, e.g. a GET stream refused, is a client defect
+    no check of the suite sees; an AUTHORIZING wait is no restart)."""
+    steps = SCENARIOS.get(scenario, call_every_tool if authorization_code(scenario)
+                          else just_list)
     async with connect(f"ws://127.0.0.1:{ws_port}/",
                        capabilities={"elicitation": {"form": {}}}) as client:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(answer_requests, client)
-            await steps(client, context)
+            if scenario in REFUSALS:
+                try:
+                    await authorized_steps(client, admin, config, http, steps, context)
+                except (RuntimeError, trio.TooSlowError) as exc:
+                    log(f"refused, as it must be: {exc}")
+                    nursery.cancel_scope.cancel()
+                    return
+                raise RuntimeError("the gateway went on where it must refuse")
+            if authorization_code(scenario):
+                await authorized_steps(client, admin, config, http, steps, context)
+            else:
+                await steps(client, context)
             nursery.cancel_scope.cancel()
     status, body = await http_request(admin, "/status")
     instance = json.loads(body)["backends"][0]["instances"][0]
@@ -242,11 +372,11 @@ def main(argv: list[str]) -> int:
     scenario = os.environ.get("MCP_CONFORMANCE_SCENARIO", "")
     revision = os.environ.get("MCP_CONFORMANCE_PROTOCOL_VERSION", "2025-11-25")
     context = json.loads(os.environ.get("MCP_CONFORMANCE_CONTEXT") or "{}")
-    ws, admin = free_port(), free_port()
+    ws, admin, http = free_port(), free_port(), free_port()
     with tempfile.TemporaryDirectory(prefix="clientconf-") as tmp:
         path = os.path.join(tmp, "gateway.toml")
         with open(path, "w", encoding="utf-8") as f:
-            f.write(gateway_toml(url, revision, ws, admin, context, tmp))
+            f.write(gateway_toml(url, revision, ws, admin, context, tmp, scenario, http))
         log(f"scenario {scenario} at {revision}: gateway for {url}")
         env = {**os.environ, "PYTHONPATH": ROOT}
         proc = subprocess.Popen([sys.executable, "-m", "gateway", "run", "--config", path],
@@ -255,7 +385,7 @@ def main(argv: list[str]) -> int:
         try:
             trio.run(wait_ready, admin, proc)
             log(f"gateway ready in {time.monotonic() - started:.2f}s")
-            trio.run(drive, ws, admin, scenario, context)
+            trio.run(drive, ws, admin, scenario, context, path, http)
             return 0
         except Exception:
             log("failed:\n" + traceback.format_exc())

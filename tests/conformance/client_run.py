@@ -2,10 +2,11 @@
 
 Each in-scope scenario of a revision is run on its own, `conformance client --scenario S
 --spec-version REV --expected-failures client-baseline-REV.yaml` with `client_driver.py` as the
-command (a few at once). `--requirements REV` is not used: in client mode it runs every
-`auth/*` scenario of the set at once, out of scope here (the authorization-code flows), and
-judges its baseline on the scored scenarios only, so the extension and not-scored ones
-(client credentials, json-schema-2020-12-preservation) would go unchecked.
+command (a few at once): every client scenario of the revision's requirement set, the
+`auth/*` authorization code ones included (the driver plays the operator who authorizes), and
+the extension (client credentials) and older (2025-03-26 back-compat) ones that fit a gateway.
+`--requirements REV` is not used: it judges its baseline on the scored scenarios only, so the
+extension and not-scored ones would go unchecked.
 
 The baselines are the suite's own format (`client:` entries `scenario:check-id`), one file per
 revision since a scenario is a different wire under each; the suite judges them: a failure not
@@ -36,17 +37,33 @@ from conformance.run import CLI, NODE, ROOT, SuiteError  # noqa: E402
 
 DRIVER = os.path.join(HERE, "client_driver.py")
 CLIENT_CREDENTIALS = ("auth/client-credentials-basic", "auth/client-credentials-jwt")
-# Per revision, the client scenarios its requirement set names (scored or not), without the
-# other auth/* ones (authorization code, metadata discovery, scopes, iss: not this gateway's
-# yet). Client credentials are an extension: run with --force at the revision.
+# The authorization code scenarios (the driver plays the operator who authorizes).
+AUTH_CODE = ("auth/metadata-default", "auth/metadata-var1", "auth/metadata-var2",
+             "auth/metadata-var3", "auth/basic-cimd", "auth/scope-from-www-authenticate",
+             "auth/scope-from-scopes-supported", "auth/scope-omitted-when-undefined",
+             "auth/scope-step-up", "auth/scope-retry-limit", "auth/token-endpoint-auth-basic",
+             "auth/token-endpoint-auth-post", "auth/token-endpoint-auth-none",
+             "auth/pre-registration")
+AUTH_CODE_2026 = ("auth/resource-mismatch", "auth/offline-access-scope",
+                  "auth/offline-access-not-supported", "auth/authorization-server-migration",
+                  "auth/iss-supported", "auth/iss-not-advertised", "auth/iss-supported-missing",
+                  "auth/iss-wrong-issuer", "auth/iss-unexpected", "auth/iss-normalized",
+                  "auth/metadata-issuer-mismatch")
+# The 2025-03-26 back-compat ones (no protected-resource metadata): run with --force.
+BACK_COMPAT = ("auth/2025-03-26-oauth-metadata-backcompat",
+               "auth/2025-03-26-oauth-endpoint-fallback")
+# Per revision, the client scenarios its requirement set names (scored or not). Client
+# credentials are an extension, the back-compat ones older: run with --force at the revision.
 SCENARIOS: dict[str, tuple[str, ...]] = {
     "2025-11-25": ("initialize", "tools_call", "elicitation-sep1034-client-defaults",
-                   "sse-retry", "json-schema-2020-12-preservation", *CLIENT_CREDENTIALS),
+                   "sse-retry", "json-schema-2020-12-preservation", *CLIENT_CREDENTIALS,
+                   *AUTH_CODE, *BACK_COMPAT),
     "2026-07-28": ("tools_call", "request-metadata", "sep-2322-client-request-state",
                    "http-standard-headers", "http-custom-headers", "http-invalid-tool-headers",
                    "json-schema-ref-no-deref", "json-schema-2020-12-preservation",
-                   *CLIENT_CREDENTIALS),
+                   *CLIENT_CREDENTIALS, *AUTH_CODE, *AUTH_CODE_2026),
 }
+FORCED = (*CLIENT_CREDENTIALS, *BACK_COMPAT)
 SCENARIO_TIMEOUT_MS = 30_000  # the suite's default; the driver's own steps end within 20 s
 RUN_TIMEOUT = 90.0  # one scenario, the suite's start and stop included
 WORKERS = 3
@@ -119,7 +136,7 @@ def run_scenario(revision: str, scenario: str, baseline: str | None = None) -> S
         argv = [NODE, CLI, "client", "--command", command, "--scenario", scenario,
                 "--spec-version", revision, "--timeout", str(SCENARIO_TIMEOUT_MS), "-o", out,
                 "--expected-failures", baseline or baseline_path(revision)]
-        if scenario in CLIENT_CREDENTIALS:
+        if scenario in FORCED:
             argv.append("--force")
         try:
             done = subprocess.run(argv, capture_output=True, text=True, timeout=RUN_TIMEOUT,

@@ -30,6 +30,7 @@ OPS: dict[str, Op] = {
     "recycled": lambda s: s.recycled(0.0),
     "renewed": lambda s: s.renewed(5.0, "session expired"),
     "starved": lambda s: s.starved("spawn failed for lack of resources"),
+    "authorizing": lambda s: s.authorizing("awaiting authorization"),
     "stop": lambda s: s.stop(),
     "stopped": lambda s: s.stopped(),
 }
@@ -39,6 +40,11 @@ LEGAL: dict[tuple[str, State], State] = {
     ("start", S.STOPPED): S.STARTING,
     ("start", S.BACKOFF): S.STARTING,
     ("start", S.FATAL): S.STARTING,
+    ("start", S.AUTHORIZING): S.STARTING,
+    ("authorizing", S.STARTING): S.AUTHORIZING,
+    ("authorizing", S.RUNNING): S.AUTHORIZING,
+    ("authorizing", S.UNHEALTHY): S.AUTHORIZING,
+    ("stop", S.AUTHORIZING): S.STOPPING,
     ("ready", S.STARTING): S.RUNNING,
     ("missed_ping", S.RUNNING): S.UNHEALTHY,
     ("missed_ping", S.UNHEALTHY): S.UNHEALTHY,
@@ -68,6 +74,7 @@ PATHS: dict[State, list[str]] = {
     S.BACKOFF: ["start", "exited"],
     S.FATAL: ["start", "exited"],  # with max_restarts=0 the first exit is fatal
     S.STOPPING: ["start", "stop"],
+    S.AUTHORIZING: ["start", "authorizing"],
 }
 
 

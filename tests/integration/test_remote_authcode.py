@@ -1,0 +1,129 @@
+"""A remote backend with ``oauth.grant = "authorization_code"`` (one shared identity), the whole
+daemon in-process on virtual time: it waits in AUTHORIZING until the operator's redirect comes
+back with the right ``state`` (a wrong or reused one refused, nothing stored), keeps the refresh
+token in the state directory (0600), fails calls -32001 retryable while the authorization
+server is down at refresh (and at a restart: retried, never FATAL), goes back to AUTHORIZING
+when the refresh token is revoked, and starts from the stored refresh token after a restart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from typing import Any
+
+import pytest
+import trio
+from fixtures.token_server import CodeAuthServer, Net, ProtectedRemote
+from memharness import elapse, memory_config, running
+
+from gateway.backend import http
+
+AS = "http://127.0.0.1:9000"
+URL = "http://localhost:8080/mcp"
+
+
+def code_config(tmp_path: Any) -> Any:
+    return memory_config(f"""
+[backends.r]
+url = "{URL}"
+prefix = ""
+[backends.r.oauth]
+grant = "authorization_code"
+""", gateway=f'state_dir = "{tmp_path}"')
+
+
+def state_of(h: Any) -> str:
+    state: str = h.instance("r")["state"]
+    return state
+
+
+async def authorize(h: Any, auth: CodeAuthServer) -> str:
+    """The operator: the URL from the gateway, the user's consent, the redirect's query."""
+    status, url = h.hub.begin_authorization("r")
+    assert status == 200, url
+    return auth.authorize(url)
+
+
+@pytest.mark.trio
+async def test_authorizing_until_the_redirect_with_its_state_wrong_and_reused_refused(
+        autojump_clock: object, tmp_path: Any) -> None:
+    auth = CodeAuthServer(AS)
+    remote = ProtectedRemote(URL, AS, lambda tok: tok in auth.issued)
+    async with trio.open_nursery() as nursery:
+        net = Net(nursery, {"127.0.0.1:9000": auth, "localhost:8080": remote})
+        cfg = code_config(tmp_path)
+        connector = http.HttpConnector(cfg.backends["r"], opener=net.open, name="r")
+        async with running(cfg, connectors={"r": connector}) as h:
+            await h.until(lambda: state_of(h) == "AUTHORIZING")
+            # not required: it does not hold /readyz back while it waits
+            assert not [p for p in h.hub.status().not_ready_because() if "backend" in p]
+            assert h.metric("mcp_gateway_backend_state", backend="r", state="AUTHORIZING") == 1.0
+            oauth = h.status()["backends"][0]["oauth"]
+            assert oauth["authorizing"] and oauth["grant"] == "authorization_code"
+            async with h.connect() as c:
+                query = await authorize(h, auth)
+                wrong = query.replace("state=", "state=x")
+                assert (await h.hub.complete_authorization(wrong))[0] == 400
+                path = tmp_path / "oauth" / "r.json"  # the registration only: no token
+                assert auth.grants == [] and json.loads(path.read_text())["refresh_token"] is None
+                assert state_of(h) == "AUTHORIZING"
+                assert (await h.hub.complete_authorization(query))[0] == 200
+                await h.until(lambda: state_of(h) == "RUNNING")
+                assert (await h.hub.complete_authorization(query))[0] == 400  # single use
+                assert auth.grants == ["authorization_code"]
+                assert h.instance("r")["restarts"] == 0
+                answer = await c.call("echo", timeout=5)
+                assert answer["result"]["content"][0]["text"] == "ok"
+                assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+                assert json.loads(path.read_text())["refresh_token"].startswith("ref-")
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.trio
+async def test_server_down_at_refresh_fails_calls_retryable_and_a_revoked_grant_authorizes_again(
+        autojump_clock: object, tmp_path: Any) -> None:
+    auth = CodeAuthServer(AS, lifetime=100)
+    remote = ProtectedRemote(URL, AS, lambda tok: tok == auth.issued[-1])
+    async with trio.open_nursery() as nursery:
+        net = Net(nursery, {"127.0.0.1:9000": auth, "localhost:8080": remote})
+        cfg = code_config(tmp_path)
+        connector = http.HttpConnector(cfg.backends["r"], opener=net.open, name="r")
+        async with running(cfg, connectors={"r": connector}) as h:
+            await h.until(lambda: state_of(h) == "AUTHORIZING")
+            assert (await h.hub.complete_authorization(await authorize(h, auth)))[0] == 200
+            await h.until(lambda: state_of(h) == "RUNNING")
+            async with h.connect() as c:
+                auth.down = True
+                await elapse(120)  # the token has expired; its refresh cannot be had
+                failed = await c.call("echo", timeout=5)
+                assert failed["error"]["code"] == -32001, failed
+                assert failed["error"]["data"]["retryable"] is True
+                assert state_of(h) == "RUNNING"  # nothing else affected
+                auth.down = False
+                answer = await c.call("echo", timeout=5)  # refreshed now
+                assert "result" in answer, answer
+                assert auth.grants[0] == "authorization_code"
+                assert auth.grants[-1] == "refresh_token"
+                auth.revoked |= auth._refresh
+                await elapse(120)
+                await c.call("echo", timeout=5)
+                await h.until(lambda: state_of(h) == "AUTHORIZING")
+                assert h.instance("r")["restarts"] == 0
+                assert h.status()["backends"][0]["oauth"]["has_refresh_token"] is False
+                assert (await h.hub.complete_authorization(await authorize(h, auth)))[0] == 200
+                await h.until(lambda: state_of(h) == "RUNNING")
+        # a restart reads the refresh token again; the authorization server down meanwhile
+        # holds the backend back (retried, never FATAL), and no operator is needed after
+        auth.down = True
+        authorized = auth.grants.count("authorization_code")
+        connector = http.HttpConnector(cfg.backends["r"], opener=net.open, name="r")
+        async with running(cfg, connectors={"r": connector}) as h:
+            await elapse(60)
+            assert state_of(h) in ("BACKOFF", "STARTING")
+            auth.down = False
+            await h.until(lambda: state_of(h) == "RUNNING")
+            assert auth.grants.count("authorization_code") == authorized
+            assert auth.grants[-1] == "refresh_token"
+        nursery.cancel_scope.cancel()
