@@ -45,10 +45,21 @@ class CredentialsUnavailable(Exception):
 
 
 class PrincipalCredentials(Protocol):
-    kind: str                                   # "token_files" | "token_exchange" | "authorization_code"  # noqa: E501
-    async def headers(self, principal: Principal) -> list[tuple[str, str]]: ...
-        # raises CredentialsUnavailable(detail, retryable: bool, url: str | None = None)
-    def forget(self, principal_key: str) -> None: ...   # drop cached tokens of that principal
+    """Where a per-principal remote's upstream identity comes from."""
+
+    kind: str  # "token_files" | "token_exchange" | "authorization_code"
+
+    async def headers(self, principal: Principal) -> list[tuple[str, str]]:
+        """The headers for a request on ``principal``'s session.
+
+        Raises:
+            CredentialsUnavailable: none now (``retryable``; ``url``: where to authorize).
+        """
+        ...
+
+    def forget(self, principal_key: str) -> None:
+        """Drop what is cached for that principal (its instance stopped or it was removed)."""
+        ...
 
 
 def call_error(exc: CredentialsUnavailable, backend: str) -> errors.GatewayError:
