@@ -514,13 +514,13 @@ class HttpLink:
             return await self._exchange_once(data, timeout, repeat, extra, resets, gid)
         try:
             await auth.fresh()
-            sent = auth.token
-            got = await self._exchange_once(data, timeout, repeat, extra, resets, gid)
+            sent: list[str | None] = []  # the token each POST carried
+            got = await self._exchange_once(data, timeout, repeat, extra, resets, gid, sent)
             if got is None or got[1].status != 401:
                 return got
             await self._discard(*got)
-            await auth.renew(sent, got[1].headers.get("www-authenticate"))
-            got = await self._exchange_once(data, timeout, repeat, extra, resets, gid)
+            await auth.renew(sent[-1], got[1].headers.get("www-authenticate"))
+            got = await self._exchange_once(data, timeout, repeat, extra, resets, gid, sent)
             if got is None or got[1].status != 401:
                 return got
             await self._discard(*got)
@@ -542,25 +542,28 @@ class HttpLink:
     async def _exchange_once(self, data: bytes, timeout: float,  # noqa: ASYNC109 - deadline
                              repeat: bool = True, extra: list[tuple[str, str]] | None = None,
                              resets: bool = False, gid: int | None = None,
+                             sent: list[str | None] | None = None,
                              ) -> tuple[httpclient.Connection, httpclient.Response] | None:
         """POST ``data``; its connection and answer's head, or None when the remote is gone
         (the link ended).  A kept-alive connection the remote had closed is tried once anew if
-        ``repeat``.
+        ``repeat``.  The headers (the access token among them) are read once a connection is
+        had: a token renewed while it was being opened goes; ``sent`` gets the one that went.
 
         Raises:
             _MayHaveRun: it closed and not ``repeat``.
         """
         target = self._connector.target.target
-        head = [("content-type", "application/json"), *self._headers(_ACCEPT_BOTH),
-                *(extra or ())]
-        if message_headers is not None:
-            head += message_headers(data)
+        auth = self._connector.auth
+        more = [*(extra or ()), *(message_headers(data) if message_headers is not None else ())]
         for _attempt in range(2):
             try:
                 conn = await self._pool.get()
             except httpclient.ConnectFailed as exc:  # request ``gid`` was not sent
                 self._lost(f"cannot reach {self.origin}: {exc.detail}", gid)
                 return None
+            head = [("content-type", "application/json"), *self._headers(_ACCEPT_BOTH), *more]
+            if sent is not None:
+                sent.append(auth.token if auth is not None else None)
             try:
                 return conn, await conn.request("POST", target, head, data, head_timeout=timeout)
             except trio.Cancelled:
