@@ -4,13 +4,14 @@
 :data:`OTHER_STREAMS` connections, each kind in order) and hands what comes back, JSON or SSE
 events as they arrive, to the session with the request they answer.  Legacy: ``initialize``
 brings ``Mcp-Session-Id`` and ``MCP-Protocol-Version`` and opens the GET stream (405, or 400/404
-before a session: none); a 404 on the session ends the link as expired (renewed at once);
-:meth:`HttpLink.close` DELETEs it.  A stream that ends before its answer after an event with an
-id is resumed (``Last-Event-ID`` after ``retry``, bounded); a request safe to repeat is POSTed
-again on a 5xx or reset, no other.  A 2026-07-28 request (its ``_meta`` names the version) goes
-with its routing headers (:mod:`~gateway.protocol.mcpheaders`), is cancelled by closing its
-stream, and ``subscriptions/listen`` holds the GET stream's slot.  Header values are read at
-open and on reload, never shown; ``[oauth]`` adds the backend's token (one refetch on a 401).
+before a session: none); a 404 on the session, or a 400 saying it is unknown, ends the link as
+expired (renewed at once); :meth:`HttpLink.close` DELETEs it.  A stream that ends before its
+answer after an event with an id is resumed (``Last-Event-ID`` after ``retry``, bounded); a
+request safe to repeat is POSTed again on a 5xx or reset, no other.  A 2026-07-28 request (its
+``_meta`` names the version) goes with its routing headers (:mod:`~gateway.protocol.mcpheaders`),
+is cancelled by closing its stream, and ``subscriptions/listen`` holds the GET stream's slot.
+Header values are read at open and on reload, never shown; ``[oauth]`` adds the backend's token
+(one refetch on a 401).
 """
 
 from __future__ import annotations
@@ -204,6 +205,32 @@ def _is_listen(data: bytes) -> bool:
         return msgspec.json.decode(data, type=_Peek).method == "subscriptions/listen"
     except _UNREADABLE:
         return False
+
+
+class _ErrorDetail(msgspec.Struct):
+    message: object = None
+
+
+class _ErrorBody(msgspec.Struct):
+    error: _ErrorDetail | None = None
+
+
+#: Words that, beside "session", make a 400's message say the session is unknown.
+_UNKNOWN_WORDS = ("no valid", "invalid", "unknown", "not found", "expired", "terminated")
+
+
+def unknown_session(body: bytes) -> bool:
+    """Whether a 400's body says the session it carried is unknown: its JSON-RPC error's
+    message (else the body as text) names the session with one of :data:`_UNKNOWN_WORDS`."""
+    try:
+        error = msgspec.json.decode(body, type=_ErrorBody).error
+        message = error.message if error is not None else None
+    except _UNREADABLE:
+        message = body[:SNIPPET].decode("ascii", "replace")
+    if not isinstance(message, str):
+        return False
+    text = message[:SNIPPET].lower()
+    return "session" in text and any(word in text for word in _UNKNOWN_WORDS)
 
 
 def read_headers(cfg: BackendConfig, environ: dict[str, str] | None = None
@@ -612,10 +639,22 @@ class HttpLink:
         it refused."""
         if response.status != 404 or self.session_id is None:
             return False
+        self._expire(f"{self.origin} ended the session (HTTP 404)", unrun)
+        return True
+
+    def _session_unknown(self, response: httpclient.Response, body: bytes,
+                         unrun: int | None = None) -> bool:
+        """A 400 to a request carrying the session whose body says the session is unknown
+        (server-everything's answer for one it ended): as a 404, the link ends as expired."""
+        if response.status != 400 or self.session_id is None or not unknown_session(body):
+            return False
+        self._expire(f"{self.origin} no longer knows the session (HTTP 400)", unrun)
+        return True
+
+    def _expire(self, detail: str, unrun: int | None) -> None:
         if not self._ended:
             self._expired = True
-        self._lost(f"{self.origin} ended the session (HTTP 404)", unrun)
-        return True
+        self._lost(detail, unrun)
 
     async def _post_other(self, data: bytes, seq: int, limiter: trio.CapacityLimiter,
                           token: object) -> None:
@@ -632,7 +671,7 @@ class HttpLink:
             conn, response = got
             self._drop_cancelled(data)
             try:
-                await self._drain(conn, self._max_line)
+                body = await self._drain(conn, self._max_line)
             except httpclient.HttpFailure as exc:
                 await conn.aclose()
                 if isinstance(exc, httpclient.HttpTimeout):
@@ -640,7 +679,8 @@ class HttpLink:
                     LOGGER.warning("backend %s: %s", self._ctx.instance, self.last_error)
                 return
             await self._pool.put(conn)
-            if not self._session_gone(response) and response.status >= 300:
+            if (not self._session_gone(response) and not self._session_unknown(response, body)
+                    and response.status >= 300):
                 self.last_error = f"{self.origin} answered HTTP {response.status} to a message"
                 LOGGER.warning("backend %s: %s", self._ctx.instance, self.last_error)
         finally:
@@ -738,6 +778,8 @@ class HttpLink:
             self.session_id = sid
         if response.status != 200:
             body = await self._drain(conn, self._max_line)
+            if self._session_unknown(response, body, gid):
+                return
             if response.content_type == "application/json" and _answers(body, gid):
                 receiver.message(body, gid)  # a JSON-RPC error answering the call
             elif probe:
@@ -930,7 +972,10 @@ class HttpLink:
                     await conn.aclose()
                     return
                 if response.status != 200 or response.content_type != "text/event-stream":
+                    body = await self._drain(conn, self._max_line)
                     await conn.aclose()
+                    if self._session_unknown(response, body):
+                        return
                     self._call_failed(gid, f"{self.origin} answered HTTP {response.status} to "
                                            "resuming the answer stream",
                                       retryable=self._methods.get(gid) in SAFE_TO_REPEAT)
@@ -1047,8 +1092,11 @@ class HttpLink:
                     continue
                 renewed = False
                 if response.status != 200 or response.content_type != "text/event-stream":
+                    body = await self._drain(conn, self._max_line)
                     await conn.aclose()
-                    self._lost(f"{self.origin} refused the GET stream (HTTP {response.status})")
+                    if not self._session_unknown(response, body):
+                        self._lost(f"{self.origin} refused the GET stream "
+                                   f"(HTTP {response.status})")
                     return
                 decoder = SseDecoder(self._max_line + SSE_OVERHEAD, last_id, retry)
                 try:

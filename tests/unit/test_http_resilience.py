@@ -127,3 +127,17 @@ async def test_safe_requests_are_retried_on_5xx_and_resets_a_tool_call_never(
             assert receiver.answered(5) and len(times["resources/read"]) == 3
             assert not receiver.ended_  # none of it ended the session
             nursery.cancel_scope.cancel()
+
+
+def test_a_400_body_says_the_session_is_unknown_only_when_it_names_it() -> None:
+    def error(message: object) -> bytes:
+        return json.dumps({"jsonrpc": "2.0", "id": 1,
+                           "error": {"code": -32000, "message": message}}).encode()
+
+    assert http.unknown_session(error("Bad Request: No valid session ID provided"))
+    assert http.unknown_session(error("Session not found"))
+    assert http.unknown_session(b"unknown session id")  # not JSON: the body as text
+    assert not http.unknown_session(error("Bad Request: invalid params"))
+    assert not http.unknown_session(error({"session": "unknown"}))  # not a message
+    assert not http.unknown_session(b"Bad Request")
+    assert not http.unknown_session(b"")
