@@ -588,11 +588,12 @@ class HttpLink:
             except httpclient.ConnectFailed as exc:  # request ``gid`` was not sent
                 self._lost(f"cannot reach {self.origin}: {exc.detail}", gid)
                 return None
-            head = [("content-type", "application/json"), *self._headers(_ACCEPT_BOTH), *more]
+            head = [("content-type", "application/json"), *self._headers(_ACCEPT_BOTH)]
             if sent is not None:
                 sent.append(auth.token if auth is not None else None)
             try:
-                return conn, await conn.request("POST", target, head, data, head_timeout=timeout)
+                return conn, await conn.request("POST", target, head, data, extra=more,
+                                                head_timeout=timeout)
             except trio.Cancelled:
                 await conn.aclose()
                 raise

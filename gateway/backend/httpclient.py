@@ -116,20 +116,20 @@ class Response:
         return self.headers.get("content-type", "").split(";")[0].strip().lower()
 
 
-#: Request heads written without h11, by method, target and headers (the same for every call
-#: of a session), kept by each pool (they may hold credentials: they go with it): at most
-#: this many, emptied when full, each of at most :data:`HEAD_CACHED_MAX` bytes (a bigger one,
-#: such as a routing header carrying a large argument, is encoded each time).
+#: Request heads written without h11, by method, target and stable headers (the same for
+#: every call of a session; a request's own, such as routing or trace headers, are encoded
+#: each time after them), kept by each pool (they may hold credentials: they go with it): at
+#: most this many, emptied when full, each of at most :data:`HEAD_CACHED_MAX` bytes.
 HEADS_MAX = 64
 HEAD_CACHED_MAX = 16384
 Heads = dict[tuple[str, str, tuple[tuple[str, str], ...]], bytes]
 
 
-def _common_head(method: str, target: str, head: list[tuple[str, str]], body: bytes,
-                 cache: Heads) -> bytes | None:
-    """The request's head as h11 writes it (``content-length`` last, as :meth:`Connection.request`
-    adds it), or None when it is not of the common shape; each head checked and encoded once
-    while in ``cache``."""
+def _common_head(method: str, target: str, head: list[tuple[str, str]],
+                 extra: list[tuple[str, str]], body: bytes, cache: Heads) -> bytes | None:
+    """The request's head as h11 writes it (``extra`` after ``head``, ``content-length`` last,
+    as :meth:`Connection.request` adds them), or None when it is not of the common shape;
+    ``head`` checked and encoded once while in ``cache``."""
     if method not in _LEAN_METHODS:
         return None
     key = (method, target, tuple(head))
@@ -142,9 +142,15 @@ def _common_head(method: str, target: str, head: list[tuple[str, str]], body: by
             if len(cache) >= HEADS_MAX:
                 cache.clear()
             cache[key] = raw
+    more = b""
+    if extra:
+        lines = http1.header_lines(extra)
+        if lines is None:
+            return None
+        more = lines
     if body or method in ("POST", "PUT"):
-        return raw[:-2] + b"content-length: %d\r\n\r\n" % len(body)
-    return raw
+        more += b"content-length: %d\r\n" % len(body)
+    return raw[:-2] + more + b"\r\n" if more else raw
 
 
 class Connection:
@@ -193,16 +199,20 @@ class Connection:
             conn.receive_data(await self._receive(deadline))
 
     async def request(self, method: str, target: str, headers: list[tuple[str, str]],
-                      body: bytes = b"", *, head_timeout: float = math.inf) -> Response:
-        """Send a request and read its answer's head (within ``head_timeout`` seconds).
+                      body: bytes = b"", *, extra: list[tuple[str, str]] | None = None,
+                      head_timeout: float = math.inf) -> Response:
+        """Send a request (``extra``: headers of its own after ``headers``, not cached) and
+        read its answer's head (within ``head_timeout`` seconds).
 
         Raises:
             ConnectionLost, HttpTimeout.
         """
         head = [("host", self.authority), *headers]
-        raw = (_common_head(method, target, head, body,
+        raw = (_common_head(method, target, head, extra or [], body,
                             self._pool.heads if self._pool is not None else {})
                if self._h11 is None else None)
+        if extra:
+            head += extra
         if body or method in ("POST", "PUT"):
             head.append(("content-length", str(len(body))))
         if raw is None:

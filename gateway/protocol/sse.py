@@ -12,8 +12,11 @@ the last event id (:attr:`SseDecoder.last_id`, an id of printable ASCII within
 
 from __future__ import annotations
 
+import re
+
 #: An event id kept for resuming (sent back as ``Last-Event-ID``): its most bytes.
 MAX_EVENT_ID = 256
+_PRINTABLE = re.compile(rb"[\x20-\x7e]*")
 
 
 class EventTooLarge(Exception):
@@ -45,7 +48,7 @@ class SseDecoder:
                 value = line[3:].removeprefix(b" ")
                 if b"\0" in value:
                     continue
-                ok = len(value) <= MAX_EVENT_ID and all(0x20 <= c < 0x7F for c in value)
+                ok = len(value) <= MAX_EVENT_ID and _PRINTABLE.fullmatch(value) is not None
                 self.last_id = value.decode("ascii") if ok and value else None
             elif line.startswith(b"retry:"):
                 value = line[6:].removeprefix(b" ")

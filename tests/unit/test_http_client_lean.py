@@ -122,8 +122,17 @@ async def test_requests_are_the_bytes_h11_writes_and_unusual_heads_h11_refuses()
     assert http1.request_head("POST", "/mcp?x=1", head) == by_h11
     cache: httpclient.Heads = {}
     for _ in range(2):  # encoded once, then from the cache with this request's length
-        assert httpclient._common_head("POST", "/mcp?x=1", head[:-1], b"{}", cache) == by_h11
+        assert httpclient._common_head("POST", "/mcp?x=1", head[:-1], [], b"{}", cache) == by_h11
         assert len(cache) == 1
+    # a request's own headers follow the cached stable part, encoded each time, not kept
+    for value in ("Bearer x\ty", "Bearer z"):
+        own = [("authorization", value)]
+        assert httpclient._common_head("POST", "/mcp?x=1", head[:-2], own, b"{}", cache) == \
+            h11.Connection(h11.CLIENT).send(h11.Request(
+                method="POST", target="/mcp?x=1", headers=[*head[:-2], *own, head[-1]]))
+    assert len(cache) == 2
+    assert httpclient._common_head("POST", "/mcp", head[:-2], [("x-bad", "a\r\nb")], b"{}",
+                                   cache) is None
     for name, value in (("x-bad", "a\r\nx-injected: 1"), ("x-bad", "caf\u00e9"), ("bad name", "1")):
         assert http1.request_head("POST", "/mcp", [(name, value)]) is None
         client, _server = trio.testing.memory_stream_pair()
