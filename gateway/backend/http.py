@@ -106,11 +106,13 @@ class _Reset(Exception):
 
 class _Queue:
     """Messages waiting for a stream (bytes, gateway id, sequence number), and the event that
-    wakes their dispatcher."""
+    wakes their dispatcher (the others), or the workers parked waiting for one (the requests)."""
 
     def __init__(self) -> None:
         self.items: deque[tuple[bytes, int | None, int]] = deque()
         self.ready = trio.Event()
+        self.idle = trio.lowlevel.ParkingLot()
+        self.workers = 0
 
 
 class _Peek(msgspec.Struct):
@@ -392,7 +394,20 @@ class HttpLink:
                 self._modern.add(gid)
         queue.items.append((data, gid, self._seq))
         self.buffers.charge(len(data))
-        queue.ready.set()
+        if gid is None:
+            queue.ready.set()
+        else:
+            self._wake_worker()
+
+    def _wake_worker(self) -> None:
+        """A request is queued: an idle worker takes it, else a new one while there are fewer
+        than :data:`REQUEST_STREAMS` (else the first worker done with its request will)."""
+        queue = self._requests
+        if queue.idle:
+            queue.idle.unpark()
+        elif self._nursery is not None and queue.workers < REQUEST_STREAMS:
+            queue.workers += 1
+            self._nursery.start_soon(self._request_worker)
 
     def _cancel_modern(self, data: bytes) -> bool:
         """``notifications/cancelled`` for a modern request: not sent, its stream is closed
@@ -425,24 +440,43 @@ class HttpLink:
         self._receiver = receiver
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            nursery.start_soon(self._dispatch, self._others, OTHER_STREAMS, False)
-            await self._dispatch(self._requests, REQUEST_STREAMS, True)
+            nursery.start_soon(self._dispatch, self._others, OTHER_STREAMS)
+            for _ in range(min(len(self._requests.items), REQUEST_STREAMS)):
+                self._wake_worker()  # what was sent before
 
-    async def _dispatch(self, queue: _Queue, streams: int, requests: bool) -> None:
-        """Start a POST per queued message, in order, at most ``streams`` at once."""
+    async def _request_worker(self) -> None:
+        """POST the queued requests in order, one at a time (at most :data:`REQUEST_STREAMS`
+        workers: one per request stream), parked while none is queued; a
+        ``subscriptions/listen`` at the front goes on the listen slot in a task of its own
+        when that is free."""
+        assert self._nursery is not None
+        queue = self._requests
+        items = queue.items
+        while True:
+            while not items:
+                await queue.idle.park()
+            data, gid, seq = items.popleft()
+            self.buffers.release(len(data))
+            assert gid is not None  # only requests are queued here
+            if not self._listening and _is_listen(data):
+                self._listening = True
+                self._nursery.start_soon(self._post_request, data, gid, True)
+                continue
+            while any(other < seq for other in self._others_pending):
+                if self._others_done.is_set():
+                    self._others_done = trio.Event()
+                await self._others_done.wait()
+            await self._post_request(data, gid)
+
+    async def _dispatch(self, queue: _Queue, streams: int) -> None:
+        """Start a POST per queued message other than a request, in order, at most ``streams``
+        at once."""
         assert self._nursery is not None
         limiter = trio.CapacityLimiter(streams)
         while True:
             while not queue.items:
                 queue.ready = trio.Event()
                 await queue.ready.wait()
-            if requests and not self._listening and _is_listen(queue.items[0][0]):
-                data, gid, _seq = queue.items.popleft()
-                self.buffers.release(len(data))
-                if gid is not None:
-                    self._listening = True
-                    self._nursery.start_soon(self._post_request, data, gid, None, None)
-                continue
             token = object()
             try:  # a free stream: no checkpoint here (the POST's task is the next hop)
                 limiter.acquire_on_behalf_of_nowait(token)
@@ -451,15 +485,9 @@ class HttpLink:
             if not queue.items:  # dropped meanwhile (the link failed)
                 limiter.release_on_behalf_of(token)
                 continue
-            data, gid, seq = queue.items.popleft()
+            data, _gid, seq = queue.items.popleft()
             self.buffers.release(len(data))
-            if requests and gid is not None:
-                while any(other < seq for other in self._others_pending):
-                    self._others_done = trio.Event()
-                    await self._others_done.wait()
-                self._nursery.start_soon(self._post_request, data, gid, limiter, token)
-            else:
-                self._nursery.start_soon(self._post_other, data, seq, limiter, token)
+            self._nursery.start_soon(self._post_other, data, seq, limiter, token)
 
     def _headers(self, accept: str) -> list[tuple[str, str]]:
         head = [("accept", accept)]
@@ -687,13 +715,11 @@ class HttpLink:
         finally:
             limiter.release_on_behalf_of(token)
 
-    async def _post_request(self, data: bytes, gid: int, limiter: trio.CapacityLimiter | None,
-                            token: object) -> None:
+    async def _post_request(self, data: bytes, gid: int, listen: bool = False) -> None:
         """POST a request and hand its answer stream to the session; the stream is dropped
         when the gateway cancels the call (``notifications/cancelled`` for it was POSTed, or
-        for a modern request would have been) or after ``max_call_duration``.  Without a
-        ``limiter``: the ``subscriptions/listen`` on the listen slot, open as long as the
-        remote keeps it."""
+        for a modern request would have been) or after ``max_call_duration``.  ``listen``:
+        the ``subscriptions/listen`` on the listen slot, open as long as the remote keeps it."""
         modern = modern_request(data, self._tool_params)
         extra: list[tuple[str, str]] | None = None
         if modern is not None:
@@ -706,8 +732,7 @@ class HttpLink:
         self._methods[gid] = method
         conn: httpclient.Connection | None = None
         kept = False
-        deadline = (math.inf if limiter is None
-                    else trio.current_time() + self._cfg.max_call_duration)
+        deadline = math.inf if listen else trio.current_time() + self._cfg.max_call_duration
         try:
             if gid in self._dropped_early:  # cancelled before its turn: never sent
                 self._dropped_early.discard(gid)
@@ -747,11 +772,8 @@ class HttpLink:
             self._tool_lists.discard(gid)
             if conn is not None and not kept:
                 await conn.aclose()
-            if limiter is None:
+            if listen:
                 self._listening = False
-                self._requests.ready.set()  # a listen waiting for the slot may go now
-            else:
-                limiter.release_on_behalf_of(token)
 
     def _cancelled_answer(self, gid: int) -> None:
         """Its answer cannot come now: the abandoned call leaves the attribution set."""
