@@ -122,6 +122,10 @@ class Response:
 #: most this many, emptied when full, each of at most :data:`HEAD_CACHED_MAX` bytes.
 HEADS_MAX = 64
 HEAD_CACHED_MAX = 16384
+#: Answers' heads parsed, by their bytes (a remote sends the same head but for its ``Date``'s
+#: second), kept by each pool: at most this many (each under :data:`MAX_HEAD`), emptied when
+#: full.
+ANSWER_HEADS_MAX = 16
 Heads = dict[tuple[str, str, tuple[tuple[str, str], ...]], bytes]
 
 
@@ -250,14 +254,27 @@ class Connection:
                 self.broken = True
                 raise ConnectionLost("the connection closed before an answer")
             buf += data
-        parsed = http1.parse_response_head(bytes(buf[:end + 2])) if end < MAX_HEAD else None
+        parsed = self._parse_head(bytes(buf[:end + 2])) if end < MAX_HEAD else None
         if parsed is None:
             return await self._to_h11(deadline)
         del buf[:end + 4]
         self._sent = None  # h11 will not need it: not kept while the connection idles
         self._body = http1.BodyReader(parsed.length)
         self._keep = not parsed.close
-        return Response(parsed.status, parsed.headers)
+        return Response(parsed.status, dict(parsed.headers))
+
+    def _parse_head(self, raw: bytes) -> http1.ResponseHead | None:
+        """:func:`http1.parse_response_head`, once per distinct head while in the pool's
+        :attr:`Pool.answers`."""
+        cache = self._pool.answers if self._pool is not None else None
+        parsed = cache.get(raw) if cache is not None else None
+        if parsed is None:
+            parsed = http1.parse_response_head(raw)
+            if parsed is not None and cache is not None:
+                if len(cache) >= ANSWER_HEADS_MAX:
+                    cache.clear()
+                cache[raw] = parsed
+        return parsed
 
     async def _to_h11(self, deadline: float) -> Response:
         """From now on h11 serves this connection: told the request sent, given what came."""
@@ -374,6 +391,7 @@ class Pool:
         self._idle: list[Connection] = []
         self.open: set[Connection] = set()  # every connection not closed yet, idle or in use
         self.heads: Heads = {}  # request heads encoded once (HEADS_MAX)
+        self.answers: dict[bytes, http1.ResponseHead] = {}  # heads parsed (ANSWER_HEADS_MAX)
         self.closed = False
 
     async def connect(self) -> Connection:
