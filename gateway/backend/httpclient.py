@@ -180,14 +180,19 @@ class Connection:
         self.idle_since = 0.0
 
     async def _receive(self, deadline: float) -> bytes:
+        if deadline == math.inf:  # no deadline: no cancel scope either
+            return await self._receive_some()
         with trio.move_on_at(deadline):
-            try:
-                return bytes(await self.stream.receive_some(READ_CHUNK))
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                self.broken = True
-                raise ConnectionLost(f"the connection broke: {exc.__cause__ or exc}") from None
+            return await self._receive_some()
         self.broken = True
         raise HttpTimeout("the remote sent nothing in time")
+
+    async def _receive_some(self) -> bytes:
+        try:
+            return bytes(await self.stream.receive_some(READ_CHUNK))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            self.broken = True
+            raise ConnectionLost(f"the connection broke: {exc.__cause__ or exc}") from None
 
     async def _event(self, deadline: float) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
         conn = self._h11
@@ -345,12 +350,22 @@ class Connection:
         Raises:
             BodyTooLarge, ConnectionLost, HttpTimeout.
         """
-        data = bytearray()
-        while (chunk := await self.chunk(idle_timeout)) is not None:
+        first = await self.chunk(idle_timeout)
+        if first is None:
+            return b""
+        if len(first) > limit:
+            self.broken = True
+            raise BodyTooLarge(f"a body of more than {limit} bytes")
+        chunk = await self.chunk(idle_timeout)
+        if chunk is None:
+            return first  # the whole body came at once (a JSON answer, as a rule): no copy
+        data = bytearray(first)
+        while chunk is not None:
             data += chunk
             if len(data) > limit:
                 self.broken = True
                 raise BodyTooLarge(f"a body of more than {limit} bytes")
+            chunk = await self.chunk(idle_timeout)
         return bytes(data)
 
     def reusable(self) -> bool:
