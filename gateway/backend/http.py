@@ -438,11 +438,14 @@ class HttpLink:
     async def run(self, receiver: Receiver) -> None:
         """POST what is sent, read the answers and the GET stream, until cancelled."""
         self._receiver = receiver
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            nursery.start_soon(self._dispatch, self._others, OTHER_STREAMS)
-            for _ in range(min(len(self._requests.items), REQUEST_STREAMS)):
-                self._wake_worker()  # what was sent before
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._dispatch, self._others, OTHER_STREAMS)
+                for _ in range(min(len(self._requests.items), REQUEST_STREAMS)):
+                    self._wake_worker()  # what was sent before
+        finally:
+            self._nursery = None  # closed: a request sent now starts no worker
 
     async def _request_worker(self) -> None:
         """POST the queued requests in order, one at a time (at most :data:`REQUEST_STREAMS`

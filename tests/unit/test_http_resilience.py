@@ -1,6 +1,7 @@
 """The ``http`` link's legacy-era robustness against an in-process h11 remote on trio memory
 streams and the MockClock (the harness of the hostile-remote tests): an answer stream that ends
-before its answer resumed with ``Last-Event-ID`` after the server's ``retry``."""
+before its answer resumed with ``Last-Event-ID`` after the server's ``retry``; requests POSTed
+by at most one worker task per request stream, none started per request."""
 
 from __future__ import annotations
 
@@ -141,3 +142,36 @@ def test_a_400_body_says_the_session_is_unknown_only_when_it_names_it() -> None:
     assert not http.unknown_session(error({"session": "unknown"}))  # not a message
     assert not http.unknown_session(b"Bad Request")
     assert not http.unknown_session(b"")
+
+
+async def test_requests_wait_in_order_for_one_of_the_request_stream_workers_none_per_call(
+        autojump_clock: trio.testing.MockClock) -> None:
+    release = trio.Event()
+
+    async def holding(server: Hostile, ex: Exchange) -> None:
+        if ex.rpc == "tools/call":
+            await release.wait()
+        await plain(server, ex)
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            server, link, receiver = await open_link(nursery, holding)
+            assert link._nursery is not None
+            burst = list(range(10, 10 + http.REQUEST_STREAMS + 5))
+            for gid in burst:
+                link.send(request(gid, "tools/call", {"name": "mine", "arguments": {}}), gid)
+            while len(server.posted("tools/call")) < http.REQUEST_STREAMS:
+                await server.changed.wait()
+            await trio.sleep(5)
+            held = {ex.body["id"] for ex in server.posted("tools/call")}
+            assert held == set(burst[:http.REQUEST_STREAMS])  # the first ones; the rest wait
+            assert link._requests.workers == http.REQUEST_STREAMS
+            tasks = len(link._nursery.child_tasks)
+            release.set()
+            await receiver.wait(lambda: all(receiver.answered(gid) for gid in burst))
+            for gid in range(100, 120):  # one by one: each taken by a parked worker
+                link.send(request(gid, "tools/list"), gid)
+                await receiver.answer(gid)
+            assert len(link._nursery.child_tasks) <= tasks
+            assert link._requests.workers == http.REQUEST_STREAMS and not receiver.failures
+            nursery.cancel_scope.cancel()
