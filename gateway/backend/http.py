@@ -822,27 +822,30 @@ class HttpLink:
         broke = False  # the event stream broke rather than ended (the remote may be gone)
         if response.content_type == "text/event-stream":
             decoder = SseDecoder(self._max_line + SSE_OVERHEAD)
-            with trio.CancelScope() as tail:  # after the answer: ANSWER_TAIL more at most
-                try:
-                    while (chunk := await conn.chunk()) is not None:
-                        try:
-                            events = decoder.feed(chunk)
-                        except EventTooLarge:
-                            await conn.aclose()
-                            self._too_large(gid)
-                            return
-                        for event in events:
-                            answered |= self._deliver(event, gid, initialize)
-                        if answered and tail.deadline == math.inf:
-                            tail.deadline = trio.current_time() + ANSWER_TAIL
-                except httpclient.ConnectionLost:
-                    if answered or not self._resumable(decoder):
-                        raise
-                    broke = True
-            if tail.cancelled_caught:
+            try:
+                answered = await self._events(conn, decoder, gid, initialize, until_answer=True)
+            except httpclient.ConnectionLost:
+                if not self._resumable(decoder):
+                    raise
+                broke = True
+            except EventTooLarge:
                 await conn.aclose()
+                self._too_large(gid)
                 return
-            if not answered and self._resumable(decoder):
+            if answered and conn.ended:
+                await conn.chunk()  # its end, read already (no wait)
+            elif answered:  # the rest of the stream: ANSWER_TAIL more at most
+                with trio.move_on_after(ANSWER_TAIL) as tail:
+                    try:
+                        await self._events(conn, decoder, gid, initialize)
+                    except EventTooLarge:
+                        await conn.aclose()
+                        self._too_large(gid)
+                        return
+                if tail.cancelled_caught:
+                    await conn.aclose()
+                    return
+            elif self._resumable(decoder):
                 await conn.aclose()
                 await self._resume(gid, decoder, broke, initialize)
                 return
@@ -862,6 +865,23 @@ class HttpLink:
         if not answered:
             self._call_failed(gid, f"the answer stream from {self.origin} ended without the "
                                    "answer")
+
+    async def _events(self, conn: httpclient.Connection, decoder: SseDecoder, gid: int,
+                      initialize: bool, *, until_answer: bool = False) -> bool:
+        """Hand each event of an answer stream to the session (:meth:`_deliver`), to the
+        stream's end or, ``until_answer``, the end of the bytes that brought the answer;
+        whether the answer came.
+
+        Raises:
+            EventTooLarge, httpclient.HttpFailure.
+        """
+        answered = False
+        while (chunk := await conn.chunk()) is not None:
+            for event in decoder.feed(chunk):
+                answered |= self._deliver(event, gid, initialize)
+            if answered and until_answer:
+                return True
+        return answered
 
     def _deliver(self, data: bytes, gid: int, initialize: bool) -> bool:
         """Hand ``data`` to the session as caused by ``gid``; whether it was its reply.  A reply

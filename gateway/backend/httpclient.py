@@ -368,6 +368,12 @@ class Connection:
             chunk = await self.chunk(idle_timeout)
         return bytes(data)
 
+    @property
+    def ended(self) -> bool:
+        """The answer's body is all read (the next :meth:`chunk` returns None at once); False
+        when not known without a read (h11 serving it)."""
+        return self._h11 is None and (self._body is None or self._body.done)
+
     def reusable(self) -> bool:
         """Ready for the next exchange (answer read to its end, keep-alive on both sides)."""
         conn = self._h11
