@@ -744,7 +744,7 @@ class HttpLink:
             with trio.CancelScope(deadline=deadline) as scope:
                 self._streams[gid] = scope
                 try:
-                    got = await self._exchange_retried(data, gid, method, extra)
+                    got = await self._exchange_retried(data, gid, method, extra, listen)
                 except _MayHaveRun as exc:
                     self._call_failed(gid, f"the connection to {self.origin} closed before the "
                                            f"answer ({exc}); the call may have run",
@@ -937,15 +937,18 @@ class HttpLink:
 
     async def _exchange_retried(self, data: bytes, gid: int, method: str | None,
                                 extra: list[tuple[str, str]] | None = None,
+                                listen: bool = False,
                                 ) -> tuple[httpclient.Connection, httpclient.Response] | None:
         """:meth:`_exchange` for a request; one :data:`SAFE_TO_REPEAT` is POSTed again, up to
         :data:`RETRIES` times after a pause, when a 5xx (:data:`RETRY_STATUSES`) or a reset
         answers it.  The last answer is returned as it came; resets each time fail the call.
+        The answer's head is awaited within ``max_call_duration`` by the call's own deadline
+        (:meth:`_post_request`), not a second one; the ``listen`` has none: here.
 
         Raises:
             _MayHaveRun: as :meth:`_exchange`, for a request not safe to repeat.
         """
-        timeout = self._cfg.max_call_duration
+        timeout = self._cfg.max_call_duration if listen else math.inf
         if method not in SAFE_TO_REPEAT:
             return await self._exchange(data, timeout, False, extra, gid=gid)
         for attempt in range(RETRIES + 1):

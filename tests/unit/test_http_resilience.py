@@ -175,3 +175,25 @@ async def test_requests_wait_in_order_for_one_of_the_request_stream_workers_none
             assert len(link._nursery.child_tasks) <= tasks
             assert link._requests.workers == http.REQUEST_STREAMS and not receiver.failures
             nursery.cancel_scope.cancel()
+
+
+async def test_a_call_whose_answer_never_begins_fails_at_max_call_duration_the_session_goes_on(
+        autojump_clock: trio.testing.MockClock) -> None:
+    async def silent(server: Hostile, ex: Exchange) -> None:
+        if ex.rpc == "tools/call":
+            await trio.sleep_forever()  # virtual-time: no head, ever
+        await plain(server, ex)
+
+    with trio.fail_after(10**5):
+        async with trio.open_nursery() as nursery:
+            _, link, receiver = await open_link(nursery, silent)
+            start = trio.current_time()
+            link.send(request(2, "tools/call", {"name": "mine", "arguments": {}}), 2)
+            await receiver.answer(2)
+            assert trio.current_time() - start == link._cfg.max_call_duration
+            assert "within max_call_duration" in receiver.failures[2].message
+            assert not receiver.ended_  # the link lives on
+            link.send(request(3, "tools/list"), 3)
+            await receiver.answer(3)
+            assert receiver.answered(3)
+            nursery.cancel_scope.cancel()
