@@ -1,7 +1,9 @@
 """The ``http`` link's legacy-era robustness against an in-process h11 remote on trio memory
 streams and the MockClock (the harness of the hostile-remote tests): an answer stream that ends
 before its answer resumed with ``Last-Event-ID`` after the server's ``retry``; requests POSTed
-by at most one worker task per request stream, none started per request."""
+by at most one worker task per request stream, none started per request; a call whose answer
+never begins failed at ``max_call_duration``; a 400 saying the session is unknown, to the GET
+stream, ends the session as expired."""
 
 from __future__ import annotations
 
@@ -196,4 +198,30 @@ async def test_a_call_whose_answer_never_begins_fails_at_max_call_duration_the_s
             link.send(request(3, "tools/list"), 3)
             await receiver.answer(3)
             assert receiver.answered(3)
+            nursery.cancel_scope.cancel()
+
+
+async def test_the_get_stream_reopened_to_a_400_saying_the_session_is_unknown_ends_it_expired(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # server-everything answers a GET carrying a session it ended with a 400 and a JSON-RPC
+    # error: the GET stream is not "refused", the session expired (renewed at once).
+    async def forgetting(server: Hostile, ex: Exchange) -> None:
+        if ex.method == "GET" and sum(e.method == "GET" for e in server.seen) == 1:
+            await ex.head(200, [("content-type", "text/event-stream")])
+            await ex.data(b": open\n\n")
+            await ex.stream.send_all(ex.conn.send(h11.EndOfMessage()))  # it ends
+        elif ex.method == "GET":
+            await ex.json({"jsonrpc": "2.0", "id": None, "error": {
+                "code": -32000, "message": "Bad Request: No valid session ID provided"}},
+                status=400)
+        else:
+            await plain(server, ex)
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            server, link, receiver = await open_link(nursery, forgetting)
+            await receiver.wait(lambda: receiver.ended_)
+            assert sum(e.method == "GET" for e in server.seen) == 2
+            end = await link.close()
+            assert end.expired and "no longer knows the session (HTTP 400)" in end.detail, end
             nursery.cancel_scope.cancel()
