@@ -4,14 +4,15 @@
 :data:`OTHER_STREAMS` connections, each kind in order) and hands what comes back, JSON or SSE
 events as they arrive, to the session with the request they answer.  Legacy: ``initialize``
 brings ``Mcp-Session-Id`` and ``MCP-Protocol-Version`` and opens the GET stream (405, or 400/404
-before a session: none); a 404 on the session ends the link as expired (renewed at once);
-:meth:`HttpLink.close` DELETEs it.  A stream that ends before its answer after an event with an
-id is resumed (``Last-Event-ID`` after ``retry``, bounded); a request safe to repeat is POSTed
-again on a 5xx or reset, no other.  A 2026-07-28 request (its ``_meta`` names the version) goes
-with its routing headers (:mod:`~gateway.protocol.mcpheaders`), is cancelled by closing its
-stream, and ``subscriptions/listen`` holds the GET stream's slot.  Header values are read at
-open and on reload, never shown; ``[oauth]`` adds the backend's token (one refetch on a 401);
-a principal's session asks its credential source for its headers before each request.
+before a session: none); a 404 on the session, or a 400 saying it is unknown, ends the link as
+expired (renewed at once); :meth:`HttpLink.close` DELETEs it.  A stream that ends before its
+answer after an event with an id is resumed (``Last-Event-ID`` after ``retry``, bounded); a
+request safe to repeat is POSTed again on a 5xx or reset, no other.  A 2026-07-28 request (its
+``_meta`` names the version) goes with its routing headers (:mod:`~gateway.protocol.mcpheaders`),
+is cancelled by closing its stream, and ``subscriptions/listen`` holds the GET stream's slot.
+Header values are read at open and on reload, never shown; ``[oauth]`` adds the backend's token
+(one refetch on a 401); a principal's session asks its credential source for its headers before
+each request.
 """
 
 from __future__ import annotations
@@ -118,11 +119,13 @@ class _Reset(Exception):
 
 class _Queue:
     """Messages waiting for a stream (bytes, gateway id, sequence number), and the event that
-    wakes their dispatcher."""
+    wakes their dispatcher (the others), or the workers parked waiting for one (the requests)."""
 
     def __init__(self) -> None:
         self.items: deque[tuple[bytes, int | None, int]] = deque()
         self.ready = trio.Event()
+        self.idle = trio.lowlevel.ParkingLot()
+        self.workers = 0
 
 
 class _Peek(msgspec.Struct):
@@ -217,6 +220,32 @@ def _is_listen(data: bytes) -> bool:
         return msgspec.json.decode(data, type=_Peek).method == "subscriptions/listen"
     except _UNREADABLE:
         return False
+
+
+class _ErrorDetail(msgspec.Struct):
+    message: object = None
+
+
+class _ErrorBody(msgspec.Struct):
+    error: _ErrorDetail | None = None
+
+
+#: Words that, beside "session", make a 400's message say the session is unknown.
+_UNKNOWN_WORDS = ("no valid", "invalid", "unknown", "not found", "expired", "terminated")
+
+
+def unknown_session(body: bytes) -> bool:
+    """Whether a 400's body says the session it carried is unknown: its JSON-RPC error's
+    message (else the body as text) names the session with one of :data:`_UNKNOWN_WORDS`."""
+    try:
+        error = msgspec.json.decode(body, type=_ErrorBody).error
+        message = error.message if error is not None else None
+    except _UNREADABLE:
+        message = body[:SNIPPET].decode("ascii", "replace")
+    if not isinstance(message, str):
+        return False
+    text = message[:SNIPPET].lower()
+    return "session" in text and any(word in text for word in _UNKNOWN_WORDS)
 
 
 def read_headers(cfg: BackendConfig, environ: dict[str, str] | None = None
@@ -421,7 +450,20 @@ class HttpLink:
                 self._modern.add(gid)
         queue.items.append((data, gid, self._seq))
         self.buffers.charge(len(data))
-        queue.ready.set()
+        if gid is None:
+            queue.ready.set()
+        else:
+            self._wake_worker()
+
+    def _wake_worker(self) -> None:
+        """A request is queued: an idle worker takes it, else a new one while there are fewer
+        than :data:`REQUEST_STREAMS` (else the first worker done with its request will)."""
+        queue = self._requests
+        if queue.idle:
+            queue.idle.unpark()
+        elif self._nursery is not None and queue.workers < REQUEST_STREAMS:
+            queue.workers += 1
+            self._nursery.start_soon(self._request_worker)
 
     def _cancel_modern(self, data: bytes) -> bool:
         """``notifications/cancelled`` for a modern request: not sent, its stream is closed
@@ -452,26 +494,48 @@ class HttpLink:
     async def run(self, receiver: Receiver) -> None:
         """POST what is sent, read the answers and the GET stream, until cancelled."""
         self._receiver = receiver
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            nursery.start_soon(self._dispatch, self._others, OTHER_STREAMS, False)
-            await self._dispatch(self._requests, REQUEST_STREAMS, True)
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._dispatch, self._others, OTHER_STREAMS)
+                for _ in range(min(len(self._requests.items), REQUEST_STREAMS)):
+                    self._wake_worker()  # what was sent before
+        finally:
+            self._nursery = None  # closed: a request sent now starts no worker
 
-    async def _dispatch(self, queue: _Queue, streams: int, requests: bool) -> None:
-        """Start a POST per queued message, in order, at most ``streams`` at once."""
+    async def _request_worker(self) -> None:
+        """POST the queued requests in order, one at a time (at most :data:`REQUEST_STREAMS`
+        workers: one per request stream), parked while none is queued; a
+        ``subscriptions/listen`` at the front goes on the listen slot in a task of its own
+        when that is free."""
+        assert self._nursery is not None
+        queue = self._requests
+        items = queue.items
+        while True:
+            while not items:
+                await queue.idle.park()
+            data, gid, seq = items.popleft()
+            self.buffers.release(len(data))
+            assert gid is not None  # only requests are queued here
+            if not self._listening and _is_listen(data):
+                self._listening = True
+                self._nursery.start_soon(self._post_request, data, gid, True)
+                continue
+            while any(other < seq for other in self._others_pending):
+                if self._others_done.is_set():
+                    self._others_done = trio.Event()
+                await self._others_done.wait()
+            await self._post_request(data, gid)
+
+    async def _dispatch(self, queue: _Queue, streams: int) -> None:
+        """Start a POST per queued message other than a request, in order, at most ``streams``
+        at once."""
         assert self._nursery is not None
         limiter = trio.CapacityLimiter(streams)
         while True:
             while not queue.items:
                 queue.ready = trio.Event()
                 await queue.ready.wait()
-            if requests and not self._listening and _is_listen(queue.items[0][0]):
-                data, gid, _seq = queue.items.popleft()
-                self.buffers.release(len(data))
-                if gid is not None:
-                    self._listening = True
-                    self._nursery.start_soon(self._post_request, data, gid, None, None)
-                continue
             token = object()
             try:  # a free stream: no checkpoint here (the POST's task is the next hop)
                 limiter.acquire_on_behalf_of_nowait(token)
@@ -480,15 +544,9 @@ class HttpLink:
             if not queue.items:  # dropped meanwhile (the link failed)
                 limiter.release_on_behalf_of(token)
                 continue
-            data, gid, seq = queue.items.popleft()
+            data, _gid, seq = queue.items.popleft()
             self.buffers.release(len(data))
-            if requests and gid is not None:
-                while any(other < seq for other in self._others_pending):
-                    self._others_done = trio.Event()
-                    await self._others_done.wait()
-                self._nursery.start_soon(self._post_request, data, gid, limiter, token)
-            else:
-                self._nursery.start_soon(self._post_other, data, seq, limiter, token)
+            self._nursery.start_soon(self._post_other, data, seq, limiter, token)
 
     def _headers(self, accept: str) -> list[tuple[str, str]]:
         head = [("accept", accept)]
@@ -578,8 +636,8 @@ class HttpLink:
             return await self._exchange_once(data, timeout, repeat, extra, resets, gid)
         try:
             await auth.fresh()
-            sent = auth.token
-            got = await self._exchange_once(data, timeout, repeat, extra, resets, gid)
+            sent: list[str | None] = []  # the token each POST carried
+            got = await self._exchange_once(data, timeout, repeat, extra, resets, gid, sent)
             if got is not None and got[1].status == 403 and isinstance(auth, AuthorizationCode):
                 try:
                     auth.step_up(got[1].headers.get("www-authenticate"))  # may want more scope
@@ -589,8 +647,8 @@ class HttpLink:
             if got is None or got[1].status != 401:
                 return got
             await self._discard(*got)
-            await auth.renew(sent, got[1].headers.get("www-authenticate"))
-            got = await self._exchange_once(data, timeout, repeat, extra, resets, gid)
+            await auth.renew(sent[-1], got[1].headers.get("www-authenticate"))
+            got = await self._exchange_once(data, timeout, repeat, extra, resets, gid, sent)
             if got is None or got[1].status != 401:
                 return got
             await self._discard(*got)
@@ -644,27 +702,31 @@ class HttpLink:
     async def _exchange_once(self, data: bytes, timeout: float,  # noqa: ASYNC109 - deadline
                              repeat: bool = True, extra: list[tuple[str, str]] | None = None,
                              resets: bool = False, gid: int | None = None,
+                             sent: list[str | None] | None = None,
                              ) -> tuple[httpclient.Connection, httpclient.Response] | None:
         """POST ``data``; its connection and answer's head, or None when the remote is gone
         (the link ended).  A kept-alive connection the remote had closed is tried once anew if
-        ``repeat``.
+        ``repeat``.  The headers (the access token among them) are read once a connection is
+        had: a token renewed while it was being opened goes; ``sent`` gets the one that went.
 
         Raises:
             _MayHaveRun: it closed and not ``repeat``.
         """
         target = self._connector.target.target
-        head = [("content-type", "application/json"), *self._headers(_ACCEPT_BOTH),
-                *(extra or ())]
-        if message_headers is not None:
-            head += message_headers(data)
+        auth = self._connector.auth
+        more = [*(extra or ()), *(message_headers(data) if message_headers is not None else ())]
         for _attempt in range(2):
             try:
                 conn = await self._pool.get()
             except httpclient.ConnectFailed as exc:  # request ``gid`` was not sent
                 self._lost(f"cannot reach {self.origin}: {exc.detail}", gid)
                 return None
+            head = [("content-type", "application/json"), *self._headers(_ACCEPT_BOTH)]
+            if sent is not None:
+                sent.append(auth.token if auth is not None else None)
             try:
-                return conn, await conn.request("POST", target, head, data, head_timeout=timeout)
+                return conn, await conn.request("POST", target, head, data, extra=more,
+                                                head_timeout=timeout)
             except trio.Cancelled:
                 await conn.aclose()
                 raise
@@ -711,10 +773,22 @@ class HttpLink:
         it refused."""
         if response.status != 404 or self.session_id is None:
             return False
+        self._expire(f"{self.origin} ended the session (HTTP 404)", unrun)
+        return True
+
+    def _session_unknown(self, response: httpclient.Response, body: bytes,
+                         unrun: int | None = None) -> bool:
+        """A 400 to a request carrying the session whose body says the session is unknown
+        (server-everything's answer for one it ended): as a 404, the link ends as expired."""
+        if response.status != 400 or self.session_id is None or not unknown_session(body):
+            return False
+        self._expire(f"{self.origin} no longer knows the session (HTTP 400)", unrun)
+        return True
+
+    def _expire(self, detail: str, unrun: int | None) -> None:
         if not self._ended:
             self._expired = True
-        self._lost(f"{self.origin} ended the session (HTTP 404)", unrun)
-        return True
+        self._lost(detail, unrun)
 
     async def _post_other(self, data: bytes, seq: int, limiter: trio.CapacityLimiter,
                           token: object) -> None:
@@ -735,7 +809,7 @@ class HttpLink:
             conn, response = got
             self._drop_cancelled(data)
             try:
-                await self._drain(conn, self._max_line)
+                body = await self._drain(conn, self._max_line)
             except httpclient.HttpFailure as exc:
                 await conn.aclose()
                 if isinstance(exc, httpclient.HttpTimeout):
@@ -743,19 +817,18 @@ class HttpLink:
                     LOGGER.warning("backend %s: %s", self._ctx.instance, self.last_error)
                 return
             await self._pool.put(conn)
-            if not self._session_gone(response) and response.status >= 300:
+            if (not self._session_gone(response) and not self._session_unknown(response, body)
+                    and response.status >= 300):
                 self.last_error = f"{self.origin} answered HTTP {response.status} to a message"
                 LOGGER.warning("backend %s: %s", self._ctx.instance, self.last_error)
         finally:
             limiter.release_on_behalf_of(token)
 
-    async def _post_request(self, data: bytes, gid: int, limiter: trio.CapacityLimiter | None,
-                            token: object) -> None:
+    async def _post_request(self, data: bytes, gid: int, listen: bool = False) -> None:
         """POST a request and hand its answer stream to the session; the stream is dropped
         when the gateway cancels the call (``notifications/cancelled`` for it was POSTed, or
-        for a modern request would have been) or after ``max_call_duration``.  Without a
-        ``limiter``: the ``subscriptions/listen`` on the listen slot, open as long as the
-        remote keeps it."""
+        for a modern request would have been) or after ``max_call_duration``.  ``listen``:
+        the ``subscriptions/listen`` on the listen slot, open as long as the remote keeps it."""
         modern = modern_request(data, self._tool_params)
         extra: list[tuple[str, str]] | None = None
         if modern is not None:
@@ -768,8 +841,7 @@ class HttpLink:
         self._methods[gid] = method
         conn: httpclient.Connection | None = None
         kept = False
-        deadline = (math.inf if limiter is None
-                    else trio.current_time() + self._cfg.max_call_duration)
+        deadline = math.inf if listen else trio.current_time() + self._cfg.max_call_duration
         try:
             if gid in self._dropped_early:  # cancelled before its turn: never sent
                 self._dropped_early.discard(gid)
@@ -778,7 +850,7 @@ class HttpLink:
             with trio.CancelScope(deadline=deadline) as scope:
                 self._streams[gid] = scope
                 try:
-                    got = await self._exchange_retried(data, gid, method, extra)
+                    got = await self._exchange_retried(data, gid, method, extra, listen)
                 except _NoCredentials as exc:
                     self.last_error = exc.cause.detail
                     if self._receiver is not None:
@@ -814,11 +886,8 @@ class HttpLink:
             self._tool_lists.discard(gid)
             if conn is not None and not kept:
                 await conn.aclose()
-            if limiter is None:
+            if listen:
                 self._listening = False
-                self._requests.ready.set()  # a listen waiting for the slot may go now
-            else:
-                limiter.release_on_behalf_of(token)
 
     def _cancelled_answer(self, gid: int) -> None:
         """Its answer cannot come now: the abandoned call leaves the attribution set."""
@@ -846,6 +915,8 @@ class HttpLink:
             self.session_id = sid
         if response.status != 200:
             body = await self._drain(conn, self._max_line)
+            if self._session_unknown(response, body, gid):
+                return
             if response.content_type == "application/json" and _answers(body, gid):
                 receiver.message(body, gid)  # a JSON-RPC error answering the call
             elif probe:
@@ -862,27 +933,30 @@ class HttpLink:
         broke = False  # the event stream broke rather than ended (the remote may be gone)
         if response.content_type == "text/event-stream":
             decoder = SseDecoder(self._max_line + SSE_OVERHEAD)
-            with trio.CancelScope() as tail:  # after the answer: ANSWER_TAIL more at most
-                try:
-                    while (chunk := await conn.chunk()) is not None:
-                        try:
-                            events = decoder.feed(chunk)
-                        except EventTooLarge:
-                            await conn.aclose()
-                            self._too_large(gid)
-                            return
-                        for event in events:
-                            answered |= self._deliver(event, gid, initialize)
-                        if answered and tail.deadline == math.inf:
-                            tail.deadline = trio.current_time() + ANSWER_TAIL
-                except httpclient.ConnectionLost:
-                    if answered or not self._resumable(decoder):
-                        raise
-                    broke = True
-            if tail.cancelled_caught:
+            try:
+                answered = await self._events(conn, decoder, gid, initialize, until_answer=True)
+            except httpclient.ConnectionLost:
+                if not self._resumable(decoder):
+                    raise
+                broke = True
+            except EventTooLarge:
                 await conn.aclose()
+                self._too_large(gid)
                 return
-            if not answered and self._resumable(decoder):
+            if answered and conn.ended:
+                await conn.chunk()  # its end, read already (no wait)
+            elif answered:  # the rest of the stream: ANSWER_TAIL more at most
+                with trio.move_on_after(ANSWER_TAIL) as tail:
+                    try:
+                        await self._events(conn, decoder, gid, initialize)
+                    except EventTooLarge:
+                        await conn.aclose()
+                        self._too_large(gid)
+                        return
+                if tail.cancelled_caught:
+                    await conn.aclose()
+                    return
+            elif self._resumable(decoder):
                 await conn.aclose()
                 await self._resume(gid, decoder, broke, initialize)
                 return
@@ -902,6 +976,23 @@ class HttpLink:
         if not answered:
             self._call_failed(gid, f"the answer stream from {self.origin} ended without the "
                                    "answer")
+
+    async def _events(self, conn: httpclient.Connection, decoder: SseDecoder, gid: int,
+                      initialize: bool, *, until_answer: bool = False) -> bool:
+        """Hand each event of an answer stream to the session (:meth:`_deliver`), to the
+        stream's end or, ``until_answer``, the end of the bytes that brought the answer;
+        whether the answer came.
+
+        Raises:
+            EventTooLarge, httpclient.HttpFailure.
+        """
+        answered = False
+        while (chunk := await conn.chunk()) is not None:
+            for event in decoder.feed(chunk):
+                answered |= self._deliver(event, gid, initialize)
+            if answered and until_answer:
+                return True
+        return answered
 
     def _deliver(self, data: bytes, gid: int, initialize: bool) -> bool:
         """Hand ``data`` to the session as caused by ``gid``; whether it was its reply.  A reply
@@ -957,15 +1048,18 @@ class HttpLink:
 
     async def _exchange_retried(self, data: bytes, gid: int, method: str | None,
                                 extra: list[tuple[str, str]] | None = None,
+                                listen: bool = False,
                                 ) -> tuple[httpclient.Connection, httpclient.Response] | None:
         """:meth:`_exchange` for a request; one :data:`SAFE_TO_REPEAT` is POSTed again, up to
         :data:`RETRIES` times after a pause, when a 5xx (:data:`RETRY_STATUSES`) or a reset
         answers it.  The last answer is returned as it came; resets each time fail the call.
+        The answer's head is awaited within ``max_call_duration`` by the call's own deadline
+        (:meth:`_post_request`), not a second one; the ``listen`` has none: here.
 
         Raises:
             _MayHaveRun: as :meth:`_exchange`, for a request not safe to repeat.
         """
-        timeout = self._cfg.max_call_duration
+        timeout = self._cfg.max_call_duration if listen else math.inf
         if method not in SAFE_TO_REPEAT:
             return await self._exchange(data, timeout, False, extra, gid=gid)
         for attempt in range(RETRIES + 1):
@@ -1038,7 +1132,10 @@ class HttpLink:
                     await conn.aclose()
                     return
                 if response.status != 200 or response.content_type != "text/event-stream":
+                    body = await self._drain(conn, self._max_line)
                     await conn.aclose()
+                    if self._session_unknown(response, body):
+                        return
                     self._call_failed(gid, f"{self.origin} answered HTTP {response.status} to "
                                            "resuming the answer stream",
                                       retryable=self._methods.get(gid) in SAFE_TO_REPEAT)
@@ -1163,8 +1260,11 @@ class HttpLink:
                     continue
                 renewed = False
                 if response.status != 200 or response.content_type != "text/event-stream":
+                    body = await self._drain(conn, self._max_line)
                     await conn.aclose()
-                    self._lost(f"{self.origin} refused the GET stream (HTTP {response.status})")
+                    if not self._session_unknown(response, body):
+                        self._lost(f"{self.origin} refused the GET stream "
+                                   f"(HTTP {response.status})")
                     return
                 decoder = SseDecoder(self._max_line + SSE_OVERHEAD, last_id, retry)
                 try:

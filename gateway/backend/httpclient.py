@@ -116,20 +116,24 @@ class Response:
         return self.headers.get("content-type", "").split(";")[0].strip().lower()
 
 
-#: Request heads written without h11, by method, target and headers (the same for every call
-#: of a session), kept by each pool (they may hold credentials: they go with it): at most
-#: this many, emptied when full, each of at most :data:`HEAD_CACHED_MAX` bytes (a bigger one,
-#: such as a routing header carrying a large argument, is encoded each time).
+#: Request heads written without h11, by method, target and stable headers (the same for
+#: every call of a session; a request's own, such as routing or trace headers, are encoded
+#: each time after them), kept by each pool (they may hold credentials: they go with it): at
+#: most this many, emptied when full, each of at most :data:`HEAD_CACHED_MAX` bytes.
 HEADS_MAX = 64
 HEAD_CACHED_MAX = 16384
+#: Answers' heads parsed, by their bytes (a remote sends the same head but for its ``Date``'s
+#: second), kept by each pool: at most this many (each under :data:`MAX_HEAD`), emptied when
+#: full.
+ANSWER_HEADS_MAX = 16
 Heads = dict[tuple[str, str, tuple[tuple[str, str], ...]], bytes]
 
 
-def _common_head(method: str, target: str, head: list[tuple[str, str]], body: bytes,
-                 cache: Heads) -> bytes | None:
-    """The request's head as h11 writes it (``content-length`` last, as :meth:`Connection.request`
-    adds it), or None when it is not of the common shape; each head checked and encoded once
-    while in ``cache``."""
+def _common_head(method: str, target: str, head: list[tuple[str, str]],
+                 extra: list[tuple[str, str]], body: bytes, cache: Heads) -> bytes | None:
+    """The request's head as h11 writes it (``extra`` after ``head``, ``content-length`` last,
+    as :meth:`Connection.request` adds them), or None when it is not of the common shape;
+    ``head`` checked and encoded once while in ``cache``."""
     if method not in _LEAN_METHODS:
         return None
     key = (method, target, tuple(head))
@@ -142,9 +146,15 @@ def _common_head(method: str, target: str, head: list[tuple[str, str]], body: by
             if len(cache) >= HEADS_MAX:
                 cache.clear()
             cache[key] = raw
+    more = b""
+    if extra:
+        lines = http1.header_lines(extra)
+        if lines is None:
+            return None
+        more = lines
     if body or method in ("POST", "PUT"):
-        return raw[:-2] + b"content-length: %d\r\n\r\n" % len(body)
-    return raw
+        more += b"content-length: %d\r\n" % len(body)
+    return raw[:-2] + more + b"\r\n" if more else raw
 
 
 class Connection:
@@ -170,14 +180,19 @@ class Connection:
         self.idle_since = 0.0
 
     async def _receive(self, deadline: float) -> bytes:
+        if deadline == math.inf:  # no deadline: no cancel scope either
+            return await self._receive_some()
         with trio.move_on_at(deadline):
-            try:
-                return bytes(await self.stream.receive_some(READ_CHUNK))
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                self.broken = True
-                raise ConnectionLost(f"the connection broke: {exc.__cause__ or exc}") from None
+            return await self._receive_some()
         self.broken = True
         raise HttpTimeout("the remote sent nothing in time")
+
+    async def _receive_some(self) -> bytes:
+        try:
+            return bytes(await self.stream.receive_some(READ_CHUNK))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            self.broken = True
+            raise ConnectionLost(f"the connection broke: {exc.__cause__ or exc}") from None
 
     async def _event(self, deadline: float) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
         conn = self._h11
@@ -193,16 +208,20 @@ class Connection:
             conn.receive_data(await self._receive(deadline))
 
     async def request(self, method: str, target: str, headers: list[tuple[str, str]],
-                      body: bytes = b"", *, head_timeout: float = math.inf) -> Response:
-        """Send a request and read its answer's head (within ``head_timeout`` seconds).
+                      body: bytes = b"", *, extra: list[tuple[str, str]] | None = None,
+                      head_timeout: float = math.inf) -> Response:
+        """Send a request (``extra``: headers of its own after ``headers``, not cached) and
+        read its answer's head (within ``head_timeout`` seconds).
 
         Raises:
             ConnectionLost, HttpTimeout.
         """
         head = [("host", self.authority), *headers]
-        raw = (_common_head(method, target, head, body,
+        raw = (_common_head(method, target, head, extra or [], body,
                             self._pool.heads if self._pool is not None else {})
                if self._h11 is None else None)
+        if extra:
+            head += extra
         if body or method in ("POST", "PUT"):
             head.append(("content-length", str(len(body))))
         if raw is None:
@@ -240,14 +259,27 @@ class Connection:
                 self.broken = True
                 raise ConnectionLost("the connection closed before an answer")
             buf += data
-        parsed = http1.parse_response_head(bytes(buf[:end + 2])) if end < MAX_HEAD else None
+        parsed = self._parse_head(bytes(buf[:end + 2])) if end < MAX_HEAD else None
         if parsed is None:
             return await self._to_h11(deadline)
         del buf[:end + 4]
         self._sent = None  # h11 will not need it: not kept while the connection idles
         self._body = http1.BodyReader(parsed.length)
         self._keep = not parsed.close
-        return Response(parsed.status, parsed.headers)
+        return Response(parsed.status, dict(parsed.headers))
+
+    def _parse_head(self, raw: bytes) -> http1.ResponseHead | None:
+        """:func:`http1.parse_response_head`, once per distinct head while in the pool's
+        :attr:`Pool.answers`."""
+        cache = self._pool.answers if self._pool is not None else None
+        parsed = cache.get(raw) if cache is not None else None
+        if parsed is None:
+            parsed = http1.parse_response_head(raw)
+            if parsed is not None and cache is not None:
+                if len(cache) >= ANSWER_HEADS_MAX:
+                    cache.clear()
+                cache[raw] = parsed
+        return parsed
 
     async def _to_h11(self, deadline: float) -> Response:
         """From now on h11 serves this connection: told the request sent, given what came."""
@@ -318,13 +350,29 @@ class Connection:
         Raises:
             BodyTooLarge, ConnectionLost, HttpTimeout.
         """
-        data = bytearray()
-        while (chunk := await self.chunk(idle_timeout)) is not None:
+        first = await self.chunk(idle_timeout)
+        if first is None:
+            return b""
+        if len(first) > limit:
+            self.broken = True
+            raise BodyTooLarge(f"a body of more than {limit} bytes")
+        chunk = await self.chunk(idle_timeout)
+        if chunk is None:
+            return first  # the whole body came at once (a JSON answer, as a rule): no copy
+        data = bytearray(first)
+        while chunk is not None:
             data += chunk
             if len(data) > limit:
                 self.broken = True
                 raise BodyTooLarge(f"a body of more than {limit} bytes")
+            chunk = await self.chunk(idle_timeout)
         return bytes(data)
+
+    @property
+    def ended(self) -> bool:
+        """The answer's body is all read (the next :meth:`chunk` returns None at once); False
+        when not known without a read (h11 serving it)."""
+        return self._h11 is None and (self._body is None or self._body.done)
 
     def reusable(self) -> bool:
         """Ready for the next exchange (answer read to its end, keep-alive on both sides)."""
@@ -364,6 +412,7 @@ class Pool:
         self._idle: list[Connection] = []
         self.open: set[Connection] = set()  # every connection not closed yet, idle or in use
         self.heads: Heads = {}  # request heads encoded once (HEADS_MAX)
+        self.answers: dict[bytes, http1.ResponseHead] = {}  # heads parsed (ANSWER_HEADS_MAX)
         self.closed = False
 
     async def connect(self) -> Connection:

@@ -135,7 +135,16 @@ def request_head(method: str, target: str, headers: list[tuple[str, str]]) -> by
     caller lets h11 refuse it)."""
     if _TARGET.fullmatch(target) is None:
         return None
-    parts = [f"{method} {target} HTTP/1.1\r\n".encode("ascii")]
+    lines = header_lines(headers)
+    if lines is None:
+        return None
+    return f"{method} {target} HTTP/1.1\r\n".encode("ascii") + lines + b"\r\n"
+
+
+def header_lines(headers: list[tuple[str, str]]) -> bytes | None:
+    """``headers`` as h11 writes them, each line with its CRLF; None when one is not a header
+    h11 would send as it is."""
+    parts = []
     for name, value in headers:
         try:
             raw_name, raw_value = name.encode("ascii"), value.encode("ascii")
@@ -144,7 +153,6 @@ def request_head(method: str, target: str, headers: list[tuple[str, str]]) -> by
         if _NAME.fullmatch(raw_name) is None or _SEND_VALUE.fullmatch(raw_value) is None:
             return None
         parts.append(b"%s: %s\r\n" % (raw_name, raw_value))
-    parts.append(b"\r\n")
     return b"".join(parts)
 
 
@@ -163,23 +171,25 @@ def parse_response_head(head: bytes) -> ResponseHead | None:
     headers: dict[str, str] = {}
     length: int | None = None
     chunked = close = False
-    for raw_name, raw_value in _FIELD.findall(block):
+    # checked above: lines of ``name:value`` in visible ASCII (and tabs), each ending in CRLF
+    for field in block.decode("ascii").split("\r\n")[:-1]:
+        raw_name, _, raw_value = field.partition(":")
         name = raw_name.lower()
-        value = raw_value.strip(b" \t")
-        if name == b"content-length":
+        value = raw_value.strip(" \t")
+        if name == "content-length":
             if length is not None or not (value.isdigit() and len(value) <= _MAX_DIGITS):
                 return None
             length = int(value)
-        elif name == b"transfer-encoding":
-            if chunked or value.lower() != b"chunked":
+        elif name == "transfer-encoding":
+            if chunked or value.lower() != "chunked":
                 return None
             chunked = True
-        elif name == b"connection":
-            tokens = {t.strip(b" \t") for t in value.lower().split(b",")}
-            if not tokens <= {b"keep-alive", b"close"}:
+        elif name == "connection":
+            tokens = {t.strip(" \t") for t in value.lower().split(",")}
+            if not tokens <= {"keep-alive", "close"}:
                 return None
-            close = close or b"close" in tokens
-        headers[name.decode("ascii")] = value.decode("ascii")
+            close = close or "close" in tokens
+        headers[name] = value
     status = int(line[1])
     if status in (204, 304):
         if chunked or length:

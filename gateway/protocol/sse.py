@@ -12,8 +12,11 @@ the last event id (:attr:`SseDecoder.last_id`, an id of printable ASCII within
 
 from __future__ import annotations
 
+import re
+
 #: An event id kept for resuming (sent back as ``Last-Event-ID``): its most bytes.
 MAX_EVENT_ID = 256
+_PRINTABLE = re.compile(rb"[\x20-\x7e]*")
 
 
 class EventTooLarge(Exception):
@@ -37,20 +40,19 @@ class SseDecoder:
         self.last_id = last_id  # the last event id seen (None: not resumable)
         self.retry = retry  # the last ``retry`` field, in milliseconds
 
-    def _fields(self, event: bytes) -> None:
-        """Note an event's ``id`` and ``retry`` fields (an id with a NUL is ignored, as SSE
-        says; one too long or not printable ASCII cannot be sent back: not resumable)."""
-        for line in event.split(b"\n"):
-            if line.startswith(b"id:"):
-                value = line[3:].removeprefix(b" ")
-                if b"\0" in value:
-                    continue
-                ok = len(value) <= MAX_EVENT_ID and all(0x20 <= c < 0x7F for c in value)
-                self.last_id = value.decode("ascii") if ok and value else None
-            elif line.startswith(b"retry:"):
-                value = line[6:].removeprefix(b" ")
-                if value.isdigit() and len(value) <= 9:
-                    self.retry = int(value)
+    def _field(self, line: bytes) -> None:
+        """Note an ``id`` or ``retry`` field (an id with a NUL is ignored, as SSE says; one too
+        long or not printable ASCII cannot be sent back: not resumable)."""
+        if line.startswith(b"id:"):
+            value = line[3:].removeprefix(b" ")
+            if b"\0" in value:
+                return
+            ok = len(value) <= MAX_EVENT_ID and _PRINTABLE.fullmatch(value) is not None
+            self.last_id = value.decode("ascii") if ok and value else None
+        elif line.startswith(b"retry:"):
+            value = line[6:].removeprefix(b" ")
+            if value.isdigit() and len(value) <= 9:
+                self.retry = int(value)
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """The data of every event ``chunk`` completes, in order.
@@ -67,11 +69,16 @@ class SseDecoder:
         start = 0
         while (end := buf.find(b"\n\n", max(start, self._scan))) >= 0:
             event, start = bytes(buf[start:end]), end + 2
-            if b"id:" in event or b"retry:" in event:
-                self._fields(event)
-            data = [line[5:].removeprefix(b" ") for line in event.split(b"\n")
-                    if line.startswith(b"data:")]
-            if any(line.strip() for line in data):
+            data: list[bytes] = []
+            for line in event.split(b"\n"):  # each line once, its fields in order
+                if line.startswith(b"data:"):
+                    data.append(line[5:].removeprefix(b" "))
+                elif line.startswith((b"id:", b"retry:")):
+                    self._field(line)
+            if len(data) == 1:
+                if data[0].strip():
+                    out.append(data[0])
+            elif any(line.strip() for line in data):
                 out.append(b"\n".join(data))
         del buf[:start]
         self._scan = max(0, len(buf) - 1)

@@ -270,6 +270,39 @@ async def test_an_expired_session_is_renewed_at_once_with_the_subscriptions_repl
     assert seen[-1].headers.get("mcp-session-id") == "s2"
 
 
+async def test_a_400_saying_the_session_is_unknown_renews_it_at_once_as_a_404_does() -> None:
+    # server-everything answers a request carrying a session it ended with a 400 whose JSON-RPC
+    # error names the request: as a 404, a new session at once (no BACKOFF), the call refused
+    # retryable; a 400 saying something else is that call's failure and the session goes on.
+    server = RemoteServer(forget_with_400=True)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        cfg = make_config(remote(server.port, restart=FAST_RESTART))
+        with trio.fail_after(20):
+            async with run_gateway(cfg) as gw, connect(gw.url) as c:
+                assert text_of(await c.call("ev__echo", {"n": 1})) == '{"n": 1}'
+                server.refuse["tools/call"] = [400]
+                r = await c.call("ev__echo", {"n": 2})
+                assert "HTTP 400" in r["error"]["message"], r
+                assert text_of(await c.call("ev__echo", {"n": 3})) == '{"n": 3}'
+                inst = await wait_instance(gw.bound.admin_port, lambda i: True)
+                assert inst["restarts"] == 0, inst
+                mark = gw.events.count
+                server.expire()
+                r = await c.call("ev__echo", {"n": 4})
+                assert r["error"]["code"] == -32004 and r["error"]["data"]["retryable"], r
+                inst = await wait_instance(
+                    gw.bound.admin_port, lambda i: i["state"] == "RUNNING" and i["restarts"] == 1)
+                assert text_of(await c.call("ev__echo", {"n": 5})) == '{"n": 5}'
+                states = [(e.old, e.new) for e in gw.events.of(BackendStateChanged, mark)]
+        nursery.cancel_scope.cancel()
+    assert states == [("RUNNING", "STARTING"), ("STARTING", "RUNNING")], states
+    assert inst["last_exit"].startswith("session expired"), inst
+    assert "no longer knows the session (HTTP 400)" in inst["last_exit"], inst
+    inits = [s for s in server.seen if s.method == "POST" and s.body.get("method") == "initialize"]
+    assert len(inits) == 2 and "mcp-session-id" not in inits[1].headers
+
+
 async def test_a_remote_answering_503_or_ending_a_stream_early_as_the_client_sees_it() -> None:
     # A 503 to tools/list at the handshake: repeated, the start goes on; a 503 to a tool call:
     # a -32001 naming the status, not retryable, the call POSTed once; a call whose event stream

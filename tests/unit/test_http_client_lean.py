@@ -122,8 +122,17 @@ async def test_requests_are_the_bytes_h11_writes_and_unusual_heads_h11_refuses()
     assert http1.request_head("POST", "/mcp?x=1", head) == by_h11
     cache: httpclient.Heads = {}
     for _ in range(2):  # encoded once, then from the cache with this request's length
-        assert httpclient._common_head("POST", "/mcp?x=1", head[:-1], b"{}", cache) == by_h11
+        assert httpclient._common_head("POST", "/mcp?x=1", head[:-1], [], b"{}", cache) == by_h11
         assert len(cache) == 1
+    # a request's own headers follow the cached stable part, encoded each time, not kept
+    for value in ("Bearer x\ty", "Bearer z"):
+        own = [("authorization", value)]
+        assert httpclient._common_head("POST", "/mcp?x=1", head[:-2], own, b"{}", cache) == \
+            h11.Connection(h11.CLIENT).send(h11.Request(
+                method="POST", target="/mcp?x=1", headers=[*head[:-2], *own, head[-1]]))
+    assert len(cache) == 2
+    assert httpclient._common_head("POST", "/mcp", head[:-2], [("x-bad", "a\r\nb")], b"{}",
+                                   cache) is None
     for name, value in (("x-bad", "a\r\nx-injected: 1"), ("x-bad", "caf\u00e9"), ("bad name", "1")):
         assert http1.request_head("POST", "/mcp", [(name, value)]) is None
         client, _server = trio.testing.memory_stream_pair()
@@ -159,3 +168,30 @@ async def test_pool_keeps_a_bursts_connections_and_closes_the_stale_first(
     await trio.sleep(httpclient.IDLE_TTL / 2)
     assert await pool.get() is fresh
     assert pool.open == {fresh}  # the 11 idle past IDLE_TTL were closed, oldest first
+
+
+async def test_answer_heads_are_parsed_once_per_pool_within_its_bound() -> None:
+    async with trio.open_nursery() as nursery:
+        async def serve(stream: trio.abc.Stream) -> None:
+            n = 0
+            while await stream.receive_some(65536):
+                n += 1  # the same head twice, then another one
+                await stream.send_all(b"HTTP/1.1 200 OK\r\nx-n: %d\r\ncontent-length: 2\r\n\r\n{}"
+                                      % (n // 2))
+
+        async def opener(host: str, port: int) -> trio.abc.Stream:
+            client, server = trio.testing.memory_stream_pair()
+            nursery.start_soon(serve, server)
+            return client
+
+        pool = httpclient.Pool(httpclient.parse_url("http://remote:1/mcp"), connect_timeout=1,
+                               idle_max=1, opener=opener)
+        conn = await pool.get()
+        for n in range(2 * httpclient.ANSWER_HEADS_MAX + 4):
+            response = await conn.request("POST", "/mcp", [], b"{}")
+            assert response.headers == {"x-n": str((n + 1) // 2), "content-length": "2"}
+            response.headers["x-n"] = "changed"  # a caller's copy: the pool's is untouched
+            assert await conn.body(10) == b"{}" and conn.reusable()
+            assert 1 <= len(pool.answers) <= httpclient.ANSWER_HEADS_MAX
+        await pool.aclose()
+        nursery.cancel_scope.cancel()

@@ -1,6 +1,9 @@
 """The ``http`` link's legacy-era robustness against an in-process h11 remote on trio memory
 streams and the MockClock (the harness of the hostile-remote tests): an answer stream that ends
-before its answer resumed with ``Last-Event-ID`` after the server's ``retry``."""
+before its answer resumed with ``Last-Event-ID`` after the server's ``retry``; requests POSTed
+by at most one worker task per request stream, none started per request; a call whose answer
+never begins failed at ``max_call_duration``; a 400 saying the session is unknown, to the GET
+stream, ends the session as expired."""
 
 from __future__ import annotations
 
@@ -126,4 +129,99 @@ async def test_safe_requests_are_retried_on_5xx_and_resets_a_tool_call_never(
             await receiver.wait(lambda: receiver.answered(5) or 5 in receiver.failures)
             assert receiver.answered(5) and len(times["resources/read"]) == 3
             assert not receiver.ended_  # none of it ended the session
+            nursery.cancel_scope.cancel()
+
+
+def test_a_400_body_says_the_session_is_unknown_only_when_it_names_it() -> None:
+    def error(message: object) -> bytes:
+        return json.dumps({"jsonrpc": "2.0", "id": 1,
+                           "error": {"code": -32000, "message": message}}).encode()
+
+    assert http.unknown_session(error("Bad Request: No valid session ID provided"))
+    assert http.unknown_session(error("Session not found"))
+    assert http.unknown_session(b"unknown session id")  # not JSON: the body as text
+    assert not http.unknown_session(error("Bad Request: invalid params"))
+    assert not http.unknown_session(error({"session": "unknown"}))  # not a message
+    assert not http.unknown_session(b"Bad Request")
+    assert not http.unknown_session(b"")
+
+
+async def test_requests_wait_in_order_for_one_of_the_request_stream_workers_none_per_call(
+        autojump_clock: trio.testing.MockClock) -> None:
+    release = trio.Event()
+
+    async def holding(server: Hostile, ex: Exchange) -> None:
+        if ex.rpc == "tools/call":
+            await release.wait()
+        await plain(server, ex)
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            server, link, receiver = await open_link(nursery, holding)
+            assert link._nursery is not None
+            burst = list(range(10, 10 + http.REQUEST_STREAMS + 5))
+            for gid in burst:
+                link.send(request(gid, "tools/call", {"name": "mine", "arguments": {}}), gid)
+            while len(server.posted("tools/call")) < http.REQUEST_STREAMS:
+                await server.changed.wait()
+            await trio.sleep(5)
+            held = {ex.body["id"] for ex in server.posted("tools/call")}
+            assert held == set(burst[:http.REQUEST_STREAMS])  # the first ones; the rest wait
+            assert link._requests.workers == http.REQUEST_STREAMS
+            tasks = len(link._nursery.child_tasks)
+            release.set()
+            await receiver.wait(lambda: all(receiver.answered(gid) for gid in burst))
+            for gid in range(100, 120):  # one by one: each taken by a parked worker
+                link.send(request(gid, "tools/list"), gid)
+                await receiver.answer(gid)
+            assert len(link._nursery.child_tasks) <= tasks
+            assert link._requests.workers == http.REQUEST_STREAMS and not receiver.failures
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_call_whose_answer_never_begins_fails_at_max_call_duration_the_session_goes_on(
+        autojump_clock: trio.testing.MockClock) -> None:
+    async def silent(server: Hostile, ex: Exchange) -> None:
+        if ex.rpc == "tools/call":
+            await trio.sleep_forever()  # virtual-time: no head, ever
+        await plain(server, ex)
+
+    with trio.fail_after(10**5):
+        async with trio.open_nursery() as nursery:
+            _, link, receiver = await open_link(nursery, silent)
+            start = trio.current_time()
+            link.send(request(2, "tools/call", {"name": "mine", "arguments": {}}), 2)
+            await receiver.answer(2)
+            assert trio.current_time() - start == link._cfg.max_call_duration
+            assert "within max_call_duration" in receiver.failures[2].message
+            assert not receiver.ended_  # the link lives on
+            link.send(request(3, "tools/list"), 3)
+            await receiver.answer(3)
+            assert receiver.answered(3)
+            nursery.cancel_scope.cancel()
+
+
+async def test_the_get_stream_reopened_to_a_400_saying_the_session_is_unknown_ends_it_expired(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # server-everything answers a GET carrying a session it ended with a 400 and a JSON-RPC
+    # error: the GET stream is not "refused", the session expired (renewed at once).
+    async def forgetting(server: Hostile, ex: Exchange) -> None:
+        if ex.method == "GET" and sum(e.method == "GET" for e in server.seen) == 1:
+            await ex.head(200, [("content-type", "text/event-stream")])
+            await ex.data(b": open\n\n")
+            await ex.stream.send_all(ex.conn.send(h11.EndOfMessage()))  # it ends
+        elif ex.method == "GET":
+            await ex.json({"jsonrpc": "2.0", "id": None, "error": {
+                "code": -32000, "message": "Bad Request: No valid session ID provided"}},
+                status=400)
+        else:
+            await plain(server, ex)
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            server, link, receiver = await open_link(nursery, forgetting)
+            await receiver.wait(lambda: receiver.ended_)
+            assert sum(e.method == "GET" for e in server.seen) == 2
+            end = await link.close()
+            assert end.expired and "no longer knows the session (HTTP 400)" in end.detail, end
             nursery.cancel_scope.cancel()

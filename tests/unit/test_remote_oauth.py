@@ -30,11 +30,11 @@ URL = "http://localhost:8080/mcp"
 SECRET = "s3cr3t:with/odd+chars"
 
 
-async def start(nursery: trio.Nursery, net: Net, oauth: str, tmp_path: Any
-                ) -> tuple[http.HttpConnector, http.HttpLink, Recorder]:
+async def start(nursery: trio.Nursery, net: Net, oauth: str, tmp_path: Any,
+                opener: Any = None) -> tuple[http.HttpConnector, http.HttpLink, Recorder]:
     text = f'[backends.r]\nurl = "{URL}"\n[backends.r.oauth]\nclient_id = "gw-client"\n{oauth}'
     cfg = config.load(text, base_dir=str(tmp_path)).backends["r"]
-    connector = http.HttpConnector(cfg, opener=net.open, name="r")
+    connector = http.HttpConnector(cfg, opener=opener or net.open, name="r")
     ctx = LinkContext(backend="r", instance="r#1", bus=EventBus(), max_line=65536,
                       buffers=ByteBudget(10**7).open("r"))
     link = await connector.open(ctx)
@@ -136,6 +136,36 @@ async def test_post_with_token_url_a_401_fetches_once_more_then_the_call_fails(
         assert "refused an access token fetched 1s before (HTTP 401)" in \
             receiver.failures[3].message
         assert receiver.ended_
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_post_carries_the_token_renewed_while_its_connection_was_opened(
+        autojump_clock: trio.testing.MockClock, tmp_path: Any) -> None:
+    auth = AuthServer(AS, secret=SECRET)
+    revoked: set[str] = set()
+    remote = ProtectedRemote(URL, AS, lambda tok: tok in auth.issued and tok not in revoked)
+    slow = trio.Event()  # set: a connection to the remote takes 5 s to open
+
+    async def opener(host: str, port: int) -> trio.abc.Stream:
+        if slow.is_set() and port == 8080:
+            await trio.sleep(5)
+        return await net.open(host, port)
+
+    oauth = secret_file(tmp_path) + f'token_url = "{AS}/token"\n'
+    async with trio.open_nursery() as nursery:
+        net = Net(nursery, {"127.0.0.1:9000": auth, "localhost:8080": remote})
+        connector, link, receiver = await start(nursery, net, oauth, tmp_path, opener)
+        assert connector.auth is not None and auth.issued == ["tok-1"]
+        await trio.sleep(60)  # the idle connections are gone: the next POST opens one
+        slow.set()
+        link.send(request(2, "tools/call"), 2)
+        await trio.sleep(1)  # while it is being opened, the token is renewed (tok-1 revoked)
+        revoked.add("tok-1")
+        await connector.auth.renew("tok-1", None)
+        await receiver.answer(2)
+        assert 2 not in receiver.failures and auth.issued == ["tok-1", "tok-2"]
+        assert remote.unauthorized == 0  # not sent with the token read before the wait
+        assert remote.seen[-1] == ("tools/call", "Bearer tok-2")
         nursery.cancel_scope.cancel()
 
 
