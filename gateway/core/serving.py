@@ -130,7 +130,7 @@ class Served:
         self.label = mcp.method_label(env.method)
         self.size = size
         self.reply = reply
-        self.started = trio.current_time()
+        self.started = session.now()
         self.mode = _INLINE
         self.ended = False  # answered, or dropped unanswered (a retry took its id over)
         self.scope: trio.CancelScope | None = None  # served in a task
@@ -176,7 +176,7 @@ class Served:
             req.counted = True
             ports.bus.emit(RequestStarted(session.conn_id, self.label, backend.name))
         self.backend, self.inst, self.child = backend, inst, child
-        self.forwarded_at = trio.current_time()
+        self.forwarded_at = session.now()
         self.mode = _FORWARDED
         trace = req.trace
         try:
@@ -208,7 +208,7 @@ class Served:
         self.call = None
         if self.req.trace is not None:
             self.req.trace.call_done(None if error is None else error.code)
-        now = trio.current_time()
+        now = self.session.now()
         self.req.backend_time = now - self.forwarded_at
         self.backend.release(self.inst, self.session)
         if (isinstance(error, errors.NotDelivered) and not self.retried and self.target is not None
@@ -279,7 +279,7 @@ class Served:
             ports.connections_changed()
         principal = session.principal
         if now is None:
-            now = trio.current_time()
+            now = session.now()
         if req.trace is not None:
             req.trace.end(outcome, code, req.backend, req.tool)
         ports.bus.emit(RequestFinished(session.conn_id, self.label, req.backend, outcome, code,
