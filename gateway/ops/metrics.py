@@ -206,11 +206,14 @@ _SUM = len(_LE)
 
 
 def _observe(series: dict[tuple[str, ...], _Buckets], key: tuple[str, ...], value: float) -> None:
-    buckets = series.get(key)
-    if buckets is None:
-        buckets = series[key] = [0.0] * (_SUM + 1)
+    buckets = series.get(key) or _new_series(series, key)
     buckets[bisect_left(BUCKETS, value)] += 1.0  # the first bound >= value, else +Inf
     buckets[_SUM] += value
+
+
+def _new_series(series: dict[tuple[str, ...], _Buckets], key: tuple[str, ...]) -> _Buckets:
+    buckets = series[key] = [0.0] * (_SUM + 1)
+    return buckets
 
 
 class _EventSeries(Collector):
@@ -397,6 +400,8 @@ class GatewayMetrics:
         self._inflight[key] = self._inflight.get(key, 0.0) + 1.0
 
     def _on_request_finished(self, e: events.RequestFinished) -> None:
+        # The histograms' observations are written out here (no call per series): the request
+        # and the tool duration fall into the same bucket.
         method = e.method
         backend = e.backend or GATEWAY_BACKEND
         if e.backend:  # RequestStarted is emitted exactly when a backend is chosen
@@ -404,9 +409,18 @@ class GatewayMetrics:
             self._inflight[key] = self._inflight.get(key, 0.0) - 1.0
         key = (method, backend, e.outcome, e.principal)
         self._requests[key] = self._requests.get(key, 0.0) + 1.0
-        _observe(self._durations, (method, backend), e.duration)
+        duration = e.duration
+        slot = bisect_left(BUCKETS, duration)  # the first bound >= duration, else +Inf
+        key = (method, backend)
+        buckets = self._durations.get(key) or _new_series(self._durations, key)
+        buckets[slot] += 1.0
+        buckets[_SUM] += duration
         if e.backend_time is not None:
-            _observe(self._overheads, (method,), max(0.0, e.duration - e.backend_time))
+            overhead = max(0.0, duration - e.backend_time)
+            key = (method,)
+            buckets = self._overheads.get(key) or _new_series(self._overheads, key)
+            buckets[bisect_left(BUCKETS, overhead)] += 1.0
+            buckets[_SUM] += overhead
         if e.error_code is not None:
             self._inc("jsonrpc_errors_total", errors.code_name(e.error_code))
         if e.tool is not None:
@@ -416,8 +430,13 @@ class GatewayMetrics:
                 key = self._new_tool_series(key)
             self._tool_calls[key] = self._tool_calls.get(key, 0.0) + 1.0
             if e.backend:  # a call the gateway refused itself has no backend latency to show
-                _observe(self._tool_durations, (backend, self._latency_tool(backend, tool)),
-                         e.duration)
+                tools = self._latency_tools.get(backend)
+                if tools is None or tool not in tools:
+                    tool = self._latency_tool(backend, tool)
+                key = (backend, tool)
+                buckets = self._tool_durations.get(key) or _new_series(self._tool_durations, key)
+                buckets[slot] += 1.0
+                buckets[_SUM] += duration
 
     def _new_tool_series(self, key: tuple[str, str]) -> tuple[str, str]:
         """``key`` as the label values of a new tool series, or the overflow series when full."""
