@@ -84,6 +84,7 @@ class Mode(enum.Enum):
 _INLINE, _FORWARDED, _TASK = Mode.INLINE, Mode.FORWARDED, Mode.TASK
 _MODERN = era.Era.MODERN
 _OK, _ERROR, _CANCELLED = RequestOutcome.OK, RequestOutcome.ERROR, RequestOutcome.CANCELLED
+_LABELS = mcp.METHOD_LABELS
 
 
 class Served:
@@ -127,7 +128,7 @@ class Served:
         self.session = session
         self.id: int | str = env.id
         self.req = Request(env.id, env.method, {})
-        self.label = mcp.method_label(env.method)
+        self.label = _LABELS.get(env.method, "other")
         self.size = size
         self.reply = reply
         self.started = session.now()
@@ -275,7 +276,7 @@ class Served:
         if flow is not None:
             flow.call_ended()
         session.buffers.release(self.size)
-        if not session.inflight:
+        if not session.inflight and ports.draining:  # only the drain waits for this
             ports.connections_changed()
         principal = session.principal
         if now is None:
