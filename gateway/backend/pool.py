@@ -267,6 +267,10 @@ class Backend:
         if self._stopping:
             return None
         if self.cfg.sharing == "shared":
+            if len(self.instances) == 1 and not asks:  # one instance: no load to compare
+                only = self.instances[0]
+                child = only.serving()
+                return (only, child) if child is not None else None
             best: tuple[int, Instance, ChildConnection] | None = None
             for candidate in self.instances:
                 child = candidate.serving()
