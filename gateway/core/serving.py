@@ -336,16 +336,16 @@ def serve_request(ports: ServingPorts, session: ClientSession, env: jsonrpc.Enve
     handler = HANDLERS.get(method)
     targeter = handlers.FORWARDED.get(method)
     tracer = ports.tracer
+    principal = session.principal  # read once
     if tracer is not None:
-        principal = session.principal
         req.trace = tracer.request(method, None if env.params is UNSET else env.params,
                                    session.transport, None if principal is None else principal.name)
     try:
         if (handler is None and targeter is None and method not in handlers.ASYNC_HANDLERS
                 and method != "server/discover"):
             raise errors.MethodNotFound(f"method {method!r} not found")
-        if session.principal is not None and ports.limits and method not in UNLIMITED:
-            _admit(ports, served, session.principal.name)
+        if principal is not None and method not in UNLIMITED and ports.limits:
+            _admit(ports, served, principal.name)
         req.params = jsonrpc.params_dict(env.params) if params is None else params
         chosen = session.era
         if chosen is None:  # the first request chooses the connection's era
@@ -364,7 +364,6 @@ def serve_request(ports: ServingPorts, session: ClientSession, env: jsonrpc.Enve
                     and ports.bridge.continues(method, req.params)):
                 # A retry: it continues the call its state names, which takes over its id
                 # (``inflight`` then holds that call under it); this entry is dropped unanswered.
-                principal = session.principal
                 ports.bridge.resume(method, req.params, served.id, caps, owner=session,
                                   principal=None if principal is None else principal.key)
                 served.ended = True
