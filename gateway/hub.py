@@ -262,7 +262,8 @@ class Hub:
     # ---- connections ------------------------------------------------------------------------
 
     def connections_changed(self) -> None:
-        """A connection closed or its last call in flight ended: wake :meth:`wait_connections`."""
+        """A connection closed or, once draining (only the drain waits), its last call in flight
+        ended: wake :meth:`wait_connections`."""
         self._connections_changed.set()
 
     async def wait_connections(self, done: Callable[[], bool]) -> None:

@@ -319,6 +319,10 @@ class Backend:
             self._touch(held, principal)
             return held.inst, child
         if self.mode == "shared":
+            if len(self.instances) == 1 and not asks:  # one instance: no load to compare
+                only = self.instances[0]
+                child = only.serving()
+                return (only, child) if child is not None else None
             best: tuple[int, Instance, ChildConnection] | None = None
             for candidate in self.instances:
                 child = candidate.serving()

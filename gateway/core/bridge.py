@@ -389,7 +389,7 @@ class Flow:
             self.resumed.set()
             self.resumed = None
         self.owner.move_call(served.id, request_id, served)
-        served.id = served.req.id = request_id
+        served.req.id = request_id  # the call itself (a Request)
         served.caps = mcp.ClientCaps(caps)
         for key, result in answers.items():
             req = self.pending.get(key)

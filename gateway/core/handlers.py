@@ -314,7 +314,7 @@ def call_tool(ports: CatalogView, session: ClientSession, req: Request) -> Targe
     if ports.policy.active and ports.policy.check(name, caller_of(session)):
         consent = (name, _arguments(req), "tool")
     params = dict(req.params)
-    params["name"] = Raw(msgspec.json.encode(route.name))
+    params["name"] = route.wire
     return Target(route.backend, params, consent)
 
 
@@ -335,7 +335,7 @@ def get_prompt(ports: CatalogView, session: ClientSession, req: Request) -> Targ
     if ports.policy.active and ports.policy.check(name, caller_of(session), "prompt"):
         consent = (name, _arguments(req), "prompt")
     params = dict(req.params)
-    params["name"] = Raw(msgspec.json.encode(route.name))
+    params["name"] = route.wire
     return Target(route.backend, params, consent)
 
 

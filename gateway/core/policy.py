@@ -88,6 +88,9 @@ class Policy:
         self.per_caller = any(r.per_caller for r in self.rules)
         self.scoped = any(r.scopes for r in self.rules)  # some rule wants OAuth scopes
         self.sensitive: set[str] = set()
+        #: False when every call is allowed without looking (the fast path); follows the rules,
+        #: the default and the sensitive tools (:meth:`catalog_changed`)
+        self.active = bool(self.rules or cfg.default != "allow")
         self._pending: set[ServerRequest] = set()
         self._views: dict[Caller, dict[str, list[dict[str, Any]]]] = {}
         self._seen: dict[Caller, frozenset[str]] = {}  # per view key: the backends it shows
@@ -109,6 +112,7 @@ class Policy:
             if pure.is_sensitive(tool, backend_cfg.sensitive if backend_cfg else [], route.name):
                 sensitive.add(name)
         self.sensitive = sensitive
+        self.active = bool(self.rules or sensitive or self.cfg.default != "allow")
         self._views = {}
         self._seen = {}
         self._named = {}
@@ -127,11 +131,6 @@ class Policy:
     def unruled_sensitive(self) -> list[str]:
         """Sensitive tools no rule names (a boot error)."""
         return sorted(t for t in self.sensitive if not pure.names(t, self.rules))
-
-    @property
-    def active(self) -> bool:
-        """False when every call is allowed without looking (the fast path)."""
-        return bool(self.rules or self.sensitive or self.cfg.default != "allow")
 
     def pending_count(self) -> int:
         return len(self._pending)

@@ -76,5 +76,5 @@ class Lifecycle(Protocol):
         ...
 
     def connections_changed(self) -> None:
-        """A connection closed or its last call in flight ended."""
+        """A connection closed or, once draining, its last call in flight ended."""
         ...

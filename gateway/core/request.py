@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from msgspec import Raw
@@ -13,24 +13,30 @@ if TYPE_CHECKING:
     from gateway.core.tracing import RequestTrace
 
 
-@dataclass(slots=True)
 class Request:
+    """A client request as the handlers see it: the base of the request being served
+    (:class:`gateway.core.serving.Served`, which sets every field but the three the slow paths
+    set)."""
+
+    __slots__ = ("at", "backend", "backend_time", "consent", "counted", "id", "instance",
+                 "method", "params", "rounds", "tool", "trace")  # fmt: skip
+
     id: int | str
     method: str
     params: dict[str, Raw]
-    backend: str = ""
-    backend_time: float | None = None
-    tool: str | None = None
-    counted: bool = False  # RequestStarted was emitted (a backend was chosen)
-    # For the audit log, set on the slow paths only (not by __init__: read with getattr):
-    # forwarded by a task, the instance that took it; how a consent prompt for it ended
-    # (gateway.core.policy); a modern child's input_required rounds pushed to a legacy caller.
-    instance: str = field(init=False, repr=False, compare=False)
-    consent: str = field(init=False, repr=False, compare=False)
-    rounds: int = field(init=False, repr=False, compare=False)
+    backend: str  # the backend's name, once one was chosen
+    backend_time: float | None
+    tool: str | None
+    counted: bool  # RequestStarted was emitted (a backend was chosen)
+    # For the audit log, set on the slow paths only (read with getattr): forwarded by a task,
+    # the instance that took it; how a consent prompt for it ended (gateway.core.policy); a
+    # modern child's input_required rounds pushed to a legacy caller.
+    instance: str
+    consent: str
+    rounds: int
     # forwarded by a task (:func:`gateway.core.handlers.forward`): its child and its call there
-    at: tuple[Any, Any] | None = None
-    trace: RequestTrace | None = None  # tracing is on (see gateway.core.tracing)
+    at: tuple[Any, Any] | None
+    trace: RequestTrace | None  # tracing is on (see gateway.core.tracing)
 
 
 @dataclass(slots=True)

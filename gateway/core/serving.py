@@ -84,9 +84,10 @@ class Mode(enum.Enum):
 _INLINE, _FORWARDED, _TASK = Mode.INLINE, Mode.FORWARDED, Mode.TASK
 _MODERN = era.Era.MODERN
 _OK, _ERROR, _CANCELLED = RequestOutcome.OK, RequestOutcome.ERROR, RequestOutcome.CANCELLED
+_LABELS = mcp.METHOD_LABELS
 
 
-class Served:
+class Served(Request):
     """One client request being served: ``session.inflight``'s entry for its id, and the one
     place where its answer is made (:meth:`end`, exceptions become JSON-RPC errors there).
 
@@ -96,7 +97,6 @@ class Served:
     """
 
     __slots__ = (
-        "backend",
         "call",
         "caps",
         "child",
@@ -104,14 +104,13 @@ class Served:
         "flow",
         "forwarded_at",
         "held",
-        "id",
         "inst",
         "label",
         "mode",
         "modern",
+        "pool",
         "ports",
         "reply",
-        "req",
         "retried",
         "scope",
         "session",
@@ -125,17 +124,24 @@ class Served:
         assert isinstance(env.id, (int, str)) and isinstance(env.method, str)
         self.ports = ports
         self.session = session
-        self.id: int | str = env.id
-        self.req = Request(env.id, env.method, {})
-        self.label = mcp.method_label(env.method)
+        self.id = env.id  # the Request's fields
+        self.method = env.method
+        self.params = {}
+        self.backend = ""
+        self.backend_time = None
+        self.tool = None
+        self.counted = False
+        self.at = None
+        self.trace = None
+        self.label = _LABELS.get(env.method, "other")
         self.size = size
         self.reply = reply
-        self.started = trio.current_time()
+        self.started = session.now()
         self.mode = _INLINE
         self.ended = False  # answered, or dropped unanswered (a retry took its id over)
         self.scope: trio.CancelScope | None = None  # served in a task
         self.target: Target | None = None
-        self.backend: Backend | None = None  # forwarded without a task: where to
+        self.pool: Backend | None = None  # forwarded without a task: where to
         self.inst: Instance | None = None
         self.child: ChildConnection | None = None
         self.call: Call | None = None
@@ -146,6 +152,11 @@ class Served:
         self.caps: mcp.ClientCaps | None = None  # a modern request's declared capabilities
         self.held: str | None = None  # the principal whose [[auth.limits]] slot it holds
         self.flow: BridgedCall | None = None  # a modern call asked for input (gateway.core.bridge)
+
+    @property
+    def req(self) -> Request:
+        """The request, as the handlers see it (this object)."""
+        return self
 
     def cancel(self) -> None:
         """The client cancelled it, its connection closed, or the drain grace is over (then it
@@ -161,7 +172,7 @@ class Served:
 
     def forward_now(self) -> bool:
         """Forward to the target's backend without a task, if an instance takes it right now."""
-        ports, session, req, target = self.ports, self.session, self.req, self.target
+        ports, session, req, target = self.ports, self.session, self, self.target
         assert target is not None
         backend = ports.backend_now(target.backend)
         if backend is None:
@@ -176,8 +187,8 @@ class Served:
         if not req.counted:
             req.counted = True
             ports.bus.emit(RequestStarted(session.conn_id, self.label, backend.name))
-        self.backend, self.inst, self.child = backend, inst, child
-        self.forwarded_at = trio.current_time()
+        self.pool, self.inst, self.child = backend, inst, child
+        self.forwarded_at = session.now()
         self.mode = _FORWARDED
         trace = req.trace
         try:
@@ -205,18 +216,18 @@ class Served:
 
     def finished(self, result: Raw | None, error: errors.GatewayError | None) -> None:
         """The forwarded call is over (see :class:`gateway.protocol.routing.Finished`)."""
-        assert self.backend is not None and self.inst is not None
+        assert self.pool is not None and self.inst is not None
         self.call = None
-        if self.req.trace is not None:
-            self.req.trace.call_done(None if error is None else error.code)
-        now = trio.current_time()
-        self.req.backend_time = now - self.forwarded_at
-        self.backend.release(self.inst, self.session)
+        if self.trace is not None:
+            self.trace.call_done(None if error is None else error.code)
+        now = self.session.now()
+        self.backend_time = now - self.forwarded_at
+        self.pool.release(self.inst, self.session)
         if (isinstance(error, errors.NotDelivered) and not self.retried and self.target is not None
                 and not self.session.closed.is_set() and self.session.nursery is not None):
             # The child died before reading it: once more, on the next child (slow path).
             LOGGER.info("backend %s died before %s reached it; retrying once", self.inst.name,
-                        self.req.method, extra=self.session.log_fields)
+                        self.method, extra=self.session.log_fields)
             self.retried = True
             self.child = None
             self.scope, self.mode = trio.CancelScope(), _TASK
@@ -224,7 +235,7 @@ class Served:
             return
         if (result is not None and not self.modern and self.target is not None
                 and self.child is not None and self.child.era is _MODERN
-                and self.req.method in inputs.MRTR_METHODS and era.is_input_required(result)
+                and self.method in inputs.MRTR_METHODS and era.is_input_required(result)
                 and not self.session.closed.is_set() and self.session.nursery is not None):
             # A modern child asks for input; this legacy client is asked the legacy way (a task).
             self.scope, self.mode = trio.CancelScope(), _TASK
@@ -239,7 +250,7 @@ class Served:
         if self.ended:
             return
         self.ended = True
-        ports, session, req = self.ports, self.session, self.req
+        ports, session, req = self.ports, self.session, self
         code: int | None = None
         response: bytes | None = None
         if cancelled and ports.calls_cut_off:  # drain grace over: say so, not silence
@@ -276,11 +287,11 @@ class Served:
         if flow is not None:
             flow.call_ended()
         session.buffers.release(self.size)
-        if not session.inflight:
+        if not session.inflight and ports.draining:  # only the drain waits for this
             ports.connections_changed()
         principal = session.principal
         if now is None:
-            now = trio.current_time()
+            now = session.now()
         if req.trace is not None:
             req.trace.end(outcome, code, req.backend, req.tool)
         ports.bus.emit(RequestFinished(session.conn_id, self.label, req.backend, outcome, code,
@@ -321,21 +332,21 @@ def serve_request(ports: ServingPorts, session: ClientSession, env: jsonrpc.Enve
     served = Served(ports, session, env, size, reply)
     session.inflight[served.id] = served
     session.buffers.charge(size)  # the request's bytes live until it is answered
-    req = served.req
+    req: Request = served
     method = req.method
     handler = HANDLERS.get(method)
     targeter = handlers.FORWARDED.get(method)
     tracer = ports.tracer
+    principal = session.principal  # read once
     if tracer is not None:
-        principal = session.principal
         req.trace = tracer.request(method, None if env.params is UNSET else env.params,
                                    session.transport, None if principal is None else principal.name)
     try:
         if (handler is None and targeter is None and method not in handlers.ASYNC_HANDLERS
                 and method != "server/discover"):
             raise errors.MethodNotFound(f"method {method!r} not found")
-        if session.principal is not None and ports.limits and method not in UNLIMITED:
-            _admit(ports, served, session.principal.name)
+        if principal is not None and method not in UNLIMITED and ports.limits:
+            _admit(ports, served, principal.name)
         req.params = jsonrpc.params_dict(env.params) if params is None else params
         chosen = session.era
         if chosen is None:  # the first request chooses the connection's era
@@ -354,7 +365,6 @@ def serve_request(ports: ServingPorts, session: ClientSession, env: jsonrpc.Enve
                     and ports.bridge.continues(method, req.params)):
                 # A retry: it continues the call its state names, which takes over its id
                 # (``inflight`` then holds that call under it); this entry is dropped unanswered.
-                principal = session.principal
                 ports.bridge.resume(method, req.params, served.id, caps, owner=session,
                                   principal=None if principal is None else principal.key)
                 served.ended = True
@@ -415,7 +425,7 @@ def _decided(targeter: handlers.Targeter, ports: ServingPorts, session: ClientSe
 async def _run_slow(served: Served, first: Raw | None = None) -> None:
     """Serve a request that must wait (consent, an instance starting or busy, a backend's answer,
     a modern backend's input requests to a legacy client: ``first`` is its ``input_required``)."""
-    ports, session, req = served.ports, served.session, served.req
+    ports, session, req = served.ports, served.session, served
     assert served.scope is not None
     result: Raw | None = None
     exc: BaseException | None = None

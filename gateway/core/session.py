@@ -211,7 +211,9 @@ class ClientSession:
         self.conn_id: Final = mint_conn_id()
         self.log_fields = {"MCP_CONN": self.conn_id}  # structured log field (journald)
         self.transport: Final = _TRANSPORTS.get(transport) or Transport(transport)
-        self.opened: Final = trio.current_time()
+        # the run's clock, bound once: one call per reading on the hot path
+        self.now: Final[Callable[[], float]] = trio.lowlevel.current_clock().current_time
+        self.opened: Final = self.now()
         self._state = SessionState.AWAITING_INIT
         self._protocol_version: str | None = None  # what initialize negotiated
         self._era: Era | None = None  # chosen by the connection's first request

@@ -6,7 +6,8 @@
   lock a one-thread trio process does not need), rendered at scrape time exactly as
   prometheus_client would (``tests/unit/golden`` pins that scrape).
 * State gauges are computed at scrape time from one :class:`GatewayStatus` snapshot, so they
-  cannot drift; the in-flight gauge follows ``RequestStarted``/``RequestFinished``.
+  cannot drift; the in-flight gauge follows ``RequestStarted``/``RequestFinished``.  Finished
+  requests are held and folded in by label set before each scrape (exact at every scrape).
 * Label values come from bounded sets; untrusted tool names are capped at ``max_tool_series``
   (call counts, all backends) and ``max_tool_latency_series`` (latency, per backend).
 * The registry is private, ``_created`` series are off, and there is no multiprocess mode.
@@ -56,6 +57,9 @@ STATES = ("RUNNING", "STARTING", "UNHEALTHY", "AUTHORIZING", "BACKOFF", "STOPPIN
           "STOPPED")
 GATEWAY_BACKEND = "_gateway"  # backend label for requests the gateway answers itself
 OVERFLOW_TOOL = "_overflow"
+#: ``RequestFinished`` events held before they are folded into their series (a scrape folds
+#: whatever is held first)
+FOLD_EVERY = 256
 MAX_TOOL_LABEL_CHARS = 128
 CATALOG_KINDS = ("tools", "prompts", "resources", "templates")
 
@@ -207,11 +211,32 @@ _SUM = len(_LE)
 
 
 def _observe(series: dict[tuple[str, ...], _Buckets], key: tuple[str, ...], value: float) -> None:
-    buckets = series.get(key)
-    if buckets is None:
-        buckets = series[key] = [0.0] * (_SUM + 1)
+    buckets = series.get(key) or _new_series(series, key)
     buckets[bisect_left(BUCKETS, value)] += 1.0  # the first bound >= value, else +Inf
     buckets[_SUM] += value
+
+
+def _new_series(series: dict[tuple[str, ...], _Buckets], key: tuple[str, ...]) -> _Buckets:
+    buckets = series[key] = [0.0] * (_SUM + 1)
+    return buckets
+
+
+class _Cells:
+    """Where the events of one ``RequestFinished`` label set go, while a fold runs."""
+
+    __slots__ = ("calls", "durations", "inflight", "latency", "overflows", "overheads",
+                 "requests", "tool")
+
+    def __init__(self, inflight: tuple[str, ...] | None, requests: tuple[str, ...],
+                 durations: _Buckets) -> None:
+        self.calls = 0
+        self.inflight = inflight  # the in-flight gauge's key (None: no backend was chosen)
+        self.requests = requests
+        self.durations = durations
+        self.overheads: _Buckets | None = None
+        self.latency: _Buckets | None = None
+        self.tool: tuple[str, str] | None = None  # the tool calls series
+        self.overflows = False  # a new tool past max_tool_series: every call of it is counted
 
 
 class _EventSeries(Collector):
@@ -223,6 +248,8 @@ class _EventSeries(Collector):
     """
 
     def __init__(self) -> None:
+        #: brings the series up to date before a scrape reads them (held events folded in)
+        self.before_collect: Callable[[], None] | None = None
         self.counters: dict[str, dict[tuple[str, ...], float]] = {n: {} for n in COUNTERS}
         self.gauges: dict[str, dict[tuple[str, ...], float]] = {n: {} for n in GAUGES}
         self.histograms: dict[str, dict[tuple[str, ...], _Buckets]] = {n: {} for n in HISTOGRAMS}
@@ -238,6 +265,8 @@ class _EventSeries(Collector):
         return self._families(samples=False)
 
     def collect(self) -> Iterable[Metric]:
+        if self.before_collect is not None:
+            self.before_collect()
         return self._families(samples=True)
 
     def _families(self, *, samples: bool) -> list[Metric]:
@@ -308,6 +337,8 @@ class GatewayMetrics:
         self._overheads = self._h["overhead_seconds"]
         self._tool_calls = self._c["tool_calls_total"]
         self._tool_durations = self._h["tool_call_duration_seconds"]
+        self._finished: list[events.RequestFinished] = []  # not folded in yet (_fold)
+        series.before_collect = self._fold
         self._g["build_info"][(version, platform.python_version(), trio.__version__)] = 1.0
         for name in (*errors.CODE_NAMES.values(), "other"):
             self._c["jsonrpc_errors_total"][(name,)] = 0.0
@@ -398,27 +429,75 @@ class GatewayMetrics:
         self._inflight[key] = self._inflight.get(key, 0.0) + 1.0
 
     def _on_request_finished(self, e: events.RequestFinished) -> None:
+        finished = self._finished
+        finished.append(e)
+        if len(finished) >= FOLD_EVERY:
+            self._fold()
+
+    def _fold(self) -> None:
+        """Fold the held ``RequestFinished`` events into their series (before every scrape, and
+        every :data:`FOLD_EVERY` events), in arrival order (the same sums, bit for bit).  The
+        series of a label set are looked up at its first event (which decides its tool series
+        as it would alone) and its counters moved once."""
+        finished, self._finished = self._finished, []
+        cells: dict[tuple[str, str, events.RequestOutcome, str, str | None], _Cells] = {}
+        for e in finished:
+            key = (e.method, e.backend, e.outcome, e.principal, e.tool)
+            cell = cells.get(key)
+            if cell is None:
+                cell = cells[key] = self._cells(e)
+            cell.calls += 1
+            duration = e.duration
+            slot = bisect_left(BUCKETS, duration)  # the first bound >= duration, else +Inf
+            buckets = cell.durations
+            buckets[slot] += 1.0
+            buckets[_SUM] += duration
+            latency = cell.latency
+            if latency is not None:  # the same value, the same bucket
+                latency[slot] += 1.0
+                latency[_SUM] += duration
+            if e.backend_time is not None:
+                overhead = duration - e.backend_time
+                if overhead < 0.0:
+                    overhead = 0.0
+                overheads = cell.overheads
+                if overheads is None:  # made by the first event that has one
+                    by = (e.method,)
+                    overheads = cell.overheads = (self._overheads.get(by)
+                                                  or _new_series(self._overheads, by))
+                overheads[bisect_left(BUCKETS, overhead)] += 1.0
+                overheads[_SUM] += overhead
+            if e.error_code is not None:
+                self._inc("jsonrpc_errors_total", errors.code_name(e.error_code))
+        for cell in cells.values():
+            n = float(cell.calls)
+            if cell.inflight is not None:
+                self._inflight[cell.inflight] = self._inflight.get(cell.inflight, 0.0) - n
+            self._requests[cell.requests] = self._requests.get(cell.requests, 0.0) + n
+            if cell.tool is not None:
+                if cell.overflows:
+                    self._inc("tool_series_overflow_total", amount=n - 1.0)  # the first: counted
+                self._tool_calls[cell.tool] = self._tool_calls.get(cell.tool, 0.0) + n
+
+    def _cells(self, e: events.RequestFinished) -> _Cells:
+        """The series of ``e``'s label set (its tool series decided now, as for ``e`` alone)."""
         method = e.method
         backend = e.backend or GATEWAY_BACKEND
-        if e.backend:  # RequestStarted is emitted exactly when a backend is chosen
-            key: tuple[str, ...] = (backend,)
-            self._inflight[key] = self._inflight.get(key, 0.0) - 1.0
-        key = (method, backend, e.outcome, e.principal)
-        self._requests[key] = self._requests.get(key, 0.0) + 1.0
-        _observe(self._durations, (method, backend), e.duration)
-        if e.backend_time is not None:
-            _observe(self._overheads, (method,), max(0.0, e.duration - e.backend_time))
-        if e.error_code is not None:
-            self._inc("jsonrpc_errors_total", errors.code_name(e.error_code))
+        key: tuple[str, ...] = (method, backend)
+        cell = _Cells((backend,) if e.backend else None, (method, backend, e.outcome, e.principal),
+                      self._durations.get(key) or _new_series(self._durations, key))
         if e.tool is not None:
             tool = e.tool[:MAX_TOOL_LABEL_CHARS]
             key = (backend, tool)
             if key not in self._tool_series:
                 key = self._new_tool_series(key)
-            self._tool_calls[key] = self._tool_calls.get(key, 0.0) + 1.0
+                cell.overflows = key[1] == OVERFLOW_TOOL
+            cell.tool = key
             if e.backend:  # a call the gateway refused itself has no backend latency to show
-                _observe(self._tool_durations, (backend, self._latency_tool(backend, tool)),
-                         e.duration)
+                key = (backend, self._latency_tool(backend, tool))
+                cell.latency = self._tool_durations.get(key) or _new_series(self._tool_durations,
+                                                                            key)
+        return cell
 
     def _new_tool_series(self, key: tuple[str, str]) -> tuple[str, str]:
         """``key`` as the label values of a new tool series, or the overflow series when full."""

@@ -19,6 +19,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 VALID_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _INVALID_CHARS = re.compile(r"[^a-zA-Z0-9_-]")
 MAX_NAME = 64
@@ -32,6 +34,11 @@ class CatalogConflict(Exception):
 class Route:
     backend: str
     name: str  # the backend's own name for the tool/prompt
+    #: ``name`` as JSON, what a call forwarded to the backend carries (encoded once, here)
+    wire: msgspec.Raw = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "wire", msgspec.Raw(msgspec.json.encode(self.name)))
 
 
 @dataclass(frozen=True, slots=True)

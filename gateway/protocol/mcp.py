@@ -46,8 +46,12 @@ KNOWN_METHODS = frozenset(
 )
 
 
+#: A method's metric label by its name (``METHOD_LABELS.get(method, "other")``: no call).
+METHOD_LABELS = {method: method for method in KNOWN_METHODS}
+
+
 def method_label(method: str) -> str:
-    return method if method in KNOWN_METHODS else "other"
+    return METHOD_LABELS.get(method, "other")
 
 
 def negotiate_version(requested: object) -> str:

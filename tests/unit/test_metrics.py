@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import errors
 from gateway import events as ev
-from gateway.ops.metrics import BUCKETS, PREFIX, STATES, GatewayMetrics
+from gateway.ops.metrics import BUCKETS, FOLD_EVERY, PREFIX, STATES, GatewayMetrics
 from gateway.procfs import group_rss as process_group_rss
 from gateway.status import BackendStatus, GatewayStatus, InstanceStatus
 
@@ -523,3 +523,35 @@ def test_subscriptions_by_type_keep_their_order_and_unsubscribe() -> None:
     bus.emit(ev.ConnectionOpened("c1", "unix"))
     bus.emit(ev.ConnectionOpened("c2", "unix"))
     assert seen == ["any", "opened", "either", "any", "either"]
+
+
+def test_finished_requests_folded_at_a_scrape_are_the_same_as_one_by_one() -> None:
+    """Finished requests are held and folded in by label set (every ``FOLD_EVERY``, and before
+    a scrape): the exposition is the one of counting each at once, bit for bit, the tool series
+    cap and its overflow count included."""
+    def workload() -> list[ev.Event]:
+        out: list[ev.Event] = []
+        for i in range(2 * FOLD_EVERY + 37):
+            tool = f"time__t{i % 5}" if i % 7 else None  # 5 tools: 2 series, then overflow
+            backend = "" if i % 11 == 0 else "time"
+            if backend:
+                out.append(ev.RequestStarted(f"c{i % 3}", "tools/call", backend))
+            outcome = ev.RequestOutcome.ERROR if i % 13 == 0 else ev.RequestOutcome.OK
+            out.append(ev.RequestFinished(
+                f"c{i % 3}", "tools/call" if tool else "ping", backend, outcome,
+                -32001 if outcome is ev.RequestOutcome.ERROR else None,
+                0.0001 * (i % 17) + 1e-7 * i, 0.0001 * (i % 5) if backend else None, tool,
+                "alice" if i % 2 else "_none"))
+        return out
+
+    held, at_once = Harness(max_tool_series=2), Harness(max_tool_series=2)
+    held.emit(*workload())
+    for event in workload():
+        at_once.emit(event)
+        at_once.metrics.exposition(None)  # a scrape folds what is held: nothing waits
+    assert _gateway_lines(held.metrics.exposition(None)[0]) == _gateway_lines(
+        at_once.metrics.exposition(None)[0])
+    first_two = {("time", "time__t1"), ("time", "time__t2")}  # the cap's two series
+    assert held.value("tool_series_overflow_total") == sum(
+        1 for e in workload() if isinstance(e, ev.RequestFinished) and e.tool is not None
+        and (e.backend, e.tool) not in first_two)
