@@ -448,6 +448,9 @@ class Hub:
         for sub, holders in instance.backend.subscriptions.items():
             if uri_matches(sub, uri):
                 targets |= cast("set[ClientSession]", holders)  # the core's sessions
+        if instance.backend.cfg.per_principal:  # its principal's sessions alone
+            targets = {s for s in targets
+                       if s.principal is not None and s.principal.key == instance.principal_key}
         for session in targets:
             if session.era is Era.MODERN:  # held by its listens: to each, tagged
                 self.listens.resource_updated(session, uri, params)

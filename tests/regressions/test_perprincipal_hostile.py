@@ -1,0 +1,92 @@
+"""Hostile tests of per-principal backends: what one principal's instance says or is told
+never reaches or names another principal (resource subscriptions and their updates, list
+changes), and ``/status`` names whose instance it is by the principal's bounded label."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from helpers import bearer_auth, connect, fixture_backend, make_config, run_gateway, text_of
+
+pytestmark = pytest.mark.system
+
+TOKENS = {"alice": "alice-inbound-1", "bob": "bob-inbound-2"}
+
+
+def private(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(0o600)
+
+
+def fx(st: dict[str, Any]) -> dict[str, Any]:
+    return next(b for b in st["backends"] if b["name"] == "fx")
+
+
+def per_principal(tmp_path: Path) -> str:
+    private(tmp_path / "bearer-alice.env", "WHO=alice\n")
+    private(tmp_path / "bearer-bob.env", "WHO=bob\n")
+    return fixture_backend("fx", sharing="per-principal", max_sessions=4,
+                           env_files=str(tmp_path / "{principal}.env"))
+
+
+def updates(c: Any) -> list[str]:
+    return [n["params"]["uri"] for n in c.notifications
+            if n["method"] == "notifications/resources/updated"]
+
+
+async def subscriptions(c: Any) -> list[str]:
+    info: list[str] = json.loads(text_of(await c.call("fx__client_info")))["subscriptions"]
+    return info
+
+
+async def test_subscriptions_and_updates_stay_with_their_principal(tmp_path: Path) -> None:
+    """A principal's subscription goes to its own child alone (never another principal's, nor
+    the probe), is let go upstream when that principal's last session lets go, and its
+    child's ``resources/updated`` reaches that principal's sessions alone; a child's list
+    change reaches nobody (the catalog is the probe's)."""
+    cfg = make_config(per_principal(tmp_path), extra=bearer_auth(TOKENS))
+    with trio.fail_after(30):
+        async with (run_gateway(cfg) as gw,
+                    connect(gw.url, token=TOKENS["alice"]) as a,
+                    connect(gw.url, token=TOKENS["bob"]) as b):
+            assert text_of(await b.call("fx__getenv", {"name": "WHO"})) == "bob"
+            shared, secret = "fixture://static/a", "fixture://static/b"
+            for c, uri in ((b, shared), (a, shared), (a, secret)):
+                assert "result" in await c.request("resources/subscribe", {"uri": uri})
+            assert text_of(await a.call("fx__getenv", {"name": "WHO"})) == "alice"
+            assert await subscriptions(b) == [shared]  # never alice's URI
+            assert await subscriptions(a) == [shared, secret]
+            # alice's child says the shared URI changed: alice hears it, bob does not
+            assert text_of(await a.call("fx__update_resource", {"uri": shared})) == "ok"
+            await a.wait_for(lambda: updates(a))
+            await b.request("ping")
+            await b.call("fx__client_info")  # (anything queued for bob before is in)
+            assert updates(a) == [shared] and updates(b) == []
+            # alice lets go of the shared URI: her child is told, though bob still holds it
+            assert "result" in await a.request("resources/unsubscribe", {"uri": shared})
+            assert await subscriptions(a) == [secret]
+            assert await subscriptions(b) == [shared]
+            # a per-principal child's list change: neither principal is told, the catalog stays
+            assert text_of(await a.call("fx__notify_list_changed", {"kind": "tools"})) == "ok"
+            await a.request("ping")
+            await b.request("ping")
+            changed = [n for c in (a, b) for n in c.notifications
+                       if n["method"].endswith("/list_changed")]
+            assert changed == []
+            tools = (await b.request("tools/list"))["result"]["tools"]
+            assert "fx__extra_tool" not in {t["name"] for t in tools}
+
+
+async def test_status_names_a_per_principal_instance_by_its_label(tmp_path: Path) -> None:
+    cfg = make_config(per_principal(tmp_path), extra=bearer_auth(TOKENS))
+    with trio.fail_after(30):
+        async with (run_gateway(cfg) as gw,
+                    connect(gw.url, token=TOKENS["alice"]) as a):
+            assert text_of(await a.call("fx__getenv", {"name": "WHO"})) == "alice"
+            st = await gw.status_until(lambda s: len(fx(s)["instances"]) == 2)
+            owners = {i["name"]: i["owner"] for i in fx(st)["instances"]}
+            assert owners == {"fx/0": None, "fx/p1": "alice"}
