@@ -482,7 +482,8 @@ class Hub:
 
     def _elicitation_complete(self, instance: Instance, params: Raw | UnsetType) -> None:
         eid = _str_field(params, "elicitationId")
-        owner = (self.ownership.elicitation_owner(instance.backend.name, eid)
+        owner = (self.ownership.elicitation_owner(instance.backend.name, eid,
+                                                  instance.principal_key)
                  if eid is not None else None)
         if owner is not None:
             owner.notify("notifications/elicitation/complete", params)

@@ -90,3 +90,37 @@ async def test_status_names_a_per_principal_instance_by_its_label(tmp_path: Path
             st = await gw.status_until(lambda s: len(fx(s)["instances"]) == 2)
             owners = {i["name"]: i["owner"] for i in fx(st)["instances"]}
             assert owners == {"fx/0": None, "fx/p1": "alice"}
+
+
+async def test_an_elicitation_completion_reaches_the_principal_whose_child_asked(
+        tmp_path: Path) -> None:
+    """Two principals' children pick the same URL-mode ``elicitationId``: each child's
+    completion goes to its own principal's session, never to the other's."""
+    cfg = make_config(per_principal(tmp_path), extra=bearer_auth(TOKENS))
+    caps = {"elicitation": {"form": {}, "url": {}}}
+    with trio.fail_after(30):
+        async with (run_gateway(cfg) as gw,
+                    connect(gw.url, token=TOKENS["alice"], capabilities=caps) as a,
+                    connect(gw.url, token=TOKENS["bob"], capabilities=caps) as b):
+            for c, who in ((a, "alice"), (b, "bob")):
+                await c.send({"jsonrpc": "2.0", "id": 900, "method": "tools/call", "params": {
+                    "name": "fx__elicit", "arguments": {
+                        "message": "sign in", "url": f"https://idp.example/{who}",
+                        "elicitation_id": "e1"}}})
+                asked = await c.wait_for(lambda c=c: c.requests)
+                assert asked[0]["params"]["url"] == f"https://idp.example/{who}"
+                await c.send({"jsonrpc": "2.0", "id": asked[0]["id"],
+                              "result": {"action": "accept"}})
+                assert "result" in await c.response(900)
+            assert text_of(await a.call("fx__complete_elicitation", {"id": "e1"})) == "ok"
+            await b.request("ping")
+
+            def completed(c: Any) -> list[Any]:
+                return [n for n in c.notifications
+                        if n["method"] == "notifications/elicitation/complete"]
+
+            await a.wait_for(lambda: completed(a), timeout=5)
+            assert completed(b) == []
+            assert text_of(await b.call("fx__complete_elicitation", {"id": "e1"})) == "ok"
+            await b.wait_for(lambda: completed(b), timeout=5)
+            assert len(completed(a)) == 1
