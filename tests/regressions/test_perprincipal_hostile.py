@@ -124,3 +124,22 @@ async def test_an_elicitation_completion_reaches_the_principal_whose_child_asked
             assert text_of(await b.call("fx__complete_elicitation", {"id": "e1"})) == "ok"
             await b.wait_for(lambda: completed(b), timeout=5)
             assert len(completed(a)) == 1
+
+
+async def test_a_token_file_made_group_readable_is_refused_though_its_content_is_unchanged(
+        tmp_path: Path) -> None:
+    """The token file's mode is checked at each use: a chmod (which leaves its inode, size
+    and mtime alone) is seen, not hidden by the cached token."""
+    from gateway.auth.principal import Principal
+    from gateway.backend.credentials import CredentialsUnavailable, TokenFiles
+
+    path = tmp_path / "bearer-alice.token"
+    private(path, "tok-alice\n")
+    source = TokenFiles(str(tmp_path / "{principal}.token"))
+    alice = Principal("alice", via="bearer", label="alice")
+    assert await source.headers(alice) == [("authorization", "Bearer tok-alice")]
+    path.chmod(0o640)
+    with pytest.raises(CredentialsUnavailable, match="mode 0640"):
+        await source.headers(alice)
+    path.chmod(0o600)
+    assert await source.headers(alice) == [("authorization", "Bearer tok-alice")]
