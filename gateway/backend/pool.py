@@ -667,15 +667,18 @@ class Backend:
             if session.closed.is_set():
                 raise errors.BackendUnavailable("the connection is closing", backend=self.name,
                                                 retryable=False)
+            self._check_cap()  # (before any upstream token is asked for it)
             await self._check_credentials(principal)
             held = self._held.get(key)  # (another call of it may have started one meanwhile)
         if held is None:
             if self._stopping:
                 raise self._gone()
-            if len(self._held) >= self.cfg.max_sessions:
-                raise errors.Overloaded(
-                    f"backend {self.name!r}: {self.cfg.max_sessions} per-principal instances "
-                    "already run (max_sessions)", backend=self.name)
+            try:
+                self._check_cap()
+            except errors.Overloaded:
+                if self.credentials is not None:
+                    self.credentials.forget(key)  # (others took the places meanwhile)
+                raise
             assert self._nursery is not None
             self._session_index += 1
             inst = Instance(self, self._session_index, label=f"p{self._session_index}")
@@ -692,6 +695,13 @@ class Backend:
             wait = self.host.restart_wait
         self._touch(held, principal)
         return held.inst, await held.inst.wait_ready(wait)
+
+    def _check_cap(self) -> None:
+        """Raises Overloaded: ``max_sessions`` per-principal instances run."""
+        if len(self._held) >= self.cfg.max_sessions:
+            raise errors.Overloaded(
+                f"backend {self.name!r}: {self.cfg.max_sessions} per-principal instances "
+                "already run (max_sessions)", backend=self.name)
 
     async def _reap_principal(self, held: _Held) -> None:
         """Stop a principal's instance when it idles ``idle_timeout``, when the latest

@@ -10,7 +10,13 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from helpers import bearer_auth, connect, fixture_backend, make_config, run_gateway, text_of
+from memharness import Owner, backend, memory_config, running, settle
+
+from gateway import errors
+from gateway.auth.principal import Principal
+from gateway.backend.credentials import CredentialsUnavailable, TokenFiles
 
 pytestmark = pytest.mark.system
 
@@ -130,9 +136,6 @@ async def test_a_token_file_made_group_readable_is_refused_though_its_content_is
         tmp_path: Path) -> None:
     """The token file's mode is checked at each use: a chmod (which leaves its inode, size
     and mtime alone) is seen, not hidden by the cached token."""
-    from gateway.auth.principal import Principal
-    from gateway.backend.credentials import CredentialsUnavailable, TokenFiles
-
     path = tmp_path / "bearer-alice.token"
     private(path, "tok-alice\n")
     source = TokenFiles(str(tmp_path / "{principal}.token"))
@@ -143,3 +146,40 @@ async def test_a_token_file_made_group_readable_is_refused_though_its_content_is
         await source.headers(alice)
     path.chmod(0o600)
     assert await source.headers(alice) == [("authorization", "Bearer tok-alice")]
+
+
+class Recording:
+    """A credential source that records whom it was asked for and told to forget."""
+
+    kind = "token_exchange"
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+        self.forgotten: list[str] = []
+
+    async def headers(self, principal: Principal) -> list[tuple[str, str]]:
+        self.asked.append(principal.key)
+        return [("authorization", f"Bearer for-{principal.name}")]
+
+    def forget(self, principal_key: str) -> None:
+        self.forgotten.append(principal_key)
+
+
+async def test_a_principal_over_max_sessions_gets_no_upstream_token(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """A principal refused by ``max_sessions`` is refused before its upstream credentials are
+    asked for (no token exchanged, none cached for it); the principal holding the one instance
+    goes on."""
+    cfg = memory_config(backend("fx", sharing="per-principal", max_sessions=1))
+    async with running(cfg) as h:
+        await settle()
+        fx = h.hub.backends["fx"]
+        source = fx.credentials = Recording()
+        alice = Principal("alice", via="oauth", token="a")
+        inst, _ = await fx.acquire(Owner(), principal=alice)
+        for _ in range(3):
+            with pytest.raises(errors.Overloaded, match="max_sessions"):
+                await fx.acquire(Owner(), principal=Principal("carol", via="oauth", token="c"))
+        assert source.asked == ["oauth:alice"]
+        again, _ = await fx.acquire(Owner(), principal=alice)
+        assert again is inst
