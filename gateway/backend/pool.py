@@ -757,7 +757,9 @@ class Backend:
             self._grant()
 
     def on_instance_ready(self, inst: Instance) -> None:
-        if inst is self.instances[0] or not self.lists_ready.is_set():
+        # (per-principal: the probe's alone; a principal's lists are its own)
+        if inst is self.instances[0] or (not self.lists_ready.is_set()
+                                         and self.mode != "per-principal"):
             self._take_lists(inst)
         if self.cfg.sharing == "affine":
             self._grant()

@@ -1,6 +1,8 @@
-"""Hostile tests of per-principal backends: what one principal's instance says or is told
-never reaches or names another principal (resource subscriptions and their updates, list
-changes), and ``/status`` names whose instance it is by the principal's bounded label."""
+"""Hostile tests of per-principal backends: what one principal's instance says, lists or is
+told never reaches another principal (resource subscriptions and their updates, list changes,
+URL-mode elicitation completions, the catalog), a principal over ``max_sessions`` costs no
+upstream token, a token file's mode is checked again after a chmod, and ``/status`` names
+whose instance it is by the principal's bounded label."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from memharness import Owner, backend, memory_config, running, settle
 from gateway import errors
 from gateway.auth.principal import Principal
 from gateway.backend.credentials import CredentialsUnavailable, TokenFiles
+from gateway.backend.memory import MemoryLink, Script
 
 pytestmark = pytest.mark.system
 
@@ -183,3 +186,26 @@ async def test_a_principal_over_max_sessions_gets_no_upstream_token(
         assert source.asked == ["oauth:alice"]
         again, _ = await fx.acquire(Owner(), principal=alice)
         assert again is inst
+
+
+async def test_a_principals_lists_never_become_everyones_catalog(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """The backend's lists (every caller's catalog) come from the probe alone: a principal's
+    instance ready before the probe (slow, or failing with the backend's own identity, as after
+    a reload restarted the backend while the old catalog still routes calls) does not set them."""
+    first: list[MemoryLink] = []
+
+    async def tools_list(link: MemoryLink, params: dict[str, Any]) -> Any:
+        first.append(first[0] if first else link)
+        if link is first[0]:
+            await trio.sleep_forever()  # the probe never lists
+        return {"tools": [{"name": "alices_own", "inputSchema": {"type": "object"}}]}
+
+    cfg = memory_config(backend("fx", sharing="per-principal", start_timeout=5.0))
+    async with running(cfg, {"fx": Script(methods={"tools/list": tools_list})}) as h:
+        fx = h.hub.backends["fx"]
+        inst, _ = await fx.acquire(Owner(), principal=Principal("alice", via="bearer"))
+        assert [t["name"] for t in inst.lists.tools] == ["alices_own"]
+        await settle()
+        assert not fx.lists.tools and not fx.lists_ready.is_set()
+        assert "fx__alices_own" not in h.hub.catalog.tool_routes
