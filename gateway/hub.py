@@ -455,6 +455,9 @@ class Hub:
         for sub, holders in instance.backend.subscriptions.items():
             if uri_matches(sub, uri):
                 targets |= cast("set[ClientSession]", holders)  # the core's sessions
+        if instance.backend.cfg.per_principal:  # its principal's sessions alone
+            targets = {s for s in targets
+                       if s.principal is not None and s.principal.key == instance.principal_key}
         for session in targets:
             if session.era is Era.MODERN:  # held by its listens: to each, tagged
                 self.listens.resource_updated(session, uri, params)
@@ -486,7 +489,8 @@ class Hub:
 
     def _elicitation_complete(self, instance: Instance, params: Raw | UnsetType) -> None:
         eid = _str_field(params, "elicitationId")
-        owner = (self.ownership.elicitation_owner(instance.backend.name, eid)
+        owner = (self.ownership.elicitation_owner(instance.backend.name, eid,
+                                                  instance.principal_key)
                  if eid is not None else None)
         if owner is not None:
             owner.notify("notifications/elicitation/complete", params)

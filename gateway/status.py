@@ -23,7 +23,8 @@ class InstanceStatus:
     # last stderr lines: of the running child, else of the last one that ended
     stderr_tail: tuple[str, ...]
     inflight: int  # calls waiting on this child (attribution set size)
-    owner: str | None = None  # per-session / affine: the conn id it serves
+    # per-session / affine: the conn id it serves; per-principal: its principal's label
+    owner: str | None = None
     recycles: int = 0  # of ``restarts``, those that were recycles (not failures)
     draining: bool = False  # drained for a recycle: no new calls, those in flight end
     era: str | None = None  # "legacy" / "modern": what the running child's handshake found

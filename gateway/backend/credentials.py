@@ -167,14 +167,15 @@ def read_env_file(template: str, principal: Principal) -> dict[str, str]:
 
 class TokenFiles:
     """``token_files``: each principal's upstream access token in a file of its own, sent as
-    ``Authorization: Bearer``; read again when the file changes (its inode, size or mtime)."""
+    ``Authorization: Bearer``; read again when the file changes (its inode, size, mtime or
+    ctime: a chmod too, so its mode is checked again)."""
 
     kind = "token_files"
 
     def __init__(self, template: str) -> None:
         self.template = template
-        # principal key → ((inode, size, mtime_ns), token)
-        self._cache: dict[str, tuple[tuple[int, int, int], str]] = {}
+        # principal key → ((inode, size, mtime_ns, ctime_ns), token)
+        self._cache: dict[str, tuple[tuple[int, int, int, int], str]] = {}
 
     async def headers(self, principal: Principal) -> list[tuple[str, str]]:
         path = principal_path(self.template, principal)
@@ -184,7 +185,8 @@ class TokenFiles:
             st = None
         key = principal.key
         held = self._cache.get(key)
-        mark = (st.st_ino, st.st_size, st.st_mtime_ns) if st is not None else None
+        mark = ((st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) if st is not None
+                else None)
         if held is not None and held[0] == mark:
             return [("authorization", f"Bearer {held[1]}")]
         self._cache.pop(key, None)

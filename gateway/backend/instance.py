@@ -148,7 +148,7 @@ class Pool(Protocol):
     def learn_asker(self, key: str) -> None: ...
     def owners(self, inst: Instance, child: ChildConnection,
                cause: int | None = None) -> set[Owner]: ...
-    def subscribed_uris(self) -> list[str]: ...
+    def subscribed_uris(self, inst: Instance | None = None) -> list[str]: ...
     def on_state_changed(self, inst: Instance) -> None: ...
     def on_settled(self, inst: Instance) -> None: ...
     def on_instance_ready(self, inst: Instance) -> None: ...
@@ -178,6 +178,7 @@ class Instance(ChildHandlers):
         self.crash_stderr: tuple[str, ...] = ()
         self.owner: Owner | None = None  # per-session / affine holder
         self.principal_key: str | None = None  # per-principal: whose instance it is
+        self.principal_label: str | None = None  # and that principal's (bounded) label
         self._state_changed = trio.Event()
         self._stop = trio.Event()
         self._reset = trio.Event()
@@ -228,7 +229,8 @@ class Instance(ChildHandlers):
             last_exit=self.last_exit,
             stderr_tail=tuple(self.stderr_tail) if child is not None else self.crash_stderr,
             inflight=child.router.load if child is not None else 0,
-            owner=getattr(self.owner, "conn_id", None),
+            owner=(getattr(self.owner, "conn_id", None) if self.principal_key is None
+                   else self.principal_label),
             recycles=self.sup.recycles,
             draining=self.draining,
             era=child.era.value if child is not None else None,
@@ -612,7 +614,7 @@ class Instance(ChildHandlers):
         level = self.backend.log_level
         if level is not None:
             await client.set_level(child, level, timeout=self.cfg.start_timeout)
-        for uri in self.backend.subscribed_uris():
+        for uri in self.backend.subscribed_uris(self):
             await self.subscribe(child, uri)
 
     def _start_listen(self, child: ChildConnection) -> None:
@@ -636,7 +638,7 @@ class Instance(ChildHandlers):
     async def _listen_loop(self, child: ChildConnection) -> None:
         delay = LISTEN_RETRY
         while child.closed is None:
-            wanted = client.listen_filter(child, self.backend.subscribed_uris())
+            wanted = client.listen_filter(child, self.backend.subscribed_uris(self))
             if not wanted:
                 return
             opened = trio.current_time()

@@ -102,6 +102,12 @@ def default_connector(name: str, cfg: BackendConfig) -> Connector:
     return StdioConnector(cfg)
 
 
+def _principal_key(owner: Owner) -> str | None:
+    """The key of the principal a session (the core's) is authenticated as, if any."""
+    principal = getattr(owner, "principal", None)
+    return principal.key if isinstance(principal, Principal) else None
+
+
 class BackendHost(InstanceHost, Protocol):
     """What a backend is given from above (by the hub); its news go out on ``bus``."""
 
@@ -623,6 +629,7 @@ class Backend:
         now = trio.current_time()
         held.inst.last_used = now
         held.principal = principal
+        held.inst.principal_label = principal.label
         connector = held.inst.connector
         if isinstance(connector, (HttpConnector, StdioConnector)):
             connector.principal = principal  # (its source sees the current one)
@@ -665,15 +672,18 @@ class Backend:
             if session.closed.is_set():
                 raise errors.BackendUnavailable("the connection is closing", backend=self.name,
                                                 retryable=False)
+            self._check_cap()  # (before any upstream token is asked for it)
             await self._check_credentials(principal)
             held = self._held.get(key)  # (another call of it may have started one meanwhile)
         if held is None:
             if self._stopping:
                 raise self._gone()
-            if len(self._held) >= self.cfg.max_sessions:
-                raise errors.Overloaded(
-                    f"backend {self.name!r}: {self.cfg.max_sessions} per-principal instances "
-                    "already run (max_sessions)", backend=self.name)
+            try:
+                self._check_cap()
+            except errors.Overloaded:
+                if self.credentials is not None:
+                    self.credentials.forget(key)  # (others took the places meanwhile)
+                raise
             assert self._nursery is not None
             self._session_index += 1
             inst = Instance(self, self._session_index, label=f"p{self._session_index}")
@@ -690,6 +700,13 @@ class Backend:
             wait = self.host.restart_wait
         self._touch(held, principal)
         return held.inst, await held.inst.wait_ready(wait)
+
+    def _check_cap(self) -> None:
+        """Raises Overloaded: ``max_sessions`` per-principal instances run."""
+        if len(self._held) >= self.cfg.max_sessions:
+            raise errors.Overloaded(
+                f"backend {self.name!r}: {self.cfg.max_sessions} per-principal instances "
+                "already run (max_sessions)", backend=self.name)
 
     async def _reap_principal(self, held: _Held) -> None:
         """Stop a principal's instance when it idles ``idle_timeout``, when the latest
@@ -745,7 +762,9 @@ class Backend:
             self._grant()
 
     def on_instance_ready(self, inst: Instance) -> None:
-        if inst is self.instances[0] or not self.lists_ready.is_set():
+        # (per-principal: the probe's alone; a principal's lists are its own)
+        if inst is self.instances[0] or (not self.lists_ready.is_set()
+                                         and self.mode != "per-principal"):
             self._take_lists(inst)
         if self.cfg.sharing == "affine":
             self._grant()
@@ -774,20 +793,39 @@ class Backend:
             inst.owner = None
 
     # ---- resource subscriptions (one upstream subscription per URI per instance) -----------------
+    # per-principal: a subscription goes to the subscriber's principal's instance alone (the
+    # probe gets none), and is let go there when that principal's last session lets go.
 
-    def subscribed_uris(self) -> list[str]:
-        return sorted(self.subscriptions)
+    def _scope(self, session: Owner) -> str | None:
+        """Whose instances a subscription of ``session`` goes to: its principal's key in the
+        per-principal mode (None: every instance)."""
+        if self.mode != "per-principal":
+            return None
+        return _principal_key(session) or ""
+
+    def _wanted(self, uri: str, scope: str | None) -> bool:
+        holders = self.subscriptions.get(uri, ())
+        if scope is None:
+            return bool(holders)
+        return any(_principal_key(h) == scope for h in holders)
+
+    def subscribed_uris(self, inst: Instance | None = None) -> list[str]:
+        """The URIs subscribed to; with ``inst``: those it is to be subscribed to."""
+        if inst is None or self.mode != "per-principal":
+            return sorted(self.subscriptions)
+        key = inst.principal_key
+        return [] if key is None else sorted(u for u in self.subscriptions if self._wanted(u, key))
 
     async def subscribe(self, session: Owner, uri: str) -> None:
-        holders = self.subscriptions.setdefault(uri, set())
-        first = not holders
-        holders.add(session)
+        scope = self._scope(session)
+        first = not self._wanted(uri, scope)
+        self.subscriptions.setdefault(uri, set()).add(session)
         if first:
-            await self._upstream(uri, "resources/subscribe")
+            await self._upstream(uri, "resources/subscribe", scope)
 
     async def unsubscribe(self, session: Owner, uri: str) -> None:
         if self._release_subscription(session, uri):
-            await self._upstream(uri, "resources/unsubscribe")
+            await self._upstream(uri, "resources/unsubscribe", self._scope(session))
 
     def drop_session(self, session: Owner) -> None:
         for waiter in [w for w in self._waiters if w.session is session]:
@@ -805,26 +843,28 @@ class Backend:
             if self._nursery is not None and not self._stopping:
                 # In the background: a wedged backend must not hold up the closing
                 # connection's (shielded) cleanup, and with it a drain, for request_timeout.
-                self._nursery.start_soon(self._unsubscribe_unless_wanted, uri)
+                self._nursery.start_soon(self._unsubscribe_unless_wanted, uri,
+                                         self._scope(session))
 
     def _release_subscription(self, session: Owner, uri: str) -> bool:
-        """``session`` lets go of ``uri``; True when it was the last holder (unsubscribe
-        upstream)."""
+        """``session`` lets go of ``uri``; True when it was the last holder of its scope
+        (unsubscribe upstream)."""
         holders = self.subscriptions.get(uri)
         if holders is None or session not in holders:
             return False
         holders.discard(session)
-        if holders:
-            return False
-        del self.subscriptions[uri]
-        return True
+        if not holders:
+            del self.subscriptions[uri]
+        return not self._wanted(uri, self._scope(session))
 
-    async def _unsubscribe_unless_wanted(self, uri: str) -> None:
-        if uri not in self.subscriptions:  # nobody subscribed again meanwhile
-            await self._upstream(uri, "resources/unsubscribe")
+    async def _unsubscribe_unless_wanted(self, uri: str, scope: str | None) -> None:
+        if not self._wanted(uri, scope):  # nobody subscribed again meanwhile
+            await self._upstream(uri, "resources/unsubscribe", scope)
 
-    async def _upstream(self, uri: str, method: str) -> None:
+    async def _upstream(self, uri: str, method: str, scope: str | None = None) -> None:
         for inst in self.instances:
+            if scope is not None and inst.principal_key != scope:
+                continue  # another principal's instance, or the probe
             child = inst.child
             if child is not None and child.closed is None:
                 with trio.move_on_after(self.cfg.request_timeout):

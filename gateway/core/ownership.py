@@ -159,8 +159,9 @@ class Ownership:
     def __init__(self, bus: EventBus) -> None:
         self._bus = bus
         self.open = 0  # forwarded requests not ended yet (``/status``)
-        # (backend, URL-mode elicitationId) -> owner; ids are chosen by each backend
-        self.elicitations: dict[tuple[str, str], ClientSession] = {}
+        # (backend, per-principal instance's principal key or "", URL-mode elicitationId) ->
+        # owner; ids are chosen by each backend (each principal's child its own)
+        self.elicitations: dict[tuple[str, str, str], ClientSession] = {}
 
     def route(self, inst: Instance, child: ChildConnection, child_id: int | str,
               method: str, params: Raw | UnsetType, owners: set[Owner]) -> None:
@@ -217,7 +218,7 @@ class Ownership:
         req = owner.open_request(method, fields, send=bridge is None)
         elicitation_id = fields.get("elicitationId") if method == "elicitation/create" else None
         if isinstance(elicitation_id, str):
-            self.elicitations[(backend, elicitation_id)] = owner
+            self.elicitations[(backend, inst.principal_key or "", elicitation_id)] = owner
         self._bus.emit(ServerRequestRouted(backend, method, owner.conn_id))
         self.open += 1
 
@@ -239,9 +240,11 @@ class Ownership:
     def child_cancelled(self, child: ChildConnection, child_id: int | str) -> None:
         child.perform(child.router.child_cancelled(child_id))
 
-    def elicitation_owner(self, backend: str, elicitation_id: str) -> ClientSession | None:
-        """The owner of a URL-mode elicitation, once: its completion is the last word on it."""
-        return self.elicitations.pop((backend, elicitation_id), None)
+    def elicitation_owner(self, backend: str, elicitation_id: str,
+                          principal_key: str | None = None) -> ClientSession | None:
+        """The owner of a URL-mode elicitation, once: its completion is the last word on it
+        (``principal_key``: the per-principal instance's that completes it)."""
+        return self.elicitations.pop((backend, principal_key or "", elicitation_id), None)
 
     def forget_session(self, session: ClientSession) -> None:
         for eid in [e for e, s in self.elicitations.items() if s is session]:
