@@ -248,6 +248,7 @@ async def test_shared_authorization_code_and_client_credentials_with_the_real_se
         secret = f'client_id = "gw"\nclient_secret = {{ file = "{tmp_path}/gw.secret" }}\n' \
             f'token_url = "{srv.token_url}"\n'
         port = free_port()
+        remote.require_bearer = True
         # one shared identity, authorized by an operator
         cfg = gateway_config(tmp_path, port, url, 'grant = "authorization_code"\n' + secret,
                              credentials="")
