@@ -723,9 +723,6 @@ class Backend:
             del self._held[key]
         if self.credentials is not None:
             self.credentials.forget(key)
-            if isinstance(self.credentials, PrincipalAuthorizationCode) and \
-                    why == "its principal was removed":
-                self.credentials.drop(key)  # its refresh token too
         inst.request_stop()
         await inst.stopped.wait()
         if inst in self.instances:
@@ -737,6 +734,8 @@ class Backend:
         dropped = [held for held in self._held.values() if not keep(held.principal)]
         for held in dropped:
             held.dropped.set()
+        if isinstance(self.credentials, PrincipalAuthorizationCode):
+            self.credentials.drop_unless(keep)  # their refresh tokens too
         return len(dropped)
 
     # ---- hooks from instances ---------------------------------------------------------------

@@ -20,6 +20,7 @@ import html
 import logging
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from http.cookies import CookieError, SimpleCookie
 from typing import Any
@@ -95,6 +96,7 @@ class PrincipalAuthorizationCode:
         self._shared = AuthorizationCode(backend, url, cfg, opener)  # discovery, registration
         self._flows: dict[str, AuthorizationCode] = {}
         self._files: dict[str, str] = {}  # principal key → its state file
+        self._seen: dict[str, Principal] = {}  # principal key → the principal (for drop_unless)
         self._starts: dict[str, _Start] = {}
         self._bound: dict[str, _Bound] = {}  # state → the flow it completes
         self._lock = trio.Lock()
@@ -135,9 +137,18 @@ class PrincipalAuthorizationCode:
         """Drop the tokens held in memory (the refresh token stays in the state file)."""
         self._flows.pop(principal_key, None)
 
+    def drop_unless(self, keep: Callable[[Principal], bool]) -> int:
+        """A reload: the principals seen since start that ``keep`` refuses are dropped (their
+        state files deleted); how many."""
+        gone = [key for key, principal in self._seen.items() if not keep(principal)]
+        for key in gone:
+            self.drop(key)
+        return len(gone)
+
     def drop(self, principal_key: str) -> None:
         """The principal is gone (a reload removed it): its state file deleted too."""
         self.forget(principal_key)
+        self._seen.pop(principal_key, None)
         path = self._files.pop(principal_key, None)
         if path is not None:
             try:
@@ -164,6 +175,11 @@ class PrincipalAuthorizationCode:
     # ---- flows ------------------------------------------------------------------------------
 
     def _flow(self, principal: Principal) -> AuthorizationCode:
+        self._seen.pop(principal.key, None)
+        self._seen[principal.key] = principal  # the latest last
+        while len(self._seen) > MAX_PRINCIPALS:
+            self._files.pop(next(iter(self._seen)), None)
+            del self._seen[next(iter(self._seen))]
         return self._flow_of(principal.key, identity_of(principal.key, principal.via,
                                                         principal.name))
 
