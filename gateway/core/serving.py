@@ -426,18 +426,20 @@ def authorize_answer(exc: errors.Denied, method: str, modern: bool, caps: mcp.Cl
     """A call refused until its caller authorizes at ``exc.data["url"]``, as the caller can
     read it: a 2026-07-28 caller that declared URL elicitation gets an ``InputRequiredResult``
     with a URL-mode elicitation (its retry is a new call), a 2025-11-25 one -32042
-    ``URLElicitationRequiredError``, any other the -32005 with ``data.url`` (pure)."""
+    ``URLElicitationRequiredError``, any other the -32005 with ``data.url`` (and the URL at the
+    end of its message, for a client that shows only that) (pure)."""
     url = str(exc.data["url"])
     ask = {"mode": "url", "message": exc.message, "url": url}
+    plain = errors.Denied(f"{exc.message}: {url}", reason=exc.reason, **exc.data)
     if caps is None or not caps.elicitation_url:
-        return exc
+        return plain
     if modern:
         if method not in inputs.MRTR_METHODS:
-            return exc
+            return plain
         return jsonrpc.encode_dict({"resultType": "input_required", "inputRequests": {
             "authorize": {"method": "elicitation/create", "params": ask}}})
     if version != "2025-11-25":
-        return exc
+        return plain
     elicitation = {**ask, "elicitationId": hashlib.sha256(url.encode()).hexdigest()[:32]}
     return errors.URLElicitationRequired(exc.message, elicitations=[elicitation],
                                          **{k: v for k, v in exc.data.items() if k == "backend"})

@@ -67,7 +67,7 @@ def code_oauth(tmp_path: Path, srv: AuthServer) -> str:
 def authorize_url(answer: dict[str, Any]) -> str:
     error = answer["error"]
     assert error["code"] == -32005 and error["data"]["reason"] == "authorization_required", error
-    assert "authoriz" in error["message"]
+    assert "authoriz" in error["message"] and error["message"].endswith(error["data"]["url"])
     return str(error["data"]["url"])
 
 
