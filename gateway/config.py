@@ -711,16 +711,20 @@ def per_principal_errors(p: str, b: BackendConfig) -> list[str]:
         elif b.sharing not in ("shared", "per-principal"):
             errors.append(f'{p}.sharing: credentials = "per-principal" runs an upstream session '
                           f'per principal; use sharing = "per-principal" (or leave it out)')
+        code = b.oauth is not None and b.oauth.grant == "authorization_code"
+        sources = (b.token_files is not None) + (b.token_exchange is not None) + code
         if b.credentials != "per-principal":
             errors.append(f'{p}.token_files: only with credentials = "per-principal"')
-        elif b.token_files is None and b.token_exchange is None:
-            errors.append(f'{p}.credentials: "per-principal" needs a source: set token_files '
-                          'or [token_exchange]')
-        elif b.token_files is not None and b.token_exchange is not None:
-            errors.append(f'{p}.credentials: one source: token_files or [token_exchange]')
-        if b.oauth is not None and b.credentials == "per-principal":
+        elif sources == 0 and b.oauth is None:
+            errors.append(f'{p}.credentials: "per-principal" needs a source: set token_files, '
+                          '[token_exchange] or [oauth] grant = "authorization_code"')
+        elif sources > 1:
+            errors.append(f'{p}.credentials: one source: token_files, [token_exchange] or '
+                          '[oauth] grant = "authorization_code"')
+        if b.oauth is not None and not code and b.credentials == "per-principal":
             errors.append(f"{p}.oauth: the backend's own token is not used with "
-                          'credentials = "per-principal"; remove one')
+                          'credentials = "per-principal" (each principal authorizes with '
+                          'grant = "authorization_code"); remove one')
     if b.token_files is not None and (why := _template_error(f"{p}.token_files",
                                                               b.token_files)) is not None:
         errors.append(why)

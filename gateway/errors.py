@@ -21,6 +21,7 @@ INVALID_PARAMS = -32602
 INTERNAL_ERROR = -32603
 # MCP (legacy revisions)
 RESOURCE_NOT_FOUND = -32002
+URL_ELICITATION_REQUIRED = -32042  # 2025-11-25 only
 # Gateway conditions, implementation-defined range -32000..-32019
 BACKEND_UNAVAILABLE = -32001
 TIMEOUT = -32003
@@ -43,6 +44,7 @@ CODE_NAMES: dict[int, str] = {
     INVALID_PARAMS: "invalid_params",
     INTERNAL_ERROR: "internal_error",
     RESOURCE_NOT_FOUND: "resource_not_found",
+    URL_ELICITATION_REQUIRED: "url_elicitation_required",
     BACKEND_UNAVAILABLE: "backend_unavailable",
     TIMEOUT: "timeout",
     BACKEND_EXITED: "backend_exited",
@@ -80,6 +82,7 @@ class GatewayError(Exception):
     backend reply too large      -32008   ``response_too_large`` (+backend, limit)
     backend broke the protocol   -32009   ``backend_protocol_error`` (+backend, detail)
     caller lacks a capability    -32021   ``authorization_required`` (+requiredCapabilities)
+    caller must open a URL       -32042   (2025-11-25 callers) ``elicitations``
     ===========================  =======  =========================================
     """
 
@@ -134,6 +137,14 @@ class MissingCapability(GatewayError):
     (``data.requiredCapabilities``)."""
 
     code = MISSING_CAPABILITY
+
+
+class URLElicitationRequired(GatewayError):
+    """2025-11-25 ``URLElicitationRequiredError``: the caller must open a URL first
+    (``data.elicitations``: URL-mode elicitation params) and then call again."""
+
+    code = URL_ELICITATION_REQUIRED
+    reason = "authorization_required"
 
 
 class UnsupportedVersion(GatewayError):

@@ -27,6 +27,7 @@ from gateway.backend.authcode import AuthorizationCode
 from gateway.backend.instance import ChildNotified, Instance
 from gateway.backend.oauth import TokenFailed
 from gateway.backend.pool import Backend, ConnectorFactory, Parking, default_connector
+from gateway.backend.principalauth import PrincipalAuthorizationCode
 from gateway.config import BackendConfig, GatewayConfig, ItemFilter, redirect_uri
 from gateway.core import bridge
 from gateway.core.audit import AuditSink
@@ -188,6 +189,8 @@ class Hub:
         code_flow = _authorization_code(backend)
         if code_flow is not None:
             code_flow.place(redirect_uri(self.cfg), self.cfg.gateway.state_dir)
+        if isinstance(backend.credentials, PrincipalAuthorizationCode):  # each caller's own
+            backend.credentials.place(redirect_uri(self.cfg), self.cfg.gateway.state_dir)
         # the owners the pool asks the bridge about are the core's sessions
         backend.parking = cast("Parking", self.bridge)
         backend.log_level = self.wanted_log_level()
@@ -566,6 +569,32 @@ class Hub:
             return 200, code_flow.begin()
         except TokenFailed as exc:
             return 409, exc.detail
+
+    async def redirected(self, query: str, cookie: str | None
+                         ) -> tuple[int, str, str, tuple[tuple[str, str], ...]]:
+        """``listen.redirect_path``: a per-principal backend's authorize page (``start``) or
+        redirect back (its ``state``, bound to the browser's cookie), else the shared flows'
+        redirect back (:meth:`complete_authorization`)."""
+        pairs = parse_qsl(query[:8192], keep_blank_values=True)
+        params = dict(pairs)
+        if len(params) == len(pairs):
+            start, state = params.get("start"), params.get("state", "")
+            for backend in self.backends.values():
+                source = backend.credentials
+                if not isinstance(source, PrincipalAuthorizationCode):
+                    continue
+                page = None
+                if start is not None and source.owns_start(start):
+                    page = source.start_page(start, params.get("consent") == "yes")
+                elif start is None and source.owns_state(state):
+                    page = await source.complete(params, cookie)
+                if page is not None:
+                    return page.status, page.body, page.content_type, page.headers
+            if start is not None:
+                return 400, "refused: unknown, used or expired authorization link", \
+                    "text/plain; charset=utf-8", ()
+        status, said = await self.complete_authorization(query)
+        return status, said, "text/plain; charset=utf-8", ()
 
     async def complete_authorization(self, query: str) -> tuple[int, str]:
         """The authorization server's redirect back (``listen.redirect_path``): its ``state``

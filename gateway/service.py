@@ -458,7 +458,7 @@ async def _accept(hub: Hub, cfg: GatewayConfig, fds: dict[str, int], conns: trio
             endpoint.core = hub
             endpoint.traced = hub.tracer is not None
             endpoint.redirect_path = cfg.listen.redirect_path
-            endpoint.redirect = hub.complete_authorization
+            endpoint.redirect = hub.redirected
             await nursery.start(lambda task_status: serve_http(
                 http_listeners, endpoint, max_message=max_msg, handler_nursery=conns,
                 slots=hub.slots, tls_context=tls_context, task_status=task_status))

@@ -296,7 +296,7 @@ class HttpConnector:
         label = name or self.target.text
         # its own access token, one per backend
         self.auth: oauth.TokenSource | None = (
-            None if cfg.oauth is None
+            None if cfg.oauth is None or cfg.credentials == "per-principal"
             else AuthorizationCode(label, cfg.url, cfg.oauth, opener)
             if cfg.oauth.grant == "authorization_code"
             else oauth.TokenSource(label, cfg.url, cfg.oauth, opener))

@@ -28,6 +28,7 @@ from gateway.backend.child import ChildConnection, Owner
 from gateway.backend.connector import Connector
 from gateway.backend.http import HttpConnector
 from gateway.backend.instance import Instance, InstanceHost
+from gateway.backend.principalauth import PrincipalAuthorizationCode
 from gateway.backend.stdio import StdioConnector
 from gateway.backend.tokenexchange import TokenExchangeSource
 from gateway.config import BackendConfig
@@ -88,9 +89,13 @@ ConnectorFactory = Callable[[str, BackendConfig], Connector]
 
 def _credential_source(name: str, cfg: BackendConfig
                        ) -> credentials.PrincipalCredentials | None:
-    """A per-principal remote's credential source: token exchange, else the file sources."""
+    """A per-principal remote's credential source: token exchange, each principal's
+    authorization code flow, else the file sources."""
     if cfg.credentials == "per-principal" and cfg.token_exchange is not None:
         return TokenExchangeSource(name, cfg.token_exchange)
+    if cfg.credentials == "per-principal" and cfg.oauth is not None \
+            and cfg.oauth.grant == "authorization_code":
+        return PrincipalAuthorizationCode(name, cfg.url, cfg.oauth)
     return credentials.source_for(cfg)
 
 
@@ -190,6 +195,8 @@ class Backend:
                              if isinstance(self.credentials, TokenExchangeSource) else None)
 
     def _token_status(self) -> dict[str, Any] | None:
+        if isinstance(self.credentials, PrincipalAuthorizationCode):  # each principal's own
+            return self.credentials.status()
         auth = self.connector.auth if isinstance(self.connector, HttpConnector) else None
         return auth.status() if auth is not None else None
 
@@ -748,6 +755,8 @@ class Backend:
         dropped = [held for held in self._held.values() if not keep(held.principal)]
         for held in dropped:
             held.dropped.set()
+        if isinstance(self.credentials, PrincipalAuthorizationCode):
+            self.credentials.drop_unless(keep)  # their refresh tokens too
         return len(dropped)
 
     # ---- hooks from instances ---------------------------------------------------------------

@@ -18,6 +18,7 @@ take the connection down).
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -255,6 +256,14 @@ class Served(Request):
         response: bytes | None = None
         if cancelled and ports.calls_cut_off:  # drain grace over: say so, not silence
             exc = _cut_off()
+        if isinstance(exc, errors.Denied) and isinstance(exc.data.get("url"), str):
+            asked = authorize_answer(exc, req.method, self.modern,
+                                     self.caps if self.modern else session.caps,
+                                     session.protocol_version)
+            if isinstance(asked, Raw):
+                result, exc = asked, None
+            else:
+                exc = asked
         if cancelled and exc is None:
             outcome = _CANCELLED  # a cancelled request gets no response
         elif exc is None:
@@ -420,6 +429,30 @@ def _decided(targeter: handlers.Targeter, ports: ServingPorts, session: ClientSe
         raise
     trace.span("policy", start, "allow" if target.consent is None else "ask")
     return target
+
+
+def authorize_answer(exc: errors.Denied, method: str, modern: bool, caps: mcp.ClientCaps | None,
+                     version: str | None) -> Raw | errors.GatewayError:
+    """A call refused until its caller authorizes at ``exc.data["url"]``, as the caller can
+    read it: a 2026-07-28 caller that declared URL elicitation gets an ``InputRequiredResult``
+    with a URL-mode elicitation (its retry is a new call), a 2025-11-25 one -32042
+    ``URLElicitationRequiredError``, any other the -32005 with ``data.url`` (and the URL at the
+    end of its message, for a client that shows only that) (pure)."""
+    url = str(exc.data["url"])
+    ask = {"mode": "url", "message": exc.message, "url": url}
+    plain = errors.Denied(f"{exc.message}: {url}", reason=exc.reason, **exc.data)
+    if caps is None or not caps.elicitation_url:
+        return plain
+    if modern:
+        if method not in inputs.MRTR_METHODS:
+            return plain
+        return jsonrpc.encode_dict({"resultType": "input_required", "inputRequests": {
+            "authorize": {"method": "elicitation/create", "params": ask}}})
+    if version != "2025-11-25":
+        return plain
+    elicitation = {**ask, "elicitationId": hashlib.sha256(url.encode()).hexdigest()[:32]}
+    return errors.URLElicitationRequired(exc.message, elicitations=[elicitation],
+                                         **{k: v for k, v in exc.data.items() if k == "backend"})
 
 
 async def _run_slow(served: Served, first: Raw | None = None) -> None:

@@ -185,10 +185,12 @@ class Endpoint:
         # the core: its refusals of a request before it starts (drain), set by the service
         self.core: ConnectionPorts | None = None
         self.traced = False  # tracing is on: a POST's traceparent header is read (the service)
-        # an authorization server's redirect back (listen.redirect_path): the query in, the
-        # status and a line of text out (set by the service)
+        # an authorization server's redirect back, and the gateway's own authorize page
+        # (listen.redirect_path): the query and the Cookie header in; the status, the body, its
+        # content type and extra headers out (set by the service)
         self.redirect_path: str | None = None
-        self.redirect: Callable[[str], Awaitable[tuple[int, str]]] | None = None
+        self.redirect: Callable[[str, str | None], Awaitable[
+            tuple[int, str, str, tuple[tuple[str, str], ...]]]] | None = None
         # each connection counts toward the max_connections of its latest request's principal
         self._counted: dict[HttpConnection, Held] = {}
 
@@ -318,9 +320,11 @@ class Endpoint:
             if req.path == self.redirect_path and self.redirect is not None:
                 if req.method not in ("GET", "HEAD"):
                     raise HttpError(405, "method not allowed")
-                status, said = await self.redirect(req.target.partition("?")[2])
-                conn.respond(status, (said + "\n").encode(), "text/plain; charset=utf-8",
-                             [("cache-control", "no-store"), ("referrer-policy", "no-referrer")])
+                status, said, page_type, page_extra = await self.redirect(
+                    req.target.partition("?")[2], req.header(b"cookie"))
+                conn.respond(status, (said + "\n").encode(), page_type,
+                             [("cache-control", "no-store"), ("referrer-policy", "no-referrer"),
+                              *page_extra])
                 return
             if req.path in PROBES and self.probes is not None:  # a load balancer's health checks
                 code, content_type, text, extra = self.probes(req)

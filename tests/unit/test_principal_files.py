@@ -175,13 +175,14 @@ oauth = { token_url = "https://h/token", client_id = "c", client_secret = { env 
         "backends.b.env_files: the file name (not a folder) must contain {principal} once",
         "backends.c.env_files: only for a backend with a command (this one has a url)",
         "backends.c.env_files: the file name (not a folder) must contain {principal} once",
-        'backends.c.credentials: "per-principal" needs a source: set token_files or '
-        '[token_exchange]',
+        'backends.c.credentials: "per-principal" needs a source: set token_files, '
+        '[token_exchange] or [oauth] grant = "authorization_code"',
         "backends.d.credentials: only for a remote backend (url)",
         'backends.e.token_files: only with credentials = "per-principal"',
         "backends.e.token_files: the file name (not a folder) must contain {principal} once",
         'backends.f.sharing: credentials = "per-principal" runs an upstream session per '
         'principal; use sharing = "per-principal" (or leave it out)',
         "backends.f.oauth: the backend's own token is not used with "
-        'credentials = "per-principal"; remove one',
+        'credentials = "per-principal" (each principal authorizes with '
+        'grant = "authorization_code"); remove one',
     ])

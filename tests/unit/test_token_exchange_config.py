@@ -45,11 +45,11 @@ def test_token_exchange_keys_are_checked_by_path() -> None:
 def test_it_is_a_per_principal_remotes_one_source(tmp_path: object) -> None:
     assert refused(TABLE) == [ONLY]
     assert refused('credentials = "per-principal"\ntoken_files = "t/{principal}.token"\n'
-                   + TABLE) == ["backends.r.credentials: one source: token_files or "
-                                "[token_exchange]"]
+                   + TABLE) == ["backends.r.credentials: one source: token_files, "
+                                '[token_exchange] or [oauth] grant = "authorization_code"']
     assert refused('credentials = "per-principal"\n') == [
-        'backends.r.credentials: "per-principal" needs a source: set token_files or '
-        "[token_exchange]"]
+        'backends.r.credentials: "per-principal" needs a source: set token_files, '
+        '[token_exchange] or [oauth] grant = "authorization_code"']
     cfg = config.load(f'[backends.r]\nurl = "{URL}"\ncredentials = "per-principal"\n' + TABLE,
                       base_dir=str(tmp_path)).backends["r"]
     assert cfg.token_exchange is not None

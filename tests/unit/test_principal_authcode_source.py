@@ -1,0 +1,67 @@
+"""The per-principal authorization code source without a network: the config that makes it,
+each principal's own state file (0600) deleted when a reload drops that principal alone, and an
+unknown or used authorize link or state refused."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from gateway import config
+from gateway import errors as gw_errors
+from gateway.auth.principal import Principal
+from gateway.backend.pool import _credential_source
+from gateway.backend.principalauth import PrincipalAuthorizationCode
+
+URL = "https://h.example/mcp"
+BASE = f'[backends.r]\nurl = "{URL}"\ncredentials = "per-principal"\n[backends.r.oauth]\n'
+
+
+def who(name: str) -> Principal:
+    return Principal(name, via="bearer", label=name, credential="f" * 64)
+
+
+def test_the_config_makes_it_and_refuses_client_credentials_beside_per_principal() -> None:
+    cfg = config.load(BASE + 'grant = "authorization_code"\n')
+    source = _credential_source("r", cfg.backends["r"])
+    assert isinstance(source, PrincipalAuthorizationCode) and source.kind == "authorization_code"
+    with pytest.raises(gw_errors.ConfigError) as err:
+        config.load(BASE + 'token_url = "https://h.example/token"\nclient_id = "c"\n'
+                           'client_secret = { env = "S" }\n')
+    assert "backends.r.oauth: the backend's own token is not used with credentials = " \
+        '"per-principal" (each principal authorizes with grant = "authorization_code"); ' \
+        "remove one" in err.value.errors
+
+
+@pytest.mark.trio
+async def test_each_principal_has_its_own_state_file_dropped_with_it_alone(
+        tmp_path: Path) -> None:
+    cfg = config.load(BASE + 'grant = "authorization_code"\n').backends["r"]
+    assert cfg.oauth is not None
+    source = PrincipalAuthorizationCode("r", URL, cfg.oauth)
+    source.place("http://127.0.0.1:8766/oauth/callback", str(tmp_path))
+    for name in ("alice", "bob"):
+        flow = source._flow(who(name))
+        flow.refresh_token = f"refresh-of-{name}"
+        flow.meta = {"token_endpoint": "https://as.example/token"}
+        flow._save()
+    paths = {n: tmp_path / "oauth" / "r" / f"bearer-{n}.json" for n in ("alice", "bob")}
+    assert all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in paths.values())
+    source.forget(who("alice").key)  # a stopped instance: the refresh token stays
+    assert source._flow(who("alice")).refresh_token == "refresh-of-alice"
+    assert source.drop_unless(lambda p: p.name != "alice") == 1
+    assert not paths["alice"].exists() and paths["bob"].exists()
+    # an unknown or used link, an unknown state: refused, nothing stored
+    assert source.start_page("nope", consent=True).status == 400
+    url = source._start_url(who("bob"))
+    start = url.rpartition("start=")[2]
+    assert source._start_url(who("bob")) == url  # one open link per principal
+    assert source.start_page(start, consent=False).status == 200
+    first = source.start_page(start, consent=True)
+    assert first.status == 409  # nothing discovered yet: no authorization server to send to
+    assert source.start_page(start, consent=True).status == 400  # used up
+    page = await source.complete({"state": "x", "code": "y"}, None)
+    assert page.status == 400 and source.refused == 1
