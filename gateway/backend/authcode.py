@@ -23,7 +23,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import urlencode, urlsplit
 
 import trio
 
@@ -269,6 +269,8 @@ class AuthorizationCode(oauth.TokenSource):
                 raise self._fail("the protected-resource metadata names no authorization "
                                  "server")
             issuer = servers[0]
+            if urlsplit(issuer).scheme not in ("http", "https"):
+                raise self._fail(f"authorization server {issuer!r:.200} is not an http(s) URL")
             scopes = prm.get("scopes_supported")
             self.resource_scopes = scopes if isinstance(scopes, list) else None
             meta = None

@@ -199,9 +199,13 @@ class Endpoints:
         """One exchange.
 
         Raises:
-            TokenFailed: unreachable, too slow, a body over :data:`MAX_BODY`.
+            TokenFailed: not an http(s) URL, unreachable, too slow, a body over
+                :data:`MAX_BODY`.
         """
-        origin = httpclient.parse_url(url)
+        try:
+            origin = httpclient.parse_url(url)
+        except ValueError:  # a URL a remote's document named: its host or port unusable
+            raise TokenFailed(f"{url!r:.200} is not an http(s) URL with a host") from None
         if origin.tls and self._tls is None:
             try:
                 self._tls = httpclient.tls_context(self.ca_file)

@@ -18,7 +18,8 @@ from fixtures.link_recorder import Recorder, request
 from fixtures.token_server import AuthServer, Net, ProtectedRemote
 
 from gateway import config, errors
-from gateway.backend import http
+from gateway.backend import http, oauth
+from gateway.backend.authcode import AuthorizationCode
 from gateway.backend.connector import LinkContext
 from gateway.events import EventBus
 from gateway.limits import ByteBudget
@@ -193,4 +194,32 @@ async def test_private_key_jwt_assertion_is_signed_with_the_claims_the_server_ch
         form = auth.requests[0]
         assert form["client_id"] == "gw-client" and form["_authorization"] is None
         assert jwt.get_unverified_header(form["client_assertion"])["kid"] == "k1"
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("hint", ["http://127.0.0.1:99999/prm", "https:///prm"])
+async def test_a_challenge_naming_an_unusable_metadata_url_fails_the_token_only(
+        autojump_clock: trio.testing.MockClock, hint: str) -> None:
+    cfg = config.load(f'[backends.r]\nurl = "{URL}"\n[backends.r.oauth]\nclient_id = "c"\n'
+                      'client_secret = { env = "S" }\n').backends["r"].oauth
+    assert cfg is not None
+    source = oauth.TokenSource("r", URL, cfg)
+    with pytest.raises(oauth.TokenFailed, match="not an http"):
+        await source.renew(None, f'Bearer resource_metadata="{hint}"')
+
+
+async def test_an_authorization_server_that_is_not_an_http_url_is_refused(
+        autojump_clock: trio.testing.MockClock) -> None:
+    def remote(method: str, target: str, headers: dict[str, str], body: bytes) -> Any:
+        doc = {"resource": URL, "authorization_servers": ["ftp://as.example"]}
+        return 200, [("content-type", "application/json")], json.dumps(doc).encode()
+
+    cfg = config.load(f'[backends.r]\nurl = "{URL}"\n[backends.r.oauth]\n'
+                      'grant = "authorization_code"\n').backends["r"].oauth
+    assert cfg is not None
+    async with trio.open_nursery() as nursery:
+        net = Net(nursery, {"localhost:8080": remote})
+        code_flow = AuthorizationCode("r", URL, cfg, net.open)
+        with pytest.raises(oauth.TokenFailed, match="is not an http"):
+            await code_flow.renew(None, "Bearer")
         nursery.cancel_scope.cancel()
