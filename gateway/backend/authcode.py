@@ -254,11 +254,8 @@ class AuthorizationCode(oauth.TokenSource):
     # ---- discovery and registration ---------------------------------------------------------
 
     async def _discover_flow(self, params: dict[str, str]) -> None:
-        prm = None
-        for url in oauthflow.resource_metadata_urls(self.url, params.get("resource_metadata")):
-            prm = await self._json(url)
-            if prm is not None:
-                break
+        prm = await self._first_json(
+            oauthflow.resource_metadata_urls(self.url, params.get("resource_metadata")))
         if prm is not None:
             resource, servers = prm.get("resource"), prm.get("authorization_servers")
             if not isinstance(resource, str) or not oauthflow.resource_matches(resource,
@@ -273,22 +270,14 @@ class AuthorizationCode(oauth.TokenSource):
                 raise self._fail(f"authorization server {issuer!r:.200} is not an http(s) URL")
             scopes = prm.get("scopes_supported")
             self.resource_scopes = scopes if isinstance(scopes, list) else None
-            meta = None
-            for url in oauthflow.metadata_urls(issuer):
-                meta = await self._json(url)
-                if meta is not None:
-                    break
+            meta = await self._first_json(oauthflow.metadata_urls(issuer))
             if meta is None:
                 raise self._fail(f"no metadata for authorization server {issuer:.200}")
         else:  # 2025-03-26: the server's origin is its authorization server
             resource = self.cfg.resource or self.url
             issuer = oauthflow.legacy_issuer(self.url)
             self.resource_scopes = None
-            meta = None
-            for url in oauthflow.metadata_urls(issuer):
-                meta = await self._json(url)
-                if meta is not None:
-                    break
+            meta = await self._first_json(oauthflow.metadata_urls(issuer))
             meta = meta or oauthflow.legacy_metadata(issuer)
         try:
             oauthflow.check_metadata(meta, issuer)
@@ -337,10 +326,7 @@ class AuthorizationCode(oauth.TokenSource):
         response, data = await self._exchange(
             "POST", endpoint, [("content-type", "application/json"),
                                ("accept", "application/json")], json.dumps(body).encode())
-        try:
-            doc = json.loads(data)
-        except (ValueError, RecursionError):
-            doc = None
+        doc = oauth.json_body(data)
         if response.status not in (200, 201) or not isinstance(doc, dict) \
                 or not isinstance(doc.get("client_id"), str) or not doc["client_id"]:
             raise self._fail(f"registration at {httpclient.parse_url(endpoint).text} failed "
@@ -461,12 +447,8 @@ class AuthorizationCode(oauth.TokenSource):
             self._client_auth(form, head)
             response, body = await self._exchange("POST", self.token_endpoint, head,
                                                   urlencode(form).encode())
-            try:
-                doc = json.loads(body)
-            except (ValueError, RecursionError):
-                doc = None
-            answer = oauthflow.token_answer(response.status, doc, where, oauth.MAX_TOKEN,
-                                            oauth.MAX_LIFETIME)
+            answer = oauthflow.token_answer(response.status, oauth.json_body(body), where,
+                                            oauth.MAX_TOKEN, oauth.MAX_LIFETIME)
         except oauthflow.FlowError as exc:
             self.failures += 1
             if form["grant_type"] == "refresh_token" and "invalid_grant" in exc.detail:

@@ -18,7 +18,7 @@ from fixtures.link_recorder import Recorder, request
 from fixtures.token_server import AuthServer, Net, ProtectedRemote
 
 from gateway import config, errors
-from gateway.backend import http, oauth
+from gateway.backend import http, httpclient, oauth
 from gateway.backend.authcode import AuthorizationCode
 from gateway.backend.connector import LinkContext
 from gateway.events import EventBus
@@ -223,3 +223,16 @@ async def test_an_authorization_server_that_is_not_an_http_url_is_refused(
         with pytest.raises(oauth.TokenFailed, match="is not an http"):
             await code_flow.renew(None, "Bearer")
         nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(("doc", "why"), [
+    ({"access_token": "a\tb", "token_type": "Bearer"}, "without a usable access_token"),
+    ({"access_token": "t", "token_type": "Bearer", "refresh_token": 7}, "unusable refresh_token"),
+    ({"access_token": "t", "token_type": "Bearer", "expires_in": float("nan")}, "expires_in"),
+])
+def test_a_client_credentials_answer_is_read_by_the_flow_rules(doc: Any, why: str) -> None:
+    response = httpclient.Response(200, {})
+    with pytest.raises(oauth.TokenFailed, match=why):
+        oauth.parse_token(response, json.dumps(doc).encode(), "as")
+    good = {"access_token": "t", "token_type": "bearer", "expires_in": 10**9}
+    assert oauth.parse_token(response, json.dumps(good).encode(), "as") == ("t", oauth.MAX_LIFETIME)
