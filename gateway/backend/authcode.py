@@ -28,7 +28,8 @@ from urllib.parse import urlencode, urlsplit
 import trio
 
 from gateway.backend import httpclient, oauth
-from gateway.config import RemoteOAuth, endpoint_url_ok
+from gateway.backend.credentials import owner_only
+from gateway.config import RemoteOAuth, endpoint_url_ok, read_regular
 from gateway.protocol import oauthflow
 
 LOGGER = logging.getLogger(__name__)
@@ -94,21 +95,17 @@ class AuthorizationCode(oauth.TokenSource):
                      else os.path.join(state_dir, "oauth", name, _SAFE.sub("_", identity)
                                        + ".json"))
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
+            data = read_regular(self.path, MAX_STATE_FILE, flags=os.O_NOFOLLOW,
+                                problem=owner_only)
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as exc:
+            LOGGER.warning("backend %s: %s: ignored (%s)", self.backend, self.path,
+                           exc.strerror if isinstance(exc, OSError) else exc)
             return
         try:
-            st = os.fstat(fd)
-            if st.st_mode & 0o077:
-                LOGGER.warning("backend %s: %s is readable by others: ignored", self.backend,
-                               self.path)
-                return
-            data = os.read(fd, MAX_STATE_FILE)
-        finally:
-            os.close(fd)
-        try:
             doc = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):
             LOGGER.warning("backend %s: %s is not JSON: ignored", self.backend, self.path)
             return
         if not isinstance(doc, dict) or not isinstance(doc.get("meta"), dict):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from typing import Any
 
 import jwt
@@ -236,3 +237,23 @@ def test_a_client_credentials_answer_is_read_by_the_flow_rules(doc: Any, why: st
         oauth.parse_token(response, json.dumps(doc).encode(), "as")
     good = {"access_token": "t", "token_type": "bearer", "expires_in": 10**9}
     assert oauth.parse_token(response, json.dumps(good).encode(), "as") == ("t", oauth.MAX_LIFETIME)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "open to others", "too deep"])
+async def test_an_unusable_authorization_state_file_is_ignored_at_once(
+        tmp_path: Any, caplog: pytest.LogCaptureFixture, kind: str) -> None:
+    cfg = config.load(f'[backends.r]\nurl = "{URL}"\n[backends.r.oauth]\n'
+                      'grant = "authorization_code"\n').backends["r"].oauth
+    assert cfg is not None
+    path = tmp_path / "oauth" / "r.json"
+    path.parent.mkdir()
+    if kind == "fifo":
+        os.mkfifo(path, 0o600)
+    else:
+        path.write_text("[" * 100_000 if kind == "too deep" else '{"meta": {}}')
+        path.chmod(0o600 if kind == "too deep" else 0o644)
+    code_flow = AuthorizationCode("r", URL, cfg)
+    with trio.fail_after(10):  # real seconds: a FIFO opened for reading would block for ever
+        await trio.to_thread.run_sync(code_flow.place, "http://gw/cb", str(tmp_path),
+                                      abandon_on_cancel=True)
+    assert code_flow.meta is None and "ignored" in caplog.text
