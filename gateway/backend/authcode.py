@@ -19,7 +19,6 @@ import logging
 import math
 import os
 import re
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -455,16 +454,9 @@ class AuthorizationCode(oauth.TokenSource):
                                  f"{self.backend}`") from None
             raise self._fail(exc.detail) from None
         except oauth.TokenFailed as exc:
-            self.failures += 1
-            self.last_error = exc.detail
-            LOGGER.warning("backend %s: no access token: %s", self.backend, exc.detail)
+            self._failed(exc)
             raise
-        now = trio.current_time()
-        self.token, self._fetched, self.last_error = answer.access_token, now, None
-        life = answer.lifetime
-        self._expires = now + life if life is not None else math.inf
-        self._refresh = now + oauth.REFRESH_AT * life if life is not None else math.inf
-        self.valid_until = time.time() + life if life is not None else None
+        self._hold(answer.access_token, answer.lifetime)
         if answer.refresh_token is not None:
             self.refresh_token = answer.refresh_token
         self.asked = scope

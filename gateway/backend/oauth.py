@@ -394,14 +394,23 @@ class TokenSource:
                                                   urlencode(form).encode())
             token, lifetime = parse_token(response, body, where)
         except TokenFailed as exc:
-            self.failures += 1
-            self.last_error = exc.detail
-            LOGGER.warning("backend %s: no access token: %s", self.backend, exc.detail)
+            self._failed(exc)
             raise
+        self._hold(token, lifetime)
+        LOGGER.info("backend %s: access token fetched from %s (%s)", self.backend, where,
+                    f"valid {lifetime:g}s" if lifetime is not None else "no expiry given")
+
+    def _failed(self, exc: TokenFailed) -> None:
+        """A token request failed: counted, kept as ``last_error``, logged."""
+        self.failures += 1
+        self.last_error = exc.detail
+        LOGGER.warning("backend %s: no access token: %s", self.backend, exc.detail)
+
+    def _hold(self, token: str, lifetime: float | None) -> None:
+        """A token just had, good for ``lifetime`` seconds (None: no expiry given): the next
+        is fetched after :data:`REFRESH_AT` of it."""
         now = trio.current_time()
         self.token, self._fetched, self.last_error = token, now, None
         self._expires = now + lifetime if lifetime is not None else math.inf
         self._refresh = now + REFRESH_AT * lifetime if lifetime is not None else math.inf
         self.valid_until = time.time() + lifetime if lifetime is not None else None
-        LOGGER.info("backend %s: access token fetched from %s (%s)", self.backend, where,
-                    f"valid {lifetime:g}s" if lifetime is not None else "no expiry given")
