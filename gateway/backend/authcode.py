@@ -408,11 +408,7 @@ class AuthorizationCode(oauth.TokenSource):
         secret = self.client_secret
         if secret is None and self.cfg.client_secret is not None \
                 and self.client_id == self.cfg.client_id:
-            try:
-                secret = oauth.read_secret(self.cfg.client_secret, "client_secret",
-                                           self._environ).decode()
-            except UnicodeDecodeError:
-                raise oauth.TokenFailed("client_secret is not UTF-8 text") from None
+            secret = oauth.client_secret(self.cfg, self._environ)
         assert self.client_id is not None
         if method == "none" or secret is None:
             form["client_id"] = self.client_id

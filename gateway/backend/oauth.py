@@ -91,6 +91,18 @@ def read_secret(ref: str | dict[str, str] | None, what: str,
     return data
 
 
+def client_secret(cfg: ClientAuth, environ: dict[str, str] | None = None) -> str:
+    """The configured ``client_secret``, read now.
+
+    Raises:
+        TokenFailed: unset, unreadable, empty or not UTF-8 (named, never the value).
+    """
+    try:
+        return read_secret(cfg.client_secret, "client_secret", environ).decode()
+    except UnicodeDecodeError:
+        raise TokenFailed("client_secret is not UTF-8 text") from None
+
+
 def _signing_key(pem: bytes, algorithm: str) -> Any:
     """The private key in ``pem``, of the type ``algorithm`` signs with.
 
@@ -134,10 +146,7 @@ def client_auth(cfg: ClientAuth, aud: str, form: dict[str, str], head: list[tupl
         form["client_assertion"] = pyjwt.encode(claims, key, algorithm=cfg.algorithm,
                                                 headers=extra)
         return
-    try:
-        secret = read_secret(cfg.client_secret, "client_secret", environ).decode()
-    except UnicodeDecodeError:
-        raise TokenFailed("client_secret is not UTF-8 text") from None
+    secret = client_secret(cfg, environ)
     if cfg.auth_method == "client_secret_post":
         form["client_id"], form["client_secret"] = cfg.client_id, secret
     else:
