@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 import jwt
+import msgspec
 import pytest
 import trio
 import trio.testing
@@ -257,3 +258,20 @@ async def test_an_unusable_authorization_state_file_is_ignored_at_once(
         await trio.to_thread.run_sync(code_flow.place, "http://gw/cb", str(tmp_path),
                                       abandon_on_cancel=True)
     assert code_flow.meta is None and "ignored" in caplog.text
+
+
+def test_the_redirect_uri_is_one_a_browser_on_this_machine_reaches() -> None:
+    text = (f'[backends.r]\nurl = "{URL}"\n[backends.r.oauth]\ngrant = "authorization_code"\n')
+    cfg = config.load(text)
+
+    def uri(**listen: Any) -> str:
+        return config.redirect_uri(msgspec.structs.replace(
+            cfg, listen=msgspec.structs.replace(cfg.listen, **listen)))
+
+    assert uri() == "http://127.0.0.1:8766/oauth/callback"
+    assert uri(http="[::]:9", redirect_path="/cb") == "http://[::1]:9/cb"
+    assert uri(http="0.0.0.0:9", tls_cert="c", tls_key="k") == "https://127.0.0.1:9/oauth/callback"
+    assert uri(public_url="https://gw.example/mcp") == "https://gw.example/oauth/callback"
+    with pytest.raises(errors.ConfigError, match=r"listen.http: off, but backend r has "
+                       "oauth.grant = 'authorization_code'"):
+        config.load('[listen]\nhttp = ""\n' + text)
