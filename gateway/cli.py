@@ -186,23 +186,34 @@ def cmd_connect(args: argparse.Namespace) -> int:
 DEFAULT_CONFIG = "/etc/mcp-gateway/gateway.toml"  # where the Debian package puts it
 
 
+def _admin_target(args: argparse.Namespace, command: str, off: str = ""
+                  ) -> tuple[str, int, str | None] | None:
+    """The admin listener's address in ``--config`` and the ``--token-file`` token, or None
+    (said on stderr: no config, admin.listen off, the token file unreadable)."""
+    from gateway.ops import statuscmd
+
+    cfg = _load_or_report(args.config, f"mcp-gateway {command}: ")
+    if cfg is None:
+        return None
+    if not cfg.admin.listen:
+        print(f"mcp-gateway {command}: {args.config}: admin.listen is off{off}", file=sys.stderr)
+        return None
+    read, token = _token_option(args, command)
+    if not read:
+        return None
+    return (*statuscmd.admin_address(cfg.admin.listen), token)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     import json
 
     from gateway.ops import statuscmd
 
-    cfg = _load_or_report(args.config, "mcp-gateway status: ")
-    if cfg is None:
-        return statuscmd.EXIT_UNREACHABLE
-    if not cfg.admin.listen:
-        print(f"mcp-gateway status: {args.config}: admin.listen is off: no /status to read",
-              file=sys.stderr)
-        return statuscmd.EXIT_UNREACHABLE
-    read, token = _token_option(args, "status")
-    if not read:
+    admin = _admin_target(args, "status", ": no /status to read")
+    if admin is None:
         return statuscmd.EXIT_UNREACHABLE
     try:
-        doc = statuscmd.fetch(*statuscmd.admin_address(cfg.admin.listen), token)
+        doc = statuscmd.fetch(*admin)
     except statuscmd.StatusUnavailable as exc:
         print(f"mcp-gateway status: {exc}", file=sys.stderr)
         return statuscmd.EXIT_UNREACHABLE
@@ -216,18 +227,12 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_authorize(args: argparse.Namespace) -> int:
     from gateway.ops import statuscmd
 
-    cfg = _load_or_report(args.config, "mcp-gateway authorize: ")
-    if cfg is None:
+    admin = _admin_target(args, "authorize")
+    if admin is None:
         return 1
-    if not cfg.admin.listen:
-        print(f"mcp-gateway authorize: {args.config}: admin.listen is off", file=sys.stderr)
-        return 1
-    read, token = _token_option(args, "authorize")
-    if not read:
-        return 1
+    host, port, token = admin
     try:
-        code, text = statuscmd.authorize(*statuscmd.admin_address(cfg.admin.listen),
-                                         args.backend, token)
+        code, text = statuscmd.authorize(host, port, args.backend, token)
     except statuscmd.StatusUnavailable as exc:
         print(f"mcp-gateway authorize: {exc}", file=sys.stderr)
         return 1

@@ -748,12 +748,17 @@ def endpoint_url_ok(url: str) -> bool:
 
 def redirect_uri(cfg: GatewayConfig) -> str:
     """Where an authorization server sends the operator back: ``listen.redirect_path`` under
-    the origin of ``listen.public_url``, else under the HTTP listener's address."""
-    public = cfg.listen.public_url
+    the origin of ``listen.public_url``, else under the HTTP listener's address (https when it
+    serves TLS; a wildcard address as loopback, for a browser on this machine)."""
+    listen = cfg.listen
+    public = listen.public_url
     if public:
         parts = urlsplit(public)
-        return f"{parts.scheme}://{parts.netloc}{cfg.listen.redirect_path}"
-    return f"http://{cfg.listen.http or '127.0.0.1:8766'}{cfg.listen.redirect_path}"
+        return f"{parts.scheme}://{parts.netloc}{listen.redirect_path}"
+    host, port = parse_host_port(listen.http or "127.0.0.1:8766")
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    scheme = "https" if listen.tls_cert is not None and listen.tls_key is not None else "http"
+    return f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}{listen.redirect_path}"
 
 
 def _client_id_errors(p: str, o: ClientAuth, required: bool = True) -> list[str]:
@@ -909,6 +914,12 @@ def semantic_errors(cfg: GatewayConfig, *, check_commands: bool) -> list[str]:
             or not all("!" <= c <= "~" and c not in "?#" for c in path):
         errors.append("listen.redirect_path: expected a path of its own (\"/oauth/callback\"), "
                       "printable, without ? or #")
+    coded = [name for name, b in cfg.backends.items()
+             if b.oauth is not None and b.oauth.grant == "authorization_code"]
+    if coded and not cfg.listen.http:
+        errors.append(f"listen.http: off, but backend {coded[0]} has oauth.grant = "
+                      "'authorization_code': the authorization server's redirect comes back "
+                      "to listen.redirect_path on it")
     for key, value in (("listen.websocket", cfg.listen.websocket), ("listen.http", cfg.listen.http),
                        ("admin.listen", cfg.admin.listen)):
         if value is None:

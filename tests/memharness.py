@@ -50,13 +50,14 @@ def memory_config(backends: str, *, gateway: str = "", extra: str = "") -> Gatew
 {gateway}
 [listen]
 websocket = "127.0.0.1:0"
-http = ""
+http = "127.0.0.1:0"
 [admin]
 listen = ""
 {extra}
 {backends}
 """)
-    return msgspec.structs.replace(cfg, listen=msgspec.structs.replace(cfg.listen, websocket=None))
+    return msgspec.structs.replace(cfg, listen=msgspec.structs.replace(cfg.listen, websocket=None,
+                                                                       http=None))
 
 
 def backend(name: str, **extra: Any) -> str:

@@ -19,16 +19,16 @@ import logging
 import math
 import os
 import re
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import urlencode, urlsplit
 
 import trio
 
 from gateway.backend import httpclient, oauth
-from gateway.config import RemoteOAuth, endpoint_url_ok
+from gateway.backend.credentials import owner_only
+from gateway.config import RemoteOAuth, endpoint_url_ok, read_regular
 from gateway.protocol import oauthflow
 
 LOGGER = logging.getLogger(__name__)
@@ -94,21 +94,17 @@ class AuthorizationCode(oauth.TokenSource):
                      else os.path.join(state_dir, "oauth", name, _SAFE.sub("_", identity)
                                        + ".json"))
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
+            data = read_regular(self.path, MAX_STATE_FILE, flags=os.O_NOFOLLOW,
+                                problem=owner_only)
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as exc:
+            LOGGER.warning("backend %s: %s: ignored (%s)", self.backend, self.path,
+                           exc.strerror if isinstance(exc, OSError) else exc)
             return
         try:
-            st = os.fstat(fd)
-            if st.st_mode & 0o077:
-                LOGGER.warning("backend %s: %s is readable by others: ignored", self.backend,
-                               self.path)
-                return
-            data = os.read(fd, MAX_STATE_FILE)
-        finally:
-            os.close(fd)
-        try:
             doc = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):
             LOGGER.warning("backend %s: %s is not JSON: ignored", self.backend, self.path)
             return
         if not isinstance(doc, dict) or not isinstance(doc.get("meta"), dict):
@@ -254,11 +250,8 @@ class AuthorizationCode(oauth.TokenSource):
     # ---- discovery and registration ---------------------------------------------------------
 
     async def _discover_flow(self, params: dict[str, str]) -> None:
-        prm = None
-        for url in oauthflow.resource_metadata_urls(self.url, params.get("resource_metadata")):
-            prm = await self._json(url)
-            if prm is not None:
-                break
+        prm = await self._first_json(
+            oauthflow.resource_metadata_urls(self.url, params.get("resource_metadata")))
         if prm is not None:
             resource, servers = prm.get("resource"), prm.get("authorization_servers")
             if not isinstance(resource, str) or not oauthflow.resource_matches(resource,
@@ -269,24 +262,18 @@ class AuthorizationCode(oauth.TokenSource):
                 raise self._fail("the protected-resource metadata names no authorization "
                                  "server")
             issuer = servers[0]
+            if urlsplit(issuer).scheme not in ("http", "https"):
+                raise self._fail(f"authorization server {issuer!r:.200} is not an http(s) URL")
             scopes = prm.get("scopes_supported")
             self.resource_scopes = scopes if isinstance(scopes, list) else None
-            meta = None
-            for url in oauthflow.metadata_urls(issuer):
-                meta = await self._json(url)
-                if meta is not None:
-                    break
+            meta = await self._first_json(oauthflow.metadata_urls(issuer))
             if meta is None:
                 raise self._fail(f"no metadata for authorization server {issuer:.200}")
         else:  # 2025-03-26: the server's origin is its authorization server
             resource = self.cfg.resource or self.url
             issuer = oauthflow.legacy_issuer(self.url)
             self.resource_scopes = None
-            meta = None
-            for url in oauthflow.metadata_urls(issuer):
-                meta = await self._json(url)
-                if meta is not None:
-                    break
+            meta = await self._first_json(oauthflow.metadata_urls(issuer))
             meta = meta or oauthflow.legacy_metadata(issuer)
         try:
             oauthflow.check_metadata(meta, issuer)
@@ -335,10 +322,7 @@ class AuthorizationCode(oauth.TokenSource):
         response, data = await self._exchange(
             "POST", endpoint, [("content-type", "application/json"),
                                ("accept", "application/json")], json.dumps(body).encode())
-        try:
-            doc = json.loads(data)
-        except (ValueError, RecursionError):
-            doc = None
+        doc = oauth.json_body(data)
         if response.status not in (200, 201) or not isinstance(doc, dict) \
                 or not isinstance(doc.get("client_id"), str) or not doc["client_id"]:
             raise self._fail(f"registration at {httpclient.parse_url(endpoint).text} failed "
@@ -424,11 +408,7 @@ class AuthorizationCode(oauth.TokenSource):
         secret = self.client_secret
         if secret is None and self.cfg.client_secret is not None \
                 and self.client_id == self.cfg.client_id:
-            try:
-                secret = oauth.read_secret(self.cfg.client_secret, "client_secret",
-                                           self._environ).decode()
-            except UnicodeDecodeError:
-                raise oauth.TokenFailed("client_secret is not UTF-8 text") from None
+            secret = oauth.client_secret(self.cfg, self._environ)
         assert self.client_id is not None
         if method == "none" or secret is None:
             form["client_id"] = self.client_id
@@ -459,12 +439,8 @@ class AuthorizationCode(oauth.TokenSource):
             self._client_auth(form, head)
             response, body = await self._exchange("POST", self.token_endpoint, head,
                                                   urlencode(form).encode())
-            try:
-                doc = json.loads(body)
-            except (ValueError, RecursionError):
-                doc = None
-            answer = oauthflow.token_answer(response.status, doc, where, oauth.MAX_TOKEN,
-                                            oauth.MAX_LIFETIME)
+            answer = oauthflow.token_answer(response.status, oauth.json_body(body), where,
+                                            oauth.MAX_TOKEN, oauth.MAX_LIFETIME)
         except oauthflow.FlowError as exc:
             self.failures += 1
             if form["grant_type"] == "refresh_token" and "invalid_grant" in exc.detail:
@@ -474,16 +450,9 @@ class AuthorizationCode(oauth.TokenSource):
                                  f"{self.backend}`") from None
             raise self._fail(exc.detail) from None
         except oauth.TokenFailed as exc:
-            self.failures += 1
-            self.last_error = exc.detail
-            LOGGER.warning("backend %s: no access token: %s", self.backend, exc.detail)
+            self._failed(exc)
             raise
-        now = trio.current_time()
-        self.token, self._fetched, self.last_error = answer.access_token, now, None
-        life = answer.lifetime
-        self._expires = now + life if life is not None else math.inf
-        self._refresh = now + oauth.REFRESH_AT * life if life is not None else math.inf
-        self.valid_until = time.time() + life if life is not None else None
+        self._hold(answer.access_token, answer.lifetime)
         if answer.refresh_token is not None:
             self.refresh_token = answer.refresh_token
         self.asked = scope

@@ -99,7 +99,8 @@ def principal_path(template: str, principal: Principal) -> str:
     return template.replace("{principal}", name)
 
 
-def _private(st: os.stat_result) -> str | None:
+def owner_only(st: os.stat_result) -> str | None:
+    """Why a file of secrets is refused (its mode lets group or others in; None: fine)."""
     if st.st_mode & 0o077:
         return (f"its mode {stat.S_IMODE(st.st_mode):04o} gives group or others access "
                 "(chmod 600 it)")
@@ -114,7 +115,7 @@ def read_private(path: str, max_bytes: int, what: str) -> bytes:
             never the contents).
     """
     try:
-        return read_regular(path, max_bytes, flags=os.O_NOFOLLOW, problem=_private)
+        return read_regular(path, max_bytes, flags=os.O_NOFOLLOW, problem=owner_only)
     except FileNotFoundError:
         raise CredentialsUnavailable(f"no {what} for this principal ({path} does not exist)",
                                      retryable=False) from None

@@ -20,7 +20,6 @@ import json
 import logging
 import math
 import os
-import re
 import ssl
 import time
 import uuid
@@ -34,7 +33,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from gateway.backend import httpclient
-from gateway.config import ClientAuth, RemoteOAuth, endpoint_url_ok, header_value_ok, read_regular
+from gateway.config import ClientAuth, RemoteOAuth, endpoint_url_ok, read_regular
+from gateway.protocol import oauthflow
 
 LOGGER = logging.getLogger(__name__)
 
@@ -53,7 +53,6 @@ RENEW_MIN_INTERVAL = 10.0
 #: Seconds a client assertion is valid.
 ASSERTION_LIFETIME = 60
 _ASSERTION_TYPE = "urn:ietf:params:oauth:client-assertion-type:jwt-bearer"
-_RESOURCE_METADATA = re.compile(r'resource_metadata="([^"]{1,2048})"|resource_metadata=([^\s,]+)')
 
 
 class TokenFailed(Exception):
@@ -92,6 +91,18 @@ def read_secret(ref: str | dict[str, str] | None, what: str,
     return data
 
 
+def client_secret(cfg: ClientAuth, environ: dict[str, str] | None = None) -> str:
+    """The configured ``client_secret``, read now.
+
+    Raises:
+        TokenFailed: unset, unreadable, empty or not UTF-8 (named, never the value).
+    """
+    try:
+        return read_secret(cfg.client_secret, "client_secret", environ).decode()
+    except UnicodeDecodeError:
+        raise TokenFailed("client_secret is not UTF-8 text") from None
+
+
 def _signing_key(pem: bytes, algorithm: str) -> Any:
     """The private key in ``pem``, of the type ``algorithm`` signs with.
 
@@ -108,42 +119,6 @@ def _signing_key(pem: bytes, algorithm: str) -> Any:
                                      and isinstance(key.curve, ec.SECP256R1)):
         raise TokenFailed("private_key: ES256 needs a P-256 EC key")
     return key
-
-
-def resource_metadata_url(challenge: str | None) -> str | None:
-    """The ``resource_metadata`` parameter of a ``WWW-Authenticate: Bearer`` challenge."""
-    if not challenge:
-        return None
-    m = _RESOURCE_METADATA.search(challenge)
-    if m is None:
-        return None
-    url = m.group(1) or m.group(2)
-    return url if urlsplit(url).scheme in ("http", "https") else None
-
-
-def _resource_matches(resource: str, url: str) -> bool:
-    """Whether protected-resource metadata's ``resource`` covers the backend's ``url``: the
-    same origin, and a path that is the url's or one of its parents."""
-    a, b = urlsplit(resource), urlsplit(url)
-    try:
-        same = (a.scheme, a.hostname, a.port) == (b.scheme, b.hostname, b.port)
-    except ValueError:
-        return False
-    base, path = a.path.rstrip("/"), b.path.rstrip("/")
-    return same and (path == base or path.startswith(base + "/"))
-
-
-def _metadata_urls(issuer: str) -> list[str]:
-    """Where an authorization server's metadata may be (RFC 8414 §3.1, then OpenID)."""
-    parts = urlsplit(issuer)
-    origin = f"{parts.scheme}://{parts.netloc}"
-    path = parts.path.rstrip("/")
-    if not path:
-        return [f"{origin}/.well-known/oauth-authorization-server",
-                f"{origin}/.well-known/openid-configuration"]
-    return [f"{origin}/.well-known/oauth-authorization-server{path}",
-            f"{origin}/.well-known/openid-configuration{path}",
-            f"{origin}{path}/.well-known/openid-configuration"]
 
 
 def basic_auth(head: list[tuple[str, str]], client_id: str, secret: str) -> None:
@@ -171,10 +146,7 @@ def client_auth(cfg: ClientAuth, aud: str, form: dict[str, str], head: list[tupl
         form["client_assertion"] = pyjwt.encode(claims, key, algorithm=cfg.algorithm,
                                                 headers=extra)
         return
-    try:
-        secret = read_secret(cfg.client_secret, "client_secret", environ).decode()
-    except UnicodeDecodeError:
-        raise TokenFailed("client_secret is not UTF-8 text") from None
+    secret = client_secret(cfg, environ)
     if cfg.auth_method == "client_secret_post":
         form["client_id"], form["client_secret"] = cfg.client_id, secret
     else:
@@ -199,9 +171,13 @@ class Endpoints:
         """One exchange.
 
         Raises:
-            TokenFailed: unreachable, too slow, a body over :data:`MAX_BODY`.
+            TokenFailed: not an http(s) URL, unreachable, too slow, a body over
+                :data:`MAX_BODY`.
         """
-        origin = httpclient.parse_url(url)
+        try:
+            origin = httpclient.parse_url(url)
+        except ValueError:  # a URL a remote's document named: its host or port unusable
+            raise TokenFailed(f"{url!r:.200} is not an http(s) URL with a host") from None
         if origin.tls and self._tls is None:
             try:
                 self._tls = httpclient.tls_context(self.ca_file)
@@ -222,38 +198,28 @@ class Endpoints:
             await pool.aclose()
 
 
+def json_body(body: bytes) -> Any:
+    """A JSON answer's document (None: not JSON)."""
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+
+
 def parse_token(response: httpclient.Response, body: bytes, where: str
                 ) -> tuple[str, float | None]:
-    """The token and its lifetime in seconds from a token answer.
+    """The token and its lifetime in seconds from a token answer
+    (:func:`gateway.protocol.oauthflow.token_answer`).
 
     Raises:
         TokenFailed: an error answer (its ``error`` code and description) or a bad one.
     """
     try:
-        doc = json.loads(body)
-    except (ValueError, RecursionError):
-        doc = None
-    if not isinstance(doc, dict):
-        doc = {}
-    if response.status != 200:
-        code = str(doc.get("error", ""))[:64]
-        text = str(doc.get("error_description", ""))[:200]
-        said = "".join(c for c in f"{code}: {text}" if " " <= c <= "~").strip(": ")
-        raise TokenFailed(f"{where} refused the token request (HTTP {response.status}"
-                          f"{': ' + said if said else ''})")
-    token = doc.get("access_token")
-    if not isinstance(token, str) or not token or len(token) > MAX_TOKEN \
-            or not header_value_ok(token):
-        raise TokenFailed(f"{where} answered without a usable access_token")
-    if str(doc.get("token_type", "")).lower() != "bearer":
-        raise TokenFailed(f"{where} answered a token_type other than Bearer")
-    lifetime = doc.get("expires_in")
-    if lifetime is None:
-        return token, None
-    if isinstance(lifetime, bool) or not isinstance(lifetime, int | float) \
-            or not 0 < lifetime < math.inf:  # NaN too
-        raise TokenFailed(f"{where} answered an expires_in that is not a positive number")
-    return token, float(min(lifetime, MAX_LIFETIME))
+        answer = oauthflow.token_answer(response.status, json_body(body), where, MAX_TOKEN,
+                                        MAX_LIFETIME)
+    except oauthflow.FlowError as exc:
+        raise TokenFailed(exc.detail) from None
+    return answer.access_token, answer.lifetime
 
 
 def _iso(ts: float) -> str:
@@ -337,7 +303,7 @@ class TokenSource:
                                    f"{age:.0f}s before (HTTP 401)")
                 raise TokenFailed(self.last_error)
             if self.token_endpoint is None:
-                await self._discover(resource_metadata_url(challenge))
+                await self._discover(oauthflow.challenge(challenge).get("resource_metadata"))
             await self._fetch()
 
     def refresh(self) -> None:
@@ -367,6 +333,14 @@ class TokenSource:
             raise TokenFailed(f"{url}: not a JSON object")
         return doc
 
+    async def _first_json(self, urls: list[str]) -> dict[str, Any] | None:
+        """The first of the metadata documents at ``urls`` that is there (None: none)."""
+        for url in urls:
+            doc = await self._json(url)
+            if doc is not None:
+                return doc
+        return None
+
     async def _discover(self, hint: str | None) -> None:
         """The token endpoint from the remote's protected-resource metadata (``hint``, else
         the well-known URIs) and its authorization server's metadata.
@@ -374,22 +348,12 @@ class TokenSource:
         Raises:
             TokenFailed: not found, or the documents do not fit together.
         """
-        parts = urlsplit(self.url)
-        base = f"{parts.scheme}://{parts.netloc}/.well-known/oauth-protected-resource"
-        path = parts.path.rstrip("/")
-        candidates = [hint] if hint else []
-        candidates += [base + path] if path else []
-        candidates.append(base)
-        prm = None
-        for url in candidates:
-            prm = await self._json(url)
-            if prm is not None:
-                break
+        prm = await self._first_json(oauthflow.resource_metadata_urls(self.url, hint))
         if prm is None:
             raise TokenFailed(f"no protected-resource metadata for {self._origin()} "
                               "(no token_url configured)")
         resource, servers = prm.get("resource"), prm.get("authorization_servers")
-        if not isinstance(resource, str) or not _resource_matches(resource, self.url):
+        if not isinstance(resource, str) or not oauthflow.resource_matches(resource, self.url):
             raise TokenFailed(f"the protected-resource metadata names resource {resource!r:.200}"
                               ", not this backend's url")
         if not isinstance(servers, list) or not servers or not isinstance(servers[0], str):
@@ -397,11 +361,7 @@ class TokenSource:
         issuer = servers[0]
         if urlsplit(issuer).scheme not in ("http", "https"):
             raise TokenFailed(f"authorization server {issuer!r:.200} is not an http(s) URL")
-        meta = None
-        for url in _metadata_urls(issuer):
-            meta = await self._json(url)
-            if meta is not None:
-                break
+        meta = await self._first_json(oauthflow.metadata_urls(issuer))
         if meta is None:
             raise TokenFailed(f"no metadata for authorization server {issuer:.200}")
         if str(meta.get("issuer", "")).rstrip("/") != issuer.rstrip("/"):
@@ -443,14 +403,23 @@ class TokenSource:
                                                   urlencode(form).encode())
             token, lifetime = parse_token(response, body, where)
         except TokenFailed as exc:
-            self.failures += 1
-            self.last_error = exc.detail
-            LOGGER.warning("backend %s: no access token: %s", self.backend, exc.detail)
+            self._failed(exc)
             raise
+        self._hold(token, lifetime)
+        LOGGER.info("backend %s: access token fetched from %s (%s)", self.backend, where,
+                    f"valid {lifetime:g}s" if lifetime is not None else "no expiry given")
+
+    def _failed(self, exc: TokenFailed) -> None:
+        """A token request failed: counted, kept as ``last_error``, logged."""
+        self.failures += 1
+        self.last_error = exc.detail
+        LOGGER.warning("backend %s: no access token: %s", self.backend, exc.detail)
+
+    def _hold(self, token: str, lifetime: float | None) -> None:
+        """A token just had, good for ``lifetime`` seconds (None: no expiry given): the next
+        is fetched after :data:`REFRESH_AT` of it."""
         now = trio.current_time()
         self.token, self._fetched, self.last_error = token, now, None
         self._expires = now + lifetime if lifetime is not None else math.inf
         self._refresh = now + REFRESH_AT * lifetime if lifetime is not None else math.inf
         self.valid_until = time.time() + lifetime if lifetime is not None else None
-        LOGGER.info("backend %s: access token fetched from %s (%s)", self.backend, where,
-                    f"valid {lifetime:g}s" if lifetime is not None else "no expiry given")

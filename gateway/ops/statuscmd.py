@@ -40,24 +40,18 @@ def admin_address(listen: str) -> tuple[str, int]:
 
 
 def authorize(host: str, port: int, backend: str, token: str | None = None) -> tuple[int, str]:
-    """``POST /authorize/BACKEND`` at the admin listener: its status and text (the URL).
+    """``POST /authorize/BACKEND`` at the admin listener: its status and text (the URL), without
+    control characters.
 
     Raises:
-        StatusUnavailable: not reachable.
+        StatusUnavailable: not reachable, or no answer within :data:`TIMEOUT`.
     """
     headers = {"Host": "localhost", "Content-Length": "0"}
     if token is not None:
         headers["Authorization"] = f"Bearer {token}"
-    conn = http.client.HTTPConnection(host, port, timeout=TIMEOUT)
-    try:
-        conn.request("POST", "/authorize/" + quote(backend, safe=""), headers=headers)
-        response = conn.getresponse()
-        body = response.read(MAX_BODY + 1)
-    except (OSError, http.client.HTTPException) as exc:
-        raise StatusUnavailable(f"admin listener {host}:{port}: {exc}") from None
-    finally:
-        conn.close()
-    return response.status, body[:MAX_BODY].decode("utf-8", "replace").strip()
+    status, body = _exchange(host, port, "POST", "/authorize/" + quote(backend, safe=""),
+                             headers)
+    return status, _text(body[:MAX_BODY].decode("utf-8", "replace").strip())
 
 
 def fetch(host: str, port: int, token: str | None = None) -> dict[str, Any]:
@@ -69,6 +63,33 @@ def fetch(host: str, port: int, token: str | None = None) -> dict[str, Any]:
     headers = {"Host": "localhost", "Accept": "application/json"}
     if token is not None:
         headers["Authorization"] = f"Bearer {token}"
+    status, body = _exchange(host, port, "GET", "/status", headers)
+    if status in (401, 403):
+        hint = ("pass --token-file (admin.token_sha256 is set)" if token is None
+                else "the token in --token-file is not the one admin.token_sha256 names")
+        raise StatusUnavailable(f"/status refused ({status}): {hint}")
+    if status != 200:
+        raise StatusUnavailable(f"/status answered {status}: "
+                                f"{body[:200].decode(errors='replace').strip()}")
+    if len(body) > MAX_BODY:
+        raise StatusUnavailable(f"/status is over {MAX_BODY} bytes")
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):  # not JSON, or nested too deep to decode
+        doc = None
+    if not isinstance(doc, dict) or not isinstance(doc.get("backends"), list):
+        raise StatusUnavailable("/status did not answer a gateway status document")
+    return doc
+
+
+def _exchange(host: str, port: int, method: str, path: str, headers: dict[str, str]
+              ) -> tuple[int, bytes]:
+    """One request to the admin listener: its status and body (at most :data:`MAX_BODY` + 1
+    bytes), all within :data:`TIMEOUT`.
+
+    Raises:
+        StatusUnavailable: not reachable, or no answer in time.
+    """
     conn = http.client.HTTPConnection(host, port, timeout=TIMEOUT)
     expired = threading.Event()
 
@@ -86,7 +107,7 @@ def fetch(host: str, port: int, token: str | None = None) -> dict[str, Any]:
     try:
         conn.connect()
         timer.start()
-        conn.request("GET", "/status", headers=headers)
+        conn.request(method, path, headers=headers)
         response = conn.getresponse()
         body = response.read(MAX_BODY + 1)
     except (OSError, http.client.HTTPException) as exc:
@@ -99,22 +120,7 @@ def fetch(host: str, port: int, token: str | None = None) -> dict[str, Any]:
         conn.close()
     if expired.is_set():
         raise StatusUnavailable(f"admin listener {host}:{port}: no answer within {TIMEOUT:g}s")
-    if response.status in (401, 403):
-        hint = ("pass --token-file (admin.token_sha256 is set)" if token is None
-                else "the token in --token-file is not the one admin.token_sha256 names")
-        raise StatusUnavailable(f"/status refused ({response.status}): {hint}")
-    if response.status != 200:
-        raise StatusUnavailable(f"/status answered {response.status}: "
-                                f"{body[:200].decode(errors='replace').strip()}")
-    if len(body) > MAX_BODY:
-        raise StatusUnavailable(f"/status is over {MAX_BODY} bytes")
-    try:
-        doc = json.loads(body)
-    except (ValueError, RecursionError):  # not JSON, or nested too deep to decode
-        doc = None
-    if not isinstance(doc, dict) or not isinstance(doc.get("backends"), list):
-        raise StatusUnavailable("/status did not answer a gateway status document")
-    return doc
+    return response.status, body
 
 
 def _dicts(value: Any) -> list[dict[str, Any]]:

@@ -21,6 +21,7 @@ from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 OFFLINE_ACCESS = "offline_access"
+_BEARER = re.compile(r"(?:^|,)\s*bearer(?:\s+|$)", re.IGNORECASE)
 _PARAM = re.compile(r'([A-Za-z_][A-Za-z0-9_-]*)\s*=\s*(?:"((?:[^"\\]|\\.){0,4096})"|([^\s,]+))')
 
 
@@ -34,14 +35,16 @@ class FlowError(Exception):
 
 def challenge(header: str | None) -> dict[str, str]:
     """The parameters of a ``WWW-Authenticate: Bearer`` challenge (``scope``, ``error``,
-    ``resource_metadata``…), names lowercased; empty when there is none."""
-    if not header:
+    ``resource_metadata``…), names lowercased; empty when there is none.  The header may hold
+    other challenges before it (``DPoP …, Bearer …``); the first value of a name counts."""
+    found = _BEARER.search(header or "")
+    if found is None:
         return {}
-    scheme, _, rest = header.strip().partition(" ")
-    if scheme.lower() != "bearer":
-        return {}
-    return {m.group(1).lower(): (m.group(2) if m.group(2) is not None else m.group(3) or "")
-            for m in _PARAM.finditer(rest)}
+    params: dict[str, str] = {}
+    for m in _PARAM.finditer(header or "", found.end()):
+        params.setdefault(m.group(1).lower(),
+                          m.group(2) if m.group(2) is not None else m.group(3) or "")
+    return params
 
 
 def resource_metadata_urls(url: str, hint: str | None) -> list[str]:

@@ -166,3 +166,28 @@ def test_a_clients_tracestate_junk_writes_nothing_into_the_log(
     finally:
         telemetry.shutdown()
     assert [span.name for span in exporter.get_finished_spans()] == ["tools/call fx__echo"]
+
+
+def test_an_authorize_answer_dripping_or_with_escapes_is_bounded_and_shown_safely(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(statuscmd, "TIMEOUT", 0.5)
+
+    def drip(conn: socket.socket) -> None:  # one byte per 0.1 s: each read within the timeout
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 100000\r\n\r\n")
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline:
+            conn.sendall(b" ")
+            time.sleep(0.1)
+
+    with fake_admin(drip) as port:
+        start = time.monotonic()
+        with pytest.raises(statuscmd.StatusUnavailable, match="no answer within"):
+            statuscmd.authorize("127.0.0.1", port, "r")
+        assert time.monotonic() - start < 3
+
+    def odd(conn: socket.socket) -> None:
+        body = b"no \x1b]0;title\x07 here\n"
+        conn.sendall(b"HTTP/1.1 409 Conflict\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+
+    with fake_admin(odd) as port:
+        assert statuscmd.authorize("127.0.0.1", port, "r") == (409, "no ?]0;title? here")

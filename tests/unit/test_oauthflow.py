@@ -50,6 +50,9 @@ def test_challenge_locations_pkce_and_the_authorization_url() -> None:
     assert got == {"error": "insufficient_scope", "scope": "a b",
                    "resource_metadata": "http://h/.well-known/oauth-protected-resource/mcp"}
     assert f.challenge("Basic realm=x") == {}
+    assert f.challenge('DPoP algs="ES256", Bearer resource_metadata="http://h/m", '
+                       'scope="a"') == {"resource_metadata": "http://h/m", "scope": "a"}
+    assert f.challenge("bearer") == {} and f.challenge('Bearerx scope="a"') == {}
     assert f.resource_metadata_urls("http://h/mcp", None) == [
         "http://h/.well-known/oauth-protected-resource/mcp",
         "http://h/.well-known/oauth-protected-resource"]

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from typing import Any
 
 import jwt
+import msgspec
 import pytest
 import trio
 import trio.testing
@@ -18,7 +20,8 @@ from fixtures.link_recorder import Recorder, request
 from fixtures.token_server import AuthServer, Net, ProtectedRemote
 
 from gateway import config, errors
-from gateway.backend import http
+from gateway.backend import http, httpclient, oauth
+from gateway.backend.authcode import AuthorizationCode
 from gateway.backend.connector import LinkContext
 from gateway.events import EventBus
 from gateway.limits import ByteBudget
@@ -194,3 +197,81 @@ async def test_private_key_jwt_assertion_is_signed_with_the_claims_the_server_ch
         assert form["client_id"] == "gw-client" and form["_authorization"] is None
         assert jwt.get_unverified_header(form["client_assertion"])["kid"] == "k1"
         nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("hint", ["http://127.0.0.1:99999/prm", "https:///prm"])
+async def test_a_challenge_naming_an_unusable_metadata_url_fails_the_token_only(
+        autojump_clock: trio.testing.MockClock, hint: str) -> None:
+    cfg = config.load(f'[backends.r]\nurl = "{URL}"\n[backends.r.oauth]\nclient_id = "c"\n'
+                      'client_secret = { env = "S" }\n').backends["r"].oauth
+    assert cfg is not None
+    source = oauth.TokenSource("r", URL, cfg)
+    with pytest.raises(oauth.TokenFailed, match="not an http"):
+        await source.renew(None, f'Bearer resource_metadata="{hint}"')
+
+
+async def test_an_authorization_server_that_is_not_an_http_url_is_refused(
+        autojump_clock: trio.testing.MockClock) -> None:
+    def remote(method: str, target: str, headers: dict[str, str], body: bytes) -> Any:
+        doc = {"resource": URL, "authorization_servers": ["ftp://as.example"]}
+        return 200, [("content-type", "application/json")], json.dumps(doc).encode()
+
+    cfg = config.load(f'[backends.r]\nurl = "{URL}"\n[backends.r.oauth]\n'
+                      'grant = "authorization_code"\n').backends["r"].oauth
+    assert cfg is not None
+    async with trio.open_nursery() as nursery:
+        net = Net(nursery, {"localhost:8080": remote})
+        code_flow = AuthorizationCode("r", URL, cfg, net.open)
+        with pytest.raises(oauth.TokenFailed, match="is not an http"):
+            await code_flow.renew(None, "Bearer")
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(("doc", "why"), [
+    ({"access_token": "a\tb", "token_type": "Bearer"}, "without a usable access_token"),
+    ({"access_token": "t", "token_type": "Bearer", "refresh_token": 7}, "unusable refresh_token"),
+    ({"access_token": "t", "token_type": "Bearer", "expires_in": float("nan")}, "expires_in"),
+])
+def test_a_client_credentials_answer_is_read_by_the_flow_rules(doc: Any, why: str) -> None:
+    response = httpclient.Response(200, {})
+    with pytest.raises(oauth.TokenFailed, match=why):
+        oauth.parse_token(response, json.dumps(doc).encode(), "as")
+    good = {"access_token": "t", "token_type": "bearer", "expires_in": 10**9}
+    assert oauth.parse_token(response, json.dumps(good).encode(), "as") == ("t", oauth.MAX_LIFETIME)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "open to others", "too deep"])
+async def test_an_unusable_authorization_state_file_is_ignored_at_once(
+        tmp_path: Any, caplog: pytest.LogCaptureFixture, kind: str) -> None:
+    cfg = config.load(f'[backends.r]\nurl = "{URL}"\n[backends.r.oauth]\n'
+                      'grant = "authorization_code"\n').backends["r"].oauth
+    assert cfg is not None
+    path = tmp_path / "oauth" / "r.json"
+    path.parent.mkdir()
+    if kind == "fifo":
+        os.mkfifo(path, 0o600)
+    else:
+        path.write_text("[" * 100_000 if kind == "too deep" else '{"meta": {}}')
+        path.chmod(0o600 if kind == "too deep" else 0o644)
+    code_flow = AuthorizationCode("r", URL, cfg)
+    with trio.fail_after(10):  # real seconds: a FIFO opened for reading would block for ever
+        await trio.to_thread.run_sync(code_flow.place, "http://gw/cb", str(tmp_path),
+                                      abandon_on_cancel=True)
+    assert code_flow.meta is None and "ignored" in caplog.text
+
+
+def test_the_redirect_uri_is_one_a_browser_on_this_machine_reaches() -> None:
+    text = (f'[backends.r]\nurl = "{URL}"\n[backends.r.oauth]\ngrant = "authorization_code"\n')
+    cfg = config.load(text)
+
+    def uri(**listen: Any) -> str:
+        return config.redirect_uri(msgspec.structs.replace(
+            cfg, listen=msgspec.structs.replace(cfg.listen, **listen)))
+
+    assert uri() == "http://127.0.0.1:8766/oauth/callback"
+    assert uri(http="[::]:9", redirect_path="/cb") == "http://[::1]:9/cb"
+    assert uri(http="0.0.0.0:9", tls_cert="c", tls_key="k") == "https://127.0.0.1:9/oauth/callback"
+    assert uri(public_url="https://gw.example/mcp") == "https://gw.example/oauth/callback"
+    with pytest.raises(errors.ConfigError, match=r"listen.http: off, but backend r has "
+                       "oauth.grant = 'authorization_code'"):
+        config.load('[listen]\nhttp = ""\n' + text)
