@@ -143,8 +143,12 @@ async def chaos(daemon: Daemon, deadline: float, fig: Figures) -> None:
             pids = [i["pid"] for b in status["backends"] if b["name"] in ("a", "b")
                     for i in b["instances"] if i["pid"] is not None]
             if pids:
-                os.kill(rng.choice(pids), signal.SIGKILL)
-                fig.kills += 1
+                try:
+                    os.kill(rng.choice(pids), signal.SIGKILL)
+                except ProcessLookupError:  # it exited (a reload's stop) after /status was read
+                    pass
+                else:
+                    fig.kills += 1
         if now >= next_reload:
             next_reload += 5.0
             with_extra = not with_extra
