@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Count the trio task steps and task spawns the gateway spends per forwarded call.
 
-    .venv/bin/python bench/steps.py [--calls 2000] [--clients 1] [--transport unix|websocket]
-                                    [--count-calls] [--telemetry URL]
+    .venv/bin/python bench/steps.py [--calls 2000] [--clients 1] [--transport unix|websocket|http]
+                                    [--count-calls [--top N]] [--telemetry URL]
 
 Runs the gateway of this tree in-process (one echo backend, ``tests/fixtures/fixture_server.py``)
 under a trio Instrument, and drives it from a separate client process (plain sockets, no trio)
@@ -49,6 +49,10 @@ class Conn:
     def __init__(self):
         if transport == "unix":
             self.s = socket.socket(socket.AF_UNIX); self.s.connect(addr)
+        elif transport == "http":  # stateless 2026-07-28 POSTs on one keep-alive connection
+            host, port = addr.rsplit(":", 1)
+            self.s = socket.create_connection((host, int(port)))
+            self.s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         else:
             host, port = addr.rsplit(":", 1)
             self.s = socket.create_connection((host, int(port)))
@@ -78,14 +82,44 @@ class Conn:
                     data = self.buf[off:off + n]; self.buf = self.buf[off + n:]
                     return json.loads(data)
             self.buf += self.s.recv(65536)
+    def post(self, i, method, params):
+        params = dict(params, _meta={"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+                                     "io.modelcontextprotocol/clientCapabilities": {}})
+        body = json.dumps({"jsonrpc": "2.0", "id": i, "method": method, "params": params}).encode()
+        self.s.sendall((f"POST /mcp HTTP/1.1\r\nhost: {addr}\r\n"
+                        "accept: application/json, text/event-stream\r\n"
+                        "content-type: application/json\r\nmcp-protocol-version: 2026-07-28\r\n"
+                        f"mcp-method: {method}\r\nmcp-name: {params['name']}\r\n"
+                        f"content-length: {len(body)}\r\n\r\n").encode() + body)
+        while b"\r\n\r\n" not in self.buf:
+            self.buf += self.s.recv(65536)
+        head, self.buf = self.buf.split(b"\r\n\r\n", 1)
+        head = head.decode().lower()
+        assert head.startswith("http/1.1 200"), head
+        if "content-length:" in head:
+            n = int(head.split("content-length:", 1)[1].split("\r\n", 1)[0])
+            while len(self.buf) < n:
+                self.buf += self.s.recv(65536)
+            data, self.buf = self.buf[:n], self.buf[n:]
+            return json.loads(data)
+        assert "chunked" in head, head  # an SSE stream: to its last chunk
+        while b"\r\n0\r\n\r\n" not in self.buf and not self.buf.startswith(b"0\r\n\r\n"):
+            self.buf += self.s.recv(65536)
+        data, self.buf = self.buf.split(b"0\r\n\r\n", 1)
+        for line in data.split(b"\n"):
+            if line.startswith(b"data:") and b'"id"' in line:
+                return json.loads(line[5:])
+        raise AssertionError(data)
     def call(self, i, method, params):
+        if transport == "http":
+            return self.post(i, method, params)
         self.send({"jsonrpc": "2.0", "id": i, "method": method, "params": params})
         while True:
             m = self.recv()
             if m.get("id") == i: return m
 
 conns = [Conn() for _ in range(clients)]
-for c in conns:
+for c in conns if transport != "http" else ():
     c.call(0, "initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
                              "clientInfo": {"name": "steps", "version": "0"}})
     c.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
@@ -123,7 +157,7 @@ async def main(args: argparse.Namespace) -> None:
         name = "steps"
         [listen]
         websocket = "127.0.0.1:0"
-        http = ""
+        http = "{'127.0.0.1:0' if args.transport == 'http' else ''}"
         unix = "{sock}"
         [admin]
         listen = ""
@@ -143,7 +177,9 @@ async def main(args: argparse.Namespace) -> None:
     trio.lowlevel.add_instrument(counter)
     async with trio.open_nursery() as nursery:
         bound = await nursery.start(lambda task_status: service.run(cfg, task_status=task_status))
-        addr = sock if args.transport == "unix" else f"127.0.0.1:{bound.websocket_port}"
+        addr = (sock if args.transport == "unix" else
+                f"127.0.0.1:{bound.http_port}" if args.transport == "http" else
+                f"127.0.0.1:{bound.websocket_port}")
         proc = await trio.lowlevel.open_process(
             [sys.executable, "-c", CLIENT, args.transport, addr, str(args.calls),
              str(args.clients)],
@@ -182,6 +218,15 @@ async def main(args: argparse.Namespace) -> None:
         if profile is not None:
             calls = pstats.Stats(profile).total_calls
             print(f"{calls / n:.1f} Python function calls per call in the gateway's thread")
+            if args.profile_out:
+                profile.dump_stats(args.profile_out)
+            if args.top:
+                stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+                rows = sorted(((nc, f"{os.path.basename(fn)}:{line}({name})")
+                               for (fn, line, name), (_cc, nc, *_rest) in stats.items()),
+                              reverse=True)
+                for nc, where in rows[:args.top]:
+                    print(f"  {nc / n:6.2f}  {where}")
         nursery.cancel_scope.cancel()
 
 
@@ -189,7 +234,8 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--clients", type=int, default=1)
-    p.add_argument("--transport", choices=("unix", "websocket"), default="unix")
+    p.add_argument("--transport", choices=("unix", "websocket", "http"), default="unix",
+                   help="http: stateless 2026-07-28 POSTs to /mcp")
     p.add_argument("--remote", metavar="URL",
                    help="the backend: this Streamable HTTP server (e.g. server-everything's "
                         "streamableHttp at http://127.0.0.1:PORT/mcp), not the fixture")
@@ -197,4 +243,8 @@ if __name__ == "__main__":
                    help="trace every call, exported to this OTLP/HTTP traces URL")
     p.add_argument("--count-calls", action="store_true",
                    help="also count the Python function calls per call (cProfile)")
+    p.add_argument("--profile-out", metavar="FILE",
+                   help="with --count-calls: also write the cProfile stats there (pstats format)")
+    p.add_argument("--top", type=int, default=0, metavar="N",
+                   help="with --count-calls: the N functions called most, calls per call")
     trio.run(main, p.parse_args())
