@@ -62,13 +62,22 @@ class SseDecoder:
         """
         if self._after_cr and chunk.startswith(b"\n"):
             chunk = chunk[1:]
+            self._after_cr = False
+        if not chunk:  # nothing (more): an empty chunk does not forget a CR just before it
+            return []
         self._after_cr = chunk.endswith(b"\r")
+        if b"\r" in chunk:
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         buf = self._buf
-        buf += chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        # nothing held back: the chunk is read where it is, and only its unfinished tail kept
+        text: bytes | bytearray = chunk
+        if buf:
+            buf += chunk
+            text = buf
         out: list[bytes] = []
         start = 0
-        while (end := buf.find(b"\n\n", max(start, self._scan))) >= 0:
-            event, start = bytes(buf[start:end]), end + 2
+        while (end := text.find(b"\n\n", max(start, self._scan))) >= 0:
+            event, start = bytes(text[start:end]), end + 2
             data: list[bytes] = []
             for line in event.split(b"\n"):  # each line once, its fields in order
                 if line.startswith(b"data:"):
@@ -80,7 +89,10 @@ class SseDecoder:
                     out.append(data[0])
             elif any(line.strip() for line in data):
                 out.append(b"\n".join(data))
-        del buf[:start]
+        if text is buf:
+            del buf[:start]
+        elif start < len(chunk):
+            buf += chunk[start:] if start else chunk
         self._scan = max(0, len(buf) - 1)
         if len(buf) > self.limit:
             size = len(buf)
