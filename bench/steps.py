@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Count the trio task steps and task spawns the gateway spends per forwarded call.
 
-    .venv/bin/python bench/steps.py [--calls 2000] [--clients 1] [--transport unix|websocket|http]
+    .venv/bin/python bench/steps.py [--calls 2000] [--clients 1]
+                                    [--transport unix|websocket|http|http-legacy]
                                     [--count-calls [--top N]] [--telemetry URL]
 
 Runs the gateway of this tree in-process (one echo backend, ``tests/fixtures/fixture_server.py``)
@@ -49,7 +50,7 @@ class Conn:
     def __init__(self):
         if transport == "unix":
             self.s = socket.socket(socket.AF_UNIX); self.s.connect(addr)
-        elif transport == "http":  # stateless 2026-07-28 POSTs on one keep-alive connection
+        elif transport in ("http", "http-legacy"):  # POSTs on one keep-alive connection
             host, port = addr.rsplit(":", 1)
             self.s = socket.create_connection((host, int(port)))
             self.s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -83,18 +84,31 @@ class Conn:
                     return json.loads(data)
             self.buf += self.s.recv(65536)
     def post(self, i, method, params):
-        params = dict(params, _meta={"io.modelcontextprotocol/protocolVersion": "2026-07-28",
-                                     "io.modelcontextprotocol/clientCapabilities": {}})
-        body = json.dumps({"jsonrpc": "2.0", "id": i, "method": method, "params": params}).encode()
+        if transport == "http":
+            params = dict(params, _meta={"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+                                         "io.modelcontextprotocol/clientCapabilities": {}})
+            extra = ("mcp-protocol-version: 2026-07-28\r\n"
+                     f"mcp-method: {method}\r\nmcp-name: {params['name']}\r\n")
+        else:
+            extra = getattr(self, "session", "")
+        msg = {"jsonrpc": "2.0", "method": method, "params": params}
+        if i is not None:
+            msg["id"] = i
+        body = json.dumps(msg).encode()
         self.s.sendall((f"POST /mcp HTTP/1.1\r\nhost: {addr}\r\n"
                         "accept: application/json, text/event-stream\r\n"
-                        "content-type: application/json\r\nmcp-protocol-version: 2026-07-28\r\n"
-                        f"mcp-method: {method}\r\nmcp-name: {params['name']}\r\n"
+                        f"content-type: application/json\r\n{extra}"
                         f"content-length: {len(body)}\r\n\r\n").encode() + body)
         while b"\r\n\r\n" not in self.buf:
             self.buf += self.s.recv(65536)
         head, self.buf = self.buf.split(b"\r\n\r\n", 1)
-        head = head.decode().lower()
+        raw, head = head.decode(), head.decode().lower()
+        if "mcp-session-id:" in head and not hasattr(self, "session"):
+            at = head.index("mcp-session-id:") + len("mcp-session-id:")
+            sid = raw[at:].split("\r\n", 1)[0].strip()
+            self.session = f"mcp-session-id: {sid}\r\nmcp-protocol-version: 2025-06-18\r\n"
+        if head.startswith("http/1.1 202"):
+            return None
         assert head.startswith("http/1.1 200"), head
         if "content-length:" in head:
             n = int(head.split("content-length:", 1)[1].split("\r\n", 1)[0])
@@ -111,7 +125,7 @@ class Conn:
                 return json.loads(line[5:])
         raise AssertionError(data)
     def call(self, i, method, params):
-        if transport == "http":
+        if transport.startswith("http"):
             return self.post(i, method, params)
         self.send({"jsonrpc": "2.0", "id": i, "method": method, "params": params})
         while True:
@@ -122,7 +136,10 @@ conns = [Conn() for _ in range(clients)]
 for c in conns if transport != "http" else ():
     c.call(0, "initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
                              "clientInfo": {"name": "steps", "version": "0"}})
-    c.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+    if transport == "http-legacy":
+        c.post(None, "notifications/initialized", {})
+    else:
+        c.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
 for i in range(1, 51):
     for c in conns: c.call(i, "tools/call", {"name": "fx__echo", "arguments": {"message": "warm"}})
 print("GO", flush=True); sys.stdin.readline()
@@ -157,7 +174,7 @@ async def main(args: argparse.Namespace) -> None:
         name = "steps"
         [listen]
         websocket = "127.0.0.1:0"
-        http = "{'127.0.0.1:0' if args.transport == 'http' else ''}"
+        http = "{'127.0.0.1:0' if args.transport.startswith('http') else ''}"
         unix = "{sock}"
         [admin]
         listen = ""
@@ -178,7 +195,7 @@ async def main(args: argparse.Namespace) -> None:
     async with trio.open_nursery() as nursery:
         bound = await nursery.start(lambda task_status: service.run(cfg, task_status=task_status))
         addr = (sock if args.transport == "unix" else
-                f"127.0.0.1:{bound.http_port}" if args.transport == "http" else
+                f"127.0.0.1:{bound.http_port}" if args.transport.startswith("http") else
                 f"127.0.0.1:{bound.websocket_port}")
         proc = await trio.lowlevel.open_process(
             [sys.executable, "-c", CLIENT, args.transport, addr, str(args.calls),
@@ -197,7 +214,7 @@ async def main(args: argparse.Namespace) -> None:
         await expect(b"GO")
         profile = cProfile.Profile() if args.count_calls else None
         counter.on = True
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         if profile is not None:
             profile.enable()
         await proc.stdin.send_all(b"\n")
@@ -205,14 +222,14 @@ async def main(args: argparse.Namespace) -> None:
         if profile is not None:
             profile.disable()
         counter.on = False
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         await proc.stdin.send_all(b"\n")
         await proc.wait()
         n = args.calls * args.clients
         total = sum(counter.steps.values())
         print(f"{args.transport}, {args.clients} client(s), {n} calls in {elapsed:.2f}s: "
               f"{total / n:.2f} task steps per call, {counter.spawned / n:.3f} tasks spawned per "
-              "call")
+              f"call, gateway CPU {cpu / n * 1e6:.0f} µs per call")
         for name, count in counter.steps.most_common(12):
             print(f"  {count / n:6.2f}  {name}")
         if profile is not None:
@@ -234,8 +251,9 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--clients", type=int, default=1)
-    p.add_argument("--transport", choices=("unix", "websocket", "http"), default="unix",
-                   help="http: stateless 2026-07-28 POSTs to /mcp")
+    p.add_argument("--transport", choices=("unix", "websocket", "http", "http-legacy"),
+                   default="unix", help="http: stateless 2026-07-28 POSTs to /mcp; http-legacy: "
+                   "one 2025-06-18 session on /mcp")
     p.add_argument("--remote", metavar="URL",
                    help="the backend: this Streamable HTTP server (e.g. server-everything's "
                         "streamableHttp at http://127.0.0.1:PORT/mcp), not the fixture")
