@@ -37,18 +37,27 @@ class SseDecoder:
         self._buf = bytearray()
         self._scan = 0  # where an event's end may begin in _buf: what came before was searched
         self._after_cr = False  # a CR ended the last chunk: an LF next is its CRLF's
-        self.last_id = last_id  # the last event id seen (None: not resumable)
+        self._given = last_id  # the id of the stream this one resumes
+        self._id: bytes | None = None  # the last ``id`` field's value (None: none yet)
         self.retry = retry  # the last ``retry`` field, in milliseconds
+
+    @property
+    def last_id(self) -> str | None:
+        """The last event id seen (None: not resumable), judged when read: an id too long or
+        not printable ASCII cannot be sent back."""
+        value = self._id
+        if value is None:
+            return self._given
+        ok = len(value) <= MAX_EVENT_ID and _PRINTABLE.fullmatch(value) is not None
+        return value.decode("ascii") if ok and value else None
 
     def _field(self, line: bytes) -> None:
         """Note an ``id`` or ``retry`` field (an id with a NUL is ignored, as SSE says; one too
         long or not printable ASCII cannot be sent back: not resumable)."""
         if line.startswith(b"id:"):
             value = line[3:].removeprefix(b" ")
-            if b"\0" in value:
-                return
-            ok = len(value) <= MAX_EVENT_ID and _PRINTABLE.fullmatch(value) is not None
-            self.last_id = value.decode("ascii") if ok and value else None
+            if b"\0" not in value:
+                self._id = value
         elif line.startswith(b"retry:"):
             value = line[6:].removeprefix(b" ")
             if value.isdigit() and len(value) <= 9:
