@@ -11,6 +11,7 @@ connections to one origin and opens new ones within ``connect_timeout``.  Every 
 from __future__ import annotations
 
 import math
+import os
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -166,6 +167,8 @@ class Connection:
     def __init__(self, stream: trio.abc.Stream, authority: str,
                  pool: Pool | None = None) -> None:
         self.stream = stream
+        # a plain TCP stream: a request is written straight to its socket (see :meth:`_send`)
+        self._socket = stream.socket if isinstance(stream, trio.SocketStream) else None
         self._pool = pool
         self.authority = authority
         self._h11: h11.Connection | None = None  # h11 serves it (an exchange of another shape)
@@ -239,15 +242,36 @@ class Connection:
         else:
             out = raw + body
             self._sent = (method, target, head, body)
-        try:
-            await self.stream.send_all(out)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            self.broken = True
-            raise ConnectionLost(f"the connection broke: {exc.__cause__ or exc}") from None
+        await self._send(out)
         deadline = trio.current_time() + head_timeout
         if self._h11 is None:
             return await self._lean_head(deadline)
         return await self._h11_head(deadline)
+
+    async def _send(self, out: bytes) -> None:
+        """Write ``out``: on a plain TCP socket first straight to it (what it takes at once goes
+        without a scheduling round: the answer awaited next is the checkpoint), the rest, or on
+        another stream all of it, through the stream.
+
+        Raises:
+            ConnectionLost.
+        """
+        try:
+            sock = self._socket
+            fd = sock.fileno() if sock is not None else -1
+            if fd >= 0:
+                await trio.lowlevel.checkpoint_if_cancelled()  # cancelled: nothing is sent
+                try:
+                    sent = os.write(fd, out)
+                except BlockingIOError:
+                    sent = 0
+                if sent == len(out):
+                    return
+                out = out[sent:]
+            await self.stream.send_all(out)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            self.broken = True
+            raise ConnectionLost(f"the connection broke: {exc.__cause__ or exc}") from None
 
     async def _lean_head(self, deadline: float) -> Response:
         buf = self._buf
