@@ -182,15 +182,33 @@ class Connection:
         self.reused = False  # it carried an exchange before this one
         self.idle_since = 0.0
 
-    async def _receive(self, deadline: float) -> bytes:
+    async def _receive(self, deadline: float, awaited: bool = False) -> bytes:
         if deadline == math.inf:  # no deadline: no cancel scope either
-            return await self._receive_some()
+            return await self._receive_some(awaited)
         with trio.move_on_at(deadline):
-            return await self._receive_some()
+            return await self._receive_some(awaited)
         self.broken = True
         raise HttpTimeout("the remote sent nothing in time")
 
-    async def _receive_some(self) -> bytes:
+    async def _receive_some(self, awaited: bool = False) -> bytes:
+        """The next bytes (b"" at the end).  ``awaited``: bytes are not expected yet (an
+        answer's head just asked for): on a plain TCP socket the wait comes first, then one
+        read straight from it, not a read that fails first."""
+        sock = self._socket
+        if awaited and sock is not None:
+            try:
+                while True:
+                    await trio.lowlevel.wait_readable(sock)
+                    fd = sock.fileno()
+                    if fd < 0:
+                        raise trio.ClosedResourceError("the socket was closed")
+                    try:
+                        return os.read(fd, READ_CHUNK)
+                    except BlockingIOError:  # woken for nothing: wait again
+                        continue
+            except (trio.BusyResourceError, trio.ClosedResourceError, OSError) as exc:
+                self.broken = True
+                raise ConnectionLost(f"the connection broke: {exc}") from None
         try:
             return bytes(await self.stream.receive_some(READ_CHUNK))
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
@@ -278,7 +296,7 @@ class Connection:
         while (end := buf.find(b"\r\n\r\n")) < 0:
             if len(buf) > MAX_HEAD:
                 return await self._to_h11(deadline)
-            data = await self._receive(deadline)
+            data = await self._receive(deadline, not buf)
             if not data:
                 self.broken = True
                 raise ConnectionLost("the connection closed before an answer")

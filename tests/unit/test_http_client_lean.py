@@ -253,3 +253,18 @@ async def test_a_request_cancelled_before_it_is_written_sends_nothing() -> None:
         assert scope.cancelled_caught
         await conn.aclose()
     assert got == [b""]
+
+
+async def test_a_plain_socket_closed_before_the_answer_is_a_lost_connection() -> None:
+    """The answer's head awaited on a plain TCP socket (the wait first, then one read): the
+    remote closing instead of answering is ConnectionLost, and the connection is broken."""
+    got: list[bytes] = []
+    async with trio.open_nursery() as nursery:
+        port = await _tcp_server(nursery, got, answer=False)
+        conn = httpclient.Connection(await trio.open_tcp_stream("127.0.0.1", port),
+                                     f"127.0.0.1:{port}")
+        with pytest.raises(httpclient.ConnectionLost, match="closed before an answer"):
+            await conn.request("POST", "/mcp", [("content-type", "application/json")], b"{}")
+        assert conn.broken
+        await conn.aclose()
+    assert got[0].endswith(b"\r\n\r\n{}")
