@@ -5,11 +5,12 @@
 
 Starts server-everything's own Streamable HTTP server once (bench/run.py's remote mode), then
 ``--repeat`` times, alternately for the other tree (``--base``) and this one: a gateway with
-that server as its ``url`` backend, 16 WebSocket clients and 16 legacy ``/mcp`` sessions each
-calling ``ev__echo`` for ``--seconds`` (after a 1 s warm-up), then 400 sequential calls on one
-WebSocket interleaved with 400 straight to the server (100 at a time, the same protocol version
-as the gateway's session).  Prints per tree the medians of calls/s, the gateway's and the
-server's CPU µs per call, and each round's sequential p50 added over direct, with the load.
+that server as its ``url`` backend, 16 WebSocket clients, 16 legacy ``/mcp`` sessions and 16
+stateless 2026-07-28 ``/mcp`` clients, each row calling ``ev__echo`` for ``--seconds`` (after a
+1 s warm-up), then 400 sequential calls on one WebSocket interleaved with 400 straight to the
+server (100 at a time, the same protocol version as the gateway's session).  Prints per tree
+the medians of calls/s, the gateway's and the server's CPU µs per call, and each round's
+sequential p50 added over direct, with the load.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ async def one_round(tree: str, sport: int, srv: int, procs: B.Procs,
         version = B.instance_of(await B.gateway_status(admin), "ev")["protocol_version"]
         async with trio.open_nursery() as nursery:
             rows = {"ws": await B.ws_clients(nursery, f"ws://127.0.0.1:{ws}/", 16),
-                    "legacy": await B.http_clients(http, 16, 1)}
+                    "legacy": await B.http_clients(http, 16, 1),
+                    "stateless": await B.http_clients(http, 16, 1, modern=True)}
             for name, conns in rows.items():
                 await B.run_load(conns, inflight=1, calls=10**6, cap=1.0, tool="ev__echo",
                                  backend=ECHO)
@@ -67,7 +69,7 @@ async def one_round(tree: str, sport: int, srv: int, procs: B.Procs,
             p50 = {k: B.pct(sorted(v), 0.5) for k, v in seq.items()}
             out["seq"] = {"direct_p50_us": p50["direct"], "added_us": p50["ws"] - p50["direct"]}
             await direct.aclose()
-            for c in rows["legacy"]:
+            for c in rows["legacy"] + rows["stateless"]:
                 await c.aclose()
             nursery.cancel_scope.cancel()
     finally:
@@ -88,11 +90,11 @@ async def amain(args: argparse.Namespace, procs: B.Procs) -> None:
         procs.stop(srv.pid)
     print(f"trees: {trees}")
     for name in trees:
-        for row in ("ws", "legacy"):
+        for row in ("ws", "legacy", "stateless"):
             rs = [r[row] for r in res[name]]
             med = {k: statistics.median(r[k] for r in rs)
                    for k in ("calls_per_s", "gateway_us", "server_us")}
-            print(f"{name:5} {row:6} 16x1: calls/s {med['calls_per_s']:5.0f}"
+            print(f"{name:5} {row:9} 16x1: calls/s {med['calls_per_s']:5.0f}"
                   f"  gateway CPU µs/call {med['gateway_us']:4.0f}"
                   f"  server CPU µs/call {med['server_us']:4.0f}"
                   f"  errors {sum(r['errors'] for r in rs)}"

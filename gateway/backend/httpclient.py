@@ -11,6 +11,7 @@ connections to one origin and opens new ones within ``connect_timeout``.  Every 
 from __future__ import annotations
 
 import math
+import os
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -166,6 +167,8 @@ class Connection:
     def __init__(self, stream: trio.abc.Stream, authority: str,
                  pool: Pool | None = None) -> None:
         self.stream = stream
+        # a plain TCP stream: a request is written straight to its socket (see :meth:`_send`)
+        self._socket = stream.socket if isinstance(stream, trio.SocketStream) else None
         self._pool = pool
         self.authority = authority
         self._h11: h11.Connection | None = None  # h11 serves it (an exchange of another shape)
@@ -179,15 +182,33 @@ class Connection:
         self.reused = False  # it carried an exchange before this one
         self.idle_since = 0.0
 
-    async def _receive(self, deadline: float) -> bytes:
+    async def _receive(self, deadline: float, awaited: bool = False) -> bytes:
         if deadline == math.inf:  # no deadline: no cancel scope either
-            return await self._receive_some()
+            return await self._receive_some(awaited)
         with trio.move_on_at(deadline):
-            return await self._receive_some()
+            return await self._receive_some(awaited)
         self.broken = True
         raise HttpTimeout("the remote sent nothing in time")
 
-    async def _receive_some(self) -> bytes:
+    async def _receive_some(self, awaited: bool = False) -> bytes:
+        """The next bytes (b"" at the end).  ``awaited``: bytes are not expected yet (an
+        answer's head just asked for): on a plain TCP socket the wait comes first, then one
+        read straight from it, not a read that fails first."""
+        sock = self._socket
+        if awaited and sock is not None:
+            try:
+                while True:
+                    await trio.lowlevel.wait_readable(sock)
+                    fd = sock.fileno()
+                    if fd < 0:
+                        raise trio.ClosedResourceError("the socket was closed")
+                    try:
+                        return os.read(fd, READ_CHUNK)
+                    except BlockingIOError:  # woken for nothing: wait again
+                        continue
+            except (trio.BusyResourceError, trio.ClosedResourceError, OSError) as exc:
+                self.broken = True
+                raise ConnectionLost(f"the connection broke: {exc}") from None
         try:
             return bytes(await self.stream.receive_some(READ_CHUNK))
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
@@ -239,22 +260,43 @@ class Connection:
         else:
             out = raw + body
             self._sent = (method, target, head, body)
-        try:
-            await self.stream.send_all(out)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            self.broken = True
-            raise ConnectionLost(f"the connection broke: {exc.__cause__ or exc}") from None
+        await self._send(out)
         deadline = trio.current_time() + head_timeout
         if self._h11 is None:
             return await self._lean_head(deadline)
         return await self._h11_head(deadline)
+
+    async def _send(self, out: bytes) -> None:
+        """Write ``out``: on a plain TCP socket first straight to it (what it takes at once goes
+        without a scheduling round: the answer awaited next is the checkpoint), the rest, or on
+        another stream all of it, through the stream.
+
+        Raises:
+            ConnectionLost.
+        """
+        try:
+            sock = self._socket
+            fd = sock.fileno() if sock is not None else -1
+            if fd >= 0:
+                await trio.lowlevel.checkpoint_if_cancelled()  # cancelled: nothing is sent
+                try:
+                    sent = os.write(fd, out)
+                except BlockingIOError:
+                    sent = 0
+                if sent == len(out):
+                    return
+                out = out[sent:]
+            await self.stream.send_all(out)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            self.broken = True
+            raise ConnectionLost(f"the connection broke: {exc.__cause__ or exc}") from None
 
     async def _lean_head(self, deadline: float) -> Response:
         buf = self._buf
         while (end := buf.find(b"\r\n\r\n")) < 0:
             if len(buf) > MAX_HEAD:
                 return await self._to_h11(deadline)
-            data = await self._receive(deadline)
+            data = await self._receive(deadline, not buf)
             if not data:
                 self.broken = True
                 raise ConnectionLost("the connection closed before an answer")

@@ -27,6 +27,7 @@ from gateway.core.session import AnswerOutcome, ClientSession
 from gateway.errors import CloseReason
 from gateway.events import AnswerRefused, ConnectionClosed, ConnectionOpened, ServerRequestOutcome
 from gateway.protocol import jsonrpc, mcp
+from gateway.protocol.era import Era
 
 if TYPE_CHECKING:
     from gateway.auth.principal import Principal
@@ -206,6 +207,7 @@ class Direct:
         self.done = False
         self.writer_scope: trio.CancelScope | None = None
         session = self.session = _open(ports, stream, transport, bind)
+        session.choose_era(Era.MODERN)  # its request was judged modern at the edge already
         session.run_in(nursery, on_close=self._finish_soon)
         session.outbound.on_wake = self._start_writer
 

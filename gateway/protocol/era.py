@@ -318,12 +318,22 @@ def is_input_required(result: Raw) -> bool:
     return value == "input_required"
 
 
+_RESULT_TYPE = b'"resultType"'
+_COMPLETE_OPEN = b'{"resultType":"complete"'
+
+
 def complete(method: str, result: Raw, *, per_caller: bool = False) -> Raw:
     """A result for a modern client: ``resultType`` (``"complete"`` unless the result has one)
     and, where the revision requires them, ``ttlMs`` and ``cacheScope`` (a legacy child gives
     none: ``0`` and ``"private"``, the safe reading; the gateway's own catalog is the same for
     every caller, ``"public"``, unless ``per_caller``: policy filters the lists per caller, so
     a list result is ``"private"``)."""
+    if method not in CACHEABLE:  # the common case, a call's result: ``resultType`` put first
+        raw = bytes(result)
+        # an object without the name at any depth, nor an escape that could spell it
+        if raw[:1] == b"{" and _RESULT_TYPE not in raw and b"\\u" not in raw:
+            rest = raw[1:].lstrip()
+            return Raw(_COMPLETE_OPEN + (b"}" if rest[:1] == b"}" else b"," + rest))
     try:
         fields = jsonrpc.raw_dict(result)
     except (msgspec.DecodeError, msgspec.ValidationError):

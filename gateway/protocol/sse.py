@@ -37,18 +37,27 @@ class SseDecoder:
         self._buf = bytearray()
         self._scan = 0  # where an event's end may begin in _buf: what came before was searched
         self._after_cr = False  # a CR ended the last chunk: an LF next is its CRLF's
-        self.last_id = last_id  # the last event id seen (None: not resumable)
+        self._given = last_id  # the id of the stream this one resumes
+        self._id: bytes | None = None  # the last ``id`` field's value (None: none yet)
         self.retry = retry  # the last ``retry`` field, in milliseconds
+
+    @property
+    def last_id(self) -> str | None:
+        """The last event id seen (None: not resumable), judged when read: an id too long or
+        not printable ASCII cannot be sent back."""
+        value = self._id
+        if value is None:
+            return self._given
+        ok = len(value) <= MAX_EVENT_ID and _PRINTABLE.fullmatch(value) is not None
+        return value.decode("ascii") if ok and value else None
 
     def _field(self, line: bytes) -> None:
         """Note an ``id`` or ``retry`` field (an id with a NUL is ignored, as SSE says; one too
         long or not printable ASCII cannot be sent back: not resumable)."""
         if line.startswith(b"id:"):
             value = line[3:].removeprefix(b" ")
-            if b"\0" in value:
-                return
-            ok = len(value) <= MAX_EVENT_ID and _PRINTABLE.fullmatch(value) is not None
-            self.last_id = value.decode("ascii") if ok and value else None
+            if b"\0" not in value:
+                self._id = value
         elif line.startswith(b"retry:"):
             value = line[6:].removeprefix(b" ")
             if value.isdigit() and len(value) <= 9:
@@ -62,13 +71,22 @@ class SseDecoder:
         """
         if self._after_cr and chunk.startswith(b"\n"):
             chunk = chunk[1:]
+            self._after_cr = False
+        if not chunk:  # nothing (more): an empty chunk does not forget a CR just before it
+            return []
         self._after_cr = chunk.endswith(b"\r")
+        if b"\r" in chunk:
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         buf = self._buf
-        buf += chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        # nothing held back: the chunk is read where it is, and only its unfinished tail kept
+        text: bytes | bytearray = chunk
+        if buf:
+            buf += chunk
+            text = buf
         out: list[bytes] = []
         start = 0
-        while (end := buf.find(b"\n\n", max(start, self._scan))) >= 0:
-            event, start = bytes(buf[start:end]), end + 2
+        while (end := text.find(b"\n\n", max(start, self._scan))) >= 0:
+            event, start = bytes(text[start:end]), end + 2
             data: list[bytes] = []
             for line in event.split(b"\n"):  # each line once, its fields in order
                 if line.startswith(b"data:"):
@@ -80,7 +98,10 @@ class SseDecoder:
                     out.append(data[0])
             elif any(line.strip() for line in data):
                 out.append(b"\n".join(data))
-        del buf[:start]
+        if text is buf:
+            del buf[:start]
+        elif start < len(chunk):
+            buf += chunk[start:] if start else chunk
         self._scan = max(0, len(buf) - 1)
         if len(buf) > self.limit:
             size = len(buf)

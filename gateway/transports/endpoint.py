@@ -112,6 +112,10 @@ class _QuickWaits:
         due = self._due
         try:
             while due:
+                # the answered ones ahead: nothing to wake; the timer sleeps to the first still
+                # waiting (or the last one's deadline: it stays while POSTs keep coming)
+                while len(due) > 1 and due[0][1].answered is None:
+                    due.popleft()
                 await trio.sleep_until(max(due[0][0], trio.current_time() + QUICK_TICK))
                 now = trio.current_time()
                 while due and due[0][0] <= now:

@@ -71,6 +71,17 @@ def test_sse_decoder_cut_anywhere_and_bounded() -> None:
         decoder = SseDecoder(1000)
         got = decoder.feed(stream[:cut]) + decoder.feed(stream[cut:])
         assert got == [b'{"a":\n1}', b'{"b":2}', b'{"c":3}'], cut
+        for cut2 in range(cut, len(stream)):  # and in three: held bytes, then a chunk's tail
+            decoder = SseDecoder(1000)
+            got = (decoder.feed(stream[:cut]) + decoder.feed(stream[cut:cut2])
+                   + decoder.feed(stream[cut2:]))
+            assert got == [b'{"a":\n1}', b'{"b":2}', b'{"c":3}'], (cut, cut2)
+    decoder = SseDecoder(1000)  # a CRLF cut apart, its LF alone: one line end, not two
+    assert decoder.feed(b"data: 1\r") + decoder.feed(b"\n") + decoder.feed(b"\ndata: 2\n\n") == [
+        b"1", b"2"]
+    decoder = SseDecoder(30)  # a chunk's whole events taken, its unfinished tail still bounded
+    with pytest.raises(EventTooLarge):
+        decoder.feed(b"data: 1\n\ndata: " + b"x" * 30)
     decoder = SseDecoder(100)
     assert decoder.feed(b"data: " + b"x" * 90) == []
     with pytest.raises(EventTooLarge):

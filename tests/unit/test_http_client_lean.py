@@ -195,3 +195,78 @@ async def test_answer_heads_are_parsed_once_per_pool_within_its_bound() -> None:
             assert 1 <= len(pool.answers) <= httpclient.ANSWER_HEADS_MAX
         await pool.aclose()
         nursery.cancel_scope.cancel()
+
+
+async def _tcp_server(nursery: trio.Nursery, got: list[bytes], *, answer: bool,
+                      read_late: bool = False) -> int:
+    """A one-connection HTTP server on 127.0.0.1: it reads (``read_late``: once every other task
+    is blocked, e.g. the client on a full socket buffer) the request whole (or what comes
+    within 0.3 s when not ``answer``) into ``got``."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+
+    async def serve() -> None:
+        stream = await listeners[0].accept()
+        if read_late:
+            await trio.testing.wait_all_tasks_blocked()
+        data = b""
+        with trio.move_on_after(0.3 if not answer else 30):
+            while (b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1])
+                   < int(data.split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])):
+                piece = await stream.receive_some(1 << 16)
+                if not piece:
+                    break
+                data += piece
+        got.append(data)
+        if answer:
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+        await stream.aclose()
+        await listeners[0].aclose()
+
+    nursery.start_soon(serve)
+    return int(listeners[0].socket.getsockname()[1])
+
+
+async def test_a_plain_socket_takes_a_body_larger_than_its_buffer_in_order() -> None:
+    """Written straight to a plain TCP socket, what it does not take at once follows through
+    the stream: the server reads the whole request, in order."""
+    got: list[bytes] = []
+    body = bytes(random.Random(1).randrange(256) for _ in range(1 << 16)) * 64  # 4 MiB
+    async with trio.open_nursery() as nursery:
+        port = await _tcp_server(nursery, got, answer=True, read_late=True)
+        conn = httpclient.Connection(await trio.open_tcp_stream("127.0.0.1", port),
+                                     f"127.0.0.1:{port}")
+        response = await conn.request("POST", "/mcp", [("content-type", "application/json")],
+                                      body)
+        assert response.status == 200 and await conn.body(10) == b"{}"
+        await conn.aclose()
+    head, sent = got[0].split(b"\r\n\r\n", 1)
+    assert head.startswith(b"POST /mcp HTTP/1.1\r\n") and sent == body
+
+
+async def test_a_request_cancelled_before_it_is_written_sends_nothing() -> None:
+    got: list[bytes] = []
+    async with trio.open_nursery() as nursery:
+        port = await _tcp_server(nursery, got, answer=False)
+        conn = httpclient.Connection(await trio.open_tcp_stream("127.0.0.1", port),
+                                     f"127.0.0.1:{port}")
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await conn.request("POST", "/mcp", [("content-type", "application/json")], b"{}")
+        assert scope.cancelled_caught
+        await conn.aclose()
+    assert got == [b""]
+
+
+async def test_a_plain_socket_closed_before_the_answer_is_a_lost_connection() -> None:
+    """The answer's head awaited on a plain TCP socket (the wait first, then one read): the
+    remote closing instead of answering is ConnectionLost, and the connection is broken."""
+    got: list[bytes] = []
+    async with trio.open_nursery() as nursery:
+        port = await _tcp_server(nursery, got, answer=False)
+        conn = httpclient.Connection(await trio.open_tcp_stream("127.0.0.1", port),
+                                     f"127.0.0.1:{port}")
+        with pytest.raises(httpclient.ConnectionLost, match="closed before an answer"):
+            await conn.request("POST", "/mcp", [("content-type", "application/json")], b"{}")
+        assert conn.broken
+        await conn.aclose()
+    assert got[0].endswith(b"\r\n\r\n{}")

@@ -46,6 +46,14 @@ def test_complete_adds_what_the_revision_requires_and_keeps_what_is_there() -> N
     kept = json.loads(bytes(era.complete("tools/call", Raw(b'{"resultType":"input_required"}'))))
     assert kept["resultType"] == "input_required"
     assert bytes(era.complete("tools/call", Raw(b"[1]"))) == b"[1]"  # not an object: untouched
+    # a call's result is spliced, not decoded: its bytes pass as they came after resultType
+    assert bytes(era.complete("tools/call", Raw(b'{"n":1.0e10, "s":"\xc3\xa9"}'))) == (
+        b'{"resultType":"complete","n":1.0e10, "s":"\xc3\xa9"}')
+    assert bytes(era.complete("tools/call", Raw(b"{ }"))) == b'{"resultType":"complete"}'
+    # the name deeper down, or an escape that could spell it at the top: read, set only if absent
+    for raw, want in ((b'{"a":{"resultType":"x"}}', "complete"),
+                      (b'{"result\\u0054ype":"input_required"}', "input_required")):
+        assert json.loads(bytes(era.complete("tools/call", Raw(raw))))["resultType"] == want
 
 
 @pytest.mark.parametrize("value", ["fx__echo", "a b", "fixture://item/1", "fx__\u00e9", " edge",
