@@ -585,7 +585,7 @@ class Hub:
                     continue
                 page = None
                 if start is not None and source.owns_start(start):
-                    page = source.start_page(start, params.get("consent") == "yes")
+                    page = source.start_page(start, params.get("consent"), cookie)
                 elif start is None and source.owns_state(state):
                     page = await source.complete(params, cookie)
                 if page is not None:

@@ -5,10 +5,11 @@ per principal, its state file ``STATE_DIR/oauth/BACKEND/PRINCIPAL.json`` (0600, 
 token; deleted when a reload removes the principal).  The discovery and the registration are
 done once per backend and shared.  A principal without a token gets the URL of the gateway's
 own authorize page (``listen.redirect_path?start=ID``, single use, :data:`START_TTL`): it names
-the backend and the principal and asks for consent; continuing sets a ``__Host-`` cookie holding
-a secret bound to the flow's single-use ``state`` and sends the browser to the authorization
-server.  The redirect back completes only with that cookie, so a state begun by one principal
-cannot be completed in another's browser; a wrong, reused or unbound one is refused and nothing
+the backend and the principal and asks for consent, its link good only with the ``SameSite=Strict``
+cookie the page set (no cross-site consent); continuing sets a ``__Host-`` cookie holding a secret
+bound to the flow's single-use ``state`` and sends the browser to the authorization server.
+The redirect back completes only with that cookie, so a state begun by one principal cannot be
+completed in another's browser; a wrong, reused or unbound one is refused and nothing
 is stored.  A revoked refresh token gives that principal alone a new URL.
 """
 
@@ -52,6 +53,7 @@ class _Start:
     identity: str
     label: str
     expires: float  # trio time
+    consent_hash: bytes = b""  # the latest page shown: its link's token (also its cookie)
 
 
 @dataclass
@@ -245,25 +247,43 @@ class PrincipalAuthorizationCode:
     def owns_state(self, state: str) -> bool:
         return state in self._bound
 
-    def start_page(self, start: str, consent: bool) -> Page:
-        """``?start=ID``: the consent page; ``?start=ID&consent=yes``: the cookie set and the
-        browser sent to the authorization server (the link used up)."""
+    def start_page(self, start: str, consent: str | None, cookie_header: str | None) -> Page:
+        """``?start=ID``: the consent page (a token in its link and in a ``SameSite=Strict``
+        cookie); ``?start=ID&consent=TOKEN`` with that cookie: the flow's cookie set and the
+        browser sent to the authorization server (the link used up).  A consent without the
+        page's cookie (a cross-site link, another browser) is refused and uses nothing up."""
         held = self._starts.get(start)
         if held is None or held.expires <= trio.current_time():
             self._starts.pop(start, None)
             return Page(400, "refused: unknown, used or expired authorization link")
         frame = (("x-frame-options", "DENY"),
-                 ("content-security-policy", "frame-ancestors 'none'"))
-        if not consent:
+                 ("content-security-policy", "default-src 'none'; frame-ancestors 'none'"))
+        name = _consent_cookie(start)
+        if consent is None:
+            token = secrets.token_urlsafe(24)
+            held.consent_hash = _hash(token)
             who, what = html.escape(held.label), html.escape(self.backend)
             issuer = html.escape(str(self._shared.issuer))
-            go = html.escape(f"{self._page_url(start)}&consent=yes")
+            go = html.escape(f"{self._page_url(start)}&{urlencode({'consent': token})}")
+            cookie = (f"{name}={token}; Path=/; Secure; HttpOnly; SameSite=Strict; "
+                      f"Max-Age={int(START_TTL)}")
             return Page(200, f"<!doctype html><title>Authorize {what}</title>"
                              f"<p>The MCP gateway asks to act on backend <b>{what}</b> with your "
                              f"account at <b>{issuer}</b>, for the gateway caller <b>{who}</b>."
                              f"<p>Continue only if you are {who} and asked for this."
                              f'<p><a href="{go}">Continue to {issuer}</a>',
-                        "text/html; charset=utf-8", frame)
+                        "text/html; charset=utf-8", (("set-cookie", cookie), *frame))
+        shown = _cookie(cookie_header, name)
+        if not held.consent_hash or shown is None or shown != consent or \
+                not hmac.compare_digest(_hash(consent), held.consent_hash):
+            self.refused += 1
+            LOGGER.warning("backend %s: a consent without the cookie of the page that asked "
+                           "for it: refused", self.backend)
+            return Page(403, "refused: consent is given on the authorization page itself "
+                             "(open the link the gateway gave the caller and continue there)",
+                        headers=frame)
+        clear = (("set-cookie", f"{name}=; Path=/; Secure; HttpOnly; SameSite=Strict; "
+                                "Max-Age=0"),)
         del self._starts[start]
         flow = self._flow_of(held.principal_key, held.identity)
         self._copy(flow)
@@ -281,7 +301,8 @@ class PrincipalAuthorizationCode:
         cookie = (f"{COOKIE}={secret}; Path=/; Secure; HttpOnly; SameSite=Lax; "
                   f"Max-Age={int(START_TTL)}")
         return Page(303, f"continue at {url}\n", headers=(("location", url),
-                                                          ("set-cookie", cookie), *frame))
+                                                          ("set-cookie", cookie), *clear,
+                                                          *frame))
 
     async def complete(self, params: dict[str, str], cookie_header: str | None) -> Page:
         """The authorization server's redirect back: completed only in the browser that
@@ -293,7 +314,7 @@ class PrincipalAuthorizationCode:
         if bound is None:
             self.refused += 1
             return Page(400, "refused: unknown or already used state")
-        secret = _cookie(cookie_header)
+        secret = _cookie(cookie_header, COOKIE)
         if secret is None or not hmac.compare_digest(_hash(secret), bound.secret_hash):
             self.refused += 1
             LOGGER.warning("backend %s: an authorization redirect without the cookie of the "
@@ -315,7 +336,12 @@ class PrincipalAuthorizationCode:
                          "closed and the call made again", headers=clear)
 
 
-def _cookie(header: str | None) -> str | None:
+def _consent_cookie(start: str) -> str:
+    """The consent page's cookie, one per link (pages of two links open in one browser)."""
+    return "__Host-mcp-gateway-consent-" + hashlib.sha256(start.encode()).hexdigest()[:16]
+
+
+def _cookie(header: str | None, name: str) -> str | None:
     if not header:
         return None
     jar: SimpleCookie = SimpleCookie()
@@ -323,5 +349,5 @@ def _cookie(header: str | None) -> str | None:
         jar.load(header[:8192])
     except CookieError:
         return None
-    morsel = jar.get(COOKIE)
+    morsel = jar.get(name)
     return None if morsel is None else morsel.value

@@ -1,0 +1,86 @@
+"""Hostile tests of the gateway's authorize page for a per-principal remote (the confused
+deputy of a proxy with one client id at the authorization server): a consent that did not come
+from the page itself (a cross-site link straight to ``consent``, or the continue link of a page
+another browser fetched) is refused, sends no browser to the authorization server and uses up
+nothing; the consent of the page in the same browser still works."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+from authserverutil import auth_server
+from fixtures.remote_server import RemoteServer
+from helpers import bearer_auth, connect, free_port, run_gateway
+
+from gateway import config
+
+pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWarning")]
+
+TOKENS = {"alice": "alice-secret-token-1", "mallory": "mallory-secret-token-2"}
+
+
+def gateway_config(tmp_path: Path, port: int, url: str, token_url: str) -> config.GatewayConfig:
+    (tmp_path / "gw.secret").write_text("gw-secret\n")
+    return config.load(f"""
+[gateway]
+state_dir = "{tmp_path}"
+[listen]
+websocket = "127.0.0.1:0"
+http = "127.0.0.1:{port}"
+[admin]
+listen = "127.0.0.1:0"
+{bearer_auth(TOKENS)}
+[backends.up]
+url = "{url}"
+credentials = "per-principal"
+[backends.up.oauth]
+grant = "authorization_code"
+client_id = "gw"
+client_secret = {{ file = "{tmp_path}/gw.secret" }}
+token_url = "{token_url}"
+""")
+
+
+async def test_a_consent_not_given_on_the_page_in_that_browser_is_refused(
+        tmp_path: Path) -> None:
+    async with trio.open_nursery() as nursery, auth_server("--client", "gw:gw-secret") as srv:
+        remote = RemoteServer()
+        remote.resource_metadata = {"authorization_servers": [srv.issuer]}
+        await nursery.start(remote.serve)
+        url = f"http://127.0.0.1:{remote.port}/mcp"
+        remote.resource_metadata["resource"] = url
+        cfg = gateway_config(tmp_path, free_port(), url, srv.token_url)
+        async with (run_gateway(cfg) as gw, httpx.AsyncClient() as http,
+                    connect(gw.url, token=TOKENS["mallory"]) as m):
+            with trio.fail_after(20):
+                answer = await m.call("up__echo", {"who": "mallory"})
+                page = str(answer["error"]["data"]["url"])
+                # mallory's own link sent to alice's browser straight at the consent (a cross-site
+                # link or image): no cookie of the page, so no trip to the authorization server
+                for forged in (page + "&consent=yes", page + "&consent="):
+                    csrf = await http.get(forged)
+                    assert csrf.status_code == 403 and "location" not in csrf.headers, csrf.text
+                    assert "set-cookie" not in csrf.headers
+                # mallory fetches the page himself and gives alice its continue link: alice's
+                # browser lacks that page's cookie (SameSite=Strict, set in mallory's browser)
+                shown = await http.get(page)
+                assert shown.status_code == 200
+                assert "default-src 'none'" in shown.headers["content-security-policy"]
+                href = re.search(r'href="([^"]+)"', shown.text)
+                assert href is not None
+                go = href.group(1).replace("&amp;", "&")
+                stolen = await http.get(go)
+                assert stolen.status_code == 403 and "location" not in stolen.headers
+                # in mallory's own browser (the page's cookie), the same link works, once
+                jar = shown.headers["set-cookie"].split(";", 1)[0]
+                assert "SameSite=Strict" in shown.headers["set-cookie"]
+                ok = await http.get(go, headers={"cookie": jar})
+                assert ok.status_code == 303 and ok.headers["location"].startswith(srv.issuer)
+                again = await http.get(go, headers={"cookie": jar})
+                assert again.status_code == 400
+            assert [r for r in await srv.issued() if r["grant_type"] == "authorization_code"] == []
+        nursery.cancel_scope.cancel()
