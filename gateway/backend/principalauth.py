@@ -22,7 +22,7 @@ import logging
 import os
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.cookies import CookieError, SimpleCookie
 from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit
@@ -40,6 +40,8 @@ LOGGER = logging.getLogger(__name__)
 #: Seconds the gateway's authorize page link stays good, and how many may be open at once.
 START_TTL = 600.0
 MAX_STARTS = 1024
+#: Consent pages of one link whose continue link stays good (the latest shown).
+MAX_PAGES = 4
 #: Principals whose flows are held in memory at once (the least recently used dropped first;
 #: their refresh tokens stay in their state files).
 MAX_PRINCIPALS = 4096
@@ -53,7 +55,7 @@ class _Start:
     identity: str
     label: str
     expires: float  # trio time
-    consent_hash: bytes = b""  # the latest page shown: its link's token (also its cookie)
+    consents: list[bytes] = field(default_factory=list)  # the pages shown: their tokens' hashes
 
 
 @dataclass
@@ -261,7 +263,7 @@ class PrincipalAuthorizationCode:
         name = _consent_cookie(start)
         if consent is None:
             token = secrets.token_urlsafe(24)
-            held.consent_hash = _hash(token)
+            held.consents = [*held.consents[-(MAX_PAGES - 1):], _hash(token)]
             who, what = html.escape(held.label), html.escape(self.backend)
             issuer = html.escape(str(self._shared.issuer))
             go = html.escape(f"{self._page_url(start)}&{urlencode({'consent': token})}")
@@ -274,8 +276,8 @@ class PrincipalAuthorizationCode:
                              f'<p><a href="{go}">Continue to {issuer}</a>',
                         "text/html; charset=utf-8", (("set-cookie", cookie), *frame))
         shown = _cookie(cookie_header, name)
-        if not held.consent_hash or shown is None or shown != consent or \
-                not hmac.compare_digest(_hash(consent), held.consent_hash):
+        if shown is None or shown != consent or \
+                not any(hmac.compare_digest(_hash(consent), h) for h in held.consents):
             self.refused += 1
             LOGGER.warning("backend %s: a consent without the cookie of the page that asked "
                            "for it: refused", self.backend)
