@@ -2,7 +2,8 @@
 deputy of a proxy with one client id at the authorization server): a consent that did not come
 from the page itself (a cross-site link straight to ``consent``, or the continue link of a page
 another browser fetched) is refused, sends no browser to the authorization server and uses up
-nothing; the consent of the page in the same browser still works."""
+nothing; the consent of the page in the same browser still works.  An authorization endpoint
+that cannot be a ``Location`` header (CR LF, non-ASCII, a space) is refused in the metadata."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from fixtures.remote_server import RemoteServer
 from helpers import bearer_auth, connect, free_port, run_gateway
 
 from gateway import config
+from gateway.protocol import oauthflow
 
 pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
@@ -84,3 +86,18 @@ async def test_a_consent_not_given_on_the_page_in_that_browser_is_refused(
                 assert again.status_code == 400
             assert [r for r in await srv.issued() if r["grant_type"] == "authorization_code"] == []
         nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("endpoint", ["https://as.example/authorize\r\nset-cookie: x=1",
+                                      "https://as.example/authorize?\u00e9",
+                                      "https://as.example/a b"])
+def test_an_authorization_endpoint_that_cannot_be_a_location_header_is_refused(
+        endpoint: str) -> None:
+    # the browser is sent there by a Location header: a CR LF, a non-ASCII character or a space
+    # would drop the connection after the link was used up (or split the header)
+    meta = {"issuer": "https://as.example", "authorization_endpoint": endpoint,
+            "token_endpoint": "https://as.example/token"}
+    with pytest.raises(oauthflow.FlowError, match="no usable authorization_endpoint"):
+        oauthflow.check_metadata(meta, "https://as.example")
+    oauthflow.check_metadata({**meta, "authorization_endpoint": "https://as.example/authorize"},
+                             "https://as.example")
