@@ -45,7 +45,8 @@ MAX_PAGES = 4
 #: Principals whose flows are held in memory at once (the least recently used dropped first;
 #: their refresh tokens stay in their state files).
 MAX_PRINCIPALS = 4096
-#: The cookie binding a flow to the browser that consented.
+#: The cookies binding a flow to the browser that consented (one per flow: ``-`` and a digest of
+#: its state, so one browser may authorize several backends at once).
 COOKIE = "__Host-mcp-gateway-authorize"
 
 
@@ -300,7 +301,7 @@ class PrincipalAuthorizationCode:
         while len(self._bound) >= MAX_STARTS:
             del self._bound[next(iter(self._bound))]
         self._bound[state] = _Bound(held.principal_key, _hash(secret), flow)
-        cookie = (f"{COOKIE}={secret}; Path=/; Secure; HttpOnly; SameSite=Lax; "
+        cookie = (f"{_flow_cookie(state)}={secret}; Path=/; Secure; HttpOnly; SameSite=Lax; "
                   f"Max-Age={int(START_TTL)}")
         return Page(303, f"continue at {url}\n", headers=(("location", url),
                                                           ("set-cookie", cookie), *clear,
@@ -311,12 +312,12 @@ class PrincipalAuthorizationCode:
         consented (its cookie), for the principal the state was begun for."""
         state = params.get("state", "")
         bound = self._bound.pop(state, None)
-        clear = (("set-cookie", f"{COOKIE}=; Path=/; Secure; HttpOnly; SameSite=Lax; "
+        clear = (("set-cookie", f"{_flow_cookie(state)}=; Path=/; Secure; HttpOnly; SameSite=Lax; "
                                 "Max-Age=0"),)
         if bound is None:
             self.refused += 1
             return Page(400, "refused: unknown or already used state")
-        secret = _cookie(cookie_header, COOKIE)
+        secret = _cookie(cookie_header, _flow_cookie(state))
         if secret is None or not hmac.compare_digest(_hash(secret), bound.secret_hash):
             self.refused += 1
             LOGGER.warning("backend %s: an authorization redirect without the cookie of the "
@@ -336,6 +337,10 @@ class PrincipalAuthorizationCode:
         LOGGER.info("backend %s: a principal authorized", self.backend)
         return Page(200, f"backend {self.backend} is authorized for you; this page may be "
                          "closed and the call made again", headers=clear)
+
+
+def _flow_cookie(state: str) -> str:
+    return f"{COOKIE}-{hashlib.sha256(state.encode()).hexdigest()[:16]}"
 
 
 def _consent_cookie(start: str) -> str:

@@ -2,20 +2,22 @@
 deputy of a proxy with one client id at the authorization server): a consent that did not come
 from the page itself (a cross-site link straight to ``consent``, or the continue link of a page
 another browser fetched) is refused, sends no browser to the authorization server and uses up
-nothing; the consent of the page in the same browser still works.  An authorization endpoint
+nothing; the consent of the page in the same browser still works; one browser authorizing two
+backends at once completes both (a cookie per flow).  An authorization endpoint
 that cannot be a ``Location`` header (CR LF, non-ASCII, a space) is refused in the metadata."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+from urllib.parse import urlencode
 
 import httpx
 import pytest
 import trio
 from authserverutil import auth_server
 from fixtures.remote_server import RemoteServer
-from helpers import bearer_auth, connect, free_port, run_gateway
+from helpers import bearer_auth, connect, free_port, run_gateway, text_of
 
 from gateway import config
 from gateway.protocol import oauthflow
@@ -25,9 +27,10 @@ pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWa
 TOKENS = {"alice": "alice-secret-token-1", "mallory": "mallory-secret-token-2"}
 
 
-def gateway_config(tmp_path: Path, port: int, url: str, token_url: str) -> config.GatewayConfig:
+def gateway_config(tmp_path: Path, port: int, url: str, token_url: str,
+                   more: str = "") -> config.GatewayConfig:
     (tmp_path / "gw.secret").write_text("gw-secret\n")
-    return config.load(f"""
+    return config.load(more + f"""
 [gateway]
 state_dir = "{tmp_path}"
 [listen]
@@ -101,3 +104,54 @@ def test_an_authorization_endpoint_that_cannot_be_a_location_header_is_refused(
         oauthflow.check_metadata(meta, "https://as.example")
     oauthflow.check_metadata({**meta, "authorization_endpoint": "https://as.example/authorize"},
                              "https://as.example")
+
+
+async def test_one_browser_authorizing_two_backends_at_once_completes_both(
+        tmp_path: Path) -> None:
+    async with trio.open_nursery() as nursery, auth_server("--client", "gw:gw-secret") as srv:
+        remote = RemoteServer()
+        remote.resource_metadata = {"authorization_servers": [srv.issuer]}
+        await nursery.start(remote.serve)
+        url = f"http://127.0.0.1:{remote.port}/mcp"
+        remote.resource_metadata["resource"] = url
+        second = (f'[backends.two]\nurl = "{url}"\ncredentials = "per-principal"\n'
+                  f'[backends.two.oauth]\ngrant = "authorization_code"\nclient_id = "gw"\n'
+                  f'client_secret = {{ file = "{tmp_path}/gw.secret" }}\n'
+                  f'token_url = "{srv.token_url}"\n')
+        cfg = gateway_config(tmp_path, free_port(), url, srv.token_url, second)
+        jar: dict[str, str] = {}  # alice's browser
+
+        async def get(target: str) -> httpx.Response:
+            cookie = "; ".join(f"{k}={v}" for k, v in jar.items())
+            answer = await http.get(target, headers={"cookie": cookie} if cookie else {})
+            for line in answer.headers.get_list("set-cookie"):
+                name, _, rest = line.partition("=")
+                value = rest.split(";", 1)[0]
+                if "Max-Age=0" in line:
+                    jar.pop(name, None)
+                else:
+                    jar[name] = value
+            return answer
+
+        async with (run_gateway(cfg) as gw, httpx.AsyncClient() as http,
+                    connect(gw.url, token=TOKENS["alice"]) as a):
+            with trio.fail_after(20):
+                backs = []
+                for tool in ("up__echo", "two__echo"):
+                    page = str((await a.call(tool, {"who": "alice"}))["error"]["data"]["url"])
+                    shown = await get(page)
+                    href = re.search(r'href="([^"]+)"', shown.text)
+                    assert href is not None
+                    go = await get(href.group(1).replace("&amp;", "&"))
+                    assert go.status_code == 303, go.text
+                    at = await http.get(go.headers["location"] + "&"
+                                        + urlencode({"login_hint": "alice"}))
+                    backs.append(at.headers["location"])
+                for back in backs:  # the first flow's redirect comes back after the second began
+                    done = await get(back)
+                    assert done.status_code == 200, done.text
+                for tool in ("up__echo", "two__echo"):
+                    assert text_of(await a.call(tool, {"who": "alice"})) == '{"who": "alice"}'
+            assert len([r for r in await srv.issued()
+                        if r["grant_type"] == "authorization_code"]) == 2
+        nursery.cancel_scope.cancel()
