@@ -23,7 +23,6 @@ import os
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from http.cookies import CookieError, SimpleCookie
 from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit
 
@@ -349,12 +348,10 @@ def _consent_cookie(start: str) -> str:
 
 
 def _cookie(header: str | None, name: str) -> str | None:
-    if not header:
-        return None
-    jar: SimpleCookie = SimpleCookie()
-    try:
-        jar.load(header[:8192])
-    except CookieError:
-        return None
-    morsel = jar.get(name)
-    return None if morsel is None else morsel.value
+    """The value of the cookie ``name`` in a Cookie header, whatever else the browser holds for
+    this host (a value with spaces or quotes, a cookie without ``=``: skipped, not fatal)."""
+    for part in (header or "").split(";"):
+        key, eq, value = part.strip().partition("=")
+        if eq and key == name:
+            return value.strip()
+    return None
