@@ -4,7 +4,8 @@ from the page itself (a cross-site link straight to ``consent``, or the continue
 another browser fetched) is refused, sends no browser to the authorization server and uses up
 nothing; the consent of the page in the same browser still works (other cookies of the host
 beside it); one browser authorizing two
-backends at once completes both (a cookie per flow).  An authorization endpoint
+backends at once completes both (a cookie per flow); a redirect back with a query too long
+is refused whole (not cut, so nothing used up).  An authorization endpoint
 that cannot be a ``Location`` header (CR LF, non-ASCII, a space) is refused in the metadata."""
 
 from __future__ import annotations
@@ -157,4 +158,37 @@ async def test_one_browser_authorizing_two_backends_at_once_completes_both(
                     assert text_of(await a.call(tool, {"who": "alice"})) == '{"who": "alice"}'
             assert len([r for r in await srv.issued()
                         if r["grant_type"] == "authorization_code"]) == 2
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_redirect_back_too_long_is_refused_whole_and_uses_nothing_up(
+        tmp_path: Path) -> None:
+    async with trio.open_nursery() as nursery, auth_server("--client", "gw:gw-secret") as srv:
+        remote = RemoteServer()
+        remote.resource_metadata = {"authorization_servers": [srv.issuer]}
+        await nursery.start(remote.serve)
+        url = f"http://127.0.0.1:{remote.port}/mcp"
+        remote.resource_metadata["resource"] = url
+        cfg = gateway_config(tmp_path, free_port(), url, srv.token_url)
+        async with (run_gateway(cfg) as gw, httpx.AsyncClient() as http,
+                    connect(gw.url, token=TOKENS["alice"]) as a):
+            with trio.fail_after(20):
+                page = str((await a.call("up__echo", {"who": "alice"}))["error"]["data"]["url"])
+                shown = await http.get(page)
+                href = re.search(r'href="([^"]+)"', shown.text)
+                assert href is not None
+                jar = shown.headers["set-cookie"].split(";", 1)[0]
+                go = await http.get(href.group(1).replace("&amp;", "&"),
+                                    headers={"cookie": jar})
+                jar = go.headers["set-cookie"].split(";", 1)[0]
+                at = await http.get(go.headers["location"] + "&"
+                                    + urlencode({"login_hint": "alice"}))
+                back = at.headers["location"]
+                # a query past the limit was read cut at it: what followed, silently dropped
+                long = await http.get(back + "&error_description=" + "x" * 9000,
+                                      headers={"cookie": jar})
+                assert long.status_code == 414 and "8192" in long.text, long.text
+                done = await http.get(back, headers={"cookie": jar})
+                assert done.status_code == 200, done.text
+                assert text_of(await a.call("up__echo", {"who": "alice"})) == '{"who": "alice"}'
         nursery.cancel_scope.cancel()
