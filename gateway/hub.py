@@ -67,6 +67,9 @@ if TYPE_CHECKING:
 
 LOGGER = logging.getLogger(__name__)
 
+#: The longest query the authorization redirect endpoint reads (longer: refused, not cut).
+MAX_REDIRECT_QUERY = 8192
+
 #: The routing hint of a notification that relates to no request.
 UNRELATED: jsonrpc.Route = (jsonrpc.Goes.UNRELATED, None)
 
@@ -574,8 +577,12 @@ class Hub:
                          ) -> tuple[int, str, str, tuple[tuple[str, str], ...]]:
         """``listen.redirect_path``: a per-principal backend's authorize page (``start``) or
         redirect back (its ``state``, bound to the browser's cookie), else the shared flows'
-        redirect back (:meth:`complete_authorization`)."""
-        pairs = parse_qsl(query[:8192], keep_blank_values=True)
+        redirect back (:meth:`complete_authorization`).  A query over :data:`MAX_REDIRECT_QUERY`
+        bytes is refused whole (414), never cut: nothing is used up."""
+        if len(query) > MAX_REDIRECT_QUERY:
+            return 414, f"refused: a query over {MAX_REDIRECT_QUERY} bytes", \
+                "text/plain; charset=utf-8", ()
+        pairs = parse_qsl(query, keep_blank_values=True)
         params = dict(pairs)
         if len(params) == len(pairs):
             start, state = params.get("start"), params.get("state", "")
@@ -585,7 +592,7 @@ class Hub:
                     continue
                 page = None
                 if start is not None and source.owns_start(start):
-                    page = source.start_page(start, params.get("consent") == "yes")
+                    page = source.start_page(start, params.get("consent"), cookie)
                 elif start is None and source.owns_state(state):
                     page = await source.complete(params, cookie)
                 if page is not None:
@@ -599,7 +606,7 @@ class Hub:
     async def complete_authorization(self, query: str) -> tuple[int, str]:
         """The authorization server's redirect back (``listen.redirect_path``): its ``state``
         names the backend; the code is exchanged there.  Anything else is refused."""
-        pairs = parse_qsl(query[:8192], keep_blank_values=True)
+        pairs = parse_qsl(query[:MAX_REDIRECT_QUERY], keep_blank_values=True)
         params = dict(pairs)
         if len(params) != len(pairs):
             return 400, "refused: a parameter given twice"

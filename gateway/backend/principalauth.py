@@ -5,10 +5,11 @@ per principal, its state file ``STATE_DIR/oauth/BACKEND/PRINCIPAL.json`` (0600, 
 token; deleted when a reload removes the principal).  The discovery and the registration are
 done once per backend and shared.  A principal without a token gets the URL of the gateway's
 own authorize page (``listen.redirect_path?start=ID``, single use, :data:`START_TTL`): it names
-the backend and the principal and asks for consent; continuing sets a ``__Host-`` cookie holding
-a secret bound to the flow's single-use ``state`` and sends the browser to the authorization
-server.  The redirect back completes only with that cookie, so a state begun by one principal
-cannot be completed in another's browser; a wrong, reused or unbound one is refused and nothing
+the backend and the principal and asks for consent, its link good only with the ``SameSite=Strict``
+cookie the page set (no cross-site consent); continuing sets a ``__Host-`` cookie holding a secret
+bound to the flow's single-use ``state`` and sends the browser to the authorization server.
+The redirect back completes only with that cookie, so a state begun by one principal cannot be
+completed in another's browser; a wrong, reused or unbound one is refused and nothing
 is stored.  A revoked refresh token gives that principal alone a new URL.
 """
 
@@ -21,8 +22,7 @@ import logging
 import os
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass
-from http.cookies import CookieError, SimpleCookie
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit
 
@@ -39,10 +39,13 @@ LOGGER = logging.getLogger(__name__)
 #: Seconds the gateway's authorize page link stays good, and how many may be open at once.
 START_TTL = 600.0
 MAX_STARTS = 1024
+#: Consent pages of one link whose continue link stays good (the latest shown).
+MAX_PAGES = 4
 #: Principals whose flows are held in memory at once (the least recently used dropped first;
 #: their refresh tokens stay in their state files).
 MAX_PRINCIPALS = 4096
-#: The cookie binding a flow to the browser that consented.
+#: The cookies binding a flow to the browser that consented (one per flow: ``-`` and a digest of
+#: its state, so one browser may authorize several backends at once).
 COOKIE = "__Host-mcp-gateway-authorize"
 
 
@@ -52,6 +55,7 @@ class _Start:
     identity: str
     label: str
     expires: float  # trio time
+    consents: list[bytes] = field(default_factory=list)  # the pages shown: their tokens' hashes
 
 
 @dataclass
@@ -245,25 +249,43 @@ class PrincipalAuthorizationCode:
     def owns_state(self, state: str) -> bool:
         return state in self._bound
 
-    def start_page(self, start: str, consent: bool) -> Page:
-        """``?start=ID``: the consent page; ``?start=ID&consent=yes``: the cookie set and the
-        browser sent to the authorization server (the link used up)."""
+    def start_page(self, start: str, consent: str | None, cookie_header: str | None) -> Page:
+        """``?start=ID``: the consent page (a token in its link and in a ``SameSite=Strict``
+        cookie); ``?start=ID&consent=TOKEN`` with that cookie: the flow's cookie set and the
+        browser sent to the authorization server (the link used up).  A consent without the
+        page's cookie (a cross-site link, another browser) is refused and uses nothing up."""
         held = self._starts.get(start)
         if held is None or held.expires <= trio.current_time():
             self._starts.pop(start, None)
             return Page(400, "refused: unknown, used or expired authorization link")
         frame = (("x-frame-options", "DENY"),
-                 ("content-security-policy", "frame-ancestors 'none'"))
-        if not consent:
+                 ("content-security-policy", "default-src 'none'; frame-ancestors 'none'"))
+        name = _consent_cookie(start)
+        if consent is None:
+            token = secrets.token_urlsafe(24)
+            held.consents = [*held.consents[-(MAX_PAGES - 1):], _hash(token)]
             who, what = html.escape(held.label), html.escape(self.backend)
             issuer = html.escape(str(self._shared.issuer))
-            go = html.escape(f"{self._page_url(start)}&consent=yes")
+            go = html.escape(f"{self._page_url(start)}&{urlencode({'consent': token})}")
+            cookie = (f"{name}={token}; Path=/; Secure; HttpOnly; SameSite=Strict; "
+                      f"Max-Age={int(START_TTL)}")
             return Page(200, f"<!doctype html><title>Authorize {what}</title>"
                              f"<p>The MCP gateway asks to act on backend <b>{what}</b> with your "
                              f"account at <b>{issuer}</b>, for the gateway caller <b>{who}</b>."
                              f"<p>Continue only if you are {who} and asked for this."
                              f'<p><a href="{go}">Continue to {issuer}</a>',
-                        "text/html; charset=utf-8", frame)
+                        "text/html; charset=utf-8", (("set-cookie", cookie), *frame))
+        shown = _cookie(cookie_header, name)
+        if shown is None or shown != consent or \
+                not any(hmac.compare_digest(_hash(consent), h) for h in held.consents):
+            self.refused += 1
+            LOGGER.warning("backend %s: a consent without the cookie of the page that asked "
+                           "for it: refused", self.backend)
+            return Page(403, "refused: consent is given on the authorization page itself "
+                             "(open the link the gateway gave the caller and continue there)",
+                        headers=frame)
+        clear = (("set-cookie", f"{name}=; Path=/; Secure; HttpOnly; SameSite=Strict; "
+                                "Max-Age=0"),)
         del self._starts[start]
         flow = self._flow_of(held.principal_key, held.identity)
         self._copy(flow)
@@ -278,22 +300,23 @@ class PrincipalAuthorizationCode:
         while len(self._bound) >= MAX_STARTS:
             del self._bound[next(iter(self._bound))]
         self._bound[state] = _Bound(held.principal_key, _hash(secret), flow)
-        cookie = (f"{COOKIE}={secret}; Path=/; Secure; HttpOnly; SameSite=Lax; "
+        cookie = (f"{_flow_cookie(state)}={secret}; Path=/; Secure; HttpOnly; SameSite=Lax; "
                   f"Max-Age={int(START_TTL)}")
         return Page(303, f"continue at {url}\n", headers=(("location", url),
-                                                          ("set-cookie", cookie), *frame))
+                                                          ("set-cookie", cookie), *clear,
+                                                          *frame))
 
     async def complete(self, params: dict[str, str], cookie_header: str | None) -> Page:
         """The authorization server's redirect back: completed only in the browser that
         consented (its cookie), for the principal the state was begun for."""
         state = params.get("state", "")
         bound = self._bound.pop(state, None)
-        clear = (("set-cookie", f"{COOKIE}=; Path=/; Secure; HttpOnly; SameSite=Lax; "
+        clear = (("set-cookie", f"{_flow_cookie(state)}=; Path=/; Secure; HttpOnly; SameSite=Lax; "
                                 "Max-Age=0"),)
         if bound is None:
             self.refused += 1
             return Page(400, "refused: unknown or already used state")
-        secret = _cookie(cookie_header)
+        secret = _cookie(cookie_header, _flow_cookie(state))
         if secret is None or not hmac.compare_digest(_hash(secret), bound.secret_hash):
             self.refused += 1
             LOGGER.warning("backend %s: an authorization redirect without the cookie of the "
@@ -315,13 +338,20 @@ class PrincipalAuthorizationCode:
                          "closed and the call made again", headers=clear)
 
 
-def _cookie(header: str | None) -> str | None:
-    if not header:
-        return None
-    jar: SimpleCookie = SimpleCookie()
-    try:
-        jar.load(header[:8192])
-    except CookieError:
-        return None
-    morsel = jar.get(COOKIE)
-    return None if morsel is None else morsel.value
+def _flow_cookie(state: str) -> str:
+    return f"{COOKIE}-{hashlib.sha256(state.encode()).hexdigest()[:16]}"
+
+
+def _consent_cookie(start: str) -> str:
+    """The consent page's cookie, one per link (pages of two links open in one browser)."""
+    return "__Host-mcp-gateway-consent-" + hashlib.sha256(start.encode()).hexdigest()[:16]
+
+
+def _cookie(header: str | None, name: str) -> str | None:
+    """The value of the cookie ``name`` in a Cookie header, whatever else the browser holds for
+    this host (a value with spaces or quotes, a cookie without ``=``: skipped, not fatal)."""
+    for part in (header or "").split(";"):
+        key, eq, value = part.strip().partition("=")
+        if eq and key == name:
+            return value.strip()
+    return None

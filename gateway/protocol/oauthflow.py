@@ -100,15 +100,21 @@ def check_metadata(meta: dict[str, Any], issuer: str) -> None:
     string, and it must name the endpoints the flow uses.
 
     Raises:
-        FlowError: another issuer, or no authorization or token endpoint.
+        FlowError: another issuer, or no authorization or token endpoint (an http or https URL
+            of printable ASCII without spaces: the browser is sent there by a header).
     """
     if meta.get("issuer") != issuer:
         raise FlowError(f"the metadata of {issuer:.200} names issuer "
                         f"{str(meta.get('issuer'))!r:.200}: refused")
     for key in ("authorization_endpoint", "token_endpoint"):
-        if not isinstance(meta.get(key), str) or urlsplit(meta[key]).scheme not in ("http",
-                                                                                     "https"):
+        url = meta.get(key)
+        if not isinstance(url, str) or not _header_safe(url) \
+                or urlsplit(url).scheme not in ("http", "https"):
             raise FlowError(f"the metadata of {issuer:.200} has no usable {key}")
+
+
+def _header_safe(url: str) -> bool:
+    return url.isascii() and url.isprintable() and " " not in url
 
 
 def scope_to_ask(challenged: str | None, resource_scopes: list[str] | None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any
@@ -79,7 +80,11 @@ async def follow(http: httpx.AsyncClient, page: str, user: str, *, cookie: bool 
         consent = await http.get(page)
         assert consent.status_code == 200 and "Continue" in consent.text, consent.text
         assert consent.headers["x-frame-options"] == "DENY"
-        go = await http.get(page + "&consent=yes")
+        assert consent.headers["set-cookie"].startswith("__Host-")
+        href = re.search(r'href="([^"]+)"', consent.text)
+        assert href is not None
+        go = await http.get(href.group(1).replace("&amp;", "&"),
+                            headers={"cookie": consent.headers["set-cookie"].split(";", 1)[0]})
         assert go.status_code == 303, go.text
         set_cookie = go.headers["set-cookie"]
         assert set_cookie.startswith("__Host-") and "Secure" in set_cookie

@@ -55,13 +55,17 @@ async def test_each_principal_has_its_own_state_file_dropped_with_it_alone(
     assert source.drop_unless(lambda p: p.name != "alice") == 1
     assert not paths["alice"].exists() and paths["bob"].exists()
     # an unknown or used link, an unknown state: refused, nothing stored
-    assert source.start_page("nope", consent=True).status == 400
+    assert source.start_page("nope", "x", None).status == 400
     url = source._start_url(who("bob"))
     start = url.rpartition("start=")[2]
     assert source._start_url(who("bob")) == url  # one open link per principal
-    assert source.start_page(start, consent=False).status == 200
-    first = source.start_page(start, consent=True)
+    shown = source.start_page(start, None, None)
+    assert shown.status == 200
+    jar = dict(shown.headers)["set-cookie"].split(";", 1)[0]
+    token = jar.partition("=")[2]
+    assert f"consent={token}" in shown.body
+    first = source.start_page(start, token, jar)
     assert first.status == 409  # nothing discovered yet: no authorization server to send to
-    assert source.start_page(start, consent=True).status == 400  # used up
+    assert source.start_page(start, token, jar).status == 400  # used up
     page = await source.complete({"state": "x", "code": "y"}, None)
     assert page.status == 400 and source.refused == 1
