@@ -109,7 +109,12 @@ async def test_token_files_read_a_changed_file_again_and_forget(tmp_path: Path) 
         await source.headers(bob)  # the bearer principal "alice" is someone else
     path.write_text("tok-2-longer\n")
     assert await source.headers(alice) == [("authorization", "Bearer tok-2-longer")]
+    held = path.stat()  # rewritten in place to the same size and mtime: the held token,
+    path.write_text("tok-3-longer\n")  # until it is forgotten
+    os.utime(path, ns=(held.st_atime_ns, held.st_mtime_ns))
+    assert await source.headers(alice) == [("authorization", "Bearer tok-2-longer")]
     source.forget(alice.key)
+    assert await source.headers(alice) == [("authorization", "Bearer tok-3-longer")]
     path.write_text("two words\n")
     with pytest.raises(CredentialsUnavailable, match="not one line of printable ASCII"):
         await source.headers(alice)
