@@ -72,6 +72,8 @@ UNRELATED: jsonrpc.Route = (jsonrpc.Goes.UNRELATED, None)
 
 #: The merged lists a ``notifications/<kind>/list_changed`` is about.
 LIST_KINDS = {"tools": ("tools",), "prompts": ("prompts",), "resources": ("resources", "templates")}
+#: The longest authorization redirect query taken (one carries a code, a state and an issuer)
+MAX_REDIRECT_QUERY = 8192
 
 
 def exposed(bcfg: BackendConfig) -> Exposed:
@@ -566,7 +568,9 @@ class Hub:
     async def complete_authorization(self, query: str) -> tuple[int, str]:
         """The authorization server's redirect back (``listen.redirect_path``): its ``state``
         names the backend; the code is exchanged there.  Anything else is refused."""
-        pairs = parse_qsl(query[:8192], keep_blank_values=True)
+        if len(query) > MAX_REDIRECT_QUERY:
+            return 400, f"refused: a query longer than {MAX_REDIRECT_QUERY} characters"
+        pairs = parse_qsl(query, keep_blank_values=True)
         params = dict(pairs)
         if len(params) != len(pairs):
             return 400, "refused: a parameter given twice"

@@ -21,6 +21,7 @@ from fixtures.token_server import CodeAuthServer, Net, ProtectedRemote
 from memharness import elapse, memory_config, running
 
 from gateway.backend import http
+from gateway.hub import MAX_REDIRECT_QUERY
 
 AS = "http://127.0.0.1:9000"
 URL = "http://localhost:8080/mcp"
@@ -80,6 +81,9 @@ async def test_authorizing_until_the_redirect_with_its_state_wrong_and_reused_re
                 query = await authorize(h, auth)
                 wrong = query.replace("state=", "state=x")
                 assert (await h.hub.complete_authorization(wrong))[0] == 400
+                long = query + "&pad=" + "x" * MAX_REDIRECT_QUERY  # refused whole, not cut
+                assert await h.hub.complete_authorization(long) == (
+                    400, f"refused: a query longer than {MAX_REDIRECT_QUERY} characters")
                 path = tmp_path / "oauth" / "r.json"  # the registration only: no token
                 assert auth.grants == [] and json.loads(path.read_text())["refresh_token"] is None
                 assert state_of(h) == "AUTHORIZING"
