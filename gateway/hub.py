@@ -77,7 +77,6 @@ UNRELATED: jsonrpc.Route = (jsonrpc.Goes.UNRELATED, None)
 #: The merged lists a ``notifications/<kind>/list_changed`` is about.
 LIST_KINDS = {"tools": ("tools",), "prompts": ("prompts",), "resources": ("resources", "templates")}
 
-
 def exposed(bcfg: BackendConfig) -> Exposed:
     """A backend's ``tools``/``prompts``/``resources`` include/exclude filters."""
     def one(f: ItemFilter) -> Exposure:
@@ -606,7 +605,9 @@ class Hub:
     async def complete_authorization(self, query: str) -> tuple[int, str]:
         """The authorization server's redirect back (``listen.redirect_path``): its ``state``
         names the backend; the code is exchanged there.  Anything else is refused."""
-        pairs = parse_qsl(query[:MAX_REDIRECT_QUERY], keep_blank_values=True)
+        if len(query) > MAX_REDIRECT_QUERY:
+            return 400, f"refused: a query longer than {MAX_REDIRECT_QUERY} characters"
+        pairs = parse_qsl(query, keep_blank_values=True)
         params = dict(pairs)
         if len(params) != len(pairs):
             return 400, "refused: a parameter given twice"

@@ -6,10 +6,11 @@ resources, serve until the upstream's side ends, health probes fail or a stop is
 Then every call in flight fails with :class:`~gateway.errors.BackendExited`, the link is closed
 (a child stopped in the spec's order), and the
 :class:`~gateway.protocol.supervision.Supervision` table decides between BACKOFF and FATAL
-(each transition an event).  An open that fails for lack of resources (EMFILE) backs off
-without counting toward FATAL.  A *recycle* restarts a healthy child the gateway chose to
-replace (a cancelled call left unanswered past ``cancel_grace``): drained first (no new calls),
-then restarted at once, never counted as a failure.
+(each transition an event).  An open that fails for lack of resources (EMFILE) or for a passing
+cause (an authorization server down) backs off without counting toward FATAL; one that needs an
+operator's authorization waits in AUTHORIZING until it is given.  A *recycle* restarts a healthy
+child the gateway chose to replace (a cancelled call left unanswered past ``cancel_grace``):
+drained first (no new calls), then restarted at once, never counted as a failure.
 """
 
 from __future__ import annotations

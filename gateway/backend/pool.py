@@ -143,9 +143,10 @@ class Backend:
         self._changed = trio.Event()
         self._waiters: deque[_Waiter] = deque()
         self._own: dict[Owner, Instance] = {}
+        #: the sharing mode ("per-principal" also when a remote's credentials are per-principal)
+        self.mode = cfg.owned_sharing
         # per-principal: the instance of each principal (by Principal.key), and the remote's
         # per-principal credential source (None: the backend's own identity)
-        self.mode = cfg.owned_sharing
         self._held: dict[str, _Held] = {}
         self.credentials = _credential_source(name, cfg)
         # A child of this backend spoke the modern era: every later one must too (a restart, a
@@ -346,7 +347,7 @@ class Backend:
                     if best is None or load < best[0]:
                         best = (load, candidate, child)
             return (best[1], best[2]) if best is not None else None
-        if self.cfg.sharing == "per-session":
+        if self.mode == "per-session":
             inst = self._own.get(session)
             child = _running(inst) if inst is not None else None
             if inst is None or child is None:
@@ -382,7 +383,7 @@ class Backend:
             return await self._acquire_principal(session, principal)
         if asks and self.mode == "shared" and self.parking is not None:
             return await self._acquire_unparked(session)
-        if self.cfg.sharing == "affine":
+        if self.mode == "affine":
             return await self._acquire_affine(session)
         if self.mode == "per-session":
             return await self._acquire_own(session)
@@ -462,10 +463,10 @@ class Backend:
     def release(self, inst: Instance, session: Owner) -> None:
         """A call of ``session`` on ``inst`` ended (affine: maybe hand the instance over)."""
         inst.calls_changed()
-        sharing = self.cfg.sharing
-        if sharing == "affine":
+        mode = self.mode
+        if mode == "affine":
             self._settle(inst)
-        elif sharing == "per-session" or self.mode == "per-principal":
+        elif mode in ("per-session", "per-principal"):
             inst.last_used = trio.current_time()
         self._ushered.pop(session, None)
         self._released.set()

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import stat
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import pytest
@@ -19,6 +21,7 @@ from fixtures.token_server import CodeAuthServer, Net, ProtectedRemote
 from memharness import elapse, memory_config, running
 
 from gateway.backend import http
+from gateway.hub import MAX_REDIRECT_QUERY
 
 AS = "http://127.0.0.1:9000"
 URL = "http://localhost:8080/mcp"
@@ -32,6 +35,21 @@ prefix = ""
 [backends.r.oauth]
 grant = "authorization_code"
 """, gateway=f'state_dir = "{tmp_path}"')
+
+
+@asynccontextmanager
+async def network(auth: CodeAuthServer, accepts: Callable[[str], bool]) -> AsyncIterator[Net]:
+    """The authorization server and a remote taking the tokens ``accepts`` takes, in memory."""
+    async with trio.open_nursery() as nursery:
+        yield Net(nursery, {"127.0.0.1:9000": auth,
+                            "localhost:8080": ProtectedRemote(URL, AS, accepts)})
+        nursery.cancel_scope.cancel()
+
+
+def daemon(cfg: Any, net: Net) -> AbstractAsyncContextManager[Any]:
+    """The daemon on ``cfg``, its backend ``r`` a real HTTP connector over ``net``."""
+    connector = http.HttpConnector(cfg.backends["r"], opener=net.open, name="r")
+    return running(cfg, connectors={"r": connector})
 
 
 def state_of(h: Any) -> str:
@@ -50,12 +68,9 @@ async def authorize(h: Any, auth: CodeAuthServer) -> str:
 async def test_authorizing_until_the_redirect_with_its_state_wrong_and_reused_refused(
         autojump_clock: object, tmp_path: Any) -> None:
     auth = CodeAuthServer(AS)
-    remote = ProtectedRemote(URL, AS, lambda tok: tok in auth.issued)
-    async with trio.open_nursery() as nursery:
-        net = Net(nursery, {"127.0.0.1:9000": auth, "localhost:8080": remote})
+    async with network(auth, lambda tok: tok in auth.issued) as net:
         cfg = code_config(tmp_path)
-        connector = http.HttpConnector(cfg.backends["r"], opener=net.open, name="r")
-        async with running(cfg, connectors={"r": connector}) as h:
+        async with daemon(cfg, net) as h:
             await h.until(lambda: state_of(h) == "AUTHORIZING")
             # not required: it does not hold /readyz back while it waits
             assert not [p for p in h.hub.status().not_ready_because() if "backend" in p]
@@ -66,6 +81,9 @@ async def test_authorizing_until_the_redirect_with_its_state_wrong_and_reused_re
                 query = await authorize(h, auth)
                 wrong = query.replace("state=", "state=x")
                 assert (await h.hub.complete_authorization(wrong))[0] == 400
+                long = query + "&pad=" + "x" * MAX_REDIRECT_QUERY  # refused whole, not cut
+                assert await h.hub.complete_authorization(long) == (
+                    400, f"refused: a query longer than {MAX_REDIRECT_QUERY} characters")
                 path = tmp_path / "oauth" / "r.json"  # the registration only: no token
                 assert auth.grants == [] and json.loads(path.read_text())["refresh_token"] is None
                 assert state_of(h) == "AUTHORIZING"
@@ -78,19 +96,15 @@ async def test_authorizing_until_the_redirect_with_its_state_wrong_and_reused_re
                 assert answer["result"]["content"][0]["text"] == "ok"
                 assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
                 assert json.loads(path.read_text())["refresh_token"].startswith("ref-")
-        nursery.cancel_scope.cancel()
 
 
 @pytest.mark.trio
 async def test_server_down_at_refresh_fails_calls_retryable_and_a_revoked_grant_authorizes_again(
         autojump_clock: object, tmp_path: Any) -> None:
     auth = CodeAuthServer(AS, lifetime=100)
-    remote = ProtectedRemote(URL, AS, lambda tok: tok == auth.issued[-1])
-    async with trio.open_nursery() as nursery:
-        net = Net(nursery, {"127.0.0.1:9000": auth, "localhost:8080": remote})
+    async with network(auth, lambda tok: tok == auth.issued[-1]) as net:
         cfg = code_config(tmp_path)
-        connector = http.HttpConnector(cfg.backends["r"], opener=net.open, name="r")
-        async with running(cfg, connectors={"r": connector}) as h:
+        async with daemon(cfg, net) as h:
             await h.until(lambda: state_of(h) == "AUTHORIZING")
             assert (await h.hub.complete_authorization(await authorize(h, auth)))[0] == 200
             await h.until(lambda: state_of(h) == "RUNNING")
@@ -118,12 +132,10 @@ async def test_server_down_at_refresh_fails_calls_retryable_and_a_revoked_grant_
         # holds the backend back (retried, never FATAL), and no operator is needed after
         auth.down = True
         authorized = auth.grants.count("authorization_code")
-        connector = http.HttpConnector(cfg.backends["r"], opener=net.open, name="r")
-        async with running(cfg, connectors={"r": connector}) as h:
+        async with daemon(cfg, net) as h:
             await elapse(60)
             assert state_of(h) in ("BACKOFF", "STARTING")
             auth.down = False
             await h.until(lambda: state_of(h) == "RUNNING")
             assert auth.grants.count("authorization_code") == authorized
             assert auth.grants[-1] == "refresh_token"
-        nursery.cancel_scope.cancel()

@@ -98,7 +98,16 @@ def test_env_files_lines_and_checks(tmp_path: Path) -> None:
         read_env_file(template, Principal("a@b", via="bearer"))
 
 
-async def test_token_files_read_a_changed_file_again_and_forget(tmp_path: Path) -> None:
+async def test_token_files_read_a_changed_file_again_and_forget(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    reads: list[str] = []  # every read of a file (the real one, counted)
+    real = credentials.read_private
+
+    def counted(path: str, max_bytes: int, what: str) -> bytes:
+        reads.append(path)
+        return real(path, max_bytes, what)
+
+    monkeypatch.setattr(credentials, "read_private", counted)
     source = TokenFiles(str(tmp_path / "{principal}.token"))
     alice, bob = Principal("alice", via="oauth"), Principal("alice", via="bearer")
     path = tmp_path / "oauth-alice.token"
@@ -109,7 +118,12 @@ async def test_token_files_read_a_changed_file_again_and_forget(tmp_path: Path) 
         await source.headers(bob)  # the bearer principal "alice" is someone else
     path.write_text("tok-2-longer\n")
     assert await source.headers(alice) == [("authorization", "Bearer tok-2-longer")]
+    count = len(reads)  # unchanged: the held token, no read; forgotten: read again
+    assert await source.headers(alice) == [("authorization", "Bearer tok-2-longer")]
+    assert len(reads) == count
     source.forget(alice.key)
+    assert await source.headers(alice) == [("authorization", "Bearer tok-2-longer")]
+    assert len(reads) == count + 1
     path.write_text("two words\n")
     with pytest.raises(CredentialsUnavailable, match="not one line of printable ASCII"):
         await source.headers(alice)
