@@ -22,7 +22,7 @@ import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import urlencode
 
 import trio
 
@@ -253,17 +253,10 @@ class AuthorizationCode(oauth.TokenSource):
         prm = await self._first_json(
             oauthflow.resource_metadata_urls(self.url, params.get("resource_metadata")))
         if prm is not None:
-            resource, servers = prm.get("resource"), prm.get("authorization_servers")
-            if not isinstance(resource, str) or not oauthflow.resource_matches(resource,
-                                                                               self.url):
-                raise self._fail(f"the protected-resource metadata names resource "
-                                 f"{resource!r:.200}, not this backend's url: refused")
-            if not isinstance(servers, list) or not servers or not isinstance(servers[0], str):
-                raise self._fail("the protected-resource metadata names no authorization "
-                                 "server")
-            issuer = servers[0]
-            if urlsplit(issuer).scheme not in ("http", "https"):
-                raise self._fail(f"authorization server {issuer!r:.200} is not an http(s) URL")
+            try:
+                resource, issuer = oauthflow.authorization_server(prm, self.url)
+            except oauthflow.FlowError as exc:
+                raise self._fail(exc.detail) from None
             scopes = prm.get("scopes_supported")
             self.resource_scopes = scopes if isinstance(scopes, list) else None
             meta = await self._first_json(oauthflow.metadata_urls(issuer))

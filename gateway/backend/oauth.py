@@ -25,7 +25,7 @@ import time
 import uuid
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import quote_plus, urlencode, urlsplit
+from urllib.parse import quote_plus, urlencode
 
 import jwt as pyjwt
 import trio
@@ -352,15 +352,10 @@ class TokenSource:
         if prm is None:
             raise TokenFailed(f"no protected-resource metadata for {self._origin()} "
                               "(no token_url configured)")
-        resource, servers = prm.get("resource"), prm.get("authorization_servers")
-        if not isinstance(resource, str) or not oauthflow.resource_matches(resource, self.url):
-            raise TokenFailed(f"the protected-resource metadata names resource {resource!r:.200}"
-                              ", not this backend's url")
-        if not isinstance(servers, list) or not servers or not isinstance(servers[0], str):
-            raise TokenFailed("the protected-resource metadata names no authorization server")
-        issuer = servers[0]
-        if urlsplit(issuer).scheme not in ("http", "https"):
-            raise TokenFailed(f"authorization server {issuer!r:.200} is not an http(s) URL")
+        try:
+            resource, issuer = oauthflow.authorization_server(prm, self.url)
+        except oauthflow.FlowError as exc:
+            raise TokenFailed(exc.detail) from None
         meta = await self._first_json(oauthflow.metadata_urls(issuer))
         if meta is None:
             raise TokenFailed(f"no metadata for authorization server {issuer:.200}")
