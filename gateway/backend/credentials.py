@@ -18,7 +18,7 @@ from typing import Protocol
 
 from gateway import errors
 from gateway.auth.principal import Principal
-from gateway.config import BackendConfig, read_regular
+from gateway.config import read_regular
 
 #: ``env_files``: the largest file read (bytes), and the most variables taken from it.
 MAX_ENV_FILE = 64 * 1024
@@ -206,12 +206,3 @@ class TokenFiles:
     def forget(self, principal_key: str) -> None:
         self._cache.pop(principal_key, None)
 
-
-def source_for(cfg: BackendConfig) -> PrincipalCredentials | None:
-    """The per-principal credential source a remote's config names (None: its shared
-    identity)."""
-    if cfg.credentials != "per-principal":
-        return None
-    if cfg.token_files:
-        return TokenFiles(cfg.token_files)
-    return None
