@@ -312,7 +312,7 @@ class AuthorizationCode(oauth.TokenSource):
             self.redirect_uri, f"mcp-gateway ({self.backend})",
             oauthflow.scope_to_ask(self.challenged, self.resource_scopes,
                                    meta.get("scopes_supported"), offline=cfg.offline_access))
-        response, data = await self._exchange(
+        response, data = await self._http.exchange(
             "POST", endpoint, [("content-type", "application/json"),
                                ("accept", "application/json")], json.dumps(body).encode())
         doc = oauth.json_body(data)
@@ -430,8 +430,8 @@ class AuthorizationCode(oauth.TokenSource):
                 ("accept", "application/json")]
         try:
             self._client_auth(form, head)
-            response, body = await self._exchange("POST", self.token_endpoint, head,
-                                                  urlencode(form).encode())
+            response, body = await self._http.exchange("POST", self.token_endpoint, head,
+                                                       urlencode(form).encode())
             answer = oauthflow.token_answer(response.status, oauth.json_body(body), where,
                                             oauth.MAX_TOKEN, oauth.MAX_LIFETIME)
         except oauthflow.FlowError as exc:

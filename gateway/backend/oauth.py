@@ -316,13 +316,9 @@ class TokenSource:
 
     # ---- HTTP -------------------------------------------------------------------------------
 
-    async def _exchange(self, method: str, url: str, headers: list[tuple[str, str]],
-                        body: bytes = b"") -> tuple[httpclient.Response, bytes]:
-        return await self._http.exchange(method, url, headers, body)
-
     async def _json(self, url: str) -> dict[str, Any] | None:
         """A metadata document (None: not there, any status but 200)."""
-        response, body = await self._exchange("GET", url, [("accept", "application/json")])
+        response, body = await self._http.exchange("GET", url, [("accept", "application/json")])
         if response.status != 200:
             return None
         try:
@@ -394,8 +390,8 @@ class TokenSource:
             head = [("content-type", "application/x-www-form-urlencoded"),
                     ("accept", "application/json")]
             self._client_auth(form, head)
-            response, body = await self._exchange("POST", self.token_endpoint, head,
-                                                  urlencode(form).encode())
+            response, body = await self._http.exchange("POST", self.token_endpoint, head,
+                                                       urlencode(form).encode())
             token, lifetime = parse_token(response, body, where)
         except TokenFailed as exc:
             self._failed(exc)
