@@ -22,7 +22,6 @@ import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlencode
 
 import trio
 
@@ -426,12 +425,10 @@ class AuthorizationCode(oauth.TokenSource):
         self.fetches += 1
         where = httpclient.parse_url(self.token_endpoint).text
         form = {**form, "resource": self.resource}
-        head = [("content-type", "application/x-www-form-urlencoded"),
-                ("accept", "application/json")]
+        head: list[tuple[str, str]] = []
         try:
             self._client_auth(form, head)
-            response, body = await self._http.exchange("POST", self.token_endpoint, head,
-                                                       urlencode(form).encode())
+            response, body = await self._http.post_form(self.token_endpoint, form, head)
             answer = oauthflow.token_answer(response.status, oauth.json_body(body), where,
                                             oauth.MAX_TOKEN, oauth.MAX_LIFETIME)
         except oauthflow.FlowError as exc:

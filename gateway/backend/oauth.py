@@ -53,6 +53,8 @@ RENEW_MIN_INTERVAL = 10.0
 #: Seconds a client assertion is valid.
 ASSERTION_LIFETIME = 60
 _ASSERTION_TYPE = "urn:ietf:params:oauth:client-assertion-type:jwt-bearer"
+_FORM_HEAD = (("content-type", "application/x-www-form-urlencoded"),
+              ("accept", "application/json"))
 
 
 class TokenFailed(Exception):
@@ -196,6 +198,16 @@ class Endpoints:
             raise TokenFailed(f"{origin.text}: no answer within {FETCH_TIMEOUT:g}s") from None
         finally:
             await pool.aclose()
+
+    async def post_form(self, url: str, form: dict[str, str],
+                        head: list[tuple[str, str]]) -> tuple[httpclient.Response, bytes]:
+        """A token request: ``form`` form-encoded, JSON asked for, ``head`` (the client's
+        Basic authorization, if any) after.
+
+        Raises:
+            TokenFailed: as :meth:`exchange`.
+        """
+        return await self.exchange("POST", url, [*_FORM_HEAD, *head], urlencode(form).encode())
 
 
 def json_body(body: bytes) -> Any:
@@ -387,11 +399,9 @@ class TokenSource:
             form = {"grant_type": "client_credentials", "resource": self.resource}
             if self.cfg.scope:
                 form["scope"] = self.cfg.scope
-            head = [("content-type", "application/x-www-form-urlencoded"),
-                    ("accept", "application/json")]
+            head: list[tuple[str, str]] = []
             self._client_auth(form, head)
-            response, body = await self._http.exchange("POST", self.token_endpoint, head,
-                                                       urlencode(form).encode())
+            response, body = await self._http.post_form(self.token_endpoint, form, head)
             token, lifetime = parse_token(response, body, where)
         except TokenFailed as exc:
             self._failed(exc)
