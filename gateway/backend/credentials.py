@@ -61,6 +61,11 @@ class PrincipalCredentials(Protocol):
         """Drop what is cached for that principal (its instance stopped or it was removed)."""
         ...
 
+    def refresh(self) -> None:
+        """A reload kept the backend: what the source read once from files (a ``ca_file``) is
+        read again at its next use."""
+        ...
+
 
 def call_error(exc: CredentialsUnavailable, backend: str) -> errors.GatewayError:
     """What a call of the principal gets: -32001 ``retryable`` when trying later may work,
@@ -205,4 +210,7 @@ class TokenFiles:
 
     def forget(self, principal_key: str) -> None:
         self._cache.pop(principal_key, None)
+
+    def refresh(self) -> None:
+        """(Each file is read again when it changes anyway.)"""
 

@@ -269,8 +269,11 @@ class Backend:
             await inst.stopped.wait()
 
     def refresh(self) -> None:
-        """A reload kept this backend: its connectors read their header values again."""
+        """A reload kept this backend: its connectors read their header values again, its
+        per-principal credential source its files."""
         self.connector.refresh()
+        if self.credentials is not None:
+            self.credentials.refresh()
         for held in self._held.values():
             if held.inst.connector is not self.connector:
                 held.inst.connector.refresh()
