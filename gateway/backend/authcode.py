@@ -22,7 +22,6 @@ import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlencode, urlsplit
 
 import trio
 
@@ -253,17 +252,10 @@ class AuthorizationCode(oauth.TokenSource):
         prm = await self._first_json(
             oauthflow.resource_metadata_urls(self.url, params.get("resource_metadata")))
         if prm is not None:
-            resource, servers = prm.get("resource"), prm.get("authorization_servers")
-            if not isinstance(resource, str) or not oauthflow.resource_matches(resource,
-                                                                               self.url):
-                raise self._fail(f"the protected-resource metadata names resource "
-                                 f"{resource!r:.200}, not this backend's url: refused")
-            if not isinstance(servers, list) or not servers or not isinstance(servers[0], str):
-                raise self._fail("the protected-resource metadata names no authorization "
-                                 "server")
-            issuer = servers[0]
-            if urlsplit(issuer).scheme not in ("http", "https"):
-                raise self._fail(f"authorization server {issuer!r:.200} is not an http(s) URL")
+            try:
+                resource, issuer = oauthflow.authorization_server(prm, self.url)
+            except oauthflow.FlowError as exc:
+                raise self._fail(exc.detail) from None
             scopes = prm.get("scopes_supported")
             self.resource_scopes = scopes if isinstance(scopes, list) else None
             meta = await self._first_json(oauthflow.metadata_urls(issuer))
@@ -319,7 +311,7 @@ class AuthorizationCode(oauth.TokenSource):
             self.redirect_uri, f"mcp-gateway ({self.backend})",
             oauthflow.scope_to_ask(self.challenged, self.resource_scopes,
                                    meta.get("scopes_supported"), offline=cfg.offline_access))
-        response, data = await self._exchange(
+        response, data = await self._http.exchange(
             "POST", endpoint, [("content-type", "application/json"),
                                ("accept", "application/json")], json.dumps(body).encode())
         doc = oauth.json_body(data)
@@ -433,12 +425,10 @@ class AuthorizationCode(oauth.TokenSource):
         self.fetches += 1
         where = httpclient.parse_url(self.token_endpoint).text
         form = {**form, "resource": self.resource}
-        head = [("content-type", "application/x-www-form-urlencoded"),
-                ("accept", "application/json")]
+        head: list[tuple[str, str]] = []
         try:
             self._client_auth(form, head)
-            response, body = await self._exchange("POST", self.token_endpoint, head,
-                                                  urlencode(form).encode())
+            response, body = await self._http.post_form(self.token_endpoint, form, head)
             answer = oauthflow.token_answer(response.status, oauth.json_body(body), where,
                                             oauth.MAX_TOKEN, oauth.MAX_LIFETIME)
         except oauthflow.FlowError as exc:

@@ -18,7 +18,7 @@ from typing import Protocol
 
 from gateway import errors
 from gateway.auth.principal import Principal
-from gateway.config import BackendConfig, read_regular
+from gateway.config import read_regular
 
 #: ``env_files``: the largest file read (bytes), and the most variables taken from it.
 MAX_ENV_FILE = 64 * 1024
@@ -59,6 +59,11 @@ class PrincipalCredentials(Protocol):
 
     def forget(self, principal_key: str) -> None:
         """Drop what is cached for that principal (its instance stopped or it was removed)."""
+        ...
+
+    def refresh(self) -> None:
+        """A reload kept the backend: what the source read once from files (a ``ca_file``) is
+        read again at its next use."""
         ...
 
 
@@ -206,12 +211,6 @@ class TokenFiles:
     def forget(self, principal_key: str) -> None:
         self._cache.pop(principal_key, None)
 
+    def refresh(self) -> None:
+        """(Each file is read again when it changes anyway.)"""
 
-def source_for(cfg: BackendConfig) -> PrincipalCredentials | None:
-    """The per-principal credential source a remote's config names (None: its shared
-    identity)."""
-    if cfg.credentials != "per-principal":
-        return None
-    if cfg.token_files:
-        return TokenFiles(cfg.token_files)
-    return None

@@ -25,7 +25,7 @@ import time
 import uuid
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import quote_plus, urlencode, urlsplit
+from urllib.parse import quote_plus, urlencode
 
 import jwt as pyjwt
 import trio
@@ -53,6 +53,8 @@ RENEW_MIN_INTERVAL = 10.0
 #: Seconds a client assertion is valid.
 ASSERTION_LIFETIME = 60
 _ASSERTION_TYPE = "urn:ietf:params:oauth:client-assertion-type:jwt-bearer"
+_FORM_HEAD = (("content-type", "application/x-www-form-urlencoded"),
+              ("accept", "application/json"))
 
 
 class TokenFailed(Exception):
@@ -197,6 +199,16 @@ class Endpoints:
         finally:
             await pool.aclose()
 
+    async def post_form(self, url: str, form: dict[str, str],
+                        head: list[tuple[str, str]]) -> tuple[httpclient.Response, bytes]:
+        """A token request: ``form`` form-encoded, JSON asked for, ``head`` (the client's
+        Basic authorization, if any) after.
+
+        Raises:
+            TokenFailed: as :meth:`exchange`.
+        """
+        return await self.exchange("POST", url, [*_FORM_HEAD, *head], urlencode(form).encode())
+
 
 def json_body(body: bytes) -> Any:
     """A JSON answer's document (None: not JSON)."""
@@ -316,13 +328,9 @@ class TokenSource:
 
     # ---- HTTP -------------------------------------------------------------------------------
 
-    async def _exchange(self, method: str, url: str, headers: list[tuple[str, str]],
-                        body: bytes = b"") -> tuple[httpclient.Response, bytes]:
-        return await self._http.exchange(method, url, headers, body)
-
     async def _json(self, url: str) -> dict[str, Any] | None:
         """A metadata document (None: not there, any status but 200)."""
-        response, body = await self._exchange("GET", url, [("accept", "application/json")])
+        response, body = await self._http.exchange("GET", url, [("accept", "application/json")])
         if response.status != 200:
             return None
         try:
@@ -352,15 +360,10 @@ class TokenSource:
         if prm is None:
             raise TokenFailed(f"no protected-resource metadata for {self._origin()} "
                               "(no token_url configured)")
-        resource, servers = prm.get("resource"), prm.get("authorization_servers")
-        if not isinstance(resource, str) or not oauthflow.resource_matches(resource, self.url):
-            raise TokenFailed(f"the protected-resource metadata names resource {resource!r:.200}"
-                              ", not this backend's url")
-        if not isinstance(servers, list) or not servers or not isinstance(servers[0], str):
-            raise TokenFailed("the protected-resource metadata names no authorization server")
-        issuer = servers[0]
-        if urlsplit(issuer).scheme not in ("http", "https"):
-            raise TokenFailed(f"authorization server {issuer!r:.200} is not an http(s) URL")
+        try:
+            resource, issuer = oauthflow.authorization_server(prm, self.url)
+        except oauthflow.FlowError as exc:
+            raise TokenFailed(exc.detail) from None
         meta = await self._first_json(oauthflow.metadata_urls(issuer))
         if meta is None:
             raise TokenFailed(f"no metadata for authorization server {issuer:.200}")
@@ -396,11 +399,9 @@ class TokenSource:
             form = {"grant_type": "client_credentials", "resource": self.resource}
             if self.cfg.scope:
                 form["scope"] = self.cfg.scope
-            head = [("content-type", "application/x-www-form-urlencoded"),
-                    ("accept", "application/json")]
+            head: list[tuple[str, str]] = []
             self._client_auth(form, head)
-            response, body = await self._exchange("POST", self.token_endpoint, head,
-                                                  urlencode(form).encode())
+            response, body = await self._http.post_form(self.token_endpoint, form, head)
             token, lifetime = parse_token(response, body, where)
         except TokenFailed as exc:
             self._failed(exc)

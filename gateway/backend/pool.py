@@ -90,13 +90,14 @@ ConnectorFactory = Callable[[str, BackendConfig], Connector]
 def _credential_source(name: str, cfg: BackendConfig
                        ) -> credentials.PrincipalCredentials | None:
     """A per-principal remote's credential source: token exchange, each principal's
-    authorization code flow, else the file sources."""
-    if cfg.credentials == "per-principal" and cfg.token_exchange is not None:
+    authorization code flow, or ``token_files`` (None: the backend's own identity)."""
+    if cfg.credentials != "per-principal":
+        return None
+    if cfg.token_exchange is not None:
         return TokenExchangeSource(name, cfg.token_exchange)
-    if cfg.credentials == "per-principal" and cfg.oauth is not None \
-            and cfg.oauth.grant == "authorization_code":
+    if cfg.oauth is not None and cfg.oauth.grant == "authorization_code":
         return PrincipalAuthorizationCode(name, cfg.url, cfg.oauth)
-    return credentials.source_for(cfg)
+    return credentials.TokenFiles(cfg.token_files) if cfg.token_files else None
 
 
 def default_connector(name: str, cfg: BackendConfig) -> Connector:
@@ -268,8 +269,11 @@ class Backend:
             await inst.stopped.wait()
 
     def refresh(self) -> None:
-        """A reload kept this backend: its connectors read their header values again."""
+        """A reload kept this backend: its connectors read their header values again, its
+        per-principal credential source its files."""
         self.connector.refresh()
+        if self.credentials is not None:
+            self.credentials.refresh()
         for held in self._held.values():
             if held.inst.connector is not self.connector:
                 held.inst.connector.refresh()

@@ -141,6 +141,12 @@ class PrincipalAuthorizationCode:
         """Drop the tokens held in memory (the refresh token stays in the state file)."""
         self._flows.pop(principal_key, None)
 
+    def refresh(self) -> None:
+        """A reload: each flow reads its ``ca_file`` again and may step up again."""
+        self._shared.refresh()
+        for flow in self._flows.values():
+            flow.refresh()
+
     def drop_unless(self, keep: Callable[[Principal], bool]) -> int:
         """A reload: the principals seen since start that ``keep`` refuses are dropped (their
         state files deleted); how many."""

@@ -20,7 +20,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlencode
 
 import trio
 
@@ -161,16 +160,14 @@ class TokenExchangeSource:
         for name in ("audience", "resource", "scope"):
             if getattr(cfg, name):
                 form[name] = getattr(cfg, name)
-        head = [("content-type", "application/x-www-form-urlencoded"),
-                ("accept", "application/json")]
+        head: list[tuple[str, str]] = []
         try:
             client_auth(cfg, cfg.assertion_audience or cfg.token_url, form, head, self._environ)
         except TokenFailed as exc:
             raise CredentialsUnavailable(f"backend {self.backend}: token exchange: "
                                          f"{exc.detail}", retryable=False) from None
         try:
-            response, body = await self._http.exchange("POST", cfg.token_url, head,
-                                                       urlencode(form).encode())
+            response, body = await self._http.post_form(cfg.token_url, form, head)
         except TokenFailed as exc:
             raise CredentialsUnavailable(f"backend {self.backend}: token exchange: "
                                          f"{exc.detail}", retryable=True) from None

@@ -95,6 +95,26 @@ def resource_matches(resource: str, url: str) -> bool:
     return same and (path == base or path.startswith(base + "/"))
 
 
+def authorization_server(prm: dict[str, Any], url: str) -> tuple[str, str]:
+    """The ``resource`` and the (first) authorization server that protected-resource metadata
+    names for the server at ``url``.
+
+    Raises:
+        FlowError: a resource that does not cover ``url``, no authorization server, or one
+            that is not an http(s) URL.
+    """
+    resource, servers = prm.get("resource"), prm.get("authorization_servers")
+    if not isinstance(resource, str) or not resource_matches(resource, url):
+        raise FlowError(f"the protected-resource metadata names resource {resource!r:.200}, "
+                        "not this backend's url: refused")
+    if not isinstance(servers, list) or not servers or not isinstance(servers[0], str):
+        raise FlowError("the protected-resource metadata names no authorization server")
+    issuer = servers[0]
+    if urlsplit(issuer).scheme not in ("http", "https"):
+        raise FlowError(f"authorization server {issuer!r:.200} is not an http(s) URL")
+    return resource, issuer
+
+
 def check_metadata(meta: dict[str, Any], issuer: str) -> None:
     """Authorization server metadata fetched for ``issuer``: its ``issuer`` must be that very
     string, and it must name the endpoints the flow uses.

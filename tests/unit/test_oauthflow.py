@@ -44,6 +44,18 @@ def test_issuers_compared_as_strings_and_iss_required_when_advertised() -> None:
     assert not f.resource_matches("https://evil.example.com/mcp", "http://h:1/mcp")
 
 
+def test_the_authorization_server_protected_resource_metadata_names() -> None:
+    url = "http://h:1/mcp"
+    prm = {"resource": "http://h:1", "authorization_servers": ["https://as.example.com", "x"]}
+    assert f.authorization_server(prm, url) == ("http://h:1", "https://as.example.com")
+    with pytest.raises(f.FlowError, match="not this backend's url"):
+        f.authorization_server({**prm, "resource": "https://evil.example.com/mcp"}, url)
+    with pytest.raises(f.FlowError, match="names no authorization server"):
+        f.authorization_server({**prm, "authorization_servers": []}, url)
+    with pytest.raises(f.FlowError, match="is not an http"):
+        f.authorization_server({**prm, "authorization_servers": ["file:///as"]}, url)
+
+
 def test_challenge_locations_pkce_and_the_authorization_url() -> None:
     got = f.challenge('Bearer error="insufficient_scope", scope="a b", '
                       'resource_metadata="http://h/.well-known/oauth-protected-resource/mcp"')

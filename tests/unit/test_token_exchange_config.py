@@ -3,11 +3,19 @@ with ``[oauth]``, and its place as a per-principal remote's one credential sourc
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
+from tlsutil import make_certs
 
 from gateway import config, errors
-from gateway.backend.pool import _credential_source
+from gateway.auth.principal import Principal
+from gateway.backend.credentials import CredentialsUnavailable
+from gateway.backend.pool import Backend, _credential_source
 from gateway.backend.tokenexchange import TokenExchangeSource
+from gateway.events import EventBus
+from gateway.hub import Hub
 
 URL = "https://mcp.example.com/mcp"
 ONLY = ('backends.r.token_exchange: only with credentials = "per-principal" (each principal\'s '
@@ -56,3 +64,31 @@ def test_it_is_a_per_principal_remotes_one_source(tmp_path: object) -> None:
     assert cfg.token_exchange.client_secret == {"file": f"{tmp_path}/gw.secret"}
     source = _credential_source("r", cfg)
     assert isinstance(source, TokenExchangeSource) and source.kind == "token_exchange"
+
+
+async def test_a_reload_has_the_token_exchange_read_its_ca_file_again(tmp_path: Path) -> None:
+    """``Backend.refresh`` (a reload that kept the backend) reaches its per-principal source: a
+    ``ca_file`` changed since is read at the next exchange."""
+    certs = make_certs(tmp_path)
+    ca = tmp_path / "as-ca.pem"
+    ca.write_bytes(certs.ca.read_bytes())
+    (tmp_path / "gw.secret").write_text("s3cret")
+    os.chmod(tmp_path / "gw.secret", 0o600)
+    table = TABLE.replace("https://as.example/token", "https://127.0.0.1:1/token")
+    cfg = config.load(f'[backends.r]\nurl = "{URL}"\ncredentials = "per-principal"\n{table}'
+                      f'ca_file = "{ca}"\n', base_dir=str(tmp_path))
+    backend = Backend("r", cfg.backends["r"], "r", Hub(cfg, EventBus()))
+    source = backend.credentials
+    assert isinstance(source, TokenExchangeSource)
+    alice = Principal("alice", via="oauth", token="inbound-token")
+    with pytest.raises(CredentialsUnavailable) as first:
+        await source.headers(alice)
+    assert "ca_file" not in first.value.detail  # the CA read; the endpoint unreachable
+    ca.write_text("not a certificate\n")
+    with pytest.raises(CredentialsUnavailable) as kept:
+        await source.headers(alice)
+    assert "ca_file" not in kept.value.detail  # read once, not at each exchange
+    backend.refresh()
+    with pytest.raises(CredentialsUnavailable) as again:
+        await source.headers(alice)
+    assert f"ca_file {ca}" in again.value.detail
