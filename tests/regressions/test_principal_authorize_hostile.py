@@ -29,9 +29,10 @@ TOKENS = {"alice": "alice-secret-token-1", "mallory": "mallory-secret-token-2"}
 
 
 def gateway_config(tmp_path: Path, port: int, url: str, token_url: str,
-                   more: str = "") -> config.GatewayConfig:
+                   backends: tuple[str, ...] = ("up",)) -> config.GatewayConfig:
+    """Per-principal authorization code backends named ``backends``, all at ``url``."""
     (tmp_path / "gw.secret").write_text("gw-secret\n")
-    return config.load(more + f"""
+    return config.load(f"""
 [gateway]
 state_dir = "{tmp_path}"
 [listen]
@@ -40,15 +41,16 @@ http = "127.0.0.1:{port}"
 [admin]
 listen = "127.0.0.1:0"
 {bearer_auth(TOKENS)}
-[backends.up]
+""" + "".join(f"""
+[backends.{name}]
 url = "{url}"
 credentials = "per-principal"
-[backends.up.oauth]
+[backends.{name}.oauth]
 grant = "authorization_code"
 client_id = "gw"
 client_secret = {{ file = "{tmp_path}/gw.secret" }}
 token_url = "{token_url}"
-""")
+""" for name in backends))
 
 
 async def test_a_consent_not_given_on_the_page_in_that_browser_is_refused(
@@ -106,11 +108,7 @@ def test_an_authorization_endpoint_that_cannot_be_a_location_header_is_refused(
 async def test_one_browser_authorizing_two_backends_at_once_completes_both(
         tmp_path: Path) -> None:
     async with authorizing_remote("--client", "gw:gw-secret") as (srv, _remote, url):
-        second = (f'[backends.two]\nurl = "{url}"\ncredentials = "per-principal"\n'
-                  f'[backends.two.oauth]\ngrant = "authorization_code"\nclient_id = "gw"\n'
-                  f'client_secret = {{ file = "{tmp_path}/gw.secret" }}\n'
-                  f'token_url = "{srv.token_url}"\n')
-        cfg = gateway_config(tmp_path, free_port(), url, srv.token_url, second)
+        cfg = gateway_config(tmp_path, free_port(), url, srv.token_url, ("up", "two"))
         jar: dict[str, str] = {}  # alice's browser
 
         async def get(target: str) -> httpx.Response:
