@@ -50,13 +50,12 @@ class Conn:
     def __init__(self):
         if transport == "unix":
             self.s = socket.socket(socket.AF_UNIX); self.s.connect(addr)
-        elif transport in ("http", "http-legacy"):  # POSTs on one keep-alive connection
-            host, port = addr.rsplit(":", 1)
-            self.s = socket.create_connection((host, int(port)))
-            self.s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         else:
             host, port = addr.rsplit(":", 1)
             self.s = socket.create_connection((host, int(port)))
+        if transport in ("http", "http-legacy"):  # POSTs on one keep-alive connection
+            self.s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        elif transport == "websocket":
             key = base64.b64encode(os.urandom(16)).decode()
             self.s.sendall((f"GET / HTTP/1.1\r\nHost: {addr}\r\n"
                             "Upgrade: websocket\r\nConnection: Upgrade\r\n"

@@ -5,6 +5,8 @@ stdout line names them) and kills it on exit; ``srv.issuer`` is its issuer URL, 
 endpoints are methods: ``issued()`` (every token it issued), ``mint(sub, aud)`` (an inbound JWT
 for the gateway), ``revoke``, ``down``/``up``, ``configure``.  Admin calls run in a thread
 (urllib): they do not depend on trio's clock, so a test may run on a MockClock.
+``authorizing_remote(...)`` is that server beside a recording remote (``fixtures/remote_server``)
+whose protected-resource metadata names it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import trio
+from fixtures.remote_server import RemoteServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = os.path.join(ROOT, ".deps", "venv-authserver", "bin", "python")
@@ -85,3 +88,16 @@ async def auth_server(*args: str) -> AsyncIterator[AuthServer]:
             proc.kill()
         with trio.CancelScope(shield=True):
             await proc.wait()
+
+
+@asynccontextmanager
+async def authorizing_remote(*args: str) -> AsyncIterator[tuple[AuthServer, RemoteServer, str]]:
+    """``(srv, remote, url)``: the server started with ``args`` and a recording remote serving
+    at ``url`` whose protected-resource metadata names ``url`` and ``srv.issuer``."""
+    async with trio.open_nursery() as nursery, auth_server(*args) as srv:
+        remote = RemoteServer()
+        await nursery.start(remote.serve)
+        url = f"http://127.0.0.1:{remote.port}/mcp"
+        remote.resource_metadata = {"authorization_servers": [srv.issuer], "resource": url}
+        yield srv, remote, url
+        nursery.cancel_scope.cancel()

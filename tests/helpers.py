@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -59,6 +60,12 @@ def bearer_auth(tokens: dict[str, str]) -> str:
     return "".join(f'[[auth.bearer]]\nprincipal = "{n}"\n'
                    f'token_sha256 = "{hashlib.sha256(t.encode()).hexdigest()}"\n'
                    for n, t in tokens.items())
+
+
+def private(path: Path, text: str, mode: int = 0o600) -> None:
+    """``path`` written with ``text``, then given ``mode`` (a secret file: 0600)."""
+    path.write_text(text)
+    path.chmod(mode)
 
 
 def free_port() -> int:

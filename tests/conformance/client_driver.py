@@ -37,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-from helpers import Client, connect, free_port, http_request, poll  # noqa: E402
+from helpers import Client, connect, free_port, http_request, poll, wait_instance  # noqa: E402
 
 READY_TIMEOUT = 20.0  # the gateway's start (it fails by itself after the backend's start_timeout)
 CALL_TIMEOUT = 15.0
@@ -238,19 +238,10 @@ REFUSALS = frozenset({"auth/scope-retry-limit", "auth/resource-mismatch",
                       "auth/metadata-issuer-mismatch"})
 
 
-async def instance_state(admin: int) -> str:
-    _, body = await http_request(admin, "/status")
-    state: str = json.loads(body)["backends"][0]["instances"][0]["state"]
-    return state
-
-
 async def settled(admin: int, states: tuple[str, ...] = ("RUNNING", "AUTHORIZING")) -> str:
-    async def look() -> str | None:
-        state = await instance_state(admin)
-        return state if state in states else None
-    with trio.fail_after(SETTLE_TIMEOUT):
-        found: str = await poll(look, 0.05)  # another process's state
-        return found
+    """The backend's state once it is one of ``states`` (another process's: polled)."""
+    found = await wait_instance(admin, lambda i: i["state"] in states, timeout=SETTLE_TIMEOUT)
+    return str(found["state"])
 
 
 def authorize(config: str, http: int) -> None:

@@ -21,6 +21,7 @@ from helpers import (
     connect,
     fixture_backend,
     make_config,
+    private,
     run_gateway,
     text_of,
 )
@@ -35,11 +36,6 @@ TOKENS = {"alice": "alice-inbound-1", "bob": "bob-inbound-2", "carol": "carol-in
 
 def fx(st: dict[str, Any]) -> dict[str, Any]:
     return next(b for b in st["backends"] if b["name"] == "fx")
-
-
-def private(path: Path, text: str, mode: int = 0o600) -> None:
-    path.write_text(text)
-    path.chmod(mode)
 
 
 async def test_each_principal_gets_its_own_child_and_environment(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from urllib.parse import urlencode
 import httpx
 import pytest
 import trio
-from authserverutil import AuthServer, auth_server
+from authserverutil import AuthServer, authorizing_remote
 from fixtures.remote_server import RemoteServer
 from helpers import bearer_auth, connect, free_port, run_gateway, text_of
 
@@ -53,16 +53,15 @@ url = "{url}"
 """)
 
 
-def remote_for(srv: AuthServer) -> RemoteServer:
-    remote = RemoteServer()
-    remote.resource_metadata = {"authorization_servers": [srv.issuer]}  # + resource, once bound
-    return remote
+def client_oauth(tmp_path: Path, srv: AuthServer) -> str:
+    """The gateway's client at ``srv`` (its secret written to a file)."""
+    (tmp_path / "gw.secret").write_text("gw-secret\n")
+    return (f'client_id = "gw"\nclient_secret = {{ file = "{tmp_path}/gw.secret" }}\n'
+            f'token_url = "{srv.token_url}"\n')
 
 
 def code_oauth(tmp_path: Path, srv: AuthServer) -> str:
-    return (f'grant = "authorization_code"\nclient_id = "gw"\n'
-            f'client_secret = {{ file = "{tmp_path}/gw.secret" }}\n'
-            f'token_url = "{srv.token_url}"\n')
+    return 'grant = "authorization_code"\n' + client_oauth(tmp_path, srv)
 
 
 def authorize_url(answer: dict[str, Any]) -> str:
@@ -109,12 +108,7 @@ def seen_tokens(remote: RemoteServer, who: str) -> set[str | None]:
 
 
 async def test_each_principal_authorizes_and_calls_with_its_own_token(tmp_path: Path) -> None:
-    async with trio.open_nursery() as nursery, auth_server("--client", "gw:gw-secret") as srv:
-        remote = remote_for(srv)
-        await nursery.start(remote.serve)
-        url = f"http://127.0.0.1:{remote.port}/mcp"
-        remote.resource_metadata["resource"] = url
-        (tmp_path / "gw.secret").write_text("gw-secret\n")
+    async with authorizing_remote("--client", "gw:gw-secret") as (srv, remote, url):
         port = free_port()
         cfg = gateway_config(tmp_path, port, url, code_oauth(tmp_path, srv))
         async with (run_gateway(cfg) as gw, httpx.AsyncClient() as http,
@@ -152,16 +146,10 @@ async def test_each_principal_authorizes_and_calls_with_its_own_token(tmp_path: 
             done = await follow(http, authorize_url(again), "alice")
             assert done.status_code == 200, done.text
             assert text_of(await a.call("up__echo", {"who": "alice-3"})) == '{"who": "alice-3"}'
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_state_completed_in_another_browser_or_twice_is_refused(tmp_path: Path) -> None:
-    async with trio.open_nursery() as nursery, auth_server("--client", "gw:gw-secret") as srv:
-        remote = remote_for(srv)
-        await nursery.start(remote.serve)
-        url = f"http://127.0.0.1:{remote.port}/mcp"
-        remote.resource_metadata["resource"] = url
-        (tmp_path / "gw.secret").write_text("gw-secret\n")
+    async with authorizing_remote("--client", "gw:gw-secret") as (srv, _remote, url):
         port = free_port()
         cfg = gateway_config(tmp_path, port, url, code_oauth(tmp_path, srv))
         async with (run_gateway(cfg) as gw, httpx.AsyncClient() as http,
@@ -184,7 +172,6 @@ async def test_a_state_completed_in_another_browser_or_twice_is_refused(tmp_path
             done = await follow(http, page, "alice")
             assert done.status_code == 200, done.text
             assert text_of(await a.call("up__echo", {"who": "alice"})) == '{"who": "alice"}'
-        nursery.cancel_scope.cancel()
 
 
 async def modern_call(http: httpx.AsyncClient, url: str, caps: dict[str, Any]) -> Any:
@@ -201,12 +188,7 @@ async def modern_call(http: httpx.AsyncClient, url: str, caps: dict[str, Any]) -
 
 
 async def test_each_caller_shape_gets_the_url_as_it_can_read_it(tmp_path: Path) -> None:
-    async with trio.open_nursery() as nursery, auth_server("--client", "gw:gw-secret") as srv:
-        remote = remote_for(srv)
-        await nursery.start(remote.serve)
-        url = f"http://127.0.0.1:{remote.port}/mcp"
-        remote.resource_metadata["resource"] = url
-        (tmp_path / "gw.secret").write_text("gw-secret\n")
+    async with authorizing_remote("--client", "gw:gw-secret") as (srv, _remote, url):
         port = free_port()
         cfg = gateway_config(tmp_path, port, url, code_oauth(tmp_path, srv))
         url_caps = {"elicitation": {"url": {}}}
@@ -239,19 +221,12 @@ async def test_each_caller_shape_gets_the_url_as_it_can_read_it(tmp_path: Path) 
             # the retry of the round (a new call) works now
             got = await modern_call(http, gw.http_url, url_caps)
             assert got["result"]["content"][0]["text"] == '{"who": "carol"}', got
-        nursery.cancel_scope.cancel()
 
 
 async def test_shared_authorization_code_and_client_credentials_with_the_real_server(
         tmp_path: Path) -> None:
-    async with trio.open_nursery() as nursery, auth_server("--client", "gw:gw-secret") as srv:
-        remote = remote_for(srv)
-        await nursery.start(remote.serve)
-        url = f"http://127.0.0.1:{remote.port}/mcp"
-        remote.resource_metadata["resource"] = url
-        (tmp_path / "gw.secret").write_text("gw-secret\n")
-        secret = f'client_id = "gw"\nclient_secret = {{ file = "{tmp_path}/gw.secret" }}\n' \
-            f'token_url = "{srv.token_url}"\n'
+    async with authorizing_remote("--client", "gw:gw-secret") as (srv, remote, url):
+        secret = client_oauth(tmp_path, srv)
         port = free_port()
         remote.require_bearer = True
         # one shared identity, authorized by an operator
@@ -281,4 +256,3 @@ async def test_shared_authorization_code_and_client_credentials_with_the_real_se
         assert {s.headers.get("authorization") for s in remote.seen
                 if isinstance(s.body, dict) and s.body.get("method") == "tools/call"} == {
             f"Bearer {r['access_token']}" for r in await srv.issued()}
-        nursery.cancel_scope.cancel()

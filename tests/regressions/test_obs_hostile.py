@@ -57,16 +57,18 @@ def fake_admin(answer: Callable[[socket.socket], None]) -> Iterator[int]:
         thread.join(10)
 
 
+def drip(conn: socket.socket) -> None:
+    """An answer a byte per 0.1 s: each read within the timeout, the whole never."""
+    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 100000\r\n\r\n")
+    deadline = time.monotonic() + 8
+    while time.monotonic() < deadline:
+        conn.sendall(b" ")
+        time.sleep(0.1)
+
+
 def test_a_status_answer_dripping_nested_too_deep_or_odd_is_refused_or_shown_safely(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(statuscmd, "TIMEOUT", 0.5)
-
-    def drip(conn: socket.socket) -> None:  # one byte per 0.1 s: each read within the timeout
-        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 100000\r\n\r\n")
-        deadline = time.monotonic() + 8
-        while time.monotonic() < deadline:
-            conn.sendall(b" ")
-            time.sleep(0.1)
 
     with fake_admin(drip) as port:
         start = time.monotonic()
@@ -171,13 +173,6 @@ def test_a_clients_tracestate_junk_writes_nothing_into_the_log(
 def test_an_authorize_answer_dripping_or_with_escapes_is_bounded_and_shown_safely(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(statuscmd, "TIMEOUT", 0.5)
-
-    def drip(conn: socket.socket) -> None:  # one byte per 0.1 s: each read within the timeout
-        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 100000\r\n\r\n")
-        deadline = time.monotonic() + 8
-        while time.monotonic() < deadline:
-            conn.sendall(b" ")
-            time.sleep(0.1)
 
     with fake_admin(drip) as port:
         start = time.monotonic()

@@ -13,7 +13,15 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from helpers import bearer_auth, connect, fixture_backend, make_config, run_gateway, text_of
+from helpers import (
+    bearer_auth,
+    connect,
+    fixture_backend,
+    make_config,
+    private,
+    run_gateway,
+    text_of,
+)
 from memharness import Owner, backend, memory_config, running, settle
 
 from gateway import errors
@@ -24,11 +32,6 @@ from gateway.backend.memory import MemoryLink, Script
 pytestmark = pytest.mark.system
 
 TOKENS = {"alice": "alice-inbound-1", "bob": "bob-inbound-2"}
-
-
-def private(path: Path, text: str) -> None:
-    path.write_text(text)
-    path.chmod(0o600)
 
 
 def fx(st: dict[str, Any]) -> dict[str, Any]:

@@ -17,8 +17,7 @@ from urllib.parse import urlencode
 import httpx
 import pytest
 import trio
-from authserverutil import auth_server
-from fixtures.remote_server import RemoteServer
+from authserverutil import authorizing_remote
 from helpers import bearer_auth, connect, free_port, run_gateway, text_of
 
 from gateway import config
@@ -30,9 +29,10 @@ TOKENS = {"alice": "alice-secret-token-1", "mallory": "mallory-secret-token-2"}
 
 
 def gateway_config(tmp_path: Path, port: int, url: str, token_url: str,
-                   more: str = "") -> config.GatewayConfig:
+                   backends: tuple[str, ...] = ("up",)) -> config.GatewayConfig:
+    """Per-principal authorization code backends named ``backends``, all at ``url``."""
     (tmp_path / "gw.secret").write_text("gw-secret\n")
-    return config.load(more + f"""
+    return config.load(f"""
 [gateway]
 state_dir = "{tmp_path}"
 [listen]
@@ -41,25 +41,21 @@ http = "127.0.0.1:{port}"
 [admin]
 listen = "127.0.0.1:0"
 {bearer_auth(TOKENS)}
-[backends.up]
+""" + "".join(f"""
+[backends.{name}]
 url = "{url}"
 credentials = "per-principal"
-[backends.up.oauth]
+[backends.{name}.oauth]
 grant = "authorization_code"
 client_id = "gw"
 client_secret = {{ file = "{tmp_path}/gw.secret" }}
 token_url = "{token_url}"
-""")
+""" for name in backends))
 
 
 async def test_a_consent_not_given_on_the_page_in_that_browser_is_refused(
         tmp_path: Path) -> None:
-    async with trio.open_nursery() as nursery, auth_server("--client", "gw:gw-secret") as srv:
-        remote = RemoteServer()
-        remote.resource_metadata = {"authorization_servers": [srv.issuer]}
-        await nursery.start(remote.serve)
-        url = f"http://127.0.0.1:{remote.port}/mcp"
-        remote.resource_metadata["resource"] = url
+    async with authorizing_remote("--client", "gw:gw-secret") as (srv, _remote, url):
         cfg = gateway_config(tmp_path, free_port(), url, srv.token_url)
         async with (run_gateway(cfg) as gw, httpx.AsyncClient() as http,
                     connect(gw.url, token=TOKENS["mallory"]) as m):
@@ -92,7 +88,6 @@ async def test_a_consent_not_given_on_the_page_in_that_browser_is_refused(
                 again = await http.get(go, headers={"cookie": jar})
                 assert again.status_code == 400
             assert [r for r in await srv.issued() if r["grant_type"] == "authorization_code"] == []
-        nursery.cancel_scope.cancel()
 
 
 @pytest.mark.parametrize("endpoint", ["https://as.example/authorize\r\nset-cookie: x=1",
@@ -112,17 +107,8 @@ def test_an_authorization_endpoint_that_cannot_be_a_location_header_is_refused(
 
 async def test_one_browser_authorizing_two_backends_at_once_completes_both(
         tmp_path: Path) -> None:
-    async with trio.open_nursery() as nursery, auth_server("--client", "gw:gw-secret") as srv:
-        remote = RemoteServer()
-        remote.resource_metadata = {"authorization_servers": [srv.issuer]}
-        await nursery.start(remote.serve)
-        url = f"http://127.0.0.1:{remote.port}/mcp"
-        remote.resource_metadata["resource"] = url
-        second = (f'[backends.two]\nurl = "{url}"\ncredentials = "per-principal"\n'
-                  f'[backends.two.oauth]\ngrant = "authorization_code"\nclient_id = "gw"\n'
-                  f'client_secret = {{ file = "{tmp_path}/gw.secret" }}\n'
-                  f'token_url = "{srv.token_url}"\n')
-        cfg = gateway_config(tmp_path, free_port(), url, srv.token_url, second)
+    async with authorizing_remote("--client", "gw:gw-secret") as (srv, _remote, url):
+        cfg = gateway_config(tmp_path, free_port(), url, srv.token_url, ("up", "two"))
         jar: dict[str, str] = {}  # alice's browser
 
         async def get(target: str) -> httpx.Response:
@@ -158,17 +144,11 @@ async def test_one_browser_authorizing_two_backends_at_once_completes_both(
                     assert text_of(await a.call(tool, {"who": "alice"})) == '{"who": "alice"}'
             assert len([r for r in await srv.issued()
                         if r["grant_type"] == "authorization_code"]) == 2
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_redirect_back_too_long_is_refused_whole_and_uses_nothing_up(
         tmp_path: Path) -> None:
-    async with trio.open_nursery() as nursery, auth_server("--client", "gw:gw-secret") as srv:
-        remote = RemoteServer()
-        remote.resource_metadata = {"authorization_servers": [srv.issuer]}
-        await nursery.start(remote.serve)
-        url = f"http://127.0.0.1:{remote.port}/mcp"
-        remote.resource_metadata["resource"] = url
+    async with authorizing_remote("--client", "gw:gw-secret") as (srv, _remote, url):
         cfg = gateway_config(tmp_path, free_port(), url, srv.token_url)
         async with (run_gateway(cfg) as gw, httpx.AsyncClient() as http,
                     connect(gw.url, token=TOKENS["alice"]) as a):
@@ -191,4 +171,3 @@ async def test_a_redirect_back_too_long_is_refused_whole_and_uses_nothing_up(
                 done = await http.get(back, headers={"cookie": jar})
                 assert done.status_code == 200, done.text
                 assert text_of(await a.call("up__echo", {"who": "alice"})) == '{"who": "alice"}'
-        nursery.cancel_scope.cancel()
