@@ -581,25 +581,25 @@ class Hub:
         if len(query) > MAX_REDIRECT_QUERY:
             return 414, f"refused: a query over {MAX_REDIRECT_QUERY} bytes", \
                 "text/plain; charset=utf-8", ()
-        pairs = parse_qsl(query, keep_blank_values=True)
-        params = dict(pairs)
-        if len(params) == len(pairs):
-            start, state = params.get("start"), params.get("state", "")
-            for backend in self.backends.values():
-                source = backend.credentials
-                if not isinstance(source, PrincipalAuthorizationCode):
-                    continue
-                page = None
-                if start is not None and source.owns_start(start):
-                    page = source.start_page(start, params.get("consent"), cookie)
-                elif start is None and source.owns_state(state):
-                    page = await source.complete(params, cookie)
-                if page is not None:
-                    return page.status, page.body, page.content_type, page.headers
-            if start is not None:
-                return 400, "refused: unknown, used or expired authorization link", \
-                    "text/plain; charset=utf-8", ()
-        status, said = await self.complete_authorization(query)
+        params = _query_params(query)
+        if params is None:
+            return 400, "refused: a parameter given twice", "text/plain; charset=utf-8", ()
+        start, state = params.get("start"), params.get("state", "")
+        for backend in self.backends.values():
+            source = backend.credentials
+            if not isinstance(source, PrincipalAuthorizationCode):
+                continue
+            page = None
+            if start is not None and source.owns_start(start):
+                page = source.start_page(start, params.get("consent"), cookie)
+            elif start is None and source.owns_state(state):
+                page = await source.complete(params, cookie)
+            if page is not None:
+                return page.status, page.body, page.content_type, page.headers
+        if start is not None:
+            return 400, "refused: unknown, used or expired authorization link", \
+                "text/plain; charset=utf-8", ()
+        status, said = await self._complete_shared(params)
         return status, said, "text/plain; charset=utf-8", ()
 
     async def complete_authorization(self, query: str) -> tuple[int, str]:
@@ -607,10 +607,13 @@ class Hub:
         names the backend; the code is exchanged there.  Anything else is refused."""
         if len(query) > MAX_REDIRECT_QUERY:
             return 400, f"refused: a query longer than {MAX_REDIRECT_QUERY} characters"
-        pairs = parse_qsl(query, keep_blank_values=True)
-        params = dict(pairs)
-        if len(params) != len(pairs):
+        params = _query_params(query)
+        if params is None:
             return 400, "refused: a parameter given twice"
+        return await self._complete_shared(params)
+
+    async def _complete_shared(self, params: dict[str, str]) -> tuple[int, str]:
+        """:meth:`complete_authorization` of a query read already."""
         state = params.get("state", "")
         for name, backend in self.backends.items():
             code_flow = _authorization_code(backend)
@@ -647,6 +650,13 @@ class Hub:
             auth=self.authn.status(self.cfg) if self.authn is not None else {},
             listeners=self.listeners,
         )
+
+
+def _query_params(query: str) -> dict[str, str] | None:
+    """A redirect's query parameters, or None when one is given twice."""
+    pairs = parse_qsl(query, keep_blank_values=True)
+    params = dict(pairs)
+    return params if len(params) == len(pairs) else None
 
 
 def _authorization_code(backend: Backend) -> AuthorizationCode | None:
