@@ -77,6 +77,7 @@ UNRELATED: jsonrpc.Route = (jsonrpc.Goes.UNRELATED, None)
 #: The merged lists a ``notifications/<kind>/list_changed`` is about.
 LIST_KINDS = {"tools": ("tools",), "prompts": ("prompts",), "resources": ("resources", "templates")}
 
+
 def exposed(bcfg: BackendConfig) -> Exposed:
     """A backend's ``tools``/``prompts``/``resources`` include/exclude filters."""
     def one(f: ItemFilter) -> Exposure:
