@@ -461,10 +461,9 @@ class Hub:
         for sub, holders in instance.backend.subscriptions.items():
             if uri_matches(sub, uri):
                 targets |= cast("set[ClientSession]", holders)  # the core's sessions
-        if instance.backend.cfg.per_principal:  # its principal's sessions alone
-            targets = {s for s in targets
-                       if s.principal is not None and s.principal.key == instance.principal_key}
         for session in targets:
+            if not _speaks_to(instance, session):
+                continue
             if session.era is Era.MODERN:  # held by its listens: to each, tagged
                 self.listens.resource_updated(session, uri, params)
             else:
@@ -482,8 +481,7 @@ class Hub:
             LogListener(s, mcp.LOG_RANK[s.log_level], s.era is Era.MODERN,
                         backend in self.policy.backends_seen(self.catalog, caller_of(s)))
             for s in self.sessions if s.log_level is not None and rank >= mcp.LOG_RANK[s.log_level]
-            and (not instance.backend.cfg.per_principal  # (its principal's sessions alone)
-                 or (s.principal is not None and s.principal.key == instance.principal_key))]
+            and _speaks_to(instance, s)]
         if not listeners:
             return
         child = instance.child
@@ -651,6 +649,13 @@ class Hub:
             auth=self.authn.status(self.cfg) if self.authn is not None else {},
             listeners=self.listeners,
         )
+
+
+def _speaks_to(instance: Instance, session: ClientSession) -> bool:
+    """Whether ``instance``'s news may reach ``session``: a per-principal instance's only its
+    principal's sessions."""
+    return not instance.backend.cfg.per_principal or (
+        session.principal is not None and session.principal.key == instance.principal_key)
 
 
 def _query_params(query: str) -> dict[str, str] | None:
