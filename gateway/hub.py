@@ -77,6 +77,7 @@ UNRELATED: jsonrpc.Route = (jsonrpc.Goes.UNRELATED, None)
 #: The merged lists a ``notifications/<kind>/list_changed`` is about.
 LIST_KINDS = {"tools": ("tools",), "prompts": ("prompts",), "resources": ("resources", "templates")}
 
+
 def exposed(bcfg: BackendConfig) -> Exposed:
     """A backend's ``tools``/``prompts``/``resources`` include/exclude filters."""
     def one(f: ItemFilter) -> Exposure:
@@ -460,10 +461,9 @@ class Hub:
         for sub, holders in instance.backend.subscriptions.items():
             if uri_matches(sub, uri):
                 targets |= cast("set[ClientSession]", holders)  # the core's sessions
-        if instance.backend.cfg.per_principal:  # its principal's sessions alone
-            targets = {s for s in targets
-                       if s.principal is not None and s.principal.key == instance.principal_key}
         for session in targets:
+            if not _speaks_to(instance, session):
+                continue
             if session.era is Era.MODERN:  # held by its listens: to each, tagged
                 self.listens.resource_updated(session, uri, params)
             else:
@@ -481,8 +481,7 @@ class Hub:
             LogListener(s, mcp.LOG_RANK[s.log_level], s.era is Era.MODERN,
                         backend in self.policy.backends_seen(self.catalog, caller_of(s)))
             for s in self.sessions if s.log_level is not None and rank >= mcp.LOG_RANK[s.log_level]
-            and (not instance.backend.cfg.per_principal  # (its principal's sessions alone)
-                 or (s.principal is not None and s.principal.key == instance.principal_key))]
+            and _speaks_to(instance, s)]
         if not listeners:
             return
         child = instance.child
@@ -581,25 +580,25 @@ class Hub:
         if len(query) > MAX_REDIRECT_QUERY:
             return 414, f"refused: a query over {MAX_REDIRECT_QUERY} bytes", \
                 "text/plain; charset=utf-8", ()
-        pairs = parse_qsl(query, keep_blank_values=True)
-        params = dict(pairs)
-        if len(params) == len(pairs):
-            start, state = params.get("start"), params.get("state", "")
-            for backend in self.backends.values():
-                source = backend.credentials
-                if not isinstance(source, PrincipalAuthorizationCode):
-                    continue
-                page = None
-                if start is not None and source.owns_start(start):
-                    page = source.start_page(start, params.get("consent"), cookie)
-                elif start is None and source.owns_state(state):
-                    page = await source.complete(params, cookie)
-                if page is not None:
-                    return page.status, page.body, page.content_type, page.headers
-            if start is not None:
-                return 400, "refused: unknown, used or expired authorization link", \
-                    "text/plain; charset=utf-8", ()
-        status, said = await self.complete_authorization(query)
+        params = _query_params(query)
+        if params is None:
+            return 400, "refused: a parameter given twice", "text/plain; charset=utf-8", ()
+        start, state = params.get("start"), params.get("state", "")
+        for backend in self.backends.values():
+            source = backend.credentials
+            if not isinstance(source, PrincipalAuthorizationCode):
+                continue
+            page = None
+            if start is not None and source.owns_start(start):
+                page = source.start_page(start, params.get("consent"), cookie)
+            elif start is None and source.owns_state(state):
+                page = await source.complete(params, cookie)
+            if page is not None:
+                return page.status, page.body, page.content_type, page.headers
+        if start is not None:
+            return 400, "refused: unknown, used or expired authorization link", \
+                "text/plain; charset=utf-8", ()
+        status, said = await self._complete_shared(params)
         return status, said, "text/plain; charset=utf-8", ()
 
     async def complete_authorization(self, query: str) -> tuple[int, str]:
@@ -607,10 +606,13 @@ class Hub:
         names the backend; the code is exchanged there.  Anything else is refused."""
         if len(query) > MAX_REDIRECT_QUERY:
             return 400, f"refused: a query longer than {MAX_REDIRECT_QUERY} characters"
-        pairs = parse_qsl(query, keep_blank_values=True)
-        params = dict(pairs)
-        if len(params) != len(pairs):
+        params = _query_params(query)
+        if params is None:
             return 400, "refused: a parameter given twice"
+        return await self._complete_shared(params)
+
+    async def _complete_shared(self, params: dict[str, str]) -> tuple[int, str]:
+        """:meth:`complete_authorization` of a query read already."""
         state = params.get("state", "")
         for name, backend in self.backends.items():
             code_flow = _authorization_code(backend)
@@ -647,6 +649,20 @@ class Hub:
             auth=self.authn.status(self.cfg) if self.authn is not None else {},
             listeners=self.listeners,
         )
+
+
+def _speaks_to(instance: Instance, session: ClientSession) -> bool:
+    """Whether ``instance``'s news may reach ``session``: a per-principal instance's only its
+    principal's sessions."""
+    return not instance.backend.cfg.per_principal or (
+        session.principal is not None and session.principal.key == instance.principal_key)
+
+
+def _query_params(query: str) -> dict[str, str] | None:
+    """A redirect's query parameters, or None when one is given twice."""
+    pairs = parse_qsl(query, keep_blank_values=True)
+    params = dict(pairs)
+    return params if len(params) == len(pairs) else None
 
 
 def _authorization_code(backend: Backend) -> AuthorizationCode | None:

@@ -331,7 +331,7 @@ async def _reader(ports: ConnectionPorts, session: ClientSession, stream: Messag
             session.close(exc.close_reason)
             return
         if isinstance(data, bytes):
-            if data[:1] != b"{" and jsonrpc.is_batch(data):  # "{": a message, never a batch
+            if jsonrpc.is_batch(data):
                 _handle_batch(ports, session, data, nursery)
             else:
                 _handle(ports, session, data, nursery, reply)

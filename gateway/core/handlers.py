@@ -249,7 +249,7 @@ async def forward(ports: HandlerPorts, session: ClientSession, req: Request, tar
     req.backend = backend.name
     if not req.counted:
         req.counted = True
-        ports.bus.emit(RequestStarted(session.conn_id, mcp.method_label(req.method), backend.name))
+        ports.bus.emit(RequestStarted(session.conn_id, req.label, backend.name))
     client_token = target.progress
     started = trio.current_time()
     asks = backend.waits_for_parked(asker_key(req))

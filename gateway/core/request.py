@@ -19,10 +19,11 @@ class Request:
     set)."""
 
     __slots__ = ("at", "backend", "backend_time", "consent", "counted", "id", "instance",
-                 "method", "params", "rounds", "tool", "trace")  # fmt: skip
+                 "label", "method", "params", "rounds", "tool", "trace")  # fmt: skip
 
     id: int | str
     method: str
+    label: str  # the method's metrics label (gateway.protocol.mcp.METHOD_LABELS)
     params: dict[str, Raw]
     backend: str  # the backend's name, once one was chosen
     backend_time: float | None

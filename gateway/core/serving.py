@@ -106,7 +106,6 @@ class Served(Request):
         "forwarded_at",
         "held",
         "inst",
-        "label",
         "mode",
         "modern",
         "pool",

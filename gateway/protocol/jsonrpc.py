@@ -103,8 +103,9 @@ Route = tuple[Goes, int | str | None]
 
 def is_batch(data: bytes) -> bool:
     """True when ``data`` is a JSON array (a batch), judged by its first non-blank byte."""
-    stripped = data.lstrip()
-    return stripped[:1] == b"["
+    if data[:1] == b"{":  # a message (the usual case): nothing to strip
+        return False
+    return data.lstrip()[:1] == b"["
 
 
 def decode(data: bytes, max_depth: int = MAX_DEPTH) -> Envelope:

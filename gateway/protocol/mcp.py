@@ -50,10 +50,6 @@ KNOWN_METHODS = frozenset(
 METHOD_LABELS = {method: method for method in KNOWN_METHODS}
 
 
-def method_label(method: str) -> str:
-    return METHOD_LABELS.get(method, "other")
-
-
 def negotiate_version(requested: object) -> str:
     """The revision the gateway answers to a client's ``initialize``."""
     if isinstance(requested, str) and requested in LEGACY_VERSIONS:
