@@ -58,6 +58,12 @@ REFUSE_WAIT = 1.0
 _AT_CAP_BODY = b"too many connections (max_connections)\n"
 _AT_CAP = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\nconnection: close\r\n"
            b"content-length: %d\r\n\r\n%s" % (len(_AT_CAP_BODY), _AT_CAP_BODY))
+#: What a connection gets whose upgrade request is begun but not whole by ``HEAD_TIMEOUT`` (as
+#: on the HTTP listener): a client sees why at once instead of waiting for its own timeout.
+_HEAD_TIMEOUT_BODY = b"request head not completed in time\n"
+_HEAD_TIMED_OUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\n"
+                   b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
+                   % (len(_HEAD_TIMEOUT_BODY), _HEAD_TIMEOUT_BODY))
 _RECEIVE = 65536
 #: The frame header of a text message of each size below 126 bytes.
 _SMALL_HEADERS = [text_header(n) for n in range(126)]
@@ -217,7 +223,7 @@ class WebSocketStream:
         await self._io.aclose()
 
 
-def head_size(data: bytes) -> int:
+def head_size(data: bytes | bytearray) -> int:
     """Bytes of the request head at the start of ``data``: up to and including the empty line
     that ends it (a bare LF ends a line too, as for h11); all of ``data`` when it has none."""
     end = _HEAD_END.search(data)
@@ -274,12 +280,14 @@ _REFUSED = object()
 
 
 async def _handshake(stream: trio.abc.Stream, allowed_origins: Sequence[str],
-                     allowed_hosts: frozenset[str],
-                     authenticate: Authenticate | None = None) -> object:
+                     allowed_hosts: frozenset[str], authenticate: Authenticate | None = None,
+                     received: bytearray | None = None) -> object:
     """Run the HTTP upgrade (wsproto's handshake); :data:`_REFUSED` after refusing it, else
-    the principal ``authenticate`` found (None without it)."""
+    the principal ``authenticate`` found (None without it).  What was read of the request goes
+    into ``received`` (wsproto bounds a head that arrives in pieces only)."""
     ws = WSConnection(ConnectionType.SERVER)
-    received = b""  # until the request: wsproto bounds a head that arrives in pieces only
+    if received is None:
+        received = bytearray()
     while True:
         data = bytes(await stream.receive_some(_RECEIVE))  # bytes as they are: not copied
         if not data:
@@ -368,7 +376,8 @@ async def serve_websocket(
     closed at once (a TLS client could not read a plain 503).  Otherwise a connection beyond
     the cap gets 503 as soon as its request line is readable, within :data:`REFUSE_WAIT`, at
     most :data:`gateway.limits.REFUSING_MAX` at once (beyond that, TCP is closed at once).  A
-    half-open handshake holds its slot for at most :data:`gateway.limits.HEAD_TIMEOUT`.
+    half-open handshake holds its slot for at most :data:`gateway.limits.HEAD_TIMEOUT`, then is
+    closed (answered 408 if it sent part of a request).
     """
     hosts = allowed_host_names(listeners, allowed_hosts)
     refusing = 0
@@ -397,14 +406,22 @@ async def serve_websocket(
                     return
                 stream = secured
             upgraded: object = _REFUSED
-            with trio.move_on_at(head_by):
+            received = bytearray()
+            with trio.move_on_at(head_by) as head_scope:
                 try:
                     upgraded = await _handshake(stream, allowed_origins, hosts,
-                                                _admitting(authenticate, admit, admitted))
+                                                _admitting(authenticate, admit, admitted),
+                                                received)
                 except _BROKEN:
                     pass
                 except Exception:  # a bug in the upgrade must end this connection only
                     LOGGER.exception("websocket upgrade failed")
+            if head_scope.cancelled_caught and received:  # sent nothing: closed, as on HTTP
+                with trio.move_on_after(REFUSE_WAIT):
+                    try:
+                        await stream.send_all(_HEAD_TIMED_OUT)
+                    except _BROKEN:
+                        pass
             if upgraded is _REFUSED:
                 if isinstance(stream, trio.SSLStream):
                     await tls.close(stream)
