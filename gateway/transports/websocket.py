@@ -58,8 +58,8 @@ REFUSE_WAIT = 1.0
 _AT_CAP_BODY = b"too many connections (max_connections)\n"
 _AT_CAP = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\nconnection: close\r\n"
            b"content-length: %d\r\n\r\n%s" % (len(_AT_CAP_BODY), _AT_CAP_BODY))
-#: What a connection gets whose upgrade request is begun but not whole by ``HEAD_TIMEOUT`` (as
-#: on the HTTP listener): a client sees why at once instead of waiting for its own timeout.
+#: What a connection gets whose upgrade request is not whole by ``HEAD_TIMEOUT``: a client sees
+#: why at once instead of waiting for its own timeout (trio-websocket's waits 60 s on a close).
 _HEAD_TIMEOUT_BODY = b"request head not completed in time\n"
 _HEAD_TIMED_OUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\n"
                    b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
@@ -223,7 +223,7 @@ class WebSocketStream:
         await self._io.aclose()
 
 
-def head_size(data: bytes | bytearray) -> int:
+def head_size(data: bytes) -> int:
     """Bytes of the request head at the start of ``data``: up to and including the empty line
     that ends it (a bare LF ends a line too, as for h11); all of ``data`` when it has none."""
     end = _HEAD_END.search(data)
@@ -280,14 +280,12 @@ _REFUSED = object()
 
 
 async def _handshake(stream: trio.abc.Stream, allowed_origins: Sequence[str],
-                     allowed_hosts: frozenset[str], authenticate: Authenticate | None = None,
-                     received: bytearray | None = None) -> object:
+                     allowed_hosts: frozenset[str],
+                     authenticate: Authenticate | None = None) -> object:
     """Run the HTTP upgrade (wsproto's handshake); :data:`_REFUSED` after refusing it, else
-    the principal ``authenticate`` found (None without it).  What was read of the request goes
-    into ``received`` (wsproto bounds a head that arrives in pieces only)."""
+    the principal ``authenticate`` found (None without it)."""
     ws = WSConnection(ConnectionType.SERVER)
-    if received is None:
-        received = bytearray()
+    received = b""  # until the request: wsproto bounds a head that arrives in pieces only
     while True:
         data = bytes(await stream.receive_some(_RECEIVE))  # bytes as they are: not copied
         if not data:
@@ -377,7 +375,7 @@ async def serve_websocket(
     the cap gets 503 as soon as its request line is readable, within :data:`REFUSE_WAIT`, at
     most :data:`gateway.limits.REFUSING_MAX` at once (beyond that, TCP is closed at once).  A
     half-open handshake holds its slot for at most :data:`gateway.limits.HEAD_TIMEOUT`, then is
-    closed (answered 408 if it sent part of a request).
+    answered 408 and closed.
     """
     hosts = allowed_host_names(listeners, allowed_hosts)
     refusing = 0
@@ -406,17 +404,15 @@ async def serve_websocket(
                     return
                 stream = secured
             upgraded: object = _REFUSED
-            received = bytearray()
             with trio.move_on_at(head_by) as head_scope:
                 try:
                     upgraded = await _handshake(stream, allowed_origins, hosts,
-                                                _admitting(authenticate, admit, admitted),
-                                                received)
+                                                _admitting(authenticate, admit, admitted))
                 except _BROKEN:
                     pass
                 except Exception:  # a bug in the upgrade must end this connection only
                     LOGGER.exception("websocket upgrade failed")
-            if head_scope.cancelled_caught and received:  # sent nothing: closed, as on HTTP
+            if head_scope.cancelled_caught:  # a fresh connection: no keep-alive race to mind
                 with trio.move_on_after(REFUSE_WAIT):
                     try:
                         await stream.send_all(_HEAD_TIMED_OUT)
