@@ -58,6 +58,12 @@ REFUSE_WAIT = 1.0
 _AT_CAP_BODY = b"too many connections (max_connections)\n"
 _AT_CAP = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\nconnection: close\r\n"
            b"content-length: %d\r\n\r\n%s" % (len(_AT_CAP_BODY), _AT_CAP_BODY))
+#: What a connection gets whose upgrade request is not whole by ``HEAD_TIMEOUT``: a client sees
+#: why at once instead of waiting for its own timeout (trio-websocket's waits 60 s on a close).
+_HEAD_TIMEOUT_BODY = b"request head not completed in time\n"
+_HEAD_TIMED_OUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\n"
+                   b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
+                   % (len(_HEAD_TIMEOUT_BODY), _HEAD_TIMEOUT_BODY))
 _RECEIVE = 65536
 #: The frame header of a text message of each size below 126 bytes.
 _SMALL_HEADERS = [text_header(n) for n in range(126)]
@@ -368,7 +374,8 @@ async def serve_websocket(
     closed at once (a TLS client could not read a plain 503).  Otherwise a connection beyond
     the cap gets 503 as soon as its request line is readable, within :data:`REFUSE_WAIT`, at
     most :data:`gateway.limits.REFUSING_MAX` at once (beyond that, TCP is closed at once).  A
-    half-open handshake holds its slot for at most :data:`gateway.limits.HEAD_TIMEOUT`.
+    half-open handshake holds its slot for at most :data:`gateway.limits.HEAD_TIMEOUT`, then is
+    answered 408 and closed.
     """
     hosts = allowed_host_names(listeners, allowed_hosts)
     refusing = 0
@@ -397,7 +404,7 @@ async def serve_websocket(
                     return
                 stream = secured
             upgraded: object = _REFUSED
-            with trio.move_on_at(head_by):
+            with trio.move_on_at(head_by) as head_scope:
                 try:
                     upgraded = await _handshake(stream, allowed_origins, hosts,
                                                 _admitting(authenticate, admit, admitted))
@@ -405,6 +412,12 @@ async def serve_websocket(
                     pass
                 except Exception:  # a bug in the upgrade must end this connection only
                     LOGGER.exception("websocket upgrade failed")
+            if head_scope.cancelled_caught:  # a fresh connection: no keep-alive race to mind
+                with trio.move_on_after(REFUSE_WAIT):
+                    try:
+                        await stream.send_all(_HEAD_TIMED_OUT)
+                    except _BROKEN:
+                        pass
             if upgraded is _REFUSED:
                 if isinstance(stream, trio.SSLStream):
                     await tls.close(stream)
