@@ -123,14 +123,24 @@ def check_metadata(meta: dict[str, Any], issuer: str) -> None:
         FlowError: another issuer, or no authorization or token endpoint (an http or https URL
             of printable ASCII without spaces: the browser is sent there by a header).
     """
-    if meta.get("issuer") != issuer:
-        raise FlowError(f"the metadata of {issuer:.200} names issuer "
-                        f"{str(meta.get('issuer'))!r:.200}: refused")
+    check_issuer(meta, issuer)
     for key in ("authorization_endpoint", "token_endpoint"):
         url = meta.get(key)
         if not isinstance(url, str) or not _header_safe(url) \
                 or urlsplit(url).scheme not in ("http", "https"):
             raise FlowError(f"the metadata of {issuer:.200} has no usable {key}")
+
+
+def check_issuer(meta: dict[str, Any], issuer: str) -> None:
+    """RFC 8414 §3.3: the ``issuer`` of metadata fetched for ``issuer`` is that very string (no
+    trailing-slash or case folding: a client that normalises can be pointed at another server).
+
+    Raises:
+        FlowError: another issuer.
+    """
+    if meta.get("issuer") != issuer:
+        raise FlowError(f"the metadata of {issuer:.200} names issuer "
+                        f"{str(meta.get('issuer'))!r:.200}: refused")
 
 
 def _header_safe(url: str) -> bool:
