@@ -238,7 +238,7 @@ async def test_metadata_naming_the_issuer_with_another_trailing_slash_is_refused
     async with trio.open_nursery() as nursery:
         net = Net(nursery, {"127.0.0.1:9000": auth, "localhost:8080": remote})
         source = oauth.TokenSource("r", URL, cfg, opener=net.open)
-        with pytest.raises(oauth.TokenFailed, match="names issuer 'http://127.0.0.1:9000'"):
+        with pytest.raises(oauth.TokenFailed, match=r"names issuer 'http://127\.0\.0\.1:9000'"):
             await source.renew(None, "Bearer")
         assert auth.requests == []  # no token asked of it
         nursery.cancel_scope.cancel()
