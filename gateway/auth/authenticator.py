@@ -225,6 +225,16 @@ class Authenticator:
             return self.auth.oauth is not None and principal.credential == self._oauth_credential()
         return False
 
+    def still_named(self, principal: Principal) -> bool:
+        """Whether ``principal`` is still one this configuration vouches for, whatever its
+        credential (a bearer principal whose token a reload rotated still is): what the gateway
+        holds upstream for it (refresh tokens) is kept."""
+        if principal.via == "peer":
+            return True
+        if principal.via == "bearer":
+            return any(e.principal == principal.name for e in self.bearer.entries)
+        return principal.via == "oauth" and self.auth.oauth is not None
+
     # ---- what clients are told -------------------------------------------------------------
 
     def challenge(self, host: str | None, exc: Unauthorized | None = None,

@@ -754,14 +754,16 @@ class Backend:
         if inst in self.instances:
             self.instances.remove(inst)
 
-    def drop_principals(self, keep: Callable[[Principal], bool]) -> int:
-        """Stop the instances of the principals ``keep`` refuses (a reload removed them);
-        how many."""
+    def drop_principals(self, keep: Callable[[Principal], bool],
+                        keep_grants: Callable[[Principal], bool] | None = None) -> int:
+        """Stop the instances of the principals ``keep`` refuses (a reload removed them or
+        their credential); how many.  The upstream grants (refresh tokens) of those
+        ``keep_grants`` refuses (default ``keep``) are deleted too."""
         dropped = [held for held in self._held.values() if not keep(held.principal)]
         for held in dropped:
             held.dropped.set()
         if isinstance(self.credentials, PrincipalAuthorizationCode):
-            self.credentials.drop_unless(keep)  # their refresh tokens too
+            self.credentials.drop_unless(keep_grants or keep)
         return len(dropped)
 
     # ---- hooks from instances ---------------------------------------------------------------
