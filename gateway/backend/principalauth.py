@@ -15,6 +15,7 @@ is stored.  A revoked refresh token gives that principal alone a new URL.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import html
@@ -128,6 +129,9 @@ class PrincipalAuthorizationCode:
                 await self._learn(flow)
                 raise NeedsAuthorization("not authorized")
         except NeedsAuthorization:
+            if flow.client_expired():
+                with contextlib.suppress(oauth.TokenFailed):
+                    await self._learn(flow)  # the backend registers anew
             raise CredentialsUnavailable(
                 f"backend {self.backend} needs this caller's own authorization at "
                 f"{flow.issuer or self._shared.issuer}: open the URL, sign in, then call again",
@@ -197,6 +201,7 @@ class PrincipalAuthorizationCode:
         flow = self._flows.pop(key, None)
         if flow is None:
             flow = AuthorizationCode(self.backend, self.url, self.cfg, self._opener)
+            flow.registers = False  # the backend's registration is the shared flow's
             if self.state_dir is not None:
                 flow.place(self.redirect_uri, self.state_dir, identity)
                 if flow.path is not None:
@@ -211,7 +216,7 @@ class PrincipalAuthorizationCode:
         registration) and given to ``flow``."""
         shared = self._shared
         async with self._lock:
-            if shared.meta is None or shared.client_id is None:
+            if shared.meta is None or shared.client_id is None or shared.client_expired():
                 try:
                     await shared.renew(None, None)
                 except NeedsAuthorization:
@@ -220,10 +225,14 @@ class PrincipalAuthorizationCode:
 
     def _copy(self, flow: AuthorizationCode) -> None:
         shared = self._shared
-        if shared.meta is not None and (flow.issuer != shared.issuer or flow.client_id is None):
+        if shared.meta is not None and (flow.issuer != shared.issuer
+                                        or flow.client_id != shared.client_id):
+            if flow.client_id is not None:  # registered anew: grants of the old client are lost
+                flow.refresh_token = None
             flow.issuer, flow.meta = shared.issuer, shared.meta
             flow.token_endpoint = shared.token_endpoint
             flow.client_id, flow.client_secret = shared.client_id, shared.client_secret
+            flow.client_secret_expires_at = shared.client_secret_expires_at
             flow.client_method = shared.client_method
             flow.resource, flow.resource_scopes = shared.resource, shared.resource_scopes
             flow.challenged = shared.challenged

@@ -213,6 +213,21 @@ def check_iss(iss: str | None, issuer: str, advertised: bool) -> None:
                         "response has none: refused")
 
 
+def secret_expires_at(value: object) -> float:
+    """An RFC 7591 registration's ``client_secret_expires_at`` (seconds since the epoch; 0 or
+    absent: never), 0 when it is not a usable number."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0 \
+            or value == float("inf"):
+        return 0.0
+    return float(value)
+
+
+def secret_expired(expires_at: float, now: float) -> bool:
+    """Whether a registered client whose secret expires at ``expires_at`` (0: never) must
+    register again at wall-clock time ``now``."""
+    return expires_at > 0 and now >= expires_at
+
+
 def registration_body(redirect_uri: str, name: str, scope: str | None) -> dict[str, Any]:
     """An RFC 7591 registration request for this gateway as a confidential client."""
     host = urlsplit(redirect_uri).hostname or ""
