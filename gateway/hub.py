@@ -39,9 +39,11 @@ from gateway.core.tracing import Tracer
 from gateway.events import BackendExited, CatalogChanged, ConnectionRefused, EventBus, ListsChanged
 from gateway.limits import (
     DEFAULT_MAX_CONNECTIONS,
+    LOG_WINDOW,
     OPTIONAL_REMOTE_WAIT,
     ByteBudget,
     ConnectionSlots,
+    LogBudget,
     PrincipalCaps,
     PrincipalLimit,
     PrincipalLimits,
@@ -140,6 +142,7 @@ class Hub:
         self.draining = False  # new requests are refused (-32005 retryable, HTTP 503)
         self.calls_cut_off = False  # drain grace over: cancelled calls are answered -32005 shutdown
         self._connections_changed = Wakeup()
+        self._redirect_log = LogBudget()  # refused authorization redirects
         self._subreaper = subreaper
         self._nursery: trio.Nursery | None = None
         self._levels: dict[str, str | None] = {}
@@ -620,12 +623,22 @@ class Hub:
                 try:
                     await code_flow.complete(params)
                 except TokenFailed as exc:
-                    LOGGER.warning("backend %s: authorization refused: %s", name, exc.detail)
+                    self._redirect_refused(f"backend {name}: authorization refused: "
+                                           f"{exc.detail}")
                     return 400, f"refused: {exc.detail}"
                 LOGGER.info("backend %s: authorized", name)
                 return 200, f"backend {name} is authorized; this page may be closed"
-        LOGGER.warning("an authorization redirect with an unknown or used state: refused")
+        self._redirect_refused("an authorization redirect with an unknown or used state: refused")
         return 400, "refused: unknown or already used state"
+
+    def _redirect_refused(self, line: str) -> None:
+        """A refused redirect (anyone can send one): logged rate-limited."""
+        write, dropped = self._redirect_log.take(trio.current_time())
+        if dropped:
+            LOGGER.warning("%d more refused authorization redirects in the last %.0fs not logged",
+                           dropped, LOG_WINDOW)
+        if write:
+            LOGGER.warning("%s", line)
 
     def status(self) -> GatewayStatus:
         """The daemon right now, built from the snapshots the backends publish."""

@@ -34,6 +34,7 @@ from gateway.backend import httpclient, oauth
 from gateway.backend.authcode import AuthorizationCode, NeedsAuthorization
 from gateway.backend.credentials import CredentialsUnavailable, principal_file_name
 from gateway.config import RemoteOAuth
+from gateway.limits import LOG_WINDOW, LogBudget
 
 LOGGER = logging.getLogger(__name__)
 
@@ -107,6 +108,17 @@ class PrincipalAuthorizationCode:
         self._lock = trio.Lock()
         self.authorizations = 0
         self.refused = 0
+        self._refusal_log = LogBudget()  # the redirect and consent pages' refusals
+
+    def _refusal(self, detail: str) -> None:
+        """One refused request of the pages anyone can reach: counted, logged rate-limited."""
+        self.refused += 1
+        write, dropped = self._refusal_log.take(trio.current_time())
+        if dropped:
+            LOGGER.warning("backend %s: %d more refused authorization requests in the last "
+                           "%.0fs not logged", self.backend, dropped, LOG_WINDOW)
+        if write:
+            LOGGER.warning("backend %s: %s", self.backend, detail)
 
     def place(self, redirect_uri: str, state_dir: str) -> None:
         """Where the redirect comes back and the principals' state files live."""
@@ -293,9 +305,7 @@ class PrincipalAuthorizationCode:
         shown = _cookie(cookie_header, name)
         if shown is None or shown != consent or \
                 not any(hmac.compare_digest(_hash(consent), h) for h in held.consents):
-            self.refused += 1
-            LOGGER.warning("backend %s: a consent without the cookie of the page that asked "
-                           "for it: refused", self.backend)
+            self._refusal("a consent without the cookie of the page that asked for it: refused")
             return Page(403, "refused: consent is given on the authorization page itself "
                              "(open the link the gateway gave the caller and continue there)",
                         headers=frame)
@@ -333,17 +343,15 @@ class PrincipalAuthorizationCode:
             return Page(400, "refused: unknown or already used state")
         secret = _cookie(cookie_header, _flow_cookie(state))
         if secret is None or not hmac.compare_digest(_hash(secret), bound.secret_hash):
-            self.refused += 1
-            LOGGER.warning("backend %s: an authorization redirect without the cookie of the "
-                           "browser that consented: refused", self.backend)
+            self._refusal("an authorization redirect without the cookie of the browser that "
+                          "consented: refused")
             return Page(400, "refused: this authorization was begun in another browser "
                              "(open the link the gateway gave the caller in this one)",
                         headers=clear)
         try:
             await bound.flow.complete(params)
         except oauth.TokenFailed as exc:
-            self.refused += 1
-            LOGGER.warning("backend %s: authorization refused: %s", self.backend, exc.detail)
+            self._refusal(f"authorization refused: {exc.detail}")
             return Page(400, f"refused: {exc.detail}", headers=clear)
         self.authorizations += 1
         if self._flows.get(bound.principal_key) is not bound.flow:

@@ -168,3 +168,21 @@ async def test_a_registered_client_whose_secret_expired_registers_anew_and_autho
             assert status == 200 and f"client_id={auth.registered[1]}" in url
             assert (await h.hub.complete_authorization(auth.authorize(url)))[0] == 200
             await h.until(lambda: state_of(h) == "RUNNING")
+
+
+@pytest.mark.trio
+async def test_refused_redirects_are_logged_at_most_ten_a_minute(
+        autojump_clock: object, tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    auth = CodeAuthServer(AS)
+    async with network(auth, lambda tok: True) as net, daemon(code_config(tmp_path), net) as h:
+        await h.until(lambda: state_of(h) == "AUTHORIZING")
+        caplog.clear()
+        for n in range(50):  # anyone who reaches the listener can send these
+            assert (await h.hub.complete_authorization(f"state=s{n}&code=c"))[0] == 400
+        refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+        assert len(refused) == 10, refused
+        await elapse(61)
+        assert (await h.hub.complete_authorization("state=late&code=c"))[0] == 400
+        lines = [r.getMessage() for r in caplog.records][-2:]
+        assert lines[0] == "40 more refused authorization redirects in the last 60s not logged"
+        assert lines[1].endswith("unknown or used state: refused")
