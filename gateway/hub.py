@@ -23,7 +23,6 @@ from msgspec import Raw, UnsetType
 from gateway import __version__, errors
 from gateway.auth.labels import configured_names
 from gateway.backend import process
-from gateway.backend.authcode import AuthorizationCode
 from gateway.backend.instance import ChildNotified, Instance
 from gateway.backend.oauth import TokenFailed
 from gateway.backend.pool import Backend, ConnectorFactory, Parking, default_connector
@@ -192,7 +191,7 @@ class Hub:
         assert self._nursery is not None
         backend = Backend(name, bcfg, self.cfg.prefix_of(name), self,
                           self.connectors(name, bcfg))
-        code_flow = _authorization_code(backend)
+        code_flow = backend.authorization_code
         if code_flow is not None:
             code_flow.place(redirect_uri(self.cfg), self.cfg.gateway.state_dir)
         if isinstance(backend.credentials, PrincipalAuthorizationCode):  # each caller's own
@@ -566,7 +565,7 @@ class Hub:
     def begin_authorization(self, name: str) -> tuple[int, str]:
         """``mcp-gateway authorize NAME``: the URL an operator opens (200), or why not."""
         backend = self.backends.get(name)
-        code_flow = None if backend is None else _authorization_code(backend)
+        code_flow = None if backend is None else backend.authorization_code
         if code_flow is None:
             return 404, f"no backend {name!r} with oauth.grant = 'authorization_code'"
         try:
@@ -618,7 +617,7 @@ class Hub:
         """:meth:`complete_authorization` of a query read already."""
         state = params.get("state", "")
         for name, backend in self.backends.items():
-            code_flow = _authorization_code(backend)
+            code_flow = backend.authorization_code
             if code_flow is not None and code_flow.owns(state):
                 try:
                     await code_flow.complete(params)
@@ -676,11 +675,6 @@ def _query_params(query: str) -> dict[str, str] | None:
     pairs = parse_qsl(query, keep_blank_values=True)
     params = dict(pairs)
     return params if len(params) == len(pairs) else None
-
-
-def _authorization_code(backend: Backend) -> AuthorizationCode | None:
-    auth = getattr(backend.connector, "auth", None)
-    return auth if isinstance(auth, AuthorizationCode) else None
 
 
 __all__ = ["CatalogConflict", "Hub"]

@@ -24,6 +24,7 @@ import trio
 from gateway import errors
 from gateway.auth.principal import Principal
 from gateway.backend import client, credentials
+from gateway.backend.authcode import AuthorizationCode
 from gateway.backend.child import ChildConnection, Owner
 from gateway.backend.connector import Connector
 from gateway.backend.http import HttpConnector
@@ -170,6 +171,13 @@ class Backend:
         if self.mode == "per-session":
             return False  # the owner is fixed per child
         return bool(self.declared & {"elicitation", "sampling"})
+
+    @property
+    def authorization_code(self) -> AuthorizationCode | None:
+        """The operator-authorized flow of a remote with ``oauth.grant = "authorization_code"``
+        (one shared identity); None for any other backend."""
+        auth = self.connector.auth if isinstance(self.connector, HttpConnector) else None
+        return auth if isinstance(auth, AuthorizationCode) else None
 
     # ---- lifecycle --------------------------------------------------------------------------
 
