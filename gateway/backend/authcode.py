@@ -188,6 +188,9 @@ class AuthorizationCode(oauth.TokenSource):
             now = trio.current_time()
             if self.token is not None and now < self._refresh:
                 return
+            if self.stepping_up:  # a refresh would bring the scope the remote refused back
+                raise self._need(f"backend {self.backend} waits for an authorization with scope "
+                                 f"{self.challenged!r:.200}")
             if self.refresh_token is None or self.token_endpoint is None:
                 if self.token is not None and now < self._expires:
                     return

@@ -684,6 +684,13 @@ class HttpLink:
             except CredentialsUnavailable as exc:
                 raise _NoCredentials(exc) from None
             got = await self._exchange_once(data, timeout, repeat, extra, resets, gid)
+            if got is not None and got[1].status == 403:
+                try:
+                    connector.credentials.step_up(connector.principal,
+                                                  got[1].headers.get("www-authenticate"))
+                except CredentialsUnavailable as exc:
+                    await self._discard(*got)
+                    raise _NoCredentials(exc) from None
             if got is None or got[1].status != 401 or attempt:
                 return got
             await self._discard(*got)

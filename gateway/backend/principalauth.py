@@ -157,6 +157,23 @@ class PrincipalAuthorizationCode:
         """Drop the tokens held in memory (the refresh token stays in the state file)."""
         self._flows.pop(principal_key, None)
 
+    def step_up(self, principal: Principal, challenge: str | None) -> None:
+        """A 403 ``insufficient_scope`` for a scope the principal's grant lacks: it authorizes
+        again, asking for it (at most ``MAX_STEP_UPS`` times; then the 403 goes to the caller).
+
+        Raises:
+            CredentialsUnavailable: the URL of the principal's authorize page.
+        """
+        flow = self._flow(principal)
+        try:
+            flow.step_up(challenge)
+        except NeedsAuthorization:
+            raise CredentialsUnavailable(
+                f"backend {self.backend} needs this caller to authorize scope "
+                f"{flow.challenged!r:.200} at {flow.issuer or self._shared.issuer}: open the URL, "
+                "sign in, then call again", retryable=False,
+                url=self._start_url(principal)) from None
+
     def refresh(self) -> None:
         """A reload: each flow reads its ``ca_file`` again and may step up again."""
         self._shared.refresh()

@@ -159,6 +159,17 @@ async def test_each_principal_authorizes_and_calls_with_its_own_token(tmp_path: 
             assert (tmp_path / "oauth" / "up" / "bearer-bob.json").exists()
             async with connect(gw.url, token=rotated["bob"]) as b2:
                 assert text_of(await b2.call("up__echo", {"who": "bob-2"})) == '{"who": "bob-2"}'
+                # the remote wants more scope of bob: he authorizes again, asking for it
+                remote.refuse["tools/call"] = [403]
+                remote.refusal_challenge = 'Bearer error="insufficient_scope", scope="files:write"'
+                page = authorize_url(await b2.call("up__echo", {"who": "bob-3"}))
+                assert text_of(await a.call("up__echo", {"who": "alice-4"})) \
+                    == '{"who": "alice-4"}'  # alice unaffected
+                assert authorize_url(await b2.call("up__echo", {"who": "bob-3"})) == page
+                assert (await follow(http, page, "bob")).status_code == 200
+                assert text_of(await b2.call("up__echo", {"who": "bob-4"})) == '{"who": "bob-4"}'
+                stepped = [r for r in await srv.issued() if r["sub"] == "bob"][-1]
+                assert "files:write" in stepped["scope"].split(), stepped
 
 
 async def test_a_state_completed_in_another_browser_or_twice_is_refused(tmp_path: Path) -> None:
