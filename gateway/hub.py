@@ -23,7 +23,6 @@ from msgspec import Raw, UnsetType
 from gateway import __version__, errors
 from gateway.auth.labels import configured_names
 from gateway.backend import process
-from gateway.backend.authcode import AuthorizationCode
 from gateway.backend.instance import ChildNotified, Instance
 from gateway.backend.oauth import TokenFailed
 from gateway.backend.pool import Backend, ConnectorFactory, Parking, default_connector
@@ -39,9 +38,11 @@ from gateway.core.tracing import Tracer
 from gateway.events import BackendExited, CatalogChanged, ConnectionRefused, EventBus, ListsChanged
 from gateway.limits import (
     DEFAULT_MAX_CONNECTIONS,
+    LOG_WINDOW,
     OPTIONAL_REMOTE_WAIT,
     ByteBudget,
     ConnectionSlots,
+    LogBudget,
     PrincipalCaps,
     PrincipalLimit,
     PrincipalLimits,
@@ -140,6 +141,7 @@ class Hub:
         self.draining = False  # new requests are refused (-32005 retryable, HTTP 503)
         self.calls_cut_off = False  # drain grace over: cancelled calls are answered -32005 shutdown
         self._connections_changed = Wakeup()
+        self._redirect_log = LogBudget()  # refused authorization redirects
         self._subreaper = subreaper
         self._nursery: trio.Nursery | None = None
         self._levels: dict[str, str | None] = {}
@@ -189,7 +191,7 @@ class Hub:
         assert self._nursery is not None
         backend = Backend(name, bcfg, self.cfg.prefix_of(name), self,
                           self.connectors(name, bcfg))
-        code_flow = _authorization_code(backend)
+        code_flow = backend.authorization_code
         if code_flow is not None:
             code_flow.place(redirect_uri(self.cfg), self.cfg.gateway.state_dir)
         if isinstance(backend.credentials, PrincipalAuthorizationCode):  # each caller's own
@@ -563,7 +565,7 @@ class Hub:
     def begin_authorization(self, name: str) -> tuple[int, str]:
         """``mcp-gateway authorize NAME``: the URL an operator opens (200), or why not."""
         backend = self.backends.get(name)
-        code_flow = None if backend is None else _authorization_code(backend)
+        code_flow = None if backend is None else backend.authorization_code
         if code_flow is None:
             return 404, f"no backend {name!r} with oauth.grant = 'authorization_code'"
         try:
@@ -615,17 +617,27 @@ class Hub:
         """:meth:`complete_authorization` of a query read already."""
         state = params.get("state", "")
         for name, backend in self.backends.items():
-            code_flow = _authorization_code(backend)
+            code_flow = backend.authorization_code
             if code_flow is not None and code_flow.owns(state):
                 try:
                     await code_flow.complete(params)
                 except TokenFailed as exc:
-                    LOGGER.warning("backend %s: authorization refused: %s", name, exc.detail)
+                    self._redirect_refused(f"backend {name}: authorization refused: "
+                                           f"{exc.detail}")
                     return 400, f"refused: {exc.detail}"
                 LOGGER.info("backend %s: authorized", name)
                 return 200, f"backend {name} is authorized; this page may be closed"
-        LOGGER.warning("an authorization redirect with an unknown or used state: refused")
+        self._redirect_refused("an authorization redirect with an unknown or used state: refused")
         return 400, "refused: unknown or already used state"
+
+    def _redirect_refused(self, line: str) -> None:
+        """A refused redirect (anyone can send one): logged rate-limited."""
+        write, dropped = self._redirect_log.take(trio.current_time())
+        if dropped:
+            LOGGER.warning("%d more refused authorization redirects in the last %.0fs not logged",
+                           dropped, LOG_WINDOW)
+        if write:
+            LOGGER.warning("%s", line)
 
     def status(self) -> GatewayStatus:
         """The daemon right now, built from the snapshots the backends publish."""
@@ -663,11 +675,6 @@ def _query_params(query: str) -> dict[str, str] | None:
     pairs = parse_qsl(query, keep_blank_values=True)
     params = dict(pairs)
     return params if len(params) == len(pairs) else None
-
-
-def _authorization_code(backend: Backend) -> AuthorizationCode | None:
-    auth = getattr(backend.connector, "auth", None)
-    return auth if isinstance(auth, AuthorizationCode) else None
 
 
 __all__ = ["CatalogConflict", "Hub"]

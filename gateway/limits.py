@@ -121,6 +121,38 @@ class ByteBudget:
         return victim
 
 
+# ---- log lines anyone can cause -------------------------------------------------------------
+
+#: Lines of one kind that a peer can cause (refusals): at most LOG_BURST per LOG_WINDOW seconds,
+#: then one line saying how many were not written.
+LOG_BURST = 10
+LOG_WINDOW = 60.0
+
+
+class LogBudget:
+    """At most ``burst`` lines of one kind per ``window`` seconds; the rest counted."""
+
+    __slots__ = ("_burst", "_logged", "_start", "_window", "unlogged")
+
+    def __init__(self, burst: int = LOG_BURST, window: float = LOG_WINDOW) -> None:
+        self._burst, self._window = burst, window
+        self._start = -float("inf")
+        self._logged = 0
+        self.unlogged = 0  # lines not written in the current window
+
+    def take(self, now: float) -> tuple[bool, int]:
+        """Whether a line may be written at ``now``, and how many were not written in the
+        window that just ended (say that first, when not 0)."""
+        dropped = 0
+        if now - self._start >= self._window:
+            dropped, self._start, self._logged, self.unlogged = self.unlogged, now, 0, 0
+        if self._logged >= self._burst:
+            self.unlogged += 1
+            return False, dropped
+        self._logged += 1
+        return True, dropped
+
+
 # ---- file descriptors: max_connections and what the daemon needs besides ----------------------
 
 #: ``gateway.max_connections`` when it is not set; fewer when the open-files limit does not

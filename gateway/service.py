@@ -582,7 +582,8 @@ def close_revoked(hub: Hub) -> int:
     credential (or that has none while authentication is now configured).  A WebSocket is
     closed with 1008; an HTTP session ends, and its client's next request gets 401 (its token
     no longer authenticates) or 404 (the session is gone).  Their per-principal instances
-    stop and their upstream tokens are forgotten."""
+    stop and their upstream tokens are forgotten; their refresh tokens are deleted only when the
+    principal itself is gone (not when a reload rotated its token)."""
     authn = hub.authn
     if authn is None:
         return 0
@@ -596,7 +597,7 @@ def close_revoked(hub: Hub) -> int:
             session.close(CloseReason.UNAUTHORIZED)
             closed += 1
     for backend in hub.backends.values():  # their per-principal instances stop
-        backend.drop_principals(lambda p: authn.still_valid(p, "http"))
+        backend.drop_principals(lambda p: authn.still_valid(p, "http"), authn.still_named)
     return closed
 
 

@@ -8,7 +8,7 @@ with OAuth configured, verified as a JWT against the issuer's keys (:mod:`gatewa
 Anything else is :class:`Unauthorized` (401 with a ``WWW-Authenticate`` challenge).  The token
 is never logged, stored or passed on, only the principal it names.  A reload swaps the tables
 (:meth:`Authenticator.reconfigure`) and :meth:`still_valid` names the principals that lost
-their credential; refusals are logged at most :data:`LOG_BURST` per :data:`LOG_WINDOW`.
+their credential; refusals are logged at most :data:`gateway.limits.LOG_BURST` per minute.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from gateway.auth.tokens import BearerEntry, BearerTable, file_problem, parse_to
 from gateway.config import AuthSection, GatewayConfig, read_regular
 from gateway.errors import ConfigError
 from gateway.events import ConnectionRefused, EventBus
+from gateway.limits import LOG_WINDOW, LogBudget
 
 if TYPE_CHECKING:
     from gateway.auth.jwks import JwksCache
@@ -33,9 +34,6 @@ LOGGER = logging.getLogger(__name__)
 
 #: The largest tokens file read.
 MAX_TOKENS_FILE = 1024 * 1024
-#: Refusal log lines: at most LOG_BURST per LOG_WINDOW seconds, then one summary line.
-LOG_BURST = 10
-LOG_WINDOW = 60.0
 _GLOB = set("*?[")
 
 
@@ -116,9 +114,7 @@ class Authenticator:
         self.jwks: JwksCache | None = None
         self.refusals = 0  # all refusals since start
         self.bus: EventBus | None = None  # the hub's, once the service sets it
-        self._logged = 0  # refusal lines logged in the current window
-        self._suppressed = 0
-        self._window = -LOG_WINDOW
+        self._log = LogBudget()  # refusal lines
         self.reconfigure(cfg)
 
     # ---- configuration ----------------------------------------------------------------------
@@ -225,6 +221,16 @@ class Authenticator:
             return self.auth.oauth is not None and principal.credential == self._oauth_credential()
         return False
 
+    def still_named(self, principal: Principal) -> bool:
+        """Whether ``principal`` is still one this configuration vouches for, whatever its
+        credential (a bearer principal whose token a reload rotated still is): what the gateway
+        holds upstream for it (refresh tokens) is kept."""
+        if principal.via == "peer":
+            return True
+        if principal.via == "bearer":
+            return any(e.principal == principal.name for e in self.bearer.entries)
+        return principal.via == "oauth" and self.auth.oauth is not None
+
     # ---- what clients are told -------------------------------------------------------------
 
     def challenge(self, host: str | None, exc: Unauthorized | None = None,
@@ -259,17 +265,12 @@ class Authenticator:
         self.refusals += 1
         if self.bus is not None:
             self.bus.emit(ConnectionRefused(transport, "unauthorized"))
-        now = trio.current_time()
-        if now - self._window >= LOG_WINDOW:
-            if self._suppressed:
-                LOGGER.warning("auth: %d more refusals in the last %.0fs not logged",
-                               self._suppressed, LOG_WINDOW)
-            self._window, self._logged, self._suppressed = now, 0, 0
-        if self._logged >= LOG_BURST:
-            self._suppressed += 1
-            return
-        self._logged += 1
-        LOGGER.warning("auth: %s refused: %s (principal %s)", where, why, label or "-")
+        write, dropped = self._log.take(trio.current_time())
+        if dropped:
+            LOGGER.warning("auth: %d more refusals in the last %.0fs not logged", dropped,
+                           LOG_WINDOW)
+        if write:
+            LOGGER.warning("auth: %s refused: %s (principal %s)", where, why, label or "-")
 
     def status(self, cfg: GatewayConfig) -> dict[str, Any]:
         auth = self.auth

@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import re
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -71,7 +72,9 @@ class AuthorizationCode(oauth.TokenSource):
         self.resource_scopes: list[str] | None = None
         self.client_id: str | None = None
         self.client_secret: str | None = None
+        self.client_secret_expires_at = 0.0  # a registered client's (epoch seconds; 0: never)
         self.client_method = "none"
+        self.registers = True  # False: one of several identities, given the backend's client
         self.refresh_token: str | None = None
         self.asked: str | None = None  # the scope the held grant was asked with
         self.challenged: str | None = None  # the scope the remote's last challenge named
@@ -111,6 +114,8 @@ class AuthorizationCode(oauth.TokenSource):
         self.meta, self.issuer = doc["meta"], doc.get("issuer")
         self.token_endpoint = self.meta.get("token_endpoint")
         self.client_id, self.client_secret = doc.get("client_id"), doc.get("client_secret")
+        self.client_secret_expires_at = oauthflow.secret_expires_at(
+            doc.get("client_secret_expires_at"))
         self.client_method = doc.get("client_method") or "none"
         self.refresh_token, self.asked = doc.get("refresh_token"), doc.get("scope")
         self.resource = doc.get("resource") or self.resource
@@ -120,7 +125,9 @@ class AuthorizationCode(oauth.TokenSource):
         if self.path is None:
             return
         doc = {"issuer": self.issuer, "meta": self.meta, "client_id": self.client_id,
-               "client_secret": self.client_secret, "client_method": self.client_method,
+               "client_secret": self.client_secret,
+               "client_secret_expires_at": self.client_secret_expires_at,
+               "client_method": self.client_method,
                "refresh_token": self.refresh_token, "scope": self.asked,
                "resource": self.resource}
         folder = os.path.dirname(self.path)
@@ -181,13 +188,16 @@ class AuthorizationCode(oauth.TokenSource):
             now = trio.current_time()
             if self.token is not None and now < self._refresh:
                 return
+            if self.stepping_up:  # a refresh would bring the scope the remote refused back
+                raise self._need(f"backend {self.backend} waits for an authorization with scope "
+                                 f"{self.challenged!r:.200}")
             if self.refresh_token is None or self.token_endpoint is None:
                 if self.token is not None and now < self._expires:
                     return
                 if self.meta is None:
                     return  # nothing known yet: the remote's 401 starts the discovery
-                if self.client_id is None:  # a registration cut short (a start timed out)
-                    await self._register()
+                if self.client_id is None or self.client_expired():  # a registration cut
+                    await self._register()  # short (a start timed out), or its secret expired
                 raise self._need(f"backend {self.backend} is not authorized: run "
                                  f"`mcp-gateway authorize {self.backend}`")
             try:
@@ -292,8 +302,14 @@ class AuthorizationCode(oauth.TokenSource):
         """A client id at the authorization server: configured, a metadata document URL, or
         registered now (RFC 7591)."""
         assert self.meta is not None
-        if self.client_id is not None:
+        if not self.registers or (self.client_id is not None and not self.client_expired()):
             return
+        if self.client_id is not None:
+            LOGGER.warning("backend %s: the client secret registered at %s expired; registering "
+                           "anew (its grants are lost: authorize again)", self.backend, self.issuer)
+            self.refresh_token = None
+        self.client_id = self.client_secret = None
+        self.client_secret_expires_at = 0.0
         meta, cfg = self.meta, self.cfg
         supported = meta.get("token_endpoint_auth_methods_supported")
         if cfg.client_id:
@@ -322,6 +338,8 @@ class AuthorizationCode(oauth.TokenSource):
         secret = doc.get("client_secret")
         self.client_id = doc["client_id"]
         self.client_secret = secret if isinstance(secret, str) and secret else None
+        self.client_secret_expires_at = oauthflow.secret_expires_at(
+            doc.get("client_secret_expires_at")) if self.client_secret is not None else 0.0
         self.client_method = oauthflow.client_auth_method(
             doc.get("token_endpoint_auth_method"), self.client_secret is not None,
             supported if isinstance(supported, list) else None)
@@ -409,8 +427,20 @@ class AuthorizationCode(oauth.TokenSource):
         else:
             oauth.basic_auth(head, self.client_id, secret)
 
+    def client_expired(self) -> bool:
+        """Whether the client registered here has a secret past its
+        ``client_secret_expires_at`` (RFC 7591 §3.2.1): it must register again, and the grants
+        it held are lost with it."""
+        return oauthflow.secret_expired(self.client_secret_expires_at, time.time())
+
     async def _refresh_grant(self) -> None:
         assert self.refresh_token is not None
+        if self.client_expired():
+            self.refresh_token = None
+            await self._register()
+            self._save()
+            raise self._need(f"the client secret registered at {self.issuer} expired: run "
+                             f"`mcp-gateway authorize {self.backend}`")
         await self._grant({"grant_type": "refresh_token", "refresh_token": self.refresh_token},
                           self.asked)
 

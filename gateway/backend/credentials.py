@@ -66,6 +66,16 @@ class PrincipalCredentials(Protocol):
         read again at its next use."""
         ...
 
+    def step_up(self, principal: Principal, challenge: str | None) -> None:
+        """The remote answered ``principal``'s request 403 with ``challenge`` (its
+        ``WWW-Authenticate``): nothing when the source can do nothing about it (the 403 goes
+        to the caller).
+
+        Raises:
+            CredentialsUnavailable: the principal can get more scope by authorizing (``url``).
+        """
+        ...
+
 
 def call_error(exc: CredentialsUnavailable, backend: str) -> errors.GatewayError:
     """What a call of the principal gets: -32001 ``retryable`` when trying later may work,
@@ -213,4 +223,7 @@ class TokenFiles:
 
     def refresh(self) -> None:
         """(Each file is read again when it changes anyway.)"""
+
+    def step_up(self, principal: Principal, challenge: str | None) -> None:
+        """(A token file gets no more scope: the 403 goes to the caller.)"""
 

@@ -684,6 +684,13 @@ class HttpLink:
             except CredentialsUnavailable as exc:
                 raise _NoCredentials(exc) from None
             got = await self._exchange_once(data, timeout, repeat, extra, resets, gid)
+            if got is not None and got[1].status == 403:
+                try:
+                    connector.credentials.step_up(connector.principal,
+                                                  got[1].headers.get("www-authenticate"))
+                except CredentialsUnavailable as exc:
+                    await self._discard(*got)
+                    raise _NoCredentials(exc) from None
             if got is None or got[1].status != 401 or attempt:
                 return got
             await self._discard(*got)
@@ -924,10 +931,9 @@ class HttpLink:
                     f"backend {self._ctx.backend!r}: {self.origin} answered HTTP "
                     f"{response.status} to server/discover without a JSON-RPC error: not a "
                     "2026-07-28 server"))
-            elif response.status in RETRY_STATUSES:
-                self._server_error(gid, response.status, body)
-            else:
-                self._call_failed(gid, f"{self.origin} answered HTTP {response.status}")
+            else:  # the remote refused it (a 4xx is not a backend that exited: not again)
+                self._server_error(gid, response.status, body,
+                                   retry=response.status in (*RETRY_STATUSES, 429))
             return
         answered = False
         broke = False  # the event stream broke rather than ended (the remote may be gone)
@@ -1080,9 +1086,10 @@ class HttpLink:
                                f"{RETRIES + 1} times")
         return None
 
-    def _server_error(self, gid: int, status: int, body: bytes) -> None:
-        """A 5xx answered request ``gid`` (not with a JSON-RPC error): it fails with the status
-        and the body's first printable bytes; retryable when it could not have run twice."""
+    def _server_error(self, gid: int, status: int, body: bytes, *, retry: bool = True) -> None:
+        """An HTTP error status answered request ``gid`` (not with a JSON-RPC error): it fails
+        with the status and the body's first printable bytes; retryable when ``retry`` (a 5xx,
+        a 429) and it could not have run twice."""
         self.last_error = f"{self.origin} answered HTTP {status}"
         if self._receiver is None:
             return
@@ -1091,7 +1098,7 @@ class HttpLink:
         self._receiver.failed(gid, errors.BackendUnavailable(
             f"backend {self._ctx.backend!r}: {self.origin} answered HTTP {status}",
             backend=self._ctx.backend, status=status, body=text,
-            retryable=self._methods.get(gid) in SAFE_TO_REPEAT))
+            retryable=retry and self._methods.get(gid) in SAFE_TO_REPEAT))
 
     def _resumable(self, decoder: SseDecoder) -> bool:
         return (decoder.last_id is not None and self.session_id is not None

@@ -367,8 +367,10 @@ class TokenSource:
         meta = await self._first_json(oauthflow.metadata_urls(issuer))
         if meta is None:
             raise TokenFailed(f"no metadata for authorization server {issuer:.200}")
-        if str(meta.get("issuer", "")).rstrip("/") != issuer.rstrip("/"):
-            raise TokenFailed(f"the metadata of {issuer:.200} names another issuer")
+        try:
+            oauthflow.check_issuer(meta, issuer)
+        except oauthflow.FlowError as exc:
+            raise TokenFailed(exc.detail) from None
         endpoint = meta.get("token_endpoint")
         if not isinstance(endpoint, str) or not endpoint_url_ok(endpoint):
             raise TokenFailed(f"the token endpoint of {issuer:.200} is not an https URL "

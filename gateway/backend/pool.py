@@ -24,6 +24,7 @@ import trio
 from gateway import errors
 from gateway.auth.principal import Principal
 from gateway.backend import client, credentials
+from gateway.backend.authcode import AuthorizationCode
 from gateway.backend.child import ChildConnection, Owner
 from gateway.backend.connector import Connector
 from gateway.backend.http import HttpConnector
@@ -170,6 +171,13 @@ class Backend:
         if self.mode == "per-session":
             return False  # the owner is fixed per child
         return bool(self.declared & {"elicitation", "sampling"})
+
+    @property
+    def authorization_code(self) -> AuthorizationCode | None:
+        """The operator-authorized flow of a remote with ``oauth.grant = "authorization_code"``
+        (one shared identity); None for any other backend."""
+        auth = self.connector.auth if isinstance(self.connector, HttpConnector) else None
+        return auth if isinstance(auth, AuthorizationCode) else None
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -754,14 +762,16 @@ class Backend:
         if inst in self.instances:
             self.instances.remove(inst)
 
-    def drop_principals(self, keep: Callable[[Principal], bool]) -> int:
-        """Stop the instances of the principals ``keep`` refuses (a reload removed them);
-        how many."""
+    def drop_principals(self, keep: Callable[[Principal], bool],
+                        keep_grants: Callable[[Principal], bool] | None = None) -> int:
+        """Stop the instances of the principals ``keep`` refuses (a reload removed them or
+        their credential); how many.  The upstream grants (refresh tokens) of those
+        ``keep_grants`` refuses (default ``keep``) are deleted too."""
         dropped = [held for held in self._held.values() if not keep(held.principal)]
         for held in dropped:
             held.dropped.set()
         if isinstance(self.credentials, PrincipalAuthorizationCode):
-            self.credentials.drop_unless(keep)  # their refresh tokens too
+            self.credentials.drop_unless(keep_grants or keep)
         return len(dropped)
 
     # ---- hooks from instances ---------------------------------------------------------------

@@ -15,6 +15,7 @@ is stored.  A revoked refresh token gives that principal alone a new URL.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import html
@@ -33,6 +34,7 @@ from gateway.backend import httpclient, oauth
 from gateway.backend.authcode import AuthorizationCode, NeedsAuthorization
 from gateway.backend.credentials import CredentialsUnavailable, principal_file_name
 from gateway.config import RemoteOAuth
+from gateway.limits import LOG_WINDOW, LogBudget
 
 LOGGER = logging.getLogger(__name__)
 
@@ -106,6 +108,17 @@ class PrincipalAuthorizationCode:
         self._lock = trio.Lock()
         self.authorizations = 0
         self.refused = 0
+        self._refusal_log = LogBudget()  # the redirect and consent pages' refusals
+
+    def _refusal(self, detail: str) -> None:
+        """One refused request of the pages anyone can reach: counted, logged rate-limited."""
+        self.refused += 1
+        write, dropped = self._refusal_log.take(trio.current_time())
+        if dropped:
+            LOGGER.warning("backend %s: %d more refused authorization requests in the last "
+                           "%.0fs not logged", self.backend, dropped, LOG_WINDOW)
+        if write:
+            LOGGER.warning("backend %s: %s", self.backend, detail)
 
     def place(self, redirect_uri: str, state_dir: str) -> None:
         """Where the redirect comes back and the principals' state files live."""
@@ -128,6 +141,9 @@ class PrincipalAuthorizationCode:
                 await self._learn(flow)
                 raise NeedsAuthorization("not authorized")
         except NeedsAuthorization:
+            if flow.client_expired():
+                with contextlib.suppress(oauth.TokenFailed):
+                    await self._learn(flow)  # the backend registers anew
             raise CredentialsUnavailable(
                 f"backend {self.backend} needs this caller's own authorization at "
                 f"{flow.issuer or self._shared.issuer}: open the URL, sign in, then call again",
@@ -140,6 +156,23 @@ class PrincipalAuthorizationCode:
     def forget(self, principal_key: str) -> None:
         """Drop the tokens held in memory (the refresh token stays in the state file)."""
         self._flows.pop(principal_key, None)
+
+    def step_up(self, principal: Principal, challenge: str | None) -> None:
+        """A 403 ``insufficient_scope`` for a scope the principal's grant lacks: it authorizes
+        again, asking for it (at most ``MAX_STEP_UPS`` times; then the 403 goes to the caller).
+
+        Raises:
+            CredentialsUnavailable: the URL of the principal's authorize page.
+        """
+        flow = self._flow(principal)
+        try:
+            flow.step_up(challenge)
+        except NeedsAuthorization:
+            raise CredentialsUnavailable(
+                f"backend {self.backend} needs this caller to authorize scope "
+                f"{flow.challenged!r:.200} at {flow.issuer or self._shared.issuer}: open the URL, "
+                "sign in, then call again", retryable=False,
+                url=self._start_url(principal)) from None
 
     def refresh(self) -> None:
         """A reload: each flow reads its ``ca_file`` again and may step up again."""
@@ -197,6 +230,7 @@ class PrincipalAuthorizationCode:
         flow = self._flows.pop(key, None)
         if flow is None:
             flow = AuthorizationCode(self.backend, self.url, self.cfg, self._opener)
+            flow.registers = False  # the backend's registration is the shared flow's
             if self.state_dir is not None:
                 flow.place(self.redirect_uri, self.state_dir, identity)
                 if flow.path is not None:
@@ -211,7 +245,7 @@ class PrincipalAuthorizationCode:
         registration) and given to ``flow``."""
         shared = self._shared
         async with self._lock:
-            if shared.meta is None or shared.client_id is None:
+            if shared.meta is None or shared.client_id is None or shared.client_expired():
                 try:
                     await shared.renew(None, None)
                 except NeedsAuthorization:
@@ -220,10 +254,14 @@ class PrincipalAuthorizationCode:
 
     def _copy(self, flow: AuthorizationCode) -> None:
         shared = self._shared
-        if shared.meta is not None and (flow.issuer != shared.issuer or flow.client_id is None):
+        if shared.meta is not None and (flow.issuer != shared.issuer
+                                        or flow.client_id != shared.client_id):
+            if flow.client_id is not None:  # registered anew: grants of the old client are lost
+                flow.refresh_token = None
             flow.issuer, flow.meta = shared.issuer, shared.meta
             flow.token_endpoint = shared.token_endpoint
             flow.client_id, flow.client_secret = shared.client_id, shared.client_secret
+            flow.client_secret_expires_at = shared.client_secret_expires_at
             flow.client_method = shared.client_method
             flow.resource, flow.resource_scopes = shared.resource, shared.resource_scopes
             flow.challenged = shared.challenged
@@ -284,9 +322,7 @@ class PrincipalAuthorizationCode:
         shown = _cookie(cookie_header, name)
         if shown is None or shown != consent or \
                 not any(hmac.compare_digest(_hash(consent), h) for h in held.consents):
-            self.refused += 1
-            LOGGER.warning("backend %s: a consent without the cookie of the page that asked "
-                           "for it: refused", self.backend)
+            self._refusal("a consent without the cookie of the page that asked for it: refused")
             return Page(403, "refused: consent is given on the authorization page itself "
                              "(open the link the gateway gave the caller and continue there)",
                         headers=frame)
@@ -324,17 +360,15 @@ class PrincipalAuthorizationCode:
             return Page(400, "refused: unknown or already used state")
         secret = _cookie(cookie_header, _flow_cookie(state))
         if secret is None or not hmac.compare_digest(_hash(secret), bound.secret_hash):
-            self.refused += 1
-            LOGGER.warning("backend %s: an authorization redirect without the cookie of the "
-                           "browser that consented: refused", self.backend)
+            self._refusal("an authorization redirect without the cookie of the browser that "
+                          "consented: refused")
             return Page(400, "refused: this authorization was begun in another browser "
                              "(open the link the gateway gave the caller in this one)",
                         headers=clear)
         try:
             await bound.flow.complete(params)
         except oauth.TokenFailed as exc:
-            self.refused += 1
-            LOGGER.warning("backend %s: authorization refused: %s", self.backend, exc.detail)
+            self._refusal(f"authorization refused: {exc.detail}")
             return Page(400, f"refused: {exc.detail}", headers=clear)
         self.authorizations += 1
         if self._flows.get(bound.principal_key) is not bound.flow:

@@ -104,6 +104,9 @@ class TokenExchangeSource:
         """A reload: the ``ca_file`` is read again at the next exchange."""
         self._http.refresh()
 
+    def step_up(self, principal: Principal, challenge: str | None) -> None:
+        """(The exchange asks for the configured scope only: the 403 goes to the caller.)"""
+
     def status(self) -> dict[str, Any]:
         """For ``/status``: counts and the last error, never a token nor a principal."""
         return {"token_endpoint": self.cfg.token_url, "audience": self.audience,

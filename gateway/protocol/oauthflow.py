@@ -123,14 +123,24 @@ def check_metadata(meta: dict[str, Any], issuer: str) -> None:
         FlowError: another issuer, or no authorization or token endpoint (an http or https URL
             of printable ASCII without spaces: the browser is sent there by a header).
     """
-    if meta.get("issuer") != issuer:
-        raise FlowError(f"the metadata of {issuer:.200} names issuer "
-                        f"{str(meta.get('issuer'))!r:.200}: refused")
+    check_issuer(meta, issuer)
     for key in ("authorization_endpoint", "token_endpoint"):
         url = meta.get(key)
         if not isinstance(url, str) or not _header_safe(url) \
                 or urlsplit(url).scheme not in ("http", "https"):
             raise FlowError(f"the metadata of {issuer:.200} has no usable {key}")
+
+
+def check_issuer(meta: dict[str, Any], issuer: str) -> None:
+    """RFC 8414 §3.3: the ``issuer`` of metadata fetched for ``issuer`` is that very string (no
+    trailing-slash or case folding: a client that normalises can be pointed at another server).
+
+    Raises:
+        FlowError: another issuer.
+    """
+    if meta.get("issuer") != issuer:
+        raise FlowError(f"the metadata of {issuer:.200} names issuer "
+                        f"{str(meta.get('issuer'))!r:.200}: refused")
 
 
 def _header_safe(url: str) -> bool:
@@ -201,6 +211,21 @@ def check_iss(iss: str | None, issuer: str, advertised: bool) -> None:
     elif advertised:
         raise FlowError(f"{issuer:.200} advertises the iss parameter but the authorization "
                         "response has none: refused")
+
+
+def secret_expires_at(value: object) -> float:
+    """An RFC 7591 registration's ``client_secret_expires_at`` (seconds since the epoch; 0 or
+    absent: never), 0 when it is not a usable number."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0 \
+            or value == float("inf"):
+        return 0.0
+    return float(value)
+
+
+def secret_expired(expires_at: float, now: float) -> bool:
+    """Whether a registered client whose secret expires at ``expires_at`` (0: never) must
+    register again at wall-clock time ``now``."""
+    return expires_at > 0 and now >= expires_at
 
 
 def registration_body(redirect_uri: str, name: str, scope: str | None) -> dict[str, Any]:

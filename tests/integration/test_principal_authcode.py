@@ -25,7 +25,7 @@ from authserverutil import AuthServer, authorizing_remote
 from fixtures.remote_server import RemoteServer
 from helpers import bearer_auth, connect, free_port, run_gateway, text_of
 
-from gateway import config
+from gateway import config, events
 
 pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
@@ -35,8 +35,10 @@ MODERN = "2026-07-28"
 
 
 def gateway_config(tmp_path: Path, port: int, url: str, oauth: str,
-                   credentials: str = 'credentials = "per-principal"\n') -> config.GatewayConfig:
-    return config.load(f"""
+                   credentials: str = 'credentials = "per-principal"\n',
+                   tokens: dict[str, str] = TOKENS) -> config.GatewayConfig:
+    """The gateway's config, also written to ``tmp_path/gw.toml`` (for a reload)."""
+    text = f"""
 [gateway]
 state_dir = "{tmp_path}"
 [listen]
@@ -44,13 +46,15 @@ websocket = "127.0.0.1:0"
 http = "127.0.0.1:{port}"
 [admin]
 listen = "127.0.0.1:0"
-{bearer_auth(TOKENS)}
+{bearer_auth(tokens)}
 [backends.up]
 url = "{url}"
 {credentials}
 [backends.up.oauth]
 {oauth}
-""")
+"""
+    (tmp_path / "gw.toml").write_text(text)
+    return config.load(text)
 
 
 def client_oauth(tmp_path: Path, srv: AuthServer) -> str:
@@ -111,7 +115,7 @@ async def test_each_principal_authorizes_and_calls_with_its_own_token(tmp_path: 
     async with authorizing_remote("--client", "gw:gw-secret") as (srv, remote, url):
         port = free_port()
         cfg = gateway_config(tmp_path, port, url, code_oauth(tmp_path, srv))
-        async with (run_gateway(cfg) as gw, httpx.AsyncClient() as http,
+        async with (run_gateway(cfg, str(tmp_path / "gw.toml")) as gw, httpx.AsyncClient() as http,
                     connect(gw.url, token=TOKENS["alice"]) as a,
                     connect(gw.url, token=TOKENS["bob"]) as b):
             pages = {"alice": authorize_url(await a.call("up__echo", {"who": "alice"})),
@@ -146,6 +150,26 @@ async def test_each_principal_authorizes_and_calls_with_its_own_token(tmp_path: 
             done = await follow(http, authorize_url(again), "alice")
             assert done.status_code == 200, done.text
             assert text_of(await a.call("up__echo", {"who": "alice-3"})) == '{"who": "alice-3"}'
+            # a reload rotates bob's token: his connection ends, his grant stays (no new URL)
+            rotated = {**TOKENS, "bob": "bob-rotated-token-9"}
+            gateway_config(tmp_path, port, url, code_oauth(tmp_path, srv), tokens=rotated)
+            mark = gw.events.count
+            gw.control.reload()
+            await gw.events.wait(events.ReloadFinished, success=True, since=mark)
+            assert (tmp_path / "oauth" / "up" / "bearer-bob.json").exists()
+            async with connect(gw.url, token=rotated["bob"]) as b2:
+                assert text_of(await b2.call("up__echo", {"who": "bob-2"})) == '{"who": "bob-2"}'
+                # the remote wants more scope of bob: he authorizes again, asking for it
+                remote.refuse["tools/call"] = [403]
+                remote.refusal_challenge = 'Bearer error="insufficient_scope", scope="files:write"'
+                page = authorize_url(await b2.call("up__echo", {"who": "bob-3"}))
+                assert text_of(await a.call("up__echo", {"who": "alice-4"})) \
+                    == '{"who": "alice-4"}'  # alice unaffected
+                assert authorize_url(await b2.call("up__echo", {"who": "bob-3"})) == page
+                assert (await follow(http, page, "bob")).status_code == 200
+                assert text_of(await b2.call("up__echo", {"who": "bob-4"})) == '{"who": "bob-4"}'
+                stepped = [r for r in await srv.issued() if r["sub"] == "bob"][-1]
+                assert "files:write" in stepped["scope"].split(), stepped
 
 
 async def test_a_state_completed_in_another_browser_or_twice_is_refused(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
@@ -139,3 +140,49 @@ async def test_server_down_at_refresh_fails_calls_retryable_and_a_revoked_grant_
             await h.until(lambda: state_of(h) == "RUNNING")
             assert auth.grants.count("authorization_code") == authorized
             assert auth.grants[-1] == "refresh_token"
+
+
+@pytest.mark.trio
+async def test_a_registered_client_whose_secret_expired_registers_anew_and_authorizes_again(
+        autojump_clock: object, tmp_path: Any) -> None:
+    auth = CodeAuthServer(AS, secret_lifetime=3600)
+    async with network(auth, lambda tok: tok in auth.issued) as net:
+        cfg = code_config(tmp_path)
+        async with daemon(cfg, net) as h:
+            await h.until(lambda: state_of(h) == "AUTHORIZING")
+            assert (await h.hub.complete_authorization(await authorize(h, auth)))[0] == 200
+            await h.until(lambda: state_of(h) == "RUNNING")
+        path = tmp_path / "oauth" / "r.json"
+        doc = json.loads(path.read_text())
+        assert doc["client_id"] == auth.registered[0] and doc["refresh_token"]
+        assert doc["client_secret_expires_at"] > time.time() + 3000
+        doc["client_secret_expires_at"] = time.time() - 1  # an hour later, as the restart reads
+        path.write_text(json.dumps(doc))
+        async with daemon(cfg, net) as h:
+            await h.until(lambda: state_of(h) == "AUTHORIZING")
+            assert auth.grants.count("refresh_token") == 0  # the expired client asked nothing
+            assert len(auth.registered) == 2
+            doc = json.loads(path.read_text())
+            assert doc["client_id"] == auth.registered[1] and doc["refresh_token"] is None
+            status, url = h.hub.begin_authorization("r")
+            assert status == 200 and f"client_id={auth.registered[1]}" in url
+            assert (await h.hub.complete_authorization(auth.authorize(url)))[0] == 200
+            await h.until(lambda: state_of(h) == "RUNNING")
+
+
+@pytest.mark.trio
+async def test_refused_redirects_are_logged_at_most_ten_a_minute(
+        autojump_clock: object, tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    auth = CodeAuthServer(AS)
+    async with network(auth, lambda tok: True) as net, daemon(code_config(tmp_path), net) as h:
+        await h.until(lambda: state_of(h) == "AUTHORIZING")
+        caplog.clear()
+        for n in range(50):  # anyone who reaches the listener can send these
+            assert (await h.hub.complete_authorization(f"state=s{n}&code=c"))[0] == 400
+        refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+        assert len(refused) == 10, refused
+        await elapse(61)
+        assert (await h.hub.complete_authorization("state=late&code=c"))[0] == 400
+        lines = [r.getMessage() for r in caplog.records][-2:]
+        assert lines[0] == "40 more refused authorization redirects in the last 60s not logged"
+        assert lines[1].endswith("unknown or used state: refused")

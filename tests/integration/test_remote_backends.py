@@ -284,6 +284,8 @@ async def test_a_400_saying_the_session_is_unknown_renews_it_at_once_as_a_404_do
                 server.refuse["tools/call"] = [400]
                 r = await c.call("ev__echo", {"n": 2})
                 assert "HTTP 400" in r["error"]["message"], r
+                assert r["error"]["code"] == -32001 and r["error"]["data"]["status"] == 400, r
+                assert r["error"]["data"]["retryable"] is False, r  # the remote refused it
                 assert text_of(await c.call("ev__echo", {"n": 3})) == '{"n": 3}'
                 inst = await wait_instance(gw.bound.admin_port, lambda i: True)
                 assert inst["restarts"] == 0, inst

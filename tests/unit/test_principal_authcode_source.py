@@ -1,18 +1,24 @@
 """The per-principal authorization code source without a network: the config that makes it,
-each principal's own state file (0600) deleted when a reload drops that principal alone, and an
-unknown or used authorize link or state refused."""
+each principal's own state file (0600) deleted when a reload drops that principal alone, an
+unknown or used authorize link or state refused, and a registration whose secret expired made
+anew once for the backend (servers in memory)."""
 
 from __future__ import annotations
 
 import os
 import stat
+import time
 from pathlib import Path
 
 import pytest
+import trio
+import trio.testing
+from fixtures.token_server import CodeAuthServer, Net, ProtectedRemote
 
 from gateway import config
 from gateway import errors as gw_errors
 from gateway.auth.principal import Principal
+from gateway.backend.credentials import CredentialsUnavailable
 from gateway.backend.pool import _credential_source
 from gateway.backend.principalauth import PrincipalAuthorizationCode
 
@@ -69,3 +75,35 @@ async def test_each_principal_has_its_own_state_file_dropped_with_it_alone(
     assert source.start_page(start, token, jar).status == 400  # used up
     page = await source.complete({"state": "x", "code": "y"}, None)
     assert page.status == 400 and source.refused == 1
+
+
+async def test_a_client_secret_expired_registers_anew_once_and_drops_the_principals_grants(
+        autojump_clock: trio.testing.MockClock, tmp_path: Path) -> None:
+    auth_url, url = "http://127.0.0.1:9000", "http://localhost:8080/mcp"
+    auth = CodeAuthServer(auth_url, secret_lifetime=3600)
+    cfg = config.load(BASE.replace(URL, url) + 'grant = "authorization_code"\n').backends["r"]
+    assert cfg.oauth is not None
+    async with trio.open_nursery() as nursery:
+        net = Net(nursery, {"127.0.0.1:9000": auth,
+                            "localhost:8080": ProtectedRemote(url, auth_url, lambda tok: True)})
+        source = PrincipalAuthorizationCode("r", url, cfg.oauth, net.open)
+        source.place("http://127.0.0.1:8766/oauth/callback", str(tmp_path))
+        for name in ("alice", "bob"):
+            with pytest.raises(CredentialsUnavailable):
+                await source.headers(who(name))  # no token: the backend learns and registers
+        assert len(auth.registered) == 1
+        flows = [source._flow(who(name)) for name in ("alice", "bob")]
+        for flow in flows:
+            flow.refresh_token = "ref-old"  # a grant each holds
+            flow.client_secret_expires_at = time.time() - 1
+        source._shared.client_secret_expires_at = time.time() - 1
+        for name in ("alice", "bob"):
+            with pytest.raises(CredentialsUnavailable) as exc:
+                await source.headers(who(name))
+            assert exc.value.url is not None and not exc.value.retryable
+        assert len(auth.registered) == 2 and "refresh_token" not in auth.grants
+        for flow in flows:
+            assert flow.refresh_token is None
+            source._copy(flow)  # (what her authorize page does first)
+            assert flow.client_id == auth.registered[1]
+        nursery.cancel_scope.cancel()

@@ -227,6 +227,23 @@ async def test_an_authorization_server_that_is_not_an_http_url_is_refused(
         nursery.cancel_scope.cancel()
 
 
+async def test_metadata_naming_the_issuer_with_another_trailing_slash_is_refused(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # RFC 8414 §3.3: the issuer is compared as a string, for client credentials as for the code
+    auth = AuthServer(AS, secret=SECRET)  # its metadata says issuer "http://127.0.0.1:9000"
+    remote = ProtectedRemote(URL, AS + "/", lambda tok: True)
+    cfg = config.load(f'[backends.r]\nurl = "{URL}"\n[backends.r.oauth]\nclient_id = "c"\n'
+                      'client_secret = { env = "S" }\n').backends["r"].oauth
+    assert cfg is not None
+    async with trio.open_nursery() as nursery:
+        net = Net(nursery, {"127.0.0.1:9000": auth, "localhost:8080": remote})
+        source = oauth.TokenSource("r", URL, cfg, opener=net.open)
+        with pytest.raises(oauth.TokenFailed, match=r"names issuer 'http://127\.0\.0\.1:9000'"):
+            await source.renew(None, "Bearer")
+        assert auth.requests == []  # no token asked of it
+        nursery.cancel_scope.cancel()
+
+
 @pytest.mark.parametrize(("doc", "why"), [
     ({"access_token": "a\tb", "token_type": "Bearer"}, "without a usable access_token"),
     ({"access_token": "t", "token_type": "Bearer", "refresh_token": 7}, "unusable refresh_token"),
