@@ -33,6 +33,7 @@ from gateway.core.audit import AuditSink
 from gateway.core.listen import Listens
 from gateway.core.ownership import Ownership
 from gateway.core.policy import Caller, Policy, caller_of
+from gateway.core.serving import url_elicitation_id
 from gateway.core.session import ClientSession
 from gateway.core.tracing import Tracer
 from gateway.events import BackendExited, CatalogChanged, ConnectionRefused, EventBus, ListsChanged
@@ -595,6 +596,10 @@ class Hub:
                 page = source.start_page(start, params.get("consent"), cookie)
             elif start is None and source.owns_state(state):
                 page = await source.complete(params, cookie)
+                if page.authorized is not None:  # the callers told -32042 hear it is done
+                    eid = url_elicitation_id(page.authorized)
+                    for session in list(self.sessions):
+                        session.url_completed(eid)
             if page is not None:
                 return page.status, page.body, page.content_type, page.headers
         if start is not None:

@@ -65,6 +65,7 @@ class _Bound:
     principal_key: str
     secret_hash: bytes
     flow: AuthorizationCode
+    link: str  # the authorize page's URL the caller was given
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +76,7 @@ class Page:
     body: str
     content_type: str = "text/plain; charset=utf-8"
     headers: tuple[tuple[str, str], ...] = ()
+    authorized: str | None = None  # an authorization completed: the link its caller was given
 
 
 def identity_of(principal_key: str, via: str, name: str) -> str:
@@ -341,7 +343,8 @@ class PrincipalAuthorizationCode:
             del self._bound[old]
         while len(self._bound) >= MAX_STARTS:
             del self._bound[next(iter(self._bound))]
-        self._bound[state] = _Bound(held.principal_key, _hash(secret), flow)
+        self._bound[state] = _Bound(held.principal_key, _hash(secret), flow,
+                                    self._page_url(start))
         cookie = (f"{_flow_cookie(state)}={secret}; Path=/; Secure; HttpOnly; SameSite=Lax; "
                   f"Max-Age={int(START_TTL)}")
         return Page(303, f"continue at {url}\n", headers=(("location", url),
@@ -375,7 +378,7 @@ class PrincipalAuthorizationCode:
             self._flows[bound.principal_key] = bound.flow
         LOGGER.info("backend %s: a principal authorized", self.backend)
         return Page(200, f"backend {self.backend} is authorized for you; this page may be "
-                         "closed and the call made again", headers=clear)
+                         "closed and the call made again", headers=clear, authorized=bound.link)
 
 
 def _flow_cookie(state: str) -> str:

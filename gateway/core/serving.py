@@ -256,6 +256,7 @@ class Served(Request):
         if cancelled and ports.calls_cut_off:  # drain grace over: say so, not silence
             exc = _cut_off()
         if isinstance(exc, errors.Denied) and isinstance(exc.data.get("url"), str):
+            link = exc.data["url"]
             asked = authorize_answer(exc, req.method, self.modern,
                                      self.caps if self.modern else session.caps,
                                      session.protocol_version)
@@ -263,6 +264,8 @@ class Served(Request):
                 result, exc = asked, None
             else:
                 exc = asked
+                if isinstance(asked, errors.URLElicitationRequired):
+                    session.asked_url(url_elicitation_id(link))
         if cancelled and exc is None:
             outcome = _CANCELLED  # a cancelled request gets no response
         elif exc is None:
@@ -430,6 +433,11 @@ def _decided(targeter: handlers.Targeter, ports: ServingPorts, session: ClientSe
     return target
 
 
+def url_elicitation_id(url: str) -> str:
+    """The ``elicitationId`` of the gateway's own URL-mode elicitation of ``url`` (pure)."""
+    return hashlib.sha256(url.encode()).hexdigest()[:32]
+
+
 def authorize_answer(exc: errors.Denied, method: str, modern: bool, caps: mcp.ClientCaps | None,
                      version: str | None) -> Raw | errors.GatewayError:
     """A call refused until its caller authorizes at ``exc.data["url"]``, as the caller can
@@ -449,7 +457,7 @@ def authorize_answer(exc: errors.Denied, method: str, modern: bool, caps: mcp.Cl
             "authorize": {"method": "elicitation/create", "params": ask}}})
     if version != "2025-11-25":
         return plain
-    elicitation = {**ask, "elicitationId": hashlib.sha256(url.encode()).hexdigest()[:32]}
+    elicitation = {**ask, "elicitationId": url_elicitation_id(url)}
     return errors.URLElicitationRequired(exc.message, elicitations=[elicitation],
                                          **{k: v for k, v in exc.data.items() if k == "backend"})
 

@@ -254,6 +254,8 @@ class ClientSession:
         # A connection without a task of its own (connection.Direct): its end, once closed
         self._on_close: Callable[[], None] | None = None
         self._principal: Principal | None = None
+        # the gateway's own URL elicitations (-32042) it was sent, not completed yet: their ids
+        self.url_asks: list[str] | None = None
 
     # ---- the state machine ------------------------------------------------------------------
 
@@ -418,6 +420,25 @@ class ClientSession:
         return f"<ClientSession {self.conn_id} {self.transport}>"
 
     # ---- outbound ---------------------------------------------------------------------------
+
+    def asked_url(self, elicitation_id: str) -> None:
+        """The gateway sent it a URL elicitation (-32042) with this id (its latest 16 kept)."""
+        asks = self.url_asks if self.url_asks is not None else []
+        if elicitation_id not in asks:
+            asks.append(elicitation_id)
+            del asks[:-16]
+        self.url_asks = asks
+
+    def url_completed(self, elicitation_id: str) -> bool:
+        """The interaction of that URL elicitation is over: when it was sent one with this id,
+        it is told (``notifications/elicitation/complete``, to it alone); whether it was."""
+        if not self.url_asks or elicitation_id not in self.url_asks:
+            return False
+        self.url_asks.remove(elicitation_id)
+        params = jsonrpc.encode_dict({"elicitationId": elicitation_id})
+        self.send(jsonrpc.encode_notification("notifications/elicitation/complete", params),
+                  (jsonrpc.Goes.UNRELATED, None))
+        return True
 
     def send(self, data: bytes, route: Route | None = None) -> bool:
         """Write one message to the client, or queue it.  Never blocks; on overflow the

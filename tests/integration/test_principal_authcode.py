@@ -225,23 +225,32 @@ async def test_each_caller_shape_gets_the_url_as_it_can_read_it(tmp_path: Path) 
             assert ask["method"] == "elicitation/create" and ask["params"]["mode"] == "url"
             page = ask["params"]["url"]
             assert page.startswith(f"http://127.0.0.1:{port}/oauth/callback?start=")
-            # 2025-11-25 with URL elicitation: -32042
-            async with connect(gw.url, token=TOKENS["carol"], capabilities=url_caps) as c:
-                error = (await c.call("up__echo", {"who": "carol"}))["error"]
+            # 2025-11-25 with URL elicitation: -32042, then the completion once she authorized
+            async with connect(gw.url, token=TOKENS["carol"], capabilities=url_caps) as told, \
+                    connect(gw.url, token=TOKENS["carol"], capabilities=url_caps) as other:
+                error = (await told.call("up__echo", {"who": "carol"}))["error"]
                 assert error["code"] == -32042, error
                 [elicitation] = error["data"]["elicitations"]
                 assert elicitation["mode"] == "url" and elicitation["url"] == page
                 assert elicitation["elicitationId"] and elicitation["message"]
-            # 2025-06-18, and 2025-11-25 without URL elicitation: -32005 with data.url
-            for version, caps in (("2025-06-18", url_caps), ("2025-11-25", {})):
-                async with connect(gw.url, token=TOKENS["carol"], version=version,
-                                   capabilities=caps) as c:
-                    assert authorize_url(await c.call("up__echo", {"who": "carol"})) == page
-            # a modern caller without URL elicitation: -32005 too
-            got = await modern_call(http, gw.http_url, {})
-            assert got["error"]["code"] == -32005 and got["error"]["data"]["url"] == page
-            done = await follow(http, page, "carol")
-            assert done.status_code == 200, done.text
+                # 2025-06-18, and 2025-11-25 without URL elicitation: -32005 with data.url
+                for version, caps in (("2025-06-18", url_caps), ("2025-11-25", {})):
+                    async with connect(gw.url, token=TOKENS["carol"], version=version,
+                                       capabilities=caps) as c:
+                        assert authorize_url(await c.call("up__echo", {"who": "carol"})) == page
+                # a modern caller without URL elicitation: -32005 too
+                got = await modern_call(http, gw.http_url, {})
+                assert got["error"]["code"] == -32005 and got["error"]["data"]["url"] == page
+                done = await follow(http, page, "carol")
+                assert done.status_code == 200, done.text
+                complete = {"method": "notifications/elicitation/complete",
+                            "params": {"elicitationId": elicitation["elicitationId"]}}
+                await told.wait_for(lambda: [n for n in told.notifications
+                                             if n["method"] == complete["method"]])
+                assert [{k: n[k] for k in ("method", "params")} for n in told.notifications
+                        if n["method"].startswith("notifications/elicitation")] == [complete]
+                await other.request("ping")  # (anything for it came before this answer)
+                assert not [n for n in other.notifications if "elicitation" in n["method"]]
             # the retry of the round (a new call) works now
             got = await modern_call(http, gw.http_url, url_caps)
             assert got["result"]["content"][0]["text"] == '{"who": "carol"}', got
