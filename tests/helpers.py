@@ -262,10 +262,12 @@ class Client:
         await self.send(msg)
 
     async def initialize(self, capabilities: dict[str, Any] | None = None,
-                         version: str = "2025-11-25") -> dict[str, Any]:
+                         version: str = "2025-11-25", *,
+                         timeout: float = 10.0) -> dict[str, Any]:  # noqa: ASYNC109 - request's
         resp = await self.request("initialize",
                                   {"protocolVersion": version, "capabilities": capabilities or {},
-                                   "clientInfo": {"name": "test", "version": "0"}})
+                                   "clientInfo": {"name": "test", "version": "0"}},
+                                  timeout=timeout)
         await self.notify("notifications/initialized")
         return resp
 

@@ -80,10 +80,17 @@ async def session(daemon: Daemon, n: int, deadline: float, fig: Figures) -> None
     rng = random.Random(n)
     while trio.current_time() < deadline:
         nonce = secrets.token_hex(6)
-        opener = connect(daemon.url) if n % 2 else unix_connect(daemon.unix_path)
+        opener = (connect(daemon.url, initialize=False) if n % 2
+                  else unix_connect(daemon.unix_path, initialize=False))
         fig.connections += 1
         try:
             async with opener as c:
+                try:  # the calls' bound: under this load a handshake may wait as long
+                    await c.initialize(timeout=ANSWER_BOUND)
+                except trio.TooSlowError:
+                    fig.lost.append(f"connection {nonce}: no initialize answer within "
+                                    f"{ANSWER_BOUND}s")
+                    continue
                 await _session_calls(c, rng, nonce, deadline, fig)
         except trio_websocket.ConnectionRejected as exc:
             # the gateway's slow-loris bound, when this loaded client was starved past it
