@@ -522,7 +522,7 @@ def _dispatch(ports: ConnectionPorts, session: ClientSession, env: jsonrpc.Envel
         except errors.GatewayError as exc:
             reply(error_response(env.id, exc), env.id)
             return
-        serve_request(ports, session, env, size, reply, params)
+        serve_request(ports, session, env, env.id, env.method, size, reply, params)
         return
     reply(None, None)
     if kind == "notification":
