@@ -66,6 +66,9 @@ class LineStream:
             parts.append(_NEWLINE)
         return self._io.write(parts)
 
+    def write_one(self, data: bytes, route: Route | None) -> bool:
+        return self._io.write_pair(data, _NEWLINE)
+
     async def flush(self) -> None:
         await self._io.flush()
 
