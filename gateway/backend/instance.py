@@ -249,7 +249,7 @@ class Instance(ChildHandlers):
         """The child that takes new calls now: running, and not being drained for a recycle."""
         child = self.child
         if (self.sup.state in _SERVING and child is not None
-                and child.closed is None and not self.draining):
+                and child.link.closed is None and not self.draining):
             return child
         return None
 

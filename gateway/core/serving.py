@@ -229,7 +229,8 @@ class Served(Request):
         now = self.session.now()
         self.backend_time = now - self.forwarded_at
         self.pool.release(self.inst, self.session)
-        if (isinstance(error, errors.NotDelivered) and not self.retried and self.target is not None
+        if (error is not None and isinstance(error, errors.NotDelivered) and not self.retried
+                and self.target is not None
                 and not self.session.closed.is_set() and self.session.nursery is not None):
             # The child died before reading it: once more, on the next child (slow path).
             LOGGER.info("backend %s died before %s reached it; retrying once", self.inst.name,
@@ -261,7 +262,8 @@ class Served(Request):
         response: bytes | None = None
         if cancelled and ports.calls_cut_off:  # drain grace over: say so, not silence
             exc = _cut_off()
-        if isinstance(exc, errors.Denied) and isinstance(exc.data.get("url"), str):
+        if (exc is not None and isinstance(exc, errors.Denied)
+                and isinstance(exc.data.get("url"), str)):
             asked = authorize_answer(exc, req.method, self.modern,
                                      self.caps if self.modern else session.caps,
                                      session.protocol_version)
@@ -349,8 +351,8 @@ def serve_request(ports: ServingPorts, session: ClientSession, env: jsonrpc.Enve
     session.inflight[id] = served
     session.buffers.charge(size)  # the request's bytes live until it is answered
     req: Request = served
-    handler = HANDLERS.get(method)
     targeter = handlers.FORWARDED.get(method)
+    handler = HANDLERS.get(method) if targeter is None else None  # (no method is both)
     tracer = ports.tracer
     if tracer is not None:
         req.trace = tracer.request(method, None if env.params is UNSET else env.params,
