@@ -53,9 +53,10 @@ class LineStream:
                 self._deadline = None  # a partial line left now started in this read
         frame = self._ready[self._pos]
         self._pos += 1
-        if not isinstance(frame, bytes):  # Oversize (an OversizeEnd needs report_end)
-            raise MessageTooLarge(frame.size, self._max)
-        return frame
+        if type(frame) is bytes:
+            return frame
+        assert not isinstance(frame, bytes)  # Oversize (an OversizeEnd needs report_end)
+        raise MessageTooLarge(frame.size, self._max)
 
     def write_nowait(self, messages: list[bytes], route: Route | None = None) -> bool:
         if len(messages) == 1:
