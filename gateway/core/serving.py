@@ -176,8 +176,7 @@ class Served(Request):
             self.scope.cancel()
 
     def forward_now(self) -> bool:
-        """Forward to the target's backend without a task, if an instance takes it right now
-        (in the step that admitted it: its clock reading is the request's start)."""
+        """Forward to the target's backend without a task, if an instance takes it right now."""
         ports, session, req, target = self.ports, self.session, self, self.target
         assert target is not None
         backend = ports.backend_now(target.backend)
@@ -194,7 +193,7 @@ class Served(Request):
             req.counted = True
             ports.bus.emit(RequestStarted(session.conn_id, self.label, backend.name))
         self.pool, self.inst, self.child = backend, inst, child
-        self.forwarded_at = self.started
+        self.forwarded_at = session.now()  # the time before it is the gateway's (overhead)
         self.mode = _FORWARDED
         trace = req.trace
         try:
