@@ -500,6 +500,9 @@ class MemoryStream:
                 raise TransportClosed("closed") from None
         return not self._held
 
+    def write_one(self, data: bytes, route: object = None) -> bool:
+        return self.write_nowait([data], route)
+
     async def flush(self) -> None:
         while self._held:
             await self.send(self._held[0])

@@ -406,7 +406,7 @@ class ChildConnection:
     def message(self, line: bytes, cause: int | None = None) -> None:
         """One whole message from the child (the link's :class:`Receiver` side); ``cause``: the
         request whose own answer stream carried it, if the link knows."""
-        if line.startswith(b"\xef\xbb\xbf"):  # a byte order mark: JSON parsers may ignore it
+        if line[:1] == b"\xef" and line.startswith(b"\xef\xbb\xbf"):  # a byte order mark
             line = line[3:]
         try:
             env = jsonrpc.decode(line, self._max_depth)

@@ -195,6 +195,9 @@ class Instance(ChildHandlers):
         # Being drained for a recycle: the pool routes no new call here (see _watch_abandoned).
         self.draining = False
         self._calls_changed = Wakeup()  # a client call on this child ended
+        #: Tell it a client call on this instance ended, or an abandoned one left the
+        #: attribution set (the wake-up's own ``set``: no call in between).
+        self.calls_changed: Callable[[], None] = self._calls_changed.set
         # AUTHORIZING: returns once an operator authorized (the connector's open said so)
         self._authorized: Callable[[], Awaitable[None]] | None = None
 
@@ -249,7 +252,7 @@ class Instance(ChildHandlers):
         """The child that takes new calls now: running, and not being drained for a recycle."""
         child = self.child
         if (self.sup.state in _SERVING and child is not None
-                and child.closed is None and not self.draining):
+                and child.link.closed is None and not self.draining):
             return child
         return None
 
@@ -479,10 +482,6 @@ class Instance(ChildHandlers):
             LOGGER.warning("backend %s: %s ended: %s", self.name, ident, self.last_exit)
         host.bus.emit(BackendExited(self.backend.name, self.name, pid, kind, end.returncode))
         return exit_reason
-
-    def calls_changed(self) -> None:
-        """A client call on this instance ended, or an abandoned one left the attribution set."""
-        self._calls_changed.set()
 
     def _set_draining(self, draining: bool) -> None:
         self.draining = draining

@@ -212,21 +212,25 @@ class LineLink:
         # step per wake-up (trio's FdStream adds a checkpoint to every read, a second step).
         stream = self._receive_stream
         fd = stream.fileno() if isinstance(stream, trio.lowlevel.FdStream) else None
+        more = True  # the last read filled its buffer: read before waiting
         while True:
             try:
                 if fd is None:
                     data = await self._read_some()
                 else:
                     while True:
+                        if not more:  # a short read emptied the pipe: no read to fail first
+                            await trio.lowlevel.wait_readable(fd)
                         try:
                             data = os.read(fd, READ_CHUNK)
                             break
                         except BlockingIOError:
-                            await trio.lowlevel.wait_readable(fd)
+                            more = False
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 return
             if not data:
                 return
+            more = len(data) == READ_CHUNK
             frames = framer.feed(data)
             for n, frame in enumerate(frames, 1):
                 if type(frame) is bytes:
@@ -237,7 +241,7 @@ class LineLink:
                     oversize_end(frame)
                 if not n % SLICE:  # a long run of replies: let the other tasks run meanwhile
                     await trio.lowlevel.checkpoint()
-            if len(data) == READ_CHUNK and len(frames) % SLICE:  # more may be waiting
+            if more and len(frames) % SLICE:  # more may be waiting
                 await trio.lowlevel.checkpoint()
 
     async def _read_stderr(self, stream: trio.abc.ReceiveStream, cfg: BackendConfig) -> None:

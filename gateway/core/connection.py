@@ -331,7 +331,7 @@ async def _reader(ports: ConnectionPorts, session: ClientSession, stream: Messag
             session.close(exc.close_reason)
             return
         if isinstance(data, bytes):
-            if jsonrpc.is_batch(data):
+            if data[:1] != b"{" and jsonrpc.is_batch(data):  # (a message: no call to tell)
                 _handle_batch(ports, session, data, nursery)
             else:
                 _handle(ports, session, data, nursery, reply)
@@ -507,7 +507,7 @@ def _dispatch(ports: ConnectionPorts, session: ClientSession, env: jsonrpc.Envel
     """A decoded message: a request is served (or refused), anything else taken in; ``reply``
     is called once (with None when there is nothing to answer now)."""
     if kind == "request":
-        assert isinstance(env.id, (int, str)) and isinstance(env.method, str)
+        assert (type(env.id) is int or type(env.id) is str) and type(env.method) is str
         refused = refusal(ports, session, env) if ports.draining else None
         if refused is not None:
             session.drain(trio.current_time())  # its close waits for it to settle
@@ -522,7 +522,7 @@ def _dispatch(ports: ConnectionPorts, session: ClientSession, env: jsonrpc.Envel
         except errors.GatewayError as exc:
             reply(error_response(env.id, exc), env.id)
             return
-        serve_request(ports, session, env, size, reply, params)
+        serve_request(ports, session, env, env.id, env.method, size, reply, params)
         return
     reply(None, None)
     if kind == "notification":

@@ -305,10 +305,17 @@ def _forwarded(req: Request, child: Any, call: Any) -> None:
 def call_tool(ports: CatalogView, session: ClientSession, req: Request) -> Target:
     if "task" in req.params:
         _reject_tasks(req)
-    name = _str_param(req, "name")
-    route = ports.catalog.tool_routes.get(name)
-    if route is None:
-        raise errors.InvalidParams(f"unknown tool {name!r}")
+    catalog = ports.catalog
+    raw = req.params.get("name")
+    hit = catalog.tool_wire.get(bytes(raw)) if raw is not None else None
+    if hit is not None:
+        name, route = hit
+    else:  # absent, not a string, written with escapes, or unknown
+        name = _str_param(req, "name")
+        found = catalog.tool_routes.get(name)
+        if found is None:
+            raise errors.InvalidParams(f"unknown tool {name!r}")
+        route = found
     req.tool = name
     consent: Consent | None = None
     if ports.policy.active and ports.policy.check(name, caller_of(session)):

@@ -42,6 +42,10 @@ class MessageWriter(Protocol):
         """
         ...
 
+    def write_one(self, data: bytes, route: Route | None) -> bool:
+        """One message, as ``write_nowait([data], route)`` (the usual answer: no list)."""
+        ...
+
     async def flush(self) -> None:
         """Write what is held, waiting for the peer as needed.  Cancelling it loses nothing.
 

@@ -39,8 +39,10 @@ from gateway.core.tracing import RequestTrace, Tracer
 from gateway.events import RequestFinished, RequestOutcome, RequestStarted
 from gateway.protocol import era, jsonrpc, mcp
 from gateway.protocol.routing import CallState
+from gateway.protocol.session import SessionState
 
 if TYPE_CHECKING:
+    from gateway.auth.principal import Principal
     from gateway.backend.child import ChildConnection
     from gateway.backend.instance import Instance
     from gateway.backend.pool import Backend
@@ -83,7 +85,8 @@ class Mode(enum.Enum):
 # Module names for the members read on every request (a member looked up on its enum class is
 # a descriptor call on CPython 3.11).
 _INLINE, _FORWARDED, _TASK = Mode.INLINE, Mode.FORWARDED, Mode.TASK
-_MODERN = era.Era.MODERN
+_MODERN, _LEGACY = era.Era.MODERN, era.Era.LEGACY
+_READY_LEGACY = SessionState.READY_LEGACY
 _OK, _ERROR, _CANCELLED = RequestOutcome.OK, RequestOutcome.ERROR, RequestOutcome.CANCELLED
 _LABELS = mcp.METHOD_LABELS
 
@@ -110,6 +113,7 @@ class Served(Request):
         "modern",
         "pool",
         "ports",
+        "principal",
         "reply",
         "retried",
         "scope",
@@ -119,13 +123,14 @@ class Served(Request):
         "target",
     )
 
-    def __init__(self, ports: ServingPorts, session: ClientSession, env: jsonrpc.Envelope,
-                 size: int, reply: Callable[[bytes | None, int | str | None], None]) -> None:
-        assert isinstance(env.id, (int, str)) and isinstance(env.method, str)
+    def __init__(self, ports: ServingPorts, session: ClientSession, id: int | str, method: str,
+                 size: int, reply: Callable[[bytes | None, int | str | None], None],
+                 principal: Principal | None) -> None:
         self.ports = ports
         self.session = session
-        self.id = env.id  # the Request's fields
-        self.method = env.method
+        self.principal = principal  # the caller, as its request was admitted
+        self.id = id  # the Request's fields
+        self.method = method
         self.params = {}
         self.backend = ""
         self.backend_time = None
@@ -133,7 +138,7 @@ class Served(Request):
         self.counted = False
         self.at = None
         self.trace = None
-        self.label = _LABELS.get(env.method, "other")
+        self.label = _LABELS.get(method, "other")
         self.size = size
         self.reply = reply
         self.started = session.now()
@@ -179,7 +184,7 @@ class Served(Request):
             return False
         picked = backend.pick_now(session, asks=bool(backend.askers)
                                   and backend.waits_for_parked(asker_key(req)),
-                                  principal=session.principal)
+                                  principal=self.principal)
         if picked is None:
             return False
         inst, child = picked
@@ -188,7 +193,7 @@ class Served(Request):
             req.counted = True
             ports.bus.emit(RequestStarted(session.conn_id, self.label, backend.name))
         self.pool, self.inst, self.child = backend, inst, child
-        self.forwarded_at = session.now()
+        self.forwarded_at = session.now()  # the time before it is the gateway's (overhead)
         self.mode = _FORWARDED
         trace = req.trace
         try:
@@ -223,7 +228,8 @@ class Served(Request):
         now = self.session.now()
         self.backend_time = now - self.forwarded_at
         self.pool.release(self.inst, self.session)
-        if (isinstance(error, errors.NotDelivered) and not self.retried and self.target is not None
+        if (error is not None and isinstance(error, errors.NotDelivered) and not self.retried
+                and self.target is not None
                 and not self.session.closed.is_set() and self.session.nursery is not None):
             # The child died before reading it: once more, on the next child (slow path).
             LOGGER.info("backend %s died before %s reached it; retrying once", self.inst.name,
@@ -255,7 +261,8 @@ class Served(Request):
         response: bytes | None = None
         if cancelled and ports.calls_cut_off:  # drain grace over: say so, not silence
             exc = _cut_off()
-        if isinstance(exc, errors.Denied) and isinstance(exc.data.get("url"), str):
+        if (exc is not None and isinstance(exc, errors.Denied)
+                and isinstance(exc.data.get("url"), str)):
             link = exc.data["url"]
             asked = authorize_answer(exc, req.method, self.modern,
                                      self.caps if self.modern else session.caps,
@@ -300,7 +307,7 @@ class Served(Request):
         session.buffers.release(self.size)
         if not session.inflight and ports.draining:  # only the drain waits for this
             ports.connections_changed()
-        principal = session.principal
+        principal = self.principal
         if now is None:
             now = session.now()
         if req.trace is not None:
@@ -334,21 +341,21 @@ def _admit(ports: ServingPorts, served: Served, principal: str) -> None:
     served.held = principal
 
 
-def serve_request(ports: ServingPorts, session: ClientSession, env: jsonrpc.Envelope, size: int,
+def serve_request(ports: ServingPorts, session: ClientSession, env: jsonrpc.Envelope,
+                  id: int | str, method: str, size: int,
                   reply: Callable[[bytes | None, int | str | None], None],
                   params: dict[str, Raw] | None = None) -> None:
-    """Serve one admitted request: at once when the gateway answers it or a backend instance
-    takes it now (no task), else in a task.  ``params``: its params' top level, when its
-    transport decoded them already (None: decoded here)."""
-    served = Served(ports, session, env, size, reply)
-    session.inflight[served.id] = served
+    """Serve one admitted request (``env``, its ``id`` and ``method``): at once when the gateway
+    answers it or a backend instance takes it now (no task), else in a task.  ``params``: its
+    params' top level, when its transport decoded them already (None: decoded here)."""
+    principal = session.principal  # read once
+    served = Served(ports, session, id, method, size, reply, principal)
+    session.inflight[id] = served
     session.buffers.charge(size)  # the request's bytes live until it is answered
     req: Request = served
-    method = req.method
-    handler = HANDLERS.get(method)
     targeter = handlers.FORWARDED.get(method)
+    handler = HANDLERS.get(method) if targeter is None else None  # (no method is both)
     tracer = ports.tracer
-    principal = session.principal  # read once
     if tracer is not None:
         req.trace = tracer.request(method, None if env.params is UNSET else env.params,
                                    session.transport, None if principal is None else principal.name)
@@ -356,10 +363,11 @@ def serve_request(ports: ServingPorts, session: ClientSession, env: jsonrpc.Enve
         if (handler is None and targeter is None and method not in handlers.ASYNC_HANDLERS
                 and method != "server/discover"):
             raise errors.MethodNotFound(f"method {method!r} not found")
-        if principal is not None and method not in UNLIMITED and ports.limits:
+        if principal is not None and ports.limits.limits and method not in UNLIMITED:
             _admit(ports, served, principal.name)
         req.params = jsonrpc.params_dict(env.params) if params is None else params
-        chosen = session.era
+        ready = session.state is _READY_LEGACY  # (one read: legacy and initialized)
+        chosen = _LEGACY if ready else session.era
         if chosen is None:  # the first request chooses the connection's era
             chosen = era.era_of(method, req.params)
             session.choose_era(chosen)
@@ -392,7 +400,7 @@ def serve_request(ports: ServingPorts, session: ClientSession, env: jsonrpc.Enve
         elif method == "server/discover":
             raise errors.MethodNotFound(f"method {method!r} not found: this connection speaks "
                                         f"{session.protocol_version or 'a legacy revision'}")
-        elif not session.initialized and method not in PRE_INIT:
+        elif not ready and not session.initialized and method not in PRE_INIT:
             raise errors.InvalidRequest(f"{method}: the connection is not initialized yet")
         if handler is not None:
             served.end(handler(ports, session, req))

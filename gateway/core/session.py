@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from gateway.core.request import Request
 
 LOGGER = logging.getLogger(__name__)
+_CLOSED = SessionState.CLOSED  # (a module name: read on every message sent)
 
 _conn_counter = itertools.count(1)
 #: Random bytes drawn from the OS at once for ids (one system call per few hundred connections,
@@ -444,7 +445,7 @@ class ClientSession:
         """Write one message to the client, or queue it.  Never blocks; on overflow the
         connection is closed.  Straight to the transport when nothing is queued (see
         :mod:`gateway.core.outbox`), with its routing hint ``route``."""
-        if self.closed.is_set():
+        if self._state is _CLOSED:  # (set with ``closed``)
             return False
         n = len(data)
         if self.queued_bytes + n > self.max_outbound_bytes:
@@ -457,7 +458,7 @@ class ClientSession:
         writer = self._writer
         if self.queued == 0 and writer is not None:
             try:
-                if writer.write_nowait([data], route):
+                if writer.write_one(data, route):
                     return True
             except errors.TransportClosed:
                 self.close(CloseReason.CLIENT_CLOSED)

@@ -88,6 +88,9 @@ class Catalog:
     resources: list[dict[str, Any]] = field(default_factory=list)
     templates: list[dict[str, Any]] = field(default_factory=list)
     tool_routes: dict[str, Route] = field(default_factory=dict)
+    #: a tool's name as JSON (as a client writes it, unescaped) -> (name, route): a call's name
+    #: is found without decoding it
+    tool_wire: dict[bytes, tuple[str, Route]] = field(default_factory=dict)
     prompt_routes: dict[str, Route] = field(default_factory=dict)
     resource_routes: dict[str, str] = field(default_factory=dict)  # uri -> backend
     template_routes: list[tuple[re.Pattern[str], str, str]] = field(default_factory=list)
@@ -226,6 +229,7 @@ def build_catalog(
     cat.prompts, cat.prompt_routes = _merge_named(
         "prompt", [(b, p, bl.prompts) for b, p, bl in lists], separator, strict, warnings
     )
+    cat.tool_wire = {msgspec.json.encode(n): (n, r) for n, r in cat.tool_routes.items()}
     cat.tool_defs = {t["name"]: t for t in cat.tools}
     for backend, _prefix, bl in lists:
         for res in bl.resources:

@@ -43,6 +43,12 @@ class LineFramer:
         return bool(self._buf)
 
     def feed(self, data: bytes) -> list[bytes | Oversize | OversizeEnd]:
+        last = len(data) - 1
+        if (0 < last <= self._max and data[0] > 32 and data[last - 1] != 13 and not self._buf
+                and not self._discarding and data.find(b"\n") == last):
+            # One whole line, nothing held (the usual read): it starts with a byte that is not
+            # blank and does not end in "\r", so it is its own frame.
+            return [data[:last]]
         out: list[bytes | Oversize | OversizeEnd] = []
         start = 0
         while True:

@@ -118,7 +118,9 @@ def decode(data: bytes, max_depth: int = MAX_DEPTH) -> Envelope:
             nested too deep (``reason = "too_deep"``).
     """
     try:
-        wire.check(data, max_depth)
+        if (type(data) is not bytes or not data.isascii()
+                or data.count(b"[") + data.count(b"{") > max_depth):  # wire.check's cheap test
+            wire.check(data, max_depth)
         env = _decoder.decode(data)
     except wire.NotUtf8 as exc:
         raise ParseError(f"parse error: {exc}", reason="invalid_utf8") from None

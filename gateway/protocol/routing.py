@@ -96,7 +96,8 @@ class Call:
         self.started = now
         self.timeout = timeout
         self.hard_deadline = hard_deadline
-        self.deadline = min(now + timeout, hard_deadline)
+        deadline = now + timeout
+        self.deadline = deadline if deadline < hard_deadline else hard_deadline
         self.paused = 0  # open server→client requests of its owner: the clock is stopped
         self.remaining = 0.0  # while paused: what was left of the timeout
         self.abandoned_at: float | None = None

@@ -53,9 +53,10 @@ class LineStream:
                 self._deadline = None  # a partial line left now started in this read
         frame = self._ready[self._pos]
         self._pos += 1
-        if not isinstance(frame, bytes):  # Oversize (an OversizeEnd needs report_end)
-            raise MessageTooLarge(frame.size, self._max)
-        return frame
+        if type(frame) is bytes:
+            return frame
+        assert not isinstance(frame, bytes)  # Oversize (an OversizeEnd needs report_end)
+        raise MessageTooLarge(frame.size, self._max)
 
     def write_nowait(self, messages: list[bytes], route: Route | None = None) -> bool:
         if len(messages) == 1:
@@ -65,6 +66,9 @@ class LineStream:
             parts.append(m)
             parts.append(_NEWLINE)
         return self._io.write(parts)
+
+    def write_one(self, data: bytes, route: Route | None) -> bool:
+        return self._io.write_pair(data, _NEWLINE)
 
     async def flush(self) -> None:
         await self._io.flush()

@@ -90,6 +90,29 @@ class SocketIO:
         self._held, self._off = data, n
         return False
 
+    def write_pair(self, first: bytes, second: bytes) -> bool:
+        """:meth:`write` of ``[first, second]`` (a message and its framing), without the list.
+
+        Raises:
+            TransportClosed: the socket is broken or closed.
+        """
+        if self._writes_closed:
+            raise TransportClosed("closed")
+        if self._held:  # (empty whenever nothing is held)
+            self._held = self._held[self._off:] + first + second
+            self._off = 0
+            return False
+        try:
+            n = os.writev(self.fd, (first, second))
+        except BlockingIOError:
+            n = 0
+        except OSError as exc:
+            raise TransportClosed(str(exc)) from None
+        if n == len(first) + len(second):
+            return True
+        self._held, self._off = first + second, n
+        return False
+
     async def flush(self) -> None:
         """Until nothing is held.  Cancelling it loses nothing (what is held stays exact).
 
@@ -178,6 +201,12 @@ class StreamIO:
         if self._writes_closed:
             raise TransportClosed("closed")
         self._held.extend(parts)
+        return False
+
+    def write_pair(self, first: bytes, second: bytes) -> bool:
+        if self._writes_closed:
+            raise TransportClosed("closed")
+        self._held += (first, second)
         return False
 
     async def flush(self) -> None:

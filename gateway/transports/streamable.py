@@ -456,6 +456,9 @@ class HttpSession:
                 self._route(message)
         return not self._dirty
 
+    def write_one(self, data: bytes, route: Route | None) -> bool:
+        return self.write_nowait([data], route)
+
     def _route(self, message: bytes) -> None:
         """A message the core sent without a routing hint (one it queued, a batch's array,
         what the routing core passes on): its hint read from its JSON."""

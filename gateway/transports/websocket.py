@@ -186,6 +186,12 @@ class WebSocketStream:
             parts.append(data)
         return self._io.write(parts)
 
+    def write_one(self, data: bytes, route: Route | None) -> bool:
+        if self._closed:
+            raise TransportClosed("closed")
+        n = len(data)
+        return self._io.write_pair(_SMALL_HEADERS[n] if n < 126 else text_header(n), data)
+
     async def flush(self) -> None:
         await self._io.flush()
 

@@ -394,6 +394,28 @@ async def test_ping_is_answered_by_the_gateway_itself(autojump_clock: Clock) -> 
                 assert sent(gw.link("fx"), "ping") == []  # neither ping reached it
 
 
+async def test_a_tool_name_is_routed_however_its_json_is_written(autojump_clock: Clock) -> None:
+    # The catalog finds a plainly written name by its JSON bytes; written with escapes, the name
+    # is decoded and found the same; an unknown or non-string name is refused by name.
+    cfg = memory_config(backend("fx"))
+    with trio.fail_after(20):
+        async with running(cfg, {"fx": fixture_script()}) as gw:
+            async with gw.connect() as c:
+                tag = nonce()
+                await c.send('{"jsonrpc":"2.0","id":"esc","method":"tools/call","params":'
+                             '{"name":"fx__\\u0065cho","arguments":{"message":"' + tag + '"}}}')
+                assert text_of(await c.response("esc")) == tag
+                assert text_of(await c.call("fx__echo", {"message": tag})) == tag
+                r = await c.call("fx__nope", {})
+                assert r["error"]["code"] == -32602
+                assert r["error"]["message"] == "unknown tool 'fx__nope'"
+                r = await c.request("tools/call", {"name": 7})
+                assert r["error"]["code"] == -32602
+                assert r["error"]["message"] == "tools/call: 'name' must be a string"
+                r = await c.request("tools/call", {"arguments": {}})
+                assert r["error"]["message"] == "tools/call: missing required parameter 'name'"
+
+
 # ---- pagination -----------------------------------------------------------------------------
 
 
