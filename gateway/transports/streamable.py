@@ -410,7 +410,8 @@ class HttpSession:
             del self._detached[sink.stream]
         if sink.conn is not None:
             self._dirty.discard(sink.conn)
-        self._wakeup.set()  # the reader re-checks idleness
+        # the reader is not woken: at its deadline it reads ``last_active`` again (a wake-up per
+        # answered POST would cost its session's task a step per call)
 
     def idle(self) -> bool:
         client = self.client
