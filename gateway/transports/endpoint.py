@@ -69,7 +69,8 @@ QUICK_ANSWER = 0.05
 RETRY_AFTER = 1
 #: The timer of :class:`_QuickWaits` wakes at most this often.
 QUICK_TICK = 0.01
-#: A keep-alive connection with no request for this long is closed.
+#: A keep-alive connection with no request for this long is closed (counted from the answer,
+#: or from :data:`KEEPALIVE` after a POST whose task read ahead: see :func:`_hold`).
 IDLE_TIMEOUT = 60.0
 JSON = "application/json"
 TEXT = "text/plain; charset=utf-8"
@@ -472,7 +473,8 @@ class Endpoint:
                 f"progressToken {sink.token!r} is in use by another request of this session",
                 reason="progress_token_in_use"), env.id)
         try:
-            await self._stream(conn, session, sink, (env, kind, len(body), params))
+            await self._stream(conn, session, sink, (env, kind, len(body), params),
+                               ahead=not created)
         finally:
             if created and not (session.client is not None and session.client.initialized):
                 # its initialize failed (or its POST ended unanswered): no session was made;
@@ -580,8 +582,9 @@ class Endpoint:
             if _rounds(session) == 0:
                 flow.finish()
 
-    async def _hold(self, conn: HttpConnection, session: HttpSession, sink: Sink) -> None:
-        await _hold(conn, session, sink, self.sessions.quick)
+    async def _hold(self, conn: HttpConnection, session: HttpSession, sink: Sink, *,
+                    ahead: bool = False) -> None:
+        await _hold(conn, session, sink, self.sessions.quick, ahead=ahead)
 
     def _resume(self, env: jsonrpc.Envelope, params: dict[str, msgspec.Raw],
                 caps: dict[str, object], sink: Sink, principal: Principal | None) -> HttpSession:
@@ -605,13 +608,14 @@ class Endpoint:
         conn.respond(202, headers=[(SESSION_HEADER, session.id)])
 
     async def _stream(self, conn: HttpConnection, session: HttpSession, sink: Sink,
-                      message: Decoded, notices: Sequence[jsonrpc.Envelope] = ()) -> None:
+                      message: Decoded, notices: Sequence[jsonrpc.Envelope] = (), *,
+                      ahead: bool = False) -> None:
         session.open_post(sink)
         if not session.push(message):
             session.close_sink(sink)
             raise HttpError(503, "this session's inbox is full; retry later")
         _cancellations(session, notices)
-        await self._hold(conn, session, sink)
+        await self._hold(conn, session, sink, ahead=ahead)
 
 
 def _cancellations(session: HttpSession, notices: Sequence[jsonrpc.Envelope]) -> None:
@@ -709,20 +713,33 @@ def _progress_token(params: dict[str, msgspec.Raw] | None) -> int | str | None:
 
 
 async def _hold(conn: HttpConnection, session: HttpSession, sink: Sink,
-                quick: _QuickWaits) -> None:
+                quick: _QuickWaits, *, ahead: bool = False) -> None:
     """Wait until ``sink`` is answered (or its session ends), watching the peer; an SSE comment
-    every :data:`KEEPALIVE` seconds of silence.  Raises TransportClosed when the peer left."""
+    every :data:`KEEPALIVE` seconds of silence.  Raises TransportClosed when the peer left.
+
+    ``ahead`` (a POST on a plain socket): the task waits for the peer's next bytes at once, not
+    for the answer, which is written whole by the task that has it without waking this one:
+    the next request (or the peer leaving) ends the wait, else the first keep-alive time."""
     try:
         if conn.io.held:  # a GET stream's parked backlog, more than the socket took at once
             with trio.move_on_after(WRITE_TIMEOUT):
                 await conn.flush()
-        if not sink.done and sink.request_id is not None:
+        ahead = ahead and sink.request_id is not None and conn.reads_ahead
+        if not sink.done and sink.request_id is not None and not ahead:
             # Most answers come within moments: wait for them without watching the socket
             # (registering it with epoll and cancelling that wait costs more than the call).
             await quick.wait(sink)
         while not sink.done and sink.conn is conn:
             with trio.move_on_after(KEEPALIVE) as scope:
                 sink.scope = scope
+                if ahead:  # the answer is written by whoever has it, without waking this task
+                    ahead = False
+                    sink.ahead = True
+                    try:
+                        await conn.read_ahead()  # the peer's next request, or its leaving
+                    finally:
+                        sink.ahead = False
+                    continue  # answered (and written whole): its next request is at hand
                 await conn.watch()
             sink.scope = None
             if not sink.done and sink.conn is conn and scope.cancelled_caught:

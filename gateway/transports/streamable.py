@@ -90,8 +90,8 @@ class Sink:
     :meth:`HttpConnection.watch` under ``scope`` until :attr:`done` or until ``conn`` is no
     longer its connection (detached, or resumed on another)."""
 
-    __slots__ = ("answered", "batch", "conn", "done", "ids", "invalid", "request_id", "scope",
-                 "session_id", "started", "stream", "token")
+    __slots__ = ("ahead", "answered", "batch", "conn", "done", "ids", "invalid", "request_id",
+                 "scope", "session_id", "started", "stream", "token")
 
     def __init__(self, conn: HttpConnection | None, session_id: str,
                  request_id: RequestId | None = None,
@@ -108,6 +108,9 @@ class Sink:
         self.done = False
         self.scope: trio.CancelScope | None = None
         self.answered: trio.Event | None = None  # set with ``done`` (see endpoint._hold)
+        # its task reads the peer's next request meanwhile: an answer written whole does not
+        # wake it (one that the socket did not take whole does, to flush it)
+        self.ahead = False
 
     def deliver(self, message: bytes, final: bool, event_id: bytes | None = None) -> bool:
         """Write ``message`` (``final``: the response that ends this stream).  True when all
@@ -115,11 +118,23 @@ class Sink:
         conn = self.conn
         assert conn is not None
         if final:
-            self.finish_soon()
-            if not self.started:  # answered before anything else: a plain JSON response
-                return conn.respond_json(self._status(message), message, self.session_id)
-            conn.event(message, event_id)
-            return conn.end_events()
+            self.done = True
+            if self.answered is not None:
+                self.answered.set()
+            if self.scope is not None and not self.ahead:
+                self.scope.cancel()
+            try:
+                if not self.started:  # answered before anything else: a plain JSON response
+                    whole = conn.respond_json(self._status(message), message, self.session_id)
+                else:
+                    conn.event(message, event_id)
+                    whole = conn.end_events()
+            except TransportClosed:
+                self.wake()
+                raise
+            if not whole:
+                self.wake()  # its task flushes it
+            return whole
         return conn.event(message, event_id)
 
     def _status(self, message: bytes) -> int:
