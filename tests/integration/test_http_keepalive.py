@@ -1,7 +1,8 @@
-"""Legacy /mcp POSTs on one keep-alive connection, byte by byte: the connection's task reads the
-next request while a call is answered; pipelined requests, a next request bigger than what is
-kept while a response streams, an answer the client does not read at once, and a client that
-leaves while its call runs."""
+"""/mcp POSTs on one keep-alive connection, byte by byte: the connection's task reads the next
+request while a call is answered; pipelined requests, a next request bigger than what is kept
+while a response streams, an answer the client does not read at once, a client that leaves
+while its call runs, and stateless flows that end with their answer on a connection kept
+open."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 import pytest
 import trio
-from helpers import HTTP_INIT, fixture_backend, make_config, run_gateway
+from helpers import HTTP_INIT, fixture_backend, make_config, run_gateway, wait_status
 
 pytestmark = pytest.mark.system
 
@@ -24,6 +25,21 @@ def _post(body: dict[str, Any], sid: str | None = None) -> bytes:
     if sid is not None:
         head += b"mcp-session-id: %s\r\nmcp-protocol-version: 2025-11-25\r\n" % sid.encode()
     return head + b"\r\n" + data
+
+
+MODERN = "2026-07-28"
+
+
+def _modern(id: int, message: str) -> bytes:
+    """A stateless (2026-07-28) ``tools/call`` of echo, with its headers."""
+    data = json.dumps({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": {
+        "name": "fx__echo", "arguments": {"message": message},
+        "_meta": {"io.modelcontextprotocol/protocolVersion": MODERN,
+                  "io.modelcontextprotocol/clientCapabilities": {}}}}).encode()
+    return (b"POST /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+            b"accept: application/json, text/event-stream\r\ncontent-type: application/json\r\n"
+            b"mcp-protocol-version: %s\r\nmcp-method: tools/call\r\nmcp-name: fx__echo\r\n"
+            b"content-length: %d\r\n\r\n%s" % (MODERN.encode(), len(data), data))
 
 
 def _call(id: int, message: str) -> dict[str, Any]:
@@ -123,4 +139,32 @@ async def test_client_leaving_while_reading_ahead_frees_the_connection() -> None
             reader = _Reader(stream)
             await stream.send_all(_post(_call(4, "three"), sid))
             assert _text((await reader.response())[2]) == "three"
+            await stream.aclose()
+
+
+async def test_stateless_flows_end_with_their_answer_on_an_open_connection() -> None:
+    async with run_gateway(make_config(fixture_backend())) as gw:
+        with trio.fail_after(20):
+            port = gw.bound.admin_port
+            stream = await trio.open_tcp_stream("127.0.0.1", gw.bound.http_port)
+            reader = _Reader(stream)
+            for i in range(20):
+                await stream.send_all(_modern(i, f"s{i}"))
+                status, _, body = await reader.response()
+                assert (status, _text(body)) == (200, f"s{i}")
+            with trio.fail_after(5):  # pipelined: the second waits for nothing
+                await stream.send_all(_modern(40, "a") + _modern(41, "b"))
+                got = {json.loads((await reader.response())[2])["id"] for _ in range(2)}
+            assert got == {40, 41}
+            big = "x" * 100_000
+            await stream.send_all(_modern(50, big))
+            assert _text((await reader.response())[2]) == big
+            await stream.send_all(_modern(51, "small"))
+            assert _text((await reader.response())[2]) == "small"
+            # the connection stays open, idle: every flow is over, none waits for its next request
+            with trio.fail_after(5):  # well before the first keep-alive comment's time
+                await wait_status(port, lambda st: st["client_requests_in_flight"] == 0
+                                  and st["connections"].get("http", 0) == 0)
+            await stream.send_all(_modern(60, "after"))
+            assert _text((await reader.response())[2]) == "after"
             await stream.aclose()
