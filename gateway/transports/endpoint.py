@@ -379,9 +379,13 @@ class Endpoint:
             # oauth-authorization-server, /register, /token) is told it lacks a token, not 404.
             await self._authenticate(req, oauth_body=True)
             raise HttpError(404, "not found (the MCP endpoint is /mcp)")
-        if not req.host_in(self.hosts):
-            LOGGER.warning("/mcp: refused Host %.100r (listen.allowed_hosts)", req.header(b"host"))
-            raise HttpError(403, "Host not allowed")
+        host = req.header(b"host")
+        if host is None or conn.passed.get("host") != host:
+            if not req.host_in(self.hosts):
+                LOGGER.warning("/mcp: refused Host %.100r (listen.allowed_hosts)", host)
+                raise HttpError(403, "Host not allowed")
+            assert host is not None
+            conn.passed["host"] = host
         if not self._origin_allowed(req):
             LOGGER.warning("/mcp: refused Origin %.100r (listen.allowed_origins)",
                            req.header(b"origin"))
@@ -390,11 +394,17 @@ class Endpoint:
         self._count(conn, principal)
         accept = req.header(b"accept") or ""
         if req.method == "POST":
-            if not (_accepts(accept, "application/json") and _accepts(accept, "text/event-stream")):
-                raise HttpError(406, "Accept must list application/json and text/event-stream")
-            ctype = (req.header(b"content-type") or "").split(";", 1)[0].strip().lower()
-            if ctype != JSON:
-                raise HttpError(415, "Content-Type must be application/json")
+            passed = conn.passed
+            if passed.get("accept") != accept:
+                if not (_accepts(accept, "application/json")
+                        and _accepts(accept, "text/event-stream")):
+                    raise HttpError(406, "Accept must list application/json and text/event-stream")
+                passed["accept"] = accept
+            raw = req.header(b"content-type") or ""
+            if passed.get("content-type") != raw:
+                if raw.split(";", 1)[0].strip().lower() != JSON:
+                    raise HttpError(415, "Content-Type must be application/json")
+                passed["content-type"] = raw
             if self.traced:
                 await self._traced_post(conn, req, principal)
             else:

@@ -134,6 +134,9 @@ class HttpConnection:
         self._head = False  # the request being answered is a HEAD: its response has no body
         self._buf = b""  # received and not yet parsed (without h11)
         self._out = _Out.IDLE
+        # header values an endpoint judged acceptable on this connection (a client sends the
+        # same ones with every request): judged again only when they change
+        self.passed: dict[str, str] = {}
 
     # ---- reading ----------------------------------------------------------------------------
 

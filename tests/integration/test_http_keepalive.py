@@ -168,3 +168,25 @@ async def test_stateless_flows_end_with_their_answer_on_an_open_connection() -> 
             await stream.send_all(_modern(60, "after"))
             assert _text((await reader.response())[2]) == "after"
             await stream.aclose()
+
+
+async def test_headers_judged_again_when_they_change_on_a_connection() -> None:
+    """Host, Accept and Content-Type judged acceptable once on a connection are not taken for
+    granted when a later request on it sends others."""
+    async with run_gateway(make_config(fixture_backend())) as gw:
+        with trio.fail_after(20):
+            stream = await trio.open_tcp_stream("127.0.0.1", gw.bound.http_port)
+            reader = _Reader(stream)
+            sid = await _session(stream, reader)
+            good = _post(_call(2, "ok"), sid)
+            for old, new, status in [(b"host: 127.0.0.1", b"host: evil.example", 403),
+                                     (b"accept: application/json, text/event-stream",
+                                      b"accept: application/json", 406),
+                                     (b"content-type: application/json",
+                                      b"content-type: text/plain", 415)]:
+                await stream.send_all(good)
+                assert (await reader.response())[0] == 200
+                assert old in good
+                await stream.send_all(good.replace(old, new))
+                assert (await reader.response())[0] == status
+            await stream.aclose()
