@@ -69,7 +69,8 @@ QUICK_ANSWER = 0.05
 RETRY_AFTER = 1
 #: The timer of :class:`_QuickWaits` wakes at most this often.
 QUICK_TICK = 0.01
-#: A keep-alive connection with no request for this long is closed.
+#: A keep-alive connection with no request for this long is closed (counted from the answer,
+#: or from :data:`KEEPALIVE` after a POST whose task read ahead: see :func:`_hold`).
 IDLE_TIMEOUT = 60.0
 JSON = "application/json"
 TEXT = "text/plain; charset=utf-8"
@@ -126,6 +127,47 @@ class _QuickWaits:
             self._ticking = False
 
 
+class _Ends:
+    """Ends the stateless flows answered while their POST's task reads the client's next
+    request (:func:`_hold` with ``ahead``) and still open :data:`QUICK_ANSWER` seconds later
+    (or up to twice that): most are ended before by that task, woken by the next request.  One
+    timer task (run while any waits) sleeps to the first one due, as :class:`_QuickWaits`
+    does."""
+
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+        self._due: deque[tuple[float, HttpSession]] = deque()  # by deadline: all wait as long
+        self._ticking = False
+
+    def answered(self, session: HttpSession) -> None:
+        if not self._ticking:
+            try:
+                self._nursery.start_soon(self._tick)
+            except RuntimeError:  # the service is unwinding: its POST's task ends it
+                return
+            self._ticking = True
+        self._due.append((trio.current_time() + QUICK_ANSWER, session))
+
+    async def _tick(self) -> None:
+        due = self._due
+        try:
+            while due:
+                while len(due) > 1 and _ended(due[0][1]):
+                    due.popleft()  # ended by its POST's task: nothing to do
+                # at most once per QUICK_ANSWER: under steady traffic nearly every flow is
+                # ended by its POST's task before this looks
+                await trio.sleep_until(max(due[0][0], trio.current_time() + QUICK_ANSWER))
+                now = trio.current_time()
+                while due and due[0][0] <= now:
+                    session = due.popleft()[1]
+                    if not _ended(session) and _rounds(session) == 0:
+                        assert session.direct is not None
+                        session.direct.finish()  # not when answered input_required (a round)
+        finally:
+            self._ticking = False
+            due.clear()
+
+
 class Sessions:
     """The live HTTP sessions by id; each runs ``serve_session`` in ``nursery`` for its life."""
 
@@ -140,6 +182,7 @@ class Sessions:
         self.caps = caps if caps is not None else PrincipalCaps()  # a principal's max_sessions
         self.by_id: dict[str, HttpSession] = {}
         self.quick = _QuickWaits(nursery)
+        self.ends = _Ends(nursery)
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -339,9 +382,13 @@ class Endpoint:
             # oauth-authorization-server, /register, /token) is told it lacks a token, not 404.
             await self._authenticate(req, oauth_body=True)
             raise HttpError(404, "not found (the MCP endpoint is /mcp)")
-        if not req.host_in(self.hosts):
-            LOGGER.warning("/mcp: refused Host %.100r (listen.allowed_hosts)", req.header(b"host"))
-            raise HttpError(403, "Host not allowed")
+        host = req.header(b"host")
+        if host is None or conn.passed.get("host") != host:
+            if not req.host_in(self.hosts):
+                LOGGER.warning("/mcp: refused Host %.100r (listen.allowed_hosts)", host)
+                raise HttpError(403, "Host not allowed")
+            assert host is not None
+            conn.passed["host"] = host
         if not self._origin_allowed(req):
             LOGGER.warning("/mcp: refused Origin %.100r (listen.allowed_origins)",
                            req.header(b"origin"))
@@ -350,11 +397,17 @@ class Endpoint:
         self._count(conn, principal)
         accept = req.header(b"accept") or ""
         if req.method == "POST":
-            if not (_accepts(accept, "application/json") and _accepts(accept, "text/event-stream")):
-                raise HttpError(406, "Accept must list application/json and text/event-stream")
-            ctype = (req.header(b"content-type") or "").split(";", 1)[0].strip().lower()
-            if ctype != JSON:
-                raise HttpError(415, "Content-Type must be application/json")
+            passed = conn.passed
+            if passed.get("accept") != accept:
+                if not (_accepts(accept, "application/json")
+                        and _accepts(accept, "text/event-stream")):
+                    raise HttpError(406, "Accept must list application/json and text/event-stream")
+                passed["accept"] = accept
+            raw = req.header(b"content-type") or ""
+            if passed.get("content-type") != raw:
+                if raw.split(";", 1)[0].strip().lower() != JSON:
+                    raise HttpError(415, "Content-Type must be application/json")
+                passed["content-type"] = raw
             if self.traced:
                 await self._traced_post(conn, req, principal)
             else:
@@ -472,7 +525,8 @@ class Endpoint:
                 f"progressToken {sink.token!r} is in use by another request of this session",
                 reason="progress_token_in_use"), env.id)
         try:
-            await self._stream(conn, session, sink, (env, kind, len(body), params))
+            await self._stream(conn, session, sink, (env, kind, len(body), params),
+                               ahead=not created)
         finally:
             if created and not (session.client is not None and session.client.initialized):
                 # its initialize failed (or its POST ended unanswered): no session was made;
@@ -565,6 +619,7 @@ class Endpoint:
             return
         self._refuse(None, env)
         session = HttpSession(self.sessions.idle_timeout, id="")
+        session.answered = self.sessions.ends.answered
         session.mrtr = self.bridge
         session.principal = principal
         session.open_post(sink)
@@ -573,15 +628,18 @@ class Endpoint:
         try:
             flow.handle(env, kind, len(body), params)
             if not sink.done:
-                await self._hold(conn, session, sink)
+                # answered without waking this task: the flow ends when the client's next
+                # request (or its leaving) wakes it, else by ``sessions.ends``
+                await self._hold(conn, session, sink, ahead=True)
         finally:
             # answered, or the client closed the stream: that cancels the call, unless this POST
             # was answered input_required (the flow waits for the retry, which may already run)
             if _rounds(session) == 0:
                 flow.finish()
 
-    async def _hold(self, conn: HttpConnection, session: HttpSession, sink: Sink) -> None:
-        await _hold(conn, session, sink, self.sessions.quick)
+    async def _hold(self, conn: HttpConnection, session: HttpSession, sink: Sink, *,
+                    ahead: bool = False) -> None:
+        await _hold(conn, session, sink, self.sessions.quick, ahead=ahead)
 
     def _resume(self, env: jsonrpc.Envelope, params: dict[str, msgspec.Raw],
                 caps: dict[str, object], sink: Sink, principal: Principal | None) -> HttpSession:
@@ -605,13 +663,14 @@ class Endpoint:
         conn.respond(202, headers=[(SESSION_HEADER, session.id)])
 
     async def _stream(self, conn: HttpConnection, session: HttpSession, sink: Sink,
-                      message: Decoded, notices: Sequence[jsonrpc.Envelope] = ()) -> None:
+                      message: Decoded, notices: Sequence[jsonrpc.Envelope] = (), *,
+                      ahead: bool = False) -> None:
         session.open_post(sink)
         if not session.push(message):
             session.close_sink(sink)
             raise HttpError(503, "this session's inbox is full; retry later")
         _cancellations(session, notices)
-        await self._hold(conn, session, sink)
+        await self._hold(conn, session, sink, ahead=ahead)
 
 
 def _cancellations(session: HttpSession, notices: Sequence[jsonrpc.Envelope]) -> None:
@@ -631,6 +690,10 @@ def _end(session: HttpSession) -> None:
         session.direct.finish()
     else:
         session.terminate()
+
+
+def _ended(session: HttpSession) -> bool:
+    return session.direct is None or session.direct.done
 
 
 def _key(principal: Principal | None) -> str | None:
@@ -709,20 +772,33 @@ def _progress_token(params: dict[str, msgspec.Raw] | None) -> int | str | None:
 
 
 async def _hold(conn: HttpConnection, session: HttpSession, sink: Sink,
-                quick: _QuickWaits) -> None:
+                quick: _QuickWaits, *, ahead: bool = False) -> None:
     """Wait until ``sink`` is answered (or its session ends), watching the peer; an SSE comment
-    every :data:`KEEPALIVE` seconds of silence.  Raises TransportClosed when the peer left."""
+    every :data:`KEEPALIVE` seconds of silence.  Raises TransportClosed when the peer left.
+
+    ``ahead`` (a POST on a plain socket): the task waits for the peer's next bytes at once, not
+    for the answer, which is written whole by the task that has it without waking this one:
+    the next request (or the peer leaving) ends the wait, else the first keep-alive time."""
     try:
         if conn.io.held:  # a GET stream's parked backlog, more than the socket took at once
             with trio.move_on_after(WRITE_TIMEOUT):
                 await conn.flush()
-        if not sink.done and sink.request_id is not None:
+        ahead = ahead and sink.request_id is not None and conn.reads_ahead
+        if not sink.done and sink.request_id is not None and not ahead:
             # Most answers come within moments: wait for them without watching the socket
             # (registering it with epoll and cancelling that wait costs more than the call).
             await quick.wait(sink)
         while not sink.done and sink.conn is conn:
             with trio.move_on_after(KEEPALIVE) as scope:
                 sink.scope = scope
+                if ahead:  # the answer is written by whoever has it, without waking this task
+                    ahead = False
+                    sink.ahead = True
+                    try:
+                        await conn.read_ahead()  # the peer's next request, or its leaving
+                    finally:
+                        sink.ahead = False
+                    continue  # answered (and written whole): its next request is at hand
                 await conn.watch()
             sink.scope = None
             if not sink.done and sink.conn is conn and scope.cancelled_caught:

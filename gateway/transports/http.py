@@ -29,7 +29,7 @@ from gateway import limits
 from gateway.config import host_allowed
 from gateway.errors import IncompleteMessage, TransportClosed
 from gateway.protocol import http1
-from gateway.transports.rawio import stream_io
+from gateway.transports.rawio import SocketIO, stream_io
 
 LOGGER = logging.getLogger(__name__)
 
@@ -134,6 +134,9 @@ class HttpConnection:
         self._head = False  # the request being answered is a HEAD: its response has no body
         self._buf = b""  # received and not yet parsed (without h11)
         self._out = _Out.IDLE
+        # header values an endpoint judged acceptable on this connection (a client sends the
+        # same ones with every request): judged again only when they change
+        self.passed: dict[str, str] = {}
 
     # ---- reading ----------------------------------------------------------------------------
 
@@ -324,10 +327,27 @@ class HttpConnection:
             kept = len(self._buf) if self.h11 is None else len(self.h11.trailing_data[0])
             if kept + len(data) > MAX_PIPELINED:
                 raise TransportClosed("too much pipelined data while streaming a response")
-            if self.h11 is None:
-                self._buf += data
-            else:
-                self.h11.receive_data(data)
+            self._keep(data)
+
+    async def read_ahead(self) -> None:
+        """One read (at most ``READ_SIZE`` bytes), kept for :meth:`next_request`: the next
+        request's bytes, read while the last one's answer is on its way (raises
+        TransportClosed when the peer closed)."""
+        self._keep(await self.io.read())
+
+    def _keep(self, data: bytes) -> None:
+        if self.h11 is None:
+            self._buf += data
+        else:
+            self.h11.receive_data(data)
+
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether :meth:`read_ahead` may wait for the next request while a response is due:
+        a write goes to the socket at once (a plain socket; TLS holds every write until
+        :meth:`flush`) and nothing of a next request is kept already (pipelined)."""
+        return isinstance(self.io, SocketIO) and not (
+            self._buf if self.h11 is None else self.h11.trailing_data[0])
 
     # ---- writing (synchronous; True when nothing is held) -----------------------------------
 

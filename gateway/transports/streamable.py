@@ -90,8 +90,8 @@ class Sink:
     :meth:`HttpConnection.watch` under ``scope`` until :attr:`done` or until ``conn`` is no
     longer its connection (detached, or resumed on another)."""
 
-    __slots__ = ("answered", "batch", "conn", "done", "ids", "invalid", "request_id", "scope",
-                 "session_id", "started", "stream", "token")
+    __slots__ = ("ahead", "answered", "batch", "conn", "done", "ids", "invalid", "request_id",
+                 "scope", "session_id", "started", "stream", "token")
 
     def __init__(self, conn: HttpConnection | None, session_id: str,
                  request_id: RequestId | None = None,
@@ -108,6 +108,9 @@ class Sink:
         self.done = False
         self.scope: trio.CancelScope | None = None
         self.answered: trio.Event | None = None  # set with ``done`` (see endpoint._hold)
+        # its task reads the peer's next request meanwhile: an answer written whole does not
+        # wake it (one that the socket did not take whole does, to flush it)
+        self.ahead = False
 
     def deliver(self, message: bytes, final: bool, event_id: bytes | None = None) -> bool:
         """Write ``message`` (``final``: the response that ends this stream).  True when all
@@ -115,11 +118,23 @@ class Sink:
         conn = self.conn
         assert conn is not None
         if final:
-            self.finish_soon()
-            if not self.started:  # answered before anything else: a plain JSON response
-                return conn.respond_json(self._status(message), message, self.session_id)
-            conn.event(message, event_id)
-            return conn.end_events()
+            self.done = True
+            if self.answered is not None:
+                self.answered.set()
+            if self.scope is not None and not self.ahead:
+                self.scope.cancel()
+            try:
+                if not self.started:  # answered before anything else: a plain JSON response
+                    whole = conn.respond_json(self._status(message), message, self.session_id)
+                else:
+                    conn.event(message, event_id)
+                    whole = conn.end_events()
+            except TransportClosed:
+                self.wake()
+                raise
+            if not whole:
+                self.wake()  # its task flushes it
+            return whole
         return conn.event(message, event_id)
 
     def _status(self, message: bytes) -> int:
@@ -206,6 +221,8 @@ class HttpSession:
         self.client: ClientSession | None = None  # bound by connection.serve
         self.mrtr: Bridge | None = None  # a modern flow's: its child's requests are bridged
         self.direct: Direct | None = None  # a modern flow's: served without a task of its own
+        # a modern flow's: told when its POST is answered without waking the POST's task
+        self.answered: Callable[[HttpSession], None] | None = None
         self.principal: Principal | None = None  # who opened it (gateway.auth); bound for its life
         self.closed = False
         self.last_active = trio.current_time()
@@ -410,7 +427,8 @@ class HttpSession:
             del self._detached[sink.stream]
         if sink.conn is not None:
             self._dirty.discard(sink.conn)
-        self._wakeup.set()  # the reader re-checks idleness
+        # the reader is not woken: at its deadline it reads ``last_active`` again (a wake-up per
+        # answered POST would cost its session's task a step per call)
 
     def idle(self) -> bool:
         client = self.client
@@ -499,6 +517,8 @@ class HttpSession:
         if sink.token is not None and self._tokens.get(sink.token) is sink:
             del self._tokens[sink.token]
         self._write(sink, message, final=True)
+        if sink.ahead and self.answered is not None:
+            self.answered(self)
 
     def _notify(self, message: bytes, goes: Goes, key: RequestId | None) -> None:
         """Anything but a response: progress to its request's POST, an unrelated message to
