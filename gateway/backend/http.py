@@ -408,6 +408,7 @@ class HttpLink:
         self._streams: dict[int, trio.CancelScope] = {}  # requests' POSTs, by gateway id
         self._cancelled: set[int] = set()  # requests whose POST the gateway dropped (cancelled)
         self._methods: dict[int, str | None] = {}  # requests' methods while their POST is on
+        self._begun: dict[int, httpclient.Connection] = {}  # requests written by _send_now
         # the GET stream's answer head is in (or it failed): notifications wait for it, so the
         # server's answers to them (a list_changed after notifications/initialized) have a stream
         self._get_ready = trio.Event()
@@ -448,12 +449,34 @@ class HttpLink:
             queue = self._requests
             if _MODERN_MARK in data:
                 self._modern.add(gid)
+        if gid is not None and queue.idle and not queue.items:
+            self._send_now(data, gid)
         queue.items.append((data, gid, self._seq))
         self.buffers.charge(len(data))
         if gid is None:
             queue.ready.set()
         else:
             self._wake_worker()
+
+    def _send_now(self, data: bytes, gid: int) -> None:
+        """A request a parked worker will take next: written now, from the sender's task, on an
+        idle plain TCP connection when no notification before it waits and the session needs
+        nothing awaited first (no token, no credentials; a legacy session set up, not a
+        listen); the worker then reads its answer (:meth:`_exchange_once`)."""
+        connector = self._connector
+        if (self._others_pending or self.protocol_version is None
+                or connector.auth is not None or connector.credentials is not None
+                or _MODERN_MARK in data or b"subscriptions/listen" in data):
+            return
+        conn = self._pool.get_now()
+        if conn is None:
+            return
+        head = [("content-type", "application/json"), *self._headers(_ACCEPT_BOTH)]
+        more = message_headers(data) if message_headers is not None else []
+        if conn.send_now("POST", connector.target.target, head, data, more):
+            self._begun[gid] = conn
+        else:
+            self._pool.unget(conn)
 
     def _wake_worker(self) -> None:
         """A request is queued: an idle worker takes it, else a new one while there are fewer
@@ -486,6 +509,7 @@ class HttpLink:
         if self.closed is None:
             self.closed = error
         self._requests.items.clear()
+        self._begun.clear()  # their connections close with the pool
         self._others.items.clear()
         self._others_pending.clear()
         self._others_done.set()
@@ -715,14 +739,30 @@ class HttpLink:
         (the link ended).  A kept-alive connection the remote had closed is tried once anew if
         ``repeat``.  The headers (the access token among them) are read once a connection is
         had: a token renewed while it was being opened goes; ``sent`` gets the one that went.
+        A request :meth:`_send_now` wrote already has its answer's head read here.
 
         Raises:
             _MayHaveRun: it closed and not ``repeat``.
         """
         target = self._connector.target.target
         auth = self._connector.auth
+        begun = self._begun.pop(gid, None) if gid is not None else None
+        if begun is not None:  # written already (_send_now): its answer is read here
+            try:
+                return begun, await begun.answer_head(timeout)
+            except trio.Cancelled:
+                await begun.aclose()
+                raise
+            except httpclient.ConnectionLost as exc:
+                await begun.aclose()
+                if not repeat:
+                    raise _MayHaveRun(exc.detail) from None
+            except httpclient.HttpTimeout as exc:
+                await begun.aclose()
+                self._lost(f"{self.origin}: {exc.detail} ({timeout:g}s)")
+                return None
         more = [*(extra or ()), *(message_headers(data) if message_headers is not None else ())]
-        for _attempt in range(2):
+        for _attempt in range(2 if begun is None else 1):
             try:
                 conn = await self._pool.get()
             except httpclient.ConnectFailed as exc:  # request ``gid`` was not sent

@@ -177,6 +177,7 @@ class Connection:
         # the request written without h11 until its answer's head is read (h11 is told of it
         # if the answer is not of the common shape)
         self._sent: tuple[str, str, list[tuple[str, str]], bytes] | None = None
+        self._unsent: bytes | None = None  # written by :meth:`send_now`: what the socket left
         self._keep = True  # the remote keeps it alive after the answer being read
         self.broken = False
         self.reused = False  # it carried an exchange before this one
@@ -265,6 +266,45 @@ class Connection:
         if self._h11 is None:
             return await self._lean_head(deadline)
         return await self._h11_head(deadline)
+
+    def send_now(self, method: str, target: str, headers: list[tuple[str, str]], body: bytes,
+                 extra: list[tuple[str, str]]) -> bool:
+        """Write a request of the common shape straight to a plain TCP socket, without waiting:
+        what the socket takes goes now, from the caller's task; :meth:`answer_head` sends the
+        rest and reads the answer's head.  False (nothing written): not of that shape or
+        socket."""
+        sock = self._socket
+        fd = sock.fileno() if sock is not None and self._h11 is None else -1
+        if fd < 0:
+            return False
+        head = [("host", self.authority), *headers]
+        raw = _common_head(method, target, head, extra, body,
+                           self._pool.heads if self._pool is not None else {})
+        if raw is None:
+            return False
+        head += extra
+        head.append(("content-length", str(len(body))))
+        self._sent = (method, target, head, body)
+        out = raw + body
+        try:
+            sent = os.write(fd, out)
+        except OSError:  # full (the rest goes in answer_head), or broken (it fails there)
+            sent = 0
+        self._unsent = out[sent:]
+        return True
+
+    async def answer_head(self, head_timeout: float = math.inf) -> Response:
+        """The rest of the request :meth:`send_now` began, then its answer's head (within
+        ``head_timeout`` seconds).
+
+        Raises:
+            ConnectionLost, HttpTimeout.
+        """
+        out, self._unsent = self._unsent, None
+        assert out is not None, "no request begun by send_now"
+        if out:
+            await self._send(out)
+        return await self._lean_head(trio.current_time() + head_timeout)
 
     async def _send(self, out: bytes) -> None:
         """Write ``out``: on a plain TCP socket first straight to it (what it takes at once goes
@@ -502,6 +542,17 @@ class Pool:
         if self._idle:
             return self._idle.pop()  # the newest
         return await self.connect()
+
+    def get_now(self) -> Connection | None:
+        """The newest idle connection when it is not stale, else None (then :meth:`get`)."""
+        idle = self._idle
+        if idle and trio.current_time() - idle[-1].idle_since < IDLE_TTL:
+            return idle.pop()
+        return None
+
+    def unget(self, conn: Connection) -> None:
+        """Give back, untouched, what :meth:`get_now` gave."""
+        self._idle.append(conn)
 
     async def put(self, conn: Connection) -> None:
         """Give ``conn`` back after an exchange: kept if reusable and there is room, else closed."""

@@ -1,11 +1,13 @@
 """A hostile remote against the ``http`` connector's link: an in-process h11 server on trio
-memory streams (each connection the link opens is a new pair) and the MockClock, with a
+memory streams (each connection the link opens is a new pair) and the MockClock, or on real
+loopback TCP for what only a plain socket does (a request written at once by ``send``), with a
 recording receiver in place of the upstream session."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -425,3 +427,94 @@ async def test_a_modern_tools_list_nested_past_any_parsers_depth_does_not_crash_
             ex, = server.posted("tools/list")
             assert ex.method == "POST"
             nursery.cancel_scope.cancel()
+
+
+async def open_tcp_link(nursery: trio.Nursery, handler: Handler
+                        ) -> tuple[Hostile, http.HttpLink, Recorder, list[trio.SocketStream]]:
+    """:func:`open_link` over real loopback TCP (the remote's ends of its connections listed)."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    server = Hostile(nursery, handler)
+    ends: list[trio.SocketStream] = []
+
+    async def accept() -> None:
+        async with listeners[0]:
+            while True:
+                stream = await listeners[0].accept()
+                ends.append(stream)
+                server.connections += 1
+                nursery.start_soon(server._serve, stream)
+
+    nursery.start_soon(accept)
+    cfg = config.load(f'[backends.r]\nurl = "http://127.0.0.1:{port}/mcp"\n').backends["r"]
+    ctx = LinkContext(backend="r", instance="r#1", bus=EventBus(), max_line=65536,
+                      buffers=ByteBudget(10**7).open("r"))
+    link = await http.HttpConnector(cfg).open(ctx)
+    receiver = Recorder()
+    nursery.start_soon(link.run, receiver)
+    link.send(request(1, "initialize", {"protocolVersion": "2025-11-25"}), 1)
+    await receiver.wait(lambda: receiver.answered(1))
+    link.send(json.dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}).encode())
+    while not server.posted("notifications/initialized"):
+        await server.changed.wait()
+    link.send(request(2, "tools/list"), 2)
+    await receiver.wait(lambda: receiver.answered(2))
+    await trio.testing.wait_all_tasks_blocked()  # the notification's answer read, workers parked
+    return server, link, receiver, ends
+
+
+async def close_tcp(nursery: trio.Nursery, link: http.HttpLink,
+                    ends: list[trio.SocketStream]) -> None:
+    """The link closed (its connections with it), the remote's ends too, the tasks ended."""
+    await link.close()
+    for end in ends:
+        await trio.aclose_forcefully(end)
+    nursery.cancel_scope.cancel()
+
+
+def waiting(stream: trio.SocketStream) -> bytes:
+    """What the remote's end of a connection holds unread, looked at without a checkpoint."""
+    peek = socket.socket(fileno=os.dup(stream.socket.fileno()))
+    try:
+        return peek.recv(1 << 16, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return b""
+    finally:
+        peek.close()
+
+
+async def test_a_request_is_on_the_wire_when_send_returns_and_its_answer_comes() -> None:
+    # A request a parked worker takes next, on an idle plain TCP connection: written by send()
+    # itself, before the sender's task yields; the worker reads its answer.
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            server, link, receiver, ends = await open_tcp_link(nursery, plain)
+            link.send(request(3, "tools/call", {"name": "mine", "arguments": {}}), 3)
+            assert any(b'"tools/call"' in waiting(end) for end in ends)
+            await receiver.wait(lambda: receiver.answered(3))
+            assert len(server.posted("tools/call")) == 1
+            await close_tcp(nursery, link, ends)
+
+
+async def test_a_request_written_at_once_on_a_connection_the_remote_closed() -> None:
+    # The idle connection a request was written on at once had been closed by the remote
+    # (here after each tools/list answer): a list is POSTed again on another connection; a
+    # tools/call may have run (it fails, not retryable, and is not POSTed again).
+    async def closing(server: Hostile, ex: Exchange) -> None:
+        await plain(server, ex)
+        if ex.rpc == "tools/list":  # answered, then the connection closes while idle
+            await trio.aclose_forcefully(ex.stream)
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            server, link, receiver, ends = await open_tcp_link(nursery, closing)
+            link.send(request(3, "tools/list"), 3)
+            await receiver.answer(3)
+            assert receiver.answered(3) and len(server.posted("tools/list")) == 2
+            await trio.testing.wait_all_tasks_blocked()
+            link.send(request(4, "tools/call", {"name": "charge", "arguments": {}}), 4)
+            await receiver.answer(4)
+            assert 4 in receiver.failures and not receiver.failures[4].data.get("retryable")
+            assert not server.posted("tools/call")
+            assert not receiver.ended_
+            await close_tcp(nursery, link, ends)
