@@ -5,9 +5,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import trio
 from fixtures.remote_server import RemoteServer
+from fixtures.token_server import CodeAuthServer, Net, ProtectedRemote
 from helpers import connect, make_config, run_gateway, text_of
+from memharness import memory_config, running
+
+from gateway.backend import http
+
+AS = "http://127.0.0.1:9000"
+URL = "http://localhost:8080/mcp"
 
 FAST_RESTART = "{ backoff_initial = 0.05, backoff_max = 0.2, max_restarts = 100, window = 60.0 }"
 
@@ -38,3 +46,44 @@ async def test_each_4xx_to_a_call_fails_it_with_its_status_429_retryable() -> No
         assert error["code"] == -32001 and error["data"]["status"] == status, error
         assert error["data"]["retryable"] is (status == 429), error
     assert got[404]["code"] == -32004 and got[404]["data"]["retryable"] is True, got[404]
+
+
+class _OddSecretExpiry(CodeAuthServer):
+    """Registers clients with a secret whose ``client_secret_expires_at`` is ``raw`` (JSON)."""
+
+    raw = b"0"
+
+    def __call__(self, method: str, target: str, headers: dict[str, str], body: bytes) -> Any:
+        if method == "POST" and target == "/register":
+            self.registered.append(f"client-{len(self.registered) + 1}")
+            return 201, [("content-type", "application/json")], (
+                b'{"client_id": "%s", "client_secret": "s", "client_secret_expires_at": %s}'
+                % (self.registered[-1].encode(), self.raw))
+        return super().__call__(method, target, headers, body)
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("raw", [b'"4102444800"', b"-5", b"1" + b"0" * 400, b"1e400", b"NaN",
+                                 b"true", b"null", b"[1]"])
+async def test_a_registration_with_an_odd_secret_expiry_is_taken_as_never_expiring(
+        autojump_clock: object, tmp_path: Any, raw: bytes) -> None:
+    # RFC 7591's client_secret_expires_at as a string, negative, beyond a float, infinite, NaN,
+    # a bool, null or an array: the client is kept (never expiring), the backend authorizes.
+    auth = _OddSecretExpiry(AS)
+    auth.raw = raw
+    async with trio.open_nursery() as nursery:
+        net = Net(nursery, {"127.0.0.1:9000": auth,
+                            "localhost:8080": ProtectedRemote(URL, AS, lambda t: t in auth.issued)})
+        cfg = memory_config(f'[backends.r]\nurl = "{URL}"\nprefix = ""\n[backends.r.oauth]\n'
+                            'grant = "authorization_code"\n', gateway=f'state_dir = "{tmp_path}"')
+        connector = http.HttpConnector(cfg.backends["r"], opener=net.open, name="r")
+        async with running(cfg, connectors={"r": connector}) as h:
+            await h.until(lambda: h.instance("r")["state"] == "AUTHORIZING")
+            status, url = h.hub.begin_authorization("r")
+            assert status == 200, url
+            assert (await h.hub.complete_authorization(auth.authorize(url)))[0] == 200
+            await h.until(lambda: h.instance("r")["state"] == "RUNNING")
+            assert auth.registered == ["client-1"]
+            async with h.connect() as c:
+                assert (await c.call("echo", timeout=5))["result"]["content"][0]["text"] == "ok"
+        nursery.cancel_scope.cancel()
