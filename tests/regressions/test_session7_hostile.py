@@ -3,15 +3,27 @@ the remote path's refusals, with real sockets and processes."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 from fixtures.remote_server import RemoteServer
 from fixtures.token_server import CodeAuthServer, Net, ProtectedRemote
-from helpers import connect, make_config, run_gateway, text_of
+from helpers import (
+    ROOT,
+    UPGRADE,
+    connect,
+    fixture_backend,
+    make_config,
+    run_gateway,
+    text_of,
+    wait_status,
+)
 from memharness import memory_config, running
+from tlsutil import make_certs
 
+from gateway import config, limits
 from gateway.backend import http
 
 AS = "http://127.0.0.1:9000"
@@ -87,3 +99,63 @@ async def test_a_registration_with_an_odd_secret_expiry_is_taken_as_never_expiri
             async with h.connect() as c:
                 assert (await c.call("echo", timeout=5))["result"]["content"][0]["text"] == "ok"
         nursery.cancel_scope.cancel()
+
+
+async def _trickle(stream: trio.abc.Stream, head: bytes, every: float) -> bytes:
+    """Send ``head`` a byte every ``every`` seconds until the server answers; its answer."""
+    got = b""
+
+    async def send() -> None:
+        for i in range(len(head)):
+            try:
+                await stream.send_all(head[i:i + 1])
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+            await trio.sleep(every)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(send)
+        try:
+            while chunk := await stream.receive_some(65536):
+                got += chunk
+        except trio.BrokenResourceError:
+            pass
+        nursery.cancel_scope.cancel()
+    return got
+
+
+@pytest.mark.parametrize("secure", [False, True])
+async def test_a_slow_loris_upgrade_gets_408_at_the_head_timeout_and_its_slot_back(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, secure: bool) -> None:
+    # An upgrade head sent a byte at a time (plain and over TLS), still coming when the head
+    # timeout passes: 408 then the close, the slot given back; others are served meanwhile.
+    monkeypatch.setattr(limits, "HEAD_TIMEOUT", 1.0, raising=False)
+    listen = ""
+    ctx = None
+    if secure:
+        certs = make_certs(tmp_path)
+        listen = f'tls_cert = "{certs.cert}"\ntls_key = "{certs.key}"\n'
+        ctx = certs.client_context()
+    cfg = config.load(f"""[listen]\nwebsocket = "127.0.0.1:0"\nhttp = ""\n{listen}
+[admin]\nlisten = "127.0.0.1:0"\n""" + fixture_backend("fx"), base_dir=ROOT)
+    with trio.fail_after(30):
+        async with run_gateway(cfg) as gw:
+            port = gw.bound.websocket_port
+            assert port is not None
+            tcp = await trio.open_tcp_stream("127.0.0.1", port)
+            stream: trio.abc.Stream = tcp
+            if ctx is not None:
+                stream = trio.SSLStream(tcp, ctx, server_hostname="localhost")
+                await stream.do_handshake()
+            start = trio.current_time()
+            async with stream:
+                got = await _trickle(stream, UPGRADE, 0.05)
+            took = trio.current_time() - start
+            assert got.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), got[:80]
+            assert got.endswith(b"request head not completed in time\n"), got
+            assert 0.5 < took < 4.0, took
+            await wait_status(gw.bound.admin_port, lambda st: st["connection_slots"] == 0)
+            scheme = "wss" if secure else "ws"
+            if not secure:  # the listener serves the next client as before
+                async with connect(f"{scheme}://127.0.0.1:{port}/") as c:
+                    assert text_of(await c.call("fx__echo", {"message": "hi"})) == "hi"
