@@ -3,6 +3,7 @@ the remote path's refusals, with real sockets and processes."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -159,3 +160,85 @@ async def test_a_slow_loris_upgrade_gets_408_at_the_head_timeout_and_its_slot_ba
             if not secure:  # the listener serves the next client as before
                 async with connect(f"{scheme}://127.0.0.1:{port}/") as c:
                     assert text_of(await c.call("fx__echo", {"message": "hi"})) == "hi"
+
+
+MAX = 65536  # max_message_bytes of the unix test
+
+
+def _call_line(id: int, name: bytes, message: str = "hi") -> bytes:
+    return (b'{"jsonrpc":"2.0","id":%d,"method":"tools/call","params":{"name":%s,'
+            b'"arguments":{"message":"%s"}}}' % (id, name, message.encode()))
+
+
+async def test_unix_lines_and_tool_names_as_written_on_the_fast_paths(tmp_path: Path) -> None:
+    # Over the unix socket, raw lines: a call before initialize is refused and after it served;
+    # a tool name found by its bytes or decoded (escapes), never by a prefix, trailing spaces,
+    # a non-string; duplicate keys answered by the last (what the backend is sent too); CRLF,
+    # blank and space-led lines, a line split over reads, one held while more bytes come; a
+    # line at max_message_bytes taken and one over refused, then the connection closed.
+    sock = str(tmp_path / "gw.sock")
+    cfg = make_config(fixture_backend("fx"), unix=sock, gateway=f"max_message_bytes = {MAX}")
+    with trio.fail_after(30):
+        async with run_gateway(cfg):
+            stream = await trio.open_unix_socket(sock)
+            async with stream:
+                got = b""
+
+                async def ask(data: bytes, answers: int = 1) -> list[dict[str, Any]]:
+                    nonlocal got
+                    await stream.send_all(data)
+                    while got.count(b"\n") < answers:
+                        got += await stream.receive_some(65536)
+                    *lines, got = got.split(b"\n", answers)
+                    return [json.loads(line) for line in lines]
+
+                (r,) = await ask(_call_line(1, b'"fx__echo"') + b"\n")
+                assert r["error"]["code"] == -32600, r  # not initialized
+                (r,) = await ask(b'{"jsonrpc":"2.0","id":2,"method":"initialize","params":{'
+                                 b'"protocolVersion":"2025-11-25","capabilities":{},'
+                                 b'"clientInfo":{"name":"t","version":"0"}}}\r\n')
+                assert r["result"]["protocolVersion"] == "2025-11-25", r
+                await stream.send_all(b'\n\r\n  \t\n{"jsonrpc":"2.0","method":'
+                                      b'"notifications/initialized"}\n')
+                cases: list[tuple[bytes, str | int]] = [
+                    (b'"fx__echo"', "hi"), (b'"fx__ech\\u006f"', "hi"),
+                    (b'"fx__ech"', -32602), (b'"fx__echo "', -32602), (b'" fx__echo"', -32602),
+                    (b'5', -32602), (b'null', -32602), (b'["fx__echo"]', -32602),
+                    (b'"fx__\xc3\xa9cho"', -32602)]
+                for n, (name, want) in enumerate(cases, 10):
+                    (r,) = await ask(_call_line(n, name) + b"\n")
+                    if isinstance(want, str):
+                        assert text_of(r) == want, (name, r)
+                    else:
+                        assert r["error"]["code"] == want, (name, r)
+                dup = (b'{"jsonrpc":"2.0","id":30,"method":"tools/call","params":{"name":'
+                       b'"fx__nope","name":"fx__echo","arguments":{"message":"dup"}}}\n')
+                (r,) = await ask(dup)
+                assert text_of(r) == "dup", r
+                (r,) = await ask(b" \t" + _call_line(31, b'"fx__echo"', "lead") + b"\r\n")
+                assert text_of(r) == "lead", r
+                line = _call_line(32, b'"fx__echo"', "")
+                exact = line.replace(b'"message":""', b'"message":"' + b"m" * (MAX - len(line))
+                                     + b'"')
+                assert len(exact) == MAX
+                (r,) = await ask(exact + b"\n")
+                # taken and forwarded (the echo of it, twice its text, is the backend's too big)
+                assert r["error"]["data"]["reason"] == "response_too_large", r
+                split = _call_line(35, b'"fx__echo"', "split") + b"\n"
+                await stream.send_all(split[:7])
+                await trio.sleep(0.05)
+                (r,) = await ask(split[7:])
+                assert text_of(r) == "split", r
+                both = split.replace(b'"id":35', b'"id":36') + split[:9]
+                (r,) = await ask(both)
+                assert r["id"] == 36, r
+                (r,) = await ask(split[9:])
+                assert r["id"] == 35 and text_of(r) == "split", r
+                over = exact.replace(b'"id":32', b'"id":33').replace(b'"m', b'"mm', 1)
+                assert len(over) == MAX + 1
+                (r,) = await ask(over + b"\n")
+                assert r["error"]["code"] == -32600 and r["id"] in (33, None), r
+                with trio.fail_after(5):  # then the connection is closed (as before)
+                    while chunk := await stream.receive_some(65536):
+                        got += chunk
+                assert got == b"", got
