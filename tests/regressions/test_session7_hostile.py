@@ -16,6 +16,7 @@ from helpers import (
     UPGRADE,
     connect,
     fixture_backend,
+    http_request,
     make_config,
     run_gateway,
     text_of,
@@ -242,3 +243,22 @@ async def test_unix_lines_and_tool_names_as_written_on_the_fast_paths(tmp_path: 
                     while chunk := await stream.receive_some(65536):
                         got += chunk
                 assert got == b"", got
+
+
+async def test_a_flood_of_refused_redirects_logs_a_bounded_number_of_lines(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # 400 refused requests to listen.redirect_path over real sockets (an unknown state, a
+    # parameter twice, an unknown start link, an over-long query, a code and iss with an unknown
+    # state): all refused, at most LOG_BURST warning lines in the minute.
+    cfg = make_config(fixture_backend("fx"))
+    queries = ["state=nope", "a=1&a=2", "start=zzz", "state=" + "x" * 9000,
+               "code=c&state=s&iss=http%3A%2F%2Fevil"]
+    caplog.set_level("INFO")
+    with trio.fail_after(60):
+        async with run_gateway(cfg) as gw:
+            for n in range(400):
+                status, _ = await http_request(gw.bound.http_port,
+                                               f"/oauth/callback?{queries[n % len(queries)]}")
+                assert 400 <= status < 500, status
+    lines = [r for r in caplog.records if r.levelno >= 30 and r.name.startswith("gateway")]
+    assert 1 <= len(lines) <= limits.LOG_BURST, [r.getMessage()[:80] for r in lines]
