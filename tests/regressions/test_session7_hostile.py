@@ -7,8 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import trio
+from authserverutil import authorizing_remote
 from fixtures.remote_server import RemoteServer
 from fixtures.token_server import CodeAuthServer, Net, ProtectedRemote
 from helpers import (
@@ -16,17 +18,20 @@ from helpers import (
     UPGRADE,
     connect,
     fixture_backend,
+    free_port,
     http_request,
     make_config,
     run_gateway,
     text_of,
     wait_status,
 )
+from integration import test_principal_authcode as pc
 from memharness import memory_config, running
 from tlsutil import make_certs
 
 from gateway import config, limits
 from gateway.backend import http
+from gateway.backend.authcode import MAX_STEP_UPS
 
 AS = "http://127.0.0.1:9000"
 URL = "http://localhost:8080/mcp"
@@ -262,3 +267,41 @@ async def test_a_flood_of_refused_redirects_logs_a_bounded_number_of_lines(
                 assert 400 <= status < 500, status
     lines = [r for r in caplog.records if r.levelno >= 30 and r.name.startswith("gateway")]
     assert 1 <= len(lines) <= limits.LOG_BURST, [r.getMessage()[:80] for r in lines]
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+async def test_a_remote_wanting_a_new_scope_at_every_call_gets_a_bounded_number_of_step_ups(
+        tmp_path: Path) -> None:
+    # Every call of bob answered 403 insufficient_scope naming a scope never asked before: he
+    # is given a URL to authorize it at most MAX_STEP_UPS times; after that each 403 goes to
+    # him (not retryable) and no further authorization is asked; alice is never affected.
+    async with authorizing_remote("--client", "gw:gw-secret") as (srv, remote, url):
+        port = free_port()
+        cfg = pc.gateway_config(tmp_path, port, url, pc.code_oauth(tmp_path, srv))
+        with trio.fail_after(120):
+            async with (run_gateway(cfg) as gw, httpx.AsyncClient() as web,
+                        connect(gw.url, token=pc.TOKENS["bob"]) as b,
+                        connect(gw.url, token=pc.TOKENS["alice"]) as a):
+                for who, c in (("bob", b), ("alice", a)):
+                    page = pc.authorize_url(await c.call("up__echo", {"who": who}))
+                    assert (await pc.follow(web, page, who)).status_code == 200
+                    assert text_of(await c.call("up__echo", {"who": who})) == f'{{"who": "{who}"}}'
+                step_ups = refused = 0
+                for n in range(6):
+                    remote.refuse["tools/call"] = [403]
+                    remote.refusal_challenge = (f'Bearer error="insufficient_scope", '
+                                                f'scope="extra:{n}"')
+                    r = await b.call("up__echo", {"who": "bob"})
+                    if r["error"]["code"] == -32005:
+                        step_ups += 1
+                        assert (await pc.follow(web, pc.authorize_url(r), "bob")).status_code \
+                            == 200
+                    else:
+                        refused += 1
+                        assert r["error"]["code"] == -32001, r
+                        assert r["error"]["data"]["status"] == 403, r
+                        assert r["error"]["data"]["retryable"] is False, r
+                    remote.refuse.pop("tools/call", None)
+                    assert text_of(await a.call("up__echo", {"who": "a"})) == '{"who": "a"}'
+                assert step_ups == MAX_STEP_UPS and refused == 6 - MAX_STEP_UPS, (step_ups,
+                                                                                    refused)
