@@ -305,3 +305,45 @@ async def test_a_remote_wanting_a_new_scope_at_every_call_gets_a_bounded_number_
                     assert text_of(await a.call("up__echo", {"who": "a"})) == '{"who": "a"}'
                 assert step_ups == MAX_STEP_UPS and refused == 6 - MAX_STEP_UPS, (step_ups,
                                                                                     refused)
+
+
+def _elicitation(answer: dict[str, Any]) -> dict[str, Any]:
+    error = answer["error"]
+    assert error["code"] == -32042, error
+    (ask,) = error["data"]["elicitations"]
+    return dict(ask)
+
+
+def _completions(c: Any) -> list[str]:
+    return [m["params"]["elicitationId"] for m in c.notifications
+            if m["method"] == "notifications/elicitation/complete"]
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+async def test_elicitation_complete_goes_to_the_connections_asked_only(tmp_path: Path) -> None:
+    # bob's and alice's 2025-11-25 connections (URL elicitation declared) are sent -32042 with
+    # their own authorize URLs; bob authorizing tells bob's asked connection alone (not his
+    # other one, never alice's); alice authorizing after her connection closed tells nobody, and
+    # the daemon goes on.
+    caps = {"elicitation": {"url": {}}}
+    async with authorizing_remote("--client", "gw:gw-secret") as (srv, _remote, url):
+        port = free_port()
+        cfg = pc.gateway_config(tmp_path, port, url, pc.code_oauth(tmp_path, srv))
+        with trio.fail_after(120):
+            async with (run_gateway(cfg) as gw, httpx.AsyncClient() as web,
+                        connect(gw.url, token=pc.TOKENS["bob"], capabilities=caps) as b1,
+                        connect(gw.url, token=pc.TOKENS["bob"], capabilities=caps) as b2):
+                bob = _elicitation(await b1.call("up__echo", {"who": "bob"}))
+                async with connect(gw.url, token=pc.TOKENS["alice"], capabilities=caps) as a:
+                    alice = _elicitation(await a.call("up__echo", {"who": "alice"}))
+                    assert alice["elicitationId"] != bob["elicitationId"]
+                    assert (await pc.follow(web, bob["url"], "bob")).status_code == 200
+                    await b1.wait_for(lambda: _completions(b1))
+                    assert text_of(await b2.call("up__echo", {"who": "b2"})) == '{"who": "b2"}'
+                    assert _completions(b1) == [bob["elicitationId"]]
+                    assert _completions(b2) == [] and _completions(a) == []
+                async with connect(gw.url, token=pc.TOKENS["alice"], capabilities=caps) as a2:
+                    assert (await pc.follow(web, alice["url"], "alice")).status_code == 200
+                    assert text_of(await a2.call("up__echo", {"who": "a2"})) == '{"who": "a2"}'
+                    assert _completions(a2) == []
+                assert _completions(b1) == [bob["elicitationId"]] and _completions(b2) == []
