@@ -347,3 +347,36 @@ async def test_elicitation_complete_goes_to_the_connections_asked_only(tmp_path:
                     assert text_of(await a2.call("up__echo", {"who": "a2"})) == '{"who": "a2"}'
                     assert _completions(a2) == []
                 assert _completions(b1) == [bob["elicitationId"]] and _completions(b2) == []
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+async def test_calls_retried_before_a_step_up_is_authorized_do_not_use_up_the_step_ups(
+        tmp_path: Path) -> None:
+    # bob's call answered 403 insufficient_scope for a scope, retried three times before he
+    # authorizes: each retry gets the same URL without reaching the remote (one step-up pending,
+    # not four); after he authorized, a second scope wanted later still gets its step-up.
+    async with authorizing_remote("--client", "gw:gw-secret") as (srv, remote, url):
+        port = free_port()
+        cfg = pc.gateway_config(tmp_path, port, url, pc.code_oauth(tmp_path, srv))
+        with trio.fail_after(120):
+            async with (run_gateway(cfg) as gw, httpx.AsyncClient() as web,
+                        connect(gw.url, token=pc.TOKENS["bob"]) as b):
+                page = pc.authorize_url(await b.call("up__echo", {"who": "bob"}))
+                assert (await pc.follow(web, page, "bob")).status_code == 200
+                remote.refusal_challenge = 'Bearer error="insufficient_scope", scope="files:write"'
+                remote.refuse["tools/call"] = [403, 403, 403, 403]
+                pages = [pc.authorize_url(await b.call("up__echo", {"who": "bob"}))
+                         for _ in range(4)]
+                assert len(set(pages)) == 1, pages
+                # the retries waited for the authorization: not sent again
+                assert remote.refuse["tools/call"] == [403, 403, 403], remote.refuse
+                remote.refuse.pop("tools/call")
+                assert (await pc.follow(web, pages[0], "bob")).status_code == 200
+                assert text_of(await b.call("up__echo", {"who": "b"})) == '{"who": "b"}'
+                remote.refusal_challenge = 'Bearer error="insufficient_scope", scope="admin"'
+                remote.refuse["tools/call"] = [403]
+                page = pc.authorize_url(await b.call("up__echo", {"who": "bob"}))
+                assert (await pc.follow(web, page, "bob")).status_code == 200
+                assert text_of(await b.call("up__echo", {"who": "c"})) == '{"who": "c"}'
+                stepped = [r for r in await srv.issued() if r["sub"] == "bob"][-1]
+                assert {"files:write", "admin"} <= set(stepped["scope"].split()), stepped
