@@ -23,6 +23,7 @@ from helpers import (
     make_config,
     run_gateway,
     text_of,
+    unix_connect,
     wait_status,
 )
 from integration import test_principal_authcode as pc
@@ -380,3 +381,23 @@ async def test_calls_retried_before_a_step_up_is_authorized_do_not_use_up_the_st
                 assert text_of(await b.call("up__echo", {"who": "c"})) == '{"who": "c"}'
                 stepped = [r for r in await srv.issued() if r["sub"] == "bob"][-1]
                 assert {"files:write", "admin"} <= set(stepped["scope"].split()), stepped
+
+
+async def test_answers_of_every_size_around_the_frame_header_limits_arrive_whole(
+        tmp_path: Path) -> None:
+    # One-call writes (a frame header and its message, a line and its newline): answers whose
+    # size crosses 125/126 and 65535/65536 bytes arrive whole and in order, over WebSocket and
+    # the unix socket.
+    sock = str(tmp_path / "gw.sock")
+    cfg = make_config(fixture_backend("fx"), unix=sock)
+    sizes: set[int] = set()
+    with trio.fail_after(120):
+        async with run_gateway(cfg) as gw:
+            for opened in (connect(gw.url), unix_connect(sock)):
+                async with opened as c:
+                    for n in [*range(0, 160), *range(65380, 65560)]:
+                        r = await c.call("x" * n)
+                        assert r["error"]["code"] == -32602 and "x" * n in r["error"]["message"]
+                        sizes.add(len(json.dumps(r, separators=(",", ":"))))
+                    assert text_of(await c.call("fx__echo", {"message": "end"})) == "end"
+    assert {125, 126, 65535, 65536} <= sizes, sorted(sizes)[:3]
