@@ -4,6 +4,7 @@ the remote path's refusals, with real sockets and processes."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from helpers import (
     wait_status,
 )
 from integration import test_principal_authcode as pc
+from integration.test_authentication import Issuer, oauth_toml
 from memharness import memory_config, running
 from tlsutil import make_certs
 
@@ -401,3 +403,29 @@ async def test_answers_of_every_size_around_the_frame_header_limits_arrive_whole
                         sizes.add(len(json.dumps(r, separators=(",", ":"))))
                     assert text_of(await c.call("fx__echo", {"message": "end"})) == "end"
     assert {125, 126, 65535, 65536} <= sizes, sorted(sizes)[:3]
+
+
+async def test_a_websocket_whose_jwt_expires_mid_call_gives_its_principals_slot_back() -> None:
+    # dana (max_inflight = 1) calls sleep on a WebSocket whose JWT expires 2 s later: the
+    # connection ends with 1008 mid-call, and the call's slot is dana's again at once (a new
+    # connection of hers is served, not -32006), the gateway's counts back to nothing.
+    limit = '[[auth.limits]]\nprincipal = "dana"\nmax_inflight = 1\n'
+    with Issuer().running() as issuer:
+        cfg = make_config(fixture_backend(), extra=oauth_toml(issuer) + limit)
+        with trio.fail_after(30):
+            async with run_gateway(cfg) as gw:
+                async with connect(gw.url, token=issuer.token(exp=int(time.time()) + 2)) as ws:
+                    await ws.send({"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {
+                        "name": "fx__sleep", "arguments": {"seconds": 20}}})
+                    with trio.fail_after(8):
+                        while not ws.closed:
+                            await ws._changed.wait()
+                    assert ws.ws.closed is not None and ws.ws.closed.code == 1008
+                    assert 7 not in ws.responses
+                async with connect(gw.url, token=issuer.token()) as again:
+                    r = await again.call("fx__echo", {"message": "again"})
+                    assert text_of(r) == "again", r
+                st = await wait_status(gw.bound.admin_port,
+                                       lambda st: not any(st["connections"].values()))
+                assert st["connection_slots"] == 0, st
+                assert st["client_requests_in_flight"] == 0, st
