@@ -429,3 +429,33 @@ async def test_a_websocket_whose_jwt_expires_mid_call_gives_its_principals_slot_
                                        lambda st: not any(st["connections"].values()))
                 assert st["connection_slots"] == 0, st
                 assert st["client_requests_in_flight"] == 0, st
+
+
+async def test_calls_to_a_tool_coming_and_going_by_list_changed_each_get_one_answer() -> None:
+    # One connection calls fx__extra_tool in a tight loop while another toggles it in and out
+    # of the backend's list (tools/list_changed, the catalog rebuilt): every call gets exactly
+    # one answer, "extra" or -32602 unknown tool (or the backend's own refusal), never a hang.
+    cfg = make_config(fixture_backend("fx"))
+    answers: list[dict[str, Any]] = []
+    with trio.fail_after(60):
+        async with run_gateway(cfg) as gw, connect(gw.url) as caller, connect(gw.url) as toggler:
+
+            async def call_loop() -> None:
+                for _ in range(150):
+                    answers.append(await caller.call("fx__extra_tool", timeout=10))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call_loop)
+                for _ in range(20):
+                    r = await toggler.call("fx__notify_list_changed", {"kind": "tools"})
+                    assert text_of(r) == "ok", r
+                    await trio.sleep(0.01)
+    kinds = set()
+    for r in answers:
+        if "result" in r:
+            assert text_of(r) == "extra", r
+            kinds.add("ok")
+        else:
+            assert r["error"]["code"] == -32602, r
+            kinds.add("unknown" if r["error"]["message"].startswith("unknown tool") else "backend")
+    assert len(answers) == 150 and "ok" in kinds and "unknown" in kinds, kinds
