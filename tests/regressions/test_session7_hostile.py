@@ -1,5 +1,9 @@
-"""Hostile checks of the forwarded-call fast paths, the WebSocket upgrade's head timeout and
-the remote path's refusals, with real sockets and processes."""
+"""Hostile checks of what session 7 changed, with real sockets and processes: a remote's 4xx
+(429 retryable), a registration's odd ``client_secret_expires_at``, a slow-loris WebSocket
+upgrade (plain and TLS), raw unix lines on the framing and tool-name fast paths, a flood of
+refused redirects, per-principal step-ups (bounded, not used up by retries),
+``notifications/elicitation/complete`` to the asked connection only, answers across the frame
+header sizes, a JWT expiring mid-call, a tool coming and going while called."""
 
 from __future__ import annotations
 
@@ -35,6 +39,8 @@ from tlsutil import make_certs
 from gateway import config, limits
 from gateway.backend import http
 from gateway.backend.authcode import MAX_STEP_UPS
+
+pytestmark = pytest.mark.system
 
 AS = "http://127.0.0.1:9000"
 URL = "http://localhost:8080/mcp"
