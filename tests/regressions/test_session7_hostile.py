@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
+import trio.testing
 from authserverutil import authorizing_remote
 from fixtures.remote_server import RemoteServer
 from fixtures.token_server import CodeAuthServer, Net, ProtectedRemote
@@ -118,25 +119,21 @@ async def test_a_registration_with_an_odd_secret_expiry_is_taken_as_never_expiri
 
 
 async def _trickle(stream: trio.abc.Stream, head: bytes, every: float) -> bytes:
-    """Send ``head`` a byte every ``every`` seconds until the server answers; its answer."""
+    """Send ``head`` a byte at a time, waiting up to ``every`` seconds for the server's answer
+    after each, until it answers; its answer (read to the close)."""
     got = b""
-
-    async def send() -> None:
-        for i in range(len(head)):
-            try:
-                await stream.send_all(head[i:i + 1])
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                return
-            await trio.sleep(every)
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(send)
-        try:
-            while chunk := await stream.receive_some(65536):
-                got += chunk
-        except trio.BrokenResourceError:
-            pass
-        nursery.cancel_scope.cancel()
+    for i in range(len(head) + 1):
+        if i < len(head):
+            await stream.send_all(head[i:i + 1])
+        with trio.move_on_after(every):  # the answer, if it comes before the next byte
+            got = await stream.receive_some(65536)
+        if got:
+            break
+    try:
+        while chunk := await stream.receive_some(65536):
+            got += chunk
+    except trio.BrokenResourceError:
+        pass
     return got
 
 
@@ -241,7 +238,7 @@ async def test_unix_lines_and_tool_names_as_written_on_the_fast_paths(tmp_path: 
                 assert r["error"]["data"]["reason"] == "response_too_large", r
                 split = _call_line(35, b'"fx__echo"', "split") + b"\n"
                 await stream.send_all(split[:7])
-                await trio.sleep(0.05)
+                await trio.testing.wait_all_tasks_blocked()  # the gateway read the first part
                 (r,) = await ask(split[7:])
                 assert text_of(r) == "split", r
                 both = split.replace(b'"id":35', b'"id":36') + split[:9]
@@ -455,7 +452,6 @@ async def test_calls_to_a_tool_coming_and_going_by_list_changed_each_get_one_ans
                 for _ in range(20):
                     r = await toggler.call("fx__notify_list_changed", {"kind": "tools"})
                     assert text_of(r) == "ok", r
-                    await trio.sleep(0.01)
     kinds = set()
     for r in answers:
         if "result" in r:
