@@ -1129,7 +1129,7 @@ class HttpLink:
     def _server_error(self, gid: int, status: int, body: bytes, *, retry: bool = True) -> None:
         """An HTTP error status answered request ``gid`` (not with a JSON-RPC error): it fails
         with the status and the body's first printable bytes; retryable when ``retry`` (a 5xx,
-        a 429) and it could not have run twice."""
+        a 429) and it could not have run twice (a 429 says it did not run: any method)."""
         self.last_error = f"{self.origin} answered HTTP {status}"
         if self._receiver is None:
             return
@@ -1138,7 +1138,7 @@ class HttpLink:
         self._receiver.failed(gid, errors.BackendUnavailable(
             f"backend {self._ctx.backend!r}: {self.origin} answered HTTP {status}",
             backend=self._ctx.backend, status=status, body=text,
-            retryable=retry and self._methods.get(gid) in SAFE_TO_REPEAT))
+            retryable=retry and (status == 429 or self._methods.get(gid) in SAFE_TO_REPEAT)))
 
     def _resumable(self, decoder: SseDecoder) -> bool:
         return (decoder.last_id is not None and self.session_id is not None

@@ -213,11 +213,15 @@ def check_iss(iss: str | None, issuer: str, advertised: bool) -> None:
                         "response has none: refused")
 
 
+#: A ``client_secret_expires_at`` from here on means never (beyond any clock: 1e18 s).
+_NEVER = 10**18
+
+
 def secret_expires_at(value: object) -> float:
     """An RFC 7591 registration's ``client_secret_expires_at`` (seconds since the epoch; 0 or
-    absent: never), 0 when it is not a usable number."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0 \
-            or value == float("inf"):
+    absent: never), 0 when it is not a usable number (one past :data:`_NEVER` is never too: an
+    integer beyond a float's range cannot be one)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < _NEVER:
         return 0.0
     return float(value)
 
