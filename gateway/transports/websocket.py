@@ -60,7 +60,7 @@ _AT_CAP = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\ncon
            b"content-length: %d\r\n\r\n%s" % (len(_AT_CAP_BODY), _AT_CAP_BODY))
 #: What a connection gets whose upgrade request is not whole by ``HEAD_TIMEOUT``: a client sees
 #: why at once instead of waiting for its own timeout (trio-websocket's waits 60 s on a close).
-_HEAD_TIMEOUT_BODY = b"request head not completed in time\n"
+_HEAD_TIMEOUT_BODY = b"upgrade request not completed in time\n"
 _HEAD_TIMED_OUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\n"
                    b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
                    % (len(_HEAD_TIMEOUT_BODY), _HEAD_TIMEOUT_BODY))

@@ -165,7 +165,7 @@ async def test_a_slow_loris_upgrade_gets_408_at_the_head_timeout_and_its_slot_ba
                 got = await _trickle(stream, UPGRADE, 0.05)
             took = trio.current_time() - start
             assert got.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), got[:80]
-            assert got.endswith(b"request head not completed in time\n"), got
+            assert got.endswith(b"upgrade request not completed in time\n"), got
             assert 0.5 < took < 4.0, took
             await wait_status(gw.bound.admin_port, lambda st: st["connection_slots"] == 0)
             scheme = "wss" if secure else "ws"
