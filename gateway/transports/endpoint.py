@@ -129,10 +129,9 @@ class _QuickWaits:
 
 class _Ends:
     """Ends the stateless flows answered while their POST's task reads the client's next
-    request (:func:`_hold` with ``ahead``) and still open :data:`QUICK_ANSWER` seconds later
-    (or up to twice that): most are ended before by that task, woken by the next request.  One
-    timer task (run while any waits) sleeps to the first one due, as :class:`_QuickWaits`
-    does."""
+    request (:func:`_hold` with ``ahead``) and still open :data:`QUICK_ANSWER` seconds later:
+    most are ended before by that task, woken by the next request.  One timer task (run while
+    any waits) sleeps to the first one due, as :class:`_QuickWaits` does."""
 
     def __init__(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
@@ -154,9 +153,7 @@ class _Ends:
             while due:
                 while len(due) > 1 and _ended(due[0][1]):
                     due.popleft()  # ended by its POST's task: nothing to do
-                # at most once per QUICK_ANSWER: under steady traffic nearly every flow is
-                # ended by its POST's task before this looks
-                await trio.sleep_until(max(due[0][0], trio.current_time() + QUICK_ANSWER))
+                await trio.sleep_until(max(due[0][0], trio.current_time() + QUICK_TICK))
                 now = trio.current_time()
                 while due and due[0][0] <= now:
                     session = due.popleft()[1]
