@@ -47,6 +47,7 @@ from gateway.transports.http import (
 )
 from gateway.transports.listeners import Accepted, SlottedListener, serve_listeners
 from gateway.transports.streamable import SESSION_HEADER, HttpSession, Sink
+from gateway.wakeup import Wakeup
 
 if TYPE_CHECKING:
     from gateway.auth.authenticator import Authenticator
@@ -129,40 +130,39 @@ class _QuickWaits:
 
 class _Ends:
     """Ends the stateless flows answered while their POST's task reads the client's next
-    request (:func:`_hold` with ``ahead``) and still open :data:`QUICK_ANSWER` seconds later:
-    most are ended before by that task, woken by the next request.  One timer task (run while
-    any waits) sleeps to the first one due, as :class:`_QuickWaits` does."""
+    request (:func:`_hold` with ``ahead``): one task, woken by the first answer of a batch,
+    ends every flow answered meanwhile, as each POST's task would have on waking."""
 
     def __init__(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
-        self._due: deque[tuple[float, HttpSession]] = deque()  # by deadline: all wait as long
-        self._ticking = False
+        self._due: list[HttpSession] = []
+        self._wakeup = Wakeup()
+        self._running = False
 
     def answered(self, session: HttpSession) -> None:
-        if not self._ticking:
-            try:
-                self._nursery.start_soon(self._tick)
-            except RuntimeError:  # the service is unwinding: its POST's task ends it
-                return
-            self._ticking = True
-        self._due.append((trio.current_time() + QUICK_ANSWER, session))
-
-    async def _tick(self) -> None:
-        due = self._due
+        self._due.append(session)
+        if self._running:
+            self._wakeup.set()
+            return
         try:
-            while due:
-                while len(due) > 1 and _ended(due[0][1]):
-                    due.popleft()  # ended by its POST's task: nothing to do
-                await trio.sleep_until(max(due[0][0], trio.current_time() + QUICK_TICK))
-                now = trio.current_time()
-                while due and due[0][0] <= now:
-                    session = due.popleft()[1]
-                    if not _ended(session) and _rounds(session) == 0:
-                        assert session.direct is not None
+            self._nursery.start_soon(self._run)
+        except RuntimeError:  # the service is unwinding: its POST's task ends it
+            self._due.clear()
+            return
+        self._running = True
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                due, self._due = self._due, []
+                for session in due:
+                    if session.direct is not None and _rounds(session) == 0:
                         session.direct.finish()  # not when answered input_required (a round)
+                if not self._due:
+                    await self._wakeup.wait()
         finally:
-            self._ticking = False
-            due.clear()
+            self._running = False
+            self._due.clear()
 
 
 class Sessions:
@@ -625,8 +625,7 @@ class Endpoint:
         try:
             flow.handle(env, kind, len(body), params)
             if not sink.done:
-                # answered without waking this task: the flow ends when the client's next
-                # request (or its leaving) wakes it, else by ``sessions.ends``
+                # answered without waking this task, the flow is ended by ``sessions.ends``
                 await self._hold(conn, session, sink, ahead=True)
         finally:
             # answered, or the client closed the stream: that cancels the call, unless this POST
@@ -687,10 +686,6 @@ def _end(session: HttpSession) -> None:
         session.direct.finish()
     else:
         session.terminate()
-
-
-def _ended(session: HttpSession) -> bool:
-    return session.direct is None or session.direct.done
 
 
 def _key(principal: Principal | None) -> str | None:
