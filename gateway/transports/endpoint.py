@@ -47,7 +47,6 @@ from gateway.transports.http import (
 )
 from gateway.transports.listeners import Accepted, SlottedListener, serve_listeners
 from gateway.transports.streamable import SESSION_HEADER, HttpSession, Sink
-from gateway.wakeup import Wakeup
 
 if TYPE_CHECKING:
     from gateway.auth.authenticator import Authenticator
@@ -128,43 +127,6 @@ class _QuickWaits:
             self._ticking = False
 
 
-class _Ends:
-    """Ends the stateless flows answered while their POST's task reads the client's next
-    request (:func:`_hold` with ``ahead``): one task, woken by the first answer of a batch,
-    ends every flow answered meanwhile, as each POST's task would have on waking."""
-
-    def __init__(self, nursery: trio.Nursery) -> None:
-        self._nursery = nursery
-        self._due: list[HttpSession] = []
-        self._wakeup = Wakeup()
-        self._running = False
-
-    def answered(self, session: HttpSession) -> None:
-        self._due.append(session)
-        if self._running:
-            self._wakeup.set()
-            return
-        try:
-            self._nursery.start_soon(self._run)
-        except RuntimeError:  # the service is unwinding: its POST's task ends it
-            self._due.clear()
-            return
-        self._running = True
-
-    async def _run(self) -> None:
-        try:
-            while True:
-                due, self._due = self._due, []
-                for session in due:
-                    if session.direct is not None and _rounds(session) == 0:
-                        session.direct.finish()  # not when answered input_required (a round)
-                if not self._due:
-                    await self._wakeup.wait()
-        finally:
-            self._running = False
-            self._due.clear()
-
-
 class Sessions:
     """The live HTTP sessions by id; each runs ``serve_session`` in ``nursery`` for its life."""
 
@@ -179,7 +141,6 @@ class Sessions:
         self.caps = caps if caps is not None else PrincipalCaps()  # a principal's max_sessions
         self.by_id: dict[str, HttpSession] = {}
         self.quick = _QuickWaits(nursery)
-        self.ends = _Ends(nursery)
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -616,7 +577,6 @@ class Endpoint:
             return
         self._refuse(None, env)
         session = HttpSession(self.sessions.idle_timeout, id="")
-        session.answered = self.sessions.ends.answered
         session.mrtr = self.bridge
         session.principal = principal
         session.open_post(sink)
@@ -625,8 +585,7 @@ class Endpoint:
         try:
             flow.handle(env, kind, len(body), params)
             if not sink.done:
-                # answered without waking this task, the flow is ended by ``sessions.ends``
-                await self._hold(conn, session, sink, ahead=True)
+                await self._hold(conn, session, sink)
         finally:
             # answered, or the client closed the stream: that cancels the call, unless this POST
             # was answered input_required (the flow waits for the retry, which may already run)
