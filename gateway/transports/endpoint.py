@@ -127,47 +127,6 @@ class _QuickWaits:
             self._ticking = False
 
 
-class _Ends:
-    """Ends the stateless flows answered while their POST's task reads the client's next
-    request (:func:`_hold` with ``ahead``) and still open :data:`QUICK_ANSWER` seconds later
-    (or up to twice that): most are ended before by that task, woken by the next request.  One
-    timer task (run while any waits) sleeps to the first one due, as :class:`_QuickWaits`
-    does."""
-
-    def __init__(self, nursery: trio.Nursery) -> None:
-        self._nursery = nursery
-        self._due: deque[tuple[float, HttpSession]] = deque()  # by deadline: all wait as long
-        self._ticking = False
-
-    def answered(self, session: HttpSession) -> None:
-        if not self._ticking:
-            try:
-                self._nursery.start_soon(self._tick)
-            except RuntimeError:  # the service is unwinding: its POST's task ends it
-                return
-            self._ticking = True
-        self._due.append((trio.current_time() + QUICK_ANSWER, session))
-
-    async def _tick(self) -> None:
-        due = self._due
-        try:
-            while due:
-                while len(due) > 1 and _ended(due[0][1]):
-                    due.popleft()  # ended by its POST's task: nothing to do
-                # at most once per QUICK_ANSWER: under steady traffic nearly every flow is
-                # ended by its POST's task before this looks
-                await trio.sleep_until(max(due[0][0], trio.current_time() + QUICK_ANSWER))
-                now = trio.current_time()
-                while due and due[0][0] <= now:
-                    session = due.popleft()[1]
-                    if not _ended(session) and _rounds(session) == 0:
-                        assert session.direct is not None
-                        session.direct.finish()  # not when answered input_required (a round)
-        finally:
-            self._ticking = False
-            due.clear()
-
-
 class Sessions:
     """The live HTTP sessions by id; each runs ``serve_session`` in ``nursery`` for its life."""
 
@@ -182,7 +141,6 @@ class Sessions:
         self.caps = caps if caps is not None else PrincipalCaps()  # a principal's max_sessions
         self.by_id: dict[str, HttpSession] = {}
         self.quick = _QuickWaits(nursery)
-        self.ends = _Ends(nursery)
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -619,7 +577,6 @@ class Endpoint:
             return
         self._refuse(None, env)
         session = HttpSession(self.sessions.idle_timeout, id="")
-        session.answered = self.sessions.ends.answered
         session.mrtr = self.bridge
         session.principal = principal
         session.open_post(sink)
@@ -628,9 +585,7 @@ class Endpoint:
         try:
             flow.handle(env, kind, len(body), params)
             if not sink.done:
-                # answered without waking this task: the flow ends when the client's next
-                # request (or its leaving) wakes it, else by ``sessions.ends``
-                await self._hold(conn, session, sink, ahead=True)
+                await self._hold(conn, session, sink)
         finally:
             # answered, or the client closed the stream: that cancels the call, unless this POST
             # was answered input_required (the flow waits for the retry, which may already run)
@@ -690,10 +645,6 @@ def _end(session: HttpSession) -> None:
         session.direct.finish()
     else:
         session.terminate()
-
-
-def _ended(session: HttpSession) -> bool:
-    return session.direct is None or session.direct.done
 
 
 def _key(principal: Principal | None) -> str | None:

@@ -221,8 +221,6 @@ class HttpSession:
         self.client: ClientSession | None = None  # bound by connection.serve
         self.mrtr: Bridge | None = None  # a modern flow's: its child's requests are bridged
         self.direct: Direct | None = None  # a modern flow's: served without a task of its own
-        # a modern flow's: told when its POST is answered without waking the POST's task
-        self.answered: Callable[[HttpSession], None] | None = None
         self.principal: Principal | None = None  # who opened it (gateway.auth); bound for its life
         self.closed = False
         self.last_active = trio.current_time()
@@ -517,8 +515,6 @@ class HttpSession:
         if sink.token is not None and self._tokens.get(sink.token) is sink:
             del self._tokens[sink.token]
         self._write(sink, message, final=True)
-        if sink.ahead and self.answered is not None:
-            self.answered(self)
 
     def _notify(self, message: bytes, goes: Goes, key: RequestId | None) -> None:
         """Anything but a response: progress to its request's POST, an unrelated message to

@@ -1,7 +1,6 @@
 """The POSTs' quick-answer timer (gateway.transports.endpoint._QuickWaits) on trio's MockClock:
 a POST not answered in time is woken at QUICK_ANSWER, and the timer task sleeps past POSTs
-already answered instead of waking every QUICK_TICK while POSTs keep coming; a stateless flow
-answered without waking its POST's task is ended at QUICK_ANSWER (endpoint._Ends)."""
+already answered instead of waking every QUICK_TICK while POSTs keep coming."""
 
 from __future__ import annotations
 
@@ -56,38 +55,3 @@ async def test_timer_sleeps_past_answered_posts(autojump_clock: trio.testing.Moc
         trio.lowlevel.remove_instrument(steps)
     # woken about once per QUICK_ANSWER (5 times here), not every QUICK_TICK (12 times)
     assert steps.tick <= 6, steps.tick
-
-
-class _Flow:
-    def __init__(self) -> None:
-        self.done = False
-        self.ended_at: float | None = None
-
-    def finish(self) -> None:
-        self.done = True
-        self.ended_at = trio.current_time()
-
-
-class _Session:
-    def __init__(self) -> None:
-        self.direct = _Flow()
-        self.client = None  # no bridged flow: no input_required rounds
-
-
-async def test_answered_flows_end_at_quick_answer_unless_ended_before(
-        autojump_clock: trio.testing.MockClock) -> None:
-    """A stateless flow answered without waking its POST's task ends QUICK_ANSWER later, unless
-    that task ended it meanwhile (its client's next request): then the timer leaves it be."""
-    async with trio.open_nursery() as nursery:
-        ends = endpoint._Ends(nursery)
-        t0 = trio.current_time()
-        idle, busy = _Session(), _Session()
-        ends.answered(idle)  # type: ignore[arg-type]
-        ends.answered(busy)  # type: ignore[arg-type]
-        await trio.sleep(0.01)
-        busy.direct.finish()  # its POST's task, woken by the next request
-        ended = busy.direct.ended_at
-    assert idle.direct.ended_at is not None
-    assert endpoint.QUICK_ANSWER <= idle.direct.ended_at - t0 < endpoint.QUICK_ANSWER + \
-        2 * endpoint.QUICK_TICK
-    assert busy.direct.ended_at == ended  # not ended twice
