@@ -60,7 +60,7 @@ class LineStream:
 
     def write_nowait(self, messages: list[bytes], route: Route | None = None) -> bool:
         if len(messages) == 1:
-            return self._io.write([messages[0], _NEWLINE])
+            return self._io.write_pair(messages[0], _NEWLINE)
         parts: list[bytes] = []
         for m in messages:
             parts.append(m)

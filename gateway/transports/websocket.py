@@ -174,12 +174,10 @@ class WebSocketStream:
         return TransportClosed(f"closed by the client ({code})")
 
     def write_nowait(self, messages: list[bytes], route: Route | None = None) -> bool:
+        if len(messages) == 1:
+            return self.write_one(messages[0], route)
         if self._closed:
             raise TransportClosed("closed")
-        if len(messages) == 1:
-            data = messages[0]
-            n = len(data)
-            return self._io.write([_SMALL_HEADERS[n] if n < 126 else text_header(n), data])
         parts: list[bytes] = []
         for data in messages:
             parts.append(text_header(len(data)))
