@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import trio
-from helpers import HTTP_INIT, fixture_backend, make_config, run_gateway, wait_status
+from helpers import HTTP_INIT, fixture_backend, make_config, run_gateway, text_of, wait_status
 
 pytestmark = pytest.mark.system
 
@@ -81,8 +81,7 @@ async def _session(stream: trio.SocketStream, reader: _Reader) -> str:
 
 
 def _text(body: bytes) -> str:
-    text: str = json.loads(body)["result"]["content"][0]["text"]
-    return text
+    return text_of(json.loads(body))
 
 
 async def test_keepalive_posts_pipelined_big_and_unread() -> None:
