@@ -20,7 +20,7 @@ import trio
 import trio.testing
 from authserverutil import AuthServer, authorizing_remote
 from fixtures.remote_server import RemoteServer
-from fixtures.token_server import CodeAuthServer, Net, ProtectedRemote
+from fixtures.token_server import CodeAuthServer
 from helpers import (
     ROOT,
     UPGRADE,
@@ -36,18 +36,14 @@ from helpers import (
     wait_status,
 )
 from integration import test_principal_authcode as pc
+from integration import test_remote_authcode as rc
 from integration.test_authentication import Issuer, oauth_toml
-from memharness import memory_config, running
 from tlsutil import make_certs
 
 from gateway import config, limits
-from gateway.backend import http
 from gateway.backend.authcode import MAX_STEP_UPS
 
 pytestmark = pytest.mark.system
-
-AS = "http://127.0.0.1:9000"
-URL = "http://localhost:8080/mcp"
 
 FAST_RESTART = "{ backoff_initial = 0.05, backoff_max = 0.2, max_restarts = 100, window = 60.0 }"
 
@@ -112,24 +108,16 @@ async def test_a_registration_with_an_odd_secret_expiry_is_taken_as_never_expiri
         autojump_clock: object, tmp_path: Any, raw: bytes) -> None:
     # RFC 7591's client_secret_expires_at as a string, negative, beyond a float, infinite, NaN,
     # a bool, null or an array: the client is kept (never expiring), the backend authorizes.
-    auth = _OddSecretExpiry(AS)
+    auth = _OddSecretExpiry(rc.AS)
     auth.raw = raw
-    async with trio.open_nursery() as nursery:
-        net = Net(nursery, {"127.0.0.1:9000": auth,
-                            "localhost:8080": ProtectedRemote(URL, AS, lambda t: t in auth.issued)})
-        cfg = memory_config(f'[backends.r]\nurl = "{URL}"\nprefix = ""\n[backends.r.oauth]\n'
-                            'grant = "authorization_code"\n', gateway=f'state_dir = "{tmp_path}"')
-        connector = http.HttpConnector(cfg.backends["r"], opener=net.open, name="r")
-        async with running(cfg, connectors={"r": connector}) as h:
-            await h.until(lambda: h.instance("r")["state"] == "AUTHORIZING")
-            status, url = h.hub.begin_authorization("r")
-            assert status == 200, url
-            assert (await h.hub.complete_authorization(auth.authorize(url)))[0] == 200
-            await h.until(lambda: h.instance("r")["state"] == "RUNNING")
-            assert auth.registered == ["client-1"]
-            async with h.connect() as c:
-                assert (await c.call("echo", timeout=5))["result"]["content"][0]["text"] == "ok"
-        nursery.cancel_scope.cancel()
+    async with (rc.network(auth, lambda t: t in auth.issued) as net,
+                rc.daemon(rc.code_config(tmp_path), net) as h):
+        await h.until(lambda: rc.state_of(h) == "AUTHORIZING")
+        assert (await h.hub.complete_authorization(await rc.authorize(h, auth)))[0] == 200
+        await h.until(lambda: rc.state_of(h) == "RUNNING")
+        assert auth.registered == ["client-1"]
+        async with h.connect() as c:
+            assert (await c.call("echo", timeout=5))["result"]["content"][0]["text"] == "ok"
 
 
 async def _trickle(stream: trio.abc.Stream, head: bytes, every: float) -> bytes:
