@@ -308,6 +308,11 @@ def text_of(response: dict[str, Any]) -> str:
     return response["result"]["content"][0]["text"]
 
 
+def backend_in(status: dict[str, Any], name: str) -> dict[str, Any]:
+    """Backend ``name``'s entry in a ``/status`` document."""
+    return next(b for b in status["backends"] if b["name"] == name)
+
+
 async def http_exchange(port: int | None, path: str, token: str | None = None,
                         host: str = "127.0.0.1") -> tuple[int, dict[str, str], bytes]:
     """GET ``path`` from ``host``:``port`` (the admin listener), with ``token`` as a bearer

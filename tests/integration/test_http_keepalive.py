@@ -12,16 +12,16 @@ from typing import Any
 
 import pytest
 import trio
-from helpers import HTTP_INIT, fixture_backend, make_config, run_gateway, wait_status
+from helpers import HTTP_INIT, fixture_backend, make_config, run_gateway, text_of, wait_status
 
 pytestmark = pytest.mark.system
 
 
-def _post(body: dict[str, Any], sid: str | None = None) -> bytes:
+def _post(body: dict[str, Any], sid: str | None = None, headers: bytes = b"") -> bytes:
     data = json.dumps(body).encode()
     head = (b"POST /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\n"
             b"accept: application/json, text/event-stream\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\n" % len(data))
+            b"content-length: %d\r\n" % len(data)) + headers
     if sid is not None:
         head += b"mcp-session-id: %s\r\nmcp-protocol-version: 2025-11-25\r\n" % sid.encode()
     return head + b"\r\n" + data
@@ -32,14 +32,11 @@ MODERN = "2026-07-28"
 
 def _modern(id: int, message: str) -> bytes:
     """A stateless (2026-07-28) ``tools/call`` of echo, with its headers."""
-    data = json.dumps({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": {
-        "name": "fx__echo", "arguments": {"message": message},
-        "_meta": {"io.modelcontextprotocol/protocolVersion": MODERN,
-                  "io.modelcontextprotocol/clientCapabilities": {}}}}).encode()
-    return (b"POST /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\n"
-            b"accept: application/json, text/event-stream\r\ncontent-type: application/json\r\n"
-            b"mcp-protocol-version: %s\r\nmcp-method: tools/call\r\nmcp-name: fx__echo\r\n"
-            b"content-length: %d\r\n\r\n%s" % (MODERN.encode(), len(data), data))
+    body = _call(id, message)
+    body["params"]["_meta"] = {"io.modelcontextprotocol/protocolVersion": MODERN,
+                               "io.modelcontextprotocol/clientCapabilities": {}}
+    return _post(body, headers=b"mcp-protocol-version: %s\r\nmcp-method: tools/call\r\n"
+                               b"mcp-name: fx__echo\r\n" % MODERN.encode())
 
 
 def _call(id: int, message: str) -> dict[str, Any]:
@@ -84,8 +81,7 @@ async def _session(stream: trio.SocketStream, reader: _Reader) -> str:
 
 
 def _text(body: bytes) -> str:
-    text: str = json.loads(body)["result"]["content"][0]["text"]
-    return text
+    return text_of(json.loads(body))
 
 
 async def test_keepalive_posts_pipelined_big_and_unread() -> None:

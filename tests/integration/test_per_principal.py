@@ -17,6 +17,7 @@ import pytest
 import trio
 from fixtures.remote_server import RemoteServer
 from helpers import (
+    backend_in,
     bearer_auth,
     connect,
     fixture_backend,
@@ -32,10 +33,6 @@ pytestmark = pytest.mark.system
 
 TOKENS = {"alice": "alice-inbound-1", "bob": "bob-inbound-2", "carol": "carol-inbound-3",
           "dave": "dave-inbound-4"}
-
-
-def fx(st: dict[str, Any]) -> dict[str, Any]:
-    return next(b for b in st["backends"] if b["name"] == "fx")
 
 
 async def test_each_principal_gets_its_own_child_and_environment(tmp_path: Path) -> None:
@@ -76,8 +73,8 @@ async def test_each_principal_gets_its_own_child_and_environment(tmp_path: Path)
                 await b.wait_for(lambda: logged(b))
                 await a1.request("ping")  # (after anything queued for it before)
                 assert logged(b)[0]["params"]["data"] == "bob's" and not logged(a1)
-                st = await gw.status_until(lambda s: len(fx(s)["instances"]) == 3)
-                names = sorted(i["name"] for i in fx(st)["instances"])
+                st = await gw.status_until(lambda s: len(backend_in(s, "fx")["instances"]) == 3)
+                names = sorted(i["name"] for i in backend_in(st, "fx")["instances"])
                 assert names == ["fx/0", "fx/p1", "fx/p2"]
             async with connect(gw.url, token=TOKENS["carol"]) as c:
                 r = await c.call("fx__getenv", secret)
@@ -87,15 +84,15 @@ async def test_each_principal_gets_its_own_child_and_environment(tmp_path: Path)
                 r = await d.call("fx__getenv", secret)
                 assert r["error"]["code"] == -32005, r
                 assert "mode 0640" in r["error"]["message"]
-            st = await gw.status_until(lambda s: len(fx(s)["instances"]) == 3)
-            assert fx(st)["sharing"] == "per-principal"
+            st = await gw.status_until(lambda s: len(backend_in(s, "fx")["instances"]) == 3)
+            assert backend_in(st, "fx")["sharing"] == "per-principal"
             # a reload that removes bob stops his child; alice's goes on
             path.write_text(head + backend + bearer_auth({"alice": TOKENS["alice"]}))
             mark = gw.events.count
             gw.control.reload()
             await gw.events.wait(events.ReloadFinished, success=True, since=mark)
-            st = await gw.status_until(lambda s: len(fx(s)["instances"]) == 2)
-            assert sorted(i["name"] for i in fx(st)["instances"]) == ["fx/0", "fx/p1"]
+            st = await gw.status_until(lambda s: len(backend_in(s, "fx")["instances"]) == 2)
+            assert sorted(i["name"] for i in backend_in(st, "fx")["instances"]) == ["fx/0", "fx/p1"]
             async with connect(gw.url, token=TOKENS["alice"]) as a:
                 assert text_of(await a.call("fx__getenv", secret)) == "alice-secret"
 

@@ -36,8 +36,10 @@ MODERN = "2026-07-28"
 
 def gateway_config(tmp_path: Path, port: int, url: str, oauth: str,
                    credentials: str = 'credentials = "per-principal"\n',
-                   tokens: dict[str, str] = TOKENS) -> config.GatewayConfig:
-    """The gateway's config, also written to ``tmp_path/gw.toml`` (for a reload)."""
+                   tokens: dict[str, str] = TOKENS,
+                   backends: tuple[str, ...] = ("up",)) -> config.GatewayConfig:
+    """The gateway's config (remotes named ``backends``, all at ``url``), also written to
+    ``tmp_path/gw.toml`` (for a reload)."""
     text = f"""
 [gateway]
 state_dir = "{tmp_path}"
@@ -47,12 +49,13 @@ http = "127.0.0.1:{port}"
 [admin]
 listen = "127.0.0.1:0"
 {bearer_auth(tokens)}
-[backends.up]
+""" + "".join(f"""
+[backends.{name}]
 url = "{url}"
 {credentials}
-[backends.up.oauth]
+[backends.{name}.oauth]
 {oauth}
-"""
+""" for name in backends)
     (tmp_path / "gw.toml").write_text(text)
     return config.load(text)
 

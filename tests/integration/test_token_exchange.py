@@ -11,7 +11,6 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trio.testing
@@ -19,7 +18,7 @@ from authserverutil import AuthServer, auth_server
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from fixtures.remote_server import RemoteServer
-from helpers import connect, make_config, run_gateway, text_of
+from helpers import backend_in, connect, make_config, run_gateway, text_of
 
 from gateway.auth.authenticator import Authenticator
 from gateway.auth.principal import Principal
@@ -149,10 +148,6 @@ async def test_a_refused_exchange_and_a_bearer_caller_are_not_retryable(tmp_path
         assert [r for r in await srv.issued() if r["grant_type"] == EXCHANGE] == []
 
 
-def ev(st: dict[str, Any]) -> dict[str, Any]:
-    return next(b for b in st["backends"] if b["name"] == "ev")
-
-
 async def test_a_per_principal_remote_gets_each_oauth_callers_exchanged_token(
         tmp_path: Path) -> None:
     (tmp_path / "gw.secret").write_text("gw-secret\n")
@@ -183,8 +178,9 @@ async def test_a_per_principal_remote_gets_each_oauth_callers_exchanged_token(
                                 for who in inbound}
                 assert not any(token in str(seen.headers) for seen in remote.seen
                                for token in inbound.values())
-                st = await gw.status_until(lambda s: ev(s)["token_exchange"]["exchanges"] == 2)
-                assert ev(st)["token_exchange"]["principals"] == 2
+                st = await gw.status_until(
+                    lambda s: backend_in(s, "ev")["token_exchange"]["exchanges"] == 2)
+                assert backend_in(st, "ev")["token_exchange"]["principals"] == 2
                 assert not any(r["access_token"] in json.dumps(st) for r in issued.values())
                 # a 401 makes the gateway exchange again; with the server down: retryable
                 await srv.down("closed")

@@ -14,6 +14,7 @@ import pytest
 import trio
 import trio.testing
 from helpers import (
+    backend_in,
     bearer_auth,
     connect,
     fixture_backend,
@@ -32,10 +33,6 @@ from gateway.backend.memory import MemoryLink, Script
 pytestmark = pytest.mark.system
 
 TOKENS = {"alice": "alice-inbound-1", "bob": "bob-inbound-2"}
-
-
-def fx(st: dict[str, Any]) -> dict[str, Any]:
-    return next(b for b in st["backends"] if b["name"] == "fx")
 
 
 def per_principal(tmp_path: Path) -> str:
@@ -99,8 +96,8 @@ async def test_status_names_a_per_principal_instance_by_its_label(tmp_path: Path
         async with (run_gateway(cfg) as gw,
                     connect(gw.url, token=TOKENS["alice"]) as a):
             assert text_of(await a.call("fx__getenv", {"name": "WHO"})) == "alice"
-            st = await gw.status_until(lambda s: len(fx(s)["instances"]) == 2)
-            owners = {i["name"]: i["owner"] for i in fx(st)["instances"]}
+            st = await gw.status_until(lambda s: len(backend_in(s, "fx")["instances"]) == 2)
+            owners = {i["name"]: i["owner"] for i in backend_in(st, "fx")["instances"]}
             assert owners == {"fx/0": None, "fx/p1": "alice"}
 
 

@@ -17,8 +17,9 @@ from urllib.parse import urlencode
 import httpx
 import pytest
 import trio
-from authserverutil import authorizing_remote
-from helpers import bearer_auth, connect, free_port, run_gateway, text_of
+from authserverutil import AuthServer, authorizing_remote
+from helpers import connect, free_port, run_gateway, text_of
+from integration import test_principal_authcode as pc
 
 from gateway import config
 from gateway.protocol import oauthflow
@@ -28,35 +29,17 @@ pytestmark = [pytest.mark.system, pytest.mark.filterwarnings("ignore::ResourceWa
 TOKENS = {"alice": "alice-secret-token-1", "mallory": "mallory-secret-token-2"}
 
 
-def gateway_config(tmp_path: Path, port: int, url: str, token_url: str,
+def gateway_config(tmp_path: Path, srv: AuthServer, url: str,
                    backends: tuple[str, ...] = ("up",)) -> config.GatewayConfig:
     """Per-principal authorization code backends named ``backends``, all at ``url``."""
-    (tmp_path / "gw.secret").write_text("gw-secret\n")
-    return config.load(f"""
-[gateway]
-state_dir = "{tmp_path}"
-[listen]
-websocket = "127.0.0.1:0"
-http = "127.0.0.1:{port}"
-[admin]
-listen = "127.0.0.1:0"
-{bearer_auth(TOKENS)}
-""" + "".join(f"""
-[backends.{name}]
-url = "{url}"
-credentials = "per-principal"
-[backends.{name}.oauth]
-grant = "authorization_code"
-client_id = "gw"
-client_secret = {{ file = "{tmp_path}/gw.secret" }}
-token_url = "{token_url}"
-""" for name in backends))
+    return pc.gateway_config(tmp_path, free_port(), url, pc.code_oauth(tmp_path, srv),
+                             tokens=TOKENS, backends=backends)
 
 
 async def test_a_consent_not_given_on_the_page_in_that_browser_is_refused(
         tmp_path: Path) -> None:
     async with authorizing_remote("--client", "gw:gw-secret") as (srv, _remote, url):
-        cfg = gateway_config(tmp_path, free_port(), url, srv.token_url)
+        cfg = gateway_config(tmp_path, srv, url)
         async with (run_gateway(cfg) as gw, httpx.AsyncClient() as http,
                     connect(gw.url, token=TOKENS["mallory"]) as m):
             with trio.fail_after(20):
@@ -108,7 +91,7 @@ def test_an_authorization_endpoint_that_cannot_be_a_location_header_is_refused(
 async def test_one_browser_authorizing_two_backends_at_once_completes_both(
         tmp_path: Path) -> None:
     async with authorizing_remote("--client", "gw:gw-secret") as (srv, _remote, url):
-        cfg = gateway_config(tmp_path, free_port(), url, srv.token_url, ("up", "two"))
+        cfg = gateway_config(tmp_path, srv, url, ("up", "two"))
         jar: dict[str, str] = {}  # alice's browser
 
         async def get(target: str) -> httpx.Response:
@@ -149,7 +132,7 @@ async def test_one_browser_authorizing_two_backends_at_once_completes_both(
 async def test_a_redirect_back_too_long_is_refused_whole_and_uses_nothing_up(
         tmp_path: Path) -> None:
     async with authorizing_remote("--client", "gw:gw-secret") as (srv, _remote, url):
-        cfg = gateway_config(tmp_path, free_port(), url, srv.token_url)
+        cfg = gateway_config(tmp_path, srv, url)
         async with (run_gateway(cfg) as gw, httpx.AsyncClient() as http,
                     connect(gw.url, token=TOKENS["alice"]) as a):
             with trio.fail_after(20):

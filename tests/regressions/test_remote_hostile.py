@@ -20,7 +20,7 @@ from fixtures.remote_server import read_request
 from memharness import Owner
 
 from gateway import config, errors
-from gateway.backend import http
+from gateway.backend import http, httpclient
 from gateway.backend.connector import LinkContext, OpenFailed
 from gateway.events import BackendStateChanged, EventBus
 from gateway.hub import Hub
@@ -130,17 +130,25 @@ class Hostile:
 async def open_link(nursery: trio.Nursery, handler: Handler
                     ) -> tuple[Hostile, http.HttpLink, Recorder]:
     """A link to a hostile remote, its session initialized (request id 1)."""
-    cfg = config.load('[backends.r]\nurl = "http://remote.test/mcp"\n').backends["r"]
     server = Hostile(nursery, handler)
+    link, receiver = await initialized_link(nursery, "http://remote.test/mcp", server.open)
+    return server, link, receiver
+
+
+async def initialized_link(nursery: trio.Nursery, url: str, opener: httpclient.Opener | None
+                           ) -> tuple[http.HttpLink, Recorder]:
+    """A link to ``url`` (through ``opener``, or real sockets if None), run, its session
+    initialized (request id 1)."""
+    cfg = config.load(f'[backends.r]\nurl = "{url}"\n').backends["r"]
     ctx = LinkContext(backend="r", instance="r#1", bus=EventBus(), max_line=65536,
                       buffers=ByteBudget(10**7).open("r"))
-    link = await http.HttpConnector(cfg, opener=server.open).open(ctx)
+    link = await http.HttpConnector(cfg, opener=opener).open(ctx)
     receiver = Recorder()
     nursery.start_soon(link.run, receiver)
     link.send(request(1, "initialize", {"protocolVersion": "2025-11-25"}), 1)
     await receiver.wait(lambda: receiver.answered(1))
     link.send(json.dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}).encode())
-    return server, link, receiver
+    return link, receiver
 
 
 def note(method: str) -> bytes:
@@ -446,15 +454,7 @@ async def open_tcp_link(nursery: trio.Nursery, handler: Handler
                 nursery.start_soon(server._serve, stream)
 
     nursery.start_soon(accept)
-    cfg = config.load(f'[backends.r]\nurl = "http://127.0.0.1:{port}/mcp"\n').backends["r"]
-    ctx = LinkContext(backend="r", instance="r#1", bus=EventBus(), max_line=65536,
-                      buffers=ByteBudget(10**7).open("r"))
-    link = await http.HttpConnector(cfg).open(ctx)
-    receiver = Recorder()
-    nursery.start_soon(link.run, receiver)
-    link.send(request(1, "initialize", {"protocolVersion": "2025-11-25"}), 1)
-    await receiver.wait(lambda: receiver.answered(1))
-    link.send(json.dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}).encode())
+    link, receiver = await initialized_link(nursery, f"http://127.0.0.1:{port}/mcp", None)
     while not server.posted("notifications/initialized"):
         await server.changed.wait()
     link.send(request(2, "tools/list"), 2)

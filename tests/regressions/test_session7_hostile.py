@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +18,13 @@ import httpx
 import pytest
 import trio
 import trio.testing
-from authserverutil import authorizing_remote
+from authserverutil import AuthServer, authorizing_remote
 from fixtures.remote_server import RemoteServer
-from fixtures.token_server import CodeAuthServer, Net, ProtectedRemote
+from fixtures.token_server import CodeAuthServer
 from helpers import (
     ROOT,
     UPGRADE,
+    Running,
     connect,
     fixture_backend,
     free_port,
@@ -33,18 +36,14 @@ from helpers import (
     wait_status,
 )
 from integration import test_principal_authcode as pc
+from integration import test_remote_authcode as rc
 from integration.test_authentication import Issuer, oauth_toml
-from memharness import memory_config, running
 from tlsutil import make_certs
 
 from gateway import config, limits
-from gateway.backend import http
 from gateway.backend.authcode import MAX_STEP_UPS
 
 pytestmark = pytest.mark.system
-
-AS = "http://127.0.0.1:9000"
-URL = "http://localhost:8080/mcp"
 
 FAST_RESTART = "{ backoff_initial = 0.05, backoff_max = 0.2, max_restarts = 100, window = 60.0 }"
 
@@ -52,6 +51,17 @@ FAST_RESTART = "{ backoff_initial = 0.05, backoff_max = 0.2, max_restarts = 100,
 def remote(port: int) -> str:
     return (f'[backends.ev]\nurl = "http://127.0.0.1:{port}/mcp"\nstart_timeout = 10.0\n'
             f"restart = {FAST_RESTART}\n")
+
+
+@asynccontextmanager
+async def authorizing_gateway(tmp_path: Path) -> AsyncIterator[
+        tuple[AuthServer, RemoteServer, Running, httpx.AsyncClient]]:
+    """The gateway before a per-principal authorization code remote, and a browser; 120 s."""
+    async with authorizing_remote("--client", "gw:gw-secret") as (srv, remote, url):
+        cfg = pc.gateway_config(tmp_path, free_port(), url, pc.code_oauth(tmp_path, srv))
+        with trio.fail_after(120):
+            async with run_gateway(cfg) as gw, httpx.AsyncClient() as web:
+                yield srv, remote, gw, web
 
 
 async def test_each_4xx_to_a_call_fails_it_with_its_status_429_retryable() -> None:
@@ -98,24 +108,16 @@ async def test_a_registration_with_an_odd_secret_expiry_is_taken_as_never_expiri
         autojump_clock: object, tmp_path: Any, raw: bytes) -> None:
     # RFC 7591's client_secret_expires_at as a string, negative, beyond a float, infinite, NaN,
     # a bool, null or an array: the client is kept (never expiring), the backend authorizes.
-    auth = _OddSecretExpiry(AS)
+    auth = _OddSecretExpiry(rc.AS)
     auth.raw = raw
-    async with trio.open_nursery() as nursery:
-        net = Net(nursery, {"127.0.0.1:9000": auth,
-                            "localhost:8080": ProtectedRemote(URL, AS, lambda t: t in auth.issued)})
-        cfg = memory_config(f'[backends.r]\nurl = "{URL}"\nprefix = ""\n[backends.r.oauth]\n'
-                            'grant = "authorization_code"\n', gateway=f'state_dir = "{tmp_path}"')
-        connector = http.HttpConnector(cfg.backends["r"], opener=net.open, name="r")
-        async with running(cfg, connectors={"r": connector}) as h:
-            await h.until(lambda: h.instance("r")["state"] == "AUTHORIZING")
-            status, url = h.hub.begin_authorization("r")
-            assert status == 200, url
-            assert (await h.hub.complete_authorization(auth.authorize(url)))[0] == 200
-            await h.until(lambda: h.instance("r")["state"] == "RUNNING")
-            assert auth.registered == ["client-1"]
-            async with h.connect() as c:
-                assert (await c.call("echo", timeout=5))["result"]["content"][0]["text"] == "ok"
-        nursery.cancel_scope.cancel()
+    async with (rc.network(auth, lambda t: t in auth.issued) as net,
+                rc.daemon(rc.code_config(tmp_path), net) as h):
+        await h.until(lambda: rc.state_of(h) == "AUTHORIZING")
+        assert (await h.hub.complete_authorization(await rc.authorize(h, auth)))[0] == 200
+        await h.until(lambda: rc.state_of(h) == "RUNNING")
+        assert auth.registered == ["client-1"]
+        async with h.connect() as c:
+            assert (await c.call("echo", timeout=5))["result"]["content"][0]["text"] == "ok"
 
 
 async def _trickle(stream: trio.abc.Stream, head: bytes, every: float) -> bytes:
@@ -281,36 +283,29 @@ async def test_a_remote_wanting_a_new_scope_at_every_call_gets_a_bounded_number_
     # Every call of bob answered 403 insufficient_scope naming a scope never asked before: he
     # is given a URL to authorize it at most MAX_STEP_UPS times; after that each 403 goes to
     # him (not retryable) and no further authorization is asked; alice is never affected.
-    async with authorizing_remote("--client", "gw:gw-secret") as (srv, remote, url):
-        port = free_port()
-        cfg = pc.gateway_config(tmp_path, port, url, pc.code_oauth(tmp_path, srv))
-        with trio.fail_after(120):
-            async with (run_gateway(cfg) as gw, httpx.AsyncClient() as web,
-                        connect(gw.url, token=pc.TOKENS["bob"]) as b,
-                        connect(gw.url, token=pc.TOKENS["alice"]) as a):
-                for who, c in (("bob", b), ("alice", a)):
-                    page = pc.authorize_url(await c.call("up__echo", {"who": who}))
-                    assert (await pc.follow(web, page, who)).status_code == 200
-                    assert text_of(await c.call("up__echo", {"who": who})) == f'{{"who": "{who}"}}'
-                step_ups = refused = 0
-                for n in range(6):
-                    remote.refuse["tools/call"] = [403]
-                    remote.refusal_challenge = (f'Bearer error="insufficient_scope", '
-                                                f'scope="extra:{n}"')
-                    r = await b.call("up__echo", {"who": "bob"})
-                    if r["error"]["code"] == -32005:
-                        step_ups += 1
-                        assert (await pc.follow(web, pc.authorize_url(r), "bob")).status_code \
-                            == 200
-                    else:
-                        refused += 1
-                        assert r["error"]["code"] == -32001, r
-                        assert r["error"]["data"]["status"] == 403, r
-                        assert r["error"]["data"]["retryable"] is False, r
-                    remote.refuse.pop("tools/call", None)
-                    assert text_of(await a.call("up__echo", {"who": "a"})) == '{"who": "a"}'
-                assert step_ups == MAX_STEP_UPS and refused == 6 - MAX_STEP_UPS, (step_ups,
-                                                                                    refused)
+    async with (authorizing_gateway(tmp_path) as (_srv, remote, gw, web),
+                connect(gw.url, token=pc.TOKENS["bob"]) as b,
+                connect(gw.url, token=pc.TOKENS["alice"]) as a):
+        for who, c in (("bob", b), ("alice", a)):
+            page = pc.authorize_url(await c.call("up__echo", {"who": who}))
+            assert (await pc.follow(web, page, who)).status_code == 200
+            assert text_of(await c.call("up__echo", {"who": who})) == f'{{"who": "{who}"}}'
+        step_ups = refused = 0
+        for n in range(6):
+            remote.refuse["tools/call"] = [403]
+            remote.refusal_challenge = f'Bearer error="insufficient_scope", scope="extra:{n}"'
+            r = await b.call("up__echo", {"who": "bob"})
+            if r["error"]["code"] == -32005:
+                step_ups += 1
+                assert (await pc.follow(web, pc.authorize_url(r), "bob")).status_code == 200
+            else:
+                refused += 1
+                assert r["error"]["code"] == -32001, r
+                assert r["error"]["data"]["status"] == 403, r
+                assert r["error"]["data"]["retryable"] is False, r
+            remote.refuse.pop("tools/call", None)
+            assert text_of(await a.call("up__echo", {"who": "a"})) == '{"who": "a"}'
+        assert step_ups == MAX_STEP_UPS and refused == 6 - MAX_STEP_UPS, (step_ups, refused)
 
 
 def _elicitation(answer: dict[str, Any]) -> dict[str, Any]:
@@ -332,27 +327,23 @@ async def test_elicitation_complete_goes_to_the_connections_asked_only(tmp_path:
     # other one, never alice's); alice authorizing after her connection closed tells nobody, and
     # the daemon goes on.
     caps = {"elicitation": {"url": {}}}
-    async with authorizing_remote("--client", "gw:gw-secret") as (srv, _remote, url):
-        port = free_port()
-        cfg = pc.gateway_config(tmp_path, port, url, pc.code_oauth(tmp_path, srv))
-        with trio.fail_after(120):
-            async with (run_gateway(cfg) as gw, httpx.AsyncClient() as web,
-                        connect(gw.url, token=pc.TOKENS["bob"], capabilities=caps) as b1,
-                        connect(gw.url, token=pc.TOKENS["bob"], capabilities=caps) as b2):
-                bob = _elicitation(await b1.call("up__echo", {"who": "bob"}))
-                async with connect(gw.url, token=pc.TOKENS["alice"], capabilities=caps) as a:
-                    alice = _elicitation(await a.call("up__echo", {"who": "alice"}))
-                    assert alice["elicitationId"] != bob["elicitationId"]
-                    assert (await pc.follow(web, bob["url"], "bob")).status_code == 200
-                    await b1.wait_for(lambda: _completions(b1))
-                    assert text_of(await b2.call("up__echo", {"who": "b2"})) == '{"who": "b2"}'
-                    assert _completions(b1) == [bob["elicitationId"]]
-                    assert _completions(b2) == [] and _completions(a) == []
-                async with connect(gw.url, token=pc.TOKENS["alice"], capabilities=caps) as a2:
-                    assert (await pc.follow(web, alice["url"], "alice")).status_code == 200
-                    assert text_of(await a2.call("up__echo", {"who": "a2"})) == '{"who": "a2"}'
-                    assert _completions(a2) == []
-                assert _completions(b1) == [bob["elicitationId"]] and _completions(b2) == []
+    async with (authorizing_gateway(tmp_path) as (_srv, _remote, gw, web),
+                connect(gw.url, token=pc.TOKENS["bob"], capabilities=caps) as b1,
+                connect(gw.url, token=pc.TOKENS["bob"], capabilities=caps) as b2):
+        bob = _elicitation(await b1.call("up__echo", {"who": "bob"}))
+        async with connect(gw.url, token=pc.TOKENS["alice"], capabilities=caps) as a:
+            alice = _elicitation(await a.call("up__echo", {"who": "alice"}))
+            assert alice["elicitationId"] != bob["elicitationId"]
+            assert (await pc.follow(web, bob["url"], "bob")).status_code == 200
+            await b1.wait_for(lambda: _completions(b1))
+            assert text_of(await b2.call("up__echo", {"who": "b2"})) == '{"who": "b2"}'
+            assert _completions(b1) == [bob["elicitationId"]]
+            assert _completions(b2) == [] and _completions(a) == []
+        async with connect(gw.url, token=pc.TOKENS["alice"], capabilities=caps) as a2:
+            assert (await pc.follow(web, alice["url"], "alice")).status_code == 200
+            assert text_of(await a2.call("up__echo", {"who": "a2"})) == '{"who": "a2"}'
+            assert _completions(a2) == []
+        assert _completions(b1) == [bob["elicitationId"]] and _completions(b2) == []
 
 
 @pytest.mark.filterwarnings("ignore::ResourceWarning")
@@ -361,31 +352,27 @@ async def test_calls_retried_before_a_step_up_is_authorized_do_not_use_up_the_st
     # bob's call answered 403 insufficient_scope for a scope, retried three times before he
     # authorizes: each retry gets the same URL without reaching the remote (one step-up pending,
     # not four); after he authorized, a second scope wanted later still gets its step-up.
-    async with authorizing_remote("--client", "gw:gw-secret") as (srv, remote, url):
-        port = free_port()
-        cfg = pc.gateway_config(tmp_path, port, url, pc.code_oauth(tmp_path, srv))
-        with trio.fail_after(120):
-            async with (run_gateway(cfg) as gw, httpx.AsyncClient() as web,
-                        connect(gw.url, token=pc.TOKENS["bob"]) as b):
-                page = pc.authorize_url(await b.call("up__echo", {"who": "bob"}))
-                assert (await pc.follow(web, page, "bob")).status_code == 200
-                remote.refusal_challenge = 'Bearer error="insufficient_scope", scope="files:write"'
-                remote.refuse["tools/call"] = [403, 403, 403, 403]
-                pages = [pc.authorize_url(await b.call("up__echo", {"who": "bob"}))
-                         for _ in range(4)]
-                assert len(set(pages)) == 1, pages
-                # the retries waited for the authorization: not sent again
-                assert remote.refuse["tools/call"] == [403, 403, 403], remote.refuse
-                remote.refuse.pop("tools/call")
-                assert (await pc.follow(web, pages[0], "bob")).status_code == 200
-                assert text_of(await b.call("up__echo", {"who": "b"})) == '{"who": "b"}'
-                remote.refusal_challenge = 'Bearer error="insufficient_scope", scope="admin"'
-                remote.refuse["tools/call"] = [403]
-                page = pc.authorize_url(await b.call("up__echo", {"who": "bob"}))
-                assert (await pc.follow(web, page, "bob")).status_code == 200
-                assert text_of(await b.call("up__echo", {"who": "c"})) == '{"who": "c"}'
-                stepped = [r for r in await srv.issued() if r["sub"] == "bob"][-1]
-                assert {"files:write", "admin"} <= set(stepped["scope"].split()), stepped
+    async with (authorizing_gateway(tmp_path) as (srv, remote, gw, web),
+                connect(gw.url, token=pc.TOKENS["bob"]) as b):
+        page = pc.authorize_url(await b.call("up__echo", {"who": "bob"}))
+        assert (await pc.follow(web, page, "bob")).status_code == 200
+        remote.refusal_challenge = 'Bearer error="insufficient_scope", scope="files:write"'
+        remote.refuse["tools/call"] = [403, 403, 403, 403]
+        pages = [pc.authorize_url(await b.call("up__echo", {"who": "bob"}))
+                 for _ in range(4)]
+        assert len(set(pages)) == 1, pages
+        # the retries waited for the authorization: not sent again
+        assert remote.refuse["tools/call"] == [403, 403, 403], remote.refuse
+        remote.refuse.pop("tools/call")
+        assert (await pc.follow(web, pages[0], "bob")).status_code == 200
+        assert text_of(await b.call("up__echo", {"who": "b"})) == '{"who": "b"}'
+        remote.refusal_challenge = 'Bearer error="insufficient_scope", scope="admin"'
+        remote.refuse["tools/call"] = [403]
+        page = pc.authorize_url(await b.call("up__echo", {"who": "bob"}))
+        assert (await pc.follow(web, page, "bob")).status_code == 200
+        assert text_of(await b.call("up__echo", {"who": "c"})) == '{"who": "c"}'
+        stepped = [r for r in await srv.issued() if r["sub"] == "bob"][-1]
+        assert {"files:write", "admin"} <= set(stepped["scope"].split()), stepped
 
 
 async def test_answers_of_every_size_around_the_frame_header_limits_arrive_whole(
