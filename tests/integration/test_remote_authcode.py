@@ -23,6 +23,7 @@ from memharness import elapse, memory_config, running
 
 from gateway.backend import http
 from gateway.hub import MAX_REDIRECT_QUERY
+from gateway.limits import LOG_BURST
 
 AS = "http://127.0.0.1:9000"
 URL = "http://localhost:8080/mcp"
@@ -180,9 +181,10 @@ async def test_refused_redirects_are_logged_at_most_ten_a_minute(
         for n in range(50):  # anyone who reaches the listener can send these
             assert (await h.hub.complete_authorization(f"state=s{n}&code=c"))[0] == 400
         refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
-        assert len(refused) == 10, refused
+        assert len(refused) == LOG_BURST, refused
         await elapse(61)
         assert (await h.hub.complete_authorization("state=late&code=c"))[0] == 400
         lines = [r.getMessage() for r in caplog.records][-2:]
-        assert lines[0] == "40 more refused authorization redirects in the last 60s not logged"
+        assert lines[0] == (f"{50 - LOG_BURST} more refused authorization redirects in the last "
+                            "60s not logged")
         assert lines[1].endswith("unknown or used state: refused")

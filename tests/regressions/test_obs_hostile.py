@@ -63,6 +63,8 @@ def drip(conn: socket.socket) -> None:
     deadline = time.monotonic() + 8
     while time.monotonic() < deadline:
         conn.sendall(b" ")
+        # real-clock: a server thread dripping to a synchronous client (statuscmd's blocking
+        # socket), whose own deadline is what is tested; a MockClock cannot drive it
         time.sleep(0.1)
 
 
