@@ -466,7 +466,7 @@ class HttpLink:
         connector = self._connector
         if (self._others_pending or self.protocol_version is None
                 or connector.auth is not None or connector.credentials is not None
-                or _MODERN_MARK in data or b"subscriptions/listen" in data):
+                or gid in self._modern or b"subscriptions/listen" in data):
             return
         conn = self._pool.get_now()
         if conn is None:
