@@ -972,8 +972,7 @@ class HttpLink:
                     f"{response.status} to server/discover without a JSON-RPC error: not a "
                     "2026-07-28 server"))
             else:  # the remote refused it (a 4xx is not a backend that exited: not again)
-                self._server_error(gid, response.status, body,
-                                   retry=response.status in (*RETRY_STATUSES, 429))
+                self._server_error(gid, response.status, body)
             return
         answered = False
         broke = False  # the event stream broke rather than ended (the remote may be gone)
@@ -1126,10 +1125,10 @@ class HttpLink:
                                f"{RETRIES + 1} times")
         return None
 
-    def _server_error(self, gid: int, status: int, body: bytes, *, retry: bool = True) -> None:
+    def _server_error(self, gid: int, status: int, body: bytes) -> None:
         """An HTTP error status answered request ``gid`` (not with a JSON-RPC error): it fails
-        with the status and the body's first printable bytes; retryable when ``retry`` (a 5xx,
-        a 429) and it could not have run twice (a 429 says it did not run: any method)."""
+        with the status and the body's first printable bytes; retryable after a 429 (it did not
+        run: any method), or a 5xx (:data:`RETRY_STATUSES`) when it could not have run twice."""
         self.last_error = f"{self.origin} answered HTTP {status}"
         if self._receiver is None:
             return
@@ -1138,7 +1137,8 @@ class HttpLink:
         self._receiver.failed(gid, errors.BackendUnavailable(
             f"backend {self._ctx.backend!r}: {self.origin} answered HTTP {status}",
             backend=self._ctx.backend, status=status, body=text,
-            retryable=retry and (status == 429 or self._methods.get(gid) in SAFE_TO_REPEAT)))
+            retryable=status == 429 or (status in RETRY_STATUSES
+                                        and self._methods.get(gid) in SAFE_TO_REPEAT)))
 
     def _resumable(self, decoder: SseDecoder) -> bool:
         return (decoder.last_id is not None and self.session_id is not None
