@@ -747,31 +747,23 @@ class HttpLink:
         target = self._connector.target.target
         auth = self._connector.auth
         begun = self._begun.pop(gid, None) if gid is not None else None
-        if begun is not None:  # written already (_send_now): its answer is read here
+        for _attempt in range(2):
+            conn = begun
+            if conn is None:
+                try:
+                    conn = await self._pool.get()
+                except httpclient.ConnectFailed as exc:  # request ``gid`` was not sent
+                    self._lost(f"cannot reach {self.origin}: {exc.detail}", gid)
+                    return None
+                head = [("content-type", "application/json"), *self._headers(_ACCEPT_BOTH)]
+                if sent is not None:
+                    sent.append(auth.token if auth is not None else None)
+                more = [*(extra or ()),
+                        *(message_headers(data) if message_headers is not None else ())]
             try:
-                return begun, await begun.answer_head(timeout)
-            except trio.Cancelled:
-                await begun.aclose()
-                raise
-            except httpclient.ConnectionLost as exc:
-                await begun.aclose()
-                if not repeat:
-                    raise _MayHaveRun(exc.detail) from None
-            except httpclient.HttpTimeout as exc:
-                await begun.aclose()
-                self._lost(f"{self.origin}: {exc.detail} ({timeout:g}s)")
-                return None
-        more = [*(extra or ()), *(message_headers(data) if message_headers is not None else ())]
-        for _attempt in range(2 if begun is None else 1):
-            try:
-                conn = await self._pool.get()
-            except httpclient.ConnectFailed as exc:  # request ``gid`` was not sent
-                self._lost(f"cannot reach {self.origin}: {exc.detail}", gid)
-                return None
-            head = [("content-type", "application/json"), *self._headers(_ACCEPT_BOTH)]
-            if sent is not None:
-                sent.append(auth.token if auth is not None else None)
-            try:
+                if begun is not None:  # written already (_send_now): its answer is read here
+                    begun = None  # (a reused one: lost, it goes once more if ``repeat``)
+                    return conn, await conn.answer_head(timeout)
                 return conn, await conn.request("POST", target, head, data, extra=more,
                                                 head_timeout=timeout)
             except trio.Cancelled:
