@@ -466,7 +466,7 @@ class HttpLink:
         connector = self._connector
         if (self._others_pending or self.protocol_version is None
                 or connector.auth is not None or connector.credentials is not None
-                or _MODERN_MARK in data or b"subscriptions/listen" in data):
+                or gid in self._modern or b"subscriptions/listen" in data):
             return
         conn = self._pool.get_now()
         if conn is None:
@@ -747,31 +747,23 @@ class HttpLink:
         target = self._connector.target.target
         auth = self._connector.auth
         begun = self._begun.pop(gid, None) if gid is not None else None
-        if begun is not None:  # written already (_send_now): its answer is read here
+        for _attempt in range(2):
+            conn = begun
+            if conn is None:
+                try:
+                    conn = await self._pool.get()
+                except httpclient.ConnectFailed as exc:  # request ``gid`` was not sent
+                    self._lost(f"cannot reach {self.origin}: {exc.detail}", gid)
+                    return None
+                head = [("content-type", "application/json"), *self._headers(_ACCEPT_BOTH)]
+                if sent is not None:
+                    sent.append(auth.token if auth is not None else None)
+                more = [*(extra or ()),
+                        *(message_headers(data) if message_headers is not None else ())]
             try:
-                return begun, await begun.answer_head(timeout)
-            except trio.Cancelled:
-                await begun.aclose()
-                raise
-            except httpclient.ConnectionLost as exc:
-                await begun.aclose()
-                if not repeat:
-                    raise _MayHaveRun(exc.detail) from None
-            except httpclient.HttpTimeout as exc:
-                await begun.aclose()
-                self._lost(f"{self.origin}: {exc.detail} ({timeout:g}s)")
-                return None
-        more = [*(extra or ()), *(message_headers(data) if message_headers is not None else ())]
-        for _attempt in range(2 if begun is None else 1):
-            try:
-                conn = await self._pool.get()
-            except httpclient.ConnectFailed as exc:  # request ``gid`` was not sent
-                self._lost(f"cannot reach {self.origin}: {exc.detail}", gid)
-                return None
-            head = [("content-type", "application/json"), *self._headers(_ACCEPT_BOTH)]
-            if sent is not None:
-                sent.append(auth.token if auth is not None else None)
-            try:
+                if begun is not None:  # written already (_send_now): its answer is read here
+                    begun = None  # (a reused one: lost, it goes once more if ``repeat``)
+                    return conn, await conn.answer_head(timeout)
                 return conn, await conn.request("POST", target, head, data, extra=more,
                                                 head_timeout=timeout)
             except trio.Cancelled:
@@ -972,8 +964,7 @@ class HttpLink:
                     f"{response.status} to server/discover without a JSON-RPC error: not a "
                     "2026-07-28 server"))
             else:  # the remote refused it (a 4xx is not a backend that exited: not again)
-                self._server_error(gid, response.status, body,
-                                   retry=response.status in (*RETRY_STATUSES, 429))
+                self._server_error(gid, response.status, body)
             return
         answered = False
         broke = False  # the event stream broke rather than ended (the remote may be gone)
@@ -1126,10 +1117,10 @@ class HttpLink:
                                f"{RETRIES + 1} times")
         return None
 
-    def _server_error(self, gid: int, status: int, body: bytes, *, retry: bool = True) -> None:
+    def _server_error(self, gid: int, status: int, body: bytes) -> None:
         """An HTTP error status answered request ``gid`` (not with a JSON-RPC error): it fails
-        with the status and the body's first printable bytes; retryable when ``retry`` (a 5xx,
-        a 429) and it could not have run twice (a 429 says it did not run: any method)."""
+        with the status and the body's first printable bytes; retryable after a 429 (it did not
+        run: any method), or a 5xx (:data:`RETRY_STATUSES`) when it could not have run twice."""
         self.last_error = f"{self.origin} answered HTTP {status}"
         if self._receiver is None:
             return
@@ -1138,7 +1129,8 @@ class HttpLink:
         self._receiver.failed(gid, errors.BackendUnavailable(
             f"backend {self._ctx.backend!r}: {self.origin} answered HTTP {status}",
             backend=self._ctx.backend, status=status, body=text,
-            retryable=retry and (status == 429 or self._methods.get(gid) in SAFE_TO_REPEAT)))
+            retryable=status == 429 or (status in RETRY_STATUSES
+                                        and self._methods.get(gid) in SAFE_TO_REPEAT)))
 
     def _resumable(self, decoder: SseDecoder) -> bool:
         return (decoder.last_id is not None and self.session_id is not None

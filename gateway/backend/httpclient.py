@@ -238,15 +238,8 @@ class Connection:
         Raises:
             ConnectionLost, HttpTimeout.
         """
-        head = [("host", self.authority), *headers]
-        raw = (_common_head(method, target, head, extra or [], body,
-                            self._pool.heads if self._pool is not None else {})
-               if self._h11 is None else None)
-        if extra:
-            head += extra
-        if body or method in ("POST", "PUT"):
-            head.append(("content-length", str(len(body))))
-        if raw is None:
+        head, out = self._prepare(method, target, headers, body, extra or [])
+        if out is None:
             if self._h11 is None:
                 self._h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
             conn = self._h11
@@ -258,14 +251,28 @@ class Connection:
             except (h11.LocalProtocolError, UnicodeError):  # its text may quote a header value
                 self.broken = True
                 raise ConnectionLost("cannot send the request: h11 refused its head") from None
-        else:
-            out = raw + body
-            self._sent = (method, target, head, body)
         await self._send(out)
         deadline = trio.current_time() + head_timeout
         if self._h11 is None:
             return await self._lean_head(deadline)
         return await self._h11_head(deadline)
+
+    def _prepare(self, method: str, target: str, headers: list[tuple[str, str]], body: bytes,
+                 extra: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], bytes | None]:
+        """The request's headers (``host`` first, ``extra``, ``content-length`` last) and, when
+        it is of the common shape and h11 is not in use, its bytes as h11 would write them (the
+        request kept in ``_sent`` until its answer's head is read); else None."""
+        head = [("host", self.authority), *headers]
+        raw = (_common_head(method, target, head, extra, body,
+                            self._pool.heads if self._pool is not None else {})
+               if self._h11 is None else None)
+        head += extra
+        if body or method in ("POST", "PUT"):
+            head.append(("content-length", str(len(body))))
+        if raw is None:
+            return head, None
+        self._sent = (method, target, head, body)
+        return head, raw + body
 
     def send_now(self, method: str, target: str, headers: list[tuple[str, str]], body: bytes,
                  extra: list[tuple[str, str]]) -> bool:
@@ -277,15 +284,9 @@ class Connection:
         fd = sock.fileno() if sock is not None and self._h11 is None else -1
         if fd < 0:
             return False
-        head = [("host", self.authority), *headers]
-        raw = _common_head(method, target, head, extra, body,
-                           self._pool.heads if self._pool is not None else {})
-        if raw is None:
+        out = self._prepare(method, target, headers, body, extra)[1]
+        if out is None:
             return False
-        head += extra
-        head.append(("content-length", str(len(body))))
-        self._sent = (method, target, head, body)
-        out = raw + body
         try:
             sent = os.write(fd, out)
         except OSError:  # full (the rest goes in answer_head), or broken (it fails there)
