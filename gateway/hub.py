@@ -39,7 +39,6 @@ from gateway.core.tracing import Tracer
 from gateway.events import BackendExited, CatalogChanged, ConnectionRefused, EventBus, ListsChanged
 from gateway.limits import (
     DEFAULT_MAX_CONNECTIONS,
-    LOG_WINDOW,
     OPTIONAL_REMOTE_WAIT,
     ByteBudget,
     ConnectionSlots,
@@ -637,12 +636,9 @@ class Hub:
 
     def _redirect_refused(self, line: str) -> None:
         """A refused redirect (anyone can send one): logged rate-limited."""
-        write, dropped = self._redirect_log.take(trio.current_time())
-        if dropped:
-            LOGGER.warning("%d more refused authorization redirects in the last %.0fs not logged",
-                           dropped, LOG_WINDOW)
-        if write:
-            LOGGER.warning("%s", line)
+        self._redirect_log.warn(
+            LOGGER, trio.current_time(),
+            "%d more refused authorization redirects in the last %.0fs not logged", "%s", line)
 
     def status(self) -> GatewayStatus:
         """The daemon right now, built from the snapshots the backends publish."""

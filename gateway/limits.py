@@ -15,6 +15,7 @@ goes over the limit evicts the client account holding the most bytes (its connec
 from __future__ import annotations
 
 import fnmatch
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -151,6 +152,16 @@ class LogBudget:
             return False, dropped
         self._logged += 1
         return True, dropped
+
+    def warn(self, logger: logging.Logger, now: float, unlogged: str, msg: str,
+             *args: object) -> None:
+        """``msg % args`` as a warning when the budget allows it at ``now``; first, when the
+        window that just ended left lines unwritten, ``unlogged % (how many, window seconds)``."""
+        write, dropped = self.take(now)
+        if dropped:
+            logger.warning(unlogged, dropped, self._window)
+        if write:
+            logger.warning(msg, *args)
 
 
 # ---- file descriptors: max_connections and what the daemon needs besides ----------------------

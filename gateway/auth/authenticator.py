@@ -25,7 +25,7 @@ from gateway.auth.tokens import BearerEntry, BearerTable, file_problem, parse_to
 from gateway.config import AuthSection, GatewayConfig, read_regular
 from gateway.errors import ConfigError
 from gateway.events import ConnectionRefused, EventBus
-from gateway.limits import LOG_WINDOW, LogBudget
+from gateway.limits import LogBudget
 
 if TYPE_CHECKING:
     from gateway.auth.jwks import JwksCache
@@ -265,12 +265,9 @@ class Authenticator:
         self.refusals += 1
         if self.bus is not None:
             self.bus.emit(ConnectionRefused(transport, "unauthorized"))
-        write, dropped = self._log.take(trio.current_time())
-        if dropped:
-            LOGGER.warning("auth: %d more refusals in the last %.0fs not logged", dropped,
-                           LOG_WINDOW)
-        if write:
-            LOGGER.warning("auth: %s refused: %s (principal %s)", where, why, label or "-")
+        self._log.warn(LOGGER, trio.current_time(),
+                       "auth: %d more refusals in the last %.0fs not logged",
+                       "auth: %s refused: %s (principal %s)", where, why, label or "-")
 
     def status(self, cfg: GatewayConfig) -> dict[str, Any]:
         auth = self.auth

@@ -34,7 +34,7 @@ from gateway.backend import httpclient, oauth
 from gateway.backend.authcode import AuthorizationCode, NeedsAuthorization
 from gateway.backend.credentials import CredentialsUnavailable, principal_file_name
 from gateway.config import RemoteOAuth
-from gateway.limits import LOG_WINDOW, LogBudget
+from gateway.limits import LogBudget
 
 LOGGER = logging.getLogger(__name__)
 
@@ -115,12 +115,10 @@ class PrincipalAuthorizationCode:
     def _refusal(self, detail: str) -> None:
         """One refused request of the pages anyone can reach: counted, logged rate-limited."""
         self.refused += 1
-        write, dropped = self._refusal_log.take(trio.current_time())
-        if dropped:
-            LOGGER.warning("backend %s: %d more refused authorization requests in the last "
-                           "%.0fs not logged", self.backend, dropped, LOG_WINDOW)
-        if write:
-            LOGGER.warning("backend %s: %s", self.backend, detail)
+        self._refusal_log.warn(
+            LOGGER, trio.current_time(), "backend " + self.backend.replace("%", "%%")
+            + ": %d more refused authorization requests in the last %.0fs not logged",
+            "backend %s: %s", self.backend, detail)
 
     def place(self, redirect_uri: str, state_dir: str) -> None:
         """Where the redirect comes back and the principals' state files live."""
