@@ -1480,20 +1480,7 @@ async def bench_gateway(args: argparse.Namespace, backend: BackendSpec, procs: P
     gw = procs.popen("gateway", [sys.executable, "-m", "gateway", "run", "--config", cfg_path],
                      env=env)
     try:
-        deadline = trio.current_time() + START_TIMEOUT
-        while True:
-            if gw.poll() is not None:
-                raise BenchError(f"gateway exited during start-up (code {gw.returncode}); see "
-                                 f"{procs.log_dir}/gateway.log")
-            try:
-                code, _ = await http_get(admin, "/readyz")
-                if code == 200:
-                    break
-            except (OSError, trio.TooSlowError):
-                pass
-            if trio.current_time() > deadline:
-                raise BenchError("gateway not ready within start timeout")
-            await trio.sleep(0.05)
+        await wait_ready(gw, admin, f"{procs.log_dir}/gateway.log")
         addrs = assert_loopback_only(gw.pid, "mcp-gateway")
         notes.append(f"mcp-gateway listens on {', '.join(sorted(addrs))} and unix:{unix_path}")
         procs.remember_tree(gw.pid)
@@ -2182,6 +2169,22 @@ async def http_clients(port: int, n: int, links: int, *, modern: bool = False,
     return conns
 
 
+async def wait_ready(gw: subprocess.Popen[bytes], admin: int, log: str) -> None:
+    """Until the gateway answers ``/readyz`` 200 (:data:`START_TIMEOUT` at most)."""
+    deadline = trio.current_time() + START_TIMEOUT
+    while True:
+        if gw.poll() is not None:
+            raise BenchError(f"gateway exited during start-up (code {gw.returncode}); see {log}")
+        try:
+            if (await http_get(admin, "/readyz"))[0] == 200:
+                return
+        except (OSError, trio.TooSlowError):
+            pass
+        if trio.current_time() > deadline:
+            raise BenchError("gateway not ready within start timeout")
+        await trio.sleep(0.05)
+
+
 def fixed_pids(*pids: int) -> Callable[[], list[int]]:
     return lambda: list(pids)
 
@@ -2197,18 +2200,7 @@ async def start_remote_gateway(procs: Procs, sport: int, name: str,
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [ROOT, *[x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x]]))
     gw = procs.popen(name, [sys.executable, "-m", "gateway", "run", "--config", cfg_path], env=env)
-    deadline = trio.current_time() + START_TIMEOUT
-    while True:
-        if gw.poll() is not None:
-            raise BenchError(f"gateway exited during start-up (code {gw.returncode})")
-        try:
-            if (await http_get(admin, "/readyz"))[0] == 200:
-                break
-        except (OSError, trio.TooSlowError):
-            pass
-        if trio.current_time() > deadline:
-            raise BenchError("gateway not ready within start timeout")
-        await trio.sleep(0.05)
+    await wait_ready(gw, admin, f"{procs.log_dir}/{name}.log")
     assert_loopback_only(gw.pid, "mcp-gateway")
     return gw, ws_port, http_port, admin
 
