@@ -1480,20 +1480,7 @@ async def bench_gateway(args: argparse.Namespace, backend: BackendSpec, procs: P
     gw = procs.popen("gateway", [sys.executable, "-m", "gateway", "run", "--config", cfg_path],
                      env=env)
     try:
-        deadline = trio.current_time() + START_TIMEOUT
-        while True:
-            if gw.poll() is not None:
-                raise BenchError(f"gateway exited during start-up (code {gw.returncode}); see "
-                                 f"{procs.log_dir}/gateway.log")
-            try:
-                code, _ = await http_get(admin, "/readyz")
-                if code == 200:
-                    break
-            except (OSError, trio.TooSlowError):
-                pass
-            if trio.current_time() > deadline:
-                raise BenchError("gateway not ready within start timeout")
-            await trio.sleep(0.05)
+        await wait_ready(gw, admin, f"{procs.log_dir}/gateway.log")
         addrs = assert_loopback_only(gw.pid, "mcp-gateway")
         notes.append(f"mcp-gateway listens on {', '.join(sorted(addrs))} and unix:{unix_path}")
         procs.remember_tree(gw.pid)
@@ -2077,7 +2064,7 @@ def markdown(args: argparse.Namespace, backend: BackendSpec, results: list[LoadR
 # ==== remote mode: server-everything's own Streamable HTTP server as the backend =================
 
 REMOTE_DIRECT_ROW = "direct HTTP (server-everything's own server)"
-REMOTE_LATE_ROW = "direct HTTP, one session, after the gateway rows"
+REMOTE_ONE_SESSION_ROW = "direct HTTP, one session (as the gateway's upstream)"
 REMOTE_WARMUP = 5.0  # seconds of load on the fresh server before its first row
 REMOTE_WS_ROW = "mcp-gateway, WebSocket → remote"
 REMOTE_LEGACY_ROW = "mcp-gateway, /mcp legacy → remote"
@@ -2142,16 +2129,18 @@ class UpstreamWatch:
         self.pid, self.server_port, self.every = pid, server_port, every
         self.most = 0
         self.seen: set[int] = set()
+        self.scope = trio.CancelScope()  # cancelled: :meth:`run` returns
 
     def reset(self) -> None:
         self.most, self.seen = 0, set()
 
     async def run(self) -> None:
-        while True:
-            ports = upstream_ports(self.pid, self.server_port)
-            self.most = max(self.most, len(ports))
-            self.seen |= ports
-            await trio.sleep(self.every)
+        with self.scope:
+            while True:
+                ports = upstream_ports(self.pid, self.server_port)
+                self.most = max(self.most, len(ports))
+                self.seen |= ports
+                await trio.sleep(self.every)
 
 
 async def start_everything_http(procs: Procs, notes: list[str]) -> tuple[subprocess.Popen[bytes],
@@ -2180,135 +2169,172 @@ async def http_clients(port: int, n: int, links: int, *, modern: bool = False,
     return conns
 
 
-async def bench_remote(args: argparse.Namespace, backend: BackendSpec, procs: Procs,
-                       results: list[LoadResult], singles: list[SeqResult], notes: list[str],
-                       extra: dict[str, Any]) -> None:
-    """The remote rows: the same clients straight to server-everything's HTTP server (the
-    limit), then through the gateway (WebSocket, /mcp legacy, /mcp stateless) with that server
-    as its ``url`` backend; the server is started once and serves every row.  The direct
-    clients speak the version the gateway's upstream session negotiated (read in /status)."""
-    print("remote: server-everything streamableHttp", file=sys.stderr, flush=True)
-    srv, sport = await start_everything_http(procs, notes)
-    tmp = tempfile.mkdtemp(prefix="mcpgw-bench-")
+async def wait_ready(gw: subprocess.Popen[bytes], admin: int, log: str) -> None:
+    """Until the gateway answers ``/readyz`` 200 (:data:`START_TIMEOUT` at most)."""
+    deadline = trio.current_time() + START_TIMEOUT
+    while True:
+        if gw.poll() is not None:
+            raise BenchError(f"gateway exited during start-up (code {gw.returncode}); see {log}")
+        try:
+            if (await http_get(admin, "/readyz"))[0] == 200:
+                return
+        except (OSError, trio.TooSlowError):
+            pass
+        if trio.current_time() > deadline:
+            raise BenchError("gateway not ready within start timeout")
+        await trio.sleep(0.05)
+
+
+def fixed_pids(*pids: int) -> Callable[[], list[int]]:
+    return lambda: list(pids)
+
+
+async def start_remote_gateway(procs: Procs, sport: int, name: str,
+                               notes: list[str]) -> tuple[subprocess.Popen[bytes], int, int, int]:
+    """A gateway with server-everything on ``sport`` as its ``url`` backend ``ev``, ready and its
+    remote's tools listed: (process, WebSocket port, HTTP port, admin port)."""
     ws_port, http_port, admin = free_port(), free_port(), free_port()
-    cfg_path = os.path.join(procs.log_dir, "gateway-remote.toml")
+    cfg_path = os.path.join(procs.log_dir, f"{name}.toml")
     with open(cfg_path, "w") as f:  # noqa: ASYNC230 - set-up on a local file
         f.write(remote_gateway_config(sport, ws_port, http_port, admin))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [ROOT, *[x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x]]))
-    notes.append(f"mcp-gateway under test: {ROOT}/gateway")
-    gw = procs.popen("gateway", [sys.executable, "-m", "gateway", "run", "--config", cfg_path],
-                     env=env)
-    try:
-        deadline = trio.current_time() + START_TIMEOUT
-        while True:
-            if gw.poll() is not None:
-                raise BenchError(f"gateway exited during start-up (code {gw.returncode})")
-            try:
-                if (await http_get(admin, "/readyz"))[0] == 200:
-                    break
-            except (OSError, trio.TooSlowError):
-                pass
-            if trio.current_time() > deadline:
-                raise BenchError("gateway not ready within start timeout")
-            await trio.sleep(0.05)
-        assert_loopback_only(gw.pid, "mcp-gateway")
+    gw = procs.popen(name, [sys.executable, "-m", "gateway", "run", "--config", cfg_path], env=env)
+    await wait_ready(gw, admin, f"{procs.log_dir}/{name}.log")
+    assert_loopback_only(gw.pid, "mcp-gateway")
+    return gw, ws_port, http_port, admin
+
+
+async def wait_remote_tool(nursery: trio.Nursery, ws_port: int, tool: str) -> WsConn:
+    """A WebSocket client of the gateway, once ``tool`` is in its catalog (the remote's tools
+    arrive after its list_changed)."""
+    ws = await WsConn.open(nursery, f"ws://127.0.0.1:{ws_port}/", ["mcp"])
+    await ws.initialize()
+    with trio.fail_after(20):
+        while tool not in {t["name"] for t in  # noqa: ASYNC110 - another process's catalog: polled
+                           (await ws.request("tools/list"))["result"]["tools"]}:
+            await trio.sleep(0.1)
+    return ws
+
+
+async def bench_remote(args: argparse.Namespace, backend: BackendSpec, procs: Procs,
+                       results: list[LoadResult], singles: list[SeqResult], notes: list[str],
+                       extra: dict[str, Any]) -> None:
+    """The remote rows.  server-everything's HTTP server keeps every event of a session (its
+    heap, and its CPU per call with it, grow with the calls it has served), so each throughput
+    row gets a server of its own, started fresh and warmed by :data:`REMOTE_WARMUP` seconds of
+    the same load through the same path: the same clients straight to it (the limit), the same
+    on one session (as the gateway's upstream), then through a fresh gateway (WebSocket, /mcp
+    legacy, /mcp stateless) with it as its ``url`` backend.  The sequential rows share one
+    server, interleaved in blocks.  The direct clients speak the version the gateway's upstream
+    session negotiated (read in /status)."""
+    tool = f"ev__{backend.tool}"
+    srv_cpu: dict[str, Callable[[], list[int]]] = {}
+    cpu: dict[str, Callable[[], list[int]]] = {}
+    async with trio.open_nursery() as nursery:
+        # ---- single client, sequential: interleaved blocks, so drift hits all alike ----------
+        print("remote: server-everything streamableHttp (sequential rows)", file=sys.stderr,
+              flush=True)
+        srv, sport = await start_everything_http(procs, notes)
+        seq_gw, ws_port, http_port, admin = await start_remote_gateway(procs, sport,
+                                                                       "gateway-seq", notes)
+        notes.append(f"mcp-gateway under test: {ROOT}/gateway")
         version = instance_of(await gateway_status(admin), "ev")["protocol_version"]
         notes.append(f"the gateway's session with the remote speaks {version}; the direct "
                      f"clients too (the bench's clients of the gateway speak {PROTOCOL})")
-        tool = f"ev__{backend.tool}"
-        url = f"ws://127.0.0.1:{ws_port}/"
-        srv_cpu: dict[str, Callable[[], list[int]]] = {"backend": lambda: [srv.pid]}
-        cpu: dict[str, Callable[[], list[int]]] = {"proxy": lambda: [gw.pid],
-                                                   "backend": lambda: [srv.pid]}
-        watch = UpstreamWatch(gw.pid, sport)
-        async with trio.open_nursery() as nursery:
-            # ---- direct: the server's own calls/s (the gateway idle beside it) -------------
-            conns = await http_clients(sport, args.clients, args.inflight, protocol=version)
-            # node's JIT: a cold server is several times slower per call than a warm one
-            await run_load(conns, inflight=args.inflight, calls=args.calls, cap=REMOTE_WARMUP,
-                           tool=backend.tool, backend=backend)
-            for inflight in (1, args.inflight):
-                results.append(await measure(REMOTE_DIRECT_ROW, "direct", conns, args,
-                                             inflight=inflight, tool=backend.tool,
-                                             backend=backend, cpu_pids=srv_cpu))
-            notes.append(HttpConn.summary(REMOTE_DIRECT_ROW, conns))
-            for c in conns:
-                await c.aclose()
-            # ---- single client, sequential: interleaved blocks, so drift hits all alike ----
-            ws_one = await WsConn.open(nursery, url, ["mcp"])
-            await ws_one.initialize()
-            with trio.fail_after(20):  # the remote's tools arrive after its list_changed
-                while tool not in {t["name"] for t in  # noqa: ASYNC110 - another process's catalog: polled
-                                   (await ws_one.request("tools/list"))["result"]["tools"]}:
-                    await trio.sleep(0.1)
-            nursery.start_soon(watch.run)
-            paths: list[tuple[str, Conn, str]] = [
-                ("direct HTTP", (await http_clients(sport, 1, 1, protocol=version))[0],
-                 backend.tool),
-                (f"direct HTTP, {PROTOCOL} (for comparison)",
-                 (await http_clients(sport, 1, 1))[0], backend.tool),
-                ("mcp-gateway WS → remote", ws_one, tool),
-                ("mcp-gateway /mcp legacy → remote", (await http_clients(http_port, 1, 1))[0],
-                 tool),
-                ("mcp-gateway /mcp stateless → remote",
-                 (await http_clients(http_port, 1, 1, modern=True))[0], tool)]
-            for _, c, t in paths:
-                await sequential(c, t, backend, 200, args.max_seconds)  # warm-up
-            rounds: dict[str, list[list[int]]] = {p[0]: [] for p in paths}
-            blocks = 5
-            per = max(1, args.single_calls // blocks)
-            for _ in range(args.repeat):
-                lat: dict[str, list[int]] = {p[0]: [] for p in paths}
-                for _ in range(blocks):
-                    for label, c, t in paths:
-                        lat[label] += await sequential(c, t, backend, per,
-                                                       args.max_seconds / blocks)
-                for k in rounds:
-                    rounds[k].append(lat[k])
-            for label, c, _ in paths:
-                singles.append(seq_result(label, rounds[label]))
-                print(f"  single client {label:<40} p50 {singles[-1].p50_us:6.0f} us",
-                      file=sys.stderr, flush=True)
-                if c is not ws_one:
-                    await c.aclose()
-            # ---- N clients ----------------------------------------------------------------
-            rows: list[tuple[str, Callable[[], Any]]] = [
-                (REMOTE_WS_ROW, lambda: ws_clients(nursery, url, args.clients)),
-                (REMOTE_LEGACY_ROW, lambda: http_clients(http_port, args.clients,
-                                                         args.inflight)),
-                (REMOTE_MODERN_ROW, lambda: http_clients(http_port, args.clients,
-                                                         args.inflight, modern=True))]
-            upstream: dict[str, dict[str, int]] = {}
-            for label, make in rows:
-                conns = await make()
-                for inflight in (1, args.inflight):
-                    watch.reset()
-                    results.append(await measure(label, "mcp-gateway", conns, args,
-                                                 inflight=inflight, tool=tool,
-                                                 backend=backend, cpu_pids=cpu))
-                    upstream[f"{label} {args.clients}x{inflight}"] = {
-                        "most_at_once": watch.most, "distinct_seen": len(watch.seen)}
-                if label != REMOTE_WS_ROW:
-                    notes.append(HttpConn.summary(label, conns))
-                for c in conns:
-                    await c.aclose()
-            extra["upstream"] = upstream
-            # ---- direct again, last, on one session as the gateway's upstream is: the
-            # server's speed after every gateway row (its heap holds the gateway's session)
-            late = (await http_clients(sport, 1, args.clients * args.inflight,
-                                       protocol=version))[0]
-            for inflight in (1, args.inflight):
-                results.append(await measure(REMOTE_LATE_ROW, "direct, late", [late] * args.clients,
-                                             args, inflight=inflight, tool=backend.tool,
-                                             backend=backend, cpu_pids=srv_cpu))
-            await late.aclose()
-            await ws_one.aclose()
-            nursery.cancel_scope.cancel()
-    finally:
-        procs.stop(gw.pid, grace=10.0)
+        ws_one = await wait_remote_tool(nursery, ws_port, tool)
+        paths: list[tuple[str, Conn, str]] = [
+            ("direct HTTP", (await http_clients(sport, 1, 1, protocol=version))[0],
+             backend.tool),
+            (f"direct HTTP, {PROTOCOL} (for comparison)",
+             (await http_clients(sport, 1, 1))[0], backend.tool),
+            ("mcp-gateway WS → remote", ws_one, tool),
+            ("mcp-gateway /mcp legacy → remote", (await http_clients(http_port, 1, 1))[0], tool),
+            ("mcp-gateway /mcp stateless → remote",
+             (await http_clients(http_port, 1, 1, modern=True))[0], tool)]
+        for _, c, t in paths:
+            await sequential(c, t, backend, 200, args.max_seconds)  # warm-up
+        rounds: dict[str, list[list[int]]] = {p[0]: [] for p in paths}
+        blocks = 5
+        per = max(1, args.single_calls // blocks)
+        for _ in range(args.repeat):
+            lat: dict[str, list[int]] = {p[0]: [] for p in paths}
+            for _ in range(blocks):
+                for label, c, t in paths:
+                    lat[label] += await sequential(c, t, backend, per, args.max_seconds / blocks)
+            for k in rounds:
+                rounds[k].append(lat[k])
+        for label, c, _ in paths:
+            singles.append(seq_result(label, rounds[label]))
+            print(f"  single client {label:<40} p50 {singles[-1].p50_us:6.0f} us",
+                  file=sys.stderr, flush=True)
+            await c.aclose()
+        procs.stop(seq_gw.pid, grace=10.0)
         procs.stop(srv.pid)
-        shutil.rmtree(tmp, ignore_errors=True)
+        # ---- N clients: each row on a fresh server (and gateway), warmed alike ---------------
+        rows: list[tuple[str, str, str]] = [
+            (REMOTE_DIRECT_ROW, "direct", ""),
+            (REMOTE_ONE_SESSION_ROW, "direct, one session", ""),
+            (REMOTE_WS_ROW, "mcp-gateway", "gateway-ws"),
+            (REMOTE_LEGACY_ROW, "mcp-gateway", "gateway-legacy"),
+            (REMOTE_MODERN_ROW, "mcp-gateway", "gateway-stateless")]
+        upstream: dict[str, dict[str, int]] = {}
+        for label, group, name in rows:
+            print(f"remote: a fresh server-everything for {label}", file=sys.stderr, flush=True)
+            srv, sport = await start_everything_http(procs, [])
+            gw: subprocess.Popen[bytes] | None = None
+            try:
+                spid = srv.pid
+                srv_cpu = {"backend": fixed_pids(spid)}
+                conns: list[Conn]
+                if group == "direct":
+                    conns = await http_clients(sport, args.clients, args.inflight,
+                                               protocol=version)
+                elif group == "direct, one session":
+                    one = (await http_clients(sport, 1, args.clients * args.inflight,
+                                              protocol=version))[0]
+                    conns = [one] * args.clients
+                else:
+                    gw, ws_port, http_port, _ = await start_remote_gateway(procs, sport, name,
+                                                                           notes)
+                    cpu = {"proxy": fixed_pids(gw.pid), "backend": fixed_pids(spid)}
+                    await (await wait_remote_tool(nursery, ws_port, tool)).aclose()
+                    if label == REMOTE_WS_ROW:
+                        conns = await ws_clients(nursery, f"ws://127.0.0.1:{ws_port}/",
+                                                 args.clients)
+                    else:
+                        conns = await http_clients(http_port, args.clients, args.inflight,
+                                                   modern=label == REMOTE_MODERN_ROW)
+                # node's JIT: a cold server is several times slower per call than a warm one
+                await run_load(conns, inflight=args.inflight, calls=args.calls,
+                               cap=REMOTE_WARMUP, tool=tool if gw else backend.tool,
+                               backend=backend)
+                watch = UpstreamWatch(gw.pid, sport) if gw else None
+                if watch:
+                    nursery.start_soon(watch.run)
+                for inflight in (1, args.inflight):
+                    if watch:
+                        watch.reset()
+                    results.append(await measure(
+                        label, group, conns, args, inflight=inflight,
+                        tool=tool if gw else backend.tool, backend=backend,
+                        cpu_pids=cpu if gw else srv_cpu))
+                    if watch:
+                        upstream[f"{label} {args.clients}x{inflight}"] = {
+                            "most_at_once": watch.most, "distinct_seen": len(watch.seen)}
+                if watch:
+                    watch.scope.cancel()
+                if label != REMOTE_WS_ROW:
+                    notes.append(HttpConn.summary(label, conns[:1] if group ==
+                                                  "direct, one session" else conns))
+                for c in set(conns):
+                    await c.aclose()
+            finally:
+                if gw is not None:
+                    procs.stop(gw.pid, grace=10.0)
+                procs.stop(srv.pid)
+        extra["upstream"] = upstream
+        nursery.cancel_scope.cancel()
 
 
 async def ws_clients(nursery: trio.Nursery, url: str, n: int) -> list[Conn]:
@@ -2326,8 +2352,9 @@ def markdown_remote(args: argparse.Namespace, results: list[LoadResult], singles
            "server)", "",
            "| path | clients × in flight | ok / err | calls/s | × direct | p50 ms | p99 ms "
            "| client CPU µs/call | gateway CPU µs/call (sys) | server CPU µs/call | other load "
-           "(cores) | gateway RSS MiB | upstream connections (most at once / seen) |",
-           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+           "(cores) | gateway RSS MiB | server RSS MiB "
+           "| upstream connections (most at once / seen) |",
+           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     upstream = extra.get("upstream", {})
     for r in results:
         cpu = r.cpu_us_per_call
@@ -2342,7 +2369,7 @@ def markdown_remote(args: argparse.Namespace, results: list[LoadResult], singles
             f"{_f(cpu.get('bench client'))} | "
             f"{gw_cell} | {_f(cpu.get('backend'))} | {_f(r.other_load, '{:.1f}')} | "
             f"{_f(r.rss_mib.get('proxy'), '{:.1f}') if 'proxy' in r.rss_mib else '–'} | "
-            f"{up_cell} |")
+            f"{_f(r.rss_mib.get('backend'), '{:.0f}')} | {up_cell} |")
     out += ["", f"### Single client, sequential calls ({args.single_calls} per row and round, "
                 f"interleaved in 5 blocks; median of {args.repeat} rounds' p50/p99)", "",
             "| path | calls | p50 µs | p99 µs | mean µs | p50 added over direct µs |",
