@@ -26,7 +26,7 @@ from gateway.core.serving import ServingPorts, error_response, serve_request
 from gateway.core.session import AnswerOutcome, ClientSession
 from gateway.errors import CloseReason
 from gateway.events import AnswerRefused, ConnectionClosed, ConnectionOpened, ServerRequestOutcome
-from gateway.protocol import jsonrpc, mcp
+from gateway.protocol import era, jsonrpc, mcp
 from gateway.protocol.era import Era
 
 if TYPE_CHECKING:
@@ -218,10 +218,12 @@ class Direct:
             self.finish()
 
     def handle(self, env: jsonrpc.Envelope, kind: jsonrpc.Kind, size: int,
-               params: dict[str, msgspec.Raw] | None = None) -> None:
-        """Its one message, decoded by the transport (the refusals of :func:`refusal` apply)."""
+               params: dict[str, msgspec.Raw] | None = None,
+               judged: era.Modern | None = None) -> None:
+        """Its one message, decoded by the transport (the refusals of :func:`refusal` apply;
+        ``judged``: its ``_meta`` as the transport judged it, see :func:`serve_request`)."""
         _dispatch(self.ports, self.session, env, kind, size, self.nursery, _replier(self.session),
-                  in_batch=False, params=params)
+                  in_batch=False, params=params, judged=judged)
 
     def _start_writer(self) -> None:
         if not self.done:
@@ -503,7 +505,8 @@ def _serve_batch(ports: ConnectionPorts, session: ClientSession, entries: list[j
 
 def _dispatch(ports: ConnectionPorts, session: ClientSession, env: jsonrpc.Envelope,
               kind: jsonrpc.Kind, size: int, nursery: trio.Nursery, reply: Reply, *,
-              in_batch: bool, params: dict[str, msgspec.Raw] | None = None) -> None:
+              in_batch: bool, params: dict[str, msgspec.Raw] | None = None,
+              judged: era.Modern | None = None) -> None:
     """A decoded message: a request is served (or refused), anything else taken in; ``reply``
     is called once (with None when there is nothing to answer now)."""
     if kind == "request":
@@ -522,7 +525,7 @@ def _dispatch(ports: ConnectionPorts, session: ClientSession, env: jsonrpc.Envel
         except errors.GatewayError as exc:
             reply(error_response(env.id, exc), env.id)
             return
-        serve_request(ports, session, env, env.id, env.method, size, reply, params)
+        serve_request(ports, session, env, env.id, env.method, size, reply, params, judged)
         return
     reply(None, None)
     if kind == "notification":

@@ -102,12 +102,14 @@ def modern_meta(method: str, params: dict[str, Raw]) -> Modern:
     return _judged(method, meta)[0]
 
 
-def _judged(method: str, meta: dict[str, Raw]) -> tuple[Modern, str]:
-    """:func:`modern_meta` on ``_meta`` decoded one level; the version it names too."""
+def _judged(method: str, meta: dict[str, Raw], version: Any = None) -> tuple[Modern, str]:
+    """:func:`modern_meta` on ``_meta`` decoded one level; the version it names too
+    (``version``: that one, decoded already; None: decoded here)."""
     if VERSION_KEY not in meta:
         raise errors.InvalidParams(f"{method}: _meta[{VERSION_KEY!r}] is required (2026-07-28), "
                                    "or open the connection with initialize")
-    version = jsonrpc.loads(meta[VERSION_KEY])
+    if version is None:
+        version = jsonrpc.loads(meta[VERSION_KEY])
     if version not in MODERN_VERSIONS:
         raise errors.UnsupportedVersion(f"protocol version {version!r} is not supported on a "
                                         "modern request",
@@ -130,6 +132,12 @@ class HttpModern(NamedTuple):
 
     caps: dict[str, Any]  # the client's capabilities
     progress: int | str | None  # its progress token (None: none, or not a string or integer)
+    log_level: str | None  # the level it wants log messages at (None: none at all)
+
+    @property
+    def judged(self) -> Modern:
+        """What :func:`modern_meta` says of the same request (the core takes it as is)."""
+        return Modern(self.caps, self.log_level)
 
 
 def check_http(method: str, params: dict[str, Raw],
@@ -162,11 +170,11 @@ def check_http(method: str, params: dict[str, Raw],
                                     "which this connection speaks (its first request chose it)")
     if raw is not None and meta is None:
         raise errors.InvalidParams(f"{method}: _meta must be an object")
-    modern, version = _judged(method, meta or {})
+    modern, version = _judged(method, meta or {}, body_version)
     mismatch = _headers_against(method, version, params, headers)
     if mismatch is not None:
         raise mismatch
-    return HttpModern(modern.caps, progress_of(meta or {}))
+    return HttpModern(modern.caps, progress_of(meta or {}), modern.log_level)
 
 
 def progress_of(meta: dict[str, Raw]) -> int | str | None:

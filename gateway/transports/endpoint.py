@@ -583,7 +583,7 @@ class Endpoint:
         assert self.direct is not None
         flow = session.direct = self.direct(session)
         try:
-            flow.handle(env, kind, len(body), params)
+            flow.handle(env, kind, len(body), params, modern.judged)
             if not sink.done:
                 await self._hold(conn, session, sink)
         finally:
