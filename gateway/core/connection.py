@@ -191,8 +191,9 @@ class Direct:
     Its one message is handled in the caller's task (:meth:`handle`); what must wait (the slow
     path, a bridged flow's timers) runs in ``nursery``, a long-lived one, and a flusher task is
     started there only when a write did not fit.  :meth:`finish` ends it (idempotent): called
-    inline when its request is answered, or from a task when it is closed by anything else
-    (the ``on_close`` of ``ClientSession.run_in``: overflow, a bridged flow ending, drain).
+    inline when its call ends (the ``on_settled`` of ``ClientSession.run_in``, in the task
+    that answered it) or its POST's task stops waiting, or from a task when it is closed by
+    anything else (``on_close``: overflow, a bridged flow ending, drain).
     Saves the two tasks and the inbox a served connection costs per request.
     """
 
@@ -208,13 +209,20 @@ class Direct:
         self.writer_scope: trio.CancelScope | None = None
         session = self.session = _open(ports, stream, transport, bind)
         session.choose_era(Era.MODERN)  # its request was judged modern at the edge already
-        session.run_in(nursery, on_close=self._finish_soon)
+        session.run_in(nursery, on_close=self._finish_soon, on_settled=self._settled)
         session.outbound.on_wake = self._start_writer
 
     def _finish_soon(self) -> None:
         try:
             self.nursery.start_soon(self._finish_task)
         except RuntimeError:  # the listener's nursery is closed (the service is unwinding)
+            self.finish()
+
+    def _settled(self) -> None:
+        """Its call ended: it is over, unless the call answered ``input_required`` and waits
+        for the retry (a bridged flow past its first round: that retry's POST ends it)."""
+        flow = self.session.flow
+        if flow is None or flow.round == 0:
             self.finish()
 
     def handle(self, env: jsonrpc.Envelope, kind: jsonrpc.Kind, size: int,

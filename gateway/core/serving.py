@@ -315,6 +315,10 @@ class Served(Request):
         ports.bus.emit(RequestFinished(session.conn_id, self.label, req.backend, outcome, code,
                                      now - self.started, req.backend_time, req.tool,
                                      principal.label if principal is not None else NO_PRINCIPAL))
+        if not session.inflight:
+            settled = session.on_settled
+            if settled is not None:  # a connection without a task of its own may end now
+                settled()
 
 
 def _cut_off(*, retryable: bool = False) -> errors.GatewayError:

@@ -254,6 +254,8 @@ class ClientSession:
         self._flow: BridgedCall | None = None  # its bridged call, once the child asked for input
         # A connection without a task of its own (connection.Direct): its end, once closed
         self._on_close: Callable[[], None] | None = None
+        # ... and what it is told when its last call ended (read by gateway.core.serving)
+        self.on_settled: Callable[[], None] | None = None
         self._principal: Principal | None = None
         # the gateway's own URL elicitations (-32042) it was sent, not completed yet: their ids
         self.url_asks: list[str] | None = None
@@ -379,19 +381,22 @@ class ClientSession:
         self._writer = writer
 
     def run_in(self, nursery: trio.Nursery, *, cancel_scope: trio.CancelScope | None = None,
-               on_close: Callable[[], None] | None = None) -> None:
+               on_close: Callable[[], None] | None = None,
+               on_settled: Callable[[], None] | None = None) -> None:
         """Its requests that must wait run in ``nursery``; :meth:`close` cancels
         ``cancel_scope`` (its own task's) or calls ``on_close`` (a connection without a task
-        of its own)."""
+        of its own, which is told ``on_settled`` when a call ends and none is left)."""
         self._nursery = nursery
         self._cancel_scope = cancel_scope
         self._on_close = on_close
+        self.on_settled = on_settled
 
     def detach(self) -> None:
         """It is no longer served: what it is sent from now on is queued (flushed, or
         dropped), and its close calls nothing."""
         self._writer = None
         self._on_close = None
+        self.on_settled = None
 
     def move_call(self, old_id: int | str, new_id: int | str, call: Call) -> None:
         """``call`` (in flight under ``old_id``) goes on under ``new_id``: a bridged call's

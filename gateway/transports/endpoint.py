@@ -585,7 +585,9 @@ class Endpoint:
         try:
             flow.handle(env, kind, len(body), params, modern.judged)
             if not sink.done:
-                await self._hold(conn, session, sink)
+                # the flow ends in the task that answers it (connection.Direct): this one
+                # reads the peer's next request meanwhile, as a legacy session's POST does
+                await self._hold(conn, session, sink, ahead=True)
         finally:
             # answered, or the client closed the stream: that cancels the call, unless this POST
             # was answered input_required (the flow waits for the retry, which may already run)
