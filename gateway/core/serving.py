@@ -382,7 +382,7 @@ def serve_request(ports: ServingPorts, session: ClientSession, env: jsonrpc.Enve
             caps, level = era.modern_meta(method, req.params) if judged is None else judged
             if session.mrtr is None:  # a modern WebSocket/unix connection: bridged like a flow
                 session.bridge_with(ports.bridge)
-            served.caps = mcp.ClientCaps(caps)  # what a child may ask this request's caller
+            served.caps = mcp.client_caps(caps)  # what a child may ask this request's caller
             # its stream gets log messages
             if level is not None and session.set_log_level(level):
                 ports.log_levels_changed()

@@ -218,7 +218,7 @@ class ClientSession:
         self._state = SessionState.AWAITING_INIT
         self._protocol_version: str | None = None  # what initialize negotiated
         self._era: Era | None = None  # chosen by the connection's first request
-        self._caps = mcp.ClientCaps({})
+        self._caps = mcp.NO_CAPS
         self._log_level: str | None = None
         self.client_info: dict[str, str] | None = None  # initialize's clientInfo (name, version)
         self.max_inflight: Final = max_inflight
