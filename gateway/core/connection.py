@@ -116,7 +116,9 @@ def _open(ports: ConnectionPorts, stream: MessageStream, transport: str,
     session.attach(stream)
     ports.session_opened(session)
     ports.bus.emit(ConnectionOpened(session.conn_id, transport))
-    LOGGER.debug("connection %s opened (%s)", session.conn_id, transport, extra=session.log_fields)
+    if LOGGER.isEnabledFor(logging.DEBUG):
+        LOGGER.debug("connection %s opened (%s)", session.conn_id, transport,
+                     extra=session.log_fields)
     return session
 
 
@@ -126,20 +128,25 @@ def _release(ports: ConnectionPorts, session: ClientSession) -> None:
     session.detach()  # what is sent from now on is queued: flushed, or dropped
     ports.session_left(session)
     ports.connections_changed()
-    session.end_all_requests(ServerRequestOutcome.OWNER_GONE)
-    for served in list(session.inflight.values()):  # calls forwarded without a task
-        served.cancel()
+    if session.server_requests:
+        session.end_all_requests(ServerRequestOutcome.OWNER_GONE)
+    if session.inflight:
+        for served in list(session.inflight.values()):  # calls forwarded without a task
+            served.cancel()
     ports.session_closed(session)
-    if session.flow is not None:
-        session.flow.closed()
+    flow = session.flow
+    if flow is not None:
+        flow.closed()
 
 
 def _closed(ports: ConnectionPorts, session: ClientSession, transport: str) -> None:
     session.drop_outbound()  # every byte it still had charged is released here
-    ports.bus.emit(ConnectionClosed(session.conn_id, transport, session.close_reason,
-                                  trio.current_time() - session.opened))
-    LOGGER.debug("connection %s closed: %s", session.conn_id, session.close_reason,
-                 extra=session.log_fields)
+    reason = session.close_reason
+    ports.bus.emit(ConnectionClosed(session.conn_id, transport, reason,
+                                  session.now() - session.opened))
+    if LOGGER.isEnabledFor(logging.DEBUG):
+        LOGGER.debug("connection %s closed: %s", session.conn_id, reason,
+                     extra=session.log_fields)
 
 
 async def serve(ports: ConnectionPorts, stream: MessageStream, transport: str,

@@ -227,7 +227,7 @@ class ClientSession:
         self.server_requests: Final[dict[str, ServerRequest]] = {}
         self._ended_ids: deque[str] = deque(maxlen=1024)
         self._ids = itertools.count(1)
-        self._id_salt = _entropy.hex(3)
+        self._id_salt = ""  # drawn at its first server->client request
         self._writer: MessageWriter | None = None  # the transport, while the connection is served
         self.outbound: Final = Outbox(outbound_capacity)  # what could not be written at once
         self.max_outbound_bytes: Final = outbound_bytes
@@ -554,6 +554,8 @@ class ClientSession:
     def open_request(self, method: str, params: Any, *, send: bool = True) -> ServerRequest:
         """Record a request to this client and send it (unless ``send`` is false: a bridged
         flow asks for it in its ``InputRequiredResult``); the caller awaits ``req.done``."""
+        if not self._id_salt:
+            self._id_salt = _entropy.hex(3)
         rid = f"gw-{self._id_salt}-{next(self._ids)}"
         req = ServerRequest(rid, method, params)
         self.server_requests[rid] = req

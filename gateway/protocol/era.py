@@ -130,14 +130,8 @@ def _judged(method: str, meta: dict[str, Raw], version: Any = None) -> tuple[Mod
 class HttpModern(NamedTuple):
     """What the edge reads of a valid modern HTTP request."""
 
-    caps: dict[str, Any]  # the client's capabilities
+    judged: Modern  # what modern_meta says of the same request (the core takes it as is)
     progress: int | str | None  # its progress token (None: none, or not a string or integer)
-    log_level: str | None  # the level it wants log messages at (None: none at all)
-
-    @property
-    def judged(self) -> Modern:
-        """What :func:`modern_meta` says of the same request (the core takes it as is)."""
-        return Modern(self.caps, self.log_level)
 
 
 def check_http(method: str, params: dict[str, Raw],
@@ -174,7 +168,7 @@ def check_http(method: str, params: dict[str, Raw],
     mismatch = _headers_against(method, version, params, headers, got)
     if mismatch is not None:
         raise mismatch
-    return HttpModern(modern.caps, progress_of(meta or {}), modern.log_level)
+    return HttpModern(modern, progress_of(meta or {}))
 
 
 def progress_of(meta: dict[str, Raw]) -> int | str | None:

@@ -563,7 +563,7 @@ class Endpoint:
             raise _jsonrpc_error(404, exc, env.id) from None
         except errors.GatewayError as exc:
             raise _jsonrpc_error(400, exc, env.id) from None
-        caps = modern.caps
+        caps = modern.judged.caps
         sink = Sink(conn, "", env.id)
         sink.token = modern.progress
         if self.bridge is not None and self.bridge.continues(env.method, params):

@@ -645,9 +645,10 @@ class HttpSession:
                 pass
             self.close_sink(sink)
             sink.finish_soon()
-        self._parked.clear()
-        self._release_parked()
+        if self._parked:
+            self._parked.clear()
+            self._release_parked()
         held = self.replay.clear()
-        if self.client is not None:
+        if held and self.client is not None:
             self.client.buffers.release(held)
         self._dirty.clear()

@@ -67,7 +67,7 @@ def test_a_header_value_is_plain_visible_ascii_or_base64_and_reads_back(value: s
             "name": Raw(json.dumps(value).encode())}
     headers = {"mcp-protocol-version": "2026-07-28", "mcp-method": "tools/call",
                "mcp-name": encoded}
-    assert era.check_http("tools/call", body, headers) == ({}, None, None)  # read back
+    assert era.check_http("tools/call", body, headers) == (({}, None), None)  # read back
 
 
 GOOD = {era.VERSION_KEY: "2026-07-28", era.CAPABILITIES_KEY: {"sampling": {}}}
@@ -80,7 +80,7 @@ def named(**meta: object) -> dict[str, Raw]:
 
 def test_check_http_reads_the_caps_and_the_progress_token_of_a_matching_request() -> None:
     assert era.check_http("tools/call", named(**GOOD, progressToken=7), HEADERS) == (
-        {"sampling": {}}, 7, None)
+        ({"sampling": {}}, None), 7)
     assert era.check_http("tools/call", named(**GOOD, progressToken="t"), HEADERS).progress == "t"
     for bad in (True, 1.5, None, {"a": 1}):
         assert era.check_http("tools/call", named(**GOOD, progressToken=bad),
