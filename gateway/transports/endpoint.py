@@ -589,9 +589,10 @@ class Endpoint:
                 # reads the peer's next request meanwhile, as a legacy session's POST does
                 await self._hold(conn, session, sink, ahead=True)
         finally:
-            # answered, or the client closed the stream: that cancels the call, unless this POST
-            # was answered input_required (the flow waits for the retry, which may already run)
-            if _rounds(session) == 0:
+            # answered (the flow ended with its call, mostly), or the client closed the stream:
+            # that cancels the call, unless this POST was answered input_required (the flow
+            # waits for the retry, which may already run)
+            if not flow.done and _rounds(session) == 0:
                 flow.finish()
 
     async def _hold(self, conn: HttpConnection, session: HttpSession, sink: Sink, *,
