@@ -852,13 +852,16 @@ class Backend:
             await self._upstream(uri, "resources/unsubscribe", self._scope(session))
 
     def drop_session(self, session: Owner) -> None:
-        for waiter in [w for w in self._waiters if w.session is session]:
-            self._waiters.remove(waiter)
-        for inst in self.instances:
-            if self.cfg.sharing == "affine" and inst.owner is session:
-                self._settle(inst)
-        for uri in [u for u, s in self.subscriptions.items() if session in s]:
-            self.drop_subscription(session, uri)
+        if self._waiters:
+            for waiter in [w for w in self._waiters if w.session is session]:
+                self._waiters.remove(waiter)
+        if self.cfg.sharing == "affine":
+            for inst in self.instances:
+                if inst.owner is session:
+                    self._settle(inst)
+        if self.subscriptions:
+            for uri in [u for u, s in self.subscriptions.items() if session in s]:
+                self.drop_subscription(session, uri)
 
     def drop_subscription(self, session: Owner, uri: str) -> None:
         """``session`` no longer holds ``uri`` (without waiting: the upstream unsubscribe, when

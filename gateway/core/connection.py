@@ -26,7 +26,7 @@ from gateway.core.serving import ServingPorts, error_response, serve_request
 from gateway.core.session import AnswerOutcome, ClientSession
 from gateway.errors import CloseReason
 from gateway.events import AnswerRefused, ConnectionClosed, ConnectionOpened, ServerRequestOutcome
-from gateway.protocol import jsonrpc, mcp
+from gateway.protocol import era, jsonrpc, mcp
 from gateway.protocol.era import Era
 
 if TYPE_CHECKING:
@@ -116,7 +116,9 @@ def _open(ports: ConnectionPorts, stream: MessageStream, transport: str,
     session.attach(stream)
     ports.session_opened(session)
     ports.bus.emit(ConnectionOpened(session.conn_id, transport))
-    LOGGER.debug("connection %s opened (%s)", session.conn_id, transport, extra=session.log_fields)
+    if LOGGER.isEnabledFor(logging.DEBUG):
+        LOGGER.debug("connection %s opened (%s)", session.conn_id, transport,
+                     extra=session.log_fields)
     return session
 
 
@@ -126,20 +128,25 @@ def _release(ports: ConnectionPorts, session: ClientSession) -> None:
     session.detach()  # what is sent from now on is queued: flushed, or dropped
     ports.session_left(session)
     ports.connections_changed()
-    session.end_all_requests(ServerRequestOutcome.OWNER_GONE)
-    for served in list(session.inflight.values()):  # calls forwarded without a task
-        served.cancel()
+    if session.server_requests:
+        session.end_all_requests(ServerRequestOutcome.OWNER_GONE)
+    if session.inflight:
+        for served in list(session.inflight.values()):  # calls forwarded without a task
+            served.cancel()
     ports.session_closed(session)
-    if session.flow is not None:
-        session.flow.closed()
+    flow = session.flow
+    if flow is not None:
+        flow.closed()
 
 
 def _closed(ports: ConnectionPorts, session: ClientSession, transport: str) -> None:
     session.drop_outbound()  # every byte it still had charged is released here
-    ports.bus.emit(ConnectionClosed(session.conn_id, transport, session.close_reason,
-                                  trio.current_time() - session.opened))
-    LOGGER.debug("connection %s closed: %s", session.conn_id, session.close_reason,
-                 extra=session.log_fields)
+    reason = session.close_reason
+    ports.bus.emit(ConnectionClosed(session.conn_id, transport, reason,
+                                  session.now() - session.opened))
+    if LOGGER.isEnabledFor(logging.DEBUG):
+        LOGGER.debug("connection %s closed: %s", session.conn_id, reason,
+                     extra=session.log_fields)
 
 
 async def serve(ports: ConnectionPorts, stream: MessageStream, transport: str,
@@ -191,8 +198,9 @@ class Direct:
     Its one message is handled in the caller's task (:meth:`handle`); what must wait (the slow
     path, a bridged flow's timers) runs in ``nursery``, a long-lived one, and a flusher task is
     started there only when a write did not fit.  :meth:`finish` ends it (idempotent): called
-    inline when its request is answered, or from a task when it is closed by anything else
-    (the ``on_close`` of ``ClientSession.run_in``: overflow, a bridged flow ending, drain).
+    inline when its call ends (the ``on_settled`` of ``ClientSession.run_in``, in the task
+    that answered it) or its POST's task stops waiting, or from a task when it is closed by
+    anything else (``on_close``: overflow, a bridged flow ending, drain).
     Saves the two tasks and the inbox a served connection costs per request.
     """
 
@@ -208,7 +216,7 @@ class Direct:
         self.writer_scope: trio.CancelScope | None = None
         session = self.session = _open(ports, stream, transport, bind)
         session.choose_era(Era.MODERN)  # its request was judged modern at the edge already
-        session.run_in(nursery, on_close=self._finish_soon)
+        session.run_in(nursery, on_close=self._finish_soon, on_settled=self._settled)
         session.outbound.on_wake = self._start_writer
 
     def _finish_soon(self) -> None:
@@ -217,11 +225,20 @@ class Direct:
         except RuntimeError:  # the listener's nursery is closed (the service is unwinding)
             self.finish()
 
+    def _settled(self) -> None:
+        """Its call ended: it is over, unless the call answered ``input_required`` and waits
+        for the retry (a bridged flow past its first round: that retry's POST ends it)."""
+        flow = self.session.flow
+        if flow is None or flow.round == 0:
+            self.finish()
+
     def handle(self, env: jsonrpc.Envelope, kind: jsonrpc.Kind, size: int,
-               params: dict[str, msgspec.Raw] | None = None) -> None:
-        """Its one message, decoded by the transport (the refusals of :func:`refusal` apply)."""
+               params: dict[str, msgspec.Raw] | None = None,
+               judged: era.Modern | None = None) -> None:
+        """Its one message, decoded by the transport (the refusals of :func:`refusal` apply;
+        ``judged``: its ``_meta`` as the transport judged it, see :func:`serve_request`)."""
         _dispatch(self.ports, self.session, env, kind, size, self.nursery, _replier(self.session),
-                  in_batch=False, params=params)
+                  in_batch=False, params=params, judged=judged)
 
     def _start_writer(self) -> None:
         if not self.done:
@@ -503,7 +520,8 @@ def _serve_batch(ports: ConnectionPorts, session: ClientSession, entries: list[j
 
 def _dispatch(ports: ConnectionPorts, session: ClientSession, env: jsonrpc.Envelope,
               kind: jsonrpc.Kind, size: int, nursery: trio.Nursery, reply: Reply, *,
-              in_batch: bool, params: dict[str, msgspec.Raw] | None = None) -> None:
+              in_batch: bool, params: dict[str, msgspec.Raw] | None = None,
+              judged: era.Modern | None = None) -> None:
     """A decoded message: a request is served (or refused), anything else taken in; ``reply``
     is called once (with None when there is nothing to answer now)."""
     if kind == "request":
@@ -522,7 +540,7 @@ def _dispatch(ports: ConnectionPorts, session: ClientSession, env: jsonrpc.Envel
         except errors.GatewayError as exc:
             reply(error_response(env.id, exc), env.id)
             return
-        serve_request(ports, session, env, env.id, env.method, size, reply, params)
+        serve_request(ports, session, env, env.id, env.method, size, reply, params, judged)
         return
     reply(None, None)
     if kind == "notification":

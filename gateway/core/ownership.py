@@ -247,5 +247,7 @@ class Ownership:
         return self.elicitations.pop((backend, principal_key or "", elicitation_id), None)
 
     def forget_session(self, session: ClientSession) -> None:
+        if not self.elicitations:  # (most connections end with none open)
+            return
         for eid in [e for e, s in self.elicitations.items() if s is session]:
             del self.elicitations[eid]

@@ -315,6 +315,10 @@ class Served(Request):
         ports.bus.emit(RequestFinished(session.conn_id, self.label, req.backend, outcome, code,
                                      now - self.started, req.backend_time, req.tool,
                                      principal.label if principal is not None else NO_PRINCIPAL))
+        if not session.inflight:
+            settled = session.on_settled
+            if settled is not None:  # a connection without a task of its own may end now
+                settled()
 
 
 def _cut_off(*, retryable: bool = False) -> errors.GatewayError:
@@ -344,10 +348,12 @@ def _admit(ports: ServingPorts, served: Served, principal: str) -> None:
 def serve_request(ports: ServingPorts, session: ClientSession, env: jsonrpc.Envelope,
                   id: int | str, method: str, size: int,
                   reply: Callable[[bytes | None, int | str | None], None],
-                  params: dict[str, Raw] | None = None) -> None:
+                  params: dict[str, Raw] | None = None, judged: era.Modern | None = None) -> None:
     """Serve one admitted request (``env``, its ``id`` and ``method``): at once when the gateway
     answers it or a backend instance takes it now (no task), else in a task.  ``params``: its
-    params' top level, when its transport decoded them already (None: decoded here)."""
+    params' top level, when its transport decoded them already (None: decoded here);
+    ``judged``: a modern request's ``_meta`` as its transport judged it already
+    (:func:`gateway.protocol.era.check_http`; None: judged here)."""
     principal = session.principal  # read once
     served = Served(ports, session, id, method, size, reply, principal)
     session.inflight[id] = served
@@ -373,10 +379,10 @@ def serve_request(ports: ServingPorts, session: ClientSession, env: jsonrpc.Enve
             session.choose_era(chosen)
         if chosen is _MODERN:
             served.modern = True
-            caps, level = era.modern_meta(method, req.params)
+            caps, level = era.modern_meta(method, req.params) if judged is None else judged
             if session.mrtr is None:  # a modern WebSocket/unix connection: bridged like a flow
                 session.bridge_with(ports.bridge)
-            served.caps = mcp.ClientCaps(caps)  # what a child may ask this request's caller
+            served.caps = mcp.client_caps(caps)  # what a child may ask this request's caller
             # its stream gets log messages
             if level is not None and session.set_log_level(level):
                 ports.log_levels_changed()

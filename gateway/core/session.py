@@ -218,7 +218,7 @@ class ClientSession:
         self._state = SessionState.AWAITING_INIT
         self._protocol_version: str | None = None  # what initialize negotiated
         self._era: Era | None = None  # chosen by the connection's first request
-        self._caps = mcp.ClientCaps({})
+        self._caps = mcp.NO_CAPS
         self._log_level: str | None = None
         self.client_info: dict[str, str] | None = None  # initialize's clientInfo (name, version)
         self.max_inflight: Final = max_inflight
@@ -227,7 +227,7 @@ class ClientSession:
         self.server_requests: Final[dict[str, ServerRequest]] = {}
         self._ended_ids: deque[str] = deque(maxlen=1024)
         self._ids = itertools.count(1)
-        self._id_salt = _entropy.hex(3)
+        self._id_salt = ""  # drawn at its first server->client request
         self._writer: MessageWriter | None = None  # the transport, while the connection is served
         self.outbound: Final = Outbox(outbound_capacity)  # what could not be written at once
         self.max_outbound_bytes: Final = outbound_bytes
@@ -254,6 +254,8 @@ class ClientSession:
         self._flow: BridgedCall | None = None  # its bridged call, once the child asked for input
         # A connection without a task of its own (connection.Direct): its end, once closed
         self._on_close: Callable[[], None] | None = None
+        # ... and what it is told when its last call ended (read by gateway.core.serving)
+        self.on_settled: Callable[[], None] | None = None
         self._principal: Principal | None = None
         # the gateway's own URL elicitations (-32042) it was sent, not completed yet: their ids
         self.url_asks: list[str] | None = None
@@ -379,19 +381,22 @@ class ClientSession:
         self._writer = writer
 
     def run_in(self, nursery: trio.Nursery, *, cancel_scope: trio.CancelScope | None = None,
-               on_close: Callable[[], None] | None = None) -> None:
+               on_close: Callable[[], None] | None = None,
+               on_settled: Callable[[], None] | None = None) -> None:
         """Its requests that must wait run in ``nursery``; :meth:`close` cancels
         ``cancel_scope`` (its own task's) or calls ``on_close`` (a connection without a task
-        of its own)."""
+        of its own, which is told ``on_settled`` when a call ends and none is left)."""
         self._nursery = nursery
         self._cancel_scope = cancel_scope
         self._on_close = on_close
+        self.on_settled = on_settled
 
     def detach(self) -> None:
         """It is no longer served: what it is sent from now on is queued (flushed, or
         dropped), and its close calls nothing."""
         self._writer = None
         self._on_close = None
+        self.on_settled = None
 
     def move_call(self, old_id: int | str, new_id: int | str, call: Call) -> None:
         """``call`` (in flight under ``old_id``) goes on under ``new_id``: a bridged call's
@@ -549,6 +554,8 @@ class ClientSession:
     def open_request(self, method: str, params: Any, *, send: bool = True) -> ServerRequest:
         """Record a request to this client and send it (unless ``send`` is false: a bridged
         flow asks for it in its ``InputRequiredResult``); the caller awaits ``req.done``."""
+        if not self._id_salt:
+            self._id_salt = _entropy.hex(3)
         rid = f"gw-{self._id_salt}-{next(self._ids)}"
         req = ServerRequest(rid, method, params)
         self.server_requests[rid] = req

@@ -102,12 +102,14 @@ def modern_meta(method: str, params: dict[str, Raw]) -> Modern:
     return _judged(method, meta)[0]
 
 
-def _judged(method: str, meta: dict[str, Raw]) -> tuple[Modern, str]:
-    """:func:`modern_meta` on ``_meta`` decoded one level; the version it names too."""
+def _judged(method: str, meta: dict[str, Raw], version: Any = None) -> tuple[Modern, str]:
+    """:func:`modern_meta` on ``_meta`` decoded one level; the version it names too
+    (``version``: that one, decoded already; None: decoded here)."""
     if VERSION_KEY not in meta:
         raise errors.InvalidParams(f"{method}: _meta[{VERSION_KEY!r}] is required (2026-07-28), "
                                    "or open the connection with initialize")
-    version = jsonrpc.loads(meta[VERSION_KEY])
+    if version is None:
+        version = jsonrpc.loads(meta[VERSION_KEY])
     if version not in MODERN_VERSIONS:
         raise errors.UnsupportedVersion(f"protocol version {version!r} is not supported on a "
                                         "modern request",
@@ -128,7 +130,7 @@ def _judged(method: str, meta: dict[str, Raw]) -> tuple[Modern, str]:
 class HttpModern(NamedTuple):
     """What the edge reads of a valid modern HTTP request."""
 
-    caps: dict[str, Any]  # the client's capabilities
+    judged: Modern  # what modern_meta says of the same request (the core takes it as is)
     progress: int | str | None  # its progress token (None: none, or not a string or integer)
 
 
@@ -162,11 +164,11 @@ def check_http(method: str, params: dict[str, Raw],
                                     "which this connection speaks (its first request chose it)")
     if raw is not None and meta is None:
         raise errors.InvalidParams(f"{method}: _meta must be an object")
-    modern, version = _judged(method, meta or {})
-    mismatch = _headers_against(method, version, params, headers)
+    modern, version = _judged(method, meta or {}, body_version)
+    mismatch = _headers_against(method, version, params, headers, got)
     if mismatch is not None:
         raise mismatch
-    return HttpModern(modern.caps, progress_of(meta or {}))
+    return HttpModern(modern, progress_of(meta or {}))
 
 
 def progress_of(meta: dict[str, Raw]) -> int | str | None:
@@ -182,21 +184,28 @@ def _is_level(value: object) -> bool:
 
 
 def _headers_against(method: str, version: Any, params: dict[str, Raw],
-                     headers: dict[str, str | None]) -> errors.GatewayError | None:
+                     headers: dict[str, str | None], got_version: str | None
+                     ) -> errors.GatewayError | None:
     """The -32020 error for a modern HTTP request whose routing headers do not match its body
-    (``MCP-Protocol-Version``, ``Mcp-Method``, ``Mcp-Name``), or None.  A header value may be
-    ``=?base64?…?=``-encoded."""
-    expected = {"mcp-protocol-version": version, "mcp-method": method}
+    (``MCP-Protocol-Version``, whose value is ``got_version``, ``Mcp-Method``, ``Mcp-Name``),
+    or None.  A header value may be ``=?base64?…?=``-encoded."""
+    if got_version is None or got_version != version:
+        return _mismatch("mcp-protocol-version", got_version, version)
+    got = _header_value(headers.get("mcp-method"))
+    if got is None or got != method:
+        return _mismatch("mcp-method", got, method)
     if method in NAMED:
         raw = params.get(NAMED[method])
-        expected["mcp-name"] = jsonrpc.loads(raw) if raw is not None else None
-    for name, want in expected.items():
-        got = _header_value(headers.get(name))
+        want = jsonrpc.loads(raw) if raw is not None else None
+        got = _header_value(headers.get("mcp-name"))
         if got is None or got != want:
-            return errors.HeaderMismatch(
-                f"the {name} header ({got!r}) does not match the request body ({want!r})",
-                header=name)
+            return _mismatch("mcp-name", got, want)
     return None
+
+
+def _mismatch(name: str, got: str | None, want: Any) -> errors.GatewayError:
+    return errors.HeaderMismatch(
+        f"the {name} header ({got!r}) does not match the request body ({want!r})", header=name)
 
 
 def header_value(value: str) -> str:
@@ -209,11 +218,16 @@ def header_value(value: str) -> str:
     return f"=?base64?{base64.b64encode(value.encode('utf-8')).decode('ascii')}?="
 
 
+#: The characters ``str.strip`` strips (every Unicode space is below U+3001).
+_SPACES = frozenset(c for c in map(chr, range(0x3001)) if c.isspace())
+
+
 def _header_value(value: str | None) -> str | None:
     if value is None:
         return None
-    value = value.strip()
-    if value.startswith("=?base64?") and value.endswith("?="):
+    if value[:1] in _SPACES or value[-1:] in _SPACES:  # (a plain value: no call at all)
+        value = value.strip()
+    if value[:9] == "=?base64?" and value[-2:] == "?=":
         try:
             return base64.b64decode(value[9:-2], validate=True).decode("utf-8")
         except (ValueError, UnicodeDecodeError):
@@ -232,10 +246,15 @@ def strip_envelope(params: dict[str, Raw], meta: dict[str, Raw]
     ``params`` changes in place: the rest passes as is, ``_meta`` goes when nothing is left).
     Returns the envelope's keys that were there (for a modern child, which gets them back), or
     None, and what is left of ``meta`` (None: nothing)."""
-    envelope = {k: v for k, v in meta.items() if k in ENVELOPE_KEYS}
+    envelope: dict[str, Raw] = {}
+    kept: dict[str, Raw] = {}
+    for k, v in meta.items():
+        if k in ENVELOPE_KEYS:
+            envelope[k] = v
+        else:
+            kept[k] = v
     if not envelope:
         return None, meta
-    kept = {k: v for k, v in meta.items() if k not in ENVELOPE_KEYS}
     if kept:
         params["_meta"] = jsonrpc.encode_dict(kept)
     else:

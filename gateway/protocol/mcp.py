@@ -123,6 +123,15 @@ class ClientCaps:
         return self.allows(method)
 
 
+#: A client that declared no capabilities (shared: a ``ClientCaps`` is never changed).
+NO_CAPS = ClientCaps({})
+
+
+def client_caps(caps: dict[str, Any]) -> ClientCaps:
+    """What ``caps`` declare (:data:`NO_CAPS` for none)."""
+    return ClientCaps(caps) if caps else NO_CAPS
+
+
 _init_params = msgspec.json.Decoder(InitializeParams)
 _init_result = msgspec.json.Decoder(InitializeResult)
 _cancelled = msgspec.json.Decoder(CancelledParams)

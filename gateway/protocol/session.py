@@ -16,6 +16,8 @@ import enum
 
 
 class SessionState(enum.Enum):
+    __hash__ = object.__hash__  # a member is its only instance (no Python call per lookup)
+
     AWAITING_INIT = "awaiting_initialize"  # no era yet, or legacy before initialize succeeded
     READY_LEGACY = "ready_legacy"  # initialized (2025-03-26 … 2025-11-25)
     READY_MODERN = "ready_modern"  # 2026-07-28: every request describes its caller
@@ -24,6 +26,8 @@ class SessionState(enum.Enum):
 
 
 class SessionEvent(enum.Enum):
+    __hash__ = object.__hash__
+
     LEGACY = "legacy"  # the first request pins the legacy era
     MODERN = "modern"  # the first request pins the modern era
     INITIALIZED = "initialized"  # an initialize was answered

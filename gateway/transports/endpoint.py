@@ -563,7 +563,7 @@ class Endpoint:
             raise _jsonrpc_error(404, exc, env.id) from None
         except errors.GatewayError as exc:
             raise _jsonrpc_error(400, exc, env.id) from None
-        caps = modern.caps
+        caps = modern.judged.caps
         sink = Sink(conn, "", env.id)
         sink.token = modern.progress
         if self.bridge is not None and self.bridge.continues(env.method, params):
@@ -583,13 +583,16 @@ class Endpoint:
         assert self.direct is not None
         flow = session.direct = self.direct(session)
         try:
-            flow.handle(env, kind, len(body), params)
+            flow.handle(env, kind, len(body), params, modern.judged)
             if not sink.done:
-                await self._hold(conn, session, sink)
+                # the flow ends in the task that answers it (connection.Direct): this one
+                # reads the peer's next request meanwhile, as a legacy session's POST does
+                await self._hold(conn, session, sink, ahead=True)
         finally:
-            # answered, or the client closed the stream: that cancels the call, unless this POST
-            # was answered input_required (the flow waits for the retry, which may already run)
-            if _rounds(session) == 0:
+            # answered (the flow ended with its call, mostly), or the client closed the stream:
+            # that cancels the call, unless this POST was answered input_required (the flow
+            # waits for the retry, which may already run)
+            if not flow.done and _rounds(session) == 0:
                 flow.finish()
 
     async def _hold(self, conn: HttpConnection, session: HttpSession, sink: Sink, *,

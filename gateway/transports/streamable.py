@@ -223,7 +223,8 @@ class HttpSession:
         self.direct: Direct | None = None  # a modern flow's: served without a task of its own
         self.principal: Principal | None = None  # who opened it (gateway.auth); bound for its life
         self.closed = False
-        self.last_active = trio.current_time()
+        # when a stream last ended: read by its reader only (a modern flow has none)
+        self.last_active = trio.current_time() if id else 0.0
         self.dropped = 0  # messages no stream could take (logged once per session)
         self._inbox: deque[Decoded] = deque()
         # serves a POSTed message in the POST's task (set by gateway.core.connection.serve)
@@ -411,7 +412,8 @@ class HttpSession:
     def close_sink(self, sink: Sink) -> None:
         """The stream is over (answered, cancelled, or gone): forget it."""
         sink.done = True
-        self.last_active = trio.current_time()
+        if self.id:
+            self.last_active = trio.current_time()
         if self.get is sink:
             self.get = None
         elif sink.batch:
@@ -645,9 +647,10 @@ class HttpSession:
                 pass
             self.close_sink(sink)
             sink.finish_soon()
-        self._parked.clear()
-        self._release_parked()
+        if self._parked:
+            self._parked.clear()
+            self._release_parked()
         held = self.replay.clear()
-        if self.client is not None:
+        if held and self.client is not None:
             self.client.buffers.release(held)
         self._dirty.clear()

@@ -75,6 +75,20 @@ async def test_a_stateless_call_with_its_headers_checked_and_no_session() -> Non
         assert st["connections"].get("http", 0) == 0  # every flow ended with its request
 
 
+async def test_a_stateless_flow_ends_with_its_answer_on_an_idle_kept_alive_connection() -> None:
+    """Its POST's task waits for the client's next request, not for the answer: the flow ends
+    in the task that answered it, not when the client next speaks (or the keep-alive time)."""
+    async with run_gateway(make_config(fixture_backend("fx"))) as gw, httpx.AsyncClient() as c:
+        for n in range(3):
+            r = await c.post(gw.http_url, **post("tools/call", {
+                "name": "fx__echo", "arguments": {"message": f"m{n}"}}, id=n))
+            assert r.status_code == 200 and r.json()["result"]["content"][0]["text"] == f"m{n}"
+            with trio.fail_after(5):  # far less than the 15 s keep-alive time
+                await wait_status(gw.bound.admin_port,
+                                  lambda st: st["connections"].get("http", 0) == 0
+                                  and st["client_requests_in_flight"] == 0)
+
+
 async def test_closing_the_response_stream_cancels_the_call() -> None:
     async with run_gateway(make_config(fixture_backend("fx"))) as gw:
         port = gw.bound.admin_port

@@ -67,7 +67,7 @@ def test_a_header_value_is_plain_visible_ascii_or_base64_and_reads_back(value: s
             "name": Raw(json.dumps(value).encode())}
     headers = {"mcp-protocol-version": "2026-07-28", "mcp-method": "tools/call",
                "mcp-name": encoded}
-    assert era.check_http("tools/call", body, headers) == ({}, None)  # the gateway reads it back
+    assert era.check_http("tools/call", body, headers) == (({}, None), None)  # read back
 
 
 GOOD = {era.VERSION_KEY: "2026-07-28", era.CAPABILITIES_KEY: {"sampling": {}}}
@@ -80,11 +80,21 @@ def named(**meta: object) -> dict[str, Raw]:
 
 def test_check_http_reads_the_caps_and_the_progress_token_of_a_matching_request() -> None:
     assert era.check_http("tools/call", named(**GOOD, progressToken=7), HEADERS) == (
-        {"sampling": {}}, 7)
+        ({"sampling": {}}, None), 7)
     assert era.check_http("tools/call", named(**GOOD, progressToken="t"), HEADERS).progress == "t"
     for bad in (True, 1.5, None, {"a": 1}):
         assert era.check_http("tools/call", named(**GOOD, progressToken=bad),
                               HEADERS).progress is None
+
+
+def test_check_http_judges_the_meta_as_the_core_would() -> None:
+    """The core serves a stateless request with what the edge judged (no second decode)."""
+    for meta in (GOOD, {**GOOD, era.LOG_LEVEL_KEY: "debug"}, {**GOOD, era.CAPABILITIES_KEY: {}}):
+        body = named(**meta)
+        judged = era.check_http("tools/call", body, HEADERS).judged
+        assert judged == era.modern_meta("tools/call", body)
+    assert era.check_http("tools/call", named(**GOOD, **{era.LOG_LEVEL_KEY: "debug"}),
+                          HEADERS).judged.log_level == "debug"
 
 
 def test_check_http_refuses_a_version_mismatch_before_judging_either_version() -> None:
