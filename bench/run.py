@@ -426,7 +426,7 @@ class LeanWsConn(WsConn):
     async def aclose(self) -> None:
         with trio.move_on_after(2):
             await self.ws.aclose()
-        self.ws.sock.close()
+        self.ws.close_socket()
 
 
 class TrioWsConn(WsConn):

@@ -8,7 +8,9 @@ frame) and :meth:`WsClient.run` parses the server's frames from a buffer: 7/16/6
 continuation frames joined, pings answered with pongs, a close answered and the connection ended,
 anything the RFC forbids (a masked or reserved-bit frame, a bad control frame, a stray
 continuation, invalid UTF-8, a message over ``max_message``) failing it with the matching close
-code.  Every write goes out under :attr:`WsClient.lock`; ``ws://`` only (the bench is loopback).
+code.  After the handshake the socket is a plain non-blocking one: a read or write is tried first
+and waits (``trio.lowlevel.wait_readable``/``wait_writable``) only when it would block.  Every
+write goes out under :attr:`WsClient.lock`; ``ws://`` only (the bench is loopback).
 """
 
 from __future__ import annotations
@@ -139,7 +141,9 @@ async def connect(url: str, subprotocols: list[str] | None = None, *,
     except BaseException:
         sock.close()
         raise
-    return WsClient(sock, buf[end + 4:], chosen, max_message)
+    plain = socket.socket(fileno=sock.detach())
+    plain.setblocking(False)
+    return WsClient(plain, buf[end + 4:], chosen, max_message)
 
 
 async def _send_all(sock: trio.socket.SocketType, data: bytes) -> None:
@@ -150,10 +154,26 @@ async def _send_all(sock: trio.socket.SocketType, data: bytes) -> None:
             view = view[await sock.send(view):]
 
 
+async def _write(sock: socket.socket, data: bytes) -> None:
+    """All of ``data`` on the non-blocking ``sock``: at once if it takes it, else as it drains."""
+    try:
+        sent = sock.send(data)
+    except BlockingIOError:
+        sent = 0
+    if sent < len(data):
+        view = memoryview(data)[sent:]
+        while view:
+            await trio.lowlevel.wait_writable(sock)
+            try:
+                view = view[sock.send(view):]
+            except BlockingIOError:
+                pass
+
+
 class WsClient:
     """One open connection: :meth:`send` messages, :meth:`run` (one task) reads until it ends."""
 
-    def __init__(self, sock: trio.socket.SocketType, buf: bytes, subprotocol: str | None,
+    def __init__(self, sock: socket.socket, buf: bytes, subprotocol: str | None,
                  max_message: int = MAX_MESSAGE) -> None:
         self.sock = sock
         self.subprotocol = subprotocol
@@ -169,13 +189,13 @@ class WsClient:
         if self.closed is not None or self._close_sent:
             raise WsError(f"connection closed: {self.closed or 'closing'}")
         try:
-            await _send_all(self.sock, frame(0x81, data, fresh_mask()))
+            await _write(self.sock, frame(0x81, data, fresh_mask()))
         except _ERRORS as exc:
             raise WsError(f"connection failed: {exc}") from None
 
     async def _control(self, first: int, payload: bytes) -> None:
         async with self.lock:
-            await _send_all(self.sock, frame(first, payload, fresh_mask()))
+            await _write(self.sock, frame(first, payload, fresh_mask()))
 
     async def _send_close(self, code: int) -> None:
         if not self._close_sent:
@@ -196,7 +216,7 @@ class WsClient:
         except _ERRORS as exc:
             why = f"1006 connection failed: {exc!r}"
         finally:
-            self.sock.close()
+            self.close_socket()
             self.done.set()
         self.closed = why
         return why
@@ -210,6 +230,8 @@ class WsClient:
         frag_size = 0
         frag_op = 0  # its opcode (0: none)
         max_message = self.max_message
+        sock = self.sock
+        reads = 0
         while True:
             if have >= need and have:
                 buf = parts[0] if len(parts) == 1 else b"".join(parts)
@@ -280,9 +302,16 @@ class WsClient:
                 rest = buf[pos:]
                 parts = [rest] if rest else []
                 have = len(rest)
-            data = await self.sock.recv(RECV)
+            try:
+                data = sock.recv(RECV)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(sock)
+                continue
             if not data:
                 return "1006 connection ended without a close frame"
+            reads += 1
+            if reads % 64 == 0:  # a server that always has more: let other tasks run meanwhile
+                await trio.lowlevel.checkpoint()
             parts.append(data)
             have += len(data)
 
@@ -309,7 +338,13 @@ class WsClient:
                 pass
             with trio.move_on_after(2):
                 await self.done.wait()
-        self.sock.close()
+        self.close_socket()
+
+    def close_socket(self) -> None:
+        """Close the socket; a task waiting on it gets ``trio.ClosedResourceError``."""
+        if self.sock.fileno() != -1:
+            trio.lowlevel.notify_closing(self.sock)
+            self.sock.close()
 
 
 def _utf8(data: bytes) -> str:
