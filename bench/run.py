@@ -340,8 +340,7 @@ class StreamConn(Conn):
         if params is not None:
             msg["params"] = params
         try:
-            async with self._lock:
-                await self._send(ENCODE(msg))
+            await self._send_message(ENCODE(msg))
             with trio.fail_after(timeout):
                 await slot[0].wait()
         finally:
@@ -354,8 +353,12 @@ class StreamConn(Conn):
         msg: dict[str, Any] = {"jsonrpc": "2.0", "method": method}
         if params is not None:
             msg["params"] = params
+        await self._send_message(ENCODE(msg))
+
+    async def _send_message(self, data: bytes) -> None:
+        """One message out, never interleaved with another's bytes."""
         async with self._lock:
-            await self._send(ENCODE(msg))
+            await self._send(data)
 
     def _deliver(self, data: bytes | str) -> None:
         try:
@@ -400,7 +403,6 @@ class LeanWsConn(WsConn):
     def __init__(self, ws: wsclient.WsClient) -> None:
         super().__init__()
         self.ws = ws
-        self._lock = ws.lock  # the one lock around every write, control frames included
 
     @classmethod
     async def _open(cls, nursery: trio.Nursery, url: str,
@@ -415,6 +417,9 @@ class LeanWsConn(WsConn):
 
     async def _reader(self) -> None:
         self._close(f"websocket closed ({await self.ws.run(self._deliver)})")
+
+    async def _send_message(self, data: bytes) -> None:
+        await self._send(data)  # the client keeps its frames whole itself
 
     async def _send(self, data: bytes) -> None:
         try:

@@ -9,8 +9,9 @@ continuation frames joined, pings answered with pongs, a close answered and the 
 anything the RFC forbids (a masked or reserved-bit frame, a bad control frame, a stray
 continuation, invalid UTF-8, a message over ``max_message``) failing it with the matching close
 code.  After the handshake the socket is a plain non-blocking one: a read or write is tried first
-and waits (``trio.lowlevel.wait_readable``/``wait_writable``) only when it would block.  Every
-write goes out under :attr:`WsClient.lock`; ``ws://`` only (the bench is loopback).
+and waits (``trio.lowlevel.wait_readable``/``wait_writable``) only when it would block; a frame the
+socket did not take whole is finished under :attr:`WsClient.lock`, which later frames then queue
+on, so frames never interleave.  ``ws://`` only (the bench is loopback).
 """
 
 from __future__ import annotations
@@ -154,20 +155,14 @@ async def _send_all(sock: trio.socket.SocketType, data: bytes) -> None:
             view = view[await sock.send(view):]
 
 
-async def _write(sock: socket.socket, data: bytes) -> None:
-    """All of ``data`` on the non-blocking ``sock``: at once if it takes it, else as it drains."""
-    try:
-        sent = sock.send(data)
-    except BlockingIOError:
-        sent = 0
-    if sent < len(data):
-        view = memoryview(data)[sent:]
-        while view:
-            await trio.lowlevel.wait_writable(sock)
-            try:
-                view = view[sock.send(view):]
-            except BlockingIOError:
-                pass
+async def _drain(sock: socket.socket, view: memoryview) -> None:
+    """All of ``view`` on the non-blocking ``sock``, as it takes it."""
+    while view:
+        await trio.lowlevel.wait_writable(sock)
+        try:
+            view = view[sock.send(view):]
+        except BlockingIOError:
+            pass
 
 
 class WsClient:
@@ -178,24 +173,42 @@ class WsClient:
         self.sock = sock
         self.subprotocol = subprotocol
         self.max_message = max_message
-        self.lock = trio.Lock()  # held around every write: frames never interleave
+        self.lock = trio.Lock()  # held while a frame is partly written, and by the frames after it
         self.closed: str | None = None  # why it ended, once it has
         self.done = trio.Event()  # run() has returned (the socket is closed)
         self._buf = buf
         self._close_sent = False
 
     async def send(self, data: bytes) -> None:
-        """One text message (UTF-8 ``data``); the caller holds :attr:`lock`."""
+        """One text message (UTF-8 ``data``)."""
         if self.closed is not None or self._close_sent:
             raise WsError(f"connection closed: {self.closed or 'closing'}")
         try:
-            await _write(self.sock, frame(0x81, data, fresh_mask()))
+            await self._write(frame(0x81, data, fresh_mask()))
         except _ERRORS as exc:
             raise WsError(f"connection failed: {exc}") from None
 
+    async def _write(self, data: bytes) -> None:
+        """One whole frame: at once when no other frame is partway and the socket takes it all,
+        else after the frames before it, under :attr:`lock`."""
+        lock = self.lock
+        if lock.locked():
+            async with lock:
+                await _drain(self.sock, memoryview(data))
+            return
+        try:
+            sent = self.sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(data):
+            lock.acquire_nowait()  # free: nothing awaited since locked() said so
+            try:
+                await _drain(self.sock, memoryview(data)[sent:])
+            finally:
+                lock.release()
+
     async def _control(self, first: int, payload: bytes) -> None:
-        async with self.lock:
-            await _write(self.sock, frame(first, payload, fresh_mask()))
+        await self._write(frame(first, payload, fresh_mask()))
 
     async def _send_close(self, code: int) -> None:
         if not self._close_sent:

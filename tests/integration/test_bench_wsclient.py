@@ -1,6 +1,7 @@
 """The bench's lean WebSocket client (bench/wsclient.py): against a wsproto server (fragments, a
-ping between them, 16- and 64-bit lengths, masks, the close handshake), against raw servers that
-break the handshake or the framing, and as bench/run.py's ``WsConn`` against the gateway."""
+ping between them, 16- and 64-bit lengths, masks, frames kept whole when the socket is full, the
+close handshake), against raw servers that break the handshake or the framing, and as
+bench/run.py's ``WsConn`` against the gateway."""
 
 from __future__ import annotations
 
@@ -79,6 +80,23 @@ class WsprotoServer:
             self.raw.append(data)
             self.ws.receive_data(data)
 
+    async def next_message(self) -> str:
+        """A whole text message (wsproto hands a long one over in pieces)."""
+        parts = []
+        while True:
+            event = await self.next_event()
+            assert isinstance(event, TextMessage), event
+            parts.append(event.data)
+            if event.message_finished:
+                return "".join(parts)
+
+
+BIG_SENDS = 5
+
+
+def big_message(i: int) -> str:
+    return str(i) * (i % 2 * 3 * 2**20 + 10)  # 3 MiB and 10-byte messages, alternating
+
 
 async def test_fragments_ping_lengths_masks_and_the_close_handshake() -> None:
     got: dict[str, object] = {}
@@ -92,6 +110,7 @@ async def test_fragments_ping_lengths_masks_and_the_close_handshake() -> None:
         second = await s.next_event()
         got["in"] = [first, second]
         got["raw"] = b"".join(s.raw)
+        got["big"] = sorted([await s.next_message() for _ in range(BIG_SENDS)])
         await s.send(TextMessage(data="ab", message_finished=False), Ping(payload=b"p1"),
                      TextMessage(data="cé", message_finished=False),
                      TextMessage(data="d" * 300, message_finished=True),
@@ -108,8 +127,10 @@ async def test_fragments_ping_lengths_masks_and_the_close_handshake() -> None:
             assert client.subprotocol == "mcp"
             nursery.start_soon(client.run, messages.append)
             for _ in range(2):
-                async with client.lock:
-                    await client.send(b"hello")
+                await client.send(b"hello")
+            async with trio.open_nursery() as senders:  # more than the socket takes at once
+                for i in range(BIG_SENDS):
+                    senders.start_soon(client.send, big_message(i).encode())
             await client.done.wait()
     first, second = got["in"]  # type: ignore[misc]
     assert isinstance(first, Message) and first.data == "hello"
@@ -119,6 +140,7 @@ async def test_fragments_ping_lengths_masks_and_the_close_handshake() -> None:
     frames = raw[-22:-11], raw[-11:]  # two masked 5-byte text frames: 2 + 4 + 5 bytes each
     assert frames[0][:2] == frames[1][:2] == b"\x81\x85"
     assert frames[0][2:] != frames[1][2:]  # a fresh mask, so the same text looks different
+    assert got["big"] == sorted(big_message(i) for i in range(BIG_SENDS))  # whole, none mixed
     assert messages == [("abcé" + "d" * 300).encode(), b"x" * 70000]
     pong = got["pong"]
     assert isinstance(pong, Pong) and pong.payload == b"p1"
