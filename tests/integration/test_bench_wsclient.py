@@ -137,7 +137,8 @@ async def test_fragments_ping_lengths_masks_and_the_close_handshake() -> None:
     assert isinstance(second, Message) and second.data == "hello"
     raw = got["raw"]
     assert isinstance(raw, bytes)
-    frames = raw[-22:-11], raw[-11:]  # two masked 5-byte text frames: 2 + 4 + 5 bytes each
+    after = raw.split(b"\r\n\r\n", 1)[1]  # what followed the handshake request
+    frames = after[:11], after[11:22]  # two masked 5-byte text frames: 2 + 4 + 5 bytes each
     assert frames[0][:2] == frames[1][:2] == b"\x81\x85"
     assert frames[0][2:] != frames[1][2:]  # a fresh mask, so the same text looks different
     assert got["big"] == sorted(big_message(i) for i in range(BIG_SENDS))  # whole, none mixed
