@@ -53,6 +53,11 @@ import trio_websocket
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_DIR = os.path.join(ROOT, "bench")
+if BENCH_DIR not in sys.path:  # its sibling modules, also when run.py is imported by path
+    sys.path.insert(0, BENCH_DIR)
+
+import wsclient  # noqa: E402
+
 OUT_DIR = os.path.join(BENCH_DIR, "out")
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "fixture_server.py")
 EVERYTHING = os.path.join(ROOT, ".deps", "node", "node_modules", "@modelcontextprotocol",
@@ -335,8 +340,7 @@ class StreamConn(Conn):
         if params is not None:
             msg["params"] = params
         try:
-            async with self._lock:
-                await self._send(ENCODE(msg))
+            await self._send_message(ENCODE(msg))
             with trio.fail_after(timeout):
                 await slot[0].wait()
         finally:
@@ -349,8 +353,12 @@ class StreamConn(Conn):
         msg: dict[str, Any] = {"jsonrpc": "2.0", "method": method}
         if params is not None:
             msg["params"] = params
+        await self._send_message(ENCODE(msg))
+
+    async def _send_message(self, data: bytes) -> None:
+        """One message out, never interleaved with another's bytes."""
         async with self._lock:
-            await self._send(ENCODE(msg))
+            await self._send(data)
 
     def _deliver(self, data: bytes | str) -> None:
         try:
@@ -372,12 +380,70 @@ class StreamConn(Conn):
 
 
 class WsConn(StreamConn):
+    """JSON-RPC over a WebSocket, one message per text frame: :meth:`open` builds the client
+    ``--ws-client`` chose (``client``): the lean one (bench/wsclient.py) or trio-websocket's."""
+
+    client = "lean"  # or "trio-websocket"
+
+    @classmethod
+    async def open(cls, nursery: trio.Nursery, url: str, subprotocols: list[str] | None) -> WsConn:
+        impl = cls if cls is not WsConn else (
+            LeanWsConn if WsConn.client == "lean" else TrioWsConn)
+        return await impl._open(nursery, url, subprotocols)
+
+    @classmethod
+    @abc.abstractmethod
+    async def _open(cls, nursery: trio.Nursery, url: str,
+                    subprotocols: list[str] | None) -> WsConn: ...
+
+
+class LeanWsConn(WsConn):
+    """The lean client: a hand-written RFC 6455 client on one trio socket (bench/wsclient.py)."""
+
+    def __init__(self, ws: wsclient.WsClient) -> None:
+        super().__init__()
+        self.ws = ws
+
+    @classmethod
+    async def _open(cls, nursery: trio.Nursery, url: str,
+                    subprotocols: list[str] | None) -> WsConn:
+        try:
+            ws = await wsclient.connect(url, subprotocols, max_message=16 * 2**20)
+        except wsclient.WsError as exc:
+            raise BenchError(f"websocket handshake: {exc}") from None
+        conn = cls(ws)
+        nursery.start_soon(conn._reader)
+        return conn
+
+    async def _reader(self) -> None:
+        self._close(f"websocket closed ({await self.ws.run(self._deliver)})")
+
+    async def _send_message(self, data: bytes) -> None:
+        await self._send(data)  # the client keeps its frames whole itself
+
+    async def _send(self, data: bytes) -> None:
+        try:
+            await self.ws.send(data)
+        except wsclient.WsError as exc:
+            self._close(f"websocket closed ({self.ws.closed or exc})")
+            raise BenchError(self.closed) from None
+
+    async def aclose(self) -> None:
+        with trio.move_on_after(2):
+            await self.ws.aclose()
+        self.ws.close_socket()
+
+
+class TrioWsConn(WsConn):
+    """trio-websocket's client (wsproto underneath), ``--ws-client trio-websocket``."""
+
     def __init__(self, ws: trio_websocket.WebSocketConnection) -> None:
         super().__init__()
         self.ws = ws
 
     @classmethod
-    async def open(cls, nursery: trio.Nursery, url: str, subprotocols: list[str] | None) -> WsConn:
+    async def _open(cls, nursery: trio.Nursery, url: str,
+                    subprotocols: list[str] | None) -> WsConn:
         ws = await trio_websocket.connect_websocket_url(
             nursery, url, subprotocols=subprotocols, max_message_size=16 * 2**20,
             receive_buffer_size=65536)
@@ -2407,6 +2473,7 @@ async def amain_remote(args: argparse.Namespace, procs: Procs) -> dict[str, Any]
     if failure:
         notes.insert(0, failure)
     attach_ratios(results)
+    notes.append(f"bench WebSocket client: {WsConn.client} (--ws-client)")
     notes.append(f"whole run took {time.perf_counter() - started:.1f} s; load average "
                  f"(1/5/15 min) {' '.join(f'{x:.2f}' for x in load_before)} before, "
                  f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} after, on {os.cpu_count()} "
@@ -2499,6 +2566,7 @@ async def amain(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
         failures.append(f"run interrupted ({', '.join(interrupted)}): the results are partial")
     notes[:0] = failures
     attach_ratios(results)
+    notes.append(f"bench WebSocket client: {WsConn.client} (--ws-client)")
     notes.append(f"whole run took {time.perf_counter() - started:.1f} s; load average (1 min) "
                  f"{load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after, on "
                  f"{os.cpu_count()} CPUs; "
@@ -2585,8 +2653,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--telemetry", metavar="URL",
                    help="trace every gateway call ([telemetry], ratio 1.0), exported to this "
                         "OTLP/HTTP traces URL (the otel extra)")
+    p.add_argument("--ws-client", choices=("lean", "trio-websocket"), default="lean",
+                   help="the bench's WebSocket client: lean (bench/wsclient.py, default) or "
+                        "trio-websocket")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = p.parse_args(argv)
+    WsConn.client = args.ws_client
     args.peers = [x for x in args.peers.split(",") if x]
     if min(args.calls, args.clients, args.inflight, args.repeat,
            args.single_calls) < 1 or args.restarts < 0:
