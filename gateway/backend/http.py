@@ -981,7 +981,7 @@ class HttpLink:
                 self._too_large(gid)
                 return
             if answered and conn.ended:
-                await conn.chunk()  # its end, read already (no wait)
+                pass  # its end was read with the answer
             elif answered:  # the rest of the stream: ANSWER_TAIL more at most
                 with trio.move_on_after(ANSWER_TAIL) as tail:
                     try:
@@ -1098,6 +1098,9 @@ class HttpLink:
         """
         timeout = self._cfg.max_call_duration if listen else math.inf
         if method not in SAFE_TO_REPEAT:
+            connector = self._connector
+            if connector.auth is None and connector.credentials is None:  # nothing to ask first
+                return await self._exchange_once(data, timeout, False, extra, gid=gid)
             return await self._exchange(data, timeout, False, extra, gid=gid)
         for attempt in range(RETRIES + 1):
             if attempt:

@@ -158,6 +158,11 @@ def _common_head(method: str, target: str, head: list[tuple[str, str]],
     return raw[:-2] + more + b"\r\n" if more else raw
 
 
+def _deadline(timeout: float) -> float:
+    """The deadline ``timeout`` seconds from now (none for an infinite one: no clock read)."""
+    return math.inf if timeout == math.inf else trio.current_time() + timeout
+
+
 class Connection:
     """One HTTP/1.1 connection: one exchange at a time, kept alive when both sides allow.
 
@@ -252,7 +257,7 @@ class Connection:
                 self.broken = True
                 raise ConnectionLost("cannot send the request: h11 refused its head") from None
         await self._send(out)
-        deadline = trio.current_time() + head_timeout
+        deadline = _deadline(head_timeout)
         if self._h11 is None:
             return await self._lean_head(deadline)
         return await self._h11_head(deadline)
@@ -305,7 +310,7 @@ class Connection:
         assert out is not None, "no request begun by send_now"
         if out:
             await self._send(out)
-        return await self._lean_head(trio.current_time() + head_timeout)
+        return await self._lean_head(_deadline(head_timeout))
 
     async def _send(self, out: bytes) -> None:
         """Write ``out``: on a plain TCP socket first straight to it (what it takes at once goes
@@ -397,7 +402,7 @@ class Connection:
         """
         if self._h11 is None:
             return await self._lean_chunk(idle_timeout)
-        event = await self._event(trio.current_time() + idle_timeout)
+        event = await self._event(_deadline(idle_timeout))
         if isinstance(event, h11.Data):
             return bytes(event.data)
         if isinstance(event, h11.EndOfMessage):
@@ -409,18 +414,19 @@ class Connection:
         body = self._body
         if body is None:
             return None
-        deadline = trio.current_time() + idle_timeout
+        deadline = None  # taken at the first wait
         while True:
             try:
                 data = body.take(self._buf)
             except ValueError as exc:
                 self.broken = True
                 raise ConnectionLost(f"the remote broke HTTP/1.1: {exc}") from None
-            if data:
-                return data
             if body.done:
-                self._body = None
-                return None
+                self._body = None  # the end read with the last data: :attr:`ended` says so
+            if data or body.done:
+                return data or None
+            if deadline is None:
+                deadline = _deadline(idle_timeout)
             got = await self._receive(deadline)
             if not got:
                 self.broken = True
@@ -463,7 +469,7 @@ class Connection:
         if self.broken:
             return False
         if conn is None:
-            if self._body is not None or not self._keep or self._buf:
+            if not self.ended or not self._keep or self._buf:
                 return False
         elif conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
             return False
