@@ -409,6 +409,7 @@ class HttpLink:
         self._cancelled: set[int] = set()  # requests whose POST the gateway dropped (cancelled)
         self._methods: dict[int, str | None] = {}  # requests' methods while their POST is on
         self._begun: dict[int, httpclient.Connection] = {}  # requests written by _send_now
+        self._cut: tuple[int, bool] | None = None  # the call a worker's scope just cancelled
         # the GET stream's answer head is in (or it failed): notifications wait for it, so the
         # server's answers to them (a list_changed after notifications/initialized) have a stream
         self._get_ready = trio.Event()
@@ -536,20 +537,26 @@ class HttpLink:
         queue = self._requests
         items = queue.items
         while True:
-            while not items:
-                await queue.idle.park()
-            data, gid, seq = items.popleft()
-            self.buffers.release(len(data))
-            assert gid is not None  # only requests are queued here
-            if not self._listening and _is_listen(data):
-                self._listening = True
-                self._nursery.start_soon(self._post_request, data, gid, True)
-                continue
-            while any(other < seq for other in self._others_pending):
-                if self._others_done.is_set():
-                    self._others_done = trio.Event()
-                await self._others_done.wait()
-            await self._post_request(data, gid)
+            # each call's scope (its deadline set while it runs), renewed once one cancelled
+            with trio.CancelScope() as scope:
+                while not scope.cancel_called:
+                    while not items:
+                        await queue.idle.park()
+                    data, gid, seq = items.popleft()
+                    self.buffers.release(len(data))
+                    assert gid is not None  # only requests are queued here
+                    if not self._listening and _is_listen(data):
+                        self._listening = True
+                        self._nursery.start_soon(self._post_request, data, gid, True)
+                        continue
+                    while any(other < seq for other in self._others_pending):
+                        if self._others_done.is_set():
+                            self._others_done = trio.Event()
+                        await self._others_done.wait()
+                    await self._post_request(data, gid, scope=scope)
+            if scope.cancelled_caught and self._cut is not None:
+                self._interrupted(*self._cut)
+            self._cut = None
 
     async def _dispatch(self, queue: _Queue, streams: int) -> None:
         """Start a POST per queued message other than a request, in order, at most ``streams``
@@ -863,11 +870,14 @@ class HttpLink:
         finally:
             limiter.release_on_behalf_of(token)
 
-    async def _post_request(self, data: bytes, gid: int, listen: bool = False) -> None:
+    async def _post_request(self, data: bytes, gid: int, listen: bool = False,
+                            scope: trio.CancelScope | None = None) -> None:
         """POST a request and hand its answer stream to the session; the stream is dropped
         when the gateway cancels the call (``notifications/cancelled`` for it was POSTed, or
         for a modern request would have been) or after ``max_call_duration``.  ``listen``:
-        the ``subscriptions/listen`` on the listen slot, open as long as the remote keeps it."""
+        the ``subscriptions/listen`` on the listen slot, open as long as the remote keeps it.
+        ``scope``: the request worker's, entered already: the call's deadline is set on it and
+        cleared after; when it cancels the call the worker says so (:meth:`_interrupted`)."""
         modern = modern_request(data, self._tool_params)
         extra: list[tuple[str, str]] | None = None
         if modern is not None:
@@ -878,55 +888,78 @@ class HttpLink:
             method = msgspec.json.decode(data, type=_Peek).method or ""
         initialize = self.protocol_version is None and method == "initialize"
         self._methods[gid] = method
-        conn: httpclient.Connection | None = None
-        kept = False
         deadline = math.inf if listen else trio.current_time() + self._cfg.max_call_duration
+        probe = modern is not None and method == "server/discover"
         try:
             if gid in self._dropped_early:  # cancelled before its turn: never sent
                 self._dropped_early.discard(gid)
                 self._cancelled_answer(gid)
                 return
-            with trio.CancelScope(deadline=deadline) as scope:
+            if scope is not None:
+                scope.deadline = deadline
                 self._streams[gid] = scope
                 try:
-                    got = await self._exchange_retried(data, gid, method, extra, listen)
-                except _NoCredentials as exc:
-                    self.last_error = exc.cause.detail
-                    if self._receiver is not None:
-                        self._receiver.failed(gid, call_error(exc.cause, self._ctx.backend))
-                    return
-                except _MayHaveRun as exc:
-                    self._call_failed(gid, f"the connection to {self.origin} closed before the "
-                                           f"answer ({exc}); the call may have run",
-                                      retryable=False)
-                    return
-                if got is None:
-                    self._call_failed(gid, self.last_error or f"{self.origin} is unreachable")
-                    return
-                conn, response = got
-                try:
-                    await self._answer(conn, response, gid, initialize,
-                                       probe=modern is not None and method == "server/discover")
-                except httpclient.HttpFailure as exc:
-                    self._call_failed(gid, f"the answer stream from {self.origin} broke: "
-                                           f"{exc.detail}", retryable=method in SAFE_TO_REPEAT)
-                    return
-                await self._pool.put(conn)
-                kept = True
-            if scope.cancelled_caught and gid in self._cancelled:
-                self._cancelled_answer(gid)
-            elif scope.cancelled_caught:
-                self._call_failed(gid, f"no answer from {self.origin} within max_call_duration")
+                    await self._call(data, gid, method, extra, listen, initialize, probe)
+                except trio.Cancelled:
+                    self._cut = (gid, gid in self._cancelled)
+                    raise
+                finally:
+                    scope.deadline = math.inf
+                return
+            with trio.CancelScope(deadline=deadline) as own:
+                self._streams[gid] = own
+                await self._call(data, gid, method, extra, listen, initialize, probe)
+            if own.cancelled_caught:
+                self._interrupted(gid, gid in self._cancelled)
         finally:
             self._streams.pop(gid, None)
             self._methods.pop(gid, None)
             self._cancelled.discard(gid)
             self._modern.discard(gid)
             self._tool_lists.discard(gid)
-            if conn is not None and not kept:
-                await conn.aclose()
             if listen:
                 self._listening = False
+
+    def _interrupted(self, gid: int, dropped: bool) -> None:
+        """Request ``gid``'s call scope cancelled it: the gateway dropped it (``dropped``), or
+        ``max_call_duration`` passed."""
+        if dropped:
+            self._cancelled_answer(gid)
+        else:
+            self._call_failed(gid, f"no answer from {self.origin} within max_call_duration")
+
+    async def _call(self, data: bytes, gid: int, method: str,
+                    extra: list[tuple[str, str]] | None, listen: bool, initialize: bool,
+                    probe: bool) -> None:
+        """:meth:`_post_request`'s exchange and answer, within the call's scope."""
+        conn: httpclient.Connection | None = None
+        try:
+            try:
+                got = await self._exchange_retried(data, gid, method, extra, listen)
+            except _NoCredentials as exc:
+                self.last_error = exc.cause.detail
+                if self._receiver is not None:
+                    self._receiver.failed(gid, call_error(exc.cause, self._ctx.backend))
+                return
+            except _MayHaveRun as exc:
+                self._call_failed(gid, f"the connection to {self.origin} closed before the "
+                                       f"answer ({exc}); the call may have run", retryable=False)
+                return
+            if got is None:
+                self._call_failed(gid, self.last_error or f"{self.origin} is unreachable")
+                return
+            conn, response = got
+            try:
+                await self._answer(conn, response, gid, initialize, probe=probe)
+            except httpclient.HttpFailure as exc:
+                self._call_failed(gid, f"the answer stream from {self.origin} broke: "
+                                       f"{exc.detail}", retryable=method in SAFE_TO_REPEAT)
+                return
+            kept, conn = conn, None
+            await self._pool.put(kept)
+        finally:
+            if conn is not None:
+                await conn.aclose()
 
     def _cancelled_answer(self, gid: int) -> None:
         """Its answer cannot come now: the abandoned call leaves the attribution set."""
