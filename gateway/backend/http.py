@@ -989,7 +989,8 @@ class HttpLink:
             method = msgspec.json.decode(data, type=_Peek).method or ""
         initialize = self.protocol_version is None and method == "initialize"
         self._methods[gid] = method
-        deadline = math.inf if listen else trio.current_time() + self._cfg.max_call_duration
+        deadline = (math.inf if listen or handed  # (handed: set already)
+                    else trio.current_time() + self._cfg.max_call_duration)
         probe = modern is not None and method == "server/discover"
         try:
             if gid in self._dropped_early:  # cancelled before its turn: never sent
