@@ -1040,7 +1040,8 @@ class HttpLink:
                     extra: list[tuple[str, str]] | None, listen: bool, initialize: bool,
                     probe: bool, worker: _Worker | None = None) -> None:
         """:meth:`_post_request`'s exchange and answer, within the call's scope; the connection
-        after kept by ``worker`` (see :meth:`_watch`) if it has none, else given back."""
+        after kept by ``worker`` (see :meth:`_watch`) if it has none and a request like this
+        one could be handed to it (:meth:`_plain`), else given back."""
         conn: httpclient.Connection | None = None
         try:
             try:
@@ -1065,7 +1066,8 @@ class HttpLink:
                                        f"{exc.detail}", retryable=method in SAFE_TO_REPEAT)
                 return
             kept, conn = conn, None
-            if worker is None or worker.conn is not None or not kept.can_send_now:
+            if (worker is None or worker.conn is not None or not kept.can_send_now
+                    or not self._plain(data, gid)):  # (the next could not be handed either)
                 await self._pool.put(kept)
             elif await self._pool.hold(kept):
                 worker.conn = kept
