@@ -128,6 +128,20 @@ class _Queue:
         self.workers = 0
 
 
+class _Worker:
+    """A request worker: its cancel scope (each call's deadline set on it while the call runs),
+    the call that scope cancelled, and while idle the connection it kept from its last call and
+    watches, and the request written on that connection for it (bytes, gateway id)."""
+
+    __slots__ = ("conn", "cut", "handed", "scope")
+
+    def __init__(self) -> None:
+        self.scope = trio.CancelScope()
+        self.cut: tuple[int, bool] | None = None  # (gateway id, dropped by the gateway)
+        self.conn: httpclient.Connection | None = None
+        self.handed: tuple[bytes, int] | None = None
+
+
 class _Peek(msgspec.Struct):
     method: str | None = None
     id: int | str | None = None
@@ -409,6 +423,7 @@ class HttpLink:
         self._cancelled: set[int] = set()  # requests whose POST the gateway dropped (cancelled)
         self._methods: dict[int, str | None] = {}  # requests' methods while their POST is on
         self._begun: dict[int, httpclient.Connection] = {}  # requests written by _send_now
+        self._watchers: list[_Worker] = []  # idle workers watching the connection they kept
         # the GET stream's answer head is in (or it failed): notifications wait for it, so the
         # server's answers to them (a list_changed after notifications/initialized) have a stream
         self._get_ready = trio.Event()
@@ -449,8 +464,11 @@ class HttpLink:
             queue = self._requests
             if _MODERN_MARK in data:
                 self._modern.add(gid)
-        if gid is not None and queue.idle and not queue.items:
-            self._send_now(data, gid)
+        if gid is not None and not queue.items:
+            if self._watchers and self._hand(data, gid):
+                return
+            if queue.idle:
+                self._send_now(data, gid)
         queue.items.append((data, gid, self._seq))
         self.buffers.charge(len(data))
         if gid is None:
@@ -458,16 +476,49 @@ class HttpLink:
         else:
             self._wake_worker()
 
+    def _plain(self, data: bytes, gid: int) -> bool:
+        """Whether request ``gid`` may be written from the sender's task: no notification
+        before it waits and the session needs nothing awaited first (no token, no credentials;
+        a legacy session set up, not a listen)."""
+        connector = self._connector
+        return not (self._others_pending or self.protocol_version is None
+                    or connector.auth is not None or connector.credentials is not None
+                    or gid in self._modern or b"subscriptions/listen" in data)
+
+    def _hand(self, data: bytes, gid: int) -> bool:
+        """Write request ``gid`` now, from the sender's task, on the connection an idle worker
+        watches (:meth:`_watch`), when :meth:`_plain` and that connection not idle for
+        :data:`~gateway.backend.httpclient.IDLE_TTL` yet (else that worker lets it go): its
+        answer wakes that worker, whose scope holds the call's deadline from now.  Whether it
+        was written (else it is queued)."""
+        if not self._plain(data, gid):
+            return False
+        worker = self._watchers.pop()
+        conn = worker.conn
+        assert conn is not None
+        now = trio.current_time()
+        if now - conn.idle_since >= httpclient.IDLE_TTL:
+            worker.scope.cancel()  # stale: given back to the pool (which closes it)
+            return False
+        head = [("content-type", "application/json"), *self._headers(_ACCEPT_BOTH)]
+        more = message_headers(data) if message_headers is not None else []
+        if not conn.send_now("POST", self._connector.target.target, head, data, more):
+            self._watchers.append(worker)
+            return False
+        self._begun[gid] = conn
+        worker.handed = (data, gid)
+        self._methods[gid] = msgspec.json.decode(data, type=_Peek).method or ""
+        worker.scope.deadline = now + self._cfg.max_call_duration
+        self._streams[gid] = worker.scope
+        return True
+
     def _send_now(self, data: bytes, gid: int) -> None:
         """A request a parked worker will take next: written now, from the sender's task, on an
-        idle plain TCP connection when no notification before it waits and the session needs
-        nothing awaited first (no token, no credentials; a legacy session set up, not a
-        listen); the worker then reads its answer (:meth:`_exchange_once`)."""
-        connector = self._connector
-        if (self._others_pending or self.protocol_version is None
-                or connector.auth is not None or connector.credentials is not None
-                or gid in self._modern or b"subscriptions/listen" in data):
+        idle plain TCP connection when :meth:`_plain`; the worker then reads its answer
+        (:meth:`_exchange_once`)."""
+        if not self._plain(data, gid):
             return
+        connector = self._connector
         conn = self._pool.get_now()
         if conn is None:
             return
@@ -484,6 +535,8 @@ class HttpLink:
         queue = self._requests
         if queue.idle:
             queue.idle.unpark()
+        elif self._watchers:  # one watching its connection gives it back and takes the request
+            self._watchers.pop().scope.cancel()
         elif self._nursery is not None and queue.workers < REQUEST_STREAMS:
             queue.workers += 1
             self._nursery.start_soon(self._request_worker)
@@ -509,7 +562,8 @@ class HttpLink:
         if self.closed is None:
             self.closed = error
         self._requests.items.clear()
-        self._begun.clear()  # their connections close with the pool
+        self._begun.clear()  # their connections close with the pool (and handed ones are
+        # not read: see _watch)
         self._others.items.clear()
         self._others_pending.clear()
         self._others_done.set()
@@ -535,21 +589,71 @@ class HttpLink:
         assert self._nursery is not None
         queue = self._requests
         items = queue.items
+        worker = _Worker()
         while True:
-            while not items:
-                await queue.idle.park()
-            data, gid, seq = items.popleft()
-            self.buffers.release(len(data))
-            assert gid is not None  # only requests are queued here
-            if not self._listening and _is_listen(data):
-                self._listening = True
-                self._nursery.start_soon(self._post_request, data, gid, True)
-                continue
-            while any(other < seq for other in self._others_pending):
-                if self._others_done.is_set():
-                    self._others_done = trio.Event()
-                await self._others_done.wait()
-            await self._post_request(data, gid)
+            # each call's scope (its deadline set while it runs), renewed once one cancelled
+            with worker.scope as scope:
+                while not scope.cancel_called:
+                    if worker.conn is not None and not items:
+                        await self._watch(worker)
+                        continue
+                    if worker.conn is not None:  # requests wait: the connection goes back
+                        conn, worker.conn = worker.conn, None
+                        await self._pool.put(conn)
+                    while not items:
+                        await queue.idle.park()
+                    data, gid, seq = items.popleft()
+                    self.buffers.release(len(data))
+                    assert gid is not None  # only requests are queued here
+                    if not self._listening and _is_listen(data):
+                        self._listening = True
+                        self._nursery.start_soon(self._post_request, data, gid, True)
+                        continue
+                    while any(other < seq for other in self._others_pending):
+                        if self._others_done.is_set():
+                            self._others_done = trio.Event()
+                        await self._others_done.wait()
+                    await self._post_request(data, gid, worker=worker)
+            if scope.cancelled_caught and worker.cut is not None:
+                self._interrupted(*worker.cut)
+            worker.cut = None
+            worker.scope = trio.CancelScope()
+
+    async def _watch(self, worker: _Worker) -> None:
+        """An idle worker watches the connection it kept until :meth:`_hand` writes a request
+        on it (its answer's bytes wake it: it reads them at once), the remote closes it, or the
+        worker is wanted for a queued request (its scope cancelled: the connection goes back to
+        the pool) or the handed call is dropped or times out (its scope cancelled: it fails)."""
+        conn = worker.conn
+        assert conn is not None
+        self._watchers.append(worker)
+        try:
+            await conn.wait_readable()
+        except trio.Cancelled:
+            if worker in self._watchers:
+                self._watchers.remove(worker)
+            handed, worker.handed, worker.conn = worker.handed, None, None
+            if handed is None:
+                await self._pool.restore(conn)
+            else:
+                gid = handed[1]
+                self._begun.pop(gid, None)
+                await conn.aclose()
+                worker.cut = (gid, gid in self._cancelled)
+                self._end_call(gid)
+            raise
+        if worker in self._watchers:
+            self._watchers.remove(worker)
+        handed, worker.handed, worker.conn = worker.handed, None, None
+        if handed is None:  # the remote closed it (or sent what no request asked for)
+            await conn.aclose()
+            return
+        data, gid = handed
+        if self._begun.get(gid) is not conn:  # the link failed meanwhile: not read
+            await conn.aclose()
+            self._end_call(gid)
+            return
+        await self._post_request(data, gid, worker=worker, handed=True)
 
     async def _dispatch(self, queue: _Queue, streams: int) -> None:
         """Start a POST per queued message other than a request, in order, at most ``streams``
@@ -863,70 +967,113 @@ class HttpLink:
         finally:
             limiter.release_on_behalf_of(token)
 
-    async def _post_request(self, data: bytes, gid: int, listen: bool = False) -> None:
+    async def _post_request(self, data: bytes, gid: int, listen: bool = False,
+                            worker: _Worker | None = None, handed: bool = False) -> None:
         """POST a request and hand its answer stream to the session; the stream is dropped
         when the gateway cancels the call (``notifications/cancelled`` for it was POSTed, or
         for a modern request would have been) or after ``max_call_duration``.  ``listen``:
-        the ``subscriptions/listen`` on the listen slot, open as long as the remote keeps it."""
+        the ``subscriptions/listen`` on the listen slot, open as long as the remote keeps it.
+        ``worker``: the request worker's whose scope (entered already) gets the call's deadline,
+        cleared after; when it cancels the call the worker says so (:meth:`_interrupted`), and
+        it keeps the connection after.  ``handed``: written by :meth:`_hand` (its method, its
+        deadline and stream set there)."""
         modern = modern_request(data, self._tool_params)
         extra: list[tuple[str, str]] | None = None
         if modern is not None:
             method, extra = modern
             if method == "tools/list":
                 self._tool_lists.add(gid)
+        elif handed:
+            method = self._methods[gid] or ""
         else:
             method = msgspec.json.decode(data, type=_Peek).method or ""
         initialize = self.protocol_version is None and method == "initialize"
         self._methods[gid] = method
-        conn: httpclient.Connection | None = None
-        kept = False
-        deadline = math.inf if listen else trio.current_time() + self._cfg.max_call_duration
+        deadline = (math.inf if listen or handed  # (handed: set already)
+                    else trio.current_time() + self._cfg.max_call_duration)
+        probe = modern is not None and method == "server/discover"
         try:
             if gid in self._dropped_early:  # cancelled before its turn: never sent
                 self._dropped_early.discard(gid)
                 self._cancelled_answer(gid)
                 return
-            with trio.CancelScope(deadline=deadline) as scope:
-                self._streams[gid] = scope
+            if worker is not None:
+                scope = worker.scope
+                if not handed:
+                    scope.deadline = deadline
+                    self._streams[gid] = scope
                 try:
-                    got = await self._exchange_retried(data, gid, method, extra, listen)
-                except _NoCredentials as exc:
-                    self.last_error = exc.cause.detail
-                    if self._receiver is not None:
-                        self._receiver.failed(gid, call_error(exc.cause, self._ctx.backend))
-                    return
-                except _MayHaveRun as exc:
-                    self._call_failed(gid, f"the connection to {self.origin} closed before the "
-                                           f"answer ({exc}); the call may have run",
-                                      retryable=False)
-                    return
-                if got is None:
-                    self._call_failed(gid, self.last_error or f"{self.origin} is unreachable")
-                    return
-                conn, response = got
-                try:
-                    await self._answer(conn, response, gid, initialize,
-                                       probe=modern is not None and method == "server/discover")
-                except httpclient.HttpFailure as exc:
-                    self._call_failed(gid, f"the answer stream from {self.origin} broke: "
-                                           f"{exc.detail}", retryable=method in SAFE_TO_REPEAT)
-                    return
-                await self._pool.put(conn)
-                kept = True
-            if scope.cancelled_caught and gid in self._cancelled:
-                self._cancelled_answer(gid)
-            elif scope.cancelled_caught:
-                self._call_failed(gid, f"no answer from {self.origin} within max_call_duration")
+                    await self._call(data, gid, method, extra, listen, initialize, probe, worker)
+                except trio.Cancelled:
+                    worker.cut = (gid, gid in self._cancelled)
+                    raise
+                finally:
+                    scope.deadline = math.inf
+                return
+            with trio.CancelScope(deadline=deadline) as own:
+                self._streams[gid] = own
+                await self._call(data, gid, method, extra, listen, initialize, probe)
+            if own.cancelled_caught:
+                self._interrupted(gid, gid in self._cancelled)
         finally:
-            self._streams.pop(gid, None)
-            self._methods.pop(gid, None)
-            self._cancelled.discard(gid)
-            self._modern.discard(gid)
-            self._tool_lists.discard(gid)
-            if conn is not None and not kept:
-                await conn.aclose()
+            self._end_call(gid)
             if listen:
                 self._listening = False
+
+    def _end_call(self, gid: int) -> None:
+        """Request ``gid``'s POST is over: what the link kept for it goes."""
+        self._streams.pop(gid, None)
+        self._methods.pop(gid, None)
+        self._cancelled.discard(gid)
+        self._modern.discard(gid)
+        self._tool_lists.discard(gid)
+
+    def _interrupted(self, gid: int, dropped: bool) -> None:
+        """Request ``gid``'s call scope cancelled it: the gateway dropped it (``dropped``), or
+        ``max_call_duration`` passed."""
+        if dropped:
+            self._cancelled_answer(gid)
+        else:
+            self._call_failed(gid, f"no answer from {self.origin} within max_call_duration")
+
+    async def _call(self, data: bytes, gid: int, method: str,
+                    extra: list[tuple[str, str]] | None, listen: bool, initialize: bool,
+                    probe: bool, worker: _Worker | None = None) -> None:
+        """:meth:`_post_request`'s exchange and answer, within the call's scope; the connection
+        after kept by ``worker`` (see :meth:`_watch`) if it has none and a request like this
+        one could be handed to it (:meth:`_plain`), else given back."""
+        conn: httpclient.Connection | None = None
+        try:
+            try:
+                got = await self._exchange_retried(data, gid, method, extra, listen)
+            except _NoCredentials as exc:
+                self.last_error = exc.cause.detail
+                if self._receiver is not None:
+                    self._receiver.failed(gid, call_error(exc.cause, self._ctx.backend))
+                return
+            except _MayHaveRun as exc:
+                self._call_failed(gid, f"the connection to {self.origin} closed before the "
+                                       f"answer ({exc}); the call may have run", retryable=False)
+                return
+            if got is None:
+                self._call_failed(gid, self.last_error or f"{self.origin} is unreachable")
+                return
+            conn, response = got
+            try:
+                await self._answer(conn, response, gid, initialize, probe=probe)
+            except httpclient.HttpFailure as exc:
+                self._call_failed(gid, f"the answer stream from {self.origin} broke: "
+                                       f"{exc.detail}", retryable=method in SAFE_TO_REPEAT)
+                return
+            kept, conn = conn, None
+            if (worker is None or worker.conn is not None or not kept.can_send_now
+                    or not self._plain(data, gid)):  # (the next could not be handed either)
+                await self._pool.put(kept)
+            elif await self._pool.hold(kept):
+                worker.conn = kept
+        finally:
+            if conn is not None:
+                await conn.aclose()
 
     def _cancelled_answer(self, gid: int) -> None:
         """Its answer cannot come now: the abandoned call leaves the attribution set."""
@@ -981,7 +1128,7 @@ class HttpLink:
                 self._too_large(gid)
                 return
             if answered and conn.ended:
-                await conn.chunk()  # its end, read already (no wait)
+                pass  # its end was read with the answer
             elif answered:  # the rest of the stream: ANSWER_TAIL more at most
                 with trio.move_on_after(ANSWER_TAIL) as tail:
                     try:
@@ -1098,6 +1245,9 @@ class HttpLink:
         """
         timeout = self._cfg.max_call_duration if listen else math.inf
         if method not in SAFE_TO_REPEAT:
+            connector = self._connector
+            if connector.auth is None and connector.credentials is None:  # nothing to ask first
+                return await self._exchange_once(data, timeout, False, extra, gid=gid)
             return await self._exchange(data, timeout, False, extra, gid=gid)
         for attempt in range(RETRIES + 1):
             if attempt:

@@ -158,6 +158,11 @@ def _common_head(method: str, target: str, head: list[tuple[str, str]],
     return raw[:-2] + more + b"\r\n" if more else raw
 
 
+def _deadline(timeout: float) -> float:
+    """The deadline ``timeout`` seconds from now (none for an infinite one: no clock read)."""
+    return math.inf if timeout == math.inf else trio.current_time() + timeout
+
+
 class Connection:
     """One HTTP/1.1 connection: one exchange at a time, kept alive when both sides allow.
 
@@ -182,6 +187,7 @@ class Connection:
         self.broken = False
         self.reused = False  # it carried an exchange before this one
         self.idle_since = 0.0
+        self._ready = False  # a wait said it is readable: the next read goes first
 
     async def _receive(self, deadline: float, awaited: bool = False) -> bytes:
         if deadline == math.inf:  # no deadline: no cancel scope either
@@ -199,7 +205,10 @@ class Connection:
         if awaited and sock is not None:
             try:
                 while True:
-                    await trio.lowlevel.wait_readable(sock)
+                    if self._ready:
+                        self._ready = False
+                    else:
+                        await trio.lowlevel.wait_readable(sock)
                     fd = sock.fileno()
                     if fd < 0:
                         raise trio.ClosedResourceError("the socket was closed")
@@ -215,6 +224,23 @@ class Connection:
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             self.broken = True
             raise ConnectionLost(f"the connection broke: {exc.__cause__ or exc}") from None
+
+    @property
+    def can_send_now(self) -> bool:
+        """A plain TCP connection not served by h11: :meth:`send_now` may write to it."""
+        return self._socket is not None and self._h11 is None
+
+    async def wait_readable(self) -> None:
+        """Until bytes (or the end) can be read from its plain TCP socket, or it is closed: then
+        the next read of an answer's head reads first.  Only for a connection :meth:`send_now`
+        can write to."""
+        sock = self._socket
+        assert sock is not None
+        try:
+            await trio.lowlevel.wait_readable(sock)
+        except (trio.BusyResourceError, trio.ClosedResourceError, OSError):
+            return  # (the read that follows says what went wrong)
+        self._ready = True
 
     async def _event(self, deadline: float) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
         conn = self._h11
@@ -252,7 +278,7 @@ class Connection:
                 self.broken = True
                 raise ConnectionLost("cannot send the request: h11 refused its head") from None
         await self._send(out)
-        deadline = trio.current_time() + head_timeout
+        deadline = _deadline(head_timeout)
         if self._h11 is None:
             return await self._lean_head(deadline)
         return await self._h11_head(deadline)
@@ -305,7 +331,7 @@ class Connection:
         assert out is not None, "no request begun by send_now"
         if out:
             await self._send(out)
-        return await self._lean_head(trio.current_time() + head_timeout)
+        return await self._lean_head(_deadline(head_timeout))
 
     async def _send(self, out: bytes) -> None:
         """Write ``out``: on a plain TCP socket first straight to it (what it takes at once goes
@@ -397,7 +423,7 @@ class Connection:
         """
         if self._h11 is None:
             return await self._lean_chunk(idle_timeout)
-        event = await self._event(trio.current_time() + idle_timeout)
+        event = await self._event(_deadline(idle_timeout))
         if isinstance(event, h11.Data):
             return bytes(event.data)
         if isinstance(event, h11.EndOfMessage):
@@ -409,18 +435,19 @@ class Connection:
         body = self._body
         if body is None:
             return None
-        deadline = trio.current_time() + idle_timeout
+        deadline = None  # taken at the first wait
         while True:
             try:
                 data = body.take(self._buf)
             except ValueError as exc:
                 self.broken = True
                 raise ConnectionLost(f"the remote broke HTTP/1.1: {exc}") from None
-            if data:
-                return data
             if body.done:
-                self._body = None
-                return None
+                self._body = None  # the end read with the last data: :attr:`ended` says so
+            if data or body.done:
+                return data or None
+            if deadline is None:
+                deadline = _deadline(idle_timeout)
             got = await self._receive(deadline)
             if not got:
                 self.broken = True
@@ -463,7 +490,7 @@ class Connection:
         if self.broken:
             return False
         if conn is None:
-            if self._body is not None or not self._keep or self._buf:
+            if not self.ended or not self._keep or self._buf:
                 return False
         elif conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
             return False
@@ -554,6 +581,28 @@ class Pool:
     def unget(self, conn: Connection) -> None:
         """Give back, untouched, what :meth:`get_now` gave."""
         self._idle.append(conn)
+
+    async def hold(self, conn: Connection) -> bool:
+        """Whether ``conn`` may be kept by its user for its next exchange (reusable, the pool
+        open: its idle time starts now, as if :meth:`put`); else it is closed."""
+        if not self.closed and conn.reusable():
+            conn.idle_since = trio.current_time()
+            return True
+        await conn.aclose()
+        return False
+
+    async def restore(self, conn: Connection) -> None:
+        """Give back unused what :meth:`hold` let its user keep: among the idle ones by its idle
+        time (closed when stale, or the pool closed or full)."""
+        idle = self._idle
+        if (self.closed or len(idle) >= self.idle_max or conn.broken
+                or trio.current_time() - conn.idle_since >= IDLE_TTL):
+            await conn.aclose()
+            return
+        at = len(idle)
+        while at and idle[at - 1].idle_since > conn.idle_since:
+            at -= 1
+        idle.insert(at, conn)
 
     async def put(self, conn: Connection) -> None:
         """Give ``conn`` back after an exchange: kept if reusable and there is room, else closed."""

@@ -227,6 +227,23 @@ class BodyReader:
             self.done = self.left == 0
             return data
         out: list[bytes] = []
+        if self.state == "size":  # whole chunks in ``buf`` taken in one pass, cut off once
+            pos, length, n = 0, 1, len(buf)
+            while length and (end := buf.find(b"\r\n", pos)) >= 0:
+                line = _CHUNK_SIZE.fullmatch(buf, pos, end)
+                if line is None or end - pos > MAX_CHUNK_LINE:
+                    break  # the state machine below says what is wrong with it
+                length = int(line[1], 16)
+                stop = end + 2 + length
+                if length and (stop + 2 > n or buf[stop:stop + 2] != b"\r\n"):
+                    break  # not all here, or broken: the state machine below
+                if length:
+                    out.append(bytes(buf[end + 2:stop]))
+                    pos = stop + 2
+                else:
+                    pos = end + 2
+                    self.state = "trailer"
+            del buf[:pos]
         while not self.done:
             if self.state == "data":
                 if not buf:

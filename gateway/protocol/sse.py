@@ -17,6 +17,10 @@ import re
 #: An event id kept for resuming (sent back as ``Last-Event-ID``): its most bytes.
 MAX_EVENT_ID = 256
 _PRINTABLE = re.compile(rb"[\x20-\x7e]*")
+#: An event of the common shape, read in one match: an ``event`` line, an ``id`` (without a
+#: NUL) and one ``data`` line, each but the data optional, in that order (another shape goes
+#: line by line).
+_COMMON = re.compile(rb"(?:event:[^\n]*\n)?(?:id: ?([^\n\0]*)\n)?data: ?([^\n]*)")
 
 
 class EventTooLarge(Exception):
@@ -85,8 +89,18 @@ class SseDecoder:
             text = buf
         out: list[bytes] = []
         start = 0
-        while (end := text.find(b"\n\n", max(start, self._scan))) >= 0:
-            event, start = bytes(text[start:end]), end + 2
+        at = self._scan  # (past it: after an event found)
+        while (end := text.find(b"\n\n", at)) >= 0:
+            common = _COMMON.fullmatch(text, start, end)
+            if common is not None:
+                at = start = end + 2
+                if common[1] is not None:
+                    self._id = common[1]
+                if common[2].strip():
+                    out.append(common[2])
+                continue
+            event = bytes(text[start:end])
+            at = start = end + 2
             data: list[bytes] = []
             for line in event.split(b"\n"):  # each line once, its fields in order
                 if line.startswith(b"data:"):

@@ -497,9 +497,38 @@ async def test_a_request_is_on_the_wire_when_send_returns_and_its_answer_comes()
 
 
 async def test_a_request_written_at_once_on_a_connection_the_remote_closed() -> None:
-    # The idle connection a request was written on at once had been closed by the remote
-    # (here after each tools/list answer): a list is POSTed again on another connection; a
-    # tools/call may have run (it fails, not retryable, and is not POSTed again).
+    # The idle connection a request is written on at once (the one its worker kept) was closed
+    # by the remote just before, its worker not woken by that yet: a list is POSTed again on
+    # another connection; a tools/call may have run (it fails, not retryable, and is not
+    # POSTed again).
+    listed: list[trio.SocketStream] = []  # the remote's ends that answered a tools/list
+
+    async def recording(server: Hostile, ex: Exchange) -> None:
+        await plain(server, ex)
+        if ex.rpc == "tools/list":
+            assert isinstance(ex.stream, trio.SocketStream)
+            listed.append(ex.stream)
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            server, link, receiver, ends = await open_tcp_link(nursery, recording)
+            listed[-1].socket.close()  # no checkpoint between the close and the write
+            link.send(request(3, "tools/list"), 3)
+            await receiver.answer(3)
+            assert receiver.answered(3) and len(server.posted("tools/list")) == 2
+            await trio.testing.wait_all_tasks_blocked()
+            listed[-1].socket.close()
+            link.send(request(4, "tools/call", {"name": "charge", "arguments": {}}), 4)
+            await receiver.answer(4)
+            assert 4 in receiver.failures and not receiver.failures[4].data.get("retryable")
+            assert not server.posted("tools/call")
+            assert not receiver.ended_
+            await close_tcp(nursery, link, ends)
+
+
+async def test_an_idle_connection_the_remote_closes_is_let_go_at_once() -> None:
+    # The remote closes each connection after a tools/list answer, while idle: the worker
+    # watching it lets it go then, so the next requests go on another one, a tools/call too.
     async def closing(server: Hostile, ex: Exchange) -> None:
         await plain(server, ex)
         if ex.rpc == "tools/list":  # answered, then the connection closes while idle
@@ -508,13 +537,58 @@ async def test_a_request_written_at_once_on_a_connection_the_remote_closed() -> 
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             server, link, receiver, ends = await open_tcp_link(nursery, closing)
-            link.send(request(3, "tools/list"), 3)
-            await receiver.answer(3)
-            assert receiver.answered(3) and len(server.posted("tools/list")) == 2
+            for gid in (3, 4):
+                await trio.testing.wait_all_tasks_blocked()
+                link.send(request(gid, "tools/list"), gid)
+                await receiver.answer(gid)
+                assert receiver.answered(gid)
             await trio.testing.wait_all_tasks_blocked()
-            link.send(request(4, "tools/call", {"name": "charge", "arguments": {}}), 4)
-            await receiver.answer(4)
-            assert 4 in receiver.failures and not receiver.failures[4].data.get("retryable")
-            assert not server.posted("tools/call")
+            link.send(request(5, "tools/call", {"name": "charge", "arguments": {}}), 5)
+            await receiver.answer(5)
+            assert receiver.answered(5) and not receiver.failures
+            assert len(server.posted("tools/list")) == 3 and len(server.posted("tools/call")) == 1
             assert not receiver.ended_
+            await close_tcp(nursery, link, ends)
+
+
+async def test_a_call_written_on_a_watched_connection_times_out_or_is_dropped_the_link_goes_on(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # A call written at once on the connection an idle worker watches: its deadline and its
+    # cancellation are that worker's scope's; it fails at max_call_duration, or is dropped
+    # once its notifications/cancelled was POSTed, and the worker serves the next calls.
+    async def silent(server: Hostile, ex: Exchange) -> None:
+        if ex.rpc == "tools/call":
+            await trio.sleep_forever()  # virtual-time: no head, ever
+        await plain(server, ex)
+
+    with trio.fail_after(10**5):
+        async with trio.open_nursery() as nursery:
+            server, link, receiver, ends = await open_tcp_link(nursery, silent)
+            assert link._watchers
+            start = trio.current_time()
+            link.send(request(3, "tools/call", {"name": "mine", "arguments": {}}), 3)
+            assert 3 in link._streams and not link._requests.items  # written, not queued
+            await receiver.answer(3)
+            assert trio.current_time() - start == link._cfg.max_call_duration
+            assert "within max_call_duration" in receiver.failures[3].message
+            await trio.testing.wait_all_tasks_blocked()
+            link.send(request(4, "tools/list"), 4)
+            await receiver.answer(4)
+            assert receiver.answered(4)
+            await trio.testing.wait_all_tasks_blocked()
+            assert link._watchers
+            link.send(request(5, "tools/call", {"name": "mine", "arguments": {}}), 5)
+            assert 5 in link._streams and not link._requests.items
+            while len(server.posted("tools/call")) < 2:
+                await server.changed.wait()
+            link.send(json.dumps({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                                  "params": {"requestId": 5}}).encode())
+            await receiver.answer(5)
+            assert "cancelled" in receiver.failures[5].message
+            assert trio.current_time() - start < 2 * link._cfg.max_call_duration
+            await trio.testing.wait_all_tasks_blocked()
+            link.send(request(6, "tools/list"), 6)
+            await receiver.answer(6)
+            assert receiver.answered(6)
+            assert not receiver.ended_ and set(receiver.failures) == {3, 5}
             await close_tcp(nursery, link, ends)

@@ -99,3 +99,18 @@ def test_sse_decoder_cut_anywhere_and_bounded() -> None:
     assert decoder.last_id is None
     decoder.feed(b"id: p2\ndata: 5\n\n")
     assert decoder.last_id == "p2"
+
+
+def test_sse_common_events_read_as_line_by_line() -> None:
+    """Events of the common shape (event, id, one data line) read in one match give what the
+    same fields in another order, read line by line, give: the data, the last id."""
+    common = (b"id: p\ndata: \n\nevent: message\nid: 7\ndata: {\"a\":1}\n\n"
+              b"event:m\nid:8\ndata:  two spaces\n\nid: a\0b\ndata: nul\n\ndata: 3\n\n")
+    other = (b"data: \nid: p\n\ndata: {\"a\":1}\nid: 7\nevent: message\n\n"
+             b"data:  two spaces\nid:8\nevent:m\n\ndata: nul\nid: a\0b\n\n: c\ndata: 3\n\n")
+    for cut in range(1, len(common)):
+        decoders = SseDecoder(1000), SseDecoder(1000)
+        seen = [d.feed(s[:cut]) + d.feed(s[cut:]) for d, s in zip(decoders, (common, other),
+                                                                   strict=True)]
+        assert seen[0] == seen[1] == [b'{"a":1}', b" two spaces", b"nul", b"3"], cut
+        assert decoders[0].last_id == decoders[1].last_id == "8"

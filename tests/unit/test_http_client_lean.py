@@ -40,6 +40,10 @@ ANSWERS = {
     "gzip_chunked": b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n" + chunked(b"x"),
     # broken: both fail alike
     "bad_chunk": b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n",
+    "bad_chunk_later": b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                       b"2\r\nab\r\n3 ;x\r\ncdeXY1\r\nf\r\n0\r\n\r\n",
+    "bad_size_later": b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                      b"2\r\nab\r\n-1\r\nc\r\n0\r\n\r\n",
     "cut_body": b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n12345",
     "no_head": b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n",
 }
