@@ -2209,20 +2209,33 @@ class UpstreamWatch:
                 await trio.sleep(self.every)
 
 
-async def start_everything_http(procs: Procs, notes: list[str]) -> tuple[subprocess.Popen[bytes],
-                                                                          int]:
-    """server-everything's own Streamable HTTP server on 127.0.0.1 (the listen() preload)."""
+async def start_everything_http(procs: Procs, notes: list[str],
+                                name: str = "everything-http") -> tuple[subprocess.Popen[bytes],
+                                                                        int]:
+    """server-everything's own Streamable HTTP server on 127.0.0.1 (the listen() preload), its
+    output in ``name``.log.  A port another process took between :func:`free_port` and the
+    server's bind (the server then exits, and the port answers) is found by the server's own
+    listening sockets, and a new port tried (3 times at most)."""
     if not os.path.isfile(EVERYTHING):  # noqa: ASYNC240 - a check on a local path, before any measurement
         raise BenchError(f"{EVERYTHING} is missing: run scripts/setup first")
-    port = free_port()
     node = shutil.which("node") or "node"
-    srv = procs.popen("everything-http", [node, "--require", PRELOAD, EVERYTHING,
-                                          "streamableHttp"], env=dict(os.environ, PORT=str(port)))
-    await wait_port(port, srv, "server-everything (streamableHttp)")
-    addrs = assert_loopback_only(srv.pid, "server-everything")
-    notes.append(f"server-everything streamableHttp (pid {srv.pid}) listens on "
-                 f"{', '.join(sorted(addrs))}")
-    return srv, port
+    for _ in range(3):
+        port = free_port()
+        srv = procs.popen(name, [node, "--require", PRELOAD, EVERYTHING, "streamableHttp"],
+                          env=dict(os.environ, PORT=str(port)))
+        try:
+            await wait_port(port, srv, "server-everything (streamableHttp)")
+        except BenchError:
+            procs.stop(srv.pid)
+            continue
+        addrs = assert_loopback_only(srv.pid, "server-everything")
+        if any(a.endswith(f":{port}") for a in addrs):
+            notes.append(f"server-everything streamableHttp (pid {srv.pid}) listens on "
+                         f"{', '.join(sorted(addrs))}")
+            return srv, port
+        procs.stop(srv.pid)
+    raise BenchError("server-everything (streamableHttp) did not listen on a port of its own "
+                     "in 3 tries")
 
 
 async def http_clients(port: int, n: int, links: int, *, modern: bool = False,
@@ -2339,15 +2352,15 @@ async def bench_remote(args: argparse.Namespace, backend: BackendSpec, procs: Pr
         procs.stop(srv.pid)
         # ---- N clients: each row on a fresh server (and gateway), warmed alike ---------------
         rows: list[tuple[str, str, str]] = [
-            (REMOTE_DIRECT_ROW, "direct", ""),
-            (REMOTE_ONE_SESSION_ROW, "direct, one session", ""),
+            (REMOTE_DIRECT_ROW, "direct", "direct"),
+            (REMOTE_ONE_SESSION_ROW, "direct, one session", "one-session"),
             (REMOTE_WS_ROW, "mcp-gateway", "gateway-ws"),
             (REMOTE_LEGACY_ROW, "mcp-gateway", "gateway-legacy"),
             (REMOTE_MODERN_ROW, "mcp-gateway", "gateway-stateless")]
         upstream: dict[str, dict[str, int]] = {}
         for label, group, name in rows:
             print(f"remote: a fresh server-everything for {label}", file=sys.stderr, flush=True)
-            srv, sport = await start_everything_http(procs, [])
+            srv, sport = await start_everything_http(procs, [], f"everything-http-{name}")
             gw: subprocess.Popen[bytes] | None = None
             try:
                 spid = srv.pid
