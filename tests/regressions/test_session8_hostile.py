@@ -1,0 +1,162 @@
+"""A hostile remote on real loopback TCP against the request worker that watches the connection
+it kept and reads the answer to a request written on it from the sender's task: answers cut
+at odd places, bytes after the body, the connection closed right after an answer, answers
+over the size limit, many calls at once."""
+
+from __future__ import annotations
+
+import json
+
+import h11
+import pytest
+import trio
+import trio.testing
+from fixtures.link_recorder import request
+from test_remote_hostile import Exchange, Hostile, close_tcp, open_tcp_link, plain
+
+from gateway.protocol.sse import EventTooLarge, SseDecoder
+
+
+def call(gid: int, name: str = "mine") -> bytes:
+    return request(gid, "tools/call", {"name": name, "arguments": {}})
+
+
+async def test_sse_answers_cut_at_crlf_with_crlf_lines_and_a_nul_id_keep_the_connection() -> None:
+    # A chunked SSE answer, each TCP write ending exactly at a chunk's CRLF or inside it, the
+    # event's lines ending in CRLF and its id holding a NUL: the answer comes whole, the
+    # connection is kept (watched) and carries the next calls, each POSTed once.
+    async def cut(server: Hostile, ex: Exchange) -> None:
+        if ex.rpc != "tools/call":
+            return await plain(server, ex)
+        answer = json.dumps({"jsonrpc": "2.0", "id": ex.body["id"], "result": {}}).encode()
+        event = b"event: message\r\nid: a\0b\r\ndata: " + answer + b"\r\n\r\n"
+        raw = ex.conn.send(h11.Response(status_code=200, headers=[
+            ("content-type", "text/event-stream"), ("transfer-encoding", "chunked")]))
+        raw += ex.conn.send(h11.Data(data=event[:7])) + ex.conn.send(h11.Data(data=event[7:]))
+        raw += ex.conn.send(h11.EndOfMessage())
+        cuts = sorted({i + 1 for i in range(len(raw) - 1) if raw[i:i + 2] == b"\r\n"}
+                      | {i + 2 for i in range(len(raw) - 1) if raw[i:i + 2] == b"\r\n"})
+        at = 0
+        for stop in [*cuts[::3], len(raw)]:
+            if stop > at:
+                await ex.stream.send_all(raw[at:stop])
+                at = stop
+                await trio.sleep(0.001)
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            server, link, receiver, ends = await open_tcp_link(nursery, cut)
+            for gid in range(3, 8):
+                await trio.testing.wait_all_tasks_blocked()
+                link.send(call(gid), gid)
+                await receiver.answer(gid)
+                assert receiver.answered(gid), receiver.failures
+            assert len(server.posted("tools/call")) == 5 and server.connections <= 3
+            assert not receiver.failures and not receiver.ended_
+            await close_tcp(nursery, link, ends)
+
+
+async def test_bytes_after_an_answer_or_a_close_right_after_it_do_not_repeat_a_call() -> None:
+    # A tools/call answered, then junk after its body in the same write, or the connection
+    # closed right after the answer, or junk coming later while the worker watches: each call
+    # delivered once, POSTed once, and the next calls go on a sound connection.
+    async def odd(server: Hostile, ex: Exchange) -> None:
+        if ex.rpc != "tools/call":
+            return await plain(server, ex)
+        gid = ex.body["id"]
+        out = json.dumps({"jsonrpc": "2.0", "id": gid, "result": {"n": gid}}).encode()
+        raw = ex.conn.send(h11.Response(status_code=200, headers=[
+            ("content-type", "application/json"), ("content-length", str(len(out)))]))
+        raw += ex.conn.send(h11.Data(data=out)) + ex.conn.send(h11.EndOfMessage())
+        if gid % 3 == 0:  # junk after the body, in the same write
+            await ex.stream.send_all(raw + b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+        elif gid % 3 == 1:  # closed right after the answer
+            await ex.stream.send_all(raw)
+            await trio.aclose_forcefully(ex.stream)
+        else:  # junk later, while the worker watches
+            await ex.stream.send_all(raw)
+            await trio.sleep(0.01)
+            await ex.stream.send_all(b"\r\n\r\nxx")
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            server, link, receiver, ends = await open_tcp_link(nursery, odd)
+            for gid in range(3, 15):
+                await trio.sleep(0.02)
+                link.send(call(gid), gid)
+                await receiver.answer(gid)
+                assert receiver.answered(gid), receiver.failures
+            ids = [ex.body["id"] for ex in server.posted("tools/call")]
+            assert ids == list(range(3, 15))
+            answers = [m["id"] for m, _ in receiver.messages if "n" in m.get("result", {})]
+            assert answers == list(range(3, 15))
+            assert not receiver.failures and not receiver.ended_
+            await close_tcp(nursery, link, ends)
+
+
+async def test_an_answer_just_over_the_limit_in_one_read_fails_that_call_only() -> None:
+    # An answer one byte over max_message_bytes, its whole body in one write (plain and SSE):
+    # that call fails as too large, POSTed once; the worker's next calls are answered.
+    async def big(server: Hostile, ex: Exchange) -> None:
+        if ex.rpc != "tools/call" or ex.body["params"]["name"] != "big":
+            return await plain(server, ex)
+        gid = ex.body["id"]
+        head = json.dumps({"jsonrpc": "2.0", "id": gid, "result": {"x": ""}}).encode()
+        pad = b"y" * (65536 + 1 - len(head))
+        out = head[:-3] + pad + head[-3:]
+        assert len(out) == 65537
+        if gid % 2:
+            out = b"event: message\ndata: " + out + b"\n\n"
+            headers = [("content-type", "text/event-stream"), ("transfer-encoding", "chunked")]
+        else:
+            headers = [("content-type", "application/json"), ("content-length", str(len(out)))]
+        raw = ex.conn.send(h11.Response(status_code=200, headers=headers))
+        raw += ex.conn.send(h11.Data(data=out)) + ex.conn.send(h11.EndOfMessage())
+        await ex.stream.send_all(raw)
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            server, link, receiver, ends = await open_tcp_link(nursery, big)
+            for gid in range(3, 9):
+                await trio.testing.wait_all_tasks_blocked()
+                link.send(call(gid, "big" if gid < 5 or gid == 7 else "mine"), gid)
+                await receiver.answer(gid)
+            assert set(receiver.failures) == {3, 4, 7}
+            assert all("max_message_bytes" in receiver.failures[g].message for g in (3, 4, 7))
+            assert all(receiver.answered(g) for g in (5, 6, 8))
+            assert len(server.posted("tools/call")) == 6 and not receiver.ended_
+            await close_tcp(nursery, link, ends)
+    decoder = SseDecoder(30)  # an event over the decoder's limit, whole in one chunk
+    assert decoder.feed(b"data: 1\n\n") == [b"1"]
+    with pytest.raises(EventTooLarge):
+        decoder.feed(b"data: " + b"x" * 30 + b"\n\n")
+
+
+async def test_many_calls_at_once_each_posted_and_answered_once() -> None:
+    # Far more calls than request workers, some answers saying the connection closes after
+    # them (then it closes): each call POSTed once and answered once.
+    async def some_close(server: Hostile, ex: Exchange) -> None:
+        if ex.rpc != "tools/call":
+            return await plain(server, ex)
+        gid = ex.body["id"]
+        await trio.sleep(0.001 * (gid % 5))
+        await ex.json({"jsonrpc": "2.0", "id": gid, "result": {}},
+                      headers=(("connection", "close"),) if gid % 7 == 0 else ())
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            server, link, receiver, ends = await open_tcp_link(nursery, some_close)
+            for round_ in range(3):
+                gids = range(100 * (round_ + 1), 100 * (round_ + 1) + 60)
+                for gid in gids:
+                    link.send(call(gid), gid)
+                for gid in gids:
+                    await receiver.answer(gid)
+                await trio.sleep(0.01)
+            ids = sorted(ex.body["id"] for ex in server.posted("tools/call"))
+            want = [g for r in range(3) for g in range(100 * (r + 1), 100 * (r + 1) + 60)]
+            assert ids == want
+            got = sorted(m["id"] for m, _ in receiver.messages
+                         if isinstance(m.get("id"), int) and m["id"] >= 100)
+            assert got == want and not receiver.failures and not receiver.ended_
+            await close_tcp(nursery, link, ends)
