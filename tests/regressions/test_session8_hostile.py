@@ -5,15 +5,20 @@ over the size limit, many calls at once."""
 
 from __future__ import annotations
 
+import gc
 import json
+from typing import Any
 
 import h11
 import pytest
 import trio
 import trio.testing
 from fixtures.link_recorder import request
+from helpers import fixture_backend, make_config, run_gateway
 from test_remote_hostile import Exchange, Hostile, close_tcp, open_tcp_link, plain
 
+from gateway.core.session import ClientSession
+from gateway.protocol import http1
 from gateway.protocol.sse import EventTooLarge, SseDecoder
 
 
@@ -160,3 +165,96 @@ async def test_many_calls_at_once_each_posted_and_answered_once() -> None:
                          if isinstance(m.get("id"), int) and m["id"] >= 100)
             assert got == want and not receiver.failures and not receiver.ended_
             await close_tcp(nursery, link, ends)
+
+
+V = "2026-07-28"
+
+
+def _post(gid: int, method: str, params: dict[str, Any]) -> bytes:
+    body = json.dumps({"jsonrpc": "2.0", "id": gid, "method": method, "params": {
+        **params, "_meta": {"io.modelcontextprotocol/protocolVersion": V,
+                            "io.modelcontextprotocol/clientCapabilities": {}}}}).encode()
+    name = f"mcp-name: {params['name']}\r\n" if method == "tools/call" else ""
+    return (f"POST /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+            f"accept: application/json, text/event-stream\r\nmcp-protocol-version: {V}\r\n"
+            f"mcp-method: {method}\r\n{name}content-length: {len(body)}\r\n\r\n"
+            ).encode() + body
+
+
+async def _answers(stream: trio.SocketStream, n: int, slow: bool) -> list[Any]:
+    """``n`` answers read off ``stream`` in order (each whole: its JSON, or its SSE data)."""
+    buf = bytearray()
+    out: list[Any] = []
+    while len(out) < n:
+        while (end := buf.find(b"\r\n\r\n")) < 0:
+            got = await stream.receive_some(1 << 14)
+            assert got, f"closed after {len(out)} answers"
+            buf += got
+        head = http1.parse_response_head(bytes(buf[:end + 2]))
+        assert head is not None and head.status == 200, bytes(buf[:end + 2])
+        del buf[:end + 4]
+        body, reader = bytearray(), http1.BodyReader(head.length)
+        while True:
+            body += reader.take(buf)
+            if reader.done:
+                break
+            got = await stream.receive_some(1 << 14)
+            assert got, f"closed within answer {len(out)}"
+            buf += got
+            if slow:
+                await trio.sleep(0.001)
+        if head.headers["content-type"].startswith("text/event-stream"):
+            events = [line[6:] for line in bytes(body).split(b"\n") if line.startswith(b"data: ")]
+            out.append(json.loads(events[-1]))
+        else:
+            out.append(json.loads(body))
+    return out
+
+
+async def test_stateless_posts_pipelined_read_slowly_closed_mid_answer_leave_nothing() -> None:
+    # Many stateless POSTs pipelined on one keep-alive connection, large answers among them,
+    # read slowly: each answered whole, in order; POSTs whose client closes while the call runs
+    # or mid-answer cancel or end it; after hundreds of such calls no flow, session or call
+    # is left (but the last one's: its connection waits for the next request).
+    cfg = make_config(fixture_backend("fx"))
+    async with run_gateway(cfg) as gw:
+        port = gw.bound.http_port
+        calls = [("tools/call", {"name": "fx__big", "arguments": {"size": 400_000}}),
+                 ("tools/call", {"name": "fx__echo", "arguments": {"message": "m"}}),
+                 ("tools/list", {})]
+        with trio.fail_after(60):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(b"".join(_post(gid, *calls[gid % 3]) for gid in range(12)))
+            got = await _answers(stream, 12, slow=True)
+            assert [a["id"] for a in got] == list(range(12))
+            for a in got:
+                result = a["result"]
+                if a["id"] % 3 == 0:
+                    assert len(result["content"][0]["text"]) == 400_000
+                elif a["id"] % 3 == 1:
+                    assert result["content"][0]["text"] == "m"
+                else:
+                    assert result["tools"]
+            for _ in range(3):  # closed while the call runs, then mid-answer
+                sleeper = await trio.open_tcp_stream("127.0.0.1", port)
+                await sleeper.send_all(_post(1, "tools/call", {
+                    "name": "fx__sleep", "arguments": {"seconds": 30}}))
+                await gw.status_until(lambda st: st["client_requests_in_flight"] == 1)
+                await trio.aclose_forcefully(sleeper)
+                big = await trio.open_tcp_stream("127.0.0.1", port)
+                await big.send_all(_post(2, *calls[0]))
+                assert await big.receive_some(100)
+                await trio.aclose_forcefully(big)
+            await gw.status_until(lambda st: st["client_requests_in_flight"] == 0
+                                  and st["connections"].get("http", 0) == 0)
+            before = {id(o) for o in gc.get_objects() if isinstance(o, ClientSession)}
+            for _ in range(10):
+                await stream.send_all(b"".join(_post(gid, *calls[1]) for gid in range(40)))
+                assert len(await _answers(stream, 40, slow=False)) == 40
+            await gw.status_until(lambda st: st["client_requests_in_flight"] == 0
+                                  and st["connections"].get("http", 0) == 0)
+            gc.collect()
+            alive = [o for o in gc.get_objects()
+                     if isinstance(o, ClientSession) and id(o) not in before]
+            assert len(alive) <= 1, alive  # the last call's: its connection waits for the next
+            await trio.aclose_forcefully(stream)
