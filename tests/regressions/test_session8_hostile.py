@@ -170,10 +170,10 @@ async def test_many_calls_at_once_each_posted_and_answered_once() -> None:
 V = "2026-07-28"
 
 
-def _post(gid: int, method: str, params: dict[str, Any]) -> bytes:
+def _post(gid: int, method: str, params: dict[str, Any], caps: Any = None) -> bytes:
     body = json.dumps({"jsonrpc": "2.0", "id": gid, "method": method, "params": {
         **params, "_meta": {"io.modelcontextprotocol/protocolVersion": V,
-                            "io.modelcontextprotocol/clientCapabilities": {}}}}).encode()
+                            "io.modelcontextprotocol/clientCapabilities": caps or {}}}}).encode()
     name = f"mcp-name: {params['name']}\r\n" if method == "tools/call" else ""
     return (f"POST /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
             f"accept: application/json, text/event-stream\r\nmcp-protocol-version: {V}\r\n"
@@ -258,3 +258,40 @@ async def test_stateless_posts_pipelined_read_slowly_closed_mid_answer_leave_not
                      if isinstance(o, ClientSession) and id(o) not in before]
             assert len(alive) <= 1, alive  # the last call's: its connection waits for the next
             await trio.aclose_forcefully(stream)
+
+
+async def test_an_input_required_flow_survives_its_posts_connections_closing_abruptly() -> None:
+    # A bridged elicitation: the first POST's connection reset right after its input_required
+    # answer, the retry on a new connection completes the call (each round); a POST reset
+    # before the child asks ends its flow.  Nothing is left after.
+    caps = {"elicitation": {}, "sampling": {}, "roots": {}}
+    ask = {"name": "fx__elicit", "arguments": {"message": "name?"}}
+    async with run_gateway(make_config(fixture_backend("fx"))) as gw:
+        port = gw.bound.http_port
+        with trio.fail_after(60):
+            for round_ in range(3):
+                first = await trio.open_tcp_stream("127.0.0.1", port)
+                await first.send_all(_post(1, "tools/call", ask, caps))
+                got, = await _answers(first, 1, slow=False)
+                await trio.aclose_forcefully(first)
+                result = got["result"]
+                assert result["resultType"] == "input_required", got
+                (key, _), = result["inputRequests"].items()
+                retry = {**ask, "requestState": result["requestState"], "inputResponses": {
+                    key: {"action": "accept", "content": {"answer": f"a{round_}"}}}}
+                second = await trio.open_tcp_stream("127.0.0.1", port)
+                await second.send_all(_post(2, "tools/call", retry, caps))
+                done, = await _answers(second, 1, slow=True)
+                assert done["result"]["resultType"] == "complete", done
+                assert json.loads(done["result"]["content"][0]["text"])["content"] == {
+                    "answer": f"a{round_}"}
+                await trio.aclose_forcefully(second)
+                await gw.status_until(lambda st: st["client_requests_in_flight"] == 0
+                                      and st["connections"].get("http", 0) == 0)
+            late = await trio.open_tcp_stream("127.0.0.1", port)  # reset before the ask
+            await late.send_all(_post(3, "tools/call", {
+                "name": "fx__elicit", "arguments": {"message": "m", "delay": 30}}, caps))
+            await gw.status_until(lambda st: st["client_requests_in_flight"] == 1)
+            await trio.aclose_forcefully(late)
+            await gw.status_until(lambda st: st["client_requests_in_flight"] == 0
+                                  and st["connections"].get("http", 0) == 0)
