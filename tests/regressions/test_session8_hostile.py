@@ -46,7 +46,7 @@ async def test_sse_answers_cut_at_crlf_with_crlf_lines_and_a_nul_id_keep_the_con
             if stop > at:
                 await ex.stream.send_all(raw[at:stop])
                 at = stop
-                await trio.sleep(0.001)
+                await trio.testing.wait_all_tasks_blocked()  # each piece read alone
 
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
@@ -65,6 +65,8 @@ async def test_bytes_after_an_answer_or_a_close_right_after_it_do_not_repeat_a_c
     # A tools/call answered, then junk after its body in the same write, or the connection
     # closed right after the answer, or junk coming later while the worker watches: each call
     # delivered once, POSTed once, and the next calls go on a sound connection.
+    junk_sent = {gid: trio.Event() for gid in range(3, 15)}
+
     async def odd(server: Hostile, ex: Exchange) -> None:
         if ex.rpc != "tools/call":
             return await plain(server, ex)
@@ -80,17 +82,19 @@ async def test_bytes_after_an_answer_or_a_close_right_after_it_do_not_repeat_a_c
             await trio.aclose_forcefully(ex.stream)
         else:  # junk later, while the worker watches
             await ex.stream.send_all(raw)
-            await trio.sleep(0.01)
+            await trio.testing.wait_all_tasks_blocked()  # the answer read, watched
             await ex.stream.send_all(b"\r\n\r\nxx")
+        junk_sent[gid].set()
 
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             server, link, receiver, ends = await open_tcp_link(nursery, odd)
             for gid in range(3, 15):
-                await trio.sleep(0.02)
                 link.send(call(gid), gid)
                 await receiver.answer(gid)
                 assert receiver.answered(gid), receiver.failures
+                await junk_sent[gid].wait()
+                await trio.testing.wait_all_tasks_blocked()  # what came after it read
             ids = [ex.body["id"] for ex in server.posted("tools/call")]
             assert ids == list(range(3, 15))
             answers = [m["id"] for m, _ in receiver.messages if "n" in m.get("result", {})]
@@ -144,7 +148,8 @@ async def test_many_calls_at_once_each_posted_and_answered_once() -> None:
         if ex.rpc != "tools/call":
             return await plain(server, ex)
         gid = ex.body["id"]
-        await trio.sleep(0.001 * (gid % 5))
+        for _ in range(gid % 5):  # answers out of order
+            await trio.lowlevel.checkpoint()
         await ex.json({"jsonrpc": "2.0", "id": gid, "result": {}},
                       headers=(("connection", "close"),) if gid % 7 == 0 else ())
 
@@ -157,7 +162,7 @@ async def test_many_calls_at_once_each_posted_and_answered_once() -> None:
                     link.send(call(gid), gid)
                 for gid in gids:
                     await receiver.answer(gid)
-                await trio.sleep(0.01)
+                await trio.testing.wait_all_tasks_blocked()
             ids = sorted(ex.body["id"] for ex in server.posted("tools/call"))
             want = [g for r in range(3) for g in range(100 * (r + 1), 100 * (r + 1) + 60)]
             assert ids == want
@@ -202,7 +207,7 @@ async def _answers(stream: trio.SocketStream, n: int, slow: bool) -> list[Any]:
             assert got, f"closed within answer {len(out)}"
             buf += got
             if slow:
-                await trio.sleep(0.001)
+                await trio.testing.wait_all_tasks_blocked()  # its sender blocks
         if head.headers["content-type"].startswith("text/event-stream"):
             events = [line[6:] for line in bytes(body).split(b"\n") if line.startswith(b"data: ")]
             out.append(json.loads(events[-1]))
@@ -211,11 +216,13 @@ async def _answers(stream: trio.SocketStream, n: int, slow: bool) -> list[Any]:
     return out
 
 
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
 async def test_stateless_posts_pipelined_read_slowly_closed_mid_answer_leave_nothing() -> None:
     # Many stateless POSTs pipelined on one keep-alive connection, large answers among them,
     # read slowly: each answered whole, in order; POSTs whose client closes while the call runs
     # or mid-answer cancel or end it; after hundreds of such calls no flow, session or call
     # is left (but the last one's: its connection waits for the next request).
+    gc.collect()  # what earlier tests left is not counted in here
     cfg = make_config(fixture_backend("fx"))
     async with run_gateway(cfg) as gw:
         port = gw.bound.http_port
