@@ -1180,8 +1180,14 @@ class HttpLink:
 
     def _deliver(self, data: bytes, gid: int, initialize: bool) -> bool:
         """Hand ``data`` to the session as caused by ``gid``; whether it was its reply.  A reply
-        to another request is dropped: what comes on a request's stream is that request's."""
+        to another request is dropped: what comes on a request's stream is that request's.
+
+        Raises:
+            EventTooLarge: ``data`` is over max_message_bytes (an event's data can be).
+        """
         assert self._receiver is not None
+        if len(data) > self._max_line:
+            raise EventTooLarge(len(data), self._max_line)
         try:
             peek = msgspec.json.decode(data, type=_Peek)
         except _UNREADABLE:
@@ -1460,6 +1466,8 @@ class HttpLink:
                     while (chunk := await conn.chunk()) is not None:
                         for event in decoder.feed(chunk):
                             assert self._receiver is not None
+                            if len(event) > self._max_line:
+                                raise EventTooLarge(len(event), self._max_line)
                             delivered = True
                             self._receiver.message(event)
                 finally:

@@ -2,10 +2,10 @@
 
 :class:`SseDecoder` is fed the body as it arrives, cut anywhere, and returns the data of each
 event completed (``data:`` lines joined with LF; events without data, such as a priming event's
-empty ``data:``, and comments are skipped).  Lines end with CRLF, LF or CR.  An event growing
-past ``limit`` bytes raises :class:`EventTooLarge`: the buffer never holds more (the stream
-cannot be read on after that: its reader closes it).  It keeps what resuming the stream needs:
-the last event id (:attr:`SseDecoder.last_id`, an id of printable ASCII within
+empty ``data:``, and comments are skipped).  Lines end with CRLF, LF or CR.  An event of more
+than ``limit`` bytes, or growing past it, raises :class:`EventTooLarge`: the buffer never holds
+more (the stream cannot be read on after that: its reader closes it).  It keeps what resuming
+the stream needs: the last event id (:attr:`SseDecoder.last_id`, an id of printable ASCII within
 :data:`MAX_EVENT_ID` bytes; another makes the stream not resumable) and the ``retry`` field
 (:attr:`SseDecoder.retry`, milliseconds), both carried over from a stream it resumes.
 """
@@ -91,6 +91,10 @@ class SseDecoder:
         start = 0
         at = self._scan  # (past it: after an event found)
         while (end := text.find(b"\n\n", at)) >= 0:
+            if end - start > self.limit:  # whole in what came, but over the limit too
+                buf.clear()
+                self._scan = 0
+                raise EventTooLarge(end - start, self.limit)
             common = _COMMON.fullmatch(text, start, end)
             if common is not None:
                 at = start = end + 2
