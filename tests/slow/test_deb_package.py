@@ -306,7 +306,12 @@ def test_boots_and_serves(
 
         pid = box.show("mcp-gateway.service", "MainPID")["MainPID"]
         box.run("systemctl", "reload", "mcp-gateway.service")  # check-config, then SIGHUP
-        after = box.show("mcp-gateway.service", "ActiveState", "MainPID")
+        # systemd 252 ends the reload job when `kill` exits; the daemon's RELOADING=1 may come
+        # after it, and its READY=1 when the reload is done (notify-reload, 253+, would wait)
+        deadline = time.monotonic() + 30
+        while (after := box.show("mcp-gateway.service", "ActiveState", "MainPID"))[
+                "ActiveState"] == "reloading" and time.monotonic() < deadline:
+            time.sleep(0.1)  # real-clock: systemd's state in a container, polled
         assert after == {"ActiveState": "active", "MainPID": pid}
 
         box.run("systemctl", "stop", "mcp-gateway.service")
