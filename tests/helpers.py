@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import socket
@@ -13,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import trio
@@ -557,3 +559,14 @@ async def listening_process(argv: list[str], port: int, env: dict[str, str] | No
             proc.kill()
         with trio.CancelScope(shield=True):
             await proc.wait()
+
+
+def load_bench(name: str) -> ModuleType:
+    """``bench/NAME.py`` imported as module ``bench_NAME`` (bench/ is not a package)."""
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module

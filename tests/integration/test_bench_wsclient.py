@@ -7,15 +7,11 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import importlib.util
-import sys
 from collections.abc import Awaitable, Callable
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 import trio
-from helpers import fixture_backend, make_config, run_gateway
+from helpers import fixture_backend, load_bench, make_config, run_gateway
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import (
     AcceptConnection,
@@ -30,19 +26,9 @@ from wsproto.events import (
 
 pytestmark = pytest.mark.system
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-br = _load("run")
+br = load_bench("run")
 wsclient = br.wsclient
 
 

@@ -83,6 +83,13 @@ async def plain(server: Hostile, ex: Exchange) -> None:
         await ex.empty(200)
 
 
+async def silent_calls(server: Hostile, ex: Exchange) -> None:
+    """Every request answered as :func:`plain` does, but a ``tools/call``: no head, ever."""
+    if ex.rpc == "tools/call":
+        await trio.sleep_forever()  # virtual-time: no head, ever
+    await plain(server, ex)
+
+
 class Hostile:
     """Serves each connection the link opens with ``handler``; records every request."""
 
@@ -556,14 +563,9 @@ async def test_a_call_written_on_a_watched_connection_times_out_or_is_dropped_th
     # A call written at once on the connection an idle worker watches: its deadline and its
     # cancellation are that worker's scope's; it fails at max_call_duration, or is dropped
     # once its notifications/cancelled was POSTed, and the worker serves the next calls.
-    async def silent(server: Hostile, ex: Exchange) -> None:
-        if ex.rpc == "tools/call":
-            await trio.sleep_forever()  # virtual-time: no head, ever
-        await plain(server, ex)
-
     with trio.fail_after(10**5):
         async with trio.open_nursery() as nursery:
-            server, link, receiver, ends = await open_tcp_link(nursery, silent)
+            server, link, receiver, ends = await open_tcp_link(nursery, silent_calls)
             assert link._watchers
             start = trio.current_time()
             link.send(request(3, "tools/call", {"name": "mine", "arguments": {}}), 3)

@@ -3,32 +3,19 @@ answers, the view micro-benchmark's set-up against the pure policy decision, and
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import math
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from helpers import load_bench
+
 from gateway.protocol import policy as pure
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-growth = _load("growth")
-lean = _load("lean_server")
+growth = load_bench("growth")
+lean = load_bench("lean_server")
 
 
 def _spread(xs: tuple[int, ...], low: int, high: int) -> None:

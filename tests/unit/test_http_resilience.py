@@ -12,7 +12,14 @@ import json
 import h11
 import trio
 import trio.testing
-from regressions.test_remote_hostile import Exchange, Hostile, open_link, plain, request
+from regressions.test_remote_hostile import (
+    Exchange,
+    Hostile,
+    open_link,
+    plain,
+    request,
+    silent_calls,
+)
 
 from gateway.backend import http
 
@@ -181,14 +188,9 @@ async def test_requests_wait_in_order_for_one_of_the_request_stream_workers_none
 
 async def test_a_call_whose_answer_never_begins_fails_at_max_call_duration_the_session_goes_on(
         autojump_clock: trio.testing.MockClock) -> None:
-    async def silent(server: Hostile, ex: Exchange) -> None:
-        if ex.rpc == "tools/call":
-            await trio.sleep_forever()  # virtual-time: no head, ever
-        await plain(server, ex)
-
     with trio.fail_after(10**5):
         async with trio.open_nursery() as nursery:
-            _, link, receiver = await open_link(nursery, silent)
+            _, link, receiver = await open_link(nursery, silent_calls)
             start = trio.current_time()
             link.send(request(2, "tools/call", {"name": "mine", "arguments": {}}), 2)
             await receiver.answer(2)
