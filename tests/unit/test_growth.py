@@ -9,7 +9,6 @@ import math
 from pathlib import Path
 
 import pytest
-
 from helpers import load_bench
 
 from gateway.protocol import policy as pure
