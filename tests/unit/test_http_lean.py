@@ -33,6 +33,20 @@ def test_a_common_head_is_parsed_with_its_fields_in_order_and_by_name() -> None:
     assert head.by_name[b"accept"] == "application/json, text/event-stream"
 
 
+def test_header_lines_seen_before_parse_alike_and_those_kept_are_bounded() -> None:
+    first = http1.parse_head(HEAD)
+    assert first is not None and http1.parse_head(HEAD) == first  # the second from what was kept
+    for n in range(2 * http1._KNOWN_MAX):  # many clients' distinct values: kept up to the bound
+        value = b"v%d" % n + b"x" * (n % 3 * http1._KNOWN_VALUE_MAX)
+        head = http1.parse_head(b"GET /mcp HTTP/1.1\r\nHost: a\r\nX-Id:  " + value + b" \r\n")
+        assert head is not None and head.fields[1] == (b"x-id", value)
+        assert head.by_name[b"x-id"] == value.decode()
+    assert len(http1._KNOWN_FIELDS) <= http1._KNOWN_MAX
+    assert all(len(raw[1]) <= http1._KNOWN_VALUE_MAX for raw in http1._KNOWN_FIELDS)
+    assert all(name != b"content-length" for name, _, _ in http1._KNOWN_FIELDS.values())
+    assert http1.parse_head(HEAD) == first
+
+
 def test_a_head_without_content_length_has_no_body() -> None:
     head = http1.parse_head(b"GET /mcp HTTP/1.1\r\nhost: a\r\nconnection: Keep-Alive\r\n")
     assert head is not None and head.length == 0
