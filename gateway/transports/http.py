@@ -69,9 +69,13 @@ class HttpError(Exception):
 
 
 class Request:
-    """One received request: method, path, lowercased header names, the whole body."""
+    """One received request: method, path, lowercased header names, the whole body.
+    ``header(name)`` is the value of header ``name`` (lowercase), several joined with ``", "``
+    (None: absent)."""
 
-    __slots__ = ("_by_name", "body", "headers", "method", "path", "target")
+    __slots__ = ("body", "header", "headers", "method", "path", "target")
+
+    header: Callable[[bytes], str | None]
 
     def __init__(self, method: str, target: str, headers: list[tuple[bytes, bytes]], body: bytes,
                  by_name: dict[bytes, str] | None = None) -> None:
@@ -80,23 +84,18 @@ class Request:
         self.target = target  # with its query
         self.headers = headers
         self.body = body
-        self._by_name = by_name
+        if by_name is None:
+            by_name = {}
+            for key, value in headers:
+                text = value.decode("latin-1")
+                by_name[key] = f"{by_name[key]}, {text}" if key in by_name else text
+        self.header = by_name.get  # a request is asked for ten or so: a plain look-up each
 
     @classmethod
     def of(cls, event: h11.Request, body: bytes) -> Request:
         """The request h11 parsed."""
         return cls(event.method.decode("ascii", "replace"),
                    event.target.decode("ascii", "replace"), list(event.headers), body)
-
-    def header(self, name: bytes) -> str | None:
-        """The value of header ``name`` (lowercase); several are joined with ``", "``."""
-        by_name = self._by_name
-        if by_name is None:  # indexed at the first look: a request is asked for ten or so
-            by_name = self._by_name = {}
-            for key, value in self.headers:
-                text = value.decode("latin-1")
-                by_name[key] = f"{by_name[key]}, {text}" if key in by_name else text
-        return by_name.get(name)
 
     def host_in(self, hosts: frozenset[str]) -> bool:
         """Whether the ``Host`` header names this server (a loopback name or one of ``hosts``;
