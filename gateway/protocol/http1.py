@@ -34,9 +34,10 @@ _ONCE = frozenset({b"host", b"content-length", b"connection"})
 
 
 #: Header lines seen before, each as (lowercased name, stripped value, value text): a client
-#: sends the same ones on every request.  Bounded by count and by each value's length.
+#: sends the same ones on every request.  Bounded by count and by each value's length;
+#: ``Content-Length`` lines (one per body size) are kept only while it is less than half full.
 _KNOWN_FIELDS: dict[tuple[bytes, bytes], tuple[bytes, bytes, str]] = {}
-_KNOWN_MAX = 256
+_KNOWN_MAX = 1024
 _KNOWN_VALUE_MAX = 256
 
 
@@ -45,8 +46,9 @@ def _field(raw: tuple[bytes, bytes]) -> tuple[bytes, bytes, str]:
     :data:`_KNOWN_FIELDS` while there is room."""
     name, value = raw[0].lower(), raw[1].strip(b" \t")
     field = (name, value, value.decode("ascii"))
-    if (len(_KNOWN_FIELDS) < _KNOWN_MAX and len(raw[1]) <= _KNOWN_VALUE_MAX
-            and name != b"content-length"):  # that one differs from request to request
+    kept = len(_KNOWN_FIELDS)
+    if len(raw[1]) <= _KNOWN_VALUE_MAX and (
+            kept < _KNOWN_MAX // 2 or (kept < _KNOWN_MAX and name != b"content-length")):
         _KNOWN_FIELDS[raw] = field
     return field
 

@@ -43,8 +43,19 @@ def test_header_lines_seen_before_parse_alike_and_those_kept_are_bounded() -> No
         assert head.by_name[b"x-id"] == value.decode()
     assert len(http1._KNOWN_FIELDS) <= http1._KNOWN_MAX
     assert all(len(raw[1]) <= http1._KNOWN_VALUE_MAX for raw in http1._KNOWN_FIELDS)
-    assert all(name != b"content-length" for name, _, _ in http1._KNOWN_FIELDS.values())
     assert http1.parse_head(HEAD) == first
+
+
+def test_content_length_lines_kept_fill_at_most_half_of_the_table(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(http1, "_KNOWN_FIELDS", {})
+    for n in range(http1._KNOWN_MAX):  # one body size after another
+        head = http1.parse_head(b"POST /mcp HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n" % n)
+        assert head is not None and head.length == n
+    assert len(http1._KNOWN_FIELDS) == http1._KNOWN_MAX // 2  # and Host: a
+    head = http1.parse_head(b"GET /mcp HTTP/1.1\r\nHost: a\r\nX-Id: b\r\n")
+    assert head is not None and head.by_name[b"x-id"] == "b"
+    assert (b"X-Id", b" b") in http1._KNOWN_FIELDS  # the other half is for other lines
 
 
 def test_a_head_without_content_length_has_no_body() -> None:
