@@ -230,7 +230,8 @@ class Endpoint:
             raise _jsonrpc_error(
                 400, errors.InvalidRequest("missing Mcp-Session-Id header: initialize first"), id)
         session = self.sessions.by_id.get(sid)
-        if session is not None and _key(session.principal) != _key(principal):
+        if (session is not None and session.principal is not principal
+                and _key(session.principal) != _key(principal)):
             if self.authn is not None:
                 self.authn.refused("http", "/mcp", "a session of another principal",
                                    principal.label if principal else None)

@@ -244,3 +244,16 @@ async def test_bytes_pipelined_while_a_response_streams_are_bounded() -> None:
 async def test_a_head_with_bare_line_feeds_is_h11s_to_serve() -> None:
     got, conn = await exchange(request("/json") + b"GET /json HTTP/1.1\nhost: a\n\n", answers)
     assert conn.h11 is not None and got.count(b'{"a":1}') == 2
+
+
+async def test_each_json_answer_names_its_own_session_on_a_connection_of_several() -> None:
+    async def handle(conn: HttpConnection, req: Request) -> None:
+        conn.respond_json(200, b"{}", req.target.partition("?")[2])
+
+    got, conn = await exchange(b"".join(request(f"/json?{sid}") for sid in ("a", "b", "a", "")),
+                               handle)
+    assert conn.h11 is None
+    sent = got.split(b"HTTP/1.1 ")[1:]
+    assert [b"mcp-session-id: a\r\n" in a for a in sent] == [True, False, True, False]
+    assert [b"mcp-session-id: b\r\n" in a for a in sent] == [False, True, False, False]
+    assert all(a.count(b"mcp-session-id") <= 1 for a in sent)
