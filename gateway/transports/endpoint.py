@@ -392,7 +392,7 @@ class Endpoint:
                         f"nothing to resume after event {last[:40]!r}: the stream ended, or its "
                         "events fell out of the replay buffer"))
                 if not sink.done:
-                    await self._hold(conn, session, sink)
+                    await _hold(conn, session, sink, self.sessions.quick)
                 return
             if session.get is not None:
                 raise HttpError(409, "this session already has a GET stream open")
@@ -404,7 +404,7 @@ class Endpoint:
             deadline = (math.inf if expires is None
                         else trio.current_time() + max(0.0, expires - time.time()))
             with trio.move_on_at(deadline) as expiry:
-                await self._hold(conn, session, sink)
+                await _hold(conn, session, sink, self.sessions.quick)
             if expiry.cancelled_caught:  # expired: end the stream cleanly (the session goes on)
                 try:
                     conn.end_events()
@@ -571,7 +571,7 @@ class Endpoint:
             session = self._resume(env, params, caps, sink, principal)  # a drain lets it in
             asked = _rounds(session)
             try:
-                await self._hold(conn, session, sink)
+                await _hold(conn, session, sink, self.sessions.quick)
             finally:
                 if _rounds(session) == asked:
                     _end(session)
@@ -588,17 +588,13 @@ class Endpoint:
             if not sink.done:
                 # the flow ends in the task that answers it (connection.Direct): this one
                 # reads the peer's next request meanwhile, as a legacy session's POST does
-                await self._hold(conn, session, sink, ahead=True)
+                await _hold(conn, session, sink, self.sessions.quick, ahead=True)
         finally:
             # answered (the flow ended with its call, mostly), or the client closed the stream:
             # that cancels the call, unless this POST was answered input_required (the flow
             # waits for the retry, which may already run)
             if not flow.done and _rounds(session) == 0:
                 flow.finish()
-
-    async def _hold(self, conn: HttpConnection, session: HttpSession, sink: Sink, *,
-                    ahead: bool = False) -> None:
-        await _hold(conn, session, sink, self.sessions.quick, ahead=ahead)
 
     def _resume(self, env: jsonrpc.Envelope, params: dict[str, msgspec.Raw],
                 caps: dict[str, object], sink: Sink, principal: Principal | None) -> HttpSession:
@@ -629,7 +625,7 @@ class Endpoint:
             session.close_sink(sink)
             raise HttpError(503, "this session's inbox is full; retry later")
         _cancellations(session, notices)
-        await self._hold(conn, session, sink, ahead=ahead)
+        await _hold(conn, session, sink, self.sessions.quick, ahead=ahead)
 
 
 def _cancellations(session: HttpSession, notices: Sequence[jsonrpc.Envelope]) -> None:
