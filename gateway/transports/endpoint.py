@@ -484,8 +484,8 @@ class Endpoint:
                 f"progressToken {sink.token!r} is in use by another request of this session",
                 reason="progress_token_in_use"), env.id)
         try:
-            await self._stream(conn, session, sink, (env, kind, len(body), params),
-                               ahead=not created)
+            _open(session, sink, (env, kind, len(body), params))
+            await _hold(conn, session, sink, self.sessions.quick, ahead=not created)
         finally:
             if created and not (session.client is not None and session.client.initialized):
                 # its initialize failed (or its POST ended unanswered): no session was made;
@@ -526,7 +526,8 @@ class Endpoint:
         sink = Sink(conn, session.id, batch=True)
         sink.ids = frozenset(env.id for env in requests if isinstance(env.id, int | str))
         sink.invalid = invalid
-        await self._stream(conn, session, sink, entries, notices)
+        _open(session, sink, entries, notices)
+        await _hold(conn, session, sink, self.sessions.quick)
 
     def _refuse(self, session: ClientSession | None, env: jsonrpc.Envelope,
                 id: int | str | None = -1) -> None:
@@ -617,15 +618,17 @@ class Endpoint:
             raise HttpError(503, "this session's inbox is full; retry later")
         conn.respond(202, headers=[(SESSION_HEADER, session.id)])
 
-    async def _stream(self, conn: HttpConnection, session: HttpSession, sink: Sink,
-                      message: Decoded, notices: Sequence[jsonrpc.Envelope] = (), *,
-                      ahead: bool = False) -> None:
-        session.open_post(sink)
-        if not session.push(message):
-            session.close_sink(sink)
-            raise HttpError(503, "this session's inbox is full; retry later")
+
+def _open(session: HttpSession, sink: Sink, message: Decoded,
+          notices: Sequence[jsonrpc.Envelope] = ()) -> None:
+    """A POST's stream opened and its ``message`` given to ``session`` (503 when its inbox is
+    full); the requests ``notices`` cancel end (see :func:`_cancellations`)."""
+    session.open_post(sink)
+    if not session.push(message):
+        session.close_sink(sink)
+        raise HttpError(503, "this session's inbox is full; retry later")
+    if notices:
         _cancellations(session, notices)
-        await _hold(conn, session, sink, self.sessions.quick, ahead=ahead)
 
 
 def _cancellations(session: HttpSession, notices: Sequence[jsonrpc.Envelope]) -> None:
