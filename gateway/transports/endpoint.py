@@ -273,9 +273,10 @@ class Endpoint:
         request; none: not counted); 503 with -32006 at the cap."""
         name = None if principal is None else principal.name
         counted = self._counted.get(conn)
-        if counted is not None and counted.name == name:
-            return
-        self.connection_closed(conn)
+        if counted is not None:
+            if counted.name == name:
+                return
+            self.connection_closed(conn)
         if name is not None:
             try:
                 self._counted[conn] = self.sessions.caps.acquire("max_connections", name)
@@ -353,7 +354,8 @@ class Endpoint:
                            req.header(b"origin"))
             raise HttpError(403, "Origin not allowed")
         principal = await self._authenticate(req)
-        self._count(conn, principal)
+        if principal is not None or self._counted:  # (else nothing is counted, nor to release)
+            self._count(conn, principal)
         accept = req.header(b"accept") or ""
         if req.method == "POST":
             passed = conn.passed
