@@ -349,11 +349,13 @@ class Endpoint:
                 raise HttpError(403, "Host not allowed")
             assert host is not None
             conn.passed["host"] = host
-        if not self._origin_allowed(req):
+        if req.header(b"origin") is not None and not self._origin_allowed(req):  # a browser's
             LOGGER.warning("/mcp: refused Origin %.100r (listen.allowed_origins)",
                            req.header(b"origin"))
             raise HttpError(403, "Origin not allowed")
-        principal = await self._authenticate(req)
+        authn = self.authn
+        principal = (None if authn is None or not authn.configured
+                     else await self._authenticate(req))
         if principal is not None or self._counted:  # (else nothing is counted, nor to release)
             self._count(conn, principal)
         accept = req.header(b"accept") or ""
