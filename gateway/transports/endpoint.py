@@ -447,14 +447,16 @@ class Endpoint:
         except errors.GatewayError as exc:
             bad_id = exc.data.pop("id", None)
             raise _jsonrpc_error(400, exc, bad_id) from None
-        if kind == "request":
+        if kind == "request" and principal is not None:  # (no principal: no scopes to lack)
             self._check_scopes(req, principal, env)
         if _is_modern(req, env):
             await self._modern(conn, req, env, kind, body, principal)
             return
         rid = env.id if isinstance(env.id, int | str) else None
         if kind == "request":  # an initialize too
-            self._refuse(None, env)
+            assert self.core is not None
+            if self.core.draining:  # (else nothing refuses it here)
+                self._refuse(None, env)
         created = (req.header(b"mcp-session-id") is None and kind == "request"
                    and env.method == "initialize")
         if created:
@@ -581,7 +583,9 @@ class Endpoint:
                 if _rounds(session) == asked:
                     _end(session)
             return
-        self._refuse(None, env)
+        assert self.core is not None
+        if self.core.draining:  # (else nothing refuses it here)
+            self._refuse(None, env)
         session = HttpSession(self.sessions.idle_timeout, id="")
         session.mrtr = self.bridge
         session.principal = principal
