@@ -33,6 +33,26 @@ _UNUSUAL = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
 _ONCE = frozenset({b"host", b"content-length", b"connection"})
 
 
+#: Header lines seen before, each as (lowercased name, stripped value, value text): a client
+#: sends the same ones on every request.  Bounded by count and by each value's length;
+#: ``Content-Length`` lines (one per body size) are kept only while it is less than half full.
+_KNOWN_FIELDS: dict[tuple[bytes, bytes], tuple[bytes, bytes, str]] = {}
+_KNOWN_MAX = 1024
+_KNOWN_VALUE_MAX = 256
+
+
+def _field(raw: tuple[bytes, bytes]) -> tuple[bytes, bytes, str]:
+    """A header line's (name, value) as (lowercased name, stripped value, value text), kept in
+    :data:`_KNOWN_FIELDS` while there is room."""
+    name, value = raw[0].lower(), raw[1].strip(b" \t")
+    field = (name, value, value.decode("ascii"))
+    kept = len(_KNOWN_FIELDS)
+    if len(raw[1]) <= _KNOWN_VALUE_MAX and (
+            kept < _KNOWN_MAX // 2 or (kept < _KNOWN_MAX and name != b"content-length")):
+        _KNOWN_FIELDS[raw] = field
+    return field
+
+
 class Head(NamedTuple):
     """A request head: method, target, header fields (lowercased names, values stripped of
     surrounding whitespace) in order, those values by name as text (repeated ones joined with
@@ -58,10 +78,9 @@ def parse_head(head: bytes) -> Head | None:
     fields: list[tuple[bytes, bytes]] = []
     by_name: dict[bytes, str] = {}
     length = 0
-    for raw_name, raw_value in _FIELD.findall(block):
-        name = raw_name.lower()
-        value = raw_value.strip(b" \t")
-        text = value.decode("ascii")
+    for raw in _FIELD.findall(block):
+        known = _KNOWN_FIELDS.get(raw)
+        name, value, text = _field(raw) if known is None else known
         if name in by_name:
             if name in _ONCE:
                 return None

@@ -230,7 +230,8 @@ class Endpoint:
             raise _jsonrpc_error(
                 400, errors.InvalidRequest("missing Mcp-Session-Id header: initialize first"), id)
         session = self.sessions.by_id.get(sid)
-        if session is not None and _key(session.principal) != _key(principal):
+        if (session is not None and session.principal is not principal
+                and _key(session.principal) != _key(principal)):
             if self.authn is not None:
                 self.authn.refused("http", "/mcp", "a session of another principal",
                                    principal.label if principal else None)
@@ -272,9 +273,10 @@ class Endpoint:
         request; none: not counted); 503 with -32006 at the cap."""
         name = None if principal is None else principal.name
         counted = self._counted.get(conn)
-        if counted is not None and counted.name == name:
-            return
-        self.connection_closed(conn)
+        if counted is not None:
+            if counted.name == name:
+                return
+            self.connection_closed(conn)
         if name is not None:
             try:
                 self._counted[conn] = self.sessions.caps.acquire("max_connections", name)
@@ -347,12 +349,15 @@ class Endpoint:
                 raise HttpError(403, "Host not allowed")
             assert host is not None
             conn.passed["host"] = host
-        if not self._origin_allowed(req):
+        if req.header(b"origin") is not None and not self._origin_allowed(req):  # a browser's
             LOGGER.warning("/mcp: refused Origin %.100r (listen.allowed_origins)",
                            req.header(b"origin"))
             raise HttpError(403, "Origin not allowed")
-        principal = await self._authenticate(req)
-        self._count(conn, principal)
+        authn = self.authn
+        principal = (None if authn is None or not authn.configured
+                     else await self._authenticate(req))
+        if principal is not None or self._counted:  # (else nothing is counted, nor to release)
+            self._count(conn, principal)
         accept = req.header(b"accept") or ""
         if req.method == "POST":
             passed = conn.passed
@@ -391,7 +396,7 @@ class Endpoint:
                         f"nothing to resume after event {last[:40]!r}: the stream ended, or its "
                         "events fell out of the replay buffer"))
                 if not sink.done:
-                    await self._hold(conn, session, sink)
+                    await _hold(conn, session, sink, self.sessions.quick)
                 return
             if session.get is not None:
                 raise HttpError(409, "this session already has a GET stream open")
@@ -403,7 +408,7 @@ class Endpoint:
             deadline = (math.inf if expires is None
                         else trio.current_time() + max(0.0, expires - time.time()))
             with trio.move_on_at(deadline) as expiry:
-                await self._hold(conn, session, sink)
+                await _hold(conn, session, sink, self.sessions.quick)
             if expiry.cancelled_caught:  # expired: end the stream cleanly (the session goes on)
                 try:
                     conn.end_events()
@@ -442,14 +447,16 @@ class Endpoint:
         except errors.GatewayError as exc:
             bad_id = exc.data.pop("id", None)
             raise _jsonrpc_error(400, exc, bad_id) from None
-        if kind == "request":
+        if kind == "request" and principal is not None:  # (no principal: no scopes to lack)
             self._check_scopes(req, principal, env)
         if _is_modern(req, env):
             await self._modern(conn, req, env, kind, body, principal)
             return
         rid = env.id if isinstance(env.id, int | str) else None
         if kind == "request":  # an initialize too
-            self._refuse(None, env)
+            assert self.core is not None
+            if self.core.draining:  # (else nothing refuses it here)
+                self._refuse(None, env)
         created = (req.header(b"mcp-session-id") is None and kind == "request"
                    and env.method == "initialize")
         if created:
@@ -483,8 +490,8 @@ class Endpoint:
                 f"progressToken {sink.token!r} is in use by another request of this session",
                 reason="progress_token_in_use"), env.id)
         try:
-            await self._stream(conn, session, sink, (env, kind, len(body), params),
-                               ahead=not created)
+            _open(session, sink, (env, kind, len(body), params))
+            await _hold(conn, session, sink, self.sessions.quick, ahead=not created)
         finally:
             if created and not (session.client is not None and session.client.initialized):
                 # its initialize failed (or its POST ended unanswered): no session was made;
@@ -525,7 +532,8 @@ class Endpoint:
         sink = Sink(conn, session.id, batch=True)
         sink.ids = frozenset(env.id for env in requests if isinstance(env.id, int | str))
         sink.invalid = invalid
-        await self._stream(conn, session, sink, entries, notices)
+        _open(session, sink, entries, notices)
+        await _hold(conn, session, sink, self.sessions.quick)
 
     def _refuse(self, session: ClientSession | None, env: jsonrpc.Envelope,
                 id: int | str | None = -1) -> None:
@@ -570,12 +578,14 @@ class Endpoint:
             session = self._resume(env, params, caps, sink, principal)  # a drain lets it in
             asked = _rounds(session)
             try:
-                await self._hold(conn, session, sink)
+                await _hold(conn, session, sink, self.sessions.quick)
             finally:
                 if _rounds(session) == asked:
                     _end(session)
             return
-        self._refuse(None, env)
+        assert self.core is not None
+        if self.core.draining:  # (else nothing refuses it here)
+            self._refuse(None, env)
         session = HttpSession(self.sessions.idle_timeout, id="")
         session.mrtr = self.bridge
         session.principal = principal
@@ -587,17 +597,13 @@ class Endpoint:
             if not sink.done:
                 # the flow ends in the task that answers it (connection.Direct): this one
                 # reads the peer's next request meanwhile, as a legacy session's POST does
-                await self._hold(conn, session, sink, ahead=True)
+                await _hold(conn, session, sink, self.sessions.quick, ahead=True)
         finally:
             # answered (the flow ended with its call, mostly), or the client closed the stream:
             # that cancels the call, unless this POST was answered input_required (the flow
             # waits for the retry, which may already run)
             if not flow.done and _rounds(session) == 0:
                 flow.finish()
-
-    async def _hold(self, conn: HttpConnection, session: HttpSession, sink: Sink, *,
-                    ahead: bool = False) -> None:
-        await _hold(conn, session, sink, self.sessions.quick, ahead=ahead)
 
     def _resume(self, env: jsonrpc.Envelope, params: dict[str, msgspec.Raw],
                 caps: dict[str, object], sink: Sink, principal: Principal | None) -> HttpSession:
@@ -620,15 +626,17 @@ class Endpoint:
             raise HttpError(503, "this session's inbox is full; retry later")
         conn.respond(202, headers=[(SESSION_HEADER, session.id)])
 
-    async def _stream(self, conn: HttpConnection, session: HttpSession, sink: Sink,
-                      message: Decoded, notices: Sequence[jsonrpc.Envelope] = (), *,
-                      ahead: bool = False) -> None:
-        session.open_post(sink)
-        if not session.push(message):
-            session.close_sink(sink)
-            raise HttpError(503, "this session's inbox is full; retry later")
+
+def _open(session: HttpSession, sink: Sink, message: Decoded,
+          notices: Sequence[jsonrpc.Envelope] = ()) -> None:
+    """A POST's stream opened and its ``message`` given to ``session`` (503 when its inbox is
+    full); the requests ``notices`` cancel end (see :func:`_cancellations`)."""
+    session.open_post(sink)
+    if not session.push(message):
+        session.close_sink(sink)
+        raise HttpError(503, "this session's inbox is full; retry later")
+    if notices:
         _cancellations(session, notices)
-        await self._hold(conn, session, sink, ahead=ahead)
 
 
 def _cancellations(session: HttpSession, notices: Sequence[jsonrpc.Envelope]) -> None:

@@ -69,9 +69,13 @@ class HttpError(Exception):
 
 
 class Request:
-    """One received request: method, path, lowercased header names, the whole body."""
+    """One received request: method, path, lowercased header names, the whole body.
+    ``header(name)`` is the value of header ``name`` (lowercase), several joined with ``", "``
+    (None: absent)."""
 
-    __slots__ = ("_by_name", "body", "headers", "method", "path", "target")
+    __slots__ = ("body", "header", "headers", "method", "path", "target")
+
+    header: Callable[[bytes], str | None]
 
     def __init__(self, method: str, target: str, headers: list[tuple[bytes, bytes]], body: bytes,
                  by_name: dict[bytes, str] | None = None) -> None:
@@ -80,23 +84,18 @@ class Request:
         self.target = target  # with its query
         self.headers = headers
         self.body = body
-        self._by_name = by_name
+        if by_name is None:
+            by_name = {}
+            for key, value in headers:
+                text = value.decode("latin-1")
+                by_name[key] = f"{by_name[key]}, {text}" if key in by_name else text
+        self.header = by_name.get  # a request is asked for ten or so: a plain look-up each
 
     @classmethod
     def of(cls, event: h11.Request, body: bytes) -> Request:
         """The request h11 parsed."""
         return cls(event.method.decode("ascii", "replace"),
                    event.target.decode("ascii", "replace"), list(event.headers), body)
-
-    def header(self, name: bytes) -> str | None:
-        """The value of header ``name`` (lowercase); several are joined with ``", "``."""
-        by_name = self._by_name
-        if by_name is None:  # indexed at the first look: a request is asked for ten or so
-            by_name = self._by_name = {}
-            for key, value in self.headers:
-                text = value.decode("latin-1")
-                by_name[key] = f"{by_name[key]}, {text}" if key in by_name else text
-        return by_name.get(name)
 
     def host_in(self, hosts: frozenset[str]) -> bool:
         """Whether the ``Host`` header names this server (a loopback name or one of ``hosts``;
@@ -137,6 +136,8 @@ class HttpConnection:
         # header values an endpoint judged acceptable on this connection (a client sends the
         # same ones with every request): judged again only when they change
         self.passed: dict[str, str] = {}
+        self._sid = ""  # the latest valid Mcp-Session-Id answered, and its header line
+        self._sid_line = b""
 
     # ---- reading ----------------------------------------------------------------------------
 
@@ -164,9 +165,10 @@ class HttpConnection:
         whole_by: float | None = None  # head and body due (from the first byte on)
         buf = self._buf
         if buf:
-            whole_by = trio.current_time() + self.request_timeout
+            now = trio.current_time()
+            whole_by = now + self.request_timeout
             if head_by is None:
-                head_by = trio.current_time() + self.head_timeout
+                head_by = now + self.head_timeout
         scanned = 0  # bytes of buf looked at: each is looked at once however the head arrives
         while (end := buf.find(b"\r\n\r\n", max(0, scanned - 3))) < 0:
             # h11's to answer: too big, a bare LF (h11 ends a head there), or a first byte
@@ -400,7 +402,11 @@ class HttpConnection:
         """:meth:`respond` with a JSON ``body`` (and ``Mcp-Session-Id``: ``session_id``, when
         given), the answer to nearly every POST: its head written straight from a template
         when h11 does not serve the connection (its few headers are made valid here)."""
-        if self.h11 is not None or not (session_id.isascii() and session_id.isprintable()):
+        if session_id and session_id != self._sid and session_id.isascii() \
+                and session_id.isprintable():  # (a session's every answer: judged once)
+            self._sid = session_id
+            self._sid_line = b"mcp-session-id: %s\r\n" % session_id.encode("ascii")
+        if self.h11 is not None or (session_id and session_id != self._sid):
             headers = [("mcp-session-id", session_id)] if session_id else []
             return self.respond(status, body, "application/json", headers)
         if self._out is not _Out.DUE and self._out is not _Out.IDLE:
@@ -410,7 +416,7 @@ class HttpConnection:
         if reason is None:
             reason = _REASONS[status] = http.HTTPStatus(status).phrase.encode("ascii")
         self._out = _Out.DONE
-        sid = b"mcp-session-id: %s\r\n" % session_id.encode("ascii") if session_id else b""
+        sid = self._sid_line if session_id else b""
         return self._write(b"HTTP/1.1 %d %s\r\n%scontent-type: application/json\r\n"
                            b"content-length: %d\r\n\r\n%s" % (status, reason, sid, len(body), body))
 

@@ -52,7 +52,7 @@ class SocketIO:
     @property
     def held(self) -> int:
         """Bytes accepted by :meth:`write` and not written yet."""
-        return len(self._held) - self._off
+        return len(self._held) - self._off if self._held else 0  # (empty when nothing is)
 
     def close_writes(self) -> None:
         """Refuse every write from now on (the transport is closing)."""
@@ -69,7 +69,7 @@ class SocketIO:
         """
         if self._writes_closed:
             raise TransportClosed("closed")
-        if self._off < len(self._held):
+        if self._held:  # (empty whenever nothing is held)
             self._held = self._held[self._off:] + b"".join(parts)
             self._off = 0
             return False

@@ -125,7 +125,9 @@ class Sink:
                 self.scope.cancel()
             try:
                 if not self.started:  # answered before anything else: a plain JSON response
-                    whole = conn.respond_json(self._status(message), message, self.session_id)
+                    status = (200 if self.session_id or b'"error"' not in message
+                              else self._status(message))
+                    whole = conn.respond_json(status, message, self.session_id)
                 else:
                     conn.event(message, event_id)
                     whole = conn.end_events()
@@ -475,7 +477,16 @@ class HttpSession:
         return not self._dirty
 
     def write_one(self, data: bytes, route: Route | None) -> bool:
-        return self.write_nowait([data], route)
+        """:meth:`write_nowait` of one message (the common case, without the list)."""
+        if self.closed:
+            raise TransportClosed("session ended")
+        if route is None:
+            self._route(data)
+        elif route[0] is Goes.ANSWER:
+            self._answer(data, route[1])
+        else:
+            self._notify(data, *route)
+        return not self._dirty
 
     def _route(self, message: bytes) -> None:
         """A message the core sent without a routing hint (one it queued, a batch's array,

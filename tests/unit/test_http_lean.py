@@ -33,6 +33,31 @@ def test_a_common_head_is_parsed_with_its_fields_in_order_and_by_name() -> None:
     assert head.by_name[b"accept"] == "application/json, text/event-stream"
 
 
+def test_header_lines_seen_before_parse_alike_and_those_kept_are_bounded() -> None:
+    first = http1.parse_head(HEAD)
+    assert first is not None and http1.parse_head(HEAD) == first  # the second from what was kept
+    for n in range(2 * http1._KNOWN_MAX):  # many clients' distinct values: kept up to the bound
+        value = b"v%d" % n + b"x" * (n % 3 * http1._KNOWN_VALUE_MAX)
+        head = http1.parse_head(b"GET /mcp HTTP/1.1\r\nHost: a\r\nX-Id:  " + value + b" \r\n")
+        assert head is not None and head.fields[1] == (b"x-id", value)
+        assert head.by_name[b"x-id"] == value.decode()
+    assert len(http1._KNOWN_FIELDS) <= http1._KNOWN_MAX
+    assert all(len(raw[1]) <= http1._KNOWN_VALUE_MAX for raw in http1._KNOWN_FIELDS)
+    assert http1.parse_head(HEAD) == first
+
+
+def test_content_length_lines_kept_fill_at_most_half_of_the_table(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(http1, "_KNOWN_FIELDS", {})
+    for n in range(http1._KNOWN_MAX):  # one body size after another
+        head = http1.parse_head(b"POST /mcp HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n" % n)
+        assert head is not None and head.length == n
+    assert len(http1._KNOWN_FIELDS) == http1._KNOWN_MAX // 2  # and Host: a
+    head = http1.parse_head(b"GET /mcp HTTP/1.1\r\nHost: a\r\nX-Id: b\r\n")
+    assert head is not None and head.by_name[b"x-id"] == "b"
+    assert (b"X-Id", b" b") in http1._KNOWN_FIELDS  # the other half is for other lines
+
+
 def test_a_head_without_content_length_has_no_body() -> None:
     head = http1.parse_head(b"GET /mcp HTTP/1.1\r\nhost: a\r\nconnection: Keep-Alive\r\n")
     assert head is not None and head.length == 0
@@ -219,3 +244,16 @@ async def test_bytes_pipelined_while_a_response_streams_are_bounded() -> None:
 async def test_a_head_with_bare_line_feeds_is_h11s_to_serve() -> None:
     got, conn = await exchange(request("/json") + b"GET /json HTTP/1.1\nhost: a\n\n", answers)
     assert conn.h11 is not None and got.count(b'{"a":1}') == 2
+
+
+async def test_each_json_answer_names_its_own_session_on_a_connection_of_several() -> None:
+    async def handle(conn: HttpConnection, req: Request) -> None:
+        conn.respond_json(200, b"{}", req.target.partition("?")[2])
+
+    got, conn = await exchange(b"".join(request(f"/json?{sid}") for sid in ("a", "b", "a", "")),
+                               handle)
+    assert conn.h11 is None
+    sent = got.split(b"HTTP/1.1 ")[1:]
+    assert [b"mcp-session-id: a\r\n" in a for a in sent] == [True, False, True, False]
+    assert [b"mcp-session-id: b\r\n" in a for a in sent] == [False, True, False, False]
+    assert all(a.count(b"mcp-session-id") <= 1 for a in sent)
