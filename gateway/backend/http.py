@@ -632,9 +632,7 @@ class HttpLink:
         try:
             await conn.wait_readable()
         except trio.Cancelled:
-            if worker in self._watchers:
-                self._watchers.remove(worker)
-            handed, worker.handed, worker.conn = worker.handed, None, None
+            handed = self._unwatch(worker)
             if handed is None:
                 await self._pool.restore(conn)
             else:
@@ -644,9 +642,7 @@ class HttpLink:
                 worker.cut = (gid, gid in self._cancelled)
                 self._end_call(gid)
             raise
-        if worker in self._watchers:
-            self._watchers.remove(worker)
-        handed, worker.handed, worker.conn = worker.handed, None, None
+        handed = self._unwatch(worker)
         if handed is None:  # the remote closed it (or sent what no request asked for)
             await conn.aclose()
             return
@@ -656,6 +652,14 @@ class HttpLink:
             self._end_call(gid)
             return
         await self._post_request(data, gid, worker=worker, handed=True)
+
+    def _unwatch(self, worker: _Worker) -> tuple[bytes, int] | None:
+        """``worker`` no longer watches its connection (nor keeps it): the request handed to it,
+        if any."""
+        if worker in self._watchers:
+            self._watchers.remove(worker)
+        handed, worker.handed, worker.conn = worker.handed, None, None
+        return handed
 
     async def _dispatch(self, queue: _Queue, streams: int) -> None:
         """Start a POST per queued message other than a request, in order, at most ``streams``
