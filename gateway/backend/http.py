@@ -500,9 +500,7 @@ class HttpLink:
         if now - conn.idle_since >= httpclient.IDLE_TTL:
             worker.scope.cancel()  # stale: given back to the pool (which closes it)
             return False
-        head = [("content-type", "application/json"), *self._headers(_ACCEPT_BOTH)]
-        more = message_headers(data) if message_headers is not None else []
-        if not conn.send_now("POST", self._connector.target.target, head, data, more):
+        if not self._write_now(conn, data):
             self._watchers.append(worker)
             return False
         self._begun[gid] = conn
@@ -518,16 +516,20 @@ class HttpLink:
         (:meth:`_exchange_once`)."""
         if not self._plain(data, gid):
             return
-        connector = self._connector
         conn = self._pool.get_now()
         if conn is None:
             return
-        head = [("content-type", "application/json"), *self._headers(_ACCEPT_BOTH)]
-        more = message_headers(data) if message_headers is not None else []
-        if conn.send_now("POST", connector.target.target, head, data, more):
+        if self._write_now(conn, data):
             self._begun[gid] = conn
         else:
             self._pool.unget(conn)
+
+    def _write_now(self, conn: httpclient.Connection, data: bytes) -> bool:
+        """Write request ``data``'s POST on plain TCP connection ``conn`` at once; whether it
+        was written."""
+        head = [("content-type", "application/json"), *self._headers(_ACCEPT_BOTH)]
+        more = message_headers(data) if message_headers is not None else []
+        return conn.send_now("POST", self._connector.target.target, head, data, more)
 
     def _wake_worker(self) -> None:
         """A request is queued: an idle worker takes it, else a new one while there are fewer
@@ -630,9 +632,7 @@ class HttpLink:
         try:
             await conn.wait_readable()
         except trio.Cancelled:
-            if worker in self._watchers:
-                self._watchers.remove(worker)
-            handed, worker.handed, worker.conn = worker.handed, None, None
+            handed = self._unwatch(worker)
             if handed is None:
                 await self._pool.restore(conn)
             else:
@@ -642,9 +642,7 @@ class HttpLink:
                 worker.cut = (gid, gid in self._cancelled)
                 self._end_call(gid)
             raise
-        if worker in self._watchers:
-            self._watchers.remove(worker)
-        handed, worker.handed, worker.conn = worker.handed, None, None
+        handed = self._unwatch(worker)
         if handed is None:  # the remote closed it (or sent what no request asked for)
             await conn.aclose()
             return
@@ -654,6 +652,14 @@ class HttpLink:
             self._end_call(gid)
             return
         await self._post_request(data, gid, worker=worker, handed=True)
+
+    def _unwatch(self, worker: _Worker) -> tuple[bytes, int] | None:
+        """``worker`` no longer watches its connection (nor keeps it): the request handed to it,
+        if any."""
+        if worker in self._watchers:
+            self._watchers.remove(worker)
+        handed, worker.handed, worker.conn = worker.handed, None, None
+        return handed
 
     async def _dispatch(self, queue: _Queue, streams: int) -> None:
         """Start a POST per queued message other than a request, in order, at most ``streams``
