@@ -463,17 +463,12 @@ class HttpSession:
         return self._inbox.popleft()
 
     def write_nowait(self, messages: list[bytes], route: Route | None = None) -> bool:
+        if len(messages) == 1:
+            return self.write_one(messages[0], route)
         if self.closed:
             raise TransportClosed("session ended")
-        if route is not None and len(messages) == 1:
-            goes, key = route
-            if goes is Goes.ANSWER:
-                self._answer(messages[0], key)
-            else:
-                self._notify(messages[0], goes, key)
-        else:
-            for message in messages:
-                self._route(message)
+        for message in messages:
+            self._route(message)
         return not self._dirty
 
     def write_one(self, data: bytes, route: Route | None) -> bool:
