@@ -140,10 +140,9 @@ class Sink:
         return conn.event(message, event_id)
 
     def _status(self, message: bytes) -> int:
-        """200, or 400 for a modern request refused with an error the 2026-07-28 HTTP transport
-        answers with 400 (missing capability, header mismatch, unsupported version)."""
-        if self.session_id or b'"error"' not in message:
-            return 200
+        """For a sessionless answer that may be an error: 200, or 400 for a modern request
+        refused with an error the 2026-07-28 HTTP transport answers with 400 (missing
+        capability, header mismatch, unsupported version)."""
         try:
             error = _error.decode(message).error
         except (msgspec.ValidationError, msgspec.DecodeError):
