@@ -218,15 +218,10 @@ def header_value(value: str) -> str:
     return f"=?base64?{base64.b64encode(value.encode('utf-8')).decode('ascii')}?="
 
 
-#: The characters ``str.strip`` strips (every Unicode space is below U+3001).
-_SPACES = frozenset(c for c in map(chr, range(0x3001)) if c.isspace())
-
-
 def _header_value(value: str | None) -> str | None:
     if value is None:
         return None
-    if value[:1] in _SPACES or value[-1:] in _SPACES:  # (a plain value: no call at all)
-        value = value.strip()
+    value = value.strip()
     if value[:9] == "=?base64?" and value[-2:] == "?=":
         try:
             return base64.b64decode(value[9:-2], validate=True).decode("utf-8")

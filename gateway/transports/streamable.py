@@ -140,10 +140,9 @@ class Sink:
         return conn.event(message, event_id)
 
     def _status(self, message: bytes) -> int:
-        """200, or 400 for a modern request refused with an error the 2026-07-28 HTTP transport
-        answers with 400 (missing capability, header mismatch, unsupported version)."""
-        if self.session_id or b'"error"' not in message:
-            return 200
+        """For a sessionless answer that may be an error: 200, or 400 for a modern request
+        refused with an error the 2026-07-28 HTTP transport answers with 400 (missing
+        capability, header mismatch, unsupported version)."""
         try:
             error = _error.decode(message).error
         except (msgspec.ValidationError, msgspec.DecodeError):
@@ -463,17 +462,12 @@ class HttpSession:
         return self._inbox.popleft()
 
     def write_nowait(self, messages: list[bytes], route: Route | None = None) -> bool:
+        if len(messages) == 1:
+            return self.write_one(messages[0], route)
         if self.closed:
             raise TransportClosed("session ended")
-        if route is not None and len(messages) == 1:
-            goes, key = route
-            if goes is Goes.ANSWER:
-                self._answer(messages[0], key)
-            else:
-                self._notify(messages[0], goes, key)
-        else:
-            for message in messages:
-                self._route(message)
+        for message in messages:
+            self._route(message)
         return not self._dirty
 
     def write_one(self, data: bytes, route: Route | None) -> bool:
