@@ -117,11 +117,8 @@ def main() -> int:
     args = p.parse_args()
     if min(args.rounds, args.calls, args.clients) < 1:
         p.error("--rounds, --calls and --clients must be positive")
-    procs = br.Procs(tempfile.mkdtemp(prefix="mcpgw-clientcpu-logs-"))
-    try:
+    with br.Procs(tempfile.mkdtemp(prefix="mcpgw-clientcpu-logs-")) as procs:
         trio.run(amain, args, procs)
-    finally:
-        procs.stop_all()
     return 0
 
 

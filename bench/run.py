@@ -273,6 +273,12 @@ class Procs:
         for pid in list(self.running):
             self.stop(pid, grace=3.0)
 
+    def __enter__(self) -> Procs:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
 
 def _reap(pid: int) -> bool:
     """Collect ``pid`` if it has ended; True once it is gone (or was never our child)."""
@@ -2682,14 +2688,12 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(OUT_DIR, exist_ok=True)
     log_dir = os.path.join(OUT_DIR, "logs-" + time.strftime("%Y%m%d-%H%M%S"))
     os.makedirs(log_dir, exist_ok=True)
-    procs = Procs(log_dir)
-    try:
-        doc = trio.run(amain, args, procs)
-    except KeyboardInterrupt:
-        print("bench: interrupted", file=sys.stderr)
-        return 130
-    finally:
-        procs.stop_all()
+    with Procs(log_dir) as procs:
+        try:
+            doc = trio.run(amain, args, procs)
+        except KeyboardInterrupt:
+            print("bench: interrupted", file=sys.stderr)
+            return 130
     print(doc["markdown"])
     if args.json:
         with open(args.json, "w") as f:
