@@ -2314,8 +2314,6 @@ async def bench_remote(args: argparse.Namespace, backend: BackendSpec, procs: Pr
     server, interleaved in blocks.  The direct clients speak the version the gateway's upstream
     session negotiated (read in /status)."""
     tool = f"ev__{backend.tool}"
-    srv_cpu: dict[str, Callable[[], list[int]]] = {}
-    cpu: dict[str, Callable[[], list[int]]] = {}
     async with trio.open_nursery() as nursery:
         # ---- single client, sequential: interleaved blocks, so drift hits all alike ----------
         print("remote: server-everything streamableHttp (sequential rows)", file=sys.stderr,
@@ -2370,7 +2368,8 @@ async def bench_remote(args: argparse.Namespace, backend: BackendSpec, procs: Pr
             gw: subprocess.Popen[bytes] | None = None
             try:
                 spid = srv.pid
-                srv_cpu = {"backend": fixed_pids(spid)}
+                cpu: dict[str, Callable[[], list[int]]] = {"backend": fixed_pids(spid)}
+                row_tool = backend.tool
                 conns: list[Conn]
                 if group == "direct":
                     conns = await http_clients(sport, args.clients, args.inflight,
@@ -2383,6 +2382,7 @@ async def bench_remote(args: argparse.Namespace, backend: BackendSpec, procs: Pr
                     gw, ws_port, http_port, _ = await start_remote_gateway(procs, sport, name,
                                                                            notes)
                     cpu = {"proxy": fixed_pids(gw.pid), "backend": fixed_pids(spid)}
+                    row_tool = tool
                     await (await wait_remote_tool(nursery, ws_port, tool)).aclose()
                     if label == REMOTE_WS_ROW:
                         conns = await ws_clients(nursery, f"ws://127.0.0.1:{ws_port}/",
@@ -2392,8 +2392,7 @@ async def bench_remote(args: argparse.Namespace, backend: BackendSpec, procs: Pr
                                                    modern=label == REMOTE_MODERN_ROW)
                 # node's JIT: a cold server is several times slower per call than a warm one
                 await run_load(conns, inflight=args.inflight, calls=args.calls,
-                               cap=REMOTE_WARMUP, tool=tool if gw else backend.tool,
-                               backend=backend)
+                               cap=REMOTE_WARMUP, tool=row_tool, backend=backend)
                 watch = UpstreamWatch(gw.pid, sport) if gw else None
                 if watch:
                     nursery.start_soon(watch.run)
@@ -2402,8 +2401,7 @@ async def bench_remote(args: argparse.Namespace, backend: BackendSpec, procs: Pr
                         watch.reset()
                     results.append(await measure(
                         label, group, conns, args, inflight=inflight,
-                        tool=tool if gw else backend.tool, backend=backend,
-                        cpu_pids=cpu if gw else srv_cpu))
+                        tool=row_tool, backend=backend, cpu_pids=cpu))
                     if watch:
                         upstream[f"{label} {args.clients}x{inflight}"] = {
                             "most_at_once": watch.most, "distinct_seen": len(watch.seen)}
