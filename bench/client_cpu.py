@@ -43,9 +43,8 @@ async def amain(args: argparse.Namespace, procs: br.Procs) -> None:
     cfg = os.path.join(tmp, "gateway.toml")
     with open(cfg, "w") as f:  # noqa: ASYNC230 - before anything runs
         f.write(br.gateway_config(backend, ws, admin, os.path.join(tmp, "gw.sock"), None, http))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(  # this tree's gateway, as bench/run.py
-        [br.ROOT, *[x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x]]))
-    gw = procs.popen("gateway", [sys.executable, "-m", "gateway", "run", "--config", cfg], env=env)
+    gw = procs.popen("gateway", [sys.executable, "-m", "gateway", "run", "--config", cfg],
+                     env=br.gateway_env())
     try:
         await br.wait_port(ws, gw, "gateway")
         await br.wait_port(http, gw, "gateway")

@@ -203,6 +203,13 @@ def assert_loopback_only(root: int, what: str) -> list[str]:
     return addrs
 
 
+def gateway_env() -> dict[str, str]:
+    """This environment with this tree first on ``PYTHONPATH``: ``python -m gateway`` runs this
+    tree's gateway (a worktree's, too), whatever is installed."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [ROOT, *[x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x]]))
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -1541,8 +1548,7 @@ async def bench_gateway(args: argparse.Namespace, backend: BackendSpec, procs: P
                                args.telemetry))
     # The gateway under test is the one in this tree (a worktree's, too), whatever is installed:
     # its folder goes first on PYTHONPATH, and the child's import is checked before it starts.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [ROOT, *[x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x]]))
+    env = gateway_env()
     where = subprocess.run([sys.executable, "-c", "import gateway; print(gateway.__file__)"],  # noqa: ASYNC221 - set-up, before any measurement: a quick child
                            cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=30).stdout.strip()
@@ -2282,8 +2288,7 @@ async def start_remote_gateway(procs: Procs, sport: int, name: str,
     cfg_path = os.path.join(procs.log_dir, f"{name}.toml")
     with open(cfg_path, "w") as f:  # noqa: ASYNC230 - set-up on a local file
         f.write(remote_gateway_config(sport, ws_port, http_port, admin))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [ROOT, *[x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x]]))
+    env = gateway_env()
     gw = procs.popen(name, [sys.executable, "-m", "gateway", "run", "--config", cfg_path], env=env)
     await wait_ready(gw, admin, f"{procs.log_dir}/{name}.log")
     assert_loopback_only(gw.pid, "mcp-gateway")
