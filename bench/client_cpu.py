@@ -43,9 +43,8 @@ async def amain(args: argparse.Namespace, procs: br.Procs) -> None:
     cfg = os.path.join(tmp, "gateway.toml")
     with open(cfg, "w") as f:  # noqa: ASYNC230 - before anything runs
         f.write(br.gateway_config(backend, ws, admin, os.path.join(tmp, "gw.sock"), None, http))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(  # this tree's gateway, as bench/run.py
-        [br.ROOT, *[x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x]]))
-    gw = procs.popen("gateway", [sys.executable, "-m", "gateway", "run", "--config", cfg], env=env)
+    gw = procs.popen("gateway", [sys.executable, "-m", "gateway", "run", "--config", cfg],
+                     env=br.gateway_env())
     try:
         await br.wait_port(ws, gw, "gateway")
         await br.wait_port(http, gw, "gateway")
@@ -117,11 +116,8 @@ def main() -> int:
     args = p.parse_args()
     if min(args.rounds, args.calls, args.clients) < 1:
         p.error("--rounds, --calls and --clients must be positive")
-    procs = br.Procs(tempfile.mkdtemp(prefix="mcpgw-clientcpu-logs-"))
-    try:
+    with br.Procs(tempfile.mkdtemp(prefix="mcpgw-clientcpu-logs-")) as procs:
         trio.run(amain, args, procs)
-    finally:
-        procs.stop_all()
     return 0
 
 

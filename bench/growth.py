@@ -669,14 +669,12 @@ def main(argv: list[str] | None = None) -> int:
         "backend": BACKEND_NOTE}}
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="mcpgw-growth-") as logs:
-        procs = br.Procs(logs)
-        try:
-            trio.run(amain, plan, only, procs, doc)
-        except br.BenchError as exc:
-            print(f"growth: failed: {exc} (logs: {logs}, removed now)", file=sys.stderr)
-            return 1
-        finally:
-            procs.stop_all()
+        with br.Procs(logs) as procs:
+            try:
+                trio.run(amain, plan, only, procs, doc)
+            except br.BenchError as exc:
+                print(f"growth: failed: {exc} (logs: {logs}, removed now)", file=sys.stderr)
+                return 1
     doc["meta"]["load_end"] = loadavg()
     doc["meta"]["seconds"] = round(time.monotonic() - started, 1)
     doc["shapes"] = shapes_of(doc)

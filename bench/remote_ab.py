@@ -112,11 +112,8 @@ def main() -> int:
     args = p.parse_args()
     args.base = os.path.abspath(args.base)
     log_dir = tempfile.mkdtemp(prefix="remote-ab-")
-    procs = B.Procs(log_dir)
-    try:
+    with B.Procs(log_dir) as procs:
         trio.run(amain, args, procs)
-    finally:
-        procs.stop_all()
     return 0
 
 

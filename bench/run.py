@@ -203,6 +203,13 @@ def assert_loopback_only(root: int, what: str) -> list[str]:
     return addrs
 
 
+def gateway_env() -> dict[str, str]:
+    """This environment with this tree first on ``PYTHONPATH``: ``python -m gateway`` runs this
+    tree's gateway (a worktree's, too), whatever is installed."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [ROOT, *[x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x]]))
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -272,6 +279,12 @@ class Procs:
     def stop_all(self) -> None:
         for pid in list(self.running):
             self.stop(pid, grace=3.0)
+
+    def __enter__(self) -> Procs:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
 
 
 def _reap(pid: int) -> bool:
@@ -1535,8 +1548,7 @@ async def bench_gateway(args: argparse.Namespace, backend: BackendSpec, procs: P
                                args.telemetry))
     # The gateway under test is the one in this tree (a worktree's, too), whatever is installed:
     # its folder goes first on PYTHONPATH, and the child's import is checked before it starts.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [ROOT, *[x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x]]))
+    env = gateway_env()
     where = subprocess.run([sys.executable, "-c", "import gateway; print(gateway.__file__)"],  # noqa: ASYNC221 - set-up, before any measurement: a quick child
                            cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=30).stdout.strip()
@@ -2276,8 +2288,7 @@ async def start_remote_gateway(procs: Procs, sport: int, name: str,
     cfg_path = os.path.join(procs.log_dir, f"{name}.toml")
     with open(cfg_path, "w") as f:  # noqa: ASYNC230 - set-up on a local file
         f.write(remote_gateway_config(sport, ws_port, http_port, admin))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [ROOT, *[x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x]]))
+    env = gateway_env()
     gw = procs.popen(name, [sys.executable, "-m", "gateway", "run", "--config", cfg_path], env=env)
     await wait_ready(gw, admin, f"{procs.log_dir}/{name}.log")
     assert_loopback_only(gw.pid, "mcp-gateway")
@@ -2308,8 +2319,6 @@ async def bench_remote(args: argparse.Namespace, backend: BackendSpec, procs: Pr
     server, interleaved in blocks.  The direct clients speak the version the gateway's upstream
     session negotiated (read in /status)."""
     tool = f"ev__{backend.tool}"
-    srv_cpu: dict[str, Callable[[], list[int]]] = {}
-    cpu: dict[str, Callable[[], list[int]]] = {}
     async with trio.open_nursery() as nursery:
         # ---- single client, sequential: interleaved blocks, so drift hits all alike ----------
         print("remote: server-everything streamableHttp (sequential rows)", file=sys.stderr,
@@ -2364,7 +2373,8 @@ async def bench_remote(args: argparse.Namespace, backend: BackendSpec, procs: Pr
             gw: subprocess.Popen[bytes] | None = None
             try:
                 spid = srv.pid
-                srv_cpu = {"backend": fixed_pids(spid)}
+                cpu: dict[str, Callable[[], list[int]]] = {"backend": fixed_pids(spid)}
+                row_tool = backend.tool
                 conns: list[Conn]
                 if group == "direct":
                     conns = await http_clients(sport, args.clients, args.inflight,
@@ -2377,6 +2387,7 @@ async def bench_remote(args: argparse.Namespace, backend: BackendSpec, procs: Pr
                     gw, ws_port, http_port, _ = await start_remote_gateway(procs, sport, name,
                                                                            notes)
                     cpu = {"proxy": fixed_pids(gw.pid), "backend": fixed_pids(spid)}
+                    row_tool = tool
                     await (await wait_remote_tool(nursery, ws_port, tool)).aclose()
                     if label == REMOTE_WS_ROW:
                         conns = await ws_clients(nursery, f"ws://127.0.0.1:{ws_port}/",
@@ -2386,8 +2397,7 @@ async def bench_remote(args: argparse.Namespace, backend: BackendSpec, procs: Pr
                                                    modern=label == REMOTE_MODERN_ROW)
                 # node's JIT: a cold server is several times slower per call than a warm one
                 await run_load(conns, inflight=args.inflight, calls=args.calls,
-                               cap=REMOTE_WARMUP, tool=tool if gw else backend.tool,
-                               backend=backend)
+                               cap=REMOTE_WARMUP, tool=row_tool, backend=backend)
                 watch = UpstreamWatch(gw.pid, sport) if gw else None
                 if watch:
                     nursery.start_soon(watch.run)
@@ -2396,8 +2406,7 @@ async def bench_remote(args: argparse.Namespace, backend: BackendSpec, procs: Pr
                         watch.reset()
                     results.append(await measure(
                         label, group, conns, args, inflight=inflight,
-                        tool=tool if gw else backend.tool, backend=backend,
-                        cpu_pids=cpu if gw else srv_cpu))
+                        tool=row_tool, backend=backend, cpu_pids=cpu))
                     if watch:
                         upstream[f"{label} {args.clients}x{inflight}"] = {
                             "most_at_once": watch.most, "distinct_seen": len(watch.seen)}
@@ -2682,14 +2691,12 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(OUT_DIR, exist_ok=True)
     log_dir = os.path.join(OUT_DIR, "logs-" + time.strftime("%Y%m%d-%H%M%S"))
     os.makedirs(log_dir, exist_ok=True)
-    procs = Procs(log_dir)
-    try:
-        doc = trio.run(amain, args, procs)
-    except KeyboardInterrupt:
-        print("bench: interrupted", file=sys.stderr)
-        return 130
-    finally:
-        procs.stop_all()
+    with Procs(log_dir) as procs:
+        try:
+            doc = trio.run(amain, args, procs)
+        except KeyboardInterrupt:
+            print("bench: interrupted", file=sys.stderr)
+            return 130
     print(doc["markdown"])
     if args.json:
         with open(args.json, "w") as f:
