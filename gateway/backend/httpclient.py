@@ -343,9 +343,10 @@ class Connection:
         """
         try:
             sock = self._socket
-            fd = sock.fileno() if sock is not None else -1
-            if fd >= 0:
+            if sock is not None:
                 await trio.lowlevel.checkpoint_if_cancelled()  # cancelled: nothing is sent
+            fd = sock.fileno() if sock is not None else -1  # after any wait (-1: closed)
+            if fd >= 0:
                 try:
                     sent = os.write(fd, out)
                 except BlockingIOError:

@@ -101,8 +101,9 @@ class LineLink:
         self._outbox: list[tuple[bytes, int | None]] = []  # (bytes to write, gateway id)
         self._outbox_ready = trio.Event()
         self._writing = False
-        # A real pipe (trio FdStream, non-blocking) can be written to directly when idle.
-        self._fd = send_stream.fileno() if isinstance(send_stream, trio.lowlevel.FdStream) else None
+        # A real pipe (trio FdStream, non-blocking) can be written to directly when idle; its
+        # number is read at each write (-1 once closed), never kept (see _read_loop).
+        self._pipe = send_stream if isinstance(send_stream, trio.lowlevel.FdStream) else None
 
     @property
     def pid(self) -> int | None:
@@ -131,9 +132,14 @@ class LineLink:
         if self.closed is not None:
             raise errors.NotDelivered(self.closed.message, **self.closed.data)
         data += b"\n"
-        if self._fd is not None and not self._outbox and not self._writing:
+        pipe = self._pipe
+        if pipe is not None and not self._outbox and not self._writing:
+            fd = pipe.fileno()
+            if fd < 0:  # closed (the stop's stdin close): the number may be another file's now
+                self.closed = self._stdin_closed()
+                raise errors.NotDelivered(self.closed.message, **self.closed.data)
             try:
-                written = os.write(self._fd, data)
+                written = os.write(fd, data)
             except BlockingIOError:
                 written = 0
             except OSError:
@@ -150,7 +156,7 @@ class LineLink:
         """Whether a new request of ``size`` bytes may be written: straight into an idle pipe,
         or within ``max_queued`` bytes of write queue (a child that stops reading its stdin must
         not hold the daemon's byte budget)."""
-        if self._fd is not None and not self._outbox and not self._writing:
+        if self._pipe is not None and not self._outbox and not self._writing:
             return True
         return self.buffers.held + size + 1 <= self.max_queued
 
@@ -210,17 +216,26 @@ class LineLink:
         message, oversize, oversize_end = receiver.message, receiver.oversize, receiver.oversize_end
         # A real pipe is read with ``os.read`` and waited on with ``wait_readable``: one task
         # step per wake-up (trio's FdStream adds a checkpoint to every read, a second step).
+        # The stop closes the pipe from another task (process.stop_process), and the freed
+        # number goes to the next file opened, a client's socket as likely as not: so the pipe
+        # is looked at (fileno() is -1 once closed) right before each wait and each read, with
+        # no checkpoint between the look and the use.
         stream = self._receive_stream
-        fd = stream.fileno() if isinstance(stream, trio.lowlevel.FdStream) else None
+        pipe = stream if isinstance(stream, trio.lowlevel.FdStream) else None
+        fd = -1 if pipe is None else pipe.fileno()
         more = True  # the last read filled its buffer: read before waiting
         while True:
             try:
-                if fd is None:
+                if pipe is None:
                     data = await self._read_some()
                 else:
                     while True:
                         if not more:  # a short read emptied the pipe: no read to fail first
+                            if pipe.fileno() != fd:
+                                return
                             await trio.lowlevel.wait_readable(fd)
+                        if pipe.fileno() != fd:  # closed while this task waited to run
+                            return
                         try:
                             data = os.read(fd, READ_CHUNK)
                             break

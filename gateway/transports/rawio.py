@@ -9,7 +9,8 @@ bypass trio's socket methods, which checkpoint on every call.  :class:`StreamIO`
 interface over any trio stream (TLS, pipes), holding every write until its flush.  Every
 library error, and the end of the stream, is :class:`~gateway.errors.TransportClosed`; after
 :meth:`close_writes` every write raises it (a closed fd's number may belong to another
-connection).
+connection); reads and flushes look again after each wait, as the close may come from another
+task meanwhile.
 """
 
 from __future__ import annotations
@@ -129,6 +130,8 @@ class SocketIO:
                     raise TransportClosed("closed")
                 try:
                     await trio.lowlevel.wait_writable(self.fd)
+                    if self._writes_closed:  # closed while this task waited to run
+                        raise TransportClosed("closed")
                     n = os.write(self.fd, memoryview(self._held)[self._off:])
                 except BlockingIOError:
                     continue
@@ -160,6 +163,8 @@ class SocketIO:
                         await trio.lowlevel.wait_readable(self.fd)
                     if scope.cancelled_caught:
                         raise _incomplete()
+                if self._writes_closed:  # closed while this task waited to run
+                    raise TransportClosed("closed")
                 data = os.read(self.fd, READ_SIZE)
             except BlockingIOError:
                 continue
