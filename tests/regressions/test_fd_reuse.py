@@ -20,7 +20,7 @@ import trio
 
 from gateway import errors
 from gateway.backend.connector import LinkContext
-from gateway.backend.stdio import READ_CHUNK, LineLink
+from gateway.backend.stdio import READ_CHUNK, SLICE, LineLink
 from gateway.events import EventBus
 from gateway.limits import ByteBudget
 from gateway.protocol.framing import Oversize, OversizeEnd
@@ -128,3 +128,55 @@ async def test_a_send_after_the_stop_closed_stdin_writes_nothing_to_the_reused_n
         stdout.close()
         os.close(in_r)
         os.close(out_w)
+
+
+class _Lines(_StopsOnFirstLine):
+    """A receiver that only collects lines, and sets ``reached`` at line ``at``."""
+
+    def __init__(self, stdout: trio.lowlevel.FdStream, at: int) -> None:
+        super().__init__(stdout)
+        self.at = at
+        self.reached = trio.Event()
+
+    def message(self, data: bytes, cause: int | None = None) -> None:
+        self.lines.append(bytes(data))
+        if len(self.lines) == self.at:
+            self.reached.set()
+
+
+async def test_a_stop_landing_mid_burst_leaves_the_reused_number_unread() -> None:
+    """The stop's own task closes stdout at a checkpoint the read loop takes in the middle of a
+    full 64 KiB read of many lines (one every ``SLICE`` lines), and a socket gets the number
+    in the same batch: the lines already read are all delivered, the socket's line is not
+    read, and the link ends."""
+    size = READ_CHUNK // 64
+    lines = [b"%04d" % n + b"x" * (size - 5) for n in range(64)]  # 64 KiB with their newlines
+    out_r, out_w = os.pipe()
+    in_r, in_w = os.pipe()
+    stdout, stdin = trio.lowlevel.FdStream(out_r), trio.lowlevel.FdStream(in_w)
+    receiver = _Lines(stdout, at=SLICE)  # the loop's first checkpoint in this read
+    link = LineLink(stdin, stdout, _context())
+
+    async def stop() -> None:  # as process.stop_process, with a client accepted at once
+        await receiver.reached.wait()
+        receiver.peer = _socket_on(stdout.fileno(), stdout.close)
+        receiver.peer.send(STOLEN)
+
+    try:
+        os.write(out_w, b"".join(line + b"\n" for line in lines))  # the read fills its buffer
+        with trio.fail_after(BOUND):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(stop)
+                nursery.start_soon(link.run, receiver)
+                await receiver.done.wait()
+                nursery.cancel_scope.cancel()
+        assert receiver.lines == lines
+        assert os.read(out_r, 4096) == STOLEN  # out_r: the socket's number now
+    finally:
+        if receiver.peer is not None:
+            receiver.peer.close()
+            os.close(out_r)
+        stdout.close()
+        stdin.close()
+        os.close(out_w)
+        os.close(in_r)
