@@ -5,24 +5,30 @@ neither read nor write it.
 A read of it steals a new client's first bytes (its ``initialize`` never answered on the unix
 socket; a WebSocket upgrade head never read, answered 408).  Here the stop is made to land at
 the worst moment: inside the read loop's own delivery of a line (the loop runs again before the
-stop's task could), with a socket put on the freed number and its peer already written to.
+stop's task could), or from the stop's own task at a checkpoint the loop takes mid-burst, with
+a socket put on the freed number and its peer already written to.  The audit log's file closed
+for a reopen that then fails: the records meanwhile are counted lost, never sealed and dropped.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import trio
 
-from gateway import errors
+from gateway import cli, errors
 from gateway.backend.connector import LinkContext
 from gateway.backend.stdio import READ_CHUNK, SLICE, LineLink
-from gateway.events import EventBus
+from gateway.config import AuditSection
+from gateway.events import AuditRecordsDropped, EventBus
 from gateway.limits import ByteBudget
+from gateway.ops.audit import AuditLog
 from gateway.protocol.framing import Oversize, OversizeEnd
 
 STOLEN = b'{"jsonrpc":"2.0","id":1,"method":"initialize"}\n'  # a client's first line
@@ -180,3 +186,43 @@ async def test_a_stop_landing_mid_burst_leaves_the_reused_number_unread() -> Non
         stdin.close()
         os.close(out_w)
         os.close(in_r)
+
+
+async def test_an_audit_file_that_cannot_be_reopened_loses_records_counted(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The reopen after logrotate's rename fails (a directory where the file was): the log is
+    left without a file.  The records meanwhile are counted lost (not sealed into the chain
+    and vanished), the file is tried again at the next batch, and a gap record there says
+    how many went: the files still verify as one chain."""
+    path = tmp_path / "audit.log"
+    cfg = AuditSection(path=str(path), key_file=str(tmp_path / "k"), fsync="always")
+    bus = EventBus()
+    dropped: list[int] = []
+    bus.subscribe(lambda event: dropped.append(event.count), AuditRecordsDropped)
+    log = AuditLog(cfg, bus)
+
+    def offer(first: int, n: int) -> None:
+        for i in range(first, first + n):
+            assert log.offer({"type": "call", "method": "tools/call", "name": "t", "i": i})
+
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(log.run)
+            offer(0, 3)
+            await log.flushed()
+            path.rename(tmp_path / "audit.log.1")
+            path.mkdir()  # the reopen fails (EISDIR)
+            log.reload()
+            offer(3, 3)
+            await log.flushed()
+            assert dropped == [3]
+            path.rmdir()  # no reload: the next batch opens a new file
+            offer(6, 2)
+            await log.flushed()
+            nursery.cancel_scope.cancel()
+    lines = [json.loads(line) for line in path.read_bytes().splitlines()]
+    assert [(r["type"], r.get("lost"), r.get("i")) for r in lines] == [
+        ("gap", 3, None), ("call", None, 6), ("call", None, 7)]
+    capsys.readouterr()
+    assert cli.main(["audit", "verify", "--key-file", str(tmp_path / "k"),
+                     str(tmp_path / "audit.log.1"), str(path)]) == 0, capsys.readouterr().out
