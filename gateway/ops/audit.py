@@ -8,7 +8,8 @@ how many were lost goes in before the next one) or says so (``"block"``: the cal
 queue in batches (:class:`_File`: seal, write, rotate by size, fsync by policy; the journal
 too) and tells the trio thread when places are free; no trio task waits for it.
 :meth:`AuditLog.reload` (SIGHUP) re-reads the key and has the file reopened before the next
-batch (logrotate's rename); a new key starts a new file.  On exit the queue is written out.
+batch (logrotate's rename); a new key starts a new file; a file that cannot be reopened is
+tried again at each batch (its records counted lost meanwhile).  On exit the queue is written.
 """
 
 from __future__ import annotations
@@ -211,12 +212,16 @@ class _File:
         self.unsynced = True
 
     def write(self, key: bytes, records: list[dict[str, Any]]) -> int:
-        """Seal and write ``records``; returns how many could not be (logged)."""
+        """Seal and write ``records``; returns how many could not be (logged).  With no file
+        open (its reopen or rotation failed) it is opened first: records are never sealed into
+        the chain without a file to hold them (they are counted lost, a gap record follows)."""
         out: list[bytes] = []
         size = self.size  # with what ``out`` holds
         written = 0
         chained = self.prev, self.first  # as the file's last complete line leaves the chain
         try:
+            if self.fd is None and self.cfg.path:  # a reopen or rotation failed: try again
+                self.open()
             for record in records:
                 line, mac = audit.seal(key, self.prev, record, first=self.first)
                 if (self.fd is not None and self.cfg.max_bytes and size
