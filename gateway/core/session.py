@@ -44,21 +44,23 @@ ENTROPY_CHUNK = 4096
 
 
 class _Entropy:
-    """Random bytes from ``secrets``, drawn :data:`ENTROPY_CHUNK` at a time, each used once."""
+    """Random bytes from ``secrets``, drawn :data:`ENTROPY_CHUNK` at a time (kept as hex), each
+    used once."""
 
-    __slots__ = ("_buf", "_off")
+    __slots__ = ("_hex", "_off")
 
     def __init__(self) -> None:
-        self._buf = b""
-        self._off = 0
+        self._hex = ""
+        self._off = 2 * ENTROPY_CHUNK  # drawn at the first use
 
     def hex(self, n: int) -> str:
         """``n`` random bytes as hex."""
         start = self._off
-        if start + n > len(self._buf):
-            self._buf, start = secrets.token_bytes(ENTROPY_CHUNK), 0
-        self._off = start + n
-        return self._buf[start:start + n].hex()
+        end = start + 2 * n
+        if end > 2 * ENTROPY_CHUNK:
+            self._hex, start, end = secrets.token_hex(ENTROPY_CHUNK), 0, 2 * n
+        self._off = end
+        return self._hex[start:end]
 
 
 _entropy = _Entropy()
@@ -518,7 +520,8 @@ class ClientSession:
     def drop_outbound(self) -> None:
         """The connection is over: drop what is still queued and release all its bytes."""
         self._writer = None
-        self.outbound.clear()
+        if self.queued:  # (nothing queued: the outbox is empty)
+            self.outbound.clear()
         self.queued_bytes = 0
         self.queued = 0
         self._held = self._held_bytes = 0

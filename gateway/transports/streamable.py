@@ -247,7 +247,8 @@ class HttpSession:
     def bind(self, client: ClientSession) -> None:
         self.client = client
         client.bridge_with(self.mrtr)
-        client.principal = self.principal
+        if self.principal is not None:  # (a new client has none)
+            client.principal = self.principal
 
     def push(self, message: Decoded) -> bool:
         """A POSTed message, decoded, for the reader; False when the inbox is full."""
@@ -655,7 +656,7 @@ class HttpSession:
         if self._parked:
             self._parked.clear()
             self._release_parked()
-        held = self.replay.clear()
+        held = self.replay.clear() if self.replay.entries else 0  # (a modern flow keeps none)
         if held and self.client is not None:
             self.client.buffers.release(held)
         self._dirty.clear()
