@@ -2149,13 +2149,14 @@ REMOTE_LEGACY_ROW = "mcp-gateway, /mcp legacy → remote"
 REMOTE_MODERN_ROW = "mcp-gateway, /mcp stateless 2026-07-28 → remote"
 
 
-def remote_gateway_config(server_port: int, ws_port: int, http_port: int, admin_port: int,
-                          args: argparse.Namespace) -> str:
+def remote_gateway_config(server_port: int, ws_port: int, http_port: int, admin_port: int, *,
+                          max_connections: int | None = None,
+                          max_inflight: int | None = None) -> str:
     """One backend ``ev``: server-everything's Streamable HTTP server as a ``url`` backend (its
-    ``max_connections`` and ``max_inflight`` from ``--remote-connections``, ``--max-inflight``
-    when given)."""
+    ``max_connections`` and ``max_inflight`` when given: ``--remote-connections``,
+    ``--max-inflight``)."""
     bounds = "".join(f"{key} = {value}\n" for key, value in (
-        ("max_connections", args.remote_connections), ("max_inflight", args.max_inflight))
+        ("max_connections", max_connections), ("max_inflight", max_inflight))
         if value is not None)
     return f"""# written by bench/run.py --backend everything-http
 [gateway]
@@ -2294,7 +2295,9 @@ async def start_remote_gateway(procs: Procs, sport: int, name: str, notes: list[
     ws_port, http_port, admin = free_port(), free_port(), free_port()
     cfg_path = os.path.join(procs.log_dir, f"{name}.toml")
     with open(cfg_path, "w") as f:  # noqa: ASYNC230 - set-up on a local file
-        f.write(remote_gateway_config(sport, ws_port, http_port, admin, args))
+        f.write(remote_gateway_config(sport, ws_port, http_port, admin,
+                                      max_connections=args.remote_connections,
+                                      max_inflight=args.max_inflight))
     env = gateway_env()
     gw = procs.popen(name, [sys.executable, "-m", "gateway", "run", "--config", cfg_path], env=env)
     await wait_ready(gw, admin, f"{procs.log_dir}/{name}.log")
