@@ -198,15 +198,15 @@ class BackendConfig(Base, frozen=True):
     env_files: str | None = None
     # a remote's upstream identity: the backend's own, or each principal's (own session each)
     credentials: Literal["shared", "per-principal"] = "shared"
-    # a remote's connections per instance at once (None: limits.REMOTE_CONNECTIONS), each an
-    # fd of the reserve; 4 of them are not calls' (gateway.backend.http splits them)
-    max_connections: int | None = None
     token_files: str | None = None  # per-principal credentials: "/dir/{principal}.token"
     # how the child is opened: initialize (legacy) or server/discover (2026-07-28); see README
     protocol_mode: Literal["legacy_only", "prefer_legacy", "prefer_modern",
                            "modern_only"] = "prefer_legacy"
     instances: int = 1
     max_inflight: int = 32  # calls at one child at once; more wait in a queue per connection
+    # a remote's connections per instance at once (None: limits.REMOTE_CONNECTIONS), each an
+    # fd of the reserve; 4 of them are not calls' (gateway.backend.http splits them)
+    max_connections: int | None = None
     max_sessions: int = 16  # per-session / per-principal: cap on children
     idle_timeout: float = 300.0  # per-session / per-principal: stop an idle child after this long
     queue_size: int = 64  # affine: calls waiting for an instance
@@ -632,8 +632,8 @@ def header_value_ok(value: str) -> bool:
 
 
 def remote_errors(p: str, b: BackendConfig) -> list[str]:
-    """A remote backend's ``url``, ``ca_file`` and ``headers`` (key-path errors); none of them
-    for a ``command`` one."""
+    """A remote backend's ``url``, ``ca_file``, ``headers`` and ``max_connections`` (key-path
+    errors); none of them for a ``command`` one."""
     errors: list[str] = []
     if bool(b.command) == bool(b.url):
         errors.append(f"{p}: set exactly one of command (a program to spawn) and url (a remote "
