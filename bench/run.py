@@ -2149,8 +2149,15 @@ REMOTE_LEGACY_ROW = "mcp-gateway, /mcp legacy → remote"
 REMOTE_MODERN_ROW = "mcp-gateway, /mcp stateless 2026-07-28 → remote"
 
 
-def remote_gateway_config(server_port: int, ws_port: int, http_port: int, admin_port: int) -> str:
-    """One backend ``ev``: server-everything's Streamable HTTP server as a ``url`` backend."""
+def remote_gateway_config(server_port: int, ws_port: int, http_port: int, admin_port: int, *,
+                          max_connections: int | None = None,
+                          max_inflight: int | None = None) -> str:
+    """One backend ``ev``: server-everything's Streamable HTTP server as a ``url`` backend (its
+    ``max_connections`` and ``max_inflight`` when given: ``--remote-connections``,
+    ``--max-inflight``)."""
+    bounds = "".join(f"{key} = {value}\n" for key, value in (
+        ("max_connections", max_connections), ("max_inflight", max_inflight))
+        if value is not None)
     return f"""# written by bench/run.py --backend everything-http
 [gateway]
 name = "mcp-gateway-bench"
@@ -2166,7 +2173,7 @@ listen = "127.0.0.1:{admin_port}"
 url = "http://127.0.0.1:{server_port}/mcp"
 required = true
 start_timeout = 10.0
-"""
+{bounds}"""
 
 
 def socket_inodes(pid: int) -> set[str]:
@@ -2280,14 +2287,17 @@ def fixed_pids(*pids: int) -> Callable[[], list[int]]:
     return lambda: list(pids)
 
 
-async def start_remote_gateway(procs: Procs, sport: int, name: str,
-                               notes: list[str]) -> tuple[subprocess.Popen[bytes], int, int, int]:
+async def start_remote_gateway(procs: Procs, sport: int, name: str, notes: list[str],
+                               args: argparse.Namespace
+                               ) -> tuple[subprocess.Popen[bytes], int, int, int]:
     """A gateway with server-everything on ``sport`` as its ``url`` backend ``ev``, ready and its
     remote's tools listed: (process, WebSocket port, HTTP port, admin port)."""
     ws_port, http_port, admin = free_port(), free_port(), free_port()
     cfg_path = os.path.join(procs.log_dir, f"{name}.toml")
     with open(cfg_path, "w") as f:  # noqa: ASYNC230 - set-up on a local file
-        f.write(remote_gateway_config(sport, ws_port, http_port, admin))
+        f.write(remote_gateway_config(sport, ws_port, http_port, admin,
+                                      max_connections=args.remote_connections,
+                                      max_inflight=args.max_inflight))
     env = gateway_env()
     gw = procs.popen(name, [sys.executable, "-m", "gateway", "run", "--config", cfg_path], env=env)
     await wait_ready(gw, admin, f"{procs.log_dir}/{name}.log")
@@ -2325,8 +2335,10 @@ async def bench_remote(args: argparse.Namespace, backend: BackendSpec, procs: Pr
               flush=True)
         srv, sport = await start_everything_http(procs, notes)
         seq_gw, ws_port, http_port, admin = await start_remote_gateway(procs, sport,
-                                                                       "gateway-seq", notes)
-        notes.append(f"mcp-gateway under test: {ROOT}/gateway")
+                                                                       "gateway-seq", notes, args)
+        notes.append(f"mcp-gateway under test: {ROOT}/gateway; backends.ev max_connections "
+                     f"{args.remote_connections or 'default'}, max_inflight "
+                     f"{args.max_inflight or 'default'}")
         version = instance_of(await gateway_status(admin), "ev")["protocol_version"]
         notes.append(f"the gateway's session with the remote speaks {version}; the direct "
                      f"clients too (the bench's clients of the gateway speak {PROTOCOL})")
@@ -2385,7 +2397,7 @@ async def bench_remote(args: argparse.Namespace, backend: BackendSpec, procs: Pr
                     conns = [one] * args.clients
                 else:
                     gw, ws_port, http_port, _ = await start_remote_gateway(procs, sport, name,
-                                                                           notes)
+                                                                           notes, args)
                     cpu = {"proxy": fixed_pids(gw.pid), "backend": fixed_pids(spid)}
                     row_tool = tool
                     await (await wait_remote_tool(nursery, ws_port, tool)).aclose()
@@ -2672,6 +2684,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-inflight", type=int, default=None,
                    help="backends.NAME.max_inflight for the gateway's backends (default: the "
                         "gateway's)")
+    p.add_argument("--remote-connections", type=int, default=None, metavar="N",
+                   help="--backend everything-http: backends.ev.max_connections, the gateway's "
+                        "upstream connections per instance (default: the gateway's)")
     p.add_argument("--telemetry", metavar="URL",
                    help="trace every gateway call ([telemetry], ratio 1.0), exported to this "
                         "OTLP/HTTP traces URL (the otel extra)")

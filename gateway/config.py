@@ -204,6 +204,9 @@ class BackendConfig(Base, frozen=True):
                            "modern_only"] = "prefer_legacy"
     instances: int = 1
     max_inflight: int = 32  # calls at one child at once; more wait in a queue per connection
+    # a remote's connections per instance at once (None: limits.REMOTE_CONNECTIONS), each an
+    # fd of the reserve; 4 of them are not calls' (gateway.backend.http splits them)
+    max_connections: int | None = None
     max_sessions: int = 16  # per-session / per-principal: cap on children
     idle_timeout: float = 300.0  # per-session / per-principal: stop an idle child after this long
     queue_size: int = 64  # affine: calls waiting for an instance
@@ -629,8 +632,8 @@ def header_value_ok(value: str) -> bool:
 
 
 def remote_errors(p: str, b: BackendConfig) -> list[str]:
-    """A remote backend's ``url``, ``ca_file`` and ``headers`` (key-path errors); none of them
-    for a ``command`` one."""
+    """A remote backend's ``url``, ``ca_file``, ``headers`` and ``max_connections`` (key-path
+    errors); none of them for a ``command`` one."""
     errors: list[str] = []
     if bool(b.command) == bool(b.url):
         errors.append(f"{p}: set exactly one of command (a program to spawn) and url (a remote "
@@ -639,7 +642,13 @@ def remote_errors(p: str, b: BackendConfig) -> list[str]:
         for key in ("ca_file", "headers", "oauth", "token_exchange"):
             if getattr(b, key):
                 errors.append(f"{p}.{key}: only for a remote backend (url)")
+        if b.max_connections is not None:
+            errors.append(f"{p}.max_connections: only for a remote backend (url)")
         return errors
+    low, high = limits.REMOTE_CONNECTIONS_MIN, limits.REMOTE_CONNECTIONS_MAX
+    if b.max_connections is not None and not low <= b.max_connections <= high:
+        errors.append(f"{p}.max_connections: must be between {low} (one call's answer stream "
+                      f"beside the GET stream, the DELETE and 2 for notifications) and {high}")
     for key in ("args", "env"):
         if getattr(b, key):
             errors.append(f"{p}.{key}: only for a backend with a command (this one has a url)")
@@ -1082,12 +1091,19 @@ def fd_reserve(cfg: GatewayConfig) -> int:
     connections, its listeners)."""
     children = sum(limits.max_children(b.owned_sharing, b.instances, b.max_sessions)
                    for b in cfg.backends.values() if not b.url)
-    remotes = sum(limits.max_children(b.owned_sharing, b.instances, b.max_sessions)
-                  for b in cfg.backends.values() if b.url)
+    remote_connections = sum(limits.max_children(b.owned_sharing, b.instances, b.max_sessions)
+                             * remote_connections_of(b) for b in cfg.backends.values() if b.url)
     tcp = sum(1 for address in (cfg.listen.websocket, cfg.listen.http, cfg.admin.listen)
               if address is not None)
     return limits.fd_reserve(children=children, tcp_listeners=tcp,
-                             unix_listeners=int(cfg.listen.unix is not None), remotes=remotes)
+                             unix_listeners=int(cfg.listen.unix is not None),
+                             remote_connections=remote_connections)
+
+
+def remote_connections_of(b: BackendConfig) -> int:
+    """Connections one instance of remote backend ``b`` holds at most (its
+    ``max_connections``, else :data:`gateway.limits.REMOTE_CONNECTIONS`)."""
+    return limits.REMOTE_CONNECTIONS if b.max_connections is None else b.max_connections
 
 
 def diff_backends(

@@ -176,11 +176,15 @@ FD_FIXED = 64
 #: fds per backend child: its stdin, stdout and stderr pipes and trio's pidfd while it runs, and
 #: while it is spawned the child's ends of the three pipes and the exec error pipe besides.
 FD_PER_CHILD = 8
-#: Connections one remote backend instance (``url``) holds at most: its requests' answer
-#: streams, the notifications' and answers' POSTs, the GET stream (a 2026-07-28 remote's
-#: ``subscriptions/listen`` in its place) and the DELETE on close (gateway.backend.http splits
-#: them).
+#: Connections one remote backend instance (``url``) holds at most unless its
+#: ``max_connections`` says otherwise: its requests' answer streams, the notifications' and
+#: answers' POSTs, the GET stream (a 2026-07-28 remote's ``subscriptions/listen`` in its place)
+#: and the DELETE on close (gateway.backend.http splits them).
 REMOTE_CONNECTIONS = 16
+#: ``max_connections`` of a remote backend, at least (one request's answer stream beside the
+#: two others', the GET stream and the DELETE) and at most.
+REMOTE_CONNECTIONS_MIN = 5
+REMOTE_CONNECTIONS_MAX = 1024
 #: Seconds the start (and a reload) waits for a remote backend that is not ``required`` to
 #: answer its first lists; past that it joins the catalog when it does (``list_changed``).
 OPTIONAL_REMOTE_WAIT = 2.0
@@ -200,13 +204,14 @@ def max_children(sharing: str, instances: int, max_sessions: int) -> int:
 
 
 def fd_reserve(*, children: int, tcp_listeners: int, unix_listeners: int,
-               remotes: int = 0) -> int:
+               remote_connections: int = 0) -> int:
     """fds the daemon needs besides its client connections: :data:`FD_FIXED`,
-    :data:`FD_PER_CHILD` per backend child it may run, :data:`REMOTE_CONNECTIONS` per remote
-    backend instance, the listeners, :data:`ADMIN_CONNECTIONS` and :data:`REFUSING_MAX`
-    connections being turned away (each ``tcp_listeners`` counts :data:`FD_PER_TCP_LISTENER`,
-    the admin listener among them)."""
-    return (FD_FIXED + FD_PER_CHILD * children + REMOTE_CONNECTIONS * remotes
+    :data:`FD_PER_CHILD` per backend child it may run, the connections every remote backend
+    instance may hold (``remote_connections``: each one's ``max_connections``, by default
+    :data:`REMOTE_CONNECTIONS`), the listeners, :data:`ADMIN_CONNECTIONS` and
+    :data:`REFUSING_MAX` connections being turned away (each ``tcp_listeners`` counts
+    :data:`FD_PER_TCP_LISTENER`, the admin listener among them)."""
+    return (FD_FIXED + FD_PER_CHILD * children + remote_connections
             + FD_PER_TCP_LISTENER * tcp_listeners + unix_listeners + ADMIN_CONNECTIONS
             + REFUSING_MAX)
 

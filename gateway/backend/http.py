@@ -1,6 +1,6 @@
 """The ``http`` connector: a remote server over Streamable HTTP, in either era's shape.
 
-:class:`HttpLink` POSTs each message (requests at most :data:`REQUEST_STREAMS` at once, others on
+:class:`HttpLink` POSTs each message (requests at most :func:`request_streams` at once, others on
 :data:`OTHER_STREAMS` connections, each kind in order) and hands what comes back, JSON or SSE
 events as they arrive, to the session with the request they answer.  Legacy: ``initialize``
 brings ``Mcp-Session-Id`` and ``MCP-Protocol-Version`` and opens the GET stream (405, or 400/404
@@ -37,7 +37,7 @@ from gateway.backend.authcode import AuthorizationCode, NeedsAuthorization
 from gateway.backend.client import NotModern
 from gateway.backend.connector import LinkContext, LinkEnd, OpenFailed, Receiver
 from gateway.backend.credentials import CredentialsUnavailable, PrincipalCredentials, call_error
-from gateway.config import BackendConfig, header_value_ok, read_regular
+from gateway.config import BackendConfig, header_value_ok, read_regular, remote_connections_of
 from gateway.limits import REMOTE_CONNECTIONS
 from gateway.protocol import mcpheaders
 from gateway.protocol.era import VERSION_KEY
@@ -47,16 +47,22 @@ LOGGER = logging.getLogger(__name__)
 
 #: Notifications and answers to the remote's requests posted at once.
 OTHER_STREAMS = 2
-#: Requests at the remote at once (each holds a connection while its answer streams): what
-#: is left of :data:`~gateway.limits.REMOTE_CONNECTIONS` beside the others, the GET stream (or,
-#: in the 2026-07-28 shape, the one ``subscriptions/listen``: the listen slot, never taken from
-#: these; a second listen waits for a request stream) and the DELETE on close.  A new
-#: connection is opened only when no idle one is left, so these bound the link's connections;
-#: at most :data:`IDLE_CONNECTIONS` idle ones are kept.
-REQUEST_STREAMS = REMOTE_CONNECTIONS - OTHER_STREAMS - 2
-#: Every POST's connection is kept for the next one (within the pool's idle time): a smaller
-#: bound closes and opens connections at every burst of calls.
-IDLE_CONNECTIONS = REQUEST_STREAMS + OTHER_STREAMS
+
+
+def request_streams(connections: int) -> int:
+    """Requests at the remote at once (each holds a connection while its answer streams) for a
+    link of at most ``connections`` (the backend's ``max_connections``): what is left beside
+    the others, the GET stream (or, in the 2026-07-28 shape, the one ``subscriptions/listen``:
+    the listen slot, never taken from these; a second listen waits for a request stream) and
+    the DELETE on close.  A new connection is opened only when no idle one is left, so these
+    bound the link's connections; every POST's connection is kept idle for the next one
+    (within the pool's idle time; a smaller bound closes and opens connections at every burst
+    of calls): these and :data:`OTHER_STREAMS` idle ones at most."""
+    return connections - OTHER_STREAMS - 2
+
+
+#: :func:`request_streams` of the default pool (:data:`~gateway.limits.REMOTE_CONNECTIONS`).
+REQUEST_STREAMS = request_streams(REMOTE_CONNECTIONS)
 #: Seconds a notification's or answer's POST may take, and a DELETE on close.
 SHORT_TIMEOUT = 10.0
 DELETE_TIMEOUT = 5.0
@@ -344,6 +350,11 @@ class HttpConnector:
     def origin(self) -> str:
         return self.target.text
 
+    @property
+    def request_streams(self) -> int:
+        """:func:`request_streams` of the backend's ``max_connections``."""
+        return request_streams(remote_connections_of(self.cfg))
+
     def refresh(self) -> None:
         """Read the header values again (a reload): the next requests carry them.  A value
         that cannot be read keeps the one before (logged, without it).  The ``ca_file`` is read
@@ -380,7 +391,8 @@ class HttpConnector:
                 raise OpenFailed(f"access token: {exc.detail}",
                                  transient=isinstance(self.auth, AuthorizationCode)) from None
         pool = httpclient.Pool(self.target, connect_timeout=self.cfg.start_timeout,
-                               idle_max=IDLE_CONNECTIONS, ssl_context=self._context(),
+                               idle_max=self.request_streams + OTHER_STREAMS,
+                               ssl_context=self._context(),
                                opener=self._opener)
         try:
             conn = await pool.connect()
@@ -403,6 +415,7 @@ class HttpLink:
         self._connector = connector
         self._cfg = connector.cfg
         self._pool = pool
+        self._request_streams = connector.request_streams
         self.buffers = ctx.buffers
         self.max_queued = ctx.max_queued
         self.closed: errors.GatewayError | None = None
@@ -533,13 +546,13 @@ class HttpLink:
 
     def _wake_worker(self) -> None:
         """A request is queued: an idle worker takes it, else a new one while there are fewer
-        than :data:`REQUEST_STREAMS` (else the first worker done with its request will)."""
+        than :func:`request_streams` (else the first worker done with its request will)."""
         queue = self._requests
         if queue.idle:
             queue.idle.unpark()
         elif self._watchers:  # one watching its connection gives it back and takes the request
             self._watchers.pop().scope.cancel()
-        elif self._nursery is not None and queue.workers < REQUEST_STREAMS:
+        elif self._nursery is not None and queue.workers < self._request_streams:
             queue.workers += 1
             self._nursery.start_soon(self._request_worker)
 
@@ -578,13 +591,13 @@ class HttpLink:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self._dispatch, self._others, OTHER_STREAMS)
-                for _ in range(min(len(self._requests.items), REQUEST_STREAMS)):
+                for _ in range(min(len(self._requests.items), self._request_streams)):
                     self._wake_worker()  # what was sent before
         finally:
             self._nursery = None  # closed: a request sent now starts no worker
 
     async def _request_worker(self) -> None:
-        """POST the queued requests in order, one at a time (at most :data:`REQUEST_STREAMS`
+        """POST the queued requests in order, one at a time (at most :func:`request_streams`
         workers: one per request stream), parked while none is queued; a
         ``subscriptions/listen`` at the front goes on the listen slot in a task of its own
         when that is free."""

@@ -134,19 +134,20 @@ class Hostile:
         return [ex for ex in self.seen if ex.rpc == rpc]
 
 
-async def open_link(nursery: trio.Nursery, handler: Handler
-                    ) -> tuple[Hostile, http.HttpLink, Recorder]:
-    """A link to a hostile remote, its session initialized (request id 1)."""
-    server = Hostile(nursery, handler)
-    link, receiver = await initialized_link(nursery, "http://remote.test/mcp", server.open)
+async def open_link(nursery: trio.Nursery, handler: Handler, server: Hostile | None = None,
+                    keys: str = "") -> tuple[Hostile, http.HttpLink, Recorder]:
+    """A link to a hostile remote (``server``, else one serving ``handler``), its session
+    initialized (request id 1); ``keys``: more of the backend's TOML."""
+    server = server or Hostile(nursery, handler)
+    link, receiver = await initialized_link(nursery, "http://remote.test/mcp", server.open, keys)
     return server, link, receiver
 
 
-async def initialized_link(nursery: trio.Nursery, url: str, opener: httpclient.Opener | None
-                           ) -> tuple[http.HttpLink, Recorder]:
+async def initialized_link(nursery: trio.Nursery, url: str, opener: httpclient.Opener | None,
+                           keys: str = "") -> tuple[http.HttpLink, Recorder]:
     """A link to ``url`` (through ``opener``, or real sockets if None), run, its session
-    initialized (request id 1)."""
-    cfg = config.load(f'[backends.r]\nurl = "{url}"\n').backends["r"]
+    initialized (request id 1); ``keys``: more of the backend's TOML."""
+    cfg = config.load(f'[backends.r]\nurl = "{url}"\n{keys}').backends["r"]
     ctx = LinkContext(backend="r", instance="r#1", bus=EventBus(), max_line=65536,
                       buffers=ByteBudget(10**7).open("r"))
     link = await http.HttpConnector(cfg, opener=opener).open(ctx)

@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from gateway import config, limits
+from gateway.backend import http
+from gateway.errors import ConfigError
 from gateway.limits import DEFAULT_MAX_CONNECTIONS, fd_reserve, fit_connections
 
 
@@ -33,9 +37,14 @@ instances = 3
 [backends.c]
 url = "http://127.0.0.1:9/mcp"
 instances = 2
+[backends.d]
+url = "http://127.0.0.1:9/mcp"
+instances = 3
+max_connections = 40
 """)
-    assert config.fd_reserve(cfg) == fd_reserve(children=14, tcp_listeners=3, unix_listeners=1,
-                                                remotes=2) == 160 + 112 + 32 + 7
+    assert config.fd_reserve(cfg) == fd_reserve(
+        children=14, tcp_listeners=3, unix_listeners=1,
+        remote_connections=2 * limits.REMOTE_CONNECTIONS + 3 * 40) == 160 + 112 + 152 + 7
     assert cfg.gateway.max_connections is None  # not set: the default, fitted at start
 
 
@@ -57,3 +66,28 @@ def test_an_explicit_value_that_does_not_fit_is_refused_naming_both_numbers() ->
     assert "1166" in fit.refusal and "at most 858" in fit.refusal
     no_room = fit_connections(None, 100, 166)  # not one connection fits: refused even by default
     assert no_room.refusal is not None and "100" in no_room.refusal
+
+
+def test_a_remotes_max_connections_is_bounded_and_refused_on_a_command_backend() -> None:
+    bad = """
+[backends.few]
+url = "http://127.0.0.1:9/mcp"
+max_connections = 4
+[backends.many]
+url = "http://127.0.0.1:9/mcp"
+max_connections = 1025
+[backends.child]
+command = "x"
+max_connections = 16
+"""
+    with pytest.raises(ConfigError) as info:
+        config.load(bad)
+    bounds = "must be between 5 (one call's answer stream beside the GET stream, the DELETE "
+    assert sorted(info.value.errors) == [
+        "backends.child.max_connections: only for a remote backend (url)",
+        f"backends.few.max_connections: {bounds}and 2 for notifications) and 1024",
+        f"backends.many.max_connections: {bounds}and 2 for notifications) and 1024"]
+    edge = config.load('[backends.r]\nurl = "http://127.0.0.1:9/mcp"\nmax_connections = 5\n')
+    assert http.HttpConnector(edge.backends["r"]).request_streams == 1
+    assert http.HttpConnector(config.load('[backends.r]\nurl = "http://127.0.0.1:9/mcp"\n')
+                              .backends["r"]).request_streams == http.REQUEST_STREAMS == 12

@@ -15,6 +15,7 @@ import trio.testing
 from regressions.test_remote_hostile import (
     Exchange,
     Hostile,
+    note,
     open_link,
     plain,
     request,
@@ -183,6 +184,61 @@ async def test_requests_wait_in_order_for_one_of_the_request_stream_workers_none
                 await receiver.answer(gid)
             assert len(link._nursery.child_tasks) <= tasks
             assert link._requests.workers == http.REQUEST_STREAMS and not receiver.failures
+            nursery.cancel_scope.cancel()
+
+
+class Counting(Hostile):
+    """A hostile remote that counts the connections open at it at once (the most of them)."""
+
+    live = most = 0
+
+    async def _serve(self, stream: trio.abc.Stream) -> None:
+        self.live += 1
+        self.most = max(self.most, self.live)
+        try:
+            await super()._serve(stream)
+        finally:
+            self.live -= 1
+
+
+async def test_a_small_pool_holds_at_most_max_connections_at_the_remote_and_loses_no_call(
+        autojump_clock: trio.testing.MockClock) -> None:
+    size, more = 6, 5  # max_connections, and calls beyond it
+    release = trio.Event()
+
+    async def holding(server: Hostile, ex: Exchange) -> None:
+        if ex.method == "GET":  # the GET stream stays open, as a real server's does
+            await ex.head(200, [("content-type", "text/event-stream")])
+            await trio.sleep_forever()
+        if ex.rpc == "tools/call" or ex.rpc == "notifications/roots/list_changed":
+            await release.wait()
+        await plain(server, ex)
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            server = Counting(nursery, holding)
+            _, link, receiver = await open_link(nursery, holding, server,
+                                                f"max_connections = {size}\n")
+            streams = http.request_streams(size)
+            calls = list(range(10, 10 + size + more))
+            for gid in calls:
+                link.send(request(gid, "tools/call", {"name": "mine", "arguments": {}}), gid)
+            for _ in range(3):  # after the calls: they do not wait for these
+                link.send(note("notifications/roots/list_changed"))
+            await trio.sleep(5)
+            # every connection but the DELETE's in use: the GET stream, the calls' streams
+            # and the notifications'; the rest of the calls wait, in order
+            assert server.live == size - 1 and server.most == size - 1
+            assert {ex.body["id"] for ex in server.posted("tools/call")} == set(calls[:streams])
+            assert len(server.posted("notifications/roots/list_changed")) == http.OTHER_STREAMS
+            release.set()
+            await receiver.wait(lambda: all(receiver.answered(gid) for gid in calls))
+            assert not receiver.failures and not receiver.ended_
+            assert sorted(ex.body["id"] for ex in server.posted("tools/call")) == calls  # once
+            assert len(server.posted("notifications/roots/list_changed")) == 3
+            await link.close()
+            assert [ex.method for ex in server.seen].count("DELETE") == 1
+            assert server.most <= size
             nursery.cancel_scope.cancel()
 
 

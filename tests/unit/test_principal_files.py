@@ -156,8 +156,9 @@ max_sessions = 3
     assert cfg.backends["s"].env_files == "/etc/gw/secrets/{principal}.env"
     assert cfg.backends["r"].per_principal and cfg.backends["r"].owned_sharing == "per-principal"
     tcp = sum(a is not None for a in (cfg.listen.websocket, cfg.listen.http, cfg.admin.listen))
-    assert config.fd_reserve(cfg) == limits.fd_reserve(children=6, tcp_listeners=tcp,
-                                                       unix_listeners=0, remotes=4)
+    assert config.fd_reserve(cfg) == limits.fd_reserve(
+        children=6, tcp_listeners=tcp, unix_listeners=0,
+        remote_connections=4 * limits.REMOTE_CONNECTIONS)
     errors = _errors("""
 [backends.a]
 command = "x"
