@@ -91,13 +91,15 @@ async def silent_calls(server: Hostile, ex: Exchange) -> None:
 
 
 class Hostile:
-    """Serves each connection the link opens with ``handler``; records every request."""
+    """Serves each connection the link opens with ``handler``; records every request, and
+    counts the connections open at once (``live``, and ``most`` of them)."""
 
     def __init__(self, nursery: trio.Nursery, handler: Handler) -> None:
         self.nursery = nursery
         self.handler = handler
         self.seen: list[Exchange] = []
         self.connections = 0
+        self.live = self.most = 0
         self.changed = trio.Event()  # set, and replaced, at each request read
 
     async def open(self, host: str, port: int) -> trio.abc.Stream:
@@ -109,6 +111,8 @@ class Hostile:
     async def _serve(self, stream: trio.abc.Stream) -> None:
         conn = h11.Connection(h11.SERVER)
         index = 0
+        self.live += 1
+        self.most = max(self.most, self.live)
         try:
             while True:
                 index += 1
@@ -129,16 +133,18 @@ class Hostile:
                 conn.start_next_cycle()
         except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError):
             return
+        finally:
+            self.live -= 1
 
     def posted(self, rpc: str) -> list[Exchange]:
         return [ex for ex in self.seen if ex.rpc == rpc]
 
 
-async def open_link(nursery: trio.Nursery, handler: Handler, server: Hostile | None = None,
-                    keys: str = "") -> tuple[Hostile, http.HttpLink, Recorder]:
-    """A link to a hostile remote (``server``, else one serving ``handler``), its session
-    initialized (request id 1); ``keys``: more of the backend's TOML."""
-    server = server or Hostile(nursery, handler)
+async def open_link(nursery: trio.Nursery, handler: Handler, keys: str = ""
+                    ) -> tuple[Hostile, http.HttpLink, Recorder]:
+    """A link to a hostile remote serving ``handler``, its session initialized (request id 1);
+    ``keys``: more of the backend's TOML."""
+    server = Hostile(nursery, handler)
     link, receiver = await initialized_link(nursery, "http://remote.test/mcp", server.open, keys)
     return server, link, receiver
 

@@ -187,20 +187,6 @@ async def test_requests_wait_in_order_for_one_of_the_request_stream_workers_none
             nursery.cancel_scope.cancel()
 
 
-class Counting(Hostile):
-    """A hostile remote that counts the connections open at it at once (the most of them)."""
-
-    live = most = 0
-
-    async def _serve(self, stream: trio.abc.Stream) -> None:
-        self.live += 1
-        self.most = max(self.most, self.live)
-        try:
-            await super()._serve(stream)
-        finally:
-            self.live -= 1
-
-
 async def test_a_small_pool_holds_at_most_max_connections_at_the_remote_and_loses_no_call(
         autojump_clock: trio.testing.MockClock) -> None:
     size, more = 6, 5  # max_connections, and calls beyond it
@@ -216,9 +202,8 @@ async def test_a_small_pool_holds_at_most_max_connections_at_the_remote_and_lose
 
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
-            server = Counting(nursery, holding)
-            _, link, receiver = await open_link(nursery, holding, server,
-                                                f"max_connections = {size}\n")
+            server, link, receiver = await open_link(nursery, holding,
+                                                     f"max_connections = {size}\n")
             streams = http.request_streams(size)
             calls = list(range(10, 10 + size + more))
             for gid in calls:
