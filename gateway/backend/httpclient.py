@@ -343,10 +343,11 @@ class Connection:
         """
         try:
             sock = self._socket
-            if sock is not None:
-                await trio.lowlevel.checkpoint_if_cancelled()  # cancelled: nothing is sent
-            fd = sock.fileno() if sock is not None else -1  # after any wait (-1: closed)
+            fd = sock.fileno() if sock is not None else -1  # -1: closed
             if fd >= 0:
+                # cancelled: nothing is sent (raises; else returns without letting a task run,
+                # so fd is still this socket's at the write)
+                await trio.lowlevel.checkpoint_if_cancelled()
                 try:
                     sent = os.write(fd, out)
                 except BlockingIOError:
